@@ -1,0 +1,31 @@
+# The two README commands. Everything they need is installed by the targets below.
+PY      := .venv/bin/python
+STAMP   := .venv/.installed
+ADDR    ?= 127.0.0.1:8000
+
+.PHONY: setup serve test bench clean
+
+setup: $(STAMP)
+
+# torch 2.13.0 first: a local CPU wheel where pip's find-links has one, so the
+# dependency below is already satisfied and never pulls the CUDA build.
+$(STAMP): pyproject.toml constraints.txt
+	python3 -m venv .venv
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
+	touch $@
+
+serve: setup
+	tools/pin-and-cite fetch
+	$(PY) -m mkdocs serve --dev-addr $(ADDR)
+
+test: setup
+	tools/ensure-browser
+	$(PY) -m pytest
+
+bench: setup
+	$(PY) benchmarks/fetch_vs_clone.py
+
+clean:
+	rm -rf .venv site
