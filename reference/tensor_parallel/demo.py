@@ -1,0 +1,9 @@
+"""Placeholder: the tensor_parallel demo (filled in by its issue)."""
+
+
+def add_arguments(group) -> None:
+    """Add this demo's flags to the shared parser's argument group."""
+
+
+def run(args) -> None:
+    raise SystemExit("reference: the tensor_parallel demo is not implemented yet")
