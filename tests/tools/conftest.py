@@ -1,0 +1,138 @@
+"""Fixtures for pin-and-cite: a synthetic upstream served by a real `git daemon`, and a project pinning it."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import git
+import pytest
+
+from tests.gitserver import GitDaemon
+
+ROOT = Path(__file__).resolve().parents[2]
+CLI = ROOT / "tools" / "pin-and-cite"
+
+LAYERS_PY = '''\
+"""A stand-in for an upstream module with decorated methods."""
+import functools
+
+
+def traced(fn):
+    return fn
+
+
+class ColumnParallel:
+    """Splits the output dimension."""
+
+    @staticmethod
+    @traced
+    def forward(ctx, x):
+        return x
+
+    def backward(self, grad):
+        return grad
+
+
+if True:
+    def twice():
+        return 1
+else:
+    def twice():
+        return 2
+'''
+
+
+@dataclass
+class Upstream:
+    path: Path            # bare repository served by the daemon
+    url: str
+    v1: str               # commit SHAs
+    v2: str
+    files: dict           # path -> bytes at v1
+
+
+def _write(repo: git.Repo, files: dict[str, bytes]) -> None:
+    for rel, data in files.items():
+        target = Path(repo.working_tree_dir) / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+    repo.index.add(list(files))
+
+
+@pytest.fixture(scope="session")
+def daemon(tmp_path_factory):
+    served = tmp_path_factory.mktemp("served")
+    d = GitDaemon(served)
+    yield d
+    d.stop()
+
+
+@pytest.fixture(scope="session")
+def upstream(daemon, tmp_path_factory) -> Upstream:
+    """A repository with two small cited modules and 4 MB of incompressible files nobody cites."""
+    work = git.Repo.init(tmp_path_factory.mktemp("work"))
+    actor = git.Actor("Upstream", "upstream@example.com")
+    rng = __import__("random").Random(0)
+    files = {"pkg/core/layers.py": LAYERS_PY.encode(),
+             "pkg/core/mappings.py": "".join(f"def region_{i}():\n    return {i}\n\n\n" for i in range(40)).encode(),
+             **{f"assets/blob_{i}.bin": rng.randbytes(200_000) for i in range(20)}}
+    _write(work, files)
+    v1 = work.index.commit("v1", author=actor, committer=actor)
+    work.create_tag("v1", message="release v1")
+    _write(work, {"pkg/core/layers.py": b"# moved down\n" + LAYERS_PY.encode()})
+    v2 = work.index.commit("v2", author=actor, committer=actor)
+    bare = daemon.base / "upstream.git"
+    work.clone(bare, bare=True)
+    return Upstream(bare, daemon.url("upstream.git"), v1.hexsha, v2.hexsha, files)
+
+
+@dataclass
+class Run:
+    code: int
+    out: str
+    err: str
+
+    def json(self):
+        return json.loads(self.out)
+
+
+class ProjectDir:
+    """A scratch project pinning the synthetic upstream, with its own cache."""
+
+    def __init__(self, root: Path, cache: Path):
+        self.root, self.cache = root, cache
+        (root / "reading_notes").mkdir(parents=True)
+
+    @property
+    def lock_path(self) -> Path:
+        return self.root / "reading_notes" / "citations.lock"
+
+    @property
+    def pins_path(self) -> Path:
+        return self.root / "reading_notes" / "pins.toml"
+
+    def write_pins(self, **sources: dict) -> None:
+        text = "".join(f'[sources.{name}]\n' + "".join(f'{k} = "{v}"\n' for k, v in table.items()) + "\n"
+                       for name, table in sources.items())
+        self.pins_path.write_text(text)
+
+    def run(self, *args: str, timeout: float = 60, env: dict | None = None) -> Run:
+        proc = subprocess.run([str(CLI), *args, "--project", str(self.root)], capture_output=True, text=True,
+                              timeout=timeout, env={**os.environ, "PIN_AND_CITE_CACHE": str(self.cache), **(env or {})})
+        return Run(proc.returncode, proc.stdout, proc.stderr)
+
+    def popen(self, *args: str) -> subprocess.Popen:
+        return subprocess.Popen([str(CLI), *args, "--project", str(self.root)], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "PIN_AND_CITE_CACHE": str(self.cache)})
+
+
+@pytest.fixture
+def project(tmp_path, upstream) -> ProjectDir:
+    p = ProjectDir(tmp_path / "project", tmp_path / "cache")
+    p.write_pins(up={"url": upstream.url, "commit": upstream.v1})
+    return p

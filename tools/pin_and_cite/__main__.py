@@ -1,0 +1,3 @@
+from pin_and_cite.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,74 @@
+"""`check`: prove, offline, that every citation still says what the lock says it says."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pin_and_cite.citation import parse_spec
+from pin_and_cite.errors import PinAndCiteError
+from pin_and_cite.lock import file_key
+from pin_and_cite.notes import written_calls
+from pin_and_cite.project import Project
+from pin_and_cite.resolve import Resolver
+
+
+@dataclass
+class Problem:
+    where: str       # "reading_notes/x.md.j2:12" or "citations.lock"
+    cite: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.cite}: {self.message}"
+
+
+@dataclass
+class Report:
+    checked: int
+    problems: list[Problem]
+
+    def as_json(self) -> dict:
+        return {"checked": self.checked, "broken": len(self.problems),
+                "problems": [vars(p) for p in self.problems]}
+
+
+def verify_locked(project: Project, resolver: Resolver, key: str) -> str | None:
+    """Why the locked citation `key` no longer holds, or None when it does."""
+    locked = project.lock.citations[key]
+    try:
+        spec = parse_spec(key)
+        source = project.pins.get(spec.source)
+        entry = project.lock.files.get(file_key(spec.source, spec.path))
+        if entry is None:
+            return "its file is missing from the lock"
+        if entry.commit != source.commit:
+            return f"locked at {entry.commit[:12]} but pins.toml now pins {source.commit[:12]}; re-lock after moving a pin"
+        excerpt, _ = resolver.resolve(spec)
+    except PinAndCiteError as exc:
+        return str(exc)
+    if excerpt.lines != tuple(locked.lines):
+        return f"symbol now spans L{excerpt.lines[0]}-L{excerpt.lines[1]}, lock says L{locked.lines[0]}-L{locked.lines[1]}"
+    if excerpt.text_sha256 != locked.text_sha256:
+        return "cited text differs from the lock's hash"
+    return None
+
+
+def check(project: Project) -> Report:
+    """Verify every locked citation, then every citation written in the notes (placed at its file:line)."""
+    resolver = Resolver(project, allow_remote=False)
+    verdicts = {key: verify_locked(project, resolver, key) for key in project.lock.citations}
+    problems, in_notes, malformed = [], set(), 0
+    for call in written_calls(project.notes_dir, {"cite"}):
+        where = call.where(project.root)
+        try:
+            key = str(parse_spec(call.argument))
+        except PinAndCiteError as exc:
+            problems.append(Problem(where, call.argument, str(exc)))
+            malformed += 1
+            continue
+        in_notes.add(key)
+        why = verdicts.get(key, "not in the lock; run `tools/pin-and-cite cite` on it")
+        if why:
+            problems.append(Problem(where, key, why))
+    problems += [Problem("citations.lock", key, why) for key, why in verdicts.items()
+                 if why and key not in in_notes]
+    return Report(len(verdicts.keys() | in_notes) + malformed, problems)

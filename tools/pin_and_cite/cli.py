@@ -1,0 +1,169 @@
+"""The command line: a verb per subcommand, `--json` for scripts, exit codes that mean something."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from pin_and_cite.check import check
+from pin_and_cite.citation import parse_spec
+from pin_and_cite.errors import PinAndCiteError
+from pin_and_cite.fetch import Fetched, fetch_all
+from pin_and_cite.gitobj import is_full_sha
+from pin_and_cite.project import Project, find_root
+from pin_and_cite.remote import Remote, check_url
+from pin_and_cite.resolve import Resolver
+
+EPILOG = """\
+citations:
+  SOURCE:PATH#Lstart-Lend   lines start..end (1-based, inclusive) of PATH at SOURCE's pinned commit
+  SOURCE:PATH::Qual.name    the class or function Qual.name, from its first decorator to its last line
+
+exit status:
+  0 ok; 1 check found broken citations; 2 bad input (arguments, pins, notes); 3 a source could not
+  deliver verified bytes (network, timeout, hash mismatch); 130 interrupted (nothing is left half-written)
+
+files:
+  reading_notes/pins.toml        the sources: url, full commit SHA, optional tag and distribution
+  reading_notes/citations.lock   per cited file its git blob SHA, per citation its lines and text hash
+  cache                          $PIN_AND_CITE_CACHE, else the user cache dir: blobs by SHA, partial repos
+"""
+
+
+def _url_override(text: str) -> tuple[str, str]:
+    name, sep, url = text.partition("=")
+    if not sep or not name or not url:
+        raise argparse.ArgumentTypeError(f"expected NAME=URL, got {text!r}")
+    return name, url
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--project", type=Path, help="project root (default: nearest parent with reading_notes/pins.toml)")
+    common.add_argument("--url", dest="urls", action="append", type=_url_override, default=[], metavar="NAME=URL",
+                        help="fetch source NAME from URL instead of its pinned url (a mirror); repeatable")
+    common.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
+                        help="give up on a git remote that does not answer within this time (default 60)")
+    common.add_argument("--json", action="store_true", help="print machine-readable JSON on stdout")
+
+    parser = argparse.ArgumentParser(
+        prog="pin-and-cite", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
+        description="Pin upstream repositories at exact commits, fetch only the cited files (verified by git "
+                    "blob hash), and check that every citation in the reading notes still says what it claims.")
+    verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+
+    pin = verbs.add_parser("pin", parents=[common], help="resolve a tag, branch or full SHA and record it in pins.toml",
+                           description="Resolve REF on the source's remote to a full commit SHA and record it.")
+    pin.add_argument("source", help="source name in pins.toml (or a new one, with --source-url)")
+    pin.add_argument("--ref", required=True, help="tag, branch or full 40-hex commit SHA")
+    pin.add_argument("--source-url", help="git URL of a new source")
+    pin.add_argument("--force", action="store_true", help="move a pin even though citations are locked at the old commit")
+
+    verbs.add_parser("fetch", parents=[common], help="materialize every locked file, verified, into the cache",
+                     description="Get every file in the lock from the cache, an installed distribution, or one "
+                                 "partial git fetch per source, verifying each against its git blob SHA.")
+
+    cite = verbs.add_parser("cite", parents=[common], help="print cited lines with a permalink, and lock them",
+                            description="Resolve citations at the pinned commit, print them with upstream line "
+                                        "numbers and a permalink, and record them in the lock.")
+    cite.add_argument("specs", nargs="+", metavar="CITATION")
+    cite.add_argument("--no-lock", action="store_true", help="print only; leave the lock unchanged")
+    cite.add_argument("--trust-distribution", action="store_true",
+                      help="learn a new file's blob SHA from the installed distribution named in pins.toml instead "
+                           "of the git tree (for bootstrapping a lock without access to the remote; recorded)")
+
+    verbs.add_parser("check", parents=[common], help="verify every citation offline (non-zero exit when broken)",
+                     description="Verify, without network, that every citation in the lock and in the note "
+                                 "templates resolves to the locked text at the pinned commit.")
+    return parser
+
+
+def cmd_pin(project: Project, args) -> int:
+    existing = project.pins.sources.get(args.source)
+    if existing is None and not args.source_url:
+        project.pins.get(args.source)  # raises: unknown source
+    url = check_url(args.source_url or existing.url)
+    if existing is not None and args.source_url and args.source_url != existing.url:
+        raise PinAndCiteError(f"source {args.source!r} already has url {existing.url}; edit pins.toml to change it")
+    fetch_url = project.url_overrides.get(args.source, url)
+    remote = Remote(fetch_url, project.store.git_dir(fetch_url), project.timeout)
+    commit = remote.resolve_ref(args.ref)
+    locked = [k for k, f in project.lock.files.items() if k.startswith(f"{args.source}:") and f.commit != commit]
+    if locked and not args.force:
+        raise PinAndCiteError(f"{len(locked)} locked file(s) of {args.source} are at {existing.commit[:12]}; "
+                              f"moving the pin to {commit[:12]} would orphan their citations (use --force)")
+    project.pins.set_commit(args.source, url, commit, None if is_full_sha(args.ref) else args.ref)
+    result = {"source": args.source, "commit": commit, "tag": None if is_full_sha(args.ref) else args.ref,
+              "previous": existing.commit if existing else None}
+    print(json.dumps(result) if args.json else f"pinned {args.source} at {commit} ({args.ref})")
+    return 0
+
+
+def cmd_fetch(project: Project, args) -> int:
+    def progress(item: Fetched, n: int, total: int) -> None:
+        print(f"[{n}/{total}] {item.source}:{item.path} <- {item.origin}" + (f" ({item.note})" if item.note else ""),
+              file=sys.stderr)
+
+    fetched = fetch_all(project, progress)
+    if args.json:
+        print(json.dumps([vars(f) for f in fetched], indent=2))
+    else:
+        print(f"{len(fetched)} file(s) verified in {project.store.root}")
+    return 0
+
+
+def cmd_cite(project: Project, args) -> int:
+    specs = [parse_spec(text) for text in args.specs]        # refuse any malformed spec before work
+    resolver = Resolver(project, trust_distribution=args.trust_distribution)
+    excerpts = []
+    for spec in specs:
+        excerpt, learned = resolver.resolve(spec)
+        excerpts.append(excerpt)
+        if not args.no_lock:
+            resolver.record(excerpt, learned)
+    if not args.no_lock:
+        project.lock.save()
+    if args.json:
+        print(json.dumps([e.as_json() for e in excerpts], indent=2))
+        return 0
+    for e in excerpts:
+        symbol = f" ({e.spec.symbol})" if e.spec.symbol else ""
+        print(f"{e.source.name}:{e.spec.path}#L{e.lines[0]}-L{e.lines[1]}{symbol} @ {e.source.commit[:12]}")
+        if e.permalink:
+            print(e.permalink)
+        print(e.numbered())
+    return 0
+
+
+def cmd_check(project: Project, args) -> int:
+    report = check(project)
+    if args.json:
+        print(json.dumps(report.as_json(), indent=2))
+    else:
+        for problem in report.problems:
+            print(problem)
+        print(f"{report.checked - len(report.problems)} citation(s) ok, {len(report.problems)} broken")
+    return 1 if report.problems else 0
+
+
+COMMANDS = {"pin": cmd_pin, "fetch": cmd_fetch, "cite": cmd_cite, "check": cmd_check}
+WRITERS = {"pin", "cite"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        root = args.project or find_root(Path.cwd())
+        project = Project(root, timeout=args.timeout, url_overrides=dict(args.urls))
+        if args.verb in WRITERS:
+            with project.store.lock(f"project {root.resolve()}"):
+                project = Project(root, timeout=args.timeout, url_overrides=dict(args.urls))  # re-read under lock
+                return COMMANDS[args.verb](project, args)
+        return COMMANDS[args.verb](project, args)
+    except PinAndCiteError as exc:
+        print(f"pin-and-cite: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("pin-and-cite: interrupted; nothing was left half-written", file=sys.stderr)
+        return 130

@@ -1,0 +1,26 @@
+"""Installed wheels as a source: torch 2.13.0 and megatron-core 0.16.1 ship byte-identical upstream files.
+
+A wheel's file is only a candidate: fetch uses it when its git blob SHA equals the lock's, never otherwise.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+from pathlib import Path
+
+
+@functools.cache
+def _files(distribution: str) -> tuple[str, dict[str, Path]] | None:
+    try:
+        dist = importlib.metadata.distribution(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return dist.version, {str(f): Path(dist.locate_file(f)) for f in dist.files or ()}
+
+
+def installed_file(distribution: str, path: str) -> tuple[str, Path] | None:
+    """(version, file) of `path` (a repository path) inside the installed distribution, if it ships one."""
+    found = _files(distribution)
+    if found is None or path not in found[1]:
+        return None
+    return found[0], found[1][path]

@@ -1,0 +1,17 @@
+"""The one exception the CLI turns into a one-line error and an exit code (tracebacks are for bugs)."""
+
+BAD_INPUT = 2        # the user's arguments, pins or notes are wrong
+UNAVAILABLE = 3      # a source could not deliver verified bytes (network, integrity)
+
+
+class PinAndCiteError(Exception):
+    """A problem the user can fix; `str()` is the whole message, one line."""
+
+    def __init__(self, message: str, exit_code: int = BAD_INPUT):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class SourceUnavailable(PinAndCiteError):
+    def __init__(self, message: str):
+        super().__init__(message, UNAVAILABLE)

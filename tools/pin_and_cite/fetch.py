@@ -1,0 +1,96 @@
+"""Materialize locked files from the first source that proves it has the right bytes.
+
+Order: the cache, an installed distribution, then one git request per source for all that is still
+missing. Every candidate is hashed as a git blob and compared with the lock before it is used or cached.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Callable
+
+from pin_and_cite.distribution import installed_file
+from pin_and_cite.errors import SourceUnavailable
+from pin_and_cite.gitobj import blob_sha
+from pin_and_cite.lock import LockedFile
+from pin_and_cite.project import Project
+
+
+@dataclass
+class Fetched:
+    source: str
+    path: str
+    blob: str
+    origin: str          # "cache", "distribution NAME VERSION" or the git URL
+    note: str = ""       # e.g. why an installed file was passed over
+
+
+def from_distribution(project: Project, source_name: str, path: str, blob: str) -> tuple[bytes, str] | str:
+    """The installed file's bytes and origin if it hashes to `blob`; else a reason it was not used."""
+    source = project.pins.get(source_name)
+    if not source.distribution_name:
+        return ""
+    hit = installed_file(source.distribution_name, path)
+    if hit is None:
+        return ""
+    version, file = hit
+    data = file.read_bytes()
+    if blob_sha(data) != blob:
+        return f"installed {source.distribution_name} {version} has other bytes for {path} (not used)"
+    return data, f"distribution {source.distribution_name} {version}"
+
+
+def fetch_all(project: Project, report: Callable[[Fetched, int, int], None]) -> list[Fetched]:
+    """Make every locked file available in the cache; raise SourceUnavailable naming what could not be had."""
+    items = sorted(project.lock.files.items())
+    done: list[Fetched] = []
+    missing: dict[str, list[tuple[str, LockedFile, str]]] = defaultdict(list)
+    with project.store.lock("fetch"):
+        for key, locked in items:
+            source_name, path = key.split(":", 1)
+            if project.store.get(locked.blob) is not None:
+                done.append(Fetched(source_name, path, locked.blob, "cache"))
+                report(done[-1], len(done), len(items))
+                continue
+            found = from_distribution(project, source_name, path, locked.blob)
+            if isinstance(found, tuple):
+                project.store.put(locked.blob, found[0])
+                done.append(Fetched(source_name, path, locked.blob, found[1]))
+                report(done[-1], len(done), len(items))
+            else:
+                missing[source_name].append((path, locked, found))
+        for source_name, wanted in missing.items():
+            source = project.pins.get(source_name)
+            remote = project.remote(source)
+            with project.store.lock(f"git {remote.url}"):
+                remote.fetch_objects([locked.blob for _, locked, _ in wanted],
+                                     f"fetching {len(wanted)} file(s) of {source_name}")
+                for path, locked, note in wanted:
+                    data = remote.read(locked.blob)
+                    if blob_sha(data) != locked.blob:
+                        raise SourceUnavailable(f"{remote.url} sent bytes that do not hash to {locked.blob} for {path}")
+                    project.store.put(locked.blob, data)
+                    done.append(Fetched(source_name, path, locked.blob, remote.url, note))
+                    report(done[-1], len(done), len(items))
+    return done
+
+
+def load_blob(project: Project, source_name: str, path: str, blob: str, allow_remote: bool) -> bytes:
+    """One file's verified bytes: cache, then installed distribution, then (if allowed) git."""
+    data = project.store.get(blob)
+    if data is not None:
+        return data
+    found = from_distribution(project, source_name, path, blob)
+    if isinstance(found, tuple):
+        project.store.put(blob, found[0])
+        return found[0]
+    if not allow_remote:
+        raise SourceUnavailable(f"{source_name}:{path} (blob {blob[:12]}) is not fetched; run `pin-and-cite fetch`")
+    remote = project.remote(project.pins.get(source_name))
+    with project.store.lock(f"git {remote.url}"):
+        remote.fetch_objects([blob], f"fetching {path}")
+        data = remote.read(blob)
+    if blob_sha(data) != blob:
+        raise SourceUnavailable(f"{remote.url} sent bytes that do not hash to {blob} for {path}")
+    project.store.put(blob, data)
+    return data

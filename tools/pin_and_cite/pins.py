@@ -1,0 +1,83 @@
+"""reading_notes/pins.toml: the upstream sources, each at one full commit SHA.
+
+Edited by people and by `pin`; tomlkit keeps their comments and layout when `pin` rewrites a commit.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import tomlkit
+
+from pin_and_cite.atomic import atomic_write
+from pin_and_cite.citation import SOURCE_NAME
+from pin_and_cite.errors import PinAndCiteError
+from pin_and_cite.gitobj import is_full_sha
+
+
+@dataclass(frozen=True)
+class Source:
+    name: str
+    url: str
+    commit: str
+    tag: str | None = None
+    distribution: str | None = None   # "name==version" of a wheel that may carry byte-identical files
+
+    @property
+    def distribution_name(self) -> str | None:
+        return re.split(r"[=<>!~ ]", self.distribution, maxsplit=1)[0] if self.distribution else None
+
+    def permalink(self, path: str, lines: tuple[int, int]) -> str | None:
+        """GitHub-style blob link at the pinned commit, for web URLs; None for local or git:// remotes."""
+        if not self.url.startswith(("https://", "http://")):
+            return None
+        base = self.url.removesuffix("/").removesuffix(".git")
+        return f"{base}/blob/{self.commit}/{path}#L{lines[0]}-L{lines[1]}"
+
+
+class Pins:
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            self._doc = tomlkit.parse(path.read_text())
+        except FileNotFoundError:
+            raise PinAndCiteError(f"{path} not found; create it with a [sources.NAME] table (url, commit)")
+        except tomlkit.exceptions.TOMLKitError as exc:
+            raise PinAndCiteError(f"{path} is not valid TOML: {exc}")
+        self.sources = {name: self._source(name, table) for name, table in self._doc.get("sources", {}).items()}
+
+    def _source(self, name: str, table) -> Source:
+        where = f"{self.path.name} [sources.{name}]"
+        if not SOURCE_NAME.fullmatch(name):
+            raise PinAndCiteError(f"{where}: source names are lowercase letters, digits, '.', '_' and '-'")
+        if "url" not in table or "commit" not in table:
+            raise PinAndCiteError(f"{where}: needs both 'url' and 'commit'")
+        if not is_full_sha(str(table["commit"])):
+            raise PinAndCiteError(f"{where}: commit {table['commit']!r} is not a full 40-hex SHA")
+        return Source(name, str(table["url"]), str(table["commit"]),
+                      str(table["tag"]) if "tag" in table else None,
+                      str(table["distribution"]) if "distribution" in table else None)
+
+    def get(self, name: str) -> Source:
+        try:
+            return self.sources[name]
+        except KeyError:
+            known = ", ".join(sorted(self.sources)) or "none"
+            raise PinAndCiteError(f"unknown source {name!r} (pins.toml has: {known})") from None
+
+    def set_commit(self, name: str, url: str, commit: str, tag: str | None) -> None:
+        """Record a pin (adding the source if new) and write pins.toml atomically."""
+        sources = self._doc.setdefault("sources", tomlkit.table(is_super_table=True))
+        table = sources.get(name)
+        if table is None:
+            table = tomlkit.table()
+            table["url"] = url
+            sources[name] = table
+        table["commit"] = commit
+        if tag:
+            table["tag"] = tag
+        elif "tag" in table:
+            del table["tag"]
+        atomic_write(self.path, tomlkit.dumps(self._doc).encode())
+        self.sources[name] = self._source(name, table)

@@ -1,0 +1,48 @@
+"""Where a project's pins, lock and notes live, and the sources they are fetched from."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pin_and_cite.errors import PinAndCiteError
+from pin_and_cite.lock import Lock
+from pin_and_cite.pins import Pins, Source
+from pin_and_cite.remote import Remote, check_url
+from pin_and_cite.store import Store, default_cache_dir
+
+NOTES_DIR = "reading_notes"
+
+
+def find_root(start: Path) -> Path:
+    """The nearest ancestor holding reading_notes/pins.toml (or $PIN_AND_CITE_PROJECT)."""
+    if os.environ.get("PIN_AND_CITE_PROJECT"):
+        return Path(os.environ["PIN_AND_CITE_PROJECT"])
+    for candidate in [start, *start.parents]:
+        if (candidate / NOTES_DIR / "pins.toml").is_file():
+            return candidate
+    raise PinAndCiteError(f"no {NOTES_DIR}/pins.toml in {start} or its parents; run inside the project or pass --project")
+
+
+@dataclass
+class Project:
+    root: Path
+    timeout: float = 60.0
+    url_overrides: dict[str, str] = field(default_factory=dict)
+    cache_dir: Path = field(default_factory=default_cache_dir)
+
+    def __post_init__(self):
+        self.notes_dir = self.root / NOTES_DIR
+        self.pins = Pins(self.notes_dir / "pins.toml")
+        self.lock = Lock(self.notes_dir / "citations.lock")
+        self.store = Store(self.cache_dir)
+        for name, url in self.url_overrides.items():
+            self.pins.get(name)
+            check_url(url)
+
+    def fetch_url(self, source: Source) -> str:
+        return self.url_overrides.get(source.name, source.url)
+
+    def remote(self, source: Source) -> Remote:
+        url = self.fetch_url(source)
+        return Remote(url, self.store.git_dir(url), self.timeout)

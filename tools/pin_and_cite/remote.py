@@ -1,0 +1,153 @@
+"""Minimal git transfer: one commit, its path's trees, and the cited blobs — never a clone.
+
+Everything is fetched by object id into a per-URL partial repository in the cache: the commit alone
+(`--depth=1 --filter=tree:0`), then only the trees on the cited paths, one level at a time, then the cited
+blobs in one request. Objects named explicitly as wants are sent despite the filter, so the wire carries
+those objects and nothing else. Servers must allow filters and by-SHA wants (GitHub does; so does
+`git daemon` with uploadpack.allowFilter and uploadpack.allowAnySHA1InWant).
+"""
+from __future__ import annotations
+
+import re
+import tempfile
+from pathlib import Path
+
+import git
+from git.db import GitDB
+from git.objects.fun import tree_entries_from_data
+
+from pin_and_cite.errors import PinAndCiteError, SourceUnavailable
+from pin_and_cite.gitobj import is_full_sha
+
+_SAFE_SCHEMES = ("https://", "http://", "git://", "ssh://", "file://")
+_SCP_LIKE = re.compile(r"[A-Za-z0-9._-]+@[A-Za-z0-9.-]+:[^:]")
+_HARDENING = [  # no remote helpers that run commands, no prompts, bounded HTTP stalls
+    "protocol.ext.allow=never", "protocol.fd.allow=never", "http.lowSpeedLimit=1000", "http.lowSpeedTime=20",
+    "fetch.negotiationAlgorithm=noop", "core.askPass=true", "credential.interactive=false",
+]
+
+
+def check_url(url: str) -> str:
+    """Refuse URLs that make git run commands (`ext::`) or read as options (`--upload-pack=...`)."""
+    if url.startswith("-") or "::" in url or any(c in url for c in "\n\r\0"):
+        raise PinAndCiteError(f"refusing unsafe git URL {url!r}: use https://, git://, ssh://, file:// or a path")
+    if url.startswith(_SAFE_SCHEMES) or _SCP_LIKE.match(url) or Path(url).is_dir():
+        return url
+    raise PinAndCiteError(f"refusing git URL {url!r}: use https://, git://, ssh://, file:// or an existing directory")
+
+
+class Remote:
+    """One upstream URL and the partial repository that caches what was fetched from it."""
+
+    def __init__(self, url: str, git_dir: Path, timeout: float):
+        self.url = check_url(url)
+        self.timeout = timeout
+        self.git_dir = git_dir
+        self._repo: git.Repo | None = None
+
+    def _run(self, what: str, *args: str, stdin_lines: list[str] | None = None, in_repo: bool = True) -> str:
+        """Run one git command with hardened config and a hard time limit; failures become one line."""
+        cmd = git.Git(str(self.repo.git_dir) if in_repo else None)
+        argv = ["git", *(arg for option in _HARDENING for arg in ("-c", option)), *args]
+        env = {"GIT_TERMINAL_PROMPT": "0",
+               "GIT_SSH_COMMAND": f"ssh -o BatchMode=yes -o ConnectTimeout={max(1, int(self.timeout))}"}
+        try:
+            if stdin_lines is None:
+                return cmd.execute(argv, env=env, kill_after_timeout=self.timeout)
+            with tempfile.TemporaryFile() as stdin:
+                stdin.write("".join(f"{line}\n" for line in stdin_lines).encode())
+                stdin.seek(0)
+                return cmd.execute(argv, istream=stdin, env=env, kill_after_timeout=self.timeout)
+        except git.GitCommandError as exc:
+            raise SourceUnavailable(f"{what} from {self.url} failed: {_one_line(exc.stderr, self.timeout)}") from None
+
+    @property
+    def repo(self) -> git.Repo:
+        if self._repo is None:
+            if not (self.git_dir / "HEAD").exists():
+                self.git_dir.mkdir(parents=True, exist_ok=True)
+                repo = git.Repo.init(self.git_dir, bare=True)
+                with repo.config_writer() as cfg:
+                    cfg.set_value("core", "repositoryformatversion", "1")
+                    cfg.set_value("extensions", "partialClone", "origin")
+                    cfg.set_value('remote "origin"', "url", self.url)
+                    cfg.set_value('remote "origin"', "promisor", "true")
+                    cfg.set_value('remote "origin"', "partialclonefilter", "blob:none")
+            self._repo = git.Repo(self.git_dir, odbt=GitDB)   # pure-Python reads: never a lazy fetch
+        return self._repo
+
+    # -- refs -------------------------------------------------------------------------------------------
+
+    def resolve_ref(self, ref: str) -> str:
+        """A tag, branch or full SHA -> the full commit SHA it names on the remote."""
+        if is_full_sha(ref):
+            self.fetch_commit(ref)
+            return ref
+        listing = self._run(f"listing refs of {ref!r}", "ls-remote", "--", self.url, in_repo=False)
+        refs = {name: sha for sha, name in (line.split("\t") for line in listing.splitlines() if "\t" in line)}
+        for name in (f"refs/tags/{ref}^{{}}", f"refs/tags/{ref}", f"refs/heads/{ref}", ref):
+            if name in refs:
+                return refs[name]
+        if re.fullmatch(r"[0-9a-fA-F]{4,39}", ref):
+            raise PinAndCiteError(f"{ref!r} looks like a short SHA; give the full 40-hex commit SHA")
+        raise PinAndCiteError(f"{self.url} has no tag or branch named {ref!r}")
+
+    # -- objects ----------------------------------------------------------------------------------------
+
+    def has(self, oid: str) -> bool:
+        return self.repo.odb.has_object(bytes.fromhex(oid))
+
+    def read(self, oid: str) -> bytes:
+        return self.repo.odb.stream(bytes.fromhex(oid)).read()
+
+    def fetch_commit(self, commit: str) -> None:
+        if self.has(commit):
+            return
+        out = self._run(f"fetching commit {commit[:12]}", "fetch", "--depth=1", "--filter=tree:0", "--no-tags",
+                        "--no-write-fetch-head", "--", "origin", commit)
+        self.repo.odb.update_cache(force=True)
+        if not self.has(commit):
+            raise PinAndCiteError(f"{self.url} has no commit {commit}: {out.strip() or 'not found'}")
+
+    def fetch_objects(self, oids: list[str], what: str) -> None:
+        """Fetch exactly these objects (trees or blobs) by id, in one request."""
+        missing = sorted({oid for oid in oids if not self.has(oid)})
+        if missing:
+            self._run(what, "fetch", "--filter=tree:0", "--no-tags", "--no-write-fetch-head", "--stdin", "origin",
+                      stdin_lines=missing)
+            self.repo.odb.update_cache(force=True)
+            absent = [oid for oid in missing if not self.has(oid)]
+            if absent:
+                raise SourceUnavailable(f"{self.url} did not send {len(absent)} object(s), e.g. {absent[0][:12]}")
+
+    def blob_ids(self, commit: str, paths: list[str]) -> dict[str, str | None]:
+        """Each path's blob id at `commit` (None when the path is absent), walking only the trees needed."""
+        self.fetch_commit(commit)
+        root = self.read(commit).split(b"\n", 1)[0].split()[1].decode()   # "tree <sha>"
+        pending = {path: (root, path.split("/")) for path in paths}
+        found: dict[str, str | None] = {}
+        while pending:
+            self.fetch_objects([tree for tree, _ in pending.values()], f"fetching trees at {commit[:12]}")
+            advanced = {}
+            for path, (tree, parts) in pending.items():
+                entries = {name: (binsha.hex(), mode) for binsha, mode, name in
+                           tree_entries_from_data(self.read(tree))}
+                oid, mode = entries.get(parts[0], (None, None))
+                is_dir = mode is not None and mode >> 12 == 0o04
+                if oid is None or is_dir != (len(parts) > 1):
+                    found[path] = None
+                elif len(parts) == 1:
+                    found[path] = oid
+                else:
+                    advanced[path] = (oid, parts[1:])
+            pending = advanced
+        return found
+
+
+def _one_line(stderr: str | bytes | None, timeout: float) -> str:
+    text = stderr.decode(errors="replace") if isinstance(stderr, bytes) else (stderr or "")
+    if "did not complete in" in text:
+        return f"no answer within {timeout:g}s (raise --timeout, or use --url NAME=MIRROR)"
+    lines = [ln.strip() for ln in text.replace("stderr:", "").splitlines() if ln.strip().strip("'")]
+    fatal = [ln for ln in lines if "fatal:" in ln or "errno" in ln or "error:" in ln]
+    return " ".join((fatal or lines or ["git exited with an error"])[-2:]).strip("' ")
