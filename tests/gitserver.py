@@ -85,10 +85,9 @@ class ByteCountingProxy:
                 with self._lock:
                     if counter == "sent_to_client" and self.stall_after is not None:
                         room = self.stall_after - self.sent_to_client
-                        if room <= 0:
-                            self.stalled.set()
-                            continue          # swallow: the client waits for bytes that never come
-                        data = data[:room]
+                        if len(data) >= room:
+                            self.stalled.set()  # from here on, swallow: the client waits for bytes that never come
+                        data = data[:max(room, 0)]
                     setattr(self, counter, getattr(self, counter) + len(data))
                 dst.sendall(data)
         except OSError:

@@ -79,6 +79,7 @@ def upstream(daemon, tmp_path_factory) -> Upstream:
     rng = __import__("random").Random(0)
     files = {"pkg/core/layers.py": LAYERS_PY.encode(),
              "pkg/core/mappings.py": "".join(f"def region_{i}():\n    return {i}\n\n\n" for i in range(40)).encode(),
+             "git/__init__.py": b"# same path as GitPython's, other bytes\n",
              **{f"assets/blob_{i}.bin": rng.randbytes(200_000) for i in range(20)}}
     _write(work, files)
     v1 = work.index.commit("v1", author=actor, committer=actor)
@@ -127,7 +128,7 @@ class ProjectDir:
 
     def popen(self, *args: str) -> subprocess.Popen:
         return subprocess.Popen([str(CLI), *args, "--project", str(self.root)], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True,
                                 env={**os.environ, "PIN_AND_CITE_CACHE": str(self.cache)})
 
 

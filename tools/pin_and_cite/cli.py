@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -165,5 +166,5 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pin-and-cite: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
-        print("pin-and-cite: interrupted; nothing was left half-written", file=sys.stderr)
-        return 130
+        print("pin-and-cite: interrupted; nothing was left half-written", file=sys.stderr, flush=True)
+        os._exit(130)   # now: gitpython's timeout watchdog thread would otherwise keep the process alive

@@ -103,11 +103,16 @@ class Remote:
     def fetch_commit(self, commit: str) -> None:
         if self.has(commit):
             return
-        out = self._run(f"fetching commit {commit[:12]}", "fetch", "--depth=1", "--filter=tree:0", "--no-tags",
-                        "--no-write-fetch-head", "--", "origin", commit)
+        try:
+            self._run(f"fetching commit {commit[:12]}", "fetch", "--depth=1", "--filter=tree:0", "--no-tags",
+                      "--no-write-fetch-head", "--", "origin", commit)
+        except SourceUnavailable as exc:
+            if "not our ref" in str(exc) or "no such remote ref" in str(exc):
+                raise PinAndCiteError(f"{self.url} has no commit {commit}") from None
+            raise
         self.repo.odb.update_cache(force=True)
         if not self.has(commit):
-            raise PinAndCiteError(f"{self.url} has no commit {commit}: {out.strip() or 'not found'}")
+            raise PinAndCiteError(f"{self.url} has no commit {commit}")
 
     def fetch_objects(self, oids: list[str], what: str) -> None:
         """Fetch exactly these objects (trees or blobs) by id, in one request."""
