@@ -14,6 +14,7 @@ from pin_and_cite.fetch import Fetched, fetch_all
 from pin_and_cite.gitobj import is_full_sha
 from pin_and_cite.project import Project, find_root
 from pin_and_cite.remote import Remote, check_url
+from pin_and_cite.render import render_notes
 from pin_and_cite.resolve import Resolver
 
 EPILOG = """\
@@ -77,7 +78,18 @@ def build_parser() -> argparse.ArgumentParser:
     verbs.add_parser("check", parents=[common], help="verify every citation offline (non-zero exit when broken)",
                      description="Verify, without network, that every citation in the lock and in the note "
                                  "templates resolves to the locked text at the pinned commit.")
+    render = verbs.add_parser("render", parents=[common], help="render the note templates into Markdown for the site",
+                              description="Render reading_notes/**/*.md.j2 into OUT (NAME.md.j2 -> NAME.md) from the "
+                                          "verified cache, offline; only changed files are written.")
+    render.add_argument("--out", type=Path, default=Path("docs/notes"), help="output folder, relative to the project")
     return parser
+
+
+def cmd_render(project: Project, args) -> int:
+    changed = render_notes(project.root, project.root / args.out)
+    names = [str(p.relative_to(project.root)) for p in changed]
+    print(json.dumps({"changed": names}) if args.json else "\n".join(names) or "rendered notes unchanged")
+    return 0
 
 
 def cmd_pin(project: Project, args) -> int:
@@ -148,7 +160,7 @@ def cmd_check(project: Project, args) -> int:
     return 1 if report.problems else 0
 
 
-COMMANDS = {"pin": cmd_pin, "fetch": cmd_fetch, "cite": cmd_cite, "check": cmd_check}
+COMMANDS = {"pin": cmd_pin, "fetch": cmd_fetch, "cite": cmd_cite, "check": cmd_check, "render": cmd_render}
 WRITERS = {"pin", "cite"}
 
 
