@@ -12,7 +12,7 @@ from mkdocs.config import load_config
 from mkdocs.exceptions import Abort
 
 from tests.site.conftest import ROOT, vendor_assets
-from tests.site.external_refs import ExternalRef, external_refs, refs_in_css, refs_in_html, refs_in_js, is_external
+from tests.site.external_refs import external_refs
 
 BUNDLE = re.compile(r"assets/javascripts/bundle\.[0-9a-f]+\.min\.js")
 # Fallbacks inside mkdocs-material's own bundle. Each is a code path the site never takes, for the reason
@@ -72,28 +72,3 @@ def test_build_stops_with_one_line_reason_without_verified_mermaid(vendored_docs
     assert "\n" not in message and "run tools/vendor-assets" in message
     assert ("is missing" if damage == "missing" else "does not match the sha512 pinned for mermaid@") in message
     assert not (tmp_path / "site" / "index.html").exists()
-
-
-def test_scanner_tells_fetches_from_text_links():
-    html = """<html><head>
-      <link rel="stylesheet" href="https://fonts.googleapis.com/css?family=Roboto">
-      <link rel="preconnect" href="https://fonts.gstatic.com">
-      <link rel="canonical" href="https://example.org/page/">
-      <script src="//cdn.jsdelivr.net/npm/mermaid.js"></script>
-      <script src="assets/local.js"></script>
-      <style>@import "https://cdn.example/a.css"; body{background:url(http://127.0.0.1:8000/bg.png)}</style>
-      <script>load("https://unpkg.com/x.js"); msg = "see https://docs.example/help for details";</script>
-    </head><body>
-      <a href="https://github.com/NVIDIA/Megatron-LM">text link</a>
-      <img srcset="img/a.png 1x, https://img.example/b.png 2x">
-      <svg xmlns="http://www.w3.org/2000/svg"><use href="https://icons.example/s.svg#i"/></svg>
-      <div style="background-image: url('https://img.example/c.png')"></div>
-    </body></html>"""
-    fetched = {url for _, url in refs_in_html(html) if is_external(url)}
-    assert fetched == {"https://fonts.googleapis.com/css?family=Roboto", "https://fonts.gstatic.com",
-                       "//cdn.jsdelivr.net/npm/mermaid.js", "https://cdn.example/a.css", "https://unpkg.com/x.js",
-                       "https://img.example/b.png", "https://icons.example/s.svg#i", "https://img.example/c.png"}
-    assert [url for _, url in refs_in_css("@import url(https://fonts.example/f.css);")] == ["https://fonts.example/f.css"]
-    assert refs_in_js('e.setAttribute("xmlns","http://www.w3.org/2000/svg")') and \
-        not is_external("http://www.w3.org/2000/svg")
-    assert not is_external("http://localhost:8000/x.js") and not is_external("https://")

@@ -5,7 +5,6 @@ for real: npm pack downloads it, the pinned integrity is checked, the cache is f
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 import http.server
 import io
