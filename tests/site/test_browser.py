@@ -14,7 +14,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
-from playwright.sync_api import sync_playwright
+from playwright.sync_api import expect, sync_playwright
 
 from tests.site.conftest import GOOD_LABELS, ROOT
 
@@ -144,7 +144,9 @@ def test_home_page_and_search_work_offline(visit, site_url):
     page = open_page(site_url)
     heading = page.locator("article h1").inner_text()
     assert heading.removesuffix("¶") == "Reading Megatron-LM tensor parallelism and PyTorch FSDP"  # ¶: permalink
-    page.fill("input.md-search__input", "integrity")
+    # The index loads in a web worker after the page; material drops queries typed before it is ready.
+    expect(page.locator(".md-search-result__meta")).to_have_text("Type to start searching")
+    page.locator("input.md-search__input").press_sequentially("integrity")  # material reads keyup, not input
     page.locator(".md-search-result__item").first.wait_for()
     assert "self-hosted" in page.locator(".md-search-result").inner_text()
     assert f"{site_url}search/search_index.json" in requested
