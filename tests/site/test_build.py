@@ -6,7 +6,6 @@ import re
 import shutil
 
 import pytest
-import yaml
 from mkdocs.commands.build import build
 from mkdocs.config import load_config
 from mkdocs.exceptions import Abort
@@ -16,7 +15,7 @@ from tests.site.external_refs import external_refs
 
 BUNDLE = re.compile(r"assets/javascripts/bundle\.[0-9a-f]+\.min\.js")
 # Fallbacks inside mkdocs-material's own bundle. Each is a code path the site never takes, for the reason
-# given; the browser test proves the first two on a live page. Listed exactly so that any new URL fails.
+# given; the browser test loads every page with such requests blocked and recorded. Listed exactly so that any new URL fails.
 MATERIAL_FALLBACKS = {
     "https://unpkg.com/mermaid@11/dist/mermaid.min.js": "loaded only when window.mermaid is undefined; "
                                                         "extra_javascript defines it first",
@@ -36,11 +35,12 @@ def test_built_site_fetches_nothing_from_other_hosts(built_site):
 
 
 def test_config_keeps_material_off_its_cdns():
-    config = yaml.load((ROOT / "mkdocs.yml").read_text(), Loader=yaml.Loader)  # !!python/name tags
-    assert config["theme"]["font"] is False, "web fonts would load from fonts.googleapis.com"
-    assert "repo_url" not in config, "material would fetch repository facts from api.github.com"
-    dests = [asset.dest for asset in vendor_assets.load_lock()]
-    assert set(dests) <= set(config["extra_javascript"]), "every vendored script must be loaded by the site"
+    config = load_config(config_file=str(ROOT / "mkdocs.yml"))
+    assert config.theme["font"] is False, "web fonts would load from fonts.googleapis.com"
+    assert config.repo_url is None, "material would fetch repository facts from api.github.com"
+    assert "material/offline" not in config.plugins, "material's offline plugin adds an unpkg.com script"
+    scripts = [str(script) for script in config.extra_javascript]
+    assert {asset.dest for asset in vendor_assets.load_lock()} <= set(scripts), "vendored scripts must be loaded"
 
 
 def test_built_site_serves_the_pinned_mermaid_before_material_needs_it(built_site):
