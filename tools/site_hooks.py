@@ -1,0 +1,38 @@
+"""mkdocs hooks (mkdocs.yml `hooks:`): the steps every site build needs before mkdocs reads docs/.
+
+`on_pre_build` runs before `mkdocs build` and before every live-reload rebuild of `mkdocs serve`:
+  1. The self-hosted mermaid must be installed and match its pin. Without it mkdocs-material would
+     quietly load mermaid from unpkg.com, so a missing or altered file stops the build with one line
+     saying how to fix it (`tools/vendor-assets`, which `make serve` and the site tests run).
+  2. The reading-note templates are rendered into `<docs_dir>/notes/` by
+     `pin_and_cite.render.render_notes(ROOT, docs_dir / "notes")`, appended as the last line of
+     `on_pre_build` when that module lands. It must leave unchanged outputs untouched: mkdocs watches
+     docs/, so rewriting a file on every build would trigger the next rebuild forever.
+`on_serve` watches reading_notes/ as well, so saving a template re-renders and reloads the page.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from mkdocs.exceptions import PluginError
+
+import vendor_assets
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTE_TEMPLATES = ROOT / "reading_notes"
+
+
+def on_pre_build(config) -> None:
+    docs_dir = Path(config.docs_dir)
+    try:
+        found = vendor_assets.problems(docs_dir, vendor_assets.load_lock())
+    except vendor_assets.AssetError as e:
+        raise PluginError(str(e)) from None
+    if found:
+        raise PluginError(f"{found[0]}; run tools/vendor-assets --docs-dir {docs_dir} (make serve does)")
+
+
+def on_serve(server, config, builder):
+    if NOTE_TEMPLATES.is_dir():
+        server.watch(str(NOTE_TEMPLATES))
+    return server
