@@ -5,9 +5,9 @@
      quietly load mermaid from unpkg.com, so a missing or altered file stops the build with one line
      saying how to fix it (`tools/vendor-assets`, which `make serve` and the site tests run).
   2. The reading-note templates are rendered into `<docs_dir>/notes/` by
-     `pin_and_cite.render.render_notes(ROOT, docs_dir / "notes")`, appended as the last line of
-     `on_pre_build` when that module lands. It must leave unchanged outputs untouched: mkdocs watches
-     docs/, so rewriting a file on every build would trigger the next rebuild forever.
+     `pin_and_cite.render.render_notes`, which leaves unchanged outputs untouched (mkdocs watches docs/,
+     so rewriting a file on every build would trigger the next rebuild forever) and, on a bad template,
+     stops the build with the template's file:line and leaves the previous pages as they were.
 `on_serve` watches reading_notes/ as well, so saving a template re-renders and reloads the page.
 """
 from __future__ import annotations
@@ -17,6 +17,8 @@ from pathlib import Path
 from mkdocs.exceptions import PluginError
 
 import vendor_assets
+from pin_and_cite.errors import PinAndCiteError
+from pin_and_cite.render import render_notes
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTE_TEMPLATES = ROOT / "reading_notes"
@@ -30,6 +32,10 @@ def on_pre_build(config) -> None:
         raise PluginError(str(e)) from None
     if found:
         raise PluginError(f"{found[0]}; run tools/vendor-assets --docs-dir {docs_dir} (make serve does)")
+    try:
+        render_notes(ROOT, docs_dir / "notes")
+    except PinAndCiteError as e:
+        raise PluginError(str(e)) from None
 
 
 def on_serve(server, config, builder):
