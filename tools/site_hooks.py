@@ -5,10 +5,11 @@
      quietly load mermaid from unpkg.com, so a missing or altered file stops the build with one line
      saying how to fix it (`tools/vendor-assets`, which `make serve` and the site tests run).
   2. The reading-note templates are rendered into `<docs_dir>/notes/` by
-     `pin_and_cite.render.render_notes(ROOT, docs_dir / "notes")`, appended as the last line of
-     `on_pre_build` when that module lands. It must leave unchanged outputs untouched: mkdocs watches
+     `pin_and_cite.render.render_notes(_repo_root(config), docs_dir / "notes")`, appended as the last
+     line of `on_pre_build` when that module lands. It must leave unchanged outputs untouched: mkdocs watches
      docs/, so rewriting a file on every build would trigger the next rebuild forever.
 `on_serve` watches reading_notes/ as well, so saving a template re-renders and reloads the page.
+The repository root is the folder holding mkdocs.yml.
 """
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ from mkdocs.exceptions import PluginError
 
 import vendor_assets
 
-ROOT = Path(__file__).resolve().parents[1]
-NOTE_TEMPLATES = ROOT / "reading_notes"
+
+def _repo_root(config) -> Path:
+    return Path(config.config_file_path).resolve().parent
 
 
 def on_pre_build(config) -> None:
@@ -33,6 +35,7 @@ def on_pre_build(config) -> None:
 
 
 def on_serve(server, config, builder):
-    if NOTE_TEMPLATES.is_dir():
-        server.watch(str(NOTE_TEMPLATES))
+    templates = _repo_root(config) / "reading_notes"
+    if templates.is_dir():
+        server.watch(str(templates))
     return server
