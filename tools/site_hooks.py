@@ -9,6 +9,7 @@
      so rewriting a file on every build would trigger the next rebuild forever) and, on a bad template,
      stops the build with the template's file:line and leaves the previous pages as they were.
 `on_serve` watches reading_notes/ as well, so saving a template re-renders and reloads the page.
+The repository root is the folder holding mkdocs.yml.
 """
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ import vendor_assets
 from pin_and_cite.errors import PinAndCiteError
 from pin_and_cite.render import render_notes
 
-ROOT = Path(__file__).resolve().parents[1]
-NOTE_TEMPLATES = ROOT / "reading_notes"
+
+def _repo_root(config) -> Path:
+    return Path(config.config_file_path).resolve().parent
 
 
 def on_pre_build(config) -> None:
@@ -33,12 +35,13 @@ def on_pre_build(config) -> None:
     if found:
         raise PluginError(f"{found[0]}; run tools/vendor-assets --docs-dir {docs_dir} (make serve does)")
     try:
-        render_notes(ROOT, docs_dir / "notes")
+        render_notes(_repo_root(config), docs_dir / "notes")
     except PinAndCiteError as e:
         raise PluginError(str(e)) from None
 
 
 def on_serve(server, config, builder):
-    if NOTE_TEMPLATES.is_dir():
-        server.watch(str(NOTE_TEMPLATES))
+    templates = _repo_root(config) / "reading_notes"
+    if templates.is_dir():
+        server.watch(str(templates))
     return server
