@@ -37,8 +37,9 @@ def test_editing_a_note_template_rebuilds_the_served_site(vendored_docs, tmp_pat
     config = (ROOT / "mkdocs.yml").read_text().replace("- tools/site_hooks.py", f"- {ROOT}/tools/site_hooks.py")
     (tmp_path / "mkdocs.yml").write_text(config)
     shutil.copytree(vendored_docs, tmp_path / "docs")
+    shutil.copytree(ROOT / "reading_notes", tmp_path / "reading_notes",
+                    ignore=shutil.ignore_patterns("*.md.j2"))                  # pins and lock, no notes
     template = tmp_path / "reading_notes" / "note.md.j2"
-    template.parent.mkdir()
     template.write_text("# A note\n")
     proc = subprocess.Popen([sys.executable, "-m", "mkdocs", "serve", "--dev-addr", f"127.0.0.1:{_free_port()}"],
                             cwd=tmp_path, env=mkdocs_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -51,6 +52,8 @@ def test_editing_a_note_template_rebuilds_the_served_site(vendored_docs, tmp_pat
         template.write_text("# A note, edited\n")
         _wait_for(lines, "Detected file changes")
         _wait_for(lines, "Building documentation")
+        _wait_for(lines, "Documentation built")
+        assert (tmp_path / "docs" / "notes" / "note.md").read_text() == "# A note, edited\n"
     finally:
         proc.terminate()
         proc.wait(timeout=10)
