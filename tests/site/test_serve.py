@@ -3,19 +3,13 @@ from __future__ import annotations
 
 import queue
 import shutil
-import socket
 import subprocess
 import sys
 import threading
 import time
 
+from tests.gitserver import free_port
 from tests.site.conftest import ROOT, mkdocs_env
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_for(lines: queue.Queue, text: str, timeout: float = 30) -> None:
@@ -41,7 +35,7 @@ def test_editing_a_note_template_rebuilds_the_served_site(vendored_docs, tmp_pat
                     ignore=shutil.ignore_patterns("*.md.j2"))                  # pins and lock, no notes
     template = tmp_path / "reading_notes" / "note.md.j2"
     template.write_text("# A note\n")
-    proc = subprocess.Popen([sys.executable, "-m", "mkdocs", "serve", "--dev-addr", f"127.0.0.1:{_free_port()}"],
+    proc = subprocess.Popen([sys.executable, "-m", "mkdocs", "serve", "--dev-addr", f"127.0.0.1:{free_port()}"],
                             cwd=tmp_path, env=mkdocs_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     lines: queue.Queue = queue.Queue()
