@@ -127,7 +127,6 @@ class CollectiveRecorder(TorchDispatchMode):
     """`with CollectiveRecorder() as rec: ...` then read `rec.events`, `rec.spans`, `rec.summary()`."""
 
     _wait_patch_users = 0
-    _original_wait = Work.wait
 
     def __init__(self) -> None:
         super().__init__()
@@ -207,7 +206,7 @@ class CollectiveRecorder(TorchDispatchMode):
         _ACTIVE.remove(self)
         CollectiveRecorder._wait_patch_users -= 1
         if CollectiveRecorder._wait_patch_users == 0:
-            Work.wait = CollectiveRecorder._original_wait
+            Work.wait = _WAIT_DESCRIPTOR
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -316,11 +315,13 @@ class CollectiveRecorder(TorchDispatchMode):
 
 
 _ACTIVE: list[CollectiveRecorder] = []
+_WAIT_DESCRIPTOR = Work.__dict__["wait"]  # restored as is: pybind11 binds `self` through this descriptor
+_original_wait = Work.wait
 
 
 def _recording_wait(self: Work, *args, **kwargs):
     """`Work.wait` while a recorder is active: wait, then stamp the end time of the recorded op."""
-    result = CollectiveRecorder._original_wait(self, *args, **kwargs)
+    result = _original_wait(self, *args, **kwargs)
     for recorder in _ACTIVE:
         recorder._finish(id(self), from_wait=True)
     return result

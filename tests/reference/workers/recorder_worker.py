@@ -133,7 +133,15 @@ def check_phase_module_and_spans():
     assert rec2.events[0].module == "explicit"
 
 
-for check in [check_eager_ops, check_async_end_is_wait_time, check_subgroup_ranks, check_point_to_point,
+def check_torch_distributed_intact_after_exit():
+    with CollectiveRecorder():
+        pass
+    work = dist.all_reduce(torch.ones(1), async_op=True)
+    work.wait()
+    dist.all_reduce(torch.ones(1))
+
+
+for check in [check_torch_distributed_intact_after_exit, check_eager_ops, check_async_end_is_wait_time, check_subgroup_ranks, check_point_to_point,
               check_functional_collectives, check_phase_module_and_spans]:
     check()
     print(f"rank {rank}: {check.__name__} ok", flush=True)
