@@ -45,24 +45,24 @@ class LinearWithAsyncGradReduce(torch.autograd.Function):
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
         group, overlap = ctx.group, ctx.async_grad_allreduce
-        gather_work = None
+        gather_work = reduce_work = None
         if ctx.sequence_parallel:  # re-gather the input for dW, in flight during the dX GEMM
-            total_x, gather_work = C.gather_first_dim(x, group, async_op=True)
-            if not overlap:
-                gather_work = _wait(gather_work)
+            if overlap:
+                total_x, gather_work = C.gather_first_dim(x, group, async_op=True)
+            else:
+                total_x = C.gather_first_dim(x, group)
         else:
             total_x = x
         grad_x = grad_out.matmul(weight)
         _wait(gather_work)
 
-        reduce_work = None
-        if ctx.allreduce_dgrad:
+        if ctx.allreduce_dgrad:  # f's backward, fused here so it can overlap the dW GEMM below
             grad_x = grad_x.contiguous()
-            reduce_work = dist.all_reduce(grad_x, group=group, async_op=True)
-        elif ctx.sequence_parallel:
+            reduce_work = dist.all_reduce(grad_x, group=group, async_op=overlap)
+        elif ctx.sequence_parallel and overlap:
             grad_x, reduce_work = C.reduce_scatter_first_dim(grad_x, group, async_op=True)
-        if not overlap:
-            reduce_work = _wait(reduce_work)
+        elif ctx.sequence_parallel:
+            grad_x = C.reduce_scatter_first_dim(grad_x, group)
 
         grad_out_2d = grad_out.reshape(-1, grad_out.shape[-1])
         total_x_2d = total_x.reshape(-1, total_x.shape[-1])
@@ -79,7 +79,7 @@ class LinearWithAsyncGradReduce(torch.autograd.Function):
 
 
 def _wait(work) -> None:
-    if work is not None:
+    if work is not None:  # None: synchronous (already complete) or no collective at TP=1
         work.wait()
 
 

@@ -28,8 +28,42 @@ from reference.tensor_parallel.mappings import (
 from reference.tensor_parallel.unsharded import causal_self_attention, init_method_normal
 
 
+class ParallelAttention(torch.nn.Module):
+    """QKV column-parallel (each rank gets num_attention_heads / p whole heads), attention on the local
+    heads, output projection row-parallel. Returns (output, bias) with the bias not yet added."""
+
+    def __init__(self, hidden_size, num_attention_heads, attention_dropout, linear_kwargs):
+        super().__init__()
+        divide(num_attention_heads, linear_kwargs["tp_group"].size(), "num_attention_heads")
+        self.head_dim = divide(hidden_size, num_attention_heads, "hidden_size (by num_attention_heads)")
+        self.attention_dropout = attention_dropout
+        self.qkv = ColumnParallelLinear(hidden_size, 3 * hidden_size, **linear_kwargs)
+        self.proj = RowParallelLinear(hidden_size, hidden_size, input_is_parallel=True, skip_bias_add=True,
+                                      **linear_kwargs)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        qkv, _ = self.qkv(x)
+        p = self.attention_dropout if self.training else 0.0
+        return self.proj(causal_self_attention(qkv, self.head_dim, p))
+
+
+class ParallelMLP(torch.nn.Module):
+    """fc1 column-parallel -> GELU on the local columns -> fc2 row-parallel. Returns (output, bias)."""
+
+    def __init__(self, hidden_size, ffn_hidden_size, linear_kwargs):
+        super().__init__()
+        self.fc1 = ColumnParallelLinear(hidden_size, ffn_hidden_size, **linear_kwargs)
+        self.fc2 = RowParallelLinear(ffn_hidden_size, hidden_size, input_is_parallel=True, skip_bias_add=True,
+                                     **linear_kwargs)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, _ = self.fc1(x)
+        return self.fc2(F.gelu(hidden))
+
+
 class ParallelTransformerBlock(torch.nn.Module):
-    """Pre-LayerNorm block; qkv/fc1 column-parallel, proj/fc2 row-parallel with the bias add left to us."""
+    """Pre-LayerNorm block: x + attention(ln1(x)), then + mlp(ln2(x)), the row biases added in the
+    bias-dropout-add as Megatron does (hence skip_bias_add on the row layers)."""
 
     def __init__(self, hidden_size: int, num_attention_heads: int, *, tp_group: dist.ProcessGroup,
                  ffn_hidden_size: int | None = None, init_method: Callable | None = None,
@@ -37,37 +71,22 @@ class ParallelTransformerBlock(torch.nn.Module):
                  async_grad_allreduce: bool = True, gradient_accumulation_fusion: bool = False,
                  params_dtype=torch.float32, device=None):
         super().__init__()
-        tp = tp_group.size()
-        divide(num_attention_heads, tp, "num_attention_heads")
-        self.head_dim = divide(hidden_size, num_attention_heads, "hidden_size (by num_attention_heads)")
-        ffn = ffn_hidden_size or 4 * hidden_size
-        self.hidden_dropout, self.attention_dropout = hidden_dropout, attention_dropout
-        init_method = init_method or init_method_normal()
-        self.sequence_parallel = sequence_parallel and tp > 1
-        linear = dict(tp_group=tp_group, init_method=init_method, sequence_parallel=self.sequence_parallel,
-                      async_grad_allreduce=async_grad_allreduce, params_dtype=params_dtype, device=device,
-                      gradient_accumulation_fusion=gradient_accumulation_fusion)
+        self.sequence_parallel = sequence_parallel and tp_group.size() > 1
+        self.hidden_dropout = hidden_dropout
+        linear_kwargs = dict(tp_group=tp_group, init_method=init_method or init_method_normal(),
+                             sequence_parallel=self.sequence_parallel, async_grad_allreduce=async_grad_allreduce,
+                             gradient_accumulation_fusion=gradient_accumulation_fusion,
+                             params_dtype=params_dtype, device=device)
         self.ln1 = torch.nn.LayerNorm(hidden_size, dtype=params_dtype, device=device)
-        self.qkv = ColumnParallelLinear(hidden_size, 3 * hidden_size, **linear)
-        self.proj = RowParallelLinear(hidden_size, hidden_size, input_is_parallel=True, skip_bias_add=True, **linear)
+        self.attention = ParallelAttention(hidden_size, num_attention_heads, attention_dropout, linear_kwargs)
         self.ln2 = torch.nn.LayerNorm(hidden_size, dtype=params_dtype, device=device)
-        self.fc1 = ColumnParallelLinear(hidden_size, ffn, **linear)
-        self.fc2 = RowParallelLinear(ffn, hidden_size, input_is_parallel=True, skip_bias_add=True, **linear)
+        self.mlp = ParallelMLP(hidden_size, ffn_hidden_size or 4 * hidden_size, linear_kwargs)
         for param in [*self.ln1.parameters(), *self.ln2.parameters()]:
             param.sequence_parallel = self.sequence_parallel  # replicated, but sees only local tokens under SP
 
-    def attention(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        qkv, _ = self.qkv(x)
-        p = self.attention_dropout if self.training else 0.0
-        return self.proj(causal_self_attention(qkv, self.head_dim, p))
-
-    def mlp(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, _ = self.fc1(x)
-        return self.fc2(F.gelu(hidden))
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out, bias = self.attention(self.ln1(x))
-        x = x + F.dropout(out + bias, self.hidden_dropout, self.training)  # bias-dropout-add, as Megatron
+        x = x + F.dropout(out + bias, self.hidden_dropout, self.training)
         out, bias = self.mlp(self.ln2(x))
         return x + F.dropout(out + bias, self.hidden_dropout, self.training)
 

@@ -42,30 +42,50 @@ def _linear(in_features: int, out_features: int, init_method: Callable, dtype, d
     return layer
 
 
+class Attention(torch.nn.Module):
+    """Causal self-attention: fused QKV projection, attention per head, output projection."""
+
+    def __init__(self, hidden_size, num_attention_heads, init_method, attention_dropout, **kw):
+        super().__init__()
+        self.head_dim, self.attention_dropout = hidden_size // num_attention_heads, attention_dropout
+        self.qkv = _linear(hidden_size, 3 * hidden_size, init_method, **kw)
+        self.proj = _linear(hidden_size, hidden_size, init_method, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        p = self.attention_dropout if self.training else 0.0
+        return self.proj(causal_self_attention(self.qkv(x), self.head_dim, p))
+
+
+class MLP(torch.nn.Module):
+    """fc1 -> GELU -> fc2."""
+
+    def __init__(self, hidden_size, ffn_hidden_size, init_method, **kw):
+        super().__init__()
+        self.fc1 = _linear(hidden_size, ffn_hidden_size, init_method, **kw)
+        self.fc2 = _linear(ffn_hidden_size, hidden_size, init_method, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
 class TransformerBlock(torch.nn.Module):
-    """Pre-LayerNorm block: x + attn(ln1(x)), then + mlp(ln2(x)); dropout on each branch's output."""
+    """Pre-LayerNorm block: x + attention(ln1(x)), then + mlp(ln2(x)); dropout on each branch's output."""
 
     def __init__(self, hidden_size: int, num_attention_heads: int, *, ffn_hidden_size: int | None = None,
                  init_method: Callable | None = None, hidden_dropout: float = 0.0,
                  attention_dropout: float = 0.0, params_dtype=torch.float32, device=None):
         super().__init__()
         init_method = init_method or init_method_normal()
-        ffn = ffn_hidden_size or 4 * hidden_size
-        self.head_dim = hidden_size // num_attention_heads
-        self.hidden_dropout, self.attention_dropout = hidden_dropout, attention_dropout
         kw = dict(dtype=params_dtype, device=device)
+        self.hidden_dropout = hidden_dropout
         self.ln1 = torch.nn.LayerNorm(hidden_size, **kw)
-        self.qkv = _linear(hidden_size, 3 * hidden_size, init_method, **kw)
-        self.proj = _linear(hidden_size, hidden_size, init_method, **kw)
+        self.attention = Attention(hidden_size, num_attention_heads, init_method, attention_dropout, **kw)
         self.ln2 = torch.nn.LayerNorm(hidden_size, **kw)
-        self.fc1 = _linear(hidden_size, ffn, init_method, **kw)
-        self.fc2 = _linear(ffn, hidden_size, init_method, **kw)
+        self.mlp = MLP(hidden_size, ffn_hidden_size or 4 * hidden_size, init_method, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        p_attn = self.attention_dropout if self.training else 0.0
-        x = x + F.dropout(self.proj(causal_self_attention(self.qkv(self.ln1(x)), self.head_dim, p_attn)),
-                          self.hidden_dropout, self.training)
-        return x + F.dropout(self.fc2(F.gelu(self.fc1(self.ln2(x)))), self.hidden_dropout, self.training)
+        x = x + F.dropout(self.attention(self.ln1(x)), self.hidden_dropout, self.training)
+        return x + F.dropout(self.mlp(self.ln2(x)), self.hidden_dropout, self.training)
 
 
 class Transformer(torch.nn.Module):
