@@ -21,10 +21,10 @@ class ParallelConfigError(ValueError):
     """A parallel configuration that cannot work (sizes that do not divide, mismatched tensors)."""
 
 
-def divide(numerator: int, denominator: int, what: str) -> int:
-    """numerator / denominator, or a ParallelConfigError naming `what` (megatron/core/utils.py::divide)."""
+def divide(numerator: int, denominator: int, what: str, by: str = "the tensor-parallel size") -> int:
+    """numerator / denominator, or a ParallelConfigError naming both (megatron/core/utils.py::divide)."""
     if denominator <= 0 or numerator % denominator:
-        raise ParallelConfigError(f"{what} ({numerator}) is not divisible by {denominator}")
+        raise ParallelConfigError(f"{what} ({numerator}) is not divisible by {by} ({denominator})")
     return numerator // denominator
 
 

@@ -290,10 +290,10 @@ class CollectiveRecorder(TorchDispatchMode):
         with self._lock:
             self._pending.clear()
 
-    def summary(self, phase: str | None = None) -> dict[str, dict[str, int]]:
-        """{op: {"count": n, "bytes": total nbytes}}, optionally for one phase only."""
+    def summary(self, phase: str | None = None, events=None) -> dict[str, dict[str, int]]:
+        """{op: {"count": n, "bytes": total nbytes}} over `events` (default: all), optionally one phase only."""
         out: dict[str, dict[str, int]] = {}
-        for e in self.events:
+        for e in self.events if events is None else events:
             if phase is None or e.phase == phase:
                 entry = out.setdefault(e.op, {"count": 0, "bytes": 0})
                 entry["count"] += 1

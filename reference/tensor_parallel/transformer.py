@@ -35,7 +35,7 @@ class ParallelAttention(torch.nn.Module):
     def __init__(self, hidden_size, num_attention_heads, attention_dropout, linear_kwargs):
         super().__init__()
         divide(num_attention_heads, linear_kwargs["tp_group"].size(), "num_attention_heads")
-        self.head_dim = divide(hidden_size, num_attention_heads, "hidden_size (by num_attention_heads)")
+        self.head_dim = divide(hidden_size, num_attention_heads, "hidden_size", by="num_attention_heads")
         self.attention_dropout = attention_dropout
         self.qkv = ColumnParallelLinear(hidden_size, 3 * hidden_size, **linear_kwargs)
         self.proj = RowParallelLinear(hidden_size, hidden_size, input_is_parallel=True, skip_bias_add=True,
