@@ -29,13 +29,13 @@ PROCESS_GROUP_TIMEOUT = timedelta(seconds=120)
 def add_arguments(group) -> None:
     """Add the tensor-parallel flags to the shared parser's argument group."""
     group.add_argument("--tp-size", type=int, default=None,
-                       help="tensor-parallel size; the rest of the world is data-parallel (default: world size)")
+                       help="tensor-parallel size, the rest of the world being data-parallel; None: the whole world")
     group.add_argument("--sequence-parallel", action="store_true",
                        help="split LayerNorm/dropout/residual activations along the sequence: each all-reduce "
                             "becomes an all-gather + reduce-scatter")
     group.add_argument("--pad-sequence", action="store_true",
                        help="with --sequence-parallel, pad a sequence length that --tp-size does not divide "
-                            "(default: refuse it)")
+                            "instead of refusing it")
     group.add_argument("--no-async-grad-allreduce", action="store_true",
                        help="wait for the input-gradient all-reduce/reduce-scatter before computing the weight "
                             "gradient, instead of overlapping the two")

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from tests.launch import torchrun
+from tests.reference.gpus import CUDA_ENV, require_gpus
 
 WORKER = Path(__file__).parent / "workers" / "tp_vs_megatron_worker.py"
 
@@ -14,3 +15,10 @@ WORKER = Path(__file__).parent / "workers" / "tp_vs_megatron_worker.py"
 def test_parallel_linear_layers_match_megatron_core(world):
     out = torchrun(WORKER, world, timeout=180)
     assert out.count("megatron comparisons ok") == world
+
+
+@pytest.mark.cuda
+def test_parallel_linear_layers_match_megatron_core_cuda():
+    require_gpus(2)
+    out = torchrun(WORKER, 2, timeout=180, env=CUDA_ENV)
+    assert out.count("megatron comparisons ok") == 2

@@ -1,15 +1,15 @@
 """Per-rank checks of reference.recorder on real gloo collectives (launched by test_recorder.py)."""
 import json
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+from common import init
 from reference.recorder import CollectiveRecorder
 
-dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+torch.set_default_device(init())
 rank, world = dist.get_rank(), dist.get_world_size()
 everyone = tuple(range(world))
 
