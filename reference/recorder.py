@@ -177,7 +177,8 @@ class CollectiveRecorder(TorchDispatchMode):
             def leave(_mod, _inp, _out, scopes=scopes):
                 scopes.pop().__exit__(None, None, None)
 
-            handles += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
+            handles += [module.register_forward_pre_hook(enter),
+                        module.register_forward_hook(leave, always_call=True)]  # pops even if forward raises
         return handles
 
     def _module(self, phase: str) -> str:
