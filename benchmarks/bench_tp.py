@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node 2 benchmarks/bench_tp.py [--hidden-size 512 --seq-length 128 ...]
 
-All three run the same model at the same shapes on the same ranks, interleaved round by round so that
+All three run the same model at the same shapes on the same ranks, interleaved step by step so that
 machine noise hits them alike; the medians and ratios are printed by rank 0.
   * reference: reference.tensor_parallel.transformer.ParallelTransformer
   * megatron:  the same block with its four linear layers swapped for megatron-core 0.16.1's
@@ -48,8 +48,8 @@ def parse_args():
     parser.add_argument("--hidden-size", type=int, default=512)
     parser.add_argument("--num-attention-heads", type=int, default=8)
     parser.add_argument("--num-layers", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
-    parser.add_argument("--steps", type=int, default=4, help="timed steps per implementation per round")
+    parser.add_argument("--rounds", type=int, default=30,
+                        help="rounds; each times one step of every implementation, in turn")
     parser.add_argument("--sequence-parallel", action="store_true")
     return parser.parse_args()
 
@@ -132,11 +132,10 @@ def main():
             if cuda:
                 torch.cuda.synchronize()
             start = time.perf_counter()
-            for _ in range(args.steps):
-                step(model, x)
+            step(model, x)
             if cuda:
                 torch.cuda.synchronize()
-            times[name].append((time.perf_counter() - start) / args.steps)
+            times[name].append(time.perf_counter() - start)
 
     traffic = {}
     for name, model in models.items():
@@ -148,7 +147,7 @@ def main():
     n = args.batch_size * args.seq_length * args.hidden_size * x.element_size()
     print(f"TP={world} on {device.type} ({'nccl' if cuda else 'gloo'}), b={args.batch_size} s={args.seq_length} "
           f"h={args.hidden_size} heads={args.num_attention_heads} layers={args.num_layers} "
-          f"sequence_parallel={args.sequence_parallel}; {args.rounds} rounds x {args.steps} steps")
+          f"sequence_parallel={args.sequence_parallel}; median of {args.rounds} interleaved steps each")
     median = {name: statistics.median(t) for name, t in times.items()}
     for name in models:
         print(f"  {name:9s} fwd+bwd {median[name] * 1e3:8.2f} ms/step  (min {min(times[name]) * 1e3:.2f})")
