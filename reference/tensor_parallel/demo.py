@@ -85,7 +85,7 @@ def _train(args, device: torch.device) -> None:
     model = ParallelTransformer(
         args.num_layers, args.hidden_size, args.num_attention_heads, tp_group=layout.tp_group,
         sequence_parallel=args.sequence_parallel, pad_sequence=args.pad_sequence,
-        hidden_dropout=args.dropout, attention_dropout=args.dropout,
+        hidden_dropout=args.dropout, attention_dropout=args.dropout, dropout_seed=args.seed,
         async_grad_allreduce=not args.no_async_grad_allreduce,
         gradient_accumulation_fusion=not args.no_grad_accumulation_fusion, device=device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)

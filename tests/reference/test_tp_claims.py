@@ -112,3 +112,7 @@ def test_two_way_ffn_derivation(run):
 
 def test_grad_accumulation_fusion_accumulates_into_main_grad(run):
     assert run["output"].count("grad accumulation fusion ok") == run["world"]
+
+
+def test_dropout_masks_shared_on_replicas_and_independent_on_shards(run):
+    assert run["output"].count("dropout streams ok") == run["world"]
