@@ -32,8 +32,12 @@ from megatron.core.tensor_parallel import ColumnParallelLinear as MegatronColumn
 from megatron.core.tensor_parallel import RowParallelLinear as MegatronRow  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor, Replicate, Shard  # noqa: E402
-from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,  # noqa: E402
-                                               parallelize_module)
+from torch.distributed.tensor.parallel import (  # noqa: E402
+    ColwiseParallel,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from reference.parallel_state import build_layout  # noqa: E402
 from reference.recorder import CollectiveRecorder  # noqa: E402
@@ -124,7 +128,7 @@ def main():
     x = x.to(device)
 
     times = {name: [] for name in models}
-    for name, model in models.items():  # warm-up
+    for model in models.values():  # warm-up
         step(model, x)
     for _ in range(args.rounds):
         for name, model in models.items():

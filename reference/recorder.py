@@ -231,14 +231,15 @@ class CollectiveRecorder(TorchDispatchMode):
         self.events.append(event)
         if name.startswith("c10d::"):
             work = Work.unbox(out[-1] if isinstance(out, tuple) else out)
+            work_id = id(work)  # unique while pending: the entry keeps the Work alive
             with self._lock:
-                self._pending[id(work)] = (work, event)
+                self._pending[work_id] = (work, event)
             try:
                 future = work.get_future()
             except RuntimeError:  # e.g. gloo's reduce-scatter work has no future: only wait() stamps the end
                 future = None
             if future is not None:
-                future.add_done_callback(lambda _f, w=id(work): self._finish(w, from_wait=False))
+                future.add_done_callback(lambda _future: self._finish(work_id, from_wait=False))
         else:
             event.end = time.perf_counter()
             if isinstance(out, torch.Tensor):

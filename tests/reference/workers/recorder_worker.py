@@ -103,7 +103,8 @@ def check_functional_collectives():
         a = funcol.all_reduce(x, "sum", dist.group.WORLD) * 1
         g = funcol.all_gather_tensor(x, 0, dist.group.WORLD) * 1
         r = funcol.reduce_scatter_tensor(x, "sum", 0, dist.group.WORLD) * 1
-    assert torch.equal(a, x * world) and g.shape == (4 * world, 2) and torch.equal(r, torch.full((4 // world, 2), world * 1.0))
+    assert torch.equal(a, x * world) and g.shape == (4 * world, 2)
+    assert torch.equal(r, torch.full((4 // world, 2), world * 1.0))
     got = [(e.op, e.group_ranks, e.shape, e.nbytes) for e in rec.events]
     assert got == [("all_reduce", everyone, (4, 2), 32), ("all_gather", everyone, (4 * world, 2), 32 * world),
                    ("reduce_scatter", everyone, (4, 2), 32)], got
@@ -126,7 +127,8 @@ def check_phase_module_and_spans():
     assert span.name == "forward" and span.phase == "forward" and span.end >= span.start
     data = json.loads(rec.to_json())
     assert data["rank"] == rank and len(data["events"]) == 2 and data["events"][0]["start"] >= 0
-    assert data["summary"] == rec.summary() and rec.summary(phase="backward") == {"all_reduce": {"count": 1, "bytes": 32}}
+    assert data["summary"] == rec.summary()
+    assert rec.summary(phase="backward") == {"all_reduce": {"count": 1, "bytes": 32}}
     with CollectiveRecorder() as rec2:
         with rec2.scope("explicit"):
             dist.all_reduce(torch.ones(1))
@@ -141,8 +143,8 @@ def check_torch_distributed_intact_after_exit():
     dist.all_reduce(torch.ones(1))
 
 
-for check in [check_torch_distributed_intact_after_exit, check_eager_ops, check_async_end_is_wait_time, check_subgroup_ranks, check_point_to_point,
-              check_functional_collectives, check_phase_module_and_spans]:
+for check in [check_torch_distributed_intact_after_exit, check_eager_ops, check_async_end_is_wait_time,
+              check_subgroup_ranks, check_point_to_point, check_functional_collectives, check_phase_module_and_spans]:
     check()
     print(f"rank {rank}: {check.__name__} ok", flush=True)
 dist.destroy_process_group()

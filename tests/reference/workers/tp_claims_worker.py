@@ -88,7 +88,7 @@ def check_grad_accumulation_fusion():
     model = ParallelTransformer(1, H, HEADS, tp_group=tp, gradient_accumulation_fusion=True, device=device)
     torch.manual_seed(2)
     plain = Transformer(1, H, HEADS, device=device)
-    for micro_batch in range(2):
+    for _micro_batch in range(2):
         x = torch.randn(S, B, H, device=device)
         (model(x) ** 2).sum().backward()
         (plain(x) ** 2).sum().backward()
