@@ -177,8 +177,10 @@ class CollectiveRecorder(TorchDispatchMode):
             def leave(_mod, _inp, _out, scopes=scopes):
                 scopes.pop().__exit__(None, None, None)
 
-            handles += [module.register_forward_pre_hook(enter),
-                        module.register_forward_hook(leave, always_call=True)]  # pops even if forward raises
+            # first pre-hook and last post-hook, so that collectives issued by other hooks (FSDP's unshard and
+            # reshard) fall inside the scope; always_call pops the scope even if forward raises
+            handles += [module.register_forward_pre_hook(enter, prepend=True),
+                        module.register_forward_hook(leave, always_call=True)]
         return handles
 
     def _module(self, phase: str) -> str:

@@ -135,6 +135,25 @@ def check_phase_module_and_spans():
     assert rec2.events[0].module == "explicit"
 
 
+def check_fsdp2_unit_attribution():
+    """PyTorch FSDP2 (fully_shard) on two Linear units: all-gathers and reduce-scatters of the full flat size."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    for unit in (model[0], model[2]):
+        fully_shard(unit)
+    with CollectiveRecorder() as rec:
+        handles = rec.watch(model, prefix="net")
+        model(torch.randn(2, 8)).sum().backward()
+    for h in handles:
+        h.remove()
+    full = {"net.0": (8 * 16 + 16) * 4, "net.2": (16 * 4 + 4) * 4}  # fp32 bytes of each unit's parameters
+    forward = [(e.op, e.module, e.nbytes) for e in rec.events if e.phase == "forward"]
+    assert forward == [("all_gather", "net.0", full["net.0"]), ("all_gather", "net.2", full["net.2"])], forward
+    reduce_scatters = sorted(e.nbytes for e in rec.events if e.op == "reduce_scatter" and e.phase == "backward")
+    assert reduce_scatters == sorted(full.values()), reduce_scatters
+
+
 def check_torch_distributed_intact_after_exit():
     with CollectiveRecorder():
         pass
@@ -144,7 +163,8 @@ def check_torch_distributed_intact_after_exit():
 
 
 for check in [check_torch_distributed_intact_after_exit, check_eager_ops, check_async_end_is_wait_time,
-              check_subgroup_ranks, check_point_to_point, check_functional_collectives, check_phase_module_and_spans]:
+              check_subgroup_ranks, check_point_to_point, check_functional_collectives, check_fsdp2_unit_attribution,
+              check_phase_module_and_spans]:
     check()
     print(f"rank {rank}: {check.__name__} ok", flush=True)
 dist.destroy_process_group()
