@@ -25,6 +25,7 @@ Ordering that differs on purpose, with the reason:
 from __future__ import annotations
 
 import functools
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,6 +35,7 @@ from torch.utils._pytree import tree_map
 
 from reference.fsdp.flat_param import FlatParamHandle, HandleTrainingState
 from reference.fsdp.prefetch import PrefetchMode, handle_to_prefetch
+from reference.fsdp.tracing import record_backward_span, unit_scope
 
 if TYPE_CHECKING:
     from reference.fsdp.wrapper import FullyShardedDataParallel as Unit, SharedState
@@ -41,7 +43,7 @@ if TYPE_CHECKING:
 
 def unshard(unit: Unit, handle: FlatParamHandle) -> None:
     """`_unshard`: issue the all-gather (no-op when the buffer is still allocated) without waiting."""
-    with unit.collective_scope(handle):
+    with unit_scope(handle.name):
         handle.unshard(async_op=True)
 
 
@@ -136,6 +138,7 @@ def pre_backward_hook(unit: Unit, handle: FlatParamHandle, grad: torch.Tensor) -
     prefetch(unit, handle, PrefetchMode.BACKWARD)
     handle.wait_unshard()
     handle.ran_pre_backward_hook = True
+    handle.backward_started = time.perf_counter()
     return grad
 
 
@@ -143,6 +146,7 @@ def pre_backward_hook(unit: Unit, handle: FlatParamHandle, grad: torch.Tensor) -
 def post_backward_hook(unit: Unit, handle: FlatParamHandle, flat_param: torch.nn.Parameter) -> None:
     """After autograd accumulated the unit's unsharded gradient: free the unsharded parameters, with
     BACKWARD_POST prefetch the next unit, and reduce-scatter the gradient right away."""
+    record_backward_span(handle.name, handle.backward_started)
     handle.training_state = HandleTrainingState.BACKWARD_POST
     unsharded_grad = flat_param.grad
     flat_param.grad = None
@@ -157,7 +161,7 @@ def reduce_grad(unit: Unit, handle: FlatParamHandle, unsharded_grad: torch.Tenso
     grad = unsharded_grad.to(unit.reduce_dtype or unsharded_grad.dtype)
     grad.div_(handle.world_size)
     sharded = torch.empty(handle.shard_numel, dtype=grad.dtype, device=grad.device)
-    with unit.collective_scope(handle):
+    with unit_scope(handle.name):
         work = dist.reduce_scatter_single(sharded, grad, group=handle.process_group, async_op=True)
     unit.shared.pending_reductions.append((handle, work, sharded))
 

@@ -11,7 +11,6 @@ the shard, so an optimizer built from `model.parameters()` steps on shards only.
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -22,8 +21,8 @@ from torch import nn
 from reference.fsdp import runtime
 from reference.fsdp.flat_param import FlatParamHandle
 from reference.fsdp.prefetch import BackwardPrefetch, ExecutionOrder
+from reference.fsdp.tracing import clean_name, forward_span
 
-WRAPPED = "_fsdp_wrapped_module"
 
 
 @dataclass(frozen=True)
@@ -91,7 +90,8 @@ class FullyShardedDataParallel(nn.Module):
         if self.is_root:
             args, kwargs = runtime.root_pre_forward(self, args, kwargs)
         args, kwargs = runtime.pre_forward(self, args, kwargs)
-        output = self._fsdp_wrapped_module(*args, **kwargs)
+        with forward_span(self.handle.name if self.handle else type(self._fsdp_wrapped_module).__name__):
+            output = self._fsdp_wrapped_module(*args, **kwargs)
         return runtime.post_forward(self, output)
 
     def _lazy_init(self) -> None:
@@ -102,11 +102,7 @@ class FullyShardedDataParallel(nn.Module):
             if isinstance(unit, FullyShardedDataParallel):
                 unit.shared, unit.is_root = shared, unit is self
                 if unit.handle is not None:
-                    unit.handle.name = _clean(name) or "root"
-
-    def collective_scope(self, handle: FlatParamHandle) -> contextlib.AbstractContextManager:
-        """Attribute the collectives issued inside to `handle`'s unit in an active collective recorder."""
-        return contextlib.nullcontext()
+                    unit.handle.name = clean_name(name) or "root"
 
     def __getattr__(self, name: str) -> Any:
         """Reach the wrapped module's attributes through the wrapper, as upstream does."""
@@ -117,7 +113,7 @@ class FullyShardedDataParallel(nn.Module):
 
     def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
         for name, param in super().named_parameters(*args, **kwargs):
-            yield _clean(name), param
+            yield clean_name(name), param
 
     def handles(self) -> list[FlatParamHandle]:
         """Every unit's handle under this (root) unit, in module order."""
@@ -136,10 +132,6 @@ class FullyShardedDataParallel(nn.Module):
                 name = f"{handle.name}.{info.fqn}" if handle.name != "root" else info.fqn
                 full[name] = gathered[info.offset:info.offset + info.numel].view(info.shape).cpu()
         return full
-
-
-def _clean(name: str) -> str:
-    return name.replace(f"{WRAPPED}.", "").replace(WRAPPED, "")
 
 
 def _unowned_params(module: nn.Module) -> list[tuple[str, nn.Module, str]]:
