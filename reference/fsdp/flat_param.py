@@ -59,16 +59,22 @@ class FlatParamHandle:
         self.compute_device = compute_device
         self.offload_to_cpu = offload_to_cpu
         self.orig_params: list[nn.Parameter] = [getattr(module, attr) for _, module, attr in params]
+        self.param_dtype = param_dtype or self.orig_params[0].dtype
+        # Each parameter starts on a 16-byte boundary of the unsharded buffer, as upstream does with
+        # use_orig_params (`_get_aligned_numel`, line 2771; the padding loop in
+        # `_init_flat_param_and_metadata`, 644): same flat sizes, so the same bytes on the wire.
+        aligned_numel = 16 // torch.empty((), dtype=self.param_dtype).element_size()
         self.infos: list[ParamInfo] = []
         offset = 0
         for (fqn, module, attr), param in zip(params, self.orig_params):
+            offset += -offset % aligned_numel
             self.infos.append(ParamInfo(fqn, module, attr, param.shape, offset, param.numel()))
             offset += param.numel()
         self.numel = offset
-        # Pad so every rank holds an equal shard: `_flat_param.py::FlatParamHandle._get_shard` (line 1122).
+        self.param_numel = sum(info.numel for info in self.infos)
+        # Pad the end so every rank holds an equal shard (`_get_shard`, line 1122; `flatten_tensors`, 838).
         self.shard_numel = -(-self.numel // self.world_size)
         self.padded_numel = self.shard_numel * self.world_size
-        self.param_dtype = param_dtype or self.orig_params[0].dtype
         self.flat_param = nn.Parameter(self._flatten_and_shard())
         self._local_shard = self.flat_param.data
         self._full_param_padded = torch.empty(self.padded_numel, dtype=self.param_dtype, device=compute_device)
@@ -89,7 +95,8 @@ class FlatParamHandle:
     def _flatten_and_shard(self) -> torch.Tensor:
         """`flatten_tensors` + `shard`: concatenate, pad with zeros, keep this rank's contiguous 1/N."""
         flat = torch.zeros(self.padded_numel, dtype=self.orig_params[0].dtype)
-        flat[:self.numel] = torch.cat([p.detach().reshape(-1).cpu() for p in self.orig_params])
+        for info, param in zip(self.infos, self.orig_params):
+            flat[info.offset:info.offset + info.numel] = param.detach().reshape(-1).cpu()
         start = self.rank * self.shard_numel
         device = torch.device("cpu") if self.offload_to_cpu else self.compute_device
         return flat[start:start + self.shard_numel].clone().to(device)
@@ -139,9 +146,13 @@ class FlatParamHandle:
         The views are made from `flat_param` under autograd, so their gradients accumulate into
         `flat_param.grad` (the padded unsharded gradient) and its post-accumulate-grad hook fires once.
         """
+        segments, end = [], 0  # one split (one backward node) over parameters and the padding between them
+        for info in self.infos:
+            segments += [info.offset - end, info.numel]
+            end = info.offset + info.numel
         with torch.enable_grad():
-            views = self.flat_param[:self.numel].split([info.numel for info in self.infos])
-            for info, view in zip(self.infos, views):
+            pieces = self.flat_param.split(segments + [self.padded_numel - end])
+            for info, view in zip(self.infos, pieces[1::2]):
                 _set_tensor_attr(info.module, info.attr, view.view(info.shape))
 
     def _local_slices(self) -> list[slice]:
