@@ -101,9 +101,9 @@ def run_main(out: Path, device: torch.device) -> None:
         train(baseline, recorder, device, 1, 0)
         expected = full_parameters(baseline, "single")
 
-        def run(name: str, implementation: str, sample_memory: bool = False, **options) -> dict:
+        def run(name: str, implementation: str, **options) -> dict:
             model = shard_model(copy.deepcopy(initial), implementation, group, **options)
-            handles = model.handles() if sample_memory else None
+            handles = model.handles() if implementation == "reference" else None
             scopes = torch_fsdp1_unit_scopes(model) if implementation == "fsdp1" else contextlib.nullcontext()
             with scopes:
                 steps = train(model, recorder, device, world, rank, sampler_handles=handles)
@@ -112,7 +112,8 @@ def run_main(out: Path, device: torch.device) -> None:
             if implementation == "reference":
                 result["runs"][name]["units"] = [
                     {"name": h.name, "param_numel": h.param_numel, "numel": h.numel, "padded_numel": h.padded_numel, "shard_numel": h.shard_numel,
-                     "itemsize": h._local_shard.element_size()} for h in model.handles()]
+                     "itemsize": h._local_shard.element_size(),
+                     "full_bytes": h.padded_numel * h._full_param_padded.element_size()} for h in model.handles()]
                 result["runs"][name]["param_bytes_per_rank"] = sum(h.sharded_param_bytes() for h in model.handles())
             elif implementation == "fsdp1":
                 result["runs"][name]["shard_numel"] = {
@@ -127,8 +128,7 @@ def run_main(out: Path, device: torch.device) -> None:
             for forward_prefetch in (False, True):
                 name = f"{policy}{'+fwd' if forward_prefetch else ''}"
                 options = dict(backward_prefetch=PREFETCH[policy], forward_prefetch=forward_prefetch)
-                ours = params[f"reference/{name}"] = run(f"reference/{name}", "reference",
-                                                         sample_memory=name == "pre+fwd", **options)
+                ours = params[f"reference/{name}"] = run(f"reference/{name}", "reference", **options)
                 if world > 1:  # FSDP1 at world 1 switches to NO_SHARD (all-reduce), nothing to compare
                     result["diff"][f"reference/{name}/fsdp1"] = max_diff(ours, run(f"fsdp1/{name}", "fsdp1", **options))
         ours = run("reference/bf16", "reference", forward_prefetch=True, **BF16)
