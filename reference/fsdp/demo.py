@@ -119,9 +119,14 @@ def run(args: argparse.Namespace) -> None:
 
 
 def _report(args, rank, step, loss, recorder, shard_bytes, total_bytes) -> None:
+    """Rank 0 prints; with --json it gathers every rank's record first (after this step's recording)."""
     if args.json:
-        print(json.dumps({"step": step, "loss": loss, "param_bytes_per_rank": shard_bytes,
-                          "param_bytes_unsharded": total_bytes, **recorder.to_dict()}), flush=True)
+        record = {"step": step, "loss": loss, "param_bytes_per_rank": shard_bytes,
+                  "param_bytes_unsharded": total_bytes, **recorder.to_dict()}
+        records = [None] * dist.get_world_size() if rank == 0 else None
+        dist.gather_object(record, records)
+        for record in records or []:
+            print(json.dumps(record), flush=True)
         return
     if rank != 0:
         return
