@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import statistics
 import time
 from datetime import timedelta
@@ -139,7 +140,7 @@ def main() -> None:
             timed_steps(model, optimizers[label], batches[:1], device)
             events = [e for e in recorder.events if e.op in ("all_gather", "reduce_scatter")]
             step = max_over_ranks(statistics.median(times[label]))
-            signature = tuple((e.op, e.nbytes) for e in events)
+            signature = tuple(sorted((e.op, e.nbytes) for e in events))
             if signature not in comm_times:
                 comm_times[signature] = max_over_ranks(communication_time(events, device))
             comm = comm_times[signature]
@@ -150,6 +151,7 @@ def main() -> None:
         if rank == 0:
             _print_table(args, world, device, compute, unsharded_bytes, rows)
         del models, optimizers
+        gc.collect()  # the units' reference cycles hold the process group (see reference/fsdp/demo.py)
         dist.destroy_process_group()
 
 
