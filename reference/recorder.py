@@ -127,7 +127,6 @@ class CollectiveRecorder(TorchDispatchMode):
     """`with CollectiveRecorder() as rec: ...` then read `rec.events`, `rec.spans`, `rec.summary()`."""
 
     _wait_patch_users = 0
-    _original_wait = Work.wait
 
     def __init__(self) -> None:
         super().__init__()
@@ -178,7 +177,10 @@ class CollectiveRecorder(TorchDispatchMode):
             def leave(_mod, _inp, _out, scopes=scopes):
                 scopes.pop().__exit__(None, None, None)
 
-            handles += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
+            # first pre-hook and last post-hook, so that collectives issued by other hooks (FSDP's unshard and
+            # reshard) fall inside the scope; always_call pops the scope even if forward raises
+            handles += [module.register_forward_pre_hook(enter, prepend=True),
+                        module.register_forward_hook(leave, always_call=True)]
         return handles
 
     def _module(self, phase: str) -> str:
@@ -207,7 +209,7 @@ class CollectiveRecorder(TorchDispatchMode):
         _ACTIVE.remove(self)
         CollectiveRecorder._wait_patch_users -= 1
         if CollectiveRecorder._wait_patch_users == 0:
-            Work.wait = CollectiveRecorder._original_wait
+            Work.wait = _WAIT_DESCRIPTOR
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -231,14 +233,15 @@ class CollectiveRecorder(TorchDispatchMode):
         self.events.append(event)
         if name.startswith("c10d::"):
             work = Work.unbox(out[-1] if isinstance(out, tuple) else out)
+            work_id = id(work)  # unique while pending: the entry keeps the Work alive
             with self._lock:
-                self._pending[id(work)] = (work, event)
+                self._pending[work_id] = (work, event)
             try:
                 future = work.get_future()
             except RuntimeError:  # e.g. gloo's reduce-scatter work has no future: only wait() stamps the end
                 future = None
             if future is not None:
-                future.add_done_callback(lambda _f, w=id(work): self._finish(w, from_wait=False))
+                future.add_done_callback(lambda _future: self._finish(work_id, from_wait=False))
         else:
             event.end = time.perf_counter()
             if isinstance(out, torch.Tensor):
@@ -291,10 +294,10 @@ class CollectiveRecorder(TorchDispatchMode):
         with self._lock:
             self._pending.clear()
 
-    def summary(self, phase: str | None = None) -> dict[str, dict[str, int]]:
-        """{op: {"count": n, "bytes": total nbytes}}, optionally for one phase only."""
+    def summary(self, phase: str | None = None, events=None) -> dict[str, dict[str, int]]:
+        """{op: {"count": n, "bytes": total nbytes}} over `events` (default: all), optionally one phase only."""
         out: dict[str, dict[str, int]] = {}
-        for e in self.events:
+        for e in self.events if events is None else events:
             if phase is None or e.phase == phase:
                 entry = out.setdefault(e.op, {"count": 0, "bytes": 0})
                 entry["count"] += 1
@@ -316,11 +319,13 @@ class CollectiveRecorder(TorchDispatchMode):
 
 
 _ACTIVE: list[CollectiveRecorder] = []
+_WAIT_DESCRIPTOR = Work.__dict__["wait"]  # restored as is: pybind11 binds `self` through this descriptor
+_original_wait = Work.wait
 
 
 def _recording_wait(self: Work, *args, **kwargs):
     """`Work.wait` while a recorder is active: wait, then stamp the end time of the recorded op."""
-    result = CollectiveRecorder._original_wait(self, *args, **kwargs)
+    result = _original_wait(self, *args, **kwargs)
     for recorder in _ACTIVE:
         recorder._finish(id(self), from_wait=True)
     return result
