@@ -129,8 +129,6 @@ def main() -> None:
 
     compute = max_over_ranks(statistics.median(times["compute only"]))
     rows = []
-    # One recorder for the whole loop: leaving a CollectiveRecorder restores `Work.wait` unbound in the
-    # current recorder.py, so later collectives would fail (reported to its owner).
     comm_times: dict[tuple, float] = {}  # the same collectives (same bytes) are timed once
     with CollectiveRecorder() as recorder:
         for label, (model, implementation) in models.items():
