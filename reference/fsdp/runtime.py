@@ -126,7 +126,8 @@ def register_pre_backward(unit: Unit, handle: FlatParamHandle, output: Any) -> A
 
 def pre_backward_hook(unit: Unit, handle: FlatParamHandle, grad: torch.Tensor) -> torch.Tensor:
     """Before the unit's gradient computation: re-gather it (unless prefetched); with BACKWARD_PRE, issue
-    the next unit's all-gather now. The root also queues the end-of-backward callback."""
+    the next unit's all-gather now. The first unit to get here in a backward (the root, whose output the
+    loss reads) queues the end-of-backward callback."""
     if handle.ran_pre_backward_hook:
         return grad
     shared = unit.shared
