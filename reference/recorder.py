@@ -19,8 +19,11 @@ Conventions (the notes' byte formulas are checked against these):
     `rec.watch(model)` (forward hooks that push each submodule's qualified name). Backward runs outside those
     Python scopes, so each forward scope also remembers the range of autograd sequence numbers of the graph
     nodes created inside it; in backward the op is attributed to the innermost forward scope that created the
-    autograd node currently executing (`torch._C._current_autograd_node()`). A scope opened during backward
-    itself (e.g. `with rec.scope("unit0"):` inside a hook) takes precedence.
+    autograd node currently executing (`torch._C._current_autograd_node()`). When that node accumulates a
+    watched parameter's gradient (hooks on AccumulateGrad, e.g. FSDP1's post-backward reduce-scatter), the op
+    goes to the module owning the parameter. Ops issued from no node (autograd's final callbacks, e.g. FSDP2's
+    last reduce-scatters) have module "" unless a scope is open. A scope opened during backward itself
+    (e.g. `with rec.scope("unit0"):` inside a hook) takes precedence over all of these.
   * `start` / `end` are `time.perf_counter()` seconds. `start` is when the op was issued. For c10d ops `end` is
     when the caller's `Work.wait()` returned (the recorder wraps `Work.wait` while active; synchronous calls
     wait inside torch.distributed), or, if the work is never waited in Python, when its future completed.
@@ -134,6 +137,7 @@ class CollectiveRecorder(TorchDispatchMode):
         self.spans: list[Span] = []
         self._stack: list[tuple[str, str]] = []          # (name, phase it was opened in)
         self._forward_ranges: list[tuple[int, int, str]] = []  # autograd seq-nr [lo, hi) -> scope name
+        self._param_owner: dict[int, str] = {}  # id(parameter) -> name of the watched module holding it
         self._pending: dict[int, tuple[Work, CollectiveEvent]] = {}  # id(Work) -> event awaiting wait()
         self._functional_pending: dict[int, CollectiveEvent] = {}   # id(output tensor) -> event
         self._group_ranks: dict[str, tuple[int, ...]] = {}
@@ -166,6 +170,8 @@ class CollectiveRecorder(TorchDispatchMode):
         """Scope every submodule's forward under its qualified name; returns the hook handles."""
         handles = []
         for name, module in model.named_modules(prefix=prefix):
+            for param in module.parameters(recurse=False):
+                self._param_owner[id(param)] = name
             if not name:
                 continue
             scopes: list = []
@@ -189,6 +195,9 @@ class CollectiveRecorder(TorchDispatchMode):
             if opened_in_backward:
                 return opened_in_backward[-1]
             node = torch._C._current_autograd_node()
+            variable = getattr(node, "variable", None)  # an AccumulateGrad node: a hook on a parameter's grad
+            if variable is not None and id(variable) in self._param_owner:
+                return self._param_owner[id(variable)]
             if node is not None:
                 seq = node._sequence_nr()
                 # narrowest range wins; on a tie the scope that closed first (the inner one)

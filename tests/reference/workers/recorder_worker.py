@@ -154,6 +154,25 @@ def check_fsdp2_unit_attribution():
     assert reduce_scatters == sorted(full.values()), reduce_scatters
 
 
+def check_fsdp1_post_backward_attribution():
+    """PyTorch FSDP1: the reduce-scatter issued from a hook on a flat parameter's AccumulateGrad node is
+    attributed to the FSDP unit owning that parameter."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    device = torch.get_default_device()
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    model[0], model[2] = FSDP(model[0], device_id=device), FSDP(model[2], device_id=device)
+    root = FSDP(model, device_id=device)
+    with CollectiveRecorder() as rec:
+        handles = rec.watch(root, prefix="net")
+        root(torch.randn(2, 8)).sum().backward()
+    for h in handles:
+        h.remove()
+    got = [(e.module, e.nbytes) for e in rec.events if e.op == "reduce_scatter"]
+    assert got == [("net._fsdp_wrapped_module.2._fsdp_wrapped_module", (16 * 4 + 4) * 4),
+                   ("net._fsdp_wrapped_module.0._fsdp_wrapped_module", (8 * 16 + 16) * 4)], got
+
+
 def check_torch_distributed_intact_after_exit():
     with CollectiveRecorder():
         pass
@@ -164,7 +183,7 @@ def check_torch_distributed_intact_after_exit():
 
 for check in [check_torch_distributed_intact_after_exit, check_eager_ops, check_async_end_is_wait_time,
               check_subgroup_ranks, check_point_to_point, check_functional_collectives, check_fsdp2_unit_attribution,
-              check_phase_module_and_spans]:
+              check_fsdp1_post_backward_attribution, check_phase_module_and_spans]:
     check()
     print(f"rank {rank}: {check.__name__} ok", flush=True)
 dist.destroy_process_group()
