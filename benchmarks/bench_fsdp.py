@@ -107,7 +107,8 @@ def main() -> None:
     config = ModelConfig(vocab_size=1024, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
                          num_layers=args.num_layers, max_seq_length=args.seq_length)
     initial = build_model(config, 0).to(device)
-    batches = [t.chunk(world)[rank] for t in synthetic_batches(config, args.steps, args.batch_size, args.seq_length, 0)]
+    global_batches = synthetic_batches(config, args.steps, args.batch_size, args.seq_length, 0)
+    batches = [t.chunk(world)[rank] for t in global_batches]
     unsharded_bytes = sum(p.numel() * p.element_size() for p in initial.parameters())
 
     models = {"compute only": (copy.deepcopy(initial), None)}

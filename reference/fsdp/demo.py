@@ -94,8 +94,9 @@ def run(args: argparse.Namespace) -> None:
     if args.batch_size % world:
         sys.exit(f"reference: error: --batch-size {args.batch_size} is not divisible by the world size {world}; "
                  "each rank trains on an equal slice of the global batch")
-    device = torch.device(device_type, rank % torch.cuda.device_count()) if device_type == "cuda" else torch.device("cpu")
+    device = torch.device("cpu")
     if device_type == "cuda":
+        device = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     model = build_model(config, args.seed).to(device)
     total_bytes = sharded_parameter_bytes(model)
@@ -108,7 +109,8 @@ def run(args: argparse.Namespace) -> None:
     shard_bytes = sharded_parameter_bytes(model)
     scopes = torch_fsdp1_unit_scopes(model) if args.use_torch_fsdp else contextlib.nullcontext()
     with CollectiveRecorder() as recorder, scopes:
-        for step, tokens in enumerate(synthetic_batches(config, args.steps, args.batch_size, args.seq_length, args.seed)):
+        batches = synthetic_batches(config, args.steps, args.batch_size, args.seq_length, args.seed)
+        for step, tokens in enumerate(batches):
             recorder.clear()
             local = tokens.chunk(world)[rank].to(device)
             loss = next_token_loss(model(local), local)
