@@ -1,6 +1,7 @@
 """Helpers shared by the worker scripts: process-group setup and re-assembly of sharded tensors."""
 from __future__ import annotations
 
+import gc
 import os
 from datetime import timedelta
 
@@ -38,3 +39,12 @@ def full_tensor(module_name: str, param_name: str, t: torch.Tensor, group) -> to
 
 def assert_close(actual, expected, what: str, atol=1e-5, rtol=1e-4):
     torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
+
+
+def finish() -> None:
+    """Tear down without racing a peer: every rank done (barrier), reference cycles that hold the process
+    group collected, then the group destroyed. Without this, gloo sometimes aborts a rank at exit
+    ("terminate called without an active exception") when a peer closes its sockets first."""
+    dist.barrier()
+    gc.collect()
+    dist.destroy_process_group()

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from common import init
+from common import finish, init
 from reference.recorder import CollectiveRecorder
 
 torch.set_default_device(init())
@@ -186,4 +186,4 @@ for check in [check_torch_distributed_intact_after_exit, check_eager_ops, check_
               check_fsdp1_post_backward_attribution, check_phase_module_and_spans]:
     check()
     print(f"rank {rank}: {check.__name__} ok", flush=True)
-dist.destroy_process_group()
+finish()

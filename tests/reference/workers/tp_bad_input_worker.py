@@ -2,7 +2,7 @@
 import torch
 import torch.distributed as dist
 
-from common import init
+from common import finish, init
 from reference.parallel_state import ParallelConfigError, build_layout
 from reference.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from reference.tensor_parallel.transformer import ParallelTransformer
@@ -47,4 +47,4 @@ expect_error("sequence length 5 is not divisible by the tensor-parallel size 2",
 padded = ParallelTransformer(1, 8, 2, tp_group=tp, sequence_parallel=True, pad_sequence=True, device=device)
 assert padded(torch.ones(5, 1, 8, device=device)).shape == (5, 1, 8)
 print(f"rank {dist.get_rank()}: bad input ok", flush=True)
-dist.destroy_process_group()
+finish()

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from common import assert_close, gather_dim, init
+from common import assert_close, gather_dim, finish, init
 from reference.parallel_state import build_layout
 from reference.recorder import CollectiveRecorder
 from reference.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -132,4 +132,4 @@ check_grad_accumulation_fusion()
 print(f"rank {rank}: grad accumulation fusion ok", flush=True)
 check_dropout_streams()
 print(f"rank {rank}: dropout streams ok", flush=True)
-dist.destroy_process_group()
+finish()

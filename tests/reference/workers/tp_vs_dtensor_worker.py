@@ -13,7 +13,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
                                                parallelize_module)
 
-from common import assert_close, full_tensor, init
+from common import assert_close, full_tensor, finish, init
 from reference.parallel_state import build_layout
 from reference.recorder import CollectiveRecorder
 from reference.tensor_parallel.layers import allreduce_sequence_parallel_grads
@@ -96,4 +96,4 @@ for sp in (False, True):
                                       "dtensor": {p: counts(theirs[3], p) for p in ("forward", "backward")}}),
               flush=True)
 print(f"rank {rank}: dtensor comparisons ok", flush=True)
-dist.destroy_process_group()
+finish()

@@ -9,7 +9,7 @@ import itertools
 import torch
 import torch.distributed as dist
 
-from common import assert_close, gather_dim, init
+from common import assert_close, gather_dim, finish, init
 
 device = init()
 if device.type == "cpu":
@@ -124,4 +124,4 @@ ours = build("ColumnParallelLinear", "reference", 5, bias=False)
 assert torch.equal(gather_dim(ours.weight.detach().cpu(), 0, tp), master)
 print(f"rank {dist.get_rank()}: megatron comparisons ok", flush=True)
 mpu.destroy_model_parallel()
-dist.destroy_process_group()
+finish()

@@ -4,7 +4,7 @@ import itertools
 import torch
 import torch.distributed as dist
 
-from common import assert_close, full_tensor, init
+from common import assert_close, full_tensor, finish, init
 from reference.parallel_state import build_layout
 from reference.tensor_parallel.layers import allreduce_sequence_parallel_grads
 from reference.tensor_parallel.transformer import ParallelTransformer
@@ -75,4 +75,4 @@ for sp, overlap, fusion in configs:
 if world > 1:
     compare_models(True, True, False, seq=8 * world + 1, pad=True)
 print(f"rank {rank}: unsharded comparisons ok", flush=True)
-dist.destroy_process_group()
+finish()
