@@ -8,22 +8,34 @@ import sys
 from pathlib import Path
 
 from pin_and_cite.check import check
-from pin_and_cite.citation import parse_spec
+from pin_and_cite.citation import parse_location, parse_spec
 from pin_and_cite.errors import PinAndCiteError
 from pin_and_cite.fetch import Fetched, fetch_all
 from pin_and_cite.gitobj import is_full_sha
 from pin_and_cite.project import Project, find_root
+from pin_and_cite.reanchor import fetch_files, relocate_batch
+from pin_and_cite.relocate import Relocation
 from pin_and_cite.remote import Remote, check_url
 from pin_and_cite.resolve import Resolver
+from pin_and_cite.store import Store, default_cache_dir
 
 EPILOG = """\
 citations:
   SOURCE:PATH#Lstart-Lend   lines start..end (1-based, inclusive) of PATH at SOURCE's pinned commit
   SOURCE:PATH::Qual.name    the class or function Qual.name, from its first decorator to its last line
 
+relocation statuses (relocate, bump):
+  unchanged  same lines, same text          moved    the same text at other lines
+  changed    the code is still there but its text differs (or which identical copy is meant is unclear):
+             `lines` is its best new location; review it
+  deleted    no counterpart at the new commit
+  error      the citation cannot be answered (path absent, not Python, unparsable...): see `reason`
+  Lines are compared ignoring trailing whitespace. unchanged/moved are only answered for identical text.
+
 exit status:
-  0 ok; 1 check found broken citations; 2 bad input (arguments, pins, notes); 3 a source could not
-  deliver verified bytes (network, timeout, hash mismatch); 130 interrupted (nothing is left half-written)
+  0 ok; 1 check found broken citations, or relocate could not answer some citation; 2 bad input
+  (arguments, pins, notes, unknown commits); 3 a source could not deliver verified bytes (network, timeout,
+  hash mismatch); 130 interrupted (nothing is left half-written)
 
 files:
   reading_notes/pins.toml        the sources: url, full commit SHA, optional tag and distribution
@@ -40,13 +52,14 @@ def _url_override(text: str) -> tuple[str, str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
+    network = argparse.ArgumentParser(add_help=False)
+    network.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
+                         help="give up on a git remote that does not answer within this time (default 60)")
+    network.add_argument("--json", action="store_true", help="print machine-readable JSON on stdout")
+    common = argparse.ArgumentParser(add_help=False, parents=[network])
     common.add_argument("--project", type=Path, help="project root (default: nearest parent with reading_notes/pins.toml)")
     common.add_argument("--url", dest="urls", action="append", type=_url_override, default=[], metavar="NAME=URL",
                         help="fetch source NAME from URL instead of its pinned url (a mirror); repeatable")
-    common.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
-                        help="give up on a git remote that does not answer within this time (default 60)")
-    common.add_argument("--json", action="store_true", help="print machine-readable JSON on stdout")
 
     parser = argparse.ArgumentParser(
         prog="pin-and-cite", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
@@ -59,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     pin.add_argument("source", help="source name in pins.toml (or a new one, with --source-url)")
     pin.add_argument("--ref", required=True, help="tag, branch or full 40-hex commit SHA")
     pin.add_argument("--source-url", help="git URL of a new source")
-    pin.add_argument("--force", action="store_true", help="move a pin even though citations are locked at the old commit")
+    pin.add_argument("--force", action="store_true",
+                     help="move a pin even though citations are locked at the old commit (`bump` re-anchors them)")
 
     verbs.add_parser("fetch", parents=[common], help="materialize every locked file, verified, into the cache",
                      description="Get every file in the lock from the cache, an installed distribution, or one "
@@ -77,6 +91,22 @@ def build_parser() -> argparse.ArgumentParser:
     verbs.add_parser("check", parents=[common], help="verify every citation offline (non-zero exit when broken)",
                      description="Verify, without network, that every citation in the lock and in the note "
                                  "templates resolves to the locked text at the pinned commit.")
+
+    relocate = verbs.add_parser(
+        "relocate", parents=[network], help="where do citations made at one commit point at another?",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Follow citations of a git repository from commit OLD to commit NEW: line ranges follow "
+                    "their text, symbols follow their qualified name. Needs no project; fetches each cited "
+                    "file once per commit (into the cache), however many citations there are.",
+        epilog="CITE is PATH#Lstart-Lend (1-based, inclusive) or PATH::Qual.name; '-' reads one per line from "
+               "stdin.\n--json prints a list in input order: {\"cite\", \"status\", \"lines\": [start, end] or "
+               "null}, plus \"reason\" for errors.\nExit status 1 when any citation is an error (the others are "
+               "still answered).")
+    relocate.add_argument("--source", required=True, metavar="GIT_URL_OR_PATH",
+                          help="the repository: a git URL or a local repository directory")
+    relocate.add_argument("--from", dest="old", required=True, metavar="OLD", help="commit, tag or branch cited")
+    relocate.add_argument("--to", dest="new", required=True, metavar="NEW", help="commit, tag or branch to follow to")
+    relocate.add_argument("cites", nargs="+", metavar="CITE")
     return parser
 
 
@@ -148,13 +178,49 @@ def cmd_check(project: Project, args) -> int:
     return 1 if report.problems else 0
 
 
+def _read_cites(args: list[str]) -> list[str]:
+    if args == ["-"]:
+        return [line.strip() for line in sys.stdin if line.strip()]
+    if "-" in args:
+        raise PinAndCiteError("'-' (read citations from stdin) must be the only CITE")
+    return args
+
+
+def cmd_relocate(args) -> int:
+    texts = _read_cites(args.cites)
+    url = str(Path(args.source).resolve()) if Path(args.source).is_dir() else args.source
+    store = Store(default_cache_dir())
+    remote = Remote(url, store.git_dir(url), args.timeout)
+    old, new = remote.resolve_ref(args.old), remote.resolve_ref(args.new)
+    specs, answers = {}, {}
+    for i, text in enumerate(texts):
+        try:
+            specs[i] = parse_location(text)
+        except PinAndCiteError as exc:
+            answers[i] = Relocation("error", None, str(exc))
+    paths = sorted({spec.path for spec in specs.values()})
+    files = fetch_files(remote, store, {old: paths, new: paths})
+    answers.update(zip(specs, relocate_batch(list(specs.values()), old, new, files)))
+    results = [answers[i].as_json(text.strip()) for i, text in enumerate(texts)]
+    if args.json:
+        print("[\n" + ",\n".join(json.dumps(r) for r in results) + "\n]")     # one citation per line
+    else:
+        for r in results:
+            where = f"L{r['lines'][0]}-L{r['lines'][1]}" if r["lines"] else "-"
+            print(f"{r['status']:<9} {r['cite']} -> {where}" + (f"  ({r['reason']})" if "reason" in r else ""))
+    return 1 if any(r["status"] == "error" for r in results) else 0
+
+
 COMMANDS = {"pin": cmd_pin, "fetch": cmd_fetch, "cite": cmd_cite, "check": cmd_check}
 WRITERS = {"pin", "cite"}
+STANDALONE = {"relocate": cmd_relocate}      # verbs that need no project
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.verb in STANDALONE:
+            return STANDALONE[args.verb](args)
         root = args.project or find_root(Path.cwd())
         project = Project(root, timeout=args.timeout, url_overrides=dict(args.urls))
         if args.verb in WRITERS:
