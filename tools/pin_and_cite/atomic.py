@@ -1,4 +1,5 @@
-"""Write-then-rename, so a reader or a crash never sees half a file."""
+"""Write-then-rename, so a reader or a crash never sees half a file (or, for a set of files, a failed step
+half of the set)."""
 from __future__ import annotations
 
 import os
@@ -8,13 +9,24 @@ from pathlib import Path
 
 def atomic_write(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    atomic_write_all({path: data})
+
+
+def atomic_write_all(files: dict[Path, bytes]) -> None:
+    """Write several files as one step: stage every one first, and only when all are staged rename them into
+    place; a failure while staging (disk full, permissions) leaves every file as it was."""
+    staged: list[tuple[str, Path]] = []
     try:
-        with os.fdopen(fd, "wb") as out:
-            out.write(data)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, path)
+        for path, data in files.items():
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+            staged.append((tmp, path))
+            with os.fdopen(fd, "wb") as out:
+                out.write(data)
+                out.flush()
+                os.fsync(out.fileno())
     except BaseException:
-        os.unlink(tmp)
+        for tmp, _ in staged:
+            os.unlink(tmp)
         raise
+    for tmp, path in staged:
+        os.replace(tmp, path)

@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 
+from pin_and_cite import bump, review
 from pin_and_cite.check import check
 from pin_and_cite.citation import parse_location, parse_spec
 from pin_and_cite.errors import PinAndCiteError
@@ -92,6 +93,17 @@ def build_parser() -> argparse.ArgumentParser:
                      description="Verify, without network, that every citation in the lock and in the note "
                                  "templates resolves to the locked text at the pinned commit.")
 
+    bumper = verbs.add_parser(
+        "bump", parents=[common], help="move a pin to a new commit and carry every citation along",
+        description="Resolve REF, relocate every citation of source NAME (note templates and lock) to it, "
+                    "rewrite the line numbers in the templates in place (nothing else changes), update "
+                    "pins.toml and the lock, and print a review report: counts per status and, for each "
+                    "changed or deleted citation, where it is cited and its old vs new excerpt as a diff. "
+                    "All files are written together, or none (any error, or --dry-run).")
+    bumper.add_argument("source", metavar="NAME", help="source name in pins.toml")
+    bumper.add_argument("--ref", required=True, help="tag, branch or full 40-hex commit SHA to move to")
+    bumper.add_argument("--dry-run", action="store_true", help="report what would change; write nothing")
+
     relocate = verbs.add_parser(
         "relocate", parents=[network], help="where do citations made at one commit point at another?",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -123,7 +135,8 @@ def cmd_pin(project: Project, args) -> int:
     locked = [k for k, f in project.lock.files.items() if k.startswith(f"{args.source}:") and f.commit != commit]
     if locked and not args.force:
         raise PinAndCiteError(f"{len(locked)} locked file(s) of {args.source} are at {existing.commit[:12]}; "
-                              f"moving the pin to {commit[:12]} would orphan their citations (use --force)")
+                              f"moving the pin to {commit[:12]} would orphan their citations: use "
+                              f"`pin-and-cite bump {args.source} --ref {args.ref}` to carry them along (or --force)")
     project.pins.set_commit(args.source, url, commit, None if is_full_sha(args.ref) else args.ref)
     result = {"source": args.source, "commit": commit, "tag": None if is_full_sha(args.ref) else args.ref,
               "previous": existing.commit if existing else None}
@@ -178,6 +191,17 @@ def cmd_check(project: Project, args) -> int:
     return 1 if report.problems else 0
 
 
+def cmd_bump(project: Project, args) -> int:
+    planned = bump.plan(project, args.source, args.ref)
+    if not args.dry_run:
+        bump.apply(planned)
+    if args.json:
+        print(json.dumps(review.json_report(planned, project.root, args.dry_run), indent=2))
+    else:
+        print(review.text_report(planned, project.root, args.dry_run))
+    return 0
+
+
 def _read_cites(args: list[str]) -> list[str]:
     if args == ["-"]:
         return [line.strip() for line in sys.stdin if line.strip()]
@@ -211,8 +235,8 @@ def cmd_relocate(args) -> int:
     return 1 if any(r["status"] == "error" for r in results) else 0
 
 
-COMMANDS = {"pin": cmd_pin, "fetch": cmd_fetch, "cite": cmd_cite, "check": cmd_check}
-WRITERS = {"pin", "cite"}
+COMMANDS = {"pin": cmd_pin, "fetch": cmd_fetch, "cite": cmd_cite, "check": cmd_check, "bump": cmd_bump}
+WRITERS = {"pin", "cite", "bump"}
 STANDALONE = {"relocate": cmd_relocate}      # verbs that need no project
 
 
