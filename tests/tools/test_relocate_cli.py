@@ -3,7 +3,6 @@ fetch per commit however many citations, per-citation errors, and local reposito
 import json
 import os
 import subprocess
-from dataclasses import dataclass
 from pathlib import Path
 
 import git
@@ -11,43 +10,6 @@ import pytest
 
 from tests.gitserver import ByteCountingProxy
 from tests.tools.conftest import CLI
-from tests.tools.test_relocate_engine import BASE, HEADER, edited
-
-TEXT = "alpha\nbeta\ngamma\n"
-
-
-@dataclass
-class History:
-    work: Path            # the working repository (also usable as a local source)
-    url: str
-    c1: str
-    c2: str
-
-
-@pytest.fixture(scope="module")
-def history(daemon, tmp_path_factory) -> History:
-    """c1 -> c2: pkg/mod.py gains a header, edits forward, renames helper; notes.txt turns CRLF; gone.py goes."""
-    work_dir = tmp_path_factory.mktemp("reloc-work")
-    work = git.Repo.init(work_dir)
-    actor = git.Actor("Upstream", "upstream@example.com")
-
-    def commit(files: dict[str, str], message: str, removed=()) -> str:
-        for rel, text in files.items():
-            (work_dir / rel).parent.mkdir(parents=True, exist_ok=True)
-            (work_dir / rel).write_bytes(text.encode())
-        work.index.add(list(files))
-        if removed:
-            work.index.remove(list(removed), working_tree=True)
-        return work.index.commit(message, author=actor, committer=actor).hexsha
-
-    c1 = commit({"pkg/mod.py": BASE, "docs/notes.txt": TEXT, "pkg/gone.py": "x = 1\n"}, "c1")
-    work.create_tag("c1")
-    c2 = commit({"pkg/mod.py": HEADER + edited(("y = y + 1", "y = y + 2"), ("def helper(", "def combine(")),
-                 "docs/notes.txt": TEXT.replace("\n", "\r\n")}, "c2", removed=["pkg/gone.py"])
-    work.create_tag("c2")
-    bare = daemon.base / "reloc.git"
-    work.clone(bare, bare=True)
-    return History(work_dir, daemon.url("reloc.git"), c1, c2)
 
 
 def relocate(source: str, *args: str, cache: Path, stdin: str | None = None):
@@ -61,7 +23,7 @@ EXPECTED = [
     ("pkg/mod.py#L17-L19", "changed", [20, 22]),
     ("pkg/mod.py::Column.backward", "moved", [24, 25]),
     ("pkg/mod.py::helper", "changed", [28, 31]),
-    ("pkg/mod.py#L31-L32", "moved", [34, 35]),
+    ("pkg/mod.py#L31-L32", "deleted", None),
     ("docs/notes.txt#L1-L3", "unchanged", [1, 3]),
 ]
 
@@ -103,7 +65,7 @@ def test_thousands_of_citations_cost_the_same_requests_as_one_per_file(history, 
 
 def test_per_citation_errors_leave_the_others_answered(history, tmp_path):
     cites = ["pkg/gone.py#L1-L1", "pkg/absent.py#L1-L1", "docs/notes.txt::alpha", "pkg/mod.py#L30-L40",
-             "pkg/mod.py#Lx", "pkg/mod.py#L31-L32"]
+             "pkg/mod.py#Lx", "pkg/mod.py#L12-L14"]
     proc = relocate(history.url, "--from", history.c1, "--to", "c2", "--json", *cites, cache=tmp_path)
     assert proc.returncode == 1
     answers = json.loads(proc.stdout)
