@@ -1,12 +1,13 @@
 """Line-level text matching for relocation: exact block search, line-by-line diff maps, fuzzy windows.
 
 Every comparison works on *normalized* lines (trailing whitespace, including a CR, stripped), so a file
-that only switched to CRLF or lost trailing spaces still matches exactly. Fuzzy scores additionally ignore
-indentation, so code that moved into a class or out of a block still scores as similar.
+that only switched to CRLF or lost trailing spaces still matches exactly. Fuzzy scores compare tokens, so
+indentation and spacing do not count: code that moved into a class or out of a block still scores as similar.
 """
 from __future__ import annotations
 
 import difflib
+import re
 from collections import defaultdict
 from typing import Sequence
 
@@ -17,14 +18,17 @@ def normalized(lines: Sequence[str]) -> list[str]:
     return [line.rstrip() for line in lines]
 
 
-def _joined(lines: Sequence[str]) -> str:
-    return "\n".join(line.strip() for line in lines if line.strip())
+_TOKEN = re.compile(r"\w+|[^\w\s]")
+
+
+def _tokens(lines: Sequence[str]) -> list[str]:
+    """Words and punctuation: comparing these (not characters) is fast, and blind to indentation and spacing."""
+    return _TOKEN.findall("\n".join(lines))
 
 
 def similarity(a: Sequence[str], b: Sequence[str], at_least: float = 0.0) -> float:
-    """0..1 likeness of two line blocks, by characters, ignoring indentation and blank lines (0.0 early
-    when it cannot reach `at_least`, judged from the lengths alone)."""
-    left, right = _joined(a), _joined(b)
+    """0..1 likeness of two line blocks by tokens (0.0 early when the lengths alone rule out `at_least`)."""
+    left, right = _tokens(a), _tokens(b)
     if not left and not right:
         return 1.0
     if 2 * min(len(left), len(right)) < at_least * (len(left) + len(right)):
@@ -33,8 +37,8 @@ def similarity(a: Sequence[str], b: Sequence[str], at_least: float = 0.0) -> flo
 
 
 def retained(a: Sequence[str], b: Sequence[str]) -> float:
-    """The share of block `a`'s text (indentation and blank lines aside) that is still found, in order, in `b`."""
-    left, right = _joined(a), _joined(b)
+    """The share of block `a`'s tokens still found, in order, in `b`."""
+    left, right = _tokens(a), _tokens(b)
     if not left:
         return 1.0
     matcher = difflib.SequenceMatcher(None, left, right, autojunk=False)
