@@ -16,9 +16,11 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
 	touch $@
 
+# vendor-assets: the site's pinned mermaid.js from npm, integrity-checked (once; cached afterwards).
 serve: setup
+	tools/vendor-assets
 	tools/pin-and-cite fetch
-	$(PY) -m mkdocs serve --dev-addr $(ADDR)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve --dev-addr $(ADDR)
 
 test: setup
 	tools/ensure-browser

@@ -80,6 +80,7 @@ def upstream(daemon, tmp_path_factory) -> Upstream:
     rng = __import__("random").Random(0)
     files = {"pkg/core/layers.py": LAYERS_PY.encode(),
              "pkg/core/mappings.py": "".join(f"def region_{i}():\n    return {i}\n\n\n" for i in range(40)).encode(),
+             "pkg/core/ticks.py": b'def example():\n    """Usage:\n\n    ````python\n    example()\n    ````\n    """\n',
              "git/__init__.py": b"# same path as GitPython's, other bytes\n",
              **{f"assets/blob_{i}.bin": rng.randbytes(200_000) for i in range(20)}}
     _write(work, files)

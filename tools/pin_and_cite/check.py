@@ -9,6 +9,7 @@ from pin_and_cite.lock import file_key
 from pin_and_cite.notes import written_calls
 from pin_and_cite.project import Project
 from pin_and_cite.resolve import Resolver
+from pin_and_cite.verified_by import missing_test
 
 
 @dataclass
@@ -53,7 +54,8 @@ def verify_locked(project: Project, resolver: Resolver, key: str) -> str | None:
 
 
 def check(project: Project) -> Report:
-    """Verify every locked citation, then every citation written in the notes (placed at its file:line)."""
+    """Verify every locked citation, every citation written in the notes (placed at its file:line), and that
+    every test a note names with verified_by() exists."""
     resolver = Resolver(project, allow_remote=False)
     verdicts = {key: verify_locked(project, resolver, key) for key in project.lock.citations}
     problems, in_notes, malformed = [], set(), 0
@@ -71,4 +73,7 @@ def check(project: Project) -> Report:
             problems.append(Problem(where, key, why))
     problems += [Problem("citations.lock", key, why) for key, why in verdicts.items()
                  if why and key not in in_notes]
-    return Report(len(verdicts.keys() | in_notes) + malformed, problems)
+    claims = written_calls(project.notes_dir, {"verified_by"})
+    problems += [Problem(c.where(project.root), c.argument, why) for c in claims
+                 if (why := missing_test(project.root, c.argument))]
+    return Report(len(verdicts.keys() | in_notes) + malformed + len(claims), problems)

@@ -17,6 +17,7 @@ from pin_and_cite.project import Project, find_root
 from pin_and_cite.reanchor import fetch_files, relocate_batch
 from pin_and_cite.relocate import Relocation
 from pin_and_cite.remote import Remote, check_url
+from pin_and_cite.render import render_notes
 from pin_and_cite.resolve import Resolver
 from pin_and_cite.store import Store, default_cache_dir
 
@@ -92,6 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     verbs.add_parser("check", parents=[common], help="verify every citation offline (non-zero exit when broken)",
                      description="Verify, without network, that every citation in the lock and in the note "
                                  "templates resolves to the locked text at the pinned commit.")
+    render = verbs.add_parser("render", parents=[common], help="render the note templates into Markdown for the site",
+                              description="Render reading_notes/**/*.md.j2 into OUT (NAME.md.j2 -> NAME.md) from the "
+                                          "verified cache, offline; only changed files are written.")
+    render.add_argument("--out", type=Path, default=Path("docs/notes"), help="output folder, relative to the project")
 
     bumper = verbs.add_parser(
         "bump", parents=[common], help="move a pin to a new commit and carry every citation along",
@@ -120,6 +125,13 @@ def build_parser() -> argparse.ArgumentParser:
     relocate.add_argument("--to", dest="new", required=True, metavar="NEW", help="commit, tag or branch to follow to")
     relocate.add_argument("cites", nargs="+", metavar="CITE")
     return parser
+
+
+def cmd_render(project: Project, args) -> int:
+    changed = render_notes(project.root, project.root / args.out)
+    names = [str(p.relative_to(project.root)) for p in changed]
+    print(json.dumps({"changed": names}) if args.json else "\n".join(names) or "rendered notes unchanged")
+    return 0
 
 
 def cmd_pin(project: Project, args) -> int:
@@ -235,7 +247,8 @@ def cmd_relocate(args) -> int:
     return 1 if any(r["status"] == "error" for r in results) else 0
 
 
-COMMANDS = {"pin": cmd_pin, "fetch": cmd_fetch, "cite": cmd_cite, "check": cmd_check, "bump": cmd_bump}
+COMMANDS = {"pin": cmd_pin, "fetch": cmd_fetch, "cite": cmd_cite, "check": cmd_check, "render": cmd_render,
+            "bump": cmd_bump}
 WRITERS = {"pin", "cite", "bump"}
 STANDALONE = {"relocate": cmd_relocate}      # verbs that need no project
 

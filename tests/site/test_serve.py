@@ -1,0 +1,53 @@
+"""`mkdocs serve` with the site's hooks: editing a reading-note template triggers a rebuild (live reload)."""
+from __future__ import annotations
+
+import queue
+import shutil
+import subprocess
+import sys
+import threading
+import time
+
+from tests.gitserver import free_port
+from tests.site.conftest import ROOT, mkdocs_env
+
+
+def _wait_for(lines: queue.Queue, text: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    seen = []
+    while time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=deadline - time.monotonic())
+        except queue.Empty:
+            break
+        seen.append(line)
+        if text in line:
+            return
+    raise AssertionError(f"mkdocs serve never said {text!r}; it said:\n{''.join(seen)}")
+
+
+def test_editing_a_note_template_rebuilds_the_served_site(vendored_docs, tmp_path):
+    # A checkout-shaped folder: the real mkdocs.yml (hook path made absolute), docs/ and reading_notes/.
+    config = (ROOT / "mkdocs.yml").read_text().replace("- tools/site_hooks.py", f"- {ROOT}/tools/site_hooks.py")
+    (tmp_path / "mkdocs.yml").write_text(config)
+    shutil.copytree(vendored_docs, tmp_path / "docs")
+    shutil.copytree(ROOT / "reading_notes", tmp_path / "reading_notes",
+                    ignore=shutil.ignore_patterns("*.md.j2"))                  # pins and lock, no notes
+    template = tmp_path / "reading_notes" / "note.md.j2"
+    template.write_text("# A note\n")
+    proc = subprocess.Popen([sys.executable, "-m", "mkdocs", "serve", "--dev-addr", f"127.0.0.1:{free_port()}"],
+                            cwd=tmp_path, env=mkdocs_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+    try:
+        _wait_for(lines, "Watching paths for changes: 'docs', 'mkdocs.yml', 'reading_notes'")
+        _wait_for(lines, "Serving on http://127.0.0.1:")
+        template.write_text("# A note, edited\n")
+        _wait_for(lines, "Detected file changes")
+        _wait_for(lines, "Building documentation")
+        _wait_for(lines, "Documentation built")
+        assert (tmp_path / "docs" / "notes" / "note.md").read_text() == "# A note, edited\n"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)

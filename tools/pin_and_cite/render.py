@@ -1,0 +1,111 @@
+"""Render reading_notes/*.md.j2 into Markdown for the site: excerpts come from pinned, verified sources.
+
+Everything is rendered in memory first, and only then written, and only files whose text changed (mkdocs
+watches docs/: rewriting an unchanged page would trigger the next live-reload forever). A failure anywhere
+names the template file and line and leaves the previous output as it was.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import jinja2
+
+from pin_and_cite.atomic import atomic_write
+from pin_and_cite.check import verify_locked
+from pin_and_cite.citation import parse_spec
+from pin_and_cite.errors import PinAndCiteError
+from pin_and_cite.notes import TEMPLATE_GLOB, written_calls
+from pin_and_cite.project import Project
+from pin_and_cite.resolve import Excerpt, Resolver
+from pin_and_cite.verified_by import missing_test
+
+LANGUAGES = {".py": "python", ".pyi": "python", ".h": "cpp", ".cpp": "cpp", ".md": "markdown", ".toml": "toml"}
+
+
+def fence_for(text: str) -> str:
+    """A backtick fence longer than any backtick run inside the excerpt, so no excerpt can close it early."""
+    longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
+    return "`" * max(3, longest + 1)
+
+
+def excerpt_markdown(excerpt: Excerpt, highlight: str | None = None) -> str:
+    """The excerpt as a fenced block numbered with upstream line numbers, under a permalinked caption."""
+    first, last = excerpt.lines
+    hl = ""
+    if highlight:
+        spec = parse_spec(f"{excerpt.source.name}:{excerpt.spec.path}#{highlight}")
+        a, b = spec.lines
+        if not (first <= a and b <= last):
+            raise PinAndCiteError(f"highlight {highlight} lies outside the cited L{first}-L{last}")
+        hl = f' hl_lines="{a - first + 1}-{b - first + 1}"'
+    name = f" · `{excerpt.spec.symbol}`" if excerpt.spec.symbol else ""
+    label = f"`{excerpt.spec.path}` L{first}–L{last}{name} @ `{excerpt.source.commit[:12]}`"
+    caption = f"[{label}]({excerpt.permalink})" if excerpt.permalink else label
+    lang = LANGUAGES.get(Path(excerpt.spec.path).suffix, "text")
+    fence = fence_for(excerpt.text)
+    return f'{caption}\n\n{fence}{lang} linenums="{first}"{hl}\n{excerpt.text}{fence}\n'
+
+
+class Renderer:
+    def __init__(self, project: Project):
+        self.project = project
+        self.resolver = Resolver(project, allow_remote=False)
+        self.env = jinja2.Environment(loader=jinja2.FileSystemLoader(project.notes_dir), undefined=jinja2.StrictUndefined,
+                                      keep_trailing_newline=True, autoescape=False)
+        self.env.globals.update(cite=self.cite, verified_by=self.verified_by, pins=project.pins.sources)
+
+    def cite(self, spec_text: str, highlight: str | None = None) -> str:
+        key = str(parse_spec(spec_text))
+        if key not in self.project.lock.citations:
+            raise PinAndCiteError(f"{key} is not in the lock; run `tools/pin-and-cite cite` on it")
+        why = verify_locked(self.project, self.resolver, key)
+        if why:
+            raise PinAndCiteError(f"{key}: {why}")
+        return excerpt_markdown(self.resolver.resolve(parse_spec(key))[0], highlight)
+
+    def verified_by(self, node_id: str) -> str:
+        why = missing_test(self.project.root, node_id)
+        if why:
+            raise PinAndCiteError(f"verified_by: {why}")
+        return f'<span class="verified-by">verified by <code>{node_id}</code></span>'
+
+    def render(self, template: Path) -> str:
+        name = template.relative_to(self.project.notes_dir).as_posix()
+        try:
+            return self.env.get_template(name).render()
+        except jinja2.TemplateSyntaxError as exc:
+            raise PinAndCiteError(f"{self._where(template, exc.lineno)}: {exc.message}") from None
+        except (PinAndCiteError, jinja2.TemplateError) as exc:
+            raise PinAndCiteError(f"{self._where(template, _template_line(exc, template))}: {exc}") from None
+
+    def _where(self, template: Path, line: int | None) -> str:
+        return f"{template.relative_to(self.project.root)}:{line or '?'}"
+
+
+def _template_line(exc: BaseException, template: Path) -> int | None:
+    """The template line a runtime error came from (Jinja rewrites tracebacks to template frames)."""
+    line, tb = None, exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == str(template):
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    return line
+
+
+def render_notes(root: Path, out_dir: Path) -> list[Path]:
+    """Render every note template into `out_dir` (NAME.md.j2 -> NAME.md); return the files that changed."""
+    project = Project(root)
+    renderer = Renderer(project)
+    templates = sorted(project.notes_dir.glob(TEMPLATE_GLOB))
+    rendered = {out_dir / t.relative_to(project.notes_dir).with_suffix("").as_posix(): renderer.render(t)
+                for t in templates}
+    changed = []
+    for path, text in rendered.items():
+        if not path.exists() or path.read_text() != text:
+            atomic_write(path, text.encode())
+            changed.append(path)
+    for stale in set(out_dir.rglob("*.md")) - set(rendered):      # a template was removed or renamed
+        stale.unlink()
+        changed.append(stale)
+    return changed

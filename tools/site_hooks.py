@@ -1,0 +1,47 @@
+"""mkdocs hooks (mkdocs.yml `hooks:`): the steps every site build needs before mkdocs reads docs/.
+
+`on_pre_build` runs before `mkdocs build` and before every live-reload rebuild of `mkdocs serve`:
+  1. The self-hosted mermaid must be installed and match its pin. Without it mkdocs-material would
+     quietly load mermaid from unpkg.com, so a missing or altered file stops the build with one line
+     saying how to fix it (`tools/vendor-assets`, which `make serve` and the site tests run).
+  2. The reading-note templates are rendered into `<docs_dir>/notes/` by
+     `pin_and_cite.render.render_notes`, which leaves unchanged outputs untouched (mkdocs watches docs/,
+     so rewriting a file on every build would trigger the next rebuild forever) and, on a bad template,
+     stops the build with the template's file:line and leaves the previous pages as they were.
+`on_serve` watches reading_notes/ as well, so saving a template re-renders and reloads the page.
+The repository root is the folder holding mkdocs.yml.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from mkdocs.exceptions import PluginError
+
+import vendor_assets
+from pin_and_cite.errors import PinAndCiteError
+from pin_and_cite.render import render_notes
+
+
+def _repo_root(config) -> Path:
+    return Path(config.config_file_path).resolve().parent
+
+
+def on_pre_build(config) -> None:
+    docs_dir = Path(config.docs_dir)
+    try:
+        found = vendor_assets.problems(docs_dir, vendor_assets.load_lock())
+    except vendor_assets.AssetError as e:
+        raise PluginError(str(e)) from None
+    if found:
+        raise PluginError(f"{found[0]}; run tools/vendor-assets --docs-dir {docs_dir} (make serve does)")
+    try:
+        render_notes(_repo_root(config), docs_dir / "notes")
+    except PinAndCiteError as e:
+        raise PluginError(str(e)) from None
+
+
+def on_serve(server, config, builder):
+    templates = _repo_root(config) / "reading_notes"
+    if templates.is_dir():
+        server.watch(str(templates))
+    return server
