@@ -14,7 +14,9 @@ Ground truth is computed here, independently of the engine (its own line normali
   ranges   let B be the cited lines (trailing whitespace stripped). B found exactly once in the new file at
            line p -> "same text": correct answer is unchanged (p == old start) or moved, with lines p..p+len-1.
            B found more than once -> "duplicated": reported separately (any exact copy, or a flag, is not wrong).
-           B not found -> "modified or deleted": correct answer is any flag (changed or deleted).
+           B not found -> "modified or deleted": correct answer is any flag (changed or deleted). Where the
+           innermost definition holding B is defined once at both releases, a `changed` answer should also
+           point inside that definition's new span ("changed in its def": how useful the flag's lines are).
   symbols  the qualified name defined once at the new release: its span there, unchanged/moved if its text
            (trailing whitespace stripped) is identical, else changed; correct = status and lines both right.
            Name gone or defined twice at the new release: correct = changed or deleted.
@@ -137,6 +139,17 @@ def truth_for_range(old: list[str], new: list[str], start: int, end: int) -> tup
     return ("duplicated", None) if found else ("flag", None)
 
 
+def home(old_spans: dict, new_spans: dict, start: int, end: int) -> tuple[int, int] | None:
+    """Where edited lines should be looked for: the new span of the innermost definition holding them at the
+    old release, when that name is defined exactly once at both releases."""
+    holding = [(b - a, name) for name, spans in old_spans.items() if len(spans) == 1
+               for a, b in spans if a <= start and end <= b]
+    if not holding:
+        return None
+    spans = new_spans.get(min(holding)[1], [])
+    return spans[0] if len(spans) == 1 else None
+
+
 def truth_for_symbol(old: list[str], new: list[str], span: tuple[int, int], new_spans: list) -> tuple[str, tuple | None]:
     if len(new_spans) != 1:
         return "flag", None
@@ -204,16 +217,19 @@ def evaluate(repo: Path, commits: dict, old_v: str, new_v: str, n_ranges: int, r
     common = sorted(p for p in old_files if p in new_files and old_files[p])
     weights = [len(old_files[p]) for p in common]
     cases = []                                         # (cite, path, (start, end) cited, truth, truth lines)
+    spans_at = {path: (qualified_spans(old_files[path]), qualified_spans(new_files[path])) for path in common}
     for path in rng.choices(common, weights, k=n_ranges):
         lines = old_files[path]
         length = rng.randint(3, 40)
         start = rng.randint(1, max(1, len(lines) - length + 1))
         end = min(len(lines), start + length - 1)
-        cases.append((f"{path}#L{start}-L{end}", path, (start, end), "range",
-                      *truth_for_range(lines, new_files[path], start, end)))
+        truth, truth_lines = truth_for_range(lines, new_files[path], start, end)
+        if truth == "flag":
+            truth_lines = home(*spans_at[path], start, end)
+        cases.append((f"{path}#L{start}-L{end}", path, (start, end), "range", truth, truth_lines))
     for path in common:
-        new_spans = qualified_spans(new_files[path])
-        for name, spans in sorted(qualified_spans(old_files[path]).items()):
+        old_spans, new_spans = spans_at[path]
+        for name, spans in sorted(old_spans.items()):
             if len(spans) == 1:
                 cases.append((f"{path}::{name}", path, spans[0], "symbol",
                               *truth_for_symbol(old_files[path], new_files[path], spans[0], new_spans.get(name, []))))
@@ -236,6 +252,9 @@ def evaluate(repo: Path, commits: dict, old_v: str, new_v: str, n_ranges: int, r
             elif truth == "flag":
                 tally["modified"] += 1
                 tally["modified_flagged"] += flagged
+                if status == "changed" and truth_lines:          # does the pointer land in the right definition?
+                    tally["changed_homed"] += 1
+                    tally["changed_homed_ok"] += truth_lines[0] <= lines[0] and lines[1] <= truth_lines[1]
             elif truth == "duplicated":
                 tally["duplicated"] += 1
             else:
@@ -263,10 +282,11 @@ def main() -> None:
     if args.json:
         print(json.dumps(rows, indent=2))
         return
-    header = ("pair", "method", "same-text relocated", "modified flagged", "symbols correct", "dup", "silent wrong",
-              "errors", "seconds")
+    header = ("pair", "method", "same-text relocated", "modified flagged", "changed in its def", "symbols correct",
+              "dup", "silent wrong", "errors", "seconds")
     table = [header] + [(r["pair"], r["method"], pct(r["same_text_ok"], r["same_text"]),
-                         pct(r["modified_flagged"], r["modified"]), pct(r["symbols_ok"], r["symbols"]),
+                         pct(r["modified_flagged"], r["modified"]), pct(r.get("changed_homed_ok", 0), r.get("changed_homed", 0)),
+                         pct(r["symbols_ok"], r["symbols"]),
                          str(r.get("duplicated", 0)), str(r.get("silent_wrong", 0)), str(r.get("errors", 0)),
                          f"{r['seconds']:.1f}" if r["method"] == "engine" else "") for r in rows]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
@@ -278,7 +298,8 @@ def main() -> None:
             if r["method"] == method:
                 total.update({k: v for k, v in r.items() if isinstance(v, int)})
         print(f"all pairs, {method}: same-text {pct(total['same_text_ok'], total['same_text'])}, flagged "
-              f"{pct(total['modified_flagged'], total['modified'])}, symbols {pct(total['symbols_ok'], total['symbols'])}, "
+              f"{pct(total['modified_flagged'], total['modified'])}, changed in its def "
+              f"{pct(total['changed_homed_ok'], total['changed_homed'])}, symbols {pct(total['symbols_ok'], total['symbols'])}, "
               f"silent wrong pointers {total['silent_wrong']}")
 
 
