@@ -96,3 +96,12 @@ def test_a_local_repository_directory_is_a_source(history, tmp_path):
     assert proc.stdout.splitlines() == [
         "moved     pkg/mod.py#L12-L14 -> L15-L17",
         "changed   pkg/mod.py::helper -> L28-L31  (helper is gone; combine looks like it renamed)"]
+
+
+def test_help_documents_the_verbs_and_statuses():
+    out = subprocess.run([str(CLI), "--help"], capture_output=True, text=True).stdout
+    assert "bump" in out and "relocate" in out
+    for status in ("unchanged", "moved", "changed", "deleted", "error"):
+        assert f"  {status}" in out
+    out = subprocess.run([str(CLI), "relocate", "--help"], capture_output=True, text=True).stdout
+    assert "PATH#Lstart-Lend" in out and "'-' reads one per line from stdin" in out

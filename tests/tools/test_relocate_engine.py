@@ -134,6 +134,8 @@ def test_whole_file_rewritten():
     assert reloc(new, (17, 19)) == ("deleted", None)
     assert reloc(new, (1, 32)) == ("deleted", None)
     assert reloc(new, "Column.forward") == ("deleted", None)
+    assert reloc("", (17, 19)) == ("deleted", None)                     # emptied
+    assert reloc("", "Column.forward") == ("deleted", None)
 
 
 def test_crlf_and_trailing_whitespace_count_as_the_same_text():

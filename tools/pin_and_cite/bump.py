@@ -9,6 +9,7 @@ it until a person fixes the note: the review report lists it with its old text.
 """
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -108,18 +109,22 @@ def plan(project: Project, name: str, ref: str) -> Bump:
     for table in (project.lock.citations, project.lock.files):
         for key in [k for k in table if k.startswith(f"{name}:")]:
             del table[key]
+    texts = {key: split_lines(data, f"{key[1]} at {key[0][:12]}") for key, data in files.items() if data is not None}
     for c in carried:
-        _carry(c, resolver, files, old, new)
+        _carry(c, resolver, texts[(old, c.spec.path)], texts[(new, c.spec.path)], old)
     return Bump(name, old, new, tag, carried, {project.pins.path: pins_bytes, **_templates(carried),
                                                project.lock.path: project.lock.dumps()})
 
 
-def _carry(c: Carried, resolver: Resolver, files: dict, old: str, new: str) -> None:
+@functools.lru_cache(maxsize=64)
+def _definitions(path: str, lines: tuple[str, ...]) -> dict:
+    return symbols.definitions("\n".join(lines), path)
+
+
+def _carry(c: Carried, resolver: Resolver, old_lines: tuple[str, ...], new_lines: tuple[str, ...], old: str) -> None:
     """Decide the citation's new spec, lock it, and keep both excerpts for the review report."""
-    old_lines = split_lines(files[(old, c.spec.path)], c.spec.path)
-    new_lines = split_lines(files[(new, c.spec.path)], c.spec.path)
     if c.spec.symbol:
-        defs = symbols.definitions("\n".join(old_lines), c.spec.path)
+        defs = _definitions(c.spec.path, old_lines)
         first, last = symbols.resolve(defs, c.spec.symbol, f"{c.spec.path} at {old[:12]}")
     else:
         first, last = c.spec.lines

@@ -9,17 +9,15 @@ from pathlib import Path
 
 from pin_and_cite import bump, review
 from pin_and_cite.check import check
-from pin_and_cite.citation import parse_location, parse_spec
+from pin_and_cite.citation import parse_spec
 from pin_and_cite.errors import PinAndCiteError
 from pin_and_cite.fetch import Fetched, fetch_all
 from pin_and_cite.gitobj import is_full_sha
 from pin_and_cite.project import Project, find_root
-from pin_and_cite.reanchor import fetch_files, relocate_batch
-from pin_and_cite.relocate import Relocation
+from pin_and_cite.reanchor import relocate_texts
 from pin_and_cite.remote import Remote, check_url
 from pin_and_cite.render import render_notes
 from pin_and_cite.resolve import Resolver
-from pin_and_cite.store import Store, default_cache_dir
 
 EPILOG = """\
 citations:
@@ -112,13 +110,14 @@ def build_parser() -> argparse.ArgumentParser:
     relocate = verbs.add_parser(
         "relocate", parents=[network], help="where do citations made at one commit point at another?",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Follow citations of a git repository from commit OLD to commit NEW: line ranges follow "
-                    "their text, symbols follow their qualified name. Needs no project; fetches each cited "
-                    "file once per commit (into the cache), however many citations there are.",
-        epilog="CITE is PATH#Lstart-Lend (1-based, inclusive) or PATH::Qual.name; '-' reads one per line from "
-               "stdin.\n--json prints a list in input order: {\"cite\", \"status\", \"lines\": [start, end] or "
-               "null}, plus \"reason\" for errors.\nExit status 1 when any citation is an error (the others are "
-               "still answered).")
+        description="Follow citations of a git repository from commit OLD to commit NEW: line ranges follow their\n"
+                    "text, symbols follow their qualified name. Needs no project; fetches each cited file once per\n"
+                    "commit (into the cache), however many citations there are.",
+        epilog="CITE is PATH#Lstart-Lend (1-based, inclusive) or PATH::Qual.name; '-' reads one per line from stdin.\n"
+               "--json prints a list in input order, one object per citation:\n"
+               '  {"cite": ..., "status": ..., "lines": [start, end] or null}, plus "reason" for errors.\n'
+               "Statuses: see `pin-and-cite --help`. Exit status 1 when any citation is an error (the others are\n"
+               "still answered); 2 for bad arguments or an unknown commit; 3 when the repository cannot be read.")
     relocate.add_argument("--source", required=True, metavar="GIT_URL_OR_PATH",
                           help="the repository: a git URL or a local repository directory")
     relocate.add_argument("--from", dest="old", required=True, metavar="OLD", help="commit, tag or branch cited")
@@ -224,20 +223,7 @@ def _read_cites(args: list[str]) -> list[str]:
 
 def cmd_relocate(args) -> int:
     texts = _read_cites(args.cites)
-    url = str(Path(args.source).resolve()) if Path(args.source).is_dir() else args.source
-    store = Store(default_cache_dir())
-    remote = Remote(url, store.git_dir(url), args.timeout)
-    old, new = remote.resolve_ref(args.old), remote.resolve_ref(args.new)
-    specs, answers = {}, {}
-    for i, text in enumerate(texts):
-        try:
-            specs[i] = parse_location(text)
-        except PinAndCiteError as exc:
-            answers[i] = Relocation("error", None, str(exc))
-    paths = sorted({spec.path for spec in specs.values()})
-    files = fetch_files(remote, store, {old: paths, new: paths})
-    answers.update(zip(specs, relocate_batch(list(specs.values()), old, new, files)))
-    results = [answers[i].as_json(text.strip()) for i, text in enumerate(texts)]
+    results = relocate_texts(args.source, args.old, args.new, texts, args.timeout)
     if args.json:
         print("[\n" + ",\n".join(json.dumps(r) for r in results) + "\n]")     # one citation per line
     else:

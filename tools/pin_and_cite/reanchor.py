@@ -6,15 +6,16 @@ request. Each blob is verified by its git hash and kept in the cache, so a secon
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Callable, Iterable
 
-from pin_and_cite.citation import Spec
+from pin_and_cite.citation import Spec, parse_location
 from pin_and_cite.errors import PinAndCiteError, SourceUnavailable
 from pin_and_cite.gitobj import blob_sha
 from pin_and_cite.relocate import FilePair, Relocation
 from pin_and_cite.remote import Remote
 from pin_and_cite.resolve import split_lines
-from pin_and_cite.store import Store
+from pin_and_cite.store import Store, default_cache_dir
 
 LocalBytes = Callable[[str, str], "bytes | None"]     # (path, blob) -> verified bytes from somewhere local
 
@@ -77,3 +78,22 @@ def relocate_batch(cites: list[Spec], old: str, new: str, files: dict[tuple[str,
         else:
             answers.append(pair.relocate_range(*cite.lines))
     return answers
+
+
+def relocate_texts(source: str, old_ref: str, new_ref: str, texts: list[str], timeout: float) -> list[dict]:
+    """The `relocate` verb: citation strings of one repository (URL or local directory), answered in input
+    order as JSON-ready dicts; a malformed citation is its own error answer."""
+    url = str(Path(source).resolve()) if Path(source).is_dir() else source
+    store = Store(default_cache_dir())
+    remote = Remote(url, store.git_dir(url), timeout)
+    old, new = remote.resolve_ref(old_ref), remote.resolve_ref(new_ref)
+    specs, answers = {}, {}
+    for i, text in enumerate(texts):
+        try:
+            specs[i] = parse_location(text)
+        except PinAndCiteError as exc:
+            answers[i] = Relocation("error", None, str(exc))
+    paths = sorted({spec.path for spec in specs.values()})
+    files = fetch_files(remote, store, {old: paths, new: paths})
+    answers.update(zip(specs, relocate_batch(list(specs.values()), old, new, files)))
+    return [answers[i].as_json(text.strip()) for i, text in enumerate(texts)]

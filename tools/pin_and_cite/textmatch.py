@@ -102,11 +102,13 @@ class LineMap:
 
 
 def best_windows(block: Sequence[str], new: Sequence[str], region: Span, count: int = 3) -> list[Span]:
-    """The `count` windows of len(block) lines inside `region` sharing the most distinct lines with `block`
-    (indentation ignored); only windows sharing at least one non-blank line."""
+    """The `count` windows of len(block) lines inside `region` holding the most lines that also occur in
+    `block` (indentation ignored, blank lines not counted); windows holding none are not candidates."""
     wanted = {line.strip() for line in block if line.strip()}
     n = len(block)
     lo, hi = region
+    if hi <= lo:
+        return []
     hits = [1 if new[j].strip() in wanted else 0 for j in range(lo, hi)]
     scored, running = [], sum(hits[:n])
     for start in range(lo, max(lo + 1, hi - n + 1)):
