@@ -261,7 +261,8 @@ def evaluate(repo: Path, commits: dict, old_v: str, new_v: str, n_ranges: int, r
                 tally["same_text"] += 1
                 tally["same_text_ok"] += (status, lines) == (truth, truth_lines)
             tally["errors"] += status == "error"
-        rows.append({"pair": f"{old_v} -> {new_v}", "method": method, "seconds": round(seconds, 2), **tally})
+        rows.append({"pair": f"{old_v} -> {new_v}", "method": method, "cites": len(cases),
+                     "seconds": round(seconds, 2), **tally})
     return rows
 
 
@@ -283,12 +284,12 @@ def main() -> None:
         print(json.dumps(rows, indent=2))
         return
     header = ("pair", "method", "same-text relocated", "modified flagged", "changed in its def", "symbols correct",
-              "dup", "silent wrong", "errors", "seconds")
+              "dup", "silent wrong", "errors", "relocate: cites, wall")
     table = [header] + [(r["pair"], r["method"], pct(r["same_text_ok"], r["same_text"]),
                          pct(r["modified_flagged"], r["modified"]), pct(r.get("changed_homed_ok", 0), r.get("changed_homed", 0)),
                          pct(r["symbols_ok"], r["symbols"]),
                          str(r.get("duplicated", 0)), str(r.get("silent_wrong", 0)), str(r.get("errors", 0)),
-                         f"{r['seconds']:.1f}" if r["method"] == "engine" else "") for r in rows]
+                         f"{r['cites']} in {r['seconds']:.1f}s" if r["method"] == "engine" else "") for r in rows]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     for row in table:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
@@ -296,7 +297,7 @@ def main() -> None:
         total = Counter()
         for r in rows:
             if r["method"] == method:
-                total.update({k: v for k, v in r.items() if isinstance(v, int)})
+                total.update({k: v for k, v in r.items() if isinstance(v, int) and k != "cites"})
         print(f"all pairs, {method}: same-text {pct(total['same_text_ok'], total['same_text'])}, flagged "
               f"{pct(total['modified_flagged'], total['modified'])}, changed in its def "
               f"{pct(total['changed_homed_ok'], total['changed_homed'])}, symbols {pct(total['symbols_ok'], total['symbols'])}, "
