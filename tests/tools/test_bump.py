@@ -134,7 +134,7 @@ def test_deleted_code_is_left_as_written_reported_and_unlocked(project, history)
         "deleted: up:pkg/mod.py#L31-L32 -> left as written: fix the note (`check` fails until then)",
         "  cited at reading_notes/gone.md.j2:1",
         f"  --- pkg/mod.py#L31-L32 @ {history.c1[:12]}",
-        f"  +++ pkg/mod.py(none) @ {history.c2[:12]}",
+        f"  +++ pkg/mod.py (no counterpart) @ {history.c2[:12]}",
         "  @@ -31,2 +0,0 @@",
         "  -def other(a):",
         "  -    return a",

@@ -13,7 +13,7 @@ STATUSES = ("unchanged", "moved", "changed", "deleted")
 
 
 def _anchor(lines: tuple[int, int] | None) -> str:
-    return f"#L{lines[0]}-L{lines[1]}" if lines else "(none)"
+    return f"#L{lines[0]}-L{lines[1]}" if lines else " (no counterpart)"
 
 
 def counts(bump: Bump) -> dict[str, int]:
