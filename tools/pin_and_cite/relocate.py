@@ -14,8 +14,8 @@ from typing import Sequence
 
 from pin_and_cite import symbols
 from pin_and_cite.errors import PinAndCiteError
-from pin_and_cite.textmatch import (LineIndex, LineMap, Span, aligned_span, best_windows, normalized, retained,
-                                    similarity)
+from pin_and_cite.textmatch import (LineIndex, LineMap, Span, aligned_span, best_windows, most_similar, normalized,
+                                    retained, similarity)
 
 PYTHON_SUFFIXES = (".py", ".pyi")
 MIN_SIMILARITY = 0.5          # a counterpart keeps at least this share of the cited text, else: deleted
@@ -134,18 +134,18 @@ class FilePair:
         otherwise look for the most similar window inside the enclosing definition, then anywhere (the code
         may have moved and changed). Changed when at least half the cited text survives, else deleted."""
         hull = self.diff.hull(span)
-        plausible = hull is not None and hull[1] - hull[0] <= 2 * len(block) + 10
-        if plausible and retained(block, self.new[hull[0]:hull[1]]) >= MIN_SIMILARITY:
+        if hull is not None and hull[1] - hull[0] > 2 * len(block) + 10:
+            hull = None                                   # aligned across a big insertion: not a pointer
+        if hull is not None and (self.diff.kept_share(span, block) >= MIN_SIMILARITY
+                                 or retained(block, self.new[hull[0]:hull[1]]) >= MIN_SIMILARITY):
             return _found(hull, "changed")
         candidates = [hull] if hull else []
         region = self.counterpart_region(span)
         for where in ([region] if region else []) + [(0, len(self.new))]:
             candidates += [aligned_span(block, self.new, w) for w in best_windows(block, self.new, where)]
-        scored = [(similarity(block, self.new[a:b]), -k, (a, b)) for k, (a, b) in enumerate(candidates) if b > a]
-        if scored:
-            best = max(scored)[2]
-            if retained(block, self.new[best[0]:best[1]]) >= MIN_SIMILARITY:
-                return _found(best, "changed")
+        best = most_similar(block, [self.new[a:b] for a, b in candidates])
+        if best is not None and retained(block, self.new[slice(*candidates[best])]) >= MIN_SIMILARITY:
+            return _found(candidates[best], "changed")
         return Relocation("deleted", None)
 
     # -- symbols --------------------------------------------------------------------------------------

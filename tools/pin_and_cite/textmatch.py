@@ -45,6 +45,26 @@ def retained(a: Sequence[str], b: Sequence[str]) -> float:
     return sum(m.size for m in matcher.get_matching_blocks()) / len(left)
 
 
+def most_similar(block: Sequence[str], candidates: list[Sequence[str]]) -> int | None:
+    """Index of the candidate sharing the most of `block`'s non-blank lines, in order, indentation aside
+    (the first on ties; None when there is no candidate). Lines, not tokens: this only ranks candidates
+    (cheaply, and the block is indexed once); `retained` then judges the winner by tokens."""
+    matcher = difflib.SequenceMatcher(None, autojunk=False)
+    matcher.set_seq2(_content(block))
+    best, best_score = None, -1.0
+    for k, candidate in enumerate(candidates):
+        matcher.set_seq1(_content(candidate))
+        if matcher.real_quick_ratio() > best_score and matcher.quick_ratio() > best_score:
+            score = matcher.ratio()
+            if score > best_score:
+                best, best_score = k, score
+    return best
+
+
+def _content(lines: Sequence[str]) -> list[str]:
+    return [line.strip() for line in lines if line.strip()]
+
+
 class LineIndex:
     """Where each normalized line occurs in a file, to find a block's exact copies without scanning."""
 
@@ -87,6 +107,14 @@ class LineMap:
         """The new lines that the old lines of `span` align with (None if all of them were deleted)."""
         mapped = [j for j in self.near[span[0]:span[1]] if j >= 0]
         return (min(mapped), max(mapped) + 1) if mapped else None
+
+    def kept_share(self, span: Span, block: Sequence[str]) -> float:
+        """The share of the block's tokens on lines the diff keeps identical (a cheap lower bound of
+        `retained` over the hull, enough to accept most lightly edited ranges without a token diff)."""
+        counts = [len(_TOKEN.findall(line)) for line in block]
+        total = sum(counts)
+        kept = sum(c for c, i in zip(counts, range(*span)) if self.equal[i] >= 0)
+        return kept / total if total else 1.0
 
     def agreement(self, span: Span, new_start: int) -> int:
         """How many lines of `span` the diff aligns with the same lines of a copy starting at `new_start`."""
