@@ -147,3 +147,13 @@ def test_pin_points_to_bump_when_citations_would_be_orphaned(project, noted):
     r = project.run("pin", "up", "--ref", "c2")
     assert r.code == 2
     assert "would orphan their citations: use `pin-and-cite bump up --ref c2` to carry them along" in r.err
+
+
+def test_citations_only_in_the_lock_are_carried_too(project, history):
+    project.write_pins(up={"url": history.url, "commit": history.c1})
+    assert project.run("cite", f"{MOD}#L12-L14", f"{MOD}#L17-L19").code == 0
+    r = project.run("bump", "up", "--ref", "c2")
+    assert r.code == 0, r.err
+    assert sorted(json.loads(project.lock_path.read_text())["citations"]) == [f"{MOD}#L15-L17", f"{MOD}#L20-L22"]
+    assert "  cited at citations.lock" in r.out
+    assert project.run("check").code == 0
