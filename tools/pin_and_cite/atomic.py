@@ -1,8 +1,10 @@
-"""Write-then-rename, so a reader or a crash never sees half a file (or, for a set of files, a failed step
-half of the set)."""
+"""Write-then-rename, so a reader or a crash never sees half a file; a set of files is staged completely
+before any of them is replaced, so a failed step (disk full, Ctrl-C) leaves the whole set as it was."""
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import tempfile
 from pathlib import Path
 
@@ -28,5 +30,20 @@ def atomic_write_all(files: dict[Path, bytes]) -> None:
         for tmp, _ in staged:
             os.unlink(tmp)
         raise
-    for tmp, path in staged:
-        os.replace(tmp, path)
+    with _no_interrupts():                        # Ctrl-C cannot land between two renames
+        for tmp, path in staged:
+            os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def _no_interrupts():
+    """Hold SIGINT/SIGTERM until the block is done (they are delivered right after), where POSIX allows."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    held = {signal.SIGINT, signal.SIGTERM}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
