@@ -15,8 +15,9 @@ Ground truth is computed here, independently of the engine (its own line normali
            line p -> "same text": correct answer is unchanged (p == old start) or moved, with lines p..p+len-1.
            B found more than once -> "duplicated": reported separately (any exact copy, or a flag, is not wrong).
            B not found -> "modified or deleted": correct answer is any flag (changed or deleted). Where the
-           innermost definition holding B is defined once at both releases, a `changed` answer should also
-           point inside that definition's new span ("changed in its def": how useful the flag's lines are).
+           innermost definition holding B is defined once at both releases, a useful flag is `changed` with
+           lines inside that definition's new span ("changed in its def": the share of those cases answered so;
+           a proxy, since code can legitimately move to another definition or be rewritten beyond recognition).
   symbols  the qualified name defined once at the new release: its span there, unchanged/moved if its text
            (trailing whitespace stripped) is identical, else changed; correct = status and lines both right.
            Name gone or defined twice at the new release: correct = changed or deleted.
@@ -252,9 +253,9 @@ def evaluate(repo: Path, commits: dict, old_v: str, new_v: str, n_ranges: int, r
             elif truth == "flag":
                 tally["modified"] += 1
                 tally["modified_flagged"] += flagged
-                if status == "changed" and truth_lines:          # does the pointer land in the right definition?
+                if truth_lines:                                  # is it a changed pointer into the right definition?
                     tally["changed_homed"] += 1
-                    tally["changed_homed_ok"] += truth_lines[0] <= lines[0] and lines[1] <= truth_lines[1]
+                    tally["changed_homed_ok"] += status == "changed" and truth_lines[0] <= lines[0] <= lines[1] <= truth_lines[1]
             elif truth == "duplicated":
                 tally["duplicated"] += 1
             else:

@@ -148,6 +148,13 @@ def test_crlf_and_trailing_whitespace_count_as_the_same_text():
     assert reloc(BASE, (17, 19), old_text=crlf) == ("unchanged", (17, 19))
 
 
+def test_body_rewritten_inside_the_same_definition_is_changed_not_deleted():
+    new = edited(("        y = x * 2\n        y = y + 1\n        return y\n",
+                  "        out = torch.relu(x)\n        out = out.sum()\n        return out\n"))
+    assert reloc(new, (17, 19)) == ("changed", (17, 19))
+    assert reloc(new, "Column.forward") == ("changed", (16, 19))
+
+
 def test_indentation_change_is_a_change():
     new = edited(("        y = y + 1\n", "            y = y + 1\n"))
     assert reloc(new, (17, 19)) == ("changed", (17, 19))

@@ -19,7 +19,9 @@ from pin_and_cite.textmatch import (LineIndex, LineMap, Span, aligned_span, best
 
 PYTHON_SUFFIXES = (".py", ".pyi")
 MIN_SIMILARITY = 0.5          # a counterpart keeps at least this share of the cited text, else: deleted
+MIN_IN_PLACE = 0.3            # ... or this share, where the diff aligns it in place (rewritten, not gone)
 RENAMED_SIMILARITY = 0.6      # a definition under a new name must be at least this like the old one
+MAX_GROWTH = 3                # an edited range may grow to 3x its length (+50 lines) and still be one pointer
 
 
 @dataclass(frozen=True)
@@ -130,17 +132,19 @@ class FilePair:
         return None
 
     def _edited(self, span: Span, block: list[str]) -> Relocation:
-        """No exact copy is left. Trust the diff's alignment when most of the cited text is still there;
-        otherwise look for the most similar window inside the enclosing definition, then anywhere (the code
-        may have moved and changed). Changed when at least half the cited text survives, else deleted."""
+        """No exact copy is left. Trust the diff's alignment when it keeps the range inside the same
+        definition, or keeps a good part of the cited text (rewritten in place); otherwise look for the most
+        similar window inside the enclosing definition, then anywhere (the code may have moved and changed), and
+        call it changed when at least half the cited text survives there. Else deleted."""
         hull = self.diff.hull(span)
-        if hull is not None and hull[1] - hull[0] > 2 * len(block) + 10:
-            hull = None                                   # aligned across a big insertion: not a pointer
-        if hull is not None and (self.diff.kept_share(span, block) >= MIN_SIMILARITY
-                                 or retained(block, self.new[hull[0]:hull[1]]) >= MIN_SIMILARITY):
+        if hull is not None and hull[1] - hull[0] > MAX_GROWTH * len(block) + 50:
+            hull = None                                   # aligned across a huge insertion: not a pointer
+        region = self.counterpart_region(span)
+        if hull is not None and (self.diff.kept_share(span, block) >= MIN_IN_PLACE
+                                 or _inside(hull, region)
+                                 or retained(block, self.new[hull[0]:hull[1]]) >= MIN_IN_PLACE):
             return _found(hull, "changed")
         candidates = [hull] if hull else []
-        region = self.counterpart_region(span)
         for where in ([region] if region else []) + [(0, len(self.new))]:
             candidates += [aligned_span(block, self.new, w) for w in best_windows(block, self.new, where)]
         best = most_similar(block, [self.new[a:b] for a, b in candidates])
@@ -182,6 +186,10 @@ class FilePair:
             return Relocation("deleted", None)
         _, new_name, span = max(scored)
         return Relocation("changed", span, f"{name} is gone; {new_name} looks like it renamed")
+
+
+def _inside(span: Span, region: Span | None) -> bool:
+    return region is not None and region[0] <= span[0] and span[1] <= region[1]
 
 
 def _kind(lines: Sequence[str]) -> str:
