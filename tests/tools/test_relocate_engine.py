@@ -127,6 +127,9 @@ def test_code_deleted():
     assert reloc(new, "helper") == ("deleted", None)
     assert reloc(new, (25, 28)) == ("deleted", None)
     assert reloc(new, "other") == ("moved", (25, 26))
+    method_gone = edited(("\n    def backward(self, grad):\n        return grad\n", ""))
+    assert reloc(method_gone, (21, 22)) == ("deleted", None)
+    assert reloc(method_gone, "Column.backward") == ("deleted", None)
 
 
 def test_whole_file_rewritten():
