@@ -28,6 +28,7 @@ test: setup
 
 bench: setup
 	$(PY) benchmarks/fetch_vs_clone.py
+	$(PY) benchmarks/relocate_accuracy.py
 
 clean:
 	rm -rf .venv site

@@ -58,6 +58,7 @@ class ByteCountingProxy:
         self.stall_after = stall_after
         self.sent_to_client = 0
         self.sent_to_server = 0
+        self.connections = 0           # one per git request (ls-remote, fetch): what "one fetch" is counted by
         self._lock = threading.Lock()
         self._server = socket.create_server(("127.0.0.1", 0))
         self.port = self._server.getsockname()[1]
@@ -67,7 +68,7 @@ class ByteCountingProxy:
 
     def reset(self) -> None:
         with self._lock:
-            self.sent_to_client = self.sent_to_server = 0
+            self.sent_to_client = self.sent_to_server = self.connections = 0
 
     def _accept(self) -> None:
         while not self._closed:
@@ -75,6 +76,8 @@ class ByteCountingProxy:
                 client, _ = self._server.accept()
             except OSError:
                 return
+            with self._lock:
+                self.connections += 1
             upstream = socket.create_connection(("127.0.0.1", self.target_port))
             threading.Thread(target=self._pump, args=(client, upstream, "sent_to_server"), daemon=True).start()
             threading.Thread(target=self._pump, args=(upstream, client, "sent_to_client"), daemon=True).start()

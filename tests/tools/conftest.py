@@ -12,6 +12,7 @@ import git
 import pytest
 
 from tests.gitserver import GitDaemon
+from tests.tools.synthetic import BASE, HEADER, edited
 
 ROOT = Path(__file__).resolve().parents[2]
 CLI = ROOT / "tools" / "pin-and-cite"
@@ -138,3 +139,42 @@ def project(tmp_path, upstream) -> ProjectDir:
     p = ProjectDir(tmp_path / "project", tmp_path / "cache")
     p.write_pins(up={"url": upstream.url, "commit": upstream.v1})
     return p
+
+
+TEXT = "alpha\nbeta\ngamma\n"
+
+
+@dataclass
+class History:
+    work: Path            # the working repository (also usable as a local source)
+    url: str
+    c1: str
+    c2: str
+
+
+@pytest.fixture(scope="session")
+def history(daemon, tmp_path_factory) -> History:
+    """c1 -> c2: pkg/mod.py gains a header, edits forward, renames helper, drops other; notes.txt turns CRLF;
+    gone.py goes."""
+    work_dir = tmp_path_factory.mktemp("reloc-work")
+    work = git.Repo.init(work_dir)
+    actor = git.Actor("Upstream", "upstream@example.com")
+
+    def commit(files: dict[str, str], message: str, removed=()) -> str:
+        for rel, text in files.items():
+            (work_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+            (work_dir / rel).write_bytes(text.encode())
+        work.index.add(list(files))
+        if removed:
+            work.index.remove(list(removed), working_tree=True)
+        return work.index.commit(message, author=actor, committer=actor).hexsha
+
+    c1 = commit({"pkg/mod.py": BASE, "docs/notes.txt": TEXT, "pkg/gone.py": "x = 1\n"}, "c1")
+    work.create_tag("c1")
+    c2 = commit({"pkg/mod.py": HEADER + edited(("y = y + 1", "y = y + 2"), ("def helper(", "def combine("),
+                                                ("\n\n\ndef other(a):\n    return a\n", "\n")),
+                 "docs/notes.txt": TEXT.replace("\n", "\r\n")}, "c2", removed=["pkg/gone.py"])
+    work.create_tag("c2")
+    bare = daemon.base / "reloc.git"
+    work.clone(bare, bare=True)
+    return History(work_dir, daemon.url("reloc.git"), c1, c2)

@@ -1,20 +1,49 @@
-"""Write-then-rename, so a reader or a crash never sees half a file."""
+"""Write-then-rename, so a reader or a crash never sees half a file; a set of files is staged completely
+before any of them is replaced, so a failed step (disk full, Ctrl-C) leaves the whole set as it was."""
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import tempfile
 from pathlib import Path
 
 
 def atomic_write(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    atomic_write_all({path: data})
+
+
+def atomic_write_all(files: dict[Path, bytes]) -> None:
+    """Write several files as one step: stage every one first, and only when all are staged rename them into
+    place; a failure while staging (disk full, permissions) leaves every file as it was."""
+    staged: list[tuple[str, Path]] = []
     try:
-        with os.fdopen(fd, "wb") as out:
-            out.write(data)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, path)
+        for path, data in files.items():
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+            staged.append((tmp, path))
+            with os.fdopen(fd, "wb") as out:
+                out.write(data)
+                out.flush()
+                os.fsync(out.fileno())
     except BaseException:
-        os.unlink(tmp)
+        for tmp, _ in staged:
+            os.unlink(tmp)
         raise
+    with _no_interrupts():                        # Ctrl-C cannot land between two renames
+        for tmp, path in staged:
+            os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def _no_interrupts():
+    """Hold SIGINT/SIGTERM until the block is done (they are delivered right after), where POSIX allows."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    held = {signal.SIGINT, signal.SIGTERM}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)

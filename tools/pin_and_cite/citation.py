@@ -11,7 +11,9 @@ from pathlib import PurePosixPath
 from pin_and_cite.errors import PinAndCiteError
 
 SOURCE_NAME = re.compile(r"[a-z0-9][a-z0-9._-]*")
-_SPEC = re.compile(r"(?P<source>[^:]+):(?P<path>[^#]+?)(?:#L(?P<start>\d+)(?:-L(?P<end>\d+))?|::(?P<symbol>.+))")
+_LOCATION = r"(?P<path>[^#]+?)(?:#L(?P<start>\d+)(?:-L(?P<end>\d+))?|::(?P<symbol>.+))"
+_SPEC = re.compile(r"(?P<source>[^:]+):" + _LOCATION)
+_LOCATION_ONLY = re.compile(_LOCATION)
 _QUALNAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 
@@ -43,8 +45,21 @@ def parse_spec(text: str) -> Spec:
     if not match:
         raise PinAndCiteError(
             f"malformed citation {text!r}: expected SOURCE:PATH#Lstart-Lend or SOURCE:PATH::Qual.name")
-    source, path = match["source"], check_repo_path(match["path"])
-    if not SOURCE_NAME.fullmatch(source):
+    return _spec(match, text, match["source"])
+
+
+def parse_location(text: str) -> Spec:
+    """A citation without its source (`PATH#Lstart-Lend` or `PATH::Qual.name`), as `relocate` takes them;
+    the Spec's source is ''."""
+    match = _LOCATION_ONLY.fullmatch(text.strip())
+    if not match:
+        raise PinAndCiteError(f"malformed citation {text!r}: expected PATH#Lstart-Lend or PATH::Qual.name")
+    return _spec(match, text, "")
+
+
+def _spec(match: re.Match, text: str, source: str) -> Spec:
+    path = check_repo_path(match["path"])
+    if source and not SOURCE_NAME.fullmatch(source):
         raise PinAndCiteError(f"malformed citation {text!r}: source name {source!r} is not a pins.toml name")
     if match["symbol"] is not None:
         if not _QUALNAME.fullmatch(match["symbol"]):

@@ -7,12 +7,14 @@ import os
 import sys
 from pathlib import Path
 
+from pin_and_cite import bump, review
 from pin_and_cite.check import check
 from pin_and_cite.citation import parse_spec
 from pin_and_cite.errors import PinAndCiteError
 from pin_and_cite.fetch import Fetched, fetch_all
 from pin_and_cite.gitobj import is_full_sha
 from pin_and_cite.project import Project, find_root
+from pin_and_cite.reanchor import relocate_texts
 from pin_and_cite.remote import Remote, check_url
 from pin_and_cite.render import render_notes
 from pin_and_cite.resolve import Resolver
@@ -22,9 +24,18 @@ citations:
   SOURCE:PATH#Lstart-Lend   lines start..end (1-based, inclusive) of PATH at SOURCE's pinned commit
   SOURCE:PATH::Qual.name    the class or function Qual.name, from its first decorator to its last line
 
+relocation statuses (relocate, bump):
+  unchanged  same lines, same text          moved    the same text at other lines
+  changed    the code is still there but its text differs (or which identical copy is meant is unclear):
+             `lines` is its best new location; review it
+  deleted    no counterpart at the new commit
+  error      the citation cannot be answered (path absent, not Python, unparsable...): see `reason`
+  Lines are compared ignoring trailing whitespace. unchanged/moved are only answered for identical text.
+
 exit status:
-  0 ok; 1 check found broken citations; 2 bad input (arguments, pins, notes); 3 a source could not
-  deliver verified bytes (network, timeout, hash mismatch); 130 interrupted (nothing is left half-written)
+  0 ok; 1 check found broken citations, or relocate could not answer some citation; 2 bad input
+  (arguments, pins, notes, unknown commits); 3 a source could not deliver verified bytes (network, timeout,
+  hash mismatch); 130 interrupted (nothing is left half-written)
 
 files:
   reading_notes/pins.toml        the sources: url, full commit SHA, optional tag and distribution
@@ -41,13 +52,14 @@ def _url_override(text: str) -> tuple[str, str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
+    network = argparse.ArgumentParser(add_help=False)
+    network.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
+                         help="give up on a git remote that does not answer within this time (default 60)")
+    network.add_argument("--json", action="store_true", help="print machine-readable JSON on stdout")
+    common = argparse.ArgumentParser(add_help=False, parents=[network])
     common.add_argument("--project", type=Path, help="project root (default: nearest parent with reading_notes/pins.toml)")
     common.add_argument("--url", dest="urls", action="append", type=_url_override, default=[], metavar="NAME=URL",
                         help="fetch source NAME from URL instead of its pinned url (a mirror); repeatable")
-    common.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
-                        help="give up on a git remote that does not answer within this time (default 60)")
-    common.add_argument("--json", action="store_true", help="print machine-readable JSON on stdout")
 
     parser = argparse.ArgumentParser(
         prog="pin-and-cite", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
@@ -60,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     pin.add_argument("source", help="source name in pins.toml (or a new one, with --source-url)")
     pin.add_argument("--ref", required=True, help="tag, branch or full 40-hex commit SHA")
     pin.add_argument("--source-url", help="git URL of a new source")
-    pin.add_argument("--force", action="store_true", help="move a pin even though citations are locked at the old commit")
+    pin.add_argument("--force", action="store_true",
+                     help="move a pin even though citations are locked at the old commit (`bump` re-anchors them)")
 
     verbs.add_parser("fetch", parents=[common], help="materialize every locked file, verified, into the cache",
                      description="Get every file in the lock from the cache, an installed distribution, or one "
@@ -82,6 +95,34 @@ def build_parser() -> argparse.ArgumentParser:
                               description="Render reading_notes/**/*.md.j2 into OUT (NAME.md.j2 -> NAME.md) from the "
                                           "verified cache, offline; only changed files are written.")
     render.add_argument("--out", type=Path, default=Path("docs/notes"), help="output folder, relative to the project")
+
+    bumper = verbs.add_parser(
+        "bump", parents=[common], help="move a pin to a new commit and carry every citation along",
+        description="Resolve REF, relocate every citation of source NAME (note templates and lock) to it, "
+                    "rewrite the line numbers in the templates in place (nothing else changes), update "
+                    "pins.toml and the lock, and print a review report: counts per status and, for each "
+                    "changed or deleted citation, where it is cited and its old vs new excerpt as a diff. "
+                    "All files are written together, or none (any error, or --dry-run).")
+    bumper.add_argument("source", metavar="NAME", help="source name in pins.toml")
+    bumper.add_argument("--ref", required=True, help="tag, branch or full 40-hex commit SHA to move to")
+    bumper.add_argument("--dry-run", action="store_true", help="report what would change; write nothing")
+
+    relocate = verbs.add_parser(
+        "relocate", parents=[network], help="where do citations made at one commit point at another?",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Follow citations of a git repository from commit OLD to commit NEW: line ranges follow their\n"
+                    "text, symbols follow their qualified name. Needs no project; fetches each cited file once per\n"
+                    "commit (into the cache), however many citations there are.",
+        epilog="CITE is PATH#Lstart-Lend (1-based, inclusive) or PATH::Qual.name; '-' reads one per line from stdin.\n"
+               "--json prints a list in input order, one object per citation:\n"
+               '  {"cite": ..., "status": ..., "lines": [start, end] or null}, plus "reason" for errors.\n'
+               "Statuses: see `pin-and-cite --help`. Exit status 1 when any citation is an error (the others are\n"
+               "still answered); 2 for bad arguments or an unknown commit; 3 when the repository cannot be read.")
+    relocate.add_argument("--source", required=True, metavar="GIT_URL_OR_PATH",
+                          help="the repository: a git URL or a local repository directory")
+    relocate.add_argument("--from", dest="old", required=True, metavar="OLD", help="commit, tag or branch cited")
+    relocate.add_argument("--to", dest="new", required=True, metavar="NEW", help="commit, tag or branch to follow to")
+    relocate.add_argument("cites", nargs="+", metavar="CITE")
     return parser
 
 
@@ -105,7 +146,8 @@ def cmd_pin(project: Project, args) -> int:
     locked = [k for k, f in project.lock.files.items() if k.startswith(f"{args.source}:") and f.commit != commit]
     if locked and not args.force:
         raise PinAndCiteError(f"{len(locked)} locked file(s) of {args.source} are at {existing.commit[:12]}; "
-                              f"moving the pin to {commit[:12]} would orphan their citations (use --force)")
+                              f"moving the pin to {commit[:12]} would orphan their citations: use "
+                              f"`pin-and-cite bump {args.source} --ref {args.ref}` to carry them along (or --force)")
     project.pins.set_commit(args.source, url, commit, None if is_full_sha(args.ref) else args.ref)
     result = {"source": args.source, "commit": commit, "tag": None if is_full_sha(args.ref) else args.ref,
               "previous": existing.commit if existing else None}
@@ -160,13 +202,48 @@ def cmd_check(project: Project, args) -> int:
     return 1 if report.problems else 0
 
 
-COMMANDS = {"pin": cmd_pin, "fetch": cmd_fetch, "cite": cmd_cite, "check": cmd_check, "render": cmd_render}
-WRITERS = {"pin", "cite"}
+def cmd_bump(project: Project, args) -> int:
+    planned = bump.plan(project, args.source, args.ref)
+    if not args.dry_run:
+        bump.apply(planned)
+    if args.json:
+        print(json.dumps(review.json_report(planned, project.root, args.dry_run), indent=2))
+    else:
+        print(review.text_report(planned, project.root, args.dry_run))
+    return 0
+
+
+def _read_cites(args: list[str]) -> list[str]:
+    if args == ["-"]:
+        return [line.strip() for line in sys.stdin if line.strip()]
+    if "-" in args:
+        raise PinAndCiteError("'-' (read citations from stdin) must be the only CITE")
+    return args
+
+
+def cmd_relocate(args) -> int:
+    texts = _read_cites(args.cites)
+    results = relocate_texts(args.source, args.old, args.new, texts, args.timeout)
+    if args.json:
+        print("[\n" + ",\n".join(json.dumps(r) for r in results) + "\n]")     # one citation per line
+    else:
+        for r in results:
+            where = f"L{r['lines'][0]}-L{r['lines'][1]}" if r["lines"] else "-"
+            print(f"{r['status']:<9} {r['cite']} -> {where}" + (f"  ({r['reason']})" if "reason" in r else ""))
+    return 1 if any(r["status"] == "error" for r in results) else 0
+
+
+COMMANDS = {"pin": cmd_pin, "fetch": cmd_fetch, "cite": cmd_cite, "check": cmd_check, "render": cmd_render,
+            "bump": cmd_bump}
+WRITERS = {"pin", "cite", "bump"}
+STANDALONE = {"relocate": cmd_relocate}      # verbs that need no project
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.verb in STANDALONE:
+            return STANDALONE[args.verb](args)
         root = args.project or find_root(Path.cwd())
         project = Project(root, timeout=args.timeout, url_overrides=dict(args.urls))
         if args.verb in WRITERS:

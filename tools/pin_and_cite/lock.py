@@ -53,10 +53,13 @@ class Lock:
             raise PinAndCiteError(f"{self.path} is not a valid lock ({exc}); restore it from git")
 
     def save(self) -> None:
+        atomic_write(self.path, self.dumps())
+
+    def dumps(self) -> bytes:
         data = {
             "version": VERSION,
             "files": {k: asdict(v) for k, v in sorted(self.files.items())},
             "citations": {k: {key: val for key, val in asdict(v).items() if val is not None}
                           for k, v in sorted(self.citations.items())},
         }
-        atomic_write(self.path, (json.dumps(data, indent=2, sort_keys=True) + "\n").encode())
+        return (json.dumps(data, indent=2, sort_keys=True) + "\n").encode()

@@ -5,6 +5,7 @@ Templates are parsed with Jinja's own parser, so a `cite("...")` call is found w
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,3 +47,23 @@ def calls_in(template: Path, functions: set[str]) -> list[Written]:
 
 def written_calls(notes_dir: Path, functions: set[str]) -> list[Written]:
     return [w for template in sorted(notes_dir.glob(TEMPLATE_GLOB)) for w in calls_in(template, functions)]
+
+
+def rewrite_arguments(template: Path, changes: list[tuple[Written, str]]) -> bytes:
+    """The template's bytes with the string literal of each written call replaced by a new argument, and
+    every other byte (quotes, spacing, line endings, the rest of the note) exactly as it was."""
+    text = template.read_bytes().decode("utf-8")
+    line_starts = [0] + [m.end() for m in re.finditer(r"\r\n|\r|\n", text)]   # as Jinja counts lines
+    edits: dict[int, tuple[int, str]] = {}
+    for call, argument in sorted(changes, key=lambda change: change[0].line):
+        literal = re.compile(r"""(['"])""" + re.escape(call.argument) + r"\1")
+        match = literal.search(text, line_starts[call.line - 1])
+        while match and match.start() in edits:            # the same citation twice: take the next one
+            match = literal.search(text, match.start() + 1)
+        if match is None:
+            raise PinAndCiteError(f"{template}:{call.line}: cannot find the literal {call.argument!r} to rewrite")
+        edits[match.start()] = (match.end(), match[1] + argument + match[1])
+    for start in sorted(edits, reverse=True):
+        end, replacement = edits[start]
+        text = text[:start] + replacement + text[end:]
+    return text.encode("utf-8")

@@ -68,6 +68,10 @@ class Pins:
 
     def set_commit(self, name: str, url: str, commit: str, tag: str | None) -> None:
         """Record a pin (adding the source if new) and write pins.toml atomically."""
+        atomic_write(self.path, self.with_commit(name, url, commit, tag))
+
+    def with_commit(self, name: str, url: str, commit: str, tag: str | None) -> bytes:
+        """Record a pin in memory and return the new pins.toml (comments and layout kept) without writing it."""
         sources = self._doc.setdefault("sources", tomlkit.table(is_super_table=True))
         table = sources.get(name)
         if table is None:
@@ -79,5 +83,5 @@ class Pins:
             table["tag"] = tag
         elif "tag" in table:
             del table["tag"]
-        atomic_write(self.path, tomlkit.dumps(self._doc).encode())
         self.sources[name] = self._source(name, table)
+        return tomlkit.dumps(self._doc).encode()

@@ -1,0 +1,159 @@
+"""`bump` end to end: templates rewritten byte for byte except the line numbers, pins and lock moved, a review
+report, --dry-run and failures writing nothing."""
+import json
+
+import pytest
+
+MOD = "up:pkg/mod.py"
+TEMPLATE = (
+    "{# cite('" + MOD + "#L12-L14') in a comment is not a call #}\r\n"
+    "# Layers\r\n"
+    "\r\n"
+    "The constructor {{ cite('" + MOD + "#L12-L14') }} and, quoted twice,\r\n"
+    '{{ cite("' + MOD + '#L17-L19") }}. Prose naming ' + MOD + "#L12-L14 stays as it is.\r\n"
+    "{{ cite('" + MOD + "::Column.backward') }}{{ cite('" + MOD + "#L12-L14') }}\r\n"
+    "{{ cite('up:docs/notes.txt#L2') }} {{ cite('" + MOD + "::helper') }} {{ cite('" + MOD + "#L25-L28') }}\r\n"
+)
+AFTER = (
+    "{# cite('" + MOD + "#L12-L14') in a comment is not a call #}\r\n"
+    "# Layers\r\n"
+    "\r\n"
+    "The constructor {{ cite('" + MOD + "#L15-L17') }} and, quoted twice,\r\n"
+    '{{ cite("' + MOD + '#L20-L22") }}. Prose naming ' + MOD + "#L12-L14 stays as it is.\r\n"
+    "{{ cite('" + MOD + "::Column.backward') }}{{ cite('" + MOD + "#L15-L17') }}\r\n"
+    "{{ cite('up:docs/notes.txt#L2') }} {{ cite('" + MOD + "::helper') }} {{ cite('" + MOD + "#L28-L31') }}\r\n"
+)
+
+
+@pytest.fixture
+def noted(project, history):
+    """A project pinned at c1 whose note cites the history, every citation locked."""
+    project.write_pins(up={"url": history.url, "commit": history.c1, "tag": "c1"})
+    note = project.root / "reading_notes" / "layers.md.j2"
+    note.write_bytes(TEMPLATE.encode())
+    specs = [f"{MOD}#L12-L14", f"{MOD}#L17-L19", f"{MOD}::Column.backward", "up:docs/notes.txt#L2",
+             f"{MOD}::helper", f"{MOD}#L25-L28"]
+    r = project.run("cite", *specs, "--json")
+    assert r.code == 0, r.err
+    assert project.run("check").code == 0
+    return note
+
+
+def snapshot(project) -> dict:
+    return {p: p.read_bytes() for p in (project.root / "reading_notes").rglob("*") if p.is_file()}
+
+
+def test_bump_rewrites_only_the_line_numbers_and_moves_pin_and_lock(project, history, noted):
+    r = project.run("bump", "up", "--ref", "c2", "--json")
+    assert r.code == 0, r.err
+    assert noted.read_bytes() == AFTER.encode()
+    pins = project.pins_path.read_text()
+    assert f'commit = "{history.c2}"' in pins and 'tag = "c2"' in pins
+    report = r.json()
+    assert report["counts"] == {"unchanged": 1, "moved": 2, "changed": 3, "deleted": 0}
+    assert {c["cite"]: (c["status"], c["lines"], c["new_cite"]) for c in report["citations"]} == {
+        f"{MOD}#L12-L14": ("moved", [15, 17], f"{MOD}#L15-L17"),
+        f"{MOD}#L17-L19": ("changed", [20, 22], f"{MOD}#L20-L22"),
+        f"{MOD}::Column.backward": ("moved", [24, 25], f"{MOD}::Column.backward"),
+        "up:docs/notes.txt#L2-L2": ("unchanged", [2, 2], "up:docs/notes.txt#L2-L2"),
+        f"{MOD}::helper": ("changed", [28, 31], None),          # renamed: a person must edit the note
+        f"{MOD}#L25-L28": ("changed", [28, 31], f"{MOD}#L28-L31"),
+    }
+    lock = json.loads(project.lock_path.read_text())
+    assert {f["commit"] for f in lock["files"].values()} == {history.c2}
+    assert sorted(lock["citations"]) == sorted(c["new_cite"] for c in report["citations"] if c["new_cite"])
+    assert lock["citations"][f"{MOD}::Column.backward"]["lines"] == [24, 25]
+    r = project.run("check")                                   # only the renamed symbol needs a person now
+    assert r.code == 1
+    assert r.out.splitlines()[0] == f"reading_notes/layers.md.j2:7: {MOD}::helper: not in the lock; run `tools/pin-and-cite cite` on it"
+    assert r.out.rstrip().endswith("5 citation(s) ok, 1 broken")
+
+
+def test_review_report_shows_where_and_the_old_and_new_excerpts(project, history, noted):
+    r = project.run("bump", "up", "--ref", "c2", "--dry-run")
+    assert r.code == 0, r.err
+    out = r.out
+    assert out.splitlines()[0] == f"up: {history.c1[:12]} -> {history.c2[:12]} (c2)  [dry run: nothing written]"
+    assert out.splitlines()[1] == "6 citation(s): 1 unchanged, 2 moved, 3 changed, 0 deleted"
+    block = out[out.index(f"changed: {MOD}#L17-L19"):].split("\n\n")[0].splitlines()
+    assert block == [
+        f"changed: {MOD}#L17-L19 -> {MOD}#L20-L22",
+        "  cited at reading_notes/layers.md.j2:5",
+        f"  --- pkg/mod.py#L17-L19 @ {history.c1[:12]}",
+        f"  +++ pkg/mod.py#L20-L22 @ {history.c2[:12]}",
+        "  @@ -17,3 +20,3 @@",
+        "           y = x * 2",
+        "  -        y = y + 1",
+        "  +        y = y + 2",
+        "           return y",
+    ]
+    assert f"changed: {MOD}::helper -> left as written: fix the note (`check` fails until then)" in out
+    assert "  note: helper is gone; combine looks like it renamed" in out
+    assert "  -def helper(a, b):\n  +def combine(a, b):" in out
+    assert "moved" not in out.split("\n", 2)[2]                # moved/unchanged need no review
+
+
+def test_dry_run_writes_nothing(project, noted):
+    before = snapshot(project)
+    r = project.run("bump", "up", "--ref", "c2", "--dry-run", "--json")
+    assert r.code == 0, r.err
+    assert r.json()["dry_run"] is True and r.json()["written"] == []
+    assert snapshot(project) == before
+
+
+def test_a_citation_that_cannot_be_relocated_makes_bump_write_nothing(project, history, noted):
+    noted.write_bytes(TEMPLATE.encode() + b"{{ cite('up:pkg/gone.py#L1-L1') }}\n")
+    assert project.run("cite", "up:pkg/gone.py#L1-L1").code == 0
+    before = snapshot(project)
+    r = project.run("bump", "up", "--ref", "c2")
+    assert r.code == 2
+    assert r.err == (f"pin-and-cite: error: cannot bump up: 1 citation(s) cannot be relocated, e.g. "
+                     f"reading_notes/layers.md.j2:8: up:pkg/gone.py#L1-L1: pkg/gone.py does not exist at "
+                     f"{history.c2[:12]}\n")
+    assert snapshot(project) == before
+    assert not list((project.root / "reading_notes").glob(".*.tmp"))
+
+
+def test_unknown_ref_writes_nothing(project, noted):
+    before = snapshot(project)
+    r = project.run("bump", "up", "--ref", "c9")
+    assert r.code == 2 and "has no tag or branch named 'c9'" in r.err
+    assert snapshot(project) == before
+
+
+def test_deleted_code_is_left_as_written_reported_and_unlocked(project, history):
+    project.write_pins(up={"url": history.url, "commit": history.c1})
+    note = project.root / "reading_notes" / "gone.md.j2"
+    note.write_text("Was: {{ cite('up:pkg/mod.py#L31-L32') }}\n")
+    assert project.run("cite", "up:pkg/mod.py#L31-L32").code == 0
+    r = project.run("bump", "up", "--ref", history.c2)
+    assert r.code == 0, r.err
+    assert note.read_text() == "Was: {{ cite('up:pkg/mod.py#L31-L32') }}\n"
+    assert r.out.splitlines()[1] == "1 citation(s): 0 unchanged, 0 moved, 0 changed, 1 deleted"
+    assert r.out.split("\n\n")[1].splitlines() == [
+        "deleted: up:pkg/mod.py#L31-L32 -> left as written: fix the note (`check` fails until then)",
+        "  cited at reading_notes/gone.md.j2:1",
+        f"  --- pkg/mod.py#L31-L32 @ {history.c1[:12]}",
+        f"  +++ pkg/mod.py (no counterpart) @ {history.c2[:12]}",
+        "  @@ -31,2 +0,0 @@",
+        "  -def other(a):",
+        "  -    return a",
+    ]
+    assert json.loads(project.lock_path.read_text())["citations"] == {}
+    assert project.run("check").code == 1
+
+
+def test_pin_points_to_bump_when_citations_would_be_orphaned(project, noted):
+    r = project.run("pin", "up", "--ref", "c2")
+    assert r.code == 2
+    assert "would orphan their citations: use `pin-and-cite bump up --ref c2` to carry them along" in r.err
+
+
+def test_citations_only_in_the_lock_are_carried_too(project, history):
+    project.write_pins(up={"url": history.url, "commit": history.c1})
+    assert project.run("cite", f"{MOD}#L12-L14", f"{MOD}#L17-L19").code == 0
+    r = project.run("bump", "up", "--ref", "c2")
+    assert r.code == 0, r.err
+    assert sorted(json.loads(project.lock_path.read_text())["citations"]) == [f"{MOD}#L15-L17", f"{MOD}#L20-L22"]
+    assert "  cited at citations.lock" in r.out
+    assert project.run("check").code == 0
