@@ -42,7 +42,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroup, Work
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 # dispatcher op name -> (normalized op, argument holding the full tensor(s), multiply its bytes by group size)
 _OPS = {
@@ -164,7 +164,16 @@ class CollectiveRecorder(TorchDispatchMode):
         try:
             yield
         finally:
-            self.spans.append(Span(name, phase, start, time.perf_counter()))
+            self.add_span(name, phase, start, time.perf_counter())
+
+    def add_span(self, name: str, phase: str, start: float, end: float) -> None:
+        """Record a span whose ends are seen in different places (e.g. from one autograd hook to another)."""
+        self.spans.append(Span(name, phase, start, end))
+
+    @staticmethod
+    def active() -> list["CollectiveRecorder"]:
+        """The recorders currently recording, innermost last (code that labels its work for any of them)."""
+        return [mode for mode in _get_current_dispatch_mode_stack() if isinstance(mode, CollectiveRecorder)]
 
     def watch(self, model: torch.nn.Module, prefix: str = "") -> list:
         """Scope every submodule's forward under its qualified name; returns the hook handles."""

@@ -14,20 +14,15 @@ import time
 from collections.abc import Iterator
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-from reference.recorder import CollectiveRecorder, Span
-
-
-def active_recorders() -> list[CollectiveRecorder]:
-    return [mode for mode in _get_current_dispatch_mode_stack() if isinstance(mode, CollectiveRecorder)]
+from reference.recorder import CollectiveRecorder
 
 
 @contextlib.contextmanager
 def unit_scope(unit_name: str) -> Iterator[None]:
     """Collectives issued inside are recorded with `module == unit_name`."""
     with contextlib.ExitStack() as stack:
-        for recorder in active_recorders():
+        for recorder in CollectiveRecorder.active():
             stack.enter_context(recorder.scope(unit_name))
         yield
 
@@ -35,15 +30,15 @@ def unit_scope(unit_name: str) -> Iterator[None]:
 @contextlib.contextmanager
 def forward_span(unit_name: str) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
-        for recorder in active_recorders():
+        for recorder in CollectiveRecorder.active():
             stack.enter_context(recorder.span(f"{unit_name} forward"))
         yield
 
 
 def record_backward_span(unit_name: str, start: float) -> None:
     """Close the unit's backward span that started at `start` (a `time.perf_counter()` value)."""
-    for recorder in active_recorders():
-        recorder.spans.append(Span(f"{unit_name} backward", "backward", start, time.perf_counter()))
+    for recorder in CollectiveRecorder.active():
+        recorder.add_span(f"{unit_name} backward", "backward", start, time.perf_counter())
 
 
 @contextlib.contextmanager
