@@ -7,6 +7,7 @@ and runs from the parsed arguments.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from reference.fsdp import demo as fsdp_demo
 from reference.tensor_parallel import demo as tp_demo
@@ -32,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                         help="auto picks cuda+nccl when a GPU is visible, else cpu+gloo")
     common.add_argument("--json", action="store_true", help="print one JSON object per step instead of text")
+    common.add_argument("--trace", type=Path, default=None, metavar="DIR",
+                        help="write the last step's recorded collectives and compute spans to "
+                             "DIR/{tp,fsdp}_trace.rank<r>.json")
     tp_demo.add_arguments(parser.add_argument_group("tensor parallelism (default demo)"))
     fsdp_demo.add_arguments(parser.add_argument_group("FSDP (--fsdp)"))
     return parser

@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> None:
             record = {"step": step, "loss": loss.item(), "param_bytes_per_rank": shard_bytes,
                       "param_bytes_unsharded": total_bytes, **recorder.to_dict()}
             _report(args, record)
-        trace_dir = getattr(args, "trace", None)  # `--trace DIR`, defined with the TP demo's flags
+        trace_dir = args.trace
         if trace_dir is not None:
             trace_dir.mkdir(parents=True, exist_ok=True)
             (trace_dir / f"fsdp_trace.rank{rank}.json").write_text(json.dumps(record))

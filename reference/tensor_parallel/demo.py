@@ -13,7 +13,6 @@ import os
 import sys
 import time
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -43,8 +42,6 @@ def add_arguments(group) -> None:
                        help="let autograd write weight gradients to .grad instead of accumulating them into the "
                             "persistent fp32 main_grad buffer")
     group.add_argument("--dropout", type=float, default=0.0, help="hidden and attention dropout probability")
-    group.add_argument("--trace", type=Path, default=None, metavar="DIR",
-                       help="write the last step's recorded collectives and spans to DIR/tp_trace.rank<r>.json")
 
 
 def run(args) -> None:

@@ -15,7 +15,7 @@ from pin_and_cite.atomic import atomic_write
 from pin_and_cite.check import verify_locked
 from pin_and_cite.citation import parse_spec
 from pin_and_cite.errors import PinAndCiteError
-from pin_and_cite.notes import TEMPLATE_GLOB, written_calls
+from pin_and_cite.notes import TEMPLATE_GLOB
 from pin_and_cite.project import Project
 from pin_and_cite.resolve import Excerpt, Resolver
 from pin_and_cite.verified_by import missing_test
