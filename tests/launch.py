@@ -2,6 +2,8 @@
 
 Tests that need several ranks put their assertions in a worker script (each rank asserts, a failing
 rank exits non-zero and torchrun tears the others down) and call `torchrun(...)` from a pytest test.
+Each rank writes to its own log file (torchrun `--redirects`), so lines of different ranks never
+interleave; the returned text is torchrun's own output, then each rank's, in rank order.
 """
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -21,18 +24,29 @@ def torchrun(script: str | Path, nproc: int, *args: str, timeout: float = 300, e
 
     The whole process group is killed on timeout, so a hung collective fails the test instead of the suite.
     """
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "--max-restarts=0", str(script), *args]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1",
-                "TORCH_CPP_LOG_LEVEL": "ERROR", **(env or {})}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
+    with tempfile.TemporaryDirectory(prefix="torchrun-logs-") as logs:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "--max-restarts=0", f"--log-dir={logs}", "--redirects=3", str(script), *args]
+        full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1",
+                    "TORCH_CPP_LOG_LEVEL": "ERROR", **(env or {})}
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+        try:
+            launcher_out, _ = proc.communicate(timeout=timeout)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            launcher_out, _ = proc.communicate()
+            timed_out = True
+        out = launcher_out + _rank_logs(Path(logs))
+    if timed_out:
         pytest.fail(f"torchrun {Path(script).name} x{nproc} timed out after {timeout}s:\n{out[-6000:]}")
     if proc.returncode != 0:
         pytest.fail(f"torchrun {Path(script).name} x{nproc} exited {proc.returncode}:\n{out[-6000:]}")
     return out
+
+
+def _rank_logs(logs: Path) -> str:
+    """Every rank's stdout then stderr, in rank order (files: <run>/attempt_0/<rank>/std{out,err}.log)."""
+    files = sorted(logs.rglob("std*.log"), key=lambda f: (int(f.parent.name), f.name != "stdout.log"))
+    return "".join(f.read_text(errors="replace") for f in files)
