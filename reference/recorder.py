@@ -1,0 +1,327 @@
+"""Record every collective a process issues: what, on which ranks, how many bytes, when, from where.
+
+`CollectiveRecorder` is a `TorchDispatchMode`. Every `torch.distributed` call, whatever name it was bound
+under (megatron binds `all_gather_into_tensor` at import time; torch 2.13 adds `all_gather_single`), ends in
+one of the dispatcher ops `c10d.*` (eager, returns a `Work`) or `_c10d_functional*.*` (functional
+collectives used by DTensor), so intercepting those ops sees the reference and every oracle alike. It is the
+same interception point as torch's `CommDebugMode` (torch/distributed/tensor/debug/_comm_mode.py), which only
+counts; this one also records sizes, groups, phase, module and times.
+
+Conventions (the notes' byte formulas are checked against these):
+  * `nbytes` is the logical payload: the bytes of the *full* tensor the collective is about.
+    all_reduce / broadcast / reduce / send / recv / all_to_all: the bytes of the tensor(s) passed in.
+    all_gather: the bytes of the gathered output (group size x the local shard).
+    reduce_scatter: the bytes of the unreduced full input (group size x the local output).
+    gather / scatter: group size x the per-rank piece. Coalesced ops sum over their tensors.
+  * `shape` is the shape of that full tensor (of the first one for coalesced ops; `num_tensors` says how many).
+  * `phase` is "backward" when the autograd engine is running (`torch._C._current_graph_task_id() != -1`).
+  * `module` is the innermost scope active when the op was issued. Scopes come from `rec.scope(name)` and from
+    `rec.watch(model)` (forward hooks that push each submodule's qualified name). Backward runs outside those
+    Python scopes, so each forward scope also remembers the range of autograd sequence numbers of the graph
+    nodes created inside it; in backward the op is attributed to the innermost forward scope that created the
+    autograd node currently executing (`torch._C._current_autograd_node()`). A scope opened during backward
+    itself (e.g. `with rec.scope("unit0"):` inside a hook) takes precedence.
+  * `start` / `end` are `time.perf_counter()` seconds. `start` is when the op was issued. For c10d ops `end` is
+    when the caller's `Work.wait()` returned (the recorder wraps `Work.wait` while active; synchronous calls
+    wait inside torch.distributed), or, if the work is never waited in Python, when its future completed.
+    Functional collectives have no `Work`: `end` is when the op returned, or when `wait_tensor` ran under the
+    recorder. `async_op` is the flag the caller passed (True for functional collectives).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import threading
+import time
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import ProcessGroup, Work
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# dispatcher op name -> (normalized op, argument holding the full tensor(s), multiply its bytes by group size)
+_OPS = {
+    "c10d::allreduce_": ("all_reduce", "tensors", False),
+    "c10d::allreduce_coalesced_": ("all_reduce", "tensors", False),
+    "c10d::allgather_": ("all_gather", "input_tensors", True),
+    "c10d::_allgather_base_": ("all_gather", "output_tensor", False),
+    "c10d::allgather_coalesced_": ("all_gather", "input_list", True),
+    "c10d::allgather_into_tensor_coalesced_": ("all_gather", "outputs", False),
+    "c10d::reduce_scatter_": ("reduce_scatter", "output_tensors", True),
+    "c10d::_reduce_scatter_base_": ("reduce_scatter", "input_tensor", False),
+    "c10d::reduce_scatter_tensor_coalesced_": ("reduce_scatter", "inputs", False),
+    "c10d::broadcast_": ("broadcast", "tensors", False),
+    "c10d::reduce_": ("reduce", "tensors", False),
+    "c10d::gather_": ("gather", "input_tensors", True),
+    "c10d::scatter_": ("scatter", "output_tensors", True),
+    "c10d::alltoall_": ("all_to_all", "input_tensors", False),
+    "c10d::alltoall_base_": ("all_to_all", "input", False),
+    "c10d::send": ("send", "tensors", False),
+    "c10d::recv_": ("recv", "tensors", False),
+    "c10d::recv_any_source_": ("recv", "tensors", False),
+    "c10d::barrier": ("barrier", None, False),
+    "_c10d_functional::all_reduce": ("all_reduce", "input", False),
+    "_c10d_functional::all_reduce_": ("all_reduce", "input", False),
+    "_c10d_functional::all_reduce_coalesced": ("all_reduce", "inputs", False),
+    "_c10d_functional::all_reduce_coalesced_": ("all_reduce", "inputs", False),
+    "_c10d_functional::all_gather_into_tensor": ("all_gather", "input", True),
+    "_c10d_functional::all_gather_into_tensor_out": ("all_gather", "input", True),
+    "_c10d_functional::all_gather_into_tensor_coalesced": ("all_gather", "inputs", True),
+    "_c10d_functional::reduce_scatter_tensor": ("reduce_scatter", "input", False),
+    "_c10d_functional::reduce_scatter_tensor_out": ("reduce_scatter", "input", False),
+    "_c10d_functional::reduce_scatter_tensor_coalesced": ("reduce_scatter", "inputs", False),
+    "_c10d_functional::all_to_all_single": ("all_to_all", "input", False),
+    "_c10d_functional::broadcast": ("broadcast", "input", False),
+    "_c10d_functional::broadcast_": ("broadcast", "input", False),
+    "_c10d_functional_autograd::all_gather_into_tensor": ("all_gather", "input", True),
+    "_c10d_functional_autograd::reduce_scatter_tensor": ("reduce_scatter", "input", False),
+    "_c10d_functional_autograd::all_to_all_single": ("all_to_all", "input", False),
+}
+
+
+@dataclasses.dataclass
+class CollectiveEvent:
+    """One collective as this rank issued it (see the module docstring for each field's convention)."""
+    op: str
+    group_ranks: tuple[int, ...]
+    shape: tuple[int, ...]
+    nbytes: int
+    dtype: str
+    phase: str
+    module: str
+    start: float
+    end: float | None
+    async_op: bool
+    num_tensors: int = 1
+
+    def key(self) -> tuple:
+        """(op, group_ranks, shape, nbytes, dtype): what two implementations must agree on, timing aside."""
+        return (self.op, self.group_ranks, self.shape, self.nbytes, self.dtype)
+
+
+@dataclasses.dataclass
+class Span:
+    """A named compute interval (e.g. one unit's forward), for timelines drawn next to the collectives."""
+    name: str
+    phase: str
+    start: float
+    end: float
+
+
+def current_phase() -> str:
+    return "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    """Flatten a Tensor, a list of Tensors or a list of lists of Tensors."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+class CollectiveRecorder(TorchDispatchMode):
+    """`with CollectiveRecorder() as rec: ...` then read `rec.events`, `rec.spans`, `rec.summary()`."""
+
+    _wait_patch_users = 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[CollectiveEvent] = []
+        self.spans: list[Span] = []
+        self._stack: list[tuple[str, str]] = []          # (name, phase it was opened in)
+        self._forward_ranges: list[tuple[int, int, str]] = []  # autograd seq-nr [lo, hi) -> scope name
+        self._pending: dict[int, tuple[Work, CollectiveEvent]] = {}  # id(Work) -> event awaiting wait()
+        self._functional_pending: dict[int, CollectiveEvent] = {}   # id(output tensor) -> event
+        self._group_ranks: dict[str, tuple[int, ...]] = {}
+        self._lock = threading.Lock()
+
+    # ---- scopes and spans ----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def scope(self, name: str) -> Iterator[None]:
+        """Attribute collectives issued inside (and, for forward scopes, in the matching backward) to `name`."""
+        phase = current_phase()
+        lo = torch._C._autograd._get_sequence_nr()
+        self._stack.append((name, phase))
+        try:
+            yield
+        finally:
+            self._stack.pop()
+            if phase == "forward":
+                self._forward_ranges.append((lo, torch._C._autograd._get_sequence_nr(), name))
+
+    @contextlib.contextmanager
+    def span(self, name: str) -> Iterator[None]:
+        """Record a compute span (name, phase, start, end) into `rec.spans`."""
+        phase, start = current_phase(), time.perf_counter()
+        try:
+            yield
+        finally:
+            self.spans.append(Span(name, phase, start, time.perf_counter()))
+
+    def watch(self, model: torch.nn.Module, prefix: str = "") -> list:
+        """Scope every submodule's forward under its qualified name; returns the hook handles."""
+        handles = []
+        for name, module in model.named_modules(prefix=prefix):
+            if not name:
+                continue
+            scopes: list = []
+
+            def enter(_mod, _inp, name=name, scopes=scopes):
+                scopes.append(self.scope(name))
+                scopes[-1].__enter__()
+
+            def leave(_mod, _inp, _out, scopes=scopes):
+                scopes.pop().__exit__(None, None, None)
+
+            handles += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
+        return handles
+
+    def _module(self, phase: str) -> str:
+        if phase == "backward":
+            opened_in_backward = [n for n, p in self._stack if p == "backward"]
+            if opened_in_backward:
+                return opened_in_backward[-1]
+            node = torch._C._current_autograd_node()
+            if node is not None:
+                seq = node._sequence_nr()
+                # narrowest range wins; on a tie the scope that closed first (the inner one)
+                inside = [(hi - lo, i, n) for i, (lo, hi, n) in enumerate(self._forward_ranges) if lo <= seq < hi]
+                if inside:
+                    return min(inside)[2]
+        return self._stack[-1][0] if self._stack else ""
+
+    # ---- interception --------------------------------------------------------------------------------
+    def __enter__(self):
+        if CollectiveRecorder._wait_patch_users == 0:
+            Work.wait = _recording_wait
+        CollectiveRecorder._wait_patch_users += 1
+        _ACTIVE.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _ACTIVE.remove(self)
+        CollectiveRecorder._wait_patch_users -= 1
+        if CollectiveRecorder._wait_patch_users == 0:
+            Work.wait = _WAIT_DESCRIPTOR
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func._schema.name
+        if name == "_c10d_functional::wait_tensor":
+            out = func(*args, **kwargs)
+            event = self._functional_pending.pop(id(args[0]), None)
+            if event is not None:
+                event.end = time.perf_counter()
+            return out
+        spec = _OPS.get(name)
+        if spec is None:
+            return func(*args, **kwargs)
+        named = {a.name: (a.default_value if a.has_default_value() else None) for a in func._schema.arguments}
+        named.update(zip([a.name for a in func._schema.arguments], args))
+        named.update(kwargs)
+        phase, start = current_phase(), time.perf_counter()
+        out = func(*args, **kwargs)
+        event = self._event(name, spec, named, out, phase, start)
+        self.events.append(event)
+        if name.startswith("c10d::"):
+            work = Work.unbox(out[-1] if isinstance(out, tuple) else out)
+            with self._lock:
+                self._pending[id(work)] = (work, event)
+            try:
+                future = work.get_future()
+            except RuntimeError:  # e.g. gloo's reduce-scatter work has no future: only wait() stamps the end
+                future = None
+            if future is not None:
+                future.add_done_callback(lambda _f, w=id(work): self._finish(w, from_wait=False))
+        else:
+            event.end = time.perf_counter()
+            if isinstance(out, torch.Tensor):
+                self._functional_pending[id(out)] = event
+        return out
+
+    def _event(self, name, spec, named, out, phase, start) -> CollectiveEvent:
+        op, arg, times_group = spec
+        ranks = self._ranks(named)
+        tensors = _tensors(named[arg]) if arg else []
+        factor = len(ranks) if times_group else 1
+        first = tensors[0] if tensors else None
+        shape = tuple(first.shape) if first is not None else ()
+        if factor > 1 and shape:
+            shape = (shape[0] * factor, *shape[1:])
+        return CollectiveEvent(
+            op=op, group_ranks=ranks, shape=shape, nbytes=factor * sum(t.nbytes for t in tensors),
+            dtype=str(first.dtype).removeprefix("torch.") if first is not None else "",
+            phase=phase, module=self._module(phase), start=start, end=None,
+            async_op=bool(named.get("async_op", not name.startswith("c10d::"))), num_tensors=len(tensors))
+
+    def _ranks(self, named) -> tuple[int, ...]:
+        if "process_group" in named:
+            group = ProcessGroup.unbox(named["process_group"])
+            return tuple(dist.get_process_group_ranks(group))
+        group_name = named["group_name"]
+        group_name = group_name if isinstance(group_name, str) else str(group_name)
+        if group_name not in self._group_ranks:
+            group = torch._C._distributed_c10d._resolve_process_group(group_name)
+            self._group_ranks[group_name] = tuple(dist.get_process_group_ranks(group))
+        return self._group_ranks[group_name]
+
+    def _finish(self, work_id: int, from_wait: bool) -> None:
+        with self._lock:
+            entry = self._pending.get(work_id)
+            if entry is None:
+                return
+            if from_wait:
+                del self._pending[work_id]
+        if from_wait or entry[1].end is None:
+            entry[1].end = time.perf_counter()
+
+    # ---- results -------------------------------------------------------------------------------------
+    def clear(self) -> None:
+        """Forget recorded events and spans (e.g. between steps); scopes stay."""
+        self.events.clear()
+        self.spans.clear()
+        self._forward_ranges.clear()
+        self._functional_pending.clear()
+        with self._lock:
+            self._pending.clear()
+
+    def summary(self, phase: str | None = None, events=None) -> dict[str, dict[str, int]]:
+        """{op: {"count": n, "bytes": total nbytes}} over `events` (default: all), optionally one phase only."""
+        out: dict[str, dict[str, int]] = {}
+        for e in self.events if events is None else events:
+            if phase is None or e.phase == phase:
+                entry = out.setdefault(e.op, {"count": 0, "bytes": 0})
+                entry["count"] += 1
+                entry["bytes"] += e.nbytes
+        return out
+
+    def to_dict(self) -> dict:
+        """Plain data for JSON and the notes' diagram generator; times are relative to the first record."""
+        t0 = min([e.start for e in self.events] + [s.start for s in self.spans], default=0.0)
+        rel = lambda t: None if t is None else t - t0  # noqa: E731
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        return {"rank": rank,
+                "events": [{**dataclasses.asdict(e), "start": rel(e.start), "end": rel(e.end)} for e in self.events],
+                "spans": [{**dataclasses.asdict(s), "start": rel(s.start), "end": rel(s.end)} for s in self.spans],
+                "summary": self.summary()}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+
+_ACTIVE: list[CollectiveRecorder] = []
+_WAIT_DESCRIPTOR = Work.__dict__["wait"]  # restored as is: pybind11 binds `self` through this descriptor
+_original_wait = Work.wait
+
+
+def _recording_wait(self: Work, *args, **kwargs):
+    """`Work.wait` while a recorder is active: wait, then stamp the end time of the recorded op."""
+    result = _original_wait(self, *args, **kwargs)
+    for recorder in _ACTIVE:
+        recorder._finish(id(self), from_wait=True)
+    return result

@@ -1,0 +1,170 @@
+"""Column- and row-parallel linear layers, with Megatron-core's argument names and (output, bias) return.
+
+Y = X A + b with A of shape [input_size, output_size] (stored transposed, as nn.Linear and Megatron do):
+  * ColumnParallelLinear splits A by columns, A = [A_1 ... A_p]: rank i computes Y_i = X A_i, a slice of the
+    output features. Its input gradient is partial (dX = sum_i dY_i A_i^T), hence the all-reduce in backward.
+  * RowParallelLinear splits A by rows and X by its last dimension: rank i computes the partial sum X_i A_i,
+    and the full Y = sum_i X_i A_i needs an all-reduce (or, with sequence parallelism, a reduce-scatter) in
+    forward. The bias is added once, after the reduction.
+Column then row (MLP: h -> 4h -> h) needs no communication in between: the column output split is exactly
+the row input split.
+
+Counterparts: megatron/core/tensor_parallel/layers.py::ColumnParallelLinear, RowParallelLinear,
+_initialize_affine_weight_cpu. Megatron takes a ModelParallelConfig; here the few settings that matter are
+keyword arguments and the process group is passed explicitly.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from reference.parallel_state import ParallelConfigError, divide
+from reference.tensor_parallel.linear_kernel import linear_with_grad_reduce
+from reference.tensor_parallel.mappings import (
+    gather_from_tensor_parallel_region,
+    reduce_from_tensor_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_tensor_parallel_region,
+)
+
+
+def init_shard_from_master(weight: torch.Tensor, output_size: int, input_size: int, partition_dim: int,
+                           init_method: Callable[[torch.Tensor], object], group: dist.ProcessGroup) -> None:
+    """Build the full fp32 master weight on every rank from the global RNG, keep this rank's slice.
+
+    Same recipe as megatron's _initialize_affine_weight_cpu (stride 1): equal seeds give equal shards here and
+    in megatron-core, and the unsharded model built after the same seed holds their concatenation.
+    """
+    master = torch.empty(output_size, input_size, dtype=torch.float32)
+    init_method(master)
+    shard = master.to(weight.dtype).chunk(group.size(), dim=partition_dim)[group.rank()]
+    with torch.no_grad():
+        weight.copy_(shard)
+
+
+class _ParallelLinear(torch.nn.Module):
+    """Parameters and checks shared by both layers; subclasses decide how the weight is split."""
+
+    def __init__(self, weight_shape, bias_size, *, tp_group, init_method, bias, sequence_parallel,
+                 async_grad_allreduce, gradient_accumulation_fusion, params_dtype, device, partition_dim,
+                 input_size, output_size):
+        super().__init__()
+        self.input_size, self.output_size, self.tp_group = input_size, output_size, tp_group
+        self.sequence_parallel = sequence_parallel and tp_group.size() > 1  # as Megatron: off at TP=1
+        self.async_grad_allreduce = async_grad_allreduce
+        self.gradient_accumulation_fusion = gradient_accumulation_fusion
+        self.weight = torch.nn.Parameter(torch.empty(weight_shape, dtype=params_dtype, device=device))
+        init_shard_from_master(self.weight, output_size, input_size, partition_dim, init_method, tp_group)
+        if gradient_accumulation_fusion:
+            self.weight.main_grad = torch.zeros(weight_shape, dtype=torch.float32, device=device)
+        if bias:  # Megatron zero-initializes biases
+            self.bias = torch.nn.Parameter(torch.zeros(bias_size, dtype=params_dtype, device=device))
+        else:
+            self.register_parameter("bias", None)
+
+    def _check_input(self, x: torch.Tensor, expected_last: int) -> None:
+        name = type(self).__name__
+        if x.dtype != self.weight.dtype:
+            raise ParallelConfigError(f"{name}: input dtype {x.dtype} does not match weight dtype {self.weight.dtype}")
+        if x.device != self.weight.device:
+            raise ParallelConfigError(f"{name}: input on {x.device} but weight on {self.weight.device}")
+        if x.shape[-1] != expected_last:
+            raise ParallelConfigError(f"{name}: input last dimension {x.shape[-1]}, expected {expected_last}")
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """Y_i = X A_i (+ b_i): weight [output_size / p, input_size], bias split with the output.
+
+    gather_output: all-gather Y along the last dim so every rank holds the full output.
+    skip_bias_add: return the bias instead of adding it, so the caller can fuse the add.
+    sequence_parallel: the input is split along the sequence (dim 0) and all-gathered inside the kernel;
+    its gradient is reduce-scattered back instead of all-reduced.
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, tp_group: dist.ProcessGroup,
+                 init_method: Callable, bias: bool = True, gather_output: bool = False,
+                 skip_bias_add: bool = False, sequence_parallel: bool = False,
+                 async_grad_allreduce: bool = True, gradient_accumulation_fusion: bool = False,
+                 params_dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
+        per_rank = divide(output_size, tp_group.size(), "ColumnParallelLinear output_size")
+        super().__init__((per_rank, input_size), per_rank, tp_group=tp_group, init_method=init_method,
+                         bias=bias, sequence_parallel=sequence_parallel, async_grad_allreduce=async_grad_allreduce,
+                         gradient_accumulation_fusion=gradient_accumulation_fusion, params_dtype=params_dtype,
+                         device=device, partition_dim=0, input_size=input_size, output_size=output_size)
+        self.output_size_per_partition = per_rank
+        self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
+        if self.bias is not None:
+            self.bias.tensor_parallel = True  # a shard, not a replica
+
+    def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self._check_input(input_, self.input_size)
+        output_parallel = linear_with_grad_reduce(
+            input_, self.weight, None if self.skip_bias_add else self.bias, self.tp_group,
+            allreduce_dgrad=self.tp_group.size() > 1 and not self.sequence_parallel,
+            sequence_parallel=self.sequence_parallel, async_grad_allreduce=self.async_grad_allreduce,
+            gradient_accumulation_fusion=self.gradient_accumulation_fusion)
+        output = (gather_from_tensor_parallel_region(output_parallel, self.tp_group)
+                  if self.gather_output else output_parallel)
+        return output, (self.bias if self.skip_bias_add else None)
+
+
+class RowParallelLinear(_ParallelLinear):
+    """Y = sum_i X_i A_i + b: weight [output_size, input_size / p], bias replicated and added after the sum.
+
+    input_is_parallel: the input is already split along its last dim (the output of a column layer);
+    otherwise it is split here. sequence_parallel: reduce-scatter the output along the sequence instead
+    of all-reducing it (requires input_is_parallel). skip_bias_add as in ColumnParallelLinear.
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, tp_group: dist.ProcessGroup,
+                 init_method: Callable, bias: bool = True, input_is_parallel: bool = False,
+                 skip_bias_add: bool = False, sequence_parallel: bool = False,
+                 async_grad_allreduce: bool = True, gradient_accumulation_fusion: bool = False,
+                 params_dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
+        if sequence_parallel and not input_is_parallel:
+            raise ParallelConfigError("RowParallelLinear: sequence_parallel requires input_is_parallel=True")
+        per_rank = divide(input_size, tp_group.size(), "RowParallelLinear input_size")
+        super().__init__((output_size, per_rank), output_size, tp_group=tp_group, init_method=init_method,
+                         bias=bias, sequence_parallel=sequence_parallel, async_grad_allreduce=async_grad_allreduce,
+                         gradient_accumulation_fusion=gradient_accumulation_fusion, params_dtype=params_dtype,
+                         device=device, partition_dim=1, input_size=input_size, output_size=output_size)
+        self.input_size_per_partition = per_rank
+        self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
+        if self.bias is not None and self.sequence_parallel:
+            self.bias.sequence_parallel = True  # each rank sees a slice of the tokens: its grad is partial
+
+    def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.input_is_parallel:
+            self._check_input(input_, self.input_size_per_partition)
+            input_parallel = input_
+        else:
+            self._check_input(input_, self.input_size)
+            input_parallel = scatter_to_tensor_parallel_region(input_, self.tp_group)
+        output_parallel = linear_with_grad_reduce(
+            input_parallel, self.weight, None, self.tp_group, allreduce_dgrad=False, sequence_parallel=False,
+            async_grad_allreduce=self.async_grad_allreduce,
+            gradient_accumulation_fusion=self.gradient_accumulation_fusion)
+        if self.sequence_parallel:
+            output = reduce_scatter_to_sequence_parallel_region(output_parallel, self.tp_group)
+        else:
+            output = reduce_from_tensor_parallel_region(output_parallel, self.tp_group)
+        if self.skip_bias_add or self.bias is None:
+            return output, (self.bias if self.skip_bias_add else None)
+        return output + self.bias, None
+
+
+def allreduce_sequence_parallel_grads(module: torch.nn.Module, group: dist.ProcessGroup) -> None:
+    """Sum over TP the grads of replicated parameters that saw only this rank's tokens (SP only).
+
+    Under sequence parallelism LayerNorm weights and row-parallel biases are replicated but applied to a
+    slice of the sequence, so each rank's gradient is partial. Megatron does this after backward in
+    megatron/core/distributed/finalize_model_grads.py::_allreduce_non_tensor_model_parallel_grads.
+    """
+    grads = [p.grad for p in module.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    if grads and group.size() > 1:
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=group)
+        for g, reduced in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(reduced.view_as(g))

@@ -1,0 +1,96 @@
+"""The kernel under both parallel linear layers: a matmul whose backward overlaps communication with compute.
+
+Counterpart: megatron/core/tensor_parallel/layers.py::LinearWithGradAccumulationAndAsyncCommunication
+(and linear_with_grad_accumulation_and_async_allreduce). Two ideas, each behind one flag:
+
+* async_grad_allreduce: the input gradient dX = dY W is needed by the previous layer, the weight gradient
+  dW = dY^T X only by the optimizer. So backward computes dX first, *issues* its all-reduce (or, with
+  sequence parallelism, its reduce-scatter) without waiting, computes dW while the bytes are on the wire,
+  and waits only before returning. Off: the collective is waited right away and dW starts after it; the
+  collectives and the numbers are identical, only the overlap (visible in the recorder's start/end times)
+  is gone. Megatron always overlaps; its CUDA_DEVICE_MAX_CONNECTIONS=1 requirement is what makes the issue
+  order the execution order on a GPU.
+* gradient_accumulation_fusion: dW is accumulated straight into a persistent fp32 `weight.main_grad`
+  buffer by one GEMM-with-accumulate (Megatron: fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32),
+  instead of materializing dW and letting autograd add it to `.grad`. Over micro-batches, main_grad holds
+  the sum; the optimizer reads main_grad. Off: dW is returned to autograd as usual.
+
+With sequence parallelism the layer's input arrives split along the sequence. Forward all-gathers it; the
+gathered copy is *not* saved for backward (that would cost the memory SP saves), backward all-gathers it
+again, overlapped with the dX GEMM, exactly as Megatron does.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from reference.tensor_parallel import collectives as C
+
+
+class LinearWithAsyncGradReduce(torch.autograd.Function):
+    """Y = X W^T (+ b); backward: dX collective overlapped with the dW GEMM, dW optionally into main_grad."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, allreduce_dgrad, sequence_parallel, async_grad_allreduce,
+                gradient_accumulation_fusion):
+        ctx.save_for_backward(x, weight)
+        ctx.use_bias = bias is not None
+        ctx.group, ctx.allreduce_dgrad, ctx.sequence_parallel = group, allreduce_dgrad, sequence_parallel
+        ctx.async_grad_allreduce, ctx.fusion = async_grad_allreduce, gradient_accumulation_fusion
+        total_x = C.gather_first_dim(x, group) if sequence_parallel else x
+        out = torch.matmul(total_x, weight.t())
+        return out + bias if bias is not None else out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        group, overlap = ctx.group, ctx.async_grad_allreduce
+        gather_work = reduce_work = None
+        if ctx.sequence_parallel:  # re-gather the input for dW, in flight during the dX GEMM
+            if overlap:
+                total_x, gather_work = C.gather_first_dim(x, group, async_op=True)
+            else:
+                total_x = C.gather_first_dim(x, group)
+        else:
+            total_x = x
+        grad_x = grad_out.matmul(weight)
+        _wait(gather_work)
+
+        if ctx.allreduce_dgrad:  # f's backward, fused here so it can overlap the dW GEMM below
+            grad_x = grad_x.contiguous()
+            reduce_work = dist.all_reduce(grad_x, group=group, async_op=overlap)
+        elif ctx.sequence_parallel and overlap:
+            grad_x, reduce_work = C.reduce_scatter_first_dim(grad_x, group, async_op=True)
+        elif ctx.sequence_parallel:
+            grad_x = C.reduce_scatter_first_dim(grad_x, group)
+
+        grad_out_2d = grad_out.reshape(-1, grad_out.shape[-1])
+        total_x_2d = total_x.reshape(-1, total_x.shape[-1])
+        if ctx.fusion:
+            main_grad = weight.main_grad
+            main_grad.addmm_(grad_out_2d.t().to(main_grad.dtype), total_x_2d.to(main_grad.dtype))
+            grad_weight = None
+        else:
+            grad_weight = grad_out_2d.t().matmul(total_x_2d)
+        grad_bias = grad_out_2d.sum(dim=0) if ctx.use_bias else None
+
+        _wait(reduce_work)
+        return grad_x, grad_weight, grad_bias, None, None, None, None, None
+
+
+def _wait(work) -> None:
+    if work is not None:  # None: synchronous (already complete) or no collective at TP=1
+        work.wait()
+
+
+def linear_with_grad_reduce(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                            group: dist.ProcessGroup, *, allreduce_dgrad: bool, sequence_parallel: bool,
+                            async_grad_allreduce: bool = True,
+                            gradient_accumulation_fusion: bool = False) -> torch.Tensor:
+    """The only entry point to the kernel (megatron: linear_with_grad_accumulation_and_async_allreduce)."""
+    if allreduce_dgrad and sequence_parallel:
+        raise ValueError("allreduce_dgrad and sequence_parallel are exclusive: SP reduce-scatters dX instead")
+    if gradient_accumulation_fusion and not hasattr(weight, "main_grad"):
+        raise ValueError("gradient_accumulation_fusion needs a `main_grad` buffer on the weight")
+    return LinearWithAsyncGradReduce.apply(x, weight, bias, group, allreduce_dgrad, sequence_parallel,
+                                           async_grad_allreduce, gradient_accumulation_fusion)

@@ -1,0 +1,33 @@
+"""Bad input to the TP reference: one clear line naming the problem, a non-zero exit, never a hang."""
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.launch import ROOT, torchrun
+
+WORKERS = Path(__file__).parent / "workers"
+
+
+def test_bad_configurations_raise_one_line_errors():
+    out = torchrun(WORKERS / "tp_bad_input_worker.py", 2, timeout=120)
+    assert out.count("bad input ok") == 2
+
+
+def test_demo_refuses_world_not_divisible_by_tp_with_one_line_error():
+    with pytest.raises(pytest.fail.Exception) as failure:
+        torchrun(ROOT / "reference" / "__main__.py", 2, "--tp-size", "3", timeout=120)
+    message = str(failure.value)
+    assert "exited 1" in message or "exited 2" in message, message[-2000:]
+    assert "reference: error: world size 2 is not divisible by tp size 3" in message
+    assert "[rank0]: Traceback" not in message and "[rank1]: Traceback" not in message
+
+
+def test_rank_crash_mid_step_ends_the_run_in_bounded_time():
+    start = time.monotonic()
+    with pytest.raises(pytest.fail.Exception) as failure:
+        torchrun(WORKERS / "tp_crash_worker.py", 2, timeout=90)
+    message = str(failure.value)
+    assert "timed out" not in message and time.monotonic() - start < 90
+    assert "simulated crash of rank 1" in message
+    assert "unreachable on rank 0" not in message

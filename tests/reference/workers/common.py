@@ -1,0 +1,39 @@
+"""Helpers shared by the worker scripts: process-group setup and re-assembly of sharded tensors."""
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def init(timeout_s: int = 60) -> torch.device:
+    """gloo on CPU, or nccl on CUDA when REFERENCE_TEST_DEVICE=cuda; returns the device."""
+    if os.environ.get("REFERENCE_TEST_DEVICE") == "cuda":
+        local_rank = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl", timeout=timedelta(seconds=timeout_s), device_id=torch.device("cuda", local_rank))
+        return torch.device("cuda", local_rank)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+    return torch.device("cpu")
+
+
+def gather_dim(t: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Concatenate every rank's `t` along `dim` (test-side re-assembly, independent of the reference)."""
+    parts = [torch.empty_like(t) for _ in range(group.size())]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def full_tensor(module_name: str, param_name: str, t: torch.Tensor, group) -> torch.Tensor:
+    """The unsharded version of a TP block parameter (or its gradient), by the layer it belongs to."""
+    if module_name.endswith(("qkv", "fc1")):          # column-parallel: weight and bias split on dim 0
+        return gather_dim(t, 0, group)
+    if module_name.endswith(("proj", "fc2")) and param_name == "weight":  # row-parallel weight: dim 1
+        return gather_dim(t, 1, group)
+    return t                                           # replicated: LayerNorm, row bias
+
+
+def assert_close(actual, expected, what: str, atol=1e-5, rtol=1e-4):
+    torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")

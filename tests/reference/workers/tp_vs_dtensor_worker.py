@@ -1,0 +1,99 @@
+"""The TP transformer against PyTorch DTensor TP applied to the plain transformer: numbers and collectives.
+
+Prints one JSON line per configuration (rank 0) with both implementations' recorded collective counts, for
+test_tp_vs_dtensor.py to compare; every rank asserts the numerics and the recorder-vs-CommDebugMode counts.
+"""
+import json
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
+                                               parallelize_module)
+
+from common import assert_close, full_tensor, init
+from reference.parallel_state import build_layout
+from reference.recorder import CollectiveRecorder
+from reference.tensor_parallel.layers import allreduce_sequence_parallel_grads
+from reference.tensor_parallel.transformer import ParallelTransformer
+from reference.tensor_parallel.unsharded import Transformer
+
+device = init()
+world, rank = dist.get_world_size(), dist.get_rank()
+layout = build_layout(tp_size=world)
+mesh = init_device_mesh(device.type, (world,))
+H, HEADS, LAYERS, S, B = 16, 4, 2, 8, 2
+
+
+def dtensor_plan(sp: bool) -> dict:
+    if not sp:
+        return {"attention.qkv": ColwiseParallel(), "attention.proj": RowwiseParallel(),
+                "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()}
+    return {"ln1": SequenceParallel(sequence_dim=0), "attention.qkv": ColwiseParallel(input_layouts=Shard(0)),
+            "attention.proj": RowwiseParallel(output_layouts=Shard(0)), "ln2": SequenceParallel(sequence_dim=0),
+            "mlp.fc1": ColwiseParallel(input_layouts=Shard(0)), "mlp.fc2": RowwiseParallel(output_layouts=Shard(0))}
+
+
+def comm_debug_counts(mode: CommDebugMode) -> dict:
+    names = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather", "reduce_scatter_tensor":
+             "reduce_scatter", "allreduce_": "all_reduce", "_allgather_base_": "all_gather",
+             "_reduce_scatter_base_": "reduce_scatter"}
+    return {names[str(op).split(".")[-1]]: n for op, n in mode.get_comm_counts().items() if n}
+
+
+def counts(rec: CollectiveRecorder, phase: str) -> dict:
+    return {op: v["count"] for op, v in rec.summary(phase).items()}
+
+
+def run_dtensor(sp: bool, x: torch.Tensor):
+    torch.manual_seed(1234)
+    model = Transformer(LAYERS, H, HEADS, device=device)
+    for block in model.layers:
+        parallelize_module(block, mesh, dtensor_plan(sp))
+    x = x.clone().requires_grad_()
+    with CollectiveRecorder() as rec, CommDebugMode() as comm:
+        if sp:  # enter and leave the sequence-parallel region the DTensor way (split / all-gather)
+            local = DTensor.from_local(x, mesh, [Replicate()]).redistribute(mesh, [Shard(0)]).to_local()
+            out = DTensor.from_local(model(local), mesh, [Shard(0)]).full_tensor()
+        else:
+            out = model(x)
+        forward = counts(rec, "forward")
+        forward_comm = comm_debug_counts(comm)
+        (out * out).sum().backward()
+    recorded = {op: v["count"] for op, v in rec.summary().items()}
+    assert recorded == comm_debug_counts(comm), (recorded, comm_debug_counts(comm))
+    assert forward == forward_comm, (forward, forward_comm)
+    grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad) for n, p in model.named_parameters()}
+    return out, x.grad, grads, rec
+
+
+def run_reference(sp: bool, x: torch.Tensor):
+    torch.manual_seed(1234)
+    model = ParallelTransformer(LAYERS, H, HEADS, tp_group=layout.tp_group, sequence_parallel=sp, device=device)
+    x = x.clone().requires_grad_()
+    with CollectiveRecorder() as rec, CommDebugMode() as comm:
+        out = model(x)
+        (out * out).sum().backward()
+    assert {op: v["count"] for op, v in rec.summary().items()} == comm_debug_counts(comm)
+    allreduce_sequence_parallel_grads(model, layout.tp_group)
+    grads = {n: full_tensor(n.rsplit(".", 1)[0], n.rsplit(".", 1)[1], p.grad, layout.tp_group)
+             for n, p in model.named_parameters()}
+    return out, x.grad, grads, rec
+
+
+for sp in (False, True):
+    x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(3)).to(device)
+    ours, theirs = run_reference(sp, x), run_dtensor(sp, x)
+    assert_close(ours[0], theirs[0], f"sp={sp} output")
+    assert_close(ours[1], theirs[1], f"sp={sp} input grad")
+    for name in theirs[2]:
+        assert_close(ours[2][name], theirs[2][name], f"sp={sp} grad {name}")
+    if rank == 0:
+        print("COUNTS " + json.dumps({"sequence_parallel": sp,
+                                      "reference": {p: counts(ours[3], p) for p in ("forward", "backward")},
+                                      "dtensor": {p: counts(theirs[3], p) for p in ("forward", "backward")}}),
+              flush=True)
+print(f"rank {rank}: dtensor comparisons ok", flush=True)
+dist.destroy_process_group()

@@ -1,0 +1,105 @@
+"""ColumnParallelLinear / RowParallelLinear against megatron-core 0.16.1: numbers and collective sequences.
+
+megatron-core runs on CPU/gloo with use_cpu_initialization=True; its gather_output and sequence-parallel
+paths allocate buffers on torch.cuda.current_device(), redirected to the CPU here.
+"""
+import itertools
+
+import torch
+import torch.distributed as dist
+
+from common import assert_close, gather_dim, init
+
+device = init()
+if device.type == "cpu":
+    torch.cuda.current_device = lambda: "cpu"
+
+from megatron.core import parallel_state as mpu  # noqa: E402
+from megatron.core.model_parallel_config import ModelParallelConfig  # noqa: E402
+from megatron.core.tensor_parallel import layers as megatron_layers  # noqa: E402
+
+from reference.parallel_state import build_layout  # noqa: E402
+from reference.recorder import CollectiveRecorder  # noqa: E402
+from reference.tensor_parallel import layers as reference_layers  # noqa: E402
+from reference.tensor_parallel.unsharded import init_method_normal  # noqa: E402
+
+world = dist.get_world_size()
+mpu.initialize_model_parallel(tensor_model_parallel_size=world)
+layout = build_layout(tp_size=world)
+tp = layout.tp_group
+IN, OUT, S, B = 8, 16, 4 * world, 2
+
+
+def build(kind, lib, seed, **kw):
+    torch.manual_seed(seed)
+    init_method = init_method_normal(0.02)
+    if lib == "megatron":
+        config = ModelParallelConfig(tensor_model_parallel_size=world, sequence_parallel=kw.pop("sequence_parallel"),
+                                     use_cpu_initialization=True, params_dtype=torch.float32)
+        layer = getattr(megatron_layers, kind)(IN, OUT, config=config, init_method=init_method,
+                                               tp_group=mpu.get_tensor_model_parallel_group(), **kw)
+    else:
+        layer = getattr(reference_layers, kind)(IN, OUT, tp_group=tp, init_method=init_method, device=device, **kw)
+    if layer.bias is not None:  # both zero-initialize; give the bias values so its handling shows
+        with torch.no_grad():
+            full = torch.randn(OUT, generator=torch.Generator().manual_seed(seed + 1))
+            layer.bias.copy_(full.chunk(world)[dist.get_rank()] if kind == "ColumnParallelLinear" else full)
+    return layer.to(device)
+
+
+def run(layer, x):
+    x = x.clone().requires_grad_()
+    with CollectiveRecorder() as rec:
+        out, out_bias = layer(x)
+        loss = (out * torch.arange(out.numel(), device=device).view_as(out).sin()).sum()
+        if out_bias is not None:  # returned, not added (with gather_output it is still this rank's shard)
+            loss = loss + (out_bias * out_bias).sum()
+        loss.backward()
+    grads = {n: p.grad for n, p in layer.named_parameters()}
+    return out, out_bias, x.grad, grads, [(e.key(), e.phase, e.async_op) for e in rec.events]
+
+
+def compare(kind, seed, input_shape, **kw):
+    what = f"{kind} {kw}"
+    x = torch.randn(*input_shape, generator=torch.Generator().manual_seed(seed + 2)).to(device)
+    if kw.get("sequence_parallel"):
+        x = x.chunk(world, dim=0)[dist.get_rank()]
+    mine = run(build(kind, "reference", seed, **kw), x)
+    theirs = run(build(kind, "megatron", seed, **kw), x)
+    for name, a, b in zip(["output", "output_bias", "input grad"], mine[:3], theirs[:3]):
+        assert (a is None) == (b is None), f"{what}: {name} is {a} vs megatron {b}"
+        if a is not None:
+            assert_close(a, b, f"{what}: {name}", atol=1e-6, rtol=1e-5)
+    assert mine[3].keys() == theirs[3].keys(), (mine[3].keys(), theirs[3].keys())
+    for name in mine[3]:
+        assert_close(mine[3][name], theirs[3][name], f"{what}: grad {name}", atol=1e-6, rtol=1e-5)
+    assert mine[4] == theirs[4], f"{what}: collectives differ\nreference {mine[4]}\nmegatron  {theirs[4]}"
+    assert len(mine[4]) > 0 or world == 1
+    return mine[4]
+
+
+for bias, skip_bias_add, gather_output, sp in itertools.product([True, False], [False, True], [False, True],
+                                                                  [False, True]):
+    if skip_bias_add and not bias:
+        continue
+    compare("ColumnParallelLinear", 10, (S, B, IN), bias=bias, skip_bias_add=skip_bias_add,
+            gather_output=gather_output, sequence_parallel=sp)
+for bias, skip_bias_add, input_is_parallel, sp in itertools.product([True, False], [False, True], [True, False],
+                                                                      [False, True]):
+    if (skip_bias_add and not bias) or (sp and not input_is_parallel):
+        continue
+    shape = (S, B, IN // world) if input_is_parallel else (S, B, IN)
+    compare("RowParallelLinear", 20, shape, bias=bias, skip_bias_add=skip_bias_add,
+            input_is_parallel=input_is_parallel, sequence_parallel=sp)
+
+# Same seed, same shards: the reference's shards re-assemble to megatron's master weight.
+torch.manual_seed(5)
+master = megatron_layers.ColumnParallelLinear(
+    IN, OUT, config=ModelParallelConfig(tensor_model_parallel_size=world, use_cpu_initialization=True),
+    init_method=init_method_normal(0.02), keep_master_weight_for_test=True,
+    tp_group=mpu.get_tensor_model_parallel_group()).master_weight
+ours = build("ColumnParallelLinear", "reference", 5, bias=False)
+assert torch.equal(gather_dim(ours.weight.detach().cpu(), 0, tp), master)
+print(f"rank {dist.get_rank()}: megatron comparisons ok", flush=True)
+mpu.destroy_model_parallel()
+dist.destroy_process_group()
