@@ -1,9 +1,137 @@
-"""Placeholder: the fsdp demo (filled in by its issue)."""
+"""`torchrun --nproc-per-node N -m reference --fsdp`: train the small transformer with FSDP for a few steps.
+
+Each block is one unit and the root (embeddings, final norm, head) another, wrapped children-first as with
+FSDP1. `--use-torch-fsdp` swaps in torch.distributed.fsdp.FullyShardedDataParallel with the same options,
+so the printed schedules can be compared line by line. Every step prints its collectives in issue order
+(op, unit, phase, bytes) and the per-rank parameter memory; `--json` prints one JSON object per step with
+the recorder's events and compute spans, for scripts and the notes' timeline diagram.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from reference.fsdp import BackwardPrefetch, CPUOffload, FullyShardedDataParallel, MixedPrecision
+from reference.model import ModelConfig, build_model, next_token_loss, synthetic_batches
+from reference.fsdp.tracing import torch_fsdp1_unit_scopes
+from reference.recorder import CollectiveRecorder
+
+PREFETCH_CHOICES = {"pre": "BACKWARD_PRE", "post": "BACKWARD_POST", "none": None}
 
 
-def add_arguments(group) -> None:
-    """Add this demo's flags to the shared parser's argument group."""
+def add_arguments(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--backward-prefetch", choices=sorted(PREFETCH_CHOICES), default="pre",
+                       help="all-gather the next unit in backward before (pre) or after (post) the current "
+                            "unit's gradient computation, or only when needed (none)")
+    group.add_argument("--forward-prefetch", action="store_true",
+                       help="all-gather unit l+1 before unit l computes (from the second step on)")
+    group.add_argument("--mixed-precision", action="store_true",
+                       help="bf16 parameters and compute, fp32 gradient reduction and fp32 shards")
+    group.add_argument("--cpu-offload", action="store_true", help="keep the shards on the CPU between uses")
+    group.add_argument("--use-torch-fsdp", action="store_true",
+                       help="use torch.distributed.fsdp.FullyShardedDataParallel instead of the reference")
 
 
-def run(args) -> None:
-    raise SystemExit("reference: the fsdp demo is not implemented yet")
+def shard_model(model: nn.Module, implementation: str, process_group: dist.ProcessGroup, *,
+                backward_prefetch: str | None = "BACKWARD_PRE", forward_prefetch: bool = False,
+                param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
+                cpu_offload: bool = False) -> nn.Module:
+    """One unit per block, then the root: `implementation` is "reference", "fsdp1" or "fsdp2" (torch's
+    `fully_shard`, which has no prefetch policy and offloads through its own policy object)."""
+    device = next(model.parameters()).device
+    if implementation == "fsdp2":
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+        mesh = DeviceMesh.from_group(process_group, device.type)
+        options = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+                       offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
+        for block in model.blocks:
+            fully_shard(block, **options)
+        return fully_shard(model, **options)
+    if implementation == "fsdp1":
+        from torch.distributed import fsdp as torch_fsdp
+        wrap_unit = lambda module: torch_fsdp.FullyShardedDataParallel(  # noqa: E731
+            module, process_group, use_orig_params=True, device_id=device, forward_prefetch=forward_prefetch,
+            backward_prefetch=backward_prefetch and torch_fsdp.BackwardPrefetch[backward_prefetch],
+            mixed_precision=torch_fsdp.MixedPrecision(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+            cpu_offload=torch_fsdp.CPUOffload(offload_params=cpu_offload))
+    elif implementation == "reference":
+        wrap_unit = lambda module: FullyShardedDataParallel(  # noqa: E731
+            module, process_group, forward_prefetch=forward_prefetch,
+            backward_prefetch=backward_prefetch and BackwardPrefetch[backward_prefetch],
+            mixed_precision=MixedPrecision(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+            cpu_offload=CPUOffload(offload_params=cpu_offload))
+    else:
+        raise ValueError(f"unknown FSDP implementation {implementation!r}; expected reference, fsdp1 or fsdp2")
+    for index, block in enumerate(model.blocks):
+        model.blocks[index] = wrap_unit(block)
+    return wrap_unit(model)
+
+
+def sharded_parameter_bytes(model: nn.Module) -> int:
+    """Bytes of parameters this rank holds between steps (the original parameters are views of shards)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def run(args: argparse.Namespace) -> None:
+    device_type = "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
+    try:
+        config = ModelConfig(hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+                             num_layers=args.num_layers, max_seq_length=max(64, args.seq_length))
+    except ValueError as error:
+        sys.exit(f"reference: error: {error}")
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=timedelta(seconds=60))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if args.batch_size % world:
+        sys.exit(f"reference: error: --batch-size {args.batch_size} is not divisible by the world size {world}; "
+                 "each rank trains on an equal slice of the global batch")
+    device = torch.device(device_type, rank % torch.cuda.device_count()) if device_type == "cuda" else torch.device("cpu")
+    if device_type == "cuda":
+        torch.cuda.set_device(device)
+    model = build_model(config, args.seed).to(device)
+    total_bytes = sharded_parameter_bytes(model)
+    model = shard_model(model, "fsdp1" if args.use_torch_fsdp else "reference", dist.group.WORLD,
+                        backward_prefetch=PREFETCH_CHOICES[args.backward_prefetch],
+                        forward_prefetch=args.forward_prefetch,
+                        param_dtype=torch.bfloat16 if args.mixed_precision else None,
+                        reduce_dtype=torch.float32 if args.mixed_precision else None, cpu_offload=args.cpu_offload)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+    shard_bytes = sharded_parameter_bytes(model)
+    scopes = torch_fsdp1_unit_scopes(model) if args.use_torch_fsdp else contextlib.nullcontext()
+    with CollectiveRecorder() as recorder, scopes:
+        for step, tokens in enumerate(synthetic_batches(config, args.steps, args.batch_size, args.seq_length, args.seed)):
+            recorder.clear()
+            local = tokens.chunk(world)[rank].to(device)
+            loss = next_token_loss(model(local), local)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            _report(args, rank, step, loss.item(), recorder, shard_bytes, total_bytes)
+    del model, optimizer  # release the units' process-group references before tearing the group down
+    dist.destroy_process_group()
+
+
+def _report(args, rank, step, loss, recorder, shard_bytes, total_bytes) -> None:
+    """Rank 0 prints; with --json it gathers every rank's record first (after this step's recording)."""
+    if args.json:
+        record = {"step": step, "loss": loss, "param_bytes_per_rank": shard_bytes,
+                  "param_bytes_unsharded": total_bytes, **recorder.to_dict()}
+        records = [None] * dist.get_world_size() if rank == 0 else None
+        dist.gather_object(record, records)
+        for record in records or []:
+            print(json.dumps(record), flush=True)
+        return
+    if rank != 0:
+        return
+    lines = [f"step {step}  loss {loss:.4f}  parameters on this rank {shard_bytes} B "
+             f"(unsharded {total_bytes} B, ratio {shard_bytes / total_bytes:.3f})"]
+    lines += [f"  {e.phase:8} {e.op:14} {e.module or '?':10} {e.nbytes:>9} B  {e.dtype}" for e in recorder.events]
+    summary = ", ".join(f"{op} x{v['count']} {v['bytes']} B" for op, v in recorder.summary().items())
+    print("\n".join(lines + [f"  total: {summary}"]), flush=True)

@@ -1,0 +1,196 @@
+"""The FSDP runtime: free functions over a unit's state, run from its forward and from autograd hooks.
+
+Mirrors torch/distributed/fsdp/_runtime_utils.py (torch 2.13.0), function for function:
+
+    pre_forward            _pre_forward (348-408) + _pre_forward_unshard (411-435)
+    post_forward           _post_forward (438-483) + _post_forward_reshard (486-501)
+    pre_backward_hook      _pre_backward_hook (630-697)
+    post_backward_hook     _post_backward_hook (701-774) + _post_backward_reshard (793-808)
+    reduce_grad            _reduce_grad (831-887) + _accumulate_sharded_grad (906-929)
+    post_backward_final    _post_backward_final_callback (1084-1127) + _catch_all_reshard (1130-1165)
+    prefetch               _prefetch_handle (1208-1236)
+    register_pre_backward  _register_pre_backward_hooks (1370-1413)
+
+Ordering that differs on purpose, with the reason:
+- An unshard is issued asynchronously and waited *after* the prefetch that follows it is issued. Upstream
+  issues both on the unshard stream and only makes the compute stream wait, which is also non-blocking for
+  the CPU; on gloo there is no stream, so waiting before issuing the prefetch would serialize them. The
+  issue order of collectives is upstream's.
+- The reduce-scatter is issued asynchronously in the post-backward hook and waited in the final callback
+  (upstream runs it on the post-backward stream and syncs there too); on gloo this lets it overlap the
+  remaining backward compute.
+- Upstream all-gathers CPU tensors with the list form `dist.all_gather` (`_flat_param.py` line 1467, a
+  "HACK"); every device here uses `all_gather_single`, which gloo supports in torch 2.13.
+"""
+from __future__ import annotations
+
+import functools
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch.autograd import Variable
+from torch.utils._pytree import tree_map
+
+from reference.fsdp.flat_param import FlatParamHandle, HandleTrainingState
+from reference.fsdp.prefetch import PrefetchMode, handle_to_prefetch
+from reference.fsdp.tracing import record_backward_span, unit_scope
+
+if TYPE_CHECKING:
+    from reference.fsdp.wrapper import FullyShardedDataParallel as Unit, SharedState
+
+
+def unshard(unit: Unit, handle: FlatParamHandle) -> None:
+    """`_unshard`: issue the all-gather (no-op when the buffer is still allocated) without waiting."""
+    with unit_scope(handle.name):
+        handle.unshard(async_op=True)
+
+
+def prefetch(unit: Unit, current: FlatParamHandle, mode: PrefetchMode) -> None:
+    """`_prefetch_handle`: unshard the next unit early, emulating the state it will be unsharded in."""
+    target = handle_to_prefetch(unit.shared.exec_order, current, unit.forward_prefetch, unit.backward_prefetch)
+    if target is None:
+        return
+    previous = target.training_state
+    target.training_state = (HandleTrainingState.FORWARD if mode == PrefetchMode.FORWARD
+                             else HandleTrainingState.BACKWARD_PRE)
+    unshard(unit, target)
+    target.training_state = previous
+    target.prefetched = True
+
+
+def reshard(handle: FlatParamHandle, free_unsharded: bool) -> None:
+    """`_reshard`: after it, the handle must be unsharded again before use, so it is no longer prefetched."""
+    handle.reshard(free_unsharded)
+    handle.prefetched = False
+
+
+def root_pre_forward(unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """`_root_pre_forward` (504-607): with forward prefetch every unit needs its pre-forward unshard again;
+    floating-point inputs are cast to `param_dtype`."""
+    if unit.forward_prefetch:
+        for other in unit.shared.units:
+            if other.handle is not None:
+                other.handle.needs_pre_forward_unshard = True
+                other.handle.prefetched = False
+    return cast_floating(unit.param_dtype, args), cast_floating(unit.param_dtype, kwargs)
+
+
+def pre_forward(unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """All-gather this unit (unless prefetched), prefetch the next one, then wait for this one."""
+    handle = unit.handle
+    if handle is None:
+        return args, kwargs
+    unit.shared.exec_order.record_pre_forward(handle)
+    handle.training_state = HandleTrainingState.FORWARD
+    if not handle.prefetched:
+        unshard(unit, handle)
+    handle.needs_pre_forward_unshard = False
+    prefetch(unit, handle, PrefetchMode.FORWARD)
+    handle.wait_unshard()
+    return args, kwargs
+
+
+def post_forward(unit: Unit, output: Any) -> Any:
+    """Reshard (the root keeps its parameters for the backward it is about to start), then hook the
+    outputs so the backward re-gathers this unit before its gradient computation."""
+    handle = unit.handle
+    if handle is None:
+        return output
+    unit.shared.exec_order.record_post_forward(handle)
+    reshard(handle, free_unsharded=not unit.is_root)
+    output = register_pre_backward(unit, handle, output)
+    handle.training_state = HandleTrainingState.IDLE
+    return output
+
+
+def register_pre_backward(unit: Unit, handle: FlatParamHandle, output: Any) -> Any:
+    """`_register_pre_backward_hooks`: a hook on every output tensor that requires grad; the first to
+    fire runs `pre_backward_hook` for the unit."""
+    if not torch.is_grad_enabled():
+        return output
+    handle.needs_pre_backward_unshard = False
+    handle.ran_pre_backward_hook = False
+
+    def hook_tensor(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            t.register_hook(functools.partial(pre_backward_hook, unit, handle))
+            handle.needs_pre_backward_unshard = True
+        return t
+
+    return tree_map(hook_tensor, output)
+
+
+def pre_backward_hook(unit: Unit, handle: FlatParamHandle, grad: torch.Tensor) -> torch.Tensor:
+    """Before the unit's gradient computation: re-gather it (unless prefetched); with BACKWARD_PRE, issue
+    the next unit's all-gather now. The root also queues the end-of-backward callback."""
+    if handle.ran_pre_backward_hook:
+        return grad
+    shared = unit.shared
+    if not shared.post_backward_callback_queued:
+        shared.post_backward_callback_queued = True
+        Variable._execution_engine.queue_callback(functools.partial(post_backward_final, shared))
+    handle.training_state = HandleTrainingState.BACKWARD_PRE
+    if handle.needs_pre_backward_unshard and not handle.prefetched:
+        unshard(unit, handle)
+    handle.needs_pre_backward_unshard = False
+    prefetch(unit, handle, PrefetchMode.BACKWARD)
+    handle.wait_unshard()
+    handle.ran_pre_backward_hook = True
+    handle.backward_started = time.perf_counter()
+    return grad
+
+
+@torch.no_grad()
+def post_backward_hook(unit: Unit, handle: FlatParamHandle, flat_param: torch.nn.Parameter) -> None:
+    """After autograd accumulated the unit's unsharded gradient: free the unsharded parameters, with
+    BACKWARD_POST prefetch the next unit, and reduce-scatter the gradient right away."""
+    record_backward_span(handle.name, handle.backward_started)
+    handle.training_state = HandleTrainingState.BACKWARD_POST
+    unsharded_grad = flat_param.grad
+    flat_param.grad = None
+    reshard(handle, free_unsharded=True)
+    prefetch(unit, handle, PrefetchMode.BACKWARD)
+    reduce_grad(unit, handle, unsharded_grad)
+
+
+def reduce_grad(unit: Unit, handle: FlatParamHandle, unsharded_grad: torch.Tensor) -> None:
+    """Average and reduce-scatter the padded flat gradient in `reduce_dtype`; the sum of grad/N over
+    ranks is the data-parallel mean. Waited (and cast to the shard's dtype) in `post_backward_final`."""
+    grad = unsharded_grad.to(unit.reduce_dtype or unsharded_grad.dtype)
+    grad.div_(handle.world_size)
+    sharded = torch.empty(handle.shard_numel, dtype=grad.dtype, device=grad.device)
+    with unit_scope(handle.name):
+        work = dist.reduce_scatter_single(sharded, grad, group=handle.process_group, async_op=True)
+    unit.shared.pending_reductions.append((handle, work, sharded))
+
+
+def post_backward_final(shared: SharedState) -> None:
+    """End of backward (queued on the autograd engine by the root): wait for the reduce-scatters, hand
+    the reduced shards to the original parameters' `.grad`, reshard anything still unsharded, reset."""
+    for handle, work, sharded in shared.pending_reductions:
+        work.wait()
+        grad = sharded.to(handle.flat_param.dtype)
+        handle.use_sharded_grad_views(grad.cpu() if handle.offload_to_cpu else grad)
+    shared.pending_reductions.clear()
+    shared.exec_order.next_iter()
+    for unit in shared.units:
+        handle = unit.handle
+        if handle is None:
+            continue
+        if handle.is_unsharded():  # `_catch_all_reshard`: used in forward, never reached in backward
+            reshard(handle, free_unsharded=True)
+        handle.ran_pre_backward_hook = False
+        handle.needs_pre_backward_unshard = False
+        handle.post_forward_index = None
+        handle.training_state = HandleTrainingState.IDLE
+        handle.prefetched = False
+    shared.post_backward_callback_queued = False
+
+
+def cast_floating(dtype: torch.dtype | None, tree: Any) -> Any:
+    """`_root_cast_forward_input`: the root casts floating-point inputs to `param_dtype`."""
+    if dtype is None:
+        return tree
+    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)

@@ -1,0 +1,80 @@
+"""Attribute the reference FSDP's collectives and compute to units in any active `CollectiveRecorder`.
+
+Without a recorder these are no-ops. With one (`with CollectiveRecorder() as rec:` around the training
+step), every all-gather and reduce-scatter is recorded under the unit it belongs to (a prefetched
+all-gather under the unit it fetches, not the unit that issued it), and each unit's forward and backward
+compute appears in `rec.spans` as "<unit> forward" / "<unit> backward", so the FSDP timeline can be drawn
+from a real run. The backward span runs from the unit's pre-backward hook (after its all-gather landed)
+to its post-backward hook (its gradient is complete).
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+
+import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+from reference.recorder import CollectiveRecorder, Span
+
+
+def active_recorders() -> list[CollectiveRecorder]:
+    return [mode for mode in _get_current_dispatch_mode_stack() if isinstance(mode, CollectiveRecorder)]
+
+
+@contextlib.contextmanager
+def unit_scope(unit_name: str) -> Iterator[None]:
+    """Collectives issued inside are recorded with `module == unit_name`."""
+    with contextlib.ExitStack() as stack:
+        for recorder in active_recorders():
+            stack.enter_context(recorder.scope(unit_name))
+        yield
+
+
+@contextlib.contextmanager
+def forward_span(unit_name: str) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for recorder in active_recorders():
+            stack.enter_context(recorder.span(f"{unit_name} forward"))
+        yield
+
+
+def record_backward_span(unit_name: str, start: float) -> None:
+    """Close the unit's backward span that started at `start` (a `time.perf_counter()` value)."""
+    for recorder in active_recorders():
+        recorder.spans.append(Span(f"{unit_name} backward", "backward", start, time.perf_counter()))
+
+
+@contextlib.contextmanager
+def torch_fsdp1_unit_scopes(model: torch.nn.Module) -> Iterator[None]:
+    """Attribute PyTorch FSDP1's collectives to units the same way, so both schedules compare line by line.
+
+    FSDP1 issues every all-gather from `_runtime_utils.py::_unshard` (277) and every reduce-scatter from
+    `_reduce_grad` (831), both called through the module's globals; wrapping those two functions for the
+    duration scopes each collective under the unit its handle belongs to.
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel, _runtime_utils
+
+    names = {id(unit._handle): clean_name(name) or "root" for name, unit in model.named_modules()
+             if isinstance(unit, FullyShardedDataParallel) and unit._handle is not None}
+    original_unshard, original_reduce_grad = _runtime_utils._unshard, _runtime_utils._reduce_grad
+
+    def unshard(state, handle, *args):
+        with unit_scope(names.get(id(handle), "?")):
+            return original_unshard(state, handle, *args)
+
+    def reduce_grad(state, handle):
+        with unit_scope(names.get(id(handle), "?")):
+            return original_reduce_grad(state, handle)
+
+    _runtime_utils._unshard, _runtime_utils._reduce_grad = unshard, reduce_grad
+    try:
+        yield
+    finally:
+        _runtime_utils._unshard, _runtime_utils._reduce_grad = original_unshard, original_reduce_grad
+
+
+def clean_name(name: str) -> str:
+    """A module name without FSDP1's wrapper prefix (both wrappers use `_fsdp_wrapped_module`)."""
+    return name.replace("_fsdp_wrapped_module.", "").replace("_fsdp_wrapped_module", "")

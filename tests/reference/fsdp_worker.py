@@ -1,0 +1,234 @@
+"""Worker for the FSDP tests: `torchrun ... fsdp_worker.py OUTDIR {main,crash} {cpu,cuda}`.
+
+`main` trains the test transformer for a few steps with the reference FSDP in every configuration the tests
+check, and with the oracles (single-process training from the same weights, PyTorch FSDP1 with the same
+wrapping and options, PyTorch FSDP2 `fully_shard`), under one `CollectiveRecorder`. Each rank writes what it
+observed to OUTDIR/rank{r}.json: parameter differences, the collective schedule of each step with unit
+attribution, compute spans, unsharded-memory samples, flat sizes and bad-input errors. The pytest modules
+assert on those files, so one launch serves many named tests.
+
+`crash` makes rank 1 raise in the middle of a step while the others wait in a collective.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from reference.fsdp import FullyShardedDataParallel
+from reference.fsdp.demo import shard_model
+from reference.fsdp.tracing import torch_fsdp1_unit_scopes
+from reference.model import ModelConfig, build_model, next_token_loss, synthetic_batches
+from reference.recorder import CollectiveRecorder
+
+# Odd sizes on purpose: every unit's flat size is odd, so every world size > 1 needs padding.
+CONFIG = ModelConfig(vocab_size=101, hidden_size=27, num_attention_heads=3, num_layers=3, max_seq_length=33)
+STEPS, BATCH, SEQ, SEED, LR = 3, 4, 16, 7, 0.05
+PREFETCH = {"pre": "BACKWARD_PRE", "post": "BACKWARD_POST", "none": None}
+BF16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+class UnshardedMemorySampler(TorchDispatchMode):
+    """Samples every unit's allocated unsharded bytes at each aten op (consecutive duplicates dropped)."""
+
+    def __init__(self, handles) -> None:
+        super().__init__()
+        self.handles, self.samples = handles, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        sample = [h.unsharded_param_bytes() for h in self.handles]
+        if not self.samples or self.samples[-1] != sample:
+            self.samples.append(sample)
+        return func(*args, **(kwargs or {}))
+
+
+def train(model: nn.Module, recorder: CollectiveRecorder, device: torch.device, world: int, rank: int,
+          optimizer_class=torch.optim.SGD, sampler_handles=None) -> list[dict]:
+    """STEPS optimizer steps on this rank's slice of each global batch; the recorded schedule per step."""
+    optimizer = optimizer_class(model.parameters(), lr=LR)
+    steps = []
+    for tokens in synthetic_batches(CONFIG, STEPS, BATCH, SEQ, SEED):
+        local = tokens.chunk(world)[rank].to(device)
+        recorder.clear()
+        sampler = UnshardedMemorySampler(sampler_handles) if sampler_handles else None
+        if sampler:
+            sampler.__enter__()
+        next_token_loss(model(local), local).backward()
+        if sampler:
+            sampler.__exit__(None, None, None)
+        optimizer.step()
+        optimizer.zero_grad()
+        record = recorder.to_dict()
+        steps.append({"events": [{k: e[k] for k in ("op", "module", "phase", "nbytes", "dtype", "start", "end")}
+                                 for e in record["events"]],
+                      "spans": record["spans"], "memory_samples": sampler.samples if sampler else None})
+    return steps
+
+
+def full_parameters(model: nn.Module, implementation: str) -> dict[str, torch.Tensor]:
+    if implementation == "reference":
+        return model.full_parameters()
+    if implementation == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+        with FSDP1.summon_full_params(model):
+            return {name: p.detach().float().cpu().clone() for name, p in model.named_parameters()}
+    if implementation == "fsdp2":
+        return {name: p.full_tensor().detach().float().cpu() for name, p in model.named_parameters()}
+    return {name: p.detach().float().cpu().clone() for name, p in model.named_parameters()}
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), f"parameter names differ: {sorted(a.keys() ^ b.keys())}"
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def run_main(out: Path, device: torch.device) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.group.WORLD
+    result: dict = {"rank": rank, "world": world, "runs": {}, "diff": {}}
+    initial = build_model(CONFIG, SEED).to(device)
+    with CollectiveRecorder() as recorder:
+        baseline = copy.deepcopy(initial)
+        train(baseline, recorder, device, 1, 0)
+        expected = full_parameters(baseline, "single")
+
+        def run(name: str, implementation: str, **options) -> dict:
+            model = shard_model(copy.deepcopy(initial), implementation, group, **options)
+            handles = model.handles() if implementation == "reference" else None
+            scopes = torch_fsdp1_unit_scopes(model) if implementation == "fsdp1" else contextlib.nullcontext()
+            with scopes:
+                steps = train(model, recorder, device, world, rank, sampler_handles=handles)
+            final = full_parameters(model, implementation)
+            result["runs"][name] = {"steps": steps}
+            if implementation == "reference":
+                result["runs"][name]["units"] = [
+                    {"name": h.name, "param_numel": h.param_numel, "numel": h.numel, "padded_numel": h.padded_numel, "shard_numel": h.shard_numel,
+                     "itemsize": h._local_shard.element_size(),
+                     "full_bytes": h.padded_numel * h._full_param_padded.element_size()} for h in model.handles()]
+                result["runs"][name]["param_bytes_per_rank"] = sum(h.sharded_param_bytes() for h in model.handles())
+            elif implementation == "fsdp1":
+                result["runs"][name]["shard_numel"] = {
+                    n: h.flat_param._sharded_size.numel() for n, h in _fsdp1_handles(model).items()}
+            result["diff"][f"{name}/single"] = max_diff(final, expected)
+            return final
+
+        params = {}
+
+        policies = ["pre", "post", "none"] if world > 1 else ["pre"]
+        for policy in policies:
+            for forward_prefetch in (False, True):
+                name = f"{policy}{'+fwd' if forward_prefetch else ''}"
+                options = dict(backward_prefetch=PREFETCH[policy], forward_prefetch=forward_prefetch)
+                ours = params[f"reference/{name}"] = run(f"reference/{name}", "reference", **options)
+                if world > 1:  # FSDP1 at world 1 switches to NO_SHARD (all-reduce), nothing to compare
+                    result["diff"][f"reference/{name}/fsdp1"] = max_diff(ours, run(f"fsdp1/{name}", "fsdp1", **options))
+        ours = run("reference/bf16", "reference", forward_prefetch=True, **BF16)
+        if world > 1:
+            result["diff"]["reference/bf16/fsdp1"] = max_diff(ours, run("fsdp1/bf16", "fsdp1", forward_prefetch=True, **BF16))
+            result["diff"]["reference/pre/fsdp2"] = max_diff(params["reference/pre"], run("fsdp2", "fsdp2"))
+            result["diff"]["reference/bf16/fsdp2"] = max_diff(ours, run("fsdp2/bf16", "fsdp2", **BF16))
+        run("reference/cpu_offload", "reference", cpu_offload=True)
+        if world > 1:
+            result["diff"]["reference/adam/fsdp1"] = adam_diff(initial, group, recorder, device)
+    result["bad_input"] = bad_input_errors(group)
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def adam_diff(initial, group, recorder, device) -> float:
+    """Adam's per-element state lives on the shard views of the original parameters. Compared with FSDP1
+    (bitwise-equal gradients) rather than single-process training: Adam's m/sqrt(v) turns the 1e-8
+    reduction-order noise of near-zero gradients into O(lr) updates."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results = []
+    for implementation in ("reference", "fsdp1"):
+        model = shard_model(copy.deepcopy(initial), implementation, group)
+        train(model, recorder, device, world, rank, optimizer_class=torch.optim.Adam)
+        results.append(full_parameters(model, implementation))
+    return max_diff(*results)
+
+
+def bad_input_errors(group) -> dict[str, str]:
+    """The one-line error each bad wrapping raises (ValueError), keyed by case."""
+    errors = {}
+
+    def expect_error(case, build):
+        try:
+            build()
+        except ValueError as error:
+            errors[case] = str(error)
+        else:
+            errors[case] = "no error"
+
+    def shared_between_units():
+        model = build_model(CONFIG, SEED)
+        model.head.weight = model.tok_emb.weight  # tied embeddings, head wrapped in its own unit
+        model.head = FullyShardedDataParallel(model.head, group)
+        FullyShardedDataParallel(model, group)
+
+    def wrapped_twice():
+        block = build_model(CONFIG, SEED).blocks[0]
+        FullyShardedDataParallel(block, group)
+        FullyShardedDataParallel(block, group)
+
+    def wrapper_wrapped():
+        FullyShardedDataParallel(FullyShardedDataParallel(build_model(CONFIG, SEED).blocks[0], group), group)
+
+    def integer_parameter():
+        module = nn.Linear(3, 3)
+        module.step = nn.Parameter(torch.zeros(1, dtype=torch.long), requires_grad=False)
+        FullyShardedDataParallel(module, group)
+
+    expect_error("shared_between_units", shared_between_units)
+    expect_error("wrapped_twice", wrapped_twice)
+    expect_error("wrapper_wrapped", wrapper_wrapped)
+    expect_error("integer_parameter", integer_parameter)
+    return errors
+
+
+def run_crash(device: torch.device) -> None:
+    """Rank 1 fails inside its second step's forward; rank 0 is then blocked in a collective."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = shard_model(build_model(CONFIG, SEED).to(device), "reference", dist.group.WORLD)
+    calls = []
+
+    def crash_on_rank1(module, args):
+        calls.append(1)
+        if rank == 1 and len(calls) == 2:
+            raise RuntimeError("simulated rank crash: rank 1 failed in step 2")
+
+    model.blocks[1].register_forward_pre_hook(crash_on_rank1)
+    for tokens in synthetic_batches(CONFIG, STEPS, BATCH, SEQ, SEED):
+        local = tokens.chunk(world)[rank].to(device)
+        next_token_loss(model(local), local).backward()
+    print(f"rank {rank} finished {time.time()}")
+
+
+def _fsdp1_handles(model):
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+    from reference.fsdp.tracing import clean_name
+    return {clean_name(n) or "root": m._handle for n, m in model.named_modules() if isinstance(m, FSDP1) and m._handle}
+
+
+def main() -> None:
+    out, mode, device_type = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+    timeout = timedelta(seconds=15 if mode == "crash" else 60)
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=timeout)
+    device = torch.device("cpu")
+    if device_type == "cuda":
+        device = torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    (run_main if mode == "main" else run_crash)(*((out, device) if mode == "main" else (device,)))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

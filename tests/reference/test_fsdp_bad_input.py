@@ -1,0 +1,59 @@
+"""Bad input to the reference FSDP: a clear one-line error, padding instead of a crash, bounded failure."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.launch import torchrun
+from tests.reference.fsdp_runs import WORKER, fsdp_results
+
+
+def errors() -> dict[str, str]:
+    return fsdp_results(2)[0]["bad_input"]
+
+
+def test_parameter_shared_between_units_is_refused():
+    assert errors()["shared_between_units"] == (
+        "parameter 'tok_emb.weight' is already flattened into another FSDP unit: a parameter shared between "
+        "units is not supported; wrap the modules sharing it in one unit")
+
+
+def test_module_wrapped_twice_is_refused():
+    assert errors()["wrapped_twice"] == "Block is already wrapped by reference FSDP; wrap each module once"
+    assert errors()["wrapper_wrapped"] == (
+        "FullyShardedDataParallel is already wrapped by reference FSDP; wrap each module once")
+
+
+def test_non_floating_parameter_is_refused():
+    assert errors()["integer_parameter"] == (
+        "parameter 'step' has dtype torch.int64; FSDP shards floating-point parameters only")
+
+
+def test_world_size_one_shards_nothing_and_trains_bitwise_like_single_process():
+    """Upstream FSDP1 switches to NO_SHARD (an all-reduce) at world 1; the reference keeps one code path:
+    the shard is the whole padded buffer and the collectives are one-rank copies."""
+    result = fsdp_results(1)[0]
+    assert result["diff"]["reference/pre/single"] == 0.0
+    for unit in result["runs"]["reference/pre"]["units"]:
+        assert unit["shard_numel"] == unit["padded_numel"] == unit["numel"]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_flat_size_not_divisible_by_world_is_padded(world):
+    for result in fsdp_results(world):
+        units = result["runs"]["reference/pre"]["units"]
+        assert all(u["numel"] % world for u in units), "every flat size is indivisible, by construction"
+        assert all(u["padded_numel"] % world == 0 for u in units)
+        assert result["diff"]["reference/pre/single"] <= 1e-6
+
+
+def test_rank_crash_mid_step_fails_fast_with_clear_error(tmp_path):
+    started = time.monotonic()
+    with pytest.raises(pytest.fail.Exception) as failure:
+        torchrun(WORKER, 2, str(tmp_path), "crash", "cpu", timeout=90)
+    elapsed = time.monotonic() - started
+    assert "RuntimeError: simulated rank crash: rank 1 failed in step 2" in str(failure.value)
+    assert "exited 1" in str(failure.value)
+    assert "finished" not in str(failure.value)
+    assert elapsed < 60, f"the surviving rank took {elapsed:.0f}s to be torn down"
