@@ -118,8 +118,13 @@ def fsdp_forward(world: int) -> dict:
             "tokens_per_rank": FSDP_BATCH * FSDP_SEQ // world,
             "forward_flops_per_token": flops / (FSDP_BATCH * FSDP_SEQ),
             "units": units,
-            "events": [{k: e[k] for k in (*EVENT_FIELDS, "start", "end")} for e in record["events"]],
-            "spans": record["spans"]}
+            "events": [{**{k: e[k] for k in EVENT_FIELDS}, **_times(e)} for e in record["events"]],
+            "spans": [{"name": s["name"], "phase": s["phase"], **_times(s)} for s in record["spans"]]}
+
+
+def _times(record: dict) -> dict:
+    """Start/end in seconds from the step's first record, to the microsecond (only their order is used)."""
+    return {k: None if record[k] is None else round(record[k], 6) for k in ("start", "end")}
 
 
 def main(out: Path) -> None:

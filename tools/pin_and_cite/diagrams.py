@@ -8,7 +8,8 @@ ones as dotted edges back to the module's input.
 `diagram("fsdp_forward")`: a gantt chart of the FSDP forward with a compute track (each unit's forward span)
 and an all-gather track (from the moment each all-gather was issued to the moment its unit's compute started).
 The x axis is the order of those events in the recorded step, not wall time: timings of a CPU/gloo run say
-nothing about a GPU, the order is what the prefetch policy decides.
+nothing about a GPU, the order is what the prefetch policy decides. Slots are drawn as minutes
+(`dateFormat mm`): mermaid 11 ignores start values under `dateFormat X`.
 
 Every label goes through `label()`, so nothing recorded can break the diagram's syntax.
 """
@@ -76,7 +77,7 @@ def tp_block(trace: dict, link: str, block: str = "layers.0") -> str:
         raise TraceError(f"trace {trace['name']}: the recorder saw no tensor-parallel linear layer issuing the "
                          f"collectives of {block}; cannot draw the TP block; {RECORD}")
     shape = f"x [s, b, h] = [{trace['s']}, {trace['b']}, {run['h']}], on every rank"
-    body = ["flowchart LR", f"  x([{label(shape)}]); y([{label('y, on every rank')}])"]
+    body = ["flowchart TB", f"  x([{label(shape)}]); y([{label('y, on every rank')}])"]
     for parent in dict.fromkeys(parent for parent, _, _ in nodes):
         defs = "; ".join(f"n{i}[{label(text)}]" for i, (p, text, _) in enumerate(nodes) if p == parent)
         if parent == block:
@@ -106,6 +107,9 @@ def tp_block(trace: dict, link: str, block: str = "layers.0") -> str:
 
 def fsdp_forward(trace: dict) -> str:
     markers = forward_markers(trace)
+    if len(markers) > 60:
+        raise TraceError(f"trace {trace['name']}: {len(markers)} forward events; the timeline draws at most 60 "
+                         f"(one per minute tick of the gantt axis); record fewer units; {RECORD}")
     slot = {marker: i for i, marker in enumerate(markers)}
     units = [u["name"] for u in trace["units"]]
     missing = [u for u in units if ("issue", u) not in slot or ("start", u) not in slot]
@@ -114,11 +118,13 @@ def fsdp_forward(trace: dict) -> str:
                          f"{', '.join(missing)}; cannot draw the FSDP timeline; {RECORD}")
     gathers = {e["module"]: e["nbytes"] for e in events_where(trace["events"], op="all_gather", phase="forward")}
     body = ["gantt", f"  title {gantt_text('FSDP forward of a recorded step, world %d, order of events' % trace['world'])}",
-            "  dateFormat X", "  axisFormat %s", "  todayMarker off", "  section compute"]
-    body += [f"  {gantt_text(unit + ' forward')} : {slot[('start', unit)]}, {slot[('end', unit)]}" for unit in units]
+            "  dateFormat mm", "  axisFormat %M", "  tickInterval 1minute", "  todayMarker off",
+            "  section compute"]
+    body += [f"  {gantt_text(unit + ' forward')} : c{i}, {slot[('start', unit)]:02d}, {slot[('end', unit)]:02d}"
+             for i, unit in enumerate(units)]
     body.append("  section all-gather")
-    body += [f"  {gantt_text(f'{unit} {human_bytes(gathers[unit])}')} : {slot[('issue', unit)]}, {slot[('start', unit)]}"
-             for unit in units]
+    body += [f"  {gantt_text(f'{unit} {human_bytes(gathers[unit])}')} : g{i}, {slot[('issue', unit)]:02d}, "
+             f"{slot[('start', unit)]:02d}" for i, unit in enumerate(units)]
     return mermaid_fence(body)
 
 
