@@ -12,6 +12,7 @@
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from mkdocs.exceptions import PluginError
@@ -21,7 +22,11 @@ from pin_and_cite.errors import PinAndCiteError
 from pin_and_cite.render import render_notes
 
 ROOT = Path(__file__).resolve().parents[1]
-NOTE_TEMPLATES = ROOT / "reading_notes"
+
+
+def project_root() -> Path:
+    """This checkout, or $PIN_AND_CITE_PROJECT (as for the CLI): the tests build scratch copies through it."""
+    return Path(os.environ.get("PIN_AND_CITE_PROJECT", ROOT))
 
 
 def on_pre_build(config) -> None:
@@ -33,12 +38,13 @@ def on_pre_build(config) -> None:
     if found:
         raise PluginError(f"{found[0]}; run tools/vendor-assets --docs-dir {docs_dir} (make serve does)")
     try:
-        render_notes(ROOT, docs_dir / "notes")
+        render_notes(project_root(), docs_dir / "notes")
     except PinAndCiteError as e:
         raise PluginError(str(e)) from None
 
 
 def on_serve(server, config, builder):
-    if NOTE_TEMPLATES.is_dir():
-        server.watch(str(NOTE_TEMPLATES))
+    templates = project_root() / "reading_notes"
+    if templates.is_dir():
+        server.watch(str(templates))
     return server

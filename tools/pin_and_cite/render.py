@@ -33,6 +33,7 @@ from pin_and_cite.traces import load_trace
 from pin_and_cite.verified_by import missing_test
 
 SOURCE_PAGE = "_source.md.j2"
+TEMPLATE_MISTAKES = (TypeError, ValueError, LookupError, AttributeError, ArithmeticError)
 LANGUAGES = {".py": "python", ".pyi": "python", ".h": "cpp", ".cpp": "cpp", ".md": "markdown", ".toml": "toml"}
 
 
@@ -121,6 +122,9 @@ class Renderer:
             raise PinAndCiteError(f"{self._where(template, exc.lineno)}: {exc.message}") from None
         except (PinAndCiteError, jinja2.TemplateError) as exc:
             raise PinAndCiteError(f"{self._where(template, _template_line(exc, template))}: {exc}") from None
+        except TEMPLATE_MISTAKES as exc:      # e.g. a global called with a missing or misspelled argument
+            where = self._where(template, _template_line(exc, template))
+            raise PinAndCiteError(f"{where}: {type(exc).__name__}: {exc}") from None
 
     def _where(self, template: Path, line: int | None) -> str:
         return f"{template.relative_to(self.project.root)}:{line or '?'}"
