@@ -19,7 +19,7 @@ from pathlib import Path
 import jinja2
 
 from pin_and_cite.atomic import atomic_write
-from pin_and_cite import diagrams, estimates
+from pin_and_cite import diagrams, estimates, symbols
 from pin_and_cite.check import verify_locked
 from pin_and_cite.citation import parse_spec
 from pin_and_cite.errors import PinAndCiteError
@@ -43,16 +43,30 @@ def fence_for(text: str) -> str:
     return "`" * max(3, longest + 1)
 
 
-def excerpt_link(excerpt: Excerpt) -> str:
-    """`path` La–Lb · `symbol` @ `commit`, linked to the pinned lines when the source has a web URL."""
+def excerpt_link(excerpt: Excerpt, inside: str | None = None) -> str:
+    """`path` La–Lb · `symbol` @ `commit` (or · in `symbol` holding a line range), linked to the pinned lines
+    when the source has a web URL."""
     first, last = excerpt.lines
-    name = f" · `{excerpt.spec.symbol}`" if excerpt.spec.symbol else ""
+    name = f" · `{excerpt.spec.symbol}`" if excerpt.spec.symbol else f" · in `{inside}`" if inside else ""
     label = f"`{excerpt.spec.path}` L{first}–L{last}{name} @ `{excerpt.source.commit[:12]}`"
     return f"[{label}]({excerpt.permalink})" if excerpt.permalink else label
 
 
-def excerpt_markdown(excerpt: Excerpt, highlight: str | None = None) -> str:
+def _refuse_blank_ends(excerpt: Excerpt) -> None:
+    """Pygments drops blank first and last lines, so the block would disagree with its caption (and, at the
+    start, every line number would shift): such a citation names the lines it should have cited."""
+    lines, (first, last) = excerpt.text.split("\n")[:-1], excerpt.lines
+    if lines[0].strip() and lines[-1].strip():
+        return
+    text = [n for n, line in enumerate(lines, first) if line.strip()]
+    better = f"L{text[0]}-L{text[-1]}" if text else "a range with code in it"
+    raise PinAndCiteError(f"{excerpt.spec} starts or ends with a blank line, which the page cannot number "
+                          f"correctly; cite {better}")
+
+
+def excerpt_markdown(excerpt: Excerpt, highlight: str | None = None, inside: str | None = None) -> str:
     """The excerpt as a fenced block numbered with upstream line numbers, under a permalinked caption."""
+    _refuse_blank_ends(excerpt)
     first, last = excerpt.lines
     hl = ""
     if highlight:
@@ -61,7 +75,7 @@ def excerpt_markdown(excerpt: Excerpt, highlight: str | None = None) -> str:
         if not (first <= a and b <= last):
             raise PinAndCiteError(f"highlight {highlight} lies outside the cited L{first}-L{last}")
         hl = f' hl_lines="{a - first + 1}-{b - first + 1}"'
-    caption = excerpt_link(excerpt)
+    caption = excerpt_link(excerpt, inside)
     lang = LANGUAGES.get(Path(excerpt.spec.path).suffix, "text")
     fence = fence_for(excerpt.text)
     return f'{caption}\n\n{fence}{lang} linenums="{first}"{hl}\n{excerpt.text}{fence}\n'
@@ -88,11 +102,20 @@ class Renderer:
             raise PinAndCiteError(f"{key}: {why}")
         return self.resolver.resolve(parse_spec(key))[0]
 
+    def inside(self, excerpt: Excerpt) -> str | None:
+        """For a line range in a Python file, the innermost definition holding it."""
+        if excerpt.spec.symbol or not excerpt.spec.path.endswith(".py"):
+            return None
+        return symbols.enclosing(self.resolver.definitions_of(excerpt.source.name, excerpt.spec.path, excerpt.blob),
+                                 excerpt.lines)
+
     def cite(self, spec_text: str, highlight: str | None = None) -> str:
-        return excerpt_markdown(self.excerpt(spec_text), highlight)
+        excerpt = self.excerpt(spec_text)
+        return excerpt_markdown(excerpt, highlight, self.inside(excerpt))
 
     def upstream(self, spec_text: str) -> str:
-        return excerpt_link(self.excerpt(spec_text))
+        excerpt = self.excerpt(spec_text)
+        return excerpt_link(excerpt, self.inside(excerpt))
 
     def diagram(self, name: str, **options) -> str:
         return diagrams.diagram(load_trace(self.project.notes_dir, name), **options)
