@@ -19,8 +19,11 @@ Conventions (the notes' byte formulas are checked against these):
     `rec.watch(model)` (forward hooks that push each submodule's qualified name). Backward runs outside those
     Python scopes, so each forward scope also remembers the range of autograd sequence numbers of the graph
     nodes created inside it; in backward the op is attributed to the innermost forward scope that created the
-    autograd node currently executing (`torch._C._current_autograd_node()`). A scope opened during backward
-    itself (e.g. `with rec.scope("unit0"):` inside a hook) takes precedence.
+    autograd node currently executing (`torch._C._current_autograd_node()`). When that node accumulates a
+    watched parameter's gradient (hooks on AccumulateGrad, e.g. FSDP1's post-backward reduce-scatter), the op
+    goes to the module owning the parameter. Ops issued from no node (autograd's final callbacks, e.g. FSDP2's
+    last reduce-scatters) have module "" unless a scope is open. A scope opened during backward itself
+    (e.g. `with rec.scope("unit0"):` inside a hook) takes precedence over all of these.
   * `start` / `end` are `time.perf_counter()` seconds. `start` is when the op was issued. For c10d ops `end` is
     when the caller's `Work.wait()` returned (the recorder wraps `Work.wait` while active; synchronous calls
     wait inside torch.distributed), or, if the work is never waited in Python, when its future completed.
@@ -134,6 +137,7 @@ class CollectiveRecorder(TorchDispatchMode):
         self.spans: list[Span] = []
         self._stack: list[tuple[str, str]] = []          # (name, phase it was opened in)
         self._forward_ranges: list[tuple[int, int, str]] = []  # autograd seq-nr [lo, hi) -> scope name
+        self._param_owner: dict[int, str] = {}  # id(parameter) -> name of the watched module holding it
         self._pending: dict[int, tuple[Work, CollectiveEvent]] = {}  # id(Work) -> event awaiting wait()
         self._functional_pending: dict[int, CollectiveEvent] = {}   # id(output tensor) -> event
         self._group_ranks: dict[str, tuple[int, ...]] = {}
@@ -166,6 +170,8 @@ class CollectiveRecorder(TorchDispatchMode):
         """Scope every submodule's forward under its qualified name; returns the hook handles."""
         handles = []
         for name, module in model.named_modules(prefix=prefix):
+            for param in module.parameters(recurse=False):
+                self._param_owner[id(param)] = name
             if not name:
                 continue
             scopes: list = []
@@ -177,7 +183,10 @@ class CollectiveRecorder(TorchDispatchMode):
             def leave(_mod, _inp, _out, scopes=scopes):
                 scopes.pop().__exit__(None, None, None)
 
-            handles += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
+            # first pre-hook and last post-hook, so that collectives issued by other hooks (FSDP's unshard and
+            # reshard) fall inside the scope; always_call pops the scope even if forward raises
+            handles += [module.register_forward_pre_hook(enter, prepend=True),
+                        module.register_forward_hook(leave, always_call=True)]
         return handles
 
     def _module(self, phase: str) -> str:
@@ -186,6 +195,9 @@ class CollectiveRecorder(TorchDispatchMode):
             if opened_in_backward:
                 return opened_in_backward[-1]
             node = torch._C._current_autograd_node()
+            variable = getattr(node, "variable", None)  # an AccumulateGrad node: a hook on a parameter's grad
+            if variable is not None and id(variable) in self._param_owner:
+                return self._param_owner[id(variable)]
             if node is not None:
                 seq = node._sequence_nr()
                 # narrowest range wins; on a tie the scope that closed first (the inner one)
@@ -230,14 +242,15 @@ class CollectiveRecorder(TorchDispatchMode):
         self.events.append(event)
         if name.startswith("c10d::"):
             work = Work.unbox(out[-1] if isinstance(out, tuple) else out)
+            work_id = id(work)  # unique while pending: the entry keeps the Work alive
             with self._lock:
-                self._pending[id(work)] = (work, event)
+                self._pending[work_id] = (work, event)
             try:
                 future = work.get_future()
             except RuntimeError:  # e.g. gloo's reduce-scatter work has no future: only wait() stamps the end
                 future = None
             if future is not None:
-                future.add_done_callback(lambda _f, w=id(work): self._finish(w, from_wait=False))
+                future.add_done_callback(lambda _future: self._finish(work_id, from_wait=False))
         else:
             event.end = time.perf_counter()
             if isinstance(out, torch.Tensor):

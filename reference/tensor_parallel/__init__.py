@@ -1,0 +1,13 @@
+"""Megatron-style tensor parallelism, one mechanism per file. Read in this order:
+
+  collectives.py    the five collectives on the first (sequence) or last (feature) dimension
+  mappings.py       the communication regions f, g, scatter/gather, and the sequence-parallel pair
+  linear_kernel.py  matmul whose backward overlaps the dX collective with the dW GEMM (+ main_grad)
+  layers.py         ColumnParallelLinear / RowParallelLinear, Megatron's arguments and (output, bias)
+  transformer.py    attention + MLP block built from them, with or without sequence parallelism
+  random.py         the per-TP-rank random stream for dropout on split activations
+  unsharded.py      the same model in plain PyTorch: the oracle, and what DTensor parallelizes
+  demo.py           `torchrun --nproc-per-node N -m reference`
+
+Process groups come from reference.parallel_state; reference.recorder records what goes over the wire.
+"""

@@ -29,13 +29,13 @@ PROCESS_GROUP_TIMEOUT = timedelta(seconds=120)
 def add_arguments(group) -> None:
     """Add the tensor-parallel flags to the shared parser's argument group."""
     group.add_argument("--tp-size", type=int, default=None,
-                       help="tensor-parallel size; the rest of the world is data-parallel (default: world size)")
+                       help="tensor-parallel size, the rest of the world being data-parallel; None: the whole world")
     group.add_argument("--sequence-parallel", action="store_true",
                        help="split LayerNorm/dropout/residual activations along the sequence: each all-reduce "
                             "becomes an all-gather + reduce-scatter")
     group.add_argument("--pad-sequence", action="store_true",
                        help="with --sequence-parallel, pad a sequence length that --tp-size does not divide "
-                            "(default: refuse it)")
+                            "instead of refusing it")
     group.add_argument("--no-async-grad-allreduce", action="store_true",
                        help="wait for the input-gradient all-reduce/reduce-scatter before computing the weight "
                             "gradient, instead of overlapping the two")
@@ -85,7 +85,7 @@ def _train(args, device: torch.device) -> None:
     model = ParallelTransformer(
         args.num_layers, args.hidden_size, args.num_attention_heads, tp_group=layout.tp_group,
         sequence_parallel=args.sequence_parallel, pad_sequence=args.pad_sequence,
-        hidden_dropout=args.dropout, attention_dropout=args.dropout,
+        hidden_dropout=args.dropout, attention_dropout=args.dropout, dropout_seed=args.seed,
         async_grad_allreduce=not args.no_async_grad_allreduce,
         gradient_accumulation_fusion=not args.no_grad_accumulation_fusion, device=device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)

@@ -95,8 +95,6 @@ class ColumnParallelLinear(_ParallelLinear):
                          device=device, partition_dim=0, input_size=input_size, output_size=output_size)
         self.output_size_per_partition = per_rank
         self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
-        if self.bias is not None:
-            self.bias.tensor_parallel = True  # a shard, not a replica
 
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         self._check_input(input_, self.input_size)

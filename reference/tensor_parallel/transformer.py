@@ -9,10 +9,12 @@ reduce-scatter after the row layer (Korthikanti et al. 2022; megatron/core/trans
 config.sequence_parallel). Backward additionally re-gathers each column layer's input (see linear_kernel).
 
 Parameters are named and initialized exactly as in reference.tensor_parallel.unsharded, so after the same
-seed each rank holds its slice of the unsharded model's weights.
+seed each rank holds its slice of the unsharded model's weights. Dropout on split activations (attention
+heads; the residual stream under SP) draws from a per-rank stream (reference.tensor_parallel.random).
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -25,6 +27,7 @@ from reference.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
     scatter_to_sequence_parallel_region,
 )
+from reference.tensor_parallel.random import TensorParallelRNG
 from reference.tensor_parallel.unsharded import causal_self_attention, init_method_normal
 
 
@@ -32,8 +35,9 @@ class ParallelAttention(torch.nn.Module):
     """QKV column-parallel (each rank gets num_attention_heads / p whole heads), attention on the local
     heads, output projection row-parallel. Returns (output, bias) with the bias not yet added."""
 
-    def __init__(self, hidden_size, num_attention_heads, attention_dropout, linear_kwargs):
+    def __init__(self, hidden_size, num_attention_heads, attention_dropout, rng, linear_kwargs):
         super().__init__()
+        self.rng = rng
         divide(num_attention_heads, linear_kwargs["tp_group"].size(), "num_attention_heads")
         self.head_dim = divide(hidden_size, num_attention_heads, "hidden_size", by="num_attention_heads")
         self.attention_dropout = attention_dropout
@@ -44,7 +48,9 @@ class ParallelAttention(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         qkv, _ = self.qkv(x)
         p = self.attention_dropout if self.training else 0.0
-        return self.proj(causal_self_attention(qkv, self.head_dim, p))
+        with self.rng.fork() if p > 0 else contextlib.nullcontext():  # this rank's heads: its own masks
+            context = causal_self_attention(qkv, self.head_dim, p)
+        return self.proj(context)
 
 
 class ParallelMLP(torch.nn.Module):
@@ -69,26 +75,34 @@ class ParallelTransformerBlock(torch.nn.Module):
                  ffn_hidden_size: int | None = None, init_method: Callable | None = None,
                  sequence_parallel: bool = False, hidden_dropout: float = 0.0, attention_dropout: float = 0.0,
                  async_grad_allreduce: bool = True, gradient_accumulation_fusion: bool = False,
-                 params_dtype=torch.float32, device=None):
+                 params_dtype=torch.float32, device=None, rng: TensorParallelRNG | None = None):
         super().__init__()
         self.sequence_parallel = sequence_parallel and tp_group.size() > 1
         self.hidden_dropout = hidden_dropout
+        self.rng = rng or TensorParallelRNG(0, tp_group, device)
         linear_kwargs = dict(tp_group=tp_group, init_method=init_method or init_method_normal(),
                              sequence_parallel=self.sequence_parallel, async_grad_allreduce=async_grad_allreduce,
                              gradient_accumulation_fusion=gradient_accumulation_fusion,
                              params_dtype=params_dtype, device=device)
         self.ln1 = torch.nn.LayerNorm(hidden_size, dtype=params_dtype, device=device)
-        self.attention = ParallelAttention(hidden_size, num_attention_heads, attention_dropout, linear_kwargs)
+        self.attention = ParallelAttention(hidden_size, num_attention_heads, attention_dropout, self.rng,
+                                           linear_kwargs)
         self.ln2 = torch.nn.LayerNorm(hidden_size, dtype=params_dtype, device=device)
         self.mlp = ParallelMLP(hidden_size, ffn_hidden_size or 4 * hidden_size, linear_kwargs)
         for param in [*self.ln1.parameters(), *self.ln2.parameters()]:
             param.sequence_parallel = self.sequence_parallel  # replicated, but sees only local tokens under SP
 
+    def bias_dropout_add(self, out: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + dropout(out + bias); under SP each rank holds other tokens, so it draws its own mask."""
+        split = self.sequence_parallel and self.training and self.hidden_dropout > 0
+        with self.rng.fork() if split else contextlib.nullcontext():
+            return residual + F.dropout(out + bias, self.hidden_dropout, self.training)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out, bias = self.attention(self.ln1(x))
-        x = x + F.dropout(out + bias, self.hidden_dropout, self.training)
+        x = self.bias_dropout_add(out, bias, x)
         out, bias = self.mlp(self.ln2(x))
-        return x + F.dropout(out + bias, self.hidden_dropout, self.training)
+        return self.bias_dropout_add(out, bias, x)
 
 
 class ParallelTransformer(torch.nn.Module):
@@ -100,11 +114,12 @@ class ParallelTransformer(torch.nn.Module):
     """
 
     def __init__(self, num_layers: int, hidden_size: int, num_attention_heads: int, *,
-                 tp_group: dist.ProcessGroup, pad_sequence: bool = False, **block_kwargs):
+                 tp_group: dist.ProcessGroup, pad_sequence: bool = False, dropout_seed: int = 0, **block_kwargs):
         super().__init__()
         self.tp_group, self.pad_sequence = tp_group, pad_sequence
+        rng = TensorParallelRNG(dropout_seed, tp_group, block_kwargs.get("device"))
         self.layers = torch.nn.ModuleList(
-            ParallelTransformerBlock(hidden_size, num_attention_heads, tp_group=tp_group, **block_kwargs)
+            ParallelTransformerBlock(hidden_size, num_attention_heads, tp_group=tp_group, rng=rng, **block_kwargs)
             for _ in range(num_layers))
         self.sequence_parallel = bool(self.layers) and self.layers[0].sequence_parallel
 

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from tests.launch import ROOT, torchrun
+from tests.reference.gpus import CUDA_ENV, require_gpus
 
 WORKERS = Path(__file__).parent / "workers"
 
@@ -31,3 +32,10 @@ def test_rank_crash_mid_step_ends_the_run_in_bounded_time():
     assert "timed out" not in message and time.monotonic() - start < 90
     assert "simulated crash of rank 1" in message
     assert "unreachable on rank 0" not in message
+
+
+@pytest.mark.cuda
+def test_bad_configurations_raise_one_line_errors_cuda():
+    require_gpus(2)
+    out = torchrun(WORKERS / "tp_bad_input_worker.py", 2, timeout=120, env=CUDA_ENV)
+    assert out.count("bad input ok") == 2

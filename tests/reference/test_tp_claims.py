@@ -10,15 +10,20 @@ from pathlib import Path
 import pytest
 
 from tests.launch import torchrun
+from tests.reference.gpus import CUDA_ENV, require_gpus
 
 WORKER = Path(__file__).parent / "workers" / "tp_claims_worker.py"
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"tp{w}")
+@pytest.fixture(scope="module", params=[2, 4, pytest.param("cuda2", marks=pytest.mark.cuda)],
+                ids=lambda w: f"tp{w}" if isinstance(w, int) else w)
 def run(request, tmp_path_factory):
-    world = request.param
-    out_dir = tmp_path_factory.mktemp(f"claims_tp{world}")
-    output = torchrun(WORKER, world, str(out_dir), timeout=180)
+    cuda = request.param == "cuda2"
+    world = 2 if cuda else request.param
+    if cuda:
+        require_gpus(world)
+    out_dir = tmp_path_factory.mktemp(f"claims_{request.param}")
+    output = torchrun(WORKER, world, str(out_dir), timeout=180, env=CUDA_ENV if cuda else None)
     logs = {path.name.split(".")[0]: [] for path in out_dir.glob("*.json")}
     for name in logs:
         logs[name] = [json.loads((out_dir / f"{name}.rank{r}.json").read_text()) for r in range(world)]
@@ -107,3 +112,7 @@ def test_two_way_ffn_derivation(run):
 
 def test_grad_accumulation_fusion_accumulates_into_main_grad(run):
     assert run["output"].count("grad accumulation fusion ok") == run["world"]
+
+
+def test_dropout_masks_shared_on_replicas_and_independent_on_shards(run):
+    assert run["output"].count("dropout streams ok") == run["world"]

@@ -3,7 +3,10 @@ applied to the plain transformer: equal numbers, and collective counts that agre
 import json
 from pathlib import Path
 
+import pytest
+
 from tests.launch import torchrun
+from tests.reference.gpus import CUDA_ENV, require_gpus
 
 WORKER = Path(__file__).parent / "workers" / "tp_vs_dtensor_worker.py"
 
@@ -23,3 +26,10 @@ def test_tp_transformer_matches_dtensor_tp():
         "all_gather": 5, "reduce_scatter": 4}
     assert counts[True]["dtensor"]["backward"] == {"all_gather": 5, "reduce_scatter": 4}
     assert counts[True]["reference"]["backward"] == {"all_gather": 5 + 4, "reduce_scatter": 4}
+
+
+@pytest.mark.cuda
+def test_tp_transformer_matches_dtensor_tp_cuda():
+    require_gpus(2)
+    out = torchrun(WORKER, 2, timeout=180, env=CUDA_ENV)
+    assert out.count("dtensor comparisons ok") == 2

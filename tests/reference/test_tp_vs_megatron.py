@@ -1,16 +1,39 @@
-"""ColumnParallelLinear / RowParallelLinear equal megatron-core 0.16.1's: same seed, same shards, same
-outputs and gradients, and the identical recorded collective sequence (op, group, shape, bytes, dtype,
-phase, async), over bias / skip_bias_add / gather_output / input_is_parallel / sequence_parallel."""
+"""reference against megatron-core 0.16.1 (one launch per world size, megatron's import is slow):
+
+* the PP x DP x TP process groups equal those of megatron's initialize_model_parallel, for every split;
+* ColumnParallelLinear / RowParallelLinear: same seed, same shards, same outputs and gradients, and the
+  identical recorded collective sequence (op, group, shape, bytes, dtype, phase, async), over bias /
+  skip_bias_add / gather_output / input_is_parallel / sequence_parallel.
+"""
 from pathlib import Path
 
 import pytest
 
 from tests.launch import torchrun
+from tests.reference.gpus import CUDA_ENV, require_gpus
 
 WORKER = Path(__file__).parent / "workers" / "tp_vs_megatron_worker.py"
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_parallel_linear_layers_match_megatron_core(world):
-    out = torchrun(WORKER, world, timeout=180)
+@pytest.fixture(scope="module", params=[2, 4, pytest.param("cuda2", marks=pytest.mark.cuda)],
+                ids=lambda w: f"tp{w}" if isinstance(w, int) else w)
+def run(request):
+    cuda = request.param == "cuda2"
+    world = 2 if cuda else request.param
+    if cuda:
+        require_gpus(world)
+    return world, torchrun(WORKER, world, timeout=180, env=CUDA_ENV if cuda else None)
+
+
+def test_layout_groups_match_megatron_core(run):
+    world, out = run
+    assert out.count("parallel_state layouts ok") == world
+    assert f"world {world} = pp 1 x dp 1 x tp {world} (TP groups are consecutive ranks)" in out
+    if world == 4:
+        assert "world 4 = pp 2 x dp 1 x tp 2" in out and "  tp group 1: [2, 3]" in out
+        assert "  pp group 0: [0, 2]" in out
+
+
+def test_parallel_linear_layers_match_megatron_core(run):
+    world, out = run
     assert out.count("megatron comparisons ok") == world

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.launch import torchrun
+from tests.reference.gpus import CUDA_ENV, require_gpus
 
 WORKER = Path(__file__).parent / "workers" / "tp_vs_unsharded_worker.py"
 
@@ -15,4 +16,12 @@ WORKER = Path(__file__).parent / "workers" / "tp_vs_unsharded_worker.py"
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_tp_transformer_matches_unsharded_for_several_steps(world):
     out = torchrun(WORKER, world, timeout=180)
+    assert out.count("unsharded comparisons ok") == world
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("world", [1, 2])
+def test_tp_transformer_matches_unsharded_for_several_steps_cuda(world):
+    require_gpus(world)
+    out = torchrun(WORKER, world, timeout=180, env=CUDA_ENV)
     assert out.count("unsharded comparisons ok") == world

@@ -13,8 +13,9 @@ def init(timeout_s: int = 60) -> torch.device:
     if os.environ.get("REFERENCE_TEST_DEVICE") == "cuda":
         local_rank = int(os.environ["LOCAL_RANK"])
         torch.cuda.set_device(local_rank)
-        dist.init_process_group("nccl", timeout=timedelta(seconds=timeout_s), device_id=torch.device("cuda", local_rank))
-        return torch.device("cuda", local_rank)
+        device = torch.device("cuda", local_rank)
+        dist.init_process_group("nccl", timeout=timedelta(seconds=timeout_s), device_id=device)
+        return device
     dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
     return torch.device("cpu")
 

@@ -1,15 +1,15 @@
 """Per-rank checks of reference.recorder on real gloo collectives (launched by test_recorder.py)."""
 import json
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+from common import init
 from reference.recorder import CollectiveRecorder
 
-dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+torch.set_default_device(init())
 rank, world = dist.get_rank(), dist.get_world_size()
 everyone = tuple(range(world))
 
@@ -103,7 +103,8 @@ def check_functional_collectives():
         a = funcol.all_reduce(x, "sum", dist.group.WORLD) * 1
         g = funcol.all_gather_tensor(x, 0, dist.group.WORLD) * 1
         r = funcol.reduce_scatter_tensor(x, "sum", 0, dist.group.WORLD) * 1
-    assert torch.equal(a, x * world) and g.shape == (4 * world, 2) and torch.equal(r, torch.full((4 // world, 2), world * 1.0))
+    assert torch.equal(a, x * world) and g.shape == (4 * world, 2)
+    assert torch.equal(r, torch.full((4 // world, 2), world * 1.0))
     got = [(e.op, e.group_ranks, e.shape, e.nbytes) for e in rec.events]
     assert got == [("all_reduce", everyone, (4, 2), 32), ("all_gather", everyone, (4 * world, 2), 32 * world),
                    ("reduce_scatter", everyone, (4, 2), 32)], got
@@ -126,11 +127,50 @@ def check_phase_module_and_spans():
     assert span.name == "forward" and span.phase == "forward" and span.end >= span.start
     data = json.loads(rec.to_json())
     assert data["rank"] == rank and len(data["events"]) == 2 and data["events"][0]["start"] >= 0
-    assert data["summary"] == rec.summary() and rec.summary(phase="backward") == {"all_reduce": {"count": 1, "bytes": 32}}
+    assert data["summary"] == rec.summary()
+    assert rec.summary(phase="backward") == {"all_reduce": {"count": 1, "bytes": 32}}
     with CollectiveRecorder() as rec2:
         with rec2.scope("explicit"):
             dist.all_reduce(torch.ones(1))
     assert rec2.events[0].module == "explicit"
+
+
+def check_fsdp2_unit_attribution():
+    """PyTorch FSDP2 (fully_shard) on two Linear units: all-gathers and reduce-scatters of the full flat size."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    for unit in (model[0], model[2]):
+        fully_shard(unit)
+    with CollectiveRecorder() as rec:
+        handles = rec.watch(model, prefix="net")
+        model(torch.randn(2, 8)).sum().backward()
+    for h in handles:
+        h.remove()
+    full = {"net.0": (8 * 16 + 16) * 4, "net.2": (16 * 4 + 4) * 4}  # fp32 bytes of each unit's parameters
+    forward = [(e.op, e.module, e.nbytes) for e in rec.events if e.phase == "forward"]
+    assert forward == [("all_gather", "net.0", full["net.0"]), ("all_gather", "net.2", full["net.2"])], forward
+    reduce_scatters = sorted(e.nbytes for e in rec.events if e.op == "reduce_scatter" and e.phase == "backward")
+    assert reduce_scatters == sorted(full.values()), reduce_scatters
+
+
+def check_fsdp1_post_backward_attribution():
+    """PyTorch FSDP1: the reduce-scatter issued from a hook on a flat parameter's AccumulateGrad node is
+    attributed to the FSDP unit owning that parameter."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    device = torch.get_default_device()
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    model[0], model[2] = FSDP(model[0], device_id=device), FSDP(model[2], device_id=device)
+    root = FSDP(model, device_id=device)
+    with CollectiveRecorder() as rec:
+        handles = rec.watch(root, prefix="net")
+        root(torch.randn(2, 8)).sum().backward()
+    for h in handles:
+        h.remove()
+    got = [(e.module, e.nbytes) for e in rec.events if e.op == "reduce_scatter"]
+    assert got == [("net._fsdp_wrapped_module.2._fsdp_wrapped_module", (16 * 4 + 4) * 4),
+                   ("net._fsdp_wrapped_module.0._fsdp_wrapped_module", (8 * 16 + 16) * 4)], got
 
 
 def check_torch_distributed_intact_after_exit():
@@ -141,8 +181,9 @@ def check_torch_distributed_intact_after_exit():
     dist.all_reduce(torch.ones(1))
 
 
-for check in [check_torch_distributed_intact_after_exit, check_eager_ops, check_async_end_is_wait_time, check_subgroup_ranks, check_point_to_point,
-              check_functional_collectives, check_phase_module_and_spans]:
+for check in [check_torch_distributed_intact_after_exit, check_eager_ops, check_async_end_is_wait_time,
+              check_subgroup_ranks, check_point_to_point, check_functional_collectives, check_fsdp2_unit_attribution,
+              check_fsdp1_post_backward_attribution, check_phase_module_and_spans]:
     check()
     print(f"rank {rank}: {check.__name__} ok", flush=True)
 dist.destroy_process_group()

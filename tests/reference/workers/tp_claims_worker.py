@@ -88,7 +88,7 @@ def check_grad_accumulation_fusion():
     model = ParallelTransformer(1, H, HEADS, tp_group=tp, gradient_accumulation_fusion=True, device=device)
     torch.manual_seed(2)
     plain = Transformer(1, H, HEADS, device=device)
-    for micro_batch in range(2):
+    for _micro_batch in range(2):
         x = torch.randn(S, B, H, device=device)
         (model(x) ** 2).sum().backward()
         (plain(x) ** 2).sum().backward()
@@ -97,6 +97,29 @@ def check_grad_accumulation_fusion():
     assert_close(gather_dim(fc1.main_grad, 0, tp), plain.layers[0].mlp.fc1.weight.grad, "fc1 main_grad")
     fc2 = model.layers[0].mlp.fc2.weight
     assert_close(gather_dim(fc2.main_grad, 1, tp), plain.layers[0].mlp.fc2.weight.grad, "fc2 main_grad")
+
+
+def check_dropout_streams():
+    """Replicated activations get the same mask on every TP rank, split ones an independent mask per rank."""
+    get_state = torch.cuda.get_rng_state if device.type == "cuda" else torch.get_rng_state
+    set_state = torch.cuda.set_rng_state if device.type == "cuda" else torch.set_rng_state
+    for sp in (False, True):
+        torch.manual_seed(3)
+        model = ParallelTransformer(1, H, HEADS, tp_group=tp, sequence_parallel=sp, hidden_dropout=0.3,
+                                    attention_dropout=0.3, dropout_seed=9, device=device)
+        x = torch.randn(S, B, H, device=device)
+        out = model(x).detach()
+        replicas = gather_dim(out.unsqueeze(0), 0, tp)
+        assert all(torch.equal(r, replicas[0]) for r in replicas), f"sp={sp}: TP replicas drifted apart"
+        assert not torch.allclose(model.eval()(x), out), "dropout should be active in training mode"
+    saved = get_state()
+    with model.layers[0].rng.fork():
+        sharded_draw = torch.rand(8, device=device)
+    after_fork = torch.rand(8, device=device)
+    set_state(saved)
+    assert torch.equal(after_fork, torch.rand(8, device=device)), "fork() must leave the default stream as it was"
+    draws = gather_dim(sharded_draw.unsqueeze(0), 0, tp)
+    assert len({tuple(d.tolist()) for d in draws}) == world, "each TP rank should draw its own sharded mask"
 
 
 record_step("tp")
@@ -108,4 +131,6 @@ if world == 2:
     print(f"rank {rank}: two-way FFN derivation ok", flush=True)
 check_grad_accumulation_fusion()
 print(f"rank {rank}: grad accumulation fusion ok", flush=True)
+check_dropout_streams()
+print(f"rank {rank}: dropout streams ok", flush=True)
 dist.destroy_process_group()

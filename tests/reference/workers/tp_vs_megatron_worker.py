@@ -1,4 +1,5 @@
-"""ColumnParallelLinear / RowParallelLinear against megatron-core 0.16.1: numbers and collective sequences.
+"""reference against megatron-core 0.16.1: process-group layouts, then ColumnParallelLinear /
+RowParallelLinear numbers and collective sequences.
 
 megatron-core runs on CPU/gloo with use_cpu_initialization=True; its gather_output and sequence-parallel
 paths allocate buffers on torch.cuda.current_device(), redirected to the CPU here.
@@ -23,8 +24,29 @@ from reference.recorder import CollectiveRecorder  # noqa: E402
 from reference.tensor_parallel import layers as reference_layers  # noqa: E402
 from reference.tensor_parallel.unsharded import init_method_normal  # noqa: E402
 
-world = dist.get_world_size()
-mpu.initialize_model_parallel(tensor_model_parallel_size=world)
+world, rank = dist.get_world_size(), dist.get_rank()
+
+# 1. The process-group grid: the same groups as megatron's initialize_model_parallel, for every TP x PP split.
+for tp_size, pp_size in [(t, p) for t in (1, 2, 4) for p in (1, 2, 4) if t * p <= world and (t, p) != (1, 1)]:
+    grid = build_layout(tp_size, pp_size)
+    mpu.initialize_model_parallel(tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=pp_size,
+                                  create_gloo_process_groups=False)
+    for name, ours, theirs in [("tp", grid.tp_group, mpu.get_tensor_model_parallel_group()),
+                               ("dp", grid.dp_group, mpu.get_data_parallel_group()),
+                               ("pp", grid.pp_group, mpu.get_pipeline_model_parallel_group())]:
+        mine, megatron = dist.get_process_group_ranks(ours), dist.get_process_group_ranks(theirs)
+        assert mine == megatron, f"tp={tp_size} pp={pp_size} {name} group of rank {rank}: {mine} vs {megatron}"
+    assert (grid.tp_rank, grid.dp_rank) == (mpu.get_tensor_model_parallel_rank(), mpu.get_data_parallel_rank())
+    total = torch.tensor([float(rank)], device=device)
+    dist.all_reduce(total, group=grid.tp_group)  # the TP group really is the run of consecutive ranks
+    assert total.item() == sum(range(rank - rank % tp_size, rank - rank % tp_size + tp_size))
+    mpu.destroy_model_parallel()
+    if rank == 0:
+        print(grid.describe(), flush=True)
+print(f"rank {rank}: parallel_state layouts ok", flush=True)
+
+# 2. The layers, at TP = world.
+mpu.initialize_model_parallel(tensor_model_parallel_size=world, create_gloo_process_groups=False)
 layout = build_layout(tp_size=world)
 tp = layout.tp_group
 IN, OUT, S, B = 8, 16, 4 * world, 2

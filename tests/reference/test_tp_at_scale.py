@@ -1,0 +1,36 @@
+"""Collective sizes and groups at scale, traced by one process posing as a rank of a large job (torch's
+`fake` process-group backend): what the notes' formulas predict for TP=8 inside a 64-rank world."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.launch import ROOT
+
+WORKER = Path(__file__).parent / "workers" / "fake_pg_worker.py"
+
+
+def trace(rank: int, world: int, tp: int, sp: bool) -> dict:
+    out = subprocess.run([sys.executable, str(WORKER), str(rank), str(world), str(tp), str(int(sp))], cwd=ROOT,
+                         env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
+def test_collective_bytes_and_groups_at_scale_with_fake_process_group(sp):
+    tp, world, rank = 8, 64, 19
+    result = trace(rank, world, tp, sp)
+    assert result["tp_rank"] == rank % tp
+    n = (2 * tp) * 3 * (8 * tp) * 4  # s * b * h * fp32, independent of the TP size
+    block = [e for e in result["events"] if e["module"].startswith("layers.0")]
+    assert {tuple(e["group_ranks"]) for e in result["events"]} == {tuple(range(16, 24))}
+    assert {e["nbytes"] for e in block} == {n}
+    per_phase = {phase: sorted(e["op"] for e in block if e["phase"] == phase) for phase in ("forward", "backward")}
+    if sp:
+        assert per_phase == {"forward": ["all_gather"] * 2 + ["reduce_scatter"] * 2,
+                             "backward": ["all_gather"] * 4 + ["reduce_scatter"] * 2}
+    else:
+        assert per_phase == {"forward": ["all_reduce"] * 2, "backward": ["all_reduce"] * 2}
