@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import sys
 from datetime import timedelta
@@ -114,7 +115,10 @@ def run(args: argparse.Namespace) -> None:
             optimizer.step()
             optimizer.zero_grad()
             _report(args, rank, step, loss.item(), recorder, shard_bytes, total_bytes)
-    del model, optimizer  # release the units' process-group references before tearing the group down
+    # Units and their autograd hooks form reference cycles holding the process group; collect them before
+    # tearing the group down, or gloo may abort at interpreter exit ("terminate called ...").
+    del model, optimizer
+    gc.collect()
     dist.destroy_process_group()
 
 

@@ -75,7 +75,7 @@ class FlatParamHandle:
         # Pad the end so every rank holds an equal shard (`_get_shard`, line 1122; `flatten_tensors`, 838).
         self.shard_numel = -(-self.numel // self.world_size)
         self.padded_numel = self.shard_numel * self.world_size
-        self.flat_param = nn.Parameter(self._flatten_and_shard())
+        self.flat_param = nn.Parameter(self._flatten_and_shard(), requires_grad=self.orig_params[0].requires_grad)
         self._local_shard = self.flat_param.data
         self._full_param_padded = torch.empty(self.padded_numel, dtype=self.param_dtype, device=compute_device)
         _free_storage(self._full_param_padded)
@@ -106,24 +106,21 @@ class FlatParamHandle:
         """`needs_unshard` (line 1385) negated: is the unsharded buffer's storage allocated?"""
         return self._full_param_padded.untyped_storage().size() > 0
 
-    def unshard(self, async_op: bool) -> dist.Work | None:
-        """All-gather the shards into the unsharded buffer and point `flat_param` (and views) at it.
+    def unshard(self) -> None:
+        """Issue the all-gather of the shards into the unsharded buffer; point `flat_param` (and views) at it.
 
-        `pre_unshard`/`_use_low_precision_shard` (1307, 1341) cast the shard to `param_dtype` on the compute
+        `pre_unshard`/`_use_low_precision_shard` (1307, 1342) cast the shard to `param_dtype` on the compute
         device first; `unshard` (1359) skips the all-gather when the buffer is still allocated (the root
-        keeps its parameters between forward and backward). The returned work is waited by `wait_unshard`.
+        keeps its parameters between forward and backward). Nothing waits here: see `wait_unshard`.
         """
         if not self.is_unsharded():
             self._full_param_padded.untyped_storage().resize_(self.padded_numel * self._full_param_padded.itemsize)
             shard = self._local_shard.to(self.compute_device, self.param_dtype, non_blocking=True)
             self._unshard_work = dist.all_gather_single(self._full_param_padded, shard, group=self.process_group,
                                                         async_op=True)
-            if not async_op:
-                self.wait_unshard()
         self.flat_param.data = self._full_param_padded
         if self.training_state == HandleTrainingState.FORWARD:
             self._use_unsharded_views()  # backward reuses the views autograd saved
-        return self._unshard_work
 
     def wait_unshard(self) -> None:
         """Block until this handle's outstanding all-gather (issued here or by a prefetch) has landed."""

@@ -2,13 +2,15 @@
 
 Mirrors torch/distributed/fsdp/_runtime_utils.py (torch 2.13.0), function for function:
 
-    pre_forward            _pre_forward (348-408) + _pre_forward_unshard (411-435)
-    post_forward           _post_forward (438-483) + _post_forward_reshard (486-501)
-    pre_backward_hook      _pre_backward_hook (630-697)
-    post_backward_hook     _post_backward_hook (701-774) + _post_backward_reshard (793-808)
-    reduce_grad            _reduce_grad (831-887) + _accumulate_sharded_grad (906-929)
-    post_backward_final    _post_backward_final_callback (1084-1127) + _catch_all_reshard (1130-1165)
-    prefetch               _prefetch_handle (1208-1236)
+    root_pre_forward       _root_pre_forward (504-606) + _root_cast_forward_input (610-626)
+    pre_forward            _pre_forward (348-407) + _pre_forward_unshard (411-434)
+    post_forward           _post_forward (438-482) + _post_forward_reshard (486-500)
+    pre_backward_hook      _pre_backward_hook (630-696)
+    post_backward_hook     _post_backward_hook (701-774) + _post_backward_reshard (793-807)
+    reduce_grad            _reduce_grad (831-886) + _accumulate_sharded_grad (906-928)
+    post_backward_final    _post_backward_final_callback (1084-1126) + _catch_all_reshard (1130-1164)
+    unshard / reshard      _unshard (277-306) / _reshard (310-330)
+    prefetch               _prefetch_handle (1208-1235)
     register_pre_backward  _register_pre_backward_hooks (1370-1413)
 
 Ordering that differs on purpose, with the reason:
@@ -44,7 +46,7 @@ if TYPE_CHECKING:
 def unshard(unit: Unit, handle: FlatParamHandle) -> None:
     """`_unshard`: issue the all-gather (no-op when the buffer is still allocated) without waiting."""
     with unit_scope(handle.name):
-        handle.unshard(async_op=True)
+        handle.unshard()
 
 
 def prefetch(unit: Unit, current: FlatParamHandle, mode: PrefetchMode) -> None:
@@ -67,7 +69,7 @@ def reshard(handle: FlatParamHandle, free_unsharded: bool) -> None:
 
 
 def root_pre_forward(unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """`_root_pre_forward` (504-607): with forward prefetch every unit needs its pre-forward unshard again;
+    """`_root_pre_forward`: with forward prefetch every unit needs its pre-forward unshard again;
     floating-point inputs are cast to `param_dtype`."""
     if unit.forward_prefetch:
         for other in unit.shared.units:
@@ -124,7 +126,8 @@ def register_pre_backward(unit: Unit, handle: FlatParamHandle, output: Any) -> A
 
 def pre_backward_hook(unit: Unit, handle: FlatParamHandle, grad: torch.Tensor) -> torch.Tensor:
     """Before the unit's gradient computation: re-gather it (unless prefetched); with BACKWARD_PRE, issue
-    the next unit's all-gather now. The root also queues the end-of-backward callback."""
+    the next unit's all-gather now. The first unit to get here in a backward (the root, whose output the
+    loss reads) queues the end-of-backward callback."""
     if handle.ran_pre_backward_hook:
         return grad
     shared = unit.shared

@@ -60,6 +60,7 @@ class FullyShardedDataParallel(nn.Module):
             raise ValueError(f"{type(module).__name__} is already wrapped by reference FSDP; wrap each module once")
         if not dist.is_initialized():
             raise RuntimeError("FullyShardedDataParallel needs torch.distributed.init_process_group() first")
+        params = _unowned_params(module)  # validates before anything is marked
         self._fsdp_wrapped_module = module
         module._reference_fsdp_wrapped = True
         self.process_group = process_group or dist.group.WORLD
@@ -70,7 +71,6 @@ class FullyShardedDataParallel(nn.Module):
         self.reduce_dtype = precision.reduce_dtype or precision.param_dtype
         self.is_root: bool | None = None
         self.shared: SharedState | None = None
-        params = _unowned_params(module)
         if precision.buffer_dtype is not None:
             for _, mod in _modules_outside_units(module, ""):
                 for buffer_name, buffer in mod._buffers.items():
@@ -81,8 +81,11 @@ class FullyShardedDataParallel(nn.Module):
             device = device_id or getattr(params[0][1], params[0][2]).device
             offload = bool(cpu_offload and cpu_offload.offload_params)
             self.handle = FlatParamHandle(params, self.process_group, torch.device(device), self.param_dtype, offload)
-            self.handle.flat_param.register_post_accumulate_grad_hook(
-                lambda flat_param, unit=self, handle=self.handle: runtime.post_backward_hook(unit, handle, flat_param))
+            # Upstream hooks the flat parameter's AccumulateGrad node (`_register_post_backward_hook`,
+            # _runtime_utils.py 1416-1470); the post-accumulate-grad hook fires at the same point.
+            if self.handle.flat_param.requires_grad:  # a frozen unit is resharded by the final callback
+                self.handle.flat_param.register_post_accumulate_grad_hook(
+                    lambda flat_param, unit=self, handle=self.handle: runtime.post_backward_hook(unit, handle, flat_param))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.shared is None:
@@ -161,6 +164,9 @@ def _unowned_params(module: nn.Module) -> list[tuple[str, nn.Module, str]]:
     dtypes = {getattr(mod, attr).dtype for _, mod, attr in found}
     if len(dtypes) > 1:
         raise ValueError(f"parameters of one unit must share a dtype to be flattened, found {sorted(map(str, dtypes))}")
+    if len({getattr(mod, attr).requires_grad for _, mod, attr in found}) > 1:
+        raise ValueError("parameters of one unit must all require grad or all be frozen (one flat gradient); "
+                         "wrap frozen modules in their own unit")
     for _, mod, attr in found:
         getattr(mod, attr)._reference_fsdp_flattened = True
     return found

@@ -1,4 +1,4 @@
-"""Run tests/reference/fsdp_worker.py once per (world size, device) and share its per-rank results.
+"""Run tests/reference/workers/fsdp_worker.py once per (world size, device) and share its per-rank results.
 
 Many named tests read the same launch (torchrun + torch import costs seconds on this machine), so the
 results are cached for the pytest session.
@@ -10,19 +10,17 @@ import json
 import tempfile
 from pathlib import Path
 
-import pytest
-import torch
-
 from tests.launch import torchrun
+from tests.reference.gpus import require_gpus
 
-WORKER = Path(__file__).with_name("fsdp_worker.py")
+WORKER = Path(__file__).parent / "workers" / "fsdp_worker.py"
 
 
 @functools.cache
 def fsdp_results(world: int, device: str = "cpu") -> list[dict]:
     """Every rank's JSON from one `main` launch of the worker."""
-    if device == "cuda" and torch.cuda.device_count() < world:
-        pytest.skip(f"needs {world} CUDA devices")
+    if device == "cuda":
+        require_gpus(world)
     out = Path(tempfile.mkdtemp(prefix=f"fsdp-w{world}-{device}-"))
     torchrun(WORKER, world, str(out), "main", device, timeout=240)
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(world)]

@@ -30,6 +30,12 @@ def test_non_floating_parameter_is_refused():
         "parameter 'step' has dtype torch.int64; FSDP shards floating-point parameters only")
 
 
+def test_unit_mixing_trainable_and_frozen_parameters_is_refused():
+    assert errors()["partly_frozen"] == (
+        "parameters of one unit must all require grad or all be frozen (one flat gradient); "
+        "wrap frozen modules in their own unit")
+
+
 def test_world_size_one_shards_nothing_and_trains_bitwise_like_single_process():
     """Upstream FSDP1 switches to NO_SHARD (an all-reduce) at world 1; the reference keeps one code path:
     the shard is the whole padded buffer and the collectives are one-rank copies."""

@@ -16,32 +16,32 @@ FORWARD_PAIRS = list(zip(["root"] + BLOCKS[:-1], BLOCKS))           # (unit l, u
 BACKWARD_PAIRS = [("blocks.2", "blocks.1"), ("blocks.1", "blocks.0")]  # (current, next in backward)
 
 
-def steps(config: str, world: int = 2):
-    for result in fsdp_results(world):
+def steps(config: str, device: str, world: int = 2):
+    for result in fsdp_results(world, device):
         yield from result["runs"][f"reference/{config}"]["steps"][1:]
 
 
-def test_forward_prefetch_issues_next_allgather_before_current_compute_ends():
-    for step in steps("pre+fwd"):
+def test_forward_prefetch_issues_next_allgather_before_current_compute_ends(device="cpu"):
+    for step in steps("pre+fwd", device):
         for current, following in FORWARD_PAIRS:
             assert issued(step, "all_gather", following, "forward") < span(step, f"{current} forward")["end"]
             # ...indeed before it starts: the prefetch is issued from unit l's pre-forward.
             assert issued(step, "all_gather", following, "forward") < span(step, f"{current} forward")["start"]
-    for step in steps("pre"):  # without forward prefetch, unit l+1 is gathered only after unit l computed
+    for step in steps("pre", device):  # without forward prefetch, unit l+1 is gathered only after unit l computed
         for current, following in FORWARD_PAIRS[1:]:
             assert issued(step, "all_gather", following, "forward") > span(step, f"{current} forward")["end"]
 
 
-def test_forward_prefetch_uses_execution_order_recorded_in_first_iteration():
+def test_forward_prefetch_uses_execution_order_recorded_in_first_iteration(device="cpu"):
     """Step 0 cannot know the next unit yet, so it gathers on demand; later steps prefetch."""
-    for result in fsdp_results(2):
+    for result in fsdp_results(2, device):
         first = result["runs"]["reference/pre+fwd"]["steps"][0]
         for current, following in FORWARD_PAIRS[1:]:
             assert issued(first, "all_gather", following, "forward") > span(first, f"{current} forward")["end"]
 
 
-def test_backward_pre_prefetch_issues_next_allgather_before_current_reduce_scatter():
-    for step in steps("pre"):
+def test_backward_pre_prefetch_issues_next_allgather_before_current_reduce_scatter(device="cpu"):
+    for step in steps("pre", device):
         assert issued(step, "all_gather", "blocks.2", "backward") < span(step, "root backward")["start"]
         for current, following in BACKWARD_PAIRS:
             gathered = issued(step, "all_gather", following, "backward")
@@ -49,15 +49,15 @@ def test_backward_pre_prefetch_issues_next_allgather_before_current_reduce_scatt
             assert gathered < span(step, f"{current} backward")["start"]  # before its gradient computation
 
 
-def test_backward_post_prefetch_issues_next_allgather_after_current_gradient_before_its_reduce_scatter():
-    for step in steps("post"):
+def test_backward_post_prefetch_issues_next_allgather_after_current_gradient_before_its_reduce_scatter(device="cpu"):
+    for step in steps("post", device):
         for current, following in BACKWARD_PAIRS:
             gathered = issued(step, "all_gather", following, "backward")
             assert span(step, f"{current} backward")["end"] <= gathered < issued(step, "reduce_scatter", current, "backward")
 
 
-def test_without_backward_prefetch_next_allgather_follows_current_reduce_scatter():
-    for step in steps("none"):
+def test_without_backward_prefetch_next_allgather_follows_current_reduce_scatter(device="cpu"):
+    for step in steps("none", device):
         for current, following in BACKWARD_PAIRS:
             assert issued(step, "all_gather", following, "backward") > issued(step, "reduce_scatter", current, "backward")
 
@@ -71,9 +71,9 @@ MAX_BLOCKS_UNSHARDED = {"none": 1, "post": 1, "pre": 2, "none+fwd": 2, "post+fwd
 
 
 @pytest.mark.parametrize("config", sorted(MAX_BLOCKS_UNSHARDED))
-def test_unit_full_parameters_never_outlive_its_forward_or_backward(config):
+def test_unit_full_parameters_never_outlive_its_forward_or_backward(config, device="cpu"):
     """Unsharded bytes of every unit, sampled at every aten op of forward+backward (a dispatch mode)."""
-    for result in fsdp_results(2):
+    for result in fsdp_results(2, device):
         run = result["runs"][f"reference/{config}"]
         full = [u["full_bytes"] for u in run["units"]]
         assert [u["name"] for u in run["units"]] == ["root"] + BLOCKS
@@ -122,3 +122,15 @@ def test_bytes_per_step_are_two_allgathers_and_one_reduce_scatter_of_each_flat_s
                 assert [e[0] for e in events] == ["all_gather"] * gathers + ["reduce_scatter"]
                 assert [e[3] for e in events] == ([unit["padded_numel"] * param_size] * gathers
                                                   + [unit["padded_numel"] * reduce_size])
+
+
+@pytest.mark.cuda
+def test_claims_hold_on_cuda_nccl():
+    """The same claims on CUDA/NCCL, where each all-gather runs on NCCL's stream and `Work.wait()` only
+    makes the compute stream wait, so the prefetched all-gathers overlap compute on the GPU."""
+    test_forward_prefetch_issues_next_allgather_before_current_compute_ends("cuda")
+    test_forward_prefetch_uses_execution_order_recorded_in_first_iteration("cuda")
+    test_backward_pre_prefetch_issues_next_allgather_before_current_reduce_scatter("cuda")
+    test_backward_post_prefetch_issues_next_allgather_after_current_gradient_before_its_reduce_scatter("cuda")
+    for config in MAX_BLOCKS_UNSHARDED:
+        test_unit_full_parameters_never_outlive_its_forward_or_backward(config, "cuda")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import json
 import sys
 import time
@@ -187,6 +188,12 @@ def bad_input_errors(group) -> dict[str, str]:
         module.step = nn.Parameter(torch.zeros(1, dtype=torch.long), requires_grad=False)
         FullyShardedDataParallel(module, group)
 
+    def partly_frozen():
+        module = nn.Linear(3, 3)
+        module.bias.requires_grad_(False)
+        FullyShardedDataParallel(module, group)
+
+    expect_error("partly_frozen", partly_frozen)
     expect_error("shared_between_units", shared_between_units)
     expect_error("wrapped_twice", wrapped_twice)
     expect_error("wrapper_wrapped", wrapper_wrapped)
@@ -227,6 +234,7 @@ def main() -> None:
         device = torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
         torch.cuda.set_device(device)
     (run_main if mode == "main" else run_crash)(*((out, device) if mode == "main" else (device,)))
+    gc.collect()  # the units' reference cycles hold the process group (see reference/fsdp/demo.py)
     dist.destroy_process_group()
 
 

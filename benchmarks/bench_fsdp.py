@@ -1,0 +1,187 @@
+"""Reference FSDP vs PyTorch FSDP1 and FSDP2: step time, prefetch overlap, per-rank parameter memory.
+
+    torchrun --nproc-per-node 2 benchmarks/bench_fsdp.py [--hidden-size 256 --num-layers 6 ...]
+
+All configurations run in one process group, interleaved round by round so machine noise hits them alike.
+Per configuration: median step time (forward + backward + SGD step, max over ranks), and how much of the
+communication is hidden under compute:
+
+    exposed = step time - compute time (the same local batch through the unsharded model, no collectives)
+    hidden  = 1 - exposed / communication time (this step's all-gathers and reduce-scatters run alone)
+
+Per-rank parameter bytes are the shards each rank keeps between steps, against the unsharded model; on CUDA
+the peak allocated memory of each configuration is printed too. Ratios are against FSDP2 (target: within
+10% of its step time) and against FSDP1 with the same options. Communicated bytes per step are recorded by
+`CollectiveRecorder` in one extra step per configuration.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import statistics
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from reference.fsdp.demo import shard_model
+from reference.model import ModelConfig, build_model, next_token_loss, synthetic_batches
+from reference.recorder import CollectiveRecorder
+
+CONFIGS = [  # (label, implementation, backward_prefetch, forward_prefetch)
+    ("reference none", "reference", None, False),
+    ("reference pre", "reference", "BACKWARD_PRE", False),
+    ("reference post", "reference", "BACKWARD_POST", False),
+    ("reference pre+fwd", "reference", "BACKWARD_PRE", True),
+    ("fsdp1 none", "fsdp1", None, False),
+    ("fsdp1 pre", "fsdp1", "BACKWARD_PRE", False),
+    ("fsdp1 post", "fsdp1", "BACKWARD_POST", False),
+    ("fsdp1 pre+fwd", "fsdp1", "BACKWARD_PRE", True),
+    ("fsdp2", "fsdp2", None, False),
+]
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden-size", type=int, default=128)
+    parser.add_argument("--num-attention-heads", type=int, default=8)
+    parser.add_argument("--num-layers", type=int, default=4)
+    parser.add_argument("--seq-length", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=8, help="global batch, split over ranks")
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per configuration per round")
+    parser.add_argument("--rounds", type=int, default=5)
+    return parser.parse_args()
+
+
+def max_over_ranks(value: float) -> float:
+    tensor = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.item()
+
+
+def timed_steps(model, optimizer, batches, device) -> list[float]:
+    times = []
+    for tokens in batches:
+        tokens = tokens.to(device)
+        dist.barrier()
+        start = time.perf_counter()
+        next_token_loss(model(tokens), tokens).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def communication_time(events, device, repeats: int = 9) -> float:
+    """Run one step's recorded collectives back to back, nothing else: median seconds per step."""
+    world = dist.get_world_size()
+    buffers = [(e.op, torch.empty(e.nbytes // world, dtype=torch.uint8, device=device),
+                torch.empty(e.nbytes, dtype=torch.uint8, device=device)) for e in events]
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        for op, shard, full in buffers:
+            if op == "all_gather":
+                dist.all_gather_single(full, shard)
+            else:  # reduce-scatter of a float buffer the same size
+                dist.reduce_scatter_single(shard.view(torch.float32), full.view(torch.float32))
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    args = parse_args()
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=120))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    config = ModelConfig(vocab_size=1024, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+                         num_layers=args.num_layers, max_seq_length=args.seq_length)
+    initial = build_model(config, 0).to(device)
+    batches = [t.chunk(world)[rank] for t in synthetic_batches(config, args.steps, args.batch_size, args.seq_length, 0)]
+    unsharded_bytes = sum(p.numel() * p.element_size() for p in initial.parameters())
+
+    models = {"compute only": (copy.deepcopy(initial), None)}
+    for label, implementation, backward, forward in CONFIGS:
+        models[label] = (shard_model(copy.deepcopy(initial), implementation, dist.group.WORLD,
+                                     backward_prefetch=backward, forward_prefetch=forward), implementation)
+    optimizers = {label: torch.optim.SGD(model.parameters(), lr=1e-3) for label, (model, _) in models.items()}
+    times: dict[str, list[float]] = {label: [] for label in models}
+    peaks: dict[str, int] = {}
+    for round_ in range(args.rounds + 1):  # round 0 warms up (and records the forward order)
+        for label, (model, _) in models.items():
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            step_times = timed_steps(model, optimizers[label], batches, device)
+            if round_:
+                times[label] += step_times
+            if cuda:
+                peaks[label] = torch.cuda.max_memory_allocated()
+
+    compute = max_over_ranks(statistics.median(times["compute only"]))
+    rows = []
+    comm_times: dict[tuple, float] = {}  # the same collectives (same bytes) are timed once
+    with CollectiveRecorder() as recorder:
+        for label, (model, implementation) in models.items():
+            if implementation is None:
+                continue
+            recorder.clear()
+            timed_steps(model, optimizers[label], batches[:1], device)
+            events = [e for e in recorder.events if e.op in ("all_gather", "reduce_scatter")]
+            step = max_over_ranks(statistics.median(times[label]))
+            signature = tuple(sorted((e.op, e.nbytes) for e in events))
+            if signature not in comm_times:
+                comm_times[signature] = max_over_ranks(communication_time(events, device))
+            comm = comm_times[signature]
+            hidden = min(1.0, max(0.0, 1 - (step - compute) / comm))
+            param_bytes = sum(_local_bytes(p) for p in model.parameters()) if implementation == "fsdp2" else \
+                _flat_shard_bytes(model, implementation)
+            rows.append((label, step, comm, hidden, sum(e.nbytes for e in events), param_bytes, peaks.get(label)))
+        if rank == 0:
+            _print_table(args, world, device, compute, unsharded_bytes, rows)
+        del models, optimizers
+        gc.collect()  # the units' reference cycles hold the process group (see reference/fsdp/demo.py)
+        dist.destroy_process_group()
+
+
+def _local_bytes(param) -> int:
+    local = param.to_local() if hasattr(param, "to_local") else param
+    return local.numel() * local.element_size()
+
+
+def _flat_shard_bytes(model, implementation: str) -> int:
+    if implementation == "reference":
+        return sum(h.sharded_param_bytes() for h in model.handles())
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    return sum(m._handle.flat_param._local_shard.numel() * m._handle.flat_param._local_shard.element_size()
+               for m in model.modules() if isinstance(m, FullyShardedDataParallel) and m._handle)
+
+
+def _print_table(args, world, device, compute, unsharded_bytes, rows) -> None:
+    by_label = {row[0]: row for row in rows}
+    print(f"world {world} on {device.type}; model h={args.hidden_size} layers={args.num_layers} "
+          f"s={args.seq_length} global batch {args.batch_size}; {args.rounds}x{args.steps} timed steps")
+    print(f"compute only (unsharded, local batch): {compute * 1e3:.1f} ms/step; unsharded parameters "
+          f"{unsharded_bytes / 2**20:.2f} MiB")
+    header = f"{'config':18} {'step ms':>8} {'comm ms':>8} {'hidden':>7} {'comm MiB':>9} {'params/rank':>12} " \
+             f"{'vs fsdp2':>9} {'vs fsdp1':>9}"
+    print(header + ("  peak MiB" if device.type == "cuda" else ""))
+    for label, step, comm, hidden, nbytes, param_bytes, peak in rows:
+        fsdp1 = by_label.get(label.replace("reference", "fsdp1"))
+        vs_fsdp1 = f"{step / fsdp1[1]:9.2f}" if fsdp1 else f"{'-':>9}"
+        line = (f"{label:18} {step * 1e3:8.1f} {comm * 1e3:8.1f} {hidden:7.0%} {nbytes / 2**20:9.2f} "
+                f"{param_bytes / unsharded_bytes:11.3f}x {step / by_label['fsdp2'][1]:9.2f} {vs_fsdp1}")
+        print(line + (f"  {peak / 2**20:8.1f}" if peak else ""))
+
+
+if __name__ == "__main__":
+    main()
