@@ -55,7 +55,7 @@ def test_each_rule_is_reported_at_its_heading(tmp_path):
     short = problems(tmp_path, note_text(words_each=49))
     assert (6, "design choice 'Choice 0' has 49 words of prose; write 50-80") in short
     connect_line = note_text().split("\n").index("## Connect the dots") + 1
-    typed = problems(tmp_path, note_text(connect="It sent 4096 bytes."))
+    typed = problems(tmp_path, note_text(connect="It sent N bytes, 4096 of them."))
     assert typed == [(connect_line, "'Connect the dots' prints no measured number: render it from a trace with {{ ... }}, "
                           "never type it")]
     last = problems(tmp_path, note_text(connect="{{ n }}") + "## Afterword\n\nMore.\n")

@@ -68,6 +68,8 @@ def _block_nodes(run: dict, block: str) -> list[tuple[str, str, str | None]]:
 
 
 def tp_block(trace: dict, link: str, block: str = "layers.0") -> str:
+    """Flowchart of `block` in the first traced run: x -> modules and op groups in forward order -> y, forward
+    collectives on thick edges labelled with bytes and `link`, backward ones dotted back to the input."""
     run = trace["runs"][0]
     nodes = _block_nodes(run, block)
     linears = {module for _, text, module in nodes if module and "ParallelLinear" in text}

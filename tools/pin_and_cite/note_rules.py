@@ -27,6 +27,7 @@ NOT_PROSE_CALLS = ("cite", "diagram", "verified_by")
 _JINJA_BLOCK = re.compile(r"\{#.*?#\}|\{%.*?%\}", re.S)
 _EXPRESSION = re.compile(r"\{\{(.*?)\}\}", re.S)
 _WORD = re.compile(r"\S*[A-Za-z0-9]\S*")
+VALUE = "{{value}}"     # what a printed expression becomes: one word, and never text a template can hold
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ def _blank_keeping_lines(match: re.Match) -> str:
 
 def _expression(match: re.Match) -> str:
     inner = match.group(1).strip()
-    shown = "" if inner.startswith(NOT_PROSE_CALLS) else " N "
+    shown = "" if inner.startswith(NOT_PROSE_CALLS) else f" {VALUE} "
     return shown + "\n" * match.group(0).count("\n")
 
 
@@ -87,7 +88,7 @@ def check_note(template: Path) -> list[RuleProblem]:
         return []
     lines = prose_lines(text)
     cites = [call.line for call in calls_in(template, {"cite"})]
-    expressions = {number for number, line, _ in lines if " N " in f" {line} "}
+    expressions = {number for number, line, _ in lines if VALUE in line}
     headings = [(n, line.strip()) for n, line, heading in lines if heading and line.lstrip().startswith("##")]
     last_line = len(text.split("\n"))
     problems, total, over_at = [], 0, None
