@@ -36,11 +36,11 @@ FSDP_BATCH, FSDP_SEQ, SEED = 4, 16, 1234
 EVENT_FIELDS = ("op", "module", "phase", "shape", "nbytes", "dtype", "group_ranks", "async_op")
 
 
-def forward_flops(model: torch.nn.Module, x: torch.Tensor) -> int:
-    """FLOPs of one forward as FlopCounterMode counts them. Attention runs on the math backend here: torch
-    2.13 has no FLOP formula for the CPU flash-attention kernel, and would count its matmuls as zero."""
-    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as flops:
-        model(x)
+def counted_flops(step) -> int:
+    """FLOPs of `step()` as FlopCounterMode counts them. Attention runs on the math backend here: torch 2.13
+    has no FLOP formula for the CPU flash-attention kernel, and would count its matmuls as zero."""
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as flops:
+        step()
     return flops.get_total_flops()
 
 
@@ -81,14 +81,15 @@ def tp_block(world: int) -> dict:
         torch.manual_seed(SEED)
         model = ParallelTransformer(1, h, heads, tp_group=layout.tp_group)
         x = torch.randn(s, b, h)
-        flops = forward_flops(model, x)
+        flops = counted_flops(lambda: model(x).pow(2).mean().backward())   # forward + backward
+        model.zero_grad(set_to_none=True)
         steps = ForwardSteps(model)
         recorder = CollectiveRecorder()
         recorder.watch(model)
         with recorder, steps:
             model(x).pow(2).mean().backward()
         events = [{k: e[k] for k in EVENT_FIELDS} for e in recorder.to_dict()["events"]]
-        runs.append({"h": h, "forward_flops_per_rank": flops, "events": events,
+        runs.append({"h": h, "step_flops_per_rank": flops, "events": events,
                      "forward_steps": steps.steps})
     return {"kind": "tp_block", "world": world, "tp": layout.tp_size, "s": s, "b": b, "heads": heads,
             "dtype": "float32", "dtype_size": 4, "runs": runs}
@@ -99,7 +100,8 @@ def fsdp_forward(world: int) -> dict:
     model = build_model(FSDP_CONFIG, SEED)
     params = sum(p.numel() for p in model.parameters())
     tokens = synthetic_batches(FSDP_CONFIG, 1, FSDP_BATCH, FSDP_SEQ, SEED)[0]
-    flops = forward_flops(model, tokens)
+    with torch.no_grad():
+        flops = counted_flops(lambda: model(tokens))
     model = shard_model(model, "reference", dist.group.WORLD, backward_prefetch="BACKWARD_PRE", forward_prefetch=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     recorder = CollectiveRecorder()

@@ -65,11 +65,11 @@ def test_fsdp_trace_prefetches_each_block_before_the_previous_unit_computes():
 
 def test_estimates_follow_from_the_measured_numbers():
     tp = estimates.tp_crossover(load_trace(NOTES, "tp_block"), link_GBps=600, tflops=400, tp=8, bytes_per_element=2)
-    assert tp.allreduce_bytes == tp.formula_bytes and tp.allreduces_per_block == 2
-    # Per token and rank at TP=8: GEMMs 24 h^2 / 8 FLOPs, all-reduces 2 x 2(7/8) x 2h bytes (bf16); attention at
-    # the traced s adds 4 s h / 8. Equal times at h = (7 R/B - s/2) / 3.
+    assert tp.allreduce_bytes == tp.formula_bytes and tp.allreduces_per_block == 4
+    # Per token and rank at TP=8, forward + backward (3x the forward): GEMMs 3 x 24 h^2 / 8 FLOPs, attention
+    # 3 x 4 s h / 8; four all-reduces of 2(7/8) x 2h bytes (bf16). Equal times at h = (14 R/B - 1.5 s) / 9.
     s = load_trace(NOTES, "tp_block")["s"]
-    assert tp.crossover_hidden == round((7 * 400e12 / 600e9 - s / 2) / 3)
+    assert tp.crossover_hidden == round((14 * 400e12 / 600e9 - 1.5 * s) / 9)
     fsdp_trace = load_trace(NOTES, "fsdp_forward")
     fsdp = estimates.fsdp_overlap(fsdp_trace, link_GBps=50, tflops=400, world=8, bytes_per_element=2)
     assert fsdp.forward_allgather_bytes == fsdp_trace["params"] * 4   # nothing padded at world 2 here

@@ -14,42 +14,42 @@ from pin_and_cite.traces import RECORD, TraceError, events_where
 
 @dataclass(frozen=True)
 class TPCrossover:
-    allreduce_bytes: int        # measured, one forward all-reduce at the first traced hidden size
+    allreduce_bytes: int        # measured, one all-reduce at the first traced hidden size
     formula_bytes: int          # b * s * h * dtype_size at that size
-    allreduces_per_block: int   # measured, forward
+    allreduces_per_block: int   # measured, forward and backward of one step
     hidden: int                 # first traced hidden size
-    flops_per_rank: int         # measured forward FLOPs of the block per rank at `hidden`
+    flops_per_rank: int         # measured forward+backward FLOPs of the block per rank at `hidden`
     crossover_hidden: int       # h at which compute time equals all-reduce time under the assumptions
 
 
 def tp_crossover(trace: dict, *, link_GBps: float, tflops: float, tp: int, bytes_per_element: int,
                  block: str = "layers.0") -> TPCrossover:
-    """Hidden size above which one TP block's forward GEMMs take longer than its all-reduces.
+    """Hidden size above which one TP block's training step (forward + backward) spends longer in GEMMs than
+    in its all-reduces, with no overlap.
 
-    From two traced hidden sizes h1 < h2: per-rank forward FLOPs F(h) = a h^2 + c h (GEMMs grow like h^2,
+    From two traced hidden sizes h1 < h2: per-rank step FLOPs F(h) = a h^2 + c h (GEMMs grow like h^2,
     attention scores like h at fixed s) and all-reduce bytes n h. Rescaled to `tp` ranks (FLOPs split p ways)
     and `bytes_per_element`, compute a h^2 / R equals communication 2(p-1)/p n h / B at h = (2(p-1)/p n R/B - c)/a.
     """
     (r1, r2), p0 = trace["runs"][:2], trace["tp"]
     sums = []
     for run in (r1, r2):
-        forward = [e for e in events_where(run["events"], op="all_reduce", phase="forward")
-                   if e["module"].startswith(block + ".")]
-        if not forward:
-            raise TraceError(f"trace {trace['name']}: no forward all-reduce recorded in {block}; {RECORD}")
-        sums.append((len(forward), sum(e["nbytes"] for e in forward), forward[0]["nbytes"]))
+        reduces = [e for e in events_where(run["events"], op="all_reduce") if e["module"].startswith(block + ".")]
+        if not reduces:
+            raise TraceError(f"trace {trace['name']}: no all-reduce recorded in {block}; {RECORD}")
+        sums.append((len(reduces), sum(e["nbytes"] for e in reduces), reduces[0]["nbytes"]))
     (count, bytes1, one), (_, bytes2, _) = sums
     h1, h2 = r1["h"], r2["h"]
     if bytes1 * h2 != bytes2 * h1:
         raise TraceError(f"trace {trace['name']}: all-reduce bytes do not grow linearly with h; {RECORD}")
-    f1, f2 = r1["forward_flops_per_rank"] / h1, r2["forward_flops_per_rank"] / h2
+    f1, f2 = r1["step_flops_per_rank"] / h1, r2["step_flops_per_rank"] / h2
     a = (f2 - f1) / (h2 - h1) * p0 / tp
     c = (f1 - a * tp / p0 * h1) * p0 / tp
     n = bytes1 / h1 * bytes_per_element / trace["dtype_size"]
     wire = 2 * (tp - 1) / tp * n
     crossover = (wire * tflops * 1e12 / (link_GBps * 1e9) - c) / a
     return TPCrossover(one, trace["b"] * trace["s"] * h1 * trace["dtype_size"], count, h1,
-                       r1["forward_flops_per_rank"], round(crossover))
+                       r1["step_flops_per_rank"], round(crossover))
 
 
 @dataclass(frozen=True)

@@ -76,7 +76,7 @@ def structure(trace: dict) -> dict:
     """Everything of a trace that a fresh run must reproduce exactly."""
     if trace["kind"] == "tp_block":
         return {**{k: trace[k] for k in REQUIRED["tp_block"] if k != "runs"},
-                "runs": [{"h": run["h"], "forward_flops_per_rank": run["forward_flops_per_rank"],
+                "runs": [{"h": run["h"], "step_flops_per_rank": run["step_flops_per_rank"],
                           "forward_steps": run["forward_steps"],
                           "events": [tuple(json.dumps(e[k]) for k in EVENT_KEYS) for e in run["events"]]}
                          for run in trace["runs"]]}
