@@ -123,10 +123,7 @@ class Renderer:
     def locked_files(self, source: str) -> list[dict]:
         """The source's files in the lock, with their blob SHA and how many citations read each."""
         prefix, pinned = f"{source}:", self.project.pins.get(source)
-        web = pinned.url.startswith(("https://", "http://"))
-        return [{"path": key.removeprefix(prefix), **vars(entry),
-                 "url": f"{pinned.url.removesuffix('.git')}/blob/{pinned.commit}/{key.removeprefix(prefix)}" if web
-                 else None,
+        return [{"path": key.removeprefix(prefix), **vars(entry), "url": pinned.file_url(key.removeprefix(prefix)),
                  "citations": sum(1 for c in self.project.lock.citations if c.startswith(f"{key}#")
                                   or c.startswith(f"{key}::"))}
                 for key, entry in sorted(self.project.lock.files.items()) if key.startswith(prefix)]
