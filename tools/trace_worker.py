@@ -59,7 +59,9 @@ class ForwardSteps(TorchDispatchMode):
     def _enter(self, name: str, module: torch.nn.Module) -> None:
         self.stack.append((name, module))
         if not list(module.children()):
-            self.steps.append({"module": name, "type": type(module).__name__})
+            weight = getattr(module, "weight", None)
+            self.steps.append({"module": name, "type": type(module).__name__,
+                               "weight_shape": list(weight.shape) if weight is not None else None})
 
     def _leave(self) -> None:
         self.stack.pop()

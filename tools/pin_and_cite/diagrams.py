@@ -59,8 +59,10 @@ def _block_nodes(run: dict, block: str) -> list[tuple[str, str, str | None]]:
     nodes = []
     for step in run["forward_steps"]:
         if "module" in step and step["module"].startswith(block + "."):
-            nodes.append((step["module"].rsplit(".", 1)[0],
-                          f"{step['module'].rsplit('.', 1)[-1]} · {step['type']}", step["module"]))
+            text = f"{step['module'].rsplit('.', 1)[-1]} · {step['type']}"
+            if "ParallelLinear" in step["type"] and step.get("weight_shape"):
+                text += " · weight {} × {} per rank".format(*step["weight_shape"])
+            nodes.append((step["module"].rsplit(".", 1)[0], text, step["module"]))
         elif "in" in step and (step["in"] == block or step["in"].startswith(block + ".")):
             if (text := _ops_label(step["ops"])) is not None:
                 nodes.append((step["in"], text, None))
