@@ -1,4 +1,5 @@
-"""The collective recorder, on real gloo collectives at world sizes 2 and 4."""
+"""The collective recorder on real collectives (gloo; NCCL when GPUs are present), eager c10d, functional
+(DTensor-style), FSDP1 and FSDP2, at world size 2 (TP groups at 4 and 64 ranks are covered by the TP tests)."""
 from pathlib import Path
 
 import pytest
@@ -9,10 +10,9 @@ from tests.reference.gpus import CUDA_ENV, require_gpus
 WORKER = Path(__file__).parent / "workers" / "recorder_worker.py"
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_recorder_records_every_collective_kind(world):
-    out = torchrun(WORKER, world, timeout=120)
-    assert out.count("check_phase_module_and_spans ok") == world
+def test_recorder_records_every_collective_kind():
+    out = torchrun(WORKER, 2, timeout=120)
+    assert out.count("check_phase_module_and_spans ok") == 2
 
 
 @pytest.mark.cuda
