@@ -3,8 +3,9 @@
 Each block is one unit and the root (embeddings, final norm, head) another, wrapped children-first as with
 FSDP1. `--use-torch-fsdp` swaps in torch.distributed.fsdp.FullyShardedDataParallel with the same options,
 so the printed schedules can be compared line by line. Every step prints its collectives in issue order
-(op, unit, phase, bytes) and the per-rank parameter memory; `--json` prints one JSON object per step with
-the recorder's events and compute spans, for scripts and the notes' timeline diagram.
+(op, unit, phase, bytes) and the per-rank parameter memory; `--json` prints one JSON object per rank and
+step with the recorder's events and compute spans, and `--trace DIR` writes the last step's record to
+DIR/fsdp_trace.rank<r>.json, for scripts and the notes' timeline diagram.
 """
 from __future__ import annotations
 
@@ -93,8 +94,9 @@ def run(args: argparse.Namespace) -> None:
     if args.batch_size % world:
         sys.exit(f"reference: error: --batch-size {args.batch_size} is not divisible by the world size {world}; "
                  "each rank trains on an equal slice of the global batch")
-    device = torch.device(device_type, rank % torch.cuda.device_count()) if device_type == "cuda" else torch.device("cpu")
+    device = torch.device("cpu")
     if device_type == "cuda":
+        device = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     model = build_model(config, args.seed).to(device)
     total_bytes = sharded_parameter_bytes(model)
@@ -107,14 +109,21 @@ def run(args: argparse.Namespace) -> None:
     shard_bytes = sharded_parameter_bytes(model)
     scopes = torch_fsdp1_unit_scopes(model) if args.use_torch_fsdp else contextlib.nullcontext()
     with CollectiveRecorder() as recorder, scopes:
-        for step, tokens in enumerate(synthetic_batches(config, args.steps, args.batch_size, args.seq_length, args.seed)):
+        batches = synthetic_batches(config, args.steps, args.batch_size, args.seq_length, args.seed)
+        for step, tokens in enumerate(batches):
             recorder.clear()
             local = tokens.chunk(world)[rank].to(device)
             loss = next_token_loss(model(local), local)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
-            _report(args, rank, step, loss.item(), recorder, shard_bytes, total_bytes)
+            record = {"step": step, "loss": loss.item(), "param_bytes_per_rank": shard_bytes,
+                      "param_bytes_unsharded": total_bytes, **recorder.to_dict()}
+            _report(args, record)
+        trace_dir = getattr(args, "trace", None)  # `--trace DIR`, defined with the TP demo's flags
+        if trace_dir is not None:
+            trace_dir.mkdir(parents=True, exist_ok=True)
+            (trace_dir / f"fsdp_trace.rank{rank}.json").write_text(json.dumps(record))
     # Units and their autograd hooks form reference cycles holding the process group; collect them before
     # tearing the group down, or gloo may abort at interpreter exit ("terminate called ...").
     del model, optimizer
@@ -122,20 +131,20 @@ def run(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def _report(args, rank, step, loss, recorder, shard_bytes, total_bytes) -> None:
+def _report(args, record: dict) -> None:
     """Rank 0 prints; with --json it gathers every rank's record first (after this step's recording)."""
     if args.json:
-        record = {"step": step, "loss": loss, "param_bytes_per_rank": shard_bytes,
-                  "param_bytes_unsharded": total_bytes, **recorder.to_dict()}
-        records = [None] * dist.get_world_size() if rank == 0 else None
+        records = [None] * dist.get_world_size() if record["rank"] == 0 else None
         dist.gather_object(record, records)
-        for record in records or []:
-            print(json.dumps(record), flush=True)
+        for each in records or []:
+            print(json.dumps(each), flush=True)
         return
-    if rank != 0:
+    if record["rank"] != 0:
         return
-    lines = [f"step {step}  loss {loss:.4f}  parameters on this rank {shard_bytes} B "
-             f"(unsharded {total_bytes} B, ratio {shard_bytes / total_bytes:.3f})"]
-    lines += [f"  {e.phase:8} {e.op:14} {e.module or '?':10} {e.nbytes:>9} B  {e.dtype}" for e in recorder.events]
-    summary = ", ".join(f"{op} x{v['count']} {v['bytes']} B" for op, v in recorder.summary().items())
+    shard, total = record["param_bytes_per_rank"], record["param_bytes_unsharded"]
+    lines = [f"step {record['step']}  loss {record['loss']:.4f}  parameters on this rank {shard} B "
+             f"(unsharded {total} B, ratio {shard / total:.3f})"]
+    lines += [f"  {e['phase']:8} {e['op']:14} {e['module'] or '?':10} {e['nbytes']:>9} B  {e['dtype']}"
+              for e in record["events"]]
+    summary = ", ".join(f"{op} x{v['count']} {v['bytes']} B" for op, v in record["summary"].items())
     print("\n".join(lines + [f"  total: {summary}"]), flush=True)

@@ -11,6 +11,7 @@ the shard, so an optimizer built from `model.parameters()` steps on shards only.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -84,8 +85,8 @@ class FullyShardedDataParallel(nn.Module):
             # Upstream hooks the flat parameter's AccumulateGrad node (`_register_post_backward_hook`,
             # _runtime_utils.py 1416-1470); the post-accumulate-grad hook fires at the same point.
             if self.handle.flat_param.requires_grad:  # a frozen unit is resharded by the final callback
-                self.handle.flat_param.register_post_accumulate_grad_hook(
-                    lambda flat_param, unit=self, handle=self.handle: runtime.post_backward_hook(unit, handle, flat_param))
+                self.handle.flat_param.register_post_accumulate_grad_hook(functools.partial(
+                    runtime.post_backward_hook, self, self.handle))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.shared is None:
@@ -163,7 +164,8 @@ def _unowned_params(module: nn.Module) -> list[tuple[str, nn.Module, str]]:
             found.append((fqn, mod, attr))
     dtypes = {getattr(mod, attr).dtype for _, mod, attr in found}
     if len(dtypes) > 1:
-        raise ValueError(f"parameters of one unit must share a dtype to be flattened, found {sorted(map(str, dtypes))}")
+        raise ValueError("parameters of one unit must share a dtype to be flattened, "
+                         f"found {sorted(map(str, dtypes))}")
     if len({getattr(mod, attr).requires_grad for _, mod, attr in found}) > 1:
         raise ValueError("parameters of one unit must all require grad or all be frozen (one flat gradient); "
                          "wrap frozen modules in their own unit")

@@ -53,13 +53,15 @@ def test_backward_post_prefetch_issues_next_allgather_after_current_gradient_bef
     for step in steps("post", device):
         for current, following in BACKWARD_PAIRS:
             gathered = issued(step, "all_gather", following, "backward")
-            assert span(step, f"{current} backward")["end"] <= gathered < issued(step, "reduce_scatter", current, "backward")
+            reduced = issued(step, "reduce_scatter", current, "backward")
+            assert span(step, f"{current} backward")["end"] <= gathered < reduced
 
 
 def test_without_backward_prefetch_next_allgather_follows_current_reduce_scatter(device="cpu"):
     for step in steps("none", device):
         for current, following in BACKWARD_PAIRS:
-            assert issued(step, "all_gather", following, "backward") > issued(step, "reduce_scatter", current, "backward")
+            reduced = issued(step, "reduce_scatter", current, "backward")
+            assert issued(step, "all_gather", following, "backward") > reduced
 
 
 # Most blocks ever unsharded at once, per policy (the root stays unsharded from its forward to its

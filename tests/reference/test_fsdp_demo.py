@@ -15,8 +15,12 @@ def demo_steps(*extra: str) -> list[dict]:
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 
-def test_demo_json_reports_schedule_memory_and_matches_use_torch_fsdp():
-    ours, theirs = demo_steps(), demo_steps("--use-torch-fsdp")
+def test_demo_json_reports_schedule_memory_and_matches_use_torch_fsdp(tmp_path):
+    ours, theirs = demo_steps("--trace", str(tmp_path)), demo_steps("--use-torch-fsdp")
+    for rank in (0, 1):  # the trace file is the last step's record
+        trace = json.loads((tmp_path / f"fsdp_trace.rank{rank}.json").read_text())
+        last = next(s for s in ours if (s["rank"], s["step"]) == (rank, 1))
+        assert trace["events"] == last["events"] and trace["spans"] == last["spans"]
     assert sorted((s["rank"], s["step"]) for s in ours) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     for a, b in zip(sorted(ours, key=lambda s: (s["rank"], s["step"])),
                     sorted(theirs, key=lambda s: (s["rank"], s["step"]))):

@@ -112,7 +112,8 @@ def run_main(out: Path, device: torch.device) -> None:
             result["runs"][name] = {"steps": steps}
             if implementation == "reference":
                 result["runs"][name]["units"] = [
-                    {"name": h.name, "param_numel": h.param_numel, "numel": h.numel, "padded_numel": h.padded_numel, "shard_numel": h.shard_numel,
+                    {"name": h.name, "param_numel": h.param_numel, "numel": h.numel,
+                     "padded_numel": h.padded_numel, "shard_numel": h.shard_numel,
                      "itemsize": h._local_shard.element_size(),
                      "full_bytes": h.padded_numel * h._full_param_padded.element_size()} for h in model.handles()]
                 result["runs"][name]["param_bytes_per_rank"] = sum(h.sharded_param_bytes() for h in model.handles())
@@ -131,10 +132,12 @@ def run_main(out: Path, device: torch.device) -> None:
                 options = dict(backward_prefetch=PREFETCH[policy], forward_prefetch=forward_prefetch)
                 ours = params[f"reference/{name}"] = run(f"reference/{name}", "reference", **options)
                 if world > 1:  # FSDP1 at world 1 switches to NO_SHARD (all-reduce), nothing to compare
-                    result["diff"][f"reference/{name}/fsdp1"] = max_diff(ours, run(f"fsdp1/{name}", "fsdp1", **options))
+                    theirs = run(f"fsdp1/{name}", "fsdp1", **options)
+                    result["diff"][f"reference/{name}/fsdp1"] = max_diff(ours, theirs)
         ours = run("reference/bf16", "reference", forward_prefetch=True, **BF16)
         if world > 1:
-            result["diff"]["reference/bf16/fsdp1"] = max_diff(ours, run("fsdp1/bf16", "fsdp1", forward_prefetch=True, **BF16))
+            theirs = run("fsdp1/bf16", "fsdp1", forward_prefetch=True, **BF16)
+            result["diff"]["reference/bf16/fsdp1"] = max_diff(ours, theirs)
             result["diff"]["reference/pre/fsdp2"] = max_diff(params["reference/pre"], run("fsdp2", "fsdp2"))
             result["diff"]["reference/bf16/fsdp2"] = max_diff(ours, run("fsdp2/bf16", "fsdp2", **BF16))
         run("reference/cpu_offload", "reference", cpu_offload=True)
