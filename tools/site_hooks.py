@@ -13,6 +13,7 @@ The repository root is the folder holding mkdocs.yml.
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from mkdocs.exceptions import PluginError
@@ -21,9 +22,9 @@ import vendor_assets
 from pin_and_cite.errors import PinAndCiteError
 from pin_and_cite.render import render_notes
 
-
-def _repo_root(config) -> Path:
-    return Path(config.config_file_path).resolve().parent
+def project_root(config) -> Path:
+    """$PIN_AND_CITE_PROJECT (as for the CLI), else the folder holding mkdocs.yml: tests build scratch copies."""
+    return Path(os.environ.get("PIN_AND_CITE_PROJECT") or Path(config.config_file_path).resolve().parent)
 
 
 def on_pre_build(config) -> None:
@@ -35,13 +36,13 @@ def on_pre_build(config) -> None:
     if found:
         raise PluginError(f"{found[0]}; run tools/vendor-assets --docs-dir {docs_dir} (make serve does)")
     try:
-        render_notes(_repo_root(config), docs_dir / "notes")
+        render_notes(project_root(config), docs_dir / "notes")
     except PinAndCiteError as e:
         raise PluginError(str(e)) from None
 
 
 def on_serve(server, config, builder):
-    templates = _repo_root(config) / "reading_notes"
+    templates = project_root(config) / "reading_notes"
     if templates.is_dir():
         server.watch(str(templates))
     return server

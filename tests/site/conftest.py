@@ -13,6 +13,11 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
 
 import vendor_assets  # noqa: E402  (lives in tools/, next to the mkdocs hook that uses it)
+from pin_and_cite.diagrams import label  # noqa: E402
+
+# A label with every character mermaid's grammar gives a meaning: escaped by the diagram generator, it must
+# come out of the browser as the same text (positive control for the escaping of recorded names).
+NASTY_LABEL = 'a "quote" <b>tag</b> #1 `tick` | pipe; semi [x] (y) {z}'
 
 # Mermaid sources of the test-only pages. The real site gets no fake pages: these live in a copy of docs/.
 GOOD_DIAGRAMS = """# Diagram check
@@ -29,8 +34,14 @@ sequenceDiagram
   participant prefetch
   prefetch->>compute: all-gather of unit 1
 ```
+
+```mermaid
+flowchart LR
+  A[""" + label(NASTY_LABEL) + """] -->|""" + label(NASTY_LABEL) + """| B[b]
+```
 """
-GOOD_LABELS = ["ColumnParallelLinear", "RowParallelLinear", "all-reduce over NVLink", "all-gather of unit 1"]
+GOOD_LABELS = ["ColumnParallelLinear", "RowParallelLinear", "all-reduce over NVLink", "all-gather of unit 1",
+               NASTY_LABEL]
 BROKEN_DIAGRAM = """# Broken diagram (negative control)
 
 ```mermaid

@@ -72,3 +72,52 @@ def test_build_stops_with_one_line_reason_without_verified_mermaid(vendored_docs
     assert "\n" not in message and "run tools/vendor-assets" in message
     assert ("is missing" if damage == "missing" else "does not match the sha512 pinned for mermaid@") in message
     assert not (tmp_path / "site" / "index.html").exists()
+
+
+def _files(folder) -> dict:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def test_a_broken_note_stops_the_build_with_its_file_and_line_and_keeps_the_previous_site(
+        vendored_docs, tmp_path, caplog, monkeypatch):
+    """Bad input in a note (Jinja error, unknown citation, over the word limit, a diagram no recording can
+    produce): the build stops with one line naming the template's file:line, before mkdocs cleans the site, and
+    render writes nothing, so the previous site and rendered pages stay whole."""
+    project = tmp_path / "project"                 # a scratch copy of what the notes read: templates, traces,
+    for part in ("reading_notes", "reference", "tests/reference"):   # the code ours() maps, the tests named
+        shutil.copytree(ROOT / part, project / part)
+    docs = tmp_path / "docs"
+    shutil.copytree(vendored_docs, docs, ignore=shutil.ignore_patterns("notes"))
+    monkeypatch.setenv("PIN_AND_CITE_PROJECT", str(project))
+    site = tmp_path / "site"
+    config = lambda: load_config(config_file=str(ROOT / "mkdocs.yml"), docs_dir=str(docs), site_dir=str(site))  # noqa: E731
+    build(config())
+    site_before, notes_before = _files(site), _files(docs / "notes")
+    assert "notes/synthesis/index.html" in site_before and "megatron-tp-layers.md" in notes_before
+
+    tp_note = project / "reading_notes" / "megatron-tp-layers.md.j2"
+    synthesis = project / "reading_notes" / "synthesis.md.j2"
+    original = {tp_note: tp_note.read_text(), synthesis: synthesis.read_text()}
+    tp_lines = original[tp_note].split("\n")
+    cite_line = next(i for i, line in enumerate(tp_lines, 1) if "layers.py#L920-L922" in line)
+    breakages = [
+        (tp_note, lambda t: t.replace("## Connect the dots", "## Connect the dots\n{% if %}"),
+         f"reading_notes/megatron-tp-layers.md.j2:{tp_lines.index('## Connect the dots') + 2}: "),
+        (tp_note, lambda t: t.replace("layers.py#L920-L922", "layers.py#L921-L922"),
+         f"reading_notes/megatron-tp-layers.md.j2:{cite_line}: megatron-lm:megatron/core/tensor_parallel/"
+         "layers.py#L921-L922 is not in the lock"),
+        (tp_note, lambda t: t + "\n" + " ".join(["more"] * 40) + "\n",
+         f"reading_notes/megatron-tp-layers.md.j2:{len(tp_lines) + 1}: "),
+        (synthesis, lambda t: t.replace('diagram("fsdp_forward")', 'diagram("fsdp_backward")'),
+         "reading_notes/synthesis.md.j2:"),
+    ]
+    for template, damage, message in breakages:
+        template.write_text(damage(original[template]))
+        caplog.clear()
+        with pytest.raises(Abort):
+            build(config())
+        (error,) = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+        assert message in error and "\n" not in error, error
+        assert _files(site) == site_before and _files(docs / "notes") == notes_before
+        template.write_text(original[template])
+    assert "no recorded trace 'fsdp_backward'" in error

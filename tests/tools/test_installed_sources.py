@@ -40,6 +40,8 @@ def test_shipped_citations_fetch_offline_from_wheels_and_check(tmp_path):
     origins = {f["path"]: f["origin"] for f in json.loads(r.stdout)}
     assert set(origins) == {key.split(":", 1)[1] for key in LOCK["files"]}
     assert all(origin.startswith("distribution ") for origin in origins.values())
-    r = run("check", cache=tmp_path)
+    r = run("check", "--json", cache=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.rstrip().endswith(f"{len(LOCK['citations'])} citation(s) ok, 0 broken")
+    report = json.loads(r.stdout)
+    claims = sum(text.count("verified_by(") for text in map(Path.read_text, (ROOT / "reading_notes").rglob("*.md.j2")))
+    assert report == {"checked": len(LOCK["citations"]) + claims, "broken": 0, "problems": []}

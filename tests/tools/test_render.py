@@ -71,3 +71,22 @@ def test_check_fails_when_a_named_test_does_not_exist(project):
     assert r.code == 1
     assert "reading_notes/claims.md.j2:3: tests/test_claims.py::test_gone: tests/test_claims.py has no test test_gone" in r.out
     assert "test_real" not in r.out
+
+
+def test_an_excerpt_with_blank_first_or_last_lines_names_the_range_to_cite(project):
+    """Pygments drops them, so the page's line numbers would disagree with the caption (found in the browser)."""
+    assert project.run("cite", f"{LAYERS}#L2-L4", f"{LAYERS}#L3-L5").code == 0
+    for spec, better in ((f"{LAYERS}#L2-L4", "L2-L2"), (f"{LAYERS}#L3-L5", "L5-L5")):
+        note(project, "a.md.j2", "text\n{{ cite('" + spec + "') }}\n")
+        r = project.run("render")
+        assert r.code == 2 and r.err.count("\n") == 1
+        assert f"reading_notes/a.md.j2:2: {spec} starts or ends with a blank line, which the page cannot number " \
+               f"correctly; cite {better}" in r.err
+
+
+def test_a_line_range_caption_names_the_definition_holding_it(project):
+    assert project.run("cite", f"{LAYERS}#L14-L15", f"{LAYERS}#L2-L2").code == 0
+    note(project, "a.md.j2", "{{ cite('" + LAYERS + "#L14-L15') }}\n{{ cite('" + LAYERS + "#L2-L2') }}\n")
+    assert project.run("render").code == 0
+    md = rendered(project, "a.md")
+    assert "L14–L15 · in `ColumnParallel.forward` @" in md and "L2–L2 @" in md   # module level: no name

@@ -1,4 +1,5 @@
-"""`check`: prove, offline, that every citation still says what the lock says it says."""
+"""`check`: prove, offline, that every citation still says what the lock says it says, and that every note
+keeps its rules (pin_and_cite.note_rules), names tests that exist, and renders (traces, diagrams)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -6,7 +7,9 @@ from dataclasses import dataclass
 from pin_and_cite.citation import parse_spec
 from pin_and_cite.errors import PinAndCiteError
 from pin_and_cite.lock import file_key
-from pin_and_cite.notes import written_calls
+from pin_and_cite.note_rules import check_note
+from pin_and_cite.notes import TEMPLATE_GLOB, written_calls
+from pin_and_cite.pinned_sha import SHA_FILE, stale_sha
 from pin_and_cite.project import Project
 from pin_and_cite.resolve import Resolver
 from pin_and_cite.verified_by import missing_test
@@ -59,7 +62,7 @@ def check(project: Project) -> Report:
     resolver = Resolver(project, allow_remote=False)
     verdicts = {key: verify_locked(project, resolver, key) for key in project.lock.citations}
     problems, in_notes, malformed = [], set(), 0
-    for call in written_calls(project.notes_dir, {"cite"}):
+    for call in written_calls(project.notes_dir, {"cite", "upstream"}):
         where = call.where(project.root)
         try:
             key = str(parse_spec(call.argument))
@@ -76,4 +79,31 @@ def check(project: Project) -> Report:
     claims = written_calls(project.notes_dir, {"verified_by"})
     problems += [Problem(c.where(project.root), c.argument, why) for c in claims
                  if (why := missing_test(project.root, c.argument))]
+    templates = sorted(project.notes_dir.glob(TEMPLATE_GLOB))
+    for template in templates:
+        problems += [Problem(f"{template.relative_to(project.root)}:{p.line}", "note rules", p.message)
+                     for p in check_note(template)]
+    problems += _render_problems(project, templates, problems)
+    if why := stale_sha(project):
+        problems.append(Problem(f"reading_notes/{SHA_FILE}", "pins.toml", why))
     return Report(len(verdicts.keys() | in_notes) + malformed + len(claims), problems)
+
+
+def _render_problems(project: Project, templates, found: list[Problem]) -> list[Problem]:
+    """Render, in memory, each template nothing else was reported for: traces, diagrams, Jinja errors."""
+    from pin_and_cite.render import Renderer, SOURCE_PAGE   # render imports this module
+
+    renderer, reported, problems = Renderer(project), {p.where.rsplit(":", 1)[0] for p in found}, []
+    for template in templates:
+        if str(template.relative_to(project.root)) in reported:
+            continue
+        contexts = ([{"source": s} for s in project.pins.sources.values()] if template.name == SOURCE_PAGE
+                    else [{}] if not template.name.startswith("_") else [])
+        for context in contexts:
+            try:
+                renderer.render(template, **context)
+            except PinAndCiteError as exc:
+                where, _, message = str(exc).partition(": ")
+                problems.append(Problem(where, "render", message))
+                break
+    return problems

@@ -40,6 +40,9 @@ exit status:
 files:
   reading_notes/pins.toml        the sources: url, full commit SHA, optional tag and distribution
   reading_notes/citations.lock   per cited file its git blob SHA, per citation its lines and text hash
+  reading_notes/**/*.md.j2       note templates, rendered into docs/notes/ (names starting with _ are partials)
+  reading_notes/traces/*.json    recorded runs the diagrams and numbers come from (tools/record-traces)
+  reading_notes/megatron-sha.txt the pinned Megatron-LM commit, written by render, verified by check
   cache                          $PIN_AND_CITE_CACHE, else the user cache dir: blobs by SHA, partial repos
 """
 
@@ -90,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     verbs.add_parser("check", parents=[common], help="verify every citation offline (non-zero exit when broken)",
                      description="Verify, without network, that every citation in the lock and in the note "
-                                 "templates resolves to the locked text at the pinned commit.")
+                                 "templates resolves to the locked text at the pinned commit, that every note keeps "
+                                 "its rules and renders, and that megatron-sha.txt matches the pin.")
     render = verbs.add_parser("render", parents=[common], help="render the note templates into Markdown for the site",
                               description="Render reading_notes/**/*.md.j2 into OUT (NAME.md.j2 -> NAME.md) from the "
                                           "verified cache, offline; only changed files are written.")

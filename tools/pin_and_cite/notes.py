@@ -45,6 +45,11 @@ def calls_in(template: Path, functions: set[str]) -> list[Written]:
     return found
 
 
+def note_templates(notes_dir: Path) -> list[Path]:
+    """Every template that becomes a page of its own (partials, named `_*.md.j2`, are rendered by others)."""
+    return sorted(t for t in notes_dir.glob(TEMPLATE_GLOB) if not t.name.startswith("_"))
+
+
 def written_calls(notes_dir: Path, functions: set[str]) -> list[Written]:
     return [w for template in sorted(notes_dir.glob(TEMPLATE_GLOB)) for w in calls_in(template, functions)]
 

@@ -28,12 +28,15 @@ class Source:
     def distribution_name(self) -> str | None:
         return re.split(r"[=<>!~ ]", self.distribution, maxsplit=1)[0] if self.distribution else None
 
-    def permalink(self, path: str, lines: tuple[int, int]) -> str | None:
+    def file_url(self, path: str) -> str | None:
         """GitHub-style blob link at the pinned commit, for web URLs; None for local or git:// remotes."""
         if not self.url.startswith(("https://", "http://")):
             return None
-        base = self.url.removesuffix("/").removesuffix(".git")
-        return f"{base}/blob/{self.commit}/{path}#L{lines[0]}-L{lines[1]}"
+        return f"{self.url.removesuffix('/').removesuffix('.git')}/blob/{self.commit}/{path}"
+
+    def permalink(self, path: str, lines: tuple[int, int]) -> str | None:
+        url = self.file_url(path)
+        return f"{url}#L{lines[0]}-L{lines[1]}" if url else None
 
 
 class Pins:

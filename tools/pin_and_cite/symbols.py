@@ -46,3 +46,10 @@ def resolve(definitions_by_name: dict[str, list[tuple[int, int]]], symbol: str, 
         lines = ", ".join(f"L{a}-L{b}" for a, b in spans)
         raise PinAndCiteError(f"symbol {symbol!r} is ambiguous in {where} (defined at {lines}); cite a line range")
     return spans[0]
+
+
+def enclosing(definitions_by_name: dict[str, list[tuple[int, int]]], lines: tuple[int, int]) -> str | None:
+    """The innermost class or function whose span holds `lines`, for naming a line-range excerpt."""
+    holding = [(b - a, name) for name, spans in definitions_by_name.items() for a, b in spans
+               if a <= lines[0] and lines[1] <= b]
+    return min(holding)[1] if holding else None

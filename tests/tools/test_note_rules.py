@@ -1,0 +1,124 @@
+"""Close-reading notes keep their rules; `render` and `check` stop on a broken note with its file:line."""
+from __future__ import annotations
+
+import shutil
+
+from pin_and_cite.note_rules import check_note, prose_lines, words
+from tests.tools.conftest import ROOT
+
+CITE = "{{ cite('up:pkg/core/layers.py#L9-L10') }}"
+LAYERS_LINES = "up:pkg/core/layers.py#L9-L10"
+
+
+def note_text(choices: int = 5, words_each: int = 51, cite: bool = True, connect: str | None = "{{ 6 * 7 }} bytes.",
+              extra: str = "") -> str:
+    lines = ["---", "rules: close-reading", "---", "# A note", ""]
+    for i in range(choices):
+        lines += [f"### Choice {i}", "", " ".join(["word"] * words_each), "", CITE if cite else "", ""]
+    lines += [extra]
+    if connect is not None:
+        lines += ["## Connect the dots", "", connect]
+    return "\n".join(lines) + "\n"
+
+
+def problems(tmp_path, text: str) -> list[tuple[int, str]]:
+    path = tmp_path / "note.md.j2"
+    path.write_text(text)
+    return [(p.line, p.message) for p in check_note(path)]
+
+
+def test_a_note_within_the_rules_passes(tmp_path):
+    assert problems(tmp_path, note_text()) == []
+
+
+def test_excerpts_diagrams_headings_and_jinja_are_not_prose(tmp_path):
+    text = ("---\nrules: close-reading\n---\n# Title words here\n{# a comment of many words #}\n"
+            "{% set x = trace('tp_block') %}\nOne two three.\n{{ cite('up:a.py#L1-L2') }} {{ diagram('tp_block') }}\n"
+            "```mermaid\ngraph LR\n  a --> b\n```\n{{ verified_by('tests/x.py::test_y') }} [link text](https://example.org/a b)\n"
+            "{{ x.bytes }} bytes <span class=\"y\">shown</span>\n")
+    counted = [(n, words(line)) for n, line, heading in prose_lines(text) if not heading and words(line)]
+    assert counted == [(7, 3), (13, 2), (14, 3)]   # "link text"; N bytes shown
+
+
+def test_over_the_word_limit_names_the_line_of_word_301(tmp_path):
+    text = note_text(choices=6, words_each=60)                       # 360 words + 2 in "Connect the dots"
+    line_of_word_301 = text.split("\n").index(" ".join(["word"] * 60), 5 + 6 * 5) + 1   # the sixth choice
+    assert (line_of_word_301, "362 words of prose, over the 300-word limit (word 301 is on this line); "
+                              "excerpts and diagrams do not count") in problems(tmp_path, text)
+
+
+def test_each_rule_is_reported_at_its_heading(tmp_path):
+    found = problems(tmp_path, note_text(choices=4, cite=False, connect=None))
+    assert (6, "design choice 'Choice 0' cites no upstream lines; add cite(...)") in found
+    assert (1, "0 cited design choice(s) ('### ' sections with cite()); a close reading needs at least 5") in found
+    assert any("no 'Connect the dots' section" in message for _, message in found)
+    short = problems(tmp_path, note_text(words_each=49))
+    assert (6, "design choice 'Choice 0' has 49 words of prose; write 50-80") in short
+    connect_line = note_text().split("\n").index("## Connect the dots") + 1
+    typed = problems(tmp_path, note_text(connect="It sent N bytes, 4096 of them."))
+    assert typed == [(connect_line, "'Connect the dots' prints no measured number: render it from a trace with {{ ... }}, "
+                          "never type it")]
+    last = problems(tmp_path, note_text(connect="{{ n }}") + "## Afterword\n\nMore.\n")
+    assert last == [(connect_line + 3, "the note must end with its 'Connect the dots' section")]
+
+
+def test_notes_without_the_front_matter_are_free_form(tmp_path):
+    assert problems(tmp_path, note_text(choices=1, connect=None).replace("rules: close-reading", "title: x")) == []
+
+
+def test_render_and_check_stop_on_a_broken_note_and_keep_the_previous_page(project):
+    assert project.run("cite", LAYERS_LINES).code == 0
+    path = project.root / "reading_notes" / "n.md.j2"
+    path.write_text(note_text())
+    assert project.run("render").code == 0, project.run("render").err
+    page = project.root / "docs" / "notes" / "n.md"
+    before = page.read_text()
+    assert "word word" in before and "rules: close-reading" in before          # mkdocs reads it as page metadata
+    too_long = note_text(choices=6, words_each=60)
+    line = too_long.split("\n").index(" ".join(["word"] * 60), 5 + 6 * 5) + 1
+    path.write_text(too_long)
+    r = project.run("render")
+    assert r.code == 2 and r.err.count("\n") == 1
+    assert r.err.startswith(f"pin-and-cite: error: reading_notes/n.md.j2:{line}: 362 words of prose, over the 300-word")
+    assert page.read_text() == before
+    r = project.run("check")
+    assert r.code == 1 and f"reading_notes/n.md.j2:{line}: note rules: 362 words of prose" in r.out
+
+
+def test_a_diagram_without_a_recorded_trace_stops_render_and_check(project):
+    path = project.root / "reading_notes" / "d.md.j2"
+    path.write_text("# Diagrams\n\ntext\n{{ diagram('tp_block', link='NVLink') }}\n")
+    r = project.run("render")
+    assert r.code == 2 and r.err.count("\n") == 1
+    assert "reading_notes/d.md.j2:4: no recorded trace 'tp_block' (reading_notes/traces/tp_block.json is missing" in r.err
+    (project.root / "reading_notes" / "traces").mkdir()
+    shutil.copy(ROOT / "reading_notes" / "traces" / "tp_block.json", project.root / "reading_notes" / "traces")
+    assert project.run("render").code == 0
+    assert "```mermaid\nflowchart TB\n" in (project.root / "docs" / "notes" / "d.md").read_text()
+    path.write_text("# Diagrams\n\n{{ diagram('tp_block') }}\n")   # a generator argument missing: still one line
+    r = project.run("check")
+    assert r.code == 1 and "reading_notes/d.md.j2:3: render: TypeError: " in r.out and "'link'" in r.out
+
+
+def test_megatron_sha_is_generated_from_the_pin_and_checked(project, upstream):
+    project.write_pins(**{"megatron-lm": {"url": upstream.url, "commit": upstream.v1}})
+    sha = project.root / "reading_notes" / "megatron-sha.txt"
+    r = project.run("check")
+    assert r.code == 1 and "megatron-sha.txt is missing but pins.toml pins megatron-lm at" in r.out
+    assert project.run("render").code == 0 and sha.read_text() == upstream.v1 + "\n"
+    assert project.run("check").code == 0
+    sha.write_text(upstream.v2 + "\n")
+    r = project.run("check")
+    assert r.code == 1 and f"says '{upstream.v2[:12]}' but pins.toml pins megatron-lm at {upstream.v1[:12]}" in r.out
+
+
+def test_a_page_per_pinned_source_lists_its_locked_files_and_blobs(project, upstream):
+    assert project.run("cite", LAYERS_LINES, "up:pkg/core/mappings.py::region_3").code == 0
+    shutil.copy(ROOT / "reading_notes" / "_source.md.j2", project.root / "reading_notes")
+    assert project.run("render").code == 0
+    page = (project.root / "docs" / "notes" / "sources" / "up.md").read_text()
+    lock = __import__("json").loads(project.lock_path.read_text())
+    assert f"| commit | `{upstream.v1}` |" in page
+    for key, entry in lock["files"].items():
+        assert f"| `{key.split(':', 1)[1]}` | `{entry['blob']}` | {entry['size']} | git tree | 1 |" in page
+    assert not (project.root / "docs" / "notes" / "_source.md").exists()

@@ -1,0 +1,38 @@
+"""Every reference module that mirrors upstream code has a page mapping it, and the mapping cannot go stale."""
+from __future__ import annotations
+
+import pytest
+
+from pin_and_cite.errors import PinAndCiteError
+from pin_and_cite.local_code import ours
+from tests.tools.conftest import ROOT
+
+# Modules with no upstream counterpart to map, and why.
+NO_PAGE = {
+    "reference/__init__.py": "package marker",
+    "reference/__main__.py": "the demo entry point",
+    "reference/model.py": "the plain model the FSDP tests shard (torchtitan style), mirrors nothing",
+    "reference/tensor_parallel/unsharded.py": "the unsharded twin the TP tests compare against",
+    "reference/tensor_parallel/demo.py": "demo",
+    "reference/fsdp/demo.py": "demo",
+    "reference/fsdp/tracing.py": "recorder scopes for the FSDP demo and tests",
+}
+
+
+def test_every_reference_module_has_a_page():
+    modules = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "reference").rglob("*.py"))
+    missing = [m for m in modules if m not in NO_PAGE and not m.endswith("/__init__.py")
+               and not (ROOT / "reading_notes" / "reference" / (m.removeprefix("reference/").removesuffix(".py")
+                                                               .replace("/", ".") + ".md.j2")).is_file()]
+    assert missing == [], "write reading_notes/reference/<module>.md.j2 for these (or list them in NO_PAGE)"
+
+
+def test_ours_points_at_the_definition_and_refuses_a_stale_name():
+    text = ours(ROOT, "reference/tensor_parallel/mappings.py::_CopyToTensorParallelRegion")
+    first = next(i for i, line in enumerate((ROOT / "reference/tensor_parallel/mappings.py").read_text().split("\n"), 1)
+                 if line.startswith("class _CopyToTensorParallelRegion"))
+    assert text.startswith(f"`_CopyToTensorParallelRegion` (reference/tensor_parallel/mappings.py L{first}–L")
+    with pytest.raises(PinAndCiteError, match="symbol 'renamed' is not defined in reference/fsdp/runtime.py"):
+        ours(ROOT, "reference/fsdp/runtime.py::renamed")
+    with pytest.raises(PinAndCiteError, match="does not exist"):
+        ours(ROOT, "reference/gone.py::x")

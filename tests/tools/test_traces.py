@@ -1,0 +1,105 @@
+"""The committed traces are what the reference does now, and the diagrams drawn from them say so.
+
+One torchrun launch of tools/trace_worker.py (the script behind tools/record-traces) gives a fresh recording;
+its structure (operations, order, shapes, bytes, FLOP counts, issue order against compute) must equal the
+committed trace's, timings aside, and the diagrams and numbers rendered from it must be the same text.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import record_traces
+from pin_and_cite import diagrams, estimates
+from pin_and_cite.traces import forward_markers, load_trace, structure
+from tests.tools.conftest import ROOT
+
+NOTES = ROOT / "reading_notes"
+NAMES = ["tp_block", "fsdp_forward"]
+
+
+@pytest.fixture(scope="module")
+def fresh(tmp_path_factory):
+    out = tmp_path_factory.mktemp("traces") / "reading_notes"
+    written = record_traces.record(out / "traces", timeout=240)
+    assert sorted(p.stem for p in written) == sorted(NAMES)
+    return out
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_committed_trace_matches_a_fresh_run(fresh, name):
+    assert structure(load_trace(fresh, name)) == structure(load_trace(NOTES, name)), \
+        f"reading_notes/traces/{name}.json is stale: re-record with tools/record-traces and commit it"
+
+
+def drawn(notes):
+    """Everything a page shows from the traces in `notes`: both diagrams and both estimates."""
+    tp, fsdp = load_trace(notes, "tp_block"), load_trace(notes, "fsdp_forward")
+    return (diagrams.diagram(tp, link="NVLink"), diagrams.diagram(fsdp),
+            estimates.tp_crossover(tp, link_GBps=600, tflops=400, tp=8, bytes_per_element=2),
+            estimates.fsdp_overlap(fsdp, link_GBps=50, tflops=400, world=8, bytes_per_element=2))
+
+
+def test_diagrams_and_numbers_from_a_fresh_run_are_the_committed_ones(fresh):
+    assert drawn(fresh) == drawn(NOTES)
+
+
+def test_tp_trace_records_two_allreduces_of_b_s_h_bytes_each_way():
+    trace = load_trace(NOTES, "tp_block")
+    for run in trace["runs"]:
+        n = trace["b"] * trace["s"] * run["h"] * trace["dtype_size"]
+        assert [(e["op"], e["module"], e["phase"], e["nbytes"]) for e in run["events"]] == [
+            ("all_reduce", "layers.0.attention.proj", "forward", n), ("all_reduce", "layers.0.mlp.fc2", "forward", n),
+            ("all_reduce", "layers.0.mlp.fc1", "backward", n), ("all_reduce", "layers.0.attention.qkv", "backward", n)]
+
+
+def test_fsdp_trace_prefetches_each_block_before_the_previous_unit_computes():
+    trace = load_trace(NOTES, "fsdp_forward")
+    assert forward_markers(trace) == [
+        ("issue", "root"), ("issue", "blocks.0"), ("start", "root"), ("issue", "blocks.1"),
+        ("start", "blocks.0"), ("end", "blocks.0"), ("start", "blocks.1"), ("end", "blocks.1"), ("end", "root")]
+    gathered = [e["nbytes"] for e in trace["events"] if e["op"] == "all_gather" and e["phase"] == "forward"]
+    assert gathered == [u["padded_numel"] * trace["dtype_size"] for u in trace["units"]]
+
+
+def test_estimates_follow_from_the_measured_numbers():
+    tp = estimates.tp_crossover(load_trace(NOTES, "tp_block"), link_GBps=600, tflops=400, tp=8, bytes_per_element=2)
+    assert tp.allreduce_bytes == tp.formula_bytes and tp.allreduces_per_block == 4
+    # Per token and rank at TP=8, forward + backward (3x the forward): GEMMs 3 x 24 h^2 / 8 FLOPs, attention
+    # 3 x 4 s h / 8; four all-reduces of 2(7/8) x 2h bytes (bf16). Equal times at h = (14 R/B - 1.5 s) / 9.
+    s = load_trace(NOTES, "tp_block")["s"]
+    assert tp.crossover_hidden == round((14 * 400e12 / 600e9 - 1.5 * s) / 9)
+    fsdp_trace = load_trace(NOTES, "fsdp_forward")
+    fsdp = estimates.fsdp_overlap(fsdp_trace, link_GBps=50, tflops=400, world=8, bytes_per_element=2)
+    assert fsdp.forward_allgather_bytes == fsdp_trace["params"] * 4   # nothing padded at world 2 here
+    assert fsdp.tokens_to_hide == round(7 / 8 * fsdp_trace["params"] * 2 / 50e9 * 400e12 / fsdp.flops_per_token)
+
+
+def test_a_trace_the_recorder_cannot_draw_is_a_one_line_error(tmp_path):
+    (tmp_path / "traces").mkdir()
+    tp = json.loads((NOTES / "traces" / "tp_block.json").read_text())
+    for run in tp["runs"]:
+        run["events"] = [e for e in run["events"] if e["phase"] == "backward"]
+    (tmp_path / "traces" / "tp_block.json").write_text(json.dumps(tp))
+    fsdp = json.loads((NOTES / "traces" / "fsdp_forward.json").read_text())
+    fsdp["spans"] = [s for s in fsdp["spans"] if s["name"] != "blocks.1 forward"]
+    (tmp_path / "traces" / "fsdp_forward.json").write_text(json.dumps(fsdp))
+    cases = [("tp_block", dict(link="NVLink"), "saw no tensor-parallel linear layer issuing the collectives"),
+             ("fsdp_forward", {}, "no forward all-gather or compute span recorded for unit(s) blocks.1")]
+    for name, options, message in cases:
+        with pytest.raises(diagrams.TraceError) as error:
+            diagrams.diagram(load_trace(tmp_path, name), **options)
+        assert message in str(error.value) and "re-record with tools/record-traces" in str(error.value)
+        assert "\n" not in str(error.value)
+    with pytest.raises(diagrams.TraceError, match="no recorded trace 'nope' .*traces: fsdp_forward, tp_block"):
+        load_trace(tmp_path, "nope")
+    (tmp_path / "traces" / "bad.json").write_text('{"kind": "tp_block"}')
+    with pytest.raises(diagrams.TraceError, match="tp_block trace lacks world, tp, s, b, heads"):
+        load_trace(tmp_path, "bad")
+
+
+def test_mermaid_labels_are_escaped():
+    assert diagrams.label('a "b" <script> #1 `x` | y; z') == \
+        '"a #quot;b#quot; #lt;script#gt; #35;1 #96;x#96; #124; y#59; z"'
+    assert diagrams.gantt_text("blocks.0: 49 KiB #x") == "blocks.0  49 KiB  x"

@@ -1,0 +1,24 @@
+"""`ours("reference/x.py::Name")`: where a definition lives in this repository, for the reference pages.
+
+Resolved with the same AST reader as upstream symbols, so a renamed or moved function fails the render
+with the template's file:line instead of leaving a stale mapping.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from pin_and_cite import symbols
+from pin_and_cite.citation import check_repo_path
+from pin_and_cite.errors import PinAndCiteError
+
+
+def ours(root: Path, spec: str) -> str:
+    path, sep, symbol = spec.partition("::")
+    check_repo_path(path)
+    file = root / path
+    if not sep or not symbol:
+        raise PinAndCiteError(f"ours({spec!r}): expected PATH::Name, e.g. reference/fsdp/runtime.py::pre_forward")
+    if not file.is_file():
+        raise PinAndCiteError(f"ours({spec!r}): {path} does not exist")
+    first, last = symbols.resolve(symbols.definitions(file.read_text(), path), symbol, path)
+    return f"`{symbol}` ({path} L{first}–L{last})"

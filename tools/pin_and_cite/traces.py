@@ -1,0 +1,85 @@
+"""Recorded runs of the reference implementation, as the notes read them: reading_notes/traces/NAME.json.
+
+`tools/record-traces` writes them (tools/trace_worker.py under torchrun, with reference.recorder's
+CollectiveRecorder). A note reads one with `trace("tp_block")`; `diagram()` and the connect-the-dots numbers
+are computed from it, never typed. A trace that is missing, malformed, or lacks what a reader asks of it is a
+one-line error naming the file and saying how to re-record it.
+
+`structure()` is what a committed trace must share with a fresh run (tests/tools/test_traces.py): operations,
+their order, shapes, bytes, FLOP counts, and the order of issue versus compute, but not timings.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pin_and_cite.errors import PinAndCiteError
+
+TRACE_DIR = "traces"
+RECORD = "re-record with tools/record-traces"
+REQUIRED = {
+    "tp_block": ("world", "tp", "s", "b", "heads", "dtype_size", "runs"),
+    "fsdp_forward": ("world", "params", "dtype_size", "tokens_per_rank", "forward_flops_per_token", "units",
+                     "events", "spans"),
+}
+EVENT_KEYS = ("op", "module", "phase", "shape", "nbytes", "dtype", "group_ranks", "async_op")
+
+
+class TraceError(PinAndCiteError):
+    """A trace cannot give what was asked of it."""
+
+
+def trace_path(notes_dir: Path, name: str) -> Path:
+    if not name.replace("_", "").replace("-", "").isalnum():
+        raise TraceError(f"trace name {name!r} must be letters, digits, '_' or '-'")
+    return notes_dir / TRACE_DIR / f"{name}.json"
+
+
+def load_trace(notes_dir: Path, name: str) -> dict:
+    """The trace `name`, checked to have the fields its kind needs."""
+    path = trace_path(notes_dir, name)
+    where = f"{notes_dir.name}/{TRACE_DIR}/{path.name}"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in path.parent.glob("*.json"))) or "none"
+        raise TraceError(f"no recorded trace {name!r} ({where} is missing; traces: {known}); {RECORD}")
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as exc:
+        raise TraceError(f"{where} is not valid JSON ({exc}); {RECORD}") from None
+    kind = data.get("kind") if isinstance(data, dict) else None
+    if kind not in REQUIRED:
+        raise TraceError(f"{where}: unknown trace kind {kind!r} (known: {', '.join(REQUIRED)}); {RECORD}")
+    missing = [key for key in REQUIRED[kind] if key not in data]
+    if missing:
+        raise TraceError(f"{where}: {kind} trace lacks {', '.join(missing)}; {RECORD}")
+    data["name"] = name
+    return data
+
+
+def events_where(events: list[dict], **match) -> list[dict]:
+    return [e for e in events if all(e.get(k) == v for k, v in match.items())]
+
+
+def forward_markers(trace: dict) -> list[tuple[str, str]]:
+    """The FSDP forward as an ordered list of ("issue", unit) / ("start"|"end", unit): when each all-gather was
+    issued relative to each unit's compute. Ordering, not time, so it must be the same in every run."""
+    points = [(e["start"], "issue", e["module"]) for e in events_where(trace["events"], op="all_gather",
+                                                                         phase="forward")]
+    for span in trace["spans"]:
+        if span["phase"] == "forward":
+            unit = span["name"].removesuffix(" forward")
+            points += [(span["start"], "start", unit), (span["end"], "end", unit)]
+    return [(what, unit) for _, what, unit in sorted(points)]
+
+
+def structure(trace: dict) -> dict:
+    """Everything of a trace that a fresh run must reproduce exactly."""
+    if trace["kind"] == "tp_block":
+        return {**{k: trace[k] for k in REQUIRED["tp_block"] if k != "runs"},
+                "runs": [{"h": run["h"], "step_flops_per_rank": run["step_flops_per_rank"],
+                          "forward_steps": run["forward_steps"],
+                          "events": [tuple(json.dumps(e[k]) for k in EVENT_KEYS) for e in run["events"]]}
+                         for run in trace["runs"]]}
+    return {**{k: trace[k] for k in REQUIRED["fsdp_forward"] if k not in ("events", "spans")},
+            "events": [tuple(json.dumps(e[k]) for k in EVENT_KEYS) for e in trace["events"]],
+            "forward_markers": forward_markers(trace)}

@@ -1,0 +1,54 @@
+"""`tools/record-traces [--out DIR]`: re-record the runs the study site's diagrams and numbers come from.
+
+Runs tools/trace_worker.py on two ranks under torchrun (CPU, gloo) and writes DIR/tp_block.json and
+DIR/fsdp_forward.json (default reading_notes/traces/, which is committed). tests/tools/test_traces.py runs the
+same worker and fails when a fresh run no longer matches the committed traces, so re-record after changing the
+reference and commit the result. Exit status: 0 recorded, 1 the run failed (its output is printed).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tools" / "trace_worker.py"
+RANKS = 2
+
+
+def record(out: Path, timeout: float = 300) -> list[Path]:
+    """Run the worker into a scratch folder, then move each trace into `out`; the paths written."""
+    with tempfile.TemporaryDirectory(prefix="traces-") as scratch:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS}",
+               "--max-restarts=0", str(WORKER), scratch]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TORCH_CPP_LOG_LEVEL": "ERROR"}
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        if proc.returncode != 0:
+            raise RuntimeError(f"trace worker exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-6000:]}")
+        out.mkdir(parents=True, exist_ok=True)
+        written = []
+        for trace in sorted(Path(scratch).glob("*.json")):
+            shutil.move(str(trace), out / trace.name)   # within one filesystem: a rename
+            written.append(out / trace.name)
+        return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="record-traces", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=ROOT / "reading_notes" / "traces", help="output folder")
+    args = parser.parse_args(argv)
+    try:
+        for path in record(args.out):
+            print(path)
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+        print(f"record-traces: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""Record the runs the study site's diagrams and numbers come from: `torchrun --nproc-per-node 2 tools/trace_worker.py OUT`.
+
+Run by `tools/record-traces` (which writes reading_notes/traces/); rank 0 writes OUT/tp_block.json and
+OUT/fsdp_forward.json. Everything in them is observed, not computed:
+  * tp_block: one tensor-parallel transformer block (reference.tensor_parallel) at two hidden sizes. The
+    CollectiveRecorder's events (op, module, phase, shape, bytes) of one forward+backward; the forward order of
+    the block's leaf modules and of the aten ops run between them (attention, GELU), from module hooks and a
+    dispatch mode; the forward FLOPs per rank from torch's FlopCounterMode.
+  * fsdp_forward: the reference FSDP (one unit per block plus the root, forward and backward prefetch) in
+    its second step, when forward prefetch knows the unit order: collectives and per-unit compute spans, the
+    units' flat sizes, and the forward FLOPs per token of the unsharded model.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
+
+from reference.fsdp.demo import shard_model
+from reference.model import ModelConfig, build_model, next_token_loss, synthetic_batches
+from reference.parallel_state import build_layout
+from reference.recorder import CollectiveRecorder
+from reference.tensor_parallel.transformer import ParallelTransformer
+
+TP_SHAPE = dict(s=8, b=2, heads=4)
+TP_HIDDEN = (64, 128)             # two sizes: bytes grow like h, FLOPs like a*h^2 + c*h
+FSDP_CONFIG = ModelConfig(vocab_size=128, hidden_size=32, num_attention_heads=4, num_layers=2, max_seq_length=64)
+FSDP_BATCH, FSDP_SEQ, SEED = 4, 16, 1234
+EVENT_FIELDS = ("op", "module", "phase", "shape", "nbytes", "dtype", "group_ranks", "async_op")
+
+
+def counted_flops(step) -> int:
+    """FLOPs of `step()` as FlopCounterMode counts them. Attention runs on the math backend here: torch 2.13
+    has no FLOP formula for the CPU flash-attention kernel, and would count its matmuls as zero."""
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as flops:
+        step()
+    return flops.get_total_flops()
+
+
+class ForwardSteps(TorchDispatchMode):
+    """The forward as a list of steps: each leaf module run, and the aten ops run directly in a parent."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.steps: list[dict] = []
+        self.stack: list[tuple[str, torch.nn.Module]] = []
+        self.handles = []
+        for name, module in model.named_modules():
+            self.handles.append(module.register_forward_pre_hook(lambda m, a, name=name: self._enter(name, m)))
+            self.handles.append(module.register_forward_hook(lambda m, a, o: self._leave()))
+
+    def _enter(self, name: str, module: torch.nn.Module) -> None:
+        self.stack.append((name, module))
+        if not list(module.children()):
+            weight = getattr(module, "weight", None)
+            self.steps.append({"module": name, "type": type(module).__name__,
+                               "weight_shape": list(weight.shape) if weight is not None else None})
+
+    def _leave(self) -> None:
+        self.stack.pop()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.stack and list(self.stack[-1][1].children()):
+            parent, op = self.stack[-1][0], func.overloadpacket.__name__
+            if not self.steps or self.steps[-1].get("in") != parent:
+                self.steps.append({"in": parent, "ops": []})
+            self.steps[-1]["ops"].append(op)
+        return func(*args, **(kwargs or {}))
+
+
+def tp_block(world: int) -> dict:
+    layout = build_layout(world)
+    s, b, heads = TP_SHAPE["s"], TP_SHAPE["b"], TP_SHAPE["heads"]
+    runs = []
+    for h in TP_HIDDEN:
+        torch.manual_seed(SEED)
+        model = ParallelTransformer(1, h, heads, tp_group=layout.tp_group)
+        x = torch.randn(s, b, h)
+        flops = counted_flops(lambda: model(x).pow(2).mean().backward())   # forward + backward
+        model.zero_grad(set_to_none=True)
+        steps = ForwardSteps(model)
+        recorder = CollectiveRecorder()
+        recorder.watch(model)
+        with recorder, steps:
+            model(x).pow(2).mean().backward()
+        events = [{k: e[k] for k in EVENT_FIELDS} for e in recorder.to_dict()["events"]]
+        runs.append({"h": h, "step_flops_per_rank": flops, "events": events,
+                     "forward_steps": steps.steps})
+    return {"kind": "tp_block", "world": world, "tp": layout.tp_size, "s": s, "b": b, "heads": heads,
+            "dtype": "float32", "dtype_size": 4, "runs": runs}
+
+
+def fsdp_forward(world: int) -> dict:
+    rank = dist.get_rank()
+    model = build_model(FSDP_CONFIG, SEED)
+    params = sum(p.numel() for p in model.parameters())
+    tokens = synthetic_batches(FSDP_CONFIG, 1, FSDP_BATCH, FSDP_SEQ, SEED)[0]
+    with torch.no_grad():
+        flops = counted_flops(lambda: model(tokens))
+    model = shard_model(model, "reference", dist.group.WORLD, backward_prefetch="BACKWARD_PRE", forward_prefetch=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    recorder = CollectiveRecorder()
+    with recorder:
+        for batch in synthetic_batches(FSDP_CONFIG, 2, FSDP_BATCH, FSDP_SEQ, SEED):
+            recorder.clear()    # keep the second step: the first records the unit order, so it cannot prefetch
+            local = batch.chunk(world)[rank]
+            next_token_loss(model(local), local).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    record = recorder.to_dict()
+    units = [{"name": handle.name, "param_numel": handle.param_numel, "padded_numel": handle.padded_numel}
+             for handle in model.handles()]
+    return {"kind": "fsdp_forward", "world": world, "forward_prefetch": True, "backward_prefetch": "BACKWARD_PRE",
+            "params": params, "dtype": "float32", "dtype_size": 4,
+            "tokens_per_rank": FSDP_BATCH * FSDP_SEQ // world,
+            "forward_flops_per_token": flops / (FSDP_BATCH * FSDP_SEQ),
+            "units": units,
+            "events": [{**{k: e[k] for k in EVENT_FIELDS}, **_times(e)} for e in record["events"]],
+            "spans": [{"name": s["name"], "phase": s["phase"], **_times(s)} for s in record["spans"]]}
+
+
+def _times(record: dict) -> dict:
+    """Start/end in seconds from the step's first record, to the microsecond (only their order is used)."""
+    return {k: None if record[k] is None else round(record[k], 6) for k in ("start", "end")}
+
+
+def main(out: Path) -> None:
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    world = dist.get_world_size()
+    traces = {"tp_block": tp_block(world), "fsdp_forward": fsdp_forward(world)}
+    if dist.get_rank() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        for name, trace in traces.items():
+            (out / f"{name}.json").write_text(json.dumps(trace, indent=1, sort_keys=True) + "\n")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
