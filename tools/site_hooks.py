@@ -9,7 +9,7 @@
      so rewriting a file on every build would trigger the next rebuild forever) and, on a bad template,
      stops the build with the template's file:line and leaves the previous pages as they were.
 `on_serve` watches reading_notes/ as well, so saving a template re-renders and reloads the page.
-The repository root is the folder holding mkdocs.yml.
+The project root is $PIN_AND_CITE_PROJECT when set (tests build scratch copies), else the folder of mkdocs.yml.
 """
 from __future__ import annotations
 

@@ -55,7 +55,7 @@ def excerpt_link(excerpt: Excerpt, inside: str | None = None) -> str:
 def _refuse_blank_ends(excerpt: Excerpt) -> None:
     """Pygments drops blank first and last lines, so the block would disagree with its caption (and, at the
     start, every line number would shift): such a citation names the lines it should have cited."""
-    lines, (first, last) = excerpt.text.split("\n")[:-1], excerpt.lines
+    lines, first = excerpt.text.split("\n")[:-1], excerpt.lines[0]
     if lines[0].strip() and lines[-1].strip():
         return
     text = [n for n, line in enumerate(lines, first) if line.strip()]
