@@ -11,7 +11,7 @@ from pin_and_cite.note_rules import check_note
 from pin_and_cite.notes import TEMPLATE_GLOB, written_calls
 from pin_and_cite.pinned_sha import SHA_FILE, stale_sha
 from pin_and_cite.project import Project
-from pin_and_cite.resolve import Resolver
+from pin_and_cite.resolve import Excerpt, Resolver
 from pin_and_cite.verified_by import missing_test
 
 
@@ -35,24 +35,32 @@ class Report:
                 "problems": [vars(p) for p in self.problems]}
 
 
+def locked_excerpt(project: Project, resolver: Resolver, key: str) -> Excerpt:
+    """The excerpt of the locked citation `key`, proven to say what the lock says; PinAndCiteError says why not."""
+    locked = project.lock.citations[key]
+    spec = parse_spec(key)
+    source = project.pins.get(spec.source)
+    entry = project.lock.files.get(file_key(spec.source, spec.path))
+    if entry is None:
+        raise PinAndCiteError("its file is missing from the lock")
+    if entry.commit != source.commit:
+        raise PinAndCiteError(f"locked at {entry.commit[:12]} but pins.toml now pins {source.commit[:12]}; "
+                              "re-lock after moving a pin")
+    excerpt, _ = resolver.resolve(spec)
+    if excerpt.lines != tuple(locked.lines):
+        raise PinAndCiteError(f"symbol now spans L{excerpt.lines[0]}-L{excerpt.lines[1]}, "
+                              f"lock says L{locked.lines[0]}-L{locked.lines[1]}")
+    if excerpt.text_sha256 != locked.text_sha256:
+        raise PinAndCiteError("cited text differs from the lock's hash")
+    return excerpt
+
+
 def verify_locked(project: Project, resolver: Resolver, key: str) -> str | None:
     """Why the locked citation `key` no longer holds, or None when it does."""
-    locked = project.lock.citations[key]
     try:
-        spec = parse_spec(key)
-        source = project.pins.get(spec.source)
-        entry = project.lock.files.get(file_key(spec.source, spec.path))
-        if entry is None:
-            return "its file is missing from the lock"
-        if entry.commit != source.commit:
-            return f"locked at {entry.commit[:12]} but pins.toml now pins {source.commit[:12]}; re-lock after moving a pin"
-        excerpt, _ = resolver.resolve(spec)
+        locked_excerpt(project, resolver, key)
     except PinAndCiteError as exc:
         return str(exc)
-    if excerpt.lines != tuple(locked.lines):
-        return f"symbol now spans L{excerpt.lines[0]}-L{excerpt.lines[1]}, lock says L{locked.lines[0]}-L{locked.lines[1]}"
-    if excerpt.text_sha256 != locked.text_sha256:
-        return "cited text differs from the lock's hash"
     return None
 
 
@@ -62,7 +70,9 @@ def check(project: Project) -> Report:
     resolver = Resolver(project, allow_remote=False)
     verdicts = {key: verify_locked(project, resolver, key) for key in project.lock.citations}
     problems, in_notes, malformed = [], set(), 0
-    for call in written_calls(project.notes_dir, {"cite", "upstream"}):
+    written = written_calls(project.notes_dir, {"cite", "upstream", "verified_by"})   # each template parsed once
+    claims = [call for call in written if call.function == "verified_by"]
+    for call in (call for call in written if call.function != "verified_by"):
         where = call.where(project.root)
         try:
             key = str(parse_spec(call.argument))
@@ -76,7 +86,6 @@ def check(project: Project) -> Report:
             problems.append(Problem(where, key, why))
     problems += [Problem("citations.lock", key, why) for key, why in verdicts.items()
                  if why and key not in in_notes]
-    claims = written_calls(project.notes_dir, {"verified_by"})
     problems += [Problem(c.where(project.root), c.argument, why) for c in claims
                  if (why := missing_test(project.root, c.argument))]
     templates = sorted(project.notes_dir.glob(TEMPLATE_GLOB))

@@ -20,7 +20,7 @@ import jinja2
 
 from pin_and_cite.atomic import atomic_write
 from pin_and_cite import diagrams, estimates, symbols
-from pin_and_cite.check import verify_locked
+from pin_and_cite.check import locked_excerpt
 from pin_and_cite.citation import parse_spec
 from pin_and_cite.errors import PinAndCiteError
 from pin_and_cite.local_code import ours
@@ -97,10 +97,10 @@ class Renderer:
         key = str(parse_spec(spec_text))
         if key not in self.project.lock.citations:
             raise PinAndCiteError(f"{key} is not in the lock; run `tools/pin-and-cite cite` on it")
-        why = verify_locked(self.project, self.resolver, key)
-        if why:
-            raise PinAndCiteError(f"{key}: {why}")
-        return self.resolver.resolve(parse_spec(key))[0]
+        try:
+            return locked_excerpt(self.project, self.resolver, key)
+        except PinAndCiteError as exc:
+            raise PinAndCiteError(f"{key}: {exc}") from None
 
     def inside(self, excerpt: Excerpt) -> str | None:
         """For a line range in a Python file, the innermost definition holding it."""
