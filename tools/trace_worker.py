@@ -23,6 +23,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
+from pin_and_cite.traces import EVENT_KEYS  # what the site's trace comparison reads
 from reference.fsdp.demo import shard_model
 from reference.model import ModelConfig, build_model, next_token_loss, synthetic_batches
 from reference.parallel_state import build_layout
@@ -33,7 +34,6 @@ TP_SHAPE = dict(s=8, b=2, heads=4)
 TP_HIDDEN = (64, 128)             # two sizes: bytes grow like h, FLOPs like a*h^2 + c*h
 FSDP_CONFIG = ModelConfig(vocab_size=128, hidden_size=32, num_attention_heads=4, num_layers=2, max_seq_length=64)
 FSDP_BATCH, FSDP_SEQ, SEED = 4, 16, 1234
-EVENT_FIELDS = ("op", "module", "phase", "shape", "nbytes", "dtype", "group_ranks", "async_op")
 
 
 def counted_flops(step) -> int:
@@ -90,7 +90,7 @@ def tp_block(world: int) -> dict:
         recorder.watch(model)
         with recorder, steps:
             model(x).pow(2).mean().backward()
-        events = [{k: e[k] for k in EVENT_FIELDS} for e in recorder.to_dict()["events"]]
+        events = [{k: e[k] for k in EVENT_KEYS} for e in recorder.to_dict()["events"]]
         runs.append({"h": h, "step_flops_per_rank": flops, "events": events,
                      "forward_steps": steps.steps})
     return {"kind": "tp_block", "world": world, "tp": layout.tp_size, "s": s, "b": b, "heads": heads,
@@ -122,7 +122,7 @@ def fsdp_forward(world: int) -> dict:
             "tokens_per_rank": FSDP_BATCH * FSDP_SEQ // world,
             "forward_flops_per_token": flops / (FSDP_BATCH * FSDP_SEQ),
             "units": units,
-            "events": [{**{k: e[k] for k in EVENT_FIELDS}, **_times(e)} for e in record["events"]],
+            "events": [{**{k: e[k] for k in EVENT_KEYS}, **_times(e)} for e in record["events"]],
             "spans": [{"name": s["name"], "phase": s["phase"], **_times(s)} for s in record["spans"]]}
 
 

@@ -25,6 +25,8 @@ from pathlib import Path, PurePosixPath
 import platformdirs
 from filelock import FileLock
 
+from pin_and_cite.atomic import atomic_write
+
 ROOT = Path(__file__).resolve().parents[1]
 LOCK = ROOT / "tools" / "vendor-assets.lock"
 DOCS = ROOT / "docs"
@@ -107,7 +109,7 @@ def ensure(docs_dir: Path, assets: list[Asset], cache_dir: Path = CACHE, npm: st
         if _file_sha512(dest) == asset.file_sha512:
             continue
         data = _extract(asset, _cached_tarball(asset, cache_dir, npm))
-        _write_atomically(dest, data)
+        atomic_write(dest, data)
         print(f"vendor-assets: installed {asset.spec} {asset.file} -> {dest}", file=sys.stderr)
 
 
@@ -169,19 +171,6 @@ def _extract(asset: Asset, tarball: Path) -> bytes:
     if got != asset.file_sha512:
         raise AssetError(f"{asset.spec} {asset.file} has sha512 {got}, the lock pins {asset.file_sha512}")
     return data
-
-
-def _write_atomically(dest: Path, data: bytes) -> None:
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o644)  # served by a web server: mkstemp's 0600 is too private
-        os.replace(tmp, dest)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,10 +10,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools"))
-
-import vendor_assets  # noqa: E402  (lives in tools/, next to the mkdocs hook that uses it)
-from pin_and_cite.diagrams import label  # noqa: E402
+import vendor_assets  # lives in tools/ (on sys.path via pytest's pythonpath), next to the mkdocs hook
+from pin_and_cite.diagrams import label
 
 # A label with every character mermaid's grammar gives a meaning: escaped by the diagram generator, it must
 # come out of the browser as the same text (positive control for the escaping of recorded names).

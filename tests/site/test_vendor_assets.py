@@ -9,7 +9,6 @@ import hashlib
 import http.server
 import io
 import json
-import socket
 import subprocess
 import sys
 import tarfile
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.gitserver import free_port
 from tests.site.conftest import ROOT, vendor_assets
 
 SCRIPT = "globalThis.mermaid = {initialize() {}, render() {}};\n"
@@ -142,9 +142,7 @@ def test_extracted_file_must_match_its_pin(registry, tmp_path):
 
 
 def test_unreachable_registry_fails_fast_in_one_line(monkeypatch, tmp_path):
-    with socket.socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # nothing listens on it
     monkeypatch.setenv("npm_config_registry", f"http://127.0.0.1:{port}/")
     monkeypatch.setenv("npm_config_cache", str(tmp_path / "npm-cache"))
     start = time.monotonic()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,7 +77,7 @@ def upstream(daemon, tmp_path_factory) -> Upstream:
     """A repository with two small cited modules and 4 MB of incompressible files nobody cites."""
     work = git.Repo.init(tmp_path_factory.mktemp("work"))
     actor = git.Actor("Upstream", "upstream@example.com")
-    rng = __import__("random").Random(0)
+    rng = random.Random(0)
     files = {"pkg/core/layers.py": LAYERS_PY.encode(),
              "pkg/core/mappings.py": "".join(f"def region_{i}():\n    return {i}\n\n\n" for i in range(40)).encode(),
              "pkg/core/ticks.py": b'def example():\n    """Usage:\n\n    ````python\n    example()\n    ````\n    """\n',
@@ -160,10 +161,7 @@ def history(daemon, tmp_path_factory) -> History:
     actor = git.Actor("Upstream", "upstream@example.com")
 
     def commit(files: dict[str, str], message: str, removed=()) -> str:
-        for rel, text in files.items():
-            (work_dir / rel).parent.mkdir(parents=True, exist_ok=True)
-            (work_dir / rel).write_bytes(text.encode())
-        work.index.add(list(files))
+        _write(work, {rel: text.encode() for rel, text in files.items()})
         if removed:
             work.index.remove(list(removed), working_tree=True)
         return work.index.commit(message, author=actor, committer=actor).hexsha

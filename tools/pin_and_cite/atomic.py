@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import stat
 import tempfile
 from pathlib import Path
 
@@ -22,6 +23,7 @@ def atomic_write_all(files: dict[Path, bytes]) -> None:
         for path, data in files.items():
             fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
             staged.append((tmp, path))
+            os.fchmod(fd, _mode_for(path))
             with os.fdopen(fd, "wb") as out:
                 out.write(data)
                 out.flush()
@@ -33,6 +35,17 @@ def atomic_write_all(files: dict[Path, bytes]) -> None:
     with _no_interrupts():                        # Ctrl-C cannot land between two renames
         for tmp, path in staged:
             os.replace(tmp, path)
+
+
+def _mode_for(path: Path) -> int:
+    """The file's current mode, or the one open() would give a new file: mkstemp's 0600 would make pins,
+    the lock, rewritten notes and served site files private to whoever last wrote them."""
+    try:
+        return stat.S_IMODE(path.stat().st_mode)
+    except FileNotFoundError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
 
 
 @contextlib.contextmanager

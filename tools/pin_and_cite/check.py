@@ -92,17 +92,17 @@ def check(project: Project) -> Report:
     for template in templates:
         problems += [Problem(f"{template.relative_to(project.root)}:{p.line}", "note rules", p.message)
                      for p in check_note(template)]
-    problems += _render_problems(project, templates, problems)
+    problems += _render_problems(project, resolver, templates, problems)
     if why := stale_sha(project):
         problems.append(Problem(f"reading_notes/{SHA_FILE}", "pins.toml", why))
     return Report(len(verdicts.keys() | in_notes) + malformed + len(claims), problems)
 
 
-def _render_problems(project: Project, templates, found: list[Problem]) -> list[Problem]:
+def _render_problems(project: Project, resolver: Resolver, templates, found: list[Problem]) -> list[Problem]:
     """Render, in memory, each template nothing else was reported for: traces, diagrams, Jinja errors."""
     from pin_and_cite.render import Renderer, SOURCE_PAGE   # render imports this module
 
-    renderer, reported, problems = Renderer(project), {p.where.rsplit(":", 1)[0] for p in found}, []
+    renderer, reported, problems = Renderer(project, resolver), {p.where.rsplit(":", 1)[0] for p in found}, []
     for template in templates:
         if str(template.relative_to(project.root)) in reported:
             continue

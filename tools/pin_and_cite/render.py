@@ -82,9 +82,9 @@ def excerpt_markdown(excerpt: Excerpt, highlight: str | None = None, inside: str
 
 
 class Renderer:
-    def __init__(self, project: Project):
+    def __init__(self, project: Project, resolver: Resolver | None = None):
         self.project = project
-        self.resolver = Resolver(project, allow_remote=False)
+        self.resolver = resolver or Resolver(project, allow_remote=False)
         self.env = jinja2.Environment(loader=jinja2.FileSystemLoader(project.notes_dir), undefined=jinja2.StrictUndefined,
                                       keep_trailing_newline=True, autoescape=False)
         self.env.globals.update(

@@ -62,6 +62,10 @@ class Resolver:
         self.project = project
         self.allow_remote = allow_remote
         self.trust_distribution = trust_distribution
+        # per instance, not functools.cache on the methods: that would keep every Resolver (and the file
+        # texts) alive for the process, one per rebuild under `mkdocs serve`
+        self.lines_of = functools.cache(self._lines_of)
+        self.definitions_of = functools.cache(self._definitions_of)
 
     def locked_blob(self, source: Source, path: str) -> str | None:
         locked = self.project.lock.files.get(file_key(source.name, path))
@@ -86,13 +90,11 @@ class Resolver:
             raise PinAndCiteError(f"{path} does not exist at {where}")
         return blob, "git tree"
 
-    @functools.cache
-    def lines_of(self, source_name: str, path: str, blob: str) -> tuple[str, ...]:
+    def _lines_of(self, source_name: str, path: str, blob: str) -> tuple[str, ...]:
         data = load_blob(self.project, source_name, path, blob, self.allow_remote)
         return split_lines(data, f"{source_name}:{path}")
 
-    @functools.cache
-    def definitions_of(self, source_name: str, path: str, blob: str) -> dict:
+    def _definitions_of(self, source_name: str, path: str, blob: str) -> dict:
         return symbols.definitions("\n".join(self.lines_of(source_name, path, blob)), path)
 
     def resolve(self, spec: Spec) -> tuple[Excerpt, str]:
