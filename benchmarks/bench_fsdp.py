@@ -26,7 +26,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from reference.fsdp.demo import shard_model
+from reference.fsdp.demo import shard_model, sharded_parameter_bytes
 from reference.model import ModelConfig, build_model, next_token_loss, synthetic_batches
 from reference.recorder import CollectiveRecorder
 
@@ -109,7 +109,7 @@ def main() -> None:
     initial = build_model(config, 0).to(device)
     global_batches = synthetic_batches(config, args.steps, args.batch_size, args.seq_length, 0)
     batches = [t.chunk(world)[rank] for t in global_batches]
-    unsharded_bytes = sum(p.numel() * p.element_size() for p in initial.parameters())
+    unsharded_bytes = sharded_parameter_bytes(initial)  # before sharding: every parameter, whole
 
     models = {"compute only": (copy.deepcopy(initial), None)}
     for label, implementation, backward, forward in CONFIGS:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import threading
 import time
@@ -242,9 +243,8 @@ class CollectiveRecorder(TorchDispatchMode):
         spec = _OPS.get(name)
         if spec is None:
             return func(*args, **kwargs)
-        named = {a.name: (a.default_value if a.has_default_value() else None) for a in func._schema.arguments}
-        named.update(zip([a.name for a in func._schema.arguments], args))
-        named.update(kwargs)
+        names, defaults = _schema_arguments(func)
+        named = {**defaults, **dict(zip(names, args)), **kwargs}
         phase, start = current_phase(), time.perf_counter()
         out = func(*args, **kwargs)
         event = self._event(name, spec, named, out, phase, start)
@@ -339,6 +339,14 @@ class CollectiveRecorder(TorchDispatchMode):
 _ACTIVE: list[CollectiveRecorder] = []
 _WAIT_DESCRIPTOR = Work.__dict__["wait"]  # restored as is: pybind11 binds `self` through this descriptor
 _original_wait = Work.wait
+
+
+@functools.cache
+def _schema_arguments(func) -> tuple[list[str], dict]:
+    """An op's argument names and defaults, read from its schema once (not on every collective)."""
+    arguments = func._schema.arguments
+    return [a.name for a in arguments], {a.name: (a.default_value if a.has_default_value() else None)
+                                         for a in arguments}
 
 
 def _recording_wait(self: Work, *args, **kwargs):

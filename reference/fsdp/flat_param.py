@@ -75,6 +75,8 @@ class FlatParamHandle:
         # Pad the end so every rank holds an equal shard (`_get_shard`, line 1122; `flatten_tensors`, 838).
         self.shard_numel = -(-self.numel // self.world_size)
         self.padded_numel = self.shard_numel * self.world_size
+        self._split_sizes = self._split_sizes_of_padded()    # fixed by the layout: computed once, used
+        self._local_parts = self._parts_in_local_shard()     # at every unshard, reshard and grad hand-off
         self.flat_param = nn.Parameter(self._flatten_and_shard(), requires_grad=self.orig_params[0].requires_grad)
         self._local_shard = self.flat_param.data
         self._full_param_padded = torch.empty(self.padded_numel, dtype=self.param_dtype, device=compute_device)
@@ -143,16 +145,21 @@ class FlatParamHandle:
         The views are made from `flat_param` under autograd, so their gradients accumulate into
         `flat_param.grad` (the padded unsharded gradient) and its post-accumulate-grad hook fires once.
         """
-        segments, end = [], 0  # one split (one backward node) over parameters and the padding between them
-        for info in self.infos:
-            segments += [info.offset - end, info.numel]
-            end = info.offset + info.numel
         with torch.enable_grad():
-            pieces = self.flat_param.split(segments + [self.padded_numel - end])
+            pieces = self.flat_param.split(self._split_sizes)
             for info, view in zip(self.infos, pieces[1::2]):
                 _set_tensor_attr(info.module, info.attr, view.view(info.shape))
 
-    def _local_slices(self) -> list[slice]:
+    def _split_sizes_of_padded(self) -> list[int]:
+        """Sizes splitting the unsharded buffer into parameters and the padding between them (one split,
+        so one backward node); even entries are padding, odd ones the parameters."""
+        segments, end = [], 0
+        for info in self.infos:
+            segments += [info.offset - end, info.numel]
+            end = info.offset + info.numel
+        return segments + [self.padded_numel - end]
+
+    def _parts_in_local_shard(self) -> list[slice]:
         """The part of each original parameter that lies in this rank's shard, as slices of the shard."""
         start, end = self.rank * self.shard_numel, (self.rank + 1) * self.shard_numel
         slices = []
@@ -164,7 +171,7 @@ class FlatParamHandle:
     def _use_sharded_views(self) -> None:
         """`_use_sharded_views`: each original `nn.Parameter` is a flat view of its part of the local shard
         (size 0 when it lies on other ranks), re-registered on its module so optimizers see it."""
-        for info, param, part in zip(self.infos, self.orig_params, self._local_slices()):
+        for info, param, part in zip(self.infos, self.orig_params, self._local_parts):
             param.data = self._local_shard[part]
             if info.module._parameters.get(info.attr) is not param:
                 delattr(info.module, info.attr)
@@ -173,7 +180,7 @@ class FlatParamHandle:
     def use_sharded_grad_views(self, sharded_grad: torch.Tensor) -> None:
         """`_use_sharded_grad_views`: each original parameter's `.grad` is a view of the reduced shard,
         accumulating into an existing gradient when the optimizer did not clear it (`_saved_grad_shard`)."""
-        for param, part in zip(self.orig_params, self._local_slices()):
+        for param, part in zip(self.orig_params, self._local_parts):
             if param.grad is None:
                 param.grad = sharded_grad[part]
             else:
