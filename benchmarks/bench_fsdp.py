@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import argparse
 import copy
-import gc
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from reference.distributed import distributed
 from reference.fsdp.demo import shard_model, sharded_parameter_bytes
 from reference.model import ModelConfig, build_model, next_token_loss, synthetic_batches
 from reference.recorder import CollectiveRecorder
@@ -98,12 +97,13 @@ def communication_time(events, device, repeats: int = 9) -> float:
 
 def main() -> None:
     args = parse_args()
-    cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=120))
+    with distributed() as device:
+        _benchmark(args, device)
+
+
+def _benchmark(args, device: torch.device) -> None:
+    cuda = device.type == "cuda"
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
     config = ModelConfig(vocab_size=1024, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
                          num_layers=args.num_layers, max_seq_length=args.seq_length)
     initial = build_model(config, 0).to(device)
@@ -149,9 +149,6 @@ def main() -> None:
             rows.append((label, step, comm, hidden, sum(e.nbytes for e in events), param_bytes, peaks.get(label)))
         if rank == 0:
             _print_table(args, world, device, compute, unsharded_bytes, rows)
-        del models, optimizers
-        gc.collect()  # the units' reference cycles hold the process group (see reference/fsdp/demo.py)
-        dist.destroy_process_group()
 
 
 def _local_bytes(param) -> int:

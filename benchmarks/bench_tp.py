@@ -17,10 +17,8 @@ Then one recorded step per implementation gives the bytes communicated per step,
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -41,6 +39,7 @@ from torch.distributed.tensor.parallel import (  # noqa: E402
     parallelize_module,
 )
 
+from reference.distributed import distributed  # noqa: E402
 from reference.parallel_state import build_layout  # noqa: E402
 from reference.recorder import CollectiveRecorder  # noqa: E402
 from reference.tensor_parallel.transformer import ParallelTransformer  # noqa: E402
@@ -106,13 +105,15 @@ def step(model, x):
 
 def main():
     args = parse_args()
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=120))
+    with distributed() as device:
+        mpu.initialize_model_parallel(tensor_model_parallel_size=dist.get_world_size())
+        _benchmark(args, device)
+        mpu.destroy_model_parallel()
+
+
+def _benchmark(args, device: torch.device) -> None:
+    cuda = device.type == "cuda"
     world, rank = dist.get_world_size(), dist.get_rank()
-    mpu.initialize_model_parallel(tensor_model_parallel_size=world)
     layout = build_layout(world)
     mesh = init_device_mesh(device.type, (world,))
     shape = dict(num_layers=args.num_layers, hidden_size=args.hidden_size,
@@ -154,7 +155,7 @@ def main():
             step(model, x)
         traffic[name] = rec.summary()
     if rank != 0:
-        return _finish()
+        return
     n = args.batch_size * args.seq_length * args.hidden_size * x.element_size()
     print(f"TP={world} on {device.type} ({'nccl' if cuda else 'gloo'}), b={args.batch_size} s={args.seq_length} "
           f"h={args.hidden_size} heads={args.num_attention_heads} layers={args.num_layers} "
@@ -177,12 +178,6 @@ def main():
         total = sum(v["bytes"] for v in summary.values())
         ops = ", ".join(f"{op} x{v['count']}" for op, v in summary.items())
         print(f"  {name:10s} {total:10d} B  ({ops})")
-    return _finish()
-
-
-def _finish():
-    mpu.destroy_model_parallel()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -1,13 +1,16 @@
-"""Which ranks talk to which: the world laid out as a PP x DP x TP grid, TP groups of consecutive ranks.
+"""Which ranks talk to which: the world laid out as a TP x PP x DP grid, TP groups of consecutive ranks.
 
-Megatron-core orders its dimensions "tp-cp-ep-dp-pp" by default (megatron/core/parallel_state.py::
-initialize_model_parallel, `order`, and RankGenerator): TP varies fastest, so a TP group is a run of
-consecutive ranks (on one node, over NVLink), DP next, PP slowest. Here that whole layout is one line,
+Megatron-core builds its groups from an `order` string (megatron/core/parallel_state.py::
+initialize_model_parallel, `order`, and RankGenerator): the first name in it varies fastest over the ranks.
+It supports "tp-dp-pp" (its default, spelled "tp-cp-ep-dp-pp") and "tp-pp-dp". Here the default is
+"tp-pp-dp": TP groups are runs of consecutive ranks (one node, NVLink), then the pipeline stages, then the
+data-parallel replicas, so for 8 ranks at TP=2, PP=2, DP=2:
 
-    grid = torch.arange(world_size).view(pp_size, dp_size, tp_size)
+    TP [0,1] [2,3] [4,5] [6,7]    PP [0,2] [1,3] [4,6] [5,7]    DP [0,4] [1,5] [2,6] [3,7]
 
-and every group is a slice of the grid: TP groups are grid[p, d, :], DP groups grid[p, :, t], PP groups
-grid[:, d, t]. The groups are held by a small object that is passed to the layers explicitly.
+Whatever the order, the grid is kept indexed [pp, dp, tp] (`rank_grid`), and every group is a slice of it:
+TP groups are grid[p, d, :], DP groups grid[p, :, t], PP groups grid[:, d, t]. The groups are held by a
+small object that is passed to the layers explicitly.
 """
 from __future__ import annotations
 
@@ -15,6 +18,8 @@ import dataclasses
 
 import torch
 import torch.distributed as dist
+
+ORDERS = ("tp-pp-dp", "tp-dp-pp")
 
 
 class ParallelConfigError(ValueError):
@@ -28,10 +33,53 @@ def divide(numerator: int, denominator: int, what: str, by: str = "the tensor-pa
     return numerator // denominator
 
 
+def parallel_sizes(world_size: int, tp_size: int = 1, pp_size: int = 1, dp_size: int | None = None
+                   ) -> tuple[int, int, int]:
+    """(tp, pp, dp) for `world_size` ranks; dp defaults to what is left. Refuses sizes whose product is not
+    the world size."""
+    if min(tp_size, pp_size, dp_size or 1) < 1:
+        raise ParallelConfigError(f"parallel sizes must be >= 1 (tp {tp_size}, pp {pp_size}, dp {dp_size})")
+    if dp_size is None:
+        dp_size = divide(world_size, tp_size * pp_size, "the world size", by=f"tp {tp_size} x pp {pp_size}")
+    if tp_size * pp_size * dp_size != world_size:
+        raise ParallelConfigError(f"tp {tp_size} x pp {pp_size} x dp {dp_size} = {tp_size * pp_size * dp_size} "
+                                  f"ranks, but the world has {world_size}")
+    return tp_size, pp_size, dp_size
+
+
+def rank_grid(tp_size: int, pp_size: int, dp_size: int, order: str = "tp-pp-dp") -> torch.Tensor:
+    """The ranks as a [pp, dp, tp] tensor; `order` lists the dimensions from fastest- to slowest-varying."""
+    if order not in ORDERS:
+        raise ParallelConfigError(f"unknown order {order!r}; choose one of {', '.join(ORDERS)}")
+    world = tp_size * pp_size * dp_size
+    if order == "tp-dp-pp":
+        return torch.arange(world).view(pp_size, dp_size, tp_size)
+    return torch.arange(world).view(dp_size, pp_size, tp_size).transpose(0, 1)
+
+
+def groups(grid: torch.Tensor, kind: str) -> list[list[int]]:
+    """Every rank list of one kind ("tp", "pp" or "dp"), sorted by first rank (every rank creates them alike)."""
+    dim = {"pp": 0, "dp": 1, "tp": 2}[kind]
+    return sorted(grid.movedim(dim, -1).reshape(-1, grid.shape[dim]).tolist())
+
+
+def describe_grid(grid: torch.Tensor, order: str, rank: int | None = None) -> str:
+    """The layout as text: sizes, every TP, PP and DP group, and (optionally) where `rank` sits."""
+    pp, dp, tp = grid.shape
+    lines = [f"world {grid.numel()} = tp {tp} x pp {pp} x dp {dp}, order {order} (first varies fastest)"]
+    for kind in ("tp", "pp", "dp"):
+        lines.append(f"  {kind} groups: " + " ".join(str(g).replace(" ", "") for g in groups(grid, kind)))
+    if rank is not None:
+        p, d, t = ((grid == rank).nonzero()[0]).tolist()
+        lines.append(f"  rank {rank}: tp {t}, pp {p}, dp {d}")
+    return "\n".join(lines)
+
+
 @dataclasses.dataclass(frozen=True)
 class ParallelLayout:
     """This rank's place in the grid and its process groups (a group of one rank where a size is 1)."""
     grid: torch.Tensor
+    order: str
     rank: int
     tp_group: dist.ProcessGroup
     dp_group: dist.ProcessGroup
@@ -62,41 +110,26 @@ class ParallelLayout:
     def dp_rank(self) -> int:
         return self.coordinates()[1]
 
+    @property
+    def pp_rank(self) -> int:
+        return self.coordinates()[0]
+
     def describe(self) -> str:
-        """The layout as text: sizes, every TP and DP group, and where this rank sits."""
-        pp, dp, tp = self.grid.shape
-        lines = [f"world {self.grid.numel()} = pp {pp} x dp {dp} x tp {tp} (TP groups are consecutive ranks)"]
-        lines += [f"  tp group {i}: {g}" for i, g in enumerate(_groups(self.grid, dim=2))]
-        lines += [f"  dp group {i}: {g}" for i, g in enumerate(_groups(self.grid, dim=1))]
-        if pp > 1:
-            lines += [f"  pp group {i}: {g}" for i, g in enumerate(_groups(self.grid, dim=0))]
-        p, d, t = self.coordinates()
-        lines.append(f"  rank {self.rank}: pp {p}, dp {d}, tp {t}")
-        return "\n".join(lines)
+        return describe_grid(self.grid, self.order, self.rank)
 
 
-def _groups(grid: torch.Tensor, dim: int) -> list[list[int]]:
-    """All rank lists along `dim` of the grid, in a fixed order (every rank must create them alike)."""
-    return grid.movedim(dim, -1).reshape(-1, grid.shape[dim]).tolist()
-
-
-def build_layout(tp_size: int, pp_size: int = 1) -> ParallelLayout:
-    """Create the TP, DP and PP groups of the initialized world; every rank must call this the same way."""
+def build_layout(tp_size: int, pp_size: int = 1, dp_size: int | None = None, order: str = "tp-pp-dp"
+                 ) -> ParallelLayout:
+    """Create the TP, PP and DP groups of the initialized world; every rank must call this the same way."""
     if not dist.is_initialized():
         raise ParallelConfigError("torch.distributed is not initialized: call init_process_group first")
     world_size, rank = dist.get_world_size(), dist.get_rank()
-    if tp_size < 1 or pp_size < 1:
-        raise ParallelConfigError(f"tp size ({tp_size}) and pp size ({pp_size}) must be positive")
-    if world_size % (tp_size * pp_size):
-        raise ParallelConfigError(
-            f"world size {world_size} is not divisible by tp size {tp_size} x pp size {pp_size}; "
-            f"launch a multiple of {tp_size * pp_size} ranks or change --tp-size")
-    dp_size = world_size // (tp_size * pp_size)
-    grid = torch.arange(world_size).view(pp_size, dp_size, tp_size)
+    grid = rank_grid(*parallel_sizes(world_size, tp_size, pp_size, dp_size), order=order)
     mine = {}
-    for name, dim in (("tp", 2), ("dp", 1), ("pp", 0)):
-        for ranks in _groups(grid, dim):
+    for kind in ("tp", "pp", "dp"):
+        for ranks in groups(grid, kind):
             group = dist.new_group(ranks)  # collective call: every rank creates every group
             if rank in ranks:
-                mine[name] = group
-    return ParallelLayout(grid=grid, rank=rank, tp_group=mine["tp"], dp_group=mine["dp"], pp_group=mine["pp"])
+                mine[kind] = group
+    return ParallelLayout(grid=grid, order=order, rank=rank, tp_group=mine["tp"], dp_group=mine["dp"],
+                          pp_group=mine["pp"])

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import sys
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -26,6 +25,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from pin_and_cite.traces import EVENT_KEYS  # what the site's trace comparison reads
 from reference.fsdp.demo import shard_model
 from reference.model import ModelConfig, build_model, next_token_loss, synthetic_batches
+from reference.distributed import distributed
 from reference.parallel_state import build_layout
 from reference.recorder import CollectiveRecorder
 from reference.tensor_parallel.transformer import ParallelTransformer
@@ -132,14 +132,13 @@ def _times(record: dict) -> dict:
 
 
 def main(out: Path) -> None:
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    world = dist.get_world_size()
-    traces = {"tp_block": tp_block(world), "fsdp_forward": fsdp_forward(world)}
-    if dist.get_rank() == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        for name, trace in traces.items():
-            (out / f"{name}.json").write_text(json.dumps(trace, indent=1, sort_keys=True) + "\n")
-    dist.destroy_process_group()
+    with distributed("cpu", timeout_s=60):
+        world = dist.get_world_size()
+        traces = {"tp_block": tp_block(world), "fsdp_forward": fsdp_forward(world)}
+        if dist.get_rank() == 0:
+            out.mkdir(parents=True, exist_ok=True)
+            for name, trace in traces.items():
+                (out / f"{name}.json").write_text(json.dumps(trace, indent=1, sort_keys=True) + "\n")
 
 
 if __name__ == "__main__":

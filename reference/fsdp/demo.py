@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import json
 import sys
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from reference.distributed import LaunchError, distributed
 from reference.fsdp import BackwardPrefetch, CPUOffload, FullyShardedDataParallel, MixedPrecision
 from reference.model import ModelConfig, build_model, next_token_loss, synthetic_batches
 from reference.fsdp.tracing import torch_fsdp1_unit_scopes
@@ -83,21 +82,23 @@ def sharded_parameter_bytes(model: nn.Module) -> int:
 
 
 def run(args: argparse.Namespace) -> None:
-    device_type = "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
     try:
         config = ModelConfig(hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
                              num_layers=args.num_layers, max_seq_length=max(64, args.seq_length))
     except ValueError as error:
         sys.exit(f"reference: error: {error}")
-    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=timedelta(seconds=60))
+    try:
+        with distributed(args.device, timeout_s=60) as device:
+            _train(args, config, device)
+    except LaunchError as error:
+        sys.exit(f"reference: error: {error}")
+
+
+def _train(args: argparse.Namespace, config: ModelConfig, device: torch.device) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.batch_size % world:
         sys.exit(f"reference: error: --batch-size {args.batch_size} is not divisible by the world size {world}; "
                  "each rank trains on an equal slice of the global batch")
-    device = torch.device("cpu")
-    if device_type == "cuda":
-        device = torch.device("cuda", rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
     model = build_model(config, args.seed).to(device)
     total_bytes = sharded_parameter_bytes(model)
     model = shard_model(model, "fsdp1" if args.use_torch_fsdp else "reference", dist.group.WORLD,
@@ -124,11 +125,6 @@ def run(args: argparse.Namespace) -> None:
         if trace_dir is not None:
             trace_dir.mkdir(parents=True, exist_ok=True)
             (trace_dir / f"fsdp_trace.rank{rank}.json").write_text(json.dumps(record))
-    # Units and their autograd hooks form reference cycles holding the process group; collect them before
-    # tearing the group down, or gloo may abort at interpreter exit ("terminate called ...").
-    del model, optimizer
-    gc.collect()
-    dist.destroy_process_group()
 
 
 def _report(args, record: dict) -> None:

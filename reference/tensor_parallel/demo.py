@@ -12,18 +12,15 @@ import json
 import os
 import sys
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from reference.distributed import LaunchError, distributed
 from reference.parallel_state import ParallelConfigError, build_layout
 from reference.recorder import CollectiveRecorder
 from reference.tensor_parallel.layers import allreduce_sequence_parallel_grads
 from reference.tensor_parallel.transformer import ParallelTransformer
-
-PROCESS_GROUP_TIMEOUT = timedelta(seconds=120)
-
 
 def add_arguments(group) -> None:
     """Add the tensor-parallel flags to the shared parser's argument group."""
@@ -45,30 +42,13 @@ def add_arguments(group) -> None:
 
 
 def run(args) -> None:
-    device = _init_distributed(args.device)
     try:
-        _train(args, device)
-    except ParallelConfigError as error:
-        if dist.get_rank() == 0:
+        with distributed(args.device) as device:
+            _train(args, device)
+    except (LaunchError, ParallelConfigError) as error:
+        if int(os.environ.get("RANK", 0)) == 0:
             print(f"reference: error: {error}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
-    finally:
-        dist.destroy_process_group()
-
-
-def _init_distributed(choice: str) -> torch.device:
-    """CUDA + NCCL when asked for or (auto) when a GPU is visible, else CPU + gloo."""
-    if "RANK" not in os.environ:
-        raise SystemExit("reference: error: run under torchrun, e.g. torchrun --nproc-per-node 2 -m reference")
-    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise SystemExit("reference: error: --device cuda but no CUDA device is visible")
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", timeout=PROCESS_GROUP_TIMEOUT, device_id=device)
-        return device
-    dist.init_process_group("gloo", timeout=PROCESS_GROUP_TIMEOUT)
-    return torch.device("cpu")
 
 
 def _train(args, device: torch.device) -> None:

@@ -20,7 +20,7 @@ def test_demo_refuses_world_not_divisible_by_tp_with_one_line_error():
         torchrun(ROOT / "reference" / "__main__.py", 2, "--tp-size", "3", timeout=120)
     message = str(failure.value)
     assert "exited 1" in message or "exited 2" in message, message[-2000:]
-    assert "reference: error: world size 2 is not divisible by tp size 3" in message
+    assert "reference: error: the world size (2) is not divisible by tp 3 x pp 1 (3)" in message
     assert "[rank0]: Traceback" not in message and "[rank1]: Traceback" not in message
 
 

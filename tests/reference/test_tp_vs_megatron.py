@@ -28,10 +28,10 @@ def run(request):
 def test_layout_groups_match_megatron_core(run):
     world, out = run
     assert out.count("parallel_state layouts ok") == world
-    assert f"world {world} = pp 1 x dp 1 x tp {world} (TP groups are consecutive ranks)" in out
+    assert f"world {world} = tp {world} x pp 1 x dp 1, order tp-dp-pp" in out
     if world == 4:
-        assert "world 4 = pp 2 x dp 1 x tp 2" in out and "  tp group 1: [2, 3]" in out
-        assert "  pp group 0: [0, 2]" in out
+        assert "world 4 = tp 2 x pp 2 x dp 1, order tp-dp-pp" in out
+        assert "  tp groups: [0,1] [2,3]\n  pp groups: [0,2] [1,3]\n  dp groups: [0] [1] [2] [3]" in out
 
 
 def test_parallel_linear_layers_match_megatron_core(run):

@@ -1,24 +1,17 @@
 """Helpers shared by the worker scripts: process-group setup and re-assembly of sharded tensors."""
 from __future__ import annotations
 
-import gc
 import os
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from reference.distributed import finish, init_distributed  # noqa: F401 (finish: for the workers)
+
 
 def init(timeout_s: int = 60) -> torch.device:
     """gloo on CPU, or nccl on CUDA when REFERENCE_TEST_DEVICE=cuda; returns the device."""
-    if os.environ.get("REFERENCE_TEST_DEVICE") == "cuda":
-        local_rank = int(os.environ["LOCAL_RANK"])
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-        dist.init_process_group("nccl", timeout=timedelta(seconds=timeout_s), device_id=device)
-        return device
-    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
-    return torch.device("cpu")
+    return init_distributed("cuda" if os.environ.get("REFERENCE_TEST_DEVICE") == "cuda" else "cpu", timeout_s)
 
 
 def gather_dim(t: torch.Tensor, dim: int, group) -> torch.Tensor:
@@ -39,12 +32,3 @@ def full_tensor(module_name: str, param_name: str, t: torch.Tensor, group) -> to
 
 def assert_close(actual, expected, what: str, atol=1e-5, rtol=1e-4):
     torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
-
-
-def finish() -> None:
-    """Tear down without racing a peer: every rank done (barrier), reference cycles that hold the process
-    group collected, then the group destroyed. Without this, gloo sometimes aborts a rank at exit
-    ("terminate called without an active exception") when a peer closes its sockets first."""
-    dist.barrier()
-    gc.collect()
-    dist.destroy_process_group()

@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import gc
 import json
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -25,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from reference.distributed import distributed
 from reference.fsdp import FullyShardedDataParallel
 from reference.fsdp.demo import shard_model
 from reference.fsdp.tracing import torch_fsdp1_unit_scopes
@@ -230,15 +229,8 @@ def _fsdp1_handles(model):
 
 def main() -> None:
     out, mode, device_type = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
-    timeout = timedelta(seconds=15 if mode == "crash" else 60)
-    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=timeout)
-    device = torch.device("cpu")
-    if device_type == "cuda":
-        device = torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-    (run_main if mode == "main" else run_crash)(*((out, device) if mode == "main" else (device,)))
-    gc.collect()  # the units' reference cycles hold the process group (see reference/fsdp/demo.py)
-    dist.destroy_process_group()
+    with distributed(device_type, timeout_s=15 if mode == "crash" else 60) as device:
+        (run_main if mode == "main" else run_crash)(*((out, device) if mode == "main" else (device,)))
 
 
 if __name__ == "__main__":

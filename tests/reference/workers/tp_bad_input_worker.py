@@ -25,7 +25,7 @@ def column(**kw):
     return ColumnParallelLinear(8, 8, tp_group=tp, init_method=init_method_normal(), device=device, **kw)
 
 
-expect_error("world size 2 is not divisible by tp size 3", lambda: build_layout(tp_size=3))
+expect_error("the world size (2) is not divisible by tp 3 x pp 1 (3)", lambda: build_layout(tp_size=3))
 expect_error("num_attention_heads (3) is not divisible by the tensor-parallel size (2)",
              lambda: ParallelTransformer(1, 12, 3, tp_group=tp))
 expect_error("hidden_size (18) is not divisible by num_attention_heads (4)",

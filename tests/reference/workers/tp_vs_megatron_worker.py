@@ -26,16 +26,18 @@ from reference.tensor_parallel.unsharded import init_method_normal  # noqa: E402
 
 world, rank = dist.get_world_size(), dist.get_rank()
 
-# 1. The process-group grid: the same groups as megatron's initialize_model_parallel, for every TP x PP split.
-for tp_size, pp_size in [(t, p) for t in (1, 2, 4) for p in (1, 2, 4) if t * p <= world and (t, p) != (1, 1)]:
-    grid = build_layout(tp_size, pp_size)
+# 1. The process-group grid: the same groups as megatron's initialize_model_parallel, for every TP x PP split
+#    and both rank orders megatron supports.
+SPLITS = [(t, p) for t in (1, 2, 4) for p in (1, 2, 4) if t * p <= world and (t, p) != (1, 1)]
+for (tp_size, pp_size), order in [(split, order) for split in SPLITS for order in ("tp-pp-dp", "tp-dp-pp")]:
+    grid = build_layout(tp_size, pp_size, order=order)
     mpu.initialize_model_parallel(tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=pp_size,
-                                  create_gloo_process_groups=False)
+                                  order=order.replace("tp-", "tp-cp-ep-"), create_gloo_process_groups=False)
     for name, ours, theirs in [("tp", grid.tp_group, mpu.get_tensor_model_parallel_group()),
                                ("dp", grid.dp_group, mpu.get_data_parallel_group()),
                                ("pp", grid.pp_group, mpu.get_pipeline_model_parallel_group())]:
         mine, megatron = dist.get_process_group_ranks(ours), dist.get_process_group_ranks(theirs)
-        assert mine == megatron, f"tp={tp_size} pp={pp_size} {name} group of rank {rank}: {mine} vs {megatron}"
+        assert mine == megatron, f"{order} tp={tp_size} pp={pp_size} {name} group of rank {rank}: {mine} vs {megatron}"
     assert (grid.tp_rank, grid.dp_rank) == (mpu.get_tensor_model_parallel_rank(), mpu.get_data_parallel_rank())
     total = torch.tensor([float(rank)], device=device)
     dist.all_reduce(total, group=grid.tp_group)  # the TP group really is the run of consecutive ranks

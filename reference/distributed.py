@@ -1,0 +1,72 @@
+"""Starting and stopping torch.distributed the same way in every demo, benchmark and test worker.
+
+`with distributed("auto") as device:` picks CUDA + NCCL when a GPU is visible (or is asked for), else CPU +
+gloo, and tears the process group down on the way out. The teardown is the part worth sharing: after a
+successful run every rank waits for the others (barrier), then collects reference cycles that still hold
+the group (FSDP units and autograd hooks form such cycles), then destroys the group. Without the barrier
+and the collection, gloo sometimes aborts a rank at exit ("terminate called without an active exception")
+because a peer closed its sockets first. After an exception there is no barrier: a peer may be gone.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+from datetime import timedelta
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+
+
+class LaunchError(RuntimeError):
+    """The process was not started the way torch.distributed needs (no torchrun, no GPU for --device cuda)."""
+
+
+def pick_device(choice: str = "auto") -> torch.device:
+    """cuda:LOCAL_RANK for "cuda", or for "auto" when a GPU is visible; else cpu."""
+    if choice not in DEVICE_CHOICES:
+        raise LaunchError(f"unknown device {choice!r}; choose one of {', '.join(DEVICE_CHOICES)}")
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise LaunchError("--device cuda but no CUDA device is visible")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def init_distributed(choice: str = "auto", timeout_s: float = 120) -> torch.device:
+    """Initialize the default process group from torchrun's environment; returns this rank's device."""
+    if "RANK" not in os.environ:
+        raise LaunchError("run under torchrun, e.g. torchrun --nproc-per-node 2 -m reference")
+    device = pick_device(choice)
+    timeout = timedelta(seconds=timeout_s)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", timeout=timeout, device_id=device)
+    else:
+        dist.init_process_group("gloo", timeout=timeout)
+    return device
+
+
+def finish(clean: bool = True) -> None:
+    """Destroy the default group; when `clean` (no exception in flight) wait for every peer first."""
+    if not dist.is_initialized():
+        return
+    if clean:
+        dist.barrier()
+    gc.collect()
+    dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def distributed(choice: str = "auto", timeout_s: float = 120) -> Iterator[torch.device]:
+    """init_distributed(...) on entry, finish() on exit (without the barrier if the body raised)."""
+    device = init_distributed(choice, timeout_s)
+    try:
+        yield device
+    except BaseException:
+        finish(clean=False)
+        raise
+    finish()

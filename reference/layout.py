@@ -1,0 +1,55 @@
+"""`python -m reference.layout --tp 2 --pp 2 --dp 2`: print which ranks form each TP, PP and DP group.
+
+No processes are started: the groups are computed with the same `rank_grid` that `build_layout` uses at
+run time, so what this prints is what a `torchrun ... -m reference --tp 2 --pp 2 --dp 2` job creates.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from reference.parallel_state import ORDERS, ParallelConfigError, describe_grid, groups, parallel_sizes, rank_grid
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m reference.layout",
+        description="Print the process groups of a TP x PP x DP layout (TP groups are consecutive ranks). "
+                    "Give the three sizes, or --world and some of them (DP defaults to what is left).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (stages)")
+    parser.add_argument("--dp", type=int, default=None, help="data-parallel size; default: world / (tp x pp)")
+    parser.add_argument("--world", type=int, default=None,
+                        help="number of ranks; default: tp x pp x dp. Refused when the product differs")
+    parser.add_argument("--order", choices=ORDERS, default="tp-pp-dp",
+                        help="dimensions from fastest- to slowest-varying rank (megatron's `order`)")
+    parser.add_argument("--rank", type=int, default=None, help="also say where this rank sits")
+    parser.add_argument("--json", action="store_true", help="print the groups as one JSON object")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.world is None and args.dp is None:
+            raise ParallelConfigError("give --dp or --world")
+        world = args.world if args.world is not None else args.tp * args.pp * args.dp
+        tp, pp, dp = parallel_sizes(world, args.tp, args.pp, args.dp)
+        if args.rank is not None and not 0 <= args.rank < world:
+            raise ParallelConfigError(f"--rank {args.rank} is outside the world of {world} ranks")
+        grid = rank_grid(tp, pp, dp, args.order)
+    except ParallelConfigError as error:
+        print(f"reference.layout: error: {error}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"world": world, "tp": tp, "pp": pp, "dp": dp, "order": args.order,
+                          **{f"{kind}_groups": groups(grid, kind) for kind in ("tp", "pp", "dp")}}))
+    else:
+        print(describe_grid(grid, args.order, args.rank))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""The TP x PP x DP layout: the issue's 8-rank example, megatron-core's RankGenerator for many sizes and both
+orders, and the `python -m reference.layout` command (text, --json, refused sizes)."""
+import json
+import subprocess
+import sys
+
+import pytest
+from megatron.core.parallel_state import RankGenerator
+
+from reference.parallel_state import ParallelConfigError, groups, parallel_sizes, rank_grid
+from tests.launch import ROOT
+
+
+def layout_command(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "reference.layout", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_eight_ranks_tp2_pp2_dp2_groups():
+    grid = rank_grid(2, 2, 2)
+    assert groups(grid, "tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert groups(grid, "pp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert groups(grid, "dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+@pytest.mark.parametrize("order", ["tp-pp-dp", "tp-dp-pp"])
+@pytest.mark.parametrize("tp,pp,dp", [(2, 2, 2), (1, 4, 2), (4, 1, 2), (2, 4, 1), (8, 8, 64), (4, 2, 3)])
+def test_groups_equal_megatron_rank_generator(tp, pp, dp, order):
+    theirs = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=1, order=order.replace("tp-", "tp-cp-ep-"))
+    grid = rank_grid(tp, pp, dp, order)
+    for kind in ("tp", "pp", "dp"):
+        assert groups(grid, kind) == sorted(theirs.get_ranks(kind)), kind
+
+
+def test_sizes_must_multiply_to_the_world():
+    assert parallel_sizes(8, 2, 2) == (2, 2, 2)
+    with pytest.raises(ParallelConfigError, match=r"tp 2 x pp 2 x dp 3 = 12 ranks, but the world has 8"):
+        parallel_sizes(8, 2, 2, 3)
+    with pytest.raises(ParallelConfigError, match=r"the world size \(8\) is not divisible by tp 3 x pp 1 \(3\)"):
+        parallel_sizes(8, 3)
+
+
+def test_layout_command_text_json_and_refusal():
+    text = layout_command("--tp", "2", "--pp", "2", "--dp", "2", "--rank", "5")
+    assert text.returncode == 0, text.stderr
+    assert "pp groups: [0,2] [1,3] [4,6] [5,7]" in text.stdout
+    assert "rank 5: tp 1, pp 0, dp 1" in text.stdout
+    data = json.loads(layout_command("--tp", "8", "--pp", "8", "--world", "4096", "--json").stdout)
+    assert (data["dp"], len(data["tp_groups"]), len(data["dp_groups"])) == (64, 512, 64)
+    assert data["dp_groups"][0] == list(range(0, 4096, 64))
+    refused = layout_command("--tp", "2", "--pp", "2", "--dp", "3", "--world", "8")
+    assert refused.returncode == 2 and refused.stdout == ""
+    assert refused.stderr.strip() == "reference.layout: error: tp 2 x pp 2 x dp 3 = 12 ranks, but the world has 8"
