@@ -5,7 +5,6 @@ Prints one marker line per group of checks and, on rank 0, the measured figures 
 test_vocab_parallel.py reads. megatron-core runs on CPU/gloo (use_cpu_initialization=True); its
 sequence-parallel paths allocate on torch.cuda.current_device(), redirected to the CPU here.
 """
-import itertools
 
 import torch
 import torch.distributed as dist
