@@ -6,6 +6,8 @@
   layers.py         ColumnParallelLinear / RowParallelLinear, Megatron's arguments and (output, bias)
   transformer.py    attention + MLP block built from them, with or without sequence parallelism
   random.py         the per-TP-rank random stream for dropout on split activations
+  cross_entropy.py  loss parallelism: cross-entropy of vocabulary-split logits (max / sum all-reduces)
+  vocab_parallel.py vocabulary-split embedding and LM head + loss (padding V to a multiple of TP)
   unsharded.py      the same model in plain PyTorch: the oracle, and what DTensor parallelizes
   demo.py           `torchrun --nproc-per-node N -m reference`
 

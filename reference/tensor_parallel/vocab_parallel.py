@@ -1,0 +1,140 @@
+"""The two ends of a language model split on the vocabulary: the input embedding and the output head + loss.
+
+A vocabulary of V entries is padded up to V_p, a multiple of the TP size, and TP rank i holds the rows
+[i V_p/p, (i+1) V_p/p) of the embedding table and the same rows of the output layer's weight:
+
+  * VocabParallelEmbedding: every rank looks up every token; a token whose id another rank holds reads row 0
+    and has its output zeroed, so exactly one rank contributes each token's vector. Summing over TP (the g
+    region: all-reduce; or with sequence parallelism a reduce-scatter onto sequence slices) gives the lookup.
+    Backward needs no communication: the gradient of the rows this rank holds is local.
+  * ParallelLMHead: the output layer is a ColumnParallelLinear over V_p with gather_output=False, so rank i
+    computes the logit columns it holds, [s, b, V_p/p], and vocab_parallel_cross_entropy reduces them with
+    three all-reduces of [s, b] numbers. No rank ever holds [s, b, V] logits.
+
+Padding. Megatron-LM pads the vocabulary in its training script (Megatron-LM
+megatron/training/tokenizer/tokenizer.py::_vocab_size_with_padding, outside megatron-core) and from then on
+treats the pad ids as ordinary vocabulary entries: their embedding rows and output rows are initialized at
+random and their logits take part in the softmax, so they take some probability mass and are trained. Here
+the padding is invisible to the model's function: the pad rows are initialized to zero after drawing exactly
+the unpadded model's master weight from the RNG (same seed -> same real rows as an unpadded nn.Embedding or
+nn.Linear), no token may use a pad id (ParallelConfigError), and the cross-entropy excludes the pad logit
+columns from the softmax. So the loss and every real gradient equal the unpadded model's, and the pad rows'
+gradients are exactly zero.
+
+Counterparts: megatron/core/tensor_parallel/layers.py::VocabParallelEmbedding,
+megatron/core/tensor_parallel/utils.py::VocabUtility, the output layer of
+megatron/core/models/gpt/gpt_model.py::GPTModel.__init__ (`self.output_layer = ColumnParallelLinear(...,
+bias=False, gather_output=not parallel_output)`) and
+megatron/core/models/common/language_module/language_module.py::LanguageModule.compute_language_model_loss.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from reference.parallel_state import ParallelConfigError
+from reference.tensor_parallel.cross_entropy import check_ids, vocab_parallel_cross_entropy, vocab_range
+from reference.tensor_parallel.layers import ColumnParallelLinear, init_shard_from_master
+from reference.tensor_parallel.mappings import (
+    reduce_from_tensor_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
+
+
+def pad_vocab_size(vocab_size: int, tp_size: int, make_vocab_size_divisible_by: int = 1) -> int:
+    """The smallest multiple of make_vocab_size_divisible_by * tp_size that is >= vocab_size.
+
+    Megatron-LM: megatron/training/tokenizer/tokenizer.py::_vocab_size_with_padding (default multiple 128).
+    """
+    if vocab_size < 1 or tp_size < 1 or make_vocab_size_divisible_by < 1:
+        raise ParallelConfigError(f"vocab size ({vocab_size}), tp size ({tp_size}) and "
+                                  f"make_vocab_size_divisible_by ({make_vocab_size_divisible_by}) must be positive")
+    multiple = make_vocab_size_divisible_by * tp_size
+    return -(-vocab_size // multiple) * multiple
+
+
+def padded_init_method(init_method: Callable[[torch.Tensor], object], vocab_size: int) -> Callable:
+    """An init method for the [V_p, h] padded master: the first vocab_size rows drawn exactly as init_method
+    draws an unpadded [vocab_size, h] weight, the pad rows zero."""
+    def init(master: torch.Tensor) -> None:
+        init_method(master[:vocab_size])  # contiguous leading rows: the same RNG draws as a fresh [V, h]
+        with torch.no_grad():
+            master[vocab_size:].zero_()
+    return init
+
+
+class VocabParallelEmbedding(torch.nn.Module):
+    """Embedding table split by rows over TP: weight [V_p / p, h] holds the ids [vocab_start_index, vocab_end_index).
+
+    num_embeddings: the real vocabulary size V (padded here to V_p = pad_vocab_size(V, p); Megatron expects
+        the already padded size).
+    forward(input_ids [b, s]) -> [b, s, h] (all-reduce over TP), or, with sequence_parallel, [s / p, b, h]
+        (transposed to sequence-first, then reduce-scattered along the sequence), as Megatron's
+        reduce_scatter_embeddings. Without it the caller transposes to [s, b, h], as Megatron's
+        LanguageModelEmbedding does.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, tp_group: dist.ProcessGroup,
+                 init_method: Callable, sequence_parallel: bool = False,
+                 params_dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
+        super().__init__()
+        p = tp_group.size()
+        self.vocab_size, self.embedding_dim, self.tp_group = num_embeddings, embedding_dim, tp_group
+        self.padded_vocab_size = pad_vocab_size(num_embeddings, p)
+        self.num_embeddings_per_partition = self.padded_vocab_size // p
+        self.vocab_start_index, self.vocab_end_index = vocab_range(self.num_embeddings_per_partition,
+                                                                   tp_group.rank())
+        self.sequence_parallel = sequence_parallel and p > 1
+        self.weight = torch.nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim,
+                                                     dtype=params_dtype, device=device))
+        init_shard_from_master(self.weight, self.padded_vocab_size, embedding_dim, 0,
+                               padded_init_method(init_method, num_embeddings), tp_group)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        check_ids(input_ids, self.vocab_size, "VocabParallelEmbedding input")
+        if self.tp_group.size() > 1:
+            elsewhere = (input_ids < self.vocab_start_index) | (input_ids >= self.vocab_end_index)
+            local_ids = (input_ids - self.vocab_start_index).masked_fill(elsewhere, 0)
+        else:
+            local_ids = input_ids
+        output_parallel = F.embedding(local_ids, self.weight)
+        if self.tp_group.size() > 1:
+            output_parallel = output_parallel.masked_fill(elsewhere.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            sequence_first = output_parallel.transpose(0, 1).contiguous()  # [b, s, h] -> [s, b, h]
+            return reduce_scatter_to_sequence_parallel_region(sequence_first, self.tp_group)
+        return reduce_from_tensor_parallel_region(output_parallel, self.tp_group)
+
+
+class ParallelLMHead(torch.nn.Module):
+    """Output layer + loss of a TP language model: hidden [s, b, h] -> per-token loss [b, s], logits kept split.
+
+    output_layer: ColumnParallelLinear(h, V_p, bias=False, gather_output=False); its weight shard [V_p / p, h]
+        is initialized like an unpadded nn.Linear(h, V, bias=False) from the same seed, pad rows zero.
+    sequence_parallel: the hidden input is [s / p, b, h], all-gathered inside the output layer.
+    forward(hidden, labels [b, s]) -> loss [b, s], no reduction (Megatron's compute_language_model_loss
+    convention: the caller applies its loss mask and mean). logits(hidden) -> this rank's [s, b, V_p / p].
+    """
+
+    def __init__(self, hidden_size: int, vocab_size: int, *, tp_group: dist.ProcessGroup, init_method: Callable,
+                 sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None):
+        super().__init__()
+        self.vocab_size, self.tp_group = vocab_size, tp_group
+        self.padded_vocab_size = pad_vocab_size(vocab_size, tp_group.size())
+        self.output_layer = ColumnParallelLinear(
+            hidden_size, self.padded_vocab_size, tp_group=tp_group,
+            init_method=padded_init_method(init_method, vocab_size), bias=False, gather_output=False,
+            sequence_parallel=sequence_parallel, params_dtype=params_dtype, device=device)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits_shard, _ = self.output_layer(hidden)
+        return logits_shard
+
+    def forward(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        labels = labels.transpose(0, 1).contiguous()  # [b, s] -> [s, b], the logits' layout
+        loss = vocab_parallel_cross_entropy(self.logits(hidden), labels, self.tp_group, self.vocab_size)
+        return loss.transpose(0, 1).contiguous()  # [s, b] -> [b, s]
