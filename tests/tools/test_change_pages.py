@@ -141,7 +141,8 @@ def test_render_writes_a_page_per_changed_or_deleted_region_and_an_index(bumped,
     assert f"## up: `{a}` → `{b}` (B)\n\n6 citation(s): 1 unchanged, 3 moved, 1 changed, 1 deleted.\n" in index
     rows = [line for line in index.splitlines() if line.startswith("| [")]
     assert rows == [
-        f"| [`{MOD}#L17-L19`]({CHANGED_PAGE}) | changed | `reading_notes/layers.md.j2:5`, `reading_notes/more/also.md.j2:3` |",
+        f"| [`{MOD}#L17-L19`]({CHANGED_PAGE}) | changed | "
+        "`reading_notes/layers.md.j2:5`, `reading_notes/more/also.md.j2:3` |",
         f"| [`{MOD}#L31-L32`]({DELETED_PAGE}) | deleted | `reading_notes/layers.md.j2:8` |",
     ]
     assert bumped.run("render", "--json").json() == {"changed": []}       # unchanged pages are not rewritten

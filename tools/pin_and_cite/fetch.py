@@ -63,7 +63,8 @@ def fetch_all(project: Project, report: Callable[[Fetched, int, int], None]) -> 
             source = project.pins.get(source_name)
             remote = project.remote(source)
             with project.store.lock(f"git {remote.url}"):
-                remote.fetch_objects([blob for _, blob, _ in wanted], f"fetching {len(wanted)} file(s) of {source_name}")
+                remote.fetch_objects([blob for _, blob, _ in wanted],
+                                     f"fetching {len(wanted)} file(s) of {source_name}")
                 for path, blob, note in wanted:
                     data = remote.read(blob)
                     if blob_sha(data) != blob:
