@@ -164,7 +164,7 @@ def test_a_fresh_cache_fetches_the_old_blobs_by_sha_then_renders_and_checks_offl
     assert fresh.run("check").code == 0
 
 
-def test_check_and_render_refuse_a_record_whose_text_hash_does_not_hold(bumped):
+def test_check_and_render_refuse_a_record_that_does_not_hold(bumped):
     lock = json.loads(bumped.lock_path.read_text())
     lock["bumps"]["up"]["changes"][f"{MOD}#L17-L19"]["old_lines"] = [16, 18]
     bumped.lock_path.write_text(json.dumps(lock))
@@ -176,6 +176,13 @@ def test_check_and_render_refuse_a_record_whose_text_hash_does_not_hold(bumped):
     r = bumped.run("render")
     assert r.code == 2 and r.err.count("\n") == 1
     assert f"reading_notes/citations.lock: {MOD}#L17-L19: {why}" in r.err
+    lock["bumps"]["up"]["old_commit"] = "abc"
+    bumped.lock_path.write_text(json.dumps(lock))
+    assert "citations.lock: bump record of up: old commit 'abc' is not a full 40-hex SHA\n" in bumped.run("check").out
+    del lock["bumps"]["up"]["changes"][f"{MOD}#L17-L19"]["cited_at"]
+    bumped.lock_path.write_text(json.dumps(lock))
+    r = bumped.run("check")
+    assert r.code == 2 and "citations.lock is not a valid lock" in r.err
 
 
 def test_a_second_bump_replaces_the_record_and_removes_stale_pages(bumped, abc):

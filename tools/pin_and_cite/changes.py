@@ -36,13 +36,14 @@ def page_name(key: str) -> str:
 
 
 def _check_record(project: Project, source: str, record: BumpRecord) -> None:
+    """The record's own fields: a pinned source, full commit and blob SHAs."""
     project.pins.get(source)
     for what, sha in (("old commit", record.old_commit), ("new commit", record.new_commit)):
         if not is_full_sha(sha):
-            raise PinAndCiteError(f"bump record of {source}: {what} {sha!r} is not a full 40-hex SHA")
+            raise PinAndCiteError(f"{what} {sha!r} is not a full 40-hex SHA")
     for path, f in record.files.items():
         if not is_full_sha(f.old_blob) or not (f.new_blob is None or is_full_sha(f.new_blob)):
-            raise PinAndCiteError(f"bump record of {source}: {path} has a blob that is not a full 40-hex SHA")
+            raise PinAndCiteError(f"{path} has a blob that is not a full 40-hex SHA")
 
 
 def _side(resolver: Resolver, source: str, path: str, blob: str | None, commit: str, lines: tuple[int, int],
@@ -68,9 +69,9 @@ def recorded_sides(resolver: Resolver, source: str, record: BumpRecord, key: str
         raise PinAndCiteError(f"recorded under the bump of {source}")
     if change.status not in REVIEWED:
         raise PinAndCiteError(f"status {change.status!r}: a bump records only {' and '.join(REVIEWED)} citations")
-    if (change.status == "deleted") != (change.new_lines is None) or (change.new_lines is None) != (
-            change.new_text_sha256 is None):
-        raise PinAndCiteError("a deleted citation, and only one, has no new lines and no new text hash")
+    deleted = change.status == "deleted"
+    if deleted != (change.new_lines is None) or deleted != (change.new_text_sha256 is None):
+        raise PinAndCiteError("a changed citation has new lines and a new text hash, a deleted one neither")
     if change.new_cite is not None:
         parse_spec(change.new_cite)
     files = record.files.get(spec.path)
@@ -176,16 +177,16 @@ def _index(project: Project, entries: dict[str, list[tuple[str, RecordedChange, 
 
 
 def change_pages(project: Project, resolver: Resolver, out_dir: Path) -> dict[Path, str]:
-    """{path under out_dir/changes/: Markdown}: the index and one page per recorded change."""
+    """{path under out_dir/changes/: Markdown}: the index and one page per recorded change. A record that does
+    not hold stops the build with `check`'s first complaint about it."""
+    problems = record_problems(project, resolver)
+    if problems:
+        raise PinAndCiteError(f"reading_notes/citations.lock: {problems[0][0]}: {problems[0][1]}")
     pages, entries = {}, {}
     for source, record in sorted(project.lock.bumps.items()):
         entries[source] = []
         for key in sorted(record.changes):
-            try:
-                _check_record(project, source, record)
-                old, new = recorded_sides(resolver, source, record, key)
-            except PinAndCiteError as exc:
-                raise PinAndCiteError(f"reading_notes/citations.lock: {key}: bump record of {source}: {exc}") from None
+            old, new = recorded_sides(resolver, source, record, key)
             name = page_name(key)
             pages[out_dir / CHANGES_DIR / name] = _page(project, source, record, key, old, new)
             entries[source].append((key, record.changes[key], name))
