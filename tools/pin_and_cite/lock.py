@@ -57,7 +57,7 @@ class BumpRecord:
     new_commit: str
     tag: str | None
     counts: dict[str, int]                      # citations per relocation status
-    files: dict[str, RecordedFile]              # path -> its blobs at both commits, for every changed citation
+    files: dict[str, RecordedFile]              # path -> its blobs at both commits, for every recorded change
     changes: dict[str, RecordedChange]
 
 
