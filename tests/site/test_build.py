@@ -121,3 +121,13 @@ def test_a_broken_note_stops_the_build_with_its_file_and_line_and_keeps_the_prev
         assert _files(site) == site_before and _files(docs / "notes") == notes_before
         template.write_text(original[template])
     assert "no recorded trace 'fsdp_backward'" in error
+
+
+def test_changes_between_pins_page_is_listed_and_says_no_bump_is_recorded(built_site):
+    """The shipped lock records no bump (its pins were bootstrapped from the installed wheels), so the change
+    pages are only their index, and it says why; it is in every page's navigation."""
+    changes = built_site / "notes" / "changes"
+    assert sorted(p.name for p in changes.iterdir()) == ["index.html"]
+    page = (changes / "index.html").read_text()
+    assert "<h1 id=\"changes-between-pins\">Changes between pins" in page and "No bump is recorded in" in page
+    assert '<a href="notes/changes/" class="md-nav__link' in (built_site / "index.html").read_text()

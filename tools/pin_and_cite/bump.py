@@ -6,11 +6,16 @@ templates, pins.toml and lock are computed in memory. Only when all of that succ
 together (atomic.atomic_write_all); `--dry-run` stops before writing. A citation that has no counterpart any
 more (deleted, or a symbol under a new name) is left as written and not locked, so `check` keeps failing on
 it until a person fixes the note: the review report lists it with its old text.
+
+The lock also gets the source's bump record (lock.BumpRecord, replacing the one of its previous bump): per
+changed or deleted citation its old and new lines, text hashes and where the notes cite it, and the blobs of
+its file at both commits, so the site can show the same diffs later (pin_and_cite.changes).
 """
 from __future__ import annotations
 
 import functools
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,13 +24,16 @@ from pin_and_cite.atomic import atomic_write_all
 from pin_and_cite.citation import Spec, parse_spec
 from pin_and_cite.errors import PinAndCiteError
 from pin_and_cite.fetch import from_distribution
-from pin_and_cite.gitobj import is_full_sha
-from pin_and_cite.lock import file_key
+from pin_and_cite.gitobj import blob_sha, is_full_sha
+from pin_and_cite.lock import BumpRecord, RecordedChange, RecordedFile, file_key
 from pin_and_cite.notes import Written, rewrite_arguments, written_calls
 from pin_and_cite.project import Project
 from pin_and_cite.reanchor import fetch_files, relocate_batch
 from pin_and_cite.relocate import Relocation
-from pin_and_cite.resolve import Resolver, split_lines
+from pin_and_cite.resolve import Resolver, cited_text, split_lines, text_sha256
+
+STATUSES = ("unchanged", "moved", "changed", "deleted")
+REVIEWED = ("changed", "deleted")             # the statuses a person must look at
 
 
 @dataclass
@@ -48,6 +56,7 @@ class Bump:
     new: str
     tag: str | None
     citations: list[Carried]
+    record: BumpRecord
     writes: dict[Path, bytes]
 
 
@@ -112,8 +121,10 @@ def plan(project: Project, name: str, ref: str) -> Bump:
     texts = {key: split_lines(data, f"{key[1]} at {key[0][:12]}") for key, data in files.items() if data is not None}
     for c in carried:
         _carry(c, resolver, texts[(old, c.spec.path)], texts[(new, c.spec.path)], old)
-    return Bump(name, old, new, tag, carried, {project.pins.path: pins_bytes, **_templates(carried),
-                                               project.lock.path: project.lock.dumps()})
+    blobs = {key: blob_sha(data) if data is not None else None for key, data in files.items()}
+    record = project.lock.bumps[name] = _record(project.root, carried, old, new, tag, blobs)
+    return Bump(name, old, new, tag, carried, record, {project.pins.path: pins_bytes, **_templates(carried),
+                                                       project.lock.path: project.lock.dumps()})
 
 
 @functools.lru_cache(maxsize=64)
@@ -141,6 +152,20 @@ def _carry(c: Carried, resolver: Resolver, old_lines: tuple[str, ...], new_lines
         return                                            # a symbol that is gone or ambiguous under its name
     resolver.record(excerpt, learned)
     c.new_spec = spec
+
+
+def _record(root: Path, carried: list[Carried], old: str, new: str, tag: str | None,
+            blobs: dict[tuple[str, str], str | None]) -> BumpRecord:
+    """What the lock keeps of this bump: hashes, paths, lines and statuses, never upstream text."""
+    changes, files = {}, {}
+    for c in (c for c in carried if c.answer.status in REVIEWED):
+        files[c.spec.path] = RecordedFile(blobs[(old, c.spec.path)], blobs[(new, c.spec.path)])
+        new_sha = text_sha256(cited_text(c.new_text)) if c.answer.lines else None
+        changes[str(c.spec)] = RecordedChange(c.answer.status, c.old_lines, text_sha256(cited_text(c.old_text)),
+                                              c.answer.lines, new_sha, str(c.new_spec) if c.new_spec else None,
+                                              [call.where(root) for call in c.places])
+    found = Counter(c.answer.status for c in carried)
+    return BumpRecord(old, new, tag, {status: found[status] for status in STATUSES}, files, changes)
 
 
 def _templates(carried: list[Carried]) -> dict[Path, bytes]:

@@ -1,9 +1,11 @@
 """`check`: prove, offline, that every citation still says what the lock says it says, and that every note
-keeps its rules (pin_and_cite.note_rules), names tests that exist, and renders (traces, diagrams)."""
+keeps its rules (pin_and_cite.note_rules), names tests that exist, and renders (traces, diagrams); and that
+each recorded bump's excerpts still hash as its record says (pin_and_cite.changes)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pin_and_cite.changes import record_problems
 from pin_and_cite.citation import parse_spec
 from pin_and_cite.errors import PinAndCiteError
 from pin_and_cite.lock import file_key
@@ -93,6 +95,7 @@ def check(project: Project) -> Report:
         problems += [Problem(f"{template.relative_to(project.root)}:{p.line}", "note rules", p.message)
                      for p in check_note(template)]
     problems += _render_problems(project, resolver, templates, problems)
+    problems += [Problem("citations.lock", what, why) for what, why in record_problems(project, resolver)]
     if why := stale_sha(project):
         problems.append(Problem(f"reading_notes/{SHA_FILE}", "pins.toml", why))
     return Report(len(verdicts.keys() | in_notes) + malformed + len(claims), problems)

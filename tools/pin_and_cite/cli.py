@@ -39,8 +39,11 @@ exit status:
 
 files:
   reading_notes/pins.toml        the sources: url, full commit SHA, optional tag and distribution
-  reading_notes/citations.lock   per cited file its git blob SHA, per citation its lines and text hash
+  reading_notes/citations.lock   per cited file its git blob SHA, per citation its lines and text hash, per
+                                 source the record of its latest bump (changed/deleted citations: lines,
+                                 text hashes, blobs at both commits, where the notes cite them)
   reading_notes/**/*.md.j2       note templates, rendered into docs/notes/ (names starting with _ are partials)
+  docs/notes/changes/            a page per citation the latest bump changed or deleted, and an index
   reading_notes/traces/*.json    recorded runs the diagrams and numbers come from (tools/record-traces)
   reading_notes/megatron-sha.txt the pinned Megatron-LM commit, written by render, verified by check
   cache                          $PIN_AND_CITE_CACHE, else the user cache dir: blobs by SHA, partial repos
@@ -79,8 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="move a pin even though citations are locked at the old commit (`bump` re-anchors them)")
 
     verbs.add_parser("fetch", parents=[common], help="materialize every locked file, verified, into the cache",
-                     description="Get every file in the lock from the cache, an installed distribution, or one "
-                                 "partial git fetch per source, verifying each against its git blob SHA.")
+                     description="Get every file in the lock (with both ends of each recorded bump) from the "
+                                 "cache, an installed distribution, or one partial git fetch per source, "
+                                 "verifying each against its git blob SHA.")
 
     cite = verbs.add_parser("cite", parents=[common], help="print cited lines with a permalink, and lock them",
                             description="Resolve citations at the pinned commit, print them with upstream line "
@@ -94,10 +98,14 @@ def build_parser() -> argparse.ArgumentParser:
     verbs.add_parser("check", parents=[common], help="verify every citation offline (non-zero exit when broken)",
                      description="Verify, without network, that every citation in the lock and in the note "
                                  "templates resolves to the locked text at the pinned commit, that every note keeps "
-                                 "its rules and renders, and that megatron-sha.txt matches the pin.")
+                                 "its rules and renders, that megatron-sha.txt matches the pin, and that the "
+                                 "excerpts of each recorded bump hash as the record says.")
     render = verbs.add_parser("render", parents=[common], help="render the note templates into Markdown for the site",
                               description="Render reading_notes/**/*.md.j2 into OUT (NAME.md.j2 -> NAME.md) from the "
-                                          "verified cache, offline; only changed files are written.")
+                                          "verified cache, offline, with a page per pinned source and, under "
+                                          "OUT/changes/, a page per citation the latest bump of a source changed "
+                                          "or deleted (old vs new diff) and their index; only changed files are "
+                                          "written, and pages no longer rendered are removed.")
     render.add_argument("--out", type=Path, default=Path("docs/notes"), help="output folder, relative to the project")
 
     bumper = verbs.add_parser(
@@ -106,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "rewrite the line numbers in the templates in place (nothing else changes), update "
                     "pins.toml and the lock, and print a review report: counts per status and, for each "
                     "changed or deleted citation, where it is cited and its old vs new excerpt as a diff. "
+                    "The lock also records the bump (replacing the source's previous record), so `render` "
+                    "can show the same diffs on the site. "
                     "All files are written together, or none (any error, or --dry-run).")
     bumper.add_argument("source", metavar="NAME", help="source name in pins.toml")
     bumper.add_argument("--ref", required=True, help="tag, branch or full 40-hex commit SHA to move to")

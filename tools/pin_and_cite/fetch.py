@@ -1,7 +1,8 @@
 """Materialize locked files from the first source that proves it has the right bytes.
 
 Order: the cache, an installed distribution, then one git request per source for all that is still
-missing. Every candidate is hashed as a git blob and compared with the lock before it is used or cached.
+missing, wanted by blob SHA (so the old commit's files that a bump record names come the same way). Every
+candidate is hashed as a git blob and compared with the lock before it is used or cached.
 """
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ from typing import Callable
 from pin_and_cite.distribution import installed_file
 from pin_and_cite.errors import SourceUnavailable
 from pin_and_cite.gitobj import blob_sha
-from pin_and_cite.lock import LockedFile
 from pin_and_cite.project import Project
 
 
@@ -41,36 +41,36 @@ def from_distribution(project: Project, source_name: str, path: str, blob: str) 
 
 
 def fetch_all(project: Project, report: Callable[[Fetched, int, int], None]) -> list[Fetched]:
-    """Make every locked file available in the cache; raise SourceUnavailable naming what could not be had."""
-    items = sorted(project.lock.files.items())
+    """Make every file the lock needs (pinned files, and both ends of each recorded bump) available in the
+    cache; raise SourceUnavailable naming what could not be had."""
+    items = project.lock.blobs()
     done: list[Fetched] = []
-    missing: dict[str, list[tuple[str, LockedFile, str]]] = defaultdict(list)
+    missing: dict[str, list[tuple[str, str, str]]] = defaultdict(list)
     with project.store.lock("fetch"):
-        for key, locked in items:
-            source_name, path = key.split(":", 1)
-            if project.store.get(locked.blob) is not None:
-                done.append(Fetched(source_name, path, locked.blob, "cache"))
+        for source_name, path, blob in items:
+            if project.store.get(blob) is not None:
+                done.append(Fetched(source_name, path, blob, "cache"))
                 report(done[-1], len(done), len(items))
                 continue
-            found = from_distribution(project, source_name, path, locked.blob)
+            found = from_distribution(project, source_name, path, blob)
             if isinstance(found, tuple):
-                project.store.put(locked.blob, found[0])
-                done.append(Fetched(source_name, path, locked.blob, found[1]))
+                project.store.put(blob, found[0])
+                done.append(Fetched(source_name, path, blob, found[1]))
                 report(done[-1], len(done), len(items))
             else:
-                missing[source_name].append((path, locked, found))
+                missing[source_name].append((path, blob, found))
         for source_name, wanted in missing.items():
             source = project.pins.get(source_name)
             remote = project.remote(source)
             with project.store.lock(f"git {remote.url}"):
-                remote.fetch_objects([locked.blob for _, locked, _ in wanted],
+                remote.fetch_objects([blob for _, blob, _ in wanted],
                                      f"fetching {len(wanted)} file(s) of {source_name}")
-                for path, locked, note in wanted:
-                    data = remote.read(locked.blob)
-                    if blob_sha(data) != locked.blob:
-                        raise SourceUnavailable(f"{remote.url} sent bytes that do not hash to {locked.blob} for {path}")
-                    project.store.put(locked.blob, data)
-                    done.append(Fetched(source_name, path, locked.blob, remote.url, note))
+                for path, blob, note in wanted:
+                    data = remote.read(blob)
+                    if blob_sha(data) != blob:
+                        raise SourceUnavailable(f"{remote.url} sent bytes that do not hash to {blob} for {path}")
+                    project.store.put(blob, data)
+                    done.append(Fetched(source_name, path, blob, remote.url, note))
                     report(done[-1], len(done), len(items))
     return done
 

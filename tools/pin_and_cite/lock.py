@@ -1,6 +1,9 @@
-"""reading_notes/citations.lock: per cited file its blob SHA at the pinned commit, per citation its text hash.
+"""reading_notes/citations.lock: per cited file its blob SHA at the pinned commit, per citation its text hash,
+and per source the record of its latest `bump` (what the site's change pages show).
 
-JSON with sorted keys, so a diff of the lock reads like a diff of what the notes cite.
+JSON with sorted keys, so a diff of the lock reads like a diff of what the notes cite. Like the rest of the lock,
+a bump record holds only commits, blob SHAs, paths, line numbers, text hashes and statuses: the excerpts it
+describes are read at build time from the blobs it names, fetched and verified like every other cited file.
 """
 from __future__ import annotations
 
@@ -29,6 +32,43 @@ class LockedCitation:
     symbol: str | None = None
 
 
+@dataclass
+class RecordedFile:
+    old_blob: str
+    new_blob: str | None        # None: the path is gone at the new commit
+
+
+@dataclass
+class RecordedChange:
+    """A citation whose text a bump changed or deleted, keyed by the citation as it was written before."""
+    status: str                                 # "changed" | "deleted"
+    old_lines: tuple[int, int]
+    old_text_sha256: str
+    new_lines: tuple[int, int] | None           # the best counterpart at the new commit; None when deleted
+    new_text_sha256: str | None
+    new_cite: str | None                        # what the lock cites now; None: left as written for a person
+    cited_at: list[str]                         # note template file:line at the bump ([]: only in the lock)
+
+
+@dataclass
+class BumpRecord:
+    """The latest `bump` of one source (a later bump of it replaces this record)."""
+    old_commit: str
+    new_commit: str
+    tag: str | None
+    counts: dict[str, int]                      # citations per relocation status
+    files: dict[str, RecordedFile]              # path -> its blobs at both commits, for every recorded change
+    changes: dict[str, RecordedChange]
+
+
+def _bump_record(data: dict) -> BumpRecord:
+    changes = {k: RecordedChange(**{**v, "old_lines": tuple(v["old_lines"]),
+                                    "new_lines": tuple(v["new_lines"]) if v["new_lines"] else None})
+               for k, v in data["changes"].items()}
+    return BumpRecord(data["old_commit"], data["new_commit"], data.get("tag"), dict(data["counts"]),
+                      {k: RecordedFile(**v) for k, v in data["files"].items()}, changes)
+
+
 def file_key(source: str, path: str) -> str:
     return f"{source}:{path}"
 
@@ -38,6 +78,7 @@ class Lock:
         self.path = path
         self.files: dict[str, LockedFile] = {}
         self.citations: dict[str, LockedCitation] = {}
+        self.bumps: dict[str, BumpRecord] = {}          # source name -> its latest bump
         if path.exists():
             self._load()
 
@@ -49,6 +90,7 @@ class Lock:
             self.files = {k: LockedFile(**v) for k, v in data["files"].items()}
             self.citations = {k: LockedCitation(tuple(v["lines"]), v["text_sha256"], v.get("symbol"))
                               for k, v in data["citations"].items()}
+            self.bumps = {k: _bump_record(v) for k, v in data.get("bumps", {}).items()}
         except (ValueError, KeyError, TypeError) as exc:
             raise PinAndCiteError(f"{self.path} is not a valid lock ({exc}); restore it from git")
 
@@ -62,4 +104,19 @@ class Lock:
             "citations": {k: {key: val for key, val in asdict(v).items() if val is not None}
                           for k, v in sorted(self.citations.items())},
         }
+        if self.bumps:
+            data["bumps"] = {k: asdict(v) for k, v in self.bumps.items()}
         return (json.dumps(data, indent=2, sort_keys=True) + "\n").encode()
+
+    def blobs(self) -> list[tuple[str, str, str]]:
+        """(source, path, blob) of every file that `fetch` must make available: each locked file, then each
+        blob a bump record names that is not among them."""
+        wanted = [(*key.split(":", 1), f.blob) for key, f in sorted(self.files.items())]
+        seen = {blob for _, _, blob in wanted}
+        for source, record in sorted(self.bumps.items()):
+            for path, f in sorted(record.files.items()):
+                for blob in (f.old_blob, f.new_blob):
+                    if blob and blob not in seen:
+                        seen.add(blob)
+                        wanted.append((source, path, blob))
+        return wanted

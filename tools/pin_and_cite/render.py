@@ -6,6 +6,7 @@ code), `verified_by("tests/...::test")`, `trace(name)` with `diagram(name, ...)`
 `fsdp_overlap(...)` (recorded runs, pin_and_cite.traces), `pins` and `locked_files(source)`.
 Close-reading notes are checked against pin_and_cite.note_rules before they are rendered. A template whose
 name starts with `_` is a partial: `_source.md.j2` is rendered once per pinned source into sources/NAME.md.
+The pages of what the latest bump of each source changed go to changes/ (pin_and_cite.changes).
 
 Everything is rendered in memory first, and only then written, and only files whose text changed (mkdocs
 watches docs/: rewriting an unchanged page would trigger the next live-reload forever). A failure anywhere
@@ -13,16 +14,17 @@ names the template file and line and leaves the previous output as it was.
 """
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import jinja2
 
 from pin_and_cite.atomic import atomic_write
 from pin_and_cite import diagrams, estimates, symbols
+from pin_and_cite.changes import change_pages
 from pin_and_cite.check import locked_excerpt
 from pin_and_cite.citation import parse_spec
 from pin_and_cite.errors import PinAndCiteError
+from pin_and_cite.fences import fence_for
 from pin_and_cite.local_code import ours
 from pin_and_cite.note_rules import check_note
 from pin_and_cite.notes import note_templates
@@ -35,12 +37,6 @@ from pin_and_cite.verified_by import missing_test
 SOURCE_PAGE = "_source.md.j2"
 TEMPLATE_MISTAKES = (TypeError, ValueError, LookupError, AttributeError, ArithmeticError)
 LANGUAGES = {".py": "python", ".pyi": "python", ".h": "cpp", ".cpp": "cpp", ".md": "markdown", ".toml": "toml"}
-
-
-def fence_for(text: str) -> str:
-    """A backtick fence longer than any backtick run inside the excerpt, so no excerpt can close it early."""
-    longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
-    return "`" * max(3, longest + 1)
 
 
 def excerpt_link(excerpt: Excerpt, inside: str | None = None) -> str:
@@ -164,7 +160,8 @@ def _template_line(exc: BaseException, template: Path) -> int | None:
 
 
 def render_notes(root: Path, out_dir: Path) -> list[Path]:
-    """Render every note template into `out_dir` (NAME.md.j2 -> NAME.md); return the files that changed."""
+    """Render every note template into `out_dir` (NAME.md.j2 -> NAME.md), the source pages and the change pages;
+    return the files that changed (stale pages, say of a replaced bump record, are removed)."""
     project = Project(root)
     renderer = Renderer(project)
     rendered = {out_dir / t.relative_to(project.notes_dir).with_suffix("").as_posix(): renderer.render(t)
@@ -173,6 +170,7 @@ def render_notes(root: Path, out_dir: Path) -> list[Path]:
     if source_page.is_file():
         rendered.update({out_dir / "sources" / f"{name}.md": renderer.render(source_page, source=source)
                          for name, source in project.pins.sources.items()})
+    rendered.update(change_pages(project, renderer.resolver, out_dir))
     changed = write_pinned_sha(project)
     for path, text in rendered.items():
         if not path.exists() or path.read_text() != text:

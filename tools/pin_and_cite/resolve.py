@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 import hashlib
 from dataclasses import dataclass
+from typing import Sequence
 
 from pin_and_cite import symbols
 from pin_and_cite.citation import Spec
@@ -16,6 +17,15 @@ from pin_and_cite.pins import Source
 from pin_and_cite.project import Project
 
 
+def cited_text(lines: Sequence[str]) -> str:
+    """Cited lines as the lock hashes them: joined by '\\n', with a final '\\n'."""
+    return "\n".join(lines) + "\n"
+
+
+def text_sha256(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 @dataclass(frozen=True)
 class Excerpt:
     spec: Spec
@@ -26,7 +36,7 @@ class Excerpt:
 
     @property
     def text_sha256(self) -> str:
-        return hashlib.sha256(self.text.encode()).hexdigest()
+        return text_sha256(self.text)
 
     @property
     def permalink(self) -> str | None:
@@ -109,8 +119,7 @@ class Resolver:
             span = spec.lines
             if span[1] > len(lines):
                 raise PinAndCiteError(f"{spec}: past the end of {where} ({len(lines)} lines)")
-        text = "\n".join(lines[span[0] - 1:span[1]]) + "\n"
-        return Excerpt(spec, source, blob, span, text), learned
+        return Excerpt(spec, source, blob, span, cited_text(lines[span[0] - 1:span[1]])), learned
 
     def record(self, excerpt: Excerpt, learned: str) -> None:
         """Add the excerpt's file and citation to the in-memory lock (the caller saves it)."""

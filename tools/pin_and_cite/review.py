@@ -1,36 +1,40 @@
 """The review report of a bump: counts per status, and for every citation a person must look at (changed or
-deleted) where the notes cite it and its old and new excerpts as one unified diff, numbered as upstream."""
+deleted) where the notes cite it and its old and new excerpts as one unified diff, numbered as upstream.
+The site's change pages (pin_and_cite.changes) show the same diff, each line numbered."""
 from __future__ import annotations
 
 import difflib
 import re
-from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
-from pin_and_cite.bump import Bump, Carried
+from pin_and_cite.bump import REVIEWED, STATUSES, Bump
 
-STATUSES = ("unchanged", "moved", "changed", "deleted")
+HUNK = re.compile(r"@@ -(\d+)(,\d+)? \+(\d+)(,\d+)? @@")
+
+
+@dataclass(frozen=True)
+class Side:
+    """One end of a diff: the commit, the cited lines there (None: no counterpart) and their text."""
+    commit: str
+    lines: tuple[int, int] | None
+    text: list[str]
 
 
 def _anchor(lines: tuple[int, int] | None) -> str:
     return f"#L{lines[0]}-L{lines[1]}" if lines else " (no counterpart)"
 
 
-def counts(bump: Bump) -> dict[str, int]:
-    found = Counter(c.answer.status for c in bump.citations)
-    return {status: found[status] for status in STATUSES}
-
-
-def excerpt_diff(c: Carried, bump: Bump) -> list[str]:
+def excerpt_diff(path: str, old: Side, new: Side) -> list[str]:
     """Old vs new excerpt, whole (every line as context), with hunk headers in upstream line numbers."""
-    old_start = c.old_lines[0]
-    new_start = c.answer.lines[0] if c.answer.lines else 0
-    diff = difflib.unified_diff(c.old_text, c.new_text, lineterm="", n=max(len(c.old_text), len(c.new_text)),
-                                fromfile=f"{c.spec.path}{_anchor(c.old_lines)} @ {bump.old[:12]}",
-                                tofile=f"{c.spec.path}{_anchor(c.answer.lines)} @ {bump.new[:12]}")
+    old_start = old.lines[0]
+    new_start = new.lines[0] if new.lines else 0
+    diff = difflib.unified_diff(old.text, new.text, lineterm="", n=max(len(old.text), len(new.text)),
+                                fromfile=f"{path}{_anchor(old.lines)} @ {old.commit[:12]}",
+                                tofile=f"{path}{_anchor(new.lines)} @ {new.commit[:12]}")
 
     def renumber(line: str) -> str:
-        match = re.fullmatch(r"@@ -(\d+)(,\d+)? \+(\d+)(,\d+)? @@", line)
+        match = HUNK.fullmatch(line)
         if not match:
             return line
         a, b = int(match[1]) + old_start - 1, int(match[3]) + max(new_start - 1, 0)
@@ -39,15 +43,33 @@ def excerpt_diff(c: Carried, bump: Bump) -> list[str]:
     return [renumber(line) for line in diff]
 
 
+def numbered_diff(diff: list[str]) -> list[str]:
+    """excerpt_diff's lines with each body line's old and new upstream line numbers after its -/+/space mark
+    (blank where the line does not exist on that side), so the mark still colors the line as a diff."""
+    head = next((i for i, line in enumerate(diff) if HUNK.fullmatch(line)), len(diff))   # after ---/+++
+    rows, old, new = [], 0, 0
+    for line in diff[head:]:
+        if match := HUNK.fullmatch(line):             # a body line starts with -, + or space: never a hunk
+            old, new = int(match[1]), int(match[3])
+            rows.append((line, None, None))
+            continue
+        mark = line[:1]
+        rows.append((line, str(old) if mark != "+" else "", str(new) if mark != "-" else ""))
+        old, new = old + (mark != "+"), new + (mark != "-")
+    width = max((len(n) for _, a, b in rows if a is not None for n in (a, b)), default=0)
+    return diff[:head] + [line if a is None else f"{line[:1]}{a:>{width}} {b:>{width}} | {line[1:]}"
+                          for line, a, b in rows]
+
+
 def text_report(bump: Bump, root: Path, dry_run: bool) -> str:
-    n = counts(bump)
+    n = bump.record.counts
     head = f"{bump.source}: {bump.old[:12]} -> {bump.new[:12]}" + (f" ({bump.tag})" if bump.tag else "")
     out = [head + ("  [dry run: nothing written]" if dry_run else ""),
            f"{len(bump.citations)} citation(s): " + ", ".join(f"{n[s]} {s}" for s in STATUSES)]
     written = sorted(str(p.relative_to(root)) for p in bump.writes)
     out.append(("would write: " if dry_run else "wrote: ") + ", ".join(written))
     for c in bump.citations:
-        if c.answer.status not in ("changed", "deleted"):
+        if c.answer.status not in REVIEWED:
             continue
         out.append("")
         target = str(c.new_spec) if c.new_spec else "left as written: fix the note (`check` fails until then)"
@@ -56,12 +78,15 @@ def text_report(bump: Bump, root: Path, dry_run: bool) -> str:
             out.append(f"  note: {c.answer.reason}")
         places = [call.where(root) for call in c.places] + (["citations.lock"] if c.in_lock and not c.places else [])
         out.append("  cited at " + ", ".join(places))
-        out += ["  " + line for line in excerpt_diff(c, bump)]
+        diff = excerpt_diff(c.spec.path, Side(bump.old, c.old_lines, c.old_text),
+                            Side(bump.new, c.answer.lines, c.new_text))
+        out += ["  " + line for line in diff]
     return "\n".join(out)
 
 
 def json_report(bump: Bump, root: Path, dry_run: bool) -> dict:
     return {"source": bump.source, "from": bump.old, "to": bump.new, "tag": bump.tag, "dry_run": dry_run,
-            "counts": counts(bump), "written": [] if dry_run else sorted(str(p.relative_to(root)) for p in bump.writes),
+            "counts": bump.record.counts,
+            "written": [] if dry_run else sorted(str(p.relative_to(root)) for p in bump.writes),
             "citations": [{**c.answer.as_json(str(c.spec)), "new_cite": str(c.new_spec) if c.new_spec else None,
                            "where": [call.where(root) for call in c.places]} for c in bump.citations]}
