@@ -2,7 +2,9 @@
 
 One 4-rank launch of workers/data_parallel_worker.py trains the 2-layer test transformer (hidden 16) for three
 SGD steps at DP=4, DP=2 (two independent pairs) and TP=2 x DP=2 (with and without sequence parallelism), and
-with torch DDP on the same groups; the pytest functions below read what each rank observed.
+with torch DDP on the same groups; the pytest functions below read what each rank observed. The DP=2 run
+clears gradients with `optimizer.zero_grad()` (set to None: the hooks move autograd's fresh gradient into the
+bucket), the others with `DistributedDataParallel.zero_grad()` (the buckets are zeroed in place).
 """
 from __future__ import annotations
 

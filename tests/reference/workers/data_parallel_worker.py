@@ -66,8 +66,9 @@ def mean_over(value: float, group) -> float:
 
 
 def train_ddp(group, *, tp_group=None, sequence_parallel=False, overlap=True, bucket_size=BUCKET,
-              implementation="reference", steps=STEPS) -> dict:
-    """STEPS steps of DDP over `group` (TP-sharded when tp_group is given); what the tests read."""
+              implementation="reference", steps=STEPS, optimizer_zero_grad=False) -> dict:
+    """STEPS steps of DDP over `group` (TP-sharded when tp_group is given); what the tests read.
+    optimizer_zero_grad: clear with `optimizer.zero_grad()` (grads set to None) instead of `model.zero_grad()`."""
     torch.manual_seed(SEED)
     if tp_group is None:
         module = Transformer(LAYERS, H, HEADS, device=DEVICE)
@@ -96,7 +97,7 @@ def train_ddp(group, *, tp_group=None, sequence_parallel=False, overlap=True, bu
                          "before_last_gradient": e.start < last_gradient} for e in rec.events])
         first_grads = first_grads or {n: full(n, p.grad, tp_group) for n, p in module.named_parameters()}
         optimizer.step()
-        model.zero_grad()
+        (optimizer if optimizer_zero_grad else model).zero_grad()
         losses.append(mean_over(loss.item(), group))
     result = {"losses": losses, "steps": records, "first_grads": first_grads,
               "params": {n: full(n, p.detach(), tp_group) for n, p in module.named_parameters()}}
@@ -162,7 +163,7 @@ def main(outdir: Path) -> None:
         "dp4": train_ddp(world_group),
         "dp4/no_overlap": train_ddp(world_group, overlap=False),
         "dp4/one_bucket": train_ddp(world_group, bucket_size=None),
-        "dp2": train_ddp(halves),
+        "dp2": train_ddp(halves, optimizer_zero_grad=True),
         "torch_dp4": train_ddp(world_group, implementation="torch"),
         "torch_dp2": train_ddp(halves, implementation="torch"),
         "tp2dp2": train_ddp(layout.dp_group, tp_group=layout.tp_group),
