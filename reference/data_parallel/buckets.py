@@ -1,0 +1,104 @@
+"""Gradient buckets: the gradients of many parameters packed into one flat buffer, all-reduced in one call.
+
+One all-reduce per parameter would pay the collective's latency hundreds of times; one for the whole
+model could only start after the last gradient exists. Buckets of about `bucket_size` bytes are the middle
+ground, and they are filled in *reverse* parameter order because that is roughly the order backward
+produces gradients in: the bucket holding the last layers is complete first and can be on the wire while
+earlier layers are still differentiating.
+
+Counterparts:
+  * megatron/core/distributed/param_and_grad_buffer.py::_ParamAndGradBuffer (builds the buckets: parameters
+    in reverse order, a bucket closed once it holds at least `bucket_size` elements) and
+    ::_ParamAndGradBucketGroup.start_grad_sync / finish_grad_sync (issue, then wait the all-reduce;
+    `gradient_scaling_factor` = 1 / dp size applied to the bucket before it).
+  * torch/csrc/distributed/c10d/reducer.cpp::compute_bucket_assignment_by_size (same closing rule with a
+    byte limit, exposed as torch.distributed._compute_bucket_assignment_by_size) and Reducer's
+    `gradient_as_bucket_view=True` (each parameter's `.grad` is a view into its bucket, no copy).
+Here `bucket_size` is in bytes (torch's unit); a bucket also closes where the dtype changes (Megatron keeps
+one buffer per dtype), so one buffer never mixes dtypes.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def bucket_layout(params: list[torch.Tensor], bucket_size: int | None) -> list[list[int]]:
+    """Indices into `params` of each bucket, in reduction order: walk the parameters from last to first,
+    add each to the open bucket, close it once it holds >= bucket_size bytes (None: one bucket)."""
+    if bucket_size is not None and bucket_size <= 0:
+        raise ValueError(f"bucket_size must be a positive number of bytes or None (one bucket), got {bucket_size}")
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    nbytes = 0
+    for index in reversed(range(len(params))):
+        if current and params[index].dtype != params[current[0]].dtype:
+            buckets.append(current)
+            current, nbytes = [], 0
+        current.append(index)
+        nbytes += params[index].numel() * params[index].element_size()
+        if bucket_size is not None and nbytes >= bucket_size:
+            buckets.append(current)
+            current, nbytes = [], 0
+    return buckets + [current] if current else buckets
+
+
+class GradBucket:
+    """One flat gradient buffer, its parameters' `.grad` views into it, and its all-reduce in flight."""
+
+    def __init__(self, params: list[torch.nn.Parameter], group: dist.ProcessGroup) -> None:
+        self.params, self.group = params, group
+        self.grad_data = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype,
+                                     device=params[0].device)
+        self.views: dict[torch.nn.Parameter, torch.Tensor] = {}
+        offset = 0
+        for param in params:
+            self.views[param] = self.grad_data[offset:offset + param.numel()].view(param.shape)
+            offset += param.numel()
+        self.ready: set[torch.nn.Parameter] = set()
+        self.work: dist.Work | None = None
+        self.started = False
+        self.attach_grads()
+
+    @property
+    def nbytes(self) -> int:
+        return self.grad_data.numel() * self.grad_data.element_size()
+
+    def attach_grads(self) -> None:
+        """Point every parameter's `.grad` at its view, so autograd accumulates into the bucket in place."""
+        for param, view in self.views.items():
+            param.grad = view
+
+    def take_grad(self, param: torch.nn.Parameter) -> None:
+        """After autograd wrote `param.grad`: if it is not the bucket view (the optimizer set it to None, so
+        autograd allocated a fresh one), move it into the view; the view is the gradient from now on."""
+        view = self.views[param]
+        if param.grad is not view:
+            view.copy_(param.grad)
+            param.grad = view
+
+    def mark_ready(self, param: torch.nn.Parameter) -> bool:
+        """Record that `param`'s gradient is final for this step; True once the whole bucket is."""
+        self.ready.add(param)
+        return len(self.ready) == len(self.params)
+
+    def start_grad_sync(self, async_op: bool) -> None:
+        """Scale by 1/dp, then all-reduce (sum): the data-parallel mean, as both upstreams (scaling first
+        keeps low-precision sums in range; at a power-of-two dp size the order does not change a bit)."""
+        self.grad_data.mul_(1.0 / self.group.size())
+        self.work = dist.all_reduce(self.grad_data, group=self.group, async_op=async_op)
+        self.started = True
+
+    def finish_grad_sync(self) -> None:
+        """Wait for the all-reduce (issuing it now if nothing did) and reset for the next step."""
+        if not self.started:
+            self.start_grad_sync(async_op=False)
+        if self.work is not None:
+            self.work.wait()
+        self.work, self.started = None, False
+        self.ready.clear()
+
+    def zero(self) -> None:
+        """Megatron's `zero_grad_buffer`: clear the gradients and re-attach the views."""
+        self.grad_data.zero_()
+        self.attach_grads()

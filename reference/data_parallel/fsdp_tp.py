@@ -1,0 +1,88 @@
+"""2D parallelism: tensor parallelism inside the TP group (a node), FSDP across the DP group (between nodes).
+
+`shard_tp_model(model, layout)` wraps every ParallelTransformerBlock of a TP-sharded model in a reference FSDP
+unit on `layout.dp_group`, and the model itself in the root unit. Each TP rank flattens *its own shards* of the
+block (its heads, its MLP columns, the replicated LayerNorms), and FSDP splits that flat buffer 1/dp over the
+ranks holding the same TP slices: the DP group is orthogonal to the TP group, so FSDP needs no change, only
+every TP rank of a block must build the same flat layout (same shapes), which `shard_tp_model` checks. Per
+block and step: an all-gather of the TP-local flat buffer before forward and again before backward, a
+reduce-scatter of its gradient after backward, all on the DP group; the TP collectives are the TP-only
+model's, on activations of the local batch.
+
+Sequence parallelism: LayerNorm weights and row-parallel biases are replicated on the TP group but see only
+this rank's tokens, so their gradients need a TP sum (reference.tensor_parallel.layers.
+allreduce_sequence_parallel_grads). With FSDP the place for it is *after* the reduce-scatter, on the sharded
+gradients: TP peers share their DP coordinate and their flat layout, so their shards hold the same slices of
+the same parameters, and a sum commutes with FSDP's average. Call
+`allreduce_sequence_parallel_grads(model, layout.tp_group)` after backward, before the optimizer step:
+it sends 1/dp of the bytes it would send before the reduce-scatter.
+
+Counterparts: torchtitan's parallelize_llama (`apply_tp`, then `apply_fsdp` with `fully_shard` on the mesh's
+"dp" dimension) and torch/distributed/fsdp/_fully_shard/_fsdp_param.py (FSDP2 sharding a TP DTensor
+parameter's local tensor on dim 0: "2D"), which the tests compare against.
+"""
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch import nn
+
+from reference.fsdp import FullyShardedDataParallel
+from reference.parallel_state import ParallelConfigError, ParallelLayout, groups
+from reference.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from reference.tensor_parallel.transformer import ParallelTransformerBlock
+
+
+def shard_tp_model(model: nn.Module, layout: ParallelLayout, **fsdp_kwargs) -> FullyShardedDataParallel:
+    """Wrap each ParallelTransformerBlock of `model` (in place), then `model`, in FSDP units on the DP group.
+    `fsdp_kwargs` go to every FullyShardedDataParallel (prefetch, mixed precision, ...). A collective."""
+    blocks = [(name, m) for name, m in model.named_modules() if isinstance(m, ParallelTransformerBlock)]
+    _check_consistent(model, blocks, layout)
+    for name, block in blocks:
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), attr, FullyShardedDataParallel(block, layout.dp_group,
+                                                                                 **fsdp_kwargs))
+    return FullyShardedDataParallel(model, layout.dp_group, **fsdp_kwargs)
+
+
+def _check_consistent(model: nn.Module, blocks: list[tuple[str, nn.Module]], layout: ParallelLayout) -> None:
+    """Raise the same one-line error on every rank (never leave some ranks waiting in a collective) when a
+    rank's model is not TP-sharded for this layout, or its parameter shapes differ from a TP or DP peer's."""
+    problem = _local_problem(model, blocks, layout)
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (problem, [(n, tuple(p.shape)) for n, p in model.named_parameters()]))
+    for rank, (other_problem, _) in enumerate(everyone):
+        if other_problem:
+            raise ParallelConfigError(f"shard_tp_model: rank {rank}: {other_problem}")
+    for kind in ("tp", "dp"):  # every rank checks every group, so every rank raises the same error
+        for ranks in groups(layout.grid, kind):
+            first = everyone[ranks[0]][1]
+            for peer in ranks[1:]:
+                theirs = everyone[peer][1]
+                if theirs != first:
+                    name, shape = ([s for s in theirs if s not in first] + [s for s in first if s not in theirs])[0]
+                    raise ParallelConfigError(
+                        f"shard_tp_model: parameter shapes differ between ranks {ranks[0]} and {peer} of "
+                        f"{kind.upper()} group {ranks} (first: '{name}' {list(shape)}); FSDP x TP needs one flat "
+                        f"layout per TP and per DP group")
+
+
+def _local_problem(model: nn.Module, blocks: list[tuple[str, nn.Module]], layout: ParallelLayout) -> str | None:
+    """What is wrong with this rank's model, or None."""
+    if not blocks:
+        return (f"{type(model).__name__} has no ParallelTransformerBlock to wrap; build it as "
+                "reference.tensor_parallel.transformer.ParallelTransformer(..., tp_group=layout.tp_group)")
+    tp_ranks = dist.get_process_group_ranks(layout.tp_group)
+    for prefix, module in model.named_modules():
+        if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            continue
+        if dist.get_process_group_ranks(module.tp_group) != tp_ranks:
+            return (f"{prefix} was built for the TP group {dist.get_process_group_ranks(module.tp_group)}, "
+                    f"but the layout's TP group is {tp_ranks}")
+        if hasattr(module.weight, "main_grad"):
+            return f"{prefix} uses gradient_accumulation_fusion (main_grad), which FSDP's flat views cannot carry"
+        expected = ((module.output_size_per_partition, module.input_size) if isinstance(module, ColumnParallelLinear)
+                    else (module.output_size, module.input_size_per_partition))
+        if tuple(module.weight.shape) != expected:
+            return (f"{prefix}.weight has shape {list(module.weight.shape)}, expected {list(expected)}: a "
+                    f"TP-sharded layer must hold this rank's 1/{len(tp_ranks)} slice, not the full weight")
+    return None

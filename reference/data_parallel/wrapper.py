@@ -1,0 +1,120 @@
+"""Data parallelism: every DP rank holds the same parameters, runs its own slice of the batch, and the
+gradients are averaged over the DP group before the optimizer step.
+
+`DistributedDataParallel(module, dp_group, bucket_size=..., overlap_grad_reduce=True)`:
+  * a post-accumulate-grad hook on every parameter marks it ready; with `overlap_grad_reduce` a bucket's
+    all-reduce is issued (async) as soon as its last gradient is, so communication runs under the rest of
+    backward; buckets are issued strictly in order, so every rank issues the same collectives in the same
+    order even if its hooks fire in a different one;
+  * `finish_grad_sync()` waits for them (issuing any not yet issued: all of them without overlap);
+  * `no_sync()` turns the hooks off: gradients keep accumulating in the buckets, nothing is sent. Gradient
+    accumulation runs every micro-batch but the last under it, then one `finish_grad_sync()`.
+With tensor parallelism the parameters are TP shards and `dp_group` is the layout's DP group: each TP rank
+averages its own shards with the ranks holding the same shards. Sequence-parallel LayerNorm gradients also
+need their TP all-reduce; see reference.data_parallel.finalize.
+
+Counterparts: megatron/core/distributed/distributed_data_parallel.py::DistributedDataParallel
+(`_make_backward_post_hook`, `no_sync`, `start_grad_sync`, `finish_grad_sync`, `zero_grad_buffer`,
+`broadcast_params`), whose buckets are param_and_grad_buffer.py::_ParamAndGradBucketGroup; and
+torch/nn/parallel/distributed.py::DistributedDataParallel (`no_sync`, `_sync_module_states` at construction,
+the C++ Reducer's in-order bucket launch `Reducer::mark_variable_ready` / `mark_bucket_ready`).
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from reference.data_parallel.buckets import GradBucket, bucket_layout
+from reference.parallel_state import divide
+
+DEFAULT_BUCKET_SIZE = 25 * 2**20  # bytes, torch DDP's bucket_cap_mb default
+
+
+class DistributedDataParallel(nn.Module):
+    def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None, *,
+                 bucket_size: int | None = DEFAULT_BUCKET_SIZE, overlap_grad_reduce: bool = True,
+                 broadcast_params: bool = True) -> None:
+        super().__init__()
+        if not dist.is_initialized():
+            raise RuntimeError("DistributedDataParallel needs torch.distributed.init_process_group() first")
+        self.module = module
+        self.process_group = process_group or dist.group.WORLD
+        self.overlap_grad_reduce = overlap_grad_reduce
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        for name, param in named:
+            if hasattr(param, "main_grad"):
+                raise ValueError(f"parameter '{name}' accumulates into main_grad (gradient_accumulation_fusion); "
+                                 "reference DDP reduces .grad: build the model with gradient_accumulation_fusion=False")
+        params = [p for _, p in named]
+        self.buckets = [GradBucket([params[i] for i in indices], self.process_group)
+                        for indices in bucket_layout(params, bucket_size)]
+        self._bucket_of = {param: bucket for bucket in self.buckets for param in bucket.params}
+        self._next_bucket = 0
+        self._sync = True
+        if broadcast_params:
+            self.broadcast_params()
+        for param in params:
+            param.register_post_accumulate_grad_hook(self._grad_ready)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    @torch.no_grad()
+    def broadcast_params(self) -> None:
+        """Copy the DP group's first rank's parameters to the others, one bucket at a time, so the replicas
+        start equal (torch: `_sync_module_states`; megatron: `broadcast_params`)."""
+        source = dist.get_global_rank(self.process_group, 0)
+        for bucket in self.buckets:
+            flat = torch.cat([p.detach().reshape(-1) for p in bucket.params])
+            dist.broadcast(flat, src=source, group=self.process_group)
+            for param, piece in zip(bucket.params, flat.split([p.numel() for p in bucket.params])):
+                param.copy_(piece.view_as(param))
+
+    def _grad_ready(self, param: nn.Parameter) -> None:
+        """Post-accumulate-grad hook (megatron: `_make_backward_post_hook` -> `register_grad_ready`)."""
+        bucket = self._bucket_of[param]
+        bucket.take_grad(param)
+        if self._sync and bucket.mark_ready(param) and self.overlap_grad_reduce:
+            self._launch_ready_buckets()
+
+    def _launch_ready_buckets(self) -> None:
+        """Issue, in bucket order, every complete bucket not issued yet; stop at the first incomplete one."""
+        while self._next_bucket < len(self.buckets):
+            bucket = self.buckets[self._next_bucket]
+            if len(bucket.ready) < len(bucket.params):
+                return
+            bucket.start_grad_sync(async_op=True)
+            self._next_bucket += 1
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally, without communication (megatron's config.no_sync_func)."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def finish_grad_sync(self) -> None:
+        """Wait for every bucket's all-reduce (issuing those not issued yet, in order); afterwards each
+        `.grad` holds the mean over the DP group of the gradients accumulated since the last zero_grad."""
+        for bucket in self.buckets:
+            bucket.finish_grad_sync()
+        self._next_bucket = 0
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """Zero the bucket buffers, keeping `.grad` as views into them (`set_to_none` is ignored: the
+        buffers are the gradients' storage, as with megatron's `zero_grad_buffer`)."""
+        for bucket in self.buckets:
+            bucket.zero()
+
+
+def local_batch(batch: torch.Tensor, group: dist.ProcessGroup, dim: int = 0) -> torch.Tensor:
+    """This rank's contiguous 1/dp slice of a global batch along `dim` (refuses sizes dp does not divide)."""
+    per_rank = divide(batch.shape[dim], group.size(), "the global batch size", by="the data-parallel size")
+    return batch.narrow(dim, dist.get_rank(group) * per_rank, per_rank)

@@ -1,0 +1,200 @@
+"""Worker for test_fsdp_tp.py: `torchrun --nproc-per-node 4 fsdp_tp_worker.py OUTDIR` (TP 2 x DP 2).
+
+Trains the test transformer for a few SGD steps as reference FSDP x TP (shard_tp_model), with and without
+sequence parallelism, next to its oracles: the single-process model on the whole batch, and PyTorch's own
+composition (FSDP2 `fully_shard` on the "dp" dimension of a 2D DeviceMesh over DTensor TP from
+`parallelize_module`) built from the same unsharded model. Also records one step of the TP-only model on the
+local batch (its TP collectives) and the bad-input errors. Each rank writes OUTDIR/rank{r}.json.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
+                                               parallelize_module)
+
+from common import finish, full_tensor, init
+from reference.data_parallel import local_batch
+from reference.data_parallel.fsdp_tp import shard_tp_model
+from reference.parallel_state import ParallelConfigError, build_layout
+from reference.recorder import CollectiveRecorder
+from reference.tensor_parallel.layers import allreduce_sequence_parallel_grads
+from reference.tensor_parallel.transformer import ParallelTransformer
+from reference.tensor_parallel.unsharded import Transformer
+
+# hidden 12: qkv's bias shard (18 floats) is not a multiple of 16 bytes, so the flat layout has alignment padding
+H, HEADS, LAYERS, S, B, STEPS, SEED, LR = 12, 2, 2, 8, 4, 3, 1234, 0.1
+DEVICE = torch.device("cpu")
+
+
+def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(5)
+    return [(torch.randn(S, B, H, generator=g), torch.randn(S, B, H, generator=g)) for _ in range(STEPS)]
+
+
+def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ((out - target) ** 2).mean()
+
+
+def single_process() -> tuple[list[float], dict[str, torch.Tensor]]:
+    torch.manual_seed(SEED)
+    model = Transformer(LAYERS, H, HEADS, device=DEVICE)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for x, target in batches():
+        loss = loss_fn(model(x), target)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def dtensor_plan(sp: bool) -> dict:
+    if not sp:
+        return {"attention.qkv": ColwiseParallel(), "attention.proj": RowwiseParallel(),
+                "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()}
+    return {"ln1": SequenceParallel(sequence_dim=0), "attention.qkv": ColwiseParallel(input_layouts=Shard(0)),
+            "attention.proj": RowwiseParallel(output_layouts=Shard(0)), "ln2": SequenceParallel(sequence_dim=0),
+            "mlp.fc1": ColwiseParallel(input_layouts=Shard(0)), "mlp.fc2": RowwiseParallel(output_layouts=Shard(0))}
+
+
+def events(rec: CollectiveRecorder) -> list[dict]:
+    return [{"op": e.op, "group": list(e.group_ranks), "nbytes": e.nbytes, "phase": e.phase} for e in rec.events]
+
+
+def train(model, step_fn, layout) -> tuple[list[float], list[list[dict]]]:
+    """STEPS SGD steps; `step_fn(x, target)` runs forward + backward (+ gradient finishing) on the local batch."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    losses, records = [], []
+    for x, target in batches():
+        with CollectiveRecorder() as rec:
+            loss = step_fn(local_batch(x, layout.dp_group, dim=1), local_batch(target, layout.dp_group, dim=1))
+        records.append(events(rec))
+        optimizer.step()
+        optimizer.zero_grad()
+        mean = torch.tensor([loss.item()], dtype=torch.float64)
+        dist.all_reduce(mean, group=layout.dp_group)
+        losses.append(mean.item() / layout.dp_size)
+    return losses, records
+
+
+def run_reference(layout, sp: bool) -> dict:
+    torch.manual_seed(SEED)
+    model = shard_tp_model(ParallelTransformer(LAYERS, H, HEADS, tp_group=layout.tp_group, sequence_parallel=sp,
+                                               device=DEVICE), layout)
+
+    def step(x, target):
+        loss = loss_fn(model(x), target)
+        loss.backward()
+        if sp:  # the TP sum of the partial LayerNorm / row-bias gradients, on FSDP's sharded gradients
+            allreduce_sequence_parallel_grads(model, layout.tp_group)
+        return loss
+
+    losses, records = train(model, step, layout)
+    params = {n: full_tensor(n.rsplit(".", 1)[0], n.rsplit(".", 1)[1], t, layout.tp_group)
+              for n, t in model.full_parameters().items()}
+    units = [{"name": h.name, "numel": h.numel, "padded_numel": h.padded_numel, "shard_numel": h.shard_numel,
+              "param_numel": h.param_numel} for h in model.handles()]
+    return {"losses": losses, "steps": records, "params": params, "units": units}
+
+
+def run_fsdp2(mesh, layout, sp: bool) -> dict:
+    torch.manual_seed(SEED)
+    model = Transformer(LAYERS, H, HEADS, device=DEVICE)
+    for block in model.layers:
+        parallelize_module(block, mesh["tp"], dtensor_plan(sp))
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+
+    def step(x, target):
+        if sp:  # enter and leave the sequence-parallel region the DTensor way (split / all-gather)
+            local = DTensor.from_local(x, mesh["tp"], [Replicate()]).redistribute(mesh["tp"], [Shard(0)]).to_local()
+            out = DTensor.from_local(model(local), mesh["tp"], [Shard(0)]).full_tensor()
+        else:
+            out = model(x)
+        loss = loss_fn(out, target)
+        loss.backward()
+        return loss
+
+    losses, records = train(model, step, layout)
+    return {"losses": losses, "steps": records,
+            "params": {n: p.full_tensor().detach() for n, p in model.named_parameters()}}
+
+
+def tp_only_step(layout, sp: bool) -> list[dict]:
+    """One forward + backward of the TP-only model on the same local batch: its TP collectives."""
+    torch.manual_seed(SEED)
+    model = ParallelTransformer(LAYERS, H, HEADS, tp_group=layout.tp_group, sequence_parallel=sp, device=DEVICE)
+    x, target = batches()[0]
+    with CollectiveRecorder() as rec:
+        loss_fn(model(local_batch(x, layout.dp_group, dim=1)), local_batch(target, layout.dp_group, dim=1)).backward()
+    return events(rec)
+
+
+def bad_input(layout) -> dict[str, str]:
+    errors = {}
+
+    def capture(key, build):
+        try:
+            shard_tp_model(build(), layout)
+        except ParallelConfigError as error:
+            errors[key] = str(error)
+
+    def full_weight():
+        model = ParallelTransformer(1, H, HEADS, tp_group=layout.tp_group, device=DEVICE)
+        model.layers[0].attention.qkv.weight = torch.nn.Parameter(torch.zeros(3 * H, H))
+        return model
+
+    def uneven_plain_parameter():  # not TP-aware, and shaped differently on the two TP ranks
+        model = ParallelTransformer(1, H, HEADS, tp_group=layout.tp_group, device=DEVICE)
+        model.layers[0].register_parameter("extra", torch.nn.Parameter(torch.zeros(3 + 2 * layout.tp_rank)))
+        return model
+
+    capture("unsharded_model", lambda: Transformer(1, H, HEADS, device=DEVICE))
+    capture("full_weight", full_weight)
+    capture("uneven_plain_parameter", uneven_plain_parameter)
+    return errors
+
+
+def max_diff(ours: dict, theirs: dict) -> float:
+    assert ours.keys() == theirs.keys(), (sorted(ours), sorted(theirs))
+    return max((ours[n] - theirs[n]).abs().max().item() for n in ours)
+
+
+def main(outdir: Path) -> None:
+    init()
+    rank = dist.get_rank()
+    assert dist.get_world_size() == 4, "run on 4 ranks"
+    layout = build_layout(tp_size=2)  # TP [0,1] [2,3], DP [0,2] [1,3]
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))  # the same groups
+    assert dist.get_process_group_ranks(mesh["tp"].get_group()) == dist.get_process_group_ranks(layout.tp_group)
+    assert dist.get_process_group_ranks(mesh["dp"].get_group()) == dist.get_process_group_ranks(layout.dp_group)
+    single_losses, single_params = single_process()
+    result = {"rank": rank, "dp_group": dist.get_process_group_ranks(layout.dp_group),
+              "tp_group": dist.get_process_group_ranks(layout.tp_group), "diff": {}, "loss_diff": {}}
+    for sp in (False, True):
+        name = "sp" if sp else "plain"
+        ours, theirs = run_reference(layout, sp), run_fsdp2(mesh, layout, sp)
+        result["diff"][f"{name}/single"] = max_diff(ours["params"], single_params)
+        result["diff"][f"{name}/fsdp2"] = max_diff(ours["params"], theirs["params"])
+        result["diff"][f"fsdp2_{name}/single"] = max_diff(theirs["params"], single_params)
+        result["loss_diff"][f"{name}/single"] = max(abs(a - b) for a, b in zip(ours["losses"], single_losses))
+        result["loss_diff"][f"{name}/fsdp2"] = max(abs(a - b) for a, b in zip(ours["losses"], theirs["losses"]))
+        result[name] = {"steps": ours["steps"], "units": ours["units"], "fsdp2_steps": theirs["steps"],
+                        "tp_only": tp_only_step(layout, sp)}
+    result["bad_input"] = bad_input(layout)
+    (outdir / f"rank{rank}.json").write_text(json.dumps(result))
+    print(f"rank {rank}: fsdp x tp ok", flush=True)
+    finish()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
