@@ -11,6 +11,8 @@ from tests.tools.conftest import ROOT
 NO_PAGE = {
     "reference/__init__.py": "package marker",
     "reference/__main__.py": "the demo entry point",
+    "reference/distributed.py": "process-group start and clean teardown for demos, benchmarks and workers",
+    "reference/layout.py": "the command that prints a layout (parallel_state.py has the page)",
     "reference/model.py": "the plain model the FSDP tests shard (torchtitan style), mirrors nothing",
     "reference/tensor_parallel/unsharded.py": "the unsharded twin the TP tests compare against",
     "reference/tensor_parallel/demo.py": "demo",
