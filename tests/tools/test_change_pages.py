@@ -111,8 +111,8 @@ def test_render_writes_a_page_per_changed_or_deleted_region_and_an_index(bumped,
     assert sorted(found) == sorted(["index.md", CHANGED_PAGE, DELETED_PAGE])
     changed = found[CHANGED_PAGE]
     assert changed.startswith("# changed: pkg/mod.py L17–L19\n")
-    assert (f"- **Cited by:** [`reading_notes/layers.md.j2:5`](../layers.md), "
-            f"[`reading_notes/more/also.md.j2:3`](../more/also.md)\n") in changed
+    assert ("- **Cited by:** [`reading_notes/layers.md.j2:5`](../layers.md), "
+            "[`reading_notes/more/also.md.j2:3`](../more/also.md)\n") in changed
     assert (f"- **Old pin:** [L17–L19 @ `{a}`]({WEB}/blob/{commits['A']}/pkg/mod.py#L17-L19)\n"
             f"- **New pin:** [L20–L22 @ `{b}`]({WEB}/blob/{commits['B']}/pkg/mod.py#L20-L22) (`B`)\n") in changed
     assert f"The notes now cite `{MOD}#L20-L22`" in changed

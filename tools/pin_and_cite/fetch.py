@@ -63,13 +63,10 @@ def fetch_all(project: Project, report: Callable[[Fetched, int, int], None]) -> 
             source = project.pins.get(source_name)
             remote = project.remote(source)
             with project.store.lock(f"git {remote.url}"):
-                remote.fetch_objects([blob for _, blob, _ in wanted],
-                                     f"fetching {len(wanted)} file(s) of {source_name}")
+                data = remote.fetch_blobs([blob for _, blob, _ in wanted],
+                                          f"fetching {len(wanted)} file(s) of {source_name}")
                 for path, blob, note in wanted:
-                    data = remote.read(blob)
-                    if blob_sha(data) != blob:
-                        raise SourceUnavailable(f"{remote.url} sent bytes that do not hash to {blob} for {path}")
-                    project.store.put(blob, data)
+                    project.store.put(blob, data[blob])
                     done.append(Fetched(source_name, path, blob, remote.url, note))
                     report(done[-1], len(done), len(items))
     return done
@@ -88,9 +85,6 @@ def load_blob(project: Project, source_name: str, path: str, blob: str, allow_re
         raise SourceUnavailable(f"{source_name}:{path} (blob {blob[:12]}) is not fetched; run `pin-and-cite fetch`")
     remote = project.remote(project.pins.get(source_name))
     with project.store.lock(f"git {remote.url}"):
-        remote.fetch_objects([blob], f"fetching {path}")
-        data = remote.read(blob)
-    if blob_sha(data) != blob:
-        raise SourceUnavailable(f"{remote.url} sent bytes that do not hash to {blob} for {path}")
+        data = remote.fetch_blobs([blob], f"fetching {path}")[blob]
     project.store.put(blob, data)
     return data

@@ -10,8 +10,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from pin_and_cite.citation import Spec, parse_location
-from pin_and_cite.errors import PinAndCiteError, SourceUnavailable
-from pin_and_cite.gitobj import blob_sha
+from pin_and_cite.errors import PinAndCiteError
 from pin_and_cite.relocate import FilePair, Relocation
 from pin_and_cite.remote import Remote
 from pin_and_cite.resolve import split_lines
@@ -40,11 +39,7 @@ def fetch_files(remote: Remote, store: Store, wanted: dict[str, Iterable[str]], 
                 if found is not None:
                     data[oid] = found
         missing = sorted({oid for oid in blobs.values() if oid and oid not in data})
-        remote.fetch_objects(missing, f"fetching {len(missing)} file(s)")
-        for oid in missing:
-            raw = remote.read(oid)
-            if blob_sha(raw) != oid:
-                raise SourceUnavailable(f"{remote.url} sent bytes that do not hash to {oid}")
+        for oid, raw in remote.fetch_blobs(missing, f"fetching {len(missing)} file(s)").items():
             store.put(oid, raw)
             data[oid] = raw
     return {key: (data[oid] if oid else None) for key, oid in blobs.items()}

@@ -17,7 +17,7 @@ from git.db import GitDB
 from git.objects.fun import tree_entries_from_data
 
 from pin_and_cite.errors import PinAndCiteError, SourceUnavailable
-from pin_and_cite.gitobj import is_full_sha
+from pin_and_cite.gitobj import blob_sha, is_full_sha
 
 _SAFE_SCHEMES = ("https://", "http://", "git://", "ssh://", "file://")
 _SCP_LIKE = re.compile(r"[A-Za-z0-9._-]+@[A-Za-z0-9.-]+:[^:]")
@@ -124,6 +124,17 @@ class Remote:
             absent = [oid for oid in missing if not self.has(oid)]
             if absent:
                 raise SourceUnavailable(f"{self.url} did not send {len(absent)} object(s), e.g. {absent[0][:12]}")
+
+    def fetch_blobs(self, oids: list[str], what: str) -> dict[str, bytes]:
+        """Fetch these blobs in one request; return their bytes, each proven by its git hash."""
+        self.fetch_objects(oids, what)
+        found = {}
+        for oid in oids:
+            data = self.read(oid)
+            if blob_sha(data) != oid:
+                raise SourceUnavailable(f"{self.url} sent bytes that do not hash to {oid}")
+            found[oid] = data
+        return found
 
     def blob_ids(self, commit: str, paths: list[str]) -> dict[str, str | None]:
         """Each path's blob id at `commit` (None when the path is absent), walking only the trees needed."""
