@@ -13,7 +13,7 @@ NO_PAGE = {
     "reference/__main__.py": "the demo entry point",
     "reference/model.py": "the plain model the FSDP tests shard (torchtitan style), mirrors nothing",
     "reference/tensor_parallel/unsharded.py": "the unsharded twin the TP tests compare against",
-    "reference/tensor_parallel/demo.py": "demo",
+    "reference/gpt/demo.py": "demo",
     "reference/fsdp/demo.py": "demo",
     "reference/fsdp/tracing.py": "recorder scopes for the FSDP demo and tests",
 }
