@@ -114,7 +114,8 @@ class UnshardedGPT(torch.nn.Module):
         self.layers = torch.nn.ModuleList()
         for i in range(config.num_layers):
             with module_seed(seed, 1 + i):
-                self.layers.append(TransformerBlock(h, config.num_attention_heads, device="cpu", **config.block_kwargs()))
+                self.layers.append(TransformerBlock(h, config.num_attention_heads, device="cpu",
+                                                    **config.block_kwargs()))
         with module_seed(seed, 1 + config.num_layers):
             self.final_layernorm = torch.nn.LayerNorm(h)
             self.output_layer = torch.nn.utils.skip_init(torch.nn.Linear, h, config.vocab_size, bias=False)

@@ -30,7 +30,8 @@ def test_help_explains_every_flag():
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--pp", "4", "--num-layers", "2"], "4 pipeline stages need at least 4 transformer layers, the model has 2; lower --pp or raise --num-layers"),
+    (["--pp", "4", "--num-layers", "2"],
+     "4 pipeline stages need at least 4 transformer layers, the model has 2; lower --pp or raise --num-layers"),
     (["--micro-batches", "0"], "--steps, --batch-size and --micro-batches must be >= 1"),
     (["--hidden-size", "10"], "hidden_size (10) is not divisible by num_attention_heads (4)"),
 ])
