@@ -1,8 +1,8 @@
-"""`torchrun --nproc-per-node N -m reference [--fsdp] ...`: a few training steps, with the collectives printed.
+"""`torchrun --nproc-per-node N -m reference [--tp T --pp P --dp D | --fsdp] ...`: a few training steps.
 
-One parser for both demos so `--help` shows every flag. The tensor-parallel demo lives in
-`reference.tensor_parallel.demo`, the FSDP one in `reference.fsdp.demo`; each adds its own argument group
-and runs from the parsed arguments.
+One parser for both demos so `--help` shows every flag. The TP x PP x DP demo (the default; with --pp 1
+--dp 1 the tensor-parallel demo) lives in `reference.gpt.demo`, the FSDP one in `reference.fsdp.demo`; each
+adds its own argument group and runs from the parsed arguments.
 """
 from __future__ import annotations
 
@@ -10,20 +10,23 @@ import argparse
 from pathlib import Path
 
 from reference.fsdp import demo as fsdp_demo
-from reference.tensor_parallel import demo as tp_demo
+from reference.gpt import demo as gpt_demo
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="torchrun --nproc-per-node N -m reference",
-        description="Train a small transformer for a few steps with the reference tensor parallelism "
-                    "(default) or FSDP (--fsdp), printing the loss, the collectives of each step and the "
-                    "process-group layout. Uses CUDA/NCCL when a GPU is visible, else CPU/gloo.",
+        description="Train a small GPT for a few steps with the reference TP x PP x DP parallelism (default; "
+                    "e.g. --nproc-per-node 8 ... --tp 2 --pp 2 --dp 2) or FSDP (--fsdp), printing the layout, "
+                    "the loss and the collectives of each step per process group, and the pipeline schedule's "
+                    "bubble and peak in-flight micro-batches. Uses CUDA/NCCL when a GPU is visible, else "
+                    "CPU/gloo.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     common = parser.add_argument_group("model and data (both demos)")
-    common.add_argument("--fsdp", action="store_true", help="run the FSDP demo instead of tensor parallelism")
+    common.add_argument("--fsdp", action="store_true", help="run the FSDP demo instead of TP x PP x DP")
     common.add_argument("--steps", type=int, default=3, help="optimizer steps to run")
-    common.add_argument("--batch-size", type=int, default=2, help="micro-batch size b")
+    common.add_argument("--batch-size", type=int, default=2,
+                        help="micro-batch size b (default demo: the global batch is b x micro-batches x dp)")
     common.add_argument("--seq-length", type=int, default=16, help="sequence length s")
     common.add_argument("--hidden-size", type=int, default=64, help="hidden size h")
     common.add_argument("--num-attention-heads", type=int, default=4, help="attention heads")
@@ -35,15 +38,15 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--json", action="store_true", help="print one JSON object per step instead of text")
     common.add_argument("--trace", type=Path, default=None, metavar="DIR",
                         help="write the last step's recorded collectives and compute spans to "
-                             "DIR/{tp,fsdp}_trace.rank<r>.json")
-    tp_demo.add_arguments(parser.add_argument_group("tensor parallelism (default demo)"))
+                             "DIR/{gpt,fsdp}_trace.rank<r>.json")
+    gpt_demo.add_arguments(parser.add_argument_group("TP x PP x DP (default demo)"))
     fsdp_demo.add_arguments(parser.add_argument_group("FSDP (--fsdp)"))
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    (fsdp_demo if args.fsdp else tp_demo).run(args)
+    (fsdp_demo if args.fsdp else gpt_demo).run(args)
 
 
 if __name__ == "__main__":

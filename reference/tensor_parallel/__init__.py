@@ -9,7 +9,6 @@
   cross_entropy.py  loss parallelism: cross-entropy of vocabulary-split logits (max / sum all-reduces)
   vocab_parallel.py vocabulary-split embedding and LM head + loss (padding V to a multiple of TP)
   unsharded.py      the same model in plain PyTorch: the oracle, and what DTensor parallelizes
-  demo.py           `torchrun --nproc-per-node N -m reference`
 
 Process groups come from reference.parallel_state; reference.recorder records what goes over the wire.
 """

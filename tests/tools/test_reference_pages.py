@@ -15,7 +15,7 @@ NO_PAGE = {
     "reference/layout.py": "the command that prints a layout (parallel_state.py has the page)",
     "reference/model.py": "the plain model the FSDP tests shard (torchtitan style), mirrors nothing",
     "reference/tensor_parallel/unsharded.py": "the unsharded twin the TP tests compare against",
-    "reference/tensor_parallel/demo.py": "demo",
+    "reference/gpt/demo.py": "demo",
     "reference/fsdp/demo.py": "demo",
     "reference/fsdp/tracing.py": "recorder scopes for the FSDP demo and tests",
 }

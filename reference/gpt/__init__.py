@@ -1,0 +1,6 @@
+"""A small GPT split into pipeline stages, and its TP x PP x DP training step. Read in this order:
+
+  model.py  GPTConfig, the unsharded model, GPTStage (embedding / blocks / head of one stage), split_layers
+  train.py  one optimizer step: DP rows, micro-batches through the pipeline, gradient finalization, SGD
+  demo.py   `torchrun --nproc-per-node 8 -m reference --tp 2 --pp 2 --dp 2`
+"""

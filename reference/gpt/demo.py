@@ -1,0 +1,136 @@
+"""`torchrun --nproc-per-node 8 -m reference --tp 2 --pp 2 --dp 2`: train the small GPT with TP x PP x DP.
+
+Prints the layout, then per step the global loss and rank 0's collectives grouped by the process group
+they ran on (tp, pp, dp) and by type (count and bytes, from the CollectiveRecorder), then for each pipeline
+stage the schedule it ran, its peak number of micro-batches in flight (as the schedule counted them and as
+autograd held them) and its bubble next to the formula (p - 1) / (m + p - 1). With --pp 1 --dp 1 this is the
+tensor-parallel demo. The loss does not depend on the layout, the schedule or the number of micro-batches:
+the same seed gives the same model and data everywhere (compare `--nproc-per-node 1` with 8).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from reference.distributed import LaunchError, distributed
+from reference.gpt.model import GPTConfig, build_stage, split_layers
+from reference.gpt.train import synthetic_batches, train_step
+from reference.parallel_state import ParallelConfigError, ParallelLayout, build_layout
+from reference.pipeline.schedules import SCHEDULES
+from reference.recorder import CollectiveRecorder
+
+
+def add_arguments(group) -> None:
+    """Add the 3D-parallel flags to the shared parser's argument group."""
+    group.add_argument("--tp", type=int, default=1, help="tensor-parallel size: ranks splitting every layer")
+    group.add_argument("--pp", type=int, default=1, help="pipeline-parallel size: stages of consecutive layers")
+    group.add_argument("--dp", type=int, default=None,
+                       help="data-parallel size: model replicas; default: world / (tp x pp). tp x pp x dp must "
+                            "equal the world size")
+    group.add_argument("--schedule", choices=SCHEDULES, default="1f1b",
+                       help="pipeline schedule: all forwards then all backwards (gpipe), or one-forward-one-"
+                            "backward after a warm-up (1f1b: at most pp micro-batches in flight)")
+    group.add_argument("--micro-batches", type=int, default=4,
+                       help="micro-batches m per step and replica; the bubble is (pp - 1) / (m + pp - 1)")
+    group.add_argument("--sequence-parallel", action="store_true",
+                       help="split LayerNorm/dropout/residual activations along the sequence over TP: each "
+                            "all-reduce becomes an all-gather + reduce-scatter, stages exchange [s/tp, b, h]")
+    group.add_argument("--vocab-size", type=int, default=128, help="vocabulary size (padded to a multiple of tp)")
+    group.add_argument("--dropout", type=float, default=0.0, help="hidden and attention dropout probability")
+    group.add_argument("--no-async-grad-allreduce", action="store_true",
+                       help="wait for the input-gradient all-reduce/reduce-scatter before computing the weight "
+                            "gradient, instead of overlapping the two")
+
+
+def _config(args) -> GPTConfig:
+    """Everything that can be checked before starting the processes: one-line errors, no hang."""
+    if args.steps < 1 or args.batch_size < 1 or args.micro_batches < 1:
+        raise ParallelConfigError("--steps, --batch-size and --micro-batches must be >= 1")
+    config = GPTConfig(vocab_size=args.vocab_size, hidden_size=args.hidden_size,
+                       num_attention_heads=args.num_attention_heads, num_layers=args.num_layers,
+                       seq_length=args.seq_length, hidden_dropout=args.dropout, attention_dropout=args.dropout)
+    split_layers(config.num_layers, args.pp)
+    return config
+
+
+def run(args) -> None:
+    try:
+        config = _config(args)
+        with distributed(args.device) as device:
+            _train(args, config, device)
+    except (LaunchError, ParallelConfigError) as error:
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"reference: error: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
+def _train(args, config: GPTConfig, device: torch.device) -> None:
+    layout = build_layout(args.tp, args.pp, args.dp)
+    rank, text = dist.get_rank(), not args.json
+    if rank == 0 and text:
+        print(layout.describe(), flush=True)
+    stage = build_stage(config, layout, sequence_parallel=args.sequence_parallel, seed=args.seed, device=device,
+                        async_grad_allreduce=not args.no_async_grad_allreduce)
+    optimizer = torch.optim.SGD(stage.parameters(), lr=args.lr)
+    global_batch = args.batch_size * args.micro_batches * layout.dp_size
+    recorder = CollectiveRecorder()
+    recorder.watch(stage)
+    for step, tokens in enumerate(synthetic_batches(config, args.steps, global_batch, args.seed)):
+        recorder.clear()
+        result = train_step(stage, optimizer, tokens, layout, num_micro_batches=args.micro_batches,
+                            schedule=args.schedule, device=device, record=recorder)
+        _report_step(args, step, result, recorder, layout)
+    stages = [None] * dist.get_world_size()
+    dist.all_gather_object(stages, result.pipeline.to_dict())
+    if rank == 0:
+        _report_pipeline(args, [stages[r] for r in layout.grid[:, 0, 0].tolist()])
+    if args.trace is not None:
+        args.trace.mkdir(parents=True, exist_ok=True)
+        (args.trace / f"gpt_trace.rank{rank}.json").write_text(recorder.to_json())
+
+
+def group_summary(recorder: CollectiveRecorder, layout: ParallelLayout) -> dict[str, dict]:
+    """This rank's recorded collectives by the group they ran on ("tp", "pp", "dp", else "other"), then type."""
+    names = {}
+    for name in ("dp", "pp", "tp"):  # a later name wins where two groups hold the same ranks
+        names[tuple(dist.get_process_group_ranks(getattr(layout, f"{name}_group")))] = name
+    by_group: dict[str, list] = {"tp": [], "pp": [], "dp": []}
+    for event in recorder.events:
+        by_group.setdefault(names.get(event.group_ranks, "other"), []).append(event)
+    return {name: recorder.summary(events=events) for name, events in by_group.items()}
+
+
+def _report_step(args, step, result, recorder, layout) -> None:
+    if dist.get_rank() != 0:
+        return
+    groups = group_summary(recorder, layout)
+    seconds = result.pipeline.total_s
+    if args.json:
+        print(json.dumps({"step": step, "loss": result.loss, "seconds": seconds,
+                          "layout": {"tp": layout.tp_size, "pp": layout.pp_size, "dp": layout.dp_size},
+                          "schedule": args.schedule, "micro_batches": args.micro_batches,
+                          "collectives": groups}), flush=True)
+        return
+    def fmt(ops):
+        return ", ".join(f"{op} x{v['count']} ({v['bytes']} B)" for op, v in ops.items()) or "none"
+    print(f"step {step}: loss {result.loss:.6f} ({seconds * 1e3:.1f} ms) | "
+          + " | ".join(f"{name}: {fmt(ops)}" for name, ops in groups.items()), flush=True)
+
+
+def _report_pipeline(args, stages: list[dict]) -> None:
+    if args.json:
+        print(json.dumps({"pipeline": stages}), flush=True)
+        return
+    p, m = len(stages), args.micro_batches
+    print(f"pipeline: {args.schedule if p > 1 else 'no pipelining (pp 1)'}, pp {p}, {m} micro-batches "
+          f"(last step, one rank per stage)", flush=True)
+    for s in stages:
+        expected = 1 if p == 1 else (m if args.schedule == "gpipe" else min(p - s["pp_rank"], m))
+        print(f"  stage {s['pp_rank']}: {' '.join(s['actions'])}\n"
+              f"    peak in flight {s['peak_in_flight']} micro-batches (autograd held {s['peak_in_flight_measured']},"
+              f" {s['peak_activation_bytes']} B; expected {expected}), bubble {s['bubble']:.2f} "
+              f"(formula (p-1)/(m+p-1) = {s['bubble_formula']:.2f})", flush=True)

@@ -1,0 +1,6 @@
+"""Pipeline parallelism, one mechanism per file. Read in this order:
+
+  p2p.py        send/recv of activations and their gradients between adjacent stages
+  schedules.py  GPipe and 1F1B: the order of forwards and backwards, measured bubble and in-flight peak
+  in_flight.py  how many micro-batches' activations autograd really keeps alive
+"""

@@ -1,0 +1,73 @@
+"""Point-to-point transfers between adjacent pipeline stages: activations forward, their gradients backward.
+
+Shapes and dtype are known in advance (every micro-batch has the same [s, b, h], or [s / tp, b, h] under
+sequence parallelism), so the receiver allocates its buffer and no shape is exchanged, as Megatron does when
+`variable_seq_lengths` is off. Each call is one round of isend/irecv with one neighbour, waited before
+returning. Within a round even and odd stages issue their operations in opposite orders (Megatron's
+`_p2p_ops`), so a pair's send always meets the peer's receive first: with NCCL, whose send to a peer
+cannot finish before the peer posts the matching receive, the combined send-forward/recv-backward of the
+1F1B steady state would otherwise deadlock against the neighbour's send-backward/recv-forward.
+
+Counterpart: megatron/core/pipeline_parallel/p2p_communication.py::P2PCommunicator (recv_forward,
+send_forward, recv_backward, send_backward, send_forward_recv_backward, send_backward_recv_forward) and
+::_p2p_ops. Megatron pairs the two directions on different communicators when the PP group has two ranks,
+to overlap them; here one group carries both.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class PipelineP2P:
+    """The four transfers of one stage; at the pipeline's ends the missing neighbour's transfers are no-ops
+    (receives return None)."""
+
+    def __init__(self, pp_group: dist.ProcessGroup, shape: tuple[int, ...], dtype: torch.dtype,
+                 device: torch.device):
+        self.group, self.shape, self.dtype, self.device = pp_group, tuple(shape), dtype, device
+        rank, size = pp_group.rank(), pp_group.size()
+        self.is_first, self.is_last, self.even = rank == 0, rank == size - 1, rank % 2 == 0
+        self.prev = None if self.is_first else dist.get_global_rank(pp_group, rank - 1)
+        self.next = None if self.is_last else dist.get_global_rank(pp_group, rank + 1)
+
+    def _communicate(self, *, send_next=None, send_prev=None, recv_prev=False, recv_next=False,
+                     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """One round; returns (tensor from prev, tensor from next). Received activations require grad."""
+        from_prev = self._buffer() if recv_prev and self.prev is not None else None
+        from_next = self._buffer() if recv_next and self.next is not None else None
+        ops = {"send_next": (dist.isend, send_next if self.next is not None else None, self.next),
+               "recv_prev": (dist.irecv, from_prev, self.prev),
+               "send_prev": (dist.isend, send_prev if self.prev is not None else None, self.prev),
+               "recv_next": (dist.irecv, from_next, self.next)}
+        order = (("send_next", "recv_prev", "send_prev", "recv_next") if self.even
+                 else ("recv_prev", "send_next", "recv_next", "send_prev"))
+        works = [op(tensor.contiguous() if op is dist.isend else tensor, peer, group=self.group)
+                 for op, tensor, peer in (ops[name] for name in order) if tensor is not None]
+        for work in works:
+            work.wait()
+        if from_prev is not None:
+            from_prev.requires_grad_()
+        return from_prev, from_next
+
+    def _buffer(self) -> torch.Tensor:
+        return torch.empty(self.shape, dtype=self.dtype, device=self.device)
+
+    def recv_forward(self) -> torch.Tensor | None:
+        return self._communicate(recv_prev=True)[0]
+
+    def send_forward(self, output: torch.Tensor) -> None:
+        self._communicate(send_next=output.detach())
+
+    def recv_backward(self) -> torch.Tensor | None:
+        return self._communicate(recv_next=True)[1]
+
+    def send_backward(self, input_grad: torch.Tensor | None) -> None:
+        self._communicate(send_prev=input_grad)
+
+    def send_forward_recv_backward(self, output: torch.Tensor) -> torch.Tensor | None:
+        """1F1B steady state: the output of this forward goes on, the gradient of an older one comes back."""
+        return self._communicate(send_next=output.detach(), recv_next=True)[1]
+
+    def send_backward_recv_forward(self, input_grad: torch.Tensor | None) -> torch.Tensor | None:
+        return self._communicate(send_prev=input_grad, recv_prev=True)[0]

@@ -1,0 +1,216 @@
+"""Pipeline schedules: in which order a stage runs the forwards (F) and backwards (B) of m micro-batches.
+
+  GPipe: F0 .. F(m-1), then B0 .. B(m-1). Every stage holds the activations of all m micro-batches.
+  1F1B:  warm-up of w = min(p - 1 - r, m) forwards on stage r, then one forward + one backward until the
+         forwards run out, then the remaining w backwards (cool-down). Stage r never holds more than
+         min(p - r, m) micro-batches: p on the first stage, whatever m is.
+Both idle for the same bubble, (p - 1) / (m + p - 1) of the time with uniform micro-batches: 1F1B saves
+memory, not time. With one stage there is no pipeline: F0 B0 F1 B1 ...
+
+Data parallelism plugs in as in Megatron: `no_sync` (config.no_sync_func) is entered before the first
+micro-batch and left before the last backward, so a DDP-like wrapper reduces gradients only once, and
+`finalize_grads` (config.finalize_model_grads_func) runs after the last backward. Each micro-batch's loss
+is scaled by 1/m before its backward, so the gradients are those of the mean over micro-batches.
+
+Counterparts: megatron/core/pipeline_parallel/schedules.py::forward_backward_pipelining_without_interleaving
+(1F1B), ::forward_backward_no_pipelining (one stage), ::forward_step and ::backward_step; GPipe as in
+torch/distributed/pipelining/schedules.py::ScheduleGPipe. Megatron also frees each sent output's data
+(deallocate_output_tensor); this reference does not.
+
+Measured, per stage: the action order, the peak number of micro-batches in flight both as the schedule
+counts them and as autograd really keeps them (reference.pipeline.in_flight), and the bubble: the idle
+fraction of the time between two barriers of the PP group around the schedule, the busy time being the sum
+of this stage's forward and backward steps (their TP collectives included, the waits for p2p excluded).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from reference.parallel_state import ParallelConfigError
+from reference.pipeline.in_flight import InFlightActivations
+from reference.pipeline.p2p import PipelineP2P
+
+SCHEDULES = ("gpipe", "1f1b")
+
+
+@dataclasses.dataclass
+class PipelineResult:
+    """What one stage did in one forward_backward call."""
+    schedule: str
+    pp_rank: int
+    pp_size: int
+    num_micro_batches: int
+    losses: list[float]            # last stage: each micro-batch's loss (before the 1/m scaling); else []
+    actions: list[str]             # "F0", "B0", ... in the order run
+    peak_in_flight: int            # forwards whose backward had not run, as the schedule counted them
+    peak_in_flight_measured: int   # micro-batches whose saved activations autograd still held
+    peak_activation_bytes: int     # bytes of those saved activations at their peak
+    busy_s: float
+    total_s: float
+
+    @property
+    def bubble(self) -> float:
+        return 1.0 - self.busy_s / self.total_s if self.total_s > 0 else 0.0
+
+    @property
+    def bubble_formula(self) -> float:
+        p, m = self.pp_size, self.num_micro_batches
+        return (p - 1) / (m + p - 1)
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "bubble": self.bubble, "bubble_formula": self.bubble_formula}
+
+
+class _GradSync:
+    """Megatron's disable_grad_sync / enable_grad_sync around the user's no_sync context."""
+
+    def __init__(self, no_sync: Callable[[], contextlib.AbstractContextManager]):
+        self.no_sync, self.context = no_sync, None
+
+    def disable(self) -> None:
+        if self.context is None:
+            self.context = self.no_sync()
+            self.context.__enter__()
+
+    def enable(self) -> None:
+        if self.context is not None:
+            self.context.__exit__(None, None, None)
+            self.context = None
+
+
+class _Steps:
+    """forward_step / backward_step of one stage, timed, counted and measured."""
+
+    def __init__(self, stage: torch.nn.Module, micro_batches: Sequence[tuple], is_last: bool):
+        self.stage, self.micro_batches, self.is_last = stage, micro_batches, is_last
+        self.meter = InFlightActivations()
+        self.actions: list[str] = []
+        self.losses: list[float] = []
+        self.in_flight = self.peak_in_flight = 0
+        self.busy_s = 0.0
+
+    def _timed(self, name: str, fn, *args):
+        start = time.perf_counter()
+        out = fn(*args)
+        self.busy_s += time.perf_counter() - start
+        self.actions.append(name)
+        return out
+
+    def forward(self, i: int, input_tensor: torch.Tensor | None) -> torch.Tensor:
+        def run():
+            with self.meter.forward(i):
+                output = self.stage(input_tensor, *self.micro_batches[i])
+            if self.is_last:  # the loss: keep it, scale it for the mean over micro-batches
+                self.losses.append(output.item())
+                output = output / len(self.micro_batches)
+            return output
+        output = self._timed(f"F{i}", run)
+        self.in_flight += 1
+        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+        return output
+
+    def backward(self, i: int, input_tensor, output, output_grad) -> torch.Tensor | None:
+        def run():
+            torch.autograd.backward(output, grad_tensors=output_grad)  # output_grad None: output is the loss
+            return None if input_tensor is None else input_tensor.grad
+        input_grad = self._timed(f"B{i}", run)
+        self.in_flight -= 1
+        return input_grad
+
+
+def _no_pipelining(steps: _Steps, sync: _GradSync) -> None:
+    m = len(steps.micro_batches)
+    sync.disable()
+    for i in range(m):
+        if i == m - 1:
+            sync.enable()
+        steps.backward(i, None, steps.forward(i, None), None)
+
+
+def _gpipe(steps: _Steps, p2p: PipelineP2P, sync: _GradSync) -> None:
+    m, kept = len(steps.micro_batches), []
+    sync.disable()
+    for i in range(m):
+        input_tensor = p2p.recv_forward()
+        output = steps.forward(i, input_tensor)
+        p2p.send_forward(output)
+        kept.append((input_tensor, output))
+    for i in range(m):
+        if i == m - 1:
+            sync.enable()
+        input_tensor, output = kept[i]
+        kept[i] = None  # drop the references: autograd frees the graph after the backward
+        p2p.send_backward(steps.backward(i, input_tensor, output, p2p.recv_backward()))
+
+
+def _one_f_one_b(steps: _Steps, p2p: PipelineP2P, sync: _GradSync) -> None:
+    m, p, r = len(steps.micro_batches), p2p.group.size(), p2p.group.rank()
+    warmup = min(p - 1 - r, m)
+    remaining = m - warmup
+    queue: list[tuple[int, torch.Tensor | None, torch.Tensor]] = []  # (micro-batch, input, output), oldest first
+    sync.disable()
+    for i in range(warmup):
+        input_tensor = p2p.recv_forward()
+        output = steps.forward(i, input_tensor)
+        p2p.send_forward(output)
+        queue.append((i, input_tensor, output))
+    input_tensor = p2p.recv_forward() if remaining else None
+    for i in range(remaining):  # steady state: F(warmup + i), then B(i)
+        last = i == remaining - 1
+        output = steps.forward(warmup + i, input_tensor)
+        output_grad = p2p.send_forward_recv_backward(output)
+        queue.append((warmup + i, input_tensor, output))
+        j, old_input, old_output = queue.pop(0)
+        if warmup == 0 and last:
+            sync.enable()
+        input_grad = steps.backward(j, old_input, old_output, output_grad)
+        if last:
+            p2p.send_backward(input_grad)
+        else:
+            input_tensor = p2p.send_backward_recv_forward(input_grad)
+    for i in range(warmup):  # cool-down
+        if i == warmup - 1:
+            sync.enable()
+        j, old_input, old_output = queue.pop(0)
+        p2p.send_backward(steps.backward(j, old_input, old_output, p2p.recv_backward()))
+
+
+def forward_backward(schedule: str, stage: torch.nn.Module, micro_batches: Sequence[tuple], *,
+                     pp_group: dist.ProcessGroup, activation_shape: tuple[int, ...],
+                     no_sync: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                     finalize_grads: Callable[[], None] | None = None, dtype: torch.dtype = torch.float32,
+                     device: torch.device | None = None) -> PipelineResult:
+    """Run forward and backward of every micro-batch on this stage with `schedule` ("gpipe" or "1f1b").
+
+    stage(hidden, *micro_batch) is called per micro-batch (hidden: None on the first stage, else received);
+    on the last stage it returns the micro-batch's scalar loss. activation_shape: what goes between stages.
+    """
+    if schedule not in SCHEDULES:
+        raise ParallelConfigError(f"unknown pipeline schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    if len(micro_batches) < 1:
+        raise ParallelConfigError("the pipeline needs at least one micro-batch")
+    p, r = pp_group.size(), pp_group.rank()
+    steps, sync = _Steps(stage, micro_batches, is_last=r == p - 1), _GradSync(no_sync)
+    if p > 1:
+        dist.barrier(group=pp_group)  # a common start for the bubble
+    start = time.perf_counter()
+    if p == 1:
+        _no_pipelining(steps, sync)
+    else:
+        p2p = PipelineP2P(pp_group, activation_shape, dtype, device or torch.device("cpu"))
+        (_gpipe if schedule == "gpipe" else _one_f_one_b)(steps, p2p, sync)
+        dist.barrier(group=pp_group)  # a common end
+    total = time.perf_counter() - start
+    sync.enable()
+    if finalize_grads is not None:
+        finalize_grads()
+    return PipelineResult(schedule=schedule, pp_rank=r, pp_size=p, num_micro_batches=len(micro_batches),
+                          losses=steps.losses, actions=steps.actions, peak_in_flight=steps.peak_in_flight,
+                          peak_in_flight_measured=steps.meter.peak_micro_batches,
+                          peak_activation_bytes=steps.meter.peak_bytes, busy_s=steps.busy_s, total_s=total)

@@ -1,0 +1,73 @@
+"""Pipeline parallelism: TP x PP x DP training equals the unsharded GPT, schedules run the textbook order
+(and torch.distributed.pipelining's schedule IR), 1F1B holds fewer micro-batches than GPipe, failures end."""
+import json
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleGPipe, _ComputationType
+
+from tests.launch import torchrun
+from tests.reference.gpus import CUDA_ENV, require_gpus
+
+WORKERS = Path(__file__).parent / "workers"
+
+
+def results(out: str) -> list[dict]:
+    return [json.loads(line.split("RESULT ", 1)[1]) for line in out.splitlines() if "RESULT {" in line]
+
+
+def torch_order(schedule: str, pp: int, stage: int, m: int) -> list[str]:
+    """The compute actions torch.distributed.pipelining plans for this stage (idle slots and grad
+    reductions dropped)."""
+    cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+    plan = cls(SimpleNamespace(num_stages=pp), m).pipeline_order[stage]
+    names = {_ComputationType.FORWARD: "F", _ComputationType.FULL_BACKWARD: "B"}
+    return [f"{names[a.computation_type]}{a.microbatch_index}" for a in plan
+            if a is not None and a.computation_type in names]
+
+
+def check(runs: list[dict], world: int) -> None:
+    assert len({r["rank"] for r in runs}) == world
+    for r in runs:
+        assert r["max_loss_diff"] < 2e-6 and r["max_weight_diff"] < 2e-6, r
+        pp, m, stage = r["layout"][1], r["m"], r["pp_rank"]
+        if pp == 1 or m < pp:  # torch's Schedule1F1B refuses m < pp (Megatron runs it; the worker checks it)
+            continue
+        expected = torch_order(r["schedule"], pp, stage, m)
+        if r["schedule"] == "1f1b" and stage == pp - 1:
+            # torch 2.13's Schedule1F1B._get_pipeline_order numbers the last stage's forwards from 1
+            # (F1 .. Fm where F0 .. F(m-1) run); its runtime _step_microbatches runs F0 first, as we do.
+            expected = [f"F{int(a[1:]) - 1}" if a[0] == "F" else a for a in expected]
+        assert r["actions"] == expected, r
+    for key in {(tuple(r["layout"]), r["sp"], r["m"], r["pp_rank"]) for r in runs}:
+        (tp, pp, dp), sp, m, stage = key
+        peak = {r["schedule"]: r["peak"] for r in runs
+                if (tuple(r["layout"]), r["sp"], r["m"], r["pp_rank"]) == key}
+        if pp > 1:
+            assert peak == {"gpipe": m, "1f1b": min(pp - stage, m)}, (key, peak)
+            if m > pp:
+                assert peak["1f1b"] < peak["gpipe"], (key, peak)
+
+
+def test_tp_pp_dp_training_equals_unsharded_for_both_schedules_world4():
+    runs = results(torchrun(WORKERS / "pipeline_worker.py", 4, timeout=240))
+    assert len(runs) == 4 * 5 * 2  # ranks x layouts x schedules
+    check(runs, 4)
+
+
+def test_rank_failing_mid_pipeline_ends_the_run_in_bounded_time():
+    start = time.monotonic()
+    with pytest.raises(pytest.fail.Exception) as failure:
+        torchrun(WORKERS / "pipeline_crash_worker.py", 2, timeout=90)
+    message = str(failure.value)
+    assert "timed out" not in message and time.monotonic() - start < 90
+    assert "simulated crash of stage 1" in message
+    assert "unreachable on rank 0" not in message
+
+
+@pytest.mark.cuda
+def test_tp_pp_dp_training_equals_unsharded_world4_cuda():
+    require_gpus(4)
+    check(results(torchrun(WORKERS / "pipeline_worker.py", 4, timeout=240, env=CUDA_ENV)), 4)

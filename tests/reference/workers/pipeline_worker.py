@@ -1,0 +1,125 @@
+"""TP x PP x DP training of the GPT against the unsharded model, for both schedules and several layouts.
+
+Every rank asserts: the loss curve and its final weights equal the single-process UnshardedGPT's from the
+same seed and data, each stage ran the textbook action order, and the peak number of micro-batches in
+flight (counted by the schedule and measured from autograd's saved tensors) is GPipe's m and 1F1B's
+min(pp - stage, m). Each rank prints one "RESULT {json}" line per run for the test to cross-check.
+"""
+import functools
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+from common import assert_close, finish, full_tensor, gather_dim, init
+from reference.gpt.model import GPTConfig, UnshardedGPT, build_stage, split_layers
+from reference.gpt.train import split_batch, synthetic_batches, train_step
+from reference.parallel_state import ParallelConfigError, build_layout
+from reference.pipeline.schedules import forward_backward
+
+device = init()
+assert dist.get_world_size() == 4, "run on 4 ranks"
+CONFIG = GPTConfig(vocab_size=51, hidden_size=16, num_attention_heads=4, num_layers=4, seq_length=8)
+SEED, STEPS, LR = 1234, 3, 0.5
+# (tp, pp, dp, sequence_parallel, micro-batches) on 4 ranks, micro-batch size 1; world 8 (tp2 pp2 dp2) is
+# covered by tests/reference/test_gpt_demo.py
+LAYOUTS = [(1, 4, 1, False, 6), (1, 4, 1, False, 2), (2, 2, 1, True, 4), (1, 2, 2, False, 3), (2, 1, 2, False, 2)]
+
+
+@functools.cache
+def unsharded_run(global_batch: int):
+    """Losses and final weights of the single-process model on the same batches."""
+    model = UnshardedGPT(CONFIG, SEED)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for tokens in synthetic_batches(CONFIG, STEPS, global_batch, SEED):
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, {name: p.detach() for name, p in model.named_parameters()}
+
+
+def textbook(schedule: str, p: int, r: int, m: int) -> list[str]:
+    if p == 1:
+        return [a for i in range(m) for a in (f"F{i}", f"B{i}")]
+    if schedule == "gpipe":
+        return [f"F{i}" for i in range(m)] + [f"B{i}" for i in range(m)]
+    w = min(p - 1 - r, m)
+    return ([f"F{i}" for i in range(w)] + [a for i in range(m - w) for a in (f"F{w + i}", f"B{i}")]
+            + [f"B{i}" for i in range(m - w, m)])
+
+
+def unsharded_name(stage, name: str) -> str:
+    if name.startswith("layers."):
+        _, index, rest = name.split(".", 2)
+        return f"layers.{stage.first_layer + int(index)}.{rest}"
+    return name.replace("output_layer.output_layer.", "output_layer.")
+
+
+def full_parameter(name: str, param: torch.Tensor, tp_group) -> torch.Tensor:
+    if "word_embeddings" in name or name.startswith("output_layer"):  # vocabulary rows, padded to V_p
+        return gather_dim(param.detach(), 0, tp_group)[:CONFIG.vocab_size]
+    module, pname = name.rsplit(".", 1)
+    return full_tensor(module, pname, param.detach(), tp_group)
+
+
+def run(tp, pp, dp, sp, m, schedule) -> dict:
+    layout = build_layout(tp, pp, dp)
+    what = f"tp{tp} pp{pp} dp{dp} sp={sp} m={m} {schedule}"
+    stage = build_stage(CONFIG, layout, sequence_parallel=sp, seed=SEED, device=device)
+    optimizer = torch.optim.SGD(stage.parameters(), lr=LR)
+    expected_losses, expected_weights = unsharded_run(dp * m)
+    losses, results = [], []
+    for tokens in synthetic_batches(CONFIG, STEPS, dp * m, SEED):
+        step = train_step(stage, optimizer, tokens, layout, num_micro_batches=m, schedule=schedule, device=device)
+        losses.append(step.loss)
+        results.append(step.pipeline)
+    assert_close(torch.tensor(losses), torch.tensor(expected_losses), f"{what} losses", atol=2e-6, rtol=0)
+    weight_diff = 0.0
+    for name, param in stage.named_parameters():
+        full = full_parameter(name, param, layout.tp_group).cpu()
+        expected = expected_weights[unsharded_name(stage, name)]
+        assert_close(full, expected, f"{what} final {name}", atol=2e-6, rtol=1e-5)
+        weight_diff = max(weight_diff, (full - expected).abs().max().item())
+    r = layout.pp_rank
+    for result in results:
+        assert result.actions == textbook(schedule, pp, r, m), (what, r, result.actions)
+        peak = 1 if pp == 1 else (m if schedule == "gpipe" else min(pp - r, m))
+        assert result.peak_in_flight == result.peak_in_flight_measured == peak, (what, r, result)
+    last = results[-1]
+    return {"layout": [tp, pp, dp], "sp": sp, "m": m, "schedule": schedule, "rank": dist.get_rank(), "pp_rank": r,
+            "actions": last.actions, "peak": last.peak_in_flight_measured,
+            "peak_activation_bytes": last.peak_activation_bytes, "bubble": last.bubble,
+            "bubble_formula": last.bubble_formula,
+            "max_loss_diff": max(abs(a - b) for a, b in zip(losses, expected_losses)), "max_weight_diff": weight_diff}
+
+
+def bad_input() -> None:
+    """Refused before any communication, with one-line errors."""
+    cases = [(lambda: split_layers(2, 4), "4 pipeline stages need at least 4 transformer layers, the model has 2"),
+             (lambda: split_batch(torch.zeros(10, 9, dtype=torch.long), 2, 0, 3),
+              "a global batch of 10 sequences does not split into dp 2 x 3 micro-batches"),
+             (lambda: GPTConfig(hidden_size=10, num_attention_heads=4), "hidden_size (10) is not divisible"),
+             (lambda: forward_backward("zero-bubble", None, [()], pp_group=None, activation_shape=()),
+              "unknown pipeline schedule 'zero-bubble'"),
+             (lambda: forward_backward("1f1b", None, [], pp_group=None, activation_shape=()),
+              "at least one micro-batch")]
+    for fn, message in cases:
+        try:
+            fn()
+        except ParallelConfigError as error:
+            assert message in str(error) and "\n" not in str(error), (message, str(error))
+        else:
+            raise AssertionError(f"no error for: {message}")
+
+
+bad_input()
+for tp, pp, dp, sp, m in LAYOUTS:
+    for schedule in ("gpipe", "1f1b"):
+        print("RESULT " + json.dumps(run(tp, pp, dp, sp, m, schedule)), flush=True)
+print(f"pipeline worker ok on rank {dist.get_rank()}", flush=True)
+finish()
+sys.exit(0)
