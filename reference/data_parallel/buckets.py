@@ -85,8 +85,9 @@ class GradBucket:
     def start_grad_sync(self, async_op: bool) -> None:
         """Scale by 1/dp, then all-reduce (sum): the data-parallel mean, as both upstreams (scaling first
         keeps low-precision sums in range; at a power-of-two dp size the order does not change a bit)."""
-        self.grad_data.mul_(1.0 / self.group.size())
-        self.work = dist.all_reduce(self.grad_data, group=self.group, async_op=async_op)
+        if self.group.size() > 1:  # a replica of one: its gradient is already the mean
+            self.grad_data.mul_(1.0 / self.group.size())
+            self.work = dist.all_reduce(self.grad_data, group=self.group, async_op=async_op)
         self.started = True
 
     def finish_grad_sync(self) -> None:

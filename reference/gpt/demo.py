@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from reference.distributed import LaunchError, distributed
 from reference.gpt.model import GPTConfig, build_stage, split_layers
-from reference.gpt.train import synthetic_batches, train_step
+from reference.gpt.train import data_parallel, synthetic_batches, train_step
 from reference.parallel_state import ParallelConfigError, ParallelLayout, build_layout
 from reference.pipeline.schedules import SCHEDULES
 from reference.recorder import CollectiveRecorder
@@ -41,6 +41,11 @@ def add_arguments(group) -> None:
                             "all-reduce becomes an all-gather + reduce-scatter, stages exchange [s/tp, b, h]")
     group.add_argument("--vocab-size", type=int, default=128, help="vocabulary size (padded to a multiple of tp)")
     group.add_argument("--dropout", type=float, default=0.0, help="hidden and attention dropout probability")
+    group.add_argument("--bucket-size", type=int, default=25 * 2**20, metavar="BYTES",
+                       help="data-parallel gradient bucket size: one all-reduce per bucket over the DP group")
+    group.add_argument("--no-overlap-grad-reduce", action="store_true",
+                       help="issue the data-parallel bucket all-reduces after backward instead of as soon as "
+                            "each bucket's gradients are ready (during the last micro-batch's backward)")
     group.add_argument("--no-async-grad-allreduce", action="store_true",
                        help="wait for the input-gradient all-reduce/reduce-scatter before computing the weight "
                             "gradient, instead of overlapping the two")
@@ -48,8 +53,8 @@ def add_arguments(group) -> None:
 
 def _config(args) -> GPTConfig:
     """Everything that can be checked before starting the processes: one-line errors, no hang."""
-    if args.steps < 1 or args.batch_size < 1 or args.micro_batches < 1:
-        raise ParallelConfigError("--steps, --batch-size and --micro-batches must be >= 1")
+    if min(args.steps, args.batch_size, args.micro_batches, args.bucket_size) < 1:
+        raise ParallelConfigError("--steps, --batch-size, --micro-batches and --bucket-size must be >= 1")
     config = GPTConfig(vocab_size=args.vocab_size, hidden_size=args.hidden_size,
                        num_attention_heads=args.num_attention_heads, num_layers=args.num_layers,
                        seq_length=args.seq_length, hidden_dropout=args.dropout, attention_dropout=args.dropout)
@@ -75,13 +80,15 @@ def _train(args, config: GPTConfig, device: torch.device) -> None:
         print(layout.describe(), flush=True)
     stage = build_stage(config, layout, sequence_parallel=args.sequence_parallel, seed=args.seed, device=device,
                         async_grad_allreduce=not args.no_async_grad_allreduce)
-    optimizer = torch.optim.SGD(stage.parameters(), lr=args.lr)
+    model = data_parallel(stage, layout, bucket_size=args.bucket_size,
+                          overlap_grad_reduce=not args.no_overlap_grad_reduce)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
     global_batch = args.batch_size * args.micro_batches * layout.dp_size
     recorder = CollectiveRecorder()
     recorder.watch(stage)
     for step, tokens in enumerate(synthetic_batches(config, args.steps, global_batch, args.seed)):
         recorder.clear()
-        result = train_step(stage, optimizer, tokens, layout, num_micro_batches=args.micro_batches,
+        result = train_step(model, optimizer, tokens, layout, num_micro_batches=args.micro_batches,
                             schedule=args.schedule, device=device, record=recorder)
         _report_step(args, step, result, recorder, layout)
     stages = [None] * dist.get_world_size()

@@ -3,9 +3,11 @@
     global batch [B, s + 1] tokens, identical on every rank
       -> DP replica d takes rows [d B/dp, (d+1) B/dp)          (split_batch)
       -> m micro-batches of b = B / (dp m) rows, inputs tokens[:, :-1], labels tokens[:, 1:]
-      -> forward_backward(schedule, ...) on this stage, loss of each micro-batch scaled by 1/m
-      -> finalize_grads: sequence-parallel LayerNorm/bias grads summed over TP, then the mean over DP
-      -> SGD step on this stage's parameters
+      -> forward_backward(schedule, ...) on this stage, loss of each micro-batch scaled by 1/m, every
+         backward but the last under the data-parallel wrapper's no_sync (gradients accumulate locally)
+      -> the last backward issues the DP bucket all-reduces as buckets fill (overlapped with backward);
+         finalize_model_grads waits for them and sums the sequence-parallel LayerNorm/bias grads over TP
+      -> optimizer step on this stage's parameters
 The gradient is then that of the global batch's mean token loss, whatever tp, pp, dp and m are, so every
 layout trains exactly like the unsharded model (up to fp32 summation order).
 
@@ -13,23 +15,23 @@ Reported loss: the global batch's mean, on every rank. The last stage averages i
 all-reduces that over DP, and broadcasts it over the PP group from the last stage; these two small
 collectives run after the step and outside any recorder (they are reporting, not training).
 
-Counterparts: megatron/training/training.py::train_step (Megatron-LM, outside megatron-core) and
-megatron/core/distributed/finalize_model_grads.py::finalize_model_grads, whose DP part the data-parallel
-package (bucketed, overlapped) replaces through `no_sync` / `finalize_grads`.
+Counterparts: megatron/training/training.py::train_step (Megatron-LM, outside megatron-core), which hands
+the schedule `config.no_sync_func` and `config.finalize_model_grads_func` exactly as done here with
+reference.data_parallel's DistributedDataParallel.no_sync and finalize_model_grads.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
+from reference.data_parallel import DistributedDataParallel, finalize_model_grads
+from reference.data_parallel.wrapper import DEFAULT_BUCKET_SIZE
 from reference.gpt.model import GPTConfig, GPTStage
 from reference.parallel_state import ParallelConfigError, ParallelLayout
 from reference.pipeline.schedules import PipelineResult, forward_backward
-from reference.tensor_parallel.layers import allreduce_sequence_parallel_grads
 
 
 def synthetic_batches(config: GPTConfig, steps: int, global_batch_size: int, seed: int) -> list[torch.Tensor]:
@@ -50,18 +52,6 @@ def split_batch(tokens: torch.Tensor, dp_size: int, dp_rank: int, num_micro_batc
     return [(chunk[:, :-1], chunk[:, 1:]) for chunk in mine.chunk(m)]
 
 
-def finalize_grads(stage: torch.nn.Module, layout: ParallelLayout) -> None:
-    """Sum the sequence-parallel partial grads over TP, then average every grad over DP in one flat
-    all-reduce (as one DDP bucket would)."""
-    allreduce_sequence_parallel_grads(stage, layout.tp_group)
-    grads = [p.grad for p in stage.parameters() if p.grad is not None]
-    if layout.dp_size > 1 and grads:
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=layout.dp_group)
-        for grad, reduced in zip(grads, flat.div_(layout.dp_size).split([g.numel() for g in grads])):
-            grad.copy_(reduced.view_as(grad))
-
-
 def global_loss(result: PipelineResult, layout: ParallelLayout, device: torch.device) -> float:
     """The global batch's mean loss on every rank (see the module docstring)."""
     loss = torch.tensor(sum(result.losses) / len(result.losses) if result.losses else 0.0, device=device)
@@ -79,22 +69,28 @@ class StepResult:
     pipeline: PipelineResult  # this stage's schedule record
 
 
-def train_step(stage: GPTStage, optimizer: torch.optim.Optimizer, tokens: torch.Tensor, layout: ParallelLayout, *,
-               num_micro_batches: int, schedule: str = "1f1b", device: torch.device | None = None,
-               no_sync: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-               finalize: Callable[[], None] | None = None,
-               record: contextlib.AbstractContextManager | None = None) -> StepResult:
-    """One optimizer step on the global batch `tokens` [B, s + 1]. `finalize` replaces finalize_grads
-    (e.g. a data-parallel wrapper's); `record` is a context (e.g. a CollectiveRecorder) around the training
-    work only: schedule, gradient finalization and optimizer step."""
+def data_parallel(stage: GPTStage, layout: ParallelLayout, *, bucket_size: int | None = DEFAULT_BUCKET_SIZE,
+                  overlap_grad_reduce: bool = True) -> DistributedDataParallel:
+    """The stage wrapped for gradient averaging over the layout's DP group (bucketed, optionally overlapped)."""
+    return DistributedDataParallel(stage, layout.dp_group, bucket_size=bucket_size,
+                                   overlap_grad_reduce=overlap_grad_reduce)
+
+
+def train_step(model: DistributedDataParallel, optimizer: torch.optim.Optimizer, tokens: torch.Tensor,
+               layout: ParallelLayout, *, num_micro_batches: int, schedule: str = "1f1b",
+               device: torch.device | None = None, record: contextlib.AbstractContextManager | None = None
+               ) -> StepResult:
+    """One optimizer step on the global batch `tokens` [B, s + 1] for a stage wrapped by `data_parallel`;
+    `record` is a context (e.g. a CollectiveRecorder) around the training work only: schedule, gradient
+    finalization and optimizer step."""
     device = device or torch.device("cpu")
     micro_batches = [(x.to(device), y.to(device))
                      for x, y in split_batch(tokens, layout.dp_size, layout.dp_rank, num_micro_batches)]
     with record or contextlib.nullcontext():
         result = forward_backward(
-            schedule, stage, micro_batches, pp_group=layout.pp_group,
-            activation_shape=stage.activation_shape(micro_batches[0][0].shape[0]), no_sync=no_sync,
-            finalize_grads=finalize or (lambda: finalize_grads(stage, layout)), device=device)
+            schedule, model, micro_batches, pp_group=layout.pp_group,
+            activation_shape=model.module.activation_shape(micro_batches[0][0].shape[0]), no_sync=model.no_sync,
+            finalize_grads=lambda: finalize_model_grads([model], layout.tp_group), device=device)
         optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    model.zero_grad()
     return StepResult(loss=global_loss(result, layout, device), pipeline=result)

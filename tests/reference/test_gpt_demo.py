@@ -32,7 +32,7 @@ def test_help_explains_every_flag():
 @pytest.mark.parametrize("args, message", [
     (["--pp", "4", "--num-layers", "2"],
      "4 pipeline stages need at least 4 transformer layers, the model has 2; lower --pp or raise --num-layers"),
-    (["--micro-batches", "0"], "--steps, --batch-size and --micro-batches must be >= 1"),
+    (["--micro-batches", "0"], "--steps, --batch-size, --micro-batches and --bucket-size must be >= 1"),
     (["--hidden-size", "10"], "hidden_size (10) is not divisible by num_attention_heads (4)"),
 ])
 def test_bad_sizes_are_refused_with_one_line_before_starting(args, message):

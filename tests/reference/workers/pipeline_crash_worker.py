@@ -4,7 +4,7 @@ import torch.distributed as dist
 
 from common import init
 from reference.gpt.model import GPTConfig, build_stage
-from reference.gpt.train import synthetic_batches, train_step
+from reference.gpt.train import data_parallel, synthetic_batches, train_step
 from reference.parallel_state import build_layout
 
 device = init(timeout_s=30)
@@ -23,6 +23,7 @@ def crash(*_):
 if layout.pp_rank == 1:
     stage.layers[0].register_full_backward_pre_hook(crash)
 tokens = synthetic_batches(config, 1, 4, seed=0)[0]
-train_step(stage, torch.optim.SGD(stage.parameters(), lr=0.1), tokens, layout, num_micro_batches=4,
+model = data_parallel(stage, layout)
+train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), tokens, layout, num_micro_batches=4,
            schedule="1f1b", device=device)
 print(f"unreachable on rank {dist.get_rank()}: the step finished", flush=True)

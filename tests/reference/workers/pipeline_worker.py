@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from common import assert_close, finish, full_tensor, gather_dim, init
 from reference.gpt.model import GPTConfig, UnshardedGPT, build_stage, split_layers
-from reference.gpt.train import split_batch, synthetic_batches, train_step
+from reference.gpt.train import data_parallel, split_batch, synthetic_batches, train_step
 from reference.parallel_state import ParallelConfigError, build_layout
 from reference.pipeline.schedules import forward_backward
 
@@ -22,6 +22,7 @@ device = init()
 assert dist.get_world_size() == 4, "run on 4 ranks"
 CONFIG = GPTConfig(vocab_size=51, hidden_size=16, num_attention_heads=4, num_layers=4, seq_length=8)
 SEED, STEPS, LR = 1234, 3, 0.5
+BUCKET_SIZE = 4096  # bytes: several DP buckets per stage, so their all-reduces overlap the last backward
 # (tp, pp, dp, sequence_parallel, micro-batches) on 4 ranks, micro-batch size 1; world 8 (tp2 pp2 dp2) is
 # covered by tests/reference/test_gpt_demo.py
 LAYOUTS = [(1, 4, 1, False, 6), (1, 4, 1, False, 2), (2, 2, 1, True, 4), (1, 2, 2, False, 3), (2, 1, 2, False, 2)]
@@ -70,11 +71,12 @@ def run(tp, pp, dp, sp, m, schedule) -> dict:
     layout = build_layout(tp, pp, dp)
     what = f"tp{tp} pp{pp} dp{dp} sp={sp} m={m} {schedule}"
     stage = build_stage(CONFIG, layout, sequence_parallel=sp, seed=SEED, device=device)
-    optimizer = torch.optim.SGD(stage.parameters(), lr=LR)
+    model = data_parallel(stage, layout, bucket_size=BUCKET_SIZE)  # several buckets: overlap in the 3D step
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     expected_losses, expected_weights = unsharded_run(dp * m)
     losses, results = [], []
     for tokens in synthetic_batches(CONFIG, STEPS, dp * m, SEED):
-        step = train_step(stage, optimizer, tokens, layout, num_micro_batches=m, schedule=schedule, device=device)
+        step = train_step(model, optimizer, tokens, layout, num_micro_batches=m, schedule=schedule, device=device)
         losses.append(step.loss)
         results.append(step.pipeline)
     assert_close(torch.tensor(losses), torch.tensor(expected_losses), f"{what} losses", atol=2e-6, rtol=0)
