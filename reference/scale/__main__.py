@@ -31,8 +31,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _gib(n: int) -> str:
-    return f"{n / 2**30:,.3f} GiB"
+def _human(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:,.2f} {unit}"
+    return f"{n} B"
 
 
 def format_document(doc: dict) -> str:
@@ -41,11 +44,11 @@ def format_document(doc: dict) -> str:
              f"{s['microbatches']} micro-batches, sp {'on' if s['sp'] else 'off'}, dp {s['dp_mode']}"]
     for run in doc["runs"]:
         lines.append(f"rank {run['rank']} (pipeline stage {run['stage']} of {s['pp']}): one step")
-        lines.append(f"  {'group':5} {'op':14} {'count':>6} {'bytes':>16} {'':>14}  formula")
+        lines.append(f"  {'group':5} {'op':14} {'count':>6} {'bytes':>16} {'':>12}  formula")
         for r in run["rows"]:
             ok = r["count"] == r["formula_count"] and r["bytes"] == r["formula_bytes"]
             verdict = "" if ok else f"   MISMATCH: formula gives {r['formula_count']} x, {r['formula_bytes']} B"
-            lines.append(f"  {r['group']:5} {r['op']:14} {r['count']:>6} {r['bytes']:>16,} {_gib(r['bytes']):>14}"
+            lines.append(f"  {r['group']:5} {r['op']:14} {r['count']:>6} {r['bytes']:>16,} {_human(r['bytes']):>12}"
                          f"  {r['formula']}{verdict}")
     return "\n".join(lines)
 

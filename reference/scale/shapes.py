@@ -5,7 +5,9 @@ sequence 4096, micro-batch 1, bf16). The block is this project's: one fused QKV 
 as query heads and a plain GELU MLP. Llama's grouped-query attention (8 KV heads: a smaller QKV weight) and
 SwiGLU MLP (three FFN matrices) are not modelled; neither changes an activation collective, both change the
 parameter count and so the data-parallel gradient bytes. Embedding and output weights are untied, as in
-Llama, so there is no first-to-last-stage embedding all-reduce.
+Llama, so there is no first-to-last-stage embedding all-reduce. The vocabulary is padded to a multiple of
+tp only, as reference.tensor_parallel.vocab_parallel does (Megatron-LM pads to a multiple of 128 tp).
+The "small" preset is for tests; its vocabulary (1001) needs padding at every TP size above 1.
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ class ModelShape:
 
 MODELS = {
     "70b": ModelShape("70b", 80, 8192, 64, 28672, 128256, 4096),
-    "small": ModelShape("small", 4, 64, 8, 256, 1000, 32, micro_batch_size=2),
+    "small": ModelShape("small", 4, 64, 8, 256, 1001, 32, micro_batch_size=2),
 }
 
 

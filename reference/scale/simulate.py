@@ -49,20 +49,23 @@ def stage_of(setup: ScaleSetup, rank: int) -> int:
     return int((grid == rank).nonzero()[0][0])
 
 
-def trace_rank(setup: ScaleSetup, rank: int) -> list[CollectiveEvent]:
-    """Every collective `rank` issues in one step (micro-batches through its stage, then the grad sync)."""
+def trace_rank(setup: ScaleSetup, rank: int, device: str = "meta") -> list[CollectiveEvent]:
+    """Every collective `rank` issues in one step (micro-batches through its stage, then the grad sync).
+
+    device "cpu" runs the same step on real (uninitialized) tensors: only for small models, to show that the
+    meta device changes nothing the recorder sees."""
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=setup.world)
     try:
         layout = build_layout(setup.tp, setup.pp, setup.dp, order=setup.order)
-        model, meta = setup.model, torch.device("meta")
-        with meta:
-            stage = Stage(setup, layout, device=meta)
-        ids = [torch.zeros(model.micro_batch_size, model.seq_length, dtype=torch.long, device=meta)
+        model, where = setup.model, torch.device(device)
+        with where:
+            stage = Stage(setup, layout, device=where)
+        ids = [torch.zeros(model.micro_batch_size, model.seq_length, dtype=torch.long, device=where)
                for _ in range(setup.microbatches)]
         seq = model.seq_length // setup.tp if stage.sp else model.seq_length
         with CollectiveRecorder() as rec:
             gpipe_step(stage, layout, ids, ids, (seq, model.micro_batch_size, model.hidden_size),
-                       getattr(torch, model.dtype), meta)
+                       getattr(torch, model.dtype), where)
             finish_grads(stage, layout, setup.dp_mode)
         return _labelled(rec.events, layout)
     finally:
