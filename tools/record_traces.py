@@ -3,7 +3,9 @@
 Runs tools/trace_worker.py on two ranks under torchrun (CPU, gloo) and writes DIR/tp_block.json and
 DIR/fsdp_forward.json (default reading_notes/traces/, which is committed). tests/tools/test_traces.py runs the
 same worker and fails when a fresh run no longer matches the committed traces, so re-record after changing the
-reference and commit the result. Exit status: 0 recorded, 1 the run failed (its output is printed).
+reference and commit the result. Then, in one process each, `python -m reference.scale --json` traces a first,
+middle and last stage rank of the layouts in SCALE (fake process group, 70B shapes) into DIR/scale_*.json,
+checked by tests/tools/test_scale_traces.py. Exit status: 0 recorded, 1 a run failed (its output is printed).
 """
 from __future__ import annotations
 
@@ -15,9 +17,18 @@ import sys
 import tempfile
 from pathlib import Path
 
+from pin_and_cite.atomic import atomic_write
+
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tools" / "trace_worker.py"
 RANKS = 2
+# trace name -> python -m reference.scale arguments: 70B on TP 8 x PP 8 x DP 64, plain TP with DDP, and SP with
+# Megatron's distributed optimizer (the production setting)
+SCALE = {
+    "scale_70b": ["--model", "70b", "--tp", "8", "--pp", "8", "--dp", "64", "--microbatches", "16"],
+    "scale_70b_sp": ["--model", "70b", "--tp", "8", "--pp", "8", "--dp", "64", "--microbatches", "16", "--sp",
+                     "--dp-mode", "distopt"],
+}
 
 
 def record(out: Path, timeout: float = 300) -> list[Path]:
@@ -37,12 +48,28 @@ def record(out: Path, timeout: float = 300) -> list[Path]:
         return written
 
 
+def record_scale(out: Path, timeout: float = 300) -> list[Path]:
+    """Write out/NAME.json for every scale trace in SCALE; the paths written."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, args in SCALE.items():
+        proc = subprocess.run([sys.executable, "-m", "reference.scale", *args, "--json"], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=timeout)
+        if proc.returncode != 0:
+            raise RuntimeError(f"reference.scale {' '.join(args)} exited {proc.returncode}:\n"
+                               f"{(proc.stdout + proc.stderr)[-6000:]}")
+        atomic_write(out / f"{name}.json", proc.stdout.encode())
+        written.append(out / f"{name}.json")
+    return written
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="record-traces", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=ROOT / "reading_notes" / "traces", help="output folder")
     args = parser.parse_args(argv)
     try:
-        for path in record(args.out):
+        for path in record(args.out) + record_scale(args.out):
             print(path)
     except (RuntimeError, subprocess.TimeoutExpired) as exc:
         print(f"record-traces: error: {exc}", file=sys.stderr)

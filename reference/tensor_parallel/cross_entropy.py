@@ -44,10 +44,12 @@ def vocab_range(per_partition_vocab_size: int, rank: int) -> tuple[int, int]:
 
 
 def check_ids(ids: torch.Tensor, vocab_size: int, what: str) -> None:
-    """Raise a one-line ParallelConfigError unless every id is an integer in [0, vocab_size)."""
+    """Raise a one-line ParallelConfigError unless every id is an integer in [0, vocab_size).
+
+    Ids on the meta device (reference.scale traces shapes without values) have only their dtype checked."""
     if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
         raise ParallelConfigError(f"{what} must be integer token ids, got dtype {ids.dtype}")
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+    if ids.numel() and ids.device.type != "meta" and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
         bad = ids[(ids < 0) | (ids >= vocab_size)].flatten()[0].item()
         raise ParallelConfigError(f"{what} holds id {bad}, outside the vocabulary [0, {vocab_size}); "
                                   f"check the tokenizer's vocabulary size against the model's")

@@ -19,7 +19,7 @@ from pathlib import Path
 import jinja2
 
 from pin_and_cite.atomic import atomic_write
-from pin_and_cite import diagrams, estimates, symbols
+from pin_and_cite import diagrams, estimates, scale_tables, symbols
 from pin_and_cite.changes import change_pages
 from pin_and_cite.check import locked_excerpt
 from pin_and_cite.citation import parse_spec
@@ -87,7 +87,9 @@ class Renderer:
             cite=self.cite, upstream=self.upstream, verified_by=self.verified_by, pins=project.pins.sources,
             ours=lambda spec: ours(project.root, spec), locked_files=self.locked_files,
             trace=lambda name: load_trace(project.notes_dir, name), diagram=self.diagram,
-            tp_crossover=estimates.tp_crossover, fsdp_overlap=estimates.fsdp_overlap)
+            tp_crossover=estimates.tp_crossover, fsdp_overlap=estimates.fsdp_overlap,
+            scale_table=scale_tables.scale_table, sent_per_group=scale_tables.sent_per_group,
+            human=scale_tables.human)
 
     def excerpt(self, spec_text: str) -> Excerpt:
         key = str(parse_spec(spec_text))

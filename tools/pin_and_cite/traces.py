@@ -21,6 +21,7 @@ REQUIRED = {
     "tp_block": ("world", "tp", "s", "b", "heads", "dtype_size", "runs"),
     "fsdp_forward": ("world", "params", "dtype_size", "tokens_per_rank", "forward_flops_per_token", "units",
                      "events", "spans"),
+    "scale": ("setup", "world", "runs"),     # python -m reference.scale --json (pin_and_cite.scale_tables)
 }
 EVENT_KEYS = ("op", "module", "phase", "shape", "nbytes", "dtype", "group_ranks", "async_op")
 

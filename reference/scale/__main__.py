@@ -1,0 +1,74 @@
+"""`python -m reference.scale --tp 8 --pp 8 --dp 64 --model 70b [--rank R] [--sp] [--json]`: trace one step of
+one rank (or a first, middle and last stage rank) of a large job with the fake process group, and print the
+bytes per group and collective type next to the closed-form formula. Exit 0 when every row agrees, 1 when
+one does not, 2 for a setup that cannot exist."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from reference.parallel_state import ORDERS, ParallelConfigError
+from reference.scale.shapes import DP_MODES, MODELS, setup_for
+from reference.scale.simulate import document, default_ranks
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m reference.scale", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--model", default="70b", help=f"model shape: {', '.join(MODELS)}")
+    parser.add_argument("--tp", type=int, default=8, help="tensor-parallel size")
+    parser.add_argument("--pp", type=int, default=8, help="pipeline-parallel size")
+    parser.add_argument("--dp", type=int, default=64, help="data-parallel size")
+    parser.add_argument("--microbatches", type=int, default=16, help="micro-batches per step (m)")
+    parser.add_argument("--sp", action="store_true", help="sequence parallelism")
+    parser.add_argument("--dp-mode", choices=DP_MODES, default="allreduce",
+                        help="allreduce: DDP; distopt: distributed optimizer (reduce-scatter + all-gather)")
+    parser.add_argument("--order", choices=ORDERS, default="tp-pp-dp", help="rank order (megatron's `order`)")
+    parser.add_argument("--rank", type=int, action="append", default=None,
+                        help="rank to trace (repeatable); default: a first, middle and last stage rank")
+    parser.add_argument("--json", action="store_true", help="print the trace document as JSON")
+    return parser
+
+
+def _human(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:,.2f} {unit}"
+    return f"{n} B"
+
+
+def format_document(doc: dict) -> str:
+    s = doc["setup"]
+    lines = [f"{s['model']['name']} on tp {s['tp']} x pp {s['pp']} x dp {s['dp']} = {doc['world']} ranks, "
+             f"{s['microbatches']} micro-batches, sp {'on' if s['sp'] else 'off'}, dp {s['dp_mode']}"]
+    for run in doc["runs"]:
+        lines.append(f"rank {run['rank']} (pipeline stage {run['stage']} of {s['pp']}): one step")
+        lines.append(f"  {'group':5} {'op':14} {'count':>6} {'bytes':>16} {'':>12}  formula")
+        for r in run["rows"]:
+            ok = r["count"] == r["formula_count"] and r["bytes"] == r["formula_bytes"]
+            verdict = "" if ok else f"   MISMATCH: formula gives {r['formula_count']} x, {r['formula_bytes']} B"
+            lines.append(f"  {r['group']:5} {r['op']:14} {r['count']:>6} {r['bytes']:>16,} {_human(r['bytes']):>12}"
+                         f"  {r['formula']}{verdict}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        setup = setup_for(args.model.lower(), tp=args.tp, pp=args.pp, dp=args.dp, microbatches=args.microbatches,
+                          sp=args.sp, dp_mode=args.dp_mode, order=args.order)
+        ranks = args.rank or default_ranks(setup)
+        outside = [r for r in ranks if not 0 <= r < setup.world]
+        if outside:
+            raise ParallelConfigError(f"--rank {outside[0]} is outside the world of {setup.world} ranks")
+    except ParallelConfigError as error:
+        print(f"reference.scale: error: {error}", file=sys.stderr)
+        return 2
+    doc = document(setup, ranks)
+    print(json.dumps(doc) if args.json else format_document(doc))
+    return 0 if doc["agree"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""Trace one training step of one rank of a large job, in one process, in seconds.
+
+The process joins a world of tp x pp x dp ranks through torch's `fake` process-group backend
+(torch/testing/_internal/distributed/fake_pg.py::FakeStore): every collective returns at once without
+communicating. The rank builds only its own pipeline stage, on the meta device: weights and activations
+have shapes and dtypes but no storage, and the fake backend accepts meta tensors in all_reduce,
+all_gather / reduce_scatter (eager and functional) and send/recv (not batch_isend_irecv, which needs a
+backend for the tensors' device). reference.recorder.CollectiveRecorder sees each collective at the
+dispatcher with its real sizes; summarize() groups them by process group (tp/pp/dp) and collective type.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from reference.parallel_state import ParallelLayout, build_layout, rank_grid
+from reference.recorder import CollectiveEvent, CollectiveRecorder
+from reference.scale import formulas
+from reference.scale.grads import finish_grads
+from reference.scale.schedule import gpipe_step
+from reference.scale.shapes import ScaleSetup
+from reference.scale.stage import Stage
+
+GROUPS = ("tp", "pp", "dp")
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """Measured and predicted traffic of one (group, collective type) for one rank and step."""
+    group: str
+    op: str
+    count: int
+    nbytes: int
+    formula_count: int
+    formula_nbytes: int
+    formula: str
+
+    @property
+    def agrees(self) -> bool:
+        return (self.count, self.nbytes) == (self.formula_count, self.formula_nbytes)
+
+
+def stage_of(setup: ScaleSetup, rank: int) -> int:
+    """Pipeline stage of a global rank in this layout."""
+    grid = rank_grid(setup.tp, setup.pp, setup.dp, setup.order)
+    return int((grid == rank).nonzero()[0][0])
+
+
+def trace_rank(setup: ScaleSetup, rank: int, device: str = "meta") -> list[CollectiveEvent]:
+    """Every collective `rank` issues in one step (micro-batches through its stage, then the grad sync).
+
+    device "cpu" runs the same step on real (uninitialized) tensors: only for small models, to show that the
+    meta device changes nothing the recorder sees."""
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=setup.world)
+    try:
+        layout = build_layout(setup.tp, setup.pp, setup.dp, order=setup.order)
+        model, where = setup.model, torch.device(device)
+        with where:
+            stage = Stage(setup, layout, device=where)
+        ids = [torch.zeros(model.micro_batch_size, model.seq_length, dtype=torch.long, device=where)
+               for _ in range(setup.microbatches)]
+        seq = model.seq_length // setup.tp if stage.sp else model.seq_length
+        with CollectiveRecorder() as rec:
+            gpipe_step(stage, layout, ids, ids, (seq, model.micro_batch_size, model.hidden_size),
+                       getattr(torch, model.dtype), where)
+            finish_grads(stage, layout, setup.dp_mode)
+        return _labelled(rec.events, layout)
+    finally:
+        dist.destroy_process_group()
+
+
+def _labelled(events: list[CollectiveEvent], layout: ParallelLayout) -> list[CollectiveEvent]:
+    """The events with `module` replaced by the kind of group they ran on."""
+    kinds = {tuple(dist.get_process_group_ranks(getattr(layout, f"{kind}_group"))): kind for kind in GROUPS}
+    return [dataclasses.replace(e, module=kinds.get(e.group_ranks, "other")) for e in events]
+
+
+def summarize(setup: ScaleSetup, rank: int, events: list[CollectiveEvent]) -> list[Row]:
+    """One Row per (group, op) seen or predicted, in group then op order."""
+    measured: dict[tuple[str, str], list[int]] = {}
+    for e in events:
+        entry = measured.setdefault((e.module, e.op), [0, 0])
+        entry[0] += 1
+        entry[1] += e.nbytes
+    predicted = formulas.expected(setup, stage_of(setup, rank))
+    rows = []
+    for key in sorted(measured.keys() | predicted.keys(), key=lambda k: (GROUPS.index(k[0]) if k[0] in GROUPS
+                                                                          else len(GROUPS), k[1])):
+        count, nbytes = measured.get(key, (0, 0))
+        terms = predicted.get(key, [])
+        f_count, f_bytes = formulas.totals(terms)
+        rows.append(Row(*key, count, nbytes, f_count, f_bytes, " + ".join(t.formula for t in terms) or "none"))
+    return rows
+
+
+def simulate(setup: ScaleSetup, rank: int) -> list[Row]:
+    """trace_rank, then summarize against the formulas."""
+    return summarize(setup, rank, trace_rank(setup, rank))
+
+
+def default_ranks(setup: ScaleSetup) -> list[int]:
+    """TP rank 0 of DP replica 0 on the first, a middle and the last stage (each distinct stage once)."""
+    grid = rank_grid(setup.tp, setup.pp, setup.dp, setup.order)
+    return [int(grid[p, 0, 0]) for p in sorted({0, setup.pp // 2, setup.pp - 1})]
+
+
+def document(setup: ScaleSetup, ranks: list[int]) -> dict:
+    """The JSON a scale trace is stored as (reading_notes/traces/scale_*.json): setup, and per rank its rows."""
+    runs = []
+    for rank in ranks:
+        rows = simulate(setup, rank)
+        runs.append({"rank": rank, "stage": stage_of(setup, rank), "rows": [
+            {"group": r.group, "op": r.op, "count": r.count, "bytes": r.nbytes, "formula_count": r.formula_count,
+             "formula_bytes": r.formula_nbytes, "formula": r.formula} for r in rows]})
+    agree = all(row["count"] == row["formula_count"] and row["bytes"] == row["formula_bytes"]
+                for run in runs for row in run["rows"])
+    return {"kind": "scale", "setup": setup.to_dict(), "world": setup.world, "runs": runs, "agree": agree}

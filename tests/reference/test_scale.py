@@ -1,0 +1,157 @@
+"""Scale by simulation: one process traces one rank of a large TP x PP x DP job (fake process group, meta
+weights) and every (group, collective type) row must equal the closed forms of reference.scale.formulas.
+
+The 70B rows are also checked against numbers written out here from the sizes (not from formulas.py), the
+meta-device trace against the same step on real tensors, and two negative controls show the comparison
+can fail.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+
+import pytest
+
+from reference.parallel_state import ParallelConfigError
+from reference.scale import formulas
+from reference.scale.__main__ import main
+from reference.scale.shapes import setup_for
+from reference.scale.simulate import default_ranks, simulate, stage_of, summarize, trace_rank
+
+M = 8                                     # micro-batches in the 70B tests
+A = 1 * 4096 * 8192 * 2                   # one bf16 activation [s, b, h] of the 70B shape, bytes
+L = 10                                    # layers per stage at PP 8
+
+
+def table(rows):
+    return {(r.group, r.op): (r.count, r.nbytes) for r in rows}
+
+
+def assert_agrees(rows):
+    wrong = [r for r in rows if not r.agrees]
+    assert not wrong, f"traced != formula: {wrong}"
+
+
+@pytest.fixture(scope="module")
+def seventy_b():
+    """The 70B layout at TP 8 x PP 8 x DP 64, first / middle / last stage, without and with SP."""
+    traced, seconds = {}, {}
+    for sp, mode in ((False, "allreduce"), (True, "distopt")):
+        setup = setup_for("70b", tp=8, pp=8, dp=64, microbatches=M, sp=sp, dp_mode=mode)
+        for rank in default_ranks(setup):
+            start = time.perf_counter()
+            traced[sp, stage_of(setup, rank)] = simulate(setup, rank)
+            seconds[sp, rank] = time.perf_counter() - start
+    return traced, seconds
+
+
+def test_70b_first_middle_last_stage_rows_equal_the_formulas(seventy_b):
+    traced, seconds = seventy_b
+    assert sorted(traced) == [(False, 0), (False, 4), (False, 7), (True, 0), (True, 4), (True, 7)]
+    for rows in traced.values():
+        assert_agrees(rows)
+    assert max(seconds.values()) < 30, f"a 70B rank took {max(seconds.values()):.1f} s to trace: {seconds}"
+
+
+def test_70b_without_sp_in_numbers(seventy_b):
+    first, middle, last = (table(seventy_b[0][False, p]) for p in (0, 4, 7))
+    loss = 3 * M * 4096 * 4                         # max, target logit, sum-exp: fp32 per token
+    assert middle[("tp", "all_reduce")] == (4 * M * L, 4 * M * L * A)
+    assert first[("tp", "all_reduce")] == (4 * M * L + M, (4 * M * L + M) * A)
+    assert last[("tp", "all_reduce")] == (4 * M * L + M + 3 * M, (4 * M * L + M) * A + loss)
+    assert middle[("pp", "send")] == middle[("pp", "recv")] == (2 * M, 2 * M * A)
+    assert first[("pp", "send")] == last[("pp", "recv")] == (M, M * A)
+    assert ("pp", "recv") in first and ("pp", "send") in last           # the gradients coming back
+    h, f, per_rank_vocab = 8192, 28672, 128256 // 8
+    block = 6 * h + (4 * h * h + 3 * h + 2 * h * f + f) // 8
+    assert middle[("dp", "all_reduce")] == (1, 4 * L * block)
+    assert first[("dp", "all_reduce")] == (1, 4 * (L * block + per_rank_vocab * h))
+    assert last[("dp", "all_reduce")] == (1, 4 * (L * block + 2 * h + per_rank_vocab * h))
+
+
+def test_70b_with_sp_and_distributed_optimizer_in_numbers(seventy_b):
+    middle = table(seventy_b[0][True, 4])
+    assert middle[("tp", "all_gather")] == (6 * M * L, 6 * M * L * A)
+    assert middle[("tp", "reduce_scatter")] == (4 * M * L, 4 * M * L * A)
+    assert middle[("tp", "all_reduce")] == (1, 6 * 8192 * L * 2)          # SP LayerNorm and bias grads, bf16
+    assert middle[("pp", "send")] == (2 * M, 2 * M * A // 8)              # the sequence shard crosses stages
+    rs_count, rs_bytes = middle[("dp", "reduce_scatter")]
+    ag_count, ag_bytes = middle[("dp", "all_gather")]
+    assert (rs_count, ag_count) == (1, 1) and rs_bytes == 2 * ag_bytes    # fp32 grads out, bf16 params back
+    assert (rs_bytes // 4) % 128 == 0                                     # padded: lcm(dp 64, 128)
+
+
+@pytest.mark.parametrize("layout", [
+    dict(tp=2, pp=2, dp=2), dict(tp=2, pp=2, dp=2, sp=True), dict(tp=4, pp=2, dp=2, sp=True, dp_mode="distopt"),
+    dict(tp=2, pp=4, dp=1), dict(tp=1, pp=2, dp=4), dict(tp=2, pp=1, dp=2, sp=True),
+    dict(tp=2, pp=2, dp=3, order="tp-dp-pp"),
+], ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
+def test_small_layouts_every_stage_equals_the_formulas(layout):
+    setup = setup_for("small", microbatches=3, **layout)
+    for rank in {*default_ranks(setup), setup.world - 1}:      # every stage kind, and a last TP / DP rank
+        rows = simulate(setup, rank)
+        assert_agrees(rows)
+        groups = {r.group for r in rows}
+        assert groups == {g for g, size in (("tp", setup.tp), ("pp", setup.pp), ("dp", setup.dp)) if size > 1}
+
+
+@pytest.mark.parametrize("layout", [dict(tp=2, pp=2, dp=2), dict(tp=2, pp=2, dp=2, sp=True, dp_mode="distopt")],
+                         ids=["tp", "sp-distopt"])
+def test_meta_device_records_what_real_tensors_record(layout):
+    setup = setup_for("small", microbatches=2, **layout)
+    for rank in (0, 7):
+        meta, real = trace_rank(setup, rank, "meta"), trace_rank(setup, rank, "cpu")
+        assert [(e.key(), e.module, e.phase) for e in meta] == [(e.key(), e.module, e.phase) for e in real]
+
+
+def test_a_wrong_formula_is_caught(monkeypatch, capsys):
+    """With the formulas' PP send count off by one, that row and only that row disagrees, and the CLI
+    marks it MISMATCH and exits 1."""
+    setup = setup_for("small", tp=2, pp=2, dp=2, microbatches=2)
+    events = trace_rank(setup, 2)
+    assert all(r.agrees for r in summarize(setup, 2, events))
+    real = formulas.expected
+    monkeypatch.setattr(formulas, "expected", lambda s, stage: {
+        key: [dataclasses.replace(t, count=t.count + 1) if key == ("pp", "send") else t for t in terms]
+        for key, terms in real(s, stage).items()})
+    wrong = [r for r in summarize(setup, 2, events) if not r.agrees]
+    assert [(r.group, r.op) for r in wrong] == [("pp", "send")]
+    assert main(["--model", "small", "--tp", "2", "--pp", "2", "--dp", "2", "--microbatches", "2", "--rank", "2"]) == 1
+    assert "MISMATCH: formula gives 3 x" in capsys.readouterr().out
+
+
+def test_a_layout_change_is_caught():
+    """A trace with SP compared with the formulas without it disagrees on every TP row and the PP rows."""
+    with_sp = setup_for("small", tp=2, pp=2, dp=2, microbatches=2, sp=True)
+    events = trace_rank(with_sp, 0)
+    rows = summarize(dataclasses.replace(with_sp, sp=False), 0, events)
+    assert {(r.group, r.op) for r in rows if not r.agrees} == {
+        ("tp", "all_gather"), ("tp", "reduce_scatter"), ("tp", "all_reduce"), ("pp", "send"), ("pp", "recv")}
+
+
+def test_cli_exit_codes_and_json(capsys):
+    assert main(["--model", "small", "--tp", "2", "--pp", "2", "--dp", "2", "--microbatches", "2", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["agree"] and [run["stage"] for run in doc["runs"]] == [0, 1] and doc["world"] == 8
+    assert main(["--model", "small", "--tp", "2", "--pp", "2", "--dp", "2", "--rank", "5", "--sp"]) == 0
+    out = capsys.readouterr().out
+    assert "rank 5 (pipeline stage 0 of 2)" in out and "6 m L x bshe" in out and "MISMATCH" not in out
+    for argv, message in ((["--model", "small", "--pp", "3"], "num_layers (4) is not divisible"),
+                          (["--model", "405b"], "unknown model '405b'"),
+                          (["--model", "small", "--tp", "2", "--pp", "2", "--dp", "2", "--rank", "8"],
+                           "--rank 8 is outside the world of 8 ranks"),
+                          (["--model", "small", "--tp", "3", "--pp", "1", "--dp", "1"],
+                           "num_attention_heads (8) is not divisible by the tensor-parallel size (3)")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and "\n" not in err
+
+
+def test_bad_setup_is_refused_before_any_process_group():
+    with pytest.raises(ParallelConfigError, match="8 pipeline stages but only 4 layers"):
+        setup_for("small", tp=1, pp=8, dp=1, microbatches=1)
+    with pytest.raises(ParallelConfigError, match="seq_length .* not divisible"):
+        dataclasses.replace(setup_for("small", tp=2, pp=1, dp=1, microbatches=1, sp=True),
+                            model=dataclasses.replace(setup_for("small", tp=1, pp=1, dp=1, microbatches=1).model,
+                                                      seq_length=33))

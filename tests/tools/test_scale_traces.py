@@ -1,0 +1,54 @@
+"""The committed scale traces (reading_notes/traces/scale_*.json) are what `python -m reference.scale` traces
+now, and the site's tables from them are re-checked against reference.scale.formulas when rendered."""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+import record_traces
+from pin_and_cite import scale_tables
+from pin_and_cite.traces import TraceError, load_trace
+from tests.tools.conftest import ROOT
+
+NOTES = ROOT / "reading_notes"
+
+
+def test_committed_scale_traces_match_a_fresh_run(tmp_path):
+    written = record_traces.record_scale(tmp_path, timeout=240)
+    assert sorted(p.stem for p in written) == sorted(record_traces.SCALE)
+    for path in written:
+        committed = json.loads((NOTES / "traces" / path.name).read_text())
+        assert json.loads(path.read_text()) == committed, \
+            f"reading_notes/traces/{path.name} is stale: re-record with tools/record-traces and commit it"
+        assert committed["agree"] and [run["stage"] for run in committed["runs"]] == [0, 4, 7]
+
+
+def test_table_shows_every_row_with_its_formula():
+    trace = load_trace(NOTES, "scale_70b")
+    table = scale_tables.scale_table(trace)
+    assert "| 4 (middle) | TP | all_reduce | 640 | 40.00 GiB | 4 m L x bshe (blocks: 2 fwd, 2 bwd) |" in table
+    assert "| 4 (middle) (rank 32) | 40.00 GiB / 70.00 GiB | 4.00 GiB / 2.00 GiB |" in table
+    assert table.count("\n| 7 (last) | ") == len(trace["runs"][2]["rows"])
+
+
+def test_sent_bytes_follow_ring_algorithms():
+    n = 8 * 2**20
+    assert [scale_tables.sent_bytes(op, n, 8) for op in ("all_reduce", "all_gather", "reduce_scatter", "send",
+                                                         "recv")] == [n * 14 // 8, n * 7 // 8, n * 7 // 8, n, 0]
+
+
+@pytest.mark.parametrize("tamper, message", [
+    (lambda t: t["runs"][1]["rows"][0].update(bytes=1), "rank 32 tp all_reduce recorded 640 x / 1 B but "
+                                                        "reference.scale.formulas gives 640 x / 42949672960 B"),
+    (lambda t: t["runs"][0]["rows"].pop(), "rank 0 recorded no dp all_reduce, which reference.scale.formulas"),
+    (lambda t: t["setup"].update(microbatches=8), "recorded 656 x"),
+], ids=["bytes", "missing-row", "setup"])
+def test_a_trace_that_disagrees_with_the_formulas_is_a_one_line_error(tamper, message):
+    trace = copy.deepcopy(load_trace(NOTES, "scale_70b"))
+    tamper(trace)
+    with pytest.raises(TraceError) as error:
+        scale_tables.scale_table(trace)
+    assert message in str(error.value) and "re-record with tools/record-traces" in str(error.value)
+    assert "\n" not in str(error.value)
