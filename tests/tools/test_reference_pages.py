@@ -18,6 +18,10 @@ NO_PAGE = {
     "reference/gpt/demo.py": "demo",
     "reference/fsdp/demo.py": "demo",
     "reference/fsdp/tracing.py": "recorder scopes for the FSDP demo and tests",
+    "reference/scale/__main__.py": "the scale-simulation command",
+    "reference/scale/shapes.py": "model and layout sizes for the simulation; its page is the Scale note",
+    "reference/scale/formulas.py": "closed-form traffic the simulation is checked against; its page is the Scale note",
+    "reference/scale/simulate.py": "traces one rank of a large job; its page is the Scale note",
 }
 
 
