@@ -4,9 +4,9 @@ Prints the layout, then per step the global loss, rank 0's parameter bytes next 
 and rank 0's collectives grouped by the process group they ran on (tp, pp, dp) and by type (count and
 bytes, from the CollectiveRecorder), then for each pipeline stage the schedule it ran, its peak number of
 micro-batches in flight (as the schedule counted them and as autograd held them) and its bubble next to the
-formula (p - 1) / (m + p - 1). With --pp 1 --dp 1 this is the
-tensor-parallel demo. The loss does not depend on the layout, the schedule or the number of micro-batches:
-the same seed gives the same model and data everywhere (compare `--nproc-per-node 1` with 8).
+formula (p - 1) / (m + p - 1). With --pp 1 --dp 1 this is the tensor-parallel demo. The loss does not
+depend on the layout, the schedule or the number of micro-batches: the same seed gives the same model and
+data everywhere (compare `--nproc-per-node 1` with 8).
 
 `--dp-sharding fsdp` (2D: `torchrun --nproc-per-node 4 -m reference --tp 2 --dp 2 --dp-sharding fsdp
 --sequence-parallel`) shards the TP stage over the DP group with reference FSDP (reference.gpt.train.
