@@ -4,10 +4,11 @@
 unit on `layout.dp_group`, and the model itself in the root unit. Each TP rank flattens *its own shards* of the
 block (its heads, its MLP columns, the replicated LayerNorms), and FSDP splits that flat buffer 1/dp over the
 ranks holding the same TP slices: the DP group is orthogonal to the TP group, so FSDP needs no change, only
-every TP rank of a block must build the same flat layout (same shapes), which `shard_tp_model` checks. Per
-block and step: an all-gather of the TP-local flat buffer before forward and again before backward, a
-reduce-scatter of its gradient after backward, all on the DP group; the TP collectives are the TP-only
-model's, on activations of the local batch.
+every TP rank of a block must build the same flat layout (same shapes), which `shard_tp_model` checks. On a
+GPT stage (reference.gpt.train.fully_sharded) the blocks are its `.layers`, and the root unit holds the
+embedding, final LayerNorm and vocab-parallel head. Per block and step: an all-gather of the TP-local flat
+buffer before forward and again before backward, a reduce-scatter of its gradient after backward, all on the
+DP group; the TP collectives are the TP-only model's, on activations of the local batch.
 
 Sequence parallelism: LayerNorm weights and row-parallel biases are replicated on the TP group but see only
 this rank's tokens, so their gradients need a TP sum (reference.tensor_parallel.layers.

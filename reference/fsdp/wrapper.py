@@ -108,6 +108,11 @@ class FullyShardedDataParallel(nn.Module):
                 if unit.handle is not None:
                     unit.handle.name = clean_name(name) or "root"
 
+    @property
+    def module(self) -> nn.Module:
+        """The wrapped module (upstream: `FullyShardedDataParallel.module`)."""
+        return self._fsdp_wrapped_module
+
     def __getattr__(self, name: str) -> Any:
         """Reach the wrapped module's attributes through the wrapper, as upstream does."""
         try:

@@ -1,6 +1,7 @@
 """A small GPT split into pipeline stages, and its TP x PP x DP training step. Read in this order:
 
   model.py  GPTConfig, the unsharded model, GPTStage (embedding / blocks / head of one stage), split_layers
-  train.py  one optimizer step: DP rows, micro-batches through the pipeline, gradient finalization, SGD
-  demo.py   `torchrun --nproc-per-node 8 -m reference --tp 2 --pp 2 --dp 2`
+  train.py  one optimizer step: DP rows, micro-batches through the pipeline, gradient finalization, SGD;
+            the stage replicated over DP (data_parallel) or sharded by FSDP x TP (fully_sharded)
+  demo.py   `torchrun --nproc-per-node 8 -m reference --tp 2 --pp 2 --dp 2` (--dp-sharding fsdp: 2D)
 """

@@ -1,11 +1,17 @@
 """`torchrun --nproc-per-node 8 -m reference --tp 2 --pp 2 --dp 2`: train the small GPT with TP x PP x DP.
 
-Prints the layout, then per step the global loss and rank 0's collectives grouped by the process group
-they ran on (tp, pp, dp) and by type (count and bytes, from the CollectiveRecorder), then for each pipeline
-stage the schedule it ran, its peak number of micro-batches in flight (as the schedule counted them and as
-autograd held them) and its bubble next to the formula (p - 1) / (m + p - 1). With --pp 1 --dp 1 this is the
-tensor-parallel demo. The loss does not depend on the layout, the schedule or the number of micro-batches:
-the same seed gives the same model and data everywhere (compare `--nproc-per-node 1` with 8).
+Prints the layout, then per step the global loss, rank 0's parameter bytes next to the unsharded model's,
+and rank 0's collectives grouped by the process group they ran on (tp, pp, dp) and by type (count and
+bytes, from the CollectiveRecorder), then for each pipeline stage the schedule it ran, its peak number of
+micro-batches in flight (as the schedule counted them and as autograd held them) and its bubble next to the
+formula (p - 1) / (m + p - 1). With --pp 1 --dp 1 this is the tensor-parallel demo. The loss does not
+depend on the layout, the schedule or the number of micro-batches: the same seed gives the same model and
+data everywhere (compare `--nproc-per-node 1` with 8).
+
+`--dp-sharding fsdp` (2D: `torchrun --nproc-per-node 4 -m reference --tp 2 --dp 2 --dp-sharding fsdp
+--sequence-parallel`) shards the TP stage over the DP group with reference FSDP (reference.gpt.train.
+fully_sharded) instead of replicating it: the dp traffic becomes per-block all-gathers and reduce-scatters,
+and each rank holds about 1/(tp x dp) of the parameters. It needs --pp 1 and one micro-batch per step.
 """
 from __future__ import annotations
 
@@ -17,8 +23,9 @@ import torch
 import torch.distributed as dist
 
 from reference.distributed import LaunchError, distributed
-from reference.gpt.model import GPTConfig, build_stage, split_layers
-from reference.gpt.train import data_parallel, synthetic_batches, train_step
+from reference.fsdp.demo import sharded_parameter_bytes
+from reference.gpt.model import GPTConfig, UnshardedGPT, build_stage, split_layers
+from reference.gpt.train import data_parallel, fsdp_grad_sync, fully_sharded, synthetic_batches, train_step
 from reference.parallel_state import ParallelConfigError, ParallelLayout, build_layout
 from reference.pipeline.schedules import SCHEDULES
 from reference.recorder import CollectiveRecorder
@@ -34,13 +41,18 @@ def add_arguments(group) -> None:
     group.add_argument("--schedule", choices=SCHEDULES, default="1f1b",
                        help="pipeline schedule: all forwards then all backwards (gpipe), or one-forward-one-"
                             "backward after a warm-up (1f1b: at most pp micro-batches in flight)")
-    group.add_argument("--micro-batches", type=int, default=4,
-                       help="micro-batches m per step and replica; the bubble is (pp - 1) / (m + pp - 1)")
+    group.add_argument("--micro-batches", type=int, default=None,
+                       help="micro-batches m per step and replica; the bubble is (pp - 1) / (m + pp - 1); "
+                            "default: 4, or 1 with --dp-sharding fsdp")
     group.add_argument("--sequence-parallel", action="store_true",
                        help="split LayerNorm/dropout/residual activations along the sequence over TP: each "
                             "all-reduce becomes an all-gather + reduce-scatter, stages exchange [s/tp, b, h]")
     group.add_argument("--vocab-size", type=int, default=128, help="vocabulary size (padded to a multiple of tp)")
     group.add_argument("--dropout", type=float, default=0.0, help="hidden and attention dropout probability")
+    group.add_argument("--dp-sharding", choices=["replicate", "fsdp"], default="replicate",
+                       help="replicate: every DP rank holds the stage and all-reduces gradients in buckets (DDP); "
+                            "fsdp: reference FSDP over the DP group shards the TP-sharded stage (2D, all-gathers "
+                            "and reduce-scatters; needs --pp 1 and --micro-batches 1)")
     group.add_argument("--bucket-size", type=int, default=25 * 2**20, metavar="BYTES",
                        help="data-parallel gradient bucket size: one all-reduce per bucket over the DP group")
     group.add_argument("--no-overlap-grad-reduce", action="store_true",
@@ -53,6 +65,13 @@ def add_arguments(group) -> None:
 
 def _config(args) -> GPTConfig:
     """Everything that can be checked before starting the processes: one-line errors, no hang."""
+    if args.micro_batches is None:
+        args.micro_batches = 1 if args.dp_sharding == "fsdp" else 4
+    if args.dp_sharding == "fsdp" and (args.pp > 1 or args.micro_batches > 1):
+        raise ParallelConfigError(
+            f"--dp-sharding fsdp needs --pp 1 and --micro-batches 1 (got --pp {args.pp} --micro-batches "
+            f"{args.micro_batches}): the reference FSDP has no no_sync, so it cannot accumulate gradients over "
+            "micro-batches and reduce-scatter once; use --dp-sharding replicate for pipelining")
     if min(args.steps, args.batch_size, args.micro_batches, args.bucket_size) < 1:
         raise ParallelConfigError("--steps, --batch-size, --micro-batches and --bucket-size must be >= 1")
     config = GPTConfig(vocab_size=args.vocab_size, hidden_size=args.hidden_size,
@@ -80,17 +99,23 @@ def _train(args, config: GPTConfig, device: torch.device) -> None:
         print(layout.describe(), flush=True)
     stage = build_stage(config, layout, sequence_parallel=args.sequence_parallel, seed=args.seed, device=device,
                         async_grad_allreduce=not args.no_async_grad_allreduce)
-    model = data_parallel(stage, layout, bucket_size=args.bucket_size,
-                          overlap_grad_reduce=not args.no_overlap_grad_reduce)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
-    global_batch = args.batch_size * args.micro_batches * layout.dp_size
     recorder = CollectiveRecorder()
     recorder.watch(stage)
+    if args.dp_sharding == "fsdp":
+        model = fully_sharded(stage, layout)
+        grad_sync = fsdp_grad_sync(model, layout)
+    else:
+        model, grad_sync = data_parallel(stage, layout, bucket_size=args.bucket_size,
+                                         overlap_grad_reduce=not args.no_overlap_grad_reduce), {}
+    param_bytes = {"param_bytes_per_rank": sharded_parameter_bytes(model),
+                   "param_bytes_unsharded": sharded_parameter_bytes(UnshardedGPT(config, args.seed))}
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+    global_batch = args.batch_size * args.micro_batches * layout.dp_size
     for step, tokens in enumerate(synthetic_batches(config, args.steps, global_batch, args.seed)):
         recorder.clear()
         result = train_step(model, optimizer, tokens, layout, num_micro_batches=args.micro_batches,
-                            schedule=args.schedule, device=device, record=recorder)
-        _report_step(args, step, result, recorder, layout)
+                            schedule=args.schedule, device=device, record=recorder, **grad_sync)
+        _report_step(args, step, result, recorder, layout, param_bytes)
     stages = [None] * dist.get_world_size()
     dist.all_gather_object(stages, result.pipeline.to_dict())
     if rank == 0:
@@ -111,7 +136,7 @@ def group_summary(recorder: CollectiveRecorder, layout: ParallelLayout) -> dict[
     return {name: recorder.summary(events=events) for name, events in by_group.items()}
 
 
-def _report_step(args, step, result, recorder, layout) -> None:
+def _report_step(args, step, result, recorder, layout, param_bytes: dict) -> None:
     if dist.get_rank() != 0:
         return
     groups = group_summary(recorder, layout)
@@ -119,12 +144,14 @@ def _report_step(args, step, result, recorder, layout) -> None:
     if args.json:
         print(json.dumps({"step": step, "loss": result.loss, "seconds": seconds,
                           "layout": {"tp": layout.tp_size, "pp": layout.pp_size, "dp": layout.dp_size},
-                          "schedule": args.schedule, "micro_batches": args.micro_batches,
-                          "collectives": groups}), flush=True)
+                          "dp_sharding": args.dp_sharding, "schedule": args.schedule,
+                          "micro_batches": args.micro_batches, **param_bytes, "collectives": groups}), flush=True)
         return
     def fmt(ops):
         return ", ".join(f"{op} x{v['count']} ({v['bytes']} B)" for op, v in ops.items()) or "none"
-    print(f"step {step}: loss {result.loss:.6f} ({seconds * 1e3:.1f} ms) | "
+    shard, total = param_bytes["param_bytes_per_rank"], param_bytes["param_bytes_unsharded"]
+    print(f"step {step}: loss {result.loss:.6f} ({seconds * 1e3:.1f} ms) | parameters on rank 0 {shard} B "
+          f"(unsharded {total} B, ratio {shard / total:.3f}) | "
           + " | ".join(f"{name}: {fmt(ops)}" for name, ops in groups.items()), flush=True)
 
 

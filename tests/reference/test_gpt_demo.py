@@ -1,8 +1,10 @@
-"""`torchrun -m reference --tp T --pp P --dp D`: help, one-line errors, loss equal to the unsharded GPT's,
-traffic per process group, and the schedule's measured in-flight peak per stage."""
+"""`torchrun -m reference --tp T --pp P --dp D [--dp-sharding fsdp]`: help, one-line errors, loss equal to the
+unsharded GPT's, traffic per process group, parameter bytes per rank, and the schedule's measured in-flight
+peak per stage."""
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,9 +14,12 @@ from reference.gpt.train import synthetic_batches
 from tests.launch import ROOT, torchrun
 
 FLAGS = ["--tp", "--pp", "--dp", "--schedule", "--micro-batches", "--sequence-parallel", "--vocab-size",
-         "--dropout", "--no-async-grad-allreduce", "--trace", "--fsdp"]
+         "--dropout", "--no-async-grad-allreduce", "--trace", "--fsdp", "--dp-sharding"]
 MODEL = dict(vocab_size=51, hidden_size=16, num_attention_heads=4, num_layers=2, seq_length=8)
 B, M, STEPS, SEED, LR = 2, 3, 3, 7, 0.5
+FSDP_REFUSED = ("--dp-sharding fsdp needs --pp 1 and --micro-batches 1 (got --pp {pp} --micro-batches {m}): the "
+                "reference FSDP has no no_sync, so it cannot accumulate gradients over micro-batches and "
+                "reduce-scatter once; use --dp-sharding replicate for pipelining")
 
 
 def _python_m_reference(*args: str) -> subprocess.CompletedProcess:
@@ -34,6 +39,8 @@ def test_help_explains_every_flag():
      "4 pipeline stages need at least 4 transformer layers, the model has 2; lower --pp or raise --num-layers"),
     (["--micro-batches", "0"], "--steps, --batch-size, --micro-batches and --bucket-size must be >= 1"),
     (["--hidden-size", "10"], "hidden_size (10) is not divisible by num_attention_heads (4)"),
+    (["--tp", "2", "--pp", "2", "--dp-sharding", "fsdp"], FSDP_REFUSED.format(pp=2, m=1)),
+    (["--tp", "2", "--dp-sharding", "fsdp", "--micro-batches", "2"], FSDP_REFUSED.format(pp=1, m=2)),
 ])
 def test_bad_sizes_are_refused_with_one_line_before_starting(args, message):
     out = _python_m_reference(*args)
@@ -54,19 +61,34 @@ def unsharded_losses() -> list[float]:
     return losses
 
 
-def demo(*extra: str) -> tuple[list[dict], dict]:
-    args = ["--tp", "2", "--pp", "2", "--dp", "2", "--json", "--steps", str(STEPS), "--batch-size", str(B),
-            "--micro-batches", str(M), "--seed", str(SEED), "--lr", str(LR), "--vocab-size", "51",
-            "--hidden-size", "16", "--seq-length", "8", "--num-layers", "2", *extra]
-    lines = [json.loads(line) for line in torchrun("-m", 8, "reference", *args, timeout=180).splitlines()
+def demo(*extra: str, pp: int = 2, batch_size: int = B, micro_batches: int = M) -> tuple[list[dict], dict]:
+    """The demo at tp 2 x pp x dp 2 on the global batch B x M x 2 of unsharded_losses."""
+    args = ["--tp", "2", "--pp", str(pp), "--dp", "2", "--json", "--steps", str(STEPS), "--batch-size",
+            str(batch_size), "--micro-batches", str(micro_batches), "--seed", str(SEED), "--lr", str(LR),
+            "--vocab-size", "51", "--hidden-size", "16", "--seq-length", "8", "--num-layers", "2", *extra]
+    lines = [json.loads(line) for line in torchrun("-m", 4 * pp, "reference", *args, timeout=180).splitlines()
              if line.startswith("{")]
     return [x for x in lines if "step" in x], next(x for x in lines if "pipeline" in x)
 
 
+@pytest.fixture(scope="module")
+def three_d(tmp_path_factory):
+    """The tp 2 x pp 2 x dp 2 (replicate) runs, by (schedule, sequence_parallel), each launched once per module:
+    (steps, pipeline, trace directory)."""
+    runs = {}
+
+    def run(schedule: str, sequence_parallel: bool) -> tuple[list[dict], dict, Path]:
+        if (schedule, sequence_parallel) not in runs:
+            trace = tmp_path_factory.mktemp(f"trace-{schedule}")
+            runs[schedule, sequence_parallel] = (*demo("--schedule", schedule, "--trace", str(trace),
+                                                       *(["--sequence-parallel"] if sequence_parallel else [])), trace)
+        return runs[schedule, sequence_parallel]
+    return run
+
+
 @pytest.mark.parametrize("schedule, sequence_parallel", [("gpipe", False), ("1f1b", True)])
-def test_tp2_pp2_dp2_demo_trains_like_the_unsharded_gpt(tmp_path, schedule, sequence_parallel):
-    steps, pipeline = demo("--schedule", schedule, *(["--sequence-parallel"] if sequence_parallel else []),
-                           "--trace", str(tmp_path))
+def test_tp2_pp2_dp2_demo_trains_like_the_unsharded_gpt(three_d, schedule, sequence_parallel):
+    steps, pipeline, trace_dir = three_d(schedule, sequence_parallel)
     assert [s["step"] for s in steps] == [0, 1, 2]
     for got, expected in zip([s["loss"] for s in steps], unsharded_losses()):
         assert abs(got - expected) < 2e-6, (got, expected)
@@ -80,5 +102,24 @@ def test_tp2_pp2_dp2_demo_trains_like_the_unsharded_gpt(tmp_path, schedule, sequ
         assert groups["tp"] == {"all_reduce": {"count": 5 * M, "bytes": 5 * M * s * b * h * 4}}
     peaks = [(p["pp_rank"], p["peak_in_flight"], p["peak_in_flight_measured"]) for p in pipeline["pipeline"]]
     assert peaks == ([(0, M, M), (1, M, M)] if schedule == "gpipe" else [(0, 2, 2), (1, 1, 1)])
-    trace = json.loads((tmp_path / "gpt_trace.rank0.json").read_text())
+    trace = json.loads((trace_dir / "gpt_trace.rank0.json").read_text())
     assert {e["op"] for e in trace["events"]} >= {"send", "recv", "all_reduce"}
+
+
+def test_fsdp_x_tp_demo_trains_like_replicate_and_unsharded(three_d):
+    """2D at world 4: FSDP over DP x TP with sequence and loss parallelism, one micro-batch of B x M rows per
+    replica; the replicate run is the 1f1b, sequence-parallel tp 2 x pp 2 x dp 2 one (same global batches)."""
+    fsdp, _ = demo("--dp-sharding", "fsdp", "--sequence-parallel", pp=1, batch_size=B * M, micro_batches=1)
+    replicate = three_d("1f1b", True)[0]
+    losses = {"fsdp": [s["loss"] for s in fsdp], "replicate": [s["loss"] for s in replicate],
+              "unsharded": unsharded_losses()}
+    for got, replicated, expected in zip(losses["fsdp"], losses["replicate"], losses["unsharded"]):
+        assert abs(got - expected) < 2e-6 and abs(got - replicated) < 2e-6, losses
+    layers = MODEL["num_layers"]
+    for step in fsdp:  # root unit: one all-gather (kept for backward); each block: forward + backward
+        dp = step["collectives"]["dp"]
+        assert {op: v["count"] for op, v in dp.items()} == {"all_gather": 1 + 2 * layers,
+                                                             "reduce_scatter": 1 + layers}, dp
+    unsharded = sum(p.numel() * 4 for p in UnshardedGPT(GPTConfig(**MODEL), SEED).parameters())
+    assert fsdp[0]["param_bytes_unsharded"] == unsharded
+    assert abs(fsdp[0]["param_bytes_per_rank"] / unsharded - 1 / 4) < 0.02  # + replicated LayerNorms, positions
