@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,20 @@ def torchrun(script: str | Path, nproc: int, *args: str, timeout: float = 300, e
     if proc.returncode != 0:
         pytest.fail(f"torchrun {Path(script).name} x{nproc} exited {proc.returncode}:\n{out[-6000:]}")
     return out
+
+
+def torchrun_failing(script: str | Path, nproc: int, *args: str, timeout: float = 90) -> tuple[str, float]:
+    """Run a worker in which a rank fails on purpose; return every rank's output and the seconds it took.
+
+    Fails the test if the run succeeded or hung: a crashed rank must end the whole job (torchrun tears the
+    peers down), never leave a survivor blocked in a collective until `timeout`.
+    """
+    start = time.monotonic()
+    with pytest.raises(pytest.fail.Exception) as failure:
+        torchrun(script, nproc, *args, timeout=timeout)
+    message, elapsed = str(failure.value), time.monotonic() - start
+    assert "timed out" not in message, message[-2000:]
+    return message, elapsed
 
 
 def _rank_logs(logs: Path) -> str:

@@ -9,20 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch import torchrun
-from tests.reference.gpus import CUDA_ENV, require_gpus
+from tests.reference.gpus import WORLDS, launch_world, world_id
 
 WORKER = Path(__file__).parent / "workers" / "tp_vs_megatron_worker.py"
 
 
-@pytest.fixture(scope="module", params=[2, 4, pytest.param("cuda2", marks=pytest.mark.cuda)],
-                ids=lambda w: f"tp{w}" if isinstance(w, int) else w)
+@pytest.fixture(scope="module", params=WORLDS, ids=world_id)
 def run(request):
-    cuda = request.param == "cuda2"
-    world = 2 if cuda else request.param
-    if cuda:
-        require_gpus(world)
-    return world, torchrun(WORKER, world, timeout=180, env=CUDA_ENV if cuda else None)
+    return launch_world(request.param, WORKER)
 
 
 def test_layout_groups_match_megatron_core(run):
