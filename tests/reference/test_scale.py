@@ -173,7 +173,8 @@ def test_cli_exit_codes_and_json(capsys):
     out = capsys.readouterr().out
     assert "rank 5 (pipeline stage 0 of 2)" in out and "6 m L x bshe" in out and "MISMATCH" not in out
     for argv, message in ((["--model", "small", "--pp", "5"], "5 pipeline stages but only 4 layers"),
-                          (["--model", "small", "--pp", "1", "--dp", "1", "--bucket-size", "-1"], "bucket size -1 must be a positive"),
+                          (["--model", "small", "--pp", "1", "--dp", "1", "--bucket-size", "-1"],
+                           "bucket size -1 must be a positive"),
                           (["--model", "405b"], "unknown model '405b'"),
                           (["--model", "small", "--tp", "2", "--pp", "2", "--dp", "2", "--rank", "8"],
                            "--rank 8 is outside the world of 8 ranks"),
