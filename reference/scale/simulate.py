@@ -7,7 +7,7 @@ device: weights and activations have shapes and dtypes but no storage, and the f
 tensors in all_reduce, all_gather / reduce_scatter (eager and functional), broadcast, barrier and
 send/recv/isend/irecv (not batch_isend_irecv, which needs a backend for the tensors' device). The stage is
 wrapped by reference.gpt.train.data_parallel and stepped by reference.gpt.train.train_step, the code
-`python -m reference --tp ... --pp ... --dp ...` trains with. reference.recorder.CollectiveRecorder sees each
+`torchrun ... -m reference --tp ... --pp ... --dp ...` trains with. reference.recorder.CollectiveRecorder sees each
 collective of the step at the dispatcher with its real sizes; summarize() groups them by process group
 (tp/pp/dp) and collective type.
 
