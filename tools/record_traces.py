@@ -22,12 +22,11 @@ from pin_and_cite.atomic import atomic_write
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tools" / "trace_worker.py"
 RANKS = 2
-# trace name -> python -m reference.scale arguments: 70B on TP 8 x PP 8 x DP 64, plain TP with DDP, and SP with
-# Megatron's distributed optimizer (the production setting)
+# trace name -> python -m reference.scale arguments: 70B on TP 8 x PP 8 x DP 64 (1F1B, DDP in 25 MiB buckets),
+# plain TP and with sequence parallelism
 SCALE = {
     "scale_70b": ["--model", "70b", "--tp", "8", "--pp", "8", "--dp", "64", "--microbatches", "16"],
-    "scale_70b_sp": ["--model", "70b", "--tp", "8", "--pp", "8", "--dp", "64", "--microbatches", "16", "--sp",
-                     "--dp-mode", "distopt"],
+    "scale_70b_sp": ["--model", "70b", "--tp", "8", "--pp", "8", "--dp", "64", "--microbatches", "16", "--sp"],
 }
 
 

@@ -142,17 +142,18 @@ class GPTStage(torch.nn.Module):
     take `hidden` from the previous stage, [s, b, h] ([s / tp, b, h] under sequence parallelism). The last
     stage returns the micro-batch's mean token loss (a scalar, equal on every TP rank), the others the hidden
     state to send on. `block_kwargs` go to every ParallelTransformerBlock (e.g. async_grad_allreduce).
+    `params_dtype` is every parameter's dtype (the weights are drawn in fp32 and rounded, as in Megatron).
     """
 
     def __init__(self, config: GPTConfig, tp_group: dist.ProcessGroup, *, first_layer: int, last_layer: int,
                  is_first: bool, is_last: bool, sequence_parallel: bool = False, seed: int = 1234,
-                 device=None, **block_kwargs):
+                 device=None, params_dtype: torch.dtype = torch.float32, **block_kwargs):
         super().__init__()
         if not 0 <= first_layer <= last_layer <= config.num_layers:
             raise ParallelConfigError(f"layers [{first_layer}, {last_layer}) are outside the model's "
                                       f"{config.num_layers} layers")
         tp = tp_group.size()
-        self.config, self.tp_group = config, tp_group
+        self.config, self.tp_group, self.params_dtype = config, tp_group, params_dtype
         self.first_layer, self.last_layer, self.is_first, self.is_last = first_layer, last_layer, is_first, is_last
         self.sequence_parallel = sequence_parallel and tp > 1
         if self.sequence_parallel:
@@ -162,23 +163,27 @@ class GPTStage(torch.nn.Module):
             with module_seed(seed, 0):
                 self.embedding = torch.nn.Module()
                 self.embedding.word_embeddings = VocabParallelEmbedding(
-                    config.vocab_size, config.hidden_size, tp_group=tp_group, init_method=init, device=device)
+                    config.vocab_size, config.hidden_size, tp_group=tp_group, init_method=init,
+                    params_dtype=params_dtype, device=device)
                 self.embedding.position_embeddings = torch.nn.Embedding.from_pretrained(
-                    _embedding_weight(config.seq_length, config).to(device), freeze=False)
-        rng = TensorParallelRNG(seed, tp_group, device)
+                    _embedding_weight(config.seq_length, config).to(device, params_dtype), freeze=False)
+        # A stage on the meta device (reference.scale) has no generator of its own: its dropout stream is a
+        # CPU one, never drawn from (a meta tensor has no values to drop).
+        meta = device is not None and torch.device(device).type == "meta"
+        rng = TensorParallelRNG(seed, tp_group, "cpu" if meta else device)
         self.layers = torch.nn.ModuleList()
         for i in range(first_layer, last_layer):
             with module_seed(seed, 1 + i):
                 self.layers.append(ParallelTransformerBlock(
                     config.hidden_size, config.num_attention_heads, tp_group=tp_group,
-                    sequence_parallel=self.sequence_parallel, device=device, rng=rng,
+                    sequence_parallel=self.sequence_parallel, params_dtype=params_dtype, device=device, rng=rng,
                     **{**config.block_kwargs(), **block_kwargs}))
         if is_last:
             with module_seed(seed, 1 + config.num_layers):
-                self.final_layernorm = torch.nn.LayerNorm(config.hidden_size, device=device)
+                self.final_layernorm = torch.nn.LayerNorm(config.hidden_size, dtype=params_dtype, device=device)
                 self.output_layer = ParallelLMHead(config.hidden_size, config.vocab_size, tp_group=tp_group,
                                                    init_method=init, sequence_parallel=self.sequence_parallel,
-                                                   device=device)
+                                                   params_dtype=params_dtype, device=device)
             for param in self.final_layernorm.parameters():  # sees only local tokens under SP: partial grads
                 param.sequence_parallel = self.sequence_parallel
 
@@ -206,9 +211,9 @@ class GPTStage(torch.nn.Module):
 
 
 def build_stage(config: GPTConfig, layout: ParallelLayout, *, sequence_parallel: bool = False, seed: int = 1234,
-                device=None, **block_kwargs) -> GPTStage:
+                device=None, params_dtype: torch.dtype = torch.float32, **block_kwargs) -> GPTStage:
     """This rank's stage: its PP rank's share of split_layers, tensor-parallel over its TP group."""
     first, last = split_layers(config.num_layers, layout.pp_size)[layout.pp_rank]
     return GPTStage(config, layout.tp_group, first_layer=first, last_layer=last, is_first=layout.pp_rank == 0,
                     is_last=layout.pp_rank == layout.pp_size - 1, sequence_parallel=sequence_parallel, seed=seed,
-                    device=device, **block_kwargs)
+                    device=device, params_dtype=params_dtype, **block_kwargs)

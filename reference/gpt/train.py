@@ -40,7 +40,7 @@ from reference.data_parallel.wrapper import DEFAULT_BUCKET_SIZE
 from reference.fsdp import FullyShardedDataParallel
 from reference.gpt.model import GPTConfig, GPTStage
 from reference.parallel_state import ParallelConfigError, ParallelLayout
-from reference.pipeline.schedules import PipelineResult, forward_backward
+from reference.pipeline.schedules import PipelineResult, forward_backward, loss_value
 from reference.tensor_parallel.layers import allreduce_sequence_parallel_grads
 
 
@@ -70,7 +70,7 @@ def global_loss(result: PipelineResult, layout: ParallelLayout, device: torch.de
         loss /= layout.dp_size
     if layout.pp_size > 1:
         dist.broadcast(loss, src=dist.get_global_rank(layout.pp_group, layout.pp_size - 1), group=layout.pp_group)
-    return loss.item()
+    return loss_value(loss)
 
 
 @dataclasses.dataclass
@@ -116,7 +116,8 @@ def train_step(model: DistributedDataParallel | FullyShardedDataParallel, optimi
             schedule, model, micro_batches, pp_group=layout.pp_group,
             activation_shape=model.module.activation_shape(micro_batches[0][0].shape[0]),
             no_sync=no_sync or model.no_sync,
-            finalize_grads=finalize_grads or (lambda: finalize_model_grads([model], layout.tp_group)), device=device)
+            finalize_grads=finalize_grads or (lambda: finalize_model_grads([model], layout.tp_group)),
+            dtype=model.module.params_dtype, device=device)
         optimizer.step()
     model.zero_grad()
     return StepResult(loss=global_loss(result, layout, device), pipeline=result)

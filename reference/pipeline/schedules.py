@@ -67,6 +67,11 @@ class PipelineResult:
         return {**dataclasses.asdict(self), "bubble": self.bubble, "bubble_formula": self.bubble_formula}
 
 
+def loss_value(loss: torch.Tensor) -> float:
+    """loss.item(), or NaN for a loss on the meta device: reference.scale runs stages on shapes only."""
+    return float("nan") if loss.device.type == "meta" else loss.item()
+
+
 class _GradSync:
     """Megatron's disable_grad_sync / enable_grad_sync around the user's no_sync context."""
 
@@ -107,7 +112,7 @@ class _Steps:
             with self.meter.forward(i):
                 output = self.stage(input_tensor, *self.micro_batches[i])
             if self.is_last:  # the loss: keep it, scale it for the mean over micro-batches
-                self.losses.append(output.item())
+                self.losses.append(loss_value(output))
                 output = output / len(self.micro_batches)
             return output
         output = self._timed(f"F{i}", run)

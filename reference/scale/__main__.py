@@ -1,6 +1,6 @@
-"""`python -m reference.scale --tp 8 --pp 8 --dp 64 --model 70b [--rank R] [--sp] [--json]`: trace one step of
-one rank (or a first, middle and last stage rank) of a large job with the fake process group, and print the
-bytes per group and collective type next to the closed-form formula. Exit 0 when every row agrees, 1 when
+"""`python -m reference.scale --tp 8 --pp 8 --dp 64 --model 70b [--rank R] [--sp] [--json]`: trace one training
+step of one rank (or a first, middle and last stage rank) of a large job with the fake process group, and print
+the bytes per group and collective type next to the closed-form formula. Exit 0 when every row agrees, 1 when
 one does not, 2 for a setup that cannot exist."""
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ import argparse
 import json
 import sys
 
+from reference.data_parallel.wrapper import DEFAULT_BUCKET_SIZE
 from reference.parallel_state import ORDERS, ParallelConfigError
-from reference.scale.shapes import DP_MODES, MODELS, setup_for
+from reference.pipeline.schedules import SCHEDULES
+from reference.scale.shapes import MODELS, setup_for
 from reference.scale.simulate import document, default_ranks
 
 
@@ -22,8 +24,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dp", type=int, default=64, help="data-parallel size")
     parser.add_argument("--microbatches", type=int, default=16, help="micro-batches per step (m)")
     parser.add_argument("--sp", action="store_true", help="sequence parallelism")
-    parser.add_argument("--dp-mode", choices=DP_MODES, default="allreduce",
-                        help="allreduce: DDP; distopt: distributed optimizer (reduce-scatter + all-gather)")
+    parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule")
+    parser.add_argument("--bucket-size", type=int, default=DEFAULT_BUCKET_SIZE, metavar="BYTES",
+                        help="DDP gradient bucket size (0: one bucket)")
     parser.add_argument("--order", choices=ORDERS, default="tp-pp-dp", help="rank order (megatron's `order`)")
     parser.add_argument("--rank", type=int, action="append", default=None,
                         help="rank to trace (repeatable); default: a first, middle and last stage rank")
@@ -41,7 +44,8 @@ def _human(n: int) -> str:
 def format_document(doc: dict) -> str:
     s = doc["setup"]
     lines = [f"{s['model']['name']} on tp {s['tp']} x pp {s['pp']} x dp {s['dp']} = {doc['world']} ranks, "
-             f"{s['microbatches']} micro-batches, sp {'on' if s['sp'] else 'off'}, dp {s['dp_mode']}"]
+             f"{s['microbatches']} micro-batches, sp {'on' if s['sp'] else 'off'}, {s['schedule']}, DDP "
+             + (f"buckets of {_human(s['bucket_size'])}" if s["bucket_size"] else "in one bucket")]
     for run in doc["runs"]:
         lines.append(f"rank {run['rank']} (pipeline stage {run['stage']} of {s['pp']}): one step")
         lines.append(f"  {'group':5} {'op':14} {'count':>6} {'bytes':>16} {'':>12}  formula")
@@ -57,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         setup = setup_for(args.model.lower(), tp=args.tp, pp=args.pp, dp=args.dp, microbatches=args.microbatches,
-                          sp=args.sp, dp_mode=args.dp_mode, order=args.order)
+                          sp=args.sp, schedule=args.schedule, bucket_size=args.bucket_size or None,
+                          order=args.order)
         ranks = args.rank or default_ranks(setup)
         outside = [r for r in ranks if not 0 <= r < setup.world]
         if outside:

@@ -1,23 +1,27 @@
 """What a scale trace simulates: a model shape, a TP x PP x DP layout and the step's settings, checked once.
 
 The 70B preset has Llama-2/3-70B's sizes (80 layers, h 8192, 64 heads, FFN 28672, vocabulary 128256, here at
-sequence 4096, micro-batch 1, bf16). The block is this project's: one fused QKV with as many key/value heads
-as query heads and a plain GELU MLP. Llama's grouped-query attention (8 KV heads: a smaller QKV weight) and
-SwiGLU MLP (three FFN matrices) are not modelled; neither changes an activation collective, both change the
-parameter count and so the data-parallel gradient bytes. Embedding and output weights are untied, as in
-Llama, so there is no first-to-last-stage embedding all-reduce. The vocabulary is padded to a multiple of
-tp only, as reference.tensor_parallel.vocab_parallel does (Megatron-LM pads to a multiple of 128 tp).
+sequence 4096, micro-batch 1, bf16) on the reference GPT (reference.gpt.model.GPTStage): one fused QKV with as
+many key/value heads as query heads, a plain GELU MLP, learned position embeddings. Llama's grouped-query
+attention (8 KV heads: a smaller QKV weight), SwiGLU MLP (three FFN matrices) and rotary positions (no
+position table) are not modelled; none changes an activation collective, all change the parameter count and
+so the data-parallel gradient bytes. Embedding and output weights are untied, as in Llama, so there is no
+first-to-last-stage embedding all-reduce. The vocabulary is padded to a multiple of tp only, as
+reference.tensor_parallel.vocab_parallel does (Megatron-LM pads to a multiple of 128 tp).
 The "small" preset is for tests; its vocabulary (1001) needs padding at every TP size above 1.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 
+import torch
+
+from reference.data_parallel.wrapper import DEFAULT_BUCKET_SIZE
+from reference.gpt.model import GPTConfig
 from reference.parallel_state import ORDERS, ParallelConfigError, divide
+from reference.pipeline.schedules import SCHEDULES
 
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-DP_MODES = ("allreduce", "distopt")
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +36,12 @@ class ModelShape:
     micro_batch_size: int = 1
     dtype: str = "bfloat16"
 
+    def gpt_config(self) -> GPTConfig:
+        """The reference GPT of this shape (no dropout: a meta tensor has nothing to drop)."""
+        return GPTConfig(vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+                         num_attention_heads=self.num_attention_heads, num_layers=self.num_layers,
+                         seq_length=self.seq_length, ffn_hidden_size=self.ffn_hidden_size)
+
 
 MODELS = {
     "70b": ModelShape("70b", 80, 8192, 64, 28672, 128256, 4096),
@@ -41,10 +51,11 @@ MODELS = {
 
 @dataclasses.dataclass(frozen=True)
 class ScaleSetup:
-    """One training step of `model` on tp x pp x dp ranks with `microbatches` micro-batches per step.
+    """One training step (reference.gpt.train.train_step) of `model` on tp x pp x dp ranks.
 
-    sp: sequence parallelism. dp_mode: "allreduce" (DDP: all-reduce the fp32 gradient buffer) or "distopt"
-    (Megatron's distributed optimizer: reduce-scatter the fp32 gradients, all-gather the bf16 parameters).
+    microbatches: per step and DP replica. sp: sequence parallelism. schedule: "gpipe" or "1f1b" (the same
+    traffic per step, in another order). bucket_size: the DDP gradient bucket size in bytes (None: one
+    bucket), reference.data_parallel.DistributedDataParallel's.
     """
     model: ModelShape
     tp: int
@@ -52,7 +63,8 @@ class ScaleSetup:
     dp: int
     microbatches: int
     sp: bool = False
-    dp_mode: str = "allreduce"
+    schedule: str = "1f1b"
+    bucket_size: int | None = DEFAULT_BUCKET_SIZE
     order: str = "tp-pp-dp"
 
     def __post_init__(self) -> None:
@@ -62,16 +74,17 @@ class ScaleSetup:
                                       f"{self.microbatches} must be >= 1")
         if self.pp > m.num_layers:
             raise ParallelConfigError(f"{self.pp} pipeline stages but only {m.num_layers} layers")
-        divide(m.num_layers, self.pp, "num_layers", by="the pipeline-parallel size")
         divide(m.num_attention_heads, self.tp, "num_attention_heads")
         divide(m.hidden_size, m.num_attention_heads, "hidden_size", by="num_attention_heads")
         divide(m.ffn_hidden_size, self.tp, "ffn_hidden_size")
         if self.sp:
             divide(m.seq_length, self.tp, "seq_length")
-        if m.dtype not in DTYPE_BYTES:
-            raise ParallelConfigError(f"unknown dtype {m.dtype!r}; choose one of {', '.join(DTYPE_BYTES)}")
-        if self.dp_mode not in DP_MODES:
-            raise ParallelConfigError(f"unknown dp mode {self.dp_mode!r}; choose one of {', '.join(DP_MODES)}")
+        if m.dtype not in DTYPES:
+            raise ParallelConfigError(f"unknown dtype {m.dtype!r}; choose one of {', '.join(DTYPES)}")
+        if self.schedule not in SCHEDULES:
+            raise ParallelConfigError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
+        if self.bucket_size is not None and self.bucket_size < 1:
+            raise ParallelConfigError(f"bucket size {self.bucket_size} must be a positive number of bytes")
         if self.order not in ORDERS:
             raise ParallelConfigError(f"unknown order {self.order!r}; choose one of {', '.join(ORDERS)}")
 
@@ -80,17 +93,22 @@ class ScaleSetup:
         return self.tp * self.pp * self.dp
 
     @property
-    def layers_per_stage(self) -> int:
-        return self.model.num_layers // self.pp
+    def sequence_parallel(self) -> bool:
+        """SP as the layers apply it: off at tp 1, as in Megatron."""
+        return self.sp and self.tp > 1
+
+    @property
+    def params_dtype(self) -> torch.dtype:
+        return DTYPES[self.model.dtype]
 
     @property
     def dtype_bytes(self) -> int:
-        return DTYPE_BYTES[self.model.dtype]
+        return self.params_dtype.itemsize
 
     @property
     def padded_vocab_size(self) -> int:
         """V padded to a multiple of tp (reference.tensor_parallel.vocab_parallel.pad_vocab_size, multiple 1)."""
-        return math.ceil(self.model.vocab_size / self.tp) * self.tp
+        return -(-self.model.vocab_size // self.tp) * self.tp
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -2,11 +2,18 @@
 
 The process joins a world of tp x pp x dp ranks through torch's `fake` process-group backend
 (torch/testing/_internal/distributed/fake_pg.py::FakeStore): every collective returns at once without
-communicating. The rank builds only its own pipeline stage, on the meta device: weights and activations
-have shapes and dtypes but no storage, and the fake backend accepts meta tensors in all_reduce,
-all_gather / reduce_scatter (eager and functional) and send/recv (not batch_isend_irecv, which needs a
-backend for the tensors' device). reference.recorder.CollectiveRecorder sees each collective at the
-dispatcher with its real sizes; summarize() groups them by process group (tp/pp/dp) and collective type.
+communicating. The rank builds only its own pipeline stage with reference.gpt.model.build_stage, on the meta
+device: weights and activations have shapes and dtypes but no storage, and the fake backend accepts meta
+tensors in all_reduce, all_gather / reduce_scatter (eager and functional), broadcast, barrier and
+send/recv/isend/irecv (not batch_isend_irecv, which needs a backend for the tensors' device). The stage is
+wrapped by reference.gpt.train.data_parallel and stepped by reference.gpt.train.train_step, the code
+`torchrun ... -m reference --tp ... --pp ... --dp ...` trains with. reference.recorder.CollectiveRecorder sees each
+collective of the step at the dispatcher with its real sizes; summarize() groups them by process group
+(tp/pp/dp) and collective type.
+
+Not recorded, because they are not per-step training traffic: DistributedDataParallel's broadcast of the
+parameters over DP at construction (one per bucket, once per run), and train_step's reported loss, a scalar
+all-reduced over DP on the last stage and broadcast over PP (outside its `record` context).
 """
 from __future__ import annotations
 
@@ -16,13 +23,12 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from reference.gpt.model import build_stage
+from reference.gpt.train import data_parallel, train_step
 from reference.parallel_state import ParallelLayout, build_layout, rank_grid
 from reference.recorder import CollectiveEvent, CollectiveRecorder
 from reference.scale import formulas
-from reference.scale.grads import finish_grads
-from reference.scale.schedule import gpipe_step
 from reference.scale.shapes import ScaleSetup
-from reference.scale.stage import Stage
 
 GROUPS = ("tp", "pp", "dp")
 
@@ -50,24 +56,25 @@ def stage_of(setup: ScaleSetup, rank: int) -> int:
 
 
 def trace_rank(setup: ScaleSetup, rank: int, device: str = "meta") -> list[CollectiveEvent]:
-    """Every collective `rank` issues in one step (micro-batches through its stage, then the grad sync).
+    """Every collective `rank` issues in one train_step (micro-batches through its stage, then the grad sync).
 
-    device "cpu" runs the same step on real (uninitialized) tensors: only for small models, to show that the
-    meta device changes nothing the recorder sees."""
+    device "cpu" runs the same step on real tensors: only for small models, to show that the meta device
+    changes nothing the recorder sees."""
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=setup.world)
     try:
         layout = build_layout(setup.tp, setup.pp, setup.dp, order=setup.order)
         model, where = setup.model, torch.device(device)
-        with where:
-            stage = Stage(setup, layout, device=where)
-        ids = [torch.zeros(model.micro_batch_size, model.seq_length, dtype=torch.long, device=where)
-               for _ in range(setup.microbatches)]
-        seq = model.seq_length // setup.tp if stage.sp else model.seq_length
-        with CollectiveRecorder() as rec:
-            gpipe_step(stage, layout, ids, ids, (seq, model.micro_batch_size, model.hidden_size),
-                       getattr(torch, model.dtype), where)
-            finish_grads(stage, layout, setup.dp_mode)
-        return _labelled(rec.events, layout)
+        with where:  # the master weights the layers draw their shards from are plain torch.empty: meta too
+            stage = build_stage(model.gpt_config(), layout, sequence_parallel=setup.sp, device=where,
+                                params_dtype=setup.params_dtype)
+        ddp = data_parallel(stage, layout, bucket_size=setup.bucket_size)
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)  # local: no collective
+        rows = setup.dp * setup.microbatches * model.micro_batch_size
+        tokens = torch.zeros(rows, model.seq_length + 1, dtype=torch.long, device=where)  # global batch
+        recorder = CollectiveRecorder()
+        train_step(ddp, optimizer, tokens, layout, num_micro_batches=setup.microbatches, schedule=setup.schedule,
+                   device=where, record=recorder)
+        return _labelled(recorder.events, layout)
     finally:
         dist.destroy_process_group()
 

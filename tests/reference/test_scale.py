@@ -1,9 +1,10 @@
 """Scale by simulation: one process traces one rank of a large TP x PP x DP job (fake process group, meta
-weights) and every (group, collective type) row must equal the closed forms of reference.scale.formulas.
+weights) running reference.gpt.train.train_step, and every (group, collective type) row must equal the closed
+forms of reference.scale.formulas.
 
 The 70B rows are also checked against numbers written out here from the sizes (not from formulas.py), the
-meta-device trace against the same step on real tensors, and two negative controls show the comparison
-can fail.
+meta-device trace against the same step on real tensors, GPipe against 1F1B (same transfers, other order),
+and two negative controls show the comparison can fail.
 """
 from __future__ import annotations
 
@@ -13,15 +14,16 @@ import time
 
 import pytest
 
-from reference.parallel_state import ParallelConfigError
+from reference.parallel_state import ParallelConfigError, rank_grid
 from reference.scale import formulas
 from reference.scale.__main__ import main
 from reference.scale.shapes import setup_for
 from reference.scale.simulate import default_ranks, simulate, stage_of, summarize, trace_rank
 
-M = 8                                     # micro-batches in the 70B tests
+M = 4                                     # micro-batches in the 70B tests (fewer than stages: 1F1B copes)
 A = 1 * 4096 * 8192 * 2                   # one bf16 activation [s, b, h] of the 70B shape, bytes
 L = 10                                    # layers per stage at PP 8
+H, F, S, VOCAB_ROWS = 8192, 28672, 4096, 128256 // 8
 
 
 def table(rows):
@@ -35,19 +37,22 @@ def assert_agrees(rows):
 
 @pytest.fixture(scope="module")
 def seventy_b():
-    """The 70B layout at TP 8 x PP 8 x DP 64, first / middle / last stage, without and with SP."""
-    traced, seconds = {}, {}
-    for sp, mode in ((False, "allreduce"), (True, "distopt")):
-        setup = setup_for("70b", tp=8, pp=8, dp=64, microbatches=M, sp=sp, dp_mode=mode)
+    """The 70B layout at TP 8 x PP 8 x DP 64, first / middle / last stage, without and with SP: the rows, the
+    events, the seconds each trace took."""
+    traced, events, seconds = {}, {}, {}
+    for sp in (False, True):
+        setup = setup_for("70b", tp=8, pp=8, dp=64, microbatches=M, sp=sp)
         for rank in default_ranks(setup):
             start = time.perf_counter()
-            traced[sp, stage_of(setup, rank)] = simulate(setup, rank)
-            seconds[sp, rank] = time.perf_counter() - start
-    return traced, seconds
+            key = sp, stage_of(setup, rank)
+            events[key] = trace_rank(setup, rank)
+            traced[key] = summarize(setup, rank, events[key])
+            seconds[key] = time.perf_counter() - start
+    return traced, events, seconds
 
 
 def test_70b_first_middle_last_stage_rows_equal_the_formulas(seventy_b):
-    traced, seconds = seventy_b
+    traced, _, seconds = seventy_b
     assert sorted(traced) == [(False, 0), (False, 4), (False, 7), (True, 0), (True, 4), (True, 7)]
     for rows in traced.values():
         assert_agrees(rows)
@@ -63,29 +68,59 @@ def test_70b_without_sp_in_numbers(seventy_b):
     assert middle[("pp", "send")] == middle[("pp", "recv")] == (2 * M, 2 * M * A)
     assert first[("pp", "send")] == last[("pp", "recv")] == (M, M * A)
     assert ("pp", "recv") in first and ("pp", "send") in last           # the gradients coming back
-    h, f, per_rank_vocab = 8192, 28672, 128256 // 8
-    block = 6 * h + (4 * h * h + 3 * h + 2 * h * f + f) // 8
-    assert middle[("dp", "all_reduce")] == (1, 4 * L * block)
-    assert first[("dp", "all_reduce")] == (1, 4 * (L * block + per_rank_vocab * h))
-    assert last[("dp", "all_reduce")] == (1, 4 * (L * block + 2 * h + per_rank_vocab * h))
+    assert middle[("pp", "barrier")] == (2, 0)
+    block = 6 * H + (4 * H * H + 3 * H + 2 * H * F + F) // 8
+    # DDP: bf16 gradients (2 bytes), buckets of >= 25 MiB; a block's grads close three buckets (fc2, fc1, then
+    # ln2 + attention out + QKV), the ln1 of one block rides with the next one's fc2, the first block's ln1
+    # is the last bucket (or rides with the embeddings on the first stage)
+    assert middle[("dp", "all_reduce")] == (3 * L + 1, 2 * L * block)
+    assert first[("dp", "all_reduce")] == (3 * L + 2, 2 * (L * block + (VOCAB_ROWS + S) * H))
+    assert last[("dp", "all_reduce")] == (3 * L + 2, 2 * (L * block + 2 * H + VOCAB_ROWS * H))
 
 
-def test_70b_with_sp_and_distributed_optimizer_in_numbers(seventy_b):
-    middle = table(seventy_b[0][True, 4])
+def test_70b_ddp_buckets_in_order(seventy_b):
+    """The middle stage's DP all-reduces, bucket by bucket, in the order backward fills them."""
+    sizes = [e.nbytes for e in seventy_b[1][False, 4] if e.module == "dp"]
+    fc2, fc1 = 2 * (H * F // 8 + H), 2 * (F * H // 8 + F // 8)
+    attention = 2 * (2 * H + H * H // 8 + H + 3 * H * H // 8 + 3 * H // 8)
+    ln = 2 * 2 * H
+    assert sizes == [fc2, fc1, attention] + [ln + fc2, fc1, attention] * (L - 1) + [ln]
+    assert all(e.op == "all_reduce" and e.dtype == "bfloat16" and e.phase == "backward"  # overlapped
+               for e in seventy_b[1][False, 4] if e.module == "dp")
+
+
+def test_70b_with_sp_in_numbers(seventy_b):
+    first, middle, last = (table(seventy_b[0][True, p]) for p in (0, 4, 7))
     assert middle[("tp", "all_gather")] == (6 * M * L, 6 * M * L * A)
     assert middle[("tp", "reduce_scatter")] == (4 * M * L, 4 * M * L * A)
-    assert middle[("tp", "all_reduce")] == (1, 6 * 8192 * L * 2)          # SP LayerNorm and bias grads, bf16
+    assert middle[("tp", "all_reduce")] == (1, 6 * H * L * 2)               # SP LayerNorm and bias grads, bf16
     assert middle[("pp", "send")] == (2 * M, 2 * M * A // 8)              # the sequence shard crosses stages
-    rs_count, rs_bytes = middle[("dp", "reduce_scatter")]
-    ag_count, ag_bytes = middle[("dp", "all_gather")]
-    assert (rs_count, ag_count) == (1, 1) and rs_bytes == 2 * ag_bytes    # fp32 grads out, bf16 params back
-    assert (rs_bytes // 4) % 128 == 0                                     # padded: lcm(dp 64, 128)
+    # the first stage all-reduces the embedding (positions are added to the full sequence), then splits it
+    assert first[("tp", "all_reduce")] == (M + 1, M * A + 6 * H * L * 2)
+    assert first[("tp", "all_gather")] == (6 * M * L + M, (6 * M * L + M) * A)
+    assert last[("tp", "all_gather")] == (6 * M * L + 2 * M, (6 * M * L + 2 * M) * A)
+    assert last[("tp", "reduce_scatter")] == (4 * M * L + M, (4 * M * L + M) * A)
+    assert middle[("dp", "all_reduce")] == table(seventy_b[0][False, 4])[("dp", "all_reduce")]
+
+
+@pytest.mark.parametrize("layout", [dict(tp=2, pp=4, dp=2), dict(tp=2, pp=3, dp=2, sp=True)],
+                         ids=["tp-pp4", "sp-pp3"])
+def test_gpipe_and_1f1b_move_the_same_tensors_in_another_order(layout):
+    setup = setup_for("small", microbatches=5, **layout)
+    for rank in (int(rank) for rank in rank_grid(setup.tp, setup.pp, setup.dp)[:, 0, 0]):  # every stage
+        gpipe = trace_rank(dataclasses.replace(setup, schedule="gpipe"), rank)
+        one_f_one_b = trace_rank(setup, rank)
+        keys = [[(e.key(), e.module) for e in events] for events in (gpipe, one_f_one_b)]
+        assert sorted(keys[0]) == sorted(keys[1])
+        stage = stage_of(setup, rank)
+        if 0 < stage < setup.pp - 1:                       # a middle stage interleaves differently
+            assert keys[0] != keys[1]
 
 
 @pytest.mark.parametrize("layout", [
-    dict(tp=2, pp=2, dp=2), dict(tp=2, pp=2, dp=2, sp=True), dict(tp=4, pp=2, dp=2, sp=True, dp_mode="distopt"),
-    dict(tp=2, pp=4, dp=1), dict(tp=1, pp=2, dp=4), dict(tp=2, pp=1, dp=2, sp=True),
-    dict(tp=2, pp=2, dp=3, order="tp-dp-pp"),
+    dict(tp=2, pp=2, dp=2), dict(tp=2, pp=2, dp=2, sp=True, schedule="gpipe"), dict(tp=4, pp=3, dp=2, sp=True),
+    dict(tp=2, pp=4, dp=1), dict(tp=1, pp=2, dp=4, bucket_size=10_000), dict(tp=2, pp=1, dp=2, sp=True),
+    dict(tp=2, pp=2, dp=3, order="tp-dp-pp", bucket_size=None),
 ], ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
 def test_small_layouts_every_stage_equals_the_formulas(layout):
     setup = setup_for("small", microbatches=3, **layout)
@@ -96,8 +131,8 @@ def test_small_layouts_every_stage_equals_the_formulas(layout):
         assert groups == {g for g, size in (("tp", setup.tp), ("pp", setup.pp), ("dp", setup.dp)) if size > 1}
 
 
-@pytest.mark.parametrize("layout", [dict(tp=2, pp=2, dp=2), dict(tp=2, pp=2, dp=2, sp=True, dp_mode="distopt")],
-                         ids=["tp", "sp-distopt"])
+@pytest.mark.parametrize("layout", [dict(tp=2, pp=2, dp=2), dict(tp=2, pp=2, dp=2, sp=True, bucket_size=20_000)],
+                         ids=["tp", "sp-buckets"])
 def test_meta_device_records_what_real_tensors_record(layout):
     setup = setup_for("small", microbatches=2, **layout)
     for rank in (0, 7):
@@ -137,7 +172,9 @@ def test_cli_exit_codes_and_json(capsys):
     assert main(["--model", "small", "--tp", "2", "--pp", "2", "--dp", "2", "--rank", "5", "--sp"]) == 0
     out = capsys.readouterr().out
     assert "rank 5 (pipeline stage 0 of 2)" in out and "6 m L x bshe" in out and "MISMATCH" not in out
-    for argv, message in ((["--model", "small", "--pp", "3"], "num_layers (4) is not divisible"),
+    for argv, message in ((["--model", "small", "--pp", "5"], "5 pipeline stages but only 4 layers"),
+                          (["--model", "small", "--pp", "1", "--dp", "1", "--bucket-size", "-1"],
+                           "bucket size -1 must be a positive"),
                           (["--model", "405b"], "unknown model '405b'"),
                           (["--model", "small", "--tp", "2", "--pp", "2", "--dp", "2", "--rank", "8"],
                            "--rank 8 is outside the world of 8 ranks"),

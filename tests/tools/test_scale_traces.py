@@ -29,7 +29,8 @@ def test_table_shows_every_row_with_its_formula():
     trace = load_trace(NOTES, "scale_70b")
     table = scale_tables.scale_table(trace)
     assert "| 4 (middle) | TP | all_reduce | 640 | 40.00 GiB | 4 m L x bshe (blocks: 2 fwd, 2 bwd) |" in table
-    assert "| 4 (middle) (rank 32) | 40.00 GiB / 70.00 GiB | 4.00 GiB / 2.00 GiB |" in table
+    assert "| 4 (middle) (rank 32) | 40.00 GiB / 70.00 GiB | 4.00 GiB / 2.00 GiB | 1.72 GiB / 3.39 GiB |" in table
+    assert "| 4 (middle) | DP | all_reduce | 31 | 1.72 GiB | eP in buckets of >= 25 MiB (DDP grads) |" in table
     assert table.count("\n| 7 (last) | ") == len(trace["runs"][2]["rows"])
 
 
