@@ -42,6 +42,15 @@ def test_unchanged_notes_are_not_rewritten(project):
     assert r.json() == {"changed": []} and out.stat().st_mtime == 1
 
 
+def test_out_folder_outside_the_project_lists_absolute_paths(project, tmp_path):
+    assert project.run("cite", f"{LAYERS}#L9-L10").code == 0
+    note(project, "a.md.j2", "{{ cite('" + LAYERS + "#L9-L10') }}\n")
+    out = tmp_path / "elsewhere"
+    r = project.run("render", "--out", str(out), "--json")
+    assert r.code == 0, r.err
+    assert str(out / "a.md") in r.json()["changed"] and (out / "a.md").is_file()
+
+
 def test_failures_name_file_and_line_and_keep_previous_output(project):
     assert project.run("cite", f"{LAYERS}#L9-L10").code == 0
     note(project, "a.md.j2", "{{ cite('" + LAYERS + "#L9-L10') }}\n")

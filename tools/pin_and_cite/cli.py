@@ -142,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_render(project: Project, args) -> int:
     changed = render_notes(project.root, project.root / args.out)
-    names = [str(p.relative_to(project.root)) for p in changed]
+    names = [str(p.relative_to(project.root) if p.is_relative_to(project.root) else p) for p in changed]
     print(json.dumps({"changed": names}) if args.json else "\n".join(names) or "rendered notes unchanged")
     return 0
 
