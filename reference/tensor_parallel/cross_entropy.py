@@ -24,7 +24,8 @@ Differences from Megatron, each deliberate:
     are excluded from the max and the softmax (probability exactly 0, gradient exactly 0), so the loss is the
     unpadded model's. Megatron treats pad columns as real logits: they take probability mass and train.
   * A target outside [0, vocab_size) raises ParallelConfigError. Megatron silently reads logit 0 for it.
-    (The check costs one host sync; targets are equal on every TP rank, so every rank raises, none hangs.)
+    (The check costs one host sync per call, reading the ids' min and max together; targets are equal on
+    every TP rank, so every rank raises, none hangs.)
   * The input logits are not modified. Megatron subtracts the max in place to save one logits-sized buffer.
   * No label smoothing.
 """
@@ -49,8 +50,11 @@ def check_ids(ids: torch.Tensor, vocab_size: int, what: str) -> None:
     Ids on the meta device (reference.scale traces shapes without values) have only their dtype checked."""
     if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
         raise ParallelConfigError(f"{what} must be integer token ids, got dtype {ids.dtype}")
-    if ids.numel() and ids.device.type != "meta" and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
-        bad = ids[(ids < 0) | (ids >= vocab_size)].flatten()[0].item()
+    if not ids.numel() or ids.device.type == "meta":
+        return
+    low, high = torch.stack(torch.aminmax(ids)).tolist()  # one host sync (two with .min() and .max())
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
         raise ParallelConfigError(f"{what} holds id {bad}, outside the vocabulary [0, {vocab_size}); "
                                   f"check the tokenizer's vocabulary size against the model's")
 
