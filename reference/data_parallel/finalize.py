@@ -6,20 +6,31 @@ schedules call once per step (`config.finalize_model_grads_func`): first each mo
 sequence-parallel LayerNorm / row-bias gradients, reference.tensor_parallel.layers.
 allreduce_sequence_parallel_grads). The two reductions commute (both are sums over orthogonal groups), so the
 order is Megatron's, not a requirement. Tied-embedding and pipeline-stage reductions belong to the pipeline.
+
+The same call finalizes a reference FSDP chunk (reference.data_parallel.fsdp_tp): its reduce-scatters were
+waited for by its own post-backward callback, so only the TP sum remains, and FSDP x TP runs it on the
+sharded gradients (fsdp_tp says why that is right). Megatron's finalize_model_grads likewise serves DDP and
+its FSDP wrappers, which both expose `finish_grad_sync`.
 """
 from __future__ import annotations
 
 import torch.distributed as dist
 
 from reference.data_parallel.wrapper import DistributedDataParallel
+from reference.fsdp import FullyShardedDataParallel
 from reference.tensor_parallel.layers import allreduce_sequence_parallel_grads
 
 
-def finalize_model_grads(model_chunks: list[DistributedDataParallel], tp_group: dist.ProcessGroup | None = None
-                         ) -> None:
-    """DP-average every chunk's gradients, then TP-sum the sequence-parallel ones (when a TP group is given)."""
+def finalize_model_grads(model_chunks: list[DistributedDataParallel | FullyShardedDataParallel],
+                         tp_group: dist.ProcessGroup | None = None) -> None:
+    """DP-average every chunk's gradients (DDP: wait for its bucket all-reduces; FSDP: already
+    reduce-scattered), then TP-sum the sequence-parallel ones (when a TP group is given)."""
     for chunk in model_chunks:
-        chunk.finish_grad_sync()
+        if isinstance(chunk, DistributedDataParallel):
+            chunk.finish_grad_sync()
+        elif not isinstance(chunk, FullyShardedDataParallel):
+            raise TypeError(f"finalize_model_grads takes DistributedDataParallel or FullyShardedDataParallel "
+                            f"chunks, got {type(chunk).__name__}")
     if tp_group is not None:
         for chunk in model_chunks:
             allreduce_sequence_parallel_grads(chunk, tp_group)

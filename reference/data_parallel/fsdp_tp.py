@@ -15,8 +15,8 @@ this rank's tokens, so their gradients need a TP sum (reference.tensor_parallel.
 allreduce_sequence_parallel_grads). With FSDP the place for it is *after* the reduce-scatter, on the sharded
 gradients: TP peers share their DP coordinate and their flat layout, so their shards hold the same slices of
 the same parameters, and a sum commutes with FSDP's average. Call
-`allreduce_sequence_parallel_grads(model, layout.tp_group)` after backward, before the optimizer step:
-it sends 1/dp of the bytes it would send before the reduce-scatter.
+`finalize_model_grads([model], layout.tp_group)` (reference.data_parallel.finalize) after backward, before the
+optimizer step: it sends 1/dp of the bytes it would send before the reduce-scatter.
 
 Counterparts: torchtitan's parallelize_llama (`apply_tp`, then `apply_fsdp` with `fully_shard` on the mesh's
 "dp" dimension) and torch/distributed/fsdp/_fully_shard/_fsdp_param.py (FSDP2 sharding a TP DTensor

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from reference.distributed import LaunchError, distributed
 from reference.fsdp.demo import sharded_parameter_bytes
 from reference.gpt.model import GPTConfig, UnshardedGPT, build_stage, split_layers
-from reference.gpt.train import data_parallel, fsdp_grad_sync, fully_sharded, synthetic_batches, train_step
+from reference.gpt.train import data_parallel, fully_sharded, synthetic_batches, train_step
 from reference.parallel_state import ParallelConfigError, ParallelLayout, build_layout
 from reference.pipeline.schedules import SCHEDULES
 from reference.recorder import CollectiveRecorder
@@ -103,10 +103,9 @@ def _train(args, config: GPTConfig, device: torch.device) -> None:
     recorder.watch(stage)
     if args.dp_sharding == "fsdp":
         model = fully_sharded(stage, layout)
-        grad_sync = fsdp_grad_sync(model, layout)
     else:
-        model, grad_sync = data_parallel(stage, layout, bucket_size=args.bucket_size,
-                                         overlap_grad_reduce=not args.no_overlap_grad_reduce), {}
+        model = data_parallel(stage, layout, bucket_size=args.bucket_size,
+                              overlap_grad_reduce=not args.no_overlap_grad_reduce)
     param_bytes = {"param_bytes_per_rank": sharded_parameter_bytes(model),
                    "param_bytes_unsharded": sharded_parameter_bytes(UnshardedGPT(config, args.seed))}
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
@@ -114,7 +113,7 @@ def _train(args, config: GPTConfig, device: torch.device) -> None:
     for step, tokens in enumerate(synthetic_batches(config, args.steps, global_batch, args.seed)):
         recorder.clear()
         result = train_step(model, optimizer, tokens, layout, num_micro_batches=args.micro_batches,
-                            schedule=args.schedule, device=device, record=recorder, **grad_sync)
+                            schedule=args.schedule, device=device, record=recorder)
         _report_step(args, step, result, recorder, layout, param_bytes)
     stages = [None] * dist.get_world_size()
     dist.all_gather_object(stages, result.pipeline.to_dict())

@@ -17,8 +17,9 @@ collectives run after the step and outside any recorder (they are reporting, not
 
 Sharded data parallelism (`fully_sharded`, FSDP over DP x TP): one micro-batch per step (the reference FSDP
 has no no_sync, so it cannot defer its reduce-scatters to the last of several micro-batches) and pp 1. The
-schedule then gets no_sync = a no-op context and finalize = the TP sum of the sequence-parallel gradients on
-FSDP's sharded gradients (reference/data_parallel/fsdp_tp.py says why after the reduce-scatter).
+schedule then gets no_sync = a no-op context, and finalize_model_grads is only the TP sum of the
+sequence-parallel gradients on FSDP's sharded gradients (reference/data_parallel/fsdp_tp.py says why after
+the reduce-scatter).
 
 Counterparts: megatron/training/training.py::train_step (Megatron-LM, outside megatron-core), which hands
 the schedule `config.no_sync_func` and `config.finalize_model_grads_func` exactly as done here with
@@ -41,7 +42,6 @@ from reference.fsdp import FullyShardedDataParallel
 from reference.gpt.model import GPTConfig, GPTStage
 from reference.parallel_state import ParallelConfigError, ParallelLayout
 from reference.pipeline.schedules import PipelineResult, forward_backward, loss_value
-from reference.tensor_parallel.layers import allreduce_sequence_parallel_grads
 
 
 def synthetic_batches(config: GPTConfig, steps: int, global_batch_size: int, seed: int) -> list[torch.Tensor]:
@@ -88,15 +88,8 @@ def data_parallel(stage: GPTStage, layout: ParallelLayout, *, bucket_size: int |
 
 def fully_sharded(stage: GPTStage, layout: ParallelLayout) -> FullyShardedDataParallel:
     """The stage sharded by reference FSDP over the layout's DP group, TP inside (one unit per block, the
-    embedding and head in the root unit). Train it with `train_step(..., **fsdp_grad_sync(model, layout))`."""
+    embedding and head in the root unit). train_step trains it with one micro-batch per step."""
     return shard_tp_model(stage, layout)
-
-
-def fsdp_grad_sync(model: FullyShardedDataParallel, layout: ParallelLayout) -> dict:
-    """train_step's `no_sync` and `finalize_grads` for a `fully_sharded` stage: nothing to defer (one
-    micro-batch), then the TP sum of the sequence-parallel gradients on the reduce-scattered shards."""
-    return dict(no_sync=contextlib.nullcontext,
-                finalize_grads=lambda: allreduce_sequence_parallel_grads(model, layout.tp_group))
 
 
 def train_step(model: DistributedDataParallel | FullyShardedDataParallel, optimizer: torch.optim.Optimizer,
@@ -104,18 +97,23 @@ def train_step(model: DistributedDataParallel | FullyShardedDataParallel, optimi
                device: torch.device | None = None, record: contextlib.AbstractContextManager | None = None,
                no_sync: Callable[[], contextlib.AbstractContextManager] | None = None,
                finalize_grads: Callable[[], None] | None = None) -> StepResult:
-    """One optimizer step on the global batch `tokens` [B, s + 1] for a stage wrapped by `data_parallel` (or
-    `fully_sharded`, passing `fsdp_grad_sync`'s `no_sync` and `finalize_grads`; by default the DDP wrapper's
-    no_sync and finalize_model_grads). `record` is a context (e.g. a CollectiveRecorder) around the training
+    """One optimizer step on the global batch `tokens` [B, s + 1] for a stage wrapped by `data_parallel` or
+    `fully_sharded`. `no_sync` defaults to the DDP wrapper's (FSDP: nothing to defer, one micro-batch),
+    `finalize_grads` to finalize_model_grads (either wrapper). `record` is a context (e.g. a CollectiveRecorder) around the training
     work only: schedule, gradient finalization and optimizer step."""
     device = device or torch.device("cpu")
+    if isinstance(model, FullyShardedDataParallel) and num_micro_batches > 1:
+        raise ParallelConfigError(f"a fully_sharded stage trains one micro-batch per step, got {num_micro_batches}: "
+                                  "the reference FSDP has no no_sync to defer its reduce-scatters")
+    if no_sync is None:
+        no_sync = model.no_sync if isinstance(model, DistributedDataParallel) else contextlib.nullcontext
     micro_batches = [(x.to(device), y.to(device))
                      for x, y in split_batch(tokens, layout.dp_size, layout.dp_rank, num_micro_batches)]
     with record or contextlib.nullcontext():
         result = forward_backward(
             schedule, model, micro_batches, pp_group=layout.pp_group,
             activation_shape=model.module.activation_shape(micro_batches[0][0].shape[0]),
-            no_sync=no_sync or model.no_sync,
+            no_sync=no_sync,
             finalize_grads=finalize_grads or (lambda: finalize_model_grads([model], layout.tp_group)),
             dtype=model.module.params_dtype, device=device)
         optimizer.step()

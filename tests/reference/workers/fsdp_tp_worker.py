@@ -21,11 +21,10 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                parallelize_module)
 
 from common import finish, full_tensor, init
-from reference.data_parallel import local_batch
+from reference.data_parallel import finalize_model_grads, local_batch
 from reference.data_parallel.fsdp_tp import shard_tp_model
 from reference.parallel_state import ParallelConfigError, build_layout
 from reference.recorder import CollectiveRecorder
-from reference.tensor_parallel.layers import allreduce_sequence_parallel_grads
 from reference.tensor_parallel.transformer import ParallelTransformer
 from reference.tensor_parallel.unsharded import Transformer
 
@@ -94,8 +93,8 @@ def run_reference(layout, sp: bool) -> dict:
     def step(x, target):
         loss = loss_fn(model(x), target)
         loss.backward()
-        if sp:  # the TP sum of the partial LayerNorm / row-bias gradients, on FSDP's sharded gradients
-            allreduce_sequence_parallel_grads(model, layout.tp_group)
+        # under SP: the TP sum of the partial LayerNorm / row-bias gradients, on FSDP's sharded gradients
+        finalize_model_grads([model], layout.tp_group)
         return loss
 
     losses, records = train(model, step, layout)
