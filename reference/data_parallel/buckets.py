@@ -78,7 +78,14 @@ class GradBucket:
             param.grad = view
 
     def mark_ready(self, param: torch.nn.Parameter) -> bool:
-        """Record that `param`'s gradient is final for this step; True once the whole bucket is."""
+        """Record that `param`'s gradient is final for this step; True once the whole bucket is.
+
+        A second gradient for the same parameter in one synced step means a backward ran outside no_sync
+        after the bucket may already be on the wire: its all-reduce would miss that gradient, or race with
+        it. Refused, as megatron's _ParamAndGradBucketGroup.register_grad_ready ("Cannot set grad twice")."""
+        if param in self.ready:
+            raise RuntimeError("DistributedDataParallel: a parameter's gradient arrived twice in one synced step; "
+                               "run every backward but the last of a step under no_sync()")
         self.ready.add(param)
         return len(self.ready) == len(self.params)
 

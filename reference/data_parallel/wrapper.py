@@ -58,8 +58,7 @@ class DistributedDataParallel(nn.Module):
         self._sync = True
         if broadcast_params:
             self.broadcast_params()
-        for param in params:
-            param.register_post_accumulate_grad_hook(self._grad_ready)
+        self._hooks = [param.register_post_accumulate_grad_hook(self._grad_ready) for param in params]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
@@ -75,11 +74,19 @@ class DistributedDataParallel(nn.Module):
             for param, piece in zip(bucket.params, flat.split([p.numel() for p in bucket.params])):
                 param.copy_(piece.view_as(param))
 
+    def remove_hooks(self) -> None:
+        """Detach this wrapper from its parameters (the hooks hold it alive, and would keep moving gradients
+        into its buckets), e.g. before wrapping the same module again."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
     def _grad_ready(self, param: nn.Parameter) -> None:
-        """Post-accumulate-grad hook (megatron: `_make_backward_post_hook` -> `register_grad_ready`)."""
+        """Post-accumulate-grad hook (megatron: `_make_backward_post_hook` -> `register_grad_ready`, which
+        too only counts gradients when overlapping: without overlap finish_grad_sync issues every bucket)."""
         bucket = self._bucket_of[param]
         bucket.take_grad(param)
-        if self._sync and bucket.mark_ready(param) and self.overlap_grad_reduce:
+        if self._sync and self.overlap_grad_reduce and bucket.mark_ready(param):
             self._launch_ready_buckets()
 
     def _launch_ready_buckets(self) -> None:

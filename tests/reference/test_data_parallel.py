@@ -121,4 +121,7 @@ def test_bad_input_gets_one_line_errors():
         "batch_not_divisible": "the global batch size (6) is not divisible by the data-parallel size (4)",
         "main_grad": "parameter 'layers.0.attention.qkv.weight' accumulates into main_grad "
                      "(gradient_accumulation_fusion); reference DDP reduces .grad: build the model with "
-                     "gradient_accumulation_fusion=False"}
+                     "gradient_accumulation_fusion=False",
+        "grad_twice": "DistributedDataParallel: a parameter's gradient arrived twice in one synced step; run every "
+                      "backward but the last of a step under no_sync()",
+        "collectives_after_remove_hooks": 0}

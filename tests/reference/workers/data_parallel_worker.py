@@ -148,6 +148,16 @@ def bad_input(group, tp_group) -> dict[str, str]:
     fused = ParallelTransformer(1, H, HEADS, tp_group=tp_group, gradient_accumulation_fusion=True,
                                 device=DEVICE)
     capture("main_grad", lambda: DistributedDataParallel(fused, group))
+    twice = DistributedDataParallel(Transformer(1, H, HEADS, device=DEVICE), group, bucket_size=None)
+    x = torch.randn(S, 2, H)
+    twice(x).sum().backward()  # the one bucket goes on the wire during this backward
+    capture("grad_twice", lambda: twice(x).sum().backward())  # a second synced backward: refused
+    twice.finish_grad_sync()
+    twice.remove_hooks()
+    with CollectiveRecorder() as rec:  # detached: backward neither communicates nor refuses
+        twice(x).sum().backward()
+        twice(x).sum().backward()
+    errors["collectives_after_remove_hooks"] = len(rec.events)
     return errors
 
 
