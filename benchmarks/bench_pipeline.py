@@ -37,7 +37,6 @@ import time
 import torch
 import torch.distributed as dist
 
-from reference.data_parallel.buckets import bucket_layout
 from reference.distributed import LaunchError, distributed
 from reference.gpt.model import GPTConfig, build_stage, split_layers
 from reference.gpt.train import data_parallel, synthetic_batches, train_step
@@ -152,7 +151,7 @@ def _benchmark(args, config: GPTConfig, device: torch.device) -> None:
         mine[label]["dp_all_reduces"] = len(dp)
         mine[label]["dp_all_reduces_in_backward"] = sum(e.phase == "backward" for e in dp)
     mine_all = {"coordinates": layout.coordinates(), "variants": mine,
-                "buckets": len(bucket_layout([p for p in models["1f1b"].module.parameters()], args.bucket_size)),
+                "buckets": len(models["1f1b"].buckets),
                 "parameter_bytes": sum(p.numel() * p.element_size() for p in models["1f1b"].module.parameters())}
     everyone = [None] * world
     dist.all_gather_object(everyone, mine_all)
