@@ -81,8 +81,8 @@ def forward_markers(trace: dict) -> list[tuple[str, str]]:
 
 def pipeline_slots(trace: dict) -> list[list[tuple[str, int, int]]]:
     """Each stage's recorded actions as (action, first slot, end slot): in the recorded order per stage, each
-    as early as its inputs allow (F i after F i on the previous stage, B i after B i on the next stage, both
-    after the stage's previous action), a forward taking SLOTS["F"] slots and a backward SLOTS["B"]. Derived
+    as early as its inputs allow (F i after F i on the previous stage, B i after B i on the next stage and
+    F i on its own, all after the stage's previous action), a forward taking SLOTS["F"] slots and a backward SLOTS["B"]. Derived
     from the order alone, so every run that keeps the order draws the same timeline; wall times are not used."""
     stages = [st["actions"] for st in trace["stages"]]
     p, done = len(stages), {}
@@ -97,6 +97,8 @@ def pipeline_slots(trace: dict) -> list[list[tuple[str, int, int]]]:
                     raise TraceError(f"trace {trace['name']}: stage {r} ran {action!r}, not F<i> or B<i>; {RECORD}")
                 peer = r - 1 if kind == "F" else r + 1
                 ready = [placed[r][-1][2] if placed[r] else 0]
+                if kind == "B" and (r, "F" + action[1:]) not in done:
+                    break   # a backward needs its own forward first: recorded out of order, it never runs
                 if 0 <= peer < p:
                     if (peer, action) not in done:
                         break
