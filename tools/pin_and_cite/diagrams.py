@@ -147,8 +147,9 @@ def pipeline(trace: dict) -> str:
     if end > 60:
         raise TraceError(f"trace {trace['name']}: the step takes {end} slots; the timeline draws at most 60 (one "
                          f"per minute tick of the gantt axis); record fewer micro-batches; {RECORD}")
-    title = (f"{trace['schedule'].upper()}, {trace['pp']} stages, {trace['m']} micro-batches: recorded order, "
-             f"in slots (F {SLOTS['F']}, B {SLOTS['B']})")
+    name = {"gpipe": "GPipe", "1f1b": "1F1B"}.get(trace["schedule"], trace["schedule"])
+    title = (f"{name}, {trace['pp']} stages, {trace['m']} micro-batches, recorded order, in slots "
+             f"(F {SLOTS['F']}, B {SLOTS['B']})")
     body = ["---", "displayMode: compact", "---", "gantt", f"  title {gantt_text(title)}", "  dateFormat mm",
             "  axisFormat %M", "  tickInterval 1minute", "  todayMarker off"]
     for r, stage in enumerate(slots):
