@@ -1,7 +1,8 @@
 """`tools/record-traces [--out DIR]`: re-record the runs the study site's diagrams and numbers come from.
 
 Runs tools/trace_worker.py on two ranks under torchrun (CPU, gloo) and writes DIR/tp_block.json and
-DIR/fsdp_forward.json (default reading_notes/traces/, which is committed). tests/tools/test_traces.py runs the
+DIR/fsdp_forward.json (default reading_notes/traces/, which is committed), then on four ranks (four
+pipeline stages) DIR/pipeline_gpipe.json and DIR/pipeline_1f1b.json. tests/tools/test_traces.py runs the
 same worker and fails when a fresh run no longer matches the committed traces, so re-record after changing the
 reference and commit the result. Then, in one process each, `python -m reference.scale --json` traces a first,
 middle and last stage rank of the layouts in SCALE (fake process group, 70B shapes) into DIR/scale_*.json,
@@ -22,6 +23,7 @@ from pin_and_cite.atomic import atomic_write
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tools" / "trace_worker.py"
 RANKS = 2
+PIPELINE_RANKS = 4   # trace_worker.PIPELINE_RANKS
 # trace name -> python -m reference.scale arguments: 70B on TP 8 x PP 8 x DP 64 (1F1B, DDP in 25 MiB buckets),
 # plain TP and with sequence parallelism
 SCALE = {
@@ -33,12 +35,14 @@ SCALE = {
 def record(out: Path, timeout: float = 300) -> list[Path]:
     """Run the worker into a scratch folder, then move each trace into `out`; the paths written."""
     with tempfile.TemporaryDirectory(prefix="traces-") as scratch:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS}",
-               "--max-restarts=0", str(WORKER), scratch]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TORCH_CPP_LOG_LEVEL": "ERROR"}
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-        if proc.returncode != 0:
-            raise RuntimeError(f"trace worker exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-6000:]}")
+        for ranks, what in ((RANKS, "tp_fsdp"), (PIPELINE_RANKS, "pipeline")):
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+                   "--max-restarts=0", str(WORKER), scratch, what]
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+            if proc.returncode != 0:
+                raise RuntimeError(f"trace worker ({what}, {ranks} ranks) exited {proc.returncode}:\n"
+                                   f"{(proc.stdout + proc.stderr)[-6000:]}")
         out.mkdir(parents=True, exist_ok=True)
         written = []
         for trace in sorted(Path(scratch).glob("*.json")):

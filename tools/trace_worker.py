@@ -1,7 +1,9 @@
-"""Record the runs the study site's diagrams and numbers come from: `torchrun --nproc-per-node 2 tools/trace_worker.py OUT`.
+"""Record the runs the study site's diagrams and numbers come from: `torchrun --nproc-per-node 2 tools/trace_worker.py OUT`
+and `torchrun --nproc-per-node 4 tools/trace_worker.py OUT pipeline`.
 
 Run by `tools/record-traces` (which writes reading_notes/traces/); rank 0 writes OUT/tp_block.json and
-OUT/fsdp_forward.json. Everything in them is observed, not computed:
+OUT/fsdp_forward.json (2 ranks), or OUT/pipeline_gpipe.json and OUT/pipeline_1f1b.json (4 ranks, `pipeline`).
+Everything in them is observed, not computed:
   * tp_block: one tensor-parallel transformer block (reference.tensor_parallel) at two hidden sizes. The
     CollectiveRecorder's events (op, module, phase, shape, bytes) of one forward+backward; the forward order of
     the block's leaf modules and of the aten ops run between them (attention, GELU), from module hooks and a
@@ -9,6 +11,10 @@ OUT/fsdp_forward.json. Everything in them is observed, not computed:
   * fsdp_forward: the reference FSDP (one unit per block plus the root, forward and backward prefetch) in
     its second step, when forward prefetch knows the unit order: collectives and per-unit compute spans, the
     units' flat sizes, and the forward FLOPs per token of the unsharded model.
+  * pipeline_gpipe / pipeline_1f1b: one training step (reference.gpt.train.train_step) of the small GPT on 4
+    pipeline stages (tp 1, dp 1) with PIPELINE_M micro-batches, per stage: the action order with each action's
+    start and end, the peak of micro-batches in flight (as the schedule counts them and as autograd keeps
+    them), the peak activation bytes, and every point-to-point send and receive the recorder saw.
 """
 from __future__ import annotations
 
@@ -24,6 +30,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from pin_and_cite.traces import EVENT_KEYS  # what the site's trace comparison reads
 from reference.fsdp.demo import shard_model
+from reference.gpt.model import GPTConfig, build_stage
+from reference.gpt.train import data_parallel, synthetic_batches as gpt_batches, train_step
 from reference.model import ModelConfig, build_model, next_token_loss, synthetic_batches
 from reference.distributed import distributed
 from reference.parallel_state import build_layout
@@ -34,6 +42,9 @@ TP_SHAPE = dict(s=8, b=2, heads=4)
 TP_HIDDEN = (64, 128)             # two sizes: bytes grow like h, FLOPs like a*h^2 + c*h
 FSDP_CONFIG = ModelConfig(vocab_size=128, hidden_size=32, num_attention_heads=4, num_layers=2, max_seq_length=64)
 FSDP_BATCH, FSDP_SEQ, SEED = 4, 16, 1234
+PIPELINE_RANKS, PIPELINE_M, PIPELINE_B = 4, 8, 2     # pp 4, 8 micro-batches of 2 sequences
+PIPELINE_CONFIG = GPTConfig(vocab_size=51, hidden_size=16, num_attention_heads=4, num_layers=4, seq_length=8)
+P2P_OPS = ("send", "recv")
 
 
 def counted_flops(step) -> int:
@@ -126,15 +137,45 @@ def fsdp_forward(world: int) -> dict:
             "spans": [{"name": s["name"], "phase": s["phase"], **_times(s)} for s in record["spans"]]}
 
 
+def pipeline(schedule: str) -> dict:
+    """One train_step on PIPELINE_RANKS stages; every stage's record, gathered on rank 0."""
+    layout = build_layout(1, PIPELINE_RANKS, 1)
+    stage = build_stage(PIPELINE_CONFIG, layout, seed=SEED)
+    model = data_parallel(stage, layout)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    tokens = gpt_batches(PIPELINE_CONFIG, 1, PIPELINE_M * PIPELINE_B, SEED)[0]
+    recorder = CollectiveRecorder()
+    step = train_step(model, optimizer, tokens, layout, num_micro_batches=PIPELINE_M, schedule=schedule,
+                      record=recorder)
+    result = step.pipeline
+    p2p = [{k: e[k] for k in EVENT_KEYS} for e in recorder.to_dict()["events"] if e["op"] in P2P_OPS]
+    mine = {"pp_rank": result.pp_rank, "actions": result.actions,
+            "action_spans": [[round(a - result.start_s, 6), round(b - result.start_s, 6)]
+                             for a, b in result.action_spans],   # seconds from the schedule's start
+            "peak_in_flight": result.peak_in_flight, "peak_in_flight_measured": result.peak_in_flight_measured,
+            "peak_activation_bytes": result.peak_activation_bytes, "busy_s": round(result.busy_s, 6),
+            "total_s": round(result.total_s, 6), "p2p": p2p}
+    stages = [None] * dist.get_world_size()
+    dist.all_gather_object(stages, mine)
+    c = PIPELINE_CONFIG
+    return {"kind": "pipeline", "schedule": schedule, "world": dist.get_world_size(), "pp": layout.pp_size,
+            "m": PIPELINE_M, "b": PIPELINE_B, "s": c.seq_length, "h": c.hidden_size, "layers": c.num_layers,
+            "dtype": "float32", "dtype_size": 4, "activation_shape": list(stage.activation_shape(PIPELINE_B)),
+            "stages": sorted(stages, key=lambda st: st["pp_rank"])}
+
+
 def _times(record: dict) -> dict:
     """Start/end in seconds from the step's first record, to the microsecond (only their order is used)."""
     return {k: None if record[k] is None else round(record[k], 6) for k in ("start", "end")}
 
 
-def main(out: Path) -> None:
+def main(out: Path, what: str = "tp_fsdp") -> None:
     with distributed("cpu", timeout_s=60):
         world = dist.get_world_size()
-        traces = {"tp_block": tp_block(world), "fsdp_forward": fsdp_forward(world)}
+        if what == "pipeline":
+            traces = {f"pipeline_{schedule}": pipeline(schedule) for schedule in ("gpipe", "1f1b")}
+        else:
+            traces = {"tp_block": tp_block(world), "fsdp_forward": fsdp_forward(world)}
         if dist.get_rank() == 0:
             out.mkdir(parents=True, exist_ok=True)
             for name, trace in traces.items():
@@ -142,4 +183,4 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), *sys.argv[2:3])

@@ -17,8 +17,9 @@ Counterparts: megatron/core/pipeline_parallel/schedules.py::forward_backward_pip
 torch/distributed/pipelining/schedules.py::ScheduleGPipe. Megatron also frees each sent output's data
 (deallocate_output_tensor); this reference does not.
 
-Measured, per stage: the action order, the peak number of micro-batches in flight both as the schedule
-counts them and as autograd really keeps them (reference.pipeline.in_flight), and the bubble: the idle
+Measured, per stage: the action order and each action's start and end (perf_counter(), the clock of
+reference.recorder), the peak number of micro-batches in flight both as the schedule counts them and as
+autograd really keeps them (reference.pipeline.in_flight), and the bubble: the idle
 fraction of the time between two barriers of the PP group around the schedule, the busy time being the sum
 of this stage's forward and backward steps (their TP collectives included, the waits for p2p excluded).
 """
@@ -48,6 +49,8 @@ class PipelineResult:
     num_micro_batches: int
     losses: list[float]            # last stage: each micro-batch's loss (before the 1/m scaling); else []
     actions: list[str]             # "F0", "B0", ... in the order run
+    action_spans: list[tuple[float, float]]  # (start, end) of each action: perf_counter(), the recorder's clock
+    start_s: float                 # perf_counter() when the schedule started (after the PP barrier)
     peak_in_flight: int            # forwards whose backward had not run, as the schedule counted them
     peak_in_flight_measured: int   # micro-batches whose saved activations autograd still held
     peak_activation_bytes: int     # bytes of those saved activations at their peak
@@ -96,6 +99,7 @@ class _Steps:
         self.stage, self.micro_batches, self.is_last = stage, micro_batches, is_last
         self.meter = InFlightActivations()
         self.actions: list[str] = []
+        self.spans: list[tuple[float, float]] = []
         self.losses: list[float] = []
         self.in_flight = self.peak_in_flight = 0
         self.busy_s = 0.0
@@ -103,8 +107,10 @@ class _Steps:
     def _timed(self, name: str, fn, *args):
         start = time.perf_counter()
         out = fn(*args)
-        self.busy_s += time.perf_counter() - start
+        end = time.perf_counter()
+        self.busy_s += end - start
         self.actions.append(name)
+        self.spans.append((start, end))
         return out
 
     def forward(self, i: int, input_tensor: torch.Tensor | None) -> torch.Tensor:
@@ -216,6 +222,7 @@ def forward_backward(schedule: str, stage: torch.nn.Module, micro_batches: Seque
     if finalize_grads is not None:
         finalize_grads()
     return PipelineResult(schedule=schedule, pp_rank=r, pp_size=p, num_micro_batches=len(micro_batches),
-                          losses=steps.losses, actions=steps.actions, peak_in_flight=steps.peak_in_flight,
+                          losses=steps.losses, actions=steps.actions,
+                          action_spans=steps.spans, start_s=start, peak_in_flight=steps.peak_in_flight,
                           peak_in_flight_measured=steps.meter.peak_micro_batches,
                           peak_activation_bytes=steps.meter.peak_bytes, busy_s=steps.busy_s, total_s=total)

@@ -50,10 +50,41 @@ def check(runs: list[dict], world: int) -> None:
                 assert peak["1f1b"] < peak["gpipe"], (key, peak)
 
 
-def test_tp_pp_dp_training_equals_unsharded_for_both_schedules_world4():
+@pytest.fixture(scope="module")
+def world4():
+    """Every run of the pipeline worker at world 4 (one launch for the tests below)."""
     runs = results(torchrun(WORKERS / "pipeline_worker.py", 4, timeout=240))
     assert len(runs) == 4 * 5 * 2  # ranks x layouts x schedules
-    check(runs, 4)
+    return runs
+
+
+def test_tp_pp_dp_training_equals_unsharded_for_both_schedules_world4(world4):
+    check(world4, 4)
+
+
+def test_1f1b_warmup_is_p_minus_r_minus_1_forwards_and_holds_p_minus_r_micro_batches(world4):
+    """Megatron's num_warmup_microbatches = min(pp - rank - 1, m): stage r runs that many forwards before its
+    first backward, so autograd keeps at most min(p - r, m) micro-batches alive there; GPipe keeps all m."""
+    for r in world4:
+        p, m, stage = r["layout"][1], r["m"], r["pp_rank"]
+        if p == 1:
+            continue
+        leading = next((i for i, action in enumerate(r["actions"]) if action.startswith("B")), len(r["actions"]))
+        if r["schedule"] == "1f1b":
+            assert leading == min(p - stage - 1, m) + (1 if m > p - stage - 1 else 0), r
+            assert r["peak"] == min(p - stage, m), r
+        else:
+            assert leading == m and r["peak"] == m, r
+
+
+def test_dp_allreduces_start_only_in_the_last_backward_and_overlap_it(world4):
+    """no_sync until the last micro-batch's backward (Megatron's enable_grad_sync before it): no DP
+    all-reduce is issued during earlier backwards; several buckets' all-reduces start while it computes."""
+    runs = [r for r in world4 if r["layout"][2] > 1]
+    assert runs
+    for r in runs:
+        assert r["dp_allreduces"] > 1 and r["dp_allreduces_before_last_backward"] == 0, r
+        assert r["dp_allreduces_during_last_backward"] >= 1, r
 
 
 def test_rank_failing_mid_pipeline_ends_the_run_in_bounded_time():

@@ -150,7 +150,7 @@ def _screenshot(page, name: str) -> None:
 def test_every_page_loads_from_127_0_0_1_only_and_its_diagrams_render(every_page, site_url):
     reports, requested = every_page
     assert {".", "diagram-check", "notes/synthesis", "notes/megatron-tp-layers", "notes/fsdp-prefetch",
-            "notes/sources/megatron-lm", "notes/reference/fsdp.runtime"} <= set(reports)
+            "notes/megatron-pipeline-1f1b", "notes/sources/megatron-lm", "notes/reference/fsdp.runtime"} <= set(reports)
     for path, report in reports.items():
         diagrams = report["diagrams"]
         assert len(diagrams["svgTexts"]) == diagrams["expected"] and not diagrams["syntaxError"], (path, diagrams)
@@ -169,6 +169,14 @@ def test_synthesis_diagrams_drawn_from_recorded_runs_render_with_their_labels(ev
         assert label in tp_block, label
     for label in ("compute", "all-gather", "root forward", "blocks.0 forward", "blocks.1 49.6 KiB"):
         assert label in fsdp_timeline, label
+
+
+def test_pipeline_timelines_drawn_from_recorded_steps_render_a_section_per_stage(every_page):
+    diagrams = every_page[0]["notes/megatron-pipeline-1f1b"]["diagrams"]
+    assert diagrams["expected"] == 2 and not diagrams["syntaxError"]
+    for svg, title in zip(diagrams["svgTexts"], ("GPipe, 4 stages, 8 micro-batches", "1F1B, 4 stages, 8 micro-batches")):
+        for label in (title, "stage 0", "stage 3", "F0", "F7", "B0", "B7"):
+            assert label in svg, (title, label)
 
 
 def test_excerpts_show_upstream_line_numbers_and_text(every_page):

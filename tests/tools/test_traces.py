@@ -12,11 +12,11 @@ import pytest
 
 import record_traces
 from pin_and_cite import diagrams, estimates
-from pin_and_cite.traces import forward_markers, load_trace, structure
+from pin_and_cite.traces import forward_markers, load_trace, pipeline_slots, structure
 from tests.tools.conftest import ROOT
 
 NOTES = ROOT / "reading_notes"
-NAMES = ["tp_block", "fsdp_forward"]
+NAMES = ["tp_block", "fsdp_forward", "pipeline_gpipe", "pipeline_1f1b"]
 
 
 @pytest.fixture(scope="module")
@@ -34,11 +34,14 @@ def test_committed_trace_matches_a_fresh_run(fresh, name):
 
 
 def drawn(notes):
-    """Everything a page shows from the traces in `notes`: both diagrams and both estimates."""
+    """Everything a page shows from the traces in `notes`: the diagrams and the estimates."""
     tp, fsdp = load_trace(notes, "tp_block"), load_trace(notes, "fsdp_forward")
+    gpipe, one_f_one_b = load_trace(notes, "pipeline_gpipe"), load_trace(notes, "pipeline_1f1b")
     return (diagrams.diagram(tp, link="NVLink"), diagrams.diagram(fsdp),
+            diagrams.diagram(gpipe), diagrams.diagram(one_f_one_b),
             estimates.tp_crossover(tp, link_GBps=600, tflops=400, tp=8, bytes_per_element=2),
-            estimates.fsdp_overlap(fsdp, link_GBps=50, tflops=400, world=8, bytes_per_element=2))
+            estimates.fsdp_overlap(fsdp, link_GBps=50, tflops=400, world=8, bytes_per_element=2),
+            estimates.pipeline_memory(gpipe, one_f_one_b, load_trace(NOTES, "scale_70b")))
 
 
 def test_diagrams_and_numbers_from_a_fresh_run_are_the_committed_ones(fresh):
@@ -61,6 +64,59 @@ def test_fsdp_trace_prefetches_each_block_before_the_previous_unit_computes():
         ("start", "blocks.0"), ("end", "blocks.0"), ("start", "blocks.1"), ("end", "blocks.1"), ("end", "root")]
     gathered = [e["nbytes"] for e in trace["events"] if e["op"] == "all_gather" and e["phase"] == "forward"]
     assert gathered == [u["padded_numel"] * trace["dtype_size"] for u in trace["units"]]
+
+
+def textbook(schedule: str, p: int, r: int, m: int) -> list[str]:
+    if schedule == "gpipe":
+        return [f"F{i}" for i in range(m)] + [f"B{i}" for i in range(m)]
+    w = min(p - 1 - r, m)
+    return ([f"F{i}" for i in range(w)] + [a for i in range(m - w) for a in (f"F{w + i}", f"B{i}")]
+            + [f"B{i}" for i in range(m - w, m)])
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipeline_trace_records_the_schedule_its_peaks_and_b_s_h_e_per_message(schedule):
+    trace = load_trace(NOTES, f"pipeline_{schedule}")
+    p, m = trace["pp"], trace["m"]
+    message = trace["b"] * trace["s"] * trace["h"] * trace["dtype_size"]
+    assert [st["pp_rank"] for st in trace["stages"]] == list(range(p)) and m > p
+    for r, stage in enumerate(trace["stages"]):
+        assert stage["actions"] == textbook(schedule, p, r, m)
+        assert len(stage["action_spans"]) == 2 * m and all(a <= b for a, b in stage["action_spans"])
+        peak = m if schedule == "gpipe" else p - r
+        assert stage["peak_in_flight"] == stage["peak_in_flight_measured"] == peak
+        # m activations forward unless last, m gradients backward unless first; each message b*s*h*e bytes
+        neighbours = (r > 0) + (r < p - 1)
+        for op in ("send", "recv"):
+            sizes = [e["nbytes"] for e in stage["p2p"] if e["op"] == op]
+            assert sizes == [message] * (m * neighbours), (r, op)
+
+
+def test_pipeline_timelines_idle_for_the_bubble_formula_and_1f1b_halves_stage_0_memory():
+    gpipe, one_f_one_b = load_trace(NOTES, "pipeline_gpipe"), load_trace(NOTES, "pipeline_1f1b")
+    p, m = gpipe["pp"], gpipe["m"]
+    for trace in (gpipe, one_f_one_b):
+        slots = pipeline_slots(trace)
+        # the last backward of stage 0 ends after (m + p - 1) forward+backward slots: F 1, B 2
+        assert max(stage[-1][2] for stage in slots) == 3 * (m + p - 1)
+    numbers = estimates.pipeline_memory(gpipe, one_f_one_b, load_trace(NOTES, "scale_70b"))
+    assert numbers.bubble == pytest.approx((p - 1) / (m + p - 1)) == pytest.approx(numbers.bubble_formula)
+    assert numbers.gpipe_peaks == [m] * p and numbers.one_f_one_b_peaks == [p - r for r in range(p)]
+    assert numbers.first_stage_bytes_ratio == p / m   # equal micro-batches: bytes follow the count
+    assert numbers.message_bytes == numbers.formula_bytes
+    setup = load_trace(NOTES, "scale_70b")["setup"]
+    model = setup["model"]
+    assert numbers.scale_message_bytes == model["micro_batch_size"] * model["seq_length"] * model["hidden_size"] * 2
+
+
+def test_pipeline_orders_that_wait_on_each_other_are_a_one_line_error(tmp_path):
+    (tmp_path / "traces").mkdir()
+    trace = json.loads((NOTES / "traces" / "pipeline_1f1b.json").read_text())
+    last = trace["stages"][-1]["actions"]
+    last[0], last[1] = last[1], last[0]   # B0 before F0 on the last stage: nothing can run
+    (tmp_path / "traces" / "pipeline_1f1b.json").write_text(json.dumps(trace))
+    with pytest.raises(diagrams.TraceError, match="wait on each other.*re-record with tools/record-traces"):
+        diagrams.diagram(load_trace(tmp_path, "pipeline_1f1b"))
 
 
 def test_estimates_follow_from_the_measured_numbers():

@@ -11,13 +11,20 @@ The x axis is the order of those events in the recorded step, not wall time: tim
 nothing about a GPU, the order is what the prefetch policy decides. Slots are drawn as minutes
 (`dateFormat mm`): mermaid 11 ignores start values under `dateFormat X`.
 
+`diagram("pipeline_1f1b")` / `diagram("pipeline_gpipe")`: a gantt chart of one recorded pipeline step, one
+row per stage, a bar per forward (F i) and backward (B i). The x axis is slots, not wall time (4 processes on
+a shared CPU say nothing about GPUs): each stage's actions in the order it ran them, each as early as the
+action it receives from allows (pin_and_cite.traces.pipeline_slots; a forward 1 slot, a backward 2). Rows
+are compact (mermaid's `displayMode: compact` front matter): bars of one section share a row when they do
+not overlap.
+
 Every label goes through `label()`, so nothing recorded can break the diagram's syntax.
 """
 from __future__ import annotations
 
 from collections import Counter
 
-from pin_and_cite.traces import RECORD, TraceError, events_where, forward_markers
+from pin_and_cite.traces import RECORD, SLOTS, TraceError, events_where, forward_markers, pipeline_slots
 
 # aten ops that name what a group of ops does; layout ops (view, permute, ...) say nothing and are left out.
 OP_NAMES = {"_scaled_dot_product_flash_attention_for_cpu": "scaled dot-product attention",
@@ -132,7 +139,27 @@ def fsdp_forward(trace: dict) -> str:
     return mermaid_fence(body)
 
 
-GENERATORS = {"tp_block": tp_block, "fsdp_forward": fsdp_forward}
+def pipeline(trace: dict) -> str:
+    """Gantt of the recorded pipeline step: a section per stage, forwards as `active` bars, backwards as
+    `crit` ones, in slots (see the module docstring)."""
+    slots = pipeline_slots(trace)
+    end = max(stage[-1][2] for stage in slots if stage)
+    if end > 60:
+        raise TraceError(f"trace {trace['name']}: the step takes {end} slots; the timeline draws at most 60 (one "
+                         f"per minute tick of the gantt axis); record fewer micro-batches; {RECORD}")
+    name = {"gpipe": "GPipe", "1f1b": "1F1B"}.get(trace["schedule"], trace["schedule"])
+    title = (f"{name}, {trace['pp']} stages, {trace['m']} micro-batches, recorded order, in slots "
+             f"(F {SLOTS['F']}, B {SLOTS['B']})")
+    body = ["---", "displayMode: compact", "---", "gantt", f"  title {gantt_text(title)}", "  dateFormat mm",
+            "  axisFormat %M", "  tickInterval 1minute", "  todayMarker off"]
+    for r, stage in enumerate(slots):
+        body.append(f"  section {gantt_text(f'stage {r}')}")
+        body += [f"  {gantt_text(action)} : {'active' if action[0] == 'F' else 'crit'}, s{r}{action.lower()}, "
+                 f"{start:02d}, {stop:02d}" for action, start, stop in stage]
+    return mermaid_fence(body)
+
+
+GENERATORS = {"tp_block": tp_block, "fsdp_forward": fsdp_forward, "pipeline": pipeline}
 
 
 def diagram(trace: dict, **options) -> str:

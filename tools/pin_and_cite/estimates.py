@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pin_and_cite.traces import RECORD, TraceError, events_where
+from pin_and_cite.traces import RECORD, TraceError, events_where, pipeline_slots
 
 
 @dataclass(frozen=True)
@@ -74,3 +74,58 @@ def fsdp_overlap(trace: dict, *, link_GBps: float, tflops: float, world: int, by
     padded = sum(u["padded_numel"] for u in trace["units"]) * trace["dtype_size"]
     return FSDPOverlap(trace["params"], gathered, trace["forward_flops_per_token"], padded // trace["world"],
                        trace["params"] * trace["dtype_size"], round(tokens))
+
+
+@dataclass(frozen=True)
+class PipelineMemory:
+    pp: int                          # recorded pipeline: stages and micro-batches
+    m: int
+    gpipe_peaks: list[int]           # measured per stage: micro-batches autograd kept alive at the peak
+    one_f_one_b_peaks: list[int]
+    first_stage_bytes_ratio: float   # measured: 1F1B's peak activation bytes on stage 0 over GPipe's
+    bubble: float                    # idle fraction of both recorded timelines, in slots (traces.pipeline_slots)
+    bubble_formula: float            # (p - 1) / (m + p - 1)
+    message_bytes: int               # measured: every send of the recorded step (all the same size)
+    formula_bytes: int               # b * s * h * dtype_size
+    scale_pp: int                    # the scale trace's layout
+    scale_m: int
+    scale_message_bytes: int         # its point-to-point sends, per message (recorded on a middle stage)
+    scale_first_stage_1f1b: int      # micro-batches in flight on stage 0 at that layout: 1F1B min(p, m), GPipe m
+    scale_bubble: float              # (p - 1) / (m + p - 1) at that layout
+
+
+def _idle(trace: dict) -> float:
+    slots = pipeline_slots(trace)
+    end = max(stage[-1][2] for stage in slots)
+    busy = sum(stop - start for stage in slots for _, start, stop in stage)
+    return 1 - busy / (end * len(slots))
+
+
+def pipeline_memory(gpipe: dict, one_f_one_b: dict, scale: dict) -> PipelineMemory:
+    """The numbers of the 1F1B note: in-flight peaks and bubble from the recorded GPipe and 1F1B steps,
+    the size of a point-to-point message there and in the scale trace (a middle stage's sends)."""
+    if (gpipe["pp"], gpipe["m"]) != (one_f_one_b["pp"], one_f_one_b["m"]):
+        raise TraceError(f"traces {gpipe['name']} and {one_f_one_b['name']} ran different pipelines; {RECORD}")
+    p, m = gpipe["pp"], gpipe["m"]
+    sends = {e["nbytes"] for trace in (gpipe, one_f_one_b) for st in trace["stages"] for e in st["p2p"]
+             if e["op"] == "send"}
+    if len(sends) != 1:
+        raise TraceError(f"trace {gpipe['name']}: sends of sizes {sorted(sends)}, expected one size; {RECORD}")
+    bubbles = {round(_idle(trace), 9) for trace in (gpipe, one_f_one_b)}
+    if len(bubbles) != 1:
+        raise TraceError(f"traces {gpipe['name']} and {one_f_one_b['name']} idle for different fractions; {RECORD}")
+    setup = scale["setup"]
+    rows = [row for row in scale["runs"][len(scale["runs"]) // 2]["rows"] if row["group"] == "pp"
+            and row["op"] == "send"]
+    if not rows or not rows[0]["count"]:
+        raise TraceError(f"trace {scale['name']}: no point-to-point send on a middle stage; re-record it")
+    sp, sm = setup["pp"], setup["microbatches"]
+    return PipelineMemory(
+        pp=p, m=m, gpipe_peaks=[st["peak_in_flight_measured"] for st in gpipe["stages"]],
+        one_f_one_b_peaks=[st["peak_in_flight_measured"] for st in one_f_one_b["stages"]],
+        first_stage_bytes_ratio=one_f_one_b["stages"][0]["peak_activation_bytes"]
+        / gpipe["stages"][0]["peak_activation_bytes"],
+        bubble=bubbles.pop(), bubble_formula=(p - 1) / (m + p - 1), message_bytes=sends.pop(),
+        formula_bytes=gpipe["b"] * gpipe["s"] * gpipe["h"] * gpipe["dtype_size"], scale_pp=sp, scale_m=sm,
+        scale_message_bytes=rows[0]["bytes"] // rows[0]["count"], scale_first_stage_1f1b=min(sp, sm),
+        scale_bubble=(sp - 1) / (sm + sp - 1))

@@ -3,7 +3,8 @@
 Templates see these globals: `cite(spec, highlight=)` (a verified excerpt with upstream line numbers),
 `upstream(spec)` (the same citation as a permalink only), `ours("reference/x.py::Name")` (lines of our own
 code), `verified_by("tests/...::test")`, `trace(name)` with `diagram(name, ...)`, `tp_crossover(...)` and
-`fsdp_overlap(...)` (recorded runs, pin_and_cite.traces), `pins` and `locked_files(source)`.
+`fsdp_overlap(...)`, `pipeline_memory(...)` (recorded runs, pin_and_cite.traces), `pins` and
+`locked_files(source)`.
 Close-reading notes are checked against pin_and_cite.note_rules before they are rendered. A template whose
 name starts with `_` is a partial: `_source.md.j2` is rendered once per pinned source into sources/NAME.md.
 The pages of what the latest bump of each source changed go to changes/ (pin_and_cite.changes).
@@ -88,6 +89,7 @@ class Renderer:
             ours=lambda spec: ours(project.root, spec), locked_files=self.locked_files,
             trace=lambda name: load_trace(project.notes_dir, name), diagram=self.diagram,
             tp_crossover=estimates.tp_crossover, fsdp_overlap=estimates.fsdp_overlap,
+            pipeline_memory=estimates.pipeline_memory,
             scale_table=scale_tables.scale_table, sent_per_group=scale_tables.sent_per_group,
             human=scale_tables.human)
 

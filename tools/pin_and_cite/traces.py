@@ -6,7 +6,8 @@ are computed from it, never typed. A trace that is missing, malformed, or lacks 
 one-line error naming the file and saying how to re-record it.
 
 `structure()` is what a committed trace must share with a fresh run (tests/tools/test_traces.py): operations,
-their order, shapes, bytes, FLOP counts, and the order of issue versus compute, but not timings.
+their order, shapes, bytes, FLOP counts, and the order of issue versus compute, but not timings. For a
+pipeline trace: each stage's action order, in-flight peaks and activation bytes, and its sends and receives.
 """
 from __future__ import annotations
 
@@ -22,7 +23,12 @@ REQUIRED = {
     "fsdp_forward": ("world", "params", "dtype_size", "tokens_per_rank", "forward_flops_per_token", "units",
                      "events", "spans"),
     "scale": ("setup", "world", "runs"),     # python -m reference.scale --json (pin_and_cite.scale_tables)
+    "pipeline": ("schedule", "world", "pp", "m", "b", "s", "h", "dtype_size", "activation_shape", "stages"),
 }
+PIPELINE_STAGE_KEYS = ("pp_rank", "actions", "peak_in_flight", "peak_in_flight_measured", "peak_activation_bytes")
+P2P_KEYS = ("op", "phase", "shape", "nbytes", "dtype", "group_ranks", "async_op")
+# Slots a forward and a backward take on the pipeline timeline: a backward costs about twice a forward's FLOPs.
+SLOTS = {"F": 1, "B": 2}
 EVENT_KEYS = ("op", "module", "phase", "shape", "nbytes", "dtype", "group_ranks", "async_op")
 
 
@@ -73,8 +79,48 @@ def forward_markers(trace: dict) -> list[tuple[str, str]]:
     return [(what, unit) for _, what, unit in sorted(points)]
 
 
+def pipeline_slots(trace: dict) -> list[list[tuple[str, int, int]]]:
+    """Each stage's recorded actions as (action, first slot, end slot): in the recorded order per stage, each
+    as early as its inputs allow (F i after F i on the previous stage, B i after B i on the next stage and
+    F i on its own, all after the stage's previous action), a forward taking SLOTS["F"] slots and a backward SLOTS["B"]. Derived
+    from the order alone, so every run that keeps the order draws the same timeline; wall times are not used."""
+    stages = [st["actions"] for st in trace["stages"]]
+    p, done = len(stages), {}
+    placed: list[list[tuple[str, int, int]]] = [[] for _ in stages]
+    while sum(map(len, placed)) < sum(map(len, stages)):
+        progress = False
+        for r, actions in enumerate(stages):
+            while len(placed[r]) < len(actions):
+                action = actions[len(placed[r])]
+                kind = action[0]
+                if kind not in SLOTS or not action[1:].isdigit():
+                    raise TraceError(f"trace {trace['name']}: stage {r} ran {action!r}, not F<i> or B<i>; {RECORD}")
+                peer = r - 1 if kind == "F" else r + 1
+                ready = [placed[r][-1][2] if placed[r] else 0]
+                if kind == "B" and (r, "F" + action[1:]) not in done:
+                    break   # a backward needs its own forward first: recorded out of order, it never runs
+                if 0 <= peer < p:
+                    if (peer, action) not in done:
+                        break
+                    ready.append(done[peer, action])
+                start = max(ready)
+                placed[r].append((action, start, start + SLOTS[kind]))
+                done[r, action] = start + SLOTS[kind]
+                progress = True
+        if not progress:
+            raise TraceError(f"trace {trace['name']}: the recorded action orders wait on each other (no stage can "
+                             f"run its next action); {RECORD}")
+    return placed
+
+
 def structure(trace: dict) -> dict:
     """Everything of a trace that a fresh run must reproduce exactly."""
+    if trace["kind"] == "pipeline":
+        return {**{k: trace[k] for k in REQUIRED["pipeline"] if k != "stages"},
+                "stages": [{**{k: st[k] for k in PIPELINE_STAGE_KEYS},
+                            "spans": len(st["action_spans"]),
+                            "p2p": [tuple(json.dumps(e[k]) for k in P2P_KEYS) for e in st["p2p"]]}
+                           for st in trace["stages"]]}
     if trace["kind"] == "tp_block":
         return {**{k: trace[k] for k in REQUIRED["tp_block"] if k != "runs"},
                 "runs": [{"h": run["h"], "step_flops_per_rank": run["step_flops_per_rank"],

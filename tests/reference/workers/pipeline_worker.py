@@ -3,7 +3,8 @@
 Every rank asserts: the loss curve and its final weights equal the single-process UnshardedGPT's from the
 same seed and data, each stage ran the textbook action order, and the peak number of micro-batches in
 flight (counted by the schedule and measured from autograd's saved tensors) is GPipe's m and 1F1B's
-min(pp - stage, m). Each rank prints one "RESULT {json}" line per run for the test to cross-check.
+min(pp - stage, m). With dp > 1 it reports when the DP all-reduces were issued against the last backward's
+start and end (the recorder and the schedule share perf_counter()). Each rank prints one "RESULT {json}" line per run for the test to cross-check.
 """
 import functools
 import json
@@ -17,6 +18,7 @@ from reference.gpt.model import GPTConfig, UnshardedGPT, build_stage, split_laye
 from reference.gpt.train import data_parallel, split_batch, synthetic_batches, train_step
 from reference.parallel_state import ParallelConfigError, build_layout
 from reference.pipeline.schedules import forward_backward
+from reference.recorder import CollectiveRecorder
 
 device = init()
 assert dist.get_world_size() == 4, "run on 4 ranks"
@@ -75,8 +77,11 @@ def run(tp, pp, dp, sp, m, schedule) -> dict:
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     expected_losses, expected_weights = unsharded_run(dp * m)
     losses, results = [], []
+    recorder = CollectiveRecorder()
     for tokens in synthetic_batches(CONFIG, STEPS, dp * m, SEED):
-        step = train_step(model, optimizer, tokens, layout, num_micro_batches=m, schedule=schedule, device=device)
+        recorder.clear()
+        step = train_step(model, optimizer, tokens, layout, num_micro_batches=m, schedule=schedule, device=device,
+                          record=recorder)
         losses.append(step.loss)
         results.append(step.pipeline)
     assert_close(torch.tensor(losses), torch.tensor(expected_losses), f"{what} losses", atol=2e-6, rtol=0)
@@ -92,10 +97,18 @@ def run(tp, pp, dp, sp, m, schedule) -> dict:
         peak = 1 if pp == 1 else (m if schedule == "gpipe" else min(pp - r, m))
         assert result.peak_in_flight == result.peak_in_flight_measured == peak, (what, r, result)
     last = results[-1]
+    dp_ranks = tuple(dist.get_process_group_ranks(layout.dp_group))
+    dp_starts = [e.start for e in recorder.events if e.op == "all_reduce" and e.group_ranks == dp_ranks]
+    last_backward = last.action_spans[-1]
+    assert last.actions[-1].startswith("B"), last.actions
     return {"layout": [tp, pp, dp], "sp": sp, "m": m, "schedule": schedule, "rank": dist.get_rank(), "pp_rank": r,
             "actions": last.actions, "peak": last.peak_in_flight_measured,
             "peak_activation_bytes": last.peak_activation_bytes, "bubble": last.bubble,
             "bubble_formula": last.bubble_formula,
+            "dp_allreduces": len(dp_starts) if dp > 1 else 0,
+            "dp_allreduces_before_last_backward": sum(t < last_backward[0] for t in dp_starts) if dp > 1 else 0,
+            "dp_allreduces_during_last_backward": sum(last_backward[0] <= t < last_backward[1] for t in dp_starts)
+            if dp > 1 else 0,
             "max_loss_diff": max(abs(a - b) for a, b in zip(losses, expected_losses)), "max_weight_diff": weight_diff}
 
 
