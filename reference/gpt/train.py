@@ -41,7 +41,7 @@ from reference.data_parallel.wrapper import DEFAULT_BUCKET_SIZE
 from reference.fsdp import FullyShardedDataParallel
 from reference.gpt.model import GPTConfig, GPTStage
 from reference.parallel_state import ParallelConfigError, ParallelLayout
-from reference.pipeline.schedules import PipelineResult, forward_backward, loss_value
+from reference.pipeline.schedules import PipelineResult, forward_backward, loss_values
 
 
 def synthetic_batches(config: GPTConfig, steps: int, global_batch_size: int, seed: int) -> list[torch.Tensor]:
@@ -70,7 +70,7 @@ def global_loss(result: PipelineResult, layout: ParallelLayout, device: torch.de
         loss /= layout.dp_size
     if layout.pp_size > 1:
         dist.broadcast(loss, src=dist.get_global_rank(layout.pp_group, layout.pp_size - 1), group=layout.pp_group)
-    return loss_value(loss)
+    return loss_values([loss])[0]
 
 
 @dataclasses.dataclass

@@ -25,6 +25,7 @@ of this stage's forward and backward steps (their TP collectives included, the w
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import time
@@ -70,9 +71,12 @@ class PipelineResult:
         return {**dataclasses.asdict(self), "bubble": self.bubble, "bubble_formula": self.bubble_formula}
 
 
-def loss_value(loss: torch.Tensor) -> float:
-    """loss.item(), or NaN for a loss on the meta device: reference.scale runs stages on shapes only."""
-    return float("nan") if loss.device.type == "meta" else loss.item()
+def loss_values(losses: list[torch.Tensor]) -> list[float]:
+    """The micro-batch losses as floats, read in one device-to-host copy after the schedule (not one sync
+    per micro-batch inside it); NaN on the meta device, where reference.scale runs stages on shapes only."""
+    if not losses or losses[0].device.type == "meta":
+        return [float("nan")] * len(losses)
+    return torch.stack(losses).tolist()
 
 
 class _GradSync:
@@ -95,18 +99,21 @@ class _GradSync:
 class _Steps:
     """forward_step / backward_step of one stage, timed, counted and measured."""
 
-    def __init__(self, stage: torch.nn.Module, micro_batches: Sequence[tuple], is_last: bool):
+    def __init__(self, stage: torch.nn.Module, micro_batches: Sequence[tuple], is_last: bool, device: torch.device):
         self.stage, self.micro_batches, self.is_last = stage, micro_batches, is_last
+        self.cuda = device if device.type == "cuda" else None
         self.meter = InFlightActivations()
         self.actions: list[str] = []
         self.spans: list[tuple[float, float]] = []
-        self.losses: list[float] = []
+        self.losses: list[torch.Tensor] = []  # detached, read once at the end (loss_values)
         self.in_flight = self.peak_in_flight = 0
         self.busy_s = 0.0
 
     def _timed(self, name: str, fn, *args):
         start = time.perf_counter()
         out = fn(*args)
+        if self.cuda is not None:  # the action is done when its kernels are, not when they are queued
+            torch.cuda.synchronize(self.cuda)
         end = time.perf_counter()
         self.busy_s += end - start
         self.actions.append(name)
@@ -118,7 +125,7 @@ class _Steps:
             with self.meter.forward(i):
                 output = self.stage(input_tensor, *self.micro_batches[i])
             if self.is_last:  # the loss: keep it, scale it for the mean over micro-batches
-                self.losses.append(loss_value(output))
+                self.losses.append(output.detach())
                 output = output / len(self.micro_batches)
             return output
         output = self._timed(f"F{i}", run)
@@ -164,7 +171,7 @@ def _one_f_one_b(steps: _Steps, p2p: PipelineP2P, sync: _GradSync) -> None:
     m, p, r = len(steps.micro_batches), p2p.group.size(), p2p.group.rank()
     warmup = min(p - 1 - r, m)
     remaining = m - warmup
-    queue: list[tuple[int, torch.Tensor | None, torch.Tensor]] = []  # (micro-batch, input, output), oldest first
+    queue: collections.deque[tuple[int, torch.Tensor | None, torch.Tensor]] = collections.deque()  # oldest first
     sync.disable()
     for i in range(warmup):
         input_tensor = p2p.recv_forward()
@@ -177,7 +184,7 @@ def _one_f_one_b(steps: _Steps, p2p: PipelineP2P, sync: _GradSync) -> None:
         output = steps.forward(warmup + i, input_tensor)
         output_grad = p2p.send_forward_recv_backward(output)
         queue.append((warmup + i, input_tensor, output))
-        j, old_input, old_output = queue.pop(0)
+        j, old_input, old_output = queue.popleft()
         if warmup == 0 and last:
             sync.enable()
         input_grad = steps.backward(j, old_input, old_output, output_grad)
@@ -188,7 +195,7 @@ def _one_f_one_b(steps: _Steps, p2p: PipelineP2P, sync: _GradSync) -> None:
     for i in range(warmup):  # cool-down
         if i == warmup - 1:
             sync.enable()
-        j, old_input, old_output = queue.pop(0)
+        j, old_input, old_output = queue.popleft()
         p2p.send_backward(steps.backward(j, old_input, old_output, p2p.recv_backward()))
 
 
@@ -207,22 +214,25 @@ def forward_backward(schedule: str, stage: torch.nn.Module, micro_batches: Seque
     if len(micro_batches) < 1:
         raise ParallelConfigError("the pipeline needs at least one micro-batch")
     p, r = pp_group.size(), pp_group.rank()
-    steps, sync = _Steps(stage, micro_batches, is_last=r == p - 1), _GradSync(no_sync)
-    if p > 1:
-        dist.barrier(group=pp_group)  # a common start for the bubble
+    device = device or torch.device("cpu")
+    steps, sync = _Steps(stage, micro_batches, is_last=r == p - 1, device=device), _GradSync(no_sync)
+    if p > 1:  # a common start and end for the bubble measurement (Megatron has no such barriers)
+        dist.barrier(group=pp_group)
     start = time.perf_counter()
-    if p == 1:
-        _no_pipelining(steps, sync)
-    else:
-        p2p = PipelineP2P(pp_group, activation_shape, dtype, device or torch.device("cpu"))
-        (_gpipe if schedule == "gpipe" else _one_f_one_b)(steps, p2p, sync)
-        dist.barrier(group=pp_group)  # a common end
+    try:
+        if p == 1:
+            _no_pipelining(steps, sync)
+        else:
+            p2p = PipelineP2P(pp_group, activation_shape, dtype, device)
+            (_gpipe if schedule == "gpipe" else _one_f_one_b)(steps, p2p, sync)
+            dist.barrier(group=pp_group)
+    finally:  # a stage that raised must not leave the data-parallel wrapper with its sync turned off
+        sync.enable()
     total = time.perf_counter() - start
-    sync.enable()
     if finalize_grads is not None:
         finalize_grads()
     return PipelineResult(schedule=schedule, pp_rank=r, pp_size=p, num_micro_batches=len(micro_batches),
-                          losses=steps.losses, actions=steps.actions,
+                          losses=loss_values(steps.losses), actions=steps.actions,
                           action_spans=steps.spans, start_s=start, peak_in_flight=steps.peak_in_flight,
                           peak_in_flight_measured=steps.meter.peak_micro_batches,
                           peak_activation_bytes=steps.meter.peak_bytes, busy_s=steps.busy_s, total_s=total)
