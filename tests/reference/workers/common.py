@@ -32,3 +32,17 @@ def full_tensor(module_name: str, param_name: str, t: torch.Tensor, group) -> to
 
 def assert_close(actual, expected, what: str, atol=1e-5, rtol=1e-4):
     torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
+
+
+def dtensor_plan(sp: bool) -> dict:
+    """PyTorch's own TP plan for one unsharded.TransformerBlock (parallelize_module), with or without SP: the
+    DTensor counterpart of the reference block the TP and FSDP x TP workers compare against."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    if not sp:
+        return {"attention.qkv": ColwiseParallel(), "attention.proj": RowwiseParallel(),
+                "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()}
+    return {"ln1": SequenceParallel(sequence_dim=0), "attention.qkv": ColwiseParallel(input_layouts=Shard(0)),
+            "attention.proj": RowwiseParallel(output_layouts=Shard(0)), "ln2": SequenceParallel(sequence_dim=0),
+            "mlp.fc1": ColwiseParallel(input_layouts=Shard(0)), "mlp.fc2": RowwiseParallel(output_layouts=Shard(0))}

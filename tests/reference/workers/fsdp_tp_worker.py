@@ -17,10 +17,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
-                                               parallelize_module)
+from torch.distributed.tensor.parallel import parallelize_module
 
-from common import finish, full_tensor, init
+from common import dtensor_plan, finish, full_tensor, init
 from reference.data_parallel import finalize_model_grads, local_batch
 from reference.data_parallel.fsdp_tp import shard_tp_model
 from reference.parallel_state import ParallelConfigError, build_layout
@@ -54,15 +53,6 @@ def single_process() -> tuple[list[float], dict[str, torch.Tensor]]:
         optimizer.zero_grad()
         losses.append(loss.item())
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def dtensor_plan(sp: bool) -> dict:
-    if not sp:
-        return {"attention.qkv": ColwiseParallel(), "attention.proj": RowwiseParallel(),
-                "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()}
-    return {"ln1": SequenceParallel(sequence_dim=0), "attention.qkv": ColwiseParallel(input_layouts=Shard(0)),
-            "attention.proj": RowwiseParallel(output_layouts=Shard(0)), "ln2": SequenceParallel(sequence_dim=0),
-            "mlp.fc1": ColwiseParallel(input_layouts=Shard(0)), "mlp.fc2": RowwiseParallel(output_layouts=Shard(0))}
 
 
 def events(rec: CollectiveRecorder) -> list[dict]:

@@ -10,10 +10,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
-from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
-                                               parallelize_module)
+from torch.distributed.tensor.parallel import parallelize_module
 
-from common import assert_close, full_tensor, finish, init
+from common import assert_close, dtensor_plan, full_tensor, finish, init
 from reference.parallel_state import build_layout
 from reference.recorder import CollectiveRecorder
 from reference.tensor_parallel.layers import allreduce_sequence_parallel_grads
@@ -25,15 +24,6 @@ world, rank = dist.get_world_size(), dist.get_rank()
 layout = build_layout(tp_size=world)
 mesh = init_device_mesh(device.type, (world,))
 H, HEADS, LAYERS, S, B = 16, 4, 2, 8, 2
-
-
-def dtensor_plan(sp: bool) -> dict:
-    if not sp:
-        return {"attention.qkv": ColwiseParallel(), "attention.proj": RowwiseParallel(),
-                "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()}
-    return {"ln1": SequenceParallel(sequence_dim=0), "attention.qkv": ColwiseParallel(input_layouts=Shard(0)),
-            "attention.proj": RowwiseParallel(output_layouts=Shard(0)), "ln2": SequenceParallel(sequence_dim=0),
-            "mlp.fc1": ColwiseParallel(input_layouts=Shard(0)), "mlp.fc2": RowwiseParallel(output_layouts=Shard(0))}
 
 
 def comm_debug_counts(mode: CommDebugMode) -> dict:
