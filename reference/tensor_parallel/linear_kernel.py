@@ -45,24 +45,16 @@ class LinearWithAsyncGradReduce(torch.autograd.Function):
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
         group, overlap = ctx.group, ctx.async_grad_allreduce
-        gather_work = reduce_work = None
-        if ctx.sequence_parallel:  # re-gather the input for dW, in flight during the dX GEMM
-            if overlap:
-                total_x, gather_work = C.gather_first_dim(x, group, async_op=True)
-            else:
-                total_x = C.gather_first_dim(x, group)
-        else:
-            total_x = x
+        # with SP, re-gather the input for dW, in flight during the dX GEMM
+        total_x, gather_work = C.issue_gather_first_dim(x, group, overlap) if ctx.sequence_parallel else (x, None)
         grad_x = grad_out.matmul(weight)
-        _wait(gather_work)
+        C.wait(gather_work)
 
+        reduce_work = None
         if ctx.allreduce_dgrad:  # f's backward, fused here so it can overlap the dW GEMM below
-            grad_x = grad_x.contiguous()
-            reduce_work = dist.all_reduce(grad_x, group=group, async_op=overlap)
-        elif ctx.sequence_parallel and overlap:
-            grad_x, reduce_work = C.reduce_scatter_first_dim(grad_x, group, async_op=True)
+            grad_x, reduce_work = C.issue_all_reduce(grad_x, group, overlap)
         elif ctx.sequence_parallel:
-            grad_x = C.reduce_scatter_first_dim(grad_x, group)
+            grad_x, reduce_work = C.issue_reduce_scatter_first_dim(grad_x, group, overlap)
 
         grad_out_2d = grad_out.reshape(-1, grad_out.shape[-1])
         total_x_2d = total_x.reshape(-1, total_x.shape[-1])
@@ -74,13 +66,8 @@ class LinearWithAsyncGradReduce(torch.autograd.Function):
             grad_weight = grad_out_2d.t().matmul(total_x_2d)
         grad_bias = grad_out_2d.sum(dim=0) if ctx.use_bias else None
 
-        _wait(reduce_work)
+        C.wait(reduce_work)
         return grad_x, grad_weight, grad_bias, None, None, None, None, None
-
-
-def _wait(work) -> None:
-    if work is not None:  # None: synchronous (already complete) or no collective at TP=1
-        work.wait()
 
 
 def linear_with_grad_reduce(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
