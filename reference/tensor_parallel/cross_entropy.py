@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from reference.parallel_state import ParallelConfigError
+from reference.tensor_parallel import collectives as C
 
 
 def vocab_range(per_partition_vocab_size: int, rank: int) -> tuple[int, int]:
@@ -59,12 +60,6 @@ def check_ids(ids: torch.Tensor, vocab_size: int, what: str) -> None:
                                   f"check the tokenizer's vocabulary size against the model's")
 
 
-def _all_reduce(x: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup) -> torch.Tensor:
-    if group.size() > 1:
-        dist.all_reduce(x, op=op, group=group)
-    return x
-
-
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Forward: max / target-logit / exp-sum all-reduces over TP; backward: softmax - one_hot, locally."""
 
@@ -80,21 +75,21 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             logits_max = logits[..., :real].amax(dim=-1)
         else:
             logits_max = logits.new_full(logits.shape[:-1], float("-inf"))
-        _all_reduce(logits_max, dist.ReduceOp.MAX, group)
+        logits_max = C.all_reduce(logits_max, group, op=dist.ReduceOp.MAX)
 
         # 2. the target's shifted logit, read by the rank that owns the target's column
         target_mask = (target < start) | (target >= end)  # True: another rank owns this token's target
         local_target = (target - start).masked_fill(target_mask, 0)
         shifted = logits - logits_max.unsqueeze(-1)  # the one new logits-shard-sized buffer
         predicted = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(target_mask, 0.0)
-        _all_reduce(predicted, dist.ReduceOp.SUM, group)
+        predicted = C.all_reduce(predicted, group)
 
         # 3. the softmax denominator; padding columns get exp = 0 (excluded from the softmax)
         exp_logits = shifted.exp_()
         if real < per_partition:
             exp_logits[..., real:] = 0.0
         sum_exp = exp_logits.sum(dim=-1)
-        _all_reduce(sum_exp, dist.ReduceOp.SUM, group)
+        sum_exp = C.all_reduce(sum_exp, group)
 
         loss = torch.log(sum_exp) - predicted
         softmax = exp_logits.div_(sum_exp.unsqueeze(-1))  # this rank's columns of the softmax, kept for backward
