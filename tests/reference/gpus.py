@@ -23,10 +23,10 @@ def world_id(world) -> str:
     return f"tp{world}" if isinstance(world, int) else world
 
 
-def launch_world(world, worker: Path, timeout: float = 180) -> tuple[int, str]:
-    """Run `worker` at one of WORLDS; return (ranks, output)."""
+def launch_world(world, worker: Path, *args: str, timeout: float = 180) -> tuple[int, str]:
+    """Run `worker` (with `args`) at one of WORLDS; return (ranks, output)."""
     cuda = world == "cuda2"
     ranks = 2 if cuda else world
     if cuda:
         require_gpus(ranks)
-    return ranks, torchrun(worker, ranks, timeout=timeout, env=CUDA_ENV if cuda else None)
+    return ranks, torchrun(worker, ranks, *args, timeout=timeout, env=CUDA_ENV if cuda else None)

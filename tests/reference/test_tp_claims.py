@@ -9,21 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch import torchrun
-from tests.reference.gpus import CUDA_ENV, require_gpus
+from tests.reference.gpus import WORLDS, launch_world, world_id
 
 WORKER = Path(__file__).parent / "workers" / "tp_claims_worker.py"
 
 
-@pytest.fixture(scope="module", params=[2, 4, pytest.param("cuda2", marks=pytest.mark.cuda)],
-                ids=lambda w: f"tp{w}" if isinstance(w, int) else w)
+@pytest.fixture(scope="module", params=WORLDS, ids=world_id)
 def run(request, tmp_path_factory):
-    cuda = request.param == "cuda2"
-    world = 2 if cuda else request.param
-    if cuda:
-        require_gpus(world)
     out_dir = tmp_path_factory.mktemp(f"claims_{request.param}")
-    output = torchrun(WORKER, world, str(out_dir), timeout=180, env=CUDA_ENV if cuda else None)
+    world, output = launch_world(request.param, WORKER, str(out_dir))
     logs = {path.name.split(".")[0]: [] for path in out_dir.glob("*.json")}
     for name in logs:
         logs[name] = [json.loads((out_dir / f"{name}.rank{r}.json").read_text()) for r in range(world)]
