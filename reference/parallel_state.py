@@ -63,6 +63,11 @@ def groups(grid: torch.Tensor, kind: str) -> list[list[int]]:
     return sorted(grid.movedim(dim, -1).reshape(-1, grid.shape[dim]).tolist())
 
 
+def grid_coordinates(grid: torch.Tensor, rank: int) -> tuple[int, int, int]:
+    """(pp, dp, tp) index of `rank` in a [pp, dp, tp] grid."""
+    return tuple((grid == rank).nonzero()[0].tolist())
+
+
 def describe_grid(grid: torch.Tensor, order: str, rank: int | None = None) -> str:
     """The layout as text: sizes, every TP, PP and DP group, and (optionally) where `rank` sits."""
     pp, dp, tp = grid.shape
@@ -70,7 +75,7 @@ def describe_grid(grid: torch.Tensor, order: str, rank: int | None = None) -> st
     for kind in ("tp", "pp", "dp"):
         lines.append(f"  {kind} groups: " + " ".join(str(g).replace(" ", "") for g in groups(grid, kind)))
     if rank is not None:
-        p, d, t = ((grid == rank).nonzero()[0]).tolist()
+        p, d, t = grid_coordinates(grid, rank)
         lines.append(f"  rank {rank}: tp {t}, pp {p}, dp {d}")
     return "\n".join(lines)
 
@@ -99,8 +104,7 @@ class ParallelLayout:
 
     def coordinates(self, rank: int | None = None) -> tuple[int, int, int]:
         """(pp, dp, tp) index of `rank` (default: this rank)."""
-        where = (self.grid == (self.rank if rank is None else rank)).nonzero()[0]
-        return tuple(int(i) for i in where)
+        return grid_coordinates(self.grid, self.rank if rank is None else rank)
 
     @property
     def tp_rank(self) -> int:
