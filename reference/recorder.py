@@ -282,15 +282,19 @@ class CollectiveRecorder(TorchDispatchMode):
             async_op=bool(named.get("async_op", not name.startswith("c10d::"))), num_tensors=len(tensors))
 
     def _ranks(self, named) -> tuple[int, ...]:
+        """The group's global ranks, looked up once per group: eager c10d ops carry the group itself,
+        functional ones its name (a fake-backend WORLD of thousands would otherwise be listed per op)."""
         if "process_group" in named:
             group = ProcessGroup.unbox(named["process_group"])
-            return tuple(dist.get_process_group_ranks(group))
-        group_name = named["group_name"]
-        group_name = group_name if isinstance(group_name, str) else str(group_name)
-        if group_name not in self._group_ranks:
-            group = torch._C._distributed_c10d._resolve_process_group(group_name)
-            self._group_ranks[group_name] = tuple(dist.get_process_group_ranks(group))
-        return self._group_ranks[group_name]
+            group_name = group.group_name
+        else:
+            group, group_name = None, named["group_name"]
+            group_name = group_name if isinstance(group_name, str) else str(group_name)
+        ranks = self._group_ranks.get(group_name)
+        if ranks is None:
+            group = group or torch._C._distributed_c10d._resolve_process_group(group_name)
+            ranks = self._group_ranks[group_name] = tuple(dist.get_process_group_ranks(group))
+        return ranks
 
     def _finish(self, work_id: int, from_wait: bool) -> None:
         with self._lock:
