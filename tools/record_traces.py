@@ -32,17 +32,23 @@ SCALE = {
 }
 
 
+def _run(cmd: list[str], what: str, timeout: float, **env: str) -> str:
+    """Run one recording process from the repository root, single-threaded; its stdout, or RuntimeError
+    with the tail of its output."""
+    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **env},
+                          capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-6000:]}")
+    return proc.stdout
+
+
 def record(out: Path, timeout: float = 300) -> list[Path]:
     """Run the worker into a scratch folder, then move each trace into `out`; the paths written."""
     with tempfile.TemporaryDirectory(prefix="traces-") as scratch:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TORCH_CPP_LOG_LEVEL": "ERROR"}
         for ranks, what in ((RANKS, "tp_fsdp"), (PIPELINE_RANKS, "pipeline")):
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-                   "--max-restarts=0", str(WORKER), scratch, what]
-            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-            if proc.returncode != 0:
-                raise RuntimeError(f"trace worker ({what}, {ranks} ranks) exited {proc.returncode}:\n"
-                                   f"{(proc.stdout + proc.stderr)[-6000:]}")
+            _run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+                  "--max-restarts=0", str(WORKER), scratch, what], f"trace worker ({what}, {ranks} ranks)",
+                 timeout, TORCH_CPP_LOG_LEVEL="ERROR")
         out.mkdir(parents=True, exist_ok=True)
         written = []
         for trace in sorted(Path(scratch).glob("*.json")):
@@ -53,16 +59,12 @@ def record(out: Path, timeout: float = 300) -> list[Path]:
 
 def record_scale(out: Path, timeout: float = 300) -> list[Path]:
     """Write out/NAME.json for every scale trace in SCALE; the paths written."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for name, args in SCALE.items():
-        proc = subprocess.run([sys.executable, "-m", "reference.scale", *args, "--json"], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=timeout)
-        if proc.returncode != 0:
-            raise RuntimeError(f"reference.scale {' '.join(args)} exited {proc.returncode}:\n"
-                               f"{(proc.stdout + proc.stderr)[-6000:]}")
-        atomic_write(out / f"{name}.json", proc.stdout.encode())
+        stdout = _run([sys.executable, "-m", "reference.scale", *args, "--json"],
+                      f"reference.scale {' '.join(args)}", timeout, PYTHONWARNINGS="ignore")
+        atomic_write(out / f"{name}.json", stdout.encode())
         written.append(out / f"{name}.json")
     return written
 

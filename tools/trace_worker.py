@@ -62,10 +62,9 @@ class ForwardSteps(TorchDispatchMode):
         super().__init__()
         self.steps: list[dict] = []
         self.stack: list[tuple[str, torch.nn.Module]] = []
-        self.handles = []
         for name, module in model.named_modules():
-            self.handles.append(module.register_forward_pre_hook(lambda m, a, name=name: self._enter(name, m)))
-            self.handles.append(module.register_forward_hook(lambda m, a, o: self._leave()))
+            module.register_forward_pre_hook(lambda m, a, name=name: self._enter(name, m))
+            module.register_forward_hook(lambda m, a, o: self._leave())
 
     def _enter(self, name: str, module: torch.nn.Module) -> None:
         self.stack.append((name, module))

@@ -13,7 +13,6 @@ its file at both commits, so the site can show the same diffs later (pin_and_cit
 """
 from __future__ import annotations
 
-import functools
 import re
 from collections import Counter
 from dataclasses import dataclass, field
@@ -28,9 +27,9 @@ from pin_and_cite.gitobj import blob_sha, is_full_sha
 from pin_and_cite.lock import BumpRecord, RecordedChange, RecordedFile, file_key
 from pin_and_cite.notes import Written, rewrite_arguments, written_calls
 from pin_and_cite.project import Project
-from pin_and_cite.reanchor import fetch_files, relocate_batch
-from pin_and_cite.relocate import Relocation
-from pin_and_cite.resolve import Resolver, cited_text, split_lines, text_sha256
+from pin_and_cite.reanchor import fetch_files, file_pairs, relocate_pairs
+from pin_and_cite.relocate import FilePair, Relocation
+from pin_and_cite.resolve import Resolver, cited_text, text_sha256
 
 STATUSES = ("unchanged", "moved", "changed", "deleted")
 REVIEWED = ("changed", "deleted")             # the statuses a person must look at
@@ -104,7 +103,8 @@ def plan(project: Project, name: str, ref: str) -> Bump:
         return found[0] if isinstance(found, tuple) else None
 
     files = fetch_files(remote, project.store, {old: paths, new: paths}, known, installed)
-    for c, answer in zip(carried, relocate_batch([c.spec for c in carried], old, new, files)):
+    pairs = file_pairs(paths, old, new, files)
+    for c, answer in zip(carried, relocate_pairs([c.spec for c in carried], pairs)):
         c.answer = answer
     failed = [c for c in carried if c.answer.status == "error"]
     if failed:
@@ -118,25 +118,20 @@ def plan(project: Project, name: str, ref: str) -> Bump:
     for table in (project.lock.citations, project.lock.files):
         for key in [k for k in table if k.startswith(f"{name}:")]:
             del table[key]
-    texts = {key: split_lines(data, f"{key[1]} at {key[0][:12]}") for key, data in files.items() if data is not None}
     for c in carried:
-        _carry(c, resolver, texts[(old, c.spec.path)], texts[(new, c.spec.path)], old)
+        _carry(c, resolver, pairs[c.spec.path], old)
     blobs = {key: blob_sha(data) if data is not None else None for key, data in files.items()}
     record = project.lock.bumps[name] = _record(project.root, carried, old, new, tag, blobs)
     return Bump(name, old, new, tag, carried, record, {project.pins.path: pins_bytes, **_templates(carried),
                                                        project.lock.path: project.lock.dumps()})
 
 
-@functools.lru_cache(maxsize=64)
-def _definitions(path: str, lines: tuple[str, ...]) -> dict:
-    return symbols.definitions("\n".join(lines), path)
-
-
-def _carry(c: Carried, resolver: Resolver, old_lines: tuple[str, ...], new_lines: tuple[str, ...], old: str) -> None:
-    """Decide the citation's new spec, lock it, and keep both excerpts for the review report."""
+def _carry(c: Carried, resolver: Resolver, pair: FilePair, old: str) -> None:
+    """Decide the citation's new spec, lock it, and keep both excerpts for the review report (the file's
+    lines and symbol table come from the pair the engine used, not split or parsed again)."""
+    old_lines, new_lines = pair.old_raw, pair.new_raw
     if c.spec.symbol:
-        defs = _definitions(c.spec.path, old_lines)
-        first, last = symbols.resolve(defs, c.spec.symbol, f"{c.spec.path} at {old[:12]}")
+        first, last = symbols.resolve(pair.definitions("old"), c.spec.symbol, f"{c.spec.path} at {old[:12]}")
     else:
         first, last = c.spec.lines
     c.old_lines = (first, last)

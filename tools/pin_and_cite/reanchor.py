@@ -45,27 +45,29 @@ def fetch_files(remote: Remote, store: Store, wanted: dict[str, Iterable[str]], 
     return {key: (data[oid] if oid else None) for key, oid in blobs.items()}
 
 
-def relocate_batch(cites: list[Spec], old: str, new: str, files: dict[tuple[str, str], bytes | None]) -> list[Relocation]:
-    """Answer every citation, in order; problems with one citation become its own `error` answer."""
+def file_pairs(paths: Iterable[str], old: str, new: str,
+               files: dict[tuple[str, str], bytes | None]) -> dict[str, FilePair | str]:
+    """Each path's FilePair (its lines at both commits, split once), or why it has none."""
     pairs: dict[str, FilePair | str] = {}
+    for path in paths:
+        try:
+            texts = []
+            for commit in (old, new):
+                data = files[(commit, path)]
+                if data is None:
+                    raise PinAndCiteError(f"{path} does not exist at {commit[:12]}")
+                texts.append(split_lines(data, f"{path} at {commit[:12]}"))
+            pairs[path] = FilePair(path, *texts, old_label=old[:12], new_label=new[:12])
+        except PinAndCiteError as exc:
+            pairs[path] = str(exc)
+    return pairs
 
-    def pair_for(path: str) -> FilePair | str:
-        if path not in pairs:
-            try:
-                texts = []
-                for commit in (old, new):
-                    data = files[(commit, path)]
-                    if data is None:
-                        raise PinAndCiteError(f"{path} does not exist at {commit[:12]}")
-                    texts.append(split_lines(data, f"{path} at {commit[:12]}"))
-                pairs[path] = FilePair(path, *texts, old_label=old[:12], new_label=new[:12])
-            except PinAndCiteError as exc:
-                pairs[path] = str(exc)
-        return pairs[path]
 
+def relocate_pairs(cites: list[Spec], pairs: dict[str, FilePair | str]) -> list[Relocation]:
+    """Answer every citation from its file's pair, in order; a pair that is an error string answers `error`."""
     answers = []
     for cite in cites:
-        pair = pair_for(cite.path)
+        pair = pairs[cite.path]
         if isinstance(pair, str):
             answers.append(Relocation("error", None, pair))
         elif cite.symbol:
@@ -73,6 +75,11 @@ def relocate_batch(cites: list[Spec], old: str, new: str, files: dict[tuple[str,
         else:
             answers.append(pair.relocate_range(*cite.lines))
     return answers
+
+
+def relocate_batch(cites: list[Spec], old: str, new: str, files: dict[tuple[str, str], bytes | None]) -> list[Relocation]:
+    """Answer every citation, in order; problems with one citation become its own `error` answer."""
+    return relocate_pairs(cites, file_pairs(dict.fromkeys(c.path for c in cites), old, new, files))
 
 
 def relocate_texts(source: str, old_ref: str, new_ref: str, texts: list[str], timeout: float) -> list[dict]:

@@ -88,9 +88,8 @@ class FilePair:
 
     def enclosing(self, which: str, span: Span) -> str | None:
         """The innermost uniquely defined name whose definition contains the 0-based `span`."""
-        containing = [(b - a, name) for name, spans in self._hint_definitions(which).items() if len(spans) == 1
-                      for a, b in spans if a - 1 <= span[0] and span[1] <= b]
-        return min(containing)[1] if containing else None
+        unique = {name: spans for name, spans in self._hint_definitions(which).items() if len(spans) == 1}
+        return symbols.enclosing(unique, (span[0] + 1, span[1]))
 
     def counterpart_region(self, span: Span) -> Span | None:
         """The new span of the definition enclosing `span` at the old commit, if it still exists once."""

@@ -113,20 +113,25 @@ def pipeline_slots(trace: dict) -> list[list[tuple[str, int, int]]]:
     return placed
 
 
+def _rows(events: list[dict], keys: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """Each event's `keys`, as comparable JSON text."""
+    return [tuple(json.dumps(e[k]) for k in keys) for e in events]
+
+
 def structure(trace: dict) -> dict:
     """Everything of a trace that a fresh run must reproduce exactly."""
     if trace["kind"] == "pipeline":
         return {**{k: trace[k] for k in REQUIRED["pipeline"] if k != "stages"},
                 "stages": [{**{k: st[k] for k in PIPELINE_STAGE_KEYS},
                             "spans": len(st["action_spans"]),
-                            "p2p": [tuple(json.dumps(e[k]) for k in P2P_KEYS) for e in st["p2p"]]}
+                            "p2p": _rows(st["p2p"], P2P_KEYS)}
                            for st in trace["stages"]]}
     if trace["kind"] == "tp_block":
         return {**{k: trace[k] for k in REQUIRED["tp_block"] if k != "runs"},
                 "runs": [{"h": run["h"], "step_flops_per_rank": run["step_flops_per_rank"],
                           "forward_steps": run["forward_steps"],
-                          "events": [tuple(json.dumps(e[k]) for k in EVENT_KEYS) for e in run["events"]]}
+                          "events": _rows(run["events"], EVENT_KEYS)}
                          for run in trace["runs"]]}
     return {**{k: trace[k] for k in REQUIRED["fsdp_forward"] if k not in ("events", "spans")},
-            "events": [tuple(json.dumps(e[k]) for k in EVENT_KEYS) for e in trace["events"]],
+            "events": _rows(trace["events"], EVENT_KEYS),
             "forward_markers": forward_markers(trace)}
