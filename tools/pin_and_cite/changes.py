@@ -85,10 +85,13 @@ def recorded_sides(resolver: Resolver, source: str, record: BumpRecord, key: str
                       change.new_text_sha256)
 
 
-def record_problems(project: Project, resolver: Resolver) -> list[tuple[str, str]]:
-    """(what, why) for every recorded bump or change that does not hold, checked offline from the cache."""
-    problems = []
+def _proven(project: Project, resolver: Resolver) -> tuple[list[tuple[str, str]],
+                                                           dict[str, dict[str, tuple[Side, Side]]]]:
+    """(what, why) for every recorded bump or change that does not hold, checked offline from the cache, and
+    source -> key -> the proven (old, new) excerpts of every change that does."""
+    problems, sides = [], {}
     for source, record in sorted(project.lock.bumps.items()):
+        sides[source] = {}
         try:
             _check_record(project, source, record)
         except PinAndCiteError as exc:
@@ -96,10 +99,15 @@ def record_problems(project: Project, resolver: Resolver) -> list[tuple[str, str
             continue
         for key in sorted(record.changes):
             try:
-                recorded_sides(resolver, source, record, key)
+                sides[source][key] = recorded_sides(resolver, source, record, key)
             except PinAndCiteError as exc:
                 problems.append((key, f"bump record of {source}: {exc}"))
-    return problems
+    return problems, sides
+
+
+def record_problems(project: Project, resolver: Resolver) -> list[tuple[str, str]]:
+    """(what, why) for every recorded bump or change that does not hold, checked offline from the cache."""
+    return _proven(project, resolver)[0]
 
 
 def _cited_by(project: Project, change: RecordedChange) -> str:
@@ -179,14 +187,13 @@ def _index(project: Project, entries: dict[str, list[tuple[str, RecordedChange, 
 def change_pages(project: Project, resolver: Resolver, out_dir: Path) -> dict[Path, str]:
     """{path under out_dir/changes/: Markdown}: the index and one page per recorded change. A record that does
     not hold stops the build with `check`'s first complaint about it."""
-    problems = record_problems(project, resolver)
+    problems, sides = _proven(project, resolver)
     if problems:
         raise PinAndCiteError(f"reading_notes/citations.lock: {problems[0][0]}: {problems[0][1]}")
     pages, entries = {}, {}
     for source, record in sorted(project.lock.bumps.items()):
         entries[source] = []
-        for key in sorted(record.changes):
-            old, new = recorded_sides(resolver, source, record, key)
+        for key, (old, new) in sides[source].items():
             name = page_name(key)
             pages[out_dir / CHANGES_DIR / name] = _page(project, source, record, key, old, new)
             entries[source].append((key, record.changes[key], name))
