@@ -15,7 +15,7 @@ from pin_and_cite.fetch import Fetched, fetch_all
 from pin_and_cite.gitobj import is_full_sha
 from pin_and_cite.project import Project, find_root
 from pin_and_cite.reanchor import relocate_texts
-from pin_and_cite.remote import Remote, check_url
+from pin_and_cite.remote import check_url
 from pin_and_cite.render import render_notes
 from pin_and_cite.resolve import Resolver
 
@@ -154,9 +154,7 @@ def cmd_pin(project: Project, args) -> int:
     url = check_url(args.source_url or existing.url)
     if existing is not None and args.source_url and args.source_url != existing.url:
         raise PinAndCiteError(f"source {args.source!r} already has url {existing.url}; edit pins.toml to change it")
-    fetch_url = project.url_overrides.get(args.source, url)
-    remote = Remote(fetch_url, project.store.git_dir(fetch_url), project.timeout)
-    commit = remote.resolve_ref(args.ref)
+    commit = project.remote_at(args.source, url).resolve_ref(args.ref)
     locked = [k for k, f in project.lock.files.items() if k.startswith(f"{args.source}:") and f.commit != commit]
     if locked and not args.force:
         raise PinAndCiteError(f"{len(locked)} locked file(s) of {args.source} are at {existing.commit[:12]}; "
