@@ -18,6 +18,7 @@ from pin_and_cite.reanchor import relocate_texts
 from pin_and_cite.remote import check_url
 from pin_and_cite.render import render_notes
 from pin_and_cite.resolve import Resolver
+from pin_and_cite.store import Store, default_cache_dir
 
 EPILOG = """\
 citations:
@@ -257,12 +258,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.verb in STANDALONE:
             return STANDALONE[args.verb](args)
         root = args.project or find_root(Path.cwd())
-        project = Project(root, timeout=args.timeout, url_overrides=dict(args.urls))
-        if args.verb in WRITERS:
-            with project.store.lock(f"project {root.resolve()}"):
-                project = Project(root, timeout=args.timeout, url_overrides=dict(args.urls))  # re-read under lock
-                return COMMANDS[args.verb](project, args)
-        return COMMANDS[args.verb](project, args)
+        if args.verb not in WRITERS:
+            return COMMANDS[args.verb](Project(root, timeout=args.timeout, url_overrides=dict(args.urls)), args)
+        with Store(default_cache_dir()).lock(f"project {root.resolve()}"):     # pins and lock read under it
+            return COMMANDS[args.verb](Project(root, timeout=args.timeout, url_overrides=dict(args.urls)), args)
     except PinAndCiteError as exc:
         print(f"pin-and-cite: error: {exc}", file=sys.stderr)
         return exc.exit_code
