@@ -85,10 +85,13 @@ def recorded_sides(resolver: Resolver, source: str, record: BumpRecord, key: str
                       change.new_text_sha256)
 
 
-def record_problems(project: Project, resolver: Resolver) -> list[tuple[str, str]]:
-    """(what, why) for every recorded bump or change that does not hold, checked offline from the cache."""
-    problems = []
+def _proven(project: Project, resolver: Resolver) -> tuple[list[tuple[str, str]],
+                                                           dict[str, dict[str, tuple[Side, Side]]]]:
+    """(what, why) for every recorded bump or change that does not hold, checked offline from the cache, and
+    source -> key -> the proven (old, new) excerpts of every change that does."""
+    problems, sides = [], {}
     for source, record in sorted(project.lock.bumps.items()):
+        sides[source] = {}
         try:
             _check_record(project, source, record)
         except PinAndCiteError as exc:
@@ -96,15 +99,20 @@ def record_problems(project: Project, resolver: Resolver) -> list[tuple[str, str
             continue
         for key in sorted(record.changes):
             try:
-                recorded_sides(resolver, source, record, key)
+                sides[source][key] = recorded_sides(resolver, source, record, key)
             except PinAndCiteError as exc:
                 problems.append((key, f"bump record of {source}: {exc}"))
-    return problems
+    return problems, sides
 
 
-def _cited_by(project: Project, change: RecordedChange) -> str:
-    """Links to the rendered notes that cited the region at the bump (plain text where the note is gone)."""
-    pages = {str(t.relative_to(project.root)): t for t in note_templates(project.notes_dir)}
+def record_problems(project: Project, resolver: Resolver) -> list[tuple[str, str]]:
+    """(what, why) for every recorded bump or change that does not hold, checked offline from the cache."""
+    return _proven(project, resolver)[0]
+
+
+def _cited_by(project: Project, change: RecordedChange, pages: dict[str, Path]) -> str:
+    """Links to the rendered notes that cited the region at the bump (plain text where the note is gone);
+    `pages`: each note template by its path from the project root."""
     links = []
     for where in change.cited_at:
         template = pages.get(where.rsplit(":", 1)[0])
@@ -131,7 +139,8 @@ def _pin(project: Project, source: str, side: Side, path: str) -> str:
     return f"[{where}]({link})" if link else where
 
 
-def _page(project: Project, source: str, record: BumpRecord, key: str, old: Side, new: Side) -> str:
+def _page(project: Project, source: str, record: BumpRecord, key: str, old: Side, new: Side,
+          notes: dict[str, Path]) -> str:
     change, spec = record.changes[key], parse_spec(key)
     name = f" ({spec.symbol})" if spec.symbol else ""
     diff = excerpt_diff(spec.path, old, new)
@@ -140,7 +149,7 @@ def _page(project: Project, source: str, record: BumpRecord, key: str, old: Side
            f"- **Status:** {_status(change)}",
            f"- **Old pin:** {_pin(project, source, old, spec.path)}",
            f"- **New pin:** {_pin(project, source, new, spec.path)}" + (f" (`{record.tag}`)" if record.tag else ""),
-           f"- **Cited by:** {_cited_by(project, change)}", ""]
+           f"- **Cited by:** {_cited_by(project, change, notes)}", ""]
     if not diff:
         out.append("The text is the same at both pins, but there it has identical copies and which one the notes "
                    "mean could not be decided: review the new lines.")
@@ -179,16 +188,16 @@ def _index(project: Project, entries: dict[str, list[tuple[str, RecordedChange, 
 def change_pages(project: Project, resolver: Resolver, out_dir: Path) -> dict[Path, str]:
     """{path under out_dir/changes/: Markdown}: the index and one page per recorded change. A record that does
     not hold stops the build with `check`'s first complaint about it."""
-    problems = record_problems(project, resolver)
+    problems, sides = _proven(project, resolver)
     if problems:
         raise PinAndCiteError(f"reading_notes/citations.lock: {problems[0][0]}: {problems[0][1]}")
     pages, entries = {}, {}
+    notes = {str(t.relative_to(project.root)): t for t in note_templates(project.notes_dir)}
     for source, record in sorted(project.lock.bumps.items()):
         entries[source] = []
-        for key in sorted(record.changes):
-            old, new = recorded_sides(resolver, source, record, key)
+        for key, (old, new) in sides[source].items():
             name = page_name(key)
-            pages[out_dir / CHANGES_DIR / name] = _page(project, source, record, key, old, new)
+            pages[out_dir / CHANGES_DIR / name] = _page(project, source, record, key, old, new, notes)
             entries[source].append((key, record.changes[key], name))
     pages[out_dir / CHANGES_DIR / "index.md"] = _index(project, entries)
     return pages

@@ -15,9 +15,10 @@ from pin_and_cite.fetch import Fetched, fetch_all
 from pin_and_cite.gitobj import is_full_sha
 from pin_and_cite.project import Project, find_root
 from pin_and_cite.reanchor import relocate_texts
-from pin_and_cite.remote import Remote, check_url
+from pin_and_cite.remote import check_url
 from pin_and_cite.render import render_notes
 from pin_and_cite.resolve import Resolver
+from pin_and_cite.store import Store, default_cache_dir
 
 EPILOG = """\
 citations:
@@ -154,9 +155,7 @@ def cmd_pin(project: Project, args) -> int:
     url = check_url(args.source_url or existing.url)
     if existing is not None and args.source_url and args.source_url != existing.url:
         raise PinAndCiteError(f"source {args.source!r} already has url {existing.url}; edit pins.toml to change it")
-    fetch_url = project.url_overrides.get(args.source, url)
-    remote = Remote(fetch_url, project.store.git_dir(fetch_url), project.timeout)
-    commit = remote.resolve_ref(args.ref)
+    commit = project.remote_at(args.source, url).resolve_ref(args.ref)
     locked = [k for k, f in project.lock.files.items() if k.startswith(f"{args.source}:") and f.commit != commit]
     if locked and not args.force:
         raise PinAndCiteError(f"{len(locked)} locked file(s) of {args.source} are at {existing.commit[:12]}; "
@@ -259,12 +258,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.verb in STANDALONE:
             return STANDALONE[args.verb](args)
         root = args.project or find_root(Path.cwd())
-        project = Project(root, timeout=args.timeout, url_overrides=dict(args.urls))
-        if args.verb in WRITERS:
-            with project.store.lock(f"project {root.resolve()}"):
-                project = Project(root, timeout=args.timeout, url_overrides=dict(args.urls))  # re-read under lock
-                return COMMANDS[args.verb](project, args)
-        return COMMANDS[args.verb](project, args)
+        if args.verb not in WRITERS:
+            return COMMANDS[args.verb](Project(root, timeout=args.timeout, url_overrides=dict(args.urls)), args)
+        with Store(default_cache_dir()).lock(f"project {root.resolve()}"):     # pins and lock read under it
+            return COMMANDS[args.verb](Project(root, timeout=args.timeout, url_overrides=dict(args.urls)), args)
     except PinAndCiteError as exc:
         print(f"pin-and-cite: error: {exc}", file=sys.stderr)
         return exc.exit_code

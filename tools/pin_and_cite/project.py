@@ -40,9 +40,10 @@ class Project:
             self.pins.get(name)
             check_url(url)
 
-    def fetch_url(self, source: Source) -> str:
-        return self.url_overrides.get(source.name, source.url)
-
     def remote(self, source: Source) -> Remote:
-        url = self.fetch_url(source)
+        return self.remote_at(source.name, source.url)
+
+    def remote_at(self, name: str, url: str) -> Remote:
+        """The remote of source `name` (pinned or not yet) at `url`, or at its --url mirror."""
+        url = self.url_overrides.get(name, url)
         return Remote(url, self.store.git_dir(url), self.timeout)
