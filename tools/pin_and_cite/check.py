@@ -9,7 +9,6 @@ from pin_and_cite.changes import record_problems
 from pin_and_cite.citation import parse_spec
 from pin_and_cite.errors import PinAndCiteError
 from pin_and_cite.lock import file_key
-from pin_and_cite.note_rules import check_note
 from pin_and_cite.notes import TEMPLATE_GLOB, written_calls
 from pin_and_cite.pinned_sha import SHA_FILE, stale_sha
 from pin_and_cite.project import Project
@@ -90,32 +89,31 @@ def check(project: Project) -> Report:
                  if why and key not in in_notes]
     problems += [Problem(c.where(project.root), c.argument, why) for c in claims
                  if (why := missing_test(project.root, c.argument))]
-    templates = sorted(project.notes_dir.glob(TEMPLATE_GLOB))
-    for template in templates:
-        problems += [Problem(f"{template.relative_to(project.root)}:{p.line}", "note rules", p.message)
-                     for p in check_note(template)]
-    problems += _render_problems(project, resolver, templates, problems)
+    problems += _render_problems(project, resolver, problems)
     problems += [Problem("citations.lock", what, why) for what, why in record_problems(project, resolver)]
     if why := stale_sha(project):
         problems.append(Problem(f"reading_notes/{SHA_FILE}", "pins.toml", why))
     return Report(len(verdicts.keys() | in_notes) + malformed + len(claims), problems)
 
 
-def _render_problems(project: Project, resolver: Resolver, templates, found: list[Problem]) -> list[Problem]:
-    """Render, in memory, each template nothing else was reported for: traces, diagrams, Jinja errors."""
-    from pin_and_cite.render import Renderer, SOURCE_PAGE   # render imports this module
+def _render_problems(project: Project, resolver: Resolver, found: list[Problem]) -> list[Problem]:
+    """The note rules of every template, then, in memory, the render of each page nothing else was reported
+    for: traces, diagrams, Jinja errors."""
+    from pin_and_cite.render import Renderer, pages   # render imports this module
 
-    renderer, reported, problems = Renderer(project, resolver), {p.where.rsplit(":", 1)[0] for p in found}, []
-    for template in templates:
-        if str(template.relative_to(project.root)) in reported:
+    renderer, problems = Renderer(project, resolver), []
+    for template in sorted(project.notes_dir.glob(TEMPLATE_GLOB)):
+        problems += [Problem(f"{template.relative_to(project.root)}:{p.line}", "note rules", p.message)
+                     for p in renderer.rule_problems(template)]
+    skip = {p.where.rsplit(":", 1)[0] for p in found + problems}
+    for template, context, _ in pages(project):
+        where = str(template.relative_to(project.root))
+        if where in skip:
             continue
-        contexts = ([{"source": s} for s in project.pins.sources.values()] if template.name == SOURCE_PAGE
-                    else [{}] if not template.name.startswith("_") else [])
-        for context in contexts:
-            try:
-                renderer.render(template, **context)
-            except PinAndCiteError as exc:
-                where, _, message = str(exc).partition(": ")
-                problems.append(Problem(where, "render", message))
-                break
+        try:
+            renderer.render(template, **context)
+        except PinAndCiteError as exc:
+            where_line, _, message = str(exc).partition(": ")
+            problems.append(Problem(where_line, "render", message))
+            skip.add(where)                     # one problem per template, not one per source page
     return problems

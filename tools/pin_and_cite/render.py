@@ -82,6 +82,7 @@ class Renderer:
     def __init__(self, project: Project, resolver: Resolver | None = None):
         self.project = project
         self.resolver = resolver or Resolver(project, allow_remote=False)
+        self._rules: dict[Path, list] = {}
         self.env = jinja2.Environment(loader=jinja2.FileSystemLoader(project.notes_dir), undefined=jinja2.StrictUndefined,
                                       keep_trailing_newline=True, autoescape=False)
         self.env.globals.update(
@@ -134,9 +135,15 @@ class Renderer:
             raise PinAndCiteError(f"verified_by: {why}")
         return f'<span class="verified-by">verified by <code>{node_id}</code></span>'
 
+    def rule_problems(self, template: Path) -> list:
+        """check_note(template), once per template for this renderer (a page per source reuses it)."""
+        if template not in self._rules:
+            self._rules[template] = check_note(template)
+        return self._rules[template]
+
     def render(self, template: Path, **context) -> str:
         name = template.relative_to(self.project.notes_dir).as_posix()
-        problems = check_note(template)
+        problems = self.rule_problems(template)
         if problems:
             raise PinAndCiteError(f"{self._where(template, problems[0].line)}: {problems[0].message}")
         try:
@@ -163,17 +170,24 @@ def _template_line(exc: BaseException, template: Path) -> int | None:
     return line
 
 
+def pages(project: Project) -> list[tuple[Path, dict, str]]:
+    """Every page the templates make, as (template, context, output path under the notes folder): a page per
+    note template (partials, `_*.md.j2`, excepted) and one per pinned source from SOURCE_PAGE."""
+    found = [(t, {}, t.relative_to(project.notes_dir).with_suffix("").as_posix())
+             for t in note_templates(project.notes_dir)]
+    source_page = project.notes_dir / SOURCE_PAGE
+    if source_page.is_file():
+        found += [(source_page, {"source": source}, f"sources/{name}.md")
+                  for name, source in project.pins.sources.items()]
+    return found
+
+
 def render_notes(root: Path, out_dir: Path) -> list[Path]:
     """Render every note template into `out_dir` (NAME.md.j2 -> NAME.md), the source pages and the change pages;
     return the files that changed (stale pages, say of a replaced bump record, are removed)."""
     project = Project(root)
     renderer = Renderer(project)
-    rendered = {out_dir / t.relative_to(project.notes_dir).with_suffix("").as_posix(): renderer.render(t)
-                for t in note_templates(project.notes_dir)}
-    source_page = project.notes_dir / SOURCE_PAGE
-    if source_page.is_file():
-        rendered.update({out_dir / "sources" / f"{name}.md": renderer.render(source_page, source=source)
-                         for name, source in project.pins.sources.items()})
+    rendered = {out_dir / page: renderer.render(template, **context) for template, context, page in pages(project)}
     rendered.update(change_pages(project, renderer.resolver, out_dir))
     changed = write_pinned_sha(project)
     for path, text in rendered.items():
