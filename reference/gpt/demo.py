@@ -22,6 +22,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from reference.data_parallel.wrapper import DEFAULT_BUCKET_SIZE
 from reference.distributed import LaunchError, distributed
 from reference.fsdp.demo import sharded_parameter_bytes
 from reference.gpt.model import GPTConfig, UnshardedGPT, build_stage, split_layers
@@ -53,7 +54,7 @@ def add_arguments(group) -> None:
                        help="replicate: every DP rank holds the stage and all-reduces gradients in buckets (DDP); "
                             "fsdp: reference FSDP over the DP group shards the TP-sharded stage (2D, all-gathers "
                             "and reduce-scatters; needs --pp 1 and --micro-batches 1)")
-    group.add_argument("--bucket-size", type=int, default=25 * 2**20, metavar="BYTES",
+    group.add_argument("--bucket-size", type=int, default=DEFAULT_BUCKET_SIZE, metavar="BYTES",
                        help="data-parallel gradient bucket size: one all-reduce per bucket over the DP group")
     group.add_argument("--no-overlap-grad-reduce", action="store_true",
                        help="issue the data-parallel bucket all-reduces after backward instead of as soon as "
