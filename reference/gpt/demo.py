@@ -107,8 +107,10 @@ def _train(args, config: GPTConfig, device: torch.device) -> None:
     else:
         model = data_parallel(stage, layout, bucket_size=args.bucket_size,
                               overlap_grad_reduce=not args.no_overlap_grad_reduce)
-    param_bytes = {"param_bytes_per_rank": sharded_parameter_bytes(model),
-                   "param_bytes_unsharded": sharded_parameter_bytes(UnshardedGPT(config, args.seed))}
+    param_bytes = None  # only rank 0 reports: only it builds the whole model, to count its bytes
+    if rank == 0:
+        param_bytes = {"param_bytes_per_rank": sharded_parameter_bytes(model),
+                       "param_bytes_unsharded": sharded_parameter_bytes(UnshardedGPT(config, args.seed))}
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
     global_batch = args.batch_size * args.micro_batches * layout.dp_size
     for step, tokens in enumerate(synthetic_batches(config, args.steps, global_batch, args.seed)):
@@ -136,7 +138,7 @@ def group_summary(recorder: CollectiveRecorder, layout: ParallelLayout) -> dict[
     return {name: recorder.summary(events=events) for name, events in by_group.items()}
 
 
-def _report_step(args, step, result, recorder, layout, param_bytes: dict) -> None:
+def _report_step(args, step, result, recorder, layout, param_bytes: dict | None) -> None:
     if dist.get_rank() != 0:
         return
     groups = group_summary(recorder, layout)
