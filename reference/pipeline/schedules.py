@@ -55,8 +55,12 @@ class PipelineResult:
     peak_in_flight: int            # forwards whose backward had not run, as the schedule counted them
     peak_in_flight_measured: int   # micro-batches whose saved activations autograd still held
     peak_activation_bytes: int     # bytes of those saved activations at their peak
-    busy_s: float
-    total_s: float
+    total_s: float                 # from start_s to the end of the schedule (its closing PP barrier)
+
+    @property
+    def busy_s(self) -> float:
+        """Time in this stage's forward and backward steps: the sum of the action spans."""
+        return sum(end - start for start, end in self.action_spans)
 
     @property
     def bubble(self) -> float:
@@ -68,7 +72,8 @@ class PipelineResult:
         return (p - 1) / (m + p - 1)
 
     def to_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "bubble": self.bubble, "bubble_formula": self.bubble_formula}
+        return {**dataclasses.asdict(self), "busy_s": self.busy_s, "bubble": self.bubble,
+                "bubble_formula": self.bubble_formula}
 
 
 def loss_values(losses: list[torch.Tensor]) -> list[float]:
@@ -107,17 +112,14 @@ class _Steps:
         self.spans: list[tuple[float, float]] = []
         self.losses: list[torch.Tensor] = []  # detached, read once at the end (loss_values)
         self.in_flight = self.peak_in_flight = 0
-        self.busy_s = 0.0
 
     def _timed(self, name: str, fn, *args):
         start = time.perf_counter()
         out = fn(*args)
         if self.cuda is not None:  # the action is done when its kernels are, not when they are queued
             torch.cuda.synchronize(self.cuda)
-        end = time.perf_counter()
-        self.busy_s += end - start
         self.actions.append(name)
-        self.spans.append((start, end))
+        self.spans.append((start, time.perf_counter()))
         return out
 
     def forward(self, i: int, input_tensor: torch.Tensor | None) -> torch.Tensor:
@@ -235,4 +237,4 @@ def forward_backward(schedule: str, stage: torch.nn.Module, micro_batches: Seque
                           losses=loss_values(steps.losses), actions=steps.actions,
                           action_spans=steps.spans, start_s=start, peak_in_flight=steps.peak_in_flight,
                           peak_in_flight_measured=steps.meter.peak_micro_batches,
-                          peak_activation_bytes=steps.meter.peak_bytes, busy_s=steps.busy_s, total_s=total)
+                          peak_activation_bytes=steps.meter.peak_bytes, total_s=total)
