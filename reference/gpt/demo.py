@@ -28,7 +28,7 @@ from reference.fsdp.demo import sharded_parameter_bytes
 from reference.gpt.model import GPTConfig, UnshardedGPT, build_stage, split_layers
 from reference.gpt.train import data_parallel, fully_sharded, synthetic_batches, train_step
 from reference.parallel_state import ParallelConfigError, ParallelLayout, build_layout
-from reference.pipeline.schedules import SCHEDULES
+from reference.pipeline.schedules import SCHEDULES, peak_in_flight_formula
 from reference.recorder import CollectiveRecorder
 
 
@@ -165,7 +165,7 @@ def _report_pipeline(args, stages: list[dict]) -> None:
     print(f"pipeline: {args.schedule if p > 1 else 'no pipelining (pp 1)'}, pp {p}, {m} micro-batches "
           f"(last step, one rank per stage)", flush=True)
     for s in stages:
-        expected = 1 if p == 1 else (m if args.schedule == "gpipe" else min(p - s["pp_rank"], m))
+        expected = peak_in_flight_formula(args.schedule, p, s["pp_rank"], m)
         print(f"  stage {s['pp_rank']}: {' '.join(s['actions'])}\n"
               f"    peak in flight {s['peak_in_flight']} micro-batches (autograd held {s['peak_in_flight_measured']},"
               f" {s['peak_activation_bytes']} B; expected {expected}), bubble {s['bubble']:.2f} "

@@ -41,6 +41,18 @@ from reference.pipeline.p2p import PipelineP2P
 SCHEDULES = ("gpipe", "1f1b")
 
 
+def bubble_formula(p: int, m: int) -> float:
+    """The idle fraction of either schedule with p stages and m uniform micro-batches: (p - 1) / (m + p - 1)."""
+    return (p - 1) / (m + p - 1)
+
+
+def peak_in_flight_formula(schedule: str, p: int, r: int, m: int) -> int:
+    """Micro-batches stage r of p holds at most: m under GPipe, min(p - r, m) under 1F1B, 1 without a pipeline."""
+    if p == 1:
+        return 1
+    return m if schedule == "gpipe" else min(p - r, m)
+
+
 @dataclasses.dataclass
 class PipelineResult:
     """What one stage did in one forward_backward call."""
@@ -68,8 +80,7 @@ class PipelineResult:
 
     @property
     def bubble_formula(self) -> float:
-        p, m = self.pp_size, self.num_micro_batches
-        return (p - 1) / (m + p - 1)
+        return bubble_formula(self.pp_size, self.num_micro_batches)
 
     def to_dict(self) -> dict:
         return {**dataclasses.asdict(self), "busy_s": self.busy_s, "bubble": self.bubble,
