@@ -118,8 +118,8 @@ def _train(args, config: GPTConfig, device: torch.device) -> None:
         result = train_step(model, optimizer, tokens, layout, num_micro_batches=args.micro_batches,
                             schedule=args.schedule, device=device, record=recorder)
         _report_step(args, step, result, recorder, layout, param_bytes)
-    stages = [None] * dist.get_world_size()
-    dist.all_gather_object(stages, result.pipeline.to_dict())
+    stages = [None] * dist.get_world_size() if rank == 0 else None  # only rank 0 reports
+    dist.gather_object(result.pipeline.to_dict(), stages, dst=0)
     if rank == 0:
         _report_pipeline(args, [stages[r] for r in layout.grid[:, 0, 0].tolist()])
     if args.trace is not None:
