@@ -41,6 +41,7 @@ from reference.distributed import LaunchError, distributed
 from reference.gpt.model import GPTConfig, build_stage, split_layers
 from reference.gpt.train import data_parallel, synthetic_batches, train_step
 from reference.parallel_state import ParallelConfigError, build_layout
+from reference.pipeline.schedules import SCHEDULES, bubble_formula, peak_in_flight_formula
 from reference.recorder import CollectiveRecorder
 
 
@@ -169,16 +170,16 @@ def _report(args, config, layout, device, variants, everyone) -> dict:
     for r, global_rank in enumerate(stage_ranks):
         got = everyone[global_rank]["variants"]
         gpipe, one = got["gpipe"], got["1f1b"]
+        expected = {schedule: peak_in_flight_formula(schedule, p, r, m) for schedule in SCHEDULES}
         stages.append({
             "pp_rank": r, "rank": global_rank, "layers": bounds[r][1] - bounds[r][0],
             "buckets": everyone[global_rank]["buckets"], "parameter_bytes": everyone[global_rank]["parameter_bytes"],
             **{f"{name}_{key}": v[key] for name, v in (("gpipe", gpipe), ("1f1b", one))
                for key in ("peak_bytes", "peak_in_flight", "peak_in_flight_measured")},
             "peak_bytes_ratio": one["peak_bytes"] / gpipe["peak_bytes"] if gpipe["peak_bytes"] else None,
-            "peak_bytes_ratio_formula": min(p - r, m) / m if p > 1 else 1.0,
-            "expected_in_flight": {"gpipe": m if p > 1 else 1, "1f1b": min(p - r, m) if p > 1 else 1},
+            "peak_bytes_ratio_formula": expected["1f1b"] / expected["gpipe"], "expected_in_flight": expected,
             "gpipe_bubble": statistics.median(gpipe["bubbles"]), "1f1b_bubble": statistics.median(one["bubbles"]),
-            "bubble_formula": (p - 1) / (m + p - 1)})
+            "bubble_formula": bubble_formula(p, m)})
     step_times = {}
     for label in labels:  # a step takes as long as its slowest rank
         per_step = [max(e["variants"][label]["times"][k] for e in everyone) for k in range(args.steps)]

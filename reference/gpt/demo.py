@@ -22,12 +22,13 @@ import sys
 import torch
 import torch.distributed as dist
 
+from reference.data_parallel.wrapper import DEFAULT_BUCKET_SIZE
 from reference.distributed import LaunchError, distributed
 from reference.fsdp.demo import sharded_parameter_bytes
 from reference.gpt.model import GPTConfig, UnshardedGPT, build_stage, split_layers
 from reference.gpt.train import data_parallel, fully_sharded, synthetic_batches, train_step
 from reference.parallel_state import ParallelConfigError, ParallelLayout, build_layout
-from reference.pipeline.schedules import SCHEDULES
+from reference.pipeline.schedules import SCHEDULES, peak_in_flight_formula
 from reference.recorder import CollectiveRecorder
 
 
@@ -53,7 +54,7 @@ def add_arguments(group) -> None:
                        help="replicate: every DP rank holds the stage and all-reduces gradients in buckets (DDP); "
                             "fsdp: reference FSDP over the DP group shards the TP-sharded stage (2D, all-gathers "
                             "and reduce-scatters; needs --pp 1 and --micro-batches 1)")
-    group.add_argument("--bucket-size", type=int, default=25 * 2**20, metavar="BYTES",
+    group.add_argument("--bucket-size", type=int, default=DEFAULT_BUCKET_SIZE, metavar="BYTES",
                        help="data-parallel gradient bucket size: one all-reduce per bucket over the DP group")
     group.add_argument("--no-overlap-grad-reduce", action="store_true",
                        help="issue the data-parallel bucket all-reduces after backward instead of as soon as "
@@ -106,8 +107,10 @@ def _train(args, config: GPTConfig, device: torch.device) -> None:
     else:
         model = data_parallel(stage, layout, bucket_size=args.bucket_size,
                               overlap_grad_reduce=not args.no_overlap_grad_reduce)
-    param_bytes = {"param_bytes_per_rank": sharded_parameter_bytes(model),
-                   "param_bytes_unsharded": sharded_parameter_bytes(UnshardedGPT(config, args.seed))}
+    param_bytes = None  # only rank 0 reports: only it builds the whole model, to count its bytes
+    if rank == 0:
+        param_bytes = {"param_bytes_per_rank": sharded_parameter_bytes(model),
+                       "param_bytes_unsharded": sharded_parameter_bytes(UnshardedGPT(config, args.seed))}
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
     global_batch = args.batch_size * args.micro_batches * layout.dp_size
     for step, tokens in enumerate(synthetic_batches(config, args.steps, global_batch, args.seed)):
@@ -115,8 +118,8 @@ def _train(args, config: GPTConfig, device: torch.device) -> None:
         result = train_step(model, optimizer, tokens, layout, num_micro_batches=args.micro_batches,
                             schedule=args.schedule, device=device, record=recorder)
         _report_step(args, step, result, recorder, layout, param_bytes)
-    stages = [None] * dist.get_world_size()
-    dist.all_gather_object(stages, result.pipeline.to_dict())
+    stages = [None] * dist.get_world_size() if rank == 0 else None  # only rank 0 reports
+    dist.gather_object(result.pipeline.to_dict(), stages, dst=0)
     if rank == 0:
         _report_pipeline(args, [stages[r] for r in layout.grid[:, 0, 0].tolist()])
     if args.trace is not None:
@@ -135,7 +138,7 @@ def group_summary(recorder: CollectiveRecorder, layout: ParallelLayout) -> dict[
     return {name: recorder.summary(events=events) for name, events in by_group.items()}
 
 
-def _report_step(args, step, result, recorder, layout, param_bytes: dict) -> None:
+def _report_step(args, step, result, recorder, layout, param_bytes: dict | None) -> None:
     if dist.get_rank() != 0:
         return
     groups = group_summary(recorder, layout)
@@ -162,7 +165,7 @@ def _report_pipeline(args, stages: list[dict]) -> None:
     print(f"pipeline: {args.schedule if p > 1 else 'no pipelining (pp 1)'}, pp {p}, {m} micro-batches "
           f"(last step, one rank per stage)", flush=True)
     for s in stages:
-        expected = 1 if p == 1 else (m if args.schedule == "gpipe" else min(p - s["pp_rank"], m))
+        expected = peak_in_flight_formula(args.schedule, p, s["pp_rank"], m)
         print(f"  stage {s['pp_rank']}: {' '.join(s['actions'])}\n"
               f"    peak in flight {s['peak_in_flight']} micro-batches (autograd held {s['peak_in_flight_measured']},"
               f" {s['peak_activation_bytes']} B; expected {expected}), bubble {s['bubble']:.2f} "

@@ -53,7 +53,3 @@ class InFlightActivations:
         self.live[micro_batch] -= 1
         if not self.live[micro_batch]:
             del self.live[micro_batch]
-
-    @property
-    def micro_batches_alive(self) -> int:
-        return len(self.live)

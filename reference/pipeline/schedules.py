@@ -41,6 +41,18 @@ from reference.pipeline.p2p import PipelineP2P
 SCHEDULES = ("gpipe", "1f1b")
 
 
+def bubble_formula(p: int, m: int) -> float:
+    """The idle fraction of either schedule with p stages and m uniform micro-batches: (p - 1) / (m + p - 1)."""
+    return (p - 1) / (m + p - 1)
+
+
+def peak_in_flight_formula(schedule: str, p: int, r: int, m: int) -> int:
+    """Micro-batches stage r of p holds at most: m under GPipe, min(p - r, m) under 1F1B, 1 without a pipeline."""
+    if p == 1:
+        return 1
+    return m if schedule == "gpipe" else min(p - r, m)
+
+
 @dataclasses.dataclass
 class PipelineResult:
     """What one stage did in one forward_backward call."""
@@ -55,8 +67,12 @@ class PipelineResult:
     peak_in_flight: int            # forwards whose backward had not run, as the schedule counted them
     peak_in_flight_measured: int   # micro-batches whose saved activations autograd still held
     peak_activation_bytes: int     # bytes of those saved activations at their peak
-    busy_s: float
-    total_s: float
+    total_s: float                 # from start_s to the end of the schedule (its closing PP barrier)
+
+    @property
+    def busy_s(self) -> float:
+        """Time in this stage's forward and backward steps: the sum of the action spans."""
+        return sum(end - start for start, end in self.action_spans)
 
     @property
     def bubble(self) -> float:
@@ -64,11 +80,11 @@ class PipelineResult:
 
     @property
     def bubble_formula(self) -> float:
-        p, m = self.pp_size, self.num_micro_batches
-        return (p - 1) / (m + p - 1)
+        return bubble_formula(self.pp_size, self.num_micro_batches)
 
     def to_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "bubble": self.bubble, "bubble_formula": self.bubble_formula}
+        return {**dataclasses.asdict(self), "busy_s": self.busy_s, "bubble": self.bubble,
+                "bubble_formula": self.bubble_formula}
 
 
 def loss_values(losses: list[torch.Tensor]) -> list[float]:
@@ -107,17 +123,14 @@ class _Steps:
         self.spans: list[tuple[float, float]] = []
         self.losses: list[torch.Tensor] = []  # detached, read once at the end (loss_values)
         self.in_flight = self.peak_in_flight = 0
-        self.busy_s = 0.0
 
     def _timed(self, name: str, fn, *args):
         start = time.perf_counter()
         out = fn(*args)
         if self.cuda is not None:  # the action is done when its kernels are, not when they are queued
             torch.cuda.synchronize(self.cuda)
-        end = time.perf_counter()
-        self.busy_s += end - start
         self.actions.append(name)
-        self.spans.append((start, end))
+        self.spans.append((start, time.perf_counter()))
         return out
 
     def forward(self, i: int, input_tensor: torch.Tensor | None) -> torch.Tensor:
@@ -235,4 +248,4 @@ def forward_backward(schedule: str, stage: torch.nn.Module, micro_batches: Seque
                           losses=loss_values(steps.losses), actions=steps.actions,
                           action_spans=steps.spans, start_s=start, peak_in_flight=steps.peak_in_flight,
                           peak_in_flight_measured=steps.meter.peak_micro_batches,
-                          peak_activation_bytes=steps.meter.peak_bytes, busy_s=steps.busy_s, total_s=total)
+                          peak_activation_bytes=steps.meter.peak_bytes, total_s=total)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from reference.gpt.model import split_layers
 from reference.scale.shapes import ScaleSetup
 
 FP32 = 4
@@ -51,8 +52,8 @@ class Term:
 
 def stage_layers(setup: ScaleSetup, stage: int) -> int:
     """Transformer layers on pipeline stage `stage`: num_layers / p, one more on the first num_layers mod p."""
-    base, extra = divmod(setup.model.num_layers, setup.pp)
-    return base + (stage < extra)
+    first, last = split_layers(setup.model.num_layers, setup.pp)[stage]
+    return last - first
 
 
 def stage_parameters(setup: ScaleSetup, stage: int) -> list[int]:

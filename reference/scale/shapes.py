@@ -20,6 +20,7 @@ from reference.data_parallel.wrapper import DEFAULT_BUCKET_SIZE
 from reference.gpt.model import GPTConfig
 from reference.parallel_state import ORDERS, ParallelConfigError, divide
 from reference.pipeline.schedules import SCHEDULES
+from reference.tensor_parallel.vocab_parallel import pad_vocab_size
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -107,8 +108,8 @@ class ScaleSetup:
 
     @property
     def padded_vocab_size(self) -> int:
-        """V padded to a multiple of tp (reference.tensor_parallel.vocab_parallel.pad_vocab_size, multiple 1)."""
-        return -(-self.model.vocab_size // self.tp) * self.tp
+        """V padded to a multiple of tp, as the vocab-parallel layers pad it."""
+        return pad_vocab_size(self.model.vocab_size, self.tp)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
