@@ -167,10 +167,7 @@ class GPTStage(torch.nn.Module):
                     params_dtype=params_dtype, device=device)
                 self.embedding.position_embeddings = torch.nn.Embedding.from_pretrained(
                     _embedding_weight(config.seq_length, config).to(device, params_dtype), freeze=False)
-        # A stage on the meta device (reference.scale) has no generator of its own: its dropout stream is a
-        # CPU one, never drawn from (a meta tensor has no values to drop).
-        meta = device is not None and torch.device(device).type == "meta"
-        rng = TensorParallelRNG(seed, tp_group, "cpu" if meta else device)
+        rng = TensorParallelRNG(seed, tp_group, device)
         self.layers = torch.nn.ModuleList()
         for i in range(first_layer, last_layer):
             with module_seed(seed, 1 + i):

@@ -25,7 +25,10 @@ class TensorParallelRNG:
     stream exactly as it was."""
 
     def __init__(self, seed: int, tp_group: dist.ProcessGroup, device: torch.device | str | None = None):
-        self.device = torch.device(device or "cpu")
+        device = torch.device(device or "cpu")
+        # Only CUDA has generators of its own; every other device (CPU, and meta for reference.scale, whose
+        # tensors hold no values to drop) draws from the CPU default generator.
+        self.device = device if device.type == "cuda" else torch.device("cpu")
         generator = torch.Generator(device=self.device)
         self.state = generator.manual_seed(seed + _MEGATRON_TP_SEED_OFFSET + tp_group.rank()).get_state()
 
