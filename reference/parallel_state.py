@@ -15,6 +15,7 @@ small object that is passed to the layers explicitly.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import torch.distributed as dist
@@ -120,6 +121,17 @@ class ParallelLayout:
 
     def describe(self) -> str:
         return describe_grid(self.grid, self.order, self.rank)
+
+    @functools.cached_property
+    def _kinds(self) -> dict[tuple[int, ...], str]:
+        p, d, t = self.coordinates()
+        own = {"dp": self.grid[p, :, t], "pp": self.grid[:, d, t], "tp": self.grid[p, d, :]}
+        return {tuple(own[kind].tolist()): kind for kind in ("dp", "pp", "tp")}  # TP wins where groups coincide
+
+    def group_kind(self, ranks: tuple[int, ...]) -> str:
+        """"tp", "pp" or "dp": which of this rank's groups holds exactly `ranks` (a recorded collective's
+        group); "other" for any other group."""
+        return self._kinds.get(tuple(ranks), "other")
 
 
 def build_layout(tp_size: int, pp_size: int = 1, dp_size: int | None = None, order: str = "tp-pp-dp"

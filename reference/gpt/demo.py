@@ -129,12 +129,9 @@ def _train(args, config: GPTConfig, device: torch.device) -> None:
 
 def group_summary(recorder: CollectiveRecorder, layout: ParallelLayout) -> dict[str, dict]:
     """This rank's recorded collectives by the group they ran on ("tp", "pp", "dp", else "other"), then type."""
-    names = {}
-    for name in ("dp", "pp", "tp"):  # a later name wins where two groups hold the same ranks
-        names[tuple(dist.get_process_group_ranks(getattr(layout, f"{name}_group")))] = name
     by_group: dict[str, list] = {"tp": [], "pp": [], "dp": []}
     for event in recorder.events:
-        by_group.setdefault(names.get(event.group_ranks, "other"), []).append(event)
+        by_group.setdefault(layout.group_kind(event.group_ranks), []).append(event)
     return {name: recorder.summary(events=events) for name, events in by_group.items()}
 
 

@@ -81,8 +81,7 @@ def trace_rank(setup: ScaleSetup, rank: int, device: str = "meta") -> list[Colle
 
 def _labelled(events: list[CollectiveEvent], layout: ParallelLayout) -> list[CollectiveEvent]:
     """The events with `module` replaced by the kind of group they ran on."""
-    kinds = {tuple(dist.get_process_group_ranks(getattr(layout, f"{kind}_group"))): kind for kind in GROUPS}
-    return [dataclasses.replace(e, module=kinds.get(e.group_ranks, "other")) for e in events]
+    return [dataclasses.replace(e, module=layout.group_kind(e.group_ranks)) for e in events]
 
 
 def summarize(setup: ScaleSetup, rank: int, events: list[CollectiveEvent]) -> list[Row]:
