@@ -11,6 +11,7 @@ import sys
 from reference.data_parallel.wrapper import DEFAULT_BUCKET_SIZE
 from reference.parallel_state import ORDERS, ParallelConfigError
 from reference.pipeline.schedules import SCHEDULES
+from reference.scale import formulas
 from reference.scale.shapes import MODELS, setup_for
 from reference.scale.simulate import document, default_ranks
 
@@ -34,25 +35,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _human(n: int) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:,.2f} {unit}"
-    return f"{n} B"
-
-
 def format_document(doc: dict) -> str:
     s = doc["setup"]
     lines = [f"{s['model']['name']} on tp {s['tp']} x pp {s['pp']} x dp {s['dp']} = {doc['world']} ranks, "
              f"{s['microbatches']} micro-batches, sp {'on' if s['sp'] else 'off'}, {s['schedule']}, DDP "
-             + (f"buckets of {_human(s['bucket_size'])}" if s["bucket_size"] else "in one bucket")]
+             + (f"buckets of {formulas.human(s['bucket_size'])}" if s["bucket_size"] else "in one bucket")]
     for run in doc["runs"]:
         lines.append(f"rank {run['rank']} (pipeline stage {run['stage']} of {s['pp']}): one step")
         lines.append(f"  {'group':5} {'op':14} {'count':>6} {'bytes':>16} {'':>12}  formula")
         for r in run["rows"]:
             ok = r["count"] == r["formula_count"] and r["bytes"] == r["formula_bytes"]
             verdict = "" if ok else f"   MISMATCH: formula gives {r['formula_count']} x, {r['formula_bytes']} B"
-            lines.append(f"  {r['group']:5} {r['op']:14} {r['count']:>6} {r['bytes']:>16,} {_human(r['bytes']):>12}"
+            lines.append(f"  {r['group']:5} {r['op']:14} {r['count']:>6} {r['bytes']:>16,} {formulas.human(r['bytes']):>12}"
                          f"  {r['formula']}{verdict}")
     return "\n".join(lines)
 

@@ -88,7 +88,16 @@ def sequence_parallel_params(setup: ScaleSetup, stage: int) -> int:
     return stage_layers(setup, stage) * 6 * h + (2 * h if stage == setup.pp - 1 else 0)
 
 
-def _human(nbytes: int) -> str:
+def human(nbytes: int) -> str:
+    """Bytes for a table: 2 decimals of the largest binary unit (the CLI and the site's tables)."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= size:
+            return f"{nbytes / size:,.2f} {unit}"
+    return f"{nbytes} B"
+
+
+def _exact(nbytes: int) -> str:
+    """Bytes inside a formula's text: whole MiB when exact, else bytes."""
     return f"{nbytes / 2**20:g} MiB" if nbytes % 2**20 == 0 else f"{nbytes} B"
 
 
@@ -135,7 +144,7 @@ def expected(setup: ScaleSetup, stage: int) -> dict[tuple[str, str], list[Term]]
                 add("pp", op, mb, shard, f"m x {what} ({direction_last})")
     if setup.dp > 1:
         buckets = ddp_buckets(stage_parameters(setup, stage), e, setup.bucket_size)
-        limit = "one bucket" if setup.bucket_size is None else f"buckets of >= {_human(setup.bucket_size)}"
+        limit = "one bucket" if setup.bucket_size is None else f"buckets of >= {_exact(setup.bucket_size)}"
         rows[("dp", "all_reduce")] = [Term(len(buckets), sum(buckets), f"eP in {limit} (DDP grads)")]
     return rows
 

@@ -21,6 +21,7 @@ import jinja2
 
 from pin_and_cite.atomic import atomic_write
 from pin_and_cite import diagrams, estimates, scale_tables, symbols
+from reference.scale.formulas import human  # the scale tables' byte format, for the Scale page
 from pin_and_cite.changes import change_pages
 from pin_and_cite.check import locked_excerpt
 from pin_and_cite.citation import parse_spec
@@ -92,7 +93,7 @@ class Renderer:
             tp_crossover=estimates.tp_crossover, fsdp_overlap=estimates.fsdp_overlap,
             pipeline_memory=estimates.pipeline_memory,
             scale_table=scale_tables.scale_table, sent_per_group=scale_tables.sent_per_group,
-            human=scale_tables.human)
+            human=human)
 
     def excerpt(self, spec_text: str) -> Excerpt:
         key = str(parse_spec(spec_text))

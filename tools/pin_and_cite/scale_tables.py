@@ -33,13 +33,6 @@ def sent_per_group(trace: dict, run: dict) -> dict[str, int]:
     return out
 
 
-def human(nbytes: int) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= size:
-            return f"{nbytes / size:,.2f} {unit}"
-    return f"{nbytes} B"
-
-
 def stage_name(stage: int, stages: int) -> str:
     where = "first" if stage == 0 else "last" if stage == stages - 1 else "middle"
     return f"{stage} ({where})" if stages > 1 else "0 (only)"
@@ -81,9 +74,9 @@ def scale_table(trace: dict) -> str:
         per_group = {g: sum(r["bytes"] for r, _ in rows if r["group"] == g) for g in GROUPS}
         sent = sent_per_group(trace, run)
         totals.append(f"| {where} (rank {run['rank']}) | " + " | ".join(
-            f"{human(per_group[g])} / {human(sent[g])}" if per_group[g] else "—" for g in GROUPS) + " |")
+            f"{formulas.human(per_group[g])} / {formulas.human(sent[g])}" if per_group[g] else "—" for g in GROUPS) + " |")
         for row, terms in rows:
             formula = " + ".join(t.formula for t in terms)
             detail.append(f"| {where} | {GROUPS.get(row['group'], row['group'])} | {row['op']} | {row['count']} | "
-                          f"{human(row['bytes'])} | {formula} |")
+                          f"{formulas.human(row['bytes'])} | {formula} |")
     return "\n".join(totals) + "\n\n" + "\n".join(detail) + "\n"
