@@ -46,3 +46,9 @@ def dtensor_plan(sp: bool) -> dict:
     return {"ln1": SequenceParallel(sequence_dim=0), "attention.qkv": ColwiseParallel(input_layouts=Shard(0)),
             "attention.proj": RowwiseParallel(output_layouts=Shard(0)), "ln2": SequenceParallel(sequence_dim=0),
             "mlp.fc1": ColwiseParallel(input_layouts=Shard(0)), "mlp.fc2": RowwiseParallel(output_layouts=Shard(0))}
+
+
+def max_diff(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> float:
+    """Largest absolute difference over same-named tensors (compared in fp32); the names must match."""
+    assert ours.keys() == theirs.keys(), f"parameter names differ: {sorted(ours.keys() ^ theirs.keys())}"
+    return max((ours[n].float() - theirs[n].float()).abs().max().item() for n in ours)

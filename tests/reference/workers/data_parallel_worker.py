@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from common import finish, full_tensor, init
+from common import finish, full_tensor, init, max_diff
 from reference.data_parallel import DistributedDataParallel, finalize_model_grads, local_batch
 from reference.parallel_state import build_layout
 from reference.recorder import CollectiveRecorder
@@ -52,11 +52,6 @@ def single_process() -> tuple[list[float], dict[str, torch.Tensor], dict[str, to
         optimizer.zero_grad()
         losses.append(loss.item())
     return losses, first_grads, {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def max_diff(ours: dict, theirs: dict) -> float:
-    assert ours.keys() == theirs.keys(), (sorted(ours), sorted(theirs))
-    return max((ours[n] - theirs[n]).abs().max().item() for n in ours)
 
 
 def mean_over(value: float, group) -> float:

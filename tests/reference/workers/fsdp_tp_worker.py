@@ -19,7 +19,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import parallelize_module
 
-from common import dtensor_plan, finish, full_tensor, init
+from common import dtensor_plan, finish, full_tensor, init, max_diff
 from reference.data_parallel import finalize_model_grads, local_batch
 from reference.data_parallel.fsdp_tp import shard_tp_model
 from reference.parallel_state import ParallelConfigError, build_layout
@@ -151,11 +151,6 @@ def bad_input(layout) -> dict[str, str]:
     capture("full_weight", full_weight)
     capture("uneven_plain_parameter", uneven_plain_parameter)
     return errors
-
-
-def max_diff(ours: dict, theirs: dict) -> float:
-    assert ours.keys() == theirs.keys(), (sorted(ours), sorted(theirs))
-    return max((ours[n] - theirs[n]).abs().max().item() for n in ours)
 
 
 def main(outdir: Path) -> None:

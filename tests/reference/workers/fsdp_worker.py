@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from common import max_diff
 from reference.distributed import distributed
 from reference.fsdp import FullyShardedDataParallel
 from reference.fsdp.demo import shard_model
@@ -84,11 +85,6 @@ def full_parameters(model: nn.Module, implementation: str) -> dict[str, torch.Te
     if implementation == "fsdp2":
         return {name: p.full_tensor().detach().float().cpu() for name, p in model.named_parameters()}
     return {name: p.detach().float().cpu().clone() for name, p in model.named_parameters()}
-
-
-def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys(), f"parameter names differ: {sorted(a.keys() ^ b.keys())}"
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
 def run_main(out: Path, device: torch.device) -> None:
