@@ -7,14 +7,15 @@ from pin_and_cite.note_rules import check_note, prose_lines, words
 from tests.tools.conftest import ROOT
 
 CITE = "{{ cite('up:pkg/core/layers.py#L9-L10') }}"
+EVIDENCE = "{{ reference_only('the kernel needs CUDA') }}"
 LAYERS_LINES = "up:pkg/core/layers.py#L9-L10"
 
 
 def note_text(choices: int = 5, words_each: int = 51, cite: bool = True, connect: str | None = "{{ 6 * 7 }} bytes.",
-              extra: str = "") -> str:
+              extra: str = "", evidence: str = EVIDENCE) -> str:
     lines = ["---", "rules: close-reading", "---", "# A note", ""]
     for i in range(choices):
-        lines += [f"### Choice {i}", "", " ".join(["word"] * words_each), "", CITE if cite else "", ""]
+        lines += [f"### Choice {i}", "", " ".join(["word"] * words_each), "", CITE if cite else "", evidence, ""]
     lines += [extra]
     if connect is not None:
         lines += ["## Connect the dots", "", connect]
@@ -24,7 +25,7 @@ def note_text(choices: int = 5, words_each: int = 51, cite: bool = True, connect
 def problems(tmp_path, text: str) -> list[tuple[int, str]]:
     path = tmp_path / "note.md.j2"
     path.write_text(text)
-    return [(p.line, p.message) for p in check_note(path)]
+    return [(p.line, p.message) for p in check_note(path, tmp_path)]
 
 
 def test_a_note_within_the_rules_passes(tmp_path):
@@ -40,11 +41,13 @@ def test_excerpts_diagrams_headings_and_jinja_are_not_prose(tmp_path):
     assert counted == [(7, 3), (13, 2), (14, 3)]   # "link text"; N bytes shown
 
 
-def test_over_the_word_limit_names_the_line_of_word_301(tmp_path):
-    text = note_text(choices=6, words_each=60)                       # 360 words + 2 in "Connect the dots"
-    line_of_word_301 = text.split("\n").index(" ".join(["word"] * 60), 5 + 6 * 5) + 1   # the sixth choice
-    assert (line_of_word_301, "362 words of prose, over the 300-word limit (word 301 is on this line); "
-                              "excerpts and diagrams do not count") in problems(tmp_path, text)
+def test_over_the_word_limit_names_the_line_of_word_301_counting_headings(tmp_path):
+    text = note_text(choices=5, words_each=56)     # 2 (title) + 5 * (2 + 56) + 3 + 2 (Connect the dots) = 297
+    assert problems(tmp_path, text) == []
+    text = note_text(choices=5, words_each=57)     # 302: the headings are what a reader reads too
+    line_of_word_301 = text.split("\n").index("## Connect the dots") + 3
+    assert problems(tmp_path, text) == [(line_of_word_301, "302 words, over the 300-word limit (word 301 is on "
+                                                           "this line); headings count, excerpts and diagrams do not")]
 
 
 def test_each_rule_is_reported_at_its_heading(tmp_path):
@@ -74,15 +77,15 @@ def test_render_and_check_stop_on_a_broken_note_and_keep_the_previous_page(proje
     page = project.root / "docs" / "notes" / "n.md"
     before = page.read_text()
     assert "word word" in before and "rules: close-reading" in before          # mkdocs reads it as page metadata
-    too_long = note_text(choices=6, words_each=60)
-    line = too_long.split("\n").index(" ".join(["word"] * 60), 5 + 6 * 5) + 1
+    too_long = note_text(choices=6, words_each=60)          # word 301 is in the fifth choice, headings counted
+    line = [n for n, text in enumerate(too_long.split("\n"), 1) if text == " ".join(["word"] * 60)][4]
     path.write_text(too_long)
     r = project.run("render")
     assert r.code == 2 and r.err.count("\n") == 1
-    assert r.err.startswith(f"pin-and-cite: error: reading_notes/n.md.j2:{line}: 362 words of prose, over the 300-word")
+    assert r.err.startswith(f"pin-and-cite: error: reading_notes/n.md.j2:{line}: 379 words, over the 300-word")
     assert page.read_text() == before
     r = project.run("check")
-    assert r.code == 1 and f"reading_notes/n.md.j2:{line}: note rules: 362 words of prose" in r.out
+    assert r.code == 1 and f"reading_notes/n.md.j2:{line}: note rules: 379 words, over" in r.out
 
 
 def test_a_diagram_without_a_recorded_trace_stops_render_and_check(project):

@@ -10,6 +10,10 @@ it until a person fixes the note: the review report lists it with its old text.
 The lock also gets the source's bump record (lock.BumpRecord, replacing the one of its previous bump): per
 changed or deleted citation its old and new lines, text hashes and where the notes cite it, and the blobs of
 its file at both commits, so the site can show the same diffs later (pin_and_cite.changes).
+
+Locked parameter defaults (pin_and_cite.defaults) are read again at the new commit: the lock follows the new
+text, and every default whose text changed, or that is gone, is recorded and reported, since the prose around
+it may now be wrong. A default that is gone leaves the lock, so `check` fails on its note until a person fixes it.
 """
 from __future__ import annotations
 
@@ -21,10 +25,11 @@ from pathlib import Path
 from pin_and_cite import symbols
 from pin_and_cite.atomic import atomic_write_all
 from pin_and_cite.citation import Spec, parse_spec
+from pin_and_cite.defaults import DefaultRef, parse_key, read_default
 from pin_and_cite.errors import PinAndCiteError
 from pin_and_cite.fetch import from_distribution
 from pin_and_cite.gitobj import blob_sha, is_full_sha
-from pin_and_cite.lock import BumpRecord, RecordedChange, RecordedFile, file_key
+from pin_and_cite.lock import BumpRecord, RecordedChange, RecordedDefault, RecordedFile, file_key
 from pin_and_cite.notes import Written, rewrite_arguments, written_calls
 from pin_and_cite.project import Project
 from pin_and_cite.reanchor import fetch_files, file_pairs, relocate_pairs
@@ -88,7 +93,9 @@ def plan(project: Project, name: str, ref: str) -> Bump:
     new = remote.resolve_ref(ref)
     old = source.commit
     carried = list(_citations_of(project, name).values())
-    paths = sorted({c.spec.path for c in carried})
+    defaults = {default: project.lock.defaults[key] for key in project.lock.defaults
+                if (default := parse_key(key)).spec.source == name}
+    paths = sorted({c.spec.path for c in carried} | {default.spec.path for default in defaults})
     known = {}
     for path in paths:
         entry = project.lock.files.get(file_key(name, path))
@@ -120,8 +127,11 @@ def plan(project: Project, name: str, ref: str) -> Bump:
             del table[key]
     for c in carried:
         _carry(c, resolver, pairs[c.spec.path], old)
+    changed_defaults = {str(default): change for default, locked in defaults.items()
+                        if (change := _carry_default(default, locked.value, resolver, pairs[default.spec.path], new))}
     blobs = {key: blob_sha(data) if data is not None else None for key, data in files.items()}
     record = project.lock.bumps[name] = _record(project.root, carried, old, new, tag, blobs)
+    record.defaults = changed_defaults
     return Bump(name, old, new, tag, carried, record, {project.pins.path: pins_bytes, **_templates(carried),
                                                        project.lock.path: project.lock.dumps()})
 
@@ -147,6 +157,23 @@ def _carry(c: Carried, resolver: Resolver, pair: FilePair, old: str) -> None:
         return                                            # a symbol that is gone or ambiguous under its name
     resolver.record(excerpt, learned)
     c.new_spec = spec
+
+
+def _carry_default(ref: DefaultRef, old_value: str, resolver: Resolver, pair: FilePair | str,
+                   new: str) -> RecordedDefault | None:
+    """Lock the default as the new commit writes it; what changed (or that it is gone), or None."""
+    lock = resolver.project.lock
+    del lock.defaults[str(ref)]
+    try:
+        if isinstance(pair, str):
+            raise PinAndCiteError(pair)
+        text = "\n".join(pair.new_raw) + "\n"
+        found = read_default(text, f"{ref.spec.path} at {new[:12]}", pair.definitions("new"), ref)
+        excerpt, learned = resolver.resolve(ref.spec)
+    except PinAndCiteError:
+        return RecordedDefault(old_value, None)
+    resolver.record_default(ref, found, excerpt, learned)
+    return None if found.value == old_value else RecordedDefault(old_value, found.value)
 
 
 def _record(root: Path, carried: list[Carried], old: str, new: str, tag: str | None,

@@ -1,12 +1,14 @@
-"""`check`: prove, offline, that every citation still says what the lock says it says, and that every note
-keeps its rules (pin_and_cite.note_rules), names tests that exist, and renders (traces, diagrams); and that
-each recorded bump's excerpts still hash as its record says (pin_and_cite.changes)."""
+"""`check`: prove, offline, that every citation and every rendered default still says what the lock says it
+says, and that every note keeps its rules (pin_and_cite.note_rules, which include the evidence each design
+choice names), names tests that exist, and renders (traces, diagrams); and that each recorded bump's excerpts
+still hash as its record says (pin_and_cite.changes)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from pin_and_cite.changes import record_problems
 from pin_and_cite.citation import parse_spec
+from pin_and_cite.defaults import DefaultRef, FoundDefault, default_ref, parse_key
 from pin_and_cite.errors import PinAndCiteError
 from pin_and_cite.lock import file_key
 from pin_and_cite.notes import TEMPLATE_GLOB, written_calls
@@ -56,13 +58,40 @@ def locked_excerpt(project: Project, resolver: Resolver, key: str) -> Excerpt:
     return excerpt
 
 
-def verify_locked(project: Project, resolver: Resolver, key: str) -> str | None:
-    """Why the locked citation `key` no longer holds, or None when it does."""
+def locked_default(project: Project, resolver: Resolver, ref: DefaultRef) -> tuple[FoundDefault, Excerpt]:
+    """The default `ref` names, proven to be what the lock says, with the excerpt of its declaring symbol."""
+    locked = project.lock.defaults.get(str(ref))
+    if locked is None:
+        raise PinAndCiteError(f"{ref} is not in the lock; run `tools/pin-and-cite cite --default {ref.param} "
+                              f"{ref.spec}`")
+    found, excerpt, _ = resolver.resolve_default(ref)
+    if (found.value, found.line) != (locked.value, locked.line):
+        raise PinAndCiteError(f"the default is now {ref.param}={found.value} at L{found.line}; the lock says "
+                              f"{ref.param}={locked.value} at L{locked.line}")
+    return found, excerpt
+
+
+def _verdict(prove, *args) -> str | None:
+    """Why `prove(*args)` fails, or None when it holds."""
     try:
-        locked_excerpt(project, resolver, key)
+        prove(*args)
     except PinAndCiteError as exc:
         return str(exc)
     return None
+
+
+def verify_locked(project: Project, resolver: Resolver, key: str) -> str | None:
+    """Why the locked citation `key` no longer holds, or None when it does."""
+    return _verdict(locked_excerpt, project, resolver, key)
+
+
+def written_key(call) -> str:
+    """The lock key of a cite()/upstream()/default() call written in a template."""
+    if call.function != "default":
+        return str(parse_spec(call.argument))
+    if len(call.more) != 1:
+        raise PinAndCiteError("default() takes two literal strings: SOURCE:PATH::Qual.name and the parameter name")
+    return str(default_ref(call.argument, call.more[0]))
 
 
 def check(project: Project) -> Report:
@@ -70,19 +99,22 @@ def check(project: Project) -> Report:
     every test a note names with verified_by() exists."""
     resolver = Resolver(project, allow_remote=False)
     verdicts = {key: verify_locked(project, resolver, key) for key in project.lock.citations}
+    verdicts |= {key: _verdict(lambda k: locked_default(project, resolver, parse_key(k)), key)
+                 for key in project.lock.defaults}
     problems, in_notes, malformed = [], set(), 0
-    written = written_calls(project.notes_dir, {"cite", "upstream", "verified_by"})   # each template parsed once
+    written = written_calls(project.notes_dir, {"cite", "upstream", "verified_by", "default"})   # parsed once
     claims = [call for call in written if call.function == "verified_by"]
     for call in (call for call in written if call.function != "verified_by"):
         where = call.where(project.root)
         try:
-            key = str(parse_spec(call.argument))
+            key = written_key(call)
         except PinAndCiteError as exc:
             problems.append(Problem(where, call.argument, str(exc)))
             malformed += 1
             continue
         in_notes.add(key)
-        why = verdicts.get(key, "not in the lock; run `tools/pin-and-cite cite` on it")
+        how = f"cite --default {call.more[0]} {call.argument}" if call.function == "default" else "cite"
+        why = verdicts.get(key, f"not in the lock; run `tools/pin-and-cite {how}` on it")
         if why:
             problems.append(Problem(where, key, why))
     problems += [Problem("citations.lock", key, why) for key, why in verdicts.items()

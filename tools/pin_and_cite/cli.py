@@ -10,6 +10,7 @@ from pathlib import Path
 from pin_and_cite import bump, review
 from pin_and_cite.check import check
 from pin_and_cite.citation import parse_spec
+from pin_and_cite.defaults import default_ref
 from pin_and_cite.errors import PinAndCiteError
 from pin_and_cite.fetch import Fetched, fetch_all
 from pin_and_cite.gitobj import is_full_sha
@@ -92,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
                                         "numbers and a permalink, and record them in the lock.")
     cite.add_argument("specs", nargs="+", metavar="CITATION")
     cite.add_argument("--no-lock", action="store_true", help="print only; leave the lock unchanged")
+    cite.add_argument("--default", metavar="PARAM", action="append",
+                      help="lock the default of parameter PARAM (repeatable) as written in each CITATION (SOURCE:PATH::Qual.name: "
+                           "a function's signature or a dataclass field), for the notes' default(CITATION, PARAM)")
     cite.add_argument("--trust-distribution", action="store_true",
                       help="learn a new file's blob SHA from the installed distribution named in pins.toml instead "
                            "of the git tree (for bootstrapping a lock without access to the remote; recorded)")
@@ -182,6 +186,8 @@ def cmd_fetch(project: Project, args) -> int:
 
 
 def cmd_cite(project: Project, args) -> int:
+    if args.default:
+        return cmd_cite_default(project, args)
     specs = [parse_spec(text) for text in args.specs]        # refuse any malformed spec before work
     resolver = Resolver(project, trust_distribution=args.trust_distribution)
     excerpts = []
@@ -201,6 +207,26 @@ def cmd_cite(project: Project, args) -> int:
         if e.permalink:
             print(e.permalink)
         print(e.numbered())
+    return 0
+
+
+def cmd_cite_default(project: Project, args) -> int:
+    refs = [default_ref(text, param) for text in args.specs for param in args.default]   # all parsed before work
+    resolver = Resolver(project, trust_distribution=args.trust_distribution)
+    found = []
+    for ref in refs:
+        default, excerpt, learned = resolver.resolve_default(ref)
+        found.append((ref, default, excerpt))
+        if not args.no_lock:
+            resolver.record_default(ref, default, excerpt, learned)
+    if not args.no_lock:
+        project.lock.save()
+    rows = [{"default": str(ref), "param": ref.param, "value": d.value, "line": d.line, "commit": e.source.commit,
+             "permalink": e.source.permalink(ref.spec.path, (d.line, d.line))} for ref, d, e in found]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    for row in [] if args.json else rows:
+        print(f"{row['default']} @ {row['commit'][:12]}: {row['param']}={row['value']} (L{row['line']})")
     return 0
 
 

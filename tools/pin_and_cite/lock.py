@@ -1,5 +1,6 @@
 """reading_notes/citations.lock: per cited file its blob SHA at the pinned commit, per citation its text hash,
-and per source the record of its latest `bump` (what the site's change pages show).
+per parameter default a note renders its source text and line (pin_and_cite.defaults), and per source the record
+of its latest `bump` (what the site's change pages show).
 
 JSON with sorted keys, so a diff of the lock reads like a diff of what the notes cite. Like the rest of the lock,
 a bump record holds only commits, blob SHAs, paths, line numbers, text hashes and statuses: the excerpts it
@@ -8,7 +9,7 @@ describes are read at build time from the blobs it names, fetched and verified l
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from pin_and_cite.atomic import atomic_write
@@ -30,6 +31,20 @@ class LockedCitation:
     lines: tuple[int, int]
     text_sha256: str
     symbol: str | None = None
+
+
+@dataclass
+class LockedDefault:
+    """A default a note renders, keyed `SOURCE:PATH::Qual.name(param)`: as written upstream, and where."""
+    value: str
+    line: int
+
+
+@dataclass
+class RecordedDefault:
+    """A locked default whose text a bump changed (new_value None: the parameter or its default is gone)."""
+    old_value: str
+    new_value: str | None
 
 
 @dataclass
@@ -59,6 +74,7 @@ class BumpRecord:
     counts: dict[str, int]                      # citations per relocation status
     files: dict[str, RecordedFile]              # path -> its blobs at both commits, for every recorded change
     changes: dict[str, RecordedChange]
+    defaults: dict[str, RecordedDefault] = field(default_factory=dict)
 
 
 def _bump_record(data: dict) -> BumpRecord:
@@ -66,7 +82,8 @@ def _bump_record(data: dict) -> BumpRecord:
                                     "new_lines": tuple(v["new_lines"]) if v["new_lines"] else None})
                for k, v in data["changes"].items()}
     return BumpRecord(data["old_commit"], data["new_commit"], data.get("tag"), dict(data["counts"]),
-                      {k: RecordedFile(**v) for k, v in data["files"].items()}, changes)
+                      {k: RecordedFile(**v) for k, v in data["files"].items()}, changes,
+                      {k: RecordedDefault(**v) for k, v in data.get("defaults", {}).items()})
 
 
 def file_key(source: str, path: str) -> str:
@@ -78,6 +95,7 @@ class Lock:
         self.path = path
         self.files: dict[str, LockedFile] = {}
         self.citations: dict[str, LockedCitation] = {}
+        self.defaults: dict[str, LockedDefault] = {}
         self.bumps: dict[str, BumpRecord] = {}          # source name -> its latest bump
         if path.exists():
             self._load()
@@ -90,6 +108,7 @@ class Lock:
             self.files = {k: LockedFile(**v) for k, v in data["files"].items()}
             self.citations = {k: LockedCitation(tuple(v["lines"]), v["text_sha256"], v.get("symbol"))
                               for k, v in data["citations"].items()}
+            self.defaults = {k: LockedDefault(**v) for k, v in data.get("defaults", {}).items()}
             self.bumps = {k: _bump_record(v) for k, v in data.get("bumps", {}).items()}
         except (ValueError, KeyError, TypeError) as exc:
             raise PinAndCiteError(f"{self.path} is not a valid lock ({exc}); restore it from git")
@@ -104,8 +123,11 @@ class Lock:
             "citations": {k: {key: val for key, val in asdict(v).items() if val is not None}
                           for k, v in sorted(self.citations.items())},
         }
+        if self.defaults:
+            data["defaults"] = {k: asdict(v) for k, v in sorted(self.defaults.items())}
         if self.bumps:
-            data["bumps"] = {k: asdict(v) for k, v in self.bumps.items()}
+            data["bumps"] = {k: {key: val for key, val in asdict(v).items() if key != "defaults" or val}
+                             for k, v in self.bumps.items()}
         return (json.dumps(data, indent=2, sort_keys=True) + "\n").encode()
 
     def blobs(self) -> list[tuple[str, str, str]]:

@@ -19,11 +19,13 @@ TEMPLATE_GLOB = "**/*.md.j2"
 
 @dataclass(frozen=True)
 class Written:
-    """One call written in a template: `cite("SPEC")` at file:line."""
+    """One call written in a template: `cite("SPEC")` at file:line (`more`: its further literal arguments,
+    such as default()'s parameter name)."""
     function: str
     argument: str
     file: Path
     line: int
+    more: tuple[str, ...] = ()
 
     def where(self, root: Path) -> str:
         return f"{self.file.relative_to(root)}:{self.line}"
@@ -41,7 +43,8 @@ def calls_in(template: Path, functions: set[str]) -> list[Written]:
             arg = call.args[0] if call.args else None
             if not isinstance(arg, nodes.Const) or not isinstance(arg.value, str):
                 raise PinAndCiteError(f"{template}:{call.lineno}: {call.node.name}() takes a literal string")
-            found.append(Written(call.node.name, arg.value, template, call.lineno))
+            more = tuple(a.value for a in call.args[1:] if isinstance(a, nodes.Const) and isinstance(a.value, str))
+            found.append(Written(call.node.name, arg.value, template, call.lineno, more))
     return found
 
 

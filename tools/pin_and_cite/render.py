@@ -1,8 +1,10 @@
 """Render reading_notes/*.md.j2 into Markdown for the site: excerpts come from pinned, verified sources.
 
 Templates see these globals: `cite(spec, highlight=)` (a verified excerpt with upstream line numbers),
-`upstream(spec)` (the same citation as a permalink only), `ours("reference/x.py::Name")` (lines of our own
-code), `verified_by("tests/...::test")`, `trace(name)` with `diagram(name, ...)`, `tp_crossover(...)` and
+`upstream(spec)` (the same citation as a permalink only), `default(spec, param)` (a parameter's default as
+written in the pinned source, pin_and_cite.defaults), `ours("reference/x.py::Name")` (lines of our own
+code), `verified_by("tests/...::test")` (the test and the kind of evidence it is: upstream or reference) and
+`reference_only(reason)` (why no upstream test can run here), `trace(name)` with `diagram(name, ...)`, `tp_crossover(...)` and
 `fsdp_overlap(...)`, `pipeline_memory(...)` (recorded runs, pin_and_cite.traces), `pins` and
 `locked_files(source)`.
 Close-reading notes are checked against pin_and_cite.note_rules before they are rendered. A template whose
@@ -15,6 +17,7 @@ names the template file and line and leaves the previous output as it was.
 """
 from __future__ import annotations
 
+import html
 from pathlib import Path
 
 import jinja2
@@ -23,8 +26,9 @@ from pin_and_cite.atomic import atomic_write
 from pin_and_cite import diagrams, estimates, scale_tables, symbols
 from reference.scale.formulas import human  # the scale tables' byte format, for the Scale page
 from pin_and_cite.changes import change_pages
-from pin_and_cite.check import locked_excerpt
+from pin_and_cite.check import locked_default, locked_excerpt
 from pin_and_cite.citation import parse_spec
+from pin_and_cite.defaults import default_ref
 from pin_and_cite.errors import PinAndCiteError
 from pin_and_cite.fences import fence_for
 from pin_and_cite.local_code import ours
@@ -34,11 +38,16 @@ from pin_and_cite.pinned_sha import write_pinned_sha
 from pin_and_cite.project import Project
 from pin_and_cite.resolve import Excerpt, Resolver
 from pin_and_cite.traces import load_trace
-from pin_and_cite.verified_by import missing_test
+from pin_and_cite.verified_by import evidence_of
 
 SOURCE_PAGE = "_source.md.j2"
 TEMPLATE_MISTAKES = (TypeError, ValueError, LookupError, AttributeError, ArithmeticError)
 LANGUAGES = {".py": "python", ".pyi": "python", ".h": "cpp", ".cpp": "cpp", ".md": "markdown", ".toml": "toml"}
+
+
+def evidence_line(kind: str, label: str, what: str) -> str:
+    """One evidence line under a claim; its class (evidence-upstream, -reference, -reference-only) styles it."""
+    return f'<span class="verified-by evidence-{kind}"><strong>{label}</strong> {what}</span>'
 
 
 def excerpt_link(excerpt: Excerpt, inside: str | None = None) -> str:
@@ -87,7 +96,8 @@ class Renderer:
         self.env = jinja2.Environment(loader=jinja2.FileSystemLoader(project.notes_dir), undefined=jinja2.StrictUndefined,
                                       keep_trailing_newline=True, autoescape=False)
         self.env.globals.update(
-            cite=self.cite, upstream=self.upstream, verified_by=self.verified_by, pins=project.pins.sources,
+            cite=self.cite, upstream=self.upstream, default=self.default, verified_by=self.verified_by,
+            reference_only=self.reference_only, pins=project.pins.sources,
             ours=lambda spec: ours(project.root, spec), locked_files=self.locked_files,
             trace=lambda name: load_trace(project.notes_dir, name), diagram=self.diagram,
             tp_crossover=estimates.tp_crossover, fsdp_overlap=estimates.fsdp_overlap,
@@ -119,6 +129,17 @@ class Renderer:
         excerpt = self.excerpt(spec_text)
         return excerpt_link(excerpt, self.inside(excerpt))
 
+    def default(self, spec_text: str, param: str) -> str:
+        """`param=VALUE` as the pinned source writes it, linked to its line."""
+        ref = default_ref(spec_text, param)
+        try:
+            found, excerpt = locked_default(self.project, self.resolver, ref)
+        except PinAndCiteError as exc:
+            raise PinAndCiteError(f"{ref}: {exc}") from None
+        shown = f"`{param}={' '.join(found.value.split())}`"
+        link = excerpt.source.permalink(excerpt.spec.path, (found.line, found.line))
+        return f"[{shown}]({link})" if link else shown
+
     def diagram(self, name: str, **options) -> str:
         return diagrams.diagram(load_trace(self.project.notes_dir, name), **options)
 
@@ -131,15 +152,29 @@ class Renderer:
                 for key, entry in sorted(self.project.lock.files.items()) if key.startswith(prefix)]
 
     def verified_by(self, node_id: str) -> str:
-        why = missing_test(self.project.root, node_id)
-        if why:
-            raise PinAndCiteError(f"verified_by: {why}")
-        return f'<span class="verified-by">verified by <code>{node_id}</code></span>'
+        """The test and its kind of evidence: it runs the pinned upstream itself, or the reference only."""
+        found = evidence_of(self.project.root, node_id)
+        if isinstance(found, str):
+            raise PinAndCiteError(f"verified_by: {found}")
+        if found.kind == "reference":
+            return evidence_line("reference", "reference test", f"<code>{html.escape(node_id)}</code>")
+        if found.source not in self.project.pins.sources:
+            raise PinAndCiteError(f"verified_by: {node_id} is marked upstream({found.source!r}), which is not a "
+                                  f"source in pins.toml ({', '.join(sorted(self.project.pins.sources))})")
+        return evidence_line("upstream", f"upstream test ({html.escape(found.source)})",
+                             f"<code>{html.escape(node_id)}</code>")
+
+    @staticmethod
+    def reference_only(reason: str) -> str:
+        """A claim no upstream test can show here (a CUDA-only kernel, say): the reader sees why."""
+        if not isinstance(reason, str) or not reason.strip():
+            raise PinAndCiteError("reference_only() needs the reason upstream cannot run here")
+        return evidence_line("reference-only", "reference only", html.escape(reason.strip()))
 
     def rule_problems(self, template: Path) -> list:
         """check_note(template), once per template for this renderer (a page per source reuses it)."""
         if template not in self._rules:
-            self._rules[template] = check_note(template)
+            self._rules[template] = check_note(template, self.project.root)
         return self._rules[template]
 
     def render(self, template: Path, **context) -> str:

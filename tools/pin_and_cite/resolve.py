@@ -8,11 +8,12 @@ from typing import Sequence
 
 from pin_and_cite import symbols
 from pin_and_cite.citation import Spec
+from pin_and_cite.defaults import DefaultRef, FoundDefault, read_default
 from pin_and_cite.distribution import installed_file
 from pin_and_cite.errors import PinAndCiteError
 from pin_and_cite.fetch import load_blob
 from pin_and_cite.gitobj import blob_sha
-from pin_and_cite.lock import LockedCitation, LockedFile, file_key
+from pin_and_cite.lock import LockedCitation, LockedDefault, LockedFile, file_key
 from pin_and_cite.pins import Source
 from pin_and_cite.project import Project
 
@@ -121,11 +122,29 @@ class Resolver:
                 raise PinAndCiteError(f"{spec}: past the end of {where} ({len(lines)} lines)")
         return Excerpt(spec, source, blob, span, cited_text(lines[span[0] - 1:span[1]])), learned
 
-    def record(self, excerpt: Excerpt, learned: str) -> None:
-        """Add the excerpt's file and citation to the in-memory lock (the caller saves it)."""
-        lock = self.project.lock
-        key = file_key(excerpt.source.name, excerpt.spec.path)
+    def resolve_default(self, ref: DefaultRef) -> tuple[FoundDefault, Excerpt, str]:
+        """The parameter's default as written at the pinned commit, the excerpt of the symbol declaring it,
+        and how its file's blob was learned."""
+        excerpt, learned = self.resolve(ref.spec)
+        name, path = excerpt.source.name, ref.spec.path
+        where = f"{path} at {name}@{excerpt.source.commit[:12]}"
+        text = "\n".join(self.lines_of(name, path, excerpt.blob))
+        return read_default(text, where, self.definitions_of(name, path, excerpt.blob), ref), excerpt, learned
+
+    def record_file(self, excerpt: Excerpt, learned: str) -> None:
+        """Add the excerpt's file to the in-memory lock when it was learned from elsewhere than the lock."""
         if learned != "lock":
             size = len(load_blob(self.project, excerpt.source.name, excerpt.spec.path, excerpt.blob, self.allow_remote))
-            lock.files[key] = LockedFile(excerpt.source.commit, excerpt.blob, size, learned)
-        lock.citations[str(excerpt.spec)] = LockedCitation(excerpt.lines, excerpt.text_sha256, excerpt.spec.symbol)
+            self.project.lock.files[file_key(excerpt.source.name, excerpt.spec.path)] = LockedFile(
+                excerpt.source.commit, excerpt.blob, size, learned)
+
+    def record(self, excerpt: Excerpt, learned: str) -> None:
+        """Add the excerpt's file and citation to the in-memory lock (the caller saves it)."""
+        self.record_file(excerpt, learned)
+        self.project.lock.citations[str(excerpt.spec)] = LockedCitation(excerpt.lines, excerpt.text_sha256,
+                                                                         excerpt.spec.symbol)
+
+    def record_default(self, ref: DefaultRef, found: FoundDefault, excerpt: Excerpt, learned: str) -> None:
+        """Add the default (and its file) to the in-memory lock (the caller saves it)."""
+        self.record_file(excerpt, learned)
+        self.project.lock.defaults[str(ref)] = LockedDefault(found.value, found.line)

@@ -68,6 +68,10 @@ def text_report(bump: Bump, root: Path, dry_run: bool) -> str:
            f"{len(bump.citations)} citation(s): " + ", ".join(f"{n[s]} {s}" for s in STATUSES)]
     written = sorted(str(p.relative_to(root)) for p in bump.writes)
     out.append(("would write: " if dry_run else "wrote: ") + ", ".join(written))
+    for key, change in sorted(bump.record.defaults.items()):
+        now = f"now {change.new_value}" if change.new_value is not None else "gone: fix the note (`check` fails until then)"
+        out += ["", f"default changed: {key}: was {change.old_value}, {now}",
+                "  the prose around every default(...) of it may now be wrong: re-read it"]
     for c in bump.citations:
         if c.answer.status not in REVIEWED:
             continue
@@ -89,4 +93,6 @@ def json_report(bump: Bump, root: Path, dry_run: bool) -> dict:
             "counts": bump.record.counts,
             "written": [] if dry_run else sorted(str(p.relative_to(root)) for p in bump.writes),
             "citations": [{**c.answer.as_json(str(c.spec)), "new_cite": str(c.new_spec) if c.new_spec else None,
-                           "where": [call.where(root) for call in c.places]} for c in bump.citations]}
+                           "where": [call.where(root) for call in c.places]} for c in bump.citations],
+            "defaults": [{"default": key, "old": change.old_value, "new": change.new_value}
+                         for key, change in sorted(bump.record.defaults.items())]}

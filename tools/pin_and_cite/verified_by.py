@@ -1,32 +1,87 @@
-"""`verified_by("tests/x.py::test_y")`: a note's claim names the test that demonstrates it; the test must exist."""
+"""`verified_by("tests/x.py::test_y")`: a note's claim names the test that demonstrates it; the test must exist.
+
+The test also says which kind of evidence it is, read from its source by AST (never imported): a test marked
+`@pytest.mark.upstream("SOURCE")` (on the function, its class, or a module-level `pytestmark`) runs the pinned
+upstream implementation itself, SOURCE being the pins.toml name; any other test exercises the reference only.
+"""
 from __future__ import annotations
 
 import ast
 import functools
+from dataclasses import dataclass
 from pathlib import Path
+
+UPSTREAM_MARK = "upstream"
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """What a named test proves a claim on: "upstream" (with the pinned source it runs) or "reference"."""
+    kind: str
+    source: str | None = None
+
+
+def _upstream_source(decorators: list[ast.expr]) -> str | None | bool:
+    """The SOURCE of a `pytest.mark.upstream("SOURCE")` among decorators (or a pytestmark value); False if none."""
+    for node in decorators:
+        for mark in node.elts if isinstance(node, (ast.List, ast.Tuple)) else [node]:
+            call = mark if isinstance(mark, ast.Call) else None
+            target = call.func if call else mark
+            if (isinstance(target, ast.Attribute) and target.attr == UPSTREAM_MARK
+                    and isinstance(target.value, ast.Attribute) and target.value.attr == "mark"):
+                args = call.args if call else []
+                return args[0].value if args and isinstance(args[0], ast.Constant) else None
+    return False
 
 
 @functools.cache
-def _test_names(path: Path) -> frozenset[str]:
-    tree = ast.parse(path.read_text(), filename=str(path))
-    names = set()
+def _tests_in(path: Path) -> dict[str, Evidence] | str:
+    """Test name (or Class::name) -> its evidence; a string says why the file cannot be read as Python."""
+    try:
+        tree = ast.parse(path.read_bytes().decode("utf-8"), filename=str(path))
+    except UnicodeDecodeError:
+        return f"{path.name} is not UTF-8 text"
+    except SyntaxError as exc:
+        return f"{path.name} is not valid Python (line {exc.lineno})"
+    module_marks = [node.value for node in tree.body if isinstance(node, ast.Assign)
+                    and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in node.targets)]
+
+    def evidence(*decorator_lists: list[ast.expr]) -> Evidence:
+        for decorators in (*decorator_lists, module_marks):
+            source = _upstream_source(decorators)
+            if source is not False:
+                return Evidence("upstream", source)
+        return Evidence("reference")
+
+    found: dict[str, Evidence] = {}
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            names.add(node.name)
+            found[node.name] = evidence(node.decorator_list)
         elif isinstance(node, ast.ClassDef):
-            names |= {f"{node.name}::{item.name}" for item in node.body
-                      if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef))}
-    return frozenset(names)
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    found[f"{node.name}::{item.name}"] = evidence(item.decorator_list, node.decorator_list)
+    return found
 
 
-def missing_test(root: Path, node_id: str) -> str | None:
-    """Why `node_id` (pytest's `path::[Class::]name[params]`) names no test in the project, or None."""
+def evidence_of(root: Path, node_id: str) -> Evidence | str:
+    """The evidence of the test `node_id` (pytest's `tests/PATH.py::[Class::]name[params]`), or why it names
+    no test in the project (one line)."""
     path, sep, name = node_id.partition("::")
     if not sep or not name:
         return f"{node_id!r} is not a pytest node id (tests/FILE.py::test_name)"
-    file = root / path
-    if not file.is_file() or not path.startswith("tests/"):
-        return f"test file {path} does not exist"
-    if name.split("[", 1)[0] not in _test_names(file):
-        return f"{path} has no test {name.split('[', 1)[0]}"
-    return None
+    tests_dir = (root / "tests").resolve()
+    file = (root / path).resolve()
+    if not path.startswith("tests/") or not file.is_relative_to(tests_dir) or not file.is_file():
+        return f"test file {path!r} does not exist under tests/"
+    tests = _tests_in(file)
+    if isinstance(tests, str):
+        return f"{path}: {tests}"
+    found = tests.get(name.split("[", 1)[0])
+    return found or f"{path} has no test {name.split('[', 1)[0]}"
+
+
+def missing_test(root: Path, node_id: str) -> str | None:
+    """Why `node_id` names no test in the project, or None."""
+    found = evidence_of(root, node_id)
+    return found if isinstance(found, str) else None
