@@ -18,7 +18,11 @@ action it receives from allows (pin_and_cite.traces.pipeline_slots; a forward 1 
 are compact (mermaid's `displayMode: compact` front matter): bars of one section share a row when they do
 not overlap.
 
-Every label goes through `label()`, so nothing recorded can break the diagram's syntax.
+`memory_chart(limit)`: a mermaid xychart of per-rank training states (pin_and_cite.estimates.sharding_limit)
+against model size: DDP, FSDP over the stated group, and one GPU's memory as a flat line; drawn from the
+formulas, not from a trace.
+
+Every flowchart label goes through `label()`, so nothing recorded can break the diagram's syntax.
 """
 from __future__ import annotations
 
@@ -156,6 +160,19 @@ def pipeline(trace: dict) -> str:
         body.append(f"  section {gantt_text(f'stage {r}')}")
         body += [f"  {gantt_text(action)} : {'active' if action[0] == 'F' else 'crit'}, s{r}{action.lower()}, "
                  f"{start:02d}, {stop:02d}" for action, start, stop in stage]
+    return mermaid_fence(body)
+
+
+def memory_chart(limit) -> str:
+    """xychart-beta lines (mermaid has no legend for them, so the title names them, steepest first)."""
+    sizes = ", ".join(f'"{b:g}B"' for b in limit.billions)
+    title = (f"Weights, gradients and Adam states per rank ({limit.bytes_per_param} B per parameter), steepest "
+             f"first - DDP, FSDP over {limit.world} ranks, one {limit.gpu_GB:g} GB GPU")
+    top = max(limit.ddp_GB)
+    body = ["xychart-beta", f'  title "{gantt_text(title)}"', f'  x-axis "parameters" [{sizes}]',
+            f'  y-axis "GB per rank" 0 --> {top:g}', f"  line [{', '.join(f'{v:g}' for v in limit.ddp_GB)}]",
+            f"  line [{', '.join(f'{v:g}' for v in limit.fsdp_GB)}]",
+            f"  line [{', '.join(f'{limit.gpu_GB:g}' for _ in limit.billions)}]"]
     return mermaid_fence(body)
 
 

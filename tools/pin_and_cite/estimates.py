@@ -52,28 +52,54 @@ def tp_crossover(trace: dict, *, link_GBps: float, tflops: float, tp: int, bytes
                        r1["step_flops_per_rank"], round(crossover))
 
 
+# Bytes per parameter a data-parallel rank keeps for mixed-precision or fp32 Adam training, activations aside:
+# the fp32 weight, its gradient, and Adam's two fp32 moments (exp_avg, exp_avg_sq).
+TRAINING_BYTES = {"params": 4, "grads": 4, "optimizer": 8}
+
+
 @dataclass(frozen=True)
-class FSDPOverlap:
-    params: int                     # measured parameter count of the traced model
-    forward_allgather_bytes: int    # measured: all forward all-gathers of one step, full (gathered) sizes
-    flops_per_token: float          # measured forward FLOPs per token of the unsharded model
-    param_bytes_per_rank: int       # measured: padded shards, this world size
-    param_bytes_unsharded: int
-    tokens_to_hide: int             # tokens per rank per step at which forward compute covers the all-gathers
+class TrainingMemory:
+    params: float       # bytes per rank
+    grads: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer
 
 
-def fsdp_overlap(trace: dict, *, link_GBps: float, tflops: float, world: int, bytes_per_element: int) -> FSDPOverlap:
-    """Tokens per rank per step above which FSDP's forward all-gathers (prefetched one unit ahead) can hide
-    behind forward compute: (p-1)/p G / B = T f / R, where G is all-gathered bytes per forward, f FLOPs per
-    token. Both G and f grow with the parameter count, so the answer barely depends on model size."""
-    gathered = sum(e["nbytes"] for e in events_where(trace["events"], op="all_gather", phase="forward"))
-    if not gathered:
-        raise TraceError(f"trace {trace['name']}: no forward all-gather recorded; {RECORD}")
-    wire = (world - 1) / world * gathered * bytes_per_element / trace["dtype_size"]
-    tokens = wire / (link_GBps * 1e9) * tflops * 1e12 / trace["forward_flops_per_token"]
-    padded = sum(u["padded_numel"] for u in trace["units"]) * trace["dtype_size"]
-    return FSDPOverlap(trace["params"], gathered, trace["forward_flops_per_token"], padded // trace["world"],
-                       trace["params"] * trace["dtype_size"], round(tokens))
+def training_memory(params: int, *, world: int, sharded: bool) -> TrainingMemory:
+    """Per-rank bytes of weights, gradients and Adam states between steps: DDP keeps all of them on every rank,
+    FSDP (FULL_SHARD) 1/world of each (the padding to world equal shards and the unit gathered at the
+    moment aside)."""
+    share = 1 / world if sharded else 1
+    return TrainingMemory(*(params * TRAINING_BYTES[part] * share for part in ("params", "grads", "optimizer")))
+
+
+@dataclass(frozen=True)
+class ShardingLimit:
+    gpu_GB: float            # assumed memory of one GPU
+    world: int               # assumed FSDP group size
+    bytes_per_param: int     # sum of TRAINING_BYTES
+    ddp_max_billions: float  # largest model (billions of parameters) whose training states fit one GPU under DDP
+    fsdp_max_billions: float  # the same, sharded over `world` ranks
+    billions: list[float]    # model sizes to chart: doublings from a quarter of the DDP limit to the FSDP one
+    ddp_GB: list[float]      # per-rank training states at each size
+    fsdp_GB: list[float]
+
+
+def sharding_limit(*, gpu_GB: float, world: int) -> ShardingLimit:
+    """Where weights, gradients and Adam states stop fitting one GPU: P = memory / 16 bytes under DDP, world
+    times more under FSDP (decimal GB; activations, buffers and the gathered unit need the rest)."""
+    per_param = sum(TRAINING_BYTES.values())
+    ddp_max, fsdp_max = gpu_GB / per_param, gpu_GB * world / per_param
+    billions = [ddp_max / 4]
+    while billions[-1] * 2 <= fsdp_max * (1 + 1e-9):
+        billions.append(billions[-1] * 2)
+    per_rank = lambda sharded: [round(training_memory(b * 1e9, world=world, sharded=sharded).total / 1e9, 2)  # noqa: E731
+                                for b in billions]
+    return ShardingLimit(gpu_GB, world, per_param, round(ddp_max, 2), round(fsdp_max, 2), billions,
+                         per_rank(False), per_rank(True))
 
 
 @dataclass(frozen=True)
