@@ -167,7 +167,7 @@ def memory_chart(limit) -> str:
     """xychart-beta lines (mermaid has no legend for them, so the title names them, steepest first)."""
     sizes = ", ".join(f'"{b:g}B"' for b in limit.billions)
     title = (f"Weights, gradients and Adam states per rank ({limit.bytes_per_param} B per parameter), steepest "
-             f"first - DDP, FSDP over {limit.world} ranks, one {limit.gpu_GB:g} GB GPU")
+             f"first - DDP, FSDP over {limit.world} ranks, one {limit.gpu_GB:g} GB GPU (activations aside)")
     top = max(limit.ddp_GB)
     body = ["xychart-beta", f'  title "{gantt_text(title)}"', f'  x-axis "parameters" [{sizes}]',
             f'  y-axis "GB per rank" 0 --> {top:g}', f"  line [{', '.join(f'{v:g}' for v in limit.ddp_GB)}]",
