@@ -18,9 +18,9 @@ action it receives from allows (pin_and_cite.traces.pipeline_slots; a forward 1 
 are compact (mermaid's `displayMode: compact` front matter): bars of one section share a row when they do
 not overlap.
 
-`memory_chart(limit)`: a mermaid xychart of per-rank training states (pin_and_cite.estimates.sharding_limit)
-against model size: DDP, FSDP over the stated group, and one GPU's memory as a flat line; drawn from the
-formulas, not from a trace.
+`chart_training_memory(limit)`: a mermaid xychart of per-rank training states
+(pin_and_cite.estimates.sharding_limit) against model size: DDP, FSDP over the stated group, and one GPU's
+memory as a flat line; drawn from the formulas, not from a trace.
 
 Every flowchart label goes through `label()`, so nothing recorded can break the diagram's syntax.
 """
@@ -163,7 +163,7 @@ def pipeline(trace: dict) -> str:
     return mermaid_fence(body)
 
 
-def memory_chart(limit) -> str:
+def chart_training_memory(limit) -> str:
     """xychart-beta lines (mermaid has no legend for them, so the title names them, steepest first)."""
     sizes = ", ".join(f'"{b:g}B"' for b in limit.billions)
     title = (f"Weights, gradients and Adam states per rank ({limit.bytes_per_param} B per parameter), steepest "

@@ -6,7 +6,7 @@ written in the pinned source, pin_and_cite.defaults), `ours("reference/x.py::Nam
 code), `verified_by("tests/...::test")` (the test and the kind of evidence it is: upstream or reference) and
 `reference_only(reason)` (why no upstream test can run here), `trace(name)` with `diagram(name, ...)`,
 `tp_crossover(...)` and `pipeline_memory(...)` (recorded runs, pin_and_cite.traces), `sharding_limit(...)` with
-`memory_chart(...)` (per-rank training memory from formulas, pin_and_cite.estimates), `pins` and
+`chart_training_memory(...)` (per-rank training memory from formulas, pin_and_cite.estimates), `pins` and
 `locked_files(source)`.
 Close-reading notes are checked against pin_and_cite.note_rules before they are rendered. A template whose
 name starts with `_` is a partial: `_source.md.j2` is rendered once per pinned source into sources/NAME.md.
@@ -102,7 +102,7 @@ class Renderer:
             ours=lambda spec: ours(project.root, spec), locked_files=self.locked_files,
             trace=lambda name: load_trace(project.notes_dir, name), diagram=self.diagram,
             tp_crossover=estimates.tp_crossover, pipeline_memory=estimates.pipeline_memory,
-            sharding_limit=estimates.sharding_limit, memory_chart=diagrams.memory_chart,
+            sharding_limit=estimates.sharding_limit, chart_training_memory=diagrams.chart_training_memory,
             scale_table=scale_tables.scale_table, sent_per_group=scale_tables.sent_per_group,
             human=human)
 
