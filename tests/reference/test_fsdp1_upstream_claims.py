@@ -202,7 +202,8 @@ def test_mixed_precision_dtypes_of_allgather_reduce_scatter_shards_and_buffers()
 def test_use_orig_params_exposes_original_names_as_shard_views():
     """use_orig_params=True: outside forward/backward the optimizer sees the original names, each a 1-D
     Parameter holding this rank's part of the shard, size 0 where the rank holds none; inside forward the
-    module sees plain tensors of the original shapes. The default exposes only each unit's flat parameter."""
+    module sees plain tensors of the original shapes, each aligned inside the flat parameter (padding). The
+    default exposes only each unit's flat parameter."""
     by_rank = [result["runs"]["use_orig_params"] for result in results()]
     names = [p[0] for p in by_rank[0]["outside_forward"]["parameters"]]
     assert "blocks.0.attn.qkv.weight" in names and not any("flat_param" in n for n in names)
@@ -216,8 +217,10 @@ def test_use_orig_params_exposes_original_names_as_shard_views():
     for name, shape in full.items():  # blocks.0's parameters: the ranks' parts add up to the original
         numel = shape[0] * (shape[1] if len(shape) > 1 else 1)
         assert sum(part[f"blocks.0.{name}"] for part in sizes) == numel
-    default = [p[0] for p in results()[0]["runs"]["default"]["outside_forward"]["parameters"]]
-    assert default == ["_flat_param"] + [f"{b}._flat_param" for b in BLOCKS]
+    default = results()[0]["runs"]["default"]
+    assert [p[0] for p in default["outside_forward"]["parameters"]] == ["_flat_param"] + [f"{b}._flat_param" for b in BLOCKS]
+    for unit, flat in by_rank[0]["units"].items():  # each original aligned inside the flat parameter: padding
+        assert flat["numel"] > default["units"][unit]["numel"]
 
 
 def test_memory_formula_matches_ddp_and_fsdp1_bytes_per_rank():

@@ -130,6 +130,20 @@ def test_estimates_follow_from_the_measured_numbers():
     assert estimates.training_memory(fsdp["params"], world=fsdp["world"], sharded=True).params == shards
 
 
+def test_memory_chart_is_drawn_from_the_formulas():
+    """DDP holds 16 bytes per parameter on each rank, FSDP 1/world of it: a 16 GB GPU is full at 1B parameters
+    under DDP and at 8B over 8 ranks; the chart's lines are those per-rank sizes and the GPU's flat line."""
+    limit = estimates.sharding_limit(gpu_GB=16, world=8)
+    assert (limit.ddp_max_billions, limit.fsdp_max_billions) == (1.0, 8.0)
+    assert limit.billions == [0.25, 0.5, 1.0, 2.0, 4.0, 8.0]
+    assert limit.ddp_GB == [16 * b for b in limit.billions] and limit.fsdp_GB == [2 * b for b in limit.billions]
+    chart = diagrams.chart_training_memory(limit)
+    assert chart.startswith("```mermaid\nxychart-beta\n")
+    assert '  x-axis "parameters" ["0.25B", "0.5B", "1B", "2B", "4B", "8B"]' in chart
+    assert [line for line in chart.split("\n") if line.startswith("  line")] == [
+        "  line [4, 8, 16, 32, 64, 128]", "  line [0.5, 1, 2, 4, 8, 16]", "  line [16, 16, 16, 16, 16, 16]"]
+
+
 def test_a_trace_the_recorder_cannot_draw_is_a_one_line_error(tmp_path):
     (tmp_path / "traces").mkdir()
     tp = json.loads((NOTES / "traces" / "tp_block.json").read_text())
