@@ -184,7 +184,8 @@ def test_mixed_precision_dtypes_of_allgather_reduce_scatter_shards_and_buffers()
     bf16, reduce-scatters in fp32 of the padded flat size, shards and their gradients fp32, buffers bf16.
     With param_dtype alone, reduce_dtype follows it: bf16 reduce-scatters."""
     for result in results():
-        for config, reduce in (("mixed", ("float32", 4)), ("mixed_param_only", ("bfloat16", 2)), ("default", ("float32", 4))):
+        reduce_dtypes = {"mixed": ("float32", 4), "mixed_param_only": ("bfloat16", 2), "default": ("float32", 4)}
+        for config, reduce in reduce_dtypes.items():
             run = result["runs"][config]
             gather = ("bfloat16", 2) if config != "default" else ("float32", 4)
             for step in run["steps"]:
@@ -218,7 +219,8 @@ def test_use_orig_params_exposes_original_names_as_shard_views():
         numel = shape[0] * (shape[1] if len(shape) > 1 else 1)
         assert sum(part[f"blocks.0.{name}"] for part in sizes) == numel
     default = results()[0]["runs"]["default"]
-    assert [p[0] for p in default["outside_forward"]["parameters"]] == ["_flat_param"] + [f"{b}._flat_param" for b in BLOCKS]
+    flat_names = ["_flat_param"] + [f"{b}._flat_param" for b in BLOCKS]
+    assert [p[0] for p in default["outside_forward"]["parameters"]] == flat_names
     for unit, flat in by_rank[0]["units"].items():  # each original aligned inside the flat parameter: padding
         assert flat["numel"] > default["units"][unit]["numel"]
 
@@ -231,7 +233,7 @@ def test_memory_formula_matches_ddp_and_fsdp1_bytes_per_rank():
         measured = result["memory"]
         ddp = training_memory(measured["params"], world=WORLD, sharded=False)
         fsdp = training_memory(measured["params"], world=WORLD, sharded=True)
-        assert (ddp.params, ddp.grads, ddp.optimizer) == tuple(measured["ddp"][k] for k in ("params", "grads", "optimizer"))
+        assert measured["ddp"] == {"params": ddp.params, "grads": ddp.grads, "optimizer": ddp.optimizer}
         for part, per_element in (("params", 4), ("grads", 4), ("optimizer", 8)):
             padding = measured["fsdp"][part] - getattr(fsdp, part)
             assert 0 <= padding < measured["units"] * per_element, (part, padding)

@@ -4,6 +4,10 @@ Measured (from the trace): bytes of each collective, how many per block or unit,
 FlopCounterMode). Assumed (written in the note, passed as arguments): link bandwidth, FLOP rate, group size,
 bytes per element. Collective time uses ring algorithms: an all-reduce puts 2(p-1)/p of its bytes on each
 rank's link, an all-gather (p-1)/p. No overlap is assumed unless said.
+
+The training-memory formulas (`training_memory`, `sharding_limit`) need no trace: bytes per parameter times
+parameters, divided by the group under FSDP; tests/reference/test_fsdp1_upstream_claims.py checks them
+against the bytes torch DDP and FSDP1 hold.
 """
 from __future__ import annotations
 
@@ -96,10 +100,12 @@ def sharding_limit(*, gpu_GB: float, world: int) -> ShardingLimit:
     billions = [ddp_max / 4]
     while billions[-1] * 2 <= fsdp_max * (1 + 1e-9):
         billions.append(billions[-1] * 2)
-    per_rank = lambda sharded: [round(training_memory(b * 1e9, world=world, sharded=sharded).total / 1e9, 2)  # noqa: E731
-                                for b in billions]
+
+    def per_rank_GB(sharded: bool) -> list[float]:
+        return [round(training_memory(b * 1e9, world=world, sharded=sharded).total / 1e9, 2) for b in billions]
+
     return ShardingLimit(gpu_GB, world, per_param, round(ddp_max, 2), round(fsdp_max, 2), billions,
-                         per_rank(False), per_rank(True))
+                         per_rank_GB(False), per_rank_GB(True))
 
 
 @dataclass(frozen=True)

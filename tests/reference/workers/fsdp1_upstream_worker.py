@@ -25,6 +25,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -132,11 +133,12 @@ class HookLog:
             def outer_post(_m, _a, _o, name=name):
                 self._close(f"{name} post-forward", started, name)
 
-            hooks += [unit.register_forward_pre_hook(outer_pre, prepend=True), inner.register_forward_pre_hook(inner_pre),
+            hooks += [unit.register_forward_pre_hook(outer_pre, prepend=True),
+                      inner.register_forward_pre_hook(inner_pre),
                       inner.register_forward_hook(inner_post, prepend=True), unit.register_forward_hook(outer_post)]
-        originals = (_runtime_utils._pre_backward_hook, _runtime_utils._post_backward_hook,
-                     _runtime_utils._post_backward_final_callback, _limiter_utils._FreeEventQueue.dequeue_if_needed)
-        pre_backward, post_backward, final_callback, dequeue = originals
+        pre_backward, post_backward = _runtime_utils._pre_backward_hook, _runtime_utils._post_backward_hook
+        final_callback = _runtime_utils._post_backward_final_callback
+        dequeue = _limiter_utils._FreeEventQueue.dequeue_if_needed
 
         def pre_backward_hook(state, module, handle, *args):
             if handle is None or getattr(handle, "_ran_pre_backward_hook", False):
@@ -158,16 +160,16 @@ class HookLog:
             self.waits += event is not None
             return event
 
-        (_runtime_utils._pre_backward_hook, _runtime_utils._post_backward_hook,
-         _runtime_utils._post_backward_final_callback, _limiter_utils._FreeEventQueue.dequeue_if_needed) = (
-            pre_backward_hook, post_backward_hook, final_callback_hook, dequeue_if_needed)
-        try:
-            yield
-        finally:
-            (_runtime_utils._pre_backward_hook, _runtime_utils._post_backward_hook,
-             _runtime_utils._post_backward_final_callback, _limiter_utils._FreeEventQueue.dequeue_if_needed) = originals
+        with contextlib.ExitStack() as stack:
+            for owner, attribute, wrapper in (
+                    (_runtime_utils, "_pre_backward_hook", pre_backward_hook),
+                    (_runtime_utils, "_post_backward_hook", post_backward_hook),
+                    (_runtime_utils, "_post_backward_final_callback", final_callback_hook),
+                    (_limiter_utils._FreeEventQueue, "dequeue_if_needed", dequeue_if_needed)):
+                stack.enter_context(mock.patch.object(owner, attribute, wrapper))
             for hook in hooks:
-                hook.remove()
+                stack.callback(hook.remove)
+            yield
 
     def _close(self, span: str, started: dict[str, float], unit: str) -> None:
         now = time.perf_counter()
@@ -182,7 +184,7 @@ def parameter_table(module: nn.Module) -> list[list]:
             for prefix, sub in module.named_modules() for name, p in sub._parameters.items() if p is not None]
 
 
-def run_config(name: str, options: dict, initial: nn.Module, recorder: CollectiveRecorder, rank: int, world: int):
+def run_config(options: dict, initial: nn.Module, recorder: CollectiveRecorder, rank: int, world: int):
     model = copy.deepcopy(initial)
     model.register_buffer("scale", torch.ones(()))  # a floating buffer for buffer_dtype (unused by forward)
     model = wrap(model, [f"blocks.{i}" for i in range(CONFIG.num_layers)], **options)
@@ -263,7 +265,7 @@ def main() -> None:
         result: dict = {"rank": rank, "world": world, "runs": {}}
         with CollectiveRecorder() as recorder:
             for name, options in CONFIGS.items():
-                result["runs"][name] = run_config(name, options, initial, recorder, rank, world)
+                result["runs"][name] = run_config(options, initial, recorder, rank, world)
             result["unused_branch"] = unused_branch(recorder)
         result["memory"] = memory(initial, rank, world)
         (out / f"rank{rank}.json").write_text(json.dumps(result))
