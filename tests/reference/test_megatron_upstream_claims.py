@@ -101,6 +101,10 @@ def test_sequence_parallel_gathers_input_in_forward_and_again_in_backward_then_r
                                                  ("reduce_scatter", ACTIVATION_BYTES, True)]
         assert ops(case, "backward") == [("c10d::_allgather_base_", None), ("aten::mm", [S * B, IN]),
                                          ("c10d::_reduce_scatter_base_", None), ("aten::mm", [OUT // WORLD, IN])]
+        _, dx_gemm, _, dw_gemm = [o for o in case["ops"] if o["phase"] == "backward"]
+        regather, reduce_scatter = [e for e in case["events"] if e["phase"] == "backward"]
+        assert regather["end"] >= dx_gemm["end"], "the re-gather is waited after the dX GEMM"
+        assert reduce_scatter["end"] >= dw_gemm["end"], "dX's reduce-scatter is waited after the dW GEMM"
 
 
 def test_row_sequence_parallel_reduce_scatters_what_it_would_all_reduce():
@@ -188,6 +192,15 @@ def test_gradient_accumulation_fusion_hands_the_kernel_dy_x_and_main_grad_by_dty
             assert case["grad_is_none"]
         torch.testing.assert_close(tensor(record["fusion_fp32"]["main_grad"]),
                                    tensor(record["fusion_fp32"]["expected_main_grad"]))
+
+
+def test_gradient_accumulation_fusion_gives_autograd_a_placeholder_under_megatron_ddp():
+    """A weight carrying megatron DDP's grad_added_to_main_grad gets a placeholder .grad of the weight's shape
+    (so DDP's hooks still fire) and the flag set, telling the hook not to add it to main_grad again."""
+    for record in records():
+        case = record["fusion_ddp"]
+        assert case["grad_shape"] == [OUT // WORLD, IN] and case["grad_added_to_main_grad"] is True
+        torch.testing.assert_close(tensor(case["main_grad"]), tensor(case["expected_main_grad"]))
 
 
 def test_megatron_fsdp_weight_takes_a_plain_matmul_not_the_apex_kernel():

@@ -191,9 +191,10 @@ class KernelStandIn:
         self._accumulate("fp16", total_input, grad_output, main_grad)
 
 
-def fusion_case(main_grad_dtype, fsdp=False, two_micro_batches=True):
+def fusion_case(main_grad_dtype, fsdp=False, ddp=False, two_micro_batches=True):
     """gradient_accumulation_fusion=True on a weight carrying main_grad (as megatron's DDP or Megatron-FSDP
-    gives it); returns what reached the kernel, main_grad, .grad and what plain autograd computes."""
+    gives it; `ddp` also sets the flag megatron's DDP sets); returns what reached the kernel, main_grad,
+    .grad and what plain autograd computes."""
     kernel = KernelStandIn()
     layers._grad_accum_fusion_available, layers.fused_weight_gradient_mlp_cuda = True, kernel
     torch.manual_seed(6)
@@ -201,6 +202,8 @@ def fusion_case(main_grad_dtype, fsdp=False, two_micro_batches=True):
                                         init_method=init_method, tp_group=TP, bias=False)
     weight = layer.weight
     weight.main_grad = torch.zeros(weight.shape, dtype=main_grad_dtype)
+    if ddp:
+        weight.grad_added_to_main_grad = False
     if fsdp:  # Megatron-FSDP's parameter: main_grad comes from its buffer
         buffer = torch.zeros(weight.shape, dtype=main_grad_dtype)
         weight.__fsdp_param__ = True
@@ -214,11 +217,14 @@ def fusion_case(main_grad_dtype, fsdp=False, two_micro_batches=True):
     del layers.fused_weight_gradient_mlp_cuda
     layers._grad_accum_fusion_available = False
     return {"calls": kernel.calls, "main_grad": weight.main_grad.float().tolist(), "grad_is_none": weight.grad is None,
+            "grad_shape": None if weight.grad is None else list(weight.grad.shape),
+            "grad_added_to_main_grad": getattr(weight, "grad_added_to_main_grad", None),
             "expected_main_grad": expected.tolist()}
 
 
 results["fusion_fp32"] = fusion_case(torch.float32)
 results["fusion_bf16"] = fusion_case(torch.bfloat16)
+results["fusion_ddp"] = fusion_case(torch.float32, ddp=True, two_micro_batches=False)
 results["fusion_megatron_fsdp"] = fusion_case(torch.float32, fsdp=True, two_micro_batches=False)
 
 (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
