@@ -68,6 +68,14 @@ def test_column_defaults_allreduce_dx_async_between_dx_and_dw_gemms():
         assert case["dx_equal_across_ranks"]
 
 
+def test_async_tensor_model_parallel_allreduce_is_ignored():
+    """The old config flag changes nothing: dX's all-reduce is still issued asynchronously in the kernel."""
+    for plain, flag_off in zip(cases("column"), cases("column_async_flag_off")):
+        assert flag_off["allreduce_dgrad"] is True
+        assert collectives(flag_off) == collectives(plain) == [("all_reduce", ACTIVATION_BYTES, True)]
+        assert ops(flag_off, "backward") == ops(plain, "backward")
+
+
 def test_column_input_enters_the_kernel_unwrapped_f_only_at_tp1():
     """At TP > 1 (defaults, disable_grad_reduce, expert, sequence parallel) no copy_to region sits between the
     input and the kernel; at TP 1 the f operator is there, and communicates nothing."""
@@ -144,6 +152,17 @@ def test_row_bias_is_replicated_and_added_once_after_the_allreduce():
     for rank, case in enumerate(cases("row_sp")):  # sequence parallel: added to this rank's sequence slice
         assert ops(case, "forward")[-1] == ("aten::add", [S // WORLD, B, OUT])
         torch.testing.assert_close(tensor(case["output"]), row_expected(with_bias=True).chunk(WORLD)[rank])
+
+
+def test_row_allreduce_is_an_autograd_function_all_reduce_forward_identity_backward():
+    """The row layer's output passes _ReduceFromModelParallelRegion: all-reduced in forward, its gradient passed
+    through untouched, so the row backward issues no collective and each rank's dX is its slice of the full dX."""
+    full_dx = torch.ones(S, B, OUT) @ tensor(cases("row")[0]["master"])
+    for rank, case in enumerate(cases("row")):
+        assert case["chain"][:2] == ["AddBackward0", "_ReduceFromModelParallelRegionBackward"]
+        assert collectives(case, "forward") == [("all_reduce", S * B * OUT * 4, False)]
+        assert collectives(case, "backward") == []
+        torch.testing.assert_close(tensor(case["dx"]), full_dx.chunk(WORLD, dim=-1)[rank])
 
 
 def test_skip_bias_add_returns_the_bias_unadded_column_and_row():

@@ -97,7 +97,8 @@ def run_case(layer, x, group=TP):
 
 
 def column(group=TP, **kwargs):
-    cfg = config(**{k: kwargs.pop(k) for k in ("sequence_parallel",) if k in kwargs})
+    cfg = config(**{k: kwargs.pop(k) for k in ("sequence_parallel", "async_tensor_model_parallel_allreduce")
+                    if k in kwargs})
     torch.manual_seed(1)
     layer = layers.ColumnParallelLinear(IN, OUT, config=cfg, init_method=init_method, tp_group=group,
                                         keep_master_weight_for_test=True, **kwargs)
@@ -143,6 +144,7 @@ col = column()
 record("column", col, X, master=master(col), full_bias=full_bias())
 solo = dist.new_subgroups(1)[0]   # a TP group of one: this rank alone
 record("column_tp1", column(group=solo), X, group=solo)
+record("column_async_flag_off", column(async_tensor_model_parallel_allreduce=False), X)
 record("column_disable_grad_reduce", column(disable_grad_reduce=True), X)
 record("column_expert", column(is_expert=True), X)
 # sequence parallelism
