@@ -179,13 +179,15 @@ def test_skip_bias_add_returns_the_bias_unadded_column_and_row():
 
 def test_cpu_initialization_builds_the_master_weight_and_keeps_strided_pieces():
     """Every rank draws the same full [out, in] master; with stride 2 it splits it into pieces of
-    out / p / 2 rows and keeps pieces rank, rank + p, ...: not the contiguous chunk."""
+    out / p / 2 rows and keeps pieces rank, rank + p, ...: not the contiguous chunk. The shard is a tagged
+    Parameter with storage of its own."""
     inits = [r["init"] for r in records()]
     masters = [tensor(i["master"]) for i in inits]
     assert masters[0].shape == (OUT, IN) and all(torch.equal(m, masters[0]) for m in masters)
     pieces = masters[0].split(OUT // WORLD // 2, dim=0)
     for rank, init in enumerate(inits):
-        assert (init["partition_dim"], init["partition_stride"]) == (0, 2)
+        assert (init["tensor_model_parallel"], init["partition_dim"], init["partition_stride"]) == (True, 0, 2)
+        assert init["storage_bytes"] == OUT // WORLD * IN * 4, "its own [out/p, in] storage, not a view of the master"
         weight = tensor(init["weight"])
         assert torch.equal(weight, torch.cat(pieces[rank::WORLD]))
         assert not torch.equal(weight, masters[0].chunk(WORLD)[rank])

@@ -161,6 +161,8 @@ torch.manual_seed(5)
 strided = layers.ColumnParallelLinear(IN, OUT, config=config(), init_method=init_method, tp_group=TP, stride=2,
                                       keep_master_weight_for_test=True, bias=False)
 results["init"] = {"stride": 2, "master": strided.master_weight.tolist(), "weight": strided.weight.tolist(),
+                   "storage_bytes": strided.weight.untyped_storage().nbytes(),
+                   "tensor_model_parallel": strided.weight.tensor_model_parallel,
                    "partition_stride": strided.weight.partition_stride,
                    "partition_dim": strided.weight.partition_dim}
 
