@@ -71,6 +71,7 @@ def autograd_chain(output):
 
 
 def gathered(t):
+    """Every TP rank's `t`, in rank order."""
     parts = [torch.empty_like(t) for _ in range(world)]
     dist.all_gather(parts, t.contiguous(), group=TP)
     return parts
@@ -87,12 +88,12 @@ def run_case(layer, x, group=TP):
         out.backward(torch.ones_like(out))
     t0 = min([e.start for e in rec.events] + [o["t"] for o in log.ops])
     events = [{"op": e.op, "nbytes": e.nbytes, "async_op": e.async_op, "phase": e.phase, "start": e.start - t0,
-               "end": e.end - t0, "group_size": len(e.group_ranks)} for e in rec.events]
+               "end": e.end - t0} for e in rec.events]
     dx_parts = gathered(x.grad) if group.size() > 1 else [x.grad]
-    return {"events": events, "ops": [{**o, "t": o["t"] - t0, "end": o["end"] - t0} for o in log.ops], "chain": chain, "saved": saved,
-            "allreduce_dgrad": getattr(layer, "allreduce_dgrad", None), "output": out.tolist(),
-            "output_bias": None if out_bias is None else out_bias.tolist(), "bias_shape": list(layer.bias.shape)
-            if layer.bias is not None else None, "dx": x.grad.tolist(),
+    return {"events": events, "ops": [{**o, "t": o["t"] - t0, "end": o["end"] - t0} for o in log.ops],
+            "chain": chain, "saved": saved, "allreduce_dgrad": getattr(layer, "allreduce_dgrad", None),
+            "output": out.tolist(), "output_bias": None if out_bias is None else out_bias.tolist(),
+            "bias_shape": list(layer.bias.shape), "dx": x.grad.tolist(),
             "dx_equal_across_ranks": all(torch.equal(p, dx_parts[0]) for p in dx_parts)}
 
 
@@ -102,7 +103,7 @@ def column(group=TP, **kwargs):
     torch.manual_seed(1)
     layer = layers.ColumnParallelLinear(IN, OUT, config=cfg, init_method=init_method, tp_group=group,
                                         keep_master_weight_for_test=True, **kwargs)
-    return with_bias_values(layer, OUT // group.size(), group)
+    return with_bias_values(layer, group)
 
 
 def row(**kwargs):
@@ -110,17 +111,17 @@ def row(**kwargs):
     torch.manual_seed(2)
     layer = layers.RowParallelLinear(IN, OUT, config=cfg, init_method=init_method, tp_group=TP, bias=True,
                                      input_is_parallel=True, keep_master_weight_for_test=True, **kwargs)
-    return with_bias_values(layer, OUT, TP, sharded=False)
+    return with_bias_values(layer, TP, sharded=False)
 
 
-def with_bias_values(layer, size, group, sharded=True):
-    """Both layers zero their bias; give it values (this rank's slice of one full bias) so its handling shows."""
-    full = torch.randn(OUT, generator=torch.Generator().manual_seed(3))
+def with_bias_values(layer, group, sharded=True):
+    """Both layers zero their bias; give it values (FULL_BIAS, or this rank's slice of it) so its handling shows."""
     with torch.no_grad():
-        layer.bias.copy_(full.chunk(group.size())[group.rank()] if sharded else full)
+        layer.bias.copy_(FULL_BIAS.chunk(group.size())[group.rank()] if sharded else FULL_BIAS)
     return layer
 
 
+FULL_BIAS = torch.randn(OUT, generator=torch.Generator().manual_seed(3))
 X = torch.randn(S, B, IN, generator=torch.Generator().manual_seed(4))
 x_seq = X.chunk(world, dim=0)[rank]       # sequence-parallel input: this rank's slice of the sequence
 x_hidden = X.chunk(world, dim=-1)[rank]   # row-parallel input: this rank's slice of the hidden dimension
@@ -135,13 +136,9 @@ def master(layer):
     return layer.master_weight.tolist()
 
 
-def full_bias():
-    return torch.randn(OUT, generator=torch.Generator().manual_seed(3)).tolist()
-
-
 # the f operator and the dX all-reduce
 col = column()
-record("column", col, X, master=master(col), full_bias=full_bias())
+record("column", col, X, master=master(col), full_bias=FULL_BIAS.tolist())
 solo = dist.new_subgroups(1)[0]   # a TP group of one: this rank alone
 record("column_tp1", column(group=solo), X, group=solo)
 record("column_async_flag_off", column(async_tensor_model_parallel_allreduce=False), X)
@@ -150,7 +147,7 @@ record("column_expert", column(is_expert=True), X)
 # sequence parallelism
 record("column_sp", column(sequence_parallel=True), x_seq)
 row_layer = row(skip_bias_add=False)
-record("row", row_layer, x_hidden, master=master(row_layer), full_bias=full_bias())
+record("row", row_layer, x_hidden, master=master(row_layer), full_bias=FULL_BIAS.tolist())
 record("row_sp", row(skip_bias_add=False, sequence_parallel=True), x_hidden)
 # biases returned to the caller
 record("column_skip_bias_add", column(skip_bias_add=True), X)
