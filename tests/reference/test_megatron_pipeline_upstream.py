@@ -177,7 +177,6 @@ def test_overlap_grad_reduce_issues_bucket_all_reduces_while_the_last_backward_r
         start, end = last_backward_span(run)
         reduces = dp_all_reduces(run)
         assert reduces and all(start < i < end and e[3] is True for i, e in reduces), (start, end, reduces)
-        assert run["buckets"] == (2 if run["first"] else 1)
         if run["first"]:
             layer_boundary = names(run).index("bwd_layer1_done", start)
             assert reduces[0][0] < layer_boundary < reduces[1][0], names(run)[start:end + 1]
@@ -235,3 +234,10 @@ def test_deallocate_pipeline_outputs_is_off_by_default_and_shrinks_sent_outputs_
 
 def test_get_forward_backward_func_picks_the_interleaved_schedule_only_with_virtual_stages():
     assert ranks()[0]["with_virtual_stages"] == "forward_backward_pipelining_with_interleaving"
+
+
+def test_megatron_ddp_buckets_only_the_first_stage_and_reduces_in_the_parameters_dtype():
+    for run in runs("ddp_overlap"):  # a bucket per layer asked for: granted on the first stage only
+        assert run["buckets"] == (2 if run["first"] else 1), run["buckets"]
+    for rank in ranks():
+        assert rank["bf16_grad_dtypes"] == {"default": "torch.bfloat16", "grad_reduce_in_fp32": "torch.float32"}

@@ -267,6 +267,20 @@ def deallocated_output_rejects_plain_backward() -> str:
     return "accepted"
 
 
+def ddp_grad_dtypes() -> dict[str, str]:
+    """The gradient buffer dtype of megatron's DDP around a bf16 stage, by default and with grad_reduce_in_fp32."""
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2, create_gloo_process_groups=False)
+    dtypes = {}
+    for name, ddp in [("default", {}), ("grad_reduce_in_fp32", {"grad_reduce_in_fp32": True})]:
+        config = TransformerConfig(num_layers=2, hidden_size=H, num_attention_heads=1, pipeline_model_parallel_size=2,
+                                   pipeline_dtype=torch.bfloat16, params_dtype=torch.bfloat16, bf16=True)
+        stage = Stage(config, parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage())
+        model = DistributedDataParallel(config, DistributedDataParallelConfig(**ddp), stage.to(torch.bfloat16))
+        dtypes[name] = str(model.buffers[0].grad_dtype)
+    parallel_state.destroy_model_parallel()
+    return dtypes
+
+
 rank = dist.get_rank()
 runs = [
     run("defaults_m6", pp=4, m=6),
@@ -286,6 +300,7 @@ runs = [
 result = {"runs": {r["name"]: r for r in runs},
           "reference_actions": {"m6": reference_actions(4, 6), "m2": reference_actions(4, 2)},
           "deallocated_plain_backward": deallocated_output_rejects_plain_backward(),
+          "bf16_grad_dtypes": ddp_grad_dtypes(),
           "with_virtual_stages": schedules.get_forward_backward_func(pp_size=4, vp_size=2).__name__}
 (OUT / f"rank{rank}.json").write_text(json.dumps(result))
 print(f"rank {rank}: megatron pipeline runs written", flush=True)
