@@ -49,26 +49,35 @@ def backward_indices(run: dict) -> list[int]:
     return [i for i, n in enumerate(names(run)) if n[0] == "B" and not n.endswith("_end")]
 
 
-def idle_fraction(orders: list[list[str]], forward: float = 1.0, backward: float = 2.0) -> float:
-    """Replay each stage's action order with uniform costs and only the data dependencies (F_i after F_i on
-    the previous stage, B_i after B_i on the next and F_i here): the idle fraction of the busiest-ending run."""
+def idle_fraction(orders: list[list[str]], chunks: int = 1, forward: float = 1.0, backward: float = 2.0) -> float:
+    """Replay each stage's recorded order with uniform costs and only the data dependencies, and return the idle
+    fraction of the step. Actions are F<i>/B<i>, or F<c>.<i>/B<c>.<i> for model chunk c of `chunks` per stage
+    (virtual stage c * p + r, costing 1/chunks of a whole stage): F_i after F_i on the virtual stage before,
+    B_i after F_i here and B_i on the virtual stage after."""
     p, done, clock, position = len(orders), {}, [0.0] * len(orders), [0] * len(orders)
+
+    def parse(action: str, r: int) -> tuple[str, int, int]:
+        chunk, _, mb = action[1:].rpartition(".")
+        return action[0], int(chunk or 0) * p + r, int(mb)
+
+    def needs(kind: str, k: int, mb: int) -> list[tuple[str, int, int]]:
+        if kind == "F":
+            return [("F", k - 1, mb)] if k > 0 else []
+        return [("F", k, mb)] + ([("B", k + 1, mb)] if k < p * chunks - 1 else [])
+
     while any(position[r] < len(orders[r]) for r in range(p)):
         progressed = False
         for r in range(p):
             if position[r] == len(orders[r]):
                 continue
-            action = orders[r][position[r]]
-            needs = [(action, r - 1)] if action[0] == "F" and r > 0 else []
-            if action[0] == "B":
-                needs = [("F" + action[1:], r)] + ([(action, r + 1)] if r < p - 1 else [])
-            if all(need in done for need in needs):
-                start = max([clock[r]] + [done[need] for need in needs])
-                clock[r] = done[(action, r)] = start + (forward if action[0] == "F" else backward)
+            action = parse(orders[r][position[r]], r)
+            if all(need in done for need in needs(*action)):
+                start = max([clock[r]] + [done[need] for need in needs(*action)])
+                clock[r] = done[action] = start + (forward if action[0] == "F" else backward) / chunks
                 position[r] += 1
                 progressed = True
         assert progressed, f"the orders deadlock: {orders}"
-    busy = sum(forward if a[0] == "F" else backward for a in orders[0])
+    busy = sum(forward if a[0] == "F" else backward for a in orders[0]) / chunks
     return 1 - busy / max(clock)
 
 
@@ -204,7 +213,8 @@ def test_with_grad_sync_func_only_the_first_stage_reduces_in_its_last_backward_t
 
 def test_each_loss_is_divided_by_num_microbatches_before_backward():
     """Two outputs: loss / m (x the context-parallel size, 1 here). Three: loss / num_tokens / m, unless
-    calculate_per_token_loss, where backward starts from the sum and finalize gets the token count."""
+    calculate_per_token_loss, where backward starts from the sum and megatron's finalize_model_grads divides the
+    gradients by the global token count."""
     for name, divide in [("defaults_m6", lambda loss, tokens, m: loss / m),
                          ("three_output_m6", lambda loss, tokens, m: loss / tokens / m),
                          ("per_token_m6", lambda loss, tokens, m: loss)]:
@@ -219,6 +229,10 @@ def test_each_loss_is_divided_by_num_microbatches_before_backward():
             assert e[2] == pytest.approx(divide(loss[2], tokens, last["m"]), rel=1e-6), (name, e, loss)
         finalize = next(e for e in last["events"] if e[0] == "finalize_enter")
         assert finalize[1] == (6 * 8 if name == "per_token_m6" else False), finalize
+    for per_token, per_micro_batch in zip(runs("per_token_m6"), runs("three_output_m6")):
+        # finalize_model_grads divided the summed gradients by the 48 tokens: the same as / 8 / m here
+        flat = [[x for grad in run["grads"] for x in grad] for run in (per_token, per_micro_batch)]
+        assert flat[0] == pytest.approx(flat[1], rel=1e-5, abs=1e-7)
 
 
 def test_deallocate_pipeline_outputs_is_off_by_default_and_shrinks_sent_outputs_to_one_element():
@@ -232,8 +246,15 @@ def test_deallocate_pipeline_outputs_is_off_by_default_and_shrinks_sent_outputs_
     assert "Mismatch in shape" in ranks()[0]["deallocated_plain_backward"]
 
 
-def test_get_forward_backward_func_picks_the_interleaved_schedule_only_with_virtual_stages():
-    assert ranks()[0]["with_virtual_stages"] == "forward_backward_pipelining_with_interleaving"
+def test_the_interleaved_schedule_picked_for_virtual_stages_idles_v_times_less():
+    """get_forward_backward_func picks forward_backward_pipelining_with_interleaving when virtual stages are set;
+    its recorded order at p 4, v 2 chunks, m 8 idles (p - 1)/(v m + p - 1), against (p - 1)/(m + p - 1)."""
+    by_pp_rank = sorted(ranks(), key=lambda r: r["runs"]["defaults_m6"]["pp_rank"])
+    assert by_pp_rank[0]["with_virtual_stages"] == "forward_backward_pipelining_with_interleaving"
+    p, v, m = 4, 2, 8
+    interleaved = idle_fraction([r["interleaved_v2_m8"] for r in by_pp_rank], chunks=v)
+    plain = idle_fraction([r["defaults_m8"] for r in by_pp_rank])
+    assert interleaved == pytest.approx((p - 1) / (v * m + p - 1)) and plain == pytest.approx((p - 1) / (m + p - 1))
 
 
 def test_megatron_ddp_buckets_only_the_first_stage_and_reduces_in_the_parameters_dtype():

@@ -5,8 +5,9 @@ event log of one `forward_backward_pipelining_without_interleaving` call, obtain
 `get_forward_backward_func()` after `parallel_state.initialize_model_parallel(pipeline_model_parallel_size=p)`.
 Events: F<i>/B<i> (forward_step_func and schedules.backward_step), the config hooks (no_sync enter/exit,
 grad_sync, finalize), every DP all-reduce, every p2p call (batched or not) and the autograd marker between a
-stage's two layers ("bwd_layer0": its first layer's backward starts). test_megatron_pipeline_upstream.py
-asserts on them.
+stage's two layers; each ends with perf_counter(), one clock for all ranks. Also: the action order of the
+interleaved schedule (2 model chunks per stage), of the reference's 1F1B on the same group, and the gradient
+dtype of megatron's DDP around a bf16 stage. test_megatron_pipeline_upstream.py asserts on them.
 
 Runs on CPU because megatron allocates on torch.cuda.current_device() (redirected to "cpu"), creates its token
 counter with device="cuda" (a TorchFunctionMode sends it to the CPU) and calls torch.cuda.synchronize() after
@@ -119,10 +120,12 @@ def loss_function(kind: str, mb: int, target, output):
 
 def forward_step_func(loss_kind, data_iterator, model):
     batch = next(data_iterator)
-    log(f"F{batch['mb']}")
+    chunk = getattr(model, "vp_stage", None)
+    mb = batch["mb"] if chunk is None else f"{chunk}.{batch['mb']}"  # interleaved: F<chunk>.<micro-batch>
+    log(f"F{mb}")
     output = model(batch["x"])
-    output.microbatch = batch["mb"]
-    return output, functools.partial(loss_function, loss_kind, batch["mb"], batch["y"])
+    output.microbatch = mb
+    return output, functools.partial(loss_function, loss_kind, mb, batch["y"])
 
 
 def logged_backward_step(original):
@@ -240,6 +243,35 @@ def run(name: str, *, pp: int, m: int, loss: str = "two", iterations: int = 1, d
     return result
 
 
+def interleaved_actions(p: int, v: int, m: int) -> list[str]:
+    """This stage's order under forward_backward_pipelining_with_interleaving: v model chunks per stage (chunk c
+    of stage r is virtual stage c * p + r), picked by get_forward_backward_func from parallel_state."""
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=p, virtual_pipeline_model_parallel_size=v,
+                                             create_gloo_process_groups=False)
+    config = TransformerConfig(num_layers=p * v, hidden_size=H, num_attention_heads=1, pipeline_model_parallel_size=p,
+                               virtual_pipeline_model_parallel_size=v, pipeline_dtype=torch.float32)
+    r = parallel_state.get_pipeline_model_parallel_rank()
+    chunks = []
+    for c in range(v):
+        chunk = Stage(config, first=r == 0 and c == 0, last=r == p - 1 and c == v - 1)
+        chunk.vp_stage = c
+        chunks.append(chunk)
+    forward_backward = schedules.get_forward_backward_func()
+    assert forward_backward is schedules.forward_backward_pipelining_with_interleaving
+    original_backward_step = schedules.backward_step
+    schedules.backward_step = logged_backward_step(original_backward_step)
+    EVENTS.clear()
+    try:
+        with CudaLiteralToCpu():
+            forward_backward(forward_step_func=functools.partial(forward_step_func, "two"),
+                             data_iterator=[iter(micro_batches(m)) for _ in range(v)], model=chunks,
+                             num_microbatches=m, seq_length=S, micro_batch_size=B)
+    finally:
+        schedules.backward_step = original_backward_step
+    parallel_state.destroy_model_parallel()
+    return [e[0] for e in EVENTS if e[0][0] in "FB" and not e[0].endswith("_end")]
+
+
 def reference_actions(p: int, m: int) -> list[str]:
     """The reference's 1F1B (reference.pipeline.schedules) on the same PP group: its action order."""
     parallel_state.initialize_model_parallel(pipeline_model_parallel_size=p, create_gloo_process_groups=False)
@@ -288,7 +320,8 @@ runs = [
     run("unbatched_m6", pp=4, m=6, config_kw={"batch_p2p_comm": False}, unbatched_log=True),
     run("deallocate_m6", pp=4, m=6, config_kw={"deallocate_pipeline_outputs": True}),
     run("three_output_m6", pp=4, m=6, loss="three"),
-    run("per_token_m6", pp=4, m=6, loss="three", config_kw={"calculate_per_token_loss": True}),
+    # megatron's DDP and finalize_model_grads, so that the per-token division of the gradients happens
+    run("per_token_m6", pp=4, m=6, loss="three", config_kw={"calculate_per_token_loss": True}, ddp={}),
     # pp 2 x dp 2; a bucket per layer where megatron buckets at all (the first stage); the second iteration
     # is the one logged (in the first, megatron's overlapping DDP learns which grads fill each bucket)
     run("ddp_defaults", pp=2, m=4, iterations=2, ddp={}, backward_sleep=0.05),
@@ -301,6 +334,9 @@ result = {"runs": {r["name"]: r for r in runs},
           "reference_actions": {"m6": reference_actions(4, 6), "m2": reference_actions(4, 2)},
           "deallocated_plain_backward": deallocated_output_rejects_plain_backward(),
           "bf16_grad_dtypes": ddp_grad_dtypes(),
+          "interleaved_v2_m8": interleaved_actions(4, 2, 8),
+          "defaults_m8": [e[0] for e in run("defaults_m8", pp=4, m=8)["events"]
+                          if e[0][0] in "FB" and not e[0].endswith("_end")],
           "with_virtual_stages": schedules.get_forward_backward_func(pp_size=4, vp_size=2).__name__}
 (OUT / f"rank{rank}.json").write_text(json.dumps(result))
 print(f"rank {rank}: megatron pipeline runs written", flush=True)
