@@ -220,7 +220,7 @@ def run(name: str, *, pp: int, m: int, loss: str = "two", iterations: int = 1, d
             if ddp is not None:
                 model.zero_grad_buffer()
             with CudaLiteralToCpu():
-                reported = forward_backward(
+                forward_backward(
                     forward_step_func=functools.partial(forward_step_func, loss),
                     data_iterator=iter(micro_batches(m)), model=model, num_microbatches=m, seq_length=S,
                     micro_batch_size=B)
@@ -232,7 +232,7 @@ def run(name: str, *, pp: int, m: int, loss: str = "two", iterations: int = 1, d
     grads = [(p.main_grad if ddp is not None else p.grad).flatten().tolist() for p in inner.parameters()]
     result = {"name": name, "pp": pp, "m": m, "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
               "dp_size": parallel_state.get_data_parallel_world_size(), "first": first, "last": last,
-              "events": list(EVENTS), "grads": grads, "reported": [float(r["loss"]) for r in reported],
+              "events": list(EVENTS), "grads": grads,
               "defaults": {k: getattr(config, k) for k in ("batch_p2p_comm", "batch_p2p_sync",
                                                             "deallocate_pipeline_outputs",
                                                             "calculate_per_token_loss")}}
