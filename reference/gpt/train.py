@@ -21,10 +21,12 @@ schedule then gets no_sync = a no-op context, and finalize_model_grads is only t
 sequence-parallel gradients on FSDP's sharded gradients (reference/data_parallel/fsdp_tp.py says why after
 the reduce-scatter).
 
-Counterparts: megatron/training/training.py::train_step (Megatron-LM, outside megatron-core), which hands
-the schedule `config.no_sync_func` and `config.finalize_model_grads_func` exactly as done here with
-reference.data_parallel's DistributedDataParallel.no_sync and finalize_model_grads (the defaults of
-train_step's `no_sync` and `finalize_grads`).
+Counterparts: megatron/training/training.py::train (Megatron-LM, outside megatron-core), which hands the
+schedule `config.finalize_model_grads_func` and, only under --overlap-grad-reduce, `config.no_sync_func`, as
+done here with reference.data_parallel's finalize_model_grads and DistributedDataParallel.no_sync (the
+defaults of train_step's `finalize_grads` and `no_sync`). Under its default --align-grad-reduce it also sets
+`config.grad_sync_func`, so that stages after the first reduce after their last backward; this reference
+overlaps the last backward on every stage (Megatron-LM with --no-align-grad-reduce).
 """
 from __future__ import annotations
 

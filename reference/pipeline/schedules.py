@@ -7,15 +7,19 @@
 Both idle for the same bubble, (p - 1) / (m + p - 1) of the time with uniform micro-batches: 1F1B saves
 memory, not time. With one stage there is no pipeline: F0 B0 F1 B1 ...
 
-Data parallelism plugs in as in Megatron: `no_sync` (config.no_sync_func) is entered before the first
-micro-batch and left before the last backward, so a DDP-like wrapper reduces gradients only once, and
-`finalize_grads` (config.finalize_model_grads_func) runs after the last backward. Each micro-batch's loss
+Data parallelism plugs in as in Megatron when its config.grad_sync_func is unset: `no_sync`
+(config.no_sync_func) is entered before the first micro-batch and left before the last backward on every
+stage, so a DDP-like wrapper reduces gradients only once, and `finalize_grads`
+(config.finalize_model_grads_func) runs after the last backward. (Megatron-LM's training sets grad_sync_func
+under its default --align-grad-reduce: then only the first stage leaves no_sync before its last backward, the
+others after it.) Each micro-batch's loss
 is scaled by 1/m before its backward, so the gradients are those of the mean over micro-batches.
 
 Counterparts: megatron/core/pipeline_parallel/schedules.py::forward_backward_pipelining_without_interleaving
 (1F1B), ::forward_backward_no_pipelining (one stage), ::forward_step and ::backward_step; GPipe as in
-torch/distributed/pipelining/schedules.py::ScheduleGPipe. Megatron also frees each sent output's data
-(deallocate_output_tensor); this reference does not.
+torch/distributed/pipelining/schedules.py::ScheduleGPipe. Megatron can also free each sent output's data
+(deallocate_output_tensor, under deallocate_pipeline_outputs: off in megatron-core, on in Megatron-LM's
+training); this reference does not.
 
 Measured, per stage: the action order and each action's start and end (perf_counter(), the clock of
 reference.recorder), the peak number of micro-batches in flight both as the schedule counts them and as

@@ -136,3 +136,7 @@ def test_bump_reports_a_changed_default_and_drops_a_vanished_one(pinned, flipped
         f"{WRAPPER}(limit_all_gathers)": {"old_value": "True", "new_value": None}}
     assert lock["files"]["up:pkg/fsdp.py"]["commit"] == v2
     assert pinned.run("check").code == 0          # the note renders the new value; the report asks for a re-read
+    assert pinned.run("render").code == 0
+    index = (pinned.root / "docs" / "notes" / "changes" / "index.md").read_text()
+    assert f"| `{WRAPPER}(forward_prefetch)` | `False` | `True` |" in index
+    assert f"| `{WRAPPER}(limit_all_gathers)` | `True` | gone |" in index

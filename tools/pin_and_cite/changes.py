@@ -175,6 +175,12 @@ def _index(project: Project, entries: dict[str, list[tuple[str, RecordedChange, 
         counts = ", ".join(f"{record.counts.get(s, 0)} {s}" for s in STATUSES)
         out += ["", f"## {source}: `{record.old_commit[:12]}` → `{record.new_commit[:12]}`{tag}", "",
                 f"{sum(record.counts.values())} citation(s): {counts}.", ""]
+        if record.defaults:
+            out += ["Parameter defaults the notes render (`default(...)`) whose text changed: the prose around "
+                    "them may need a new reading.", "", "| default | before | after |", "| --- | --- | --- |"]
+            out += [f"| `{key}` | `{change.old_value}` | " + (f"`{change.new_value}` |" if change.new_value is not None
+                                                              else "gone |")
+                    for key, change in sorted(record.defaults.items())] + [""]
         if not entries[source]:
             out.append("Every citation kept its text: nothing to review.")
             continue

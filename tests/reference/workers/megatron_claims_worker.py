@@ -1,0 +1,234 @@
+"""Run megatron-core 0.16.1's ColumnParallelLinear / RowParallelLinear in the configurations the TP note
+describes and dump, per case, what they did: collectives (CollectiveRecorder), GEMMs and bias additions in
+issue order, the autograd nodes between output and input, the shapes autograd saved, and the numbers.
+
+Usage: megatron_claims_worker.py OUT_DIR (world 2, CPU/gloo). Writes OUT_DIR/rank<r>.json, read by
+tests/reference/test_megatron_upstream_claims.py. megatron runs with use_cpu_initialization=True (its GPU
+path needs CUDA); its buffers allocated on torch.cuda.current_device() are redirected to the CPU.
+"""
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from common import finish, init
+
+device = init()
+torch.cuda.current_device = lambda: "cpu"
+
+from megatron.core import parallel_state as mpu  # noqa: E402
+from megatron.core.model_parallel_config import ModelParallelConfig  # noqa: E402
+from megatron.core.tensor_parallel import layers  # noqa: E402
+
+from reference.recorder import CollectiveRecorder  # noqa: E402
+
+out_dir = Path(sys.argv[1])
+world, rank = dist.get_world_size(), dist.get_rank()
+mpu.initialize_model_parallel(tensor_model_parallel_size=world, create_gloo_process_groups=False)
+TP = mpu.get_tensor_model_parallel_group()
+IN, OUT, S, B = 12, 20, 4, 3          # GEMM outputs differ in shape: dX [S*B, IN], dW [OUT/p, IN] or [OUT, IN/p]
+OPS = {"aten::mm", "aten::addmm", "aten::add", "aten::add_"}
+
+
+class OpLog(TorchDispatchMode):
+    """GEMMs, additions and collectives in issue order, with the perf_counter times each began and returned."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name
+        start = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        if name in OPS or name.startswith("c10d::"):
+            shape = list(out.shape) if isinstance(out, torch.Tensor) else None
+            self.ops.append({"op": name, "shape": shape, "t": start, "end": time.perf_counter(),
+                             "phase": "backward" if torch._C._current_graph_task_id() != -1 else "forward"})
+        return out
+
+
+def init_method(weight):
+    torch.nn.init.normal_(weight, std=0.02)
+
+
+def config(**overrides):
+    """megatron's defaults, except CPU initialization (its GPU path needs CUDA) and what a case changes."""
+    return ModelParallelConfig(tensor_model_parallel_size=world, use_cpu_initialization=True, **overrides)
+
+
+def autograd_chain(output):
+    """Names of the autograd nodes from the output back to the input, following each node's first input."""
+    names, node = [], output.grad_fn
+    while node is not None:
+        names.append(type(node).__name__)
+        node = node.next_functions[0][0] if node.next_functions else None
+    return names
+
+
+def gathered(t):
+    """Every TP rank's `t`, in rank order."""
+    parts = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(parts, t.contiguous(), group=TP)
+    return parts
+
+
+def run_case(layer, x, group=TP):
+    """One forward and backward of `layer` on `x`, recorded."""
+    x = x.clone().requires_grad_()
+    saved = []
+    with CollectiveRecorder() as rec, OpLog() as log, \
+            torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(list(t.shape)) or t, lambda t: t):
+        out, out_bias = layer(x)
+        chain = autograd_chain(out)
+        out.backward(torch.ones_like(out))
+    t0 = min([e.start for e in rec.events] + [o["t"] for o in log.ops])
+    events = [{"op": e.op, "nbytes": e.nbytes, "async_op": e.async_op, "phase": e.phase, "start": e.start - t0,
+               "end": e.end - t0} for e in rec.events]
+    dx_parts = gathered(x.grad) if group.size() > 1 else [x.grad]
+    return {"events": events, "ops": [{**o, "t": o["t"] - t0, "end": o["end"] - t0} for o in log.ops],
+            "chain": chain, "saved": saved, "allreduce_dgrad": getattr(layer, "allreduce_dgrad", None),
+            "output": out.tolist(), "output_bias": None if out_bias is None else out_bias.tolist(),
+            "bias_shape": list(layer.bias.shape), "dx": x.grad.tolist(),
+            "dx_equal_across_ranks": all(torch.equal(p, dx_parts[0]) for p in dx_parts)}
+
+
+def column(group=TP, **kwargs):
+    cfg = config(**{k: kwargs.pop(k) for k in ("sequence_parallel", "async_tensor_model_parallel_allreduce")
+                    if k in kwargs})
+    torch.manual_seed(1)
+    layer = layers.ColumnParallelLinear(IN, OUT, config=cfg, init_method=init_method, tp_group=group,
+                                        keep_master_weight_for_test=True, **kwargs)
+    return with_bias_values(layer, group)
+
+
+def row(**kwargs):
+    cfg = config(**{k: kwargs.pop(k) for k in ("sequence_parallel",) if k in kwargs})
+    torch.manual_seed(2)
+    layer = layers.RowParallelLinear(IN, OUT, config=cfg, init_method=init_method, tp_group=TP, bias=True,
+                                     input_is_parallel=True, keep_master_weight_for_test=True, **kwargs)
+    return with_bias_values(layer, TP, sharded=False)
+
+
+def with_bias_values(layer, group, sharded=True):
+    """Both layers zero their bias; give it values (FULL_BIAS, or this rank's slice of it) so its handling shows."""
+    with torch.no_grad():
+        layer.bias.copy_(FULL_BIAS.chunk(group.size())[group.rank()] if sharded else FULL_BIAS)
+    return layer
+
+
+FULL_BIAS = torch.randn(OUT, generator=torch.Generator().manual_seed(3))
+X = torch.randn(S, B, IN, generator=torch.Generator().manual_seed(4))
+x_seq = X.chunk(world, dim=0)[rank]       # sequence-parallel input: this rank's slice of the sequence
+x_hidden = X.chunk(world, dim=-1)[rank]   # row-parallel input: this rank's slice of the hidden dimension
+results = {}
+
+
+def record(name, layer, x, group=TP, **extra):
+    results[name] = {**run_case(layer, x, group), **extra}
+
+
+def master(layer):
+    return layer.master_weight.tolist()
+
+
+# the f operator and the dX all-reduce
+col = column()
+record("column", col, X, master=master(col), full_bias=FULL_BIAS.tolist())
+solo = dist.new_subgroups(1)[0]   # a TP group of one: this rank alone
+record("column_tp1", column(group=solo), X, group=solo)
+record("column_async_flag_off", column(async_tensor_model_parallel_allreduce=False), X)
+record("column_disable_grad_reduce", column(disable_grad_reduce=True), X)
+record("column_expert", column(is_expert=True), X)
+# sequence parallelism
+record("column_sp", column(sequence_parallel=True), x_seq)
+row_layer = row(skip_bias_add=False)
+record("row", row_layer, x_hidden, master=master(row_layer), full_bias=FULL_BIAS.tolist())
+record("row_sp", row(skip_bias_add=False, sequence_parallel=True), x_hidden)
+# biases returned to the caller
+record("column_skip_bias_add", column(skip_bias_add=True), X)
+record("row_skip_bias_add", row(skip_bias_add=True), x_hidden)
+
+# CPU initialization: one master weight on every rank, strided pieces rank::world kept
+torch.manual_seed(5)
+strided = layers.ColumnParallelLinear(IN, OUT, config=config(), init_method=init_method, tp_group=TP, stride=2,
+                                      keep_master_weight_for_test=True, bias=False)
+results["init"] = {"stride": 2, "master": strided.master_weight.tolist(), "weight": strided.weight.tolist(),
+                   "storage_bytes": strided.weight.untyped_storage().nbytes(),
+                   "tensor_model_parallel": strided.weight.tensor_model_parallel,
+                   "partition_stride": strided.weight.partition_stride,
+                   "partition_dim": strided.weight.partition_dim}
+
+# gradient_accumulation_fusion: without APEX's fused_weight_gradient_mlp_cuda the layer refuses to build
+try:
+    layers.ColumnParallelLinear(IN, OUT, config=config(gradient_accumulation_fusion=True), init_method=init_method,
+                                tp_group=TP)
+    results["fusion_without_apex"] = None
+except RuntimeError as error:
+    results["fusion_without_apex"] = str(error)
+
+
+class KernelStandIn:
+    """Stands in for APEX's CUDA module: records which entry point megatron calls with which buffers, and
+    accumulates what a kernel of that signature can only compute given the shapes: main_grad += dY^T X."""
+
+    def __init__(self):
+        self.calls = []
+
+    def _accumulate(self, variant, total_input, grad_output, main_grad):
+        self.calls.append({"variant": variant, "total_input": list(total_input.shape),
+                           "grad_output": list(grad_output.shape), "main_grad": list(main_grad.shape),
+                           "main_grad_dtype": str(main_grad.dtype)})
+        main_grad.add_((grad_output.t() @ total_input).to(main_grad.dtype))
+
+    def wgrad_gemm_accum_fp32(self, total_input, grad_output, main_grad):
+        self._accumulate("fp32", total_input, grad_output, main_grad)
+
+    def wgrad_gemm_accum_fp16(self, total_input, grad_output, main_grad):
+        self._accumulate("fp16", total_input, grad_output, main_grad)
+
+
+def fusion_case(main_grad_dtype, fsdp=False, ddp=False, two_micro_batches=True):
+    """gradient_accumulation_fusion=True on a weight carrying main_grad (as megatron's DDP or Megatron-FSDP
+    gives it; `ddp` also sets the flag megatron's DDP sets); returns what reached the kernel, main_grad,
+    .grad and what plain autograd computes."""
+    kernel = KernelStandIn()
+    layers._grad_accum_fusion_available, layers.fused_weight_gradient_mlp_cuda = True, kernel
+    torch.manual_seed(6)
+    layer = layers.ColumnParallelLinear(IN, OUT, config=config(gradient_accumulation_fusion=True),
+                                        init_method=init_method, tp_group=TP, bias=False)
+    weight = layer.weight
+    weight.main_grad = torch.zeros(weight.shape, dtype=main_grad_dtype)
+    if ddp:
+        weight.grad_added_to_main_grad = False
+    if fsdp:  # Megatron-FSDP's parameter: main_grad comes from its buffer
+        buffer = torch.zeros(weight.shape, dtype=main_grad_dtype)
+        weight.__fsdp_param__ = True
+        weight.get_main_grad = lambda: buffer
+    expected = torch.zeros(weight.shape)
+    for micro_batch in range(2 if two_micro_batches else 1):
+        x = torch.randn(S, B, IN, generator=torch.Generator().manual_seed(10 + micro_batch))
+        layer(x)[0].sum().backward()
+        with torch.no_grad():
+            expected += torch.ones(S * B, OUT // world).t() @ x.reshape(S * B, IN)
+    del layers.fused_weight_gradient_mlp_cuda
+    layers._grad_accum_fusion_available = False
+    return {"calls": kernel.calls, "main_grad": weight.main_grad.float().tolist(), "grad_is_none": weight.grad is None,
+            "grad_shape": None if weight.grad is None else list(weight.grad.shape),
+            "grad_added_to_main_grad": getattr(weight, "grad_added_to_main_grad", None),
+            "expected_main_grad": expected.tolist()}
+
+
+results["fusion_fp32"] = fusion_case(torch.float32)
+results["fusion_bf16"] = fusion_case(torch.bfloat16)
+results["fusion_ddp"] = fusion_case(torch.float32, ddp=True, two_micro_batches=False)
+results["fusion_megatron_fsdp"] = fusion_case(torch.float32, fsdp=True, two_micro_batches=False)
+
+(out_dir / f"rank{rank}.json").write_text(json.dumps(results))
+mpu.destroy_model_parallel()
+print(f"rank {rank}: megatron claims recorded", flush=True)
+finish()
