@@ -60,7 +60,7 @@ def test_failures_name_file_and_line_and_keep_previous_output(project):
         ("x\n\n{{ cite('" + LAYERS + "#L1-L2') }}\n", "reading_notes/a.md.j2:3: up:pkg/core/layers.py#L1-L2 is not in the lock"),
         ("x\n{% if %}\n", "reading_notes/a.md.j2:2: "),
         ("x\n\n\n{{ verified_by('tests/tools/test_render.py::test_nope') }}\n",
-         "reading_notes/a.md.j2:4: verified_by: test file tests/tools/test_render.py does not exist"),
+         "reading_notes/a.md.j2:4: verified_by: test file 'tests/tools/test_render.py' does not exist under tests/"),
         ("{{ cite('" + LAYERS + "#L9-L10', highlight='L1-L2') }}\n", "highlight L1-L2 lies outside the cited L9-L10"),
         ("{{ undefined_thing }}\n", "reading_notes/a.md.j2:1: 'undefined_thing' is undefined"),
     ]
