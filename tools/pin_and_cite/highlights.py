@@ -14,7 +14,7 @@ from __future__ import annotations
 import ast
 import bisect
 import re
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 from pin_and_cite.errors import PinAndCiteError
 
@@ -55,7 +55,8 @@ class Statements:
     """A Python file's statement boundaries: for each line the statements (by block and position in it) that
     start or end there, and the spans a highlight may not cut (for saying what it cut and what would do)."""
 
-    def __init__(self, tree: ast.Module):
+    def __init__(self, tree: ast.Module, lines: Sequence[str]):
+        self.lines = lines                        # the file's text, for naming blank and comment lines
         units, starts, ends = set(), {}, {}
         blocks = [getattr(node, name) for node in ast.walk(tree) for name in _BLOCKS
                   if isinstance(getattr(node, name, None), list)]       # IfExp/Lambda bodies are expressions
@@ -161,11 +162,12 @@ class Statements:
         return None
 
     def _describe(self, line: int) -> str:
-        holding = [(u.last - u.first, u) for u in self.units if u.first <= line <= u.last]
-        if not holding:
-            return "a blank or comment line"
-        unit = min(holding)[1]
-        return f"in the {unit.kind} at L{unit.first}-L{unit.last}"
+        text = self.lines[line - 1].strip() if line <= len(self.lines) else ""
+        if not text or text.startswith("#"):
+            return "a comment line" if text else "a blank line"
+        unit = min((u for u in self.units if u.first <= line <= u.last), key=lambda u: u.last - u.first,
+                   default=None)
+        return f"in the {unit.kind} at L{unit.first}-L{unit.last}" if unit else "outside every statement"
 
 
 def _at_or_before(sorted_lines: list[int], line: int) -> int | None:

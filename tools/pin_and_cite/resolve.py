@@ -78,7 +78,7 @@ class Resolver:
         self.lines_of = functools.cache(self._lines_of)
         self.tree_of = functools.cache(self._tree_of)
         self.definitions_of = functools.cache(lambda *blob: symbols.definitions_in(self.tree_of(*blob)))
-        self.statements_of = functools.cache(lambda *blob: Statements(self.tree_of(*blob)))
+        self.statements_of = functools.cache(lambda *blob: Statements(self.tree_of(*blob), self.lines_of(*blob)))
 
     def locked_blob(self, source: Source, path: str) -> str | None:
         locked = self.project.lock.files.get(file_key(source.name, path))
