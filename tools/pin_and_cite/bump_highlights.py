@@ -75,7 +75,7 @@ def _carry_one(place: Written, c: Carried, pair: FilePair, new_cited: Lines | No
     problem = statements.problem(lines) if statements and inside else None
     if status in EXACT and inside and problem is None:
         return CarriedHighlight(place, status, lines)
-    why = (f"the highlighted lines are no longer whole statements: {problem}" if status in EXACT and inside else
+    why = (f"the highlighted lines are not whole statements at the new commit: {problem}" if status in EXACT and inside else
            "the highlighted code moved out of the citation's new lines" if status in EXACT else
            "the highlighted code has no counterpart" if status == "deleted" else
            f"the highlighted lines cannot be relocated: {reason}" if status == "error" else

@@ -197,14 +197,11 @@ def checked_highlight(cite: str, text: str, cited: Lines, statements: Statements
 
 def best_guess(lines: Lines, cited: Lines, statements: Statements | None) -> Lines | None:
     """Where a highlight should go when its code moved imperfectly: `lines` clipped to the citation and, in a
-    Python file, widened to whole statements (or, when that spills out of the citation, narrowed); None when
-    nothing of it is left inside the citation."""
-    a, b = max(lines[0], cited[0]), min(lines[1], cited[1])
-    if a > b:
+    Python file, moved to the nearest whole statements inside it (the first highlight an error would offer);
+    None when nothing of it is left inside the citation."""
+    clipped = max(lines[0], cited[0]), min(lines[1], cited[1])
+    if clipped[0] > clipped[1]:
         return None
-    if statements is None:
-        return a, b
-    wide = statements.widen((a, b))
-    if wide is not None and cited[0] <= wide[0] and wide[1] <= cited[1]:
-        return wide
-    return statements.narrow((a, b))
+    if statements is None or statements.problem(clipped) is None:
+        return clipped
+    return next(iter(statements.alternatives(clipped, cited)), None)
