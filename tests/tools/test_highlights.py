@@ -120,7 +120,8 @@ def test_check_reports_a_highlight_that_cuts_a_statement(project, ops):
     url, commits = ops
     project.write_pins(up={"url": url, "commit": commits["v1"]})
     assert project.run("cite", f"{MOD}::Layer.forward").code == 0
-    (project.root / "reading_notes" / "a.md.j2").write_text("{{ cite('" + MOD + "::Layer.forward', highlight='L19-L21') }}\n")
+    note = project.root / "reading_notes" / "a.md.j2"
+    note.write_text("{{ cite('" + MOD + "::Layer.forward', highlight='L19-L21') }}\n")
     r = project.run("check")
     assert r.code == 1
     assert r.out.splitlines()[0] == (

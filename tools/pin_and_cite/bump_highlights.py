@@ -50,19 +50,21 @@ def carry(c: Carried, pair: FilePair, resolver: Resolver) -> list[CarriedHighlig
     places = [place for place in c.places if place.highlight]
     if not places:
         return []
+    olds = []
+    for place in places:
+        try:
+            olds.append(parse_highlight(place.highlight))
+        except PinAndCiteError as exc:
+            raise PinAndCiteError(f"{place.where(resolver.project.root)}: {exc}") from None
     new_cited, statements = None, None
     if c.new_spec is not None:
         excerpt, _ = resolver.resolve(c.new_spec)
         new_cited, statements = excerpt.lines, resolver.statements_in(excerpt)
-    return [_carry_one(place, c, pair, new_cited, statements) for place in places]
+    return [_carry_one(place, old, c, pair, new_cited, statements) for place, old in zip(places, olds)]
 
 
-def _carry_one(place: Written, c: Carried, pair: FilePair, new_cited: Lines | None,
+def _carry_one(place: Written, old: Lines, c: Carried, pair: FilePair, new_cited: Lines | None,
                statements: Statements | None) -> CarriedHighlight:
-    try:
-        old = parse_highlight(place.highlight)
-    except PinAndCiteError as exc:
-        raise PinAndCiteError(f"{place.file}:{place.line}: {exc}") from None
     if new_cited is None:
         return CarriedHighlight(place, "left", None, "left as written with its citation")
     if c.answer.status in EXACT and c.old_lines[0] <= old[0] and old[1] <= c.old_lines[1]:
@@ -75,12 +77,20 @@ def _carry_one(place: Written, c: Carried, pair: FilePair, new_cited: Lines | No
     problem = statements.problem(lines) if statements and inside else None
     if status in EXACT and inside and problem is None:
         return CarriedHighlight(place, status, lines)
-    why = (f"the highlighted lines are not whole statements at the new commit: {problem}" if status in EXACT and inside else
-           "the highlighted code moved out of the citation's new lines" if status in EXACT else
-           "the highlighted code has no counterpart" if status == "deleted" else
-           f"the highlighted lines cannot be relocated: {reason}" if status == "error" else
-           f"the highlighted code changed{f' ({reason})' if reason else ''}")
+    why = _why(status, reason, problem)
     guess = best_guess(lines, new_cited, statements) if lines else None
     if guess is None:
         return CarriedHighlight(place, status, None, f"{why}; left as written")
     return CarriedHighlight(place, status, guess, f"{why}; set to the nearest whole statements inside the citation")
+
+
+def _why(status: str, reason: str | None, problem: str | None) -> str:
+    """What a person reviewing a highlight should know about its lines."""
+    if status in EXACT:
+        return (f"the highlighted lines are not whole statements at the new commit: {problem}" if problem
+                else "the highlighted code moved out of the citation's new lines")
+    if status == "deleted":
+        return "the highlighted code has no counterpart"
+    if status == "error":
+        return f"the highlighted lines cannot be relocated: {reason}"
+    return f"the highlighted code changed{f' ({reason})' if reason else ''}"

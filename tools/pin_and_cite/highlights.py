@@ -183,7 +183,10 @@ def _at_or_after(sorted_lines: list[int], line: int) -> int | None:
 def checked_highlight(cite: str, text: str, cited: Lines, statements: Statements | None) -> Lines:
     """The lines of highlight `text` of citation `cite`, refused with a one-line reason (and the nearest lines
     that would do) when they lie outside the cited lines or, in a Python file (`statements`), cut a statement."""
-    lines = parse_highlight(text)
+    try:
+        lines = parse_highlight(text)
+    except PinAndCiteError as exc:
+        raise PinAndCiteError(f"{cite}: {exc}") from None
     if not (cited[0] <= lines[0] and lines[1] <= cited[1]):
         raise PinAndCiteError(f"{cite}: highlight {text} lies outside the cited L{cited[0]}-L{cited[1]}")
     why = statements.problem(lines) if statements else None
