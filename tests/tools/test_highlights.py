@@ -1,6 +1,6 @@
 """Highlights hold: a highlight is whole statements of the cited code (render and `check` refuse one that cuts a
 statement, naming the line), and `bump` carries each highlight with its citation or reports it for review."""
-import json
+import ast
 
 import git
 import pytest
@@ -8,7 +8,7 @@ import pytest
 from pin_and_cite.check import locked_excerpt
 from pin_and_cite.citation import parse_spec
 from pin_and_cite.errors import PinAndCiteError
-from pin_and_cite.highlights import checked_highlight
+from pin_and_cite.highlights import Statements, checked_highlight
 from pin_and_cite.notes import calls_in, rewrite_arguments, written_calls
 from pin_and_cite.project import Project
 from pin_and_cite.resolve import Resolver
@@ -114,6 +114,51 @@ def test_a_highlight_that_cuts_a_statement_is_a_one_line_error_naming_the_line(p
     assert [line for line in md.splitlines() if "hl_lines" in line] == [
         '```python linenums="5" hl_lines="7-8"', '```python linenums="5" hl_lines="3-6"',
         '```text linenums="1" hl_lines="2-3"']
+
+
+BLOCKS = """\
+class Unit:
+    @staticmethod
+    @traced(
+        "forward")
+    def forward(x):
+        if x:
+            return 1
+        else:
+            y = 2
+            return y
+        try:
+            pass
+        except ValueError:
+            raise
+"""
+
+
+@pytest.mark.parametrize("highlight, why", [
+    ("L2-L14", None), ("L3-L14", None), ("L5-L14", None),       # from either decorator or the def line
+    ("L6-L10", None), ("L9-L10", None), ("L13-L14", None), ("L11-L14", None), ("L1-L14", None),
+    ("L5-L10", "cuts the statement at L5-L14 in half (it runs past L10); "
+               'use highlight="L6-L10" or highlight="L5-L14"'),
+    ("L4-L10", "must start on a statement's first line, and L4 is in the decorator at L3-L4; "
+               'use highlight="L6-L10" or highlight="L3-L14"'),
+    ("L2-L3", "must end on a statement's last line, and L3 is in the decorator at L3-L4; use highlight="
+              '"L2-L14"'),
+    ("L7-L10", "takes statements from two blocks of the statement at L6-L10 (an else/except/finally line "
+               'between them); use highlight="L6-L10" or highlight="L7-L7"'),
+    ("L8-L10", "must start on a statement's first line, and L8 is in the statement at L6-L10; "
+               'use highlight="L9-L10" or highlight="L6-L10"'),
+    ("L10-L12", "cuts the statement at L6-L10 in half (it begins before L10); "
+                'use highlight="L12-L12" or highlight="L6-L14"'),
+])
+def test_whole_statements_of_one_block_at_any_depth(highlight, why):
+    statements = Statements(ast.parse(BLOCKS), BLOCKS.split("\n"))
+    if why is None:
+        assert checked_highlight("c", highlight, (1, 14), statements) == tuple(
+            int(n) for n in highlight[1:].split("-L"))
+    else:
+        with pytest.raises(PinAndCiteError) as error:
+            checked_highlight("c", highlight, (1, 14), statements)
+        assert str(error.value) == f"c: highlight {highlight} {why}"
 
 
 def test_check_reports_a_highlight_that_cuts_a_statement(project, ops):
