@@ -1,13 +1,13 @@
 """The highlight rule: `cite(..., highlight="Lx-Ly")` marks whole statements of the cited code, never half of one.
 
-A highlight that starts on a comment or stops in the middle of a call tells the reader the wrong thing about
-where the code it points at begins and ends, so in a Python file the highlighted lines must be a whole number
-of statements, by the file's AST (never imported): Lx is the first line of a statement (a decorator line or the
-`def`/`class` line of a definition, an `except` or `case` clause), Ly the last line of one, and no statement
-(nor a decorator or clause) overlaps the highlight without lying inside it or wholly holding it, nor starts on
-its first line and runs past its end. So a compound statement from its header to its last line is whole, and
-so is a run of consecutive statements of one block, at any depth. `else:`/`finally:` lines have no AST node:
-highlight from the first statement under them. Other files: the highlight only has to lie inside the citation.
+A highlight that starts on a comment or stops in the middle of a call misleads the reader about where the code
+it points at begins and ends. So in a Python file, by the pinned file's AST (never imported), Lx must be the
+first line of a statement (for a definition, a decorator line or its `def`/`class` line; an `except` or `case`
+clause counts as one) and Ly the last line of a statement of the same block, at or after it: the highlight is
+a run of consecutive statements of one block, at any depth, and a compound statement from its header to its
+last line is one statement of its parent's block. `else:`/`finally:` lines have no node of their own:
+highlight from the first statement under them. In other files a highlight only has to lie inside the citation.
+An error names the offending line and the nearest highlights that would do.
 """
 from __future__ import annotations
 
