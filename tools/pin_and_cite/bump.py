@@ -7,6 +7,9 @@ together (atomic.atomic_write_all); `--dry-run` stops before writing. A citation
 more (deleted, or a symbol under a new name) is left as written and not locked, so `check` keeps failing on
 it until a person fixes the note: the review report lists it with its old text.
 
+Highlights travel with their citations (pin_and_cite.bump_highlights): each cite() call's `highlight=` is
+rewritten to where its lines went, or reported for review.
+
 The lock also gets the source's bump record (lock.BumpRecord, replacing the one of its previous bump): per
 changed or deleted citation its old and new lines, text hashes and where the notes cite it, and the blobs of
 its file at both commits, so the site can show the same diffs later (pin_and_cite.changes).
@@ -22,7 +25,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pin_and_cite import symbols
+from pin_and_cite import bump_highlights, symbols
 from pin_and_cite.atomic import atomic_write_all
 from pin_and_cite.citation import Spec, parse_spec
 from pin_and_cite.defaults import DefaultRef, parse_key, read_default
@@ -51,6 +54,7 @@ class Carried:
     old_lines: tuple[int, int] = (0, 0)
     old_text: list[str] = field(default_factory=list)
     new_text: list[str] = field(default_factory=list)
+    highlights: list[bump_highlights.CarriedHighlight] = field(default_factory=list)
 
 
 @dataclass
@@ -127,6 +131,7 @@ def plan(project: Project, name: str, ref: str) -> Bump:
             del table[key]
     for c in carried:
         _carry(c, resolver, pairs[c.spec.path], old)
+        c.highlights = bump_highlights.carry(c, pairs[c.spec.path], resolver)
     changed_defaults = {str(default): change for default, locked in defaults.items()
                         if (change := _carry_default(default, locked.value, resolver, pairs[default.spec.path], new))}
     blobs = {key: blob_sha(data) if data is not None else None for key, data in files.items()}
@@ -191,12 +196,16 @@ def _record(root: Path, carried: list[Carried], old: str, new: str, tag: str | N
 
 
 def _templates(carried: list[Carried]) -> dict[Path, bytes]:
-    changes: dict[Path, list[tuple[Written, str]]] = {}
+    changes: dict[Path, list[tuple]] = {}
     for c in carried:
-        if c.new_spec is None or c.spec.symbol or c.new_spec.lines == c.spec.lines:
-            continue
+        lines_moved = c.new_spec is not None and not c.spec.symbol and c.new_spec.lines != c.spec.lines
+        highlights = {id(h.place): h.literal for h in c.highlights if h.literal not in (None, h.place.highlight)}
         for call in c.places:
-            changes.setdefault(call.file, []).append((call, _new_argument(call.argument, c.new_spec.lines)))
+            if not lines_moved and id(call) not in highlights:
+                continue
+            argument = _new_argument(call.argument, c.new_spec.lines) if lines_moved else call.argument
+            highlight = (highlights[id(call)],) if id(call) in highlights else ()
+            changes.setdefault(call.file, []).append((call, argument, *highlight))
     return {template: rewrite_arguments(template, edits) for template, edits in changes.items()}
 
 

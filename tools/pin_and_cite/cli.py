@@ -116,9 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     bumper = verbs.add_parser(
         "bump", parents=[common], help="move a pin to a new commit and carry every citation along",
         description="Resolve REF, relocate every citation of source NAME (note templates and lock) to it, "
-                    "rewrite the line numbers in the templates in place (nothing else changes), update "
-                    "pins.toml and the lock, and print a review report: counts per status and, for each "
-                    "changed or deleted citation, where it is cited and its old vs new excerpt as a diff. "
+                    "rewrite the line numbers in the templates in place, highlight= ones included (nothing "
+                    "else changes), update pins.toml and the lock, and print a review report: counts per status "
+                    "and, for each changed or deleted citation, where it is cited and its old vs new excerpt as "
+                    "a diff; then the highlights carried, and one line per highlight a person should review. "
                     "The lock also records the bump (replacing the source's previous record), so `render` "
                     "can show the same diffs on the site. "
                     "All files are written together, or none (any error, or --dry-run).")

@@ -17,7 +17,6 @@ from pin_and_cite.errors import PinAndCiteError
 from pin_and_cite.textmatch import (LineIndex, LineMap, Span, aligned_span, best_windows, most_similar, normalized,
                                     retained, similarity)
 
-PYTHON_SUFFIXES = (".py", ".pyi")
 MIN_SIMILARITY = 0.5          # a counterpart keeps at least this share of the cited text, else: deleted
 MIN_IN_PLACE = 0.3            # ... or this share, where the diff aligns it in place (rewritten, not gone)
 RENAMED_SIMILARITY = 0.6      # a definition under a new name must be at least this like the old one
@@ -72,7 +71,7 @@ class FilePair:
         return self._parse(self.new_raw, self.new_label)
 
     def _parse(self, lines: Sequence[str], label: str):
-        if not self.path.endswith(PYTHON_SUFFIXES):
+        if not self.path.endswith(symbols.PYTHON_SUFFIXES):
             raise PinAndCiteError(f"{self.path} is not a Python file; cite it by line range")
         try:
             return symbols.definitions("\n".join(lines) + "\n", self.path)

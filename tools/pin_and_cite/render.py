@@ -32,6 +32,7 @@ from pin_and_cite.citation import parse_spec
 from pin_and_cite.defaults import default_ref
 from pin_and_cite.errors import PinAndCiteError
 from pin_and_cite.fences import fence_for
+from pin_and_cite.highlights import Statements, checked_highlight
 from pin_and_cite.local_code import ours
 from pin_and_cite.note_rules import check_note
 from pin_and_cite.notes import note_templates
@@ -72,16 +73,15 @@ def _refuse_blank_ends(excerpt: Excerpt) -> None:
                           f"correctly; cite {better}")
 
 
-def excerpt_markdown(excerpt: Excerpt, highlight: str | None = None, inside: str | None = None) -> str:
-    """The excerpt as a fenced block numbered with upstream line numbers, under a permalinked caption."""
+def excerpt_markdown(excerpt: Excerpt, highlight: str | None = None, inside: str | None = None,
+                     statements: Statements | None = None) -> str:
+    """The excerpt as a fenced block numbered with upstream line numbers, under a permalinked caption; a
+    highlight must keep to the `statements` of a Python file (pin_and_cite.highlights)."""
     _refuse_blank_ends(excerpt)
     first, last = excerpt.lines
     hl = ""
     if highlight:
-        spec = parse_spec(f"{excerpt.source.name}:{excerpt.spec.path}#{highlight}")
-        a, b = spec.lines
-        if not (first <= a and b <= last):
-            raise PinAndCiteError(f"highlight {highlight} lies outside the cited L{first}-L{last}")
+        a, b = checked_highlight(str(excerpt.spec), highlight, excerpt.lines, statements)
         hl = f' hl_lines="{a - first + 1}-{b - first + 1}"'
     caption = excerpt_link(excerpt, inside)
     lang = LANGUAGES.get(Path(excerpt.spec.path).suffix, "text")
@@ -124,7 +124,8 @@ class Renderer:
 
     def cite(self, spec_text: str, highlight: str | None = None) -> str:
         excerpt = self.excerpt(spec_text)
-        return excerpt_markdown(excerpt, highlight, self.inside(excerpt))
+        statements = self.resolver.statements_in(excerpt) if highlight else None
+        return excerpt_markdown(excerpt, highlight, self.inside(excerpt), statements)
 
     def upstream(self, spec_text: str) -> str:
         excerpt = self.excerpt(spec_text)

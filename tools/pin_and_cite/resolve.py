@@ -13,6 +13,7 @@ from pin_and_cite.distribution import installed_file
 from pin_and_cite.errors import PinAndCiteError
 from pin_and_cite.fetch import load_blob
 from pin_and_cite.gitobj import blob_sha
+from pin_and_cite.highlights import Statements
 from pin_and_cite.lock import LockedCitation, LockedDefault, LockedFile, file_key
 from pin_and_cite.pins import Source
 from pin_and_cite.project import Project
@@ -76,7 +77,9 @@ class Resolver:
         # per instance, not functools.cache on the methods: that would keep every Resolver (and the file
         # texts) alive for the process, one per rebuild under `mkdocs serve`
         self.lines_of = functools.cache(self._lines_of)
-        self.definitions_of = functools.cache(self._definitions_of)
+        self.tree_of = functools.cache(self._tree_of)
+        self.definitions_of = functools.cache(lambda *blob: symbols.definitions_in(self.tree_of(*blob)))
+        self.statements_of = functools.cache(lambda *blob: Statements(self.tree_of(*blob), self.lines_of(*blob)))
 
     def locked_blob(self, source: Source, path: str) -> str | None:
         locked = self.project.lock.files.get(file_key(source.name, path))
@@ -105,8 +108,15 @@ class Resolver:
         data = load_blob(self.project, source_name, path, blob, self.allow_remote)
         return split_lines(data, f"{source_name}:{path}")
 
-    def _definitions_of(self, source_name: str, path: str, blob: str) -> dict:
-        return symbols.definitions("\n".join(self.lines_of(source_name, path, blob)), path)
+    def _tree_of(self, source_name: str, path: str, blob: str):
+        """The file's AST, parsed once per blob for its definitions and its statements."""
+        return symbols.parse("\n".join(self.lines_of(source_name, path, blob)), path)
+
+    def statements_in(self, excerpt: Excerpt) -> Statements | None:
+        """The statement boundaries a highlight of the excerpt must keep to; None when its file is not Python."""
+        if not excerpt.spec.path.endswith(symbols.PYTHON_SUFFIXES):
+            return None
+        return self.statements_of(excerpt.source.name, excerpt.spec.path, excerpt.blob)
 
     def resolve(self, spec: Spec) -> tuple[Excerpt, str]:
         """The excerpt and how its file's blob was learned."""

@@ -1,5 +1,6 @@
 """The review report of a bump: counts per status, and for every citation a person must look at (changed or
-deleted) where the notes cite it and its old and new excerpts as one unified diff, numbered as upstream.
+deleted) where the notes cite it and its old and new excerpts as one unified diff, numbered as upstream; then
+how many highlights were carried and, for each one a person must look at, one line saying what was chosen.
 The site's change pages (pin_and_cite.changes) show the same diff, each line numbered."""
 from __future__ import annotations
 
@@ -66,6 +67,10 @@ def text_report(bump: Bump, root: Path, dry_run: bool) -> str:
     head = f"{bump.source}: {bump.old[:12]} -> {bump.new[:12]}" + (f" ({bump.tag})" if bump.tag else "")
     out = [head + ("  [dry run: nothing written]" if dry_run else ""),
            f"{len(bump.citations)} citation(s): " + ", ".join(f"{n[s]} {s}" for s in STATUSES)]
+    highlights = [h for c in bump.citations for h in c.highlights]
+    if highlights:
+        flagged = sum(1 for h in highlights if h.review)
+        out.append(f"{len(highlights)} highlight(s): {len(highlights) - flagged} carried, {flagged} to review")
     written = sorted(str(p.relative_to(root)) for p in bump.writes)
     out.append(("would write: " if dry_run else "wrote: ") + ", ".join(written))
     for key, change in sorted(bump.record.defaults.items()):
@@ -85,6 +90,13 @@ def text_report(bump: Bump, root: Path, dry_run: bool) -> str:
         diff = excerpt_diff(c.spec.path, Side(bump.old, c.old_lines, c.old_text),
                             Side(bump.new, c.answer.lines, c.new_text))
         out += ["  " + line for line in diff]
+    flagged = [h for h in highlights if h.review]
+    if flagged:
+        out.append("")
+    for h in flagged:
+        target = f'highlight="{h.literal}"' if h.literal else "left as written"
+        out.append(f'highlight {h.status}: {h.place.where(root)}: {h.place.argument} highlight="{h.place.highlight}" '
+                   f"-> {target}: {h.review}")
     return "\n".join(out)
 
 
@@ -95,4 +107,5 @@ def json_report(bump: Bump, root: Path, dry_run: bool) -> dict:
             "citations": [{**c.answer.as_json(str(c.spec)), "new_cite": str(c.new_spec) if c.new_spec else None,
                            "where": [call.where(root) for call in c.places]} for c in bump.citations],
             "defaults": [{"default": key, "old": change.old_value, "new": change.new_value}
-                         for key, change in sorted(bump.record.defaults.items())]}
+                         for key, change in sorted(bump.record.defaults.items())],
+            "highlights": [h.as_json(root) for c in bump.citations for h in c.highlights]}

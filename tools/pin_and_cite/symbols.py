@@ -5,20 +5,28 @@ import ast
 
 from pin_and_cite.errors import PinAndCiteError
 
+PYTHON_SUFFIXES = (".py", ".pyi")
 _DEFS = (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
 _BLOCKS = (ast.If, ast.Try, ast.With, ast.AsyncWith, ast.For, ast.AsyncFor, ast.While)
 
 
+def parse(source: str, filename: str) -> ast.Module:
+    try:
+        return ast.parse(source, filename=filename)
+    except SyntaxError as exc:
+        raise PinAndCiteError(f"{filename} is not valid Python (line {exc.lineno}); cite it by line range")
+
+
 def definitions(source: str, filename: str) -> dict[str, list[tuple[int, int]]]:
+    return definitions_in(parse(source, filename))
+
+
+def definitions_in(tree: ast.Module) -> dict[str, list[tuple[int, int]]]:
     """Every class/function qualified name -> spans [(first decorator or def line, last line)].
 
     Definitions under `if`/`try`/`with` blocks keep their enclosing qualified name, as at runtime; a
     name defined twice (say, in both arms of an `if`) gets two spans, which makes citing it ambiguous.
     """
-    try:
-        tree = ast.parse(source, filename=filename)
-    except SyntaxError as exc:
-        raise PinAndCiteError(f"{filename} is not valid Python (line {exc.lineno}); cite it by line range")
     found: dict[str, list[tuple[int, int]]] = {}
 
     def visit(statements, prefix: str) -> None:
