@@ -27,8 +27,8 @@ from pin_and_cite.gitobj import blob_sha, is_full_sha
 from pin_and_cite.lock import BumpRecord, RecordedChange, RecordedFile, file_key
 from pin_and_cite.notes import Written, rewrite_arguments, written_calls
 from pin_and_cite.project import Project
-from pin_and_cite.reanchor import fetch_files, file_pairs, relocate_pairs
-from pin_and_cite.relocate import FilePair, Relocation
+from pin_and_cite.reanchor import Relocated, relocate_remote
+from pin_and_cite.relocate import Relocation
 from pin_and_cite.resolve import Resolver, cited_text, text_sha256
 
 STATUSES = ("unchanged", "moved", "changed", "deleted")
@@ -75,10 +75,14 @@ def _citations_of(project: Project, name: str) -> dict[str, Carried]:
     return found
 
 
-def _new_argument(argument: str, lines: tuple[int, int]) -> str:
-    """The same literal with only its `#Lx-Ly` anchor changed (a one-line `#Lx` stays one-line if it can)."""
-    single = re.search(r"#L\d+\s*$", argument) and lines[0] == lines[1]
-    anchor = f"#L{lines[0]}" if single else f"#L{lines[0]}-L{lines[1]}"
+def _new_argument(argument: str, old: Spec, new: Spec) -> str:
+    """The same literal with only what moved changed: the `#Lx-Ly` anchor (a one-line `#Lx` stays one-line if
+    it can), and the path and symbol name when the code went into another file."""
+    argument = argument.replace(f"{old.source}:{old.path}", f"{new.source}:{new.path}", 1)
+    if new.symbol:
+        return re.sub(r"::[\w.]+(?=\s*$)", f"::{new.symbol}", argument)
+    single = re.search(r"#L\d+\s*$", argument) and new.lines[0] == new.lines[1]
+    anchor = f"#L{new.lines[0]}" if single else f"#L{new.lines[0]}-L{new.lines[1]}"
     return re.sub(r"#L\d+(?:-L\d+)?(?=\s*$)", anchor, argument)
 
 
@@ -102,9 +106,8 @@ def plan(project: Project, name: str, ref: str) -> Bump:
         found = from_distribution(project, name, path, blob)
         return found[0] if isinstance(found, tuple) else None
 
-    files = fetch_files(remote, project.store, {old: paths, new: paths}, known, installed)
-    pairs = file_pairs(paths, old, new, files)
-    for c, answer in zip(carried, relocate_pairs([c.spec for c in carried], pairs)):
+    relocated = relocate_remote(remote, project.store, [c.spec for c in carried], old, new, known, installed)
+    for c, answer in zip(carried, relocated.answers):
         c.answer = answer
     failed = [c for c in carried if c.answer.status == "error"]
     if failed:
@@ -119,28 +122,32 @@ def plan(project: Project, name: str, ref: str) -> Bump:
         for key in [k for k in table if k.startswith(f"{name}:")]:
             del table[key]
     for c in carried:
-        _carry(c, resolver, pairs[c.spec.path], old)
-    blobs = {key: blob_sha(data) if data is not None else None for key, data in files.items()}
+        _carry(c, resolver, relocated, old)
+    blobs = {key: blob_sha(data) if data is not None else None for key, data in relocated.files.items()}
+    blobs.update({(new, path): blob for path, blob in relocated.elsewhere.blobs.items()})
     record = project.lock.bumps[name] = _record(project.root, carried, old, new, tag, blobs)
     return Bump(name, old, new, tag, carried, record, {project.pins.path: pins_bytes, **_templates(carried),
                                                        project.lock.path: project.lock.dumps()})
 
 
-def _carry(c: Carried, resolver: Resolver, pair: FilePair, old: str) -> None:
-    """Decide the citation's new spec, lock it, and keep both excerpts for the review report (the file's
-    lines and symbol table come from the pair the engine used, not split or parsed again)."""
-    old_lines, new_lines = pair.old_raw, pair.new_raw
+def _carry(c: Carried, resolver: Resolver, relocated: Relocated, old: str) -> None:
+    """Decide the citation's new spec (in another file when the code went there), lock it, and keep both
+    excerpts for the review report (the files' lines and symbol tables come from what the engine used, not
+    split or parsed again)."""
+    pair = relocated.pairs[c.spec.path]
     if c.spec.symbol:
         first, last = symbols.resolve(pair.definitions("old"), c.spec.symbol, f"{c.spec.path} at {old[:12]}")
     else:
         first, last = c.spec.lines
     c.old_lines = (first, last)
-    c.old_text = list(old_lines[first - 1:last])
+    c.old_text = list(pair.old_raw[first - 1:last])
     if c.answer.lines:
-        c.new_text = list(new_lines[c.answer.lines[0] - 1:c.answer.lines[1]])
+        c.new_text = list(relocated.new_lines(c.spec.path, c.answer)[c.answer.lines[0] - 1:c.answer.lines[1]])
     if c.answer.status == "deleted":
         return
-    spec = c.spec if c.spec.symbol else Spec(c.spec.source, c.spec.path, lines=c.answer.lines)
+    path = c.answer.path or c.spec.path
+    spec = Spec(c.spec.source, path, symbol=c.answer.symbol or c.spec.symbol) if c.spec.symbol else \
+        Spec(c.spec.source, path, lines=c.answer.lines)
     try:
         excerpt, learned = resolver.resolve(spec)
     except PinAndCiteError:
@@ -154,11 +161,12 @@ def _record(root: Path, carried: list[Carried], old: str, new: str, tag: str | N
     """What the lock keeps of this bump: hashes, paths, lines and statuses, never upstream text."""
     changes, files = {}, {}
     for c in (c for c in carried if c.answer.status in REVIEWED):
-        files[c.spec.path] = RecordedFile(blobs[(old, c.spec.path)], blobs[(new, c.spec.path)])
+        for path in {c.spec.path, c.answer.path or c.spec.path}:
+            files[path] = RecordedFile(blobs.get((old, path)), blobs.get((new, path)))
         new_sha = text_sha256(cited_text(c.new_text)) if c.answer.lines else None
         changes[str(c.spec)] = RecordedChange(c.answer.status, c.old_lines, text_sha256(cited_text(c.old_text)),
                                               c.answer.lines, new_sha, str(c.new_spec) if c.new_spec else None,
-                                              [call.where(root) for call in c.places])
+                                              [call.where(root) for call in c.places], c.answer.path)
     found = Counter(c.answer.status for c in carried)
     return BumpRecord(old, new, tag, {status: found[status] for status in STATUSES}, files, changes)
 
@@ -166,10 +174,10 @@ def _record(root: Path, carried: list[Carried], old: str, new: str, tag: str | N
 def _templates(carried: list[Carried]) -> dict[Path, bytes]:
     changes: dict[Path, list[tuple[Written, str]]] = {}
     for c in carried:
-        if c.new_spec is None or c.spec.symbol or c.new_spec.lines == c.spec.lines:
+        if c.new_spec is None or c.new_spec == c.spec:
             continue
         for call in c.places:
-            changes.setdefault(call.file, []).append((call, _new_argument(call.argument, c.new_spec.lines)))
+            changes.setdefault(call.file, []).append((call, _new_argument(call.argument, c.spec, c.new_spec)))
     return {template: rewrite_arguments(template, edits) for template, edits in changes.items()}
 
 
