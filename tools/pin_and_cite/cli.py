@@ -247,6 +247,8 @@ def cmd_relocate(args) -> int:
             where = f"L{r['lines'][0]}-L{r['lines'][1]}" if r["lines"] else "-"
             if r["lines"] and not r["cite"].startswith(r["path"] + "#") and not r["cite"].startswith(r["path"] + "::"):
                 where = f"{r['path']}#{where}"                     # the code went into another file
+            if "symbol" in r:
+                where += f" ({r['symbol']})"
             print(f"{r['status']:<9} {r['cite']} -> {where}" + (f"  ({r['reason']})" if "reason" in r else ""))
     return 1 if any(r["status"] == "error" for r in results) else 0
 

@@ -5,7 +5,7 @@ their own file: `deleted` answers (a file absent at the new commit is an empty f
 name is gone from their file (its rename guess stands unless the name or the identical text is found elsewhere).
 
 Where to look, nearest first; each citation stops at the first ring that answers it:
-  1. the cited file's directory,  2. its parent and the parent's other subdirectories,  3. the rest of the tree.
+  1. the cited file's directory,  2. its parent, the parent's subdirectories and its own,  3. the rest of the tree.
 Only files with the cited file's suffix whose blob differs between the two commits are candidates (code that
 moved went into a file that changed), and a directory whose tree is the same at both commits is never opened,
 as `git diff` walks two trees. Trees are fetched one request per level, a ring's candidate blobs in one request.
@@ -200,11 +200,12 @@ class CrossFile:
         return {posixpath.dirname(path)}
 
     def _ring_2(self, path: str) -> set[str]:
+        """The parent directory, its subdirectories (the directory's siblings), and the directory's own
+        subdirectories (the file's siblings); only those whose tree changed."""
         directory = posixpath.dirname(path)
-        parent = posixpath.dirname(directory) if directory else None
-        around = directory if parent is None else parent
-        self.trees.read({around})
-        return ({parent} if parent is not None else set()) | set(self.trees.changed_subdirs(around))
+        around = {directory} | ({posixpath.dirname(directory)} if directory else set())
+        self.trees.read(around)
+        return around | {sub for d in around for sub in self.trees.changed_subdirs(d)}
 
     def _ring_3(self, path: str) -> set[str]:
         return set(self._whole_tree)
