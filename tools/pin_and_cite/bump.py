@@ -1,7 +1,8 @@
 """`bump`: move a source's pin to a new commit and carry every citation of it along, as one step.
 
 Plan first, write last: every citation of the source (in the note templates and in the lock) is relocated
-with the engine, range citations get their new line numbers, symbol citations keep their spec, and the new
+with the engine, range citations get their new line numbers, symbol citations keep their spec (both take the
+new path, and a symbol its new name, when the code went into another file: pin_and_cite.crossfile), and the new
 templates, pins.toml and lock are computed in memory. Only when all of that succeeded are the files written,
 together (atomic.atomic_write_all); `--dry-run` stops before writing. A citation that has no counterpart any
 more (deleted, or a symbol under a new name) is left as written and not locked, so `check` keeps failing on

@@ -166,6 +166,7 @@ class CrossFile:
         self.remote, self.store, self.old, self.new, self.local = remote, store, old, new, local
         self.files: dict[str, NewFile] = {}       # every candidate fetched, by path: bump reads the new text here
         self.blobs: dict[str, str] = {}           # their blob ids at the new commit
+        self.renames: dict[tuple[str, tuple[str, ...]], FilePair | None] = {}   # one diff per renamed file
 
     def follow(self, specs: list[Spec], answers: list[Relocation], pairs: dict[str, FilePair | str]) -> list[Relocation]:
         """`answers` with each lost citation's answer replaced by what was found in another file."""
@@ -235,12 +236,12 @@ class CrossFile:
     def _answer(self, lost: Lost, files: list[NewFile]) -> Relocation | None:
         if not files:
             return None
-        renamed = None if self.trees.exists_at_new(lost.spec.path) else _renamed_file(lost.pair.old, files)
-        if renamed is not None:
-            pair = _pair(lost.pair, renamed, self.old, self.new)
+        pair = self._renamed(lost, files)
+        if pair is not None:
             answer = pair.relocate_symbol(lost.spec.symbol) if lost.spec.symbol else pair.relocate_range(*lost.spec.lines)
             if answer.status not in ("deleted", "error"):
-                return _elsewhere(answer, renamed.path, f"{lost.spec.path} is now {renamed.path}")
+                return Relocation(answer.status, answer.lines, answer.reason or f"{lost.spec.path} is now {pair.path}",
+                                  pair.path)
         copies = self._copies(lost, files)
         if len(copies) == 1:
             (f, span, name), = copies
@@ -254,6 +255,15 @@ class CrossFile:
         if found is not None or lost.fallback.status != "deleted":
             return found
         return self._similar(lost, files)
+
+    def _renamed(self, lost: Lost, files: list[NewFile]) -> FilePair | None:
+        """The cited file and the file it was renamed to, if it is gone and one of `files` looks renamed from it."""
+        key = (lost.spec.path, tuple(f.path for f in files))
+        if key not in self.renames:
+            renamed = None if self.trees.exists_at_new(lost.spec.path) else _renamed_file(lost.pair.old, files)
+            self.renames[key] = renamed and FilePair(renamed.path, lost.pair.old_raw, renamed.raw,
+                                                     old_label=self.old[:12], new_label=self.new[:12])
+        return self.renames[key]
 
     def _copies(self, lost: Lost, files: list[NewFile]) -> list[tuple[NewFile, Span, str | None]]:
         """Every exact copy of the cited text (for a symbol: a whole definition), with the definition's name."""
@@ -356,14 +366,6 @@ def _renamed_file(old: Sequence[str], files: list[NewFile]) -> NewFile | None:
         if share >= best_share:
             best, best_share = f, share
     return best
-
-
-def _pair(pair: FilePair, renamed: NewFile, old: str, new: str) -> FilePair:
-    return FilePair(renamed.path, pair.old_raw, renamed.raw, old_label=old[:12], new_label=new[:12])
-
-
-def _elsewhere(answer: Relocation, path: str, reason: str) -> Relocation:
-    return Relocation(answer.status, answer.lines, answer.reason or reason, path)
 
 
 def _located(status: str, f: NewFile, span: Span, lost: Lost, name: str | None,
