@@ -6,7 +6,8 @@ c1 -> c2 in dist/ (synthetic code):
   grad_buffer.py is renamed param_and_grad_buffer.py, with reset's body edited and a method appended;
   helpers.py: scale goes and a similar scale_all appears in ops.py; twin goes and two identical copies of it
   appear in a_copy.py and b_copy.py; gone goes for good;
-  far/ (another top-level directory) changes 2 MB of files that no answer needs.
+  far_away goes from helpers.py into deep/inner/dest.py (another top-level directory);
+  far/ (another top-level directory) changes 2 MB of files that no answer needs; still/ does not change.
 """
 import json
 import os
@@ -116,7 +117,9 @@ def twin(a, b):
     total = total * 2
     return total
 '''
-HELPERS_OLD = '"""Helpers."""\n\n\n' + SCALE + "\n\n" + TWIN + "\n\ndef gone(x):\n    return x - 1\n"
+FAR_AWAY = "def far_away(path):\n    with open(path) as f:\n        return f.read()\n"
+HELPERS_OLD = ('"""Helpers."""\n\n\n' + SCALE + "\n\n" + TWIN + "\n\ndef gone(x):\n    return x - 1\n\n\n" +
+               FAR_AWAY)
 HELPERS_NEW = '"""Helpers."""\n\n\ndef kept():\n    return 0\n'
 OPS_NEW = '"""Ops."""\n\n\n' + SCALE.replace("def scale(", "def scale_all(").replace(
     "out.append(v * factor)", "out.append(v * factor + 0)")
@@ -138,11 +141,11 @@ def far_files(seed: int) -> dict[str, bytes]:
 @pytest.fixture(scope="module")
 def moves(daemon, tmp_path_factory):
     c1 = {"dist/ddp.py": DDP_OLD, "dist/grad_buffer.py": GRAD_BUFFER, "dist/helpers.py": HELPERS_OLD,
-          "dist/broken.py": BROKEN_OLD}
+          "dist/broken.py": BROKEN_OLD, "still/same.py": "def same():\n    return 1\n"}
     c2 = {"dist/ddp.py": DDP_NEW, "dist/base.py": BASE_NEW, "dist/grad_buffer.py": None,
           "dist/param_and_grad_buffer.py": PARAM_AND_GRAD_BUFFER, "dist/helpers.py": HELPERS_NEW,
           "dist/ops.py": OPS_NEW, "dist/a_copy.py": '"""A."""\n\n\n' + TWIN, "dist/b_copy.py": '"""B."""\n\n\n' + TWIN,
-          "dist/broken.py": "def f(:\n"}
+          "dist/broken.py": "def f(:\n", "deep/inner/dest.py": '"""Dest."""\n\n\n' + FAR_AWAY}
     return serve_history(daemon, tmp_path_factory.mktemp("moves-work"), "moves",
                          [{**{k: v.encode() for k, v in c1.items()}, **far_files(1)},
                           {**{k: v.encode() if v is not None else None for k, v in c2.items()}, **far_files(2)}])
@@ -230,6 +233,18 @@ def test_only_the_trees_near_the_path_and_the_changed_files_there_are_fetched(mo
     # dist/ at c2 (base, ops, a_copy, b_copy, broken, helpers, param_and_grad_buffer)
     assert kinds == ["blob"] * 9 + ["commit"] * 2 + ["tree"] * 4
     assert proxy.sent_to_client < 40_000, proxy.sent_to_client
+
+
+def test_code_moved_far_away_is_found_in_the_whole_tree_without_opening_unchanged_trees(moves, tmp_path):
+    found = relocate(moves.url, "dist/helpers.py::far_away", cache=tmp_path)
+    assert [(a["status"], a["path"], a["lines"]) for a in found] == [("moved", "deep/inner/dest.py", [4, 6])]
+    [git_dir] = (tmp_path / "git").iterdir()
+    listing = git.Repo(git_dir).git.execute(["git", "cat-file", "--batch-all-objects", "--batch-check"])
+    cached = {line.split()[0] for line in listing.splitlines()}      # what is there: never a lazy fetch
+    work = git.Repo(moves.work)
+    assert work.git.rev_parse("c2:deep/inner") in cached
+    unchanged = work.git.rev_parse("c2:still")
+    assert unchanged == work.git.rev_parse("c1:still") and unchanged not in cached
 
 
 @pytest.fixture
