@@ -53,7 +53,8 @@ class Writer:
         self.rng = rng
 
     def word(self) -> str:
-        return self.rng.choice("grad param bucket shard rank group buffer stream".split()) + f"_{self.rng.randrange(10**6)}"
+        stem = self.rng.choice("grad param bucket shard rank group buffer stream".split())
+        return f"{stem}_{self.rng.randrange(10**6)}"
 
     def function(self, name: str, indent: str = "", method: bool = False, lines: tuple = (3, 12)) -> str:
         args = ", ".join(["self"] * method + [self.word() for _ in range(self.rng.randint(0, 3))])
@@ -119,7 +120,8 @@ def synthetic(seed: int) -> tuple[dict[str, str], dict[str, str], list[str]]:
     new = {
         "core/distributed/distributed_data_parallel.py": w.module({}, {"DistributedDataParallel": kept_ddp}),
         "core/distributed/data_parallel_base.py": w.module({}, {"_BaseDataParallel": base}),
-        "core/distributed/param_and_grad_buffer.py": "# header\n" * 5 + w.module(buffer_functions, {"GradBuffer": new_buffer}),
+        "core/distributed/param_and_grad_buffer.py": "# header\n" * 5 + w.module(buffer_functions,
+                                                                                {"GradBuffer": new_buffer}),
         "core/distributed/finalize_model_grads.py": w.module({k: v for k, v in finalize.items()
                                                               if k not in ("finalize_4", *deleted)}),
         "core/distributed/dist_utils.py": w.module({k: utils[k] for k in to_sibling}),

@@ -160,7 +160,8 @@ def relocate(url: str, *cites: str, cache) -> list[dict]:
 
 
 def answers(url: str, cache, *cites: str) -> dict[str, tuple]:
-    return {a["cite"]: (a["status"], a["path"], a["lines"], a.get("symbol")) for a in relocate(url, *cites, cache=cache)}
+    return {a["cite"]: (a["status"], a["path"], a["lines"], a.get("symbol"))
+            for a in relocate(url, *cites, cache=cache)}
 
 
 FORWARD_OLD = lines_of(DDP_OLD, "    def forward(self, *inputs, **kwargs):", 3)

@@ -152,7 +152,8 @@ def _page(project: Project, source: str, record: BumpRecord, key: str, old: Side
            f"`{key}`, as the notes cited it when `tools/pin-and-cite bump` moved the pin of `{source}`.", "",
            f"- **Status:** {_status(change)}",
            f"- **Old pin:** {_pin(project, source, old, spec.path)}",
-           f"- **New pin:** {_pin(project, source, new, change.new_path or spec.path)}" + (f" (`{record.tag}`)" if record.tag else ""),
+           f"- **New pin:** {_pin(project, source, new, change.new_path or spec.path)}"
+           + (f" (`{record.tag}`)" if record.tag else ""),
            f"- **Cited by:** {_cited_by(project, change, notes)}", ""]
     if not diff:
         out.append("The text is the same at both pins, but there it has identical copies and which one the notes "

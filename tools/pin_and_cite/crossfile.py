@@ -168,7 +168,8 @@ class CrossFile:
         self.blobs: dict[str, str] = {}           # their blob ids at the new commit
         self.renames: dict[tuple[str, tuple[str, ...]], FilePair | None] = {}   # one diff per renamed file
 
-    def follow(self, specs: list[Spec], answers: list[Relocation], pairs: dict[str, FilePair | str]) -> list[Relocation]:
+    def follow(self, specs: list[Spec], answers: list[Relocation],
+               pairs: dict[str, FilePair | str]) -> list[Relocation]:
         """`answers` with each lost citation's answer replaced by what was found in another file."""
         pending = [lost for lost in (_lost(i, s, a, pairs.get(s.path)) for i, (s, a) in
                                      enumerate(zip(specs, answers))) if lost is not None]
@@ -238,7 +239,8 @@ class CrossFile:
             return None
         pair = self._renamed(lost, files)
         if pair is not None:
-            answer = pair.relocate_symbol(lost.spec.symbol) if lost.spec.symbol else pair.relocate_range(*lost.spec.lines)
+            spec = lost.spec
+            answer = pair.relocate_symbol(spec.symbol) if spec.symbol else pair.relocate_range(*spec.lines)
             if answer.status not in ("deleted", "error"):
                 return Relocation(answer.status, answer.lines, answer.reason or f"{lost.spec.path} is now {pair.path}",
                                   pair.path)

@@ -89,5 +89,6 @@ def json_report(bump: Bump, root: Path, dry_run: bool) -> dict:
     return {"source": bump.source, "from": bump.old, "to": bump.new, "tag": bump.tag, "dry_run": dry_run,
             "counts": bump.record.counts,
             "written": [] if dry_run else sorted(str(p.relative_to(root)) for p in bump.writes),
-            "citations": [{**c.answer.as_json(str(c.spec), c.spec.path), "new_cite": str(c.new_spec) if c.new_spec else None,
+            "citations": [{**c.answer.as_json(str(c.spec), c.spec.path),
+                           "new_cite": str(c.new_spec) if c.new_spec else None,
                            "where": [call.where(root) for call in c.places]} for c in bump.citations]}
