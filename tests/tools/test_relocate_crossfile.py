@@ -297,3 +297,13 @@ def test_a_citation_that_cannot_be_relocated_makes_bump_write_nothing(project, m
                      f"reading_notes/dp.md.j2:5: up:dist/broken.py::f: dist/broken.py is not valid Python at "
                      f"{moves.c2[:12]}; cite it by line range\n")
     assert {p: p.read_bytes() for p in (project.root / "reading_notes").rglob("*") if p.is_file()} == before
+
+
+def test_text_output_names_the_new_file_and_name(moves, tmp_path):
+    proc = subprocess.run([str(CLI), "relocate", "--source", str(moves.work), "--from", "c1", "--to", "c2",
+                           "dist/ddp.py::DDP.forward", "dist/helpers.py::gone"], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PIN_AND_CITE_CACHE": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [
+        f"moved     dist/ddp.py::DDP.forward -> dist/base.py#L{FORWARD_NEW[0]}-L{FORWARD_NEW[1]} (BaseDP.forward)",
+        "deleted   dist/helpers.py::gone -> -"]
