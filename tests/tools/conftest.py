@@ -152,6 +152,23 @@ class History:
     c2: str
 
 
+def serve_history(daemon, work_dir: Path, name: str, commits: list[dict[str, bytes | None]]) -> History:
+    """A repository whose commits set these files (None removes one), tagged c1, c2, ..., served by the
+    daemon as NAME.git; c1 and c2 are its first two commits."""
+    work = git.Repo.init(work_dir)
+    actor = git.Actor("Upstream", "upstream@example.com")
+    shas = []
+    for n, files in enumerate(commits, 1):
+        _write(work, {rel: data for rel, data in files.items() if data is not None})
+        removed = [rel for rel, data in files.items() if data is None]
+        if removed:
+            work.index.remove(removed, working_tree=True)
+        shas.append(work.index.commit(f"c{n}", author=actor, committer=actor).hexsha)
+        work.create_tag(f"c{n}")
+    work.clone(daemon.base / f"{name}.git", bare=True)
+    return History(work_dir, daemon.url(f"{name}.git"), *shas[:2])
+
+
 @pytest.fixture(scope="session")
 def history(daemon, tmp_path_factory) -> History:
     """c1 -> c2: pkg/mod.py gains a header, edits forward, renames helper, drops other; notes.txt turns CRLF;

@@ -101,19 +101,6 @@ def test_dry_run_writes_nothing(project, noted):
     assert snapshot(project) == before
 
 
-def test_a_citation_that_cannot_be_relocated_makes_bump_write_nothing(project, history, noted):
-    noted.write_bytes(TEMPLATE.encode() + b"{{ cite('up:pkg/gone.py#L1-L1') }}\n")
-    assert project.run("cite", "up:pkg/gone.py#L1-L1").code == 0
-    before = snapshot(project)
-    r = project.run("bump", "up", "--ref", "c2")
-    assert r.code == 2
-    assert r.err == (f"pin-and-cite: error: cannot bump up: 1 citation(s) cannot be relocated, e.g. "
-                     f"reading_notes/layers.md.j2:8: up:pkg/gone.py#L1-L1: pkg/gone.py does not exist at "
-                     f"{history.c2[:12]}\n")
-    assert snapshot(project) == before
-    assert not list((project.root / "reading_notes").glob(".*.tmp"))
-
-
 def test_unknown_ref_writes_nothing(project, noted):
     before = snapshot(project)
     r = project.run("bump", "up", "--ref", "c9")

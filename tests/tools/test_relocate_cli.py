@@ -69,9 +69,9 @@ def test_per_citation_errors_leave_the_others_answered(history, tmp_path):
     proc = relocate(history.url, "--from", history.c1, "--to", "c2", "--json", *cites, cache=tmp_path)
     assert proc.returncode == 1
     answers = json.loads(proc.stdout)
-    assert [a["status"] for a in answers] == ["error"] * 5 + ["moved"]
+    assert [a["status"] for a in answers] == ["deleted"] + ["error"] * 4 + ["moved"]
     assert [a.get("reason") for a in answers[:5]] == [
-        f"pkg/gone.py does not exist at {history.c2[:12]}",
+        f"pkg/gone.py does not exist at {history.c2[:12]}, and the cited code is not found in another file",
         f"pkg/absent.py does not exist at {history.c1[:12]}",
         "docs/notes.txt is not a Python file; cite it by line range",
         f"L30-L40 is past the end of pkg/mod.py at {history.c1[:12]} (32 lines)",

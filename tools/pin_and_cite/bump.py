@@ -1,7 +1,8 @@
 """`bump`: move a source's pin to a new commit and carry every citation of it along, as one step.
 
 Plan first, write last: every citation of the source (in the note templates and in the lock) is relocated
-with the engine, range citations get their new line numbers, symbol citations keep their spec, and the new
+with the engine, range citations get their new line numbers, symbol citations keep their spec (both take the
+new path, and a symbol its new name, when the code went into another file: pin_and_cite.crossfile), and the new
 templates, pins.toml and lock are computed in memory. Only when all of that succeeded are the files written,
 together (atomic.atomic_write_all); `--dry-run` stops before writing. A citation that has no counterpart any
 more (deleted, or a symbol under a new name) is left as written and not locked, so `check` keeps failing on
@@ -28,15 +29,15 @@ from pathlib import Path
 from pin_and_cite import bump_highlights, symbols
 from pin_and_cite.atomic import atomic_write_all
 from pin_and_cite.citation import Spec, parse_spec
-from pin_and_cite.defaults import DefaultRef, parse_key, read_default
+from pin_and_cite.defaults import DefaultRef, parse_key
 from pin_and_cite.errors import PinAndCiteError
 from pin_and_cite.fetch import from_distribution
 from pin_and_cite.gitobj import blob_sha, is_full_sha
 from pin_and_cite.lock import BumpRecord, RecordedChange, RecordedDefault, RecordedFile, file_key
 from pin_and_cite.notes import Written, rewrite_arguments, written_calls
 from pin_and_cite.project import Project
-from pin_and_cite.reanchor import fetch_files, file_pairs, relocate_pairs
-from pin_and_cite.relocate import FilePair, Relocation
+from pin_and_cite.reanchor import Relocated, relocate_remote
+from pin_and_cite.relocate import Relocation
 from pin_and_cite.resolve import Resolver, cited_text, text_sha256
 
 STATUSES = ("unchanged", "moved", "changed", "deleted")
@@ -84,10 +85,14 @@ def _citations_of(project: Project, name: str) -> dict[str, Carried]:
     return found
 
 
-def _new_argument(argument: str, lines: tuple[int, int]) -> str:
-    """The same literal with only its `#Lx-Ly` anchor changed (a one-line `#Lx` stays one-line if it can)."""
-    single = re.search(r"#L\d+\s*$", argument) and lines[0] == lines[1]
-    anchor = f"#L{lines[0]}" if single else f"#L{lines[0]}-L{lines[1]}"
+def _new_argument(argument: str, old: Spec, new: Spec) -> str:
+    """The same literal with only what moved changed: the `#Lx-Ly` anchor (a one-line `#Lx` stays one-line if
+    it can), and the path and symbol name when the code went into another file."""
+    argument = argument.replace(f"{old.source}:{old.path}", f"{new.source}:{new.path}", 1)
+    if new.symbol:
+        return re.sub(r"::[\w.]+(?=\s*$)", f"::{new.symbol}", argument)
+    single = re.search(r"#L\d+\s*$", argument) and new.lines[0] == new.lines[1]
+    anchor = f"#L{new.lines[0]}" if single else f"#L{new.lines[0]}-L{new.lines[1]}"
     return re.sub(r"#L\d+(?:-L\d+)?(?=\s*$)", anchor, argument)
 
 
@@ -99,7 +104,7 @@ def plan(project: Project, name: str, ref: str) -> Bump:
     carried = list(_citations_of(project, name).values())
     defaults = {default: project.lock.defaults[key] for key in project.lock.defaults
                 if (default := parse_key(key)).spec.source == name}
-    paths = sorted({c.spec.path for c in carried} | {default.spec.path for default in defaults})
+    paths = sorted({c.spec.path for c in carried})
     known = {}
     for path in paths:
         entry = project.lock.files.get(file_key(name, path))
@@ -113,9 +118,8 @@ def plan(project: Project, name: str, ref: str) -> Bump:
         found = from_distribution(project, name, path, blob)
         return found[0] if isinstance(found, tuple) else None
 
-    files = fetch_files(remote, project.store, {old: paths, new: paths}, known, installed)
-    pairs = file_pairs(paths, old, new, files)
-    for c, answer in zip(carried, relocate_pairs([c.spec for c in carried], pairs)):
+    relocated = relocate_remote(remote, project.store, [c.spec for c in carried], old, new, known, installed)
+    for c, answer in zip(carried, relocated.answers):
         c.answer = answer
     failed = [c for c in carried if c.answer.status == "error"]
     if failed:
@@ -130,32 +134,36 @@ def plan(project: Project, name: str, ref: str) -> Bump:
         for key in [k for k in table if k.startswith(f"{name}:")]:
             del table[key]
     for c in carried:
-        _carry(c, resolver, pairs[c.spec.path], old)
-        c.highlights = bump_highlights.carry(c, pairs[c.spec.path], resolver)
+        _carry(c, resolver, relocated, old)
+        c.highlights = bump_highlights.carry(c, relocated.same_file_pair(c.spec.path, c.answer), resolver)
     changed_defaults = {str(default): change for default, locked in defaults.items()
-                        if (change := _carry_default(default, locked.value, resolver, pairs[default.spec.path], new))}
-    blobs = {key: blob_sha(data) if data is not None else None for key, data in files.items()}
+                        if (change := _carry_default(default, locked.value, resolver))}
+    blobs = {key: blob_sha(data) if data is not None else None for key, data in relocated.files.items()}
+    blobs.update({(new, path): blob for path, blob in relocated.elsewhere.blobs.items()})
     record = project.lock.bumps[name] = _record(project.root, carried, old, new, tag, blobs)
     record.defaults = changed_defaults
     return Bump(name, old, new, tag, carried, record, {project.pins.path: pins_bytes, **_templates(carried),
                                                        project.lock.path: project.lock.dumps()})
 
 
-def _carry(c: Carried, resolver: Resolver, pair: FilePair, old: str) -> None:
-    """Decide the citation's new spec, lock it, and keep both excerpts for the review report (the file's
-    lines and symbol table come from the pair the engine used, not split or parsed again)."""
-    old_lines, new_lines = pair.old_raw, pair.new_raw
+def _carry(c: Carried, resolver: Resolver, relocated: Relocated, old: str) -> None:
+    """Decide the citation's new spec (in another file when the code went there), lock it, and keep both
+    excerpts for the review report (the files' lines and symbol tables come from what the engine used, not
+    split or parsed again)."""
+    pair = relocated.pairs[c.spec.path]
     if c.spec.symbol:
         first, last = symbols.resolve(pair.definitions("old"), c.spec.symbol, f"{c.spec.path} at {old[:12]}")
     else:
         first, last = c.spec.lines
     c.old_lines = (first, last)
-    c.old_text = list(old_lines[first - 1:last])
+    c.old_text = list(pair.old_raw[first - 1:last])
     if c.answer.lines:
-        c.new_text = list(new_lines[c.answer.lines[0] - 1:c.answer.lines[1]])
+        c.new_text = list(relocated.new_lines(c.spec.path, c.answer)[c.answer.lines[0] - 1:c.answer.lines[1]])
     if c.answer.status == "deleted":
         return
-    spec = c.spec if c.spec.symbol else Spec(c.spec.source, c.spec.path, lines=c.answer.lines)
+    path = c.answer.path or c.spec.path
+    spec = Spec(c.spec.source, path, symbol=c.answer.symbol or c.spec.symbol) if c.spec.symbol else \
+        Spec(c.spec.source, path, lines=c.answer.lines)
     try:
         excerpt, learned = resolver.resolve(spec)
     except PinAndCiteError:
@@ -164,17 +172,12 @@ def _carry(c: Carried, resolver: Resolver, pair: FilePair, old: str) -> None:
     c.new_spec = spec
 
 
-def _carry_default(ref: DefaultRef, old_value: str, resolver: Resolver, pair: FilePair | str,
-                   new: str) -> RecordedDefault | None:
-    """Lock the default as the new commit writes it; what changed (or that it is gone), or None."""
-    lock = resolver.project.lock
-    del lock.defaults[str(ref)]
+def _carry_default(ref: DefaultRef, old_value: str, resolver: Resolver) -> RecordedDefault | None:
+    """Lock the default as the new commit writes it (the resolver resolves at the new pin); what changed, or
+    that it is gone, or None."""
+    del resolver.project.lock.defaults[str(ref)]
     try:
-        if isinstance(pair, str):
-            raise PinAndCiteError(pair)
-        text = "\n".join(pair.new_raw) + "\n"
-        found = read_default(text, f"{ref.spec.path} at {new[:12]}", pair.definitions("new"), ref)
-        excerpt, learned = resolver.resolve(ref.spec)
+        found, excerpt, learned = resolver.resolve_default(ref)
     except PinAndCiteError:
         return RecordedDefault(old_value, None)
     resolver.record_default(ref, found, excerpt, learned)
@@ -186,11 +189,12 @@ def _record(root: Path, carried: list[Carried], old: str, new: str, tag: str | N
     """What the lock keeps of this bump: hashes, paths, lines and statuses, never upstream text."""
     changes, files = {}, {}
     for c in (c for c in carried if c.answer.status in REVIEWED):
-        files[c.spec.path] = RecordedFile(blobs[(old, c.spec.path)], blobs[(new, c.spec.path)])
+        for path in {c.spec.path, c.answer.path or c.spec.path}:
+            files[path] = RecordedFile(blobs.get((old, path)), blobs.get((new, path)))
         new_sha = text_sha256(cited_text(c.new_text)) if c.answer.lines else None
         changes[str(c.spec)] = RecordedChange(c.answer.status, c.old_lines, text_sha256(cited_text(c.old_text)),
                                               c.answer.lines, new_sha, str(c.new_spec) if c.new_spec else None,
-                                              [call.where(root) for call in c.places])
+                                              [call.where(root) for call in c.places], c.answer.path)
     found = Counter(c.answer.status for c in carried)
     return BumpRecord(old, new, tag, {status: found[status] for status in STATUSES}, files, changes)
 
@@ -198,12 +202,12 @@ def _record(root: Path, carried: list[Carried], old: str, new: str, tag: str | N
 def _templates(carried: list[Carried]) -> dict[Path, bytes]:
     changes: dict[Path, list[tuple]] = {}
     for c in carried:
-        lines_moved = c.new_spec is not None and not c.spec.symbol and c.new_spec.lines != c.spec.lines
+        spec_moved = c.new_spec is not None and c.new_spec != c.spec
         highlights = {id(h.place): h.literal for h in c.highlights if h.literal not in (None, h.place.highlight)}
         for call in c.places:
-            if not lines_moved and id(call) not in highlights:
+            if not spec_moved and id(call) not in highlights:
                 continue
-            argument = _new_argument(call.argument, c.new_spec.lines) if lines_moved else call.argument
+            argument = _new_argument(call.argument, c.spec, c.new_spec) if spec_moved else call.argument
             highlight = (highlights[id(call)],) if id(call) in highlights else ()
             changes.setdefault(call.file, []).append((call, argument, *highlight))
     return {template: rewrite_arguments(template, edits) for template, edits in changes.items()}

@@ -44,9 +44,10 @@ class CarriedHighlight:
                 "review": self.review}
 
 
-def carry(c: Carried, pair: FilePair, resolver: Resolver) -> list[CarriedHighlight]:
+def carry(c: Carried, pair: FilePair | None, resolver: Resolver) -> list[CarriedHighlight]:
     """The carried highlight of every place that writes one for citation `c` (already carried by bump);
-    a malformed highlight is an error naming its template line."""
+    a malformed highlight is an error naming its template line. `pair` is the cited file at both commits,
+    None when the citation's code went into another file (then only an exact move can carry a highlight)."""
     places = [place for place in c.places if place.highlight]
     if not places:
         return []
@@ -63,13 +64,16 @@ def carry(c: Carried, pair: FilePair, resolver: Resolver) -> list[CarriedHighlig
     return [_carry_one(place, old, c, pair, new_cited, statements) for place, old in zip(places, olds)]
 
 
-def _carry_one(place: Written, old: Lines, c: Carried, pair: FilePair, new_cited: Lines | None,
+def _carry_one(place: Written, old: Lines, c: Carried, pair: FilePair | None, new_cited: Lines | None,
                statements: Statements | None) -> CarriedHighlight:
     if new_cited is None:
         return CarriedHighlight(place, "left", None, "left as written with its citation")
     if c.answer.status in EXACT and c.old_lines[0] <= old[0] and old[1] <= c.old_lines[1]:
         shift = new_cited[0] - c.old_lines[0]
         status, lines, reason = ("moved" if shift else "unchanged"), (old[0] + shift, old[1] + shift), None
+    elif pair is None:
+        return CarriedHighlight(place, "left", None, "its citation's code went into another file and changed; "
+                                                    "left as written")
     else:
         answer = pair.relocate_range(*old)
         status, lines, reason = answer.status, answer.lines, answer.reason

@@ -19,7 +19,7 @@ from pin_and_cite.citation import parse_spec
 from pin_and_cite.errors import PinAndCiteError
 from pin_and_cite.fences import fence_for
 from pin_and_cite.gitobj import is_full_sha
-from pin_and_cite.lock import BumpRecord, RecordedChange
+from pin_and_cite.lock import BumpRecord, RecordedChange, RecordedFile
 from pin_and_cite.notes import note_templates
 from pin_and_cite.project import Project
 from pin_and_cite.resolve import Resolver, cited_text, text_sha256
@@ -42,7 +42,7 @@ def _check_record(project: Project, source: str, record: BumpRecord) -> None:
         if not is_full_sha(sha):
             raise PinAndCiteError(f"{what} {sha!r} is not a full 40-hex SHA")
     for path, f in record.files.items():
-        if not is_full_sha(f.old_blob) or not (f.new_blob is None or is_full_sha(f.new_blob)):
+        if not all(blob is None or is_full_sha(blob) for blob in (f.old_blob, f.new_blob)):
             raise PinAndCiteError(f"{path} has a blob that is not a full 40-hex SHA")
 
 
@@ -74,15 +74,19 @@ def recorded_sides(resolver: Resolver, source: str, record: BumpRecord, key: str
         raise PinAndCiteError("a changed citation has new lines and a new text hash, a deleted one neither")
     if change.new_cite is not None:
         parse_spec(change.new_cite)
-    files = record.files.get(spec.path)
-    if files is None:
-        raise PinAndCiteError(f"the record has no blobs for {spec.path}")
-    old = _side(resolver, source, spec.path, files.old_blob, record.old_commit, change.old_lines,
+    old_file, new_file = _recorded_file(record, spec.path), _recorded_file(record, change.new_path or spec.path)
+    old = _side(resolver, source, spec.path, old_file.old_blob, record.old_commit, change.old_lines,
                 change.old_text_sha256)
     if change.new_lines is None:
         return old, Side(record.new_commit, None, [])
-    return old, _side(resolver, source, spec.path, files.new_blob, record.new_commit, change.new_lines,
-                      change.new_text_sha256)
+    return old, _side(resolver, source, change.new_path or spec.path, new_file.new_blob, record.new_commit,
+                      change.new_lines, change.new_text_sha256)
+
+
+def _recorded_file(record: BumpRecord, path: str) -> RecordedFile:
+    if path not in record.files:
+        raise PinAndCiteError(f"the record has no blobs for {path}")
+    return record.files[path]
 
 
 def _proven(project: Project, resolver: Resolver) -> tuple[list[tuple[str, str]],
@@ -143,12 +147,13 @@ def _page(project: Project, source: str, record: BumpRecord, key: str, old: Side
           notes: dict[str, Path]) -> str:
     change, spec = record.changes[key], parse_spec(key)
     name = f" ({spec.symbol})" if spec.symbol else ""
-    diff = excerpt_diff(spec.path, old, new)
+    diff = excerpt_diff(spec.path, old, new, change.new_path)
     out = [f"# {change.status}: {spec.path} L{old.lines[0]}–L{old.lines[1]}{name}", "",
            f"`{key}`, as the notes cited it when `tools/pin-and-cite bump` moved the pin of `{source}`.", "",
            f"- **Status:** {_status(change)}",
            f"- **Old pin:** {_pin(project, source, old, spec.path)}",
-           f"- **New pin:** {_pin(project, source, new, spec.path)}" + (f" (`{record.tag}`)" if record.tag else ""),
+           f"- **New pin:** {_pin(project, source, new, change.new_path or spec.path)}"
+           + (f" (`{record.tag}`)" if record.tag else ""),
            f"- **Cited by:** {_cited_by(project, change, notes)}", ""]
     if not diff:
         out.append("The text is the same at both pins, but there it has identical copies and which one the notes "

@@ -30,9 +30,10 @@ relocation statuses (relocate, bump):
   unchanged  same lines, same text          moved    the same text at other lines
   changed    the code is still there but its text differs (or which identical copy is meant is unclear):
              `lines` is its best new location; review it
-  deleted    no counterpart at the new commit
+  deleted    no counterpart at the new commit (nor in another file)
   error      the citation cannot be answered (path absent, not Python, unparsable...): see `reason`
   Lines are compared ignoring trailing whitespace. unchanged/moved are only answered for identical text.
+  Code that left its file is followed into a renamed file or another file: the answer then names its path.
 
 exit status:
   0 ok; 1 check found broken citations, or relocate could not answer some citation; 2 bad input
@@ -131,11 +132,13 @@ def build_parser() -> argparse.ArgumentParser:
         "relocate", parents=[network], help="where do citations made at one commit point at another?",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Follow citations of a git repository from commit OLD to commit NEW: line ranges follow their\n"
-                    "text, symbols follow their qualified name. Needs no project; fetches each cited file once per\n"
-                    "commit (into the cache), however many citations there are.",
+                    "text, symbols follow their qualified name, into a renamed file or another file when the code\n"
+                    "left its own. Needs no project; fetches each cited file once per commit (into the cache),\n"
+                    "however many citations there are, and other files only for code that left its file.",
         epilog="CITE is PATH#Lstart-Lend (1-based, inclusive) or PATH::Qual.name; '-' reads one per line from stdin.\n"
                "--json prints a list in input order, one object per citation:\n"
-               '  {"cite": ..., "status": ..., "lines": [start, end] or null}, plus "reason" for errors.\n'
+               '  {"cite": ..., "status": ..., "lines": [start, end] or null, "path": the file the lines are in},\n'
+               '  plus "reason" (errors, some changed answers) and "symbol" (a definition now under another name).\n'
                "Statuses: see `pin-and-cite --help`. Exit status 1 when any citation is an error (the others are\n"
                "still answered); 2 for bad arguments or an unknown commit; 3 when the repository cannot be read.")
     relocate.add_argument("--source", required=True, metavar="GIT_URL_OR_PATH",
@@ -269,6 +272,10 @@ def cmd_relocate(args) -> int:
     else:
         for r in results:
             where = f"L{r['lines'][0]}-L{r['lines'][1]}" if r["lines"] else "-"
+            if r["lines"] and not r["cite"].startswith(r["path"] + "#") and not r["cite"].startswith(r["path"] + "::"):
+                where = f"{r['path']}#{where}"                     # the code went into another file
+            if "symbol" in r:
+                where += f" ({r['symbol']})"
             print(f"{r['status']:<9} {r['cite']} -> {where}" + (f"  ({r['reason']})" if "reason" in r else ""))
     return 1 if any(r["status"] == "error" for r in results) else 0
 

@@ -49,7 +49,7 @@ class RecordedDefault:
 
 @dataclass
 class RecordedFile:
-    old_blob: str
+    old_blob: str | None        # None: absent at the old commit, or only a new side is read from this path
     new_blob: str | None        # None: the path is gone at the new commit
 
 
@@ -63,6 +63,7 @@ class RecordedChange:
     new_text_sha256: str | None
     new_cite: str | None                        # what the lock cites now; None: left as written for a person
     cited_at: list[str]                         # note template file:line at the bump ([]: only in the lock)
+    new_path: str | None = None                 # the file new_lines are in, when the code left the cited one
 
 
 @dataclass

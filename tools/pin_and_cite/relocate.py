@@ -28,9 +28,14 @@ class Relocation:
     status: str                           # unchanged | moved | changed | deleted | error
     lines: tuple[int, int] | None         # 1-based inclusive, at the new commit
     reason: str | None = None             # for errors: why; for some `changed` answers: what to review
+    path: str | None = None               # the file `lines` are in, when not the cited one (pin_and_cite.crossfile)
+    symbol: str | None = None             # the definition's qualified name there, when not the cited one
 
-    def as_json(self, cite: str) -> dict:
-        out = {"cite": cite, "status": self.status, "lines": list(self.lines) if self.lines else None}
+    def as_json(self, cite: str, cited_path: str | None = None) -> dict:
+        out = {"cite": cite, "status": self.status, "lines": list(self.lines) if self.lines else None,
+               "path": (self.path or cited_path) if self.lines else None}
+        if self.symbol:
+            out["symbol"] = self.symbol
         if self.reason:
             out["reason"] = self.reason
         return out
@@ -173,10 +178,10 @@ class FilePair:
     def _renamed(self, name: str, old_text: list[str]) -> Relocation:
         """A name that is gone: the most similar definition of the same kind under a name that is new."""
         old_defs, new_defs = self.definitions("old"), self.definitions("new")
-        kind = _kind(old_text)
+        kind = definition_kind(old_text)
         candidates = [(new_name, spans[0]) for new_name, spans in new_defs.items()
                       if new_name not in old_defs and len(spans) == 1
-                      and _kind(self.new[spans[0][0] - 1:spans[0][1]]) == kind]
+                      and definition_kind(self.new[spans[0][0] - 1:spans[0][1]]) == kind]
         scored = [(similarity(old_text, self.new[a - 1:b], RENAMED_SIMILARITY), new_name, (a, b))
                   for new_name, (a, b) in candidates]
         scored = [s for s in scored if s[0] >= RENAMED_SIMILARITY]
@@ -190,7 +195,7 @@ def _inside(span: Span, region: Span | None) -> bool:
     return region is not None and region[0] <= span[0] and span[1] <= region[1]
 
 
-def _kind(lines: Sequence[str]) -> str:
+def definition_kind(lines: Sequence[str]) -> str:
     """'class' or 'def': the keyword of a definition's first line that opens one (decorators come before)."""
     for line in lines:
         words = line.split()

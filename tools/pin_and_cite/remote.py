@@ -136,21 +136,28 @@ class Remote:
             found[oid] = data
         return found
 
+    def root_tree(self, commit: str) -> str:
+        self.fetch_commit(commit)
+        return self.read(commit).split(b"\n", 1)[0].split()[1].decode()   # "tree <sha>"
+
+    def entries(self, tree: str) -> dict[str, tuple[str, str]]:
+        """A fetched tree's entries: name -> (object id, kind), kind being "tree", "file" (a regular file's
+        blob), "link" (a symlink's blob) or "commit" (a submodule)."""
+        kinds = {0o04: "tree", 0o10: "file", 0o12: "link", 0o16: "commit"}
+        return {name: (binsha.hex(), kinds.get(mode >> 12, "other"))
+                for binsha, mode, name in tree_entries_from_data(self.read(tree))}
+
     def blob_ids(self, commit: str, paths: list[str]) -> dict[str, str | None]:
         """Each path's blob id at `commit` (None when the path is absent), walking only the trees needed."""
-        self.fetch_commit(commit)
-        root = self.read(commit).split(b"\n", 1)[0].split()[1].decode()   # "tree <sha>"
+        root = self.root_tree(commit)
         pending = {path: (root, path.split("/")) for path in paths}
         found: dict[str, str | None] = {}
         while pending:
             self.fetch_objects([tree for tree, _ in pending.values()], f"fetching trees at {commit[:12]}")
             advanced = {}
             for path, (tree, parts) in pending.items():
-                entries = {name: (binsha.hex(), mode) for binsha, mode, name in
-                           tree_entries_from_data(self.read(tree))}
-                oid, mode = entries.get(parts[0], (None, None))
-                is_dir = mode is not None and mode >> 12 == 0o04
-                if oid is None or is_dir != (len(parts) > 1):
+                oid, kind = self.entries(tree).get(parts[0], (None, None))
+                if oid is None or (kind == "tree") != (len(parts) > 1):
                     found[path] = None
                 elif len(parts) == 1:
                     found[path] = oid

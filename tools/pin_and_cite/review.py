@@ -26,13 +26,14 @@ def _anchor(lines: tuple[int, int] | None) -> str:
     return f"#L{lines[0]}-L{lines[1]}" if lines else " (no counterpart)"
 
 
-def excerpt_diff(path: str, old: Side, new: Side) -> list[str]:
-    """Old vs new excerpt, whole (every line as context), with hunk headers in upstream line numbers."""
+def excerpt_diff(path: str, old: Side, new: Side, new_path: str | None = None) -> list[str]:
+    """Old vs new excerpt, whole (every line as context), with hunk headers in upstream line numbers;
+    `new_path` names the new side's file when the code went into another one."""
     old_start = old.lines[0]
     new_start = new.lines[0] if new.lines else 0
     diff = difflib.unified_diff(old.text, new.text, lineterm="", n=max(len(old.text), len(new.text)),
                                 fromfile=f"{path}{_anchor(old.lines)} @ {old.commit[:12]}",
-                                tofile=f"{path}{_anchor(new.lines)} @ {new.commit[:12]}")
+                                tofile=f"{new_path or path}{_anchor(new.lines)} @ {new.commit[:12]}")
 
     def renumber(line: str) -> str:
         match = HUNK.fullmatch(line)
@@ -88,7 +89,7 @@ def text_report(bump: Bump, root: Path, dry_run: bool) -> str:
         places = [call.where(root) for call in c.places] + (["citations.lock"] if c.in_lock and not c.places else [])
         out.append("  cited at " + ", ".join(places))
         diff = excerpt_diff(c.spec.path, Side(bump.old, c.old_lines, c.old_text),
-                            Side(bump.new, c.answer.lines, c.new_text))
+                            Side(bump.new, c.answer.lines, c.new_text), c.answer.path)
         out += ["  " + line for line in diff]
     flagged = [h for h in highlights if h.review]
     if flagged:
@@ -104,7 +105,8 @@ def json_report(bump: Bump, root: Path, dry_run: bool) -> dict:
     return {"source": bump.source, "from": bump.old, "to": bump.new, "tag": bump.tag, "dry_run": dry_run,
             "counts": bump.record.counts,
             "written": [] if dry_run else sorted(str(p.relative_to(root)) for p in bump.writes),
-            "citations": [{**c.answer.as_json(str(c.spec)), "new_cite": str(c.new_spec) if c.new_spec else None,
+            "citations": [{**c.answer.as_json(str(c.spec), c.spec.path),
+                           "new_cite": str(c.new_spec) if c.new_spec else None,
                            "where": [call.where(root) for call in c.places]} for c in bump.citations],
             "defaults": [{"default": key, "old": change.old_value, "new": change.new_value}
                          for key, change in sorted(bump.record.defaults.items())],

@@ -1,0 +1,292 @@
+"""Cross-file relocation: citations whose code left its file, scored on histories built here.
+
+Histories (each two commits of a throwaway repository under the cache, never in this project):
+  synthetic   (default) generated code (no upstream text) with the moves Megatron-LM 0.10.0 made, per seed:
+              four DistributedDataParallel methods moved with identical text into a new data_parallel_base.py,
+              grad_buffer.py renamed param_and_grad_buffer.py and edited, functions moved into a sibling and
+              into a far directory, one moved and edited, one copied into two files, some deleted, and churn
+              in unrelated files;
+  --megatron  megatron-core 0.9.0 and 0.10.0 from PyPI (`pip download --no-deps`, cached outside the project).
+
+Citations: every uniquely named definition of the cited files at the old commit, and its body as a range
+(synthetic: the five files the moves touch; megatron: megatron/core/distributed/*.py). Ground truth is computed
+here from the texts, independently of the engine: the cited lines (trailing whitespace stripped) found
+  once in the same file            -> same-file: correct = unchanged/moved there;
+  not in the same file, once elsewhere -> moved away: correct = unchanged/moved at that path and lines;
+  not in the same file, several times elsewhere -> ambiguous: correct = changed (never moved);
+  nowhere                          -> edited or gone: correct = changed or deleted (flagged).
+Silent wrong pointer: an unchanged/moved answer whose lines at its path do not hold exactly the cited text.
+Time: wall and CPU seconds of one `relocate` process per set (same-file, cross-file), CPU being steadier on a
+shared machine.
+
+    .venv/bin/python benchmarks/relocate_crossfile.py [--seeds 5] [--megatron] [--cli tools/pin-and-cite]
+
+`--cli` runs another checkout's CLI on the same citations (to compare times with the engine before this change).
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import random
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CACHE = Path(os.environ.get("RELOCATE_BENCH_CACHE", Path.home() / ".cache" / "relocate-bench"))
+GIT = ["git", "-c", "user.name=bench", "-c", "user.email=bench@example.com"]
+
+
+# -- synthetic histories ----------------------------------------------------------------------------------
+
+class Writer:
+    """Generated Python: functions and classes of made-up statements, unique per seed."""
+
+    def __init__(self, rng: random.Random):
+        self.rng = rng
+
+    def word(self) -> str:
+        stem = self.rng.choice("grad param bucket shard rank group buffer stream".split())
+        return f"{stem}_{self.rng.randrange(10**6)}"
+
+    def function(self, name: str, indent: str = "", method: bool = False, lines: tuple = (3, 12)) -> str:
+        args = ", ".join(["self"] * method + [self.word() for _ in range(self.rng.randint(0, 3))])
+        body = [f'{indent}    """{self.word()} for {self.word()}."""']
+        for _ in range(self.rng.randint(*lines)):
+            body.append(f"{indent}    {self.word()} = {self.word()}({self.word()}) * {self.rng.randint(1, 9)}")
+        body.append(f"{indent}    return {self.word()}")
+        return f"{indent}def {name}({args}):\n" + "\n".join(body) + "\n"
+
+    def module(self, functions: dict[str, str], classes: dict[str, dict[str, str]] | None = None) -> str:
+        parts = [f'"""{self.word()}."""\nimport torch\n']
+        parts += [f"class {cls}:\n    \"\"\"{self.word()}.\"\"\"\n\n" + "\n".join(methods.values())
+                  for cls, methods in (classes or {}).items()]
+        parts += list(functions.values())
+        return "\n\n".join(parts)
+
+    def functions(self, prefix: str, n: int) -> dict[str, str]:
+        return {f"{prefix}_{k}": self.function(f"{prefix}_{k}") for k in range(n)}
+
+    def methods(self, names: list[str]) -> dict[str, str]:
+        return {name: self.function(name, "    ", method=True) for name in names}
+
+
+def edited(rng: random.Random, text: str) -> str:
+    """The text with one body line rewritten."""
+    lines = text.split("\n")
+    k = rng.choice([i for i, line in enumerate(lines) if " = " in line])
+    lines[k] = lines[k].replace(" * ", " + ", 1)
+    return "\n".join(lines)
+
+
+def synthetic(seed: int) -> tuple[dict[str, str], dict[str, str], list[str]]:
+    """(files at the old commit, files at the new one, the cited paths)."""
+    rng = random.Random(seed)
+    w = Writer(rng)
+    moved_names = ["forward", "state_dict", "load_state_dict", "state_dict_for_save_checkpoint"]
+    ddp = w.methods(["__init__", *moved_names, "zero_grad_buffer", "start_grad_sync", "finish_grad_sync"])
+    buffer_methods = w.methods(["__init__", "reset", "scale_gradients", "start_param_sync", "finish_param_sync",
+                                "register_grad_ready"])
+    buffer_functions = w.functions("partition", 3)
+    utils = w.functions("util", 8)
+    finalize = w.functions("finalize", 6)
+    gpt = w.functions("gpt_helper", 5)
+    noise = {f"core/transformer/block_{k}.py": w.functions(f"block_{k}", 6) for k in range(6)}
+    noise.update({f"core/tensor_parallel/layer_{k}.py": w.functions(f"layer_{k}", 6) for k in range(4)})
+    old = {
+        "core/distributed/distributed_data_parallel.py": w.module({}, {"DistributedDataParallel": ddp}),
+        "core/distributed/grad_buffer.py": w.module(buffer_functions, {"GradBuffer": buffer_methods}),
+        "core/distributed/finalize_model_grads.py": w.module(finalize),
+        "core/utils.py": w.module(utils),
+        "core/models/gpt/gpt_model.py": w.module(gpt),
+        **{path: w.module(fns) for path, fns in noise.items()},
+    }
+    cited = list(old)[:5]
+    new_buffer = dict(buffer_methods)
+    for name in ("reset", "start_param_sync"):
+        new_buffer[name] = edited(rng, new_buffer[name])
+    new_buffer["grad_data"] = w.function("grad_data", "    ", method=True)
+    kept_ddp = {k: v for k, v in ddp.items() if k not in moved_names}
+    base = {"__init__": w.function("__init__", "    ", method=True), **{k: ddp[k] for k in moved_names}}
+    to_sibling, to_far = ["util_0", "util_1", "util_2"], ["gpt_helper_0"]
+    copied, deleted = "util_3", ["util_4", "finalize_5", "gpt_helper_4"]
+    new = {
+        "core/distributed/distributed_data_parallel.py": w.module({}, {"DistributedDataParallel": kept_ddp}),
+        "core/distributed/data_parallel_base.py": w.module({}, {"_BaseDataParallel": base}),
+        "core/distributed/param_and_grad_buffer.py": "# header\n" * 5 + w.module(buffer_functions,
+                                                                                {"GradBuffer": new_buffer}),
+        "core/distributed/finalize_model_grads.py": w.module({k: v for k, v in finalize.items()
+                                                              if k not in ("finalize_4", *deleted)}),
+        "core/distributed/dist_utils.py": w.module({k: utils[k] for k in to_sibling}),
+        "core/distributed/grad_helpers.py": w.module({"finalize_4": edited(rng, finalize["finalize_4"])}),
+        "core/utils.py": w.module({k: v for k, v in utils.items() if k not in (*to_sibling, copied, *deleted)}),
+        "core/models/gpt/gpt_model.py": w.module({k: v for k, v in gpt.items() if k not in (*to_far, *deleted)}),
+        "core/tensor_parallel/random_utils.py": w.module({k: gpt[k] for k in to_far}),
+        "core/transformer/copy_a.py": w.module({copied: utils[copied]}),
+        "core/transformer/copy_b.py": w.module({copied: utils[copied]}),
+        **{path: w.module({**fns, **w.functions(f"churn_{i}", 2)}) for i, (path, fns) in enumerate(noise.items())},
+    }
+    return old, new, cited
+
+
+# -- megatron-core from PyPI ---------------------------------------------------------------------------
+
+def wheel_files(version: str) -> dict[str, str]:
+    wheels = CACHE / "wheels"
+    found = sorted(wheels.glob(f"megatron_core-{version}-*.whl"))
+    if not found:
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", f"megatron-core=={version}",
+                        "-d", str(wheels)], check=True)
+        found = sorted(wheels.glob(f"megatron_core-{version}-*.whl"))
+    with zipfile.ZipFile(found[0]) as whl:
+        return {name: whl.read(name).decode("utf-8") for name in whl.namelist()
+                if name.startswith("megatron/core/") and name.endswith(".py")}
+
+
+def megatron() -> tuple[dict[str, str], dict[str, str], list[str]]:
+    old, new = wheel_files("0.9.0"), wheel_files("0.10.0")
+    return old, new, sorted(p for p in old if p.startswith("megatron/core/distributed/"))
+
+
+# -- the repository and the citations ------------------------------------------------------------------
+
+def commit_history(where: Path, old: dict[str, str], new: dict[str, str]) -> None:
+    subprocess.run(GIT + ["init", "-q", str(where)], check=True)
+    for tag, files in (("old", old), ("new", new)):
+        subprocess.run(["git", "-C", str(where), "rm", "-rq", "--ignore-unmatch", "."], check=True)
+        for rel, text in files.items():
+            (where / rel).parent.mkdir(parents=True, exist_ok=True)
+            (where / rel).write_text(text)
+        subprocess.run(["git", "-C", str(where), "add", "-A"], check=True)
+        subprocess.run(GIT + ["-C", str(where), "commit", "-qm", tag], check=True)
+        subprocess.run(["git", "-C", str(where), "tag", tag], check=True)
+
+
+def lines(text: str) -> list[str]:
+    out = text.split("\n")
+    return out[:-1] if out and out[-1] == "" else out
+
+
+def unique_definitions(text: str) -> dict[str, tuple[int, int]]:
+    """Qualified name -> (first decorator or def line, last line) of each name defined once."""
+    spans: dict[str, list] = {}
+
+    def visit(node, prefix):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                top = min([child.lineno] + [d.lineno for d in child.decorator_list])
+                spans.setdefault(prefix + child.name, []).append((top, child.end_lineno))
+                visit(child, prefix + child.name + ".")
+            elif isinstance(child, (ast.stmt, ast.excepthandler)):
+                visit(child, prefix)
+
+    visit(ast.parse(text), "")
+    return {name: s[0] for name, s in spans.items() if len(s) == 1}
+
+
+def citations(old: dict[str, str], cited: list[str]) -> list[tuple[str, str, tuple[int, int]]]:
+    """(cite, path, cited lines): each unique definition, and its body when it has more than one line."""
+    out = []
+    for path in cited:
+        for name, (a, b) in sorted(unique_definitions(old[path]).items()):
+            out.append((f"{path}::{name}", path, (a, b)))
+            if b > a:
+                out.append((f"{path}#L{a + 1}-L{b}", path, (a + 1, b)))
+    return out
+
+
+def norm(block: list[str]) -> list[str]:
+    return [line.rstrip() for line in block]
+
+
+def occurrences(block: list[str], text_lines: list[str]) -> list[int]:
+    n = len(block)
+    return [i + 1 for i in range(len(text_lines) - n + 1) if text_lines[i] == block[0] and text_lines[i:i + n] == block]
+
+
+def truth(old: dict, new_lines: dict, path: str, span: tuple[int, int]) -> tuple[str, tuple | None]:
+    block = norm(lines(old[path])[span[0] - 1:span[1]])
+    same = occurrences(block, new_lines.get(path, []))
+    if len(same) == 1:
+        return "same-file", (path, same[0], same[0] + len(block) - 1)
+    if same:
+        return "duplicated", None
+    elsewhere = [(p, s) for p, text in new_lines.items() if p != path for s in occurrences(block, text)]
+    if len(elsewhere) == 1:
+        p, s = elsewhere[0]
+        return "moved away", (p, s, s + len(block) - 1)
+    return ("ambiguous", None) if elsewhere else ("edited or gone", None)
+
+
+def _children_cpu() -> float:
+    """CPU seconds used by finished child processes: steadier than wall time on a shared machine."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def score(old: dict, new: dict, cited: list[str], cli: str, work: Path) -> tuple[Counter, dict[str, float]]:
+    repo = work / "repo"
+    commit_history(repo, old, new)
+    cases = citations(old, cited)
+    new_lines = {p: norm(lines(t)) for p, t in new.items()}
+    truths = [truth(old, new_lines, path, span) for _, path, span in cases]
+    tally, seconds = Counter(), {}
+    for kind in ("same-file", "cross-file"):
+        picked = [(c, t) for c, t in zip(cases, truths) if (t[0] == "same-file") == (kind == "same-file")]
+        if not picked:
+            continue
+        started, cpu = time.perf_counter(), _children_cpu()
+        proc = subprocess.run([cli, "relocate", "--source", str(repo), "--from", "old", "--to", "new", "--json", "-"],
+                              input="".join(c[0] + "\n" for c, _ in picked), capture_output=True, text=True,
+                              env={**os.environ, "PIN_AND_CITE_CACHE": str(work / "cache")})
+        seconds[kind] = time.perf_counter() - started
+        seconds[f"{kind} cpu"] = _children_cpu() - cpu
+        if proc.returncode not in (0, 1):
+            raise SystemExit(f"relocate failed: {proc.stderr}")
+        for ((cite, path, span), (category, where)), answer in zip(picked, json.loads(proc.stdout)):
+            status, answer_lines = answer["status"], answer["lines"]
+            at = answer.get("path") or path
+            tally[category] += 1
+            tally[f"{category}: {status}"] += 1
+            if status in ("unchanged", "moved"):
+                text = new_lines.get(at, [])[answer_lines[0] - 1:answer_lines[1]]
+                tally["silent wrong pointers"] += text != norm(lines(old[path])[span[0] - 1:span[1]])
+            if where is not None and status in ("unchanged", "moved") and (at, *answer_lines) == where:
+                tally["relocated" if category == "moved away" else "same-file relocated"] += 1
+            if category in ("ambiguous", "edited or gone", "duplicated") and status in ("changed", "deleted"):
+                tally["flagged"] += 1
+            tally["answered in another file"] += at != path and status != "deleted"
+    return tally, seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", type=int, default=5, help="synthetic histories to build (default 5)")
+    parser.add_argument("--megatron", action="store_true", help="megatron-core 0.9.0 -> 0.10.0 instead")
+    parser.add_argument("--cli", default=str(ROOT / "tools" / "pin-and-cite"), help="the pin-and-cite to run")
+    args = parser.parse_args()
+    histories = [("megatron-core 0.9.0 -> 0.10.0", megatron())] if args.megatron else \
+        [(f"synthetic seed {seed}", synthetic(seed)) for seed in range(args.seeds)]
+    total, total_seconds = Counter(), Counter()
+    for name, (old, new, cited) in histories:
+        with tempfile.TemporaryDirectory(dir=CACHE.mkdir(parents=True, exist_ok=True) or CACHE) as work:
+            tally, seconds = score(old, new, cited, args.cli, Path(work))
+        total.update(tally)
+        total_seconds.update(seconds)
+        print(f"{name}: " + ", ".join(f"{k} {v}" for k, v in sorted(tally.items())) +
+              "; " + ", ".join(f"{k} {v:.2f}s" for k, v in seconds.items()))
+    print(f"all: relocated {total['relocated']} of {total['moved away']} moved away, flagged {total['flagged']} of "
+          f"{total['ambiguous'] + total['edited or gone'] + total['duplicated']}, silent wrong pointers "
+          f"{total['silent wrong pointers']}, same-file {total['same-file relocated']} of "
+          f"{total['same-file']}; time: " + ", ".join(f"{k} {v:.2f}s" for k, v in total_seconds.items()))
+
+
+if __name__ == "__main__":
+    main()
