@@ -138,7 +138,8 @@ def test_memory_chart_is_drawn_from_the_formulas():
     assert limit.billions == [0.25, 0.5, 1.0, 2.0, 4.0, 8.0]
     assert limit.ddp_GB == [16 * b for b in limit.billions] and limit.fsdp_GB == [2 * b for b in limit.billions]
     chart = diagrams.chart_training_memory(limit)
-    assert chart.startswith("```mermaid\nxychart-beta\n")
+    assert chart.startswith("```mermaid\n%%{init: ") and "\nxychart-beta\n" in chart
+    assert "red: DDP (every rank holds all 16 B per parameter) · " in chart and "blue: FSDP over 8 ranks" in chart
     assert '  x-axis "parameters" ["0.25B", "0.5B", "1B", "2B", "4B", "8B"]' in chart
     assert [line for line in chart.split("\n") if line.startswith("  line")] == [
         "  line [4, 8, 16, 32, 64, 128]", "  line [0.5, 1, 2, 4, 8, 16]", "  line [16, 16, 16, 16, 16, 16]"]

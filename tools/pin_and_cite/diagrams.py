@@ -163,17 +163,26 @@ def pipeline(trace: dict) -> str:
     return mermaid_fence(body)
 
 
+CHART_COLORS = (("#c62828", "red"), ("#1565c0", "blue"), ("#ef8f00", "amber"))   # one per line, in order
+
+
 def chart_training_memory(limit) -> str:
-    """xychart-beta lines (mermaid has no legend for them, so the title names them, steepest first)."""
+    """xychart-beta lines in three distinct colors, with a legend under the chart (mermaid draws none for
+    line charts): DDP's bytes per rank, FSDP's over `world` ranks, and one GPU's memory."""
     sizes = ", ".join(f'"{b:g}B"' for b in limit.billions)
-    title = (f"Weights, gradients and Adam states per rank ({limit.bytes_per_param} B per parameter), steepest "
-             f"first - DDP, FSDP over {limit.world} ranks, one {limit.gpu_GB:g} GB GPU (activations aside)")
+    palette = ", ".join(color for color, _ in CHART_COLORS)
     top = max(limit.ddp_GB)
-    body = ["xychart-beta", f'  title "{gantt_text(title)}"', f'  x-axis "parameters" [{sizes}]',
-            f'  y-axis "GB per rank" 0 --> {top:g}', f"  line [{', '.join(f'{v:g}' for v in limit.ddp_GB)}]",
+    body = ['%%{init: {"themeVariables": {"xyChart": {"plotColorPalette": "' + palette + '"}}}}%%', "xychart-beta",
+            f'  title "{gantt_text(f"Per-rank training memory, {limit.bytes_per_param} B per parameter")}"',
+            f'  x-axis "parameters" [{sizes}]', f'  y-axis "GB per rank" 0 --> {top:g}',
+            f"  line [{', '.join(f'{v:g}' for v in limit.ddp_GB)}]",
             f"  line [{', '.join(f'{v:g}' for v in limit.fsdp_GB)}]",
             f"  line [{', '.join(f'{limit.gpu_GB:g}' for _ in limit.billions)}]"]
-    return mermaid_fence(body)
+    names = [f"DDP (every rank holds all {limit.bytes_per_param} B per parameter)",
+             f"FSDP over {limit.world} ranks", f"one {limit.gpu_GB:g} GB GPU (activations aside)"]
+    legend = " · ".join(f'<span style="color:{color}">■</span> {word}: {name}'
+                        for (color, word), name in zip(CHART_COLORS, names))
+    return mermaid_fence(body) + f'\n<p class="chart-legend">{legend}</p>\n'
 
 
 GENERATORS = {"tp_block": tp_block, "fsdp_forward": fsdp_forward, "pipeline": pipeline}
