@@ -38,7 +38,7 @@ import functools
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -325,6 +325,15 @@ class CollectiveRecorder(TorchDispatchMode):
                 entry["count"] += 1
                 entry["bytes"] += e.nbytes
         return out
+
+    def summary_by_group(self, kind_of: Callable[[tuple[int, ...]], str],
+                         kinds: tuple[str, ...] = ()) -> dict[str, dict[str, dict[str, int]]]:
+        """{kind: summary()} of this rank's events by the group each ran on, named by `kind_of(group_ranks)`
+        (e.g. ParallelLayout.group_kind: "tp", "pp", "dp", else "other"); `kinds` come first, even if empty."""
+        by_kind: dict[str, list[CollectiveEvent]] = {kind: [] for kind in kinds}
+        for event in self.events:
+            by_kind.setdefault(kind_of(event.group_ranks), []).append(event)
+        return {kind: self.summary(events=events) for kind, events in by_kind.items()}
 
     def to_dict(self) -> dict:
         """Plain data for JSON and the notes' diagram generator; times are relative to the first record."""
