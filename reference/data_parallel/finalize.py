@@ -9,8 +9,8 @@ order is Megatron's, not a requirement. Tied-embedding and pipeline-stage reduct
 
 The same call finalizes a reference FSDP chunk (reference.data_parallel.fsdp_tp): its `finish_grad_sync()` has
 nothing to wait for (its own end-of-backward callback waited for the reduce-scatters), so only the TP sum
-remains, and FSDP x TP runs it on the sharded gradients (fsdp_tp says why that is right). Megatron's finalize_model_grads likewise serves DDP and
-its FSDP wrappers, which both expose `finish_grad_sync`.
+remains, and FSDP x TP runs it on the sharded gradients (fsdp_tp says why that is right). Megatron's
+finalize_model_grads likewise serves DDP and its FSDP wrappers, which both expose `finish_grad_sync`.
 """
 from __future__ import annotations
 
