@@ -16,9 +16,10 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from common import finish, init
+from reference.torch_patches import cuda_calls_on_cpu
 
 device = init()
-torch.cuda.current_device = lambda: "cpu"
+cuda_calls_on_cpu()
 
 from megatron.core import parallel_state as mpu  # noqa: E402
 from megatron.core.model_parallel_config import ModelParallelConfig  # noqa: E402
