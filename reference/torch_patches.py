@@ -132,8 +132,9 @@ def cuda_calls_on_cpu() -> None:
     Why: megatron-core allocates some buffers on `torch.cuda.current_device()` even with
     use_cpu_initialization (its gather and sequence-parallel paths in megatron-lm:megatron/core/tensor_parallel/layers.py),
     and its pipeline schedules call `torch.cuda.synchronize()`; redirected, megatron itself runs as an oracle on
-    CPU/gloo. Replaces pytorch:torch/cuda/__init__.py::current_device and ::synchronize on the `torch.cuda`
-    module, where megatron looks them up at each call.
+    CPU/gloo. Replaces pytorch:torch/cuda/__init__.py::current_device and
+    pytorch:torch/cuda/__init__.py::synchronize on the `torch.cuda` module, where megatron looks them up at each
+    call.
     """
     require_pinned_torch()
     torch.cuda.current_device = lambda: "cpu"
