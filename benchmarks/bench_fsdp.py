@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from reference.distributed import distributed
-from reference.fsdp.demo import shard_model, sharded_parameter_bytes
+from reference.fsdp.units import shard_model, sharded_parameter_bytes
 from reference.model import ModelConfig, build_model, next_token_loss, synthetic_batches
 from reference.recorder import CollectiveRecorder
 

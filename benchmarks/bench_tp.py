@@ -23,8 +23,10 @@ import time
 import torch
 import torch.distributed as dist
 
+from reference.torch_patches import cuda_calls_on_cpu
+
 if not torch.cuda.is_available():  # megatron allocates some buffers on torch.cuda.current_device()
-    torch.cuda.current_device = lambda: "cpu"
+    cuda_calls_on_cpu()
 
 from megatron.core import parallel_state as mpu  # noqa: E402
 from megatron.core.model_parallel_config import ModelParallelConfig  # noqa: E402

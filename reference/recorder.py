@@ -14,19 +14,21 @@ Conventions (the notes' byte formulas are checked against these):
     reduce_scatter: the bytes of the unreduced full input (group size x the local output).
     gather / scatter: group size x the per-rank piece. Coalesced ops sum over their tensors.
   * `shape` is the shape of that full tensor (of the first one for coalesced ops; `num_tensors` says how many).
-  * `phase` is "backward" when the autograd engine is running (`torch._C._current_graph_task_id() != -1`).
+  * `phase` is "backward" when the autograd engine is running (`current_graph_task_id() != -1`; every
+    private torch API used here is named in reference.torch_patches).
   * `module` is the innermost scope active when the op was issued. Scopes come from `rec.scope(name)` and from
     `rec.watch(model)` (forward hooks that push each submodule's qualified name). Backward runs outside those
     Python scopes, so each forward scope also remembers the range of autograd sequence numbers of the graph
     nodes created inside it; in backward the op is attributed to the innermost forward scope that created the
-    autograd node currently executing (`torch._C._current_autograd_node()`). When that node accumulates a
+    autograd node currently executing (`current_autograd_node()`). When that node accumulates a
     watched parameter's gradient (hooks on AccumulateGrad, e.g. FSDP1's post-backward reduce-scatter), the op
     goes to the module owning the parameter. Ops issued from no node (autograd's final callbacks, e.g. FSDP2's
     last reduce-scatters) have module "" unless a scope is open. A scope opened during backward itself
     (e.g. `with rec.scope("unit0"):` inside a hook) takes precedence over all of these.
   * `start` / `end` are `time.perf_counter()` seconds. `start` is when the op was issued. For c10d ops `end` is
-    when the caller's `Work.wait()` returned (the recorder wraps `Work.wait` while active; synchronous calls
-    wait inside torch.distributed), or, if the work is never waited in Python, when its future completed.
+    when the caller's `Work.wait()` returned (the recorder wraps `Work.wait` while active, through
+    reference.torch_patches.work_wait_observed; synchronous calls wait inside torch.distributed), or, if the
+    work is never waited in Python, when its future completed.
     Functional collectives have no `Work`: `end` is when the op returned, or when `wait_tensor` ran under the
     recorder. `async_op` is the flag the caller passed (True for functional collectives).
 """
@@ -38,12 +40,13 @@ import functools
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import ProcessGroup, Work
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from reference import torch_patches
 
 # dispatcher op name -> (normalized op, argument holding the full tensor(s), multiply its bytes by group size)
 _OPS = {
@@ -115,7 +118,7 @@ class Span:
 
 
 def current_phase() -> str:
-    return "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+    return "backward" if torch_patches.current_graph_task_id() != -1 else "forward"
 
 
 def _tensors(value) -> list[torch.Tensor]:
@@ -130,8 +133,6 @@ def _tensors(value) -> list[torch.Tensor]:
 class CollectiveRecorder(TorchDispatchMode):
     """`with CollectiveRecorder() as rec: ...` then read `rec.events`, `rec.spans`, `rec.summary()`."""
 
-    _wait_patch_users = 0
-
     def __init__(self) -> None:
         super().__init__()
         self.events: list[CollectiveEvent] = []
@@ -139,24 +140,25 @@ class CollectiveRecorder(TorchDispatchMode):
         self._stack: list[tuple[str, str]] = []          # (name, phase it was opened in)
         self._forward_ranges: list[tuple[int, int, str]] = []  # autograd seq-nr [lo, hi) -> scope name
         self._param_owner: dict[int, str] = {}  # id(parameter) -> name of the watched module holding it
-        self._pending: dict[int, tuple[Work, CollectiveEvent]] = {}  # id(Work) -> event awaiting wait()
+        self._pending: dict[int, tuple[dist.Work, CollectiveEvent]] = {}  # id(Work) -> event awaiting wait()
         self._functional_pending: dict[int, CollectiveEvent] = {}   # id(output tensor) -> event
         self._group_ranks: dict[str, tuple[int, ...]] = {}
         self._lock = threading.Lock()
+        self._wait_patches: list = []  # one per __enter__ (reference.torch_patches.work_wait_observed)
 
     # ---- scopes and spans ----------------------------------------------------------------------------
     @contextlib.contextmanager
     def scope(self, name: str) -> Iterator[None]:
         """Attribute collectives issued inside (and, for forward scopes, in the matching backward) to `name`."""
         phase = current_phase()
-        lo = torch._C._autograd._get_sequence_nr()
+        lo = torch_patches.autograd_sequence_nr()
         self._stack.append((name, phase))
         try:
             yield
         finally:
             self._stack.pop()
             if phase == "forward":
-                self._forward_ranges.append((lo, torch._C._autograd._get_sequence_nr(), name))
+                self._forward_ranges.append((lo, torch_patches.autograd_sequence_nr(), name))
 
     @contextlib.contextmanager
     def span(self, name: str) -> Iterator[None]:
@@ -174,7 +176,7 @@ class CollectiveRecorder(TorchDispatchMode):
     @staticmethod
     def active() -> list["CollectiveRecorder"]:
         """The recorders currently recording, innermost last (code that labels its work for any of them)."""
-        return [mode for mode in _get_current_dispatch_mode_stack() if isinstance(mode, CollectiveRecorder)]
+        return [mode for mode in torch_patches.dispatch_mode_stack() if isinstance(mode, CollectiveRecorder)]
 
     def watch(self, model: torch.nn.Module, prefix: str = "") -> list:
         """Scope every submodule's forward under its qualified name; returns the hook handles."""
@@ -204,12 +206,12 @@ class CollectiveRecorder(TorchDispatchMode):
             opened_in_backward = [n for n, p in self._stack if p == "backward"]
             if opened_in_backward:
                 return opened_in_backward[-1]
-            node = torch._C._current_autograd_node()
+            node = torch_patches.current_autograd_node()
             variable = getattr(node, "variable", None)  # an AccumulateGrad node: a hook on a parameter's grad
             if variable is not None and id(variable) in self._param_owner:
                 return self._param_owner[id(variable)]
             if node is not None:
-                seq = node._sequence_nr()
+                seq = torch_patches.node_sequence_nr(node)
                 # narrowest range wins; on a tie the scope that closed first (the inner one)
                 inside = [(hi - lo, i, n) for i, (lo, hi, n) in enumerate(self._forward_ranges) if lo <= seq < hi]
                 if inside:
@@ -218,17 +220,13 @@ class CollectiveRecorder(TorchDispatchMode):
 
     # ---- interception --------------------------------------------------------------------------------
     def __enter__(self):
-        if CollectiveRecorder._wait_patch_users == 0:
-            Work.wait = _recording_wait
-        CollectiveRecorder._wait_patch_users += 1
-        _ACTIVE.append(self)
+        waits = torch_patches.work_wait_observed(lambda work: self._finish(id(work), from_wait=True))
+        waits.__enter__()  # first: on another torch version this raises before the mode is pushed
+        self._wait_patches.append(waits)
         return super().__enter__()
 
     def __exit__(self, *exc):
-        _ACTIVE.remove(self)
-        CollectiveRecorder._wait_patch_users -= 1
-        if CollectiveRecorder._wait_patch_users == 0:
-            Work.wait = _WAIT_DESCRIPTOR
+        self._wait_patches.pop().__exit__(None, None, None)
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -250,7 +248,7 @@ class CollectiveRecorder(TorchDispatchMode):
         event = self._event(name, spec, named, out, phase, start)
         self.events.append(event)
         if name.startswith("c10d::"):
-            work = Work.unbox(out[-1] if isinstance(out, tuple) else out)
+            work = torch_patches.unbox_work(out[-1] if isinstance(out, tuple) else out)
             work_id = id(work)  # unique while pending: the entry keeps the Work alive
             with self._lock:
                 self._pending[work_id] = (work, event)
@@ -285,14 +283,14 @@ class CollectiveRecorder(TorchDispatchMode):
         """The group's global ranks, looked up once per group: eager c10d ops carry the group itself,
         functional ones its name (a fake-backend WORLD of thousands would otherwise be listed per op)."""
         if "process_group" in named:
-            group = ProcessGroup.unbox(named["process_group"])
+            group = torch_patches.unbox_process_group(named["process_group"])
             group_name = group.group_name
         else:
             group, group_name = None, named["group_name"]
             group_name = group_name if isinstance(group_name, str) else str(group_name)
         ranks = self._group_ranks.get(group_name)
         if ranks is None:
-            group = group or torch._C._distributed_c10d._resolve_process_group(group_name)
+            group = group or torch_patches.resolve_process_group(group_name)
             ranks = self._group_ranks[group_name] = tuple(dist.get_process_group_ranks(group))
         return ranks
 
@@ -326,6 +324,15 @@ class CollectiveRecorder(TorchDispatchMode):
                 entry["bytes"] += e.nbytes
         return out
 
+    def summary_by_group(self, kind_of: Callable[[tuple[int, ...]], str],
+                         kinds: tuple[str, ...] = ()) -> dict[str, dict[str, dict[str, int]]]:
+        """{kind: summary()} of this rank's events by the group each ran on, named by `kind_of(group_ranks)`
+        (e.g. ParallelLayout.group_kind: "tp", "pp", "dp", else "other"); `kinds` come first, even if empty."""
+        by_kind: dict[str, list[CollectiveEvent]] = {kind: [] for kind in kinds}
+        for event in self.events:
+            by_kind.setdefault(kind_of(event.group_ranks), []).append(event)
+        return {kind: self.summary(events=events) for kind, events in by_kind.items()}
+
     def to_dict(self) -> dict:
         """Plain data for JSON and the notes' diagram generator; times are relative to the first record."""
         t0 = min([e.start for e in self.events] + [s.start for s in self.spans], default=0.0)
@@ -340,22 +347,9 @@ class CollectiveRecorder(TorchDispatchMode):
         return json.dumps(self.to_dict())
 
 
-_ACTIVE: list[CollectiveRecorder] = []
-_WAIT_DESCRIPTOR = Work.__dict__["wait"]  # restored as is: pybind11 binds `self` through this descriptor
-_original_wait = Work.wait
-
-
 @functools.cache
 def _schema_arguments(func) -> tuple[list[str], dict]:
     """An op's argument names and defaults, read from its schema once (not on every collective)."""
     arguments = func._schema.arguments
     return [a.name for a in arguments], {a.name: (a.default_value if a.has_default_value() else None)
                                          for a in arguments}
-
-
-def _recording_wait(self: Work, *args, **kwargs):
-    """`Work.wait` while a recorder is active: wait, then stamp the end time of the recorded op."""
-    result = _original_wait(self, *args, **kwargs)
-    for recorder in _ACTIVE:
-        recorder._finish(id(self), from_wait=True)
-    return result

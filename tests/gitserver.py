@@ -6,11 +6,16 @@ which is what "fetch transfers only what it needs" is measured by (not what land
 """
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import socket
 import subprocess
 import threading
 import time
 from pathlib import Path
+
+from tests.processes import live_in_group
 
 
 def free_port() -> int:
@@ -38,15 +43,24 @@ class GitDaemon:
             ["git", "-c", "uploadpack.allowFilter=true", "-c", "uploadpack.allowAnySHA1InWant=true",
              "daemon", "--reuseaddr", "--export-all", "--enable=upload-pack", f"--base-path={base}",
              "--listen=127.0.0.1", f"--port={self.port}", str(base)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         wait_for_port(self.port)
 
     def url(self, name: str, port: int | None = None) -> str:
         return f"git://127.0.0.1:{port or self.port}/{name}"
 
-    def stop(self) -> None:
-        self.proc.kill()
+    def stop(self, timeout: float = 10.0) -> None:
+        """End the whole process group: `git daemon` runs `git-daemon` as a child (which forks one more per
+        connection), and killing only the `git` wrapper would leave the daemon listening."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
+        deadline = time.monotonic() + timeout
+        while (left := live_in_group(self.proc.pid)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if left:
+            raise RuntimeError(f"git daemon's process group {self.proc.pid} still runs after SIGKILL: "
+                               + ", ".join(f"{p.pid} {p.command}" for p in left))
 
 
 class ByteCountingProxy:

@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from pin_and_cite.traces import EVENT_KEYS  # what the site's trace comparison reads
-from reference.fsdp.demo import shard_model
+from reference.fsdp.units import shard_model
 from reference.gpt.model import GPTConfig, build_stage
 from reference.gpt.train import data_parallel, synthetic_batches as gpt_batches, train_step
 from reference.model import ModelConfig, build_model, next_token_loss, synthetic_batches

@@ -7,10 +7,10 @@ sequence-parallel LayerNorm / row-bias gradients, reference.tensor_parallel.laye
 allreduce_sequence_parallel_grads). The two reductions commute (both are sums over orthogonal groups), so the
 order is Megatron's, not a requirement. Tied-embedding and pipeline-stage reductions belong to the pipeline.
 
-The same call finalizes a reference FSDP chunk (reference.data_parallel.fsdp_tp): its reduce-scatters were
-waited for by its own post-backward callback, so only the TP sum remains, and FSDP x TP runs it on the
-sharded gradients (fsdp_tp says why that is right). Megatron's finalize_model_grads likewise serves DDP and
-its FSDP wrappers, which both expose `finish_grad_sync`.
+The same call finalizes a reference FSDP chunk (reference.data_parallel.fsdp_tp): its `finish_grad_sync()` has
+nothing to wait for (its own end-of-backward callback waited for the reduce-scatters), so only the TP sum
+remains, and FSDP x TP runs it on the sharded gradients (fsdp_tp says why that is right). Megatron's
+finalize_model_grads likewise serves DDP and its FSDP wrappers, which both expose `finish_grad_sync`.
 """
 from __future__ import annotations
 
@@ -23,14 +23,11 @@ from reference.tensor_parallel.layers import allreduce_sequence_parallel_grads
 
 def finalize_model_grads(model_chunks: list[DistributedDataParallel | FullyShardedDataParallel],
                          tp_group: dist.ProcessGroup | None = None) -> None:
-    """DP-average every chunk's gradients (DDP: wait for its bucket all-reduces; FSDP: already
-    reduce-scattered), then TP-sum the sequence-parallel ones (when a TP group is given)."""
+    """DP-average every chunk's gradients (each chunk's `finish_grad_sync()`: DDP waits for its bucket
+    all-reduces, FSDP's were reduce-scattered by the end of backward), then TP-sum the sequence-parallel ones
+    (when a TP group is given)."""
     for chunk in model_chunks:
-        if isinstance(chunk, DistributedDataParallel):
-            chunk.finish_grad_sync()
-        elif not isinstance(chunk, FullyShardedDataParallel):
-            raise TypeError(f"finalize_model_grads takes DistributedDataParallel or FullyShardedDataParallel "
-                            f"chunks, got {type(chunk).__name__}")
+        chunk.finish_grad_sync()
     if tp_group is not None:
         for chunk in model_chunks:
             allreduce_sequence_parallel_grads(chunk, tp_group)

@@ -3,7 +3,8 @@
 Files, one mechanism each: `flat_param.py` (flatten, shard, views), `prefetch.py` (execution order and
 which unit to all-gather early), `runtime.py` (forward/backward hooks), `wrapper.py` (the FSDP1-style
 module wrapper), `tracing.py` (unit attribution and compute spans in a `reference.recorder` run),
-`demo.py` (`torchrun -m reference --fsdp`).
+`units.py` (one unit per block, then the root, with the reference or torch's FSDP1/FSDP2), `demo.py`
+(`torchrun -m reference --fsdp`).
 """
 from reference.fsdp.prefetch import BackwardPrefetch
 from reference.fsdp.wrapper import CPUOffload, FullyShardedDataParallel, MixedPrecision

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import torch
 
 from reference.recorder import CollectiveRecorder
+from reference.torch_patches import fsdp1_runtime_wrapped
 
 
 @contextlib.contextmanager
@@ -45,29 +46,21 @@ def record_backward_span(unit_name: str, start: float) -> None:
 def torch_fsdp1_unit_scopes(model: torch.nn.Module) -> Iterator[None]:
     """Attribute PyTorch FSDP1's collectives to units the same way, so both schedules compare line by line.
 
-    FSDP1 issues every all-gather from `_runtime_utils.py::_unshard` (277) and every reduce-scatter from
-    `_reduce_grad` (831), both called through the module's globals; wrapping those two functions for the
-    duration scopes each collective under the unit its handle belongs to.
+    FSDP1 issues every all-gather from pytorch:torch/distributed/fsdp/_runtime_utils.py::_unshard and every
+    reduce-scatter from `_reduce_grad`; wrapping those two for the duration
+    (reference.torch_patches.fsdp1_runtime_wrapped) scopes each collective under the unit its handle belongs to.
     """
-    from torch.distributed.fsdp import FullyShardedDataParallel, _runtime_utils
+    from torch.distributed.fsdp import FullyShardedDataParallel
 
     names = {id(unit._handle): clean_name(name) or "root" for name, unit in model.named_modules()
              if isinstance(unit, FullyShardedDataParallel) and unit._handle is not None}
-    original_unshard, original_reduce_grad = _runtime_utils._unshard, _runtime_utils._reduce_grad
 
-    def unshard(state, handle, *args):
+    def in_unit_scope(original, state, handle, *args):
         with unit_scope(names.get(id(handle), "?")):
-            return original_unshard(state, handle, *args)
+            return original(state, handle, *args)
 
-    def reduce_grad(state, handle):
-        with unit_scope(names.get(id(handle), "?")):
-            return original_reduce_grad(state, handle)
-
-    _runtime_utils._unshard, _runtime_utils._reduce_grad = unshard, reduce_grad
-    try:
+    with fsdp1_runtime_wrapped(_unshard=in_unit_scope, _reduce_grad=in_unit_scope):
         yield
-    finally:
-        _runtime_utils._unshard, _runtime_utils._reduce_grad = original_unshard, original_reduce_grad
 
 
 def clean_name(name: str) -> str:

@@ -128,6 +128,11 @@ class FullyShardedDataParallel(nn.Module):
         """Every unit's handle under this (root) unit, in module order."""
         return [m.handle for m in self.modules() if isinstance(m, FullyShardedDataParallel) and m.handle]
 
+    def finish_grad_sync(self) -> None:
+        """What finalize_model_grads asks of every model chunk, DDP or FSDP (Megatron's wrappers both have
+        it): here nothing is left, since the end-of-backward callback (runtime.post_backward_final) already
+        waited for every reduce-scatter and set the sharded `.grad`s."""
+
     @torch.no_grad()
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """All-gather every unit's full-precision shard and return the full parameters by original name

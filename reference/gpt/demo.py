@@ -24,10 +24,10 @@ import torch.distributed as dist
 
 from reference.data_parallel.wrapper import DEFAULT_BUCKET_SIZE
 from reference.distributed import LaunchError, distributed
-from reference.fsdp.demo import sharded_parameter_bytes
+from reference.fsdp.units import sharded_parameter_bytes
 from reference.gpt.model import GPTConfig, UnshardedGPT, build_stage, split_layers
 from reference.gpt.train import data_parallel, fully_sharded, synthetic_batches, train_step
-from reference.parallel_state import ParallelConfigError, ParallelLayout, build_layout
+from reference.parallel_state import ParallelConfigError, build_layout
 from reference.pipeline.schedules import SCHEDULES, peak_in_flight_formula
 from reference.recorder import CollectiveRecorder
 
@@ -127,18 +127,10 @@ def _train(args, config: GPTConfig, device: torch.device) -> None:
         (args.trace / f"gpt_trace.rank{rank}.json").write_text(recorder.to_json())
 
 
-def group_summary(recorder: CollectiveRecorder, layout: ParallelLayout) -> dict[str, dict]:
-    """This rank's recorded collectives by the group they ran on ("tp", "pp", "dp", else "other"), then type."""
-    by_group: dict[str, list] = {"tp": [], "pp": [], "dp": []}
-    for event in recorder.events:
-        by_group.setdefault(layout.group_kind(event.group_ranks), []).append(event)
-    return {name: recorder.summary(events=events) for name, events in by_group.items()}
-
-
 def _report_step(args, step, result, recorder, layout, param_bytes: dict | None) -> None:
     if dist.get_rank() != 0:
         return
-    groups = group_summary(recorder, layout)
+    groups = recorder.summary_by_group(layout.group_kind, kinds=("tp", "pp", "dp"))
     seconds = result.pipeline.total_s
     if args.json:
         print(json.dumps({"step": step, "loss": result.loss, "seconds": seconds,

@@ -18,6 +18,8 @@ NO_PAGE = {
     "reference/gpt/demo.py": "demo",
     "reference/fsdp/demo.py": "demo",
     "reference/fsdp/tracing.py": "recorder scopes for the FSDP demo and tests",
+    "reference/fsdp/units.py": "wraps a model unit by unit for demos, tests and benchmarks (wrapper.py has the page)",
+    "reference/torch_patches.py": "every patch of torch internals; each docstring names the upstream code it wraps",
     "reference/scale/__main__.py": "the scale-simulation command",
     "reference/scale/shapes.py": "model and layout sizes for the simulation; its page is the Scale note",
     "reference/scale/formulas.py": "closed-form traffic the simulation is checked against; its page is the Scale note",

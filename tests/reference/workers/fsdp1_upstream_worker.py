@@ -25,18 +25,17 @@ import json
 import sys
 import time
 from pathlib import Path
-from unittest import mock
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import BackwardPrefetch, FullyShardedDataParallel as FSDP, MixedPrecision
-from torch.distributed.fsdp import _limiter_utils, _runtime_utils
 
 from reference.distributed import distributed
 from reference.fsdp.tracing import clean_name, torch_fsdp1_unit_scopes
 from reference.model import ModelConfig, build_model, next_token_loss, synthetic_batches
 from reference.recorder import CollectiveRecorder, current_phase
+from reference.torch_patches import fsdp1_rate_limiter_wrapped, fsdp1_runtime_wrapped
 
 CONFIG = ModelConfig(vocab_size=101, hidden_size=27, num_attention_heads=3, num_layers=3, max_seq_length=33)
 STEPS, BATCH, SEQ, SEED = 3, 4, 16, 7
@@ -136,37 +135,32 @@ class HookLog:
             hooks += [unit.register_forward_pre_hook(outer_pre, prepend=True),
                       inner.register_forward_pre_hook(inner_pre),
                       inner.register_forward_hook(inner_post, prepend=True), unit.register_forward_hook(outer_post)]
-        pre_backward, post_backward = _runtime_utils._pre_backward_hook, _runtime_utils._post_backward_hook
-        final_callback = _runtime_utils._post_backward_final_callback
-        dequeue = _limiter_utils._FreeEventQueue.dequeue_if_needed
 
-        def pre_backward_hook(state, module, handle, *args):
+        def pre_backward_hook(pre_backward, state, module, handle, *args):
             if handle is None or getattr(handle, "_ran_pre_backward_hook", False):
                 return pre_backward(state, module, handle, *args)
             with self.span(f"{self.names[id(handle)]} pre-backward"):
                 return pre_backward(state, module, handle, *args)
 
-        def post_backward_hook(state, handle, *args):
+        def post_backward_hook(post_backward, state, handle, *args):
             with self.span(f"{self.names[id(handle)]} post-backward"):
                 return post_backward(state, handle, *args)
 
-        def final_callback_hook(state, module):
+        def final_callback_hook(final_callback, state, module):
             self.mark("final callback start")
             with self.span("final callback"):
                 return final_callback(state, module)
 
-        def dequeue_if_needed(queue):
+        def dequeue_if_needed(dequeue, queue):
             event = dequeue(queue)
             self.waits += event is not None
             return event
 
         with contextlib.ExitStack() as stack:
-            for owner, attribute, wrapper in (
-                    (_runtime_utils, "_pre_backward_hook", pre_backward_hook),
-                    (_runtime_utils, "_post_backward_hook", post_backward_hook),
-                    (_runtime_utils, "_post_backward_final_callback", final_callback_hook),
-                    (_limiter_utils._FreeEventQueue, "dequeue_if_needed", dequeue_if_needed)):
-                stack.enter_context(mock.patch.object(owner, attribute, wrapper))
+            stack.enter_context(fsdp1_runtime_wrapped(_pre_backward_hook=pre_backward_hook,
+                                                      _post_backward_hook=post_backward_hook,
+                                                      _post_backward_final_callback=final_callback_hook))
+            stack.enter_context(fsdp1_rate_limiter_wrapped(dequeue_if_needed))
             for hook in hooks:
                 stack.callback(hook.remove)
             yield

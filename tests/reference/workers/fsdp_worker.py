@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from common import max_diff
 from reference.distributed import distributed
 from reference.fsdp import FullyShardedDataParallel
-from reference.fsdp.demo import shard_model
+from reference.fsdp.units import shard_model
 from reference.fsdp.tracing import torch_fsdp1_unit_scopes
 from reference.model import ModelConfig, build_model, next_token_loss, synthetic_batches
 from reference.recorder import CollectiveRecorder

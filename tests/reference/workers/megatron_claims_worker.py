@@ -16,15 +16,16 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from common import finish, init
+from reference.torch_patches import cuda_calls_on_cpu
 
 device = init()
-torch.cuda.current_device = lambda: "cpu"
+cuda_calls_on_cpu()
 
 from megatron.core import parallel_state as mpu  # noqa: E402
 from megatron.core.model_parallel_config import ModelParallelConfig  # noqa: E402
 from megatron.core.tensor_parallel import layers  # noqa: E402
 
-from reference.recorder import CollectiveRecorder  # noqa: E402
+from reference.recorder import CollectiveRecorder, current_phase  # noqa: E402
 
 out_dir = Path(sys.argv[1])
 world, rank = dist.get_world_size(), dist.get_rank()
@@ -48,7 +49,7 @@ class OpLog(TorchDispatchMode):
         if name in OPS or name.startswith("c10d::"):
             shape = list(out.shape) if isinstance(out, torch.Tensor) else None
             self.ops.append({"op": name, "shape": shape, "t": start, "end": time.perf_counter(),
-                             "phase": "backward" if torch._C._current_graph_task_id() != -1 else "forward"})
+                             "phase": current_phase()})
         return out
 
 

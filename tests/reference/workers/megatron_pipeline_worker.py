@@ -25,11 +25,11 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 from common import finish, init
+from reference.torch_patches import cuda_calls_on_cpu
 
 device = init()
 assert device.type == "cpu" and dist.get_world_size() == 4, "run on 4 CPU ranks"
-torch.cuda.current_device = lambda: "cpu"
-torch.cuda.synchronize = lambda *args, **kwargs: None
+cuda_calls_on_cpu()
 
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402

@@ -10,10 +10,11 @@ import torch
 import torch.distributed as dist
 
 from common import assert_close, gather_dim, finish, init
+from reference.torch_patches import cuda_calls_on_cpu
 
 device = init()
 if device.type == "cpu":
-    torch.cuda.current_device = lambda: "cpu"
+    cuda_calls_on_cpu()
 
 from megatron.core import parallel_state as mpu  # noqa: E402
 from megatron.core.model_parallel_config import ModelParallelConfig  # noqa: E402

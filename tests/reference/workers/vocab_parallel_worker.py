@@ -13,10 +13,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from common import assert_close, finish, gather_dim, init
+from reference.torch_patches import cuda_calls_on_cpu
 
 device = init()
 if device.type == "cpu":
-    torch.cuda.current_device = lambda: "cpu"
+    cuda_calls_on_cpu()
 
 from megatron.core import parallel_state as mpu  # noqa: E402
 from megatron.core import tensor_parallel as megatron_tp  # noqa: E402
