@@ -28,7 +28,7 @@ def run(project, *args: str, timeout: float = 30) -> Run:
         resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
 
     proc = subprocess.run([str(CLI), *args, "--project", str(project.root)], capture_output=True, text=True,
-                          timeout=timeout, preexec_fn=limit_memory,
+                          timeout=timeout, preexec_fn=limit_memory, cwd=project.root,
                           env={**os.environ, "PIN_AND_CITE_CACHE": str(project.cache)})
     return Run(proc.returncode, proc.stdout, proc.stderr)
 
@@ -52,6 +52,32 @@ def write_lock(project, data) -> None:
 def cache_entry(project, lock: dict):
     blob = lock["files"]["up:pkg/core/layers.py"]["blob"]
     return project.cache / "blobs" / blob[:2] / blob[2:]
+
+
+# -- the tool runs its own code, never the checkout's -----------------------------------------------------
+
+def test_check_in_a_checkout_imports_nothing_from_it(project, tmp_path):
+    """`python -m` would put the working directory first on sys.path: a branch's git.py or reference/
+    would then run in place of the library or the tool's own reference package."""
+    marker = tmp_path / "pwned"
+    for module in ("git.py", "jsonschema.py", "reference/__init__.py"):
+        (project.root / module).parent.mkdir(parents=True, exist_ok=True)
+        (project.root / module).write_text(f"open({str(marker)!r}, 'a').write('{module}\\n')\n")
+    r = run(project, "check")
+    assert r.code == 0, r.err
+    assert not marker.exists(), marker.read_text()
+
+
+@pytest.mark.parametrize("name, target", [("evil.md.j2", "secret"), ("traces/big.json", "/dev/zero"),
+                                          ("citations.lock", "secret")])
+def test_check_reads_no_file_outside_the_project_through_a_symlink(project, tmp_path, name, target):
+    secret = tmp_path / "secret"
+    secret.write_text("{{ 'outside' }}\n")
+    link = project.root / "reading_notes" / name
+    link.parent.mkdir(exist_ok=True)
+    link.symlink_to(secret if target == "secret" else target)
+    err = one_error_line(run(project, "check"))
+    assert f"{name} is a symlink" in err
 
 
 # -- 1. SHAs name cache paths only when they are SHAs; the lock and pins have a schema ---------------------
