@@ -106,7 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
                                           "verified cache, offline, with a page per pinned source and, under "
                                           "OUT/changes/, a page per citation the latest bump of a source changed "
                                           "or deleted (old vs new diff) and their index; only changed files are "
-                                          "written, and pages no longer rendered are removed.")
+                                          "written, and pages render wrote before but no longer makes are "
+                                          "removed (OUT/.pin-and-cite-pages.json lists them). An OUT holding "
+                                          "Markdown render did not write is refused. Templates render in a "
+                                          "sandbox.")
     render.add_argument("--out", type=Path, default=Path("docs/notes"), help="output folder, relative to the project")
 
     bumper = verbs.add_parser(
