@@ -141,15 +141,21 @@ def test_a_tampered_lock_is_one_line(project, tamper):
     assert "citations.lock" in err and "restore it from git" in err
 
 
-def test_a_lock_with_parameter_defaults_loads(project):
+def test_a_lock_with_defaults_and_cross_file_records_loads(project):
+    """The schema takes every field the lock writes: parameter defaults, a bump's defaults, a recorded file
+    absent at the old commit."""
     lock = locked(project)
     lock["defaults"] = {f"{LAYERS}::ColumnParallel.forward(x)": {"value": "None", "line": 14}}
+    change = {"status": "changed", "old_lines": [9, 10], "old_text_sha256": "d" * 64, "new_lines": [3, 4],
+              "new_text_sha256": "e" * 64, "new_cite": None, "cited_at": ["reading_notes/a.md.j2:1"]}
     lock["bumps"] = {"up": {**BUMP, "old_commit": lock["files"]["up:pkg/core/layers.py"]["commit"],
+                            "files": {"pkg/core/other.py": {"old_blob": None, "new_blob": "c" * 40}},
+                            "changes": {CITE: change},
                             "defaults": {f"{LAYERS}::ColumnParallel.forward(x)": {"old_value": "1",
                                                                                    "new_value": None}}}}
     write_lock(project, lock)
     r = run(project, "check")
-    assert "citations.lock is not a valid lock" not in r.err, r.err
+    assert r.code == 1 and r.err == "" and "bump record of up" in r.out, (r.out, r.err)
 
 
 @pytest.mark.parametrize("pins", [

@@ -33,12 +33,12 @@ def _map_of(value: dict) -> dict:
 LOCKED_FILE = _record(["commit", "blob", "size", "resolved_from"], commit=SHA, blob=SHA,
                       size={"type": "integer", "minimum": 0}, resolved_from={"type": "string"})
 LOCKED_CITATION = _record(["lines", "text_sha256"], lines=LINES, text_sha256=TEXT_SHA256, symbol={"type": "string"})
-RECORDED_FILE = _record(["old_blob", "new_blob"], old_blob=SHA, new_blob=SHA_OR_NULL)
+RECORDED_FILE = _record(["old_blob", "new_blob"], old_blob=SHA_OR_NULL, new_blob=SHA_OR_NULL)
 RECORDED_CHANGE = _record(
     ["status", "old_lines", "old_text_sha256", "new_lines", "new_text_sha256", "new_cite", "cited_at"],
     status={"enum": ["changed", "deleted"]}, old_lines=LINES, old_text_sha256=TEXT_SHA256, new_lines=LINES_OR_NULL,
     new_text_sha256=TEXT_SHA256_OR_NULL, new_cite=STRING_OR_NULL,
-    cited_at={"type": "array", "items": {"type": "string"}})
+    cited_at={"type": "array", "items": {"type": "string"}}, new_path=STRING_OR_NULL)
 RECORDED_DEFAULT = _record(["old_value", "new_value"], old_value={"type": "string"}, new_value=STRING_OR_NULL)
 BUMP_RECORD = _record(
     ["old_commit", "new_commit", "counts", "files", "changes"],
