@@ -176,7 +176,8 @@ def test_check_and_render_refuse_a_record_that_does_not_hold(bumped):
     assert f"reading_notes/citations.lock: {MOD}#L17-L19: {why}" in r.err
     lock["bumps"]["up"]["old_commit"] = "abc"
     bumped.lock_path.write_text(json.dumps(lock))
-    assert "citations.lock: bump record of up: old commit 'abc' is not a full 40-hex SHA\n" in bumped.run("check").out
+    r = bumped.run("check")
+    assert r.code == 2 and "bumps.up.old_commit 'abc' is not a full 40-hex SHA; restore it from git" in r.err
     del lock["bumps"]["up"]["changes"][f"{MOD}#L17-L19"]["cited_at"]
     bumped.lock_path.write_text(json.dumps(lock))
     r = bumped.run("check")

@@ -11,7 +11,7 @@ from pin_and_cite import bump, review
 from pin_and_cite.check import check
 from pin_and_cite.citation import parse_spec
 from pin_and_cite.defaults import default_ref
-from pin_and_cite.errors import PinAndCiteError
+from pin_and_cite.errors import PinAndCiteError, printable
 from pin_and_cite.fetch import Fetched, fetch_all
 from pin_and_cite.gitobj import is_full_sha
 from pin_and_cite.project import Project, find_root
@@ -111,7 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
                                           "verified cache, offline, with a page per pinned source and, under "
                                           "OUT/changes/, a page per citation the latest bump of a source changed "
                                           "or deleted (old vs new diff) and their index; only changed files are "
-                                          "written, and pages no longer rendered are removed.")
+                                          "written, and pages render wrote before but no longer makes are "
+                                          "removed (OUT/.pin-and-cite-pages.json lists them). An OUT holding "
+                                          "Markdown render did not write is refused. Templates render in a "
+                                          "sandbox.")
     render.add_argument("--out", type=Path, default=Path("docs/notes"), help="output folder, relative to the project")
 
     bumper = verbs.add_parser(
@@ -152,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_render(project: Project, args) -> int:
     changed = render_notes(project.root, project.root / args.out)
     names = [str(p.relative_to(project.root) if p.is_relative_to(project.root) else p) for p in changed]
-    print(json.dumps({"changed": names}) if args.json else "\n".join(names) or "rendered notes unchanged")
+    print(json.dumps({"changed": names}) if args.json else "\n".join(map(printable, names)) or "rendered notes unchanged")
     return 0
 
 
@@ -172,20 +175,20 @@ def cmd_pin(project: Project, args) -> int:
     project.pins.set_commit(args.source, url, commit, None if is_full_sha(args.ref) else args.ref)
     result = {"source": args.source, "commit": commit, "tag": None if is_full_sha(args.ref) else args.ref,
               "previous": existing.commit if existing else None}
-    print(json.dumps(result) if args.json else f"pinned {args.source} at {commit} ({args.ref})")
+    print(json.dumps(result) if args.json else printable(f"pinned {args.source} at {commit} ({args.ref})"))
     return 0
 
 
 def cmd_fetch(project: Project, args) -> int:
     def progress(item: Fetched, n: int, total: int) -> None:
-        print(f"[{n}/{total}] {item.source}:{item.path} <- {item.origin}" + (f" ({item.note})" if item.note else ""),
-              file=sys.stderr)
+        print(printable(f"[{n}/{total}] {item.source}:{item.path} <- {item.origin}" +
+                        (f" ({item.note})" if item.note else "")), file=sys.stderr)
 
     fetched = fetch_all(project, progress)
     if args.json:
         print(json.dumps([vars(f) for f in fetched], indent=2))
     else:
-        print(f"{len(fetched)} file(s) verified in {project.store.root}")
+        print(printable(f"{len(fetched)} file(s) verified in {project.store.root}"))
     return 0
 
 
@@ -207,10 +210,10 @@ def cmd_cite(project: Project, args) -> int:
         return 0
     for e in excerpts:
         symbol = f" ({e.spec.symbol})" if e.spec.symbol else ""
-        print(f"{e.source.name}:{e.spec.path}#L{e.lines[0]}-L{e.lines[1]}{symbol} @ {e.source.commit[:12]}")
+        print(printable(f"{e.source.name}:{e.spec.path}#L{e.lines[0]}-L{e.lines[1]}{symbol} @ {e.source.commit[:12]}"))
         if e.permalink:
-            print(e.permalink)
-        print(e.numbered())
+            print(printable(e.permalink))
+        print(_printable_lines(e.numbered()))
     return 0
 
 
@@ -240,7 +243,7 @@ def cmd_check(project: Project, args) -> int:
         print(json.dumps(report.as_json(), indent=2))
     else:
         for problem in report.problems:
-            print(problem)
+            print(printable(str(problem)))
         print(f"{report.checked - len(report.problems)} citation(s) ok, {len(report.problems)} broken")
     return 1 if report.problems else 0
 
@@ -252,8 +255,13 @@ def cmd_bump(project: Project, args) -> int:
     if args.json:
         print(json.dumps(review.json_report(planned, project.root, args.dry_run), indent=2))
     else:
-        print(review.text_report(planned, project.root, args.dry_run))
+        print(_printable_lines(review.text_report(planned, project.root, args.dry_run)))
     return 0
+
+
+def _printable_lines(text: str) -> str:
+    """A report of several lines, each escaped (upstream text may hold bidi or control characters); tabs kept."""
+    return "\n".join("\t".join(map(printable, line.split("\t"))) for line in text.split("\n"))
 
 
 def _read_cites(args: list[str]) -> list[str]:
@@ -276,7 +284,7 @@ def cmd_relocate(args) -> int:
                 where = f"{r['path']}#{where}"                     # the code went into another file
             if "symbol" in r:
                 where += f" ({r['symbol']})"
-            print(f"{r['status']:<9} {r['cite']} -> {where}" + (f"  ({r['reason']})" if "reason" in r else ""))
+            print(printable(f"{r['status']:<9} {r['cite']} -> {where}" + (f"  ({r['reason']})" if "reason" in r else "")))
     return 1 if any(r["status"] == "error" for r in results) else 0
 
 
@@ -297,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         with Store(default_cache_dir()).lock(f"project {root.resolve()}"):     # pins and lock read under it
             return COMMANDS[args.verb](Project(root, timeout=args.timeout, url_overrides=dict(args.urls)), args)
     except PinAndCiteError as exc:
-        print(f"pin-and-cite: error: {exc}", file=sys.stderr)
+        print(f"pin-and-cite: error: {printable(str(exc))}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print("pin-and-cite: interrupted; nothing was left half-written", file=sys.stderr, flush=True)

@@ -13,6 +13,7 @@ from typing import Callable
 from pin_and_cite.distribution import installed_file
 from pin_and_cite.errors import SourceUnavailable
 from pin_and_cite.gitobj import blob_sha
+from pin_and_cite.lock import file_key
 from pin_and_cite.project import Project
 
 
@@ -40,6 +41,12 @@ def from_distribution(project: Project, source_name: str, path: str, blob: str) 
     return data, f"distribution {source.distribution_name} {version}"
 
 
+def locked_size(project: Project, source_name: str, path: str, blob: str) -> int | None:
+    """The size the lock records for this blob (what a cache read is bounded by), if it records one."""
+    entry = project.lock.files.get(file_key(source_name, path))
+    return entry.size if entry is not None and entry.blob == blob else None
+
+
 def fetch_all(project: Project, report: Callable[[Fetched, int, int], None]) -> list[Fetched]:
     """Make every file the lock needs (pinned files, and both ends of each recorded bump) available in the
     cache; raise SourceUnavailable naming what could not be had."""
@@ -48,7 +55,7 @@ def fetch_all(project: Project, report: Callable[[Fetched, int, int], None]) -> 
     missing: dict[str, list[tuple[str, str, str]]] = defaultdict(list)
     with project.store.lock("fetch"):
         for source_name, path, blob in items:
-            if project.store.get(blob) is not None:
+            if project.store.get(blob, locked_size(project, source_name, path, blob)) is not None:
                 done.append(Fetched(source_name, path, blob, "cache"))
                 report(done[-1], len(done), len(items))
                 continue
@@ -74,7 +81,7 @@ def fetch_all(project: Project, report: Callable[[Fetched, int, int], None]) -> 
 
 def load_blob(project: Project, source_name: str, path: str, blob: str, allow_remote: bool) -> bytes:
     """One file's verified bytes: cache, then installed distribution, then (if allowed) git."""
-    data = project.store.get(blob)
+    data = project.store.get(blob, locked_size(project, source_name, path, blob))
     if data is not None:
         return data
     found = from_distribution(project, source_name, path, blob)

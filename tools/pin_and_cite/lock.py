@@ -12,10 +12,11 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from pin_and_cite import schema
 from pin_and_cite.atomic import atomic_write
 from pin_and_cite.errors import PinAndCiteError
 
-VERSION = 1
+VERSION = 1                     # schema.LOCK accepts this version only
 
 
 @dataclass
@@ -102,17 +103,17 @@ class Lock:
             self._load()
 
     def _load(self) -> None:
+        """Read the lock, refusing anything that does not fit schema.LOCK before a field is used."""
         try:
-            data = json.loads(self.path.read_text())
-            if data.get("version") != VERSION:
-                raise PinAndCiteError(f"{self.path}: lock version {data.get('version')!r}, expected {VERSION}")
-            self.files = {k: LockedFile(**v) for k, v in data["files"].items()}
-            self.citations = {k: LockedCitation(tuple(v["lines"]), v["text_sha256"], v.get("symbol"))
-                              for k, v in data["citations"].items()}
-            self.defaults = {k: LockedDefault(**v) for k, v in data.get("defaults", {}).items()}
-            self.bumps = {k: _bump_record(v) for k, v in data.get("bumps", {}).items()}
-        except (ValueError, KeyError, TypeError) as exc:
-            raise PinAndCiteError(f"{self.path} is not a valid lock ({exc}); restore it from git")
+            data = json.loads(self.path.read_bytes())
+        except ValueError as exc:                       # also UnicodeDecodeError
+            raise PinAndCiteError(f"{self.path} is not a valid lock ({exc}); restore it from git") from None
+        schema.check(data, schema.LOCK, f"{self.path} is not a valid lock:", "restore it from git")
+        self.files = {k: LockedFile(**v) for k, v in data["files"].items()}
+        self.citations = {k: LockedCitation(tuple(v["lines"]), v["text_sha256"], v.get("symbol"))
+                          for k, v in data["citations"].items()}
+        self.defaults = {k: LockedDefault(**v) for k, v in data.get("defaults", {}).items()}
+        self.bumps = {k: _bump_record(v) for k, v in data.get("bumps", {}).items()}
 
     def save(self) -> None:
         atomic_write(self.path, self.dumps())

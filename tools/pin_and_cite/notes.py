@@ -1,7 +1,7 @@
 """Find the citations written in the note templates, with the file and line where each is written.
 
-Templates are parsed with Jinja's own parser, so a `cite("...")` call is found wherever Jinja would run it
-(and only there), with the line number Jinja reports.
+Templates are parsed with Jinja's own parser, in the environment render uses (pin_and_cite.sandbox), so a
+`cite("...")` call is found wherever Jinja would run it (and only there), with the line number Jinja reports.
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pathlib import Path
 import jinja2
 from jinja2 import nodes
 
+from pin_and_cite import sandbox
 from pin_and_cite.errors import PinAndCiteError
 
 TEMPLATE_GLOB = "**/*.md.j2"
@@ -34,9 +35,8 @@ class Written:
 
 
 def calls_in(template: Path, functions: set[str]) -> list[Written]:
-    env = jinja2.Environment()
     try:
-        tree = env.parse(template.read_text(), name=template.name, filename=str(template))
+        tree = sandbox.environment().parse(template.read_text(), name=template.name, filename=str(template))
     except jinja2.TemplateSyntaxError as exc:
         raise PinAndCiteError(f"{template}:{exc.lineno}: template syntax error: {exc.message}") from None
     found = []

@@ -10,10 +10,12 @@ from pathlib import Path
 
 import tomlkit
 
+from pin_and_cite import schema
 from pin_and_cite.atomic import atomic_write
 from pin_and_cite.citation import SOURCE_NAME
 from pin_and_cite.errors import PinAndCiteError
-from pin_and_cite.gitobj import is_full_sha
+
+SHAPE = "each [sources.NAME] table takes url and commit (a full SHA), and optionally tag and distribution"
 
 
 @dataclass(frozen=True)
@@ -43,21 +45,21 @@ class Pins:
     def __init__(self, path: Path):
         self.path = path
         try:
-            self._doc = tomlkit.parse(path.read_text())
+            self._doc = tomlkit.parse(path.read_bytes().decode("utf-8"))
         except FileNotFoundError:
             raise PinAndCiteError(f"{path} not found; create it with a [sources.NAME] table (url, commit)")
+        except UnicodeDecodeError as exc:
+            raise PinAndCiteError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
         except tomlkit.exceptions.TOMLKitError as exc:
             raise PinAndCiteError(f"{path} is not valid TOML: {exc}")
+        schema.check(self._doc.unwrap(), schema.PINS, f"{path}:", SHAPE)
         self.sources = {name: self._source(name, table) for name, table in self._doc.get("sources", {}).items()}
 
     def _source(self, name: str, table) -> Source:
-        where = f"{self.path.name} [sources.{name}]"
+        """The source of a table that fits schema.PINS (its name is checked here, by the citation grammar's rule)."""
         if not SOURCE_NAME.fullmatch(name):
-            raise PinAndCiteError(f"{where}: source names are lowercase letters, digits, '.', '_' and '-'")
-        if "url" not in table or "commit" not in table:
-            raise PinAndCiteError(f"{where}: needs both 'url' and 'commit'")
-        if not is_full_sha(str(table["commit"])):
-            raise PinAndCiteError(f"{where}: commit {table['commit']!r} is not a full 40-hex SHA")
+            raise PinAndCiteError(f"{self.path.name} [sources.{name}]: source names are lowercase letters, "
+                                  "digits, '.', '_' and '-'")
         return Source(name, str(table["url"]), str(table["commit"]),
                       str(table["tag"]) if "tag" in table else None,
                       str(table["distribution"]) if "distribution" in table else None)

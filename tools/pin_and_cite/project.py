@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,6 +25,17 @@ def find_root(start: Path) -> Path:
     raise PinAndCiteError(f"no {NOTES_DIR}/pins.toml in {start} or its parents; run inside the project or pass --project")
 
 
+def refuse_special_files(notes_dir: Path) -> None:
+    """reading_notes/ must hold plain files and folders only: a symlink committed on a branch would make `check`
+    read outside the project (a key, /dev/zero, a FIFO) through a template, a trace, the pins or the lock."""
+    for folder, dirs, files in os.walk(notes_dir):
+        for path in (Path(folder) / name for name in dirs + files):
+            mode = path.lstat().st_mode
+            if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+                kind = "a symlink" if stat.S_ISLNK(mode) else "not a regular file"
+                raise PinAndCiteError(f"{path} is {kind}; {NOTES_DIR}/ must hold plain files and folders only")
+
+
 @dataclass
 class Project:
     root: Path
@@ -33,6 +45,7 @@ class Project:
 
     def __post_init__(self):
         self.notes_dir = self.root / NOTES_DIR
+        refuse_special_files(self.notes_dir)
         self.pins = Pins(self.notes_dir / "pins.toml")
         self.lock = Lock(self.notes_dir / "citations.lock")
         self.store = Store(self.cache_dir)

@@ -25,6 +25,7 @@ _HARDENING = [  # no remote helpers that run commands, no prompts, bounded HTTP 
     "protocol.ext.allow=never", "protocol.fd.allow=never", "http.lowSpeedLimit=1000", "http.lowSpeedTime=20",
     "fetch.negotiationAlgorithm=noop", "core.askPass=true", "credential.interactive=false",
 ]
+TAG_CHAIN_LIMIT = 8              # a tag of a tag of ... : how far `commit_of` follows before giving up
 
 
 def check_url(url: str) -> str:
@@ -79,18 +80,37 @@ class Remote:
     # -- refs -------------------------------------------------------------------------------------------
 
     def resolve_ref(self, ref: str) -> str:
-        """A tag, branch or full SHA -> the full commit SHA it names on the remote."""
+        """A tag, branch or full SHA -> the full commit SHA it names on the remote (a tag peeled to its commit)."""
         if is_full_sha(ref):
-            self.fetch_commit(ref)
-            return ref
+            return self.commit_of(ref)
+        if re.fullmatch(r"[0-9a-fA-F]{40}", ref):
+            raise PinAndCiteError(f"{ref!r} has uppercase hex; write the full commit SHA in lowercase")
         listing = self._run(f"listing refs of {ref!r}", "ls-remote", "--", self.url, in_repo=False)
         refs = {name: sha for sha, name in (line.split("\t") for line in listing.splitlines() if "\t" in line)}
         for name in (f"refs/tags/{ref}^{{}}", f"refs/tags/{ref}", f"refs/heads/{ref}", ref):
             if name in refs:
-                return refs[name]
+                if not is_full_sha(refs[name]):
+                    raise SourceUnavailable(f"{self.url} lists {name} at {refs[name][:80]!r}, not a full SHA")
+                return self.commit_of(refs[name])
         if re.fullmatch(r"[0-9a-fA-F]{4,39}", ref):
             raise PinAndCiteError(f"{ref!r} looks like a short SHA; give the full 40-hex commit SHA")
         raise PinAndCiteError(f"{self.url} has no tag or branch named {ref!r}")
+
+    def commit_of(self, oid: str) -> str:
+        """The commit `oid` names: itself, or what an annotated tag (or a chain of them) points at; a tree or a
+        blob is refused (stored as a pin, it would break every later `cite`, `relocate` and `bump`)."""
+        for _ in range(TAG_CHAIN_LIMIT):
+            self.fetch_commit(oid)
+            kind = self.repo.odb.info(bytes.fromhex(oid)).type.decode()
+            if kind == "commit":
+                return oid
+            if kind != "tag":
+                raise PinAndCiteError(f"{oid} is a {kind}, not a commit; pin a commit, tag or branch")
+            target = self.read(oid).split(b"\n", 1)[0].split()          # b"object <sha>"
+            if len(target) != 2 or not is_full_sha(target[1].decode("ascii", "replace")):
+                raise SourceUnavailable(f"{self.url} sent tag {oid} without a target object")
+            oid = target[1].decode()
+        raise PinAndCiteError(f"{oid} is a chain of more than {TAG_CHAIN_LIMIT} tags; pin its commit")
 
     # -- objects ----------------------------------------------------------------------------------------
 
@@ -101,6 +121,8 @@ class Remote:
         return self.repo.odb.stream(bytes.fromhex(oid)).read()
 
     def fetch_commit(self, commit: str) -> None:
+        """Fetch one object by id with no history and no trees (a commit, or the tag or other object a ref
+        names, which commit_of then inspects)."""
         if self.has(commit):
             return
         try:

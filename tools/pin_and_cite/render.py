@@ -14,7 +14,8 @@ The pages of what the latest bump of each source changed go to changes/ (pin_and
 
 Everything is rendered in memory first, and only then written, and only files whose text changed (mkdocs
 watches docs/: rewriting an unchanged page would trigger the next live-reload forever). A failure anywhere
-names the template file and line and leaves the previous output as it was.
+names the template file and line and leaves the previous output as it was. Templates run in a sandbox
+(pin_and_cite.sandbox); pages are written, and only render's own removed, by pin_and_cite.output_folder.
 """
 from __future__ import annotations
 
@@ -23,8 +24,7 @@ from pathlib import Path
 
 import jinja2
 
-from pin_and_cite.atomic import atomic_write
-from pin_and_cite import diagrams, estimates, scale_tables, symbols
+from pin_and_cite import diagrams, estimates, sandbox, scale_tables, symbols
 from reference.scale.formulas import human  # the scale tables' byte format, for the Scale page
 from pin_and_cite.changes import change_pages
 from pin_and_cite.check import locked_default, locked_excerpt
@@ -36,6 +36,7 @@ from pin_and_cite.highlights import Statements, checked_highlight
 from pin_and_cite.local_code import ours
 from pin_and_cite.note_rules import check_note
 from pin_and_cite.notes import note_templates
+from pin_and_cite.output_folder import OutputFolder
 from pin_and_cite.pinned_sha import write_pinned_sha
 from pin_and_cite.project import Project
 from pin_and_cite.resolve import Excerpt, Resolver
@@ -94,8 +95,7 @@ class Renderer:
         self.project = project
         self.resolver = resolver or Resolver(project, allow_remote=False)
         self._rules: dict[Path, list] = {}
-        self.env = jinja2.Environment(loader=jinja2.FileSystemLoader(project.notes_dir), undefined=jinja2.StrictUndefined,
-                                      keep_trailing_newline=True, autoescape=False)
+        self.env = sandbox.environment(jinja2.FileSystemLoader(project.notes_dir))
         self.env.globals.update(
             cite=self.cite, upstream=self.upstream, default=self.default, verified_by=self.verified_by,
             reference_only=self.reference_only, pins=project.pins.sources,
@@ -222,17 +222,11 @@ def pages(project: Project) -> list[tuple[Path, dict, str]]:
 
 def render_notes(root: Path, out_dir: Path) -> list[Path]:
     """Render every note template into `out_dir` (NAME.md.j2 -> NAME.md), the source pages and the change pages;
-    return the files that changed (stale pages, say of a replaced bump record, are removed)."""
+    return the files that changed (stale pages render wrote, say of a replaced bump record, are removed:
+    pin_and_cite.output_folder)."""
     project = Project(root)
     renderer = Renderer(project)
     rendered = {out_dir / page: renderer.render(template, **context) for template, context, page in pages(project)}
     rendered.update(change_pages(project, renderer.resolver, out_dir))
-    changed = write_pinned_sha(project)
-    for path, text in rendered.items():
-        if not path.exists() or path.read_text() != text:
-            atomic_write(path, text.encode())
-            changed.append(path)
-    for stale in set(out_dir.rglob("*.md")) - set(rendered):      # a template was removed or renamed
-        stale.unlink()
-        changed.append(stale)
-    return changed
+    written = OutputFolder(out_dir).write({path.relative_to(out_dir).as_posix(): text for path, text in rendered.items()})
+    return write_pinned_sha(project) + written

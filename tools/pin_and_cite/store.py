@@ -1,6 +1,9 @@
 """The local cache: file contents addressed by git blob SHA, outside the repository.
 
-Anything read back is re-hashed first; a corrupt entry is deleted and treated as missing, never used.
+A path in the cache is only ever built from a full 40-hex SHA, and its folder must resolve inside the cache
+root: a lock from an untrusted branch cannot name a file elsewhere to read, write or delete. Anything read
+back is a regular file (pin_and_cite.regular_file), read no further than the blob's size, and re-hashed; a
+corrupt entry is deleted and treated as missing, never used.
 """
 from __future__ import annotations
 
@@ -12,8 +15,11 @@ import filelock
 import platformdirs
 
 from pin_and_cite.atomic import atomic_write
-from pin_and_cite.errors import PinAndCiteError
-from pin_and_cite.gitobj import blob_sha
+from pin_and_cite.errors import PinAndCiteError, SourceUnavailable
+from pin_and_cite.gitobj import blob_sha, is_full_sha
+from pin_and_cite.regular_file import NotRegularFile, read_regular
+
+MAX_BLOB_BYTES = 100 << 20      # GitHub refuses files over 100 MiB: the bound when the lock gives no size
 
 
 def default_cache_dir() -> Path:
@@ -26,17 +32,27 @@ class Store:
         self._memo: dict[str, bytes] = {}
 
     def _blob_path(self, blob: str) -> Path:
-        return self.root / "blobs" / blob[:2] / blob[2:]
+        if not is_full_sha(blob):
+            raise PinAndCiteError(f"refusing {blob[:80]!r} as a cache key: not a full 40-hex blob SHA")
+        path = self.root / "blobs" / blob[:2] / blob[2:]
+        if not path.parent.resolve().is_relative_to(self.root.resolve()):
+            raise SourceUnavailable(f"cache folder {path.parent} leads outside the cache {self.root}; remove it")
+        return path
 
-    def get(self, blob: str) -> bytes | None:
+    def get(self, blob: str, size: int | None = None) -> bytes | None:
+        """The verified bytes of `blob`, or None when the cache has no good copy. `size`, the blob's size
+        when the lock records it, bounds the read (else MAX_BLOB_BYTES)."""
         if blob in self._memo:
             return self._memo[blob]
         path = self._blob_path(blob)
+        limit = MAX_BLOB_BYTES if size is None else size
         try:
-            data = path.read_bytes()
-        except FileNotFoundError:
+            data = read_regular(path, limit)
+        except NotRegularFile as exc:
+            raise SourceUnavailable(f"cache entry {exc}; remove it and run `pin-and-cite fetch`") from None
+        if data is None:
             return None
-        if blob_sha(data) != blob:
+        if len(data) > limit or blob_sha(data) != blob:
             path.unlink(missing_ok=True)
             return None
         self._memo[blob] = data
