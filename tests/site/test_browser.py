@@ -101,6 +101,9 @@ def _context(browser):
     return context, open_page, requested
 
 
+OPEN_ANSWERS = "document.querySelectorAll('details').forEach(d => { d.open = true; })"
+
+
 @pytest.fixture
 def visit(browser):
     """Open pages in a fresh context; yields (open_page, requested_urls) and closes the context after."""
@@ -120,8 +123,9 @@ def every_page(browser, site_url, diagram_site):
             continue  # the negative control, checked on its own below
         url_path = "" if path == "." else f"{path}/"
         page = open_page(site_url + url_path)
-        reports[path] = {"diagrams": _rendered(page, diagram_site, url_path), "excerpts": page.evaluate(EXCERPTS),
-                         "links": page.evaluate(LINKS)}
+        diagrams = _rendered(page, diagram_site, url_path)
+        page.evaluate(OPEN_ANSWERS)          # excerpts inside collapsed answers are checked as a reader opens them
+        reports[path] = {"diagrams": diagrams, "excerpts": page.evaluate(EXCERPTS), "links": page.evaluate(LINKS)}
         _screenshot(page, "home" if path == "." else path.replace("/", "-"))
         page.close()
     context.close()
@@ -280,3 +284,18 @@ def test_without_the_vendored_script_material_would_fetch_mermaid_from_unpkg(vis
         server.shutdown()
         server.server_close()
     assert "https://unpkg.com/mermaid@11/dist/mermaid.min.js" in requested
+
+
+def test_check_yourself_answers_are_collapsed_until_opened(visit, site_url):
+    """Each question's answer is a closed <details>; opening it shows cited upstream lines and its evidence."""
+    open_page, _ = visit
+    page = open_page(site_url + "notes/check-yourself/")
+    answers = page.locator("details")
+    assert answers.count() >= 16                    # the brief's two stop questions and fourteen candidates
+    assert page.evaluate("[...document.querySelectorAll('details')].every(d => !d.open)")
+    first = answers.first
+    assert not first.locator(".verified-by").first.is_visible()
+    first.locator("summary").click()
+    assert first.evaluate("d => d.open")
+    assert first.locator(".verified-by").first.is_visible()
+    assert first.locator("div.highlight td.linenos").first.is_visible()
