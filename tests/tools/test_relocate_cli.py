@@ -18,6 +18,11 @@ def relocate(source: str, *args: str, cache: Path, stdin: str | None = None):
     return proc
 
 
+def relocate_popen(source: str, *args: str, cache: Path) -> subprocess.Popen:
+    return subprocess.Popen([str(CLI), "relocate", "--source", source, *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PIN_AND_CITE_CACHE": str(cache)})
+
+
 EXPECTED = [
     ("pkg/mod.py#L12-L14", "moved", [15, 17]),
     ("pkg/mod.py#L17-L19", "changed", [20, 22]),
