@@ -35,6 +35,15 @@ STATUSES = ("unchanged", "moved", "changed", "deleted")
 REVIEWED = ("changed", "deleted")             # the statuses a person must look at
 
 
+class AlreadyPinned(Exception):
+    """REF names the commit already pinned: bumping to it would replace the last bump's record with an empty
+    one (a second run of the same bump, in parallel or after an unclear Ctrl-C), so it is a no-op."""
+
+    def __init__(self, source: str, commit: str, ref: str):
+        super().__init__(f"{source} is already pinned at {commit[:12]} ({ref}); nothing to bump")
+        self.source, self.commit = source, commit
+
+
 @dataclass
 class Carried:
     """One citation of the bumped source: where it is written, what the engine answered, what it becomes."""
@@ -87,6 +96,8 @@ def plan(project: Project, name: str, ref: str) -> Bump:
     remote = project.remote(source)
     new = remote.resolve_ref(ref)
     old = source.commit
+    if new == old:
+        raise AlreadyPinned(name, old, ref)
     carried = list(_citations_of(project, name).values())
     paths = sorted({c.spec.path for c in carried})
     known = {}

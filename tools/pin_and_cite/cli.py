@@ -116,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "pins.toml and the lock, and print a review report: counts per status and, for each "
                     "changed or deleted citation, where it is cited and its old vs new excerpt as a diff. "
                     "The lock also records the bump (replacing the source's previous record), so `render` "
-                    "can show the same diffs on the site. "
+                    "can show the same diffs on the site. A REF naming the pinned commit changes nothing (so a "
+                    "repeated bump keeps the record); two bumps of one project take turns. "
                     "All files are written together, or none (any error, or --dry-run).")
     bumper.add_argument("source", metavar="NAME", help="source name in pins.toml")
     bumper.add_argument("--ref", required=True, help="tag, branch or full 40-hex commit SHA to move to")
@@ -216,7 +217,12 @@ def cmd_check(project: Project, args) -> int:
 
 
 def cmd_bump(project: Project, args) -> int:
-    planned = bump.plan(project, args.source, args.ref)
+    try:
+        planned = bump.plan(project, args.source, args.ref)
+    except bump.AlreadyPinned as done:
+        print(json.dumps({"source": done.source, "from": done.commit, "to": done.commit, "dry_run": args.dry_run,
+                          "written": [], "citations": [], "note": str(done)}) if args.json else done)
+        return 0
     if not args.dry_run:
         bump.apply(planned)
     if args.json:
