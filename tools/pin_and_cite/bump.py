@@ -3,7 +3,7 @@
 Plan first, write last: every citation of the source (in the note templates and in the lock) is relocated
 with the engine, range citations get their new line numbers, symbol citations keep their spec, and the new
 templates, pins.toml and lock are computed in memory. Only when all of that succeeded are the files written,
-together (atomic.atomic_write_all); `--dry-run` stops before writing. A citation that has no counterpart any
+together (journal.write_all); `--dry-run` stops before writing. A citation that has no counterpart any
 more (deleted, or a symbol under a new name) is left as written and not locked, so `check` keeps failing on
 it until a person fixes the note: the review report lists it with its old text.
 
@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pin_and_cite import symbols
-from pin_and_cite.atomic import atomic_write_all
 from pin_and_cite.citation import Spec, parse_spec
 from pin_and_cite.errors import PinAndCiteError
 from pin_and_cite.fetch import from_distribution
 from pin_and_cite.gitobj import blob_sha, is_full_sha
+from pin_and_cite.journal import write_all
 from pin_and_cite.lock import BumpRecord, RecordedChange, RecordedFile, file_key
 from pin_and_cite.notes import Written, rewrite_arguments, written_calls
 from pin_and_cite.project import Project
@@ -184,5 +184,5 @@ def _templates(carried: list[Carried]) -> dict[Path, bytes]:
     return {template: rewrite_arguments(template, edits) for template, edits in changes.items()}
 
 
-def apply(bump: Bump) -> None:
-    atomic_write_all(bump.writes)
+def apply(bump: Bump, notes_dir: Path) -> None:
+    write_all(bump.writes, notes_dir)

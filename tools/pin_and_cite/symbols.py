@@ -18,7 +18,9 @@ def definitions(source: str, filename: str) -> dict[str, list[tuple[int, int]]]:
     try:
         tree = ast.parse(source, filename=filename)
     except SyntaxError as exc:
-        raise PinAndCiteError(f"{filename} is not valid Python (line {exc.lineno}); cite it by line range")
+        raise PinAndCiteError(f"{filename} is not valid Python (line {exc.lineno}); cite it by line range") from None
+    except (MemoryError, RecursionError):                       # CPython's parser on absurdly deep nesting
+        raise PinAndCiteError(f"{filename} nests too deeply for Python's parser; cite it by line range") from None
     found: dict[str, list[tuple[int, int]]] = {}
 
     def visit(statements, prefix: str) -> None:
