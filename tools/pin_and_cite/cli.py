@@ -73,6 +73,14 @@ def _seconds(text: str) -> float:
     return seconds
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse, but a refused argument is one line (`pin-and-cite VERB: error: ...`), exit 2 like all bad input."""
+
+    def error(self, message: str):
+        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
     network = argparse.ArgumentParser(add_help=False)
     network.add_argument("--timeout", type=_seconds, default=60.0, metavar="SECONDS",
@@ -84,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--url", dest="urls", action="append", type=_url_override, default=[], metavar="NAME=URL",
                         help="fetch source NAME from URL instead of its pinned url (a mirror); repeatable")
 
-    parser = argparse.ArgumentParser(
+    parser = _OneLineParser(
         prog="pin-and-cite", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
         description="Pin upstream repositories at exact commits, fetch only the cited files (verified by git "
                     "blob hash), and check that every citation in the reading notes still says what it claims.")
