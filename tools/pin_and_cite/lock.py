@@ -91,8 +91,8 @@ class Lock:
             self.citations = {k: LockedCitation(tuple(v["lines"]), v["text_sha256"], v.get("symbol"))
                               for k, v in data["citations"].items()}
             self.bumps = {k: _bump_record(v) for k, v in data.get("bumps", {}).items()}
-        except (ValueError, KeyError, TypeError) as exc:
-            raise PinAndCiteError(f"{self.path} is not a valid lock ({exc}); restore it from git")
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:      # a shape the lock never has
+            raise PinAndCiteError(f"{self.path} is not a valid lock ({exc!r}); restore it from git") from None
 
     def save(self) -> None:
         atomic_write(self.path, self.dumps())

@@ -46,15 +46,20 @@ class Pins:
             self._doc = tomlkit.parse(path.read_text())
         except FileNotFoundError:
             raise PinAndCiteError(f"{path} not found; create it with a [sources.NAME] table (url, commit)")
+        except UnicodeDecodeError as exc:
+            raise PinAndCiteError(f"{path} is not UTF-8 text (byte {exc.start})") from None
         except tomlkit.exceptions.TOMLKitError as exc:
             raise PinAndCiteError(f"{path} is not valid TOML: {exc}")
-        self.sources = {name: self._source(name, table) for name, table in self._doc.get("sources", {}).items()}
+        sources = self._doc.get("sources", {})
+        if not isinstance(sources, dict):
+            raise PinAndCiteError(f"{path}: 'sources' must hold [sources.NAME] tables")
+        self.sources = {name: self._source(name, table) for name, table in sources.items()}
 
     def _source(self, name: str, table) -> Source:
         where = f"{self.path.name} [sources.{name}]"
         if not SOURCE_NAME.fullmatch(name):
             raise PinAndCiteError(f"{where}: source names are lowercase letters, digits, '.', '_' and '-'")
-        if "url" not in table or "commit" not in table:
+        if not isinstance(table, dict) or "url" not in table or "commit" not in table:
             raise PinAndCiteError(f"{where}: needs both 'url' and 'commit'")
         if not is_full_sha(str(table["commit"])):
             raise PinAndCiteError(f"{where}: commit {table['commit']!r} is not a full 40-hex SHA")
