@@ -70,9 +70,10 @@ class Remote:
     @property
     def repo(self) -> git.Repo:
         if self._repo is None:
-            with self.lock:
-                if not (self.git_dir / "config").exists():
-                    self._init_partial_repository()
+            if not (self.git_dir / "config").exists():
+                with self.lock:                                  # a second run waits, then finds it made
+                    if not (self.git_dir / "config").exists():
+                        self._init_partial_repository()
             self._repo = git.Repo(self.git_dir, odbt=GitDB)   # pure-Python reads: never a lazy fetch
         return self._repo
 
