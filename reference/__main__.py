@@ -7,14 +7,14 @@ adds its own argument group and runs from the parsed arguments.
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
+from reference.arguments import OneLineParser, learning_rate, output_dir
 from reference.fsdp import demo as fsdp_demo
 from reference.gpt import demo as gpt_demo
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="torchrun --nproc-per-node N -m reference",
         description="Train a small GPT for a few steps with the reference TP x PP x DP parallelism (default; "
                     "e.g. --nproc-per-node 8 ... --tp 2 --pp 2 --dp 2) or FSDP (--fsdp), printing the layout, "
@@ -32,11 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--num-attention-heads", type=int, default=4, help="attention heads")
     common.add_argument("--num-layers", type=int, default=2, help="transformer blocks")
     common.add_argument("--seed", type=int, default=1234, help="seed for weights and data (same on every rank)")
-    common.add_argument("--lr", type=float, default=1e-2, help="SGD learning rate")
+    common.add_argument("--lr", type=learning_rate, default=1e-2, help="SGD learning rate (positive, finite)")
     common.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                         help="auto picks cuda+nccl when a GPU is visible, else cpu+gloo")
     common.add_argument("--json", action="store_true", help="print one JSON object per step instead of text")
-    common.add_argument("--trace", type=Path, default=None, metavar="DIR",
+    common.add_argument("--trace", type=output_dir, default=None, metavar="DIR",
                         help="write the last step's recorded collectives and compute spans to "
                              "DIR/{gpt,fsdp}_trace.rank<r>.json")
     gpt_demo.add_arguments(parser.add_argument_group("TP x PP x DP (default demo)"))

@@ -9,19 +9,21 @@ import argparse
 import json
 import sys
 
+from reference.arguments import MAX_WORLD, OneLineParser, refuse_large_world, world_size
 from reference.parallel_state import ORDERS, ParallelConfigError, describe_grid, groups, parallel_sizes, rank_grid
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="python -m reference.layout",
         description="Print the process groups of a TP x PP x DP layout (TP groups are consecutive ranks). "
-                    "Give the three sizes, or --world and some of them (DP defaults to what is left).",
+                    "Give the three sizes, or --world and some of them (DP defaults to what is left). "
+                    f"At most {MAX_WORLD:,} ranks: the groups list every rank.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (stages)")
-    parser.add_argument("--dp", type=int, default=None, help="data-parallel size; default: world / (tp x pp)")
-    parser.add_argument("--world", type=int, default=None,
+    parser.add_argument("--tp", type=world_size, default=1, help="tensor-parallel size")
+    parser.add_argument("--pp", type=world_size, default=1, help="pipeline-parallel size (stages)")
+    parser.add_argument("--dp", type=world_size, default=None, help="data-parallel size; default: world / (tp x pp)")
+    parser.add_argument("--world", type=world_size, default=None,
                         help="number of ranks; default: tp x pp x dp. Refused when the product differs")
     parser.add_argument("--order", choices=ORDERS, default="tp-pp-dp",
                         help="dimensions from fastest- to slowest-varying rank (megatron's `order`)")
@@ -31,7 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    refuse_large_world(parser, tp=args.tp, pp=args.pp, dp=args.dp or 1)
     try:
         if args.world is None and args.dp is None:
             raise ParallelConfigError("give --dp or --world")

@@ -8,6 +8,8 @@ import argparse
 import json
 import sys
 
+from reference.arguments import (MAX_MICROBATCHES, MAX_WORLD, MICROBATCHES_WHY, WORLD_WHY, OneLineParser,
+                                 microbatches, refuse_large_world, world_size)
 from reference.data_parallel.wrapper import DEFAULT_BUCKET_SIZE
 from reference.parallel_state import ORDERS, ParallelConfigError
 from reference.pipeline.schedules import SCHEDULES
@@ -17,13 +19,14 @@ from reference.scale.simulate import document, default_ranks
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m reference.scale", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = OneLineParser(prog="python -m reference.scale", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                           description=__doc__.split("\n\n")[0] + f" At most {MAX_WORLD:,} ranks ({WORLD_WHY}) and "
+                           f"{MAX_MICROBATCHES} micro-batches ({MICROBATCHES_WHY}).")
     parser.add_argument("--model", default="70b", help=f"model shape: {', '.join(MODELS)}")
-    parser.add_argument("--tp", type=int, default=8, help="tensor-parallel size")
-    parser.add_argument("--pp", type=int, default=8, help="pipeline-parallel size")
-    parser.add_argument("--dp", type=int, default=64, help="data-parallel size")
-    parser.add_argument("--microbatches", type=int, default=16, help="micro-batches per step (m)")
+    parser.add_argument("--tp", type=world_size, default=8, help="tensor-parallel size")
+    parser.add_argument("--pp", type=world_size, default=8, help="pipeline-parallel size")
+    parser.add_argument("--dp", type=world_size, default=64, help="data-parallel size")
+    parser.add_argument("--microbatches", type=microbatches, default=16, help="micro-batches per step (m)")
     parser.add_argument("--sp", action="store_true", help="sequence parallelism")
     parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule")
     parser.add_argument("--bucket-size", type=int, default=DEFAULT_BUCKET_SIZE, metavar="BYTES",
@@ -52,7 +55,9 @@ def format_document(doc: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    refuse_large_world(parser, tp=args.tp, pp=args.pp, dp=args.dp)
     try:
         setup = setup_for(args.model.lower(), tp=args.tp, pp=args.pp, dp=args.dp, microbatches=args.microbatches,
                           sp=args.sp, schedule=args.schedule, bucket_size=args.bucket_size or None,

@@ -20,7 +20,7 @@ def locked(project, upstream):
 
 
 def partial_repo_objects(project) -> set[str]:
-    [git_dir] = (project.cache / "git").iterdir()
+    [git_dir] = [d for d in (project.cache / "git").iterdir() if d.is_dir()]     # not its .lock
     out = git.Repo(git_dir).git.execute(["git", "cat-file", "--batch-all-objects", "--batch-check"])
     return {line.split()[0]: line.split()[1] for line in out.splitlines()}
 

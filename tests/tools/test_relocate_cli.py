@@ -18,6 +18,11 @@ def relocate(source: str, *args: str, cache: Path, stdin: str | None = None):
     return proc
 
 
+def relocate_popen(source: str, *args: str, cache: Path) -> subprocess.Popen:
+    return subprocess.Popen([str(CLI), "relocate", "--source", source, *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PIN_AND_CITE_CACHE": str(cache)})
+
+
 EXPECTED = [
     ("pkg/mod.py#L12-L14", "moved", [15, 17]),
     ("pkg/mod.py#L17-L19", "changed", [20, 22]),
@@ -52,7 +57,7 @@ def test_thousands_of_citations_cost_the_same_requests_as_one_per_file(history, 
         assert proc.returncode == 0, proc.stderr
         assert len(json.loads(proc.stdout)) == text.count("\n")
         counts.append(proxy.connections)
-        [git_dir] = (tmp_path / str(n) / "git").iterdir()
+        [git_dir] = [d for d in (tmp_path / str(n) / "git").iterdir() if d.is_dir()]
         listing = git.Repo(git_dir).git.execute(["git", "cat-file", "--batch-all-objects", "--batch-check"])
         kinds = sorted(line.split()[1] for line in listing.splitlines())
         # 2 commits; per commit the root, pkg/ and docs/ trees (4 distinct trees: docs/ changed too);

@@ -1,5 +1,5 @@
-"""Write-then-rename, so a reader or a crash never sees half a file; a set of files is staged completely
-before any of them is replaced, so a failed step (disk full, Ctrl-C) leaves the whole set as it was."""
+"""Write-then-rename, so a reader or a crash never sees half a file. Several files replaced as one step go
+through pin_and_cite.journal, which builds on these primitives."""
 from __future__ import annotations
 
 import contextlib
@@ -12,29 +12,36 @@ from pathlib import Path
 
 def atomic_write(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_all({path: data})
-
-
-def atomic_write_all(files: dict[Path, bytes]) -> None:
-    """Write several files as one step: stage every one first, and only when all are staged rename them into
-    place; a failure while staging (disk full, permissions) leaves every file as it was."""
-    staged: list[tuple[str, Path]] = []
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        for path, data in files.items():
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-            staged.append((tmp, path))
-            os.fchmod(fd, _mode_for(path))
-            with os.fdopen(fd, "wb") as out:
-                out.write(data)
-                out.flush()
-                os.fsync(out.fileno())
+        _fill(fd, path, data)
+        os.replace(tmp, path)
     except BaseException:
-        for tmp, _ in staged:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    with _no_interrupts():                        # Ctrl-C cannot land between two renames
-        for tmp, path in staged:
-            os.replace(tmp, path)
+
+
+def stage(tmp: Path, target: Path, data: bytes) -> None:
+    """Create `tmp` (it must not exist) holding `data`, synced, with the mode `target` has or would get."""
+    _fill(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), target, data)
+
+
+def _fill(fd: int, target: Path, data: bytes) -> None:
+    os.fchmod(fd, _mode_for(target))
+    with os.fdopen(fd, "wb") as out:
+        out.write(data)
+        out.flush()
+        os.fsync(out.fileno())
+
+
+def sync_directory(directory: Path) -> None:
+    """Make the renames in `directory` durable (a rename is only on disk once its directory is synced)."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _mode_for(path: Path) -> int:
@@ -49,7 +56,7 @@ def _mode_for(path: Path) -> int:
 
 
 @contextlib.contextmanager
-def _no_interrupts():
+def no_interrupts():
     """Hold SIGINT/SIGTERM until the block is done (they are delivered right after), where POSIX allows."""
     if not hasattr(signal, "pthread_sigmask"):
         yield

@@ -4,7 +4,7 @@ Plan first, write last: every citation of the source (in the note templates and 
 with the engine, range citations get their new line numbers, symbol citations keep their spec (both take the
 new path, and a symbol its new name, when the code went into another file: pin_and_cite.crossfile), and the new
 templates, pins.toml and lock are computed in memory. Only when all of that succeeded are the files written,
-together (atomic.atomic_write_all); `--dry-run` stops before writing. A citation that has no counterpart any
+together (journal.write_all); `--dry-run` stops before writing. A citation that has no counterpart any
 more (deleted, or a symbol under a new name) is left as written and not locked, so `check` keeps failing on
 it until a person fixes the note: the review report lists it with its old text.
 
@@ -27,12 +27,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pin_and_cite import bump_highlights, symbols
-from pin_and_cite.atomic import atomic_write_all
 from pin_and_cite.citation import Spec, parse_spec
 from pin_and_cite.defaults import DefaultRef, parse_key
 from pin_and_cite.errors import PinAndCiteError
 from pin_and_cite.fetch import from_distribution
 from pin_and_cite.gitobj import blob_sha, is_full_sha
+from pin_and_cite.journal import write_all
 from pin_and_cite.lock import BumpRecord, RecordedChange, RecordedDefault, RecordedFile, file_key
 from pin_and_cite.notes import Written, rewrite_arguments, written_calls
 from pin_and_cite.project import Project
@@ -42,6 +42,15 @@ from pin_and_cite.resolve import Resolver, cited_text, text_sha256
 
 STATUSES = ("unchanged", "moved", "changed", "deleted")
 REVIEWED = ("changed", "deleted")             # the statuses a person must look at
+
+
+class AlreadyPinned(Exception):
+    """REF names the commit already pinned: bumping to it would replace the last bump's record with an empty
+    one (a second run of the same bump, in parallel or after an unclear Ctrl-C), so it is a no-op."""
+
+    def __init__(self, source: str, commit: str, ref: str):
+        super().__init__(f"{source} is already pinned at {commit[:12]} ({ref}); nothing to bump")
+        self.source, self.commit = source, commit
 
 
 @dataclass
@@ -101,6 +110,8 @@ def plan(project: Project, name: str, ref: str) -> Bump:
     remote = project.remote(source)
     new = remote.resolve_ref(ref)
     old = source.commit
+    if new == old:
+        raise AlreadyPinned(name, old, ref)
     carried = list(_citations_of(project, name).values())
     defaults = {default: project.lock.defaults[key] for key in project.lock.defaults
                 if (default := parse_key(key)).spec.source == name}
@@ -213,5 +224,5 @@ def _templates(carried: list[Carried]) -> dict[Path, bytes]:
     return {template: rewrite_arguments(template, edits) for template, edits in changes.items()}
 
 
-def apply(bump: Bump) -> None:
-    atomic_write_all(bump.writes)
+def apply(bump: Bump, notes_dir: Path) -> None:
+    write_all(bump.writes, notes_dir)

@@ -3,18 +3,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
 
-from pin_and_cite import bump, review
+from pin_and_cite import bump, journal, review
 from pin_and_cite.check import check
 from pin_and_cite.citation import parse_spec
 from pin_and_cite.defaults import default_ref
-from pin_and_cite.errors import PinAndCiteError, printable
+from pin_and_cite.errors import LOCAL_IO, PinAndCiteError, printable
 from pin_and_cite.fetch import Fetched, fetch_all
 from pin_and_cite.gitobj import is_full_sha
-from pin_and_cite.project import Project, find_root
+from pin_and_cite.project import NOTES_DIR, Project, find_root
 from pin_and_cite.reanchor import relocate_texts
 from pin_and_cite.remote import check_url
 from pin_and_cite.render import render_notes
@@ -38,7 +39,8 @@ relocation statuses (relocate, bump):
 exit status:
   0 ok; 1 check found broken citations, or relocate could not answer some citation; 2 bad input
   (arguments, pins, notes, unknown commits); 3 a source could not deliver verified bytes (network, timeout,
-  hash mismatch); 130 interrupted (nothing is left half-written)
+  hash mismatch); 4 a local file could not be read or written (disk full, permissions: nothing is left
+  half-written); 130 interrupted (nothing is left half-written)
 
 files:
   reading_notes/pins.toml        the sources: url, full commit SHA, optional tag and distribution
@@ -60,17 +62,39 @@ def _url_override(text: str) -> tuple[str, str]:
     return name, url
 
 
+MAX_TIMEOUT = 86400      # a day: beyond it, nothing is waiting for an answer (and timers overflow)
+
+
+def _seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not (0 < seconds <= MAX_TIMEOUT):
+        raise argparse.ArgumentTypeError(f"expected seconds in (0, {MAX_TIMEOUT}], got {text!r}")
+    return seconds
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse, but a refused argument is one line (`pin-and-cite VERB: error: ...`), exit 2 like all bad input."""
+
+    def error(self, message: str):
+        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
     network = argparse.ArgumentParser(add_help=False)
-    network.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
-                         help="give up on a git remote that does not answer within this time (default 60)")
+    network.add_argument("--timeout", type=_seconds, default=60.0, metavar="SECONDS",
+                         help="give up on a git remote that does not answer within this many seconds "
+                              f"(more than 0, at most {MAX_TIMEOUT}; default 60)")
     network.add_argument("--json", action="store_true", help="print machine-readable JSON on stdout")
     common = argparse.ArgumentParser(add_help=False, parents=[network])
     common.add_argument("--project", type=Path, help="project root (default: nearest parent with reading_notes/pins.toml)")
     common.add_argument("--url", dest="urls", action="append", type=_url_override, default=[], metavar="NAME=URL",
                         help="fetch source NAME from URL instead of its pinned url (a mirror); repeatable")
 
-    parser = argparse.ArgumentParser(
+    parser = _OneLineParser(
         prog="pin-and-cite", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
         description="Pin upstream repositories at exact commits, fetch only the cited files (verified by git "
                     "blob hash), and check that every citation in the reading notes still says what it claims.")
@@ -125,7 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "and, for each changed or deleted citation, where it is cited and its old vs new excerpt as "
                     "a diff; then the highlights carried, and one line per highlight a person should review. "
                     "The lock also records the bump (replacing the source's previous record), so `render` "
-                    "can show the same diffs on the site. "
+                    "can show the same diffs on the site. A REF naming the pinned commit changes nothing (so a "
+                    "repeated bump keeps the record); two bumps of one project take turns. "
                     "All files are written together, or none (any error, or --dry-run).")
     bumper.add_argument("source", metavar="NAME", help="source name in pins.toml")
     bumper.add_argument("--ref", required=True, help="tag, branch or full 40-hex commit SHA to move to")
@@ -249,9 +274,14 @@ def cmd_check(project: Project, args) -> int:
 
 
 def cmd_bump(project: Project, args) -> int:
-    planned = bump.plan(project, args.source, args.ref)
+    try:
+        planned = bump.plan(project, args.source, args.ref)
+    except bump.AlreadyPinned as done:
+        print(json.dumps({"source": done.source, "from": done.commit, "to": done.commit, "dry_run": args.dry_run,
+                          "written": [], "citations": [], "note": str(done)}) if args.json else done)
+        return 0
     if not args.dry_run:
-        bump.apply(planned)
+        bump.apply(planned, project.notes_dir)
     if args.json:
         print(json.dumps(review.json_report(planned, project.root, args.dry_run), indent=2))
     else:
@@ -300,13 +330,20 @@ def main(argv: list[str] | None = None) -> int:
         if args.verb in STANDALONE:
             return STANDALONE[args.verb](args)
         root = args.project or find_root(Path.cwd())
+        project_lock = Store(default_cache_dir()).lock(f"project {root.resolve()}")
+        if recovered := journal.recover(root / NOTES_DIR, project_lock):     # a bump killed mid-write
+            print(f"pin-and-cite: {recovered}", file=sys.stderr)
         if args.verb not in WRITERS:
             return COMMANDS[args.verb](Project(root, timeout=args.timeout, url_overrides=dict(args.urls)), args)
-        with Store(default_cache_dir()).lock(f"project {root.resolve()}"):     # pins and lock read under it
+        with project_lock:                                                      # pins and lock read under it
             return COMMANDS[args.verb](Project(root, timeout=args.timeout, url_overrides=dict(args.urls)), args)
     except PinAndCiteError as exc:
         print(f"pin-and-cite: error: {printable(str(exc))}", file=sys.stderr)
         return exc.exit_code
+    except OSError as exc:                         # the machine's, not the input's: disk full, permissions
+        print(printable(f"pin-and-cite: error: {exc.strerror or exc}: {exc.filename or ''} (nothing was left "
+                        "half-written)"), file=sys.stderr)
+        return LOCAL_IO
     except KeyboardInterrupt:
         print("pin-and-cite: interrupted; nothing was left half-written", file=sys.stderr, flush=True)
         os._exit(130)   # now: gitpython's timeout watchdog thread would otherwise keep the process alive

@@ -19,7 +19,7 @@ def fetch_files(remote: Remote, store: Store, wanted: dict[str, Iterable[str]], 
     commit. `known` maps (commit, path) to blob ids already known (say, from a lock); `local` may supply
     verified bytes (say, an installed distribution) before the network is asked."""
     blobs: dict[tuple[str, str], str | None] = dict(known or {})
-    with store.lock(f"git {remote.url}"):
+    with remote.lock:                                   # the remote's own file lock (reentrant), as every fetch
         for commit, paths in wanted.items():
             unknown = sorted({p for p in paths if (commit, p) not in blobs})
             if unknown:

@@ -69,7 +69,7 @@ def fetch_all(project: Project, report: Callable[[Fetched, int, int], None]) -> 
         for source_name, wanted in missing.items():
             source = project.pins.get(source_name)
             remote = project.remote(source)
-            with project.store.lock(f"git {remote.url}"):
+            with remote.lock:
                 data = remote.fetch_blobs([blob for _, blob, _ in wanted],
                                           f"fetching {len(wanted)} file(s) of {source_name}")
                 for path, blob, note in wanted:
@@ -91,7 +91,7 @@ def load_blob(project: Project, source_name: str, path: str, blob: str, allow_re
     if not allow_remote:
         raise SourceUnavailable(f"{source_name}:{path} (blob {blob[:12]}) is not fetched; run `pin-and-cite fetch`")
     remote = project.remote(project.pins.get(source_name))
-    with project.store.lock(f"git {remote.url}"):
+    with remote.lock:
         data = remote.fetch_blobs([blob], f"fetching {path}")[blob]
     project.store.put(blob, data)
     return data

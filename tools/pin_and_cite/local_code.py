@@ -20,5 +20,10 @@ def ours(root: Path, spec: str) -> str:
         raise PinAndCiteError(f"ours({spec!r}): expected PATH::Name, e.g. reference/fsdp/runtime.py::pre_forward")
     if not file.is_file():
         raise PinAndCiteError(f"ours({spec!r}): {path} does not exist")
-    first, last = symbols.resolve(symbols.definitions(file.read_text(), path), symbol, path)
+    try:
+        text = file.read_bytes().decode()
+    except UnicodeDecodeError as exc:
+        raise PinAndCiteError(f"ours({spec!r}): {path} is not UTF-8 (byte {exc.object[exc.start]:#04x} at "
+                              f"offset {exc.start})") from None
+    first, last = symbols.resolve(symbols.definitions(text, path), symbol, path)
     return f"`{symbol}` ({path} L{first}–L{last})"

@@ -5,13 +5,18 @@ Everything is fetched by object id into a per-URL partial repository in the cach
 blobs in one request. Objects named explicitly as wants are sent despite the filter, so the wire carries
 those objects and nothing else. Servers must allow filters and by-SHA wants (GitHub does; so does
 `git daemon` with uploadpack.allowFilter and uploadpack.allowAnySHA1InWant).
+
+Several runs may share one cache: creating the partial repository and every fetch into it happen under the
+remote's file lock (git's own `shallow.lock` and `config.lock` make a second writer fail, not wait).
 """
 from __future__ import annotations
 
 import re
+import shutil
 import tempfile
 from pathlib import Path
 
+import filelock
 import git
 from git.db import GitDB
 from git.objects.fun import tree_entries_from_data
@@ -44,6 +49,7 @@ class Remote:
         self.url = check_url(url)
         self.timeout = timeout
         self.git_dir = git_dir
+        self.lock = filelock.FileLock(git_dir.with_name(f"{git_dir.name}.lock"))   # reentrant: nest freely
         self._repo: git.Repo | None = None
 
     def _run(self, what: str, *args: str, stdin_lines: list[str] | None = None, in_repo: bool = True) -> str:
@@ -65,17 +71,27 @@ class Remote:
     @property
     def repo(self) -> git.Repo:
         if self._repo is None:
-            if not (self.git_dir / "HEAD").exists():
-                self.git_dir.mkdir(parents=True, exist_ok=True)
-                repo = git.Repo.init(self.git_dir, bare=True)
-                with repo.config_writer() as cfg:
-                    cfg.set_value("core", "repositoryformatversion", "1")
-                    cfg.set_value("extensions", "partialClone", "origin")
-                    cfg.set_value('remote "origin"', "url", self.url)
-                    cfg.set_value('remote "origin"', "promisor", "true")
-                    cfg.set_value('remote "origin"', "partialclonefilter", "blob:none")
+            if not (self.git_dir / "config").exists():
+                with self.lock:                                  # a second run waits, then finds it made
+                    if not (self.git_dir / "config").exists():
+                        self._init_partial_repository()
             self._repo = git.Repo(self.git_dir, odbt=GitDB)   # pure-Python reads: never a lazy fetch
         return self._repo
+
+    def _init_partial_repository(self) -> None:
+        """Configure in a scratch directory, then rename it into place: an interrupted run leaves no
+        half-configured repository for the next one to trust."""
+        self.git_dir.parent.mkdir(parents=True, exist_ok=True)
+        scratch = Path(tempfile.mkdtemp(dir=self.git_dir.parent, prefix=f".{self.git_dir.name}."))
+        repo = git.Repo.init(scratch, bare=True)
+        with repo.config_writer() as cfg:
+            cfg.set_value("core", "repositoryformatversion", "1")
+            cfg.set_value("extensions", "partialClone", "origin")
+            cfg.set_value('remote "origin"', "url", self.url)
+            cfg.set_value('remote "origin"', "promisor", "true")
+            cfg.set_value('remote "origin"', "partialclonefilter", "blob:none")
+        shutil.rmtree(self.git_dir, ignore_errors=True)      # a leftover without config (an older crash)
+        scratch.rename(self.git_dir)
 
     # -- refs -------------------------------------------------------------------------------------------
 
@@ -120,32 +136,45 @@ class Remote:
     def read(self, oid: str) -> bytes:
         return self.repo.odb.stream(bytes.fromhex(oid)).read()
 
+    def _missing(self, oids: list[str]) -> list[str]:
+        """Those of `oids` not in the partial repository, counting what another run fetched meanwhile."""
+        missing = sorted({oid for oid in oids if not self.has(oid)})
+        if missing:
+            self.repo.odb.update_cache(force=True)
+            missing = [oid for oid in missing if not self.has(oid)]
+        return missing
+
     def fetch_commit(self, commit: str) -> None:
         """Fetch one object by id with no history and no trees (a commit, or the tag or other object a ref
         names, which commit_of then inspects)."""
         if self.has(commit):
             return
-        try:
-            self._run(f"fetching commit {commit[:12]}", "fetch", "--depth=1", "--filter=tree:0", "--no-tags",
-                      "--no-write-fetch-head", "--", "origin", commit)
-        except SourceUnavailable as exc:
-            if "not our ref" in str(exc) or "no such remote ref" in str(exc):
-                raise PinAndCiteError(f"{self.url} has no commit {commit}") from None
-            raise
-        self.repo.odb.update_cache(force=True)
+        with self.lock:
+            if self._missing([commit]):
+                try:
+                    self._run(f"fetching commit {commit[:12]}", "fetch", "--depth=1", "--filter=tree:0",
+                              "--no-tags", "--no-write-fetch-head", "--", "origin", commit)
+                except SourceUnavailable as exc:
+                    if "not our ref" in str(exc) or "no such remote ref" in str(exc):
+                        raise PinAndCiteError(f"{self.url} has no commit {commit}") from None
+                    raise
+                self.repo.odb.update_cache(force=True)
         if not self.has(commit):
             raise PinAndCiteError(f"{self.url} has no commit {commit}")
 
     def fetch_objects(self, oids: list[str], what: str) -> None:
         """Fetch exactly these objects (trees or blobs) by id, in one request."""
-        missing = sorted({oid for oid in oids if not self.has(oid)})
-        if missing:
-            self._run(what, "fetch", "--filter=tree:0", "--no-tags", "--no-write-fetch-head", "--stdin", "origin",
-                      stdin_lines=missing)
-            self.repo.odb.update_cache(force=True)
-            absent = [oid for oid in missing if not self.has(oid)]
-            if absent:
-                raise SourceUnavailable(f"{self.url} did not send {len(absent)} object(s), e.g. {absent[0][:12]}")
+        if all(self.has(oid) for oid in oids):
+            return
+        with self.lock:
+            missing = self._missing(oids)
+            if missing:
+                self._run(what, "fetch", "--filter=tree:0", "--no-tags", "--no-write-fetch-head", "--stdin",
+                          "origin", stdin_lines=missing)
+                self.repo.odb.update_cache(force=True)
+                absent = [oid for oid in missing if not self.has(oid)]
+                if absent:
+                    raise SourceUnavailable(f"{self.url} did not send {len(absent)} object(s), e.g. {absent[0][:12]}")
 
     def fetch_blobs(self, oids: list[str], what: str) -> dict[str, bytes]:
         """Fetch these blobs in one request; return their bytes, each proven by its git hash."""

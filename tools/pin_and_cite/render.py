@@ -190,6 +190,9 @@ class Renderer:
             raise PinAndCiteError(f"{self._where(template, exc.lineno)}: {exc.message}") from None
         except (PinAndCiteError, jinja2.TemplateError) as exc:
             raise PinAndCiteError(f"{self._where(template, _template_line(exc, template))}: {exc}") from None
+        except RecursionError as exc:
+            raise PinAndCiteError(f"{self._where(template, _template_line(exc, template))}: templates include or "
+                                  f"extend each other without end") from None
         except TEMPLATE_MISTAKES as exc:      # e.g. a global called with a missing or misspelled argument
             where = self._where(template, _template_line(exc, template))
             raise PinAndCiteError(f"{where}: {type(exc).__name__}: {exc}") from None

@@ -23,7 +23,18 @@ MAX_BLOB_BYTES = 100 << 20      # GitHub refuses files over 100 MiB: the bound w
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("PIN_AND_CITE_CACHE") or platformdirs.user_cache_dir("pin-and-cite"))
+    """$PIN_AND_CITE_CACHE (a directory, or a new one in an existing directory: a typo must not grow a tree
+    of folders somewhere), else the user cache directory."""
+    configured = os.environ.get("PIN_AND_CITE_CACHE")
+    if not configured:
+        return Path(platformdirs.user_cache_dir("pin-and-cite"))
+    path = Path(configured)
+    if path.exists() and not path.is_dir():
+        raise PinAndCiteError(f"PIN_AND_CITE_CACHE={configured!r} is not a directory; point it at one")
+    if not path.exists() and not path.parent.is_dir():
+        raise PinAndCiteError(f"PIN_AND_CITE_CACHE={configured!r}: {path.parent} is not a directory; create it, "
+                              f"or point the variable at an existing directory")
+    return path
 
 
 class Store:

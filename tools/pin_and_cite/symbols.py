@@ -14,7 +14,9 @@ def parse(source: str, filename: str) -> ast.Module:
     try:
         return ast.parse(source, filename=filename)
     except SyntaxError as exc:
-        raise PinAndCiteError(f"{filename} is not valid Python (line {exc.lineno}); cite it by line range")
+        raise PinAndCiteError(f"{filename} is not valid Python (line {exc.lineno}); cite it by line range") from None
+    except (MemoryError, RecursionError):                       # CPython's parser on absurdly deep nesting
+        raise PinAndCiteError(f"{filename} nests too deeply for Python's parser; cite it by line range") from None
 
 
 def definitions(source: str, filename: str) -> dict[str, list[tuple[int, int]]]:
