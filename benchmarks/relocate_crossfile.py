@@ -32,7 +32,6 @@ import os
 import random
 import resource
 import subprocess
-import sys
 import tempfile
 import time
 import zipfile
@@ -40,7 +39,7 @@ from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CACHE = Path(os.environ.get("RELOCATE_BENCH_CACHE", Path.home() / ".cache" / "relocate-bench"))
+from relocate_accuracy import CACHE, wheel      # the same PyPI wheel cache (benchmarks/ is on the path)
 GIT = ["git", "-c", "user.name=bench", "-c", "user.email=bench@example.com"]
 
 
@@ -139,13 +138,8 @@ def synthetic(seed: int) -> tuple[dict[str, str], dict[str, str], list[str]]:
 # -- megatron-core from PyPI ---------------------------------------------------------------------------
 
 def wheel_files(version: str) -> dict[str, str]:
-    wheels = CACHE / "wheels"
-    found = sorted(wheels.glob(f"megatron_core-{version}-*.whl"))
-    if not found:
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", f"megatron-core=={version}",
-                        "-d", str(wheels)], check=True)
-        found = sorted(wheels.glob(f"megatron_core-{version}-*.whl"))
-    with zipfile.ZipFile(found[0]) as whl:
+    """megatron/core/*.py of a megatron-core release, from relocate_accuracy's wheel cache."""
+    with zipfile.ZipFile(wheel(version)) as whl:
         return {name: whl.read(name).decode("utf-8") for name in whl.namelist()
                 if name.startswith("megatron/core/") and name.endswith(".py")}
 
