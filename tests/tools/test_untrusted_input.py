@@ -219,6 +219,26 @@ def test_render_into_a_folder_with_other_markdown_is_refused(project):
     assert not (project.root / "a.md").exists()
 
 
+def test_the_site_folder_of_a_render_before_the_manifest_is_taken_over_but_never_a_foreign_page(project, tmp_path):
+    """docs/notes from a render that kept no manifest (the site's build output, which git ignores) holds older
+    versions of render's own pages: taken as render's there, and only there; any other Markdown is refused."""
+    _note(project)
+    out = project.root / "docs" / "notes"
+    out.mkdir(parents=True)
+    (out / "a.md").write_text("an older render of a\n")
+    assert run(project, "render").code == 0 and (out / "a.md").read_text() != "an older render of a\n"
+    (out / ".pin-and-cite-pages.json").unlink()
+    (out / "a.md").write_text("an older render of a\n")
+    (out / "mine.md").write_text("my own page\n")
+    err = one_error_line(run(project, "render"))
+    assert "mine.md" in err and "did not write" in err and (out / "a.md").read_text() == "an older render of a\n"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "a.md").write_text("someone's a.md\n")
+    err = one_error_line(run(project, "render", "--out", str(elsewhere)))
+    assert "a.md" in err and (elsewhere / "a.md").read_text() == "someone's a.md\n"
+
+
 def test_render_removes_the_pages_it_wrote_and_nothing_else(project, tmp_path):
     _note(project)
     (project.root / "reading_notes" / "b.md.j2").write_text("b\n")

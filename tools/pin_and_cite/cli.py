@@ -18,7 +18,7 @@ from pin_and_cite.gitobj import is_full_sha
 from pin_and_cite.project import NOTES_DIR, Project, find_root
 from pin_and_cite.reanchor import relocate_texts
 from pin_and_cite.remote import check_url
-from pin_and_cite.render import render_notes
+from pin_and_cite.render import SITE_NOTES, render_notes
 from pin_and_cite.resolve import Resolver
 from pin_and_cite.store import Store, default_cache_dir
 
@@ -139,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
                                           "removed (OUT/.pin-and-cite-pages.json lists them). An OUT holding "
                                           "Markdown render did not write is refused. Templates render in a "
                                           "sandbox.")
-    render.add_argument("--out", type=Path, default=Path("docs/notes"), help="output folder, relative to the project")
+    render.add_argument("--out", type=Path, default=Path(SITE_NOTES), help="output folder, relative to the project")
 
     bumper = verbs.add_parser(
         "bump", parents=[common], help="move a pin to a new commit and carry every citation along",

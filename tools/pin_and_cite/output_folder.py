@@ -4,7 +4,9 @@
 lists them (mkdocs skips dot-files). Only those are ever removed. A folder holding Markdown that render did
 not write (README.md when DIR is the project, someone's own page, a file committed on a branch) is refused
 before anything is written; a page that already says exactly what render would write is taken as its own
-(an older render's output). Nothing is written or removed outside DIR: a page whose folder is a symlink
+(an older render's output). The project's own site folder (docs/notes, build output git ignores) rendered by a
+version without the manifest also holds render's pages at the paths render writes: there, and only while no
+manifest exists yet, those are taken as its own too. Nothing is written or removed outside DIR: a page whose folder is a symlink
 leading elsewhere is refused, and existing pages are read as regular files only.
 """
 from __future__ import annotations
@@ -22,9 +24,10 @@ SHOWN = 3                       # foreign pages named in the refusal
 
 
 class OutputFolder:
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, adopt_legacy_pages: bool = False):
         self.root = root
         self.manifest = root / MANIFEST
+        self.adopt_legacy_pages = adopt_legacy_pages and not self.manifest.exists()
         self.owned = self._load_manifest()
 
     def _load_manifest(self) -> set[str]:
@@ -46,7 +49,9 @@ class OutputFolder:
             self._refuse_outside(name)
         same = {name for name, text in pages.items()
                 if read_regular(self.root / name, len(text.encode())) == text.encode()}
-        foreign = sorted(self._markdown() - self.owned - same)
+        legacy = {name for name in pages if (self.root / name).is_file() and not (self.root / name).is_symlink()} \
+            if self.adopt_legacy_pages else set()      # an older render of the site folder, before the manifest
+        foreign = sorted(self._markdown() - self.owned - same - legacy)
         if foreign:
             shown = ", ".join(foreign[:SHOWN]) + (f" and {len(foreign) - SHOWN} more" if len(foreign) > SHOWN else "")
             raise PinAndCiteError(f"{self.root} holds Markdown that render did not write ({shown}); render into "

@@ -44,6 +44,7 @@ from pin_and_cite.traces import load_trace
 from pin_and_cite.verified_by import evidence_of
 
 SOURCE_PAGE = "_source.md.j2"
+SITE_NOTES = "docs/notes"       # where the site (mkdocs hook) and `render` by default put the pages
 TEMPLATE_MISTAKES = (TypeError, ValueError, LookupError, AttributeError, ArithmeticError)
 LANGUAGES = {".py": "python", ".pyi": "python", ".h": "cpp", ".cpp": "cpp", ".md": "markdown", ".toml": "toml"}
 
@@ -231,5 +232,7 @@ def render_notes(root: Path, out_dir: Path) -> list[Path]:
     renderer = Renderer(project)
     rendered = {out_dir / page: renderer.render(template, **context) for template, context, page in pages(project)}
     rendered.update(change_pages(project, renderer.resolver, out_dir))
-    written = OutputFolder(out_dir).write({path.relative_to(out_dir).as_posix(): text for path, text in rendered.items()})
+    site_folder = out_dir.resolve() == (project.root / SITE_NOTES).resolve()
+    written = OutputFolder(out_dir, adopt_legacy_pages=site_folder).write(
+        {path.relative_to(out_dir).as_posix(): text for path, text in rendered.items()})
     return write_pinned_sha(project) + written
