@@ -227,7 +227,7 @@ def test_only_the_trees_near_the_path_and_the_changed_files_there_are_fetched(mo
     proxy = ByteCountingProxy(daemon.port)
     found = relocate(daemon.url("moves.git", proxy.port), "dist/ddp.py::DDP.forward", cache=tmp_path)
     assert (found[0]["status"], found[0]["path"]) == ("moved", "dist/base.py")
-    [git_dir] = (tmp_path / "git").iterdir()
+    [git_dir] = [p for p in (tmp_path / "git").iterdir() if p.suffix != ".lock"]   # beside it: its file lock
     listing = git.Repo(git_dir).git.execute(["git", "cat-file", "--batch-all-objects", "--batch-check"])
     kinds = sorted(line.split()[1] for line in listing.splitlines())
     # commits 2; trees: root and dist/ at each commit; blobs: ddp.py at both, and the 7 changed .py files of
@@ -239,7 +239,7 @@ def test_only_the_trees_near_the_path_and_the_changed_files_there_are_fetched(mo
 def test_code_moved_far_away_is_found_in_the_whole_tree_without_opening_unchanged_trees(moves, tmp_path):
     found = relocate(moves.url, "dist/helpers.py::far_away", cache=tmp_path)
     assert [(a["status"], a["path"], a["lines"]) for a in found] == [("moved", "deep/inner/dest.py", [4, 6])]
-    [git_dir] = (tmp_path / "git").iterdir()
+    [git_dir] = [p for p in (tmp_path / "git").iterdir() if p.suffix != ".lock"]   # beside it: its file lock
     listing = git.Repo(git_dir).git.execute(["git", "cat-file", "--batch-all-objects", "--batch-check"])
     cached = {line.split()[0] for line in listing.splitlines()}      # what is there: never a lazy fetch
     work = git.Repo(moves.work)
