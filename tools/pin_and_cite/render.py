@@ -25,7 +25,6 @@ from pathlib import Path
 import jinja2
 
 from pin_and_cite import diagrams, estimates, sandbox, scale_tables, symbols
-from reference.scale.formulas import human  # the scale tables' byte format, for the Scale page
 from pin_and_cite.changes import change_pages
 from pin_and_cite.check import locked_default, locked_excerpt
 from pin_and_cite.citation import parse_spec
@@ -104,7 +103,7 @@ class Renderer:
             tp_crossover=estimates.tp_crossover, pipeline_memory=estimates.pipeline_memory,
             sharding_limit=estimates.sharding_limit, chart_training_memory=diagrams.chart_training_memory,
             scale_table=scale_tables.scale_table, sent_per_group=scale_tables.sent_per_group,
-            human=human)
+            human=scale_tables.human)
 
     def excerpt(self, spec_text: str) -> Excerpt:
         key = str(parse_spec(spec_text))

@@ -1,14 +1,12 @@
 """Tables of a scale trace (reading_notes/traces/scale_*.json, `python -m reference.scale --json`): bytes per
 step per process group and collective type, for a first, middle and last pipeline stage rank of a large job.
 
-The measured numbers come from the trace; the formula column is computed now, at render time, from
-reference.scale.formulas for the setup the trace records, and a row that disagrees (a stale trace, or a
-formula changed without re-recording) stops the build with a one-line error instead of being shown.
+The measured numbers and the formulas' terms both come from the trace: reference.scale.formulas computed the
+terms when the trace was recorded (tests/tools/test_scale_traces.py re-records and compares), so the site
+never imports the reference or torch. A row that disagrees with its terms (a hand-edited or stale trace) stops
+the build with a one-line error instead of being shown.
 """
 from __future__ import annotations
-
-from reference.scale import formulas
-from reference.scale.shapes import ScaleSetup
 
 from pin_and_cite.traces import RECORD, TraceError
 
@@ -38,17 +36,31 @@ def stage_name(stage: int, stages: int) -> str:
     return f"{stage} ({where})" if stages > 1 else "0 (only)"
 
 
-def checked_runs(trace: dict) -> tuple[ScaleSetup, list[tuple[dict, list[tuple[dict, list[formulas.Term]]]]]]:
-    """The setup and, per run, each measured row with the formula's terms, every row re-checked."""
-    setup = ScaleSetup.from_dict(trace["setup"])
+def human(nbytes: int) -> str:
+    """Bytes for a table: 2 decimals of the largest binary unit (as `python -m reference.scale` prints them)."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= size:
+            return f"{nbytes / size:,.2f} {unit}"
+    return f"{nbytes} B"
+
+
+def totals(terms: list[dict]) -> tuple[int, int]:
+    """(count, bytes) of a row's formula terms."""
+    return sum(t["count"] for t in terms), sum(t["nbytes"] for t in terms)
+
+
+def checked_runs(trace: dict) -> list[tuple[dict, list[tuple[dict, list[dict]]]]]:
+    """Per run, each measured row with the formula's terms recorded beside it, every row re-checked."""
     runs = []
     for run in trace["runs"]:
-        predicted = formulas.expected(setup, run["stage"])
+        if "formulas" not in run:
+            raise TraceError(f"trace {trace['name']}: rank {run['rank']} lacks the formulas' terms; {RECORD}")
+        predicted = {(f["group"], f["op"]): f["terms"] for f in run["formulas"]}
         rows = []
         for row in run["rows"]:
             terms = predicted.pop((row["group"], row["op"]), [])
-            if (row["count"], row["bytes"]) != formulas.totals(terms):
-                count, nbytes = formulas.totals(terms)
+            if (row["count"], row["bytes"]) != totals(terms):
+                count, nbytes = totals(terms)
                 raise TraceError(f"trace {trace['name']}: rank {run['rank']} {row['group']} {row['op']} recorded "
                                  f"{row['count']} x / {row['bytes']} B but reference.scale.formulas gives "
                                  f"{count} x / {nbytes} B; {RECORD}")
@@ -58,25 +70,25 @@ def checked_runs(trace: dict) -> tuple[ScaleSetup, list[tuple[dict, list[tuple[d
             raise TraceError(f"trace {trace['name']}: rank {run['rank']} recorded no {group} {op}, which "
                              f"reference.scale.formulas predicts; {RECORD}")
         runs.append((run, rows))
-    return setup, runs
+    return runs
 
 
 def scale_table(trace: dict) -> str:
     """Markdown: per stage and group, the collectives' bytes and what the rank sends (ring); then every
     (group, collective) row with its formula."""
-    setup, runs = checked_runs(trace)
+    runs = checked_runs(trace)
     totals = ["| stage (rank) | " + " | ".join(f"{g}: collective bytes / sent by the rank" for g in GROUPS.values())
               + " |", "|---|" + "---:|" * len(GROUPS)]
     detail = ["| stage | group | collective | count | bytes | formula (checked at render) |",
               "|---|---|---|---:|---:|---|"]
     for run, rows in runs:
-        where = stage_name(run["stage"], setup.pp)
+        where = stage_name(run["stage"], trace["setup"]["pp"])
         per_group = {g: sum(r["bytes"] for r, _ in rows if r["group"] == g) for g in GROUPS}
         sent = sent_per_group(trace, run)
         totals.append(f"| {where} (rank {run['rank']}) | " + " | ".join(
-            f"{formulas.human(per_group[g])} / {formulas.human(sent[g])}" if per_group[g] else "—" for g in GROUPS) + " |")
+            f"{human(per_group[g])} / {human(sent[g])}" if per_group[g] else "—" for g in GROUPS) + " |")
         for row, terms in rows:
-            formula = " + ".join(t.formula for t in terms)
+            formula = " + ".join(t["formula"] for t in terms)
             detail.append(f"| {where} | {GROUPS.get(row['group'], row['group'])} | {row['op']} | {row['count']} | "
-                          f"{formulas.human(row['bytes'])} | {formula} |")
+                          f"{human(row['bytes'])} | {formula} |")
     return "\n".join(totals) + "\n\n" + "\n".join(detail) + "\n"
