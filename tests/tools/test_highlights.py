@@ -5,7 +5,7 @@ import ast
 import git
 import pytest
 
-from pin_and_cite.check import locked_excerpt
+from pin_and_cite.locked import locked_excerpt
 from pin_and_cite.citation import parse_spec
 from pin_and_cite.errors import PinAndCiteError
 from pin_and_cite.highlights import Statements, checked_highlight

@@ -1,12 +1,87 @@
-"""The citation tool never imports the reference or torch: `check` on the shipped notes loads neither (the
-Scale page's tables read the committed traces instead)."""
+"""The citation tool's imports run one way: no module of tools/pin_and_cite imports, at module or function level,
+one that imports it back (directly or around a cycle), and none imports the reference or torch; and `check`
+on the shipped notes loads neither (the Scale page's tables read the committed traces instead)."""
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
 
 from tests.tools.conftest import ROOT
+
+PACKAGE = ROOT / "tools" / "pin_and_cite"
+FORBIDDEN = ("reference", "torch")
+
+
+def module_name(path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_names(path) -> set[str]:
+    """Every module an import statement anywhere in the file names (`from a import b` names a and a.b)."""
+    package = module_name(path).rsplit(".", 1)[0] if path.name != "__init__.py" else module_name(path)
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            found |= {base} | {f"{base}.{alias.name}" for alias in node.names}
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    """{module: the pin_and_cite modules it imports}, plus FORBIDDEN roots where it imports those."""
+    files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in files.items():
+        names = imported_names(path)
+        graph[name] = {n for n in names if n in files and n != name} | {
+            n.split(".")[0] for n in names if n.split(".")[0] in FORBIDDEN}
+    return graph
+
+
+def cycle_in(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as a path of module names, or None."""
+    state: dict[str, str] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        state[node] = "done"
+        stack.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_no_import_cycle_in_the_citation_tool():
+    graph = import_graph()
+    assert len(graph) > 30 and "pin_and_cite.cli" in graph
+    assert cycle_in(graph) is None, " -> ".join(cycle_in(graph))
+
+
+def test_the_cycle_finder_finds_function_level_cycles():
+    assert cycle_in({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert cycle_in({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_module_of_the_citation_tool_imports_the_reference_or_torch():
+    offenders = {name: sorted(deps & set(FORBIDDEN)) for name, deps in import_graph().items() if deps & set(FORBIDDEN)}
+    assert offenders == {}
 
 
 def test_check_loads_neither_torch_nor_the_reference():
@@ -20,3 +95,23 @@ def test_check_loads_neither_torch_nor_the_reference():
     proc = subprocess.run([sys.executable, "-P", "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.stdout.strip().splitlines()[-1] == "0 []", proc.stdout + proc.stderr
+
+
+LAYERS = {   # docs/architecture.md: each layer imports only from layers below it
+    "core": "pin_and_cite atomic errors schema citation gitobj pins lock store remote fetch distribution commit_files "
+            "regular_file project resolve locked symbols highlights defaults notes sandbox fences local_code "
+            "verified_by pinned_sha",
+    "relocation": "relocate reanchor crossfile textmatch carried bump_highlights bump journal review",
+    "site": "render diagrams estimates scale_tables traces changes note_rules output_folder",
+    "commands": "check cli __main__",
+}
+RANK = {f"pin_and_cite.{name}".removesuffix(".pin_and_cite"): rank
+        for rank, names in enumerate(LAYERS.values()) for name in names.split()}
+
+
+def test_every_module_has_a_layer_and_imports_only_downwards():
+    graph = import_graph()
+    assert sorted(set(graph) - set(RANK)) == [], "give each new module its layer in LAYERS"
+    upward = [f"{module} -> {dep}" for module, deps in graph.items() for dep in deps
+              if dep in RANK and RANK[dep] > RANK[module]]
+    assert upward == []

@@ -23,25 +23,22 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from pin_and_cite import bump_highlights, symbols
+from pin_and_cite.carried import Carried
 from pin_and_cite.citation import Spec, parse_spec
 from pin_and_cite.defaults import DefaultRef, parse_key
 from pin_and_cite.errors import PinAndCiteError
 from pin_and_cite.fetch import from_distribution
 from pin_and_cite.gitobj import blob_sha, is_full_sha
 from pin_and_cite.journal import write_all
-from pin_and_cite.lock import BumpRecord, RecordedChange, RecordedDefault, RecordedFile, file_key
-from pin_and_cite.notes import Written, rewrite_arguments, written_calls
+from pin_and_cite.lock import REVIEWED, STATUSES, BumpRecord, RecordedChange, RecordedDefault, RecordedFile, file_key
+from pin_and_cite.notes import rewrite_arguments, written_calls
 from pin_and_cite.project import Project
 from pin_and_cite.reanchor import Relocated, relocate_remote
-from pin_and_cite.relocate import Relocation
 from pin_and_cite.resolve import Resolver, cited_text, text_sha256
-
-STATUSES = ("unchanged", "moved", "changed", "deleted")
-REVIEWED = ("changed", "deleted")             # the statuses a person must look at
 
 
 class AlreadyPinned(Exception):
@@ -51,20 +48,6 @@ class AlreadyPinned(Exception):
     def __init__(self, source: str, commit: str, ref: str):
         super().__init__(f"{source} is already pinned at {commit[:12]} ({ref}); nothing to bump")
         self.source, self.commit = source, commit
-
-
-@dataclass
-class Carried:
-    """One citation of the bumped source: where it is written, what the engine answered, what it becomes."""
-    spec: Spec
-    places: list[Written]
-    in_lock: bool
-    answer: Relocation | None = None
-    new_spec: Spec | None = None          # None: left as written (deleted, renamed symbol): needs a person
-    old_lines: tuple[int, int] = (0, 0)
-    old_text: list[str] = field(default_factory=list)
-    new_text: list[str] = field(default_factory=list)
-    highlights: list[bump_highlights.CarriedHighlight] = field(default_factory=list)
 
 
 @dataclass

@@ -11,37 +11,12 @@ left as written), the highlight is left as written, so `check` fails on it if it
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
+from pin_and_cite.carried import EXACT, Carried, CarriedHighlight
 from pin_and_cite.errors import PinAndCiteError
-from pin_and_cite.highlights import Lines, Statements, best_guess, format_like, parse_highlight
+from pin_and_cite.highlights import Lines, Statements, best_guess, parse_highlight
 from pin_and_cite.notes import Written
 from pin_and_cite.relocate import FilePair
 from pin_and_cite.resolve import Resolver
-
-if TYPE_CHECKING:
-    from pin_and_cite.bump import Carried
-
-EXACT = ("unchanged", "moved")
-
-
-@dataclass(frozen=True)
-class CarriedHighlight:
-    place: Written                 # the cite() call whose highlight= this is
-    status: str                    # of the highlighted lines: unchanged | moved | changed | deleted | error | left
-    new: Lines | None              # what the template says now; None: left as written
-    review: str | None = None      # why a person should look; None: carried exactly
-
-    @property
-    def literal(self) -> str | None:
-        """The new highlight= literal, or None when the template keeps its own."""
-        return format_like(self.place.highlight, self.new) if self.new else None
-
-    def as_json(self, root) -> dict:
-        return {"where": self.place.where(root), "cite": self.place.argument, "highlight": self.place.highlight,
-                "status": self.status, "new_highlight": self.literal or self.place.highlight,
-                "review": self.review}
 
 
 def carry(c: Carried, pair: FilePair | None, resolver: Resolver) -> list[CarriedHighlight]:

@@ -14,11 +14,10 @@ import hashlib
 import re
 from pathlib import Path
 
-from pin_and_cite.bump import REVIEWED, STATUSES
 from pin_and_cite.citation import parse_spec
 from pin_and_cite.errors import PinAndCiteError
 from pin_and_cite.fences import fence_for
-from pin_and_cite.lock import BumpRecord, RecordedChange, RecordedFile
+from pin_and_cite.lock import REVIEWED, STATUSES, BumpRecord, RecordedChange, RecordedFile
 from pin_and_cite.notes import note_templates
 from pin_and_cite.project import Project
 from pin_and_cite.resolve import Resolver, cited_text, text_sha256

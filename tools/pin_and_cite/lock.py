@@ -67,6 +67,10 @@ class RecordedChange:
     new_path: str | None = None                 # the file new_lines are in, when the code left the cited one
 
 
+STATUSES = ("unchanged", "moved", "changed", "deleted")   # a bumped citation's relocation status
+REVIEWED = ("changed", "deleted")             # the statuses a person must look at
+
+
 @dataclass
 class BumpRecord:
     """The latest `bump` of one source (a later bump of it replaces this record)."""

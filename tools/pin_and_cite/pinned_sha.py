@@ -1,7 +1,8 @@
-"""reading_notes/megatron-sha.txt: the pinned Megatron-LM commit, for scripts that want it without TOML.
+"""reading_notes/<sha_file>: a pinned source's commit in a plain file, for scripts that want it without TOML.
 
-Generated from pins.toml by `render` (and so by every site build); `check` fails when it disagrees with the
-pin, so a moved pin cannot leave a stale SHA behind.
+A source in pins.toml that names a `sha_file` (this kit: megatron-lm -> megatron-sha.txt) gets that file in the
+notes folder, written from the pin by `render` (and so by every site build); `check` fails when it disagrees
+with the pin, so a moved pin cannot leave a stale SHA behind.
 """
 from __future__ import annotations
 
@@ -10,31 +11,32 @@ from pathlib import Path
 from pin_and_cite.atomic import atomic_write
 from pin_and_cite.project import Project
 
-SHA_FILE = "megatron-sha.txt"
-SOURCE = "megatron-lm"
 
-
-def expected(project: Project) -> str | None:
-    source = project.pins.sources.get(SOURCE)
-    return f"{source.commit}\n" if source else None
+def expected(project: Project) -> dict[str, tuple[str, str]]:
+    """{sha_file: (source name, its text)} for every source that names one."""
+    return {source.sha_file: (name, f"{source.commit}\n")
+            for name, source in project.pins.sources.items() if source.sha_file}
 
 
 def write_pinned_sha(project: Project) -> list[Path]:
-    """Write the file when it differs from the pin; the paths written."""
-    path, text = project.notes_dir / SHA_FILE, expected(project)
-    if text is None or (path.is_file() and path.read_text() == text):
-        return []
-    atomic_write(path, text.encode())
-    return [path]
+    """Write each file that differs from its pin; the paths written."""
+    written = []
+    for sha_file, (_, text) in expected(project).items():
+        path = project.notes_dir / sha_file
+        if not (path.is_file() and path.read_text() == text):
+            atomic_write(path, text.encode())
+            written.append(path)
+    return written
 
 
-def stale_sha(project: Project) -> str | None:
-    """Why reading_notes/megatron-sha.txt does not match pins.toml, or None."""
-    path, text = project.notes_dir / SHA_FILE, expected(project)
-    if text is None:
-        return None
-    found = path.read_text() if path.is_file() else None
-    if found == text:
-        return None
-    what = "is missing" if found is None else f"says {found.strip()[:12]!r}"
-    return f"{SHA_FILE} {what} but pins.toml pins {SOURCE} at {text[:12]}; run tools/pin-and-cite render"
+def stale_sha(project: Project) -> list[tuple[str, str]]:
+    """(sha_file, why it does not match pins.toml) for each such file."""
+    stale = []
+    for sha_file, (name, text) in expected(project).items():
+        path = project.notes_dir / sha_file
+        found = path.read_text() if path.is_file() else None
+        if found != text:
+            what = "is missing" if found is None else f"says {found.strip()[:12]!r}"
+            stale.append((sha_file, f"{sha_file} {what} but pins.toml pins {name} at {text[:12]}; "
+                                    "run tools/pin-and-cite render"))
+    return stale

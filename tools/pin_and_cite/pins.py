@@ -15,7 +15,8 @@ from pin_and_cite.atomic import atomic_write
 from pin_and_cite.citation import SOURCE_NAME
 from pin_and_cite.errors import PinAndCiteError
 
-SHAPE = "each [sources.NAME] table takes url and commit (a full SHA), and optionally tag and distribution"
+SHAPE = ("each [sources.NAME] table takes url and commit (a full SHA), and optionally tag, distribution and "
+         "sha_file")
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,7 @@ class Source:
     commit: str
     tag: str | None = None
     distribution: str | None = None   # "name==version" of a wheel that may carry byte-identical files
+    sha_file: str | None = None       # a file in the notes folder that render keeps holding the commit
 
     @property
     def distribution_name(self) -> str | None:
@@ -62,7 +64,8 @@ class Pins:
                                   "digits, '.', '_' and '-'")
         return Source(name, str(table["url"]), str(table["commit"]),
                       str(table["tag"]) if "tag" in table else None,
-                      str(table["distribution"]) if "distribution" in table else None)
+                      str(table["distribution"]) if "distribution" in table else None,
+                      str(table["sha_file"]) if "sha_file" in table else None)
 
     def get(self, name: str) -> Source:
         try:

@@ -26,7 +26,7 @@ import jinja2
 
 from pin_and_cite import diagrams, estimates, sandbox, scale_tables, symbols
 from pin_and_cite.changes import change_pages
-from pin_and_cite.check import locked_default, locked_excerpt
+from pin_and_cite.locked import locked_default, locked_excerpt
 from pin_and_cite.citation import parse_spec
 from pin_and_cite.defaults import default_ref
 from pin_and_cite.errors import PinAndCiteError

@@ -9,7 +9,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from pin_and_cite.bump import REVIEWED, STATUSES, Bump
+from pin_and_cite.bump import Bump
+from pin_and_cite.lock import REVIEWED, STATUSES
 
 HUNK = re.compile(r"@@ -(\d+)(,\d+)? \+(\d+)(,\d+)? @@")
 

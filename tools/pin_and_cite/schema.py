@@ -50,7 +50,9 @@ LOCK = _record(["version", "files", "citations"], version={"const": 1}, files=_m
                citations=_map_of(LOCKED_CITATION), bumps=_map_of(BUMP_RECORD), defaults=_map_of(PARAMETER_DEFAULT))
 
 SOURCE = _record(["url", "commit"], url={"type": "string"}, commit=SHA, tag={"type": "string"},
-                 distribution={"type": "string"})
+                 distribution={"type": "string"},
+                 sha_file={"type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9._-]*$",
+                           "description": "a file name in the notes folder"})
 PINS = _record([], sources=_map_of(SOURCE))
 
 
