@@ -91,10 +91,20 @@ def _field_default(node: ast.ClassDef, param: str) -> ast.expr | None | bool:
     return False
 
 
-def read_default(text: str, where: str, definitions: dict, ref: DefaultRef) -> FoundDefault:
-    """The default of `ref.param` in `text` (the whole pinned file); PinAndCiteError says why there is none."""
+def _segment(lines: tuple[str, ...], node: ast.expr) -> str:
+    """The source text of `node` (ast.get_source_segment, without splitting the whole file again per call)."""
+    first, last = node.lineno - 1, node.end_lineno - 1
+    if first == last:
+        return lines[first].encode()[node.col_offset:node.end_col_offset].decode()
+    return "\n".join([lines[first].encode()[node.col_offset:].decode(), *lines[first + 1:last],
+                      lines[last].encode()[:node.end_col_offset].decode()])
+
+
+def read_default(lines: tuple[str, ...], tree: ast.Module, where: str, definitions: dict,
+                 ref: DefaultRef) -> FoundDefault:
+    """The default of `ref.param` in the pinned file (its lines and their AST, parsed once per blob by the
+    resolver); PinAndCiteError says why there is none."""
     span = symbols.resolve(definitions, ref.spec.symbol, where)
-    tree = ast.parse(text, filename=where)
     node = _definition(tree, span, ref.spec.symbol.rsplit(".", 1)[-1])
     found = _field_default(node, ref.param) if isinstance(node, ast.ClassDef) else _signature_default(node, ref.param)
     kind = "field" if isinstance(node, ast.ClassDef) else "parameter"
@@ -102,4 +112,4 @@ def read_default(text: str, where: str, definitions: dict, ref: DefaultRef) -> F
         raise PinAndCiteError(f"{ref.spec.symbol} in {where} has no {kind} {ref.param!r}")
     if found is None:
         raise PinAndCiteError(f"{kind} {ref.param!r} of {ref.spec.symbol} in {where} has no default")
-    return FoundDefault(ast.get_source_segment(text, found), found.lineno)
+    return FoundDefault(_segment(lines, found), found.lineno)

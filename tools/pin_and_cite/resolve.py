@@ -138,8 +138,9 @@ class Resolver:
         excerpt, learned = self.resolve(ref.spec)
         name, path = excerpt.source.name, ref.spec.path
         where = f"{path} at {name}@{excerpt.source.commit[:12]}"
-        text = "\n".join(self.lines_of(name, path, excerpt.blob))
-        return read_default(text, where, self.definitions_of(name, path, excerpt.blob), ref), excerpt, learned
+        blob = (name, path, excerpt.blob)
+        found = read_default(self.lines_of(*blob), self.tree_of(*blob), where, self.definitions_of(*blob), ref)
+        return found, excerpt, learned
 
     def record_file(self, excerpt: Excerpt, learned: str) -> None:
         """Add the excerpt's file to the in-memory lock when it was learned from elsewhere than the lock."""
