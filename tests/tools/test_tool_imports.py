@@ -102,7 +102,7 @@ LAYERS = {   # docs/architecture.md: each layer imports only from layers below i
             "regular_file project resolve locked symbols highlights defaults notes sandbox fences local_code "
             "verified_by pinned_sha",
     "relocation": "relocate reanchor crossfile textmatch carried bump_highlights bump journal review",
-    "site": "render diagrams estimates scale_tables traces changes note_rules output_folder",
+    "site": "render diagrams estimates scale_tables traces changes note_rules output_folder study",
     "commands": "check cli __main__",
 }
 RANK = {f"pin_and_cite.{name}".removesuffix(".pin_and_cite"): rank

@@ -16,6 +16,7 @@ from pin_and_cite.pinned_sha import stale_sha
 from pin_and_cite.project import Project
 from pin_and_cite.render import Renderer, pages
 from pin_and_cite.resolve import Resolver
+from pin_and_cite.study import helpers
 from pin_and_cite.verified_by import missing_test
 
 
@@ -98,7 +99,7 @@ def check(project: Project) -> Report:
 def _render_problems(project: Project, resolver: Resolver, found: list[Problem]) -> list[Problem]:
     """The note rules of every template, then, in memory, the render of each page nothing else was reported
     for: traces, diagrams, Jinja errors."""
-    renderer, problems = Renderer(project, resolver), []
+    renderer, problems = Renderer(project, resolver, helpers), []
     for template in sorted(project.notes_dir.glob(TEMPLATE_GLOB)):
         problems += [Problem(f"{template.relative_to(project.root)}:{p.line}", "note rules", p.message)
                      for p in renderer.rule_problems(template)]

@@ -18,7 +18,7 @@ from pin_and_cite.gitobj import is_full_sha
 from pin_and_cite.project import NOTES_DIR, Project, find_root
 from pin_and_cite.reanchor import relocate_texts
 from pin_and_cite.remote import check_url
-from pin_and_cite.render import render_notes
+from pin_and_cite.study import render_site
 from pin_and_cite.resolve import Resolver
 from pin_and_cite.store import Store, default_cache_dir
 
@@ -178,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_render(project: Project, args) -> int:
-    changed = render_notes(project.root, project.root / args.out)
+    changed = render_site(project.root, project.root / args.out)
     names = [str(p.relative_to(project.root) if p.is_relative_to(project.root) else p) for p in changed]
     print(json.dumps({"changed": names}) if args.json else "\n".join(map(printable, names)) or "rendered notes unchanged")
     return 0

@@ -4,10 +4,9 @@ Templates see these globals: `cite(spec, highlight=)` (a verified excerpt with u
 `upstream(spec)` (the same citation as a permalink only), `default(spec, param)` (a parameter's default as
 written in the pinned source, pin_and_cite.defaults), `ours("reference/x.py::Name")` (lines of our own
 code), `verified_by("tests/...::test")` (the test and the kind of evidence it is: upstream or reference) and
-`reference_only(reason)` (why no upstream test can run here), `trace(name)` with `diagram(name, ...)`,
-`tp_crossover(...)` and `pipeline_memory(...)` (recorded runs, pin_and_cite.traces), `sharding_limit(...)` with
-`chart_training_memory(...)` (per-rank training memory from formulas, pin_and_cite.estimates), `pins` and
-`locked_files(source)`.
+`reference_only(reason)` (why no upstream test can run here), `pins` and `locked_files(source)`; and the
+helpers a site registers (`helpers`: for this study, pin_and_cite.study's traces, diagrams, estimates and
+scale tables), so that the renderer imports none of them.
 Close-reading notes are checked against pin_and_cite.note_rules before they are rendered. A template whose
 name starts with `_` is a partial: `_source.md.j2` is rendered once per pinned source into sources/NAME.md.
 The pages of what the latest bump of each source changed go to changes/ (pin_and_cite.changes).
@@ -21,10 +20,11 @@ from __future__ import annotations
 
 import html
 from pathlib import Path
+from typing import Callable
 
 import jinja2
 
-from pin_and_cite import diagrams, estimates, sandbox, scale_tables, symbols
+from pin_and_cite import sandbox, symbols
 from pin_and_cite.changes import change_pages
 from pin_and_cite.locked import locked_default, locked_excerpt
 from pin_and_cite.citation import parse_spec
@@ -39,7 +39,6 @@ from pin_and_cite.output_folder import OutputFolder
 from pin_and_cite.pinned_sha import write_pinned_sha
 from pin_and_cite.project import Project
 from pin_and_cite.resolve import Excerpt, Resolver
-from pin_and_cite.traces import load_trace
 from pin_and_cite.verified_by import evidence_of
 
 SOURCE_PAGE = "_source.md.j2"
@@ -89,8 +88,11 @@ def excerpt_markdown(excerpt: Excerpt, highlight: str | None = None, inside: str
     return f'{caption}\n\n{fence}{lang} linenums="{first}"{hl}\n{excerpt.text}{fence}\n'
 
 
+Helpers = Callable[[Project], dict]    # a site's extra template globals, made for one project
+
+
 class Renderer:
-    def __init__(self, project: Project, resolver: Resolver | None = None):
+    def __init__(self, project: Project, resolver: Resolver | None = None, helpers: Helpers | None = None):
         self.project = project
         self.resolver = resolver or Resolver(project, allow_remote=False)
         self._rules: dict[Path, list] = {}
@@ -98,12 +100,9 @@ class Renderer:
         self.env.globals.update(
             cite=self.cite, upstream=self.upstream, default=self.default, verified_by=self.verified_by,
             reference_only=self.reference_only, pins=project.pins.sources,
-            ours=lambda spec: ours(project.root, spec), locked_files=self.locked_files,
-            trace=lambda name: load_trace(project.notes_dir, name), diagram=self.diagram,
-            tp_crossover=estimates.tp_crossover, pipeline_memory=estimates.pipeline_memory,
-            sharding_limit=estimates.sharding_limit, chart_training_memory=diagrams.chart_training_memory,
-            scale_table=scale_tables.scale_table, sent_per_group=scale_tables.sent_per_group,
-            human=scale_tables.human)
+            ours=lambda spec: ours(project.root, spec), locked_files=self.locked_files)
+        if helpers:
+            self.env.globals.update(helpers(project))
 
     def excerpt(self, spec_text: str) -> Excerpt:
         key = str(parse_spec(spec_text))
@@ -140,9 +139,6 @@ class Renderer:
         shown = f"`{param}={' '.join(found.value.split())}`"
         link = excerpt.source.permalink(excerpt.spec.path, (found.line, found.line))
         return f"[{shown}]({link})" if link else shown
-
-    def diagram(self, name: str, **options) -> str:
-        return diagrams.diagram(load_trace(self.project.notes_dir, name), **options)
 
     def locked_files(self, source: str) -> list[dict]:
         """The source's files in the lock, with their blob SHA and how many citations read each."""
@@ -222,12 +218,12 @@ def pages(project: Project) -> list[tuple[Path, dict, str]]:
     return found
 
 
-def render_notes(root: Path, out_dir: Path) -> list[Path]:
-    """Render every note template into `out_dir` (NAME.md.j2 -> NAME.md), the source pages and the change pages;
-    return the files that changed (stale pages render wrote, say of a replaced bump record, are removed:
-    pin_and_cite.output_folder)."""
+def render_notes(root: Path, out_dir: Path, helpers: Helpers | None = None) -> list[Path]:
+    """Render every note template into `out_dir` (NAME.md.j2 -> NAME.md), the source pages and the change pages,
+    with the site's `helpers`; return the files that changed (stale pages render wrote, say of a replaced bump
+    record, are removed: pin_and_cite.output_folder)."""
     project = Project(root)
-    renderer = Renderer(project)
+    renderer = Renderer(project, helpers=helpers)
     rendered = {out_dir / page: renderer.render(template, **context) for template, context, page in pages(project)}
     rendered.update(change_pages(project, renderer.resolver, out_dir))
     written = OutputFolder(out_dir).write({path.relative_to(out_dir).as_posix(): text for path, text in rendered.items()})
