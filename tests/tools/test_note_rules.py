@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import shutil
 
-from pin_and_cite.note_rules import check_note, prose_lines, words
+from pin_and_cite.site.note_rules import check_note, prose_lines, words
 from tests.tools.conftest import ROOT
 
 CITE = "{{ cite('up:pkg/core/layers.py#L9-L10') }}"

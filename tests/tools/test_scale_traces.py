@@ -9,8 +9,8 @@ import json
 import pytest
 
 import record_traces
-from pin_and_cite import scale_tables
-from pin_and_cite.traces import TraceError, load_trace
+from pin_and_cite.site import scale_tables
+from pin_and_cite.site.traces import TraceError, load_trace
 from tests.tools.conftest import ROOT
 
 NOTES = ROOT / "reading_notes"

@@ -14,8 +14,8 @@ import subprocess
 import git
 import pytest
 
-from pin_and_cite.errors import PinAndCiteError
-from pin_and_cite.store import Store
+from pin_and_cite.core.errors import PinAndCiteError
+from pin_and_cite.core.store import Store
 from tests.tools.conftest import CLI, Run
 
 LAYERS = "up:pkg/core/layers.py"

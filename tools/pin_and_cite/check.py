@@ -1,23 +1,23 @@
 """`check`: prove, offline, that every citation and every rendered default still says what the lock says it
-says, and that every note keeps its rules (pin_and_cite.note_rules, which include the evidence each design
+says, and that every note keeps its rules (pin_and_cite.site.note_rules, which include the evidence each design
 choice names), names tests that exist, and renders (traces, diagrams); and that each recorded bump's excerpts
-still hash as its record says (pin_and_cite.changes)."""
+still hash as its record says (pin_and_cite.site.changes)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pin_and_cite.changes import record_problems
-from pin_and_cite.citation import parse_spec
-from pin_and_cite.defaults import default_ref, parse_key
-from pin_and_cite.errors import PinAndCiteError
-from pin_and_cite.locked import locked_default, locked_excerpt
-from pin_and_cite.notes import TEMPLATE_GLOB, written_calls
-from pin_and_cite.pinned_sha import stale_sha
-from pin_and_cite.project import Project
-from pin_and_cite.render import Renderer, pages
-from pin_and_cite.resolve import Resolver
-from pin_and_cite.study import helpers
-from pin_and_cite.verified_by import missing_test
+from pin_and_cite.core.citation import parse_spec
+from pin_and_cite.core.defaults import default_ref, parse_key
+from pin_and_cite.core.errors import PinAndCiteError
+from pin_and_cite.core.locked import locked_default, locked_excerpt
+from pin_and_cite.core.notes import TEMPLATE_GLOB, written_calls
+from pin_and_cite.core.pinned_sha import stale_sha
+from pin_and_cite.core.project import Project
+from pin_and_cite.core.resolve import Resolver
+from pin_and_cite.core.verified_by import missing_test
+from pin_and_cite.site.changes import record_problems
+from pin_and_cite.site.render import Renderer, pages
+from pin_and_cite.site.study import helpers
 
 
 @dataclass
