@@ -28,9 +28,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
 
 from pin_and_cite.check import check                      # noqa: E402
-from pin_and_cite.project import Project                  # noqa: E402
-from pin_and_cite.resolve import Resolver                 # noqa: E402
-from pin_and_cite.citation import parse_spec              # noqa: E402
+from pin_and_cite.core.citation import parse_spec              # noqa: E402
+from pin_and_cite.core.project import Project                  # noqa: E402
+from pin_and_cite.core.resolve import Resolver                 # noqa: E402
 from tests.gitserver import ByteCountingProxy, GitDaemon  # noqa: E402
 
 CITED = ["torch/distributed/fsdp/_runtime_utils.py", "torch/distributed/fsdp/_flat_param.py",

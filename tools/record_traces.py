@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from pin_and_cite.atomic import atomic_write
+from pin_and_cite.core.atomic import atomic_write
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tools" / "trace_worker.py"

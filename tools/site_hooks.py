@@ -4,9 +4,9 @@
   1. The self-hosted mermaid must be installed and match its pin. Without it mkdocs-material would
      quietly load mermaid from unpkg.com, so a missing or altered file stops the build with one line
      saying how to fix it (`tools/vendor-assets`, which `make serve` and the site tests run).
-  2. The reading-note templates are rendered into `<docs_dir>/notes/` by
-     `pin_and_cite.render.render_notes`, which leaves unchanged outputs untouched (mkdocs watches docs/,
-     so rewriting a file on every build would trigger the next rebuild forever) and, on a bad template,
+  2. The reading-note templates are rendered into `<docs_dir>/notes/` by `pin_and_cite.site.study.render_site`
+     (pin_and_cite.site.render with this study's helpers), which leaves unchanged outputs untouched (mkdocs watches
+     docs/, so rewriting a file on every build would trigger the next rebuild forever) and, on a bad template,
      stops the build with the template's file:line and leaves the previous pages as they were.
 `on_serve` watches reading_notes/ as well, so saving a template re-renders and reloads the page.
 The project root is $PIN_AND_CITE_PROJECT when set (tests build scratch copies), else the folder of mkdocs.yml.
@@ -19,8 +19,8 @@ from pathlib import Path
 from mkdocs.exceptions import PluginError
 
 import vendor_assets
-from pin_and_cite.errors import PinAndCiteError
-from pin_and_cite.render import render_notes
+from pin_and_cite.core.errors import PinAndCiteError
+from pin_and_cite.site.study import render_site
 
 def project_root(config) -> Path:
     """$PIN_AND_CITE_PROJECT (as for the CLI), else the folder holding mkdocs.yml: tests build scratch copies."""
@@ -36,7 +36,7 @@ def on_pre_build(config) -> None:
     if found:
         raise PluginError(f"{found[0]}; run tools/vendor-assets --docs-dir {docs_dir} (make serve does)")
     try:
-        render_notes(project_root(config), docs_dir / "notes")
+        render_site(project_root(config), docs_dir / "notes")
     except PinAndCiteError as e:
         raise PluginError(str(e)) from None
 

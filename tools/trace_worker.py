@@ -28,7 +28,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from pin_and_cite.traces import EVENT_KEYS  # what the site's trace comparison reads
+from pin_and_cite.site.traces import EVENT_KEYS  # what the site's trace comparison reads
 from reference.fsdp.units import shard_model
 from reference.gpt.model import GPTConfig, build_stage
 from reference.gpt.train import data_parallel, synthetic_batches as gpt_batches, train_step

@@ -25,7 +25,7 @@ from pathlib import Path, PurePosixPath
 import platformdirs
 from filelock import FileLock
 
-from pin_and_cite.atomic import atomic_write
+from pin_and_cite.core.atomic import atomic_write
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCK = ROOT / "tools" / "vendor-assets.lock"

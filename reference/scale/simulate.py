@@ -114,13 +114,17 @@ def default_ranks(setup: ScaleSetup) -> list[int]:
 
 
 def document(setup: ScaleSetup, ranks: list[int]) -> dict:
-    """The JSON a scale trace is stored as (reading_notes/traces/scale_*.json): setup, and per rank its rows."""
+    """The JSON a scale trace is stored as (reading_notes/traces/scale_*.json): setup, and per rank its rows
+    and, apart from them, the formulas' terms per (group, op): the site's tables read these instead of
+    importing this package (the citation tool never imports torch)."""
     runs = []
     for rank in ranks:
-        rows = simulate(setup, rank)
-        runs.append({"rank": rank, "stage": stage_of(setup, rank), "rows": [
+        rows, stage = simulate(setup, rank), stage_of(setup, rank)
+        runs.append({"rank": rank, "stage": stage, "rows": [
             {"group": r.group, "op": r.op, "count": r.count, "bytes": r.nbytes, "formula_count": r.formula_count,
-             "formula_bytes": r.formula_nbytes, "formula": r.formula} for r in rows]})
+             "formula_bytes": r.formula_nbytes, "formula": r.formula} for r in rows],
+            "formulas": [{"group": group, "op": op, "terms": [dataclasses.asdict(t) for t in terms]}
+                         for (group, op), terms in formulas.expected(setup, stage).items()]})
     agree = all(row["count"] == row["formula_count"] and row["bytes"] == row["formula_bytes"]
                 for run in runs for row in run["rows"])
     return {"kind": "scale", "setup": setup.to_dict(), "world": setup.world, "runs": runs, "agree": agree}

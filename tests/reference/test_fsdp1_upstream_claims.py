@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from pin_and_cite.estimates import training_memory
+from pin_and_cite.site.estimates import training_memory
 from tests.launch import torchrun
 
 pytestmark = pytest.mark.upstream("pytorch")
@@ -226,7 +226,7 @@ def test_use_orig_params_exposes_original_names_as_shard_views():
 
 
 def test_memory_formula_matches_ddp_and_fsdp1_bytes_per_rank():
-    """The connect-the-dots formula (pin_and_cite.estimates.training_memory) against one Adam step of torch
+    """The connect-the-dots formula (pin_and_cite.site.estimates.training_memory) against one Adam step of torch
     DDP and of default FSDP1: DDP holds every byte on each rank; FSDP1 a 1/N shard plus < N elements of
     padding per unit."""
     for result in results():

@@ -11,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 import vendor_assets  # lives in tools/ (on sys.path via pytest's pythonpath), next to the mkdocs hook
-from pin_and_cite.diagrams import label
+from pin_and_cite.site.diagrams import label
 
 # A label with every character mermaid's grammar gives a meaning: escaped by the diagram generator, it must
 # come out of the browser as the same text (positive control for the escaping of recorded names).

@@ -22,7 +22,7 @@ from urllib.parse import urldefrag, urlsplit
 import pytest
 from playwright.sync_api import expect, sync_playwright
 
-from pin_and_cite.pins import Pins
+from pin_and_cite.core.pins import Pins
 from tests.site.conftest import GOOD_LABELS, ROOT
 
 pytestmark = pytest.mark.browser

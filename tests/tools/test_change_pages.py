@@ -8,8 +8,8 @@ import shutil
 import git
 import pytest
 
-from pin_and_cite.changes import page_name
-from pin_and_cite.gitobj import blob_sha
+from pin_and_cite.core.gitobj import blob_sha
+from pin_and_cite.site.changes import page_name
 from tests.tools.conftest import ProjectDir, _write
 from tests.tools.synthetic import BASE, HEADER, edited
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from pin_and_cite.errors import PinAndCiteError
-from pin_and_cite.local_code import ours
+from pin_and_cite.core.errors import PinAndCiteError
+from pin_and_cite.core.local_code import ours
 from tests.tools.conftest import CLI, ProjectDir
 
 
@@ -65,7 +65,7 @@ def _run_cli(args, cache: Path):
     return Run(proc.returncode, proc.stdout, proc.stderr)
 
 
-@pytest.mark.parametrize("delay", [0.2, 0.4, 0.8])
+@pytest.mark.parametrize("delay", [0.05, 0.1, 0.15])   # without torch the tool loads in a fraction of a second
 def test_ctrl_c_while_the_libraries_load_is_one_line_and_exit_130(project, delay):
     proc = subprocess.Popen([str(CLI), "check", "--project", str(project.root)], stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PIN_AND_CITE_CACHE": str(project.cache)})

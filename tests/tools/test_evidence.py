@@ -6,8 +6,8 @@ any, fail `check` at the choice's heading.
 """
 from __future__ import annotations
 
-from pin_and_cite.note_rules import check_note
-from pin_and_cite.verified_by import Evidence, evidence_of
+from pin_and_cite.core.verified_by import Evidence, evidence_of
+from pin_and_cite.site.note_rules import check_note
 from tests.tools.test_note_rules import note_text
 
 TESTS = '''\

@@ -13,10 +13,10 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from pin_and_cite import cli
-from pin_and_cite.citation import parse_location, parse_spec
-from pin_and_cite.errors import PinAndCiteError
-from pin_and_cite.lock import Lock
-from pin_and_cite.pins import Pins
+from pin_and_cite.core.citation import parse_location, parse_spec
+from pin_and_cite.core.errors import PinAndCiteError
+from pin_and_cite.core.lock import Lock
+from pin_and_cite.core.pins import Pins
 
 FAST = settings(max_examples=300, deadline=500, database=None,       # no .hypothesis/ folder in the checkout
                 suppress_health_check=[HealthCheck.function_scoped_fixture])

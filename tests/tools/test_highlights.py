@@ -5,13 +5,13 @@ import ast
 import git
 import pytest
 
-from pin_and_cite.check import locked_excerpt
-from pin_and_cite.citation import parse_spec
-from pin_and_cite.errors import PinAndCiteError
-from pin_and_cite.highlights import Statements, checked_highlight
-from pin_and_cite.notes import calls_in, rewrite_arguments, written_calls
-from pin_and_cite.project import Project
-from pin_and_cite.resolve import Resolver
+from pin_and_cite.core.citation import parse_spec
+from pin_and_cite.core.errors import PinAndCiteError
+from pin_and_cite.core.highlights import Statements, checked_highlight
+from pin_and_cite.core.locked import locked_excerpt
+from pin_and_cite.core.notes import calls_in, rewrite_arguments, written_calls
+from pin_and_cite.core.project import Project
+from pin_and_cite.core.resolve import Resolver
 from tests.tools.conftest import ROOT, _write
 
 MOD = "up:pkg/ops.py"

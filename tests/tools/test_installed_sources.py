@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pin_and_cite.gitobj import blob_sha
+from pin_and_cite.core.gitobj import blob_sha
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCK = json.loads((ROOT / "reading_notes" / "citations.lock").read_text())

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import shutil
 
-from pin_and_cite.note_rules import check_note, prose_lines, words
+from pin_and_cite.site.note_rules import check_note, prose_lines, words
 from tests.tools.conftest import ROOT
 
 CITE = "{{ cite('up:pkg/core/layers.py#L9-L10') }}"
@@ -104,7 +104,7 @@ def test_a_diagram_without_a_recorded_trace_stops_render_and_check(project):
 
 
 def test_megatron_sha_is_generated_from_the_pin_and_checked(project, upstream):
-    project.write_pins(**{"megatron-lm": {"url": upstream.url, "commit": upstream.v1}})
+    project.write_pins(**{"megatron-lm": {"url": upstream.url, "commit": upstream.v1, "sha_file": "megatron-sha.txt"}})
     sha = project.root / "reading_notes" / "megatron-sha.txt"
     r = project.run("check")
     assert r.code == 1 and "megatron-sha.txt is missing but pins.toml pins megatron-lm at" in r.out

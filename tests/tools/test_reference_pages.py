@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from pin_and_cite.errors import PinAndCiteError
-from pin_and_cite.local_code import ours
+from pin_and_cite.core.errors import PinAndCiteError
+from pin_and_cite.core.local_code import ours
 from tests.tools.conftest import ROOT
 
 # Modules with no upstream counterpart to map, and why.

@@ -1,9 +1,9 @@
 """The pieces between the engine and the files: batches over fetched bytes, and template rewriting."""
 from pathlib import Path
 
-from pin_and_cite.citation import parse_location
-from pin_and_cite.notes import calls_in, rewrite_arguments
-from pin_and_cite.reanchor import relocate_batch
+from pin_and_cite.core.citation import parse_location
+from pin_and_cite.core.notes import calls_in, rewrite_arguments
+from pin_and_cite.relocation.reanchor import relocate_batch
 from tests.tools.synthetic import BASE, HEADER
 
 

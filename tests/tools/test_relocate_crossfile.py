@@ -17,7 +17,7 @@ import subprocess
 import git
 import pytest
 
-from pin_and_cite.changes import page_name
+from pin_and_cite.site.changes import page_name
 from tests.gitserver import ByteCountingProxy
 from tests.tools.conftest import CLI, serve_history
 

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from pin_and_cite.relocate import relocate
-from pin_and_cite.textmatch import normalized
+from pin_and_cite.relocation.relocate import relocate
+from pin_and_cite.relocation.textmatch import normalized
 from tests.tools.synthetic import BASE, HEADER, edited, lines
 
 

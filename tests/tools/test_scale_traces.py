@@ -1,5 +1,6 @@
 """The committed scale traces (reading_notes/traces/scale_*.json) are what `python -m reference.scale` traces
-now, and the site's tables from them are re-checked against reference.scale.formulas when rendered."""
+now, formula terms included, and the site's tables from them re-check each row against those recorded terms
+when rendered (a changed setup or formula is caught by the fresh run here)."""
 from __future__ import annotations
 
 import copy
@@ -8,8 +9,8 @@ import json
 import pytest
 
 import record_traces
-from pin_and_cite import scale_tables
-from pin_and_cite.traces import TraceError, load_trace
+from pin_and_cite.site import scale_tables
+from pin_and_cite.site.traces import TraceError, load_trace
 from tests.tools.conftest import ROOT
 
 NOTES = ROOT / "reading_notes"
@@ -44,8 +45,9 @@ def test_sent_bytes_follow_ring_algorithms():
     (lambda t: t["runs"][1]["rows"][0].update(bytes=1), "rank 32 tp all_reduce recorded 640 x / 1 B but "
                                                         "reference.scale.formulas gives 640 x / 42949672960 B"),
     (lambda t: t["runs"][0]["rows"].pop(), "rank 0 recorded no dp all_reduce, which reference.scale.formulas"),
-    (lambda t: t["setup"].update(microbatches=8), "recorded 656 x"),
-], ids=["bytes", "missing-row", "setup"])
+    (lambda t: t["runs"][0]["formulas"][0]["terms"][0].update(count=1), "recorded 656 x"),
+    (lambda t: t["runs"][2].pop("formulas"), "rank 56 lacks the formulas' terms"),
+], ids=["bytes", "missing-row", "formula", "unrecorded-formulas"])
 def test_a_trace_that_disagrees_with_the_formulas_is_a_one_line_error(tamper, message):
     trace = copy.deepcopy(load_trace(NOTES, "scale_70b"))
     tamper(trace)

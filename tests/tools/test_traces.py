@@ -11,8 +11,8 @@ import json
 import pytest
 
 import record_traces
-from pin_and_cite import diagrams, estimates
-from pin_and_cite.traces import forward_markers, load_trace, pipeline_slots, structure
+from pin_and_cite.site import diagrams, estimates
+from pin_and_cite.site.traces import forward_markers, load_trace, pipeline_slots, structure
 from tests.tools.conftest import ROOT
 
 NOTES = ROOT / "reading_notes"

@@ -14,8 +14,8 @@ import subprocess
 import git
 import pytest
 
-from pin_and_cite.errors import PinAndCiteError
-from pin_and_cite.store import Store
+from pin_and_cite.core.errors import PinAndCiteError
+from pin_and_cite.core.store import Store
 from tests.tools.conftest import CLI, Run
 
 LAYERS = "up:pkg/core/layers.py"
@@ -193,7 +193,8 @@ def test_a_template_cannot_run_code(project, tmp_path, payload, verb):
 
 def test_a_template_cannot_change_what_check_compares(project):
     """A note that empties the pins in memory must not hide that megatron-sha.txt disagrees with them."""
-    project.write_pins(**{"megatron-lm": {"url": "git://127.0.0.1:9/m.git", "commit": "a" * 40}})
+    project.write_pins(**{"megatron-lm": {"url": "git://127.0.0.1:9/m.git", "commit": "a" * 40,
+                                          "sha_file": "megatron-sha.txt"}})
     (project.root / "reading_notes" / "megatron-sha.txt").write_text("b" * 40 + "\n")
     (project.root / "reading_notes" / "quiet.md.j2").write_text("{{ pins.clear() }}{{ pins.pop('megatron-lm') }}\n")
     r = run(project, "check")

@@ -1,21 +1,23 @@
 """`check`: prove, offline, that every citation and every rendered default still says what the lock says it
-says, and that every note keeps its rules (pin_and_cite.note_rules, which include the evidence each design
+says, and that every note keeps its rules (pin_and_cite.site.note_rules, which include the evidence each design
 choice names), names tests that exist, and renders (traces, diagrams); and that each recorded bump's excerpts
-still hash as its record says (pin_and_cite.changes)."""
+still hash as its record says (pin_and_cite.site.changes)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pin_and_cite.changes import record_problems
-from pin_and_cite.citation import parse_spec
-from pin_and_cite.defaults import DefaultRef, FoundDefault, default_ref, parse_key
-from pin_and_cite.errors import PinAndCiteError
-from pin_and_cite.lock import file_key
-from pin_and_cite.notes import TEMPLATE_GLOB, written_calls
-from pin_and_cite.pinned_sha import SHA_FILE, stale_sha
-from pin_and_cite.project import Project
-from pin_and_cite.resolve import Excerpt, Resolver
-from pin_and_cite.verified_by import missing_test
+from pin_and_cite.core.citation import parse_spec
+from pin_and_cite.core.defaults import default_ref, parse_key
+from pin_and_cite.core.errors import PinAndCiteError
+from pin_and_cite.core.locked import locked_default, locked_excerpt
+from pin_and_cite.core.notes import TEMPLATE_GLOB, written_calls
+from pin_and_cite.core.pinned_sha import stale_sha
+from pin_and_cite.core.project import Project
+from pin_and_cite.core.resolve import Resolver
+from pin_and_cite.core.verified_by import missing_test
+from pin_and_cite.site.changes import record_problems
+from pin_and_cite.site.render import Renderer, pages
+from pin_and_cite.site.study import helpers
 
 
 @dataclass
@@ -36,39 +38,6 @@ class Report:
     def as_json(self) -> dict:
         return {"checked": self.checked, "broken": len(self.problems),
                 "problems": [vars(p) for p in self.problems]}
-
-
-def locked_excerpt(project: Project, resolver: Resolver, key: str) -> Excerpt:
-    """The excerpt of the locked citation `key`, proven to say what the lock says; PinAndCiteError says why not."""
-    locked = project.lock.citations[key]
-    spec = parse_spec(key)
-    source = project.pins.get(spec.source)
-    entry = project.lock.files.get(file_key(spec.source, spec.path))
-    if entry is None:
-        raise PinAndCiteError("its file is missing from the lock")
-    if entry.commit != source.commit:
-        raise PinAndCiteError(f"locked at {entry.commit[:12]} but pins.toml now pins {source.commit[:12]}; "
-                              "re-lock after moving a pin")
-    excerpt, _ = resolver.resolve(spec)
-    if excerpt.lines != tuple(locked.lines):
-        raise PinAndCiteError(f"symbol now spans L{excerpt.lines[0]}-L{excerpt.lines[1]}, "
-                              f"lock says L{locked.lines[0]}-L{locked.lines[1]}")
-    if excerpt.text_sha256 != locked.text_sha256:
-        raise PinAndCiteError("cited text differs from the lock's hash")
-    return excerpt
-
-
-def locked_default(project: Project, resolver: Resolver, ref: DefaultRef) -> tuple[FoundDefault, Excerpt]:
-    """The default `ref` names, proven to be what the lock says, with the excerpt of its declaring symbol."""
-    locked = project.lock.defaults.get(str(ref))
-    if locked is None:
-        raise PinAndCiteError(f"{ref} is not in the lock; run `tools/pin-and-cite cite --default {ref.param} "
-                              f"{ref.spec}`")
-    found, excerpt, _ = resolver.resolve_default(ref)
-    if (found.value, found.line) != (locked.value, locked.line):
-        raise PinAndCiteError(f"the default is now {ref.param}={found.value} at L{found.line}; the lock says "
-                              f"{ref.param}={locked.value} at L{locked.line}")
-    return found, excerpt
 
 
 def _verdict(prove, *args) -> str | None:
@@ -123,17 +92,14 @@ def check(project: Project) -> Report:
                  if (why := missing_test(project.root, c.argument))]
     problems += _render_problems(project, resolver, problems)
     problems += [Problem("citations.lock", what, why) for what, why in record_problems(project, resolver)]
-    if why := stale_sha(project):
-        problems.append(Problem(f"reading_notes/{SHA_FILE}", "pins.toml", why))
+    problems += [Problem(f"reading_notes/{sha_file}", "pins.toml", why) for sha_file, why in stale_sha(project)]
     return Report(len(verdicts.keys() | in_notes) + malformed + len(claims), problems)
 
 
 def _render_problems(project: Project, resolver: Resolver, found: list[Problem]) -> list[Problem]:
     """The note rules of every template, then, in memory, the render of each page nothing else was reported
     for: traces, diagrams, Jinja errors."""
-    from pin_and_cite.render import Renderer, pages   # render imports this module
-
-    renderer, problems = Renderer(project, resolver), []
+    renderer, problems = Renderer(project, resolver, helpers), []
     for template in sorted(project.notes_dir.glob(TEMPLATE_GLOB)):
         problems += [Problem(f"{template.relative_to(project.root)}:{p.line}", "note rules", p.message)
                      for p in renderer.rule_problems(template)]

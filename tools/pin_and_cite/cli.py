@@ -8,19 +8,20 @@ import os
 import sys
 from pathlib import Path
 
-from pin_and_cite import bump, journal, review
 from pin_and_cite.check import check
-from pin_and_cite.citation import parse_spec
-from pin_and_cite.defaults import default_ref
-from pin_and_cite.errors import LOCAL_IO, PinAndCiteError, printable
-from pin_and_cite.fetch import Fetched, fetch_all
-from pin_and_cite.gitobj import is_full_sha
-from pin_and_cite.project import NOTES_DIR, Project, find_root
-from pin_and_cite.reanchor import relocate_texts
-from pin_and_cite.remote import check_url
-from pin_and_cite.render import SITE_NOTES, render_notes
-from pin_and_cite.resolve import Resolver
-from pin_and_cite.store import Store, default_cache_dir
+from pin_and_cite.core.citation import parse_spec
+from pin_and_cite.core.defaults import default_ref
+from pin_and_cite.core.errors import LOCAL_IO, PinAndCiteError, printable
+from pin_and_cite.core.fetch import Fetched, fetch_all
+from pin_and_cite.core.gitobj import is_full_sha
+from pin_and_cite.core.project import NOTES_DIR, Project, find_root
+from pin_and_cite.core.remote import check_url
+from pin_and_cite.core.resolve import Resolver
+from pin_and_cite.core.store import Store, default_cache_dir
+from pin_and_cite.relocation import bump, journal, review
+from pin_and_cite.relocation.reanchor import relocate_texts
+from pin_and_cite.site.render import SITE_NOTES
+from pin_and_cite.site.study import render_site
 
 EPILOG = """\
 citations:
@@ -178,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_render(project: Project, args) -> int:
-    changed = render_notes(project.root, project.root / args.out)
+    changed = render_site(project.root, project.root / args.out)
     names = [str(p.relative_to(project.root) if p.is_relative_to(project.root) else p) for p in changed]
     print(json.dumps({"changed": names}) if args.json else "\n".join(map(printable, names)) or "rendered notes unchanged")
     return 0

@@ -1,0 +1,81 @@
+"""Wall times of the citation tool on the shipped notes, side by side in one run: `tools/pin-and-cite check`,
+`mkdocs build` (which renders every note first), and the import time of the tool (`import pin_and_cite.cli`),
+each the median of --repeat runs in fresh processes. Also counts the torch modules `check` imported
+(`python -X importtime`): the citation tool never imports torch, so it must be 0.
+
+    .venv/bin/python benchmarks/bench_tools.py [--repeat N] [--json]
+
+`mkdocs build` needs the self-hosted assets: run tools/vendor-assets once.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PYTHON = ROOT / ".venv" / "bin" / "python"
+TARGETS = {"check_s": 0.5, "mkdocs_build_s": 3.0}   # issue 13
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": f"{ROOT / 'tools'}:{ROOT}"}
+
+
+def _timed(cmd: list[str]) -> float:
+    """Seconds one run of `cmd` took from the repository root; a failed run stops the benchmark."""
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True)
+    elapsed = time.perf_counter() - start
+    if proc.returncode != 0:
+        sys.exit(f"bench_tools: {' '.join(cmd)} exited {proc.returncode}: {(proc.stdout + proc.stderr)[-2000:]}")
+    return elapsed
+
+
+def median_of(cmd: list[str], repeat: int) -> float:
+    return statistics.median(_timed(cmd) for _ in range(repeat))
+
+
+def torch_modules_in_check() -> int:
+    """How many torch modules `check` imports, from -X importtime."""
+    proc = subprocess.run([str(PYTHON), "-X", "importtime", "-m", "pin_and_cite", "check"], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True)
+    return sum(1 for line in proc.stderr.splitlines()
+               if line.startswith("import time:") and line.rsplit("|", 1)[-1].strip().split(".")[0] == "torch")
+
+
+def measure(repeat: int) -> dict[str, float]:
+    with tempfile.TemporaryDirectory(prefix="bench-site-") as site:
+        return {
+            "check_s": median_of([str(ROOT / "tools" / "pin-and-cite"), "check"], repeat),
+            "mkdocs_build_s": median_of([str(PYTHON), "-m", "mkdocs", "build", "--quiet", "--site-dir", site], repeat),
+            "import_s": median_of([str(PYTHON), "-c", "import pin_and_cite.cli"], repeat),
+            "torch_modules_in_check": torch_modules_in_check(),
+        }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeat", type=int, default=3, help="runs per figure (the median is shown)")
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    args = parser.parse_args()
+    figures = measure(max(1, args.repeat))
+    if args.json:
+        print(json.dumps(figures))
+        return 0
+    print(f"{'what':28} {'measured':>10} {'target':>8}")
+    print(f"{'check wall time':28} {figures['check_s']:>9.2f}s {TARGETS['check_s']:>7}s")
+    print(f"{'mkdocs build wall time':28} {figures['mkdocs_build_s']:>9.2f}s {TARGETS['mkdocs_build_s']:>7}s")
+    print(f"{'import pin_and_cite.cli':28} {figures['import_s']:>9.2f}s")
+    print(f"{'torch modules check imports':28} {figures['torch_modules_in_check']:>10} {0:>8}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""Citation specs: `SOURCE:PATH#Lstart-Lend` (1-based, inclusive) or `SOURCE:PATH::Qual.name`.
+
+Parsing is pure (no files touched) so a malformed spec is refused before any work starts.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import PurePosixPath
+
+from pin_and_cite.core.errors import PinAndCiteError
+
+SOURCE_NAME = re.compile(r"[a-z0-9][a-z0-9._-]*")
+_LOCATION = r"(?P<path>[^#]+?)(?:#L(?P<start>\d+)(?:-L(?P<end>\d+))?|::(?P<symbol>.+))"
+_SPEC = re.compile(r"(?P<source>[^:]+):" + _LOCATION)
+_LOCATION_ONLY = re.compile(_LOCATION)
+_QUALNAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What a note asks for; `lines` is None for symbol citations until resolved."""
+    source: str
+    path: str
+    lines: tuple[int, int] | None = None
+    symbol: str | None = None
+
+    def __str__(self) -> str:
+        anchor = f"::{self.symbol}" if self.symbol else f"#L{self.lines[0]}-L{self.lines[1]}"
+        return f"{self.source}:{self.path}{anchor}"
+
+
+def check_repo_path(path: str) -> str:
+    """Refuse paths that could escape a repository or name git's own files."""
+    pure = PurePosixPath(path)
+    if not path or path.startswith("/") or "\\" in path or re.match(r"[A-Za-z]:", path):
+        raise PinAndCiteError(f"path {path!r} must be relative to the repository root, with '/' separators")
+    if any(part in ("..", ".", "") for part in path.split("/")) or ".git" in pure.parts:
+        raise PinAndCiteError(f"path {path!r} escapes the repository or names .git; give a plain relative path")
+    return path
+
+
+def parse_spec(text: str) -> Spec:
+    match = _SPEC.fullmatch(text.strip())
+    if not match:
+        raise PinAndCiteError(
+            f"malformed citation {text!r}: expected SOURCE:PATH#Lstart-Lend or SOURCE:PATH::Qual.name")
+    return _spec(match, text, match["source"])
+
+
+def parse_location(text: str) -> Spec:
+    """A citation without its source (`PATH#Lstart-Lend` or `PATH::Qual.name`), as `relocate` takes them;
+    the Spec's source is ''."""
+    match = _LOCATION_ONLY.fullmatch(text.strip())
+    if not match:
+        raise PinAndCiteError(f"malformed citation {text!r}: expected PATH#Lstart-Lend or PATH::Qual.name")
+    return _spec(match, text, "")
+
+
+def _spec(match: re.Match, text: str, source: str) -> Spec:
+    path = check_repo_path(match["path"])
+    if source and not SOURCE_NAME.fullmatch(source):
+        raise PinAndCiteError(f"malformed citation {text!r}: source name {source!r} is not a pins.toml name")
+    if match["symbol"] is not None:
+        if not _QUALNAME.fullmatch(match["symbol"]):
+            raise PinAndCiteError(f"malformed citation {text!r}: {match['symbol']!r} is not a dotted Python name")
+        return Spec(source, path, symbol=match["symbol"])
+    start = int(match["start"])
+    end = int(match["end"]) if match["end"] is not None else start
+    if start < 1:
+        raise PinAndCiteError(f"citation {text!r}: line numbers start at 1")
+    if end < start:
+        raise PinAndCiteError(f"citation {text!r}: line range is inverted (L{start} > L{end})")
+    return Spec(source, path, lines=(start, end))

@@ -1,0 +1,89 @@
+"""Find the citations written in the note templates, with the file and line where each is written.
+
+Templates are parsed with Jinja's own parser, in the environment render uses (pin_and_cite.core.sandbox), so a
+`cite("...")` call is found wherever Jinja would run it (and only there), with the line number Jinja reports.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import jinja2
+from jinja2 import nodes
+
+from pin_and_cite.core import sandbox
+from pin_and_cite.core.errors import PinAndCiteError
+
+TEMPLATE_GLOB = "**/*.md.j2"
+HIGHLIGHT = "highlight"
+
+
+@dataclass(frozen=True)
+class Written:
+    """One call written in a template: `cite("SPEC")` at file:line, with its `highlight="Lx-Ly"` if any (`more`:
+    its further literal arguments, such as default()'s parameter name)."""
+    function: str
+    argument: str
+    file: Path
+    line: int
+    highlight: str | None = None
+    more: tuple[str, ...] = ()
+
+    def where(self, root: Path) -> str:
+        return f"{self.file.relative_to(root)}:{self.line}"
+
+
+def calls_in(template: Path, functions: set[str]) -> list[Written]:
+    try:
+        tree = sandbox.environment().parse(template.read_text(), name=template.name, filename=str(template))
+    except jinja2.TemplateSyntaxError as exc:
+        raise PinAndCiteError(f"{template}:{exc.lineno}: template syntax error: {exc.message}") from None
+    found = []
+    for call in tree.find_all(nodes.Call):
+        if isinstance(call.node, nodes.Name) and call.node.name in functions:
+            arg = call.args[0] if call.args else None
+            if not isinstance(arg, nodes.Const) or not isinstance(arg.value, str):
+                raise PinAndCiteError(f"{template}:{call.lineno}: {call.node.name}() takes a literal string")
+            highlight = next((kw.value for kw in call.kwargs if kw.key == HIGHLIGHT), None)
+            if highlight is not None and not (isinstance(highlight, nodes.Const) and isinstance(highlight.value, str)):
+                raise PinAndCiteError(f"{template}:{call.lineno}: {call.node.name}() takes {HIGHLIGHT}= as a "
+                                      f"literal string (bump carries it with the citation)")
+            more = tuple(a.value for a in call.args[1:] if isinstance(a, nodes.Const) and isinstance(a.value, str))
+            found.append(Written(call.node.name, arg.value, template, call.lineno,
+                                 highlight.value if highlight is not None else None, more))
+    return found
+
+
+def note_templates(notes_dir: Path) -> list[Path]:
+    """Every template that becomes a page of its own (partials, named `_*.md.j2`, are rendered by others)."""
+    return sorted(t for t in notes_dir.glob(TEMPLATE_GLOB) if not t.name.startswith("_"))
+
+
+def written_calls(notes_dir: Path, functions: set[str]) -> list[Written]:
+    return [w for template in sorted(notes_dir.glob(TEMPLATE_GLOB)) for w in calls_in(template, functions)]
+
+
+def rewrite_arguments(template: Path, changes: list[tuple[Written, str] | tuple[Written, str, str]]) -> bytes:
+    """The template's bytes with the string literal of each written call replaced by a new argument (and,
+    given a third item, the literal of its highlight= keyword by a new highlight), and every other byte
+    (quotes, spacing, line endings, the rest of the note) exactly as it was."""
+    text = template.read_bytes().decode("utf-8")
+    line_starts = [0] + [m.end() for m in re.finditer(r"\r\n|\r|\n", text)]   # as Jinja counts lines
+    edits: dict[int, tuple[int, str]] = {}
+    for call, argument, *highlight in sorted(changes, key=lambda change: change[0].line):
+        keyword = (r"""\s*,\s*""" + HIGHLIGHT + r"""\s*=\s*(['"])""" + re.escape(call.highlight) + r"\3"
+                   if call.highlight is not None else r"(?!\s*,\s*" + HIGHLIGHT + r"\s*=)")   # the call's only keyword
+        literal = re.compile(r"""((['"])""" + re.escape(call.argument) + r"\2)" + keyword)
+        match = literal.search(text, line_starts[call.line - 1])
+        while match and match.start() in edits:            # the same citation twice: take the next one
+            match = literal.search(text, match.start() + 1)
+        if match is None:
+            raise PinAndCiteError(f"{template}:{call.line}: cannot find the literal {call.argument!r} to rewrite")
+        edits[match.start(1)] = (match.end(1), match[2] + argument + match[2])
+        if highlight:
+            edits[match.start(3)] = (match.end(), match[3] + highlight[0] + match[3])
+    for start in sorted(edits, reverse=True):
+        end, replacement = edits[start]
+        text = text[:start] + replacement + text[end:]
+    return text.encode("utf-8")

@@ -1,0 +1,95 @@
+"""reading_notes/pins.toml: the upstream sources, each at one full commit SHA.
+
+Edited by people and by `pin`; tomlkit keeps their comments and layout when `pin` rewrites a commit.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import tomlkit
+
+from pin_and_cite.core import schema
+from pin_and_cite.core.atomic import atomic_write
+from pin_and_cite.core.citation import SOURCE_NAME
+from pin_and_cite.core.errors import PinAndCiteError
+
+SHAPE = ("each [sources.NAME] table takes url and commit (a full SHA), and optionally tag, distribution and "
+         "sha_file")
+
+
+@dataclass(frozen=True)
+class Source:
+    name: str
+    url: str
+    commit: str
+    tag: str | None = None
+    distribution: str | None = None   # "name==version" of a wheel that may carry byte-identical files
+    sha_file: str | None = None       # a file in the notes folder that render keeps holding the commit
+
+    @property
+    def distribution_name(self) -> str | None:
+        return re.split(r"[=<>!~ ]", self.distribution, maxsplit=1)[0] if self.distribution else None
+
+    def file_url(self, path: str) -> str | None:
+        """GitHub-style blob link at the pinned commit, for web URLs; None for local or git:// remotes."""
+        if not self.url.startswith(("https://", "http://")):
+            return None
+        return f"{self.url.removesuffix('/').removesuffix('.git')}/blob/{self.commit}/{path}"
+
+    def permalink(self, path: str, lines: tuple[int, int]) -> str | None:
+        url = self.file_url(path)
+        return f"{url}#L{lines[0]}-L{lines[1]}" if url else None
+
+
+class Pins:
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            self._doc = tomlkit.parse(path.read_bytes().decode("utf-8"))
+        except FileNotFoundError:
+            raise PinAndCiteError(f"{path} not found; create it with a [sources.NAME] table (url, commit)")
+        except UnicodeDecodeError as exc:
+            raise PinAndCiteError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+        except tomlkit.exceptions.TOMLKitError as exc:
+            raise PinAndCiteError(f"{path} is not valid TOML: {exc}")
+        schema.check(self._doc.unwrap(), schema.PINS, f"{path}:", SHAPE)
+        self.sources = {name: self._source(name, table) for name, table in self._doc.get("sources", {}).items()}
+
+    def _source(self, name: str, table) -> Source:
+        """The source of a table that fits schema.PINS (its name is checked here, by the citation grammar's rule)."""
+        if not SOURCE_NAME.fullmatch(name):
+            raise PinAndCiteError(f"{self.path.name} [sources.{name}]: source names are lowercase letters, "
+                                  "digits, '.', '_' and '-'")
+        return Source(name, str(table["url"]), str(table["commit"]),
+                      str(table["tag"]) if "tag" in table else None,
+                      str(table["distribution"]) if "distribution" in table else None,
+                      str(table["sha_file"]) if "sha_file" in table else None)
+
+    def get(self, name: str) -> Source:
+        try:
+            return self.sources[name]
+        except KeyError:
+            known = ", ".join(sorted(self.sources)) or "none"
+            raise PinAndCiteError(f"unknown source {name!r} (pins.toml has: {known})") from None
+
+    def set_commit(self, name: str, url: str, commit: str, tag: str | None) -> None:
+        """Record a pin (adding the source if new) and write pins.toml atomically."""
+        atomic_write(self.path, self.with_commit(name, url, commit, tag))
+
+    def with_commit(self, name: str, url: str, commit: str, tag: str | None) -> bytes:
+        """Record a pin in memory and return the new pins.toml (comments and layout kept) without writing it."""
+        sources = self._doc.setdefault("sources", tomlkit.table(is_super_table=True))
+        table = sources.get(name)
+        if table is None:
+            table = tomlkit.table()
+            table["url"] = url
+            sources[name] = table
+        table["commit"] = commit
+        if tag:
+            table["tag"] = tag
+        elif "tag" in table:
+            del table["tag"]
+        self.sources[name] = self._source(name, table)
+        return tomlkit.dumps(self._doc).encode()

@@ -1,0 +1,62 @@
+"""Where a project's pins, lock and notes live, and the sources they are fetched from."""
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pin_and_cite.core.errors import PinAndCiteError
+from pin_and_cite.core.lock import Lock
+from pin_and_cite.core.pins import Pins, Source
+from pin_and_cite.core.remote import Remote, check_url
+from pin_and_cite.core.store import Store, default_cache_dir
+
+NOTES_DIR = "reading_notes"
+
+
+def find_root(start: Path) -> Path:
+    """The nearest ancestor holding reading_notes/pins.toml (or $PIN_AND_CITE_PROJECT)."""
+    if os.environ.get("PIN_AND_CITE_PROJECT"):
+        return Path(os.environ["PIN_AND_CITE_PROJECT"])
+    for candidate in [start, *start.parents]:
+        if (candidate / NOTES_DIR / "pins.toml").is_file():
+            return candidate
+    raise PinAndCiteError(f"no {NOTES_DIR}/pins.toml in {start} or its parents; run inside the project or pass --project")
+
+
+def refuse_special_files(notes_dir: Path) -> None:
+    """reading_notes/ must hold plain files and folders only: a symlink committed on a branch would make `check`
+    read outside the project (a key, /dev/zero, a FIFO) through a template, a trace, the pins or the lock."""
+    for folder, dirs, files in os.walk(notes_dir):
+        for path in (Path(folder) / name for name in dirs + files):
+            mode = path.lstat().st_mode
+            if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+                kind = "a symlink" if stat.S_ISLNK(mode) else "not a regular file"
+                raise PinAndCiteError(f"{path} is {kind}; {NOTES_DIR}/ must hold plain files and folders only")
+
+
+@dataclass
+class Project:
+    root: Path
+    timeout: float = 60.0
+    url_overrides: dict[str, str] = field(default_factory=dict)
+    cache_dir: Path = field(default_factory=default_cache_dir)
+
+    def __post_init__(self):
+        self.notes_dir = self.root / NOTES_DIR
+        refuse_special_files(self.notes_dir)
+        self.pins = Pins(self.notes_dir / "pins.toml")
+        self.lock = Lock(self.notes_dir / "citations.lock")
+        self.store = Store(self.cache_dir)
+        for name, url in self.url_overrides.items():
+            self.pins.get(name)
+            check_url(url)
+
+    def remote(self, source: Source) -> Remote:
+        return self.remote_at(source.name, source.url)
+
+    def remote_at(self, name: str, url: str) -> Remote:
+        """The remote of source `name` (pinned or not yet) at `url`, or at its --url mirror."""
+        url = self.url_overrides.get(name, url)
+        return Remote(url, self.store.git_dir(url), self.timeout)

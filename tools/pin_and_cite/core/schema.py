@@ -1,0 +1,74 @@
+"""The shapes of reading_notes/citations.lock and pins.toml, checked with jsonschema before anything is used.
+
+A lock or pins file from a contributor's branch is untrusted: a blob "SHA" that is really a path once named a
+file outside the cache. So every SHA is exactly 40 lowercase hex digits (maxLength with the pattern: Python's
+`$` would let a trailing newline through), every field has its type, and unknown keys are refused. A file
+that does not fit gets one line naming the field, never a traceback.
+"""
+from __future__ import annotations
+
+import jsonschema
+from jsonschema.exceptions import best_match
+
+from pin_and_cite.core.errors import PinAndCiteError
+
+SHA = {"type": "string", "maxLength": 40, "pattern": "^[0-9a-f]{40}$", "description": "a full 40-hex SHA"}
+SHA_OR_NULL = {**SHA, "type": ["string", "null"], "description": "a full 40-hex SHA or null"}
+TEXT_SHA256 = {"type": "string", "maxLength": 64, "pattern": "^[0-9a-f]{64}$", "description": "a hex SHA-256"}
+TEXT_SHA256_OR_NULL = {**TEXT_SHA256, "type": ["string", "null"], "description": "a hex SHA-256 or null"}
+LINES = {"type": "array", "items": {"type": "integer", "minimum": 1}, "minItems": 2, "maxItems": 2,
+         "description": "[first, last], line numbers from 1"}
+LINES_OR_NULL = {"anyOf": [LINES, {"type": "null"}], "description": "[first, last] or null"}
+STRING_OR_NULL = {"type": ["string", "null"]}
+
+
+def _record(required: list[str], **properties) -> dict:
+    return {"type": "object", "required": required, "properties": properties, "additionalProperties": False}
+
+
+def _map_of(value: dict) -> dict:
+    return {"type": "object", "additionalProperties": value}
+
+
+LOCKED_FILE = _record(["commit", "blob", "size", "resolved_from"], commit=SHA, blob=SHA,
+                      size={"type": "integer", "minimum": 0}, resolved_from={"type": "string"})
+LOCKED_CITATION = _record(["lines", "text_sha256"], lines=LINES, text_sha256=TEXT_SHA256, symbol={"type": "string"})
+RECORDED_FILE = _record(["old_blob", "new_blob"], old_blob=SHA_OR_NULL, new_blob=SHA_OR_NULL)
+RECORDED_CHANGE = _record(
+    ["status", "old_lines", "old_text_sha256", "new_lines", "new_text_sha256", "new_cite", "cited_at"],
+    status={"enum": ["changed", "deleted"]}, old_lines=LINES, old_text_sha256=TEXT_SHA256, new_lines=LINES_OR_NULL,
+    new_text_sha256=TEXT_SHA256_OR_NULL, new_cite=STRING_OR_NULL,
+    cited_at={"type": "array", "items": {"type": "string"}}, new_path=STRING_OR_NULL)
+RECORDED_DEFAULT = _record(["old_value", "new_value"], old_value={"type": "string"}, new_value=STRING_OR_NULL)
+BUMP_RECORD = _record(
+    ["old_commit", "new_commit", "counts", "files", "changes"],
+    old_commit=SHA, new_commit=SHA, tag=STRING_OR_NULL, counts=_map_of({"type": "integer", "minimum": 0}),
+    files=_map_of(RECORDED_FILE), changes=_map_of(RECORDED_CHANGE), defaults=_map_of(RECORDED_DEFAULT))
+PARAMETER_DEFAULT = _record(["value", "line"], value={"type": "string"}, line={"type": "integer", "minimum": 1})
+
+LOCK = _record(["version", "files", "citations"], version={"const": 1}, files=_map_of(LOCKED_FILE),
+               citations=_map_of(LOCKED_CITATION), bumps=_map_of(BUMP_RECORD), defaults=_map_of(PARAMETER_DEFAULT))
+
+SOURCE = _record(["url", "commit"], url={"type": "string"}, commit=SHA, tag={"type": "string"},
+                 distribution={"type": "string"},
+                 sha_file={"type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9._-]*$",
+                           "description": "a file name in the notes folder"})
+PINS = _record([], sources=_map_of(SOURCE))
+
+
+def check(data, schema: dict, where: str, remedy: str) -> None:
+    """Raise PinAndCiteError naming the first field of `data` that does not fit `schema`."""
+    error = best_match(jsonschema.Draft202012Validator(schema).iter_errors(data))
+    if error is None:
+        return
+    field = error.json_path.removeprefix("$.").removeprefix("$") or "the top level"
+    described = error.schema.get("description") if isinstance(error.schema, dict) else None
+    if described and error.validator not in ("required", "additionalProperties"):
+        problem = f"{field} {_short(repr(error.instance))} is not {described}"
+    else:
+        problem = f"{field}: {_short(error.message)}"
+    raise PinAndCiteError(f"{where} {problem}; {remedy}")
+
+
+def _short(text: str, limit: int = 120) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."

@@ -1,0 +1,192 @@
+"""Mermaid diagrams generated from recorded runs (pin_and_cite.site.traces), never drawn by hand.
+
+`diagram("tp_block", link=...)`: the tensor-parallel transformer block as the recorder saw it run: every leaf
+module and every group of aten ops between them, in forward order, grouped by parent module; the forward
+collectives on the edges leaving the module that issued them (with bytes and the stated link), the backward
+ones as dotted edges back to the module's input.
+
+`diagram("fsdp_forward")`: a gantt chart of the FSDP forward with a compute track (each unit's forward span)
+and an all-gather track (from the moment each all-gather was issued to the moment its unit's compute started).
+The x axis is the order of those events in the recorded step, not wall time: timings of a CPU/gloo run say
+nothing about a GPU, the order is what the prefetch policy decides. Slots are drawn as minutes
+(`dateFormat mm`): mermaid 11 ignores start values under `dateFormat X`.
+
+`diagram("pipeline_1f1b")` / `diagram("pipeline_gpipe")`: a gantt chart of one recorded pipeline step, one
+row per stage, a bar per forward (F i) and backward (B i). The x axis is slots, not wall time (4 processes on
+a shared CPU say nothing about GPUs): each stage's actions in the order it ran them, each as early as the
+action it receives from allows (pin_and_cite.site.traces.pipeline_slots; a forward 1 slot, a backward 2). Rows
+are compact (mermaid's `displayMode: compact` front matter): bars of one section share a row when they do
+not overlap.
+
+`chart_training_memory(limit)`: a mermaid xychart of per-rank training states
+(pin_and_cite.site.estimates.sharding_limit) against model size: DDP, FSDP over the stated group, and one GPU's
+memory as a flat line; drawn from the formulas, not from a trace.
+
+Every flowchart label goes through `label()`, so nothing recorded can break the diagram's syntax.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+from pin_and_cite.site.traces import RECORD, SLOTS, TraceError, events_where, forward_markers, pipeline_slots
+
+# aten ops that name what a group of ops does; layout ops (view, permute, ...) say nothing and are left out.
+OP_NAMES = {"_scaled_dot_product_flash_attention_for_cpu": "scaled dot-product attention",
+            "_scaled_dot_product_flash_attention": "scaled dot-product attention",
+            "_scaled_dot_product_efficient_attention": "scaled dot-product attention",
+            "scaled_dot_product_attention": "scaled dot-product attention",
+            "gelu": "GELU", "add": "add", "mul": "mul", "softmax": "softmax", "_softmax": "softmax",
+            "dropout": "dropout", "native_dropout": "dropout"}
+MERMAID_ESCAPES = {"#": "#35;", '"': "#quot;", "<": "#lt;", ">": "#gt;", "`": "#96;", "|": "#124;",
+                   ";": "#59;", "\n": " ", "\r": " "}
+OP_LABEL = {"all_reduce": "all-reduce", "all_gather": "all-gather", "reduce_scatter": "reduce-scatter"}
+
+
+def label(text: str) -> str:
+    """`text` as a quoted mermaid label: entity codes for every character the grammar gives a meaning."""
+    return '"' + "".join(MERMAID_ESCAPES.get(ch, ch) for ch in str(text)) + '"'
+
+
+def gantt_text(text: str) -> str:
+    """Gantt task names have no quoting: keep them to characters the gantt grammar treats as text."""
+    return "".join(ch if ch.isalnum() or ch in " ._-()+/," else " " for ch in str(text)).strip()
+
+
+def human_bytes(n: int) -> str:
+    return f"{n} B" if n < 1024 else f"{n / 1024:.3g} KiB" if n < 1024 ** 2 else f"{n / 1024 ** 2:.3g} MiB"
+
+
+def mermaid_fence(body: list[str]) -> str:
+    return "```mermaid\n" + "\n".join(body) + "\n```\n"
+
+
+def _ops_label(ops: list[str]) -> str | None:
+    counts = Counter(OP_NAMES[op] for op in ops if op in OP_NAMES)
+    return ", ".join(f"{name} ×{n}" if n > 1 else name for name, n in counts.items()) or None
+
+
+def _block_nodes(run: dict, block: str) -> list[tuple[str, str, str | None]]:
+    """(parent module, label, module) for each leaf module and each named op group inside `block`."""
+    nodes = []
+    for step in run["forward_steps"]:
+        if "module" in step and step["module"].startswith(block + "."):
+            text = f"{step['module'].rsplit('.', 1)[-1]} · {step['type']}"
+            if "ParallelLinear" in step["type"] and step.get("weight_shape"):
+                text += " · weight {} × {} per rank".format(*step["weight_shape"])
+            nodes.append((step["module"].rsplit(".", 1)[0], text, step["module"]))
+        elif "in" in step and (step["in"] == block or step["in"].startswith(block + ".")):
+            if (text := _ops_label(step["ops"])) is not None:
+                nodes.append((step["in"], text, None))
+    return nodes
+
+
+def tp_block(trace: dict, link: str, block: str = "layers.0") -> str:
+    """Flowchart of `block` in the first traced run: x -> modules and op groups in forward order -> y, forward
+    collectives on thick edges labelled with bytes and `link`, backward ones dotted back to the input."""
+    run = trace["runs"][0]
+    nodes = _block_nodes(run, block)
+    linears = {module for _, text, module in nodes if module and "ParallelLinear" in text}
+    events = [e for e in run["events"] if e["module"].startswith(block + ".")]
+    forward = [e for e in events if e["phase"] == "forward"]
+    if not forward or any(e["module"] not in linears for e in events):
+        raise TraceError(f"trace {trace['name']}: the recorder saw no tensor-parallel linear layer issuing the "
+                         f"collectives of {block}; cannot draw the TP block; {RECORD}")
+    shape = f"x [s, b, h] = [{trace['s']}, {trace['b']}, {run['h']}], on every rank"
+    body = ["flowchart TB", f"  x([{label(shape)}]); y([{label('y, on every rank')}])"]
+    for parent in dict.fromkeys(parent for parent, _, _ in nodes):
+        defs = "; ".join(f"n{i}[{label(text)}]" for i, (p, text, _) in enumerate(nodes) if p == parent)
+        if parent == block:
+            body.append(f"  {defs}")
+        else:
+            name = parent.removeprefix(block + ".")
+            body += [f"  subgraph {name.replace('.', '_')}[{label(name)}]", f"    {defs}", "  end"]
+    chain = ["x", *(f"n{i}" for i in range(len(nodes))), "y"]   # node i is chain[i + 1]
+    numbered = {id(e): n for n, e in enumerate(forward, start=1)}
+    line = f"  {chain[0]}"
+    for j in range(len(chain) - 1):   # one line per stretch between forward collectives
+        issued = [e for e in forward if j > 0 and e["module"] == nodes[j - 1][2]]
+        if issued:
+            texts = [f"{OP_LABEL.get(e['op'], e['op'])} {numbered[id(e)]}, forward: {human_bytes(e['nbytes'])} "
+                     f"over {link}" for e in issued]
+            body.append(line)
+            line = f"  {chain[j]} ==>|{label('; '.join(texts))}| {chain[j + 1]}"
+        else:
+            line += f" --> {chain[j + 1]}"
+    body.append(line)
+    for i, (_, _, module) in enumerate(nodes):
+        for e in events_where(events, module=module, phase="backward"):
+            text = f"backward: {OP_LABEL.get(e['op'], e['op'])} of dX, {human_bytes(e['nbytes'])}"
+            body.append(f"  {chain[i + 1]} -.->|{label(text)}| {chain[i]}")
+    return mermaid_fence(body)
+
+
+def fsdp_forward(trace: dict) -> str:
+    markers = forward_markers(trace)
+    if len(markers) > 60:
+        raise TraceError(f"trace {trace['name']}: {len(markers)} forward events; the timeline draws at most 60 "
+                         f"(one per minute tick of the gantt axis); record fewer units; {RECORD}")
+    slot = {marker: i for i, marker in enumerate(markers)}
+    units = [u["name"] for u in trace["units"]]
+    missing = [u for u in units if ("issue", u) not in slot or ("start", u) not in slot]
+    if missing:
+        raise TraceError(f"trace {trace['name']}: no forward all-gather or compute span recorded for unit(s) "
+                         f"{', '.join(missing)}; cannot draw the FSDP timeline; {RECORD}")
+    gathers = {e["module"]: e["nbytes"] for e in events_where(trace["events"], op="all_gather", phase="forward")}
+    body = ["gantt", f"  title {gantt_text('FSDP forward of a recorded step, world %d, order of events' % trace['world'])}",
+            "  dateFormat mm", "  axisFormat %M", "  tickInterval 1minute", "  todayMarker off",
+            "  section compute"]
+    body += [f"  {gantt_text(unit + ' forward')} : c{i}, {slot[('start', unit)]:02d}, {slot[('end', unit)]:02d}"
+             for i, unit in enumerate(units)]
+    body.append("  section all-gather")
+    body += [f"  {gantt_text(f'{unit} {human_bytes(gathers[unit])}')} : g{i}, {slot[('issue', unit)]:02d}, "
+             f"{slot[('start', unit)]:02d}" for i, unit in enumerate(units)]
+    return mermaid_fence(body)
+
+
+def pipeline(trace: dict) -> str:
+    """Gantt of the recorded pipeline step: a section per stage, forwards as `active` bars, backwards as
+    `crit` ones, in slots (see the module docstring)."""
+    slots = pipeline_slots(trace)
+    end = max(stage[-1][2] for stage in slots if stage)
+    if end > 60:
+        raise TraceError(f"trace {trace['name']}: the step takes {end} slots; the timeline draws at most 60 (one "
+                         f"per minute tick of the gantt axis); record fewer micro-batches; {RECORD}")
+    name = {"gpipe": "GPipe", "1f1b": "1F1B"}.get(trace["schedule"], trace["schedule"])
+    title = (f"{name}, {trace['pp']} stages, {trace['m']} micro-batches, recorded order, in slots "
+             f"(F {SLOTS['F']}, B {SLOTS['B']})")
+    body = ["---", "displayMode: compact", "---", "gantt", f"  title {gantt_text(title)}", "  dateFormat mm",
+            "  axisFormat %M", "  tickInterval 1minute", "  todayMarker off"]
+    for r, stage in enumerate(slots):
+        body.append(f"  section {gantt_text(f'stage {r}')}")
+        body += [f"  {gantt_text(action)} : {'active' if action[0] == 'F' else 'crit'}, s{r}{action.lower()}, "
+                 f"{start:02d}, {stop:02d}" for action, start, stop in stage]
+    return mermaid_fence(body)
+
+
+CHART_COLORS = (("#c62828", "red"), ("#1565c0", "blue"), ("#ef8f00", "amber"))   # one per line, in order
+
+
+def chart_training_memory(limit) -> str:
+    """xychart-beta lines in three distinct colors, with a legend under the chart (mermaid draws none for
+    line charts): DDP's bytes per rank, FSDP's over `world` ranks, and one GPU's memory."""
+    sizes = ", ".join(f'"{b:g}B"' for b in limit.billions)
+    palette = ", ".join(color for color, _ in CHART_COLORS)
+    top = max(limit.ddp_GB)
+    body = ['%%{init: {"themeVariables": {"xyChart": {"plotColorPalette": "' + palette + '"}}}}%%', "xychart-beta",
+            f'  title "{gantt_text(f"Per-rank training memory, {limit.bytes_per_param} B per parameter")}"',
+            f'  x-axis "parameters" [{sizes}]', f'  y-axis "GB per rank" 0 --> {top:g}',
+            f"  line [{', '.join(f'{v:g}' for v in limit.ddp_GB)}]",
+            f"  line [{', '.join(f'{v:g}' for v in limit.fsdp_GB)}]",
+            f"  line [{', '.join(f'{limit.gpu_GB:g}' for _ in limit.billions)}]"]
+    names = [f"DDP (every rank holds all {limit.bytes_per_param} B per parameter)",
+             f"FSDP over {limit.world} ranks", f"one {limit.gpu_GB:g} GB GPU (activations aside)"]
+    legend = " · ".join(f'<span style="color:{color}">■</span> {word}: {name}'
+                        for (color, word), name in zip(CHART_COLORS, names))
+    return mermaid_fence(body) + f'\n<p class="chart-legend">{legend}</p>\n'
+
+
+GENERATORS = {"tp_block": tp_block, "fsdp_forward": fsdp_forward, "pipeline": pipeline}
+
+
+def diagram(trace: dict, **options) -> str:
+    return GENERATORS[trace["kind"]](trace, **options)

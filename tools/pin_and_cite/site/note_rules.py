@@ -1,0 +1,194 @@
+"""The rules a note keeps, checked on the template itself so each problem has a file:line.
+
+A template opts in with YAML front matter (mkdocs reads the same front matter as page metadata).
+`rules: close-reading` (the lab brief's rules for a close reading):
+  * at least MIN_CHOICES design choices: `### ` sections, each citing upstream lines with cite(), CHOICE_WORDS
+    words of prose long, and naming its evidence: a verified_by() test that runs upstream itself (marked
+    `@pytest.mark.upstream`, pin_and_cite.core.verified_by), or reference_only("why upstream cannot run here");
+  * a closing `## Connect the dots` section that prints at least one rendered value (`{{ ... }}`, numbers
+    from a recorded trace, never typed by hand);
+  * at most MAX_WORDS words in all, headings included: every word a reader reads.
+`rules: questions` (the "Check yourself" page): every `### ` section is a question whose answer has at most
+ANSWER_WORDS words of prose, cites upstream (cite() or upstream()) and names its evidence (verified_by() or
+reference_only()).
+Prose is what a reader reads as text: front matter, fenced blocks and Jinja statements and comments are not
+counted, the outputs of NOT_PROSE_CALLS are not counted (excerpts, diagrams, charts, evidence lines), and any
+other `{{ expression }}` counts as one word (a number, a rendered default).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from pin_and_cite.core.notes import calls_in
+from pin_and_cite.core.verified_by import evidence_of
+
+MAX_WORDS = 300
+MIN_CHOICES = 5
+CHOICE_WORDS = (50, 80)
+ANSWER_WORDS = 80
+CONNECT_HEADING = "## connect the dots"
+NOT_PROSE_CALLS = ("cite", "diagram", "chart", "verified_by", "reference_only")
+CITING_CALLS = {"cite", "upstream"}
+EVIDENCE_CALLS = {"verified_by", "reference_only"}
+_JINJA_BLOCK = re.compile(r"\{#.*?#\}|\{%.*?%\}", re.S)
+_EXPRESSION = re.compile(r"\{\{(.*?)\}\}", re.S)
+_WORD = re.compile(r"\S*[A-Za-z0-9]\S*")
+VALUE = "{{value}}"     # what a printed expression becomes: one word, and never text a template can hold
+
+
+@dataclass(frozen=True)
+class RuleProblem:
+    line: int
+    message: str
+
+
+def _blank_keeping_lines(match: re.Match) -> str:
+    return "\n" * match.group(0).count("\n")
+
+
+def _expression(match: re.Match) -> str:
+    inner = match.group(1).strip()
+    shown = "" if inner.startswith(NOT_PROSE_CALLS) else f" {VALUE} "
+    return shown + "\n" * match.group(0).count("\n")
+
+
+def front_matter(text: str) -> tuple[dict[str, str], int]:
+    """Simple `key: value` front matter and the number of lines it takes (0 when absent)."""
+    lines = text.split("\n")
+    if not lines or lines[0].strip() != "---":
+        return {}, 0
+    for end in range(1, len(lines)):
+        if lines[end].strip() == "---":
+            pairs = (line.split(":", 1) for line in lines[1:end] if ":" in line)
+            return {k.strip(): v.strip() for k, v in pairs}, end + 1
+    return {}, 0
+
+
+def prose_lines(text: str) -> list[tuple[int, str, bool]]:
+    """(line number, prose text, is_heading) for each template line, Jinja outside prose removed."""
+    stripped = _EXPRESSION.sub(_expression, _JINJA_BLOCK.sub(_blank_keeping_lines, text))
+    _, skip = front_matter(text)
+    out, fence = [], None
+    for number, line in enumerate(stripped.split("\n"), start=1):
+        if number <= skip:
+            continue
+        marker = re.match(r"\s*(`{3,}|~{3,})", line)
+        if marker:
+            fence = None if fence and marker.group(1).startswith(fence) else fence or marker.group(1)
+            continue
+        if fence:
+            continue
+        line = re.sub(r"\]\([^)]*\)", "]", re.sub(r"<[^>]+>", " ", line))   # link targets, HTML tags
+        out.append((number, line, line.lstrip().startswith("#")))
+    return out
+
+
+def words(line: str) -> int:
+    return len(_WORD.findall(line))
+
+
+@dataclass(frozen=True)
+class _Section:
+    """A `##`/`###` heading and the template lines up to the next one."""
+    line: int
+    title: str
+    end: int
+
+    def holds(self, line: int) -> bool:
+        return self.line < line < self.end
+
+    @property
+    def name(self) -> str:
+        return self.title.lstrip("#").strip()
+
+
+def _sections(lines: list[tuple[int, str, bool]], last_line: int) -> list[_Section]:
+    headings = [(n, line.strip()) for n, line, heading in lines if heading and line.lstrip().startswith("##")]
+    ends = [n for n, _ in headings[1:]] + [last_line + 1]
+    return [_Section(n, title, end) for (n, title), end in zip(headings, ends)]
+
+
+def _prose_words(lines: list[tuple[int, str, bool]], section: _Section) -> int:
+    return sum(words(line) for n, line, heading in lines if section.holds(n) and not heading)
+
+
+def _has_upstream_evidence(root: Path, calls, section: _Section) -> bool:
+    """A reference_only() in the section, or a verified_by() naming a test marked as running upstream."""
+    inside = [c for c in calls if section.holds(c.line)]
+    return any(c.function == "reference_only" for c in inside) or any(
+        getattr(evidence_of(root, c.argument), "kind", None) == "upstream"
+        for c in inside if c.function == "verified_by")
+
+
+def check_note(template: Path, root: Path) -> list[RuleProblem]:
+    """Every rule the template's front matter opts into, broken (`root`: the project, whose tests the evidence
+    names)."""
+    text = template.read_text()
+    meta, _ = front_matter(text)
+    rules = {"close-reading": _close_reading, "questions": _questions}.get(meta.get("rules", ""))
+    if rules is None:
+        return []
+    lines = prose_lines(text)
+    calls = calls_in(template, CITING_CALLS | EVIDENCE_CALLS)
+    last_line = len(text.split("\n"))
+    return sorted(rules(root, lines, calls, _sections(lines, last_line), last_line), key=lambda p: p.line)
+
+
+def _questions(root: Path, lines, calls, sections: list[_Section], last_line: int) -> list[RuleProblem]:
+    problems = []
+    questions = [s for s in sections if s.title.startswith("### ")]
+    for q in questions:
+        count = _prose_words(lines, q)
+        if count > ANSWER_WORDS:
+            problems.append(RuleProblem(q.line, f"the answer to {q.name!r} has {count} words of prose; "
+                                                f"keep it to {ANSWER_WORDS}"))
+        found = {c.function for c in calls if q.holds(c.line)}
+        if not found & CITING_CALLS:
+            problems.append(RuleProblem(q.line, f"the answer to {q.name!r} cites no upstream lines; add cite(...)"))
+        if not found & EVIDENCE_CALLS:
+            problems.append(RuleProblem(q.line, f"the answer to {q.name!r} names no evidence: add verified_by(...) "
+                                                f"or reference_only(...)"))
+    if not questions:
+        problems.append(RuleProblem(1, "no questions: each '### ' heading is a question, answered below it"))
+    return problems
+
+
+def _close_reading(root: Path, lines, calls, sections: list[_Section], last_line: int) -> list[RuleProblem]:
+    problems, total, over_at = [], 0, None
+    for number, line, _ in lines:
+        before, total = total, total + words(line)
+        if before <= MAX_WORDS < total and over_at is None:
+            over_at = number
+    if over_at is not None:
+        problems.append(RuleProblem(over_at, f"{total} words, over the {MAX_WORDS}-word limit (word {MAX_WORDS + 1} "
+                                             f"is on this line); headings count, excerpts and diagrams do not"))
+    expressions = {number for number, line, _ in lines if VALUE in line}
+    connect = [s for s in sections if s.title.lower() == CONNECT_HEADING]
+    if not connect:
+        problems.append(RuleProblem(last_line, f"no '{CONNECT_HEADING[3:].capitalize()}' section: end the note with "
+                                               f"'## Connect the dots' tied to measured numbers"))
+    elif sections[-1] != connect[0]:
+        problems.append(RuleProblem(sections[-1].line, "the note must end with its 'Connect the dots' section"))
+    elif not any(connect[0].holds(n) for n in expressions):
+        problems.append(RuleProblem(connect[0].line, "'Connect the dots' prints no measured number: render it from "
+                                                     "a trace with {{ ... }}, never type it"))
+    choices = 0
+    for s in (s for s in sections if s.title.startswith("### ")):
+        if not any(s.holds(c.line) for c in calls if c.function == "cite"):
+            problems.append(RuleProblem(s.line, f"design choice {s.name!r} cites no upstream lines; add cite(...)"))
+            continue
+        choices += 1
+        count = _prose_words(lines, s)
+        if not CHOICE_WORDS[0] <= count <= CHOICE_WORDS[1]:
+            problems.append(RuleProblem(s.line, f"design choice {s.name!r} has {count} words of prose; "
+                                                f"write {CHOICE_WORDS[0]}-{CHOICE_WORDS[1]}"))
+        if not _has_upstream_evidence(root, calls, s):
+            problems.append(RuleProblem(s.line, f"design choice {s.name!r} has no upstream evidence: name a test "
+                                                f"marked @pytest.mark.upstream(SOURCE) with verified_by(...), or say "
+                                                f"why upstream cannot run here with reference_only(...)"))
+    if choices < MIN_CHOICES:
+        problems.append(RuleProblem(1, f"{choices} cited design choice(s) ('### ' sections with cite()); "
+                                       f"a close reading needs at least {MIN_CHOICES}"))
+    return problems

@@ -1,0 +1,89 @@
+"""The folder `render` writes pages into, and the record of which pages there are its own.
+
+`render --out DIR` removes the pages it no longer makes, so it must know which pages it made: DIR/MANIFEST
+lists them (mkdocs skips dot-files). Only those are ever removed. A folder holding Markdown that render did
+not write (README.md when DIR is the project, someone's own page, a file committed on a branch) is refused
+before anything is written; a page that already says exactly what render would write is taken as its own
+(an older render's output). The project's own site folder (docs/notes, build output git ignores) rendered by a
+version without the manifest also holds render's pages at the paths render writes: there, and only while no
+manifest exists yet, those are taken as its own too. Nothing is written or removed outside DIR: a page whose folder is a symlink
+leading elsewhere is refused, and existing pages are read as regular files only.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path, PurePosixPath
+
+from pin_and_cite.core.atomic import atomic_write
+from pin_and_cite.core.errors import PinAndCiteError
+from pin_and_cite.core.regular_file import read_regular
+
+MANIFEST = ".pin-and-cite-pages.json"
+SHOWN = 3                       # foreign pages named in the refusal
+
+
+class OutputFolder:
+    def __init__(self, root: Path, adopt_legacy_pages: bool = False):
+        self.root = root
+        self.manifest = root / MANIFEST
+        self.adopt_legacy_pages = adopt_legacy_pages and not self.manifest.exists()
+        self.owned = self._load_manifest()
+
+    def _load_manifest(self) -> set[str]:
+        try:
+            data = read_regular(self.manifest, 16 << 20)
+            listed = json.loads(data) if data is not None else []
+        except (ValueError, PinAndCiteError) as exc:
+            raise PinAndCiteError(f"{self.manifest} cannot be read ({exc}); delete it and the pages it lists") from None
+        if not isinstance(listed, list) or not all(isinstance(p, str) and _is_page(p) for p in listed):
+            raise PinAndCiteError(f"{self.manifest} must list pages under {self.root} (relative *.md paths); "
+                                  "delete it and the pages it lists")
+        return set(listed)
+
+    def write(self, pages: dict[str, str]) -> list[Path]:
+        """Make the folder hold exactly `pages` (relative path -> Markdown) among the pages render owns:
+        write those whose text differs, remove owned pages no longer made, then record the new set. The
+        files written or removed are returned."""
+        for name in set(pages) | self.owned:
+            self._refuse_outside(name)
+        same = {name for name, text in pages.items()
+                if read_regular(self.root / name, len(text.encode())) == text.encode()}
+        legacy = {name for name in pages if (self.root / name).is_file() and not (self.root / name).is_symlink()} \
+            if self.adopt_legacy_pages else set()      # an older render of the site folder, before the manifest
+        foreign = sorted(self._markdown() - self.owned - same - legacy)
+        if foreign:
+            shown = ", ".join(foreign[:SHOWN]) + (f" and {len(foreign) - SHOWN} more" if len(foreign) > SHOWN else "")
+            raise PinAndCiteError(f"{self.root} holds Markdown that render did not write ({shown}); render into "
+                                  "a folder of its own, or move those files away")
+        changed = []
+        for name in sorted(set(pages) - same):
+            atomic_write(self.root / name, pages[name].encode())
+            changed.append(self.root / name)
+        for name in sorted(self.owned - set(pages)):
+            stale = self.root / name
+            if stale.is_symlink() or stale.is_file():
+                stale.unlink()
+                changed.append(stale)
+        if set(pages) != self.owned or not self.manifest.exists():
+            atomic_write(self.manifest, (json.dumps(sorted(pages), indent=1) + "\n").encode())
+            self.owned = set(pages)
+        return changed
+
+    def _refuse_outside(self, name: str) -> None:
+        """Refuse a page whose folder resolves outside the output folder (a symlinked folder)."""
+        folder = (self.root / name).parent
+        if not folder.resolve().is_relative_to(self.root.resolve()):
+            raise PinAndCiteError(f"{folder} leads outside {self.root} (a symlink?); render writes only inside it")
+
+    def _markdown(self) -> set[str]:
+        """Every *.md under the folder, symlinks included, without following symlinked folders."""
+        found = set()
+        for folder, _, files in os.walk(self.root):
+            found |= {(Path(folder) / f).relative_to(self.root).as_posix() for f in files if f.endswith(".md")}
+        return found
+
+
+def _is_page(name: str) -> bool:
+    path = PurePosixPath(name)
+    return name.endswith(".md") and not path.is_absolute() and ".." not in path.parts and "\\" not in name

@@ -1,0 +1,233 @@
+"""Render reading_notes/*.md.j2 into Markdown for the site: excerpts come from pinned, verified sources.
+
+Templates see these globals: `cite(spec, highlight=)` (a verified excerpt with upstream line numbers),
+`upstream(spec)` (the same citation as a permalink only), `default(spec, param)` (a parameter's default as
+written in the pinned source, pin_and_cite.core.defaults), `ours("reference/x.py::Name")` (lines of our own
+code), `verified_by("tests/...::test")` (the test and the kind of evidence it is: upstream or reference) and
+`reference_only(reason)` (why no upstream test can run here), `pins` and `locked_files(source)`; and the
+helpers a site registers (`helpers`: for this study, pin_and_cite.site.study's traces, diagrams, estimates and
+scale tables), so that the renderer imports none of them.
+Close-reading notes are checked against pin_and_cite.site.note_rules before they are rendered. A template whose
+name starts with `_` is a partial: `_source.md.j2` is rendered once per pinned source into sources/NAME.md.
+The pages of what the latest bump of each source changed go to changes/ (pin_and_cite.site.changes).
+
+Everything is rendered in memory first, and only then written, and only files whose text changed (mkdocs
+watches docs/: rewriting an unchanged page would trigger the next live-reload forever). A failure anywhere
+names the template file and line and leaves the previous output as it was. Templates run in a sandbox
+(pin_and_cite.core.sandbox); pages are written, and only render's own removed, by pin_and_cite.site.output_folder.
+"""
+from __future__ import annotations
+
+import html
+from pathlib import Path
+from typing import Callable
+
+import jinja2
+
+from pin_and_cite.core import sandbox, symbols
+from pin_and_cite.core.citation import parse_spec
+from pin_and_cite.core.defaults import default_ref
+from pin_and_cite.core.errors import PinAndCiteError
+from pin_and_cite.core.fences import fence_for
+from pin_and_cite.core.highlights import Statements, checked_highlight
+from pin_and_cite.core.local_code import ours
+from pin_and_cite.core.locked import locked_default, locked_excerpt
+from pin_and_cite.core.notes import note_templates
+from pin_and_cite.core.pinned_sha import write_pinned_sha
+from pin_and_cite.core.project import Project
+from pin_and_cite.core.resolve import Excerpt, Resolver
+from pin_and_cite.core.verified_by import evidence_of
+from pin_and_cite.site.changes import change_pages
+from pin_and_cite.site.note_rules import check_note
+from pin_and_cite.site.output_folder import OutputFolder
+
+SOURCE_PAGE = "_source.md.j2"
+SITE_NOTES = "docs/notes"       # where the site (mkdocs hook) and `render` by default put the pages
+TEMPLATE_MISTAKES = (TypeError, ValueError, LookupError, AttributeError, ArithmeticError)
+LANGUAGES = {".py": "python", ".pyi": "python", ".h": "cpp", ".cpp": "cpp", ".md": "markdown", ".toml": "toml"}
+
+
+def evidence_line(kind: str, label: str, what: str) -> str:
+    """One evidence line under a claim; its class (evidence-upstream, -reference, -reference-only) styles it."""
+    return f'<span class="verified-by evidence-{kind}"><strong>{label}</strong> {what}</span>'
+
+
+def excerpt_link(excerpt: Excerpt, inside: str | None = None) -> str:
+    """`path` La–Lb · `symbol` @ `commit` (or · in `symbol` holding a line range), linked to the pinned lines
+    when the source has a web URL."""
+    first, last = excerpt.lines
+    name = f" · `{excerpt.spec.symbol}`" if excerpt.spec.symbol else f" · in `{inside}`" if inside else ""
+    label = f"`{excerpt.spec.path}` L{first}–L{last}{name} @ `{excerpt.source.commit[:12]}`"
+    return f"[{label}]({excerpt.permalink})" if excerpt.permalink else label
+
+
+def _refuse_blank_ends(excerpt: Excerpt) -> None:
+    """Pygments drops blank first and last lines, so the block would disagree with its caption (and, at the
+    start, every line number would shift): such a citation names the lines it should have cited."""
+    lines, first = excerpt.text.split("\n")[:-1], excerpt.lines[0]
+    if lines[0].strip() and lines[-1].strip():
+        return
+    text = [n for n, line in enumerate(lines, first) if line.strip()]
+    better = f"L{text[0]}-L{text[-1]}" if text else "a range with code in it"
+    raise PinAndCiteError(f"{excerpt.spec} starts or ends with a blank line, which the page cannot number "
+                          f"correctly; cite {better}")
+
+
+def excerpt_markdown(excerpt: Excerpt, highlight: str | None = None, inside: str | None = None,
+                     statements: Statements | None = None) -> str:
+    """The excerpt as a fenced block numbered with upstream line numbers, under a permalinked caption; a
+    highlight must keep to the `statements` of a Python file (pin_and_cite.core.highlights)."""
+    _refuse_blank_ends(excerpt)
+    first, last = excerpt.lines
+    hl = ""
+    if highlight:
+        a, b = checked_highlight(str(excerpt.spec), highlight, excerpt.lines, statements)
+        hl = f' hl_lines="{a - first + 1}-{b - first + 1}"'
+    caption = excerpt_link(excerpt, inside)
+    lang = LANGUAGES.get(Path(excerpt.spec.path).suffix, "text")
+    fence = fence_for(excerpt.text)
+    return f'{caption}\n\n{fence}{lang} linenums="{first}"{hl}\n{excerpt.text}{fence}\n'
+
+
+Helpers = Callable[[Project], dict]    # a site's extra template globals, made for one project
+
+
+class Renderer:
+    def __init__(self, project: Project, resolver: Resolver | None = None, helpers: Helpers | None = None):
+        self.project = project
+        self.resolver = resolver or Resolver(project, allow_remote=False)
+        self._rules: dict[Path, list] = {}
+        self.env = sandbox.environment(jinja2.FileSystemLoader(project.notes_dir))
+        self.env.globals.update(
+            cite=self.cite, upstream=self.upstream, default=self.default, verified_by=self.verified_by,
+            reference_only=self.reference_only, pins=project.pins.sources,
+            ours=lambda spec: ours(project.root, spec), locked_files=self.locked_files)
+        if helpers:
+            self.env.globals.update(helpers(project))
+
+    def excerpt(self, spec_text: str) -> Excerpt:
+        key = str(parse_spec(spec_text))
+        if key not in self.project.lock.citations:
+            raise PinAndCiteError(f"{key} is not in the lock; run `tools/pin-and-cite cite` on it")
+        try:
+            return locked_excerpt(self.project, self.resolver, key)
+        except PinAndCiteError as exc:
+            raise PinAndCiteError(f"{key}: {exc}") from None
+
+    def inside(self, excerpt: Excerpt) -> str | None:
+        """For a line range in a Python file, the innermost definition holding it."""
+        if excerpt.spec.symbol or not excerpt.spec.path.endswith(".py"):
+            return None
+        return symbols.enclosing(self.resolver.definitions_of(excerpt.source.name, excerpt.spec.path, excerpt.blob),
+                                 excerpt.lines)
+
+    def cite(self, spec_text: str, highlight: str | None = None) -> str:
+        excerpt = self.excerpt(spec_text)
+        statements = self.resolver.statements_in(excerpt) if highlight else None
+        return excerpt_markdown(excerpt, highlight, self.inside(excerpt), statements)
+
+    def upstream(self, spec_text: str) -> str:
+        excerpt = self.excerpt(spec_text)
+        return excerpt_link(excerpt, self.inside(excerpt))
+
+    def default(self, spec_text: str, param: str) -> str:
+        """`param=VALUE` as the pinned source writes it, linked to its line."""
+        ref = default_ref(spec_text, param)
+        try:
+            found, excerpt = locked_default(self.project, self.resolver, ref)
+        except PinAndCiteError as exc:
+            raise PinAndCiteError(f"{ref}: {exc}") from None
+        shown = f"`{param}={' '.join(found.value.split())}`"
+        link = excerpt.source.permalink(excerpt.spec.path, (found.line, found.line))
+        return f"[{shown}]({link})" if link else shown
+
+    def locked_files(self, source: str) -> list[dict]:
+        """The source's files in the lock, with their blob SHA and how many citations read each."""
+        prefix, pinned = f"{source}:", self.project.pins.get(source)
+        return [{"path": key.removeprefix(prefix), **vars(entry), "url": pinned.file_url(key.removeprefix(prefix)),
+                 "citations": sum(1 for c in self.project.lock.citations if c.startswith(f"{key}#")
+                                  or c.startswith(f"{key}::"))}
+                for key, entry in sorted(self.project.lock.files.items()) if key.startswith(prefix)]
+
+    def verified_by(self, node_id: str) -> str:
+        """The test and its kind of evidence: it runs the pinned upstream itself, or the reference only."""
+        found = evidence_of(self.project.root, node_id)
+        if isinstance(found, str):
+            raise PinAndCiteError(f"verified_by: {found}")
+        if found.kind == "reference":
+            return evidence_line("reference", "reference test", f"<code>{html.escape(node_id)}</code>")
+        if found.source not in self.project.pins.sources:
+            raise PinAndCiteError(f"verified_by: {node_id} is marked upstream({found.source!r}), which is not a "
+                                  f"source in pins.toml ({', '.join(sorted(self.project.pins.sources))})")
+        return evidence_line("upstream", f"upstream test ({html.escape(found.source)})",
+                             f"<code>{html.escape(node_id)}</code>")
+
+    @staticmethod
+    def reference_only(reason: str) -> str:
+        """A claim no upstream test can show here (a CUDA-only kernel, say): the reader sees why."""
+        if not isinstance(reason, str) or not reason.strip():
+            raise PinAndCiteError("reference_only() needs the reason upstream cannot run here")
+        return evidence_line("reference-only", "reference only", html.escape(reason.strip()))
+
+    def rule_problems(self, template: Path) -> list:
+        """check_note(template), once per template for this renderer (a page per source reuses it)."""
+        if template not in self._rules:
+            self._rules[template] = check_note(template, self.project.root)
+        return self._rules[template]
+
+    def render(self, template: Path, **context) -> str:
+        name = template.relative_to(self.project.notes_dir).as_posix()
+        problems = self.rule_problems(template)
+        if problems:
+            raise PinAndCiteError(f"{self._where(template, problems[0].line)}: {problems[0].message}")
+        try:
+            return self.env.get_template(name).render(**context)
+        except jinja2.TemplateSyntaxError as exc:
+            raise PinAndCiteError(f"{self._where(template, exc.lineno)}: {exc.message}") from None
+        except (PinAndCiteError, jinja2.TemplateError) as exc:
+            raise PinAndCiteError(f"{self._where(template, _template_line(exc, template))}: {exc}") from None
+        except RecursionError as exc:
+            raise PinAndCiteError(f"{self._where(template, _template_line(exc, template))}: templates include or "
+                                  f"extend each other without end") from None
+        except TEMPLATE_MISTAKES as exc:      # e.g. a global called with a missing or misspelled argument
+            where = self._where(template, _template_line(exc, template))
+            raise PinAndCiteError(f"{where}: {type(exc).__name__}: {exc}") from None
+
+    def _where(self, template: Path, line: int | None) -> str:
+        return f"{template.relative_to(self.project.root)}:{line or '?'}"
+
+
+def _template_line(exc: BaseException, template: Path) -> int | None:
+    """The template line a runtime error came from (Jinja rewrites tracebacks to template frames)."""
+    line, tb = None, exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == str(template):
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    return line
+
+
+def pages(project: Project) -> list[tuple[Path, dict, str]]:
+    """Every page the templates make, as (template, context, output path under the notes folder): a page per
+    note template (partials, `_*.md.j2`, excepted) and one per pinned source from SOURCE_PAGE."""
+    found = [(t, {}, t.relative_to(project.notes_dir).with_suffix("").as_posix())
+             for t in note_templates(project.notes_dir)]
+    source_page = project.notes_dir / SOURCE_PAGE
+    if source_page.is_file():
+        found += [(source_page, {"source": source}, f"sources/{name}.md")
+                  for name, source in project.pins.sources.items()]
+    return found
+
+
+def render_notes(root: Path, out_dir: Path, helpers: Helpers | None = None) -> list[Path]:
+    """Render every note template into `out_dir` (NAME.md.j2 -> NAME.md), the source pages and the change pages,
+    with the site's `helpers`; return the files that changed (stale pages render wrote, say of a replaced bump
+    record, are removed: pin_and_cite.site.output_folder)."""
+    project = Project(root)
+    renderer = Renderer(project, helpers=helpers)
+    rendered = {out_dir / page: renderer.render(template, **context) for template, context, page in pages(project)}
+    rendered.update(change_pages(project, renderer.resolver, out_dir))
+    site_folder = out_dir.resolve() == (project.root / SITE_NOTES).resolve()
+    written = OutputFolder(out_dir, adopt_legacy_pages=site_folder).write(
+        {path.relative_to(out_dir).as_posix(): text for path, text in rendered.items()})
+    return write_pinned_sha(project) + written

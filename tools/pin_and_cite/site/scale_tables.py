@@ -1,0 +1,94 @@
+"""Tables of a scale trace (reading_notes/traces/scale_*.json, `python -m reference.scale --json`): bytes per
+step per process group and collective type, for a first, middle and last pipeline stage rank of a large job.
+
+The measured numbers and the formulas' terms both come from the trace: reference.scale.formulas computed the
+terms when the trace was recorded (tests/tools/test_scale_traces.py re-records and compares), so the site
+never imports the reference or torch. A row that disagrees with its terms (a hand-edited or stale trace) stops
+the build with a one-line error instead of being shown.
+"""
+from __future__ import annotations
+
+from pin_and_cite.site.traces import RECORD, TraceError
+
+GROUPS = {"tp": "TP", "pp": "PP", "dp": "DP"}
+RING = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}   # x (p-1)/p of the full tensor, sent per rank
+
+
+def sent_bytes(op: str, nbytes: int, group_size: int) -> int:
+    """Bytes one rank sends for a collective under ring algorithms (the convention of
+    pin_and_cite.site.estimates): all-reduce 2(p-1)/p N, all-gather and reduce-scatter (p-1)/p N, send N, recv 0."""
+    if op in RING:
+        return RING[op] * (group_size - 1) * nbytes // group_size
+    return nbytes if op == "send" else 0
+
+
+def sent_per_group(trace: dict, run: dict) -> dict[str, int]:
+    """{group: bytes this rank sends in one step}, ring algorithms."""
+    sizes = {g: trace["setup"][g] for g in GROUPS}
+    out = dict.fromkeys(GROUPS, 0)
+    for row in run["rows"]:
+        out[row["group"]] += sent_bytes(row["op"], row["bytes"], sizes[row["group"]])
+    return out
+
+
+def stage_name(stage: int, stages: int) -> str:
+    where = "first" if stage == 0 else "last" if stage == stages - 1 else "middle"
+    return f"{stage} ({where})" if stages > 1 else "0 (only)"
+
+
+def human(nbytes: int) -> str:
+    """Bytes for a table: 2 decimals of the largest binary unit (as `python -m reference.scale` prints them)."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= size:
+            return f"{nbytes / size:,.2f} {unit}"
+    return f"{nbytes} B"
+
+
+def totals(terms: list[dict]) -> tuple[int, int]:
+    """(count, bytes) of a row's formula terms."""
+    return sum(t["count"] for t in terms), sum(t["nbytes"] for t in terms)
+
+
+def checked_runs(trace: dict) -> list[tuple[dict, list[tuple[dict, list[dict]]]]]:
+    """Per run, each measured row with the formula's terms recorded beside it, every row re-checked."""
+    runs = []
+    for run in trace["runs"]:
+        if "formulas" not in run:
+            raise TraceError(f"trace {trace['name']}: rank {run['rank']} lacks the formulas' terms; {RECORD}")
+        predicted = {(f["group"], f["op"]): f["terms"] for f in run["formulas"]}
+        rows = []
+        for row in run["rows"]:
+            terms = predicted.pop((row["group"], row["op"]), [])
+            if (row["count"], row["bytes"]) != totals(terms):
+                count, nbytes = totals(terms)
+                raise TraceError(f"trace {trace['name']}: rank {run['rank']} {row['group']} {row['op']} recorded "
+                                 f"{row['count']} x / {row['bytes']} B but reference.scale.formulas gives "
+                                 f"{count} x / {nbytes} B; {RECORD}")
+            rows.append((row, terms))
+        if predicted:
+            group, op = next(iter(predicted))
+            raise TraceError(f"trace {trace['name']}: rank {run['rank']} recorded no {group} {op}, which "
+                             f"reference.scale.formulas predicts; {RECORD}")
+        runs.append((run, rows))
+    return runs
+
+
+def scale_table(trace: dict) -> str:
+    """Markdown: per stage and group, the collectives' bytes and what the rank sends (ring); then every
+    (group, collective) row with its formula."""
+    runs = checked_runs(trace)
+    totals = ["| stage (rank) | " + " | ".join(f"{g}: collective bytes / sent by the rank" for g in GROUPS.values())
+              + " |", "|---|" + "---:|" * len(GROUPS)]
+    detail = ["| stage | group | collective | count | bytes | formula (checked at render) |",
+              "|---|---|---|---:|---:|---|"]
+    for run, rows in runs:
+        where = stage_name(run["stage"], trace["setup"]["pp"])
+        per_group = {g: sum(r["bytes"] for r, _ in rows if r["group"] == g) for g in GROUPS}
+        sent = sent_per_group(trace, run)
+        totals.append(f"| {where} (rank {run['rank']}) | " + " | ".join(
+            f"{human(per_group[g])} / {human(sent[g])}" if per_group[g] else "—" for g in GROUPS) + " |")
+        for row, terms in rows:
+            formula = " + ".join(t["formula"] for t in terms)
+            detail.append(f"| {where} | {GROUPS.get(row['group'], row['group'])} | {row['op']} | {row['count']} | "
+                          f"{human(row['bytes'])} | {formula} |")
+    return "\n".join(totals) + "\n\n" + "\n".join(detail) + "\n"

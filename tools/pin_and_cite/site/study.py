@@ -1,0 +1,35 @@
+"""The study site: the helpers this kit's notes use, registered with the renderer (which imports none of them).
+
+`trace(name)` with `diagram(name, ...)`, `tp_crossover(...)` and `pipeline_memory(...)` (recorded runs,
+pin_and_cite.site.traces), `sharding_limit(...)` with `chart_training_memory(...)` (per-rank training memory from
+formulas, pin_and_cite.site.estimates), `scale_table(trace)`, `sent_per_group(trace, run)` and `human(bytes)` (the
+Scale page, pin_and_cite.site.scale_tables). `render_site` is what `render` and the mkdocs hook run.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from pin_and_cite.core.project import Project
+from pin_and_cite.site import diagrams, estimates, scale_tables
+from pin_and_cite.site.render import render_notes
+from pin_and_cite.site.traces import load_trace
+
+
+def helpers(project: Project) -> dict:
+    """The template globals of this study's notes, reading `project`'s committed traces."""
+    def trace(name: str) -> dict:
+        return load_trace(project.notes_dir, name)
+
+    def diagram(name: str, **options) -> str:
+        return diagrams.diagram(trace(name), **options)
+
+    return {"trace": trace, "diagram": diagram,
+            "tp_crossover": estimates.tp_crossover, "pipeline_memory": estimates.pipeline_memory,
+            "sharding_limit": estimates.sharding_limit, "chart_training_memory": diagrams.chart_training_memory,
+            "scale_table": scale_tables.scale_table, "sent_per_group": scale_tables.sent_per_group,
+            "human": scale_tables.human}
+
+
+def render_site(root: Path, out_dir: Path) -> list[Path]:
+    """render_notes with this study's helpers: every page of the site, the files that changed."""
+    return render_notes(root, out_dir, helpers)

@@ -1,0 +1,137 @@
+"""Recorded runs of the reference implementation, as the notes read them: reading_notes/traces/NAME.json.
+
+`tools/record-traces` writes them (tools/trace_worker.py under torchrun, with reference.recorder's
+CollectiveRecorder). A note reads one with `trace("tp_block")`; `diagram()` and the connect-the-dots numbers
+are computed from it, never typed. A trace that is missing, malformed, or lacks what a reader asks of it is a
+one-line error naming the file and saying how to re-record it.
+
+`structure()` is what a committed trace must share with a fresh run (tests/tools/test_traces.py): operations,
+their order, shapes, bytes, FLOP counts, and the order of issue versus compute, but not timings. For a
+pipeline trace: each stage's action order, in-flight peaks and activation bytes, and its sends and receives.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pin_and_cite.core.errors import PinAndCiteError
+
+TRACE_DIR = "traces"
+RECORD = "re-record with tools/record-traces"
+REQUIRED = {
+    "tp_block": ("world", "tp", "s", "b", "heads", "dtype_size", "runs"),
+    "fsdp_forward": ("world", "params", "dtype_size", "tokens_per_rank", "forward_flops_per_token", "units",
+                     "events", "spans"),
+    "scale": ("setup", "world", "runs"),     # python -m reference.scale --json (pin_and_cite.site.scale_tables)
+    "pipeline": ("schedule", "world", "pp", "m", "b", "s", "h", "dtype_size", "activation_shape", "stages"),
+}
+PIPELINE_STAGE_KEYS = ("pp_rank", "actions", "peak_in_flight", "peak_in_flight_measured", "peak_activation_bytes")
+P2P_KEYS = ("op", "phase", "shape", "nbytes", "dtype", "group_ranks", "async_op")
+# Slots a forward and a backward take on the pipeline timeline: a backward costs about twice a forward's FLOPs.
+SLOTS = {"F": 1, "B": 2}
+EVENT_KEYS = ("op", "module", "phase", "shape", "nbytes", "dtype", "group_ranks", "async_op")
+
+
+class TraceError(PinAndCiteError):
+    """A trace cannot give what was asked of it."""
+
+
+def trace_path(notes_dir: Path, name: str) -> Path:
+    if not name.replace("_", "").replace("-", "").isalnum():
+        raise TraceError(f"trace name {name!r} must be letters, digits, '_' or '-'")
+    return notes_dir / TRACE_DIR / f"{name}.json"
+
+
+def load_trace(notes_dir: Path, name: str) -> dict:
+    """The trace `name`, checked to have the fields its kind needs."""
+    path = trace_path(notes_dir, name)
+    where = f"{notes_dir.name}/{TRACE_DIR}/{path.name}"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in path.parent.glob("*.json"))) or "none"
+        raise TraceError(f"no recorded trace {name!r} ({where} is missing; traces: {known}); {RECORD}")
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as exc:
+        raise TraceError(f"{where} is not valid JSON ({exc}); {RECORD}") from None
+    kind = data.get("kind") if isinstance(data, dict) else None
+    if kind not in REQUIRED:
+        raise TraceError(f"{where}: unknown trace kind {kind!r} (known: {', '.join(REQUIRED)}); {RECORD}")
+    missing = [key for key in REQUIRED[kind] if key not in data]
+    if missing:
+        raise TraceError(f"{where}: {kind} trace lacks {', '.join(missing)}; {RECORD}")
+    data["name"] = name
+    return data
+
+
+def events_where(events: list[dict], **match) -> list[dict]:
+    return [e for e in events if all(e.get(k) == v for k, v in match.items())]
+
+
+def forward_markers(trace: dict) -> list[tuple[str, str]]:
+    """The FSDP forward as an ordered list of ("issue", unit) / ("start"|"end", unit): when each all-gather was
+    issued relative to each unit's compute. Ordering, not time, so it must be the same in every run."""
+    points = [(e["start"], "issue", e["module"]) for e in events_where(trace["events"], op="all_gather",
+                                                                         phase="forward")]
+    for span in trace["spans"]:
+        if span["phase"] == "forward":
+            unit = span["name"].removesuffix(" forward")
+            points += [(span["start"], "start", unit), (span["end"], "end", unit)]
+    return [(what, unit) for _, what, unit in sorted(points)]
+
+
+def pipeline_slots(trace: dict) -> list[list[tuple[str, int, int]]]:
+    """Each stage's recorded actions as (action, first slot, end slot): in the recorded order per stage, each
+    as early as its inputs allow (F i after F i on the previous stage, B i after B i on the next stage and
+    F i on its own, all after the stage's previous action), a forward taking SLOTS["F"] slots and a backward SLOTS["B"]. Derived
+    from the order alone, so every run that keeps the order draws the same timeline; wall times are not used."""
+    stages = [st["actions"] for st in trace["stages"]]
+    p, done = len(stages), {}
+    placed: list[list[tuple[str, int, int]]] = [[] for _ in stages]
+    while sum(map(len, placed)) < sum(map(len, stages)):
+        progress = False
+        for r, actions in enumerate(stages):
+            while len(placed[r]) < len(actions):
+                action = actions[len(placed[r])]
+                kind = action[0]
+                if kind not in SLOTS or not action[1:].isdigit():
+                    raise TraceError(f"trace {trace['name']}: stage {r} ran {action!r}, not F<i> or B<i>; {RECORD}")
+                peer = r - 1 if kind == "F" else r + 1
+                ready = [placed[r][-1][2] if placed[r] else 0]
+                if kind == "B" and (r, "F" + action[1:]) not in done:
+                    break   # a backward needs its own forward first: recorded out of order, it never runs
+                if 0 <= peer < p:
+                    if (peer, action) not in done:
+                        break
+                    ready.append(done[peer, action])
+                start = max(ready)
+                placed[r].append((action, start, start + SLOTS[kind]))
+                done[r, action] = start + SLOTS[kind]
+                progress = True
+        if not progress:
+            raise TraceError(f"trace {trace['name']}: the recorded action orders wait on each other (no stage can "
+                             f"run its next action); {RECORD}")
+    return placed
+
+
+def _rows(events: list[dict], keys: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """Each event's `keys`, as comparable JSON text."""
+    return [tuple(json.dumps(e[k]) for k in keys) for e in events]
+
+
+def structure(trace: dict) -> dict:
+    """Everything of a trace that a fresh run must reproduce exactly."""
+    if trace["kind"] == "pipeline":
+        return {**{k: trace[k] for k in REQUIRED["pipeline"] if k != "stages"},
+                "stages": [{**{k: st[k] for k in PIPELINE_STAGE_KEYS},
+                            "spans": len(st["action_spans"]),
+                            "p2p": _rows(st["p2p"], P2P_KEYS)}
+                           for st in trace["stages"]]}
+    if trace["kind"] == "tp_block":
+        return {**{k: trace[k] for k in REQUIRED["tp_block"] if k != "runs"},
+                "runs": [{"h": run["h"], "step_flops_per_rank": run["step_flops_per_rank"],
+                          "forward_steps": run["forward_steps"],
+                          "events": _rows(run["events"], EVENT_KEYS)}
+                         for run in trace["runs"]]}
+    return {**{k: trace[k] for k in REQUIRED["fsdp_forward"] if k not in ("events", "spans")},
+            "events": _rows(trace["events"], EVENT_KEYS),
+            "forward_markers": forward_markers(trace)}
