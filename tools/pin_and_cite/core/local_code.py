@@ -10,9 +10,10 @@ from pathlib import Path
 from pin_and_cite.core import symbols
 from pin_and_cite.core.citation import check_repo_path
 from pin_and_cite.core.errors import PinAndCiteError
+from pin_and_cite.core.parse_cache import ParseCache
 
 
-def ours(root: Path, spec: str) -> str:
+def ours(root: Path, spec: str, parsed: ParseCache) -> str:
     path, sep, symbol = spec.partition("::")
     check_repo_path(path)
     file = root / path
@@ -21,9 +22,10 @@ def ours(root: Path, spec: str) -> str:
     if not file.is_file():
         raise PinAndCiteError(f"ours({spec!r}): {path} does not exist")
     try:
-        text = file.read_bytes().decode()
+        data = file.read_bytes()
+        text = data.decode()
     except UnicodeDecodeError as exc:
         raise PinAndCiteError(f"ours({spec!r}): {path} is not UTF-8 (byte {exc.object[exc.start]:#04x} at "
                               f"offset {exc.start})") from None
-    first, last = symbols.resolve(symbols.definitions(text, path), symbol, path)
+    first, last = symbols.resolve(parsed.definitions_in_text(data, text, path), symbol, path)
     return f"`{symbol}` ({path} L{first}–L{last})"

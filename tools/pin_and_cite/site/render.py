@@ -97,11 +97,12 @@ class Renderer:
         self.project = project
         self.resolver = resolver or Resolver(project, allow_remote=False)
         self._rules: dict[Path, list] = {}
-        self.env = sandbox.environment(jinja2.FileSystemLoader(project.notes_dir))
+        self.env = sandbox.environment(jinja2.FileSystemLoader(project.notes_dir),
+                                       sandbox.CompiledTemplates(project.cache_dir))
         self.env.globals.update(
             cite=self.cite, upstream=self.upstream, default=self.default, verified_by=self.verified_by,
             reference_only=self.reference_only, pins=project.pins.sources,
-            ours=lambda spec: ours(project.root, spec), locked_files=self.locked_files)
+            ours=lambda spec: ours(project.root, spec, self.resolver.parsed), locked_files=self.locked_files)
         if helpers:
             self.env.globals.update(helpers(project))
 
@@ -172,7 +173,7 @@ class Renderer:
     def rule_problems(self, template: Path) -> list:
         """check_note(template), once per template for this renderer (a page per source reuses it)."""
         if template not in self._rules:
-            self._rules[template] = check_note(template, self.project.root)
+            self._rules[template] = check_note(template, self.project.root, self.resolver.parsed)
         return self._rules[template]
 
     def render(self, template: Path, **context) -> str:
