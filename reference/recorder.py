@@ -131,7 +131,10 @@ def _tensors(value) -> list[torch.Tensor]:
 
 
 class CollectiveRecorder(TorchDispatchMode):
-    """`with CollectiveRecorder() as rec: ...` then read `rec.events`, `rec.spans`, `rec.summary()`."""
+    """`with CollectiveRecorder() as rec: ...` then read `rec.events`, `rec.spans`, `rec.summary()`.
+
+    Mirrors `pytorch:torch/distributed/tensor/debug/_comm_mode.py::CommDebugMode`.
+    """
 
     def __init__(self) -> None:
         super().__init__()

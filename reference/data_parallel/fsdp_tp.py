@@ -35,7 +35,10 @@ from reference.tensor_parallel.transformer import ParallelTransformerBlock
 
 def shard_tp_model(model: nn.Module, layout: ParallelLayout, **fsdp_kwargs) -> FullyShardedDataParallel:
     """Wrap each ParallelTransformerBlock of `model` (in place), then `model`, in FSDP units on the DP group.
-    `fsdp_kwargs` go to every FullyShardedDataParallel (prefetch, mixed precision, ...). A collective."""
+    `fsdp_kwargs` go to every FullyShardedDataParallel (prefetch, mixed precision, ...). A collective.
+
+    Mirrors `pytorch:torch/distributed/fsdp/_fully_shard/_fsdp_param.py::FSDPParam._init_sharded_param`.
+    """
     blocks = [(name, m) for name, m in model.named_modules() if isinstance(m, ParallelTransformerBlock)]
     _check_consistent(model, blocks, layout)
     for name, block in blocks:

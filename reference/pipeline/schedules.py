@@ -151,6 +151,7 @@ class _Steps:
         return output
 
     def backward(self, i: int, input_tensor, output, output_grad) -> torch.Tensor | None:
+        """Mirrors `megatron-lm:megatron/core/pipeline_parallel/schedules.py::backward_step`."""
         def run():
             torch.autograd.backward(output, grad_tensors=output_grad)  # output_grad None: output is the loss
             return None if input_tensor is None else input_tensor.grad
@@ -160,6 +161,7 @@ class _Steps:
 
 
 def _no_pipelining(steps: _Steps, sync: _GradSync) -> None:
+    """Mirrors `megatron-lm:megatron/core/pipeline_parallel/schedules.py::forward_backward_no_pipelining`."""
     m = len(steps.micro_batches)
     sync.disable()
     for i in range(m):
@@ -169,6 +171,7 @@ def _no_pipelining(steps: _Steps, sync: _GradSync) -> None:
 
 
 def _gpipe(steps: _Steps, p2p: PipelineP2P, sync: _GradSync) -> None:
+    """Mirrors `pytorch:torch/distributed/pipelining/schedules.py::ScheduleGPipe`."""
     m, kept = len(steps.micro_batches), []
     sync.disable()
     for i in range(m):
@@ -185,6 +188,9 @@ def _gpipe(steps: _Steps, p2p: PipelineP2P, sync: _GradSync) -> None:
 
 
 def _one_f_one_b(steps: _Steps, p2p: PipelineP2P, sync: _GradSync) -> None:
+    """Mirrors
+    `megatron-lm:megatron/core/pipeline_parallel/schedules.py::forward_backward_pipelining_without_interleaving`.
+    """
     m, p, r = len(steps.micro_batches), p2p.group.size(), p2p.group.rank()
     warmup = min(p - 1 - r, m)
     remaining = m - warmup

@@ -33,7 +33,10 @@ from reference.tensor_parallel.unsharded import causal_self_attention, init_meth
 
 class ParallelAttention(torch.nn.Module):
     """QKV column-parallel (each rank gets num_attention_heads / p whole heads), attention on the local
-    heads, output projection row-parallel. Returns (output, bias) with the bias not yet added."""
+    heads, output projection row-parallel. Returns (output, bias) with the bias not yet added.
+
+    Mirrors `megatron-lm:megatron/core/transformer/attention.py::SelfAttention`.
+    """
 
     def __init__(self, hidden_size, num_attention_heads, attention_dropout, rng, linear_kwargs):
         super().__init__()
@@ -54,7 +57,10 @@ class ParallelAttention(torch.nn.Module):
 
 
 class ParallelMLP(torch.nn.Module):
-    """fc1 column-parallel -> GELU on the local columns -> fc2 row-parallel. Returns (output, bias)."""
+    """fc1 column-parallel -> GELU on the local columns -> fc2 row-parallel. Returns (output, bias).
+
+    Mirrors `megatron-lm:megatron/core/transformer/mlp.py::MLP.forward`.
+    """
 
     def __init__(self, hidden_size, ffn_hidden_size, linear_kwargs):
         super().__init__()
@@ -99,6 +105,7 @@ class ParallelTransformerBlock(torch.nn.Module):
             return residual + F.dropout(out + bias, self.hidden_dropout, self.training)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Mirrors `megatron-lm:megatron/core/transformer/transformer_layer.py::TransformerLayer.forward`."""
         out, bias = self.attention(self.ln1(x))
         x = self.bias_dropout_add(out, bias, x)
         out, bias = self.mlp(self.ln2(x))

@@ -1,12 +1,14 @@
-"""`check`: prove, offline, that every citation and every rendered default still says what the lock says it
-says, and that every note keeps its rules (pin_and_cite.site.note_rules, which include the evidence each design
-choice names), names tests that exist, and renders (traces, diagrams); and that each recorded bump's excerpts
-still hash as its record says (pin_and_cite.site.changes)."""
+"""`check`: prove, offline, that every citation (in the notes, and in the reference's docstrings, where no
+hand-typed upstream line number may stand: pin_and_cite.core.code_citations) and every rendered default still
+says what the lock says it says, and that every note keeps its rules (pin_and_cite.site.note_rules, which
+include the evidence each design choice names), names tests that exist, and renders (traces, diagrams); and
+that each recorded bump's excerpts still hash as its record says (pin_and_cite.site.changes)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from pin_and_cite.core.citation import parse_spec
+from pin_and_cite.core.code_citations import code_citations, hand_typed_lines
 from pin_and_cite.core.defaults import default_ref, parse_key
 from pin_and_cite.core.errors import PinAndCiteError
 from pin_and_cite.core.locked import locked_default, locked_excerpt
@@ -73,6 +75,7 @@ def check(project: Project) -> Report:
                  for key in project.lock.defaults}
     problems, in_notes, malformed, broken = [], set(), 0, {key for key, why in verdicts.items() if why}
     written = written_calls(project.notes_dir, {"cite", "upstream", "verified_by", "default"}, resolver.parsed)
+    written += code_citations(project.root)                  # the reference's docstrings cite upstream too
     claims = [call for call in written if call.function == "verified_by"]
     for call in (call for call in written if call.function != "verified_by"):
         where = call.where(project.root)
@@ -93,6 +96,8 @@ def check(project: Project) -> Report:
     missing = [Problem(c.where(project.root), c.argument, why) for c in claims
                if (why := missing_test(project.root, c.argument))]
     problems += missing
+    problems += [Problem(where, what, "a hand-typed upstream line number, which nothing keeps true; cite the code "
+                         "as SOURCE:PATH::Qual.name instead") for where, what in hand_typed_lines(project.root)]
     problems += _render_problems(project, resolver, problems)
     problems += [Problem("citations.lock", what, why) for what, why in record_problems(project, resolver)]
     problems += [Problem(f"reading_notes/{sha_file}", "pins.toml", why) for sha_file, why in stale_sha(project)]

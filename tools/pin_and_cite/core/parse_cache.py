@@ -73,6 +73,11 @@ class ParseCache:
         """The definitions of a file of this repository (its bytes and their text), for ours()."""
         return self.definitions(blob_sha(data), lambda: symbols.parse(text, filename))
 
+    def docstrings_in_text(self, data: bytes, text: str, filename: str) -> dict[str, tuple[int, int]]:
+        """symbols.docstrings_in of a file of this repository (its bytes and their text), for mirrors()."""
+        return self.get(blob_sha(data), "docstrings", lambda: symbols.docstrings_in(symbols.parse(text, filename)),
+                        lambda found: {str(name): _span(span) for name, span in found.items()})
+
     def statements(self, blob: str, parse: Callable[[], object], lines) -> highlights.Statements:
         """The statement boundaries of the file `blob` (its `lines`, the tree `parse()` gives)."""
         return self.get(blob, "statements", lambda: highlights.Statements.of(parse(), lines).as_json(),

@@ -3,7 +3,8 @@
 Templates see these globals: `cite(spec, highlight=)` (a verified excerpt with upstream line numbers),
 `upstream(spec)` (the same citation as a permalink only), `default(spec, param)` (a parameter's default as
 written in the pinned source, pin_and_cite.core.defaults), `ours("reference/x.py::Name")` (lines of our own
-code), `verified_by("tests/...::test")` (the test and the kind of evidence it is: upstream or reference) and
+code), `mirrors("reference/x.py::Name")` (the upstream() links of the citations its docstring writes),
+`verified_by("tests/...::test")` (the test and the kind of evidence it is: upstream or reference) and
 `reference_only(reason)` (why no upstream test can run here), `pins` and `locked_files(source)`; and the
 helpers a site registers (`helpers`: for this study, pin_and_cite.site.study's traces, diagrams, estimates and
 scale tables), so that the renderer imports none of them.
@@ -30,7 +31,7 @@ from pin_and_cite.core.defaults import default_ref
 from pin_and_cite.core.errors import PinAndCiteError
 from pin_and_cite.core.fences import fence_for
 from pin_and_cite.core.highlights import Statements, checked_highlight
-from pin_and_cite.core.local_code import ours
+from pin_and_cite.core.local_code import mirrored, ours
 from pin_and_cite.core.locked import locked_default, locked_excerpt
 from pin_and_cite.core.notes import note_templates
 from pin_and_cite.core.pinned_sha import write_pinned_sha
@@ -102,7 +103,8 @@ class Renderer:
         self.env.globals.update(
             cite=self.cite, upstream=self.upstream, default=self.default, verified_by=self.verified_by,
             reference_only=self.reference_only, pins=project.pins.sources,
-            ours=lambda spec: ours(project.root, spec, self.resolver.parsed), locked_files=self.locked_files)
+            ours=lambda spec: ours(project.root, spec, self.resolver.parsed), mirrors=self.mirrors,
+            locked_files=self.locked_files)
         if helpers:
             self.env.globals.update(helpers(project))
 
@@ -130,6 +132,10 @@ class Renderer:
     def upstream(self, spec_text: str) -> str:
         excerpt = self.excerpt(spec_text)
         return excerpt_link(excerpt, self.inside(excerpt))
+
+    def mirrors(self, ours_spec: str) -> str:
+        """The upstream() links of the citations in the docstring of our `reference/x.py::Name`."""
+        return ", ".join(self.upstream(spec) for spec in mirrored(self.project.root, ours_spec, self.resolver.parsed))
 
     def default(self, spec_text: str, param: str) -> str:
         """`param=VALUE` as the pinned source writes it, linked to its line."""
