@@ -26,7 +26,10 @@ TARGETS = {"check_s": 0.5, "mkdocs_build_s": 3.0}   # issue 13
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": f"{ROOT / 'tools'}:{ROOT}"}
+    """As a user runs the tool: with Python's bytecode cache (__pycache__), even where the caller turned it off."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'tools'}:{ROOT}"}
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    return env
 
 
 def _timed(cmd: list[str]) -> float:
