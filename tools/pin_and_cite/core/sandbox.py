@@ -4,8 +4,9 @@ contributor's branch, and `check` and the site build render it.
 Jinja's ImmutableSandboxedEnvironment refuses every attribute that starts with `_` (so no way leads from a
 value to its class, a function's globals, `os`), calls it deems unsafe, and methods that change a list, dict
 or set (a note cannot empty `pins` to hide a stale pin from `check`). Jinja's own globals (`cycler`,
-`lipsum`, `range`...) are removed: a template sees only the helpers the renderer gives it. The sandbox acts
-when a template runs, not when it is compiled, so compiled templates may be kept (CompiledTemplates).
+`lipsum`, `range`...) are removed: a template sees only the helpers the renderer gives it. Compiled templates
+may be kept (CompiledTemplates): the checks run when a template runs, through calls Jinja compiles in only
+for a sandboxed environment, so the folder is this environment's alone.
 """
 from __future__ import annotations
 
