@@ -38,6 +38,7 @@ from pin_and_cite.core.project import Project
 from pin_and_cite.core.resolve import Excerpt, Resolver
 from pin_and_cite.core.verified_by import evidence_of
 from pin_and_cite.site.changes import change_pages
+from pin_and_cite.site.folding import fold_window, folded_markdown
 from pin_and_cite.site.note_rules import check_note
 from pin_and_cite.site.output_folder import OutputFolder
 
@@ -76,17 +77,26 @@ def _refuse_blank_ends(excerpt: Excerpt) -> None:
 def excerpt_markdown(excerpt: Excerpt, highlight: str | None = None, inside: str | None = None,
                      statements: Statements | None = None) -> str:
     """The excerpt as a fenced block numbered with upstream line numbers, under a permalinked caption; a
-    highlight must keep to the `statements` of a Python file (pin_and_cite.core.highlights)."""
+    highlight must keep to the `statements` of a Python file (pin_and_cite.core.highlights). A long excerpt
+    folds to its highlighted lines (pin_and_cite.site.folding)."""
     _refuse_blank_ends(excerpt)
-    first, last = excerpt.lines
-    hl = ""
-    if highlight:
-        a, b = checked_highlight(str(excerpt.spec), highlight, excerpt.lines, statements)
-        hl = f' hl_lines="{a - first + 1}-{b - first + 1}"'
+    first = excerpt.lines[0]
+    span = checked_highlight(str(excerpt.spec), highlight, excerpt.lines, statements) if highlight else None
     caption = excerpt_link(excerpt, inside)
     lang = LANGUAGES.get(Path(excerpt.spec.path).suffix, "text")
     fence = fence_for(excerpt.text)
-    return f'{caption}\n\n{fence}{lang} linenums="{first}"{hl}\n{excerpt.text}{fence}\n'
+
+    def block(start: int, text: str) -> str:
+        hl = f' hl_lines="{span[0] - start + 1}-{span[1] - start + 1}"' if span else ""
+        return f'{fence}{lang} linenums="{start}"{hl}\n{text}{fence}\n'
+
+    lines = excerpt.text.split("\n")[:-1]
+    window = fold_window(lines, first, span)
+    if window is None:
+        return f"{caption}\n\n{block(first, excerpt.text)}"
+    top, bottom = window
+    shown = "".join(line + "\n" for line in lines[top - first:bottom - first + 1])
+    return f"{caption}\n\n{folded_markdown(block(top, shown), block(first, excerpt.text), excerpt.lines)}"
 
 
 Helpers = Callable[[Project], dict]    # a site's extra template globals, made for one project
