@@ -22,12 +22,17 @@ not overlap.
 (pin_and_cite.site.estimates.sharding_limit) against model size: DDP, FSDP over the stated group, and one GPU's
 memory as a flat line; drawn from the formulas, not from a trace.
 
+`chart_sent_per_group(trace)`: a horizontal mermaid bar chart of a scale trace: the bytes one rank sends per step
+to each process group, per stage, from the same checked rows as the Scale page's tables.
+
 Every flowchart label goes through `label()`, so nothing recorded can break the diagram's syntax.
 """
 from __future__ import annotations
 
+import json
 from collections import Counter
 
+from pin_and_cite.site import scale_tables
 from pin_and_cite.site.traces import RECORD, SLOTS, TraceError, events_where, forward_markers, pipeline_slots
 
 # aten ops that name what a group of ops does; layout ops (view, permute, ...) say nothing and are left out.
@@ -183,6 +188,23 @@ def chart_training_memory(limit) -> str:
     legend = " · ".join(f'<span style="color:{color}">■</span> {word}: {name}'
                         for (color, word), name in zip(CHART_COLORS, names))
     return mermaid_fence(body) + f'\n<p class="chart-legend">{legend}</p>\n'
+
+
+def chart_sent_per_group(trace: dict) -> str:
+    """A horizontal xychart of the GiB one rank sends per step to each process group, per pipeline stage: the
+    rows of scale_tables.scale_table (checked the same way) drawn, each bar's value in its label (mermaid's own
+    data labels shrink with the bars, below a readable size)."""
+    stages = trace["setup"]["pp"]
+    bars = [(f"{name}, stage {scale_tables.stage_name(run['stage'], stages)}",
+             scale_tables.sent_per_group(trace, run)[group] / 2**30)
+            for group, name in scale_tables.GROUPS.items() for run, _ in scale_tables.checked_runs(trace)]
+    config = {"xyChart": {"width": 760, "height": 440}, "themeVariables": {"xyChart": {"plotColorPalette": "#1565c0"}}}
+    title = f"GiB one rank sends per step, by process group and stage ({trace['name']})"
+    body = ["%%{init: " + json.dumps(config) + "}%%", "xychart-beta horizontal", f'  title "{gantt_text(title)}"',
+            "  x-axis [" + ", ".join(f'"{gantt_text(name)}: {value:.2f}"' for name, value in bars) + "]",
+            f'  y-axis "GiB sent per step (ring algorithms)" 0 --> {max(v for _, v in bars) * 1.1:.0f}',
+            "  bar [" + ", ".join(f"{value:.2f}" for _, value in bars) + "]"]
+    return mermaid_fence(body)
 
 
 GENERATORS = {"tp_block": tp_block, "fsdp_forward": fsdp_forward, "pipeline": pipeline}
