@@ -78,6 +78,7 @@ SVG_TEXT = """() => {
         return [t.textContent.trim().slice(0, 40), parseFloat(getComputedStyle(t).fontSize) * Math.hypot(m.a, m.b)];
       }));
 }"""
+TIMELINES = """() => [...document.querySelectorAll("article .timeline svg")].map(svg => svg.textContent)"""
 SIDE_NAV = """() => [...document.querySelectorAll(".md-sidebar--primary a.md-nav__link[href]")].map(a => a.href)"""
 HOME_ORDER = """() => [...document.querySelector("#what-to-read-in-order").nextElementSibling.querySelectorAll("a")]
   .map(a => a.href)"""
@@ -160,6 +161,7 @@ def every_page(browser, site_url, diagram_site):
         diagrams = _rendered(page, diagram_site, url_path)
         page.evaluate(OPEN_ANSWERS)          # excerpts inside collapsed answers are checked as a reader opens them
         reports[path] = {"diagrams": diagrams, "folds": _unfold(page), "svg_text": page.evaluate(SVG_TEXT),
+                         "timelines": page.evaluate(TIMELINES),
                          "verified_by": page.evaluate(VERIFIED_BY), "side_nav": page.evaluate(SIDE_NAV)}
         page.evaluate(OPEN_FOLDS)
         reports[path].update(excerpts=page.evaluate(EXCERPTS), links=page.evaluate(LINKS))
@@ -214,22 +216,24 @@ def test_every_page_loads_from_127_0_0_1_only_and_its_diagrams_render(every_page
 
 
 def test_synthesis_diagrams_drawn_from_recorded_runs_render_with_their_labels(every_page):
-    diagrams = every_page[0]["notes/synthesis"]["diagrams"]
-    assert diagrams["expected"] == 2 and not diagrams["syntaxError"]
-    tp_block, fsdp_timeline = diagrams["svgTexts"]
+    report = every_page[0]["notes/synthesis"]
+    diagrams = report["diagrams"]
+    assert diagrams["expected"] == 1 and not diagrams["syntaxError"]
+    (tp_block,), (fsdp_timeline,) = diagrams["svgTexts"], report["timelines"]
     for label in ("qkv · ColumnParallelLinear", "proj · RowParallelLinear", "GELU", "scaled dot-product attention",
                   "all-reduce 1, forward: 4 KiB over intra-node NVLink ~600 GB/s", "all-reduce 2, forward",
                   "backward: all-reduce of dX, 4 KiB"):
         assert label in tp_block, label
-    for label in ("compute", "all-gather", "root forward", "blocks.0 forward", "blocks.1 49.6 KiB"):
+    for label in ("forward compute", "backward compute", "all-gather", "reduce-scatter", "root forward",
+                  "blocks.0 forward", "blocks.1 backward", "AG blocks.1", "RS root", "modeled at 1 TFLOP/s, 25 GB/s"):
         assert label in fsdp_timeline, label
 
 
-def test_pipeline_timelines_drawn_from_recorded_steps_render_a_section_per_stage(every_page):
-    diagrams = every_page[0]["notes/megatron-pipeline-1f1b"]["diagrams"]
-    assert diagrams["expected"] == 2 and not diagrams["syntaxError"]
-    for svg, title in zip(diagrams["svgTexts"], ("GPipe, 4 stages, 8 micro-batches", "1F1B, 4 stages, 8 micro-batches")):
-        for label in (title, "stage 0", "stage 3", "F0", "F7", "B0", "B7"):
+def test_pipeline_timelines_drawn_from_recorded_steps_render_a_row_per_stage(every_page):
+    timelines = every_page[0]["notes/megatron-pipeline-1f1b"]["timelines"]
+    assert len(timelines) == 2
+    for svg, title in zip(timelines, ("GPipe, 4 stages, 8 micro-batches", "1F1B, 4 stages, 8 micro-batches")):
+        for label in (title, "stage 0", "stage 3", "F0", "F7", "B0", "B7", "µs, modeled at 1 TFLOP/s, 25 GB/s"):
             assert label in svg, (title, label)
 
 

@@ -20,8 +20,10 @@ def helpers(project: Project) -> dict:
     def trace(name: str) -> dict:
         return load_trace(project.notes_dir, name)
 
-    def diagram(name: str, **options) -> str:
-        return diagrams.diagram(trace(name), **options)
+    def diagram(name: str, measured: str | None = None, **options) -> str:
+        """The diagram of trace `name`; a timeline also draws the `measured` trace of the same step beside it."""
+        extra = {"measured": trace(measured)} if measured else {}
+        return diagrams.diagram(trace(name), **options, **extra)
 
     return {"trace": trace, "diagram": diagram,
             "tp_crossover": estimates.tp_crossover, "pipeline_memory": estimates.pipeline_memory,
