@@ -28,7 +28,6 @@ Ordering that differs on purpose, with the reason:
 from __future__ import annotations
 
 import functools
-import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -38,7 +37,7 @@ from torch.utils._pytree import tree_map
 
 from reference.fsdp.flat_param import FlatParamHandle, HandleTrainingState
 from reference.fsdp.prefetch import PrefetchMode, handle_to_prefetch
-from reference.fsdp.tracing import record_backward_span, unit_scope
+from reference.fsdp.tracing import backward_start, record_backward_span, unit_scope
 
 if TYPE_CHECKING:
     from reference.fsdp.wrapper import FullyShardedDataParallel as Unit, SharedState
@@ -163,7 +162,7 @@ def pre_backward_hook(unit: Unit, handle: FlatParamHandle, grad: torch.Tensor) -
     prefetch(unit, handle, PrefetchMode.BACKWARD)
     handle.wait_unshard()
     handle.ran_pre_backward_hook = True
-    handle.backward_started = time.perf_counter()
+    handle.backward_started = backward_start()
     return grad
 
 
