@@ -42,9 +42,11 @@ def layer_input(x: Setting, device, dtype=torch.bfloat16) -> torch.Tensor:
     return torch.randn(rows, x.b, x.h, device=device, dtype=dtype, requires_grad=True)
 
 
-def count(configuration: str, s: int, b: int, h: int, a: int, tp_group: dist.ProcessGroup, device) -> Count:
+def count(configuration: str, s: int, b: int, h: int, a: int, tp_group: dist.ProcessGroup, device,
+          explain: bool = True) -> Count:
     """One forward of one block; `tp_group` sets t for the tensor-parallel configurations (a size-1 group
-    is used for "no parallelism")."""
+    is used for "no parallelism"). `explain`: name every saved tensor by its term (gpt2_block explains the
+    CPU kernels; on CUDA the fused attention and dropout save other tensors, so only the total is counted)."""
     x = Setting.of(configuration, s, b, h, a, tp_group.size())
     if x.t != tp_group.size():
         raise ValueError(f"{configuration!r} runs without tensor parallelism: pass a group of size 1")
@@ -53,11 +55,12 @@ def count(configuration: str, s: int, b: int, h: int, a: int, tp_group: dist.Pro
     with SavedTensorCounter(block) as counter:
         block(inputs)
     return Count(configuration, x, gpt2_block.whole(table2_bytes(x)), counter.total_bytes,
-                 gpt2_block.rows(counter.saved, x))
+                 gpt2_block.rows(counter.saved, x) if explain else [])
 
 
-def count_all(s: int, b: int, h: int, a: int, tp_groups: dict[int, dist.ProcessGroup], device) -> list[Count]:
+def count_all(s: int, b: int, h: int, a: int, tp_groups: dict[int, dist.ProcessGroup], device,
+              explain: bool = True) -> list[Count]:
     """Every configuration of Table 2; tp_groups[1] for the unparallel one, tp_groups[t] for the others."""
     t = max(tp_groups)
-    return [count(name, s, b, h, a, tp_groups[t if tensor_parallel else 1], device)
+    return [count(name, s, b, h, a, tp_groups[t if tensor_parallel else 1], device, explain)
             for name, (tensor_parallel, _, _) in CONFIGURATIONS.items()]
