@@ -5,7 +5,7 @@ import torch
 
 from reference.activation_memory.counting import SavedTensorCounter
 from reference.activation_memory.paper import CONFIGURATIONS
-from tests.reference.activation_runs import activation_results
+from tests.reference.activation_runs import activation_results, megatron_activation_counts
 
 S, B, H, A, T = 32, 2, 64, 4, 2  # the worker's COUNT_SHAPE, at world 2
 SBH, AS2B = S * B * H, A * S * S * B
