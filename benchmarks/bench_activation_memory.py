@@ -6,7 +6,8 @@
 One reference GPT-2 block (bf16 parameters and activations, dropout 0.1) per configuration: no parallelism,
 tensor parallel, + sequence parallel, + selective recompute, full recompute, with t = the number of ranks.
 CPU: the bytes autograd keeps for backward, counted with saved-tensor hooks (reference.activation_memory), next
-to the paper's closed form, then with --terms the term table that explains the difference.
+to the paper's closed form, then with --terms the term table that explains the difference (--json: all of it
+as JSON, the trace the scale page renders).
 CUDA (one GPU, t = 1): the same hook count, and torch.cuda.max_memory_allocated over the forward (what the
 forward left allocated, the output excluded), both next to the paper's. The CUDA path uses public torch only
 (no reference.torch_patches), so it runs on other torch versions than the pinned one.
@@ -14,6 +15,7 @@ forward left allocated, the output excluded), both next to the paper's. The CUDA
 from __future__ import annotations
 
 import argparse
+import json
 
 import torch
 import torch.distributed as dist
@@ -46,6 +48,9 @@ def main() -> None:
     parser.add_argument("--num-attention-heads", type=int, default=8)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--terms", action="store_true", help="print each configuration's term table (CPU)")
+    parser.add_argument("--json", action="store_true",
+                        help="print the counts as one JSON object instead (tools/record-traces records it as "
+                             "reading_notes/traces/activation_memory.json, which the scale page shows)")
     args = parser.parse_args()
     with distributed(args.device) as device:
         world, rank = dist.get_world_size(), dist.get_rank()
@@ -56,6 +61,10 @@ def main() -> None:
         measured = [cuda_bytes(c.setting, groups[c.setting.t], device) for c in counts] if device.type == "cuda" \
             else None
         if rank:
+            return
+        if args.json:
+            print(json.dumps({"kind": "activation_memory", "world": world, "device": device.type, "shape": shape,
+                              "configurations": [c.to_dict() for c in counts]}, indent=1))
             return
         print(f"s {args.seq_length}, b {args.batch_size}, h {args.hidden_size}, a {args.num_attention_heads}, "
               f"t {world}, bf16, {device.type}" + (f" ({torch.cuda.get_device_name(device)}, torch "

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from reference.activation_memory import gpt2_block
 from reference.activation_memory.counting import SavedTensorCounter
-from reference.activation_memory.paper import CONFIGURATIONS, Setting, table2_bytes
+from reference.activation_memory.paper import CONFIGURATIONS, FORMULAS, Setting, table2_bytes
 from reference.tensor_parallel.transformer import ParallelTransformerBlock
 
 DROPOUT = 0.1  # the paper counts dropout masks: dropout on everywhere
@@ -24,7 +24,8 @@ class Count:
     rows: list[gpt2_block.Row]
 
     def to_dict(self) -> dict:
-        return {"configuration": self.configuration, "setting": dataclasses.asdict(self.setting),
+        return {"configuration": self.configuration, "formula": FORMULAS[self.configuration],
+                "setting": dataclasses.asdict(self.setting),
                 "table2_bytes": self.table2_bytes, "counted_bytes": self.counted_bytes,
                 "rows": [dataclasses.asdict(r) for r in self.rows]}
 

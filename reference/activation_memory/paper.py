@@ -12,6 +12,13 @@ from __future__ import annotations
 import dataclasses
 from fractions import Fraction
 
+FORMULAS = {  # Table 2, activation bytes per layer
+    "no parallelism": "sbh(34 + 5as/h)",
+    "tensor parallel": "sbh(10 + 24/t + 5as/(ht))",
+    "tensor + sequence parallel": "sbh(34/t + 5as/(ht))",
+    "tensor + sequence parallel + selective recompute": "sbh(34/t)",
+    "full recompute": "2sbh",
+}
 CONFIGURATIONS = {  # name: (tensor parallel, sequence parallel, recompute), in Table 2's order
     "no parallelism": (False, False, "none"),
     "tensor parallel": (True, False, "none"),

@@ -1,10 +1,13 @@
 """The bytes one reference GPT-2 block saves for backward (counted with saved_tensors_hooks, bf16, CPU) in
 each configuration of Korthikanti et al. 2022 Table 2, term by term, with the reason for every difference."""
+import json
+
 import pytest
 import torch
 
 from reference.activation_memory.counting import SavedTensorCounter
 from reference.activation_memory.paper import CONFIGURATIONS
+from tests.launch import ROOT
 from tests.reference.activation_runs import activation_results, megatron_activation_counts
 
 S, B, H, A, T = 32, 2, 64, 4, 2  # the worker's COUNT_SHAPE, at world 2
@@ -136,3 +139,11 @@ def test_megatron_keeps_q_k_v_as_one_bf16_buffer_the_papers_6sbh(configuration, 
             if s["module"] == "self_attention.core_attention"]
     assert (core[0]["dtype"], core[0]["nbytes"]) == ("torch.bfloat16", 6 * SBH // t)
     assert (core[1]["dtype"], core[1]["nbytes"]) == ("torch.bfloat16", 2 * AS2B // t)  # dropout output for x V
+
+
+def test_the_committed_trace_the_scale_page_shows_is_this_run():
+    """reading_notes/traces/activation_memory.json (tools/record-traces, the benchmark's --json at this
+    shape) holds the counts a fresh run gives: re-record it after changing the block or the counting."""
+    trace = json.loads((ROOT / "reading_notes" / "traces" / "activation_memory.json").read_text())
+    assert (trace["world"], trace["shape"]) == (T, {"s": S, "b": B, "h": H, "a": A})
+    assert trace["configurations"] == activation_results(2)[0]["activation_memory"]
