@@ -14,7 +14,6 @@ forward left allocated, the output excluded), both next to the paper's. The CUDA
 """
 from __future__ import annotations
 
-import argparse
 import json
 
 import torch
@@ -63,8 +62,11 @@ def main() -> None:
         if rank:
             return
         if args.json:
+            configurations = [c.to_dict() for c in counts]
+            for c, (retained, peak) in zip(configurations, measured or []):
+                c.update(cuda_allocated_bytes=retained, cuda_peak_bytes=peak)
             print(json.dumps({"kind": "activation_memory", "world": world, "device": device.type, "shape": shape,
-                              "configurations": [c.to_dict() for c in counts]}, indent=1))
+                              "configurations": configurations}, indent=1))
             return
         print(f"s {args.seq_length}, b {args.batch_size}, h {args.hidden_size}, a {args.num_attention_heads}, "
               f"t {world}, bf16, {device.type}" + (f" ({torch.cuda.get_device_name(device)}, torch "

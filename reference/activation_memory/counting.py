@@ -34,7 +34,8 @@ class SavedTensorCounter:
         self._running: list[str] = []
         self._counted = {self._storage_key(p) for p in module.parameters()}
         self._held: list[torch.Tensor] = []
-        self._exits = []
+        self._module_hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     @staticmethod
     def _storage_key(t: torch.Tensor) -> tuple[str, int]:
@@ -61,15 +62,12 @@ class SavedTensorCounter:
             self._running.pop()
 
         for m in self._names:
-            self._exits += [m.register_forward_pre_hook(enter), m.register_forward_hook(leave)]
-        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-        hooks.__enter__()
-        self._exits.append(hooks)
+            self._module_hooks += [m.register_forward_pre_hook(enter), m.register_forward_hook(leave)]
+        self._saved_hooks.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        hooks = self._exits.pop()
-        hooks.__exit__(*exc)
-        for handle in self._exits:
+        self._saved_hooks.__exit__(*exc)
+        for handle in self._module_hooks:
             handle.remove()
-        self._exits.clear()
+        self._module_hooks.clear()
