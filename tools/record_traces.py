@@ -6,7 +6,10 @@ pipeline stages) DIR/pipeline_gpipe.json and DIR/pipeline_1f1b.json. tests/tools
 same worker and fails when a fresh run no longer matches the committed traces, so re-record after changing the
 reference and commit the result. Then, in one process each, `python -m reference.scale --json` traces a first,
 middle and last stage rank of the layouts in SCALE (fake process group, 70B shapes) into DIR/scale_*.json,
-checked by tests/tools/test_scale_traces.py. Exit status: 0 recorded, 1 a run failed (its output is printed).
+checked by tests/tools/test_scale_traces.py. Last, on two ranks, benchmarks/bench_activation_memory.py --json
+counts one block's activation bytes per configuration of Korthikanti et al.'s Table 2 into
+DIR/activation_memory.json, at the shape of the test worker that checks it
+(tests/reference/test_activation_memory.py). Exit status: 0 recorded, 1 a run failed (its output is printed).
 """
 from __future__ import annotations
 
@@ -69,12 +72,25 @@ def record_scale(out: Path, timeout: float = 300) -> list[Path]:
     return written
 
 
+ACTIVATION_MEMORY = ["--seq-length", "32", "--batch-size", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
+
+
+def record_activation_memory(out: Path, timeout: float = 300) -> list[Path]:
+    """Write out/activation_memory.json from the activation-memory benchmark on two ranks; the path written."""
+    stdout = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                   "--max-restarts=0", str(ROOT / "benchmarks" / "bench_activation_memory.py"), *ACTIVATION_MEMORY,
+                   "--json"], "bench_activation_memory --json", timeout, TORCH_CPP_LOG_LEVEL="ERROR")
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write(out / "activation_memory.json", stdout[stdout.index("{"):].encode())
+    return [out / "activation_memory.json"]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="record-traces", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=ROOT / "reading_notes" / "traces", help="output folder")
     args = parser.parse_args(argv)
     try:
-        for path in record(args.out) + record_scale(args.out):
+        for path in record(args.out) + record_scale(args.out) + record_activation_memory(args.out):
             print(path)
     except (RuntimeError, subprocess.TimeoutExpired) as exc:
         print(f"record-traces: error: {exc}", file=sys.stderr)

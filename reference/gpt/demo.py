@@ -29,6 +29,7 @@ from reference.gpt.model import GPTConfig, UnshardedGPT, build_stage, split_laye
 from reference.gpt.train import data_parallel, fully_sharded, synthetic_batches, train_step
 from reference.parallel_state import ParallelConfigError, build_layout
 from reference.pipeline.schedules import SCHEDULES, peak_in_flight_formula
+from reference.recompute import RECOMPUTE_MODES
 from reference.recorder import CollectiveRecorder
 
 
@@ -59,6 +60,10 @@ def add_arguments(group) -> None:
     group.add_argument("--no-overlap-grad-reduce", action="store_true",
                        help="issue the data-parallel bucket all-reduces after backward instead of as soon as "
                             "each bucket's gradients are ready (during the last micro-batch's backward)")
+    group.add_argument("--recompute", choices=RECOMPUTE_MODES, default="none",
+                       help="activation recomputation per block: keep everything for backward (none), keep only "
+                            "the attention core's input and recompute QK^T/softmax/dropout/xV (selective), or keep "
+                            "only each block's input and recompute the block (full); same gradients in all three")
     group.add_argument("--no-async-grad-allreduce", action="store_true",
                        help="wait for the input-gradient all-reduce/reduce-scatter before computing the weight "
                             "gradient, instead of overlapping the two")
@@ -95,11 +100,12 @@ def run(args) -> None:
 
 def _train(args, config: GPTConfig, device: torch.device) -> None:
     layout = build_layout(args.tp, args.pp, args.dp)
+    torch.manual_seed(args.seed)  # dropout on replicated activations draws from here: the same masks every run
     rank, text = dist.get_rank(), not args.json
     if rank == 0 and text:
         print(layout.describe(), flush=True)
     stage = build_stage(config, layout, sequence_parallel=args.sequence_parallel, seed=args.seed, device=device,
-                        async_grad_allreduce=not args.no_async_grad_allreduce)
+                        async_grad_allreduce=not args.no_async_grad_allreduce, recompute=args.recompute)
     recorder = CollectiveRecorder()
     recorder.watch(stage)
     if args.dp_sharding == "fsdp":

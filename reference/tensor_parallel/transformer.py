@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from reference.parallel_state import ParallelConfigError, divide
+from reference.recompute import check_mode as check_recompute_mode, checkpoint
 from reference.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from reference.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
@@ -34,13 +35,15 @@ from reference.tensor_parallel.unsharded import causal_self_attention, init_meth
 class ParallelAttention(torch.nn.Module):
     """QKV column-parallel (each rank gets num_attention_heads / p whole heads), attention on the local
     heads, output projection row-parallel. Returns (output, bias) with the bias not yet added.
+With `selective_recompute` the attention core keeps only its input for backward (reference.recompute).
 
     Mirrors `megatron-lm:megatron/core/transformer/attention.py::SelfAttention`.
     """
 
-    def __init__(self, hidden_size, num_attention_heads, attention_dropout, rng, linear_kwargs):
+    def __init__(self, hidden_size, num_attention_heads, attention_dropout, rng, linear_kwargs,
+                 selective_recompute: bool = False):
         super().__init__()
-        self.rng = rng
+        self.rng, self.selective_recompute = rng, selective_recompute
         divide(num_attention_heads, linear_kwargs["tp_group"].size(), "num_attention_heads")
         self.head_dim = divide(hidden_size, num_attention_heads, "hidden_size", by="num_attention_heads")
         self.attention_dropout = attention_dropout
@@ -50,10 +53,15 @@ class ParallelAttention(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         qkv, _ = self.qkv(x)
+        if self.selective_recompute and self.training and torch.is_grad_enabled():
+            return self.proj(checkpoint(self.core_attention, self.rng, qkv))
+        return self.proj(self.core_attention(qkv))
+
+    def core_attention(self, qkv: torch.Tensor) -> torch.Tensor:
+        """QK^T, softmax, dropout, x V on this rank's heads: the region selective recomputation re-runs."""
         p = self.attention_dropout if self.training else 0.0
         with self.rng.fork() if p > 0 else contextlib.nullcontext():  # this rank's heads: its own masks
-            context = causal_self_attention(qkv, self.head_dim, p)
-        return self.proj(context)
+            return causal_self_attention(qkv, self.head_dim, p)
 
 
 class ParallelMLP(torch.nn.Module):
@@ -75,14 +83,17 @@ class ParallelMLP(torch.nn.Module):
 
 class ParallelTransformerBlock(torch.nn.Module):
     """Pre-LayerNorm block: x + attention(ln1(x)), then + mlp(ln2(x)), the row biases added in the
-    bias-dropout-add as Megatron does (hence skip_bias_add on the row layers)."""
+    bias-dropout-add as Megatron does (hence skip_bias_add on the row layers). `recompute` (none, selective,
+    full; reference.recompute) picks what the block keeps for backward while training."""
 
     def __init__(self, hidden_size: int, num_attention_heads: int, *, tp_group: dist.ProcessGroup,
                  ffn_hidden_size: int | None = None, init_method: Callable | None = None,
                  sequence_parallel: bool = False, hidden_dropout: float = 0.0, attention_dropout: float = 0.0,
                  async_grad_allreduce: bool = True, gradient_accumulation_fusion: bool = False,
-                 params_dtype=torch.float32, device=None, rng: TensorParallelRNG | None = None):
+                 params_dtype=torch.float32, device=None, rng: TensorParallelRNG | None = None,
+                 recompute: str = "none"):
         super().__init__()
+        self.recompute = check_recompute_mode(recompute)
         self.sequence_parallel = sequence_parallel and tp_group.size() > 1
         self.hidden_dropout = hidden_dropout
         self.rng = rng or TensorParallelRNG(0, tp_group, device)
@@ -92,7 +103,7 @@ class ParallelTransformerBlock(torch.nn.Module):
                              params_dtype=params_dtype, device=device)
         self.ln1 = torch.nn.LayerNorm(hidden_size, dtype=params_dtype, device=device)
         self.attention = ParallelAttention(hidden_size, num_attention_heads, attention_dropout, self.rng,
-                                           linear_kwargs)
+                                           linear_kwargs, selective_recompute=recompute == "selective")
         self.ln2 = torch.nn.LayerNorm(hidden_size, dtype=params_dtype, device=device)
         self.mlp = ParallelMLP(hidden_size, ffn_hidden_size or 4 * hidden_size, linear_kwargs)
         for param in [*self.ln1.parameters(), *self.ln2.parameters()]:
@@ -105,6 +116,11 @@ class ParallelTransformerBlock(torch.nn.Module):
             return residual + F.dropout(out + bias, self.hidden_dropout, self.training)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.recompute == "full" and self.training and torch.is_grad_enabled():
+            return checkpoint(self.layer_forward, self.rng, x)
+        return self.layer_forward(x)
+
+    def layer_forward(self, x: torch.Tensor) -> torch.Tensor:
         """Mirrors `megatron-lm:megatron/core/transformer/transformer_layer.py::TransformerLayer.forward`."""
         out, bias = self.attention(self.ln1(x))
         x = self.bias_dropout_add(out, bias, x)

@@ -26,6 +26,10 @@ NO_PAGE = {
     "reference/scale/shapes.py": "model and layout sizes for the simulation; its page is the Scale note",
     "reference/scale/formulas.py": "closed-form traffic the simulation is checked against; its page is the Scale note",
     "reference/scale/simulate.py": "traces one rank of a large job; its page is the Scale note",
+    "reference/activation_memory/counting.py": "counts saved tensors with saved_tensors_hooks; mirrors nothing",
+    "reference/activation_memory/paper.py": "Korthikanti et al.'s Table 2; its page is the Scale note's section",
+    "reference/activation_memory/gpt2_block.py": "the term table against the paper; shown on the Scale note",
+    "reference/activation_memory/measure.py": "builds and counts each configuration for tests and the benchmark",
 }
 
 

@@ -25,6 +25,7 @@ REQUIRED = {
                      "events", "spans"),
     "scale": ("setup", "world", "runs"),     # python -m reference.scale --json (pin_and_cite.site.scale_tables)
     "pipeline": ("schedule", "world", "pp", "m", "b", "s", "h", "dtype_size", "activation_shape", "stages"),
+    "activation_memory": ("world", "shape", "configurations"),  # benchmarks/bench_activation_memory.py --json
 }
 PIPELINE_STAGE_KEYS = ("pp_rank", "actions", "action_flops", "peak_in_flight", "peak_in_flight_measured",
                        "peak_activation_bytes")

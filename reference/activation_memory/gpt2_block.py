@@ -1,0 +1,112 @@
+"""What the reference GPT-2 block (reference.tensor_parallel.transformer.ParallelTransformerBlock) saves for
+backward, term by term against Korthikanti et al. 2022, with the reason for every byte that differs.
+
+Measured on CPU with bf16 parameters and activations and dropout on. Where the bytes differ, the cause is one
+of four, each named in its row:
+  * fp32 attention: on CPU, F.scaled_dot_product_attention takes its "math" path for bf16 with dropout and
+    computes in fp32 (opmath): Q, K, V, the softmax output and the dropout output are 4-byte copies;
+  * dropout noise: on CPU, dropout multiplies by a noise tensor of the input's dtype (bf16 for the residual
+    branches, fp32 inside attention) and saves it; the paper counts a 1-byte mask (CUDA's fused dropout
+    saves a bool mask);
+  * LayerNorm statistics: each LayerNorm saves a mean and a reciprocal standard deviation per token
+    (2 x sb in the activation dtype on CPU); the paper leaves these O(sb) terms out;
+  * nothing saved for the residual additions and bias adds: an addition's backward needs no input (the
+    paper counts nothing for them either).
+Everything else (LayerNorm inputs, the four linear layers' inputs, the GeLU input, the checkpoints' inputs)
+is the paper's term byte for byte. A record that fits no row is an error: an unexplained difference.
+"""
+from __future__ import annotations
+
+import dataclasses
+from fractions import Fraction
+
+from reference.activation_memory.counting import SavedTensor
+from reference.activation_memory.paper import TERMS, Setting, term_bytes, terms_for
+
+FP32_ATTENTION = "CPU SDPA math path computes bf16 attention in fp32: 4-byte copies instead of 2"
+NOISE_MASK_FP32 = "CPU dropout saves an fp32 noise tensor (4 bytes/element), not a 1-byte mask"
+NOISE_MASK_BF16 = "CPU dropout saves a bf16 noise tensor (2 bytes/element), not a 1-byte mask"
+SAME = "same"
+
+# key: (bytes per element of the reference over the paper's, reason); LayerNorm statistics have no paper term
+REFERENCE = {
+    "layernorm_inputs": (1, SAME),
+    "qkv_input": (1, SAME),
+    "q_k": (2, FP32_ATTENTION + " (scaled Q and K^T)"),
+    "softmax_output": (2, FP32_ATTENTION),
+    "attention_dropout_mask": (4, NOISE_MASK_FP32),
+    "attention_dropout_output": (2, FP32_ATTENTION),
+    "v": (2, FP32_ATTENTION),
+    "q_k_v": (1, "same: the checkpoint keeps the fused QKV output, bf16"),
+    "projection_input": (1, SAME),
+    "hidden_dropout_masks": (2, NOISE_MASK_BF16),
+    "fc1_input": (1, SAME),
+    "gelu_input": (1, SAME),
+    "fc2_input": (1, "same: the GeLU output, saved by the second linear layer"),
+    "layer_input": (1, "same: the checkpoint keeps the block's input"),
+}
+LAYERNORM_STATISTICS = ("LayerNorm mean and rstd, 2 LayerNorms x 2 x sb; not counted by the paper (O(sb))",
+                        "layernorm_statistics")
+LINEAR_INPUTS = {"attention.qkv": "qkv_input", "attention.proj": "projection_input", "mlp.fc1": "fc1_input",
+                 "mlp.fc2": "fc2_input", "mlp": "gelu_input"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    term: str               # the paper's words for it
+    paper_bytes: int
+    expected_bytes: int     # the paper's bytes times the reference's bytes-per-element ratio
+    measured_bytes: int     # counted with the saved-tensor hooks
+    reason: str
+
+
+def classify(saved: list[SavedTensor], x: Setting) -> dict[str, int]:
+    """Bytes per term key of the records of one block, by the module that saved them."""
+    out: dict[str, int] = {}
+    attention_core = iter(["q_k", "q_k", "v"])
+    attention_s2 = iter(["softmax_output", "attention_dropout_mask", "attention_dropout_output"])
+    for record in saved:
+        if record.module in ("ln1", "ln2"):
+            key = "layernorm_statistics" if record.shape[-1] == 1 else "layernorm_inputs"
+        elif record.module in LINEAR_INPUTS:
+            key = LINEAR_INPUTS[record.module]
+        elif record.module == "attention":
+            if x.recompute == "selective":
+                key = "q_k_v"
+            else:
+                key = next(attention_s2 if record.shape[-2:] == (x.s, x.s) else attention_core, None)
+        elif record.module == "":
+            key = "layer_input" if x.recompute == "full" else "hidden_dropout_masks"
+        else:
+            key = None
+        if key is None:
+            raise ValueError(f"unexplained saved tensor {record}: no term of the paper or the reference fits it")
+        out[key] = out.get(key, 0) + record.nbytes
+    return out
+
+
+def _layernorm_statistics_bytes(x: Setting) -> int:
+    return 2 * 2 * x.s * x.b * 2 // x.split("sp")  # 2 LayerNorms x (mean, rstd) x sb tokens x 2 bytes
+
+
+def rows(saved: list[SavedTensor], x: Setting) -> list[Row]:
+    """The term table of one configuration: every paper term, then the reference's extra terms."""
+    measured = classify(saved, x)
+    table = []
+    for key in terms_for(x):
+        ratio, reason = REFERENCE[key]
+        paper = term_bytes(key, x)
+        table.append(Row(TERMS[key][0], whole(paper), whole(paper * ratio), measured.pop(key, 0), reason))
+    if x.recompute != "full":
+        words, key = LAYERNORM_STATISTICS
+        table.append(Row(words, 0, _layernorm_statistics_bytes(x), measured.pop(key, 0),
+                         "torch's LayerNorm keeps them for backward; bf16 on CPU"))
+    if measured:
+        raise ValueError(f"saved tensors of terms the configuration should not have: {measured}")
+    return table
+
+
+def whole(value: Fraction) -> int:
+    if value.denominator != 1:
+        raise ValueError(f"{value} bytes is not whole: pick s, b, h, a divisible by t")
+    return int(value)

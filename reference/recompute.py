@@ -1,0 +1,62 @@
+"""Activation recomputation: keep a region's inputs instead of everything it saves, and run it again in backward.
+
+Three modes per transformer block, Megatron's `recompute_granularity`:
+  none       every op keeps what its backward needs;
+  selective  the attention core (QK^T, softmax, dropout, x V) keeps only its input, the fused QKV projection
+             (megatron-lm:megatron/core/transformer/attention.py::Attention._checkpointed_attention_forward);
+             the s^2-sized tensors, 5as^2b bytes per layer in Korthikanti et al. 2022, are rebuilt in backward;
+  full       the whole block keeps only its input, one checkpoint per block (Megatron's `recompute_method`
+             "uniform" with `recompute_num_layers=1`, megatron-lm:megatron/core/transformer/transformer_block.py::
+             TransformerBlock._checkpointed_forward).
+
+The checkpoint is the reentrant one, as Megatron's (megatron-lm:megatron/core/tensor_parallel/random.py::
+CheckpointFunction): forward runs under no_grad and `save_for_backward`s the inputs, so the saved-tensor hooks
+that count activation memory see exactly what the checkpoint keeps. Recomputing must draw the same dropout
+masks: torch's checkpoint restores the default CPU and CUDA generators, and `_replaying` restores the second,
+per-TP-rank stream (reference.tensor_parallel.random.TensorParallelRNG), which is what Megatron's version adds
+to torch's ("the states in the model parallel tracker are also properly tracked/set/reset").
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.utils.checkpoint
+
+from reference.parallel_state import ParallelConfigError
+from reference.tensor_parallel.random import TensorParallelRNG
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+def check_mode(mode: str) -> str:
+    """The mode, or a one-line error naming the choices."""
+    if mode not in RECOMPUTE_MODES:
+        raise ParallelConfigError(f"unknown recompute mode {mode!r}; choose one of {', '.join(RECOMPUTE_MODES)}")
+    return mode
+
+
+def _replaying(function: Callable, rng: TensorParallelRNG) -> Callable:
+    """`function`, whose second and later calls (the recomputation in backward) start from the TP stream's
+    state of the first call, and leave the stream as they found it."""
+    state_at_forward, calls = rng.state, 0
+
+    def run(*args):
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            return function(*args)
+        state_before = rng.state
+        rng.state = state_at_forward
+        try:
+            return function(*args)
+        finally:
+            rng.state = state_before
+    return run
+
+
+def checkpoint(function: Callable, rng: TensorParallelRNG, *args: torch.Tensor) -> torch.Tensor:
+    """function(*args), keeping only `args` for backward and recomputing the rest there, with the same
+    dropout masks (default generators and the TP stream restored)."""
+    return torch.utils.checkpoint.checkpoint(_replaying(function, rng), *args, use_reentrant=True,
+                                             preserve_rng_state=True)

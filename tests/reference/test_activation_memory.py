@@ -1,0 +1,149 @@
+"""The bytes one reference GPT-2 block saves for backward (counted with saved_tensors_hooks, bf16, CPU) in
+each configuration of Korthikanti et al. 2022 Table 2, term by term, with the reason for every difference."""
+import json
+
+import pytest
+import torch
+
+from reference.activation_memory.counting import SavedTensorCounter
+from reference.activation_memory.paper import CONFIGURATIONS
+from tests.launch import ROOT
+from tests.reference.activation_runs import activation_results, megatron_activation_counts
+
+S, B, H, A, T = 32, 2, 64, 4, 2  # the worker's COUNT_SHAPE, at world 2
+SBH, AS2B = S * B * H, A * S * S * B
+FP32_ATTENTION = "CPU SDPA math path computes bf16 attention in fp32: 4-byte copies instead of 2"
+
+
+def _counts() -> dict[str, dict]:
+    return {c["configuration"]: c for c in activation_results(2)[0]["activation_memory"]}
+
+
+def _table(configuration: str) -> list[tuple]:
+    return [(r["term"], r["paper_bytes"], r["measured_bytes"], r["reason"]) for r in _counts()[configuration]["rows"]]
+
+
+def test_every_configuration_of_table2_is_counted_on_every_rank():
+    ranks = activation_results(2)
+    assert [c["configuration"] for c in ranks[0]["activation_memory"]] == list(CONFIGURATIONS)
+    assert ranks[0]["activation_memory"] == ranks[1]["activation_memory"]  # same shapes on both TP ranks
+
+
+@pytest.mark.parametrize("configuration", list(CONFIGURATIONS))
+def test_the_paper_column_sums_to_table2(configuration):
+    count = _counts()[configuration]
+    assert sum(r["paper_bytes"] for r in count["rows"]) == count["table2_bytes"]
+
+
+@pytest.mark.parametrize("configuration", list(CONFIGURATIONS))
+def test_every_counted_byte_is_in_a_row_and_every_row_is_explained(configuration):
+    count = _counts()[configuration]
+    assert sum(r["measured_bytes"] for r in count["rows"]) == count["counted_bytes"]
+    for row in count["rows"]:
+        assert row["measured_bytes"] == row["expected_bytes"], row
+
+
+def test_table2_closed_forms():
+    """sbh(34 + 5as/h); sbh(10 + 24/t + 5as/(ht)); sbh(34/t + 5as/(ht)); sbh(34/t); 2sbh, for s 32, b 2,
+    h 64, a 4, t 2."""
+    assert {name: c["table2_bytes"] for name, c in _counts().items()} == {
+        "no parallelism": 34 * SBH + 5 * AS2B,
+        "tensor parallel": 10 * SBH + 24 * SBH // T + 5 * AS2B // T,
+        "tensor + sequence parallel": 34 * SBH // T + 5 * AS2B // T,
+        "tensor + sequence parallel + selective recompute": 34 * SBH // T,
+        "full recompute": 2 * SBH}
+
+
+def test_no_parallelism_term_by_term():
+    """(paper term, paper bytes, counted bytes, reason): the reference keeps 90,624 bytes more than the
+    paper's 180,224, all of it fp32 attention, dropout noise instead of 1-byte masks and LayerNorm stats."""
+    noise_fp32 = "CPU dropout saves an fp32 noise tensor (4 bytes/element), not a 1-byte mask"
+    noise_bf16 = "CPU dropout saves a bf16 noise tensor (2 bytes/element), not a 1-byte mask"
+    assert _table("no parallelism") == [
+        ("LayerNorm inputs, 2 x 2sbh", 4 * SBH, 4 * SBH, "same"),
+        ("QKV projection input, 2sbh", 2 * SBH, 2 * SBH, "same"),
+        ("Q and K for QK^T, 4sbh", 4 * SBH, 8 * SBH, FP32_ATTENTION + " (scaled Q and K^T)"),
+        ("softmax output, 2as^2b", 2 * AS2B, 4 * AS2B, FP32_ATTENTION),
+        ("softmax dropout mask, as^2b", AS2B, 4 * AS2B, noise_fp32),
+        ("softmax dropout output (for x V), 2as^2b", 2 * AS2B, 4 * AS2B, FP32_ATTENTION),
+        ("V for attention over values, 2sbh", 2 * SBH, 4 * SBH, FP32_ATTENTION),
+        ("output projection input, 2sbh", 2 * SBH, 2 * SBH, "same"),
+        ("attention and MLP dropout masks, 2 x sbh", 2 * SBH, 4 * SBH, noise_bf16),
+        ("MLP first linear input, 2sbh", 2 * SBH, 2 * SBH, "same"),
+        ("GeLU input, 8sbh", 8 * SBH, 8 * SBH, "same"),
+        ("MLP second linear input, 8sbh", 8 * SBH, 8 * SBH, "same: the GeLU output, saved by the second linear layer"),
+        ("LayerNorm mean and rstd, 2 LayerNorms x 2 x sb; not counted by the paper (O(sb))", 0, 2 * 2 * S * B * 2,
+         "torch's LayerNorm keeps them for backward; bf16 on CPU")]
+    assert _counts()["no parallelism"]["counted_bytes"] - _counts()["no parallelism"]["table2_bytes"] == 90_624
+
+
+def test_sequence_parallelism_splits_the_ten_replicated_sbh():
+    """TP leaves LayerNorm inputs, the column layers' inputs and the dropout masks (the paper's 10sbh; the
+    reference's 12sbh with bf16 noise, plus the LayerNorm statistics) whole on every rank; SP splits them."""
+    tp, sp = (_counts()[c]["counted_bytes"] for c in ("tensor parallel", "tensor + sequence parallel"))
+    assert tp - sp == (12 * SBH + 8 * S * B) // T
+
+
+def test_selective_recompute_drops_exactly_the_attention_core():
+    """Selective keeps the fused QKV output (bf16, 6sbh/t) for the core, instead of fp32 Q, K^T, V (12sbh/t)
+    and the three s^2 tensors (12as^2b/t in fp32; the paper's 5as^2b/t)."""
+    sp, selective = (_counts()[c]["counted_bytes"] for c in
+                     ("tensor + sequence parallel", "tensor + sequence parallel + selective recompute"))
+    assert sp - selective == (12 * SBH + 12 * AS2B - 6 * SBH) // T
+
+
+def test_full_recompute_keeps_only_the_layer_input():
+    count = _counts()["full recompute"]
+    assert count["counted_bytes"] == count["table2_bytes"] == 2 * SBH
+    assert [r["reason"] for r in count["rows"]] == ["same: the checkpoint keeps the block's input"]
+
+
+def test_the_counter_counts_a_storage_once_in_its_dtype_and_skips_parameters():
+    """x * x saves x twice, the three views of one buffer are one storage, the weight is a parameter."""
+    linear = torch.nn.Linear(4, 6, bias=False, dtype=torch.bfloat16)
+    x = torch.randn(3, 4, dtype=torch.bfloat16, requires_grad=True)
+    with SavedTensorCounter(linear) as counter:
+        y = linear(x * x)                     # saves x (twice, once counted) and x * x (with the weight)
+        a, b, c = y.chunk(3, dim=1)           # views of y's storage
+        (a * b * c).sum()                     # saves a, b, c and a * b: y's storage once, then a * b
+    assert [(s.module, s.dtype, s.shape, s.nbytes) for s in counter.saved] == [
+        ("", "torch.bfloat16", (3, 4), 24), ("", "torch.bfloat16", (3, 4), 24),
+        ("", "torch.bfloat16", (3, 2), 36), ("", "torch.bfloat16", (3, 2), 12)]
+    assert counter.total_bytes == 96
+
+
+def _megatron_extras(t: int) -> dict[str, int]:
+    """What megatron-core's layer keeps beyond the paper's terms, on CPU in bf16 (t: tensor-parallel size)."""
+    return {"LayerNorm mean and rstd, fp32 (its LayerNorm weights are fp32)": 2 * 2 * S * B * 4,
+            "the causal mask, bool s x s, saved by masked_fill (an input, not split)": S * S,
+            "softmax output in fp32 (attention_softmax_in_fp32): 4as^2b/t, not 2as^2b/t": 2 * AS2B // t,
+            "attention dropout: bf16 noise, not a 1-byte mask": AS2B // t,
+            "hidden dropouts: bf16 noise, not 1-byte masks (replicated without SP)": 2 * SBH}
+
+
+@pytest.mark.upstream("megatron-lm")
+@pytest.mark.parametrize("configuration, t", [("no parallelism", 1), ("tensor parallel", T)])
+def test_megatron_transformer_layer_keeps_the_paper_terms_plus_named_extras(configuration, t):
+    """megatron-core 0.16.1's TransformerLayer (local spec) counted with the same hooks: Table 2 plus the
+    extras named here, to the byte."""
+    counted = megatron_activation_counts()[configuration]["counted_bytes"]
+    assert counted == _counts()[configuration]["table2_bytes"] + sum(_megatron_extras(t).values())
+
+
+@pytest.mark.upstream("megatron-lm")
+@pytest.mark.parametrize("configuration, t", [("no parallelism", 1), ("tensor parallel", T)])
+def test_megatron_keeps_q_k_v_as_one_bf16_buffer_the_papers_6sbh(configuration, t):
+    """Its unfused attention saves views of the fused QKV output: the paper's 6sbh/t exactly, where the
+    reference's CPU SDPA keeps fp32 copies (12sbh/t)."""
+    core = [s for s in megatron_activation_counts()[configuration]["saved"]
+            if s["module"] == "self_attention.core_attention"]
+    assert (core[0]["dtype"], core[0]["nbytes"]) == ("torch.bfloat16", 6 * SBH // t)
+    assert (core[1]["dtype"], core[1]["nbytes"]) == ("torch.bfloat16", 2 * AS2B // t)  # dropout output for x V
+
+
+def test_the_committed_trace_the_scale_page_shows_is_this_run():
+    """reading_notes/traces/activation_memory.json (tools/record-traces, the benchmark's --json at this
+    shape) holds the counts a fresh run gives: re-record it after changing the block or the counting."""
+    trace = json.loads((ROOT / "reading_notes" / "traces" / "activation_memory.json").read_text())
+    assert (trace["world"], trace["shape"]) == (T, {"s": S, "b": B, "h": H, "a": A})
+    assert trace["configurations"] == activation_results(2)[0]["activation_memory"]

@@ -1,0 +1,94 @@
+"""Worker for the recomputation and activation-memory tests: `torchrun ... activation_worker.py OUTDIR DEVICE`.
+
+At the launch's world size t (1 or 2): trains a two-block ParallelTransformer for two steps with dropout, in
+every recompute mode (and, at t > 1, with and without sequence parallelism), and records whether each mode's
+losses and gradients equal the no-recompute run's bit for bit; a control run recomputes the attention core
+without restoring the TP dropout stream, to show that restoring it is what makes them equal. On CPU it also
+counts the bytes one block saves for backward in every configuration of Korthikanti et al.'s Table 2 that the
+world allows (reference.activation_memory). Each rank writes OUTDIR/rank{r}.json.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import reference.recompute
+from reference.activation_memory.measure import count, count_all
+from reference.distributed import distributed
+from reference.recompute import RECOMPUTE_MODES
+from reference.tensor_parallel.transformer import ParallelTransformer
+
+S, B, H, A, LAYERS, SEED, STEPS, DROPOUT = 8, 2, 16, 4, 2, 11, 2, 0.25
+COUNT_SHAPE = dict(s=32, b=2, h=64, a=4)  # s != h / a, so the s^2 tensors are told apart by shape
+
+
+def train(device, tp_group, sequence_parallel: bool, recompute: str, dtype) -> tuple[list[float], dict]:
+    """Losses and this rank's parameter and input gradients after STEPS forward-backward passes."""
+    torch.manual_seed(SEED)
+    model = ParallelTransformer(LAYERS, H, A, tp_group=tp_group, dropout_seed=SEED, hidden_dropout=DROPOUT,
+                                attention_dropout=DROPOUT, sequence_parallel=sequence_parallel,
+                                recompute=recompute, params_dtype=dtype, device=device)
+    losses, grads = [], {}
+    for step in range(STEPS):
+        x = torch.randn(S, B, H, device=device, dtype=dtype, requires_grad=True)
+        weights = torch.randn(S, B, H, device=device, dtype=dtype)
+        loss = (model(x) * weights).sum()
+        loss.backward()
+        losses.append(loss.item())
+        grads[f"step{step}.input"] = x.grad
+    grads.update({name: p.grad for name, p in model.named_parameters()})
+    return losses, grads
+
+
+def compare(reference_run, run) -> dict:
+    (losses0, grads0), (losses, grads) = reference_run, run
+    return {"losses_equal": losses == losses0,
+            "grads_equal": all(torch.equal(grads[n], grads0[n]) for n in grads0),
+            "max_grad_diff": max((grads[n].float() - grads0[n].float()).abs().max().item() for n in grads0)}
+
+
+def recompute_results(device, tp_group) -> dict:
+    """{layout: {mode or control: comparison with recompute "none"}} for fp32 and bf16."""
+    results = {}
+    layouts = [False, True] if tp_group.size() > 1 else [False]
+    for dtype in (torch.float32, torch.bfloat16):
+        for sp in layouts:
+            name = f"t{tp_group.size()}{'_sp' if sp else ''}_{str(dtype).removeprefix('torch.')}"
+            baseline = train(device, tp_group, sp, "none", dtype)
+            results[name] = {mode: compare(baseline, train(device, tp_group, sp, mode, dtype))
+                             for mode in RECOMPUTE_MODES[1:]}
+            replaying = reference.recompute._replaying
+            reference.recompute._replaying = lambda function, rng: function  # the control: no TP stream replay
+            try:
+                results[name]["selective_without_tp_stream_replay"] = compare(
+                    baseline, train(device, tp_group, sp, "selective", dtype))
+            finally:
+                reference.recompute._replaying = replaying
+    return results
+
+
+def memory_counts(device, world: int) -> list[dict]:
+    """Table 2's configurations that fit this world, counted on rank-local blocks."""
+    single = [dist.new_group([r]) for r in range(world)][dist.get_rank()]  # every rank creates every group
+    if world == 1:
+        return [count("no parallelism", **COUNT_SHAPE, tp_group=dist.group.WORLD, device=device).to_dict()]
+    return [c.to_dict() for c in count_all(**COUNT_SHAPE, tp_groups={1: single, world: dist.group.WORLD},
+                                           device=device)]
+
+
+def main() -> None:
+    out, device_type = Path(sys.argv[1]), sys.argv[2]
+    with distributed(device_type) as device:
+        world, rank = dist.get_world_size(), dist.get_rank()
+        result = {"recompute": recompute_results(device, dist.group.WORLD)}
+        if device.type == "cpu":
+            result["activation_memory"] = memory_counts(device, world)
+        (out / f"rank{rank}.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
