@@ -35,7 +35,7 @@ from reference.tensor_parallel.unsharded import causal_self_attention, init_meth
 class ParallelAttention(torch.nn.Module):
     """QKV column-parallel (each rank gets num_attention_heads / p whole heads), attention on the local
     heads, output projection row-parallel. Returns (output, bias) with the bias not yet added.
-With `selective_recompute` the attention core keeps only its input for backward (reference.recompute).
+    With `selective_recompute` the attention core keeps only its input for backward (reference.recompute).
 
     Mirrors `megatron-lm:megatron/core/transformer/attention.py::SelfAttention`.
     """
@@ -116,12 +116,14 @@ class ParallelTransformerBlock(torch.nn.Module):
             return residual + F.dropout(out + bias, self.hidden_dropout, self.training)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Mirrors `megatron-lm:megatron/core/transformer/transformer_layer.py::TransformerLayer.forward`; with
+        full recompute the whole layer runs again in backward (reference.recompute)."""
         if self.recompute == "full" and self.training and torch.is_grad_enabled():
             return checkpoint(self.layer_forward, self.rng, x)
         return self.layer_forward(x)
 
     def layer_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Mirrors `megatron-lm:megatron/core/transformer/transformer_layer.py::TransformerLayer.forward`."""
+        """The layer itself: what full recompute checkpoints."""
         out, bias = self.attention(self.ln1(x))
         x = self.bias_dropout_add(out, bias, x)
         out, bias = self.mlp(self.ln2(x))
