@@ -101,6 +101,33 @@ def test_collectives_per_step_follow_the_closed_form(config, device):
 
 @pytest.mark.upstream("pytorch")
 @pytest.mark.parametrize("device", DEVICES)
+def test_sequence_parallel_leaves_norm_weight_gradients_partial_after_backward(device):
+    """SequenceParallel's norm weights are Replicate; each rank's gradient covers its tokens only, and DTensor
+    leaves the sum to whoever reads it next (Megatron all-reduces them in finalize_model_grads)."""
+    norms = [f"model.layers.{i}.{norm}.weight" for i in range(LAYERS)
+             for norm in ("input_layernorm", "post_attention_layernorm")] + ["model.norm.weight"]
+    for rank in results("tp", device):
+        assert rank["sp"]["partial_grads"] == sorted(norms)
+        assert rank["tp"]["partial_grads"] == rank["hf"]["partial_grads"] == []
+
+
+@pytest.mark.upstream("pytorch")
+@pytest.mark.parametrize("device", DEVICES)
+def test_fsdp2_reduces_the_partial_norm_gradients_and_gathers_each_layer_once_per_forward(device):
+    for rank in results("fsdp_tp", device):
+        for config in ("fp32", "bf16"):
+            run = rank[config]
+            assert run["partial_grads"] == []
+            # one all-reduce over tp per sequence-parallel norm (2 per layer, 1 final) before FSDP reduces
+            assert run["step"]["backward"]["all_reduce"] == 2 * LAYERS + 1
+            assert [block["backward"]["all_reduce"] for block in run["blocks"]] == [2] * LAYERS
+            # forward: the SP block's 2 all-gathers and 2 reduce-scatters over tp, and FSDP's all-gather of
+            # the layer's shards over dp
+            assert [block["forward"] for block in run["blocks"]] == [{"all_gather": 3, "reduce_scatter": 2}] * LAYERS
+
+
+@pytest.mark.upstream("pytorch")
+@pytest.mark.parametrize("device", DEVICES)
 def test_fsdp2_on_a_2d_mesh_with_checkpointing_in_fp32_gives_the_unsharded_loss_and_gradients(device):
     for rank in results("fsdp_tp", device):
         assert rank["fp32"]["loss_diff"] <= FP32 and rank["fp32"]["grad_diff"] <= FP32, rank["rank"]

@@ -28,6 +28,7 @@ from benchmarks import qwen2_dtensor as qwen2
 from reference.distributed import distributed
 
 SEED, DATA_SEED, BATCH, SEQ = 0, 1, 4, 8
+# CommDebugMode's op names (functional collectives from DTensor, c10d ops from FSDP2) -> the collective's kind
 OP_NAMES = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather", "allgather_": "all_gather",
             "_allgather_base_": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
             "reduce_scatter_tensor_coalesced": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter",
@@ -46,6 +47,12 @@ def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name.replace("_checkpoint_wrapped_module.", ""):
             (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).float()
             for name, p in model.named_parameters()}
+
+
+def partial_grads(model: torch.nn.Module) -> list[str]:
+    """Parameters whose gradient is still an unreduced Partial sum after backward (left for a later reduction)."""
+    return sorted(name.replace("_checkpoint_wrapped_module.", "") for name, p in model.named_parameters()
+                  if isinstance(p.grad, DTensor) and any(pl.is_partial() for pl in p.grad.placements))
 
 
 def max_diff(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> float:
@@ -75,6 +82,7 @@ def step_record(model, oracle_loss, oracle_grads, ids, labels, positions, loss_s
     return {"loss_diff": (loss.float() - oracle_loss).abs().item(),
             "grad_diff": max_diff(full_grads(model), oracle_grads),
             "grad_dtypes": sorted({str(p.grad.dtype) for p in model.parameters()}),
+            "partial_grads": partial_grads(model),
             "step": counts(comm, "Global"),
             "blocks": [counts(comm, f"{type(model).__name__}.model.layers.{i}") for i in range(layers)]}
 
