@@ -181,3 +181,13 @@ def test_pitfall_collective_on_a_dtensor_loss_then_on_its_local_tensor(device):
         assert pitfall["error"] == \
             "NotImplementedError: Operator c10d.allreduce_.default does not have a sharding strategy registered."
         assert pitfall["fixed_mean_diff"] == 0.0  # all_reduce(loss.to_local()) / world: the replicated loss
+
+
+@pytest.mark.upstream("pytorch")
+@pytest.mark.parametrize("device", DEVICES)
+def test_sequence_parallel_plan_needs_sdpa_attention_on_hf_qwen2(device):
+    """With eager attention the causal mask is built for the local sequence shard (4 of 8 tokens) and added to
+    the gathered sequence's scores; the plans above run with SDPA, which takes no mask here."""
+    for rank in results("tp", device):
+        assert rank["eager_mask"]["error"] == \
+            "RuntimeError: The size of tensor a (8) must match the size of tensor b (4) at non-singleton dimension 3"

@@ -119,6 +119,7 @@ def run_tp(device: torch.device) -> dict:
     result["pitfall_positional"] = pitfall_positional(base, mesh, ids, positions)
     result["pitfall_uneven_fix"] = pitfall_uneven_fix(base, mesh, device)
     result["pitfall_dtensor_loss"] = pitfall_dtensor_loss(base, mesh, ids, labels, positions)
+    result["eager_mask"] = eager_mask(mesh, device, ids, positions)
     return result
 
 
@@ -130,6 +131,14 @@ def pitfall_positional(base, mesh, ids, positions) -> dict:
     for layer in model.model.layers:
         parallelize_module(layer, mesh, plan)
     parallelize_module(model, mesh, qwen2.top_plan(sequence_parallel=True))
+    return {"error": error_of(lambda: model(input_ids=ids, position_ids=positions))}
+
+
+def eager_mask(mesh, device, ids, positions) -> dict:
+    """Not in the document: under the SP plan, HF builds the causal mask from the embedding's output, which is
+    this rank's sequence shard; eager attention adds that mask to full-sequence scores, SDPA needs none."""
+    model = qwen2.build(qwen2.tiny_config(attn_implementation="eager")).to(device)
+    qwen2.document_plan(model, mesh, sequence_parallel=True)
     return {"error": error_of(lambda: model(input_ids=ids, position_ids=positions))}
 
 
