@@ -191,3 +191,13 @@ def test_sequence_parallel_plan_needs_sdpa_attention_on_hf_qwen2(device):
     for rank in results("tp", device):
         assert rank["eager_mask"]["error"] == \
             "RuntimeError: The size of tensor a (8) must match the size of tensor b (4) at non-singleton dimension 3"
+
+
+@pytest.mark.upstream("pytorch")
+@pytest.mark.parametrize("device", DEVICES)
+def test_sequence_parallel_plan_needs_positions_passed_in(device):
+    """HF derives default positions from the embedding's output, under SP this rank's 4 tokens: rotary cos/sin
+    for 4 positions meet 8-token queries. The plans above pass position_ids (as the document pads them)."""
+    for rank in results("tp", device):
+        assert rank["positions_missing"]["error"] == \
+            "RuntimeError: The size of tensor a (8) must match the size of tensor b (4) at non-singleton dimension 2"

@@ -120,6 +120,8 @@ def run_tp(device: torch.device) -> dict:
     result["pitfall_uneven_fix"] = pitfall_uneven_fix(base, mesh, device)
     result["pitfall_dtensor_loss"] = pitfall_dtensor_loss(base, mesh, ids, labels, positions)
     result["eager_mask"] = eager_mask(mesh, device, ids, positions)
+    sp_model = qwen2.document_plan(copy.deepcopy(base), mesh, sequence_parallel=True)
+    result["positions_missing"] = {"error": error_of(lambda: sp_model(input_ids=ids))}  # HF derives them locally
     return result
 
 
