@@ -1,7 +1,8 @@
 """HF `Qwen2ForCausalLM` under the document's DTensor plans (benchmarks/qwen2_dtensor.py) against the unsharded
 HF model, on CPU/gloo or CUDA/NCCL. Usage: OUT MODE DEVICE, MODE one of
 
-- `tp` (world 2): the TP plan, the sequence-parallel plan, HF's own plan; the three pitfalls and their fixes.
+- `tp` (world 2): the TP plan, the sequence-parallel plan, HF's own plan; the three pitfalls and their fixes,
+  and what else the SP plan needs on HF Qwen2 (positions passed in, SDPA attention).
 - `fsdp_tp` (world 4 = dp 2 x tp 2): FSDP2 with checkpointed layers and the SP plan, fp32 and bf16 compute.
 - `uneven` (world 2): the SP plan on a sequence TP does not divide; expected to crash (pitfall 2).
 
@@ -71,13 +72,13 @@ def counts(comm: CommDebugMode, fqn: str) -> dict[str, dict[str, int]]:
     return result
 
 
-def step_record(model, oracle_loss, oracle_grads, ids, labels, positions, loss_scale_group=None) -> dict:
+def step_record(model, oracle_loss, oracle_grads, ids, labels, positions, dp_group=None) -> dict:
     """One forward/backward of `model` under CommDebugMode, compared with the unsharded oracle."""
     with CommDebugMode() as comm:
         loss = qwen2.loss_and_backward(model, ids, labels, positions)
-    if loss_scale_group is not None:  # data parallel: the oracle's loss is the mean over the DP ranks' batches
-        dist.all_reduce(loss, group=loss_scale_group)
-        loss /= loss_scale_group.size()
+    if dp_group is not None:  # data parallel: the oracle's loss is the mean over the DP ranks' batches
+        dist.all_reduce(loss, group=dp_group)
+        loss /= dp_group.size()
     layers = len(model.model.layers)
     return {"loss_diff": (loss.float() - oracle_loss).abs().item(),
             "grad_diff": max_diff(full_grads(model), oracle_grads),
@@ -103,7 +104,7 @@ def error_of(action) -> str:
 
 def run_tp(device: torch.device) -> dict:
     mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("tp",))
-    base = qwen2.build(qwen2.tiny_config()).to(device)
+    base = qwen2.build(qwen2.tiny_config(), SEED).to(device)
     ids, labels, positions = batch(device)
     oracle_loss, oracle_grads = oracle(base, ids, labels, positions)
     result = {}
@@ -139,7 +140,7 @@ def pitfall_positional(base, mesh, ids, positions) -> dict:
 def eager_mask(mesh, device, ids, positions) -> dict:
     """Not in the document: under the SP plan, HF builds the causal mask from the embedding's output, which is
     this rank's sequence shard; eager attention adds that mask to full-sequence scores, SDPA needs none."""
-    model = qwen2.build(qwen2.tiny_config(attn_implementation="eager")).to(device)
+    model = qwen2.build(qwen2.tiny_config(attn_implementation="eager"), SEED).to(device)
     qwen2.document_plan(model, mesh, sequence_parallel=True)
     return {"error": error_of(lambda: model(input_ids=ids, position_ids=positions))}
 
@@ -175,7 +176,7 @@ def pitfall_dtensor_loss(base, mesh, ids, labels, positions) -> dict:
 def run_fsdp_tp(device: torch.device) -> dict:
     """The document's working configuration on dp 2 x tp 2; each DP rank trains on its half of the batch."""
     mesh = init_device_mesh(device.type, (2, dist.get_world_size() // 2), mesh_dim_names=("dp", "tp"))
-    base = qwen2.build(qwen2.tiny_config()).to(device)
+    base = qwen2.build(qwen2.tiny_config(), SEED).to(device)
     ids, labels, positions = batch(device)
     oracle_loss, oracle_grads = oracle(base, ids, labels, positions)
     dp_rank, dp_group = mesh["dp"].get_local_rank(), mesh["dp"].get_group()
@@ -183,14 +184,14 @@ def run_fsdp_tp(device: torch.device) -> dict:
     result = {}
     for config, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         model = qwen2.fsdp2_2d(copy.deepcopy(base), mesh, sequence_parallel=True, param_dtype=dtype)
-        result[config] = step_record(model, oracle_loss, oracle_grads, *mine, positions, loss_scale_group=dp_group)
+        result[config] = step_record(model, oracle_loss, oracle_grads, *mine, positions, dp_group=dp_group)
     return result
 
 
 def run_uneven(device: torch.device) -> None:
     """Pitfall 2: a 7-token sequence under the SP plan at TP 2 (no padding); gloo aborts the job."""
     mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("tp",))
-    model = qwen2.document_plan(qwen2.build(qwen2.tiny_config()).to(device), mesh, sequence_parallel=True)
+    model = qwen2.document_plan(qwen2.build(qwen2.tiny_config(), SEED).to(device), mesh, sequence_parallel=True)
     ids, labels, positions = batch(device, seq=SEQ - 1)
     qwen2.loss_and_backward(model, ids, labels, positions)
     print(f"rank {dist.get_rank()}: a {SEQ - 1}-token sequence ran under SP at TP {mesh.size()}", flush=True)
