@@ -206,7 +206,8 @@ def _screenshot(page, name: str) -> None:
 def test_every_page_loads_from_127_0_0_1_only_and_its_diagrams_render(every_page, site_url):
     reports, requested = every_page
     assert {".", "diagram-check", "notes/synthesis", "notes/megatron-tp-layers", "notes/fsdp-prefetch",
-            "notes/megatron-pipeline-1f1b", "notes/sources/megatron-lm", "notes/reference/fsdp.runtime"} <= set(reports)
+            "notes/megatron-pipeline-1f1b", "notes/dtensor-tp", "notes/sources/megatron-lm",
+            "notes/reference/fsdp.runtime"} <= set(reports)
     for path, report in reports.items():
         diagrams = report["diagrams"]
         assert len(diagrams["svgTexts"]) == diagrams["expected"] and not diagrams["syntaxError"], (path, diagrams)
