@@ -1,8 +1,9 @@
 """Wall times of the citation tool on the shipped notes, side by side in one run: `tools/pin-and-cite check`,
 `mkdocs build` (which renders every note first), and the import time of the tool (`import pin_and_cite.cli`),
-each the median of --repeat runs in fresh processes (after one unmeasured `check`, which fills the parse and
-compiled-template caches as any first run after an edit does). Also counts the torch modules `check`
-imported (`python -X importtime`): the citation tool never imports torch, so a count above 0 fails the run.
+each the median of --repeat runs in fresh processes, as wall time and as CPU time (after one unmeasured
+`check`, which fills the parse and compiled-template caches as any first run after an edit does). Also counts
+the torch modules `check` imported (`python -X importtime`): the citation tool never imports torch, so a count
+above 0 fails the run.
 
     .venv/bin/python benchmarks/bench_tools.py [--repeat N] [--json]
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -32,18 +34,23 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _timed(cmd: list[str]) -> float:
-    """Seconds one run of `cmd` took from the repository root; a failed run stops the benchmark."""
+def _timed(cmd: list[str]) -> tuple[float, float]:
+    """(wall seconds, CPU seconds) of one run of `cmd` from the repository root; a failed run stops the
+    benchmark. The CPU time (user + system) says what the run cost where other jobs share the cores."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True)
     elapsed = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0:
         sys.exit(f"bench_tools: {' '.join(cmd)} exited {proc.returncode}: {(proc.stdout + proc.stderr)[-2000:]}")
-    return elapsed
+    return elapsed, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
-def median_of(cmd: list[str], repeat: int) -> float:
-    return statistics.median(_timed(cmd) for _ in range(repeat))
+def median_of(cmd: list[str], repeat: int) -> tuple[float, float]:
+    """The median wall time and the median CPU time of `repeat` runs."""
+    runs = [_timed(cmd) for _ in range(repeat)]
+    return statistics.median(wall for wall, _ in runs), statistics.median(cpu for _, cpu in runs)
 
 
 def torch_modules_in_check() -> int:
@@ -56,13 +63,14 @@ def torch_modules_in_check() -> int:
 
 def measure(repeat: int) -> dict[str, float]:
     _timed([str(ROOT / "tools" / "pin-and-cite"), "check"])           # fills the caches a warm check reads
+    figures: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="bench-site-") as site:
-        return {
-            "check_s": median_of([str(ROOT / "tools" / "pin-and-cite"), "check"], repeat),
-            "mkdocs_build_s": median_of([str(PYTHON), "-m", "mkdocs", "build", "--quiet", "--site-dir", site], repeat),
-            "import_s": median_of([str(PYTHON), "-c", "import pin_and_cite.cli"], repeat),
-            "torch_modules_in_check": torch_modules_in_check(),
-        }
+        for name, cmd in (("check", [str(ROOT / "tools" / "pin-and-cite"), "check"]),
+                          ("mkdocs_build", [str(PYTHON), "-m", "mkdocs", "build", "--quiet", "--site-dir", site]),
+                          ("import", [str(PYTHON), "-c", "import pin_and_cite.cli"])):
+            figures[f"{name}_s"], figures[f"{name}_cpu_s"] = median_of(cmd, repeat)
+    figures["torch_modules_in_check"] = torch_modules_in_check()
+    return figures
 
 
 def main() -> int:
@@ -74,11 +82,12 @@ def main() -> int:
     if args.json:
         print(json.dumps(figures))
         return 1 if figures["torch_modules_in_check"] else 0
-    print(f"{'what':28} {'measured':>10} {'target':>8}")
-    print(f"{'check wall time':28} {figures['check_s']:>9.2f}s {TARGETS['check_s']:>7}s")
-    print(f"{'mkdocs build wall time':28} {figures['mkdocs_build_s']:>9.2f}s {TARGETS['mkdocs_build_s']:>7}s")
-    print(f"{'import pin_and_cite.cli':28} {figures['import_s']:>9.2f}s")
-    print(f"{'torch modules check imports':28} {figures['torch_modules_in_check']:>10} {0:>8}")
+    print(f"{'what':28} {'wall':>10} {'CPU':>8} {'target':>8}")
+    print(f"{'check':28} {figures['check_s']:>9.2f}s {figures['check_cpu_s']:>7.2f}s {TARGETS['check_s']:>7}s")
+    print(f"{'mkdocs build':28} {figures['mkdocs_build_s']:>9.2f}s {figures['mkdocs_build_cpu_s']:>7.2f}s "
+          f"{TARGETS['mkdocs_build_s']:>7}s")
+    print(f"{'import pin_and_cite.cli':28} {figures['import_s']:>9.2f}s {figures['import_cpu_s']:>7.2f}s")
+    print(f"{'torch modules check imports':28} {figures['torch_modules_in_check']:>10} {'':>8} {0:>8}")
     if figures["torch_modules_in_check"]:
         print("bench_tools: `check` imported torch; the citation tool must not", file=sys.stderr)
         return 1

@@ -1,16 +1,18 @@
 """Installed wheels as a source: torch 2.13.0 and megatron-core 0.16.1 ship byte-identical upstream files.
 
 A wheel's file is only a candidate: fetch uses it when its git blob SHA equals the lock's, never otherwise.
+importlib.metadata (with the email package it reads metadata with) is imported only when a wheel is asked:
+a warm `check` never does.
 """
 from __future__ import annotations
 
 import functools
-import importlib.metadata
 from pathlib import Path
 
 
 @functools.cache
 def _files(distribution: str) -> tuple[str, dict[str, Path]] | None:
+    import importlib.metadata
     try:
         dist = importlib.metadata.distribution(distribution)
     except importlib.metadata.PackageNotFoundError:
