@@ -1,0 +1,132 @@
+"""Megatron's mixed precision and the distributed optimizer (ZeRO-1) in reference.data_parallel.
+
+One 4-rank launch of workers/distributed_optimizer_worker.py trains the bf16 test transformer (hidden 16, an odd
+MLP width 61 so that buckets need padding) with Adam for three steps at DP 4 and DP 2, with the unsharded
+mixed precision optimizer (the oracle: fp32 main_grad all-reduced, fp32 masters of every parameter on every
+rank) and with the distributed optimizer (reduce-scatter, step this rank's slice, all-gather), with and without
+overlapping the all-gathers with the next forward, with fp32 and with bf16 gradients.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from tests.launch import torchrun
+
+WORKER = Path(__file__).parent / "workers" / "distributed_optimizer_worker.py"
+DISTRIBUTED = ["distopt", "distopt/overlap_param_gather", "distopt/bf16_grads"]
+
+
+@functools.cache
+def results() -> list[dict]:
+    out = Path(tempfile.mkdtemp(prefix="distributed-optimizer-"))
+    torchrun(WORKER, 4, str(out), timeout=300)
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(4)]
+
+
+def runs(dp: str, config: str) -> list[dict]:
+    return [result["dp"][dp]["runs"][config] for result in results()]
+
+
+def ops(step: list[dict], op: str) -> list[dict]:
+    return [e for e in step if e["op"] == op]
+
+
+@pytest.mark.parametrize("dp", ["dp2", "dp4"])
+@pytest.mark.parametrize("config", DISTRIBUTED)
+def test_distributed_optimizer_equals_the_unsharded_step_bit_for_bit(dp, config):
+    """Reduce-scatter then all-gather sums the same terms in the same order as gloo's all-reduce, and Adam is
+    elementwise, so slicing changes no bit: parameters, fp32 master slices and losses are equal."""
+    for run in runs(dp, config):
+        diff = run["diff"]
+        assert diff["params_bitwise"] and diff["params"] == 0.0
+        assert diff["masters"] == 0.0 and diff["losses"] == 0.0
+
+
+def test_buckets_are_padded_to_a_multiple_of_the_dp_size():
+    for dp, n in (("dp2", 2), ("dp4", 4)):
+        for run in runs(dp, "distopt"):
+            assert run["numel"] % n != 0 or run["padded_numel"] > run["numel"], "the test model needs padding"
+            assert run["padded_numel"] % n == 0
+            assert 0 < run["padded_numel"] - run["numel"] < n * run["buckets"]
+
+
+@pytest.mark.parametrize("config", ["oracle", "distopt"])
+def test_mixed_precision_keeps_bf16_parameters_fp32_main_grads_and_fp32_masters(config):
+    for run in runs("dp2", config):
+        facts = run["facts"]
+        assert facts["param_dtype"] == "torch.bfloat16" and facts["main_grad_dtype"] == "torch.float32"
+        assert facts["grad_is_none"], "the hook moves each bf16 .grad into main_grad and drops it"
+        assert facts["master_dtypes"] == ["torch.float32"]
+        assert facts["master_rounds_to_param"], "the bf16 parameter is its fp32 master rounded"
+        assert facts["master_finer_than_param"] > 0, "the masters hold bits the bf16 parameters do not"
+
+
+@pytest.mark.parametrize("dp, n", [("dp2", 2), ("dp4", 4)])
+def test_bytes_per_rank_are_the_zero_paper_accounting(dp, n):
+    """ZeRO (Rajbhandari et al. 2020), stage 1: 2Ψ bf16 parameters + 2Ψ bf16 gradients + 12Ψ/N optimizer
+    (4 fp32 master + 4 + 4 Adam moments). Megatron with fp32 main gradients: 4Ψ of gradients, so 6Ψ + 12Ψ/N.
+    Ψ is the padded bucket size (at most N - 1 elements per bucket more than the model)."""
+    for run in runs(dp, "distopt/bf16_grads"):
+        psi = run["padded_numel"]
+        assert run["bytes"] == {"parameters": 2 * psi, "gradients": 2 * psi, "master_weights": 4 * psi // n,
+                                "optimizer_states": 8 * psi // n}
+    for run in runs(dp, "distopt"):
+        psi = run["padded_numel"]
+        assert run["bytes"] == {"parameters": 2 * psi, "gradients": 4 * psi, "master_weights": 4 * psi // n,
+                                "optimizer_states": 8 * psi // n}
+    for run in runs(dp, "oracle"):  # unsharded: 2 + 4 + 12 bytes per parameter on every rank
+        psi = run["numel"]
+        assert run["bytes"] == {"parameters": 2 * psi, "gradients": 4 * psi, "master_weights": 4 * psi,
+                                "optimizer_states": 8 * psi}
+
+
+@pytest.mark.parametrize("dp", ["dp2", "dp4"])
+def test_traffic_per_step_reduce_scatter_plus_all_gather_is_an_all_reduce(dp):
+    """Per rank a ring all-reduce moves 2(N-1)/N of its buffer, a reduce-scatter and an all-gather (N-1)/N
+    each: with bf16 gradients the distributed optimizer sends what DDP sends; with fp32 gradients and bf16
+    parameters 4 + 2 = 6 bytes per parameter against DDP's 8. Recorded nbytes are full-buffer sizes."""
+    for bf16, ddp, distopt in zip(runs(dp, "oracle/bf16_grads"), runs(dp, "distopt/bf16_grads"), runs(dp, "distopt")):
+        psi, padded = distopt["numel"], distopt["padded_numel"]
+        for step in range(len(bf16["steps"])):
+            all_reduce = sum(e["nbytes"] for e in ops(bf16["steps"][step], "all_reduce"))
+            assert all_reduce == 2 * psi
+            both = ops(ddp["steps"][step], "reduce_scatter") + ops(ddp["steps"][step], "all_gather")
+            assert sum(e["nbytes"] for e in both) == 2 * (2 * padded)  # = 2 x all-reduce bytes, padded
+            fp32 = distopt["steps"][step]
+            assert sum(e["nbytes"] for e in ops(fp32, "reduce_scatter")) == 4 * padded
+            assert {e["dtype"] for e in ops(fp32, "reduce_scatter")} == {"float32"}
+            assert sum(e["nbytes"] for e in ops(fp32, "all_gather")) == 2 * padded
+            assert {e["dtype"] for e in ops(fp32, "all_gather")} == {"bfloat16"}
+
+
+def test_reduce_scatters_overlap_backward_and_all_gathers_follow_the_step():
+    for run in runs("dp4", "distopt"):
+        for step in run["steps"]:
+            kinds = [e["op"] for e in step]
+            assert kinds == ["reduce_scatter"] * run["buckets"] + ["all_gather"] * run["buckets"]
+            assert all(e["phase"] == "backward" for e in ops(step, "reduce_scatter"))
+            assert all(e["in_step"] for e in ops(step, "all_gather"))
+
+
+def test_overlapped_all_gathers_run_in_the_next_forward():
+    """overlap_param_gather: the step issues only the first bucket the forward needs; every other bucket's
+    all-gather is issued by a forward pre-hook, before that step's backward starts reduce-scattering."""
+    for run in runs("dp4", "distopt/overlap_param_gather"):
+        later = run["steps"][1]
+        first_reduce_scatter = [e["op"] for e in later].index("reduce_scatter")
+        in_forward = [e for e in later[:first_reduce_scatter] if e["op"] == "all_gather"]
+        assert len(in_forward) == run["buckets"] - 1
+        assert all(e["phase"] == "forward" and not e["in_step"] for e in in_forward)
+        assert [e["in_step"] for e in ops(later, "all_gather")][-1] is True
+
+
+def test_bad_input_is_refused_with_a_message():
+    errors = results()[0]["bad_input"]
+    assert "use_distributed_optimizer=True" in errors["distopt_on_plain_ddp"]
+    assert "needs use_distributed_optimizer=True" in errors["overlap_param_gather_without_distopt"]
+    assert "reduce-scattered" in errors["unsharded_on_sharded_ddp"]
