@@ -130,3 +130,64 @@ def test_bad_input_is_refused_with_a_message():
     assert "use_distributed_optimizer=True" in errors["distopt_on_plain_ddp"]
     assert "needs use_distributed_optimizer=True" in errors["overlap_param_gather_without_distopt"]
     assert "reduce-scattered" in errors["unsharded_on_sharded_ddp"]
+
+
+MEGATRON_WORKER = Path(__file__).parent / "workers" / "megatron_distopt_worker.py"
+
+
+@functools.cache
+def megatron_results() -> list[dict]:
+    out = Path(tempfile.mkdtemp(prefix="megatron-distopt-"))
+    torchrun(MEGATRON_WORKER, 2, str(out), timeout=240)
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+
+@pytest.mark.upstream("megatron-lm")
+def test_megatron_distributed_optimizer_and_the_reference_train_bit_for_bit():
+    """megatron-core's DistributedOptimizer (get_megatron_optimizer, bf16, torch AdamW without TE/Apex) and the
+    reference, same MLP, seed and data at DP 2: equal losses and bf16 parameters after three steps, although
+    megatron pads its buffer differently and slices its masters at parameter boundaries."""
+    for result in megatron_results():
+        megatron, reference = result["megatron"], result["reference"]
+        assert (megatron["optimizer_class"], megatron["inner_class"]) == ("DistributedOptimizer", "AdamW")
+        assert megatron["losses"] == reference["losses"]
+        assert megatron["params"] == reference["params"]
+
+
+@pytest.mark.upstream("megatron-lm")
+def test_megatron_holds_fp32_main_grads_and_a_twelve_byte_optimizer_share():
+    """Megatron's accounting with grad_reduce_in_fp32: bf16 parameter buffer (2 bytes) + fp32 gradient buffer
+    (4 bytes) per padded element on every rank, and 4 + 4 + 4 bytes of master and Adam moments per *model*
+    element of this rank's slice: its masters skip the padding, the reference's flat slices keep it."""
+    results = megatron_results()
+    for result in results:
+        megatron = result["megatron"]
+        padded = megatron["grad_buffer"]["numel"]
+        assert megatron["grad_buffer"]["dtype"] == "torch.float32" and megatron["param_buffer"] == {
+            "numel": padded, "dtype": "torch.bfloat16"}
+        assert padded % 128 == 0 and padded > megatron["numel_unpadded"]  # lcm(dp, 128), params 64-aligned
+        assert megatron["state_bytes"] == 2 * megatron["master_bytes"]
+    assert sum(r["megatron"]["master_bytes"] for r in results) == 4 * results[0]["megatron"]["numel_unpadded"]
+    for result in results:  # the reference pads the one bucket only to a multiple of dp
+        numel = result["megatron"]["numel_unpadded"]
+        padded = numel + numel % 2
+        assert result["reference"]["bytes"] == {"parameters": 2 * padded, "gradients": 4 * padded,
+                                                "master_weights": 2 * padded, "optimizer_states": 4 * padded}
+
+
+@pytest.mark.upstream("megatron-lm")
+def test_megatron_reduce_scatters_fp32_and_all_gathers_bf16_like_the_reference():
+    """Per step one fp32 reduce-scatter of the gradient buffer and one bf16 all-gather of the parameter buffer
+    after the step; megatron adds one fp32 scalar all-reduce, the gradient norm ChainedOptimizer.step computes
+    for logging. The reduce-scatter runs in backward (overlap_grad_reduce) from the second step on: in the
+    first, megatron's DDP records which gradients fill its bucket and issues it in finish_grad_sync."""
+    for result in megatron_results():
+        megatron, reference = result["megatron"], result["reference"]
+        padded = megatron["grad_buffer"]["numel"]
+        for step, (theirs, ours) in enumerate(zip(megatron["steps"], reference["steps"])):
+            assert [(e["op"], e["dtype"]) for e in theirs] == [
+                ("reduce_scatter", "float32"), ("all_reduce", "float32"), ("all_gather", "bfloat16")]
+            assert [e["nbytes"] for e in theirs] == [4 * padded, 4, 2 * padded]
+            assert [(e["op"], e["dtype"], e["phase"]) for e in ours] == [
+                ("reduce_scatter", "float32", "backward"), ("all_gather", "bfloat16", "forward")]
+            assert theirs[0]["phase"] == ("forward" if step == 0 else "backward")
