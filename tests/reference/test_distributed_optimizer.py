@@ -191,3 +191,18 @@ def test_megatron_reduce_scatters_fp32_and_all_gathers_bf16_like_the_reference()
             assert [(e["op"], e["dtype"], e["phase"]) for e in ours] == [
                 ("reduce_scatter", "float32", "backward"), ("all_gather", "bfloat16", "forward")]
             assert theirs[0]["phase"] == ("forward" if step == 0 else "backward")
+
+
+@pytest.mark.upstream("megatron-lm")
+def test_megatron_ties_the_embedding_across_stages_as_the_reference_does():
+    """megatron-core's GPTModel at PP 2 with share_embeddings_and_output_weights (its default): the embedding
+    group is the pipeline's first and last rank, the last stage's copy equals the first stage's embedding
+    after construction (zeroed, then all-reduced), and finalize_model_grads sums the two copies' main_grad
+    (1 + 2 on both ends) in one all-reduce of the whole matrix over that group: what
+    reference.pipeline.tied_embeddings does (tests/reference/test_tied_embeddings.py)."""
+    results = [r["tied"] for r in megatron_results()]
+    assert [r["first"] for r in results] == [True, False]
+    for tied in results:
+        assert tied["embedding_group"] == [0, 1] and tied["ends_equal_after_construction"]
+        assert tied["main_grad_after_finalize"] == [3.0]
+        assert tied["embedding_group_all_reduces"] == [tied["weight_bytes"]] == [64 * 16 * 4]

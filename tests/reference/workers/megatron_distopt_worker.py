@@ -4,7 +4,11 @@ Trains one bf16 MLP (16 -> 61 -> 16, odd sizes) for three Adam steps at DP 2 twi
 with megatron-core 0.16.1's own DistributedDataParallel (use_distributed_optimizer, grad_reduce_in_fp32) and
 DistributedOptimizer (get_megatron_optimizer, bf16), and with the reference's (reference.data_parallel), under a
 CollectiveRecorder. Each rank writes OUT/rank{r}.json: both runs' final parameters, losses, collectives per
-step and megatron's buffer and optimizer-state sizes.
+step and megatron's buffer and optimizer-state sizes. Then, at PP 2, megatron's tied embeddings
+(`megatron_tied_embeddings`): a GPTModel with share_embeddings_and_output_weights on each stage, its embedding
+group, the last stage's copy after construction, and what finalize_model_grads does to the tied matrix's
+main_grad (set to rank + 1 on each end: no forward is needed for the mechanism, and megatron's attention
+dropout forks the CUDA RNG, which the CPU has not).
 
 Runs on CPU because megatron's allocations on torch.cuda.current_device() are redirected to the CPU
 (reference.torch_patches.cuda_calls_on_cpu) and `CudaTypeNames` below makes a CPU tensor's `.type()` read
@@ -28,7 +32,10 @@ from reference.torch_patches import cuda_calls_on_cpu
 cuda_calls_on_cpu()
 
 from megatron.core import parallel_state  # noqa: E402
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
+from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,  # noqa: E402
+                                      finalize_model_grads)
+from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
 from megatron.core.transformer import TransformerConfig  # noqa: E402
 
@@ -40,12 +47,15 @@ H, FFN, B, STEPS, SEED, LR = 16, 61, 8, 3, 1234, 1e-3
 
 
 class CudaTypeNames(TorchFunctionMode):
-    """A CPU tensor's `.type()` answers with the CUDA name; `device="cuda"` literals land on the CPU."""
+    """A CPU tensor's `.type()` answers with the CUDA name, `.cuda()` leaves it where it is, and `device="cuda"`
+    literals land on the CPU."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             return func(*args).replace("torch.", "torch.cuda.", 1)
+        if func is torch.Tensor.cuda:
+            return args[0]
         if str(kwargs.get("device", "")).startswith("cuda"):
             kwargs["device"] = "cpu"
         return func(*args, **kwargs)
@@ -116,10 +126,38 @@ def reference_run() -> dict:
     return result
 
 
+def megatron_tied_embeddings() -> dict:
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2, create_gloo_process_groups=False)
+    torch.manual_seed(SEED)
+    with CudaTypeNames():
+        config = TransformerConfig(num_layers=2, hidden_size=H, num_attention_heads=2, use_cpu_initialization=True,
+                                   pipeline_dtype=torch.float32, pipeline_model_parallel_size=2)
+        gpt = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=8,
+                       pre_process=parallel_state.is_pipeline_first_stage(),
+                       post_process=parallel_state.is_pipeline_last_stage(), share_embeddings_and_output_weights=True)
+        weight = gpt.shared_embedding_or_output_weight()
+        ends = [torch.empty_like(weight) for _ in range(2)]
+        dist.all_gather(ends, weight.detach())
+        model = DistributedDataParallel(config, DistributedDataParallelConfig(), gpt)
+        model.zero_grad_buffer()
+        weight.main_grad.fill_(dist.get_rank() + 1.0)
+        with CollectiveRecorder() as rec:
+            finalize_model_grads([model])
+    group = parallel_state.get_embedding_group()
+    result = {"first": parallel_state.is_pipeline_first_stage(), "embedding_group": dist.get_process_group_ranks(group),
+              "ends_equal_after_construction": torch.equal(ends[0], ends[1]),
+              "main_grad_after_finalize": sorted(set(weight.main_grad.flatten().tolist())),
+              "weight_bytes": weight.numel() * weight.element_size(),
+              "embedding_group_all_reduces": [e.nbytes for e in rec.events if e.op == "all_reduce"
+                                              and list(e.group_ranks) == dist.get_process_group_ranks(group)]}
+    parallel_state.destroy_model_parallel()
+    return result
+
+
 def main(out: Path) -> None:
     init()
     assert dist.get_world_size() == 2, "run on 2 ranks"
-    result = {"megatron": megatron_run(), "reference": reference_run()}
+    result = {"megatron": megatron_run(), "reference": reference_run(), "tied": megatron_tied_embeddings()}
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
     print(f"rank {dist.get_rank()}: megatron distributed optimizer compared", flush=True)
     finish()
