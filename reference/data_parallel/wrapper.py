@@ -71,8 +71,8 @@ class DistributedDataParallel(nn.Module):
         self.param_buckets = ([ParamBucket(bucket.params, bucket.grad_data.numel(), self.process_group,
                                            overlap_param_gather) for bucket in self.buckets]
                               if use_distributed_optimizer else [])
-        if overlap_param_gather:
-            self._hooks_pre = ParamBucket.wait_before_forward(module, self.param_buckets)
+        self._hooks_pre = (ParamBucket.wait_before_forward(module, self.param_buckets) if overlap_param_gather
+                           else [])
         self._next_bucket = 0
         self._sync = True
         if broadcast_params:
@@ -96,7 +96,7 @@ class DistributedDataParallel(nn.Module):
     def remove_hooks(self) -> None:
         """Detach this wrapper from its parameters (the hooks hold it alive, and would keep moving gradients
         into its buckets), e.g. before wrapping the same module again."""
-        for handle in self._hooks + getattr(self, "_hooks_pre", []):
+        for handle in self._hooks + self._hooks_pre:
             handle.remove()
         self._hooks, self._hooks_pre = [], []
 
