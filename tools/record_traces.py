@@ -32,6 +32,8 @@ PIPELINE_RANKS = 4   # trace_worker.PIPELINE_RANKS
 SCALE = {
     "scale_70b": ["--model", "70b", "--tp", "8", "--pp", "8", "--dp", "64", "--microbatches", "16"],
     "scale_70b_sp": ["--model", "70b", "--tp", "8", "--pp", "8", "--dp", "64", "--microbatches", "16", "--sp"],
+    "scale_70b_distopt": ["--model", "70b", "--tp", "8", "--pp", "8", "--dp", "64", "--microbatches", "16",
+                          "--distributed-optimizer"],
 }
 
 

@@ -16,6 +16,18 @@ Counterparts:
     `gradient_as_bucket_view=True` (each parameter's `.grad` is a view into its bucket, no copy).
 Here `bucket_size` is in bytes (torch's unit); a bucket also closes where the dtype changes (Megatron keeps
 one buffer per dtype), so one buffer never mixes dtypes.
+
+Mixed precision (`grad_dtype` wider than the parameters, e.g. bf16 parameters, fp32 gradients): the bucket's
+buffer is Megatron's `main_grad`, not `.grad` (which must have the parameter's dtype). Autograd writes a bf16
+`.grad`, the hook adds it into the fp32 `param.main_grad` view and drops it, as megatron's
+distributed_data_parallel.py::DistributedDataParallel._make_backward_post_hook does; micro-batches accumulate in
+fp32 and the buffer is reduced in fp32 (Megatron-LM's default for bf16, `grad_reduce_in_fp32=True`).
+
+Sharded (the distributed optimizer, reference.data_parallel.distributed_optimizer): the buffer is padded to a
+multiple of the DP size and *reduce-scattered* instead of all-reduced, in place: rank r keeps the mean of the
+r-th 1/dp of the bucket (`shard`), which is all its optimizer shard needs
+(param_and_grad_buffer.py::_ParamAndGradBucketGroup.start_grad_sync with use_distributed_optimizer; Megatron
+pads further, to a multiple of lcm(dp, 128) elements, for GPU memory alignment, which the CPU does not need).
 """
 from __future__ import annotations
 
@@ -46,13 +58,24 @@ def bucket_layout(params: list[torch.Tensor], bucket_size: int | None) -> list[l
     return buckets + [current] if current else buckets
 
 
-class GradBucket:
-    """One flat gradient buffer, its parameters' `.grad` views into it, and its all-reduce in flight."""
+def padded_numel(numel: int, group_size: int) -> int:
+    """`numel` rounded up to a multiple of the group size, so that every rank's shard has the same size."""
+    return -(-numel // group_size) * group_size
 
-    def __init__(self, params: list[torch.nn.Parameter], group: dist.ProcessGroup) -> None:
-        self.params, self.group = params, group
-        self.grad_data = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype,
-                                     device=params[0].device)
+
+class GradBucket:
+    """One flat gradient buffer, its parameters' gradient views into it, and its reduction in flight.
+
+    grad_dtype: None keeps `.grad` views of the parameters' dtype; a dtype keeps `main_grad` views of it.
+    sharded: pad to a multiple of the group size and reduce-scatter (see the module docstring)."""
+
+    def __init__(self, params: list[torch.nn.Parameter], group: dist.ProcessGroup, *,
+                 grad_dtype: torch.dtype | None = None, sharded: bool = False) -> None:
+        self.params, self.group, self.sharded = params, group, sharded
+        self.numel = sum(p.numel() for p in params)
+        self.main_grad = grad_dtype is not None
+        self.grad_data = torch.zeros(padded_numel(self.numel, group.size()) if sharded else self.numel,
+                                     dtype=grad_dtype or params[0].dtype, device=params[0].device)
         self.views: dict[torch.nn.Parameter, torch.Tensor] = {}
         offset = 0
         for param in params:
@@ -67,16 +90,29 @@ class GradBucket:
     def nbytes(self) -> int:
         return self.grad_data.numel() * self.grad_data.element_size()
 
+    @property
+    def shard(self) -> torch.Tensor:
+        """This rank's 1/dp of the (padded) buffer: after a sharded sync, the mean gradient it steps."""
+        size = self.grad_data.numel() // self.group.size()
+        return self.grad_data[self.group.rank() * size:(self.group.rank() + 1) * size]
+
     def attach_grads(self) -> None:
-        """Point every parameter's `.grad` at its view, so autograd accumulates into the bucket in place."""
+        """Point every parameter's `.grad` (or `main_grad`) at its view, so gradients land in the bucket."""
         for param, view in self.views.items():
-            param.grad = view
+            if self.main_grad:
+                param.main_grad = view
+            else:
+                param.grad = view
 
     def take_grad(self, param: torch.nn.Parameter) -> None:
-        """After autograd wrote `param.grad`: if it is not the bucket view (the optimizer set it to None, so
-        autograd allocated a fresh one), move it into the view; the view is the gradient from now on."""
+        """After autograd wrote `param.grad`: with main_grad, add it into the view and drop it (fp32
+        accumulation); otherwise, if it is not the bucket view (the optimizer set it to None, so autograd
+        allocated a fresh one), move it into the view; the view is the gradient from now on."""
         view = self.views[param]
-        if param.grad is not view:
+        if self.main_grad:
+            view.add_(param.grad)
+            param.grad = None
+        elif param.grad is not view:
             view.copy_(param.grad)
             param.grad = view
 
@@ -101,7 +137,11 @@ class GradBucket:
         """
         if self.group.size() > 1:  # a replica of one: its gradient is already the mean
             self.grad_data.mul_(1.0 / self.group.size())
-            self.work = dist.all_reduce(self.grad_data, group=self.group, async_op=async_op)
+            if self.sharded:  # in place, as Megatron: the output is this rank's view of the input
+                self.work = dist.reduce_scatter_tensor(self.shard, self.grad_data, group=self.group,
+                                                       async_op=async_op)
+            else:
+                self.work = dist.all_reduce(self.grad_data, group=self.group, async_op=async_op)
         self.started = True
 
     def finish_grad_sync(self) -> None:

@@ -9,6 +9,13 @@ gradients are averaged over the DP group before the optimizer step.
   * `finish_grad_sync()` waits for them (issuing any not yet issued: all of them without overlap);
   * `no_sync()` turns the hooks off: gradients keep accumulating in the buckets, nothing is sent. Gradient
     accumulation runs every micro-batch but the last under it, then one `finish_grad_sync()`.
+  * `grad_dtype=torch.float32` around bf16 parameters: Megatron's mixed precision, gradients accumulated and
+    reduced in fp32 `param.main_grad` (reference.data_parallel.buckets); the optimizer keeps fp32 master
+    weights (reference.data_parallel.mixed_precision);
+  * `use_distributed_optimizer=True`: buckets are reduce-scattered, and every parameter becomes a view into a
+    flat per-bucket parameter buffer (`ParamBucket`) that the distributed optimizer all-gathers after its step
+    (reference.data_parallel.distributed_optimizer); with `overlap_param_gather` the all-gathers wait until
+    the next forward, each bucket's awaited by a forward pre-hook of the first module that uses it.
 With tensor parallelism the parameters are TP shards and `dp_group` is the layout's DP group: each TP rank
 averages its own shards with the ranks holding the same shards. Sequence-parallel LayerNorm gradients also
 need their TP all-reduce; see reference.data_parallel.finalize.
@@ -30,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from reference.data_parallel.buckets import GradBucket, bucket_layout
+from reference.data_parallel.param_buckets import ParamBucket
 from reference.parallel_state import divide
 
 DEFAULT_BUCKET_SIZE = 25 * 2**20  # bytes, torch DDP's bucket_cap_mb default
@@ -38,7 +46,8 @@ DEFAULT_BUCKET_SIZE = 25 * 2**20  # bytes, torch DDP's bucket_cap_mb default
 class DistributedDataParallel(nn.Module):
     def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None, *,
                  bucket_size: int | None = DEFAULT_BUCKET_SIZE, overlap_grad_reduce: bool = True,
-                 broadcast_params: bool = True) -> None:
+                 broadcast_params: bool = True, grad_dtype: torch.dtype | None = None,
+                 use_distributed_optimizer: bool = False, overlap_param_gather: bool = False) -> None:
         super().__init__()
         if not dist.is_initialized():
             raise RuntimeError("DistributedDataParallel needs torch.distributed.init_process_group() first")
@@ -51,9 +60,19 @@ class DistributedDataParallel(nn.Module):
                 raise ValueError(f"parameter '{name}' accumulates into main_grad (gradient_accumulation_fusion); "
                                  "reference DDP reduces .grad: build the model with gradient_accumulation_fusion=False")
         params = [p for _, p in named]
-        self.buckets = [GradBucket([params[i] for i in indices], self.process_group)
+        if overlap_param_gather and not use_distributed_optimizer:
+            raise ValueError("overlap_param_gather needs use_distributed_optimizer=True: only the distributed "
+                             "optimizer all-gathers parameters")
+        self.use_distributed_optimizer = use_distributed_optimizer
+        self.buckets = [GradBucket([params[i] for i in indices], self.process_group, grad_dtype=grad_dtype,
+                                   sharded=use_distributed_optimizer)
                         for indices in bucket_layout(params, bucket_size)]
         self._bucket_of = {param: bucket for bucket in self.buckets for param in bucket.params}
+        self.param_buckets = ([ParamBucket(bucket.params, bucket.grad_data.numel(), self.process_group,
+                                           overlap_param_gather) for bucket in self.buckets]
+                              if use_distributed_optimizer else [])
+        self._hooks_pre = (ParamBucket.wait_before_forward(module, self.param_buckets) if overlap_param_gather
+                           else [])
         self._next_bucket = 0
         self._sync = True
         if broadcast_params:
@@ -77,9 +96,9 @@ class DistributedDataParallel(nn.Module):
     def remove_hooks(self) -> None:
         """Detach this wrapper from its parameters (the hooks hold it alive, and would keep moving gradients
         into its buckets), e.g. before wrapping the same module again."""
-        for handle in self._hooks:
+        for handle in self._hooks + self._hooks_pre:
             handle.remove()
-        self._hooks = []
+        self._hooks, self._hooks_pre = [], []
 
     def _grad_ready(self, param: nn.Parameter) -> None:
         """Post-accumulate-grad hook (megatron: `_make_backward_post_hook` -> `register_grad_ready`, which
@@ -125,6 +144,19 @@ class DistributedDataParallel(nn.Module):
         for bucket in self.buckets:
             bucket.finish_grad_sync()
         self._next_bucket = 0
+
+    def start_param_sync(self) -> None:
+        """Distributed optimizer: all-gather every bucket's updated parameters (issued now and waited, or,
+        with overlap_param_gather, left for the next forward's pre-hooks; megatron's `start_param_sync`)."""
+        for bucket in self.param_buckets:
+            bucket.start_param_sync()
+        if self.param_buckets:  # overlapped: the first bucket the forward needs goes on the wire now
+            self.param_buckets[-1].issue()
+
+    def finish_param_sync(self) -> None:
+        """Wait for every pending parameter all-gather (before reading the parameters outside a forward)."""
+        for bucket in reversed(self.param_buckets):
+            bucket.finish_param_sync()
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Zero the bucket buffers, keeping `.grad` as views into them (`set_to_none` is ignored: the

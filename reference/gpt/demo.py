@@ -12,6 +12,10 @@ data everywhere (compare `--nproc-per-node 1` with 8).
 --sequence-parallel`) shards the TP stage over the DP group with reference FSDP (reference.gpt.train.
 fully_sharded) instead of replicating it: the dp traffic becomes per-block all-gathers and reduce-scatters,
 and each rank holds about 1/(tp x dp) of the parameters. It needs --pp 1 and one micro-batch per step.
+
+`--dp-sharding optimizer` keeps the parameters and gradients replicated but shards the optimizer (Megatron's
+distributed optimizer, ZeRO-1: reference.data_parallel.distributed_optimizer): the dp traffic becomes a
+reduce-scatter per gradient bucket and an all-gather per parameter bucket. It needs dp > 1.
 """
 from __future__ import annotations
 
@@ -22,12 +26,13 @@ import sys
 import torch
 import torch.distributed as dist
 
+from reference.data_parallel.distributed_optimizer import DistributedOptimizer
 from reference.data_parallel.wrapper import DEFAULT_BUCKET_SIZE
 from reference.distributed import LaunchError, distributed
 from reference.fsdp.units import sharded_parameter_bytes
 from reference.gpt.model import GPTConfig, UnshardedGPT, build_stage, split_layers
 from reference.gpt.train import data_parallel, fully_sharded, synthetic_batches, train_step
-from reference.parallel_state import ParallelConfigError, build_layout
+from reference.parallel_state import ParallelConfigError, build_layout, parallel_sizes
 from reference.pipeline.schedules import SCHEDULES, peak_in_flight_formula
 from reference.recompute import RECOMPUTE_MODES
 from reference.recorder import CollectiveRecorder
@@ -51,8 +56,10 @@ def add_arguments(group) -> None:
                             "all-reduce becomes an all-gather + reduce-scatter, stages exchange [s/tp, b, h]")
     group.add_argument("--vocab-size", type=int, default=128, help="vocabulary size (padded to a multiple of tp)")
     group.add_argument("--dropout", type=float, default=0.0, help="hidden and attention dropout probability")
-    group.add_argument("--dp-sharding", choices=["replicate", "fsdp"], default="replicate",
+    group.add_argument("--dp-sharding", choices=["replicate", "optimizer", "fsdp"], default="replicate",
                        help="replicate: every DP rank holds the stage and all-reduces gradients in buckets (DDP); "
+                            "optimizer: the distributed optimizer (ZeRO-1) shards the optimizer state over DP "
+                            "(reduce-scatter gradients, all-gather parameters; needs dp > 1); "
                             "fsdp: reference FSDP over the DP group shards the TP-sharded stage (2D, all-gathers "
                             "and reduce-scatters; needs --pp 1 and --micro-batches 1)")
     group.add_argument("--bucket-size", type=int, default=DEFAULT_BUCKET_SIZE, metavar="BYTES",
@@ -78,6 +85,14 @@ def _config(args) -> GPTConfig:
             f"--dp-sharding fsdp needs --pp 1 and --micro-batches 1 (got --pp {args.pp} --micro-batches "
             f"{args.micro_batches}): the reference FSDP has no no_sync, so it cannot accumulate gradients over "
             "micro-batches and reduce-scatter once; use --dp-sharding replicate for pipelining")
+    if args.dp_sharding == "optimizer":
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        _, _, dp = parallel_sizes(world, args.tp, args.pp, args.dp)
+        if dp == 1:
+            raise ParallelConfigError(
+                f"--dp-sharding optimizer shards the optimizer state over the data-parallel group, but dp is 1 "
+                f"(world {world} / (tp {args.tp} x pp {args.pp})): nothing to shard; launch more ranks or use "
+                "--dp-sharding replicate")
     if min(args.steps, args.batch_size, args.micro_batches, args.bucket_size) < 1:
         raise ParallelConfigError("--steps, --batch-size, --micro-batches and --bucket-size must be >= 1")
     config = GPTConfig(vocab_size=args.vocab_size, hidden_size=args.hidden_size,
@@ -112,12 +127,16 @@ def _train(args, config: GPTConfig, device: torch.device) -> None:
         model = fully_sharded(stage, layout)
     else:
         model = data_parallel(stage, layout, bucket_size=args.bucket_size,
-                              overlap_grad_reduce=not args.no_overlap_grad_reduce)
+                              overlap_grad_reduce=not args.no_overlap_grad_reduce,
+                              use_distributed_optimizer=args.dp_sharding == "optimizer")
     param_bytes = None  # only rank 0 reports: only it builds the whole model, to count its bytes
     if rank == 0:
         param_bytes = {"param_bytes_per_rank": sharded_parameter_bytes(model),
                        "param_bytes_unsharded": sharded_parameter_bytes(UnshardedGPT(config, args.seed))}
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+    if args.dp_sharding == "optimizer":
+        optimizer = DistributedOptimizer(model, lambda tensors: torch.optim.SGD(tensors, lr=args.lr))
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
     global_batch = args.batch_size * args.micro_batches * layout.dp_size
     for step, tokens in enumerate(synthetic_batches(config, args.steps, global_batch, args.seed)):
         recorder.clear()

@@ -48,6 +48,9 @@ class GPTConfig:
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     init_std: float = 0.02
+    # one matrix embeds the tokens and produces the logits (Megatron's default is True; here False, so that
+    # the untied runs and traces keep their meaning); across stages see reference.pipeline.tied_embeddings
+    share_embeddings_and_output_weights: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_attention_heads", "num_layers", "seq_length"):
@@ -122,8 +125,11 @@ class UnshardedGPT(torch.nn.Module):
         with module_seed(seed, 1 + config.num_layers):
             self.final_layernorm = torch.nn.LayerNorm(h)
             self.output_layer = torch.nn.utils.skip_init(torch.nn.Linear, h, config.vocab_size, bias=False)
-            with torch.no_grad():
-                self.output_layer.weight.copy_(_embedding_weight(config.vocab_size, config))
+            if config.share_embeddings_and_output_weights:
+                self.output_layer.weight = self.embedding.word_embeddings.weight
+            else:
+                with torch.no_grad():
+                    self.output_layer.weight.copy_(_embedding_weight(config.vocab_size, config))
         self.to(device)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -188,6 +194,8 @@ class GPTStage(torch.nn.Module):
                                                    params_dtype=params_dtype, device=device)
             for param in self.final_layernorm.parameters():  # sees only local tokens under SP: partial grads
                 param.sequence_parallel = self.sequence_parallel
+            if config.share_embeddings_and_output_weights and is_first:  # one stage: one Parameter
+                self.output_layer.output_layer.weight = self.embedding.word_embeddings.weight
 
     def activation_shape(self, micro_batch_size: int) -> tuple[int, int, int]:
         """Shape of the hidden state sent between stages (megatron/core/pipeline_parallel/schedules.py::

@@ -82,10 +82,12 @@ class StepResult:
 
 
 def data_parallel(stage: GPTStage, layout: ParallelLayout, *, bucket_size: int | None = DEFAULT_BUCKET_SIZE,
-                  overlap_grad_reduce: bool = True) -> DistributedDataParallel:
-    """The stage wrapped for gradient averaging over the layout's DP group (bucketed, optionally overlapped)."""
+                  overlap_grad_reduce: bool = True, use_distributed_optimizer: bool = False) -> DistributedDataParallel:
+    """The stage wrapped for gradient averaging over the layout's DP group (bucketed, optionally overlapped;
+    reduce-scattered for reference.data_parallel.distributed_optimizer.DistributedOptimizer)."""
     return DistributedDataParallel(stage, layout.dp_group, bucket_size=bucket_size,
-                                   overlap_grad_reduce=overlap_grad_reduce)
+                                   overlap_grad_reduce=overlap_grad_reduce,
+                                   use_distributed_optimizer=use_distributed_optimizer)
 
 
 def fully_sharded(stage: GPTStage, layout: ParallelLayout) -> FullyShardedDataParallel:

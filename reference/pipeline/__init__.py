@@ -3,4 +3,6 @@
   p2p.py        send/recv of activations and their gradients between adjacent stages
   schedules.py  GPipe and 1F1B: the order of forwards and backwards, measured bubble and in-flight peak
   in_flight.py  how many micro-batches' activations autograd really keeps alive
+  tied_embeddings.py  one matrix for the first stage's embedding and the last stage's logits: the embedding
+                group, the initial copy, the gradient sum
 """

@@ -1,7 +1,7 @@
-"""`python -m reference.scale --tp 8 --pp 8 --dp 64 --model 70b [--rank R] [--sp] [--json]`: trace one training
-step of one rank (or a first, middle and last stage rank) of a large job with the fake process group, and print
-the bytes per group and collective type next to the closed-form formula. Exit 0 when every row agrees, 1 when
-one does not, 2 for a setup that cannot exist."""
+"""`python -m reference.scale --tp 8 --pp 8 --dp 64 --model 70b [--rank R] [--sp] [--distributed-optimizer]
+[--json]`: trace one training step of one rank (or a first, middle and last stage rank) of a large job with the
+fake process group, and print the bytes per group and collective type, and the bytes the rank holds, next to
+the closed-form formula. Exit 0 when every row agrees, 1 when one does not, 2 for a setup that cannot exist."""
 from __future__ import annotations
 
 import argparse
@@ -31,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule")
     parser.add_argument("--bucket-size", type=int, default=DEFAULT_BUCKET_SIZE, metavar="BYTES",
                         help="DDP gradient bucket size (0: one bucket)")
+    parser.add_argument("--distributed-optimizer", action="store_true",
+                        help="shard fp32 masters and Adam states over DP (ZeRO-1): reduce-scatter the gradients, "
+                             "all-gather the parameters; needs dp > 1")
     parser.add_argument("--order", choices=ORDERS, default="tp-pp-dp", help="rank order (megatron's `order`)")
     parser.add_argument("--rank", type=int, action="append", default=None,
                         help="rank to trace (repeatable); default: a first, middle and last stage rank")
@@ -42,7 +45,8 @@ def format_document(doc: dict) -> str:
     s = doc["setup"]
     lines = [f"{s['model']['name']} on tp {s['tp']} x pp {s['pp']} x dp {s['dp']} = {doc['world']} ranks, "
              f"{s['microbatches']} micro-batches, sp {'on' if s['sp'] else 'off'}, {s['schedule']}, DDP "
-             + (f"buckets of {formulas.human(s['bucket_size'])}" if s["bucket_size"] else "in one bucket")]
+             + (f"buckets of {formulas.human(s['bucket_size'])}" if s["bucket_size"] else "in one bucket")
+             + (", distributed optimizer" if s.get("distributed_optimizer") else "")]
     for run in doc["runs"]:
         lines.append(f"rank {run['rank']} (pipeline stage {run['stage']} of {s['pp']}): one step")
         lines.append(f"  {'group':5} {'op':14} {'count':>6} {'bytes':>16} {'':>12}  formula")
@@ -51,6 +55,11 @@ def format_document(doc: dict) -> str:
             verdict = "" if ok else f"   MISMATCH: formula gives {r['formula_count']} x, {r['formula_bytes']} B"
             lines.append(f"  {r['group']:5} {r['op']:14} {r['count']:>6} {r['bytes']:>16,} {formulas.human(r['bytes']):>12}"
                          f"  {r['formula']}{verdict}")
+        lines.append(f"  {'held':20} {'':>6} {'bytes':>16} {'':>12}  formula")
+        for what, nbytes in run["memory"]["measured"].items():
+            expected = run["memory"]["formula"][what]
+            verdict = "" if nbytes == expected else f"   MISMATCH: formula gives {expected} B"
+            lines.append(f"  {what:20} {'':>6} {nbytes:>16,} {formulas.human(nbytes):>12}  {expected:,}{verdict}")
     return "\n".join(lines)
 
 
@@ -61,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         setup = setup_for(args.model.lower(), tp=args.tp, pp=args.pp, dp=args.dp, microbatches=args.microbatches,
                           sp=args.sp, schedule=args.schedule, bucket_size=args.bucket_size or None,
-                          order=args.order)
+                          order=args.order, distributed_optimizer=args.distributed_optimizer)
         ranks = args.rank or default_ranks(setup)
         outside = [r for r in ranks if not 0 <= r < setup.world]
         if outside:

@@ -31,6 +31,14 @@ unreduced input. A = b s h e, one activation. Per micro-batch:
       in the parameters' dtype (e P), in buckets filled in reverse parameter order and closed at
       >= bucket_size bytes (reference.data_parallel.buckets.bucket_layout). Megatron-LM with bf16 reduces
       fp32 main grads instead (4 P; --accumulate-allreduce-grads-in-fp32).
+      With the distributed optimizer each bucket is padded to a multiple of d elements (P' in all) and
+      reduce-scattered (e P'), and after the step the parameter buckets are all-gathered (e P'): the same
+      count of each, twice the all-reduce's bytes by this convention, the same bytes on a ring's wire.
+
+Bytes per rank (`memory`): parameters e P and gradients e P (e P' with the distributed optimizer); the
+optimizer is Adam behind fp32 master weights (reference.data_parallel.mixed_precision; none when the model is
+fp32): masters 4 P and moments 8 P on every DP rank, or 4 P'/d and 8 P'/d with the distributed optimizer: the
+ZeRO paper's 2 + 2 + 12/N bytes per parameter at e = 2.
 """
 from __future__ import annotations
 
@@ -80,6 +88,24 @@ def ddp_buckets(sizes: list[int], element_bytes: int, bucket_size: int | None) -
             buckets.append(current)
             current = 0
     return buckets + [current] if current else buckets
+
+
+def padded_buckets(setup: ScaleSetup, stage: int) -> list[int]:
+    """Elements of each gradient bucket, padded to a multiple of dp under the distributed optimizer
+    (reference.data_parallel.buckets.padded_numel)."""
+    e = setup.dtype_bytes
+    elements = [nbytes // e for nbytes in ddp_buckets(stage_parameters(setup, stage), e, setup.bucket_size)]
+    if not setup.distributed_optimizer:
+        return elements
+    return [-(-n // setup.dp) * setup.dp for n in elements]
+
+
+def memory(setup: ScaleSetup, stage: int) -> dict[str, int]:
+    """Bytes a rank of stage `stage` holds for parameters, gradients, fp32 masters and Adam's moments."""
+    e, held = setup.dtype_bytes, sum(padded_buckets(setup, stage))
+    share = held // setup.dp if setup.distributed_optimizer else held
+    return {"parameters": e * held, "gradients": e * held, "master_weights": 0 if e == FP32 else FP32 * share,
+            "optimizer_states": 2 * FP32 * share}
 
 
 def sequence_parallel_params(setup: ScaleSetup, stage: int) -> int:
@@ -143,9 +169,13 @@ def expected(setup: ScaleSetup, stage: int) -> dict[tuple[str, str], list[Term]]
             if not first:
                 add("pp", op, mb, shard, f"m x {what} ({direction_last})")
     if setup.dp > 1:
-        buckets = ddp_buckets(stage_parameters(setup, stage), e, setup.bucket_size)
+        buckets = padded_buckets(setup, stage)
         limit = "one bucket" if setup.bucket_size is None else f"buckets of >= {_exact(setup.bucket_size)}"
-        rows[("dp", "all_reduce")] = [Term(len(buckets), sum(buckets), f"eP in {limit} (DDP grads)")]
+        if setup.distributed_optimizer:
+            rows[("dp", "reduce_scatter")] = [Term(len(buckets), e * sum(buckets), f"eP' in {limit} (grads)")]
+            rows[("dp", "all_gather")] = [Term(len(buckets), e * sum(buckets), f"eP' in {limit} (params)")]
+        else:
+            rows[("dp", "all_reduce")] = [Term(len(buckets), e * sum(buckets), f"eP in {limit} (DDP grads)")]
     return rows
 
 

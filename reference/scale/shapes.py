@@ -56,7 +56,8 @@ class ScaleSetup:
 
     microbatches: per step and DP replica. sp: sequence parallelism. schedule: "gpipe" or "1f1b" (the same
     traffic per step, in another order). bucket_size: the DDP gradient bucket size in bytes (None: one
-    bucket), reference.data_parallel.DistributedDataParallel's.
+    bucket), reference.data_parallel.DistributedDataParallel's. distributed_optimizer: ZeRO-1
+    (reference.data_parallel.distributed_optimizer) instead of every DP rank stepping every parameter.
     """
     model: ModelShape
     tp: int
@@ -67,6 +68,7 @@ class ScaleSetup:
     schedule: str = "1f1b"
     bucket_size: int | None = DEFAULT_BUCKET_SIZE
     order: str = "tp-pp-dp"
+    distributed_optimizer: bool = False
 
     def __post_init__(self) -> None:
         m = self.model
@@ -84,6 +86,10 @@ class ScaleSetup:
             raise ParallelConfigError(f"unknown dtype {m.dtype!r}; choose one of {', '.join(DTYPES)}")
         if self.schedule not in SCHEDULES:
             raise ParallelConfigError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
+        if self.distributed_optimizer and self.dp == 1:
+            raise ParallelConfigError("the distributed optimizer shards the optimizer state over the data-parallel "
+                                      "group, but dp is 1: nothing to shard; raise --dp or drop "
+                                      "--distributed-optimizer")
         if self.bucket_size is not None and self.bucket_size < 1:
             raise ParallelConfigError(f"bucket size {self.bucket_size} must be a positive number of bytes")
         if self.order not in ORDERS:

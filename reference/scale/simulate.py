@@ -6,10 +6,13 @@ communicating. The rank builds only its own pipeline stage with reference.gpt.mo
 device: weights and activations have shapes and dtypes but no storage, and the fake backend accepts meta
 tensors in all_reduce, all_gather / reduce_scatter (eager and functional), broadcast, barrier and
 send/recv/isend/irecv (not batch_isend_irecv, which needs a backend for the tensors' device). The stage is
-wrapped by reference.gpt.train.data_parallel and stepped by reference.gpt.train.train_step, the code
+wrapped by reference.gpt.train.data_parallel (reduce-scattering under the distributed optimizer), its optimizer
+is Adam behind fp32 masters, whole (reference.data_parallel.mixed_precision.unsharded) or sliced over DP
+(reference.data_parallel.distributed_optimizer), and it is stepped by reference.gpt.train.train_step, the code
 `torchrun ... -m reference --tp ... --pp ... --dp ...` trains with. reference.recorder.CollectiveRecorder sees each
 collective of the step at the dispatcher with its real sizes; summarize() groups them by process group
-(tp/pp/dp) and collective type.
+(tp/pp/dp) and collective type. The bytes the rank holds (distributed_optimizer.bytes_per_rank: meta tensors
+have sizes) are compared with formulas.memory.
 
 Not recorded, because they are not per-step training traffic: DistributedDataParallel's broadcast of the
 parameters over DP at construction (one per bucket, once per run), and train_step's reported loss, a scalar
@@ -23,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from reference.data_parallel.distributed_optimizer import DistributedOptimizer, bytes_per_rank
+from reference.data_parallel.mixed_precision import unsharded
 from reference.gpt.model import build_stage
 from reference.gpt.train import data_parallel, train_step
 from reference.parallel_state import ParallelLayout, build_layout, rank_grid
@@ -55,8 +60,14 @@ def stage_of(setup: ScaleSetup, rank: int) -> int:
     return int((grid == rank).nonzero()[0][0])
 
 
-def trace_rank(setup: ScaleSetup, rank: int, device: str = "meta") -> list[CollectiveEvent]:
-    """Every collective `rank` issues in one train_step (micro-batches through its stage, then the grad sync).
+def adam(tensors: list[torch.Tensor]) -> torch.optim.Optimizer:
+    """Adam, one tensor at a time: its `step` counters stay on the CPU, which foreach would not mix with meta."""
+    return torch.optim.Adam(tensors, lr=1e-4, foreach=False)
+
+
+def trace_rank(setup: ScaleSetup, rank: int, device: str = "meta", held: dict | None = None) -> list[CollectiveEvent]:
+    """Every collective `rank` issues in one train_step (micro-batches through its stage, then the grad sync);
+    `held`, if given, receives the bytes the rank holds (bytes_per_rank) after the step.
 
     device "cpu" runs the same step on real tensors: only for small models, to show that the meta device
     changes nothing the recorder sees."""
@@ -67,13 +78,16 @@ def trace_rank(setup: ScaleSetup, rank: int, device: str = "meta") -> list[Colle
         with where:  # the master weights the layers draw their shards from are plain torch.empty: meta too
             stage = build_stage(model.gpt_config(), layout, sequence_parallel=setup.sp, device=where,
                                 params_dtype=setup.params_dtype)
-        ddp = data_parallel(stage, layout, bucket_size=setup.bucket_size)
-        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)  # local: no collective
+        ddp = data_parallel(stage, layout, bucket_size=setup.bucket_size,
+                            use_distributed_optimizer=setup.distributed_optimizer)
+        optimizer = DistributedOptimizer(ddp, adam) if setup.distributed_optimizer else unsharded(ddp, adam)
         rows = setup.dp * setup.microbatches * model.micro_batch_size
         tokens = torch.zeros(rows, model.seq_length + 1, dtype=torch.long, device=where)  # global batch
         recorder = CollectiveRecorder()
         train_step(ddp, optimizer, tokens, layout, num_micro_batches=setup.microbatches, schedule=setup.schedule,
                    device=where, record=recorder)
+        if held is not None:
+            held.update(bytes_per_rank(ddp, optimizer))
         return _labelled(recorder.events, layout)
     finally:
         dist.destroy_process_group()
@@ -119,12 +133,16 @@ def document(setup: ScaleSetup, ranks: list[int]) -> dict:
     importing this package (the citation tool never imports torch)."""
     runs = []
     for rank in ranks:
-        rows, stage = simulate(setup, rank), stage_of(setup, rank)
-        runs.append({"rank": rank, "stage": stage, "rows": [
+        held: dict[str, int] = {}
+        stage = stage_of(setup, rank)
+        rows = summarize(setup, rank, trace_rank(setup, rank, held=held))
+        runs.append({"rank": rank, "stage": stage, "memory": {"measured": held,
+                                                              "formula": formulas.memory(setup, stage)}, "rows": [
             {"group": r.group, "op": r.op, "count": r.count, "bytes": r.nbytes, "formula_count": r.formula_count,
              "formula_bytes": r.formula_nbytes, "formula": r.formula} for r in rows],
             "formulas": [{"group": group, "op": op, "terms": [dataclasses.asdict(t) for t in terms]}
                          for (group, op), terms in formulas.expected(setup, stage).items()]})
     agree = all(row["count"] == row["formula_count"] and row["bytes"] == row["formula_bytes"]
-                for run in runs for row in run["rows"])
+                for run in runs for row in run["rows"]) and all(
+        run["memory"]["measured"] == run["memory"]["formula"] for run in runs)
     return {"kind": "scale", "setup": setup.to_dict(), "world": setup.world, "runs": runs, "agree": agree}

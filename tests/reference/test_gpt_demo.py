@@ -41,6 +41,9 @@ def test_help_explains_every_flag():
     (["--hidden-size", "10"], "hidden_size (10) is not divisible by num_attention_heads (4)"),
     (["--tp", "2", "--pp", "2", "--dp-sharding", "fsdp"], FSDP_REFUSED.format(pp=2, m=1)),
     (["--tp", "2", "--dp-sharding", "fsdp", "--micro-batches", "2"], FSDP_REFUSED.format(pp=1, m=2)),
+    (["--dp-sharding", "optimizer"], "--dp-sharding optimizer shards the optimizer state over the data-parallel "
+     "group, but dp is 1 (world 1 / (tp 1 x pp 1)): nothing to shard; launch more ranks or use --dp-sharding "
+     "replicate"),
 ])
 def test_bad_sizes_are_refused_with_one_line_before_starting(args, message):
     out = _python_m_reference(*args)
@@ -123,3 +126,17 @@ def test_fsdp_x_tp_demo_trains_like_replicate_and_unsharded(three_d):
     unsharded = sum(p.numel() * 4 for p in UnshardedGPT(GPTConfig(**MODEL), SEED).parameters())
     assert fsdp[0]["param_bytes_unsharded"] == unsharded
     assert abs(fsdp[0]["param_bytes_per_rank"] / unsharded - 1 / 4) < 0.02  # + replicated LayerNorms, positions
+
+
+def test_distributed_optimizer_demo_trains_like_the_unsharded_gpt():
+    """tp 2 x dp 2 with --dp-sharding optimizer (ZeRO-1, SGD on fp32 slices): the unsharded losses; on the DP
+    group one reduce-scatter of the gradients and one all-gather of the parameters per bucket and step, each
+    of the whole fp32 buffer (what one all-reduce of it would be, twice: the ring sends (dp-1)/dp of each)."""
+    steps, _ = demo("--dp-sharding", "optimizer", pp=1)
+    for got, expected in zip([s["loss"] for s in steps], unsharded_losses()):
+        assert abs(got - expected) < 2e-6, (got, expected)
+    for step in steps:
+        dp = step["collectives"]["dp"]
+        assert list(dp) == ["reduce_scatter", "all_gather"] and dp["reduce_scatter"] == dp["all_gather"]
+        assert dp["reduce_scatter"]["count"] == 1
+        assert dp["reduce_scatter"]["bytes"] - step["param_bytes_per_rank"] in range(2 * 4)  # padded to dp

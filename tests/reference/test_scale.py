@@ -103,6 +103,24 @@ def test_70b_with_sp_in_numbers(seventy_b):
     assert middle[("dp", "all_reduce")] == table(seventy_b[0][False, 4])[("dp", "all_reduce")]
 
 
+def test_70b_distributed_optimizer_holds_the_zero_bytes_and_moves_the_all_reduce_bytes(seventy_b):
+    """The middle stage (10 blocks) of 70B at TP 8 x PP 8 x DP 64 with the distributed optimizer: its
+    923,304,960 parameters per TP rank (per block 6h + (4h^2 + 2hf + 3h + f) / 8, written out from the sizes),
+    in bf16 parameters and gradients, 12 / 64 bytes of fp32 master and Adam moments per parameter (no padding:
+    every bucket is a multiple of 64 elements); the reduce-scatters and all-gathers are the DDP all-reduces'
+    buckets, each as many bytes."""
+    setup = setup_for("70b", tp=8, pp=8, dp=64, microbatches=M, distributed_optimizer=True)
+    params = 10 * (6 * H + (4 * H * H + 2 * H * F + 3 * H + F) // 8)
+    assert params == 923_304_960
+    held = {}
+    rows = table(summarize(setup, 32, trace_rank(setup, 32, held=held)))
+    assert held == {"parameters": 2 * params, "gradients": 2 * params, "master_weights": 4 * params // 64,
+                    "optimizer_states": 8 * params // 64}
+    ddp = table(seventy_b[0][False, 4])[("dp", "all_reduce")]
+    assert rows[("dp", "reduce_scatter")] == rows[("dp", "all_gather")] == ddp
+    assert ("dp", "all_reduce") not in rows
+
+
 @pytest.mark.parametrize("layout", [dict(tp=2, pp=4, dp=2), dict(tp=2, pp=3, dp=2, sp=True)],
                          ids=["tp-pp4", "sp-pp3"])
 def test_gpipe_and_1f1b_move_the_same_tensors_in_another_order(layout):
@@ -121,18 +139,23 @@ def test_gpipe_and_1f1b_move_the_same_tensors_in_another_order(layout):
     dict(tp=2, pp=2, dp=2), dict(tp=2, pp=2, dp=2, sp=True, schedule="gpipe"), dict(tp=4, pp=3, dp=2, sp=True),
     dict(tp=2, pp=4, dp=1), dict(tp=1, pp=2, dp=4, bucket_size=10_000), dict(tp=2, pp=1, dp=2, sp=True),
     dict(tp=2, pp=2, dp=3, order="tp-dp-pp", bucket_size=None),
+    dict(tp=2, pp=2, dp=3, bucket_size=10_000, distributed_optimizer=True),
+    dict(tp=1, pp=2, dp=4, sp=True, distributed_optimizer=True),
 ], ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
 def test_small_layouts_every_stage_equals_the_formulas(layout):
     setup = setup_for("small", microbatches=3, **layout)
     for rank in {*default_ranks(setup), setup.world - 1}:      # every stage kind, and a last TP / DP rank
-        rows = simulate(setup, rank)
+        held = {}
+        rows = summarize(setup, rank, trace_rank(setup, rank, held=held))
         assert_agrees(rows)
+        assert held == formulas.memory(setup, stage_of(setup, rank))
         groups = {r.group for r in rows}
         assert groups == {g for g, size in (("tp", setup.tp), ("pp", setup.pp), ("dp", setup.dp)) if size > 1}
 
 
-@pytest.mark.parametrize("layout", [dict(tp=2, pp=2, dp=2), dict(tp=2, pp=2, dp=2, sp=True, bucket_size=20_000)],
-                         ids=["tp", "sp-buckets"])
+@pytest.mark.parametrize("layout", [dict(tp=2, pp=2, dp=2), dict(tp=2, pp=2, dp=2, sp=True, bucket_size=20_000),
+                                    dict(tp=2, pp=2, dp=2, distributed_optimizer=True)],
+                         ids=["tp", "sp-buckets", "distopt"])
 def test_meta_device_records_what_real_tensors_record(layout):
     setup = setup_for("small", microbatches=2, **layout)
     for rank in (0, 7):
@@ -179,7 +202,10 @@ def test_cli_exit_codes_and_json(capsys):
                           (["--model", "small", "--tp", "2", "--pp", "2", "--dp", "2", "--rank", "8"],
                            "--rank 8 is outside the world of 8 ranks"),
                           (["--model", "small", "--tp", "3", "--pp", "1", "--dp", "1"],
-                           "num_attention_heads (8) is not divisible by the tensor-parallel size (3)")):
+                           "num_attention_heads (8) is not divisible by the tensor-parallel size (3)"),
+                          (["--model", "small", "--tp", "2", "--pp", "2", "--dp", "1", "--distributed-optimizer"],
+                           "the distributed optimizer shards the optimizer state over the data-parallel group, "
+                           "but dp is 1")):
         assert main(argv) == 2
         err = capsys.readouterr().err.strip()
         assert message in err and "\n" not in err

@@ -69,3 +69,16 @@ def test_a_trace_that_disagrees_with_the_formulas_is_a_one_line_error(tamper, me
         scale_tables.scale_table(trace)
     assert message in str(error.value) and "re-record with tools/record-traces" in str(error.value)
     assert "\n" not in str(error.value)
+
+
+def test_memory_table_shows_ddp_against_the_distributed_optimizer_and_refuses_a_stale_trace():
+    ddp, zero = load_trace(NOTES, "scale_70b"), load_trace(NOTES, "scale_70b_distopt")
+    table = scale_tables.memory_table(ddp, zero)
+    assert "| 4 (middle) (rank 32) | fp32 master weights | 3.44 GiB | 55.03 MiB | 0.016 |" in table
+    assert "| 4 (middle) (rank 32) | parameters | 1.72 GiB | 1.72 GiB | 1.000 |" in table
+    tampered = copy.deepcopy(zero)
+    tampered["runs"][1]["memory"]["measured"]["optimizer_states"] += 1
+    with pytest.raises(TraceError) as error:
+        scale_tables.memory_table(ddp, tampered)
+    assert "rank 32 holds 115413121 B of optimizer_states but reference.scale.formulas gives 115413120 B" in str(
+        error.value) and "\n" not in str(error.value)

@@ -92,3 +92,35 @@ def scale_table(trace: dict) -> str:
             detail.append(f"| {where} | {GROUPS.get(row['group'], row['group'])} | {row['op']} | {row['count']} | "
                           f"{human(row['bytes'])} | {formula} |")
     return "\n".join(totals) + "\n\n" + "\n".join(detail) + "\n"
+
+
+HELD = {"parameters": "parameters", "gradients": "gradients", "master_weights": "fp32 master weights",
+        "optimizer_states": "Adam moments"}
+
+
+def checked_memory(trace: dict, run: dict) -> dict[str, int]:
+    """The bytes a traced rank holds, each re-checked against reference.scale.formulas.memory as recorded."""
+    memory = run.get("memory")
+    if memory is None:
+        raise TraceError(f"trace {trace['name']}: rank {run['rank']} lacks the bytes it holds; {RECORD}")
+    for what, nbytes in memory["measured"].items():
+        if memory["formula"].get(what) != nbytes:
+            raise TraceError(f"trace {trace['name']}: rank {run['rank']} holds {nbytes} B of {what} but "
+                             f"reference.scale.formulas gives {memory['formula'].get(what)} B; {RECORD}")
+    return memory["measured"]
+
+
+def memory_table(replicated: dict, sharded: dict) -> str:
+    """Markdown: per stage, what a rank holds with every DP rank stepping every parameter (`replicated`) and
+    with the distributed optimizer (`sharded`), two traces of the same layout."""
+    lines = ["| stage (rank) | held | every DP rank steps all | distributed optimizer | ratio |",
+             "|---|---|---:|---:|---:|"]
+    for whole, sliced in zip(replicated["runs"], sharded["runs"]):
+        where = f"{stage_name(whole['stage'], replicated['setup']['pp'])} (rank {whole['rank']})"
+        a, b = checked_memory(replicated, whole), checked_memory(sharded, sliced)
+        for what, label in HELD.items():
+            lines.append(f"| {where} | {label} | {human(a[what])} | {human(b[what])} | "
+                         f"{b[what] / a[what]:.3f} |" if a[what] else f"| {where} | {label} | 0 B | 0 B | — |")
+        total_a, total_b = sum(a.values()), sum(b.values())
+        lines.append(f"| {where} | **total** | {human(total_a)} | {human(total_b)} | {total_b / total_a:.3f} |")
+    return "\n".join(lines) + "\n"

@@ -2,8 +2,9 @@
 
 `trace(name)` with `diagram(name, ...)`, `tp_crossover(...)` and `pipeline_memory(...)` (recorded runs,
 pin_and_cite.site.traces), `sharding_limit(...)` with `chart_training_memory(...)` (per-rank training memory from
-formulas, pin_and_cite.site.estimates), `scale_table(trace)`, `sent_per_group(trace, run)` and `human(bytes)` (the
-Scale page, pin_and_cite.site.scale_tables) with `chart_sent_per_group(trace)` (its bar charts, diagrams). `render_site` is what `render` and the mkdocs hook run.
+formulas, pin_and_cite.site.estimates), `scale_table(trace)`, `memory_table(trace, trace)`, `sent_per_group(trace,
+run)` and `human(bytes)` (the Scale page, pin_and_cite.site.scale_tables) with `chart_sent_per_group(trace)` (its
+bar charts, diagrams). `render_site` is what `render` and the mkdocs hook run.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def helpers(project: Project) -> dict:
             "sharding_limit": estimates.sharding_limit, "chart_training_memory": diagrams.chart_training_memory,
             "scale_table": scale_tables.scale_table, "sent_per_group": scale_tables.sent_per_group,
             "chart_sent_per_group": diagrams.chart_sent_per_group,
-            "human": scale_tables.human}
+            "human": scale_tables.human, "memory_table": scale_tables.memory_table}
 
 
 def render_site(root: Path, out_dir: Path) -> list[Path]:

@@ -1,0 +1,76 @@
+"""Tied input and output embeddings across pipeline stages (Megatron's `share_embeddings_and_output_weights`).
+
+A GPT may use one matrix both to embed tokens (first stage) and to produce logits (last stage). On one stage
+the two layers share the Parameter (reference.gpt.model.GPTStage does that). Across stages each end holds its
+own copy, and two things keep the copies one matrix:
+  1. at construction the last stage zeroes its copy and the embedding group, the first- and last-stage ranks
+     of the same DP and TP coordinates, all-reduces it: the sum is the first stage's weights
+     (`tie_across_stages`);
+  2. every step, after the DP reduction, the embedding group all-reduces the two copies' gradients: each end
+     computed only its own use's share, and the sum is the tied weight's gradient
+     (`allreduce_word_embedding_grads`, called by reference.data_parallel.finalize_model_grads).
+Both copies then take the same optimizer step and stay equal. Under TP both ends split the (padded)
+vocabulary rows in the same order, so TP rank t of the first stage pairs with TP rank t of the last.
+
+Counterparts: megatron/core/models/common/language_module/language_module.py::LanguageModule.
+setup_embeddings_and_output_layer (fill_(0), then all_reduce over embd_group), megatron/core/parallel_state.py
+::initialize_model_parallel (the embedding group: first and last rank of each pipeline group), and
+megatron/core/distributed/finalize_model_grads.py::_allreduce_word_embedding_grads (main_grad all-reduced
+over embd_group).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from reference.parallel_state import ParallelLayout
+
+if TYPE_CHECKING:  # reference.gpt imports the pipeline; a type is all this file needs from it
+    from reference.gpt.model import GPTStage
+
+
+def embedding_group(layout: ParallelLayout) -> dist.ProcessGroup | None:
+    """This rank's embedding group: itself and the rank at the other end of its pipeline (same DP and TP
+    coordinates); None on a middle stage or without pipelining. A collective: every rank creates every group."""
+    mine = None
+    if layout.pp_size == 1:
+        return None
+    for d in range(layout.dp_size):
+        for t in range(layout.tp_size):
+            ranks = [int(layout.grid[0, d, t]), int(layout.grid[-1, d, t])]
+            group = dist.new_group(ranks)
+            if layout.rank in ranks:
+                mine = group
+    return mine
+
+
+def shared_weight(stage: "GPTStage") -> torch.nn.Parameter | None:
+    """The copy of the tied matrix this stage holds: the word embedding (first stage) or the output layer's
+    weight (last stage); None on a middle stage."""
+    if stage.is_first:
+        return stage.embedding.word_embeddings.weight
+    if stage.is_last:
+        return stage.output_layer.output_layer.weight
+    return None
+
+
+@torch.no_grad()
+def tie_across_stages(stage: "GPTStage", group: dist.ProcessGroup | None) -> None:
+    """Make the last stage's output weight a copy of the first stage's word embedding (zero it, all-reduce)."""
+    weight = shared_weight(stage)
+    if group is None or weight is None:
+        return
+    if not stage.is_first:
+        weight.zero_()
+    dist.all_reduce(weight, group=group)
+
+
+def allreduce_word_embedding_grads(stage: torch.nn.Module, group: dist.ProcessGroup | None) -> None:
+    """Sum the two ends' gradients of the tied matrix (`main_grad` when the DP wrapper keeps one)."""
+    weight = shared_weight(stage)
+    if group is None or weight is None:
+        return
+    grad = weight.main_grad if hasattr(weight, "main_grad") else weight.grad
+    dist.all_reduce(grad, group=group)
