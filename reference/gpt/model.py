@@ -214,3 +214,23 @@ def build_stage(config: GPTConfig, layout: ParallelLayout, *, sequence_parallel:
     return GPTStage(config, layout.tp_group, first_layer=first, last_layer=last, is_first=layout.pp_rank == 0,
                     is_last=layout.pp_rank == layout.pp_size - 1, sequence_parallel=sequence_parallel, seed=seed,
                     device=device, params_dtype=params_dtype, **block_kwargs)
+
+
+def build_chunks(config: GPTConfig, layout: ParallelLayout, virtual_stages: int, *, sequence_parallel: bool = False,
+                 seed: int = 1234, device=None, params_dtype: torch.dtype = torch.float32,
+                 **block_kwargs) -> list[GPTStage]:
+    """This rank's v model chunks for interleaved 1F1B: the layers are cut into p * v equal virtual stages and
+    chunk c of PP rank r is virtual stage c * p + r (megatron/core/transformer/transformer_layer.py::
+    get_transformer_layer_offset), so a micro-batch visits every rank v times. Megatron refuses layer counts
+    that p * v does not divide (megatron/core/transformer/transformer_config.py::TransformerConfig.__post_init__)."""
+    p, r, v = layout.pp_size, layout.pp_rank, virtual_stages
+    if v < 1:
+        raise ParallelConfigError(f"the number of virtual pipeline stages must be at least 1, got {v}")
+    if config.num_layers % (p * v):
+        raise ParallelConfigError(f"{config.num_layers} transformer layers do not split into pp {p} x {v} virtual "
+                                  f"stages of equal size; use a multiple of {p * v} layers")
+    per_chunk = config.num_layers // (p * v)
+    return [GPTStage(config, layout.tp_group, first_layer=(c * p + r) * per_chunk,
+                     last_layer=(c * p + r + 1) * per_chunk, is_first=c * p + r == 0, is_last=c * p + r == p * v - 1,
+                     sequence_parallel=sequence_parallel, seed=seed, device=device, params_dtype=params_dtype,
+                     **block_kwargs) for c in range(v)]
