@@ -16,7 +16,7 @@ from pin_and_cite.site.traces import forward_markers, load_trace, pipeline_slots
 from tests.tools.conftest import ROOT
 
 NOTES = ROOT / "reading_notes"
-NAMES = ["tp_block", "fsdp_forward", "pipeline_gpipe", "pipeline_1f1b"]
+NAMES = ["tp_block", "fsdp_forward", "pipeline_gpipe", "pipeline_1f1b", "pipeline_interleaved"]
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +39,7 @@ def drawn(notes):
     gpipe, one_f_one_b = load_trace(notes, "pipeline_gpipe"), load_trace(notes, "pipeline_1f1b")
     return (diagrams.diagram(tp, link="NVLink"), diagrams.diagram(fsdp),
             diagrams.diagram(gpipe), diagrams.diagram(one_f_one_b),
+            diagrams.diagram(load_trace(notes, "pipeline_interleaved")),
             estimates.tp_crossover(tp, link_GBps=600, tflops=400, tp=8, bytes_per_element=2),
             estimates.pipeline_memory(gpipe, one_f_one_b, load_trace(NOTES, "scale_70b")))
 

@@ -152,13 +152,16 @@ def pipeline(trace: dict) -> str:
         raise TraceError(f"trace {trace['name']}: the step takes {end} slots; the timeline draws at most 60 (one "
                          f"per minute tick of the gantt axis); record fewer micro-batches; {RECORD}")
     name = {"gpipe": "GPipe", "1f1b": "1F1B"}.get(trace["schedule"], trace["schedule"])
+    if trace.get("virtual_stages", 1) > 1:
+        name = f"Interleaved 1F1B ({trace['virtual_stages']} chunks per stage)"
     title = (f"{name}, {trace['pp']} stages, {trace['m']} micro-batches, recorded order, in slots "
              f"(F {SLOTS['F']}, B {SLOTS['B']})")
     body = ["---", "displayMode: compact", "---", "gantt", f"  title {gantt_text(title)}", "  dateFormat mm",
             "  axisFormat %M", "  tickInterval 1minute", "  todayMarker off"]
     for r, stage in enumerate(slots):
         body.append(f"  section {gantt_text(f'stage {r}')}")
-        body += [f"  {gantt_text(action)} : {'active' if action[0] == 'F' else 'crit'}, s{r}{action.lower()}, "
+        body += [f"  {gantt_text(action)} : {'active' if action[0] == 'F' else 'crit'}, "
+                 f"s{r}{action.lower().replace('.', '_')}, "
                  f"{start:02d}, {stop:02d}" for action, start, stop in stage]
     return mermaid_fence(body)
 

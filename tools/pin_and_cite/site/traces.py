@@ -82,30 +82,36 @@ def forward_markers(trace: dict) -> list[tuple[str, str]]:
 def pipeline_slots(trace: dict) -> list[list[tuple[str, int, int]]]:
     """Each stage's recorded actions as (action, first slot, end slot): in the recorded order per stage, each
     as early as its inputs allow (F i after F i on the previous stage, B i after B i on the next stage and
-    F i on its own, all after the stage's previous action), a forward taking SLOTS["F"] slots and a backward SLOTS["B"]. Derived
-    from the order alone, so every run that keeps the order draws the same timeline; wall times are not used."""
+    F i on its own, all after the stage's previous action), a forward taking SLOTS["F"] slots and a backward
+    SLOTS["B"]. Under interleaving (actions F<c>.<i>, chunk c of stage r being virtual stage c * p + r) the
+    previous and next stages are virtual ones, so chunk c + 1 of the first stage waits for chunk c of the last.
+    Derived from the order alone, so every run that keeps the order draws the same timeline; wall times are
+    not used."""
     stages = [st["actions"] for st in trace["stages"]]
     p, done = len(stages), {}
     placed: list[list[tuple[str, int, int]]] = [[] for _ in stages]
+    last_virtual = p * trace.get("virtual_stages", 1) - 1
     while sum(map(len, placed)) < sum(map(len, stages)):
         progress = False
         for r, actions in enumerate(stages):
             while len(placed[r]) < len(actions):
                 action = actions[len(placed[r])]
-                kind = action[0]
-                if kind not in SLOTS or not action[1:].isdigit():
-                    raise TraceError(f"trace {trace['name']}: stage {r} ran {action!r}, not F<i> or B<i>; {RECORD}")
-                peer = r - 1 if kind == "F" else r + 1
+                kind, (chunk, _, micro_batch) = action[0], action[1:].rpartition(".")
+                if kind not in SLOTS or not micro_batch.isdigit() or not (chunk or "0").isdigit():
+                    raise TraceError(f"trace {trace['name']}: stage {r} ran {action!r}, not F<i>, B<i>, F<c>.<i> "
+                                     f"or B<c>.<i>; {RECORD}")
+                virtual = int(chunk or 0) * p + r
+                peer = virtual - 1 if kind == "F" else virtual + 1
                 ready = [placed[r][-1][2] if placed[r] else 0]
-                if kind == "B" and (r, "F" + action[1:]) not in done:
+                if kind == "B" and (virtual, "F", micro_batch) not in done:
                     break   # a backward needs its own forward first: recorded out of order, it never runs
-                if 0 <= peer < p:
-                    if (peer, action) not in done:
+                if 0 <= peer <= last_virtual:
+                    if (peer, kind, micro_batch) not in done:
                         break
-                    ready.append(done[peer, action])
+                    ready.append(done[peer, kind, micro_batch])
                 start = max(ready)
                 placed[r].append((action, start, start + SLOTS[kind]))
-                done[r, action] = start + SLOTS[kind]
+                done[virtual, kind, micro_batch] = start + SLOTS[kind]
                 progress = True
         if not progress:
             raise TraceError(f"trace {trace['name']}: the recorded action orders wait on each other (no stage can "
@@ -122,6 +128,7 @@ def structure(trace: dict) -> dict:
     """Everything of a trace that a fresh run must reproduce exactly."""
     if trace["kind"] == "pipeline":
         return {**{k: trace[k] for k in REQUIRED["pipeline"] if k != "stages"},
+                "virtual_stages": trace.get("virtual_stages", 1),
                 "stages": [{**{k: st[k] for k in PIPELINE_STAGE_KEYS},
                             "spans": len(st["action_spans"]),
                             "p2p": _rows(st["p2p"], P2P_KEYS)}
