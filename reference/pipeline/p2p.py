@@ -79,9 +79,11 @@ class RingP2P:
     a receive blocks until its tensor is there. Any order of actions that respects the data dependencies then
     runs without deadlock, as long as a pair's messages in one direction arrive in the order they are used:
     each direction has its own tag (at p = 2 the same neighbour is both next and previous), and within a
-    direction both ends walk the same schedule table. (gloo matches by tag; NCCL ignores tags, so p = 2 with
-    v > 1 on NCCL would need megatron's aligned rounds: megatron/core/pipeline_parallel/schedules.py::
-    forward_backward_pipelining_with_interleaving sends and receives in matched batched rounds instead.)"""
+    direction both ends walk the same schedule table. That holds for gloo, which matches by tag and completes
+    sends independently (the CPU suite runs it). NCCL ignores tags and runs one communicator's transfers in
+    issue order on one stream, which this scheme does not arrange for; megatron/core/pipeline_parallel/
+    schedules.py::forward_backward_pipelining_with_interleaving instead exchanges in matched batched rounds.
+    The interleaved schedule is not run on CUDA here (it needs p >= 2 GPUs)."""
 
     FORWARD, BACKWARD = 0, 1  # tags: activations go to next, their gradients to prev
 
