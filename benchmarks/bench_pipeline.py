@@ -17,7 +17,9 @@ Printed by rank 0 (`--json`: one object instead):
   * per pipeline stage (one rank per stage), memory: the peak bytes of saved activations and the peak number
     of micro-batches in flight, as the schedule counts them and as autograd holds them (reference.pipeline.
     in_flight), and the 1F1B/GPipe ratio of the bytes against the formula min(p - r, m) / m; time: the
-    measured bubble (median over steps) against (p - 1) / (m + p - 1). The formula assumes equal stages;
+    measured bubble (median over steps) against (p - 1) / (m + p - 1), and per variant the "replayed"
+    bubble of the recorded orders under uniform costs (reference.pipeline.replay), which ranks sharing a
+    few CPU cores cannot disturb. The formula assumes equal stages;
     here the first stage also embeds and the last one computes the loss. Interleaved: its peak bytes and
     chunk-forwards in flight against min(2 (p - r - 1) + (V - 1) p + 1, V m), its bubble against
     (p - 1) / (V m + p - 1).
@@ -45,6 +47,7 @@ from reference.distributed import LaunchError, distributed
 from reference.gpt.model import GPTConfig, build_chunks, build_stage, split_layers
 from reference.gpt.train import data_parallel, synthetic_batches, train_step
 from reference.parallel_state import ParallelConfigError, build_layout
+from reference.pipeline.replay import idle_fraction
 from reference.pipeline.schedules import SCHEDULES, bubble_formula, peak_in_flight_formula
 from reference.recorder import CollectiveRecorder
 
@@ -141,7 +144,8 @@ def _benchmark(args, config: GPTConfig, device: torch.device) -> None:
             torch.cuda.synchronize()
         return time.perf_counter() - start, result
 
-    mine = {label: {"times": [], "tails": [], "bubbles": [], "losses": [], "peak_bytes": 0, "peak_in_flight": 0,
+    mine = {label: {"times": [], "tails": [], "bubbles": [], "losses": [], "actions": [], "peak_bytes": 0,
+                    "peak_in_flight": 0,
                     "peak_in_flight_measured": 0, "cuda_peak_bytes": 0} for label, _, _ in variants}
     for index, tokens in enumerate(batches[:-1]):
         for label, schedule, _ in variants:
@@ -150,6 +154,7 @@ def _benchmark(args, config: GPTConfig, device: torch.device) -> None:
             seconds, result = step(label, schedule, tokens)
             record, pipeline = mine[label], result.pipeline
             record["losses"].append(result.loss)
+            record["actions"] = pipeline.actions
             record["peak_bytes"] = max(record["peak_bytes"], pipeline.peak_activation_bytes)
             record["peak_in_flight"] = max(record["peak_in_flight"], pipeline.peak_in_flight)
             record["peak_in_flight_measured"] = max(record["peak_in_flight_measured"],
@@ -214,7 +219,10 @@ def _report(args, config, layout, device, variants, everyone) -> dict:
             "dp_all_reduces": sum(everyone[g]["variants"][label]["dp_all_reduces"] for g in stage_ranks),
             "dp_all_reduces_in_backward": sum(everyone[g]["variants"][label]["dp_all_reduces_in_backward"]
                                               for g in stage_ranks),
-            "cuda_peak_bytes": max(e["variants"][label]["cuda_peak_bytes"] for e in everyone) or None}
+            "cuda_peak_bytes": max(e["variants"][label]["cuda_peak_bytes"] for e in everyone) or None,
+            "replayed_bubble": idle_fraction([everyone[g]["variants"][label]["actions"] for g in stage_ranks],
+                                             chunks=v if label == "interleaved" else 1) if p > 1 else 0.0,
+            "bubble_formula": bubble_formula(p, m, v if label == "interleaved" else 1)}
 
     def ratio(a, b):
         return {stat: step_times[a][f"{stat}_s"] / step_times[b][f"{stat}_s"] for stat in ("fastest", "median")}
@@ -271,12 +279,13 @@ def _text(report: dict) -> str:
     cuda = any(v["cuda_peak_bytes"] for v in report["variants"].values())
     lines.append("per variant: step time (slowest rank), tail = median time after the schedule (DP wait, "
                  "optimizer, loss report); DP all-reduces issued during the last backward / all (sum over stages)")
-    lines.append(f"{'variant':16} {'fastest ms':>10} {'median ms':>10} {'tail ms':>8} {'DP in bwd':>10}"
-                 + (f" {'cuda peak MiB':>13}" if cuda else ""))
+    lines.append(f"{'variant':16} {'fastest ms':>10} {'median ms':>10} {'tail ms':>8} {'DP in bwd':>10} "
+                 f"{'replayed bubble':>15} {'formula':>7}" + (f" {'cuda peak MiB':>13}" if cuda else ""))
     for label, v in report["variants"].items():
         dp = f"{v['dp_all_reduces_in_backward']}/{v['dp_all_reduces']}" if lay["dp"] > 1 else "-"
         lines.append(f"{label:16} {v['fastest_s'] * 1e3:10.2f} {v['median_s'] * 1e3:10.2f} "
-                     f"{v['tail_median_s'] * 1e3:8.2f} {dp:>10}"
+                     f"{v['tail_median_s'] * 1e3:8.2f} {dp:>10} {v['replayed_bubble']:15.3f} "
+                     f"{v['bubble_formula']:7.3f}"
                      + (f" {v['cuda_peak_bytes'] / 2**20:13.1f}" if cuda else ""))
     for name, r in report["ratios"].items():
         lines.append(f"step time {name:20s}: fastest {r['fastest']:.3f}   median {r['median']:.3f}")

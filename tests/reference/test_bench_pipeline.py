@@ -1,6 +1,6 @@
 """benchmarks/bench_pipeline.py does not rot: one tiny step at world 2 (pp 2) gives its JSON report, with
 every variant's loss equal, 1F1B's measured activation peak at the formula's fraction of GPipe's, and the
-interleaved variant's chunk-forwards in flight at their formula. Timings are printed by the benchmark, never
+interleaved variant's chunk-forwards in flight and every variant's replayed bubble at their formulas. Timings are printed by the benchmark, never
 asserted here."""
 import json
 
@@ -26,3 +26,6 @@ def test_bench_pipeline_reports_equal_losses_and_the_1f1b_and_interleaved_memory
         assert stage["interleaved_bubble_formula"] == 1 / (2 * 2 + 1)
     for variant in report["variants"].values():
         assert 0 < variant["fastest_s"] <= variant["median_s"]
+        # the recorded orders replayed with uniform costs idle exactly what the closed forms say
+        assert abs(variant["replayed_bubble"] - variant["bubble_formula"]) < 1e-12, variant
+    assert report["variants"]["interleaved"]["bubble_formula"] == 1 / 5

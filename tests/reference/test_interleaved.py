@@ -13,7 +13,7 @@ import pytest
 
 from reference import __main__ as demo_cli
 from tests.launch import torchrun
-from tests.reference.pipeline_replay import idle_fraction
+from reference.pipeline.replay import idle_fraction
 
 WORKER = Path(__file__).parent / "workers" / "interleaved_worker.py"
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.launch import torchrun
-from tests.reference.pipeline_replay import idle_fraction
+from reference.pipeline.replay import idle_fraction
 
 pytestmark = pytest.mark.upstream("megatron-lm")
 

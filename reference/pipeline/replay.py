@@ -1,7 +1,8 @@
-"""Replay recorded pipeline action orders with uniform costs, to check a schedule's bubble against its closed form.
+"""Replay recorded pipeline action orders with uniform costs: the bubble a schedule's order has on uniform hardware.
 
-Wall-clock bubbles on a shared CPU are noise; the order each stage ran is not. Replaying the orders with only
-their data dependencies and fixed costs gives the idle fraction that order has on uniform hardware.
+Wall-clock bubbles of ranks sharing a few CPU cores are noise; the order each stage ran is not. Replaying the
+orders with only their data dependencies and fixed costs gives the idle fraction to compare with a closed form
+(tests/reference/test_interleaved.py, test_megatron_pipeline_upstream.py, benchmarks/bench_pipeline.py).
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ def idle_fraction(orders: list[list[str]], chunks: int = 1, forward: float = 1.0
                 clock[r] = done[action] = start + (forward if action[0] == "F" else backward) / chunks
                 position[r] += 1
                 progressed = True
-        assert progressed, f"the orders deadlock: {orders}"
+        if not progressed:
+            raise ValueError(f"the orders wait on each other (no stage can run its next action): {orders}")
     busy = sum(forward if a[0] == "F" else backward for a in orders[0]) / chunks
     return 1 - busy / max(clock)
