@@ -1,4 +1,4 @@
-"""GPipe vs 1F1B, and DP gradient all-reduce overlapped with backward vs not: one run, side by side.
+"""GPipe vs 1F1B vs interleaved 1F1B, and DP gradient all-reduce overlapped with backward vs not: one run.
 
     torchrun --nproc-per-node 4 benchmarks/bench_pipeline.py [--tp 1 --pp 4 --dp 1] [--micro-batches 8]
     torchrun --nproc-per-node 4 benchmarks/bench_pipeline.py --pp 2 --dp 2 [--bucket-size 524288]
@@ -7,6 +7,8 @@ Every variant trains its own copy of the same small GPT (reference.gpt: same see
 same global batches with reference.gpt.train.train_step, interleaved step by step so that machine noise hits
 them alike:
   * gpipe, 1f1b                  the two pipeline schedules, DP buckets overlapped with backward
+  * interleaved                  1F1B over --virtual-stages V model chunks per stage (when V > 1 and the
+                                 layers split into pp x V chunks and m is a multiple of pp; else skipped)
   * 1f1b no-overlap (dp > 1)     the DP bucket all-reduces issued after backward instead of as buckets fill
 Since the data, weights and gradient summation order are the same, every variant must report the same loss
 at every step; the largest difference is printed (it is 0 when nothing but the schedule differs).
@@ -15,8 +17,12 @@ Printed by rank 0 (`--json`: one object instead):
   * per pipeline stage (one rank per stage), memory: the peak bytes of saved activations and the peak number
     of micro-batches in flight, as the schedule counts them and as autograd holds them (reference.pipeline.
     in_flight), and the 1F1B/GPipe ratio of the bytes against the formula min(p - r, m) / m; time: the
-    measured bubble (median over steps) against (p - 1) / (m + p - 1). The formula assumes equal stages;
-    here the first stage also embeds and the last one computes the loss.
+    measured bubble (median over steps) against (p - 1) / (m + p - 1), and per variant the "replayed"
+    bubble of the recorded orders under uniform costs (reference.pipeline.replay), which ranks sharing a
+    few CPU cores cannot disturb. The formula assumes equal stages;
+    here the first stage also embeds and the last one computes the loss. Interleaved: its peak bytes and
+    chunk-forwards in flight against min(2 (p - r - 1) + (V - 1) p + 1, V m), its bubble against
+    (p - 1) / (V m + p - 1).
   * per variant: step time (barrier, then train_step until the loss is known; the slowest rank), fastest and
     median over the timed steps, "tail": the median step time outside the schedule (gradient finalization,
     i.e. waiting for the DP all-reduces, optimizer step, loss report), and from one extra recorded step
@@ -38,9 +44,10 @@ import torch
 import torch.distributed as dist
 
 from reference.distributed import LaunchError, distributed
-from reference.gpt.model import GPTConfig, build_stage, split_layers
+from reference.gpt.model import GPTConfig, build_chunks, build_stage, split_layers
 from reference.gpt.train import data_parallel, synthetic_batches, train_step
 from reference.parallel_state import ParallelConfigError, build_layout
+from reference.pipeline.replay import idle_fraction
 from reference.pipeline.schedules import SCHEDULES, bubble_formula, peak_in_flight_formula
 from reference.recorder import CollectiveRecorder
 
@@ -54,6 +61,8 @@ def parse_args() -> argparse.Namespace:
                         help="data-parallel size; default: world / (tp x pp) when --pp is given, else 1")
     parser.add_argument("--micro-batches", type=int, default=8, help="micro-batches m per step and replica")
     parser.add_argument("--micro-batch-size", type=int, default=2, help="sequences per micro-batch")
+    parser.add_argument("--virtual-stages", type=int, default=2, metavar="V",
+                        help="model chunks per stage of the interleaved variant (1: no interleaved variant)")
     parser.add_argument("--seq-length", type=int, default=32)
     parser.add_argument("--hidden-size", type=int, default=128)
     parser.add_argument("--num-attention-heads", type=int, default=4)
@@ -74,9 +83,10 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     try:
-        if min(args.steps, args.micro_batches, args.micro_batch_size, args.bucket_size) < 1 or args.warmup < 0:
-            raise ParallelConfigError("--steps, --micro-batches, --micro-batch-size, --bucket-size must be >= 1 "
-                                      "and --warmup >= 0")
+        if (min(args.steps, args.micro_batches, args.micro_batch_size, args.bucket_size, args.virtual_stages) < 1
+                or args.warmup < 0):
+            raise ParallelConfigError("--steps, --micro-batches, --micro-batch-size, --bucket-size, --virtual-stages "
+                                      "must be >= 1 and --warmup >= 0")
         config = GPTConfig(vocab_size=args.vocab_size, hidden_size=args.hidden_size,
                            num_attention_heads=args.num_attention_heads, num_layers=args.num_layers,
                            seq_length=args.seq_length)
@@ -95,19 +105,30 @@ def _sizes(args, world: int) -> tuple[int, int, int | None]:
     return args.tp, args.pp, args.dp
 
 
+def _interleaves(args, config: GPTConfig, p: int) -> bool:
+    """Whether the interleaved variant runs: V > 1 chunks per stage of a pipeline that megatron-core would accept."""
+    v = args.virtual_stages
+    return p > 1 and v > 1 and config.num_layers % (p * v) == 0 and args.micro_batches % p == 0
+
+
 def _benchmark(args, config: GPTConfig, device: torch.device) -> None:
     cuda = device.type == "cuda"
     world, rank = dist.get_world_size(), dist.get_rank()
     layout = build_layout(*_sizes(args, world))
     split_layers(config.num_layers, layout.pp_size)
     variants = [("gpipe", "gpipe", True), ("1f1b", "1f1b", True)]
+    if _interleaves(args, config, layout.pp_size):
+        variants.append(("interleaved", "1f1b", True))
     if layout.dp_size > 1:
         variants.append(("1f1b no-overlap", "1f1b", False))
     models, optimizers = {}, {}
     for label, _, overlap in variants:
-        stage = build_stage(config, layout, seed=args.seed, device=device)
-        models[label] = data_parallel(stage, layout, bucket_size=args.bucket_size, overlap_grad_reduce=overlap)
-        optimizers[label] = torch.optim.SGD(models[label].parameters(), lr=args.lr)
+        chunks = (build_chunks(config, layout, args.virtual_stages, seed=args.seed, device=device)
+                  if label == "interleaved" else [build_stage(config, layout, seed=args.seed, device=device)])
+        wrapped = [data_parallel(chunk, layout, bucket_size=args.bucket_size, overlap_grad_reduce=overlap)
+                   for chunk in chunks]
+        models[label] = wrapped if label == "interleaved" else wrapped[0]
+        optimizers[label] = torch.optim.SGD([p for chunk in wrapped for p in chunk.parameters()], lr=args.lr)
     global_batch = args.micro_batch_size * args.micro_batches * layout.dp_size
     batches = synthetic_batches(config, args.warmup + args.steps + 1, global_batch, args.seed)
 
@@ -123,7 +144,8 @@ def _benchmark(args, config: GPTConfig, device: torch.device) -> None:
             torch.cuda.synchronize()
         return time.perf_counter() - start, result
 
-    mine = {label: {"times": [], "tails": [], "bubbles": [], "losses": [], "peak_bytes": 0, "peak_in_flight": 0,
+    mine = {label: {"times": [], "tails": [], "bubbles": [], "losses": [], "actions": [], "peak_bytes": 0,
+                    "peak_in_flight": 0,
                     "peak_in_flight_measured": 0, "cuda_peak_bytes": 0} for label, _, _ in variants}
     for index, tokens in enumerate(batches[:-1]):
         for label, schedule, _ in variants:
@@ -132,6 +154,7 @@ def _benchmark(args, config: GPTConfig, device: torch.device) -> None:
             seconds, result = step(label, schedule, tokens)
             record, pipeline = mine[label], result.pipeline
             record["losses"].append(result.loss)
+            record["actions"] = pipeline.actions
             record["peak_bytes"] = max(record["peak_bytes"], pipeline.peak_activation_bytes)
             record["peak_in_flight"] = max(record["peak_in_flight"], pipeline.peak_in_flight)
             record["peak_in_flight_measured"] = max(record["peak_in_flight_measured"],
@@ -162,15 +185,21 @@ def _benchmark(args, config: GPTConfig, device: torch.device) -> None:
 
 
 def _report(args, config, layout, device, variants, everyone) -> dict:
-    p, m = layout.pp_size, args.micro_batches
+    p, m, v = layout.pp_size, args.micro_batches, args.virtual_stages
     labels = [label for label, _, _ in variants]
     stage_ranks = layout.grid[:, 0, 0].tolist()  # one rank per stage: dp 0, tp 0
     bounds = split_layers(config.num_layers, p)
     stages = []
     for r, global_rank in enumerate(stage_ranks):
         got = everyone[global_rank]["variants"]
-        gpipe, one = got["gpipe"], got["1f1b"]
+        gpipe, one, chunked = got["gpipe"], got["1f1b"], got.get("interleaved")
         expected = {schedule: peak_in_flight_formula(schedule, p, r, m) for schedule in SCHEDULES}
+        interleaved = {} if chunked is None else {
+            "interleaved_peak_bytes": chunked["peak_bytes"], "interleaved_peak_in_flight": chunked["peak_in_flight"],
+            "interleaved_peak_in_flight_measured": chunked["peak_in_flight_measured"],
+            "interleaved_expected_in_flight": peak_in_flight_formula("1f1b", p, r, m, v),
+            "interleaved_bubble": statistics.median(chunked["bubbles"]),
+            "interleaved_bubble_formula": bubble_formula(p, m, v)}
         stages.append({
             "pp_rank": r, "rank": global_rank, "layers": bounds[r][1] - bounds[r][0],
             "buckets": everyone[global_rank]["buckets"], "parameter_bytes": everyone[global_rank]["parameter_bytes"],
@@ -179,7 +208,7 @@ def _report(args, config, layout, device, variants, everyone) -> dict:
             "peak_bytes_ratio": one["peak_bytes"] / gpipe["peak_bytes"] if gpipe["peak_bytes"] else None,
             "peak_bytes_ratio_formula": expected["1f1b"] / expected["gpipe"], "expected_in_flight": expected,
             "gpipe_bubble": statistics.median(gpipe["bubbles"]), "1f1b_bubble": statistics.median(one["bubbles"]),
-            "bubble_formula": bubble_formula(p, m)})
+            "bubble_formula": bubble_formula(p, m), **interleaved})
     step_times = {}
     for label in labels:  # a step takes as long as its slowest rank
         per_step = [max(e["variants"][label]["times"][k] for e in everyone) for k in range(args.steps)]
@@ -190,11 +219,16 @@ def _report(args, config, layout, device, variants, everyone) -> dict:
             "dp_all_reduces": sum(everyone[g]["variants"][label]["dp_all_reduces"] for g in stage_ranks),
             "dp_all_reduces_in_backward": sum(everyone[g]["variants"][label]["dp_all_reduces_in_backward"]
                                               for g in stage_ranks),
-            "cuda_peak_bytes": max(e["variants"][label]["cuda_peak_bytes"] for e in everyone) or None}
+            "cuda_peak_bytes": max(e["variants"][label]["cuda_peak_bytes"] for e in everyone) or None,
+            "replayed_bubble": idle_fraction([everyone[g]["variants"][label]["actions"] for g in stage_ranks],
+                                             chunks=v if label == "interleaved" else 1) if p > 1 else 0.0,
+            "bubble_formula": bubble_formula(p, m, v if label == "interleaved" else 1)}
 
     def ratio(a, b):
         return {stat: step_times[a][f"{stat}_s"] / step_times[b][f"{stat}_s"] for stat in ("fastest", "median")}
     ratios = {"1f1b/gpipe": ratio("1f1b", "gpipe")}
+    if "interleaved" in step_times:
+        ratios["interleaved/1f1b"] = ratio("interleaved", "1f1b")
     if "1f1b no-overlap" in step_times:
         ratios["overlap/no-overlap"] = ratio("1f1b", "1f1b no-overlap")
     losses = {label: everyone[0]["variants"][label]["losses"] for label in labels}
@@ -204,6 +238,7 @@ def _report(args, config, layout, device, variants, everyone) -> dict:
             "model": {"hidden_size": config.hidden_size, "num_layers": config.num_layers,
                       "seq_length": config.seq_length, "vocab_size": config.vocab_size},
             "micro_batches": m, "micro_batch_size": args.micro_batch_size, "bucket_size": args.bucket_size,
+            "virtual_stages": v if "interleaved" in labels else None,
             "steps": args.steps, "warmup": args.warmup, "stages": stages, "variants": step_times,
             "ratios": ratios, "losses": losses, "max_loss_difference": difference}
 
@@ -228,15 +263,29 @@ def _text(report: dict) -> str:
             f"{s['gpipe_peak_in_flight']:>7d} / {s['gpipe_peak_in_flight_measured']:<5d} "
             f"{s['1f1b_peak_in_flight']:>2d} / {s['1f1b_peak_in_flight_measured']:<2d} "
             f"{s['gpipe_bubble']:12.2f} {s['1f1b_bubble']:6.2f} {s['bubble_formula']:13.2f}")
+    if report["virtual_stages"]:
+        v = report["virtual_stages"]
+        lines.append(f"interleaved 1F1B, {v} chunks per stage: peak saved activations, chunk-forwards in flight "
+                     "(schedule / autograd / formula), bubble median against its formula, next to 1F1B's")
+        lines.append(f"{'stage':>5} {'1f1b B':>9} {'interl. B':>9} {'in flight 1f1b':>14} {'interleaved':>13} "
+                     f"{'bubble 1f1b':>11} {'(p-1)/(m+p-1)':>13} {'interleaved':>11} {'(p-1)/(vm+p-1)':>14}")
+        for s in report["stages"]:
+            lines.append(
+                f"{s['pp_rank']:5d} {s['1f1b_peak_bytes']:9d} {s['interleaved_peak_bytes']:9d} "
+                f"{s['1f1b_peak_in_flight_measured']:>9d} / {s['expected_in_flight']['1f1b']:<2d} "
+                f"{s['interleaved_peak_in_flight']:>3d} / {s['interleaved_peak_in_flight_measured']:>2d} / "
+                f"{s['interleaved_expected_in_flight']:<2d} {s['1f1b_bubble']:11.2f} {s['bubble_formula']:13.2f} "
+                f"{s['interleaved_bubble']:11.2f} {s['interleaved_bubble_formula']:14.2f}")
     cuda = any(v["cuda_peak_bytes"] for v in report["variants"].values())
     lines.append("per variant: step time (slowest rank), tail = median time after the schedule (DP wait, "
                  "optimizer, loss report); DP all-reduces issued during the last backward / all (sum over stages)")
-    lines.append(f"{'variant':16} {'fastest ms':>10} {'median ms':>10} {'tail ms':>8} {'DP in bwd':>10}"
-                 + (f" {'cuda peak MiB':>13}" if cuda else ""))
+    lines.append(f"{'variant':16} {'fastest ms':>10} {'median ms':>10} {'tail ms':>8} {'DP in bwd':>10} "
+                 f"{'replayed bubble':>15} {'formula':>7}" + (f" {'cuda peak MiB':>13}" if cuda else ""))
     for label, v in report["variants"].items():
         dp = f"{v['dp_all_reduces_in_backward']}/{v['dp_all_reduces']}" if lay["dp"] > 1 else "-"
         lines.append(f"{label:16} {v['fastest_s'] * 1e3:10.2f} {v['median_s'] * 1e3:10.2f} "
-                     f"{v['tail_median_s'] * 1e3:8.2f} {dp:>10}"
+                     f"{v['tail_median_s'] * 1e3:8.2f} {dp:>10} {v['replayed_bubble']:15.3f} "
+                     f"{v['bubble_formula']:7.3f}"
                      + (f" {v['cuda_peak_bytes'] / 2**20:13.1f}" if cuda else ""))
     for name, r in report["ratios"].items():
         lines.append(f"step time {name:20s}: fastest {r['fastest']:.3f}   median {r['median']:.3f}")

@@ -2,7 +2,7 @@
 
 Runs tools/trace_worker.py on two ranks under torchrun (CPU, gloo) and writes DIR/tp_block.json and
 DIR/fsdp_forward.json (default reading_notes/traces/, which is committed), then on four ranks (four
-pipeline stages) DIR/pipeline_gpipe.json and DIR/pipeline_1f1b.json. tests/tools/test_traces.py runs the
+pipeline stages) DIR/pipeline_gpipe.json, DIR/pipeline_1f1b.json and DIR/pipeline_interleaved.json. tests/tools/test_traces.py runs the
 same worker and fails when a fresh run no longer matches the committed traces, so re-record after changing the
 reference and commit the result. Then, in one process each, `python -m reference.scale --json` traces a first,
 middle and last stage rank of the layouts in SCALE (fake process group, 70B shapes) into DIR/scale_*.json,

@@ -2,7 +2,8 @@
 and `torchrun --nproc-per-node 4 tools/trace_worker.py OUT pipeline`.
 
 Run by `tools/record-traces` (which writes reading_notes/traces/); rank 0 writes OUT/tp_block.json and
-OUT/fsdp_forward.json (2 ranks), or OUT/pipeline_gpipe.json and OUT/pipeline_1f1b.json (4 ranks, `pipeline`).
+OUT/fsdp_forward.json (2 ranks), or OUT/pipeline_gpipe.json, OUT/pipeline_1f1b.json and
+OUT/pipeline_interleaved.json (4 ranks, `pipeline`).
 Everything in them is observed, not computed:
   * tp_block: one tensor-parallel transformer block (reference.tensor_parallel) at two hidden sizes. The
     CollectiveRecorder's events (op, module, phase, shape, bytes) of one forward+backward; the forward order of
@@ -18,9 +19,12 @@ Everything in them is observed, not computed:
     start, end and FLOPs (attention on the CPU flash kernel, which torch has no FLOP formula for, counts 0),
     the peak of micro-batches in flight (as the schedule counts them and as autograd keeps
     them), the peak activation bytes, and every point-to-point send and receive the recorder saw.
+  * pipeline_interleaved: the same for interleaved 1F1B, 2 model chunks per stage, on the same GPT with twice
+    the layers (INTERLEAVED_CONFIG), so that a chunk holds one layer as a 1F1B stage does above.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -33,7 +37,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from pin_and_cite.site.traces import EVENT_KEYS  # what the site's trace comparison reads
 from reference.fsdp.units import shard_model
-from reference.gpt.model import GPTConfig, build_stage
+from reference.gpt.model import GPTConfig, build_chunks, build_stage
 from reference.gpt.train import data_parallel, synthetic_batches as gpt_batches, train_step
 from reference.model import ModelConfig, build_model, next_token_loss, synthetic_batches
 from reference.distributed import distributed
@@ -47,6 +51,8 @@ FSDP_CONFIG = ModelConfig(vocab_size=128, hidden_size=32, num_attention_heads=4,
 FSDP_BATCH, FSDP_SEQ, SEED = 4, 16, 1234
 PIPELINE_RANKS, PIPELINE_M, PIPELINE_B = 4, 8, 2     # pp 4, 8 micro-batches of 2 sequences
 PIPELINE_CONFIG = GPTConfig(vocab_size=51, hidden_size=16, num_attention_heads=4, num_layers=4, seq_length=8)
+INTERLEAVED_V = 2
+INTERLEAVED_CONFIG = dataclasses.replace(PIPELINE_CONFIG, num_layers=PIPELINE_CONFIG.num_layers * INTERLEAVED_V)
 P2P_OPS = ("send", "recv")
 
 
@@ -140,13 +146,17 @@ def fsdp_forward(world: int) -> dict:
                        "flops_end": s["flops_end"], **_times(s)} for s in record["spans"]]}
 
 
-def pipeline(schedule: str) -> dict:
-    """One train_step on PIPELINE_RANKS stages; every stage's record, gathered on rank 0."""
+def pipeline(schedule: str, virtual_stages: int = 1) -> dict:
+    """One train_step on PIPELINE_RANKS stages (v model chunks each: interleaved); every stage's record,
+    gathered on rank 0."""
     layout = build_layout(1, PIPELINE_RANKS, 1)
-    stage = build_stage(PIPELINE_CONFIG, layout, seed=SEED)
-    model = data_parallel(stage, layout)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    tokens = gpt_batches(PIPELINE_CONFIG, 1, PIPELINE_M * PIPELINE_B, SEED)[0]
+    config = INTERLEAVED_CONFIG if virtual_stages > 1 else PIPELINE_CONFIG
+    chunks = (build_chunks(config, layout, virtual_stages, seed=SEED) if virtual_stages > 1
+              else [build_stage(config, layout, seed=SEED)])
+    wrapped = [data_parallel(chunk, layout) for chunk in chunks]
+    model = wrapped if virtual_stages > 1 else wrapped[0]
+    optimizer = torch.optim.SGD([p for chunk in wrapped for p in chunk.parameters()], lr=0.1)
+    tokens = gpt_batches(config, 1, PIPELINE_M * PIPELINE_B, SEED)[0]
     recorder = CollectiveRecorder()
     step = train_step(model, optimizer, tokens, layout, num_micro_batches=PIPELINE_M, schedule=schedule,
                       record=recorder)
@@ -161,10 +171,11 @@ def pipeline(schedule: str) -> dict:
             "total_s": round(result.total_s, 6), "p2p": p2p}
     stages = [None] * dist.get_world_size()
     dist.all_gather_object(stages, mine)
-    c = PIPELINE_CONFIG
-    return {"kind": "pipeline", "schedule": schedule, "world": dist.get_world_size(), "pp": layout.pp_size,
+    c = config
+    return {"kind": "pipeline", "schedule": schedule, "virtual_stages": virtual_stages,
+            "world": dist.get_world_size(), "pp": layout.pp_size,
             "m": PIPELINE_M, "b": PIPELINE_B, "s": c.seq_length, "h": c.hidden_size, "layers": c.num_layers,
-            "dtype": "float32", "dtype_size": 4, "activation_shape": list(stage.activation_shape(PIPELINE_B)),
+            "dtype": "float32", "dtype_size": 4, "activation_shape": list(chunks[0].activation_shape(PIPELINE_B)),
             "stages": sorted(stages, key=lambda st: st["pp_rank"])}
 
 
@@ -178,6 +189,7 @@ def main(out: Path, what: str = "tp_fsdp") -> None:
         world = dist.get_world_size()
         if what == "pipeline":
             traces = {f"pipeline_{schedule}": pipeline(schedule) for schedule in ("gpipe", "1f1b")}
+            traces["pipeline_interleaved"] = pipeline("1f1b", INTERLEAVED_V)
         else:
             traces = {"tp_block": tp_block(world), "fsdp_forward": fsdp_forward(world)}
         if dist.get_rank() == 0:

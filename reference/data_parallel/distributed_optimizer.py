@@ -28,30 +28,33 @@ cloned from the bf16 shard; `_copy_model_grads_to_main_grads`, `_copy_main_param
 """
 from __future__ import annotations
 
-from reference.data_parallel.mixed_precision import MasterWeightOptimizer, OptimizerFactory
-from reference.data_parallel.wrapper import DistributedDataParallel
+from reference.data_parallel.mixed_precision import MasterWeightOptimizer, ModelChunks, OptimizerFactory, model_chunks
 
 
 class DistributedOptimizer(MasterWeightOptimizer):
-    """Steps this rank's slice of every bucket of `model`, then all-gathers the parameters."""
+    """Steps this rank's slice of every bucket of `model` (one DDP model or its chunks), then all-gathers the
+    parameters."""
 
-    def __init__(self, model: DistributedDataParallel, make_optimizer: OptimizerFactory) -> None:
-        if not model.use_distributed_optimizer:
+    def __init__(self, model: ModelChunks, make_optimizer: OptimizerFactory) -> None:
+        self.chunks = model_chunks(model)
+        if not all(chunk.use_distributed_optimizer for chunk in self.chunks):
             raise ValueError("DistributedOptimizer needs a model wrapped with "
                              "DistributedDataParallel(..., use_distributed_optimizer=True)")
-        self.model = model
-        super().__init__([(params.shard, grads.shard) for params, grads in zip(model.param_buckets, model.buckets)],
-                         make_optimizer)
+        super().__init__([(params.shard, grads.shard) for chunk in self.chunks
+                          for params, grads in zip(chunk.param_buckets, chunk.buckets)], make_optimizer)
 
     def step(self) -> None:
         """Step the slices (their gradients were reduce-scattered by finish_grad_sync), then gather."""
         super().step()
-        self.model.start_param_sync()
+        for chunk in self.chunks:
+            chunk.start_param_sync()
 
 
-def bytes_per_rank(model: DistributedDataParallel, optimizer: MasterWeightOptimizer) -> dict[str, int]:
+def bytes_per_rank(model: ModelChunks, optimizer: MasterWeightOptimizer) -> dict[str, int]:
     """What this rank holds, in bytes: model parameters, gradient buckets, fp32 masters, optimizer states."""
-    params = (sum(bucket.nbytes for bucket in model.param_buckets) if model.param_buckets else
-              sum(p.numel() * p.element_size() for p in model.module.parameters() if p.requires_grad))
-    return {"parameters": params, "gradients": sum(bucket.nbytes for bucket in model.buckets),
+    chunks = model_chunks(model)
+    params = sum(sum(bucket.nbytes for bucket in chunk.param_buckets) if chunk.param_buckets else
+                 sum(p.numel() * p.element_size() for p in chunk.module.parameters() if p.requires_grad)
+                 for chunk in chunks)
+    return {"parameters": params, "gradients": sum(bucket.nbytes for chunk in chunks for bucket in chunk.buckets),
             **optimizer.state_bytes()}

@@ -23,6 +23,13 @@ import torch
 from reference.data_parallel.wrapper import DistributedDataParallel
 
 OptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+ModelChunks = DistributedDataParallel | list[DistributedDataParallel]
+
+
+def model_chunks(model: ModelChunks) -> list[DistributedDataParallel]:
+    """One DDP-wrapped model, or the v chunks of interleaved 1F1B: an optimizer steps them all, as Megatron's
+    optimizers take `model_chunks`."""
+    return model if isinstance(model, list) else [model]
 
 
 class MasterWeightOptimizer:
@@ -54,11 +61,12 @@ class MasterWeightOptimizer:
         return {"master_weights": masters, "optimizer_states": states}
 
 
-def unsharded(model: DistributedDataParallel, make_optimizer: OptimizerFactory) -> MasterWeightOptimizer:
+def unsharded(model: ModelChunks, make_optimizer: OptimizerFactory) -> MasterWeightOptimizer:
     """Megatron's Float16OptimizerWithFloat16Params over a DDP model: every rank steps every parameter from
     its DP-averaged gradient (fp32 `main_grad` buckets, or bf16 `.grad` ones widened to fp32 at the step)."""
-    if model.use_distributed_optimizer:
+    chunks = model_chunks(model)
+    if any(chunk.use_distributed_optimizer for chunk in chunks):
         raise ValueError("unsharded(): the model was wrapped with use_distributed_optimizer=True, whose buckets "
                          "are reduce-scattered; use reference.data_parallel.distributed_optimizer")
-    pairs = [(param, bucket.views[param]) for bucket in model.buckets for param in bucket.params]
+    pairs = [(param, bucket.views[param]) for chunk in chunks for bucket in chunk.buckets for param in bucket.params]
     return MasterWeightOptimizer(pairs, make_optimizer)

@@ -16,6 +16,10 @@ and each rank holds about 1/(tp x dp) of the parameters. It needs --pp 1 and one
 `--dp-sharding optimizer` keeps the parameters and gradients replicated but shards the optimizer (Megatron's
 distributed optimizer, ZeRO-1: reference.data_parallel.distributed_optimizer): the dp traffic becomes a
 reduce-scatter per gradient bucket and an all-gather per parameter bucket. It needs dp > 1.
+
+`--virtual-stages v` (interleaved 1F1B: `torchrun --nproc-per-node 4 -m reference --pp 4 --virtual-stages 2
+--num-layers 8 --micro-batches 8`) gives each stage v model chunks (reference.gpt.model.build_chunks): the
+layers must split into pp x v equal chunks and m must be a multiple of pp, as megatron-core requires.
 """
 from __future__ import annotations
 
@@ -30,9 +34,11 @@ from reference.data_parallel.distributed_optimizer import DistributedOptimizer
 from reference.data_parallel.wrapper import DEFAULT_BUCKET_SIZE
 from reference.distributed import LaunchError, distributed
 from reference.fsdp.units import sharded_parameter_bytes
-from reference.gpt.model import GPTConfig, UnshardedGPT, build_stage, split_layers
+from reference.gpt.model import (GPTConfig, UnshardedGPT, build_chunks, build_stage, split_layers,
+                                 split_virtual_stages)
 from reference.gpt.train import data_parallel, fully_sharded, synthetic_batches, train_step
 from reference.parallel_state import ParallelConfigError, build_layout, parallel_sizes
+from reference.pipeline.interleaved import check_interleaving
 from reference.pipeline.schedules import SCHEDULES, peak_in_flight_formula
 from reference.recompute import RECOMPUTE_MODES
 from reference.recorder import CollectiveRecorder
@@ -48,6 +54,9 @@ def add_arguments(group) -> None:
     group.add_argument("--schedule", choices=SCHEDULES, default="1f1b",
                        help="pipeline schedule: all forwards then all backwards (gpipe), or one-forward-one-"
                             "backward after a warm-up (1f1b: at most pp micro-batches in flight)")
+    group.add_argument("--virtual-stages", type=int, default=1, metavar="V",
+                       help="model chunks per pipeline stage; V > 1 runs interleaved 1F1B, whose bubble is "
+                            "(pp - 1) / (V m + pp - 1); needs the layers divisible by pp x V and m by pp")
     group.add_argument("--micro-batches", type=int, default=None,
                        help="micro-batches m per step and replica; the bubble is (pp - 1) / (m + pp - 1); "
                             "default: 4, or 1 with --dp-sharding fsdp")
@@ -99,6 +108,13 @@ def _config(args) -> GPTConfig:
                        num_attention_heads=args.num_attention_heads, num_layers=args.num_layers,
                        seq_length=args.seq_length, hidden_dropout=args.dropout, attention_dropout=args.dropout)
     split_layers(config.num_layers, args.pp)
+    if args.virtual_stages != 1:
+        if args.schedule != "1f1b" or args.dp_sharding == "fsdp":
+            raise ParallelConfigError(f"--virtual-stages {args.virtual_stages} needs --schedule 1f1b and "
+                                      "--dp-sharding replicate or optimizer (interleaved 1F1B over DDP-wrapped "
+                                      "chunks)")
+        split_virtual_stages(config.num_layers, args.pp, args.virtual_stages)
+        check_interleaving(args.pp, args.virtual_stages, args.micro_batches)
     return config
 
 
@@ -119,24 +135,29 @@ def _train(args, config: GPTConfig, device: torch.device) -> None:
     rank, text = dist.get_rank(), not args.json
     if rank == 0 and text:
         print(layout.describe(), flush=True)
-    stage = build_stage(config, layout, sequence_parallel=args.sequence_parallel, seed=args.seed, device=device,
-                        async_grad_allreduce=not args.no_async_grad_allreduce, recompute=args.recompute)
+    kwargs = dict(sequence_parallel=args.sequence_parallel, seed=args.seed, device=device,
+                  async_grad_allreduce=not args.no_async_grad_allreduce, recompute=args.recompute)
+    chunks = (build_chunks(config, layout, args.virtual_stages, **kwargs) if args.virtual_stages > 1
+              else [build_stage(config, layout, **kwargs)])
     recorder = CollectiveRecorder()
-    recorder.watch(stage)
+    for c, chunk in enumerate(chunks):
+        recorder.watch(chunk, prefix=f"chunk{c}" if len(chunks) > 1 else "")
     if args.dp_sharding == "fsdp":
-        model = fully_sharded(stage, layout)
+        model = fully_sharded(chunks[0], layout)
     else:
-        model = data_parallel(stage, layout, bucket_size=args.bucket_size,
-                              overlap_grad_reduce=not args.no_overlap_grad_reduce,
-                              use_distributed_optimizer=args.dp_sharding == "optimizer")
+        wrapped = [data_parallel(chunk, layout, bucket_size=args.bucket_size,
+                                 overlap_grad_reduce=not args.no_overlap_grad_reduce,
+                                 use_distributed_optimizer=args.dp_sharding == "optimizer") for chunk in chunks]
+        model = wrapped if len(wrapped) > 1 else wrapped[0]
+    params = [param for chunk in (model if isinstance(model, list) else [model]) for param in chunk.parameters()]
     param_bytes = None  # only rank 0 reports: only it builds the whole model, to count its bytes
     if rank == 0:
-        param_bytes = {"param_bytes_per_rank": sharded_parameter_bytes(model),
+        param_bytes = {"param_bytes_per_rank": sum(p.numel() * p.element_size() for p in params),
                        "param_bytes_unsharded": sharded_parameter_bytes(UnshardedGPT(config, args.seed))}
     if args.dp_sharding == "optimizer":
         optimizer = DistributedOptimizer(model, lambda tensors: torch.optim.SGD(tensors, lr=args.lr))
     else:
-        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+        optimizer = torch.optim.SGD(params, lr=args.lr)
     global_batch = args.batch_size * args.micro_batches * layout.dp_size
     for step, tokens in enumerate(synthetic_batches(config, args.steps, global_batch, args.seed)):
         recorder.clear()
@@ -175,12 +196,14 @@ def _report_pipeline(args, stages: list[dict]) -> None:
     if args.json:
         print(json.dumps({"pipeline": stages}), flush=True)
         return
-    p, m = len(stages), args.micro_batches
-    print(f"pipeline: {args.schedule if p > 1 else 'no pipelining (pp 1)'}, pp {p}, {m} micro-batches "
+    p, m, v = len(stages), args.micro_batches, args.virtual_stages
+    name = f"interleaved 1f1b, {v} chunks per stage" if v > 1 else args.schedule
+    print(f"pipeline: {name if p > 1 else 'no pipelining (pp 1)'}, pp {p}, {m} micro-batches "
           f"(last step, one rank per stage)", flush=True)
+    unit, formula = ("chunk-forwards", "(p-1)/(v m+p-1)") if v > 1 else ("micro-batches", "(p-1)/(m+p-1)")
     for s in stages:
-        expected = peak_in_flight_formula(args.schedule, p, s["pp_rank"], m)
+        expected = peak_in_flight_formula(args.schedule, p, s["pp_rank"], m, v)
         print(f"  stage {s['pp_rank']}: {' '.join(s['actions'])}\n"
-              f"    peak in flight {s['peak_in_flight']} micro-batches (autograd held {s['peak_in_flight_measured']},"
+              f"    peak in flight {s['peak_in_flight']} {unit} (autograd held {s['peak_in_flight_measured']},"
               f" {s['peak_activation_bytes']} B; expected {expected}), bubble {s['bubble']:.2f} "
-              f"(formula (p-1)/(m+p-1) = {s['bubble_formula']:.2f})", flush=True)
+              f"(formula {formula} = {s['bubble_formula']:.2f})", flush=True)

@@ -228,3 +228,30 @@ def build_stage(config: GPTConfig, layout: ParallelLayout, *, sequence_parallel:
     return GPTStage(config, layout.tp_group, first_layer=first, last_layer=last, is_first=layout.pp_rank == 0,
                     is_last=layout.pp_rank == layout.pp_size - 1, sequence_parallel=sequence_parallel, seed=seed,
                     device=device, params_dtype=params_dtype, **block_kwargs)
+
+
+def split_virtual_stages(num_layers: int, pp_size: int, virtual_stages: int) -> list[list[tuple[int, int]]]:
+    """[first, last) layers of each chunk of each stage for interleaved 1F1B: the layers cut into p * v equal
+    virtual stages, chunk c of PP rank r being virtual stage c * p + r (megatron/core/transformer/
+    transformer_layer.py::get_transformer_layer_offset), so a micro-batch visits every rank v times. Megatron
+    refuses layer counts that p * v does not divide (megatron/core/transformer/transformer_config.py::
+    TransformerConfig.__post_init__: layers per stage divisible by the virtual size)."""
+    p, v = pp_size, virtual_stages
+    if p < 1 or v < 1:
+        raise ParallelConfigError(f"pipeline and virtual stages must be at least 1, got pp {p} and {v}")
+    if num_layers % (p * v):
+        raise ParallelConfigError(f"{num_layers} transformer layers do not split into pp {p} x {v} virtual stages "
+                                  f"of equal size; use a multiple of {p * v} layers")
+    per_chunk = num_layers // (p * v)
+    return [[((c * p + r) * per_chunk, (c * p + r + 1) * per_chunk) for c in range(v)] for r in range(p)]
+
+
+def build_chunks(config: GPTConfig, layout: ParallelLayout, virtual_stages: int, *, sequence_parallel: bool = False,
+                 seed: int = 1234, device=None, params_dtype: torch.dtype = torch.float32,
+                 **block_kwargs) -> list[GPTStage]:
+    """This rank's v model chunks for interleaved 1F1B (split_virtual_stages), tensor-parallel over its TP group."""
+    p, r, v = layout.pp_size, layout.pp_rank, virtual_stages
+    bounds = split_virtual_stages(config.num_layers, p, v)[r]
+    return [GPTStage(config, layout.tp_group, first_layer=first, last_layer=last, is_first=first == 0,
+                     is_last=last == config.num_layers, sequence_parallel=sequence_parallel, seed=seed,
+                     device=device, params_dtype=params_dtype, **block_kwargs) for first, last in bounds]

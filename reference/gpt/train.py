@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import torch
@@ -96,33 +97,46 @@ def fully_sharded(stage: GPTStage, layout: ParallelLayout) -> FullyShardedDataPa
     return shard_tp_model(stage, layout)
 
 
-def train_step(model: DistributedDataParallel | FullyShardedDataParallel, optimizer: torch.optim.Optimizer,
+def train_step(model: DistributedDataParallel | FullyShardedDataParallel | list[DistributedDataParallel],
+               optimizer: torch.optim.Optimizer,
                tokens: torch.Tensor, layout: ParallelLayout, *, num_micro_batches: int, schedule: str = "1f1b",
                device: torch.device | None = None, record: contextlib.AbstractContextManager | None = None,
                no_sync: Callable[[], contextlib.AbstractContextManager] | None = None,
                finalize_grads: Callable[[], None] | None = None) -> StepResult:
     """One optimizer step on the global batch `tokens` [B, s + 1] for a stage wrapped by `data_parallel` or
-    `fully_sharded`. `no_sync` defaults to the DDP wrapper's (FSDP: nothing to defer, one micro-batch),
-    `finalize_grads` to finalize_model_grads (either wrapper). `record` is a context (e.g. a CollectiveRecorder) around the training
-    work only: schedule, gradient finalization and optimizer step.
+    `fully_sharded`, or for a list of v > 1 model chunks each wrapped by `data_parallel` (interleaved 1F1B).
+    `no_sync` defaults to the DDP wrappers' (all chunks at once; FSDP: nothing to defer, one micro-batch),
+    `finalize_grads` to finalize_model_grads (either wrapper). `record` is a context (e.g. a CollectiveRecorder)
+    around the training work only: schedule, gradient finalization and optimizer step.
 
     Mirrors `megatron-lm:megatron/core/pipeline_parallel/schedules.py::get_forward_backward_func`.
     """
     device = device or torch.device("cpu")
+    chunks = model if isinstance(model, list) else [model]
     if isinstance(model, FullyShardedDataParallel) and num_micro_batches > 1:
         raise ParallelConfigError(f"a fully_sharded stage trains one micro-batch per step, got {num_micro_batches}: "
                                   "the reference FSDP has no no_sync to defer its reduce-scatters")
     if no_sync is None:
-        no_sync = model.no_sync if isinstance(model, DistributedDataParallel) else contextlib.nullcontext
+        no_sync = (functools.partial(_all_no_sync, chunks) if isinstance(chunks[0], DistributedDataParallel)
+                   else contextlib.nullcontext)
     micro_batches = [(x.to(device), y.to(device))
                      for x, y in split_batch(tokens, layout.dp_size, layout.dp_rank, num_micro_batches)]
     with record or contextlib.nullcontext():
         result = forward_backward(
             schedule, model, micro_batches, pp_group=layout.pp_group,
-            activation_shape=model.module.activation_shape(micro_batches[0][0].shape[0]),
+            activation_shape=chunks[0].module.activation_shape(micro_batches[0][0].shape[0]),
             no_sync=no_sync,
-            finalize_grads=finalize_grads or (lambda: finalize_model_grads([model], layout.tp_group)),
-            dtype=model.module.params_dtype, device=device)
+            finalize_grads=finalize_grads or (lambda: finalize_model_grads(chunks, layout.tp_group)),
+            dtype=chunks[0].module.params_dtype, device=device)
         optimizer.step()
-    model.zero_grad()
+    for chunk in chunks:
+        chunk.zero_grad()
     return StepResult(loss=global_loss(result, layout, device), pipeline=result)
+
+
+def _all_no_sync(chunks: list[DistributedDataParallel]) -> contextlib.ExitStack:
+    """Every chunk's no_sync at once (megatron: config.no_sync_func as a list, entered by multi_no_sync)."""
+    stack = contextlib.ExitStack()
+    for chunk in chunks:
+        stack.enter_context(chunk.no_sync())
+    return stack

@@ -78,3 +78,53 @@ class PipelineP2P:
 
     def send_backward_recv_forward(self, input_grad: torch.Tensor | None) -> torch.Tensor | None:
         return self._communicate(send_prev=input_grad, recv_prev=True)[0]
+
+
+class RingP2P:
+    """Transfers of one stage under interleaving, where the last stage's chunk c feeds the first stage's chunk
+    c + 1, so the neighbours wrap round a ring. Sends are posted at once (isend) and waited in `wait_sends`;
+    a receive blocks until its tensor is there. Any order of actions that respects the data dependencies then
+    runs without deadlock, as long as a pair's messages in one direction arrive in the order they are used:
+    each direction has its own tag (at p = 2 the same neighbour is both next and previous), and within a
+    direction both ends walk the same schedule table. That holds for gloo, which matches by tag and completes
+    sends independently (the CPU suite runs it). NCCL ignores tags and runs one communicator's transfers in
+    issue order on one stream, which this scheme does not arrange for; megatron/core/pipeline_parallel/
+    schedules.py::forward_backward_pipelining_with_interleaving instead exchanges in matched batched rounds.
+    The interleaved schedule is not run on CUDA here (it needs p >= 2 GPUs)."""
+
+    FORWARD, BACKWARD = 0, 1  # tags: activations go to next, their gradients to prev
+
+    def __init__(self, pp_group: dist.ProcessGroup, shape: tuple[int, ...], dtype: torch.dtype,
+                 device: torch.device):
+        self.group, self.shape, self.dtype, self.device = pp_group, tuple(shape), dtype, device
+        rank, size = pp_group.rank(), pp_group.size()
+        self.prev = dist.get_global_rank(pp_group, (rank - 1) % size)
+        self.next = dist.get_global_rank(pp_group, (rank + 1) % size)
+        self.pending: list[tuple[dist.Work, torch.Tensor]] = []  # the tensor stays alive until sent
+
+    def _send(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
+        tensor = tensor.detach().contiguous()
+        self.pending.append((dist.isend(tensor, peer, group=self.group, tag=tag), tensor))
+
+    def _recv(self, peer: int, tag: int) -> torch.Tensor:
+        buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        dist.irecv(buffer, peer, group=self.group, tag=tag).wait()
+        return buffer
+
+    def send_forward(self, output: torch.Tensor) -> None:
+        self._send(output, self.next, self.FORWARD)
+
+    def recv_forward(self) -> torch.Tensor:
+        """The input activation of this stage's next forward that needs one; it requires grad."""
+        return self._recv(self.prev, self.FORWARD).requires_grad_()
+
+    def send_backward(self, input_grad: torch.Tensor) -> None:
+        self._send(input_grad, self.prev, self.BACKWARD)
+
+    def recv_backward(self) -> torch.Tensor:
+        return self._recv(self.next, self.BACKWARD)
+
+    def wait_sends(self) -> None:
+        for work, _ in self.pending:
+            work.wait()
+        self.pending.clear()

@@ -6,6 +6,8 @@
          min(p - r, m) micro-batches: p on the first stage, whatever m is.
 Both idle for the same bubble, (p - 1) / (m + p - 1) of the time with uniform micro-batches: 1F1B saves
 memory, not time. With one stage there is no pipeline: F0 B0 F1 B1 ...
+  Interleaved 1F1B: 1F1B over v model chunks per stage (pass the v chunks as `stage`), reference.pipeline.
+         interleaved; the bubble shrinks to (p - 1) / (v m + p - 1) of the time, (p - 1) / (v m) of the ideal.
 
 Data parallelism plugs in as in Megatron when its config.grad_sync_func is unset: `no_sync`
 (config.no_sync_func) is entered before the first micro-batch and left before the last backward on every
@@ -39,22 +41,26 @@ import torch
 import torch.distributed as dist
 
 from reference.parallel_state import ParallelConfigError
-from reference.pipeline.in_flight import InFlightActivations
-from reference.pipeline.p2p import PipelineP2P
-from reference.recorder import CollectiveRecorder
+from reference.pipeline import interleaved
+from reference.pipeline.p2p import PipelineP2P, RingP2P
+from reference.pipeline.steps import GradSync, Steps
 
 SCHEDULES = ("gpipe", "1f1b")
 
 
-def bubble_formula(p: int, m: int) -> float:
-    """The idle fraction of either schedule with p stages and m uniform micro-batches: (p - 1) / (m + p - 1)."""
-    return (p - 1) / (m + p - 1)
+def bubble_formula(p: int, m: int, v: int = 1) -> float:
+    """The idle fraction of any schedule here with p stages, v chunks each and m uniform micro-batches:
+    (p - 1) / (v m + p - 1), i.e. (p - 1) / (v m) of the ideal (bubble-free) time."""
+    return (p - 1) / (v * m + p - 1)
 
 
-def peak_in_flight_formula(schedule: str, p: int, r: int, m: int) -> int:
-    """Micro-batches stage r of p holds at most: m under GPipe, min(p - r, m) under 1F1B, 1 without a pipeline."""
+def peak_in_flight_formula(schedule: str, p: int, r: int, m: int, v: int = 1) -> int:
+    """Forwards stage r of p holds at most: m under GPipe, min(p - r, m) under 1F1B, 1 without a pipeline;
+    with v chunks (interleaved 1F1B) chunk-forwards, min(2 (p - r - 1) + (v - 1) p + 1, v m)."""
     if p == 1:
         return 1
+    if v > 1:
+        return interleaved.peak_in_flight(p, r, v, m)
     return m if schedule == "gpipe" else min(p - r, m)
 
 
@@ -62,11 +68,12 @@ def peak_in_flight_formula(schedule: str, p: int, r: int, m: int) -> int:
 class PipelineResult:
     """What one stage did in one forward_backward call."""
     schedule: str
+    virtual_stages: int            # model chunks on this stage (v); > 1: interleaved 1F1B
     pp_rank: int
     pp_size: int
     num_micro_batches: int
     losses: list[float]            # last stage: each micro-batch's loss (before the 1/m scaling); else []
-    actions: list[str]             # "F0", "B0", ... in the order run
+    actions: list[str]             # "F0", "B0", ... in the order run ("F<chunk>.<i>" with several chunks)
     action_spans: list[tuple[float, float]]  # (start, end) of each action: perf_counter(), the recorder's clock
     action_flops: list[int]        # FLOPs of each action as a CollectiveRecorder counted them (0 without one)
     start_s: float                 # perf_counter() when the schedule started (after the PP barrier)
@@ -86,7 +93,7 @@ class PipelineResult:
 
     @property
     def bubble_formula(self) -> float:
-        return bubble_formula(self.pp_size, self.num_micro_batches)
+        return bubble_formula(self.pp_size, self.num_micro_batches, self.virtual_stages)
 
     def to_dict(self) -> dict:
         return {**dataclasses.asdict(self), "busy_s": self.busy_s, "bubble": self.bubble,
@@ -101,71 +108,7 @@ def loss_values(losses: list[torch.Tensor]) -> list[float]:
     return torch.stack(losses).tolist()
 
 
-class _GradSync:
-    """Megatron's disable_grad_sync / enable_grad_sync around the user's no_sync context."""
-
-    def __init__(self, no_sync: Callable[[], contextlib.AbstractContextManager]):
-        self.no_sync, self.context = no_sync, None
-
-    def disable(self) -> None:
-        if self.context is None:
-            self.context = self.no_sync()
-            self.context.__enter__()
-
-    def enable(self) -> None:
-        if self.context is not None:
-            self.context.__exit__(None, None, None)
-            self.context = None
-
-
-class _Steps:
-    """forward_step / backward_step of one stage, timed, counted and measured."""
-
-    def __init__(self, stage: torch.nn.Module, micro_batches: Sequence[tuple], is_last: bool, device: torch.device):
-        self.stage, self.micro_batches, self.is_last = stage, micro_batches, is_last
-        self.cuda = device if device.type == "cuda" else None
-        self.meter = InFlightActivations()
-        self.actions: list[str] = []
-        self.spans: list[tuple[float, float]] = []
-        self.flops: list[int] = []
-        self.losses: list[torch.Tensor] = []  # detached, read once at the end (loss_values)
-        self.in_flight = self.peak_in_flight = 0
-
-    def _timed(self, name: str, fn, *args):
-        recorder = (CollectiveRecorder.active() or [None])[-1]
-        start, flops = time.perf_counter(), recorder.flops if recorder else 0
-        out = fn(*args)
-        if self.cuda is not None:  # the action is done when its kernels are, not when they are queued
-            torch.cuda.synchronize(self.cuda)
-        self.actions.append(name)
-        self.spans.append((start, time.perf_counter()))
-        self.flops.append(recorder.flops - flops if recorder else 0)
-        return out
-
-    def forward(self, i: int, input_tensor: torch.Tensor | None) -> torch.Tensor:
-        def run():
-            with self.meter.forward(i):
-                output = self.stage(input_tensor, *self.micro_batches[i])
-            if self.is_last:  # the loss: keep it, scale it for the mean over micro-batches
-                self.losses.append(output.detach())
-                output = output / len(self.micro_batches)
-            return output
-        output = self._timed(f"F{i}", run)
-        self.in_flight += 1
-        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
-        return output
-
-    def backward(self, i: int, input_tensor, output, output_grad) -> torch.Tensor | None:
-        """Mirrors `megatron-lm:megatron/core/pipeline_parallel/schedules.py::backward_step`."""
-        def run():
-            torch.autograd.backward(output, grad_tensors=output_grad)  # output_grad None: output is the loss
-            return None if input_tensor is None else input_tensor.grad
-        input_grad = self._timed(f"B{i}", run)
-        self.in_flight -= 1
-        return input_grad
-
-
-def _no_pipelining(steps: _Steps, sync: _GradSync) -> None:
+def _no_pipelining(steps: Steps, sync: GradSync) -> None:
     """Mirrors `megatron-lm:megatron/core/pipeline_parallel/schedules.py::forward_backward_no_pipelining`."""
     m = len(steps.micro_batches)
     sync.disable()
@@ -175,7 +118,7 @@ def _no_pipelining(steps: _Steps, sync: _GradSync) -> None:
         steps.backward(i, None, steps.forward(i, None), None)
 
 
-def _gpipe(steps: _Steps, p2p: PipelineP2P, sync: _GradSync) -> None:
+def _gpipe(steps: Steps, p2p: PipelineP2P, sync: GradSync) -> None:
     """Mirrors `pytorch:torch/distributed/pipelining/schedules.py::ScheduleGPipe`."""
     m, kept = len(steps.micro_batches), []
     sync.disable()
@@ -192,7 +135,7 @@ def _gpipe(steps: _Steps, p2p: PipelineP2P, sync: _GradSync) -> None:
         p2p.send_backward(steps.backward(i, input_tensor, output, p2p.recv_backward()))
 
 
-def _one_f_one_b(steps: _Steps, p2p: PipelineP2P, sync: _GradSync) -> None:
+def _one_f_one_b(steps: Steps, p2p: PipelineP2P, sync: GradSync) -> None:
     """Mirrors
     `megatron-lm:megatron/core/pipeline_parallel/schedules.py::forward_backward_pipelining_without_interleaving`.
     """
@@ -227,7 +170,8 @@ def _one_f_one_b(steps: _Steps, p2p: PipelineP2P, sync: _GradSync) -> None:
         p2p.send_backward(steps.backward(j, old_input, old_output, p2p.recv_backward()))
 
 
-def forward_backward(schedule: str, stage: torch.nn.Module, micro_batches: Sequence[tuple], *,
+def forward_backward(schedule: str, stage: torch.nn.Module | Sequence[torch.nn.Module],
+                     micro_batches: Sequence[tuple], *,
                      pp_group: dist.ProcessGroup, activation_shape: tuple[int, ...],
                      no_sync: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
                      finalize_grads: Callable[[], None] | None = None, dtype: torch.dtype = torch.float32,
@@ -236,19 +180,29 @@ def forward_backward(schedule: str, stage: torch.nn.Module, micro_batches: Seque
 
     stage(hidden, *micro_batch) is called per micro-batch (hidden: None on the first stage, else received);
     on the last stage it returns the micro-batch's scalar loss. activation_shape: what goes between stages.
+    `stage` may be a list of v model chunks (reference.gpt.model.build_chunks): v > 1 runs interleaved 1F1B,
+    and `no_sync` must then silence every chunk's gradient reduction.
     """
     if schedule not in SCHEDULES:
         raise ParallelConfigError(f"unknown pipeline schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
     if len(micro_batches) < 1:
         raise ParallelConfigError("the pipeline needs at least one micro-batch")
-    p, r = pp_group.size(), pp_group.rank()
+    chunks = list(stage) if isinstance(stage, Sequence) else [stage]
+    p, r, v = pp_group.size(), pp_group.rank(), len(chunks)
+    if v > 1 and schedule != "1f1b":
+        raise ParallelConfigError(f"{v} virtual pipeline stages need the 1f1b schedule (interleaved), not {schedule}")
+    interleaved.check_interleaving(p, v, len(micro_batches))
     device = device or torch.device("cpu")
-    steps, sync = _Steps(stage, micro_batches, is_last=r == p - 1, device=device), _GradSync(no_sync)
+    steps, sync = Steps(chunks, micro_batches, is_last=r == p - 1, device=device), GradSync(no_sync)
     if p > 1:  # a common start and end for the bubble measurement (Megatron has no such barriers)
         dist.barrier(group=pp_group)
     start = time.perf_counter()
     try:
-        if p == 1:
+        if v > 1:
+            interleaved.run_interleaved(steps, RingP2P(pp_group, activation_shape, dtype, device), sync, p, r)
+            if p > 1:
+                dist.barrier(group=pp_group)
+        elif p == 1:
             _no_pipelining(steps, sync)
         else:
             p2p = PipelineP2P(pp_group, activation_shape, dtype, device)
@@ -259,7 +213,8 @@ def forward_backward(schedule: str, stage: torch.nn.Module, micro_batches: Seque
     total = time.perf_counter() - start
     if finalize_grads is not None:
         finalize_grads()
-    return PipelineResult(schedule=schedule, pp_rank=r, pp_size=p, num_micro_batches=len(micro_batches),
+    return PipelineResult(schedule=schedule, virtual_stages=v, pp_rank=r, pp_size=p,
+                          num_micro_batches=len(micro_batches),
                           losses=loss_values(steps.losses), actions=steps.actions,
                           action_spans=steps.spans, action_flops=steps.flops, start_s=start, peak_in_flight=steps.peak_in_flight,
                           peak_in_flight_measured=steps.meter.peak_micro_batches,

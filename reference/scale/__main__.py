@@ -29,6 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--microbatches", type=microbatches, default=16, help="micro-batches per step (m)")
     parser.add_argument("--sp", action="store_true", help="sequence parallelism")
     parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule")
+    parser.add_argument("--virtual-stages", type=int, default=1, metavar="V",
+                        help="model chunks per stage; V > 1: interleaved 1F1B (layers divisible by pp x V, "
+                             "micro-batches by pp)")
     parser.add_argument("--bucket-size", type=int, default=DEFAULT_BUCKET_SIZE, metavar="BYTES",
                         help="DDP gradient bucket size (0: one bucket)")
     parser.add_argument("--distributed-optimizer", action="store_true",
@@ -44,7 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
 def format_document(doc: dict) -> str:
     s = doc["setup"]
     lines = [f"{s['model']['name']} on tp {s['tp']} x pp {s['pp']} x dp {s['dp']} = {doc['world']} ranks, "
-             f"{s['microbatches']} micro-batches, sp {'on' if s['sp'] else 'off'}, {s['schedule']}, DDP "
+             f"{s['microbatches']} micro-batches, sp {'on' if s['sp'] else 'off'}, {s['schedule']}"
+             + (f" interleaved over {s['virtual_stages']} chunks per stage" if s.get("virtual_stages", 1) > 1 else "")
+             + ", DDP "
              + (f"buckets of {formulas.human(s['bucket_size'])}" if s["bucket_size"] else "in one bucket")
              + (", distributed optimizer" if s.get("distributed_optimizer") else "")]
     for run in doc["runs"]:
@@ -70,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         setup = setup_for(args.model.lower(), tp=args.tp, pp=args.pp, dp=args.dp, microbatches=args.microbatches,
                           sp=args.sp, schedule=args.schedule, bucket_size=args.bucket_size or None,
-                          order=args.order, distributed_optimizer=args.distributed_optimizer)
+                          order=args.order, distributed_optimizer=args.distributed_optimizer,
+                          virtual_stages=args.virtual_stages)
         ranks = args.rank or default_ranks(setup)
         outside = [r for r in ranks if not 0 <= r < setup.world]
         if outside:

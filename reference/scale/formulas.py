@@ -2,7 +2,9 @@
 rank at pipeline stage `stage` of a ScaleSetup. What reference.scale.simulate measures must equal these.
 
 The step is reference.gpt.train.train_step: the schedule (GPipe or 1F1B: the same transfers in another
-order), then finalize_model_grads, then the optimizer step (no collective).
+order), then finalize_model_grads, then the optimizer step (no collective). Under interleaving (v model
+chunks per stage, virtual stage c p + r for chunk c of stage r) the TP traffic per layer is unchanged, each
+chunk sends and receives as a stage of a p v-stage pipeline would, and each chunk is a DDP of its own.
 
 Symbols: m micro-batches, L layers on the stage (reference.gpt.model.split_layers: the first num_layers mod p
 stages take one more), t/p/d the TP/PP/DP sizes, b s h f the micro-batch, sequence, hidden and FFN sizes, V_p
@@ -26,11 +28,13 @@ unreduced input. A = b s h e, one activation. Per micro-batch:
   PP: every stage but the last sends its output forward and receives its gradient back, every stage but the
       first receives its input and sends its input grad: A, or A / t under SP (Megatron sends the sequence
       shard: megatron/core/pipeline_parallel/schedules.py::get_tensor_shapes). Two barriers per step frame
-      the schedule to measure its bubble (reference.pipeline.schedules; Megatron has none).
+      the schedule to measure its bubble (reference.pipeline.schedules; Megatron has none). With v chunks,
+      each of the m v chunk-forwards does the same except the model's first and last: m (v - 1) transfers
+      each way on the first and last stage, m v on the others.
   DP, once per step: DistributedDataParallel all-reduces the gradients of the P parameters this rank holds,
       in the parameters' dtype (e P), in buckets filled in reverse parameter order and closed at
-      >= bucket_size bytes (reference.data_parallel.buckets.bucket_layout). Megatron-LM with bf16 reduces
-      fp32 main grads instead (4 P; --accumulate-allreduce-grads-in-fp32).
+      >= bucket_size bytes (reference.data_parallel.buckets.bucket_layout), per chunk under interleaving.
+      Megatron-LM with bf16 reduces fp32 main grads instead (4 P; --accumulate-allreduce-grads-in-fp32).
       With the distributed optimizer each bucket is padded to a multiple of d elements (P' in all) and
       reduce-scattered (e P'), and after the step the parameter buckets are all-gathered (e P'): the same
       count of each, twice the all-reduce's bytes by this convention, the same bytes on a ring's wire.
@@ -64,17 +68,28 @@ def stage_layers(setup: ScaleSetup, stage: int) -> int:
     return last - first
 
 
-def stage_parameters(setup: ScaleSetup, stage: int) -> list[int]:
-    """Sizes of the parameters one TP rank of stage `stage` holds, in the model's order: word and position
-    embeddings (first stage); per block ln1 (w, b), QKV (w, b), attention out (w, b), ln2 (w, b), fc1 (w, b),
-    fc2 (w, b), column layers split on their output, row layers on their input; final LayerNorm (w, b) and
-    output layer (last stage)."""
+def chunk_layers(setup: ScaleSetup, stage: int, chunk: int) -> tuple[int, bool, bool]:
+    """(layers, holds the embedding, holds the head) of model chunk `chunk` of stage `stage` (chunk 0 of 1
+    without interleaving: the whole stage)."""
+    v, p = setup.virtual_stages, setup.pp
+    if v == 1:
+        return stage_layers(setup, stage), stage == 0, stage == p - 1
+    virtual = chunk * p + stage
+    return setup.model.num_layers // (p * v), virtual == 0, virtual == p * v - 1
+
+
+def stage_parameters(setup: ScaleSetup, stage: int, chunk: int = 0) -> list[int]:
+    """Sizes of the parameters one TP rank of stage `stage` holds (in model chunk `chunk` under interleaving),
+    in the model's order: word and position embeddings (first stage); per block ln1 (w, b), QKV (w, b),
+    attention out (w, b), ln2 (w, b), fc1 (w, b), fc2 (w, b), column layers split on their output, row layers
+    on their input; final LayerNorm (w, b) and output layer (last stage)."""
     m, t = setup.model, setup.tp
     h, f, vocab_rows = m.hidden_size, m.ffn_hidden_size, setup.padded_vocab_size // t
+    layers, embeds, heads = chunk_layers(setup, stage, chunk)
     block = [h, h, 3 * h * h // t, 3 * h // t, h * h // t, h, h, h, f * h // t, f // t, h * f // t, h]
-    sizes = [vocab_rows * h, m.seq_length * h] if stage == 0 else []
-    sizes += block * stage_layers(setup, stage)
-    if stage == setup.pp - 1:
+    sizes = [vocab_rows * h, m.seq_length * h] if embeds else []
+    sizes += block * layers
+    if heads:
         sizes += [h, h, vocab_rows * h]
     return sizes
 
@@ -94,7 +109,8 @@ def padded_buckets(setup: ScaleSetup, stage: int) -> list[int]:
     """Elements of each gradient bucket, padded to a multiple of dp under the distributed optimizer
     (reference.data_parallel.buckets.padded_numel)."""
     e = setup.dtype_bytes
-    elements = [nbytes // e for nbytes in ddp_buckets(stage_parameters(setup, stage), e, setup.bucket_size)]
+    elements = [nbytes // e for chunk in range(setup.virtual_stages)
+                for nbytes in ddp_buckets(stage_parameters(setup, stage, chunk), e, setup.bucket_size)]
     if not setup.distributed_optimizer:
         return elements
     return [-(-n // setup.dp) * setup.dp for n in elements]
@@ -108,10 +124,10 @@ def memory(setup: ScaleSetup, stage: int) -> dict[str, int]:
             "optimizer_states": 2 * FP32 * share}
 
 
-def sequence_parallel_params(setup: ScaleSetup, stage: int) -> int:
+def sequence_parallel_params(setup: ScaleSetup, stage: int, chunk: int = 0) -> int:
     """Replicated parameters that see only this rank's tokens under SP: LayerNorms and row-parallel biases."""
-    h = setup.model.hidden_size
-    return stage_layers(setup, stage) * 6 * h + (2 * h if stage == setup.pp - 1 else 0)
+    h, (layers, _, heads) = setup.model.hidden_size, chunk_layers(setup, stage, chunk)
+    return layers * 6 * h + (2 * h if heads else 0)
 
 
 def human(nbytes: int) -> str:
@@ -156,14 +172,22 @@ def expected(setup: ScaleSetup, stage: int) -> dict[tuple[str, str], list[Term]]
             add("tp", "all_gather", 2 * mb, act, "2 m x bshe (LM head input, fwd and bwd)")
             add("tp", "reduce_scatter", mb, act, "m x bshe (LM head input grad)")
             add("tp", "all_reduce", 3 * mb, loss, "3 m x 4bs (loss: max, target, sum-exp)")
-        add("tp", "all_reduce", 1, sequence_parallel_params(setup, stage) * e,
-            "1 x (6hL" + (" + 2h" if last else "") + ")e (SP LayerNorm + bias grads)")
+        for chunk in range(setup.virtual_stages):  # one flat all-reduce per model chunk
+            heads = chunk_layers(setup, stage, chunk)[2]
+            per_chunk = "L" if setup.virtual_stages == 1 else "L/v"
+            add("tp", "all_reduce", 1, sequence_parallel_params(setup, stage, chunk) * e,
+                f"1 x (6h{per_chunk}" + (" + 2h" if heads else "") + ")e (SP LayerNorm + bias grads)")
     if setup.pp > 1:
         add("pp", "barrier", 2, 0, "2 x 0 (bubble measurement: start, end)")
         shard = act // setup.tp if sp else act
         what = "bshe/t" if sp else "bshe"
+        v = setup.virtual_stages
         for op, direction_first, direction_last in (("send", "activations", "input grads"),
                                                     ("recv", "output grads", "activations")):
+            if v > 1:  # every chunk-forward but the model's last sends on, every one but its first receives
+                add("pp", op, mb * (v - last), shard, f"m {'(v - 1)' if last else 'v'} x {what} ({direction_first})")
+                add("pp", op, mb * (v - first), shard, f"m {'(v - 1)' if first else 'v'} x {what} ({direction_last})")
+                continue
             if not last:
                 add("pp", op, mb, shard, f"m x {what} ({direction_first})")
             if not first:

@@ -17,8 +17,9 @@ import dataclasses
 import torch
 
 from reference.data_parallel.wrapper import DEFAULT_BUCKET_SIZE
-from reference.gpt.model import GPTConfig
+from reference.gpt.model import GPTConfig, split_virtual_stages
 from reference.parallel_state import ORDERS, ParallelConfigError, divide
+from reference.pipeline.interleaved import check_interleaving
 from reference.pipeline.schedules import SCHEDULES
 from reference.tensor_parallel.vocab_parallel import pad_vocab_size
 
@@ -57,7 +58,8 @@ class ScaleSetup:
     microbatches: per step and DP replica. sp: sequence parallelism. schedule: "gpipe" or "1f1b" (the same
     traffic per step, in another order). bucket_size: the DDP gradient bucket size in bytes (None: one
     bucket), reference.data_parallel.DistributedDataParallel's. distributed_optimizer: ZeRO-1
-    (reference.data_parallel.distributed_optimizer) instead of every DP rank stepping every parameter.
+    (reference.data_parallel.distributed_optimizer) instead of every DP rank stepping every parameter. virtual_stages: model chunks per stage
+    (v > 1: interleaved 1F1B, reference.gpt.model.build_chunks; each chunk its own DDP).
     """
     model: ModelShape
     tp: int
@@ -69,6 +71,7 @@ class ScaleSetup:
     bucket_size: int | None = DEFAULT_BUCKET_SIZE
     order: str = "tp-pp-dp"
     distributed_optimizer: bool = False
+    virtual_stages: int = 1
 
     def __post_init__(self) -> None:
         m = self.model
@@ -92,6 +95,11 @@ class ScaleSetup:
                                       "--distributed-optimizer")
         if self.bucket_size is not None and self.bucket_size < 1:
             raise ParallelConfigError(f"bucket size {self.bucket_size} must be a positive number of bytes")
+        if self.virtual_stages != 1:
+            if self.schedule != "1f1b":
+                raise ParallelConfigError(f"{self.virtual_stages} virtual stages need the 1f1b schedule")
+            split_virtual_stages(m.num_layers, self.pp, self.virtual_stages)
+            check_interleaving(self.pp, self.virtual_stages, self.microbatches)
         if self.order not in ORDERS:
             raise ParallelConfigError(f"unknown order {self.order!r}; choose one of {', '.join(ORDERS)}")
 

@@ -2,7 +2,8 @@
 
 The process joins a world of tp x pp x dp ranks through torch's `fake` process-group backend
 (torch/testing/_internal/distributed/fake_pg.py::FakeStore): every collective returns at once without
-communicating. The rank builds only its own pipeline stage with reference.gpt.model.build_stage, on the meta
+communicating. The rank builds only its own pipeline stage with reference.gpt.model.build_stage (or its v model
+chunks with build_chunks, under interleaving), on the meta
 device: weights and activations have shapes and dtypes but no storage, and the fake backend accepts meta
 tensors in all_reduce, all_gather / reduce_scatter (eager and functional), broadcast, barrier and
 send/recv/isend/irecv (not batch_isend_irecv, which needs a backend for the tensors' device). The stage is
@@ -28,7 +29,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from reference.data_parallel.distributed_optimizer import DistributedOptimizer, bytes_per_rank
 from reference.data_parallel.mixed_precision import unsharded
-from reference.gpt.model import build_stage
+from reference.gpt.model import build_chunks, build_stage
 from reference.gpt.train import data_parallel, train_step
 from reference.parallel_state import ParallelLayout, build_layout, rank_grid
 from reference.recorder import CollectiveEvent, CollectiveRecorder
@@ -75,11 +76,13 @@ def trace_rank(setup: ScaleSetup, rank: int, device: str = "meta", held: dict | 
     try:
         layout = build_layout(setup.tp, setup.pp, setup.dp, order=setup.order)
         model, where = setup.model, torch.device(device)
+        kwargs = dict(sequence_parallel=setup.sp, device=where, params_dtype=setup.params_dtype)
         with where:  # the master weights the layers draw their shards from are plain torch.empty: meta too
-            stage = build_stage(model.gpt_config(), layout, sequence_parallel=setup.sp, device=where,
-                                params_dtype=setup.params_dtype)
-        ddp = data_parallel(stage, layout, bucket_size=setup.bucket_size,
-                            use_distributed_optimizer=setup.distributed_optimizer)
+            chunks = (build_chunks(model.gpt_config(), layout, setup.virtual_stages, **kwargs)
+                      if setup.virtual_stages > 1 else [build_stage(model.gpt_config(), layout, **kwargs)])
+        wrapped = [data_parallel(chunk, layout, bucket_size=setup.bucket_size,
+                                 use_distributed_optimizer=setup.distributed_optimizer) for chunk in chunks]
+        ddp = wrapped if setup.virtual_stages > 1 else wrapped[0]
         optimizer = DistributedOptimizer(ddp, adam) if setup.distributed_optimizer else unsharded(ddp, adam)
         rows = setup.dp * setup.microbatches * model.micro_batch_size
         tokens = torch.zeros(rows, model.seq_length + 1, dtype=torch.long, device=where)  # global batch

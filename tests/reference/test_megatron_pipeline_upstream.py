@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.launch import torchrun
+from reference.pipeline.replay import idle_fraction
 
 pytestmark = pytest.mark.upstream("megatron-lm")
 
@@ -47,38 +48,6 @@ def actions(run: dict) -> list[str]:
 
 def backward_indices(run: dict) -> list[int]:
     return [i for i, n in enumerate(names(run)) if n[0] == "B" and not n.endswith("_end")]
-
-
-def idle_fraction(orders: list[list[str]], chunks: int = 1, forward: float = 1.0, backward: float = 2.0) -> float:
-    """Replay each stage's recorded order with uniform costs and only the data dependencies, and return the idle
-    fraction of the step. Actions are F<i>/B<i>, or F<c>.<i>/B<c>.<i> for model chunk c of `chunks` per stage
-    (virtual stage c * p + r, costing 1/chunks of a whole stage): F_i after F_i on the virtual stage before,
-    B_i after F_i here and B_i on the virtual stage after."""
-    p, done, clock, position = len(orders), {}, [0.0] * len(orders), [0] * len(orders)
-
-    def parse(action: str, r: int) -> tuple[str, int, int]:
-        chunk, _, mb = action[1:].rpartition(".")
-        return action[0], int(chunk or 0) * p + r, int(mb)
-
-    def needs(kind: str, k: int, mb: int) -> list[tuple[str, int, int]]:
-        if kind == "F":
-            return [("F", k - 1, mb)] if k > 0 else []
-        return [("F", k, mb)] + ([("B", k + 1, mb)] if k < p * chunks - 1 else [])
-
-    while any(position[r] < len(orders[r]) for r in range(p)):
-        progressed = False
-        for r in range(p):
-            if position[r] == len(orders[r]):
-                continue
-            action = parse(orders[r][position[r]], r)
-            if all(need in done for need in needs(*action)):
-                start = max([clock[r]] + [done[need] for need in needs(*action)])
-                clock[r] = done[action] = start + (forward if action[0] == "F" else backward) / chunks
-                position[r] += 1
-                progressed = True
-        assert progressed, f"the orders deadlock: {orders}"
-    busy = sum(forward if a[0] == "F" else backward for a in orders[0]) / chunks
-    return 1 - busy / max(clock)
 
 
 @pytest.mark.parametrize("name", ["defaults_m6", "defaults_m2"])
@@ -263,3 +232,46 @@ def test_megatron_ddp_buckets_only_the_first_stage_and_reduces_in_the_parameters
         assert run["buckets"] == (2 if run["first"] else 1), run["buckets"]
     for rank in ranks():
         assert rank["bf16_grad_dtypes"] == {"default": "torch.bfloat16", "grad_reduce_in_fp32": "torch.float32"}
+
+
+@pytest.mark.parametrize("v, m", [(2, 8), (2, 4), (3, 4)])
+def test_megatron_interleaved_order_is_the_reference_interleaved_1f1b(v, m):
+    """forward_backward_pipelining_with_interleaving at p 4 (v chunks; m 4 puts every forward of rank 0 in the
+    warm-up) runs on each rank the order reference.pipeline.interleaved runs on the same PP group."""
+    by_pp_rank = sorted(ranks(), key=lambda r: r["runs"]["defaults_m6"]["pp_rank"])
+    megatron = [r[f"interleaved_v{v}_m{m}"] for r in by_pp_rank]
+    assert megatron == [r["reference_interleaved"][f"v{v}_m{m}"] for r in by_pp_rank]
+    p = len(megatron)
+    for r, order in enumerate(megatron):  # the warm-up of get_pp_rank_microbatches, then one F per B
+        warmup = min(2 * (p - r - 1) + (v - 1) * p, v * m)
+        assert next((i for i, a in enumerate(order) if a[0] == "B"), len(order)) == min(warmup + 1, v * m)
+
+
+def test_megatron_refuses_interleaving_when_m_is_not_a_multiple_of_p():
+    """Its default microbatch_group_size_per_vp_stage is p; m 6 at p 4 leaves a last group of 2 < p."""
+    for rank in ranks():
+        assert rank["interleaved_m6_refused"].startswith("RuntimeError: The remainder of M"), rank["interleaved_m6_refused"]
+        assert "but it is 2" in rank["interleaved_m6_refused"]
+
+
+def test_megatron_assigns_chunk_c_of_rank_r_the_layers_of_virtual_stage_c_p_plus_r():
+    """get_transformer_layer_offset / get_num_layers_to_build (in-process, no ranks needed) give the split of
+    reference.gpt.model.split_virtual_stages, and refuse layer counts that p x v does not divide."""
+    import torch
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    from reference.gpt.model import split_virtual_stages
+
+    for layers, p, v in [(8, 2, 2), (8, 2, 4), (12, 4, 3), (8, 4, 2)]:
+        config = TransformerConfig(num_layers=layers, hidden_size=8, num_attention_heads=1, pipeline_dtype=torch.float32,
+                                   pipeline_model_parallel_size=p, virtual_pipeline_model_parallel_size=v)
+        megatron = [[(get_transformer_layer_offset(config, vp_stage=c, pp_rank=r),
+                      get_transformer_layer_offset(config, vp_stage=c, pp_rank=r)
+                      + get_num_layers_to_build(config, vp_stage=c, pp_rank=r)) for c in range(v)] for r in range(p)]
+        assert megatron == split_virtual_stages(layers, p, v), (layers, p, v)
+    config = TransformerConfig(num_layers=6, hidden_size=8, num_attention_heads=1, pipeline_dtype=torch.float32,
+                               pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
+    with pytest.raises(AssertionError):
+        get_num_layers_to_build(config, vp_stage=0, pp_rank=0)

@@ -218,3 +218,43 @@ def test_bad_setup_is_refused_before_any_process_group():
         dataclasses.replace(setup_for("small", tp=2, pp=1, dp=1, microbatches=1, sp=True),
                             model=dataclasses.replace(setup_for("small", tp=1, pp=1, dp=1, microbatches=1).model,
                                                       seq_length=33))
+
+
+@pytest.mark.parametrize("layout", [
+    dict(tp=2, pp=2, dp=2, virtual_stages=2), dict(tp=2, pp=2, dp=2, sp=True, virtual_stages=2, bucket_size=20_000),
+    dict(tp=1, pp=2, dp=2, virtual_stages=2, microbatches=4), dict(tp=2, pp=4, dp=1, virtual_stages=1),
+], ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
+def test_interleaved_layouts_every_stage_equals_the_formulas(layout):
+    setup = setup_for("small", **{"microbatches": 2, **layout})
+    for rank in {*default_ranks(setup), setup.world - 1}:
+        assert_agrees(simulate(setup, rank))
+
+
+def test_interleaving_moves_v_times_the_pipeline_bytes_in_numbers():
+    """pp 2, v 2, m 2 on the small model (one layer per chunk): a stage sends m v activations and input grads,
+    less the model's first and last chunk-forwards, where plain 1F1B sends m (and the first stage none back);
+    each chunk reduces its own gradients (a bucket per chunk here) and TP traffic per layer is unchanged."""
+    m, v = 2, 2
+    shape = setup_for("small", tp=2, pp=2, dp=2, microbatches=m).model
+    a = shape.micro_batch_size * shape.seq_length * shape.hidden_size * 2
+    plain = setup_for("small", tp=2, pp=2, dp=2, microbatches=m, bucket_size=None)
+    chunked = dataclasses.replace(plain, virtual_stages=v)
+    first, first_plain = table(simulate(chunked, 0)), table(simulate(plain, 0))
+    assert first[("pp", "send")] == (m * v + m * (v - 1), (2 * m * v - m) * a)
+    assert first_plain[("pp", "send")] == (m, m * a)
+    assert first[("tp", "all_reduce")] == first_plain[("tp", "all_reduce")]
+    assert first[("dp", "all_reduce")][0] == v and first_plain[("dp", "all_reduce")][0] == 1
+    assert first[("dp", "all_reduce")][1] == first_plain[("dp", "all_reduce")][1]
+
+
+def test_interleaving_bad_setups_are_refused_in_one_line(capsys):
+    for argv, message in (
+            (["--model", "small", "--pp", "2", "--dp", "1", "--tp", "1", "--virtual-stages", "3"],
+             "4 transformer layers do not split into pp 2 x 3 virtual stages"),
+            (["--model", "small", "--pp", "2", "--dp", "1", "--tp", "1", "--virtual-stages", "2",
+              "--microbatches", "3"], "needs the number of micro-batches (3) to be a multiple of the pipeline size (2)"),
+            (["--model", "small", "--pp", "2", "--dp", "1", "--tp", "1", "--virtual-stages", "2",
+              "--microbatches", "2", "--schedule", "gpipe"], "2 virtual stages need the 1f1b schedule")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and "\n" not in err

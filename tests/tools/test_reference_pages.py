@@ -13,6 +13,7 @@ NO_PAGE = {
     "reference/__init__.py": "package marker",
     "reference/__main__.py": "the demo entry point",
     "reference/arguments.py": "the CLIs' argument checks; mirrors nothing upstream",
+    "reference/pipeline/replay.py": "replays recorded schedule orders for their bubble; mirrors nothing upstream",
     "reference/distributed.py": "process-group start and clean teardown for demos, benchmarks and workers",
     "reference/layout.py": "the command that prints a layout (parallel_state.py has the page)",
     "reference/model.py": "the plain model the FSDP tests shard (torchtitan style), mirrors nothing",

@@ -16,7 +16,7 @@ from pin_and_cite.site.traces import forward_markers, load_trace, pipeline_slots
 from tests.tools.conftest import ROOT
 
 NOTES = ROOT / "reading_notes"
-NAMES = ["tp_block", "fsdp_forward", "pipeline_gpipe", "pipeline_1f1b"]
+NAMES = ["tp_block", "fsdp_forward", "pipeline_gpipe", "pipeline_1f1b", "pipeline_interleaved"]
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +40,7 @@ def drawn(notes):
     rates = dict(tflops=1, link_GBps=25)
     return (diagrams.diagram(tp, link="NVLink"), diagrams.diagram(fsdp, **rates),
             diagrams.diagram(gpipe, **rates), diagrams.diagram(one_f_one_b, **rates),
+            diagrams.diagram(load_trace(notes, "pipeline_interleaved"), **rates),
             estimates.tp_crossover(tp, link_GBps=600, tflops=400, tp=8, bytes_per_element=2),
             estimates.pipeline_memory(gpipe, one_f_one_b, load_trace(NOTES, "scale_70b")))
 

@@ -7,7 +7,9 @@ Events: F<i>/B<i> (forward_step_func and schedules.backward_step), the config ho
 grad_sync, finalize), every DP all-reduce, every p2p call (batched or not) and the autograd marker between a
 stage's two layers; each ends with perf_counter(), one clock for all ranks. Also: the action order of the
 interleaved schedule (2 model chunks per stage), of the reference's 1F1B on the same group, and the gradient
-dtype of megatron's DDP around a bf16 stage. test_megatron_pipeline_upstream.py asserts on them.
+dtype of megatron's DDP around a bf16 stage. Interleaved (forward_backward_pipelining_with_interleaving):
+the action order at v 2 and 3, m 4 and 8, next to the reference's interleaved 1F1B, and its refusal of m 6 at
+p 4. test_megatron_pipeline_upstream.py and test_interleaved.py assert on them.
 
 Runs on CPU because megatron allocates on torch.cuda.current_device() (redirected to "cpu"), creates its token
 counter with device="cuda" (a TorchFunctionMode sends it to the CPU) and calls torch.cuda.synchronize() after
@@ -272,17 +274,43 @@ def interleaved_actions(p: int, v: int, m: int) -> list[str]:
     return [e[0] for e in EVENTS if e[0][0] in "FB" and not e[0].endswith("_end")]
 
 
-def reference_actions(p: int, m: int) -> list[str]:
-    """The reference's 1F1B (reference.pipeline.schedules) on the same PP group: its action order."""
+def interleaved_refusal(p: int, v: int, m: int) -> str:
+    """What forward_backward_pipelining_with_interleaving says when m is not a multiple of p (its default
+    microbatch_group_size_per_vp_stage); it checks before any communication."""
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=p, virtual_pipeline_model_parallel_size=v,
+                                             create_gloo_process_groups=False)
+    config = TransformerConfig(num_layers=p * v, hidden_size=H, num_attention_heads=1, pipeline_model_parallel_size=p,
+                               virtual_pipeline_model_parallel_size=v, pipeline_dtype=torch.float32)
+    chunks = [Stage(config, first=False, last=False) for _ in range(v)]
+    try:
+        with CudaLiteralToCpu():
+            schedules.forward_backward_pipelining_with_interleaving(
+                forward_step_func=functools.partial(forward_step_func, "two"),
+                data_iterator=[iter(micro_batches(m)) for _ in range(v)], model=chunks, num_microbatches=m,
+                seq_length=S, micro_batch_size=B)
+    except (RuntimeError, ValueError) as error:
+        return f"{type(error).__name__}: {error}"
+    finally:
+        parallel_state.destroy_model_parallel()
+    return "accepted"
+
+
+def reference_actions(p: int, m: int, v: int = 1) -> list[str]:
+    """The reference's 1F1B (reference.pipeline.schedules) on the same PP group: its action order; with v > 1
+    model chunks per stage, its interleaved 1F1B."""
     parallel_state.initialize_model_parallel(pipeline_model_parallel_size=p, create_gloo_process_groups=False)
     group, r = parallel_state.get_pipeline_model_parallel_group(), parallel_state.get_pipeline_model_parallel_rank()
-    layer = torch.nn.Linear(H, H)
 
-    def stage(hidden, x):
-        out = layer(x if r == 0 else hidden)
-        return out.pow(2).mean() if r == p - 1 else out
+    def chunk(c: int):
+        layer = torch.nn.Linear(H, H)
+
+        def stage(hidden, x):
+            out = layer(x if r == 0 and c == 0 else hidden)
+            return out.pow(2).mean() if r == p - 1 and c == v - 1 else out
+        return stage
 
     batches = [(mb["x"],) for mb in micro_batches(m)]
+    stage = chunk(0) if v == 1 else [chunk(c) for c in range(v)]
     result = reference_forward_backward("1f1b", stage, batches, pp_group=group, activation_shape=(S, B, H))
     parallel_state.destroy_model_parallel()
     return result.actions
@@ -335,6 +363,10 @@ result = {"runs": {r["name"]: r for r in runs},
           "deallocated_plain_backward": deallocated_output_rejects_plain_backward(),
           "bf16_grad_dtypes": ddp_grad_dtypes(),
           "interleaved_v2_m8": interleaved_actions(4, 2, 8),
+          "interleaved_v2_m4": interleaved_actions(4, 2, 4),
+          "interleaved_v3_m4": interleaved_actions(4, 3, 4),
+          "reference_interleaved": {f"v{v}_m{m}": reference_actions(4, m, v) for v, m in ((2, 8), (2, 4), (3, 4))},
+          "interleaved_m6_refused": interleaved_refusal(4, 2, 6),
           "defaults_m8": [e[0] for e in run("defaults_m8", pp=4, m=8)["events"]
                           if e[0][0] in "FB" and not e[0].endswith("_end")],
           "with_virtual_stages": schedules.get_forward_backward_func(pp_size=4, vp_size=2).__name__}

@@ -137,6 +137,8 @@ def pipeline(trace: dict, tflops: float, link_GBps: float, measured: dict | None
     timeline beside it."""
     rates = Rates(tflops, link_GBps)
     name = {"gpipe": "GPipe", "1f1b": "1F1B"}.get(trace["schedule"], trace["schedule"])
+    if trace.get("virtual_stages", 1) > 1:
+        name = f"Interleaved 1F1B ({trace['virtual_stages']} chunks per stage)"
     title = f"{name}, {trace['pp']} stages, {trace['m']} micro-batches"
     modeled = Panel(title, pipeline_modeled(trace, rates), rates.axis, PIPELINE_COLORS)
     return timeline(modeled, measured and Panel(f"{title}, measured", pipeline_measured(measured),

@@ -94,30 +94,35 @@ def pipeline_schedule(trace: dict, duration, transfer=lambda r, action: 0) -> li
     """Each stage's recorded actions as (action, start, end): in the recorded order per stage, each as early as
     its inputs allow (F i after F i on the previous stage, B i after B i on the next stage and F i on its own,
     all after the stage's previous action), the i-th action of stage r taking `duration(r, i, action)` and a
-    message from stage r arriving `transfer(r, action)` after the action that sent it ended."""
+    message from stage r arriving `transfer(r, action)` after the action that sent it ended. Under interleaving
+    (actions F<c>.<i>, chunk c of stage r being virtual stage c * p + r) the previous and next stages are virtual
+    ones, so chunk c + 1 of the first stage waits for chunk c of the last."""
     stages = [st["actions"] for st in trace["stages"]]
     p, done = len(stages), {}
     placed: list[list[tuple[str, float, float]]] = [[] for _ in stages]
+    last_virtual = p * trace.get("virtual_stages", 1) - 1
     while sum(map(len, placed)) < sum(map(len, stages)):
         progress = False
         for r, actions in enumerate(stages):
             while len(placed[r]) < len(actions):
                 action = actions[len(placed[r])]
-                kind = action[0]
-                if kind not in SLOTS or not action[1:].isdigit():
-                    raise TraceError(f"trace {trace['name']}: stage {r} ran {action!r}, not F<i> or B<i>; {RECORD}")
-                peer = r - 1 if kind == "F" else r + 1
+                kind, (chunk, _, micro_batch) = action[0], action[1:].rpartition(".")
+                if kind not in SLOTS or not micro_batch.isdigit() or not (chunk or "0").isdigit():
+                    raise TraceError(f"trace {trace['name']}: stage {r} ran {action!r}, not F<i>, B<i>, F<c>.<i> "
+                                     f"or B<c>.<i>; {RECORD}")
+                virtual = int(chunk or 0) * p + r
+                peer = virtual - 1 if kind == "F" else virtual + 1
                 ready = [placed[r][-1][2] if placed[r] else 0]
-                if kind == "B" and (r, "F" + action[1:]) not in done:
+                if kind == "B" and (virtual, "F", micro_batch) not in done:
                     break   # a backward needs its own forward first: recorded out of order, it never runs
-                if 0 <= peer < p:
-                    if (peer, action) not in done:
+                if 0 <= peer <= last_virtual:
+                    if (peer, kind, micro_batch) not in done:
                         break
-                    ready.append(done[peer, action] + transfer(peer, action))
+                    ready.append(done[peer, kind, micro_batch] + transfer(peer % p, action))
                 start = max(ready)
                 end = start + duration(r, len(placed[r]), action)
                 placed[r].append((action, start, end))
-                done[r, action] = end
+                done[virtual, kind, micro_batch] = end
                 progress = True
         if not progress:
             raise TraceError(f"trace {trace['name']}: the recorded action orders wait on each other (no stage can "
@@ -134,6 +139,7 @@ def structure(trace: dict) -> dict:
     """Everything of a trace that a fresh run must reproduce exactly."""
     if trace["kind"] == "pipeline":
         return {**{k: trace[k] for k in REQUIRED["pipeline"] if k != "stages"},
+                "virtual_stages": trace.get("virtual_stages", 1),
                 "stages": [{**{k: st[k] for k in PIPELINE_STAGE_KEYS},
                             "spans": len(st["action_spans"]),
                             "p2p": _rows(st["p2p"], P2P_KEYS)}
