@@ -88,10 +88,13 @@ def data_parallel(stage: GPTStage, layout: ParallelLayout, *, bucket_size: int |
                                    overlap_grad_reduce=overlap_grad_reduce)
 
 
-def fully_sharded(stage: GPTStage, layout: ParallelLayout) -> FullyShardedDataParallel:
+def fully_sharded(stage: GPTStage, layout: ParallelLayout, **fsdp_kwargs) -> FullyShardedDataParallel:
     """The stage sharded by reference FSDP over the layout's DP group, TP inside (one unit per block, the
-    embedding and head in the root unit). train_step trains it with one micro-batch per step."""
-    return shard_tp_model(stage, layout)
+    embedding and head in the root unit). train_step trains it with one micro-batch per step. `fsdp_kwargs`
+    go to every unit, e.g. mixed_precision=MixedPrecision(param_dtype=torch.bfloat16,
+    reduce_dtype=torch.float32): bf16 compute over fp32 shards (the optimizer's master weights), gradients
+    reduce-scattered in fp32."""
+    return shard_tp_model(stage, layout, **fsdp_kwargs)
 
 
 def train_step(model: DistributedDataParallel | FullyShardedDataParallel, optimizer: torch.optim.Optimizer,
