@@ -25,7 +25,7 @@ import torch.distributed as dist
 from reference.data_parallel.wrapper import DEFAULT_BUCKET_SIZE
 from reference.distributed import LaunchError, distributed
 from reference.fsdp.units import sharded_parameter_bytes
-from reference.gpt.model import GPTConfig, UnshardedGPT, build_stage, split_layers
+from reference.gpt.model import STYLES, GPTConfig, UnshardedGPT, build_stage, check_tensor_parallel, split_layers
 from reference.gpt.train import data_parallel, fully_sharded, synthetic_batches, train_step
 from reference.parallel_state import ParallelConfigError, build_layout
 from reference.pipeline.schedules import SCHEDULES, peak_in_flight_formula
@@ -34,6 +34,12 @@ from reference.recorder import CollectiveRecorder
 
 def add_arguments(group) -> None:
     """Add the 3D-parallel flags to the shared parser's argument group."""
+    group.add_argument("--model", choices=STYLES, default="gpt2",
+                       help="the block: gpt2 (LayerNorm, GELU, learned positions) or llama (the Llama/Qwen2 block: "
+                            "RMSNorm, SwiGLU, rotary positions, grouped-query attention)")
+    group.add_argument("--num-kv-heads", type=int, default=None,
+                       help="llama: key/value heads (query groups), split over --tp; default: half the attention "
+                            "heads")
     group.add_argument("--tp", type=int, default=1, help="tensor-parallel size: ranks splitting every layer")
     group.add_argument("--pp", type=int, default=1, help="pipeline-parallel size: stages of consecutive layers")
     group.add_argument("--dp", type=int, default=None,
@@ -75,10 +81,15 @@ def _config(args) -> GPTConfig:
             "micro-batches and reduce-scatter once; use --dp-sharding replicate for pipelining")
     if min(args.steps, args.batch_size, args.micro_batches, args.bucket_size) < 1:
         raise ParallelConfigError("--steps, --batch-size, --micro-batches and --bucket-size must be >= 1")
+    if args.num_kv_heads is not None and (args.model != "llama" or args.num_kv_heads < 1):
+        raise ParallelConfigError(f"--num-kv-heads {args.num_kv_heads}: needs --model llama and a positive count")
+    kv_heads = args.num_kv_heads or max(1, args.num_attention_heads // 2)
     config = GPTConfig(vocab_size=args.vocab_size, hidden_size=args.hidden_size,
                        num_attention_heads=args.num_attention_heads, num_layers=args.num_layers,
-                       seq_length=args.seq_length, hidden_dropout=args.dropout, attention_dropout=args.dropout)
+                       seq_length=args.seq_length, hidden_dropout=args.dropout, attention_dropout=args.dropout,
+                       style=args.model, num_kv_heads=kv_heads if args.model == "llama" else None)
     split_layers(config.num_layers, args.pp)
+    check_tensor_parallel(config, args.tp, args.sequence_parallel)
     return config
 
 
