@@ -4,7 +4,8 @@ Prints the layout, then per step the global loss, rank 0's parameter bytes next 
 and rank 0's collectives grouped by the process group they ran on (tp, pp, dp) and by type (count and
 bytes, from the CollectiveRecorder), then for each pipeline stage the schedule it ran, its peak number of
 micro-batches in flight (as the schedule counted them and as autograd held them) and its bubble next to the
-formula (p - 1) / (m + p - 1). With --pp 1 --dp 1 this is the tensor-parallel demo. The loss does not
+formula (p - 1) / (m + p - 1), then every rank's memory: parameter bytes held and peak activation bytes.
+`--model llama` trains the Llama/Qwen2 block (reference.gpt.model's "llama" style) instead of GPT-2's. With --pp 1 --dp 1 this is the tensor-parallel demo. The loss does not
 depend on the layout, the schedule or the number of micro-batches: the same seed gives the same model and
 data everywhere (compare `--nproc-per-node 1` with 8).
 
@@ -133,6 +134,11 @@ def _train(args, config: GPTConfig, device: torch.device) -> None:
     dist.gather_object(result.pipeline.to_dict(), stages, dst=0)
     if rank == 0:
         _report_pipeline(args, [stages[r] for r in layout.grid[:, 0, 0].tolist()])
+    memory = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object({"rank": rank, "param_bytes": sharded_parameter_bytes(model),
+                        "peak_activation_bytes": result.pipeline.peak_activation_bytes}, memory, dst=0)
+    if rank == 0:
+        _report_memory(args, memory)
     if args.trace is not None:
         args.trace.mkdir(parents=True, exist_ok=True)
         (args.trace / f"gpt_trace.rank{rank}.json").write_text(recorder.to_json())
@@ -155,6 +161,18 @@ def _report_step(args, step, result, recorder, layout, param_bytes: dict | None)
     print(f"step {step}: loss {result.loss:.6f} ({seconds * 1e3:.1f} ms) | parameters on rank 0 {shard} B "
           f"(unsharded {total} B, ratio {shard / total:.3f}) | "
           + " | ".join(f"{name}: {fmt(ops)}" for name, ops in groups.items()), flush=True)
+
+
+def _report_memory(args, ranks: list[dict]) -> None:
+    """Per rank: the parameter bytes it holds between steps and the activation bytes autograd held at most."""
+    if args.json:
+        print(json.dumps({"memory": ranks}), flush=True)
+        return
+    print("memory per rank (parameters held between steps, peak activations autograd held in the last step):",
+          flush=True)
+    for r in ranks:
+        print(f"  rank {r['rank']}: parameters {r['param_bytes']} B, activations {r['peak_activation_bytes']} B",
+              flush=True)
 
 
 def _report_pipeline(args, stages: list[dict]) -> None:
