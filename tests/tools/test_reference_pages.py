@@ -16,6 +16,8 @@ NO_PAGE = {
     "reference/layout.py": "the command that prints a layout (parallel_state.py has the page)",
     "reference/model.py": "the plain model the FSDP tests shard (torchtitan style), mirrors nothing",
     "reference/tensor_parallel/unsharded.py": "the unsharded twin the TP tests compare against",
+    "reference/tensor_parallel/rotary.py": "rotary positions of the llama block; its oracle is HF Qwen2, not a pin",
+    "reference/gpt/hf_weights.py": "maps HF Qwen2 weights onto the llama style; transformers is not a pinned source",
     "reference/gpt/demo.py": "demo",
     "reference/fsdp/demo.py": "demo",
     "reference/fsdp/tracing.py": "recorder scopes for the FSDP demo and tests",
