@@ -135,15 +135,14 @@ def split_query_groups(num_attention_heads: int, num_kv_heads: int, tp_size: int
 
 class ParallelGroupedQueryAttention(torch.nn.Module):
     """QKV column-parallel (each rank gets num_kv_heads / p whole query groups, with their q/k/v biases),
-    rotary + grouped-query attention on the local groups (`core_attention`, the seam for selective
-    recompute), output projection row-parallel without bias. Returns (output, None)."""
+    rotary + grouped-query attention on the local groups (`core_attention`, tensors in and out: the seam
+    selective recompute checkpoints), output projection row-parallel without bias. Returns (output, None)."""
 
     def __init__(self, hidden_size, num_attention_heads, num_kv_heads, linear_kwargs):
         super().__init__()
         tp = linear_kwargs["tp_group"].size()
         self.local_query_groups = split_query_groups(num_attention_heads, num_kv_heads, tp)
         self.head_dim = divide(hidden_size, num_attention_heads, "hidden_size", by="num_attention_heads")
-        self.core_attention = grouped_query_attention
         qkv_size = (num_attention_heads + 2 * num_kv_heads) * self.head_dim
         self.qkv = ColumnParallelLinear(hidden_size, qkv_size, **linear_kwargs)
         self.proj = RowParallelLinear(num_attention_heads * self.head_dim, hidden_size, bias=False,
@@ -151,7 +150,11 @@ class ParallelGroupedQueryAttention(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, None]:
         qkv, _ = self.qkv(x)
-        return self.proj(self.core_attention(qkv, self.head_dim, self.local_query_groups, *rotary))
+        return self.proj(self.core_attention(qkv, *rotary))
+
+    def core_attention(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The local query groups' attention: what selective recompute would checkpoint (tensors in, tensor out)."""
+        return grouped_query_attention(qkv, self.head_dim, self.local_query_groups, cos, sin)
 
 
 class ParallelSwiGLUMLP(torch.nn.Module):

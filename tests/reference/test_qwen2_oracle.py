@@ -83,8 +83,8 @@ def test_sequence_padding_continues_positions_and_keeps_the_unpadded_loss():
         assert r["tp_sp_uneven"]["loss"] < EXACT and r["tp_sp_uneven"]["grads"] < EXACT
 
 
-@pytest.mark.parametrize("config", ["ddp", "ddp_sp", "fsdp_sp"])
-def test_tp2_dp2_trains_like_hf_qwen2_on_the_global_batch(config):
+@pytest.mark.parametrize("config", ["ddp", "ddp_sp", "fsdp_sp", "pp_sp_uneven"])
+def test_tp2_dp2_and_tp2_pp2_train_like_hf_qwen2_on_the_global_batch(config):
     for r in results(4):
         run = r[config]
         assert run["losses"] == pytest.approx(run["hf_losses"], abs=1e-5), run

@@ -6,8 +6,9 @@ RMSNorm weights randomized too), loaded into the reference's "llama" style by re
              a sequence length TP does not divide): logits, loss and every gradient against Hugging Face's,
              and the stage's collectives per phase.
   W 4:       TP 2 x DP 2, DDP-replicated and FSDP-sharded (with SP; fp32, and bf16 compute with fp32
-             shards and fp32 reduce-scatters): the losses of STEPS SGD steps against Hugging Face trained on
-             the global batch, and (DDP) every parameter after them.
+             shards and fp32 reduce-scatters), and TP 2 x PP 2 (1F1B, 2 micro-batches, SP on an uneven
+             sequence): the losses of STEPS SGD steps against Hugging Face trained on the global batch, and
+             (DDP) every parameter of the stage after them.
 Each rank writes OUTDIR/rank{r}.json.
 """
 from __future__ import annotations
@@ -116,12 +117,14 @@ def hf_train(config: GPTConfig, batches: list[torch.Tensor]) -> tuple[Qwen2ForCa
     return hf, losses
 
 
-def tp_dp(layout, sharding: str, sp: bool, bf16: bool = False) -> dict:
-    """STEPS SGD steps of TP 2 x DP 2 against HF on the global batch; with DDP, the parameters after them."""
-    batches = tokens_of(CONFIG, STEPS)
-    hf, hf_losses = hf_train(CONFIG, batches)
-    stage = build_stage(CONFIG, layout, sequence_parallel=sp, seed=SEED)
-    load_hf_into_stage(stage, hf_model(CONFIG).state_dict())
+def tp_dp(layout, sharding: str, sp: bool, bf16: bool = False, config: GPTConfig = CONFIG,
+          micro_batches: int = 1) -> dict:
+    """STEPS SGD steps of a TP x PP x DP layout against HF on the global batch; with DDP, the parameters after
+    them (this stage's)."""
+    batches = tokens_of(config, STEPS)
+    hf, hf_losses = hf_train(config, batches)
+    stage = build_stage(config, layout, sequence_parallel=sp, seed=SEED)
+    load_hf_into_stage(stage, hf_model(config).state_dict())
     if sharding == "fsdp":
         mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
         model = fully_sharded(stage, layout, mixed_precision=mp)
@@ -132,12 +135,13 @@ def tp_dp(layout, sharding: str, sp: bool, bf16: bool = False) -> dict:
     dp_ranks = tuple(dist.get_process_group_ranks(layout.dp_group))
     for tokens in batches:
         rec = CollectiveRecorder()
-        losses.append(train_step(model, optimizer, tokens, layout, num_micro_batches=1, record=rec).loss)
+        losses.append(train_step(model, optimizer, tokens, layout, num_micro_batches=micro_batches,
+                                 record=rec).loss)
         dp_events = [(e.op, e.dtype) for e in rec.events if e.group_ranks == dp_ranks]
     out = {"losses": losses, "hf_losses": hf_losses, "dp_ops": sorted(set(dp_events)),
            "param_dtypes": sorted({str(p.dtype) for p in model.parameters()})}
     if sharding == "ddp":
-        expected = stage_state_from_master(stage, master_state_from_hf(CONFIG, hf.state_dict()))
+        expected = stage_state_from_master(stage, master_state_from_hf(config, hf.state_dict()))
         out["params"] = max_abs({n: p.detach() for n, p in stage.named_parameters()}, expected)
     return out
 
@@ -161,6 +165,8 @@ def main() -> None:
         result["ddp_sp"] = tp_dp(layout, "ddp", sp=True)
         result["fsdp_sp"] = tp_dp(layout, "fsdp", sp=True)
         result["fsdp_sp_bf16"] = tp_dp(layout, "fsdp", sp=True, bf16=True)
+        pipeline = build_layout(tp_size=2, pp_size=world // 2)
+        result["pp_sp_uneven"] = tp_dp(pipeline, "ddp", sp=True, config=UNEVEN, micro_batches=2)
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     finish()
 
