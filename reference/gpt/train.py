@@ -44,13 +44,13 @@ from reference.fsdp import FullyShardedDataParallel
 from reference.gpt.model import GPTConfig, GPTStage
 from reference.parallel_state import ParallelConfigError, ParallelLayout
 from reference.pipeline.schedules import PipelineResult, forward_backward, loss_values
+from reference.synthetic_data import random_token_batches
 
 
 def synthetic_batches(config: GPTConfig, steps: int, global_batch_size: int, seed: int) -> list[torch.Tensor]:
-    """`steps` global batches of random tokens [B, s + 1], identical on every rank for a given seed."""
-    generator = torch.Generator().manual_seed(seed + 1)
-    return [torch.randint(config.vocab_size, (global_batch_size, config.seq_length + 1), generator=generator)
-            for _ in range(steps)]
+    """`steps` global batches of random tokens [B, s + 1] (inputs and shifted labels), identical on every rank
+    for a given seed."""
+    return random_token_batches(config.vocab_size, steps, global_batch_size, config.seq_length + 1, seed)
 
 
 def split_batch(tokens: torch.Tensor, dp_size: int, dp_rank: int, num_micro_batches: int

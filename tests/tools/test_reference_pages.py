@@ -17,6 +17,7 @@ NO_PAGE = {
     "reference/model.py": "the plain model the FSDP tests shard (torchtitan style), mirrors nothing",
     "reference/tensor_parallel/unsharded.py": "the unsharded twin the TP tests compare against",
     "reference/tensor_parallel/rotary.py": "rotary positions of the llama block; its oracle is HF Qwen2, not a pin",
+    "reference/synthetic_data.py": "the random token batches every demo and test trains on; mirrors nothing",
     "reference/gpt/hf_weights.py": "maps HF Qwen2 weights onto the llama style; transformers is not a pinned source",
     "reference/gpt/demo.py": "demo",
     "reference/fsdp/demo.py": "demo",
