@@ -43,8 +43,10 @@ def test_unsharded_llama_equals_hf_qwen2_logits_loss_and_gradients(config):
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("config", ["tp", "tp_sp", "tp_sp_uneven"])
 def test_tp_stage_equals_hf_qwen2_logits_loss_and_gradient_shards(config, world, device):
+    tolerance = EXACT if device == "cpu" else 1e-5  # CUDA's fp32 attention kernels sum in other orders
     for rank, r in enumerate(results(world, device)):
-        assert r[config]["logits"] < EXACT and r[config]["loss"] < EXACT and r[config]["grads"] < EXACT, (rank, r)
+        run = r[config]
+        assert run["logits"] < tolerance and run["loss"] < tolerance and run["grads"] < tolerance, (rank, run)
 
 
 def block_ops(r: dict, phase: str) -> list[tuple[str, str, int]]:

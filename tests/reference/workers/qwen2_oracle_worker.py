@@ -36,11 +36,12 @@ CONFIG = GPTConfig(style="llama", vocab_size=128, hidden_size=64, num_attention_
                    num_layers=2, seq_length=12, ffn_hidden_size=96)
 UNEVEN = dataclasses.replace(CONFIG, seq_length=11)  # not divisible by TP 2 (nor 4)
 B, SEED, STEPS, LR = 4, 1234, 2, 0.5
+DEVICE = torch.device("cpu")  # main() sets it: cuda under REFERENCE_TEST_DEVICE=cuda
 
 
 def hf_model(config: GPTConfig) -> Qwen2ForCausalLM:
     torch.manual_seed(SEED)
-    model = Qwen2ForCausalLM(qwen2_config(config))
+    model = Qwen2ForCausalLM(qwen2_config(config)).to(DEVICE)
     with torch.no_grad():  # HF initializes biases to 0 and norms to 1: make them matter
         for name, param in model.named_parameters():
             if name.endswith("bias"):
@@ -57,6 +58,7 @@ def tokens_of(config: GPTConfig, steps: int = 1) -> list[torch.Tensor]:
 def hf_step(model: Qwen2ForCausalLM, config: GPTConfig, tokens: torch.Tensor):
     """Logits [b, s, V], mean token loss, and the gradients in the reference's unsharded names."""
     model.zero_grad()
+    tokens = tokens.to(DEVICE)
     logits = model(input_ids=tokens[:, :-1]).logits
     loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
     loss.backward()
@@ -71,9 +73,9 @@ def max_abs(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> f
 
 def unsharded(config: GPTConfig) -> dict:
     hf = hf_model(config)
-    tokens = tokens_of(config)[0]
+    tokens = tokens_of(config)[0].to(DEVICE)
     logits, loss, grads = hf_step(hf, config, tokens)
-    ref = UnshardedGPT(config, SEED)
+    ref = UnshardedGPT(config, SEED, device=DEVICE)
     ref.load_state_dict(master_state_from_hf(config, hf.state_dict()))
     ours = ref.logits(tokens[:, :-1]).transpose(0, 1)
     our_loss = ref(tokens[:, :-1], tokens[:, 1:])
@@ -85,9 +87,9 @@ def unsharded(config: GPTConfig) -> dict:
 def tp_stage(config: GPTConfig, layout, sp: bool) -> dict:
     """One TP stage (the whole model) against HF: this rank's logit columns, the loss, its gradient shards."""
     hf = hf_model(config)
-    tokens = tokens_of(config)[0]
+    tokens = tokens_of(config)[0].to(DEVICE)
     logits, loss, grads = hf_step(hf, config, tokens)
-    stage = build_stage(config, layout, sequence_parallel=sp, seed=SEED)
+    stage = build_stage(config, layout, sequence_parallel=sp, seed=SEED, device=DEVICE)
     load_hf_into_stage(stage, hf.state_dict())
     tp, r = layout.tp_size, layout.tp_rank
     with torch.no_grad():
@@ -123,7 +125,7 @@ def tp_dp(layout, sharding: str, sp: bool, bf16: bool = False, config: GPTConfig
     them (this stage's)."""
     batches = tokens_of(config, STEPS)
     hf, hf_losses = hf_train(config, batches)
-    stage = build_stage(config, layout, sequence_parallel=sp, seed=SEED)
+    stage = build_stage(config, layout, sequence_parallel=sp, seed=SEED, device=DEVICE)
     load_hf_into_stage(stage, hf_model(config).state_dict())
     if sharding == "fsdp":
         mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
@@ -136,7 +138,7 @@ def tp_dp(layout, sharding: str, sp: bool, bf16: bool = False, config: GPTConfig
     for tokens in batches:
         rec = CollectiveRecorder()
         losses.append(train_step(model, optimizer, tokens, layout, num_micro_batches=micro_batches,
-                                 record=rec).loss)
+                                 device=DEVICE, record=rec).loss)
         dp_events = [(e.op, e.dtype) for e in rec.events if e.group_ranks == dp_ranks]
     out = {"losses": losses, "hf_losses": hf_losses, "dp_ops": sorted(set(dp_events)),
            "param_dtypes": sorted({str(p.dtype) for p in model.parameters()})}
@@ -147,8 +149,9 @@ def tp_dp(layout, sharding: str, sp: bool, bf16: bool = False, config: GPTConfig
 
 
 def main() -> None:
+    global DEVICE
     out = Path(sys.argv[1])
-    init()
+    DEVICE = init()
     world, rank = dist.get_world_size(), dist.get_rank()
     result: dict = {"world": world}
     if world in (1, 2):
