@@ -279,7 +279,8 @@ class GPTStage(torch.nn.Module):
 
     def _pad(self, ids: torch.Tensor, value: int) -> torch.Tensor:
         """[b, s] -> [b, self.seq_length]: the sequence-parallel padding at the end (see the module docstring)."""
-        return F.pad(ids, (0, self.seq_length - ids.shape[1]), value=value)
+        pad = self.seq_length - ids.shape[1]
+        return F.pad(ids, (0, pad), value=value) if pad else ids
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         if tokens.shape[1] != self.config.seq_length:
