@@ -6,8 +6,9 @@ bytes, from the CollectiveRecorder), then for each pipeline stage the schedule i
 micro-batches in flight (as the schedule counted them and as autograd held them) and its bubble next to the
 formula (p - 1) / (m + p - 1), then every rank's memory: parameter bytes held and peak activation bytes.
 `--model llama` trains the Llama/Qwen2 block (reference.gpt.model's "llama" style) instead of GPT-2's.
-With --pp 1 --dp 1 this is the tensor-parallel demo. The loss does not depend on the layout, the schedule or the number of micro-batches: the same seed gives the same model and
-data everywhere (compare `--nproc-per-node 1` with 8).
+With --pp 1 --dp 1 this is the tensor-parallel demo. The loss does not depend on the layout, the schedule
+or the number of micro-batches: the same seed gives the same model and data everywhere (compare
+`--nproc-per-node 1` with 8).
 
 `--dp-sharding fsdp` (2D: `torchrun --nproc-per-node 4 -m reference --tp 2 --dp 2 --dp-sharding fsdp
 --sequence-parallel`) shards the TP stage over the DP group with reference FSDP (reference.gpt.train.
