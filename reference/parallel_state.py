@@ -28,7 +28,10 @@ class ParallelConfigError(ValueError):
 
 
 def divide(numerator: int, denominator: int, what: str, by: str = "the tensor-parallel size") -> int:
-    """numerator / denominator, or a ParallelConfigError naming both (megatron/core/utils.py::divide)."""
+    """numerator / denominator, or a ParallelConfigError naming both (megatron/core/utils.py::divide).
+
+    Mirrors `megatron-lm:megatron/core/utils.py::divide`.
+    """
     if denominator <= 0 or numerator % denominator:
         raise ParallelConfigError(f"{what} ({numerator}) is not divisible by {by} ({denominator})")
     return numerator // denominator
@@ -49,7 +52,10 @@ def parallel_sizes(world_size: int, tp_size: int = 1, pp_size: int = 1, dp_size:
 
 
 def rank_grid(tp_size: int, pp_size: int, dp_size: int, order: str = "tp-pp-dp") -> torch.Tensor:
-    """The ranks as a [pp, dp, tp] tensor; `order` lists the dimensions from fastest- to slowest-varying."""
+    """The ranks as a [pp, dp, tp] tensor; `order` lists the dimensions from fastest- to slowest-varying.
+
+    Mirrors `megatron-lm:megatron/core/parallel_state.py::RankGenerator`.
+    """
     if order not in ORDERS:
         raise ParallelConfigError(f"unknown order {order!r}; choose one of {', '.join(ORDERS)}")
     world = tp_size * pp_size * dp_size
@@ -136,7 +142,10 @@ class ParallelLayout:
 
 def build_layout(tp_size: int, pp_size: int = 1, dp_size: int | None = None, order: str = "tp-pp-dp"
                  ) -> ParallelLayout:
-    """Create the TP, PP and DP groups of the initialized world; every rank must call this the same way."""
+    """Create the TP, PP and DP groups of the initialized world; every rank must call this the same way.
+
+    Mirrors `megatron-lm:megatron/core/parallel_state.py::initialize_model_parallel`.
+    """
     if not dist.is_initialized():
         raise ParallelConfigError("torch.distributed is not initialized: call init_process_group first")
     world_size, rank = dist.get_world_size(), dist.get_rank()

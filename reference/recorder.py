@@ -25,6 +25,10 @@ Conventions (the notes' byte formulas are checked against these):
     goes to the module owning the parameter. Ops issued from no node (autograd's final callbacks, e.g. FSDP2's
     last reduce-scatters) have module "" unless a scope is open. A scope opened during backward itself
     (e.g. `with rec.scope("unit0"):` inside a hook) takes precedence over all of these.
+  * `flops` (of an event) and `flops_start` / `flops_end` (of a span) count the FLOPs this process had computed
+    under the recorder at that moment, by torch's FLOP formulas (reference.torch_patches.op_flops, what
+    FlopCounterMode counts): a span's compute is `flops_end - flops_start`, deterministic where times are
+    not, so a timeline can be modeled at a stated FLOP rate (pin_and_cite.site.timeline).
   * `start` / `end` are `time.perf_counter()` seconds. `start` is when the op was issued. For c10d ops `end` is
     when the caller's `Work.wait()` returned (the recorder wraps `Work.wait` while active, through
     reference.torch_patches.work_wait_observed; synchronous calls wait inside torch.distributed), or, if the
@@ -102,6 +106,7 @@ class CollectiveEvent:
     end: float | None
     async_op: bool
     num_tensors: int = 1
+    flops: int = 0               # FLOPs computed under the recorder before this op was issued
 
     def key(self) -> tuple:
         """(op, group_ranks, shape, nbytes, dtype): what two implementations must agree on, timing aside."""
@@ -115,6 +120,8 @@ class Span:
     phase: str
     start: float
     end: float
+    flops_start: int = 0         # FLOPs computed under the recorder when the span opened, and when it closed
+    flops_end: int = 0
 
 
 def current_phase() -> str:
@@ -131,7 +138,10 @@ def _tensors(value) -> list[torch.Tensor]:
 
 
 class CollectiveRecorder(TorchDispatchMode):
-    """`with CollectiveRecorder() as rec: ...` then read `rec.events`, `rec.spans`, `rec.summary()`."""
+    """`with CollectiveRecorder() as rec: ...` then read `rec.events`, `rec.spans`, `rec.summary()`.
+
+    Mirrors `pytorch:torch/distributed/tensor/debug/_comm_mode.py::CommDebugMode`.
+    """
 
     def __init__(self) -> None:
         super().__init__()
@@ -145,6 +155,7 @@ class CollectiveRecorder(TorchDispatchMode):
         self._group_ranks: dict[str, tuple[int, ...]] = {}
         self._lock = threading.Lock()
         self._wait_patches: list = []  # one per __enter__ (reference.torch_patches.work_wait_observed)
+        self.flops = 0                 # FLOPs of every op run under the recorder so far
 
     # ---- scopes and spans ----------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -162,16 +173,21 @@ class CollectiveRecorder(TorchDispatchMode):
 
     @contextlib.contextmanager
     def span(self, name: str) -> Iterator[None]:
-        """Record a compute span (name, phase, start, end) into `rec.spans`."""
-        phase, start = current_phase(), time.perf_counter()
+        """Record a compute span (name, phase, start, end, and the FLOPs at both ends) into `rec.spans`."""
+        phase, (start, flops) = current_phase(), self.mark()
         try:
             yield
         finally:
-            self.add_span(name, phase, start, time.perf_counter())
+            self.add_span(name, phase, start, time.perf_counter(), flops, self.flops)
 
-    def add_span(self, name: str, phase: str, start: float, end: float) -> None:
+    def mark(self) -> tuple[float, int]:
+        """(time.perf_counter(), FLOPs so far): where a span starts."""
+        return time.perf_counter(), self.flops
+
+    def add_span(self, name: str, phase: str, start: float, end: float, flops_start: int = 0,
+                 flops_end: int = 0) -> None:
         """Record a span whose ends are seen in different places (e.g. from one autograd hook to another)."""
-        self.spans.append(Span(name, phase, start, end))
+        self.spans.append(Span(name, phase, start, end, flops_start, flops_end))
 
     @staticmethod
     def active() -> list["CollectiveRecorder"]:
@@ -240,7 +256,9 @@ class CollectiveRecorder(TorchDispatchMode):
             return out
         spec = _OPS.get(name)
         if spec is None:
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+            self.flops += torch_patches.op_flops(func, args, kwargs, out)
+            return out
         names, defaults = _schema_arguments(func)
         named = {**defaults, **dict(zip(names, args)), **kwargs}
         phase, start = current_phase(), time.perf_counter()
@@ -277,7 +295,8 @@ class CollectiveRecorder(TorchDispatchMode):
             op=op, group_ranks=ranks, shape=shape, nbytes=factor * sum(t.nbytes for t in tensors),
             dtype=str(first.dtype).removeprefix("torch.") if first is not None else "",
             phase=phase, module=self._module(phase), start=start, end=None,
-            async_op=bool(named.get("async_op", not name.startswith("c10d::"))), num_tensors=len(tensors))
+            async_op=bool(named.get("async_op", not name.startswith("c10d::"))), num_tensors=len(tensors),
+            flops=self.flops)
 
     def _ranks(self, named) -> tuple[int, ...]:
         """The group's global ranks, looked up once per group: eager c10d ops carry the group itself,
@@ -309,6 +328,7 @@ class CollectiveRecorder(TorchDispatchMode):
         """Forget recorded events and spans (e.g. between steps); scopes stay."""
         self.events.clear()
         self.spans.clear()
+        self.flops = 0
         self._forward_ranges.clear()
         self._functional_pending.clear()
         with self._lock:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch._C._distributed_c10d import ProcessGroup, Work
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+from torch.utils.flop_counter import flop_registry
 
 from reference.distributed import LaunchError
 
@@ -176,6 +177,13 @@ def unbox_work(value: Any) -> Work:
 def unbox_process_group(value: Any) -> ProcessGroup:
     """The ProcessGroup a c10d dispatcher op was called with (boxed as a script object)."""
     return ProcessGroup.unbox(value)
+
+
+def op_flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
+    """FLOPs of one aten op by torch's own formulas, the ones FlopCounterMode counts with
+    (torch.utils.flop_counter.flop_registry); 0 for an op without one (CPU flash attention has none in 2.13)."""
+    formula = flop_registry.get(func.overloadpacket)
+    return int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
 
 
 def dispatch_mode_stack() -> list:

@@ -9,11 +9,14 @@ Everything in them is observed, not computed:
     the block's leaf modules and of the aten ops run between them (attention, GELU), from module hooks and a
     dispatch mode; the forward FLOPs per rank from torch's FlopCounterMode.
   * fsdp_forward: the reference FSDP (one unit per block plus the root, forward and backward prefetch) in
-    its second step, when forward prefetch knows the unit order: collectives and per-unit compute spans, the
-    units' flat sizes, and the forward FLOPs per token of the unsharded model.
+    its second step, when forward prefetch knows the unit order: collectives and per-unit compute spans, each
+    stamped with the FLOPs computed so far in the step (the recorder counts them; attention on the math
+    backend, which has a FLOP formula), the units' flat sizes, and the forward FLOPs per token of the
+    unsharded model.
   * pipeline_gpipe / pipeline_1f1b: one training step (reference.gpt.train.train_step) of the small GPT on 4
     pipeline stages (tp 1, dp 1) with PIPELINE_M micro-batches, per stage: the action order with each action's
-    start and end, the peak of micro-batches in flight (as the schedule counts them and as autograd keeps
+    start, end and FLOPs (attention on the CPU flash kernel, which torch has no FLOP formula for, counts 0),
+    the peak of micro-batches in flight (as the schedule counts them and as autograd keeps
     them), the peak activation bytes, and every point-to-point send and receive the recorder saw.
 """
 from __future__ import annotations
@@ -117,7 +120,7 @@ def fsdp_forward(world: int) -> dict:
     model = shard_model(model, "reference", dist.group.WORLD, backward_prefetch="BACKWARD_PRE", forward_prefetch=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     recorder = CollectiveRecorder()
-    with recorder:
+    with sdpa_kernel(SDPBackend.MATH), recorder:     # math attention: the recorder counts its FLOPs
         for batch in synthetic_batches(FSDP_CONFIG, 2, FSDP_BATCH, FSDP_SEQ, SEED):
             recorder.clear()    # keep the second step: the first records the unit order, so it cannot prefetch
             local = batch.chunk(world)[rank]
@@ -132,8 +135,9 @@ def fsdp_forward(world: int) -> dict:
             "tokens_per_rank": FSDP_BATCH * FSDP_SEQ // world,
             "forward_flops_per_token": flops / (FSDP_BATCH * FSDP_SEQ),
             "units": units,
-            "events": [{**{k: e[k] for k in EVENT_KEYS}, **_times(e)} for e in record["events"]],
-            "spans": [{"name": s["name"], "phase": s["phase"], **_times(s)} for s in record["spans"]]}
+            "events": [{**{k: e[k] for k in EVENT_KEYS}, "flops": e["flops"], **_times(e)} for e in record["events"]],
+            "spans": [{"name": s["name"], "phase": s["phase"], "flops_start": s["flops_start"],
+                       "flops_end": s["flops_end"], **_times(s)} for s in record["spans"]]}
 
 
 def pipeline(schedule: str) -> dict:
@@ -151,6 +155,7 @@ def pipeline(schedule: str) -> dict:
     mine = {"pp_rank": result.pp_rank, "actions": result.actions,
             "action_spans": [[round(a - result.start_s, 6), round(b - result.start_s, 6)]
                              for a, b in result.action_spans],   # seconds from the schedule's start
+            "action_flops": result.action_flops,
             "peak_in_flight": result.peak_in_flight, "peak_in_flight_measured": result.peak_in_flight_measured,
             "peak_activation_bytes": result.peak_activation_bytes, "busy_s": round(result.busy_s, 6),
             "total_s": round(result.total_s, 6), "p2p": p2p}

@@ -25,7 +25,10 @@ import torch.distributed as dist
 
 def bucket_layout(params: list[torch.Tensor], bucket_size: int | None) -> list[list[int]]:
     """Indices into `params` of each bucket, in reduction order: walk the parameters from last to first,
-    add each to the open bucket, close it once it holds >= bucket_size bytes (None: one bucket)."""
+    add each to the open bucket, close it once it holds >= bucket_size bytes (None: one bucket).
+
+    Mirrors `megatron-lm:megatron/core/distributed/param_and_grad_buffer.py::_ParamAndGradBuffer`.
+    """
     if bucket_size is not None and bucket_size <= 0:
         raise ValueError(f"bucket_size must be a positive number of bytes or None (one bucket), got {bucket_size}")
     buckets: list[list[int]] = []
@@ -91,14 +94,22 @@ class GradBucket:
 
     def start_grad_sync(self, async_op: bool) -> None:
         """Scale by 1/dp, then all-reduce (sum): the data-parallel mean, as both upstreams (scaling first
-        keeps low-precision sums in range; at a power-of-two dp size the order does not change a bit)."""
+        keeps low-precision sums in range; at a power-of-two dp size the order does not change a bit).
+
+        Mirrors
+        `megatron-lm:megatron/core/distributed/param_and_grad_buffer.py::_ParamAndGradBucketGroup.start_grad_sync`.
+        """
         if self.group.size() > 1:  # a replica of one: its gradient is already the mean
             self.grad_data.mul_(1.0 / self.group.size())
             self.work = dist.all_reduce(self.grad_data, group=self.group, async_op=async_op)
         self.started = True
 
     def finish_grad_sync(self) -> None:
-        """Wait for the all-reduce (issuing it now if nothing did) and reset for the next step."""
+        """Wait for the all-reduce (issuing it now if nothing did) and reset for the next step.
+
+        Mirrors
+        `megatron-lm:megatron/core/distributed/param_and_grad_buffer.py::_ParamAndGradBucketGroup.finish_grad_sync`.
+        """
         if not self.started:
             self.start_grad_sync(async_op=False)
         if self.work is not None:

@@ -25,7 +25,10 @@ def finalize_model_grads(model_chunks: list[DistributedDataParallel | FullyShard
                          tp_group: dist.ProcessGroup | None = None) -> None:
     """DP-average every chunk's gradients (each chunk's `finish_grad_sync()`: DDP waits for its bucket
     all-reduces, FSDP's were reduce-scattered by the end of backward), then TP-sum the sequence-parallel ones
-    (when a TP group is given)."""
+    (when a TP group is given).
+
+    Mirrors `megatron-lm:megatron/core/distributed/finalize_model_grads.py::finalize_model_grads`.
+    """
     for chunk in model_chunks:
         chunk.finish_grad_sync()
     if tp_group is not None:

@@ -36,8 +36,12 @@ TP_BLOCKS = (ParallelTransformerBlock, ParallelLlamaBlock)  # each becomes one F
 
 
 def shard_tp_model(model: nn.Module, layout: ParallelLayout, **fsdp_kwargs) -> FullyShardedDataParallel:
-    """Wrap each TP block (ParallelTransformerBlock or ParallelLlamaBlock) of `model` (in place), then `model`, in FSDP units on the DP group.
-    `fsdp_kwargs` go to every FullyShardedDataParallel (prefetch, mixed precision, ...). A collective."""
+    """Wrap each TP block (ParallelTransformerBlock or ParallelLlamaBlock) of `model` (in place), then `model`,
+    in FSDP units on the DP group. `fsdp_kwargs` go to every FullyShardedDataParallel (prefetch, mixed
+    precision, ...). A collective.
+
+    Mirrors `pytorch:torch/distributed/fsdp/_fully_shard/_fsdp_param.py::FSDPParam._init_sharded_param`.
+    """
     blocks = [(name, m) for name, m in model.named_modules() if isinstance(m, TP_BLOCKS)]
     _check_consistent(model, blocks, layout)
     for name, block in blocks:

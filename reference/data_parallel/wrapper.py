@@ -83,7 +83,11 @@ class DistributedDataParallel(nn.Module):
 
     def _grad_ready(self, param: nn.Parameter) -> None:
         """Post-accumulate-grad hook (megatron: `_make_backward_post_hook` -> `register_grad_ready`, which
-        too only counts gradients when overlapping: without overlap finish_grad_sync issues every bucket)."""
+        too only counts gradients when overlapping: without overlap finish_grad_sync issues every bucket).
+
+        Mirrors
+        `megatron-lm:megatron/core/distributed/distributed_data_parallel.py::DistributedDataParallel._make_backward_post_hook`.
+        """
         bucket = self._bucket_of[param]
         bucket.take_grad(param)
         if self._sync and self.overlap_grad_reduce and bucket.mark_ready(param):
@@ -100,7 +104,11 @@ class DistributedDataParallel(nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally, without communication (megatron's config.no_sync_func)."""
+        """Accumulate gradients locally, without communication (megatron's config.no_sync_func).
+
+        Mirrors `megatron-lm:megatron/core/distributed/distributed_data_parallel.py::DistributedDataParallel.no_sync`
+        and `pytorch:torch/nn/parallel/distributed.py::DistributedDataParallel.no_sync`.
+        """
         previous, self._sync = self._sync, False
         try:
             yield
@@ -109,7 +117,11 @@ class DistributedDataParallel(nn.Module):
 
     def finish_grad_sync(self) -> None:
         """Wait for every bucket's all-reduce (issuing those not issued yet, in order); afterwards each
-        `.grad` holds the mean over the DP group of the gradients accumulated since the last zero_grad."""
+        `.grad` holds the mean over the DP group of the gradients accumulated since the last zero_grad.
+
+        Mirrors
+        `megatron-lm:megatron/core/distributed/distributed_data_parallel.py::DistributedDataParallel.finish_grad_sync`.
+        """
         for bucket in self.buckets:
             bucket.finish_grad_sync()
         self._next_bucket = 0

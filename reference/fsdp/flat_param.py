@@ -1,9 +1,12 @@
 """Flat-parameter bookkeeping: one unit's parameters as one padded flat buffer, sharded 1/N per rank.
 
-Mirrors torch/distributed/fsdp/_flat_param.py (torch 2.13.0): `FlatParamHandle` (line 481) with
-`flatten_tensors` (838) and `shard`/`_get_shard` (945, 1122), `unshard`/`_all_gather_flat_param` (1359, 1440),
-`reshard`/`_free_unsharded_flat_param` (1766, 1805), and the `use_orig_params=True` views
-`_use_unsharded_views` (1949), `_use_sharded_views` (2128) and `_use_sharded_grad_views` (2180).
+Mirrors `pytorch:torch/distributed/fsdp/_flat_param.py::FlatParamHandle` (torch 2.13.0) with
+`pytorch:torch/distributed/fsdp/_flat_param.py::FlatParamHandle.flatten_tensors`,
+`pytorch:torch/distributed/fsdp/_flat_param.py::FlatParamHandle.shard` and `pytorch:torch/distributed/fsdp/_flat_param.py::FlatParamHandle._get_shard`,
+`pytorch:torch/distributed/fsdp/_flat_param.py::FlatParamHandle.unshard` and `pytorch:torch/distributed/fsdp/_flat_param.py::FlatParamHandle._all_gather_flat_param`,
+`pytorch:torch/distributed/fsdp/_flat_param.py::FlatParamHandle.reshard` and `pytorch:torch/distributed/fsdp/_flat_param.py::FlatParamHandle._free_unsharded_flat_param`,
+and the `use_orig_params=True` views `pytorch:torch/distributed/fsdp/_flat_param.py::FlatParamHandle._use_unsharded_views`,
+`pytorch:torch/distributed/fsdp/_flat_param.py::FlatParamHandle._use_sharded_views` and `pytorch:torch/distributed/fsdp/_flat_param.py::FlatParamHandle._use_sharded_grad_views`.
 
 The memory trick is the same as upstream's: the unsharded buffer is one tensor whose *storage* is
 resized to 0 after use and re-allocated (same storage object) before the next all-gather, so the views
@@ -11,7 +14,8 @@ autograd saved during forward become valid again when backward re-gathers into t
 
 Deliberate difference: `flat_param.data` is the *padded* unsharded buffer (upstream uses an unpadded view
 of it), so its gradient is already padded and reduce-scatters without upstream's `F.pad` copy
-(`_runtime_utils.py::_get_reduce_scatter_tensors`, line 890); the padding gradient is zero.
+(`pytorch:torch/distributed/fsdp/_runtime_utils.py::_get_reduce_scatter_tensors`); the padding gradient is
+zero.
 """
 from __future__ import annotations
 
@@ -24,7 +28,10 @@ from torch import nn
 
 
 class HandleTrainingState(Enum):
-    """Per-handle state machine, as `_flat_param.py::HandleTrainingState`: prefetch reads it."""
+    """Per-handle state machine, as `_flat_param.py::HandleTrainingState`: prefetch reads it.
+
+    Mirrors `pytorch:torch/distributed/fsdp/_common_utils.py::HandleTrainingState`.
+    """
     IDLE = auto()
     FORWARD = auto()
     BACKWARD_PRE = auto()
@@ -61,8 +68,9 @@ class FlatParamHandle:
         self.orig_params: list[nn.Parameter] = [getattr(module, attr) for _, module, attr in params]
         self.param_dtype = param_dtype or self.orig_params[0].dtype
         # Each parameter starts on a 16-byte boundary of the unsharded buffer, as upstream does with
-        # use_orig_params (`_get_aligned_numel`, line 2771; the padding loop in
-        # `_init_flat_param_and_metadata`, 644): same flat sizes, so the same bytes on the wire.
+        # use_orig_params (`pytorch:torch/distributed/fsdp/_flat_param.py::_get_aligned_numel`; the padding loop in
+        # `pytorch:torch/distributed/fsdp/_flat_param.py::FlatParamHandle._init_flat_param_and_metadata`): same flat sizes, so the same bytes on the
+        # wire.
         aligned_numel = 16 // torch.empty((), dtype=self.param_dtype).element_size()
         self.infos: list[ParamInfo] = []
         offset = 0
@@ -72,7 +80,8 @@ class FlatParamHandle:
             offset += param.numel()
         self.numel = offset
         self.param_numel = sum(info.numel for info in self.infos)
-        # Pad the end so every rank holds an equal shard (`_get_shard`, line 1122; `flatten_tensors`, 838).
+        # Pad the end so every rank holds an equal shard (`pytorch:torch/distributed/fsdp/_flat_param.py::FlatParamHandle._get_shard`,
+        # `pytorch:torch/distributed/fsdp/_flat_param.py::FlatParamHandle.flatten_tensors`).
         self.shard_numel = -(-self.numel // self.world_size)
         self.padded_numel = self.shard_numel * self.world_size
         self._split_sizes = self._split_sizes_of_padded()    # fixed by the layout: computed once, used
@@ -91,11 +100,15 @@ class FlatParamHandle:
         self.ran_pre_backward_hook = False
         self.pre_forward_order_index: int | None = None
         self.post_forward_index: int | None = None
-        self.backward_started = 0.0  # perf_counter() at the pre-backward hook, for the recorded span
+        self.backward_started: dict = {}  # tracing.backward_start() at the pre-backward hook, for the recorded span
         self._use_sharded_views()
 
     def _flatten_and_shard(self) -> torch.Tensor:
-        """`flatten_tensors` + `shard`: concatenate, pad with zeros, keep this rank's contiguous 1/N."""
+        """`flatten_tensors` + `shard`: concatenate, pad with zeros, keep this rank's contiguous 1/N.
+
+        Mirrors `pytorch:torch/distributed/fsdp/_flat_param.py::FlatParamHandle.flatten_tensors`
+        and `pytorch:torch/distributed/fsdp/_flat_param.py::FlatParamHandle.shard`.
+        """
         flat = torch.zeros(self.padded_numel, dtype=self.orig_params[0].dtype)
         for info, param in zip(self.infos, self.orig_params):
             flat[info.offset:info.offset + info.numel] = param.detach().reshape(-1).cpu()
@@ -105,7 +118,7 @@ class FlatParamHandle:
 
     # -- unshard / reshard ------------------------------------------------------------------------------
     def is_unsharded(self) -> bool:
-        """`needs_unshard` (line 1385) negated: is the unsharded buffer's storage allocated?"""
+        """`pytorch:torch/distributed/fsdp/_flat_param.py::FlatParamHandle.needs_unshard` negated: is the unsharded buffer's storage allocated?"""
         return self._full_param_padded.untyped_storage().size() > 0
 
     def unshard(self) -> None:
@@ -114,6 +127,8 @@ class FlatParamHandle:
         `pre_unshard`/`_use_low_precision_shard` (1307, 1342) cast the shard to `param_dtype` on the compute
         device first; `unshard` (1359) skips the all-gather when the buffer is still allocated (the root
         keeps its parameters between forward and backward). Nothing waits here: see `wait_unshard`.
+
+        Mirrors `pytorch:torch/distributed/fsdp/_flat_param.py::FlatParamHandle._all_gather_flat_param`.
         """
         if not self.is_unsharded():
             self._full_param_padded.untyped_storage().resize_(self.padded_numel * self._full_param_padded.itemsize)
@@ -131,7 +146,10 @@ class FlatParamHandle:
             self._unshard_work = None
 
     def reshard(self, free_unsharded: bool) -> None:
-        """`reshard` (1766): point back at the local shard; free the unsharded storage unless told not to."""
+        """`reshard` (1766): point back at the local shard; free the unsharded storage unless told not to.
+
+        Mirrors `pytorch:torch/distributed/fsdp/_flat_param.py::FlatParamHandle._free_unsharded_flat_param`.
+        """
         self.wait_unshard()
         self.flat_param.data = self._local_shard
         self._use_sharded_views()
@@ -144,6 +162,8 @@ class FlatParamHandle:
 
         The views are made from `flat_param` under autograd, so their gradients accumulate into
         `flat_param.grad` (the padded unsharded gradient) and its post-accumulate-grad hook fires once.
+
+        Mirrors `pytorch:torch/distributed/fsdp/_flat_param.py::FlatParamHandle._use_unsharded_views`.
         """
         with torch.enable_grad():
             pieces = self.flat_param.split(self._split_sizes)
@@ -170,7 +190,10 @@ class FlatParamHandle:
 
     def _use_sharded_views(self) -> None:
         """`_use_sharded_views`: each original `nn.Parameter` is a flat view of its part of the local shard
-        (size 0 when it lies on other ranks), re-registered on its module so optimizers see it."""
+        (size 0 when it lies on other ranks), re-registered on its module so optimizers see it.
+
+        Mirrors `pytorch:torch/distributed/fsdp/_flat_param.py::FlatParamHandle._use_sharded_views`.
+        """
         for info, param, part in zip(self.infos, self.orig_params, self._local_parts):
             param.data = self._local_shard[part]
             if info.module._parameters.get(info.attr) is not param:

@@ -1,8 +1,11 @@
 """Prefetch policy: which unit's all-gather to issue early, from the execution order FSDP recorded.
 
-Mirrors torch/distributed/fsdp/_exec_order_utils.py::_ExecOrderData (torch 2.13.0; `get_handle_to_backward_prefetch`
-line 88, `get_handle_to_forward_prefetch` 109, `record_post_forward` 130, `record_pre_forward` 150, `next_iter` 354)
-and _runtime_utils.py::_get_handle_to_prefetch (lines 1239-1291), with a prefetch limit of 1 as upstream's default.
+Mirrors `pytorch:torch/distributed/fsdp/_exec_order_utils.py::_ExecOrderData` (torch 2.13.0: `pytorch:torch/distributed/fsdp/_exec_order_utils.py::_ExecOrderData.get_handle_to_backward_prefetch`,
+`pytorch:torch/distributed/fsdp/_exec_order_utils.py::_ExecOrderData.get_handle_to_forward_prefetch`,
+`pytorch:torch/distributed/fsdp/_exec_order_utils.py::_ExecOrderData.record_post_forward`,
+`pytorch:torch/distributed/fsdp/_exec_order_utils.py::_ExecOrderData.record_pre_forward`, `pytorch:torch/distributed/fsdp/_exec_order_utils.py::_ExecOrderData.next_iter`)
+and `pytorch:torch/distributed/fsdp/_runtime_utils.py::_get_handle_to_prefetch`, with a prefetch limit of 1 as
+upstream's default.
 
 - Forward: the pre-forward order is recorded on the *first* iteration only, so the first iteration cannot
   prefetch (the next unit is not known yet) and later iterations prefetch unit l+1 from unit l's pre-forward.
@@ -20,19 +23,25 @@ from reference.fsdp.flat_param import FlatParamHandle, HandleTrainingState
 
 
 class BackwardPrefetch(Enum):
-    """Same members and meaning as `torch.distributed.fsdp.BackwardPrefetch` (api.py line 72)."""
+    """Same members and meaning as `pytorch:torch/distributed/fsdp/api.py::BackwardPrefetch`."""
     BACKWARD_PRE = auto()
     BACKWARD_POST = auto()
 
 
 class PrefetchMode(Enum):
-    """`_runtime_utils.py::_PrefetchMode`: which training state a prefetched handle pretends to be in."""
+    """`_runtime_utils.py::_PrefetchMode`: which training state a prefetched handle pretends to be in.
+
+    Mirrors `pytorch:torch/distributed/fsdp/_runtime_utils.py::_PrefetchMode`.
+    """
     BACKWARD = auto()
     FORWARD = auto()
 
 
 class ExecutionOrder:
-    """The unit order FSDP observed, shared by every unit under one root."""
+    """The unit order FSDP observed, shared by every unit under one root.
+
+    Mirrors `pytorch:torch/distributed/fsdp/_exec_order_utils.py::_ExecOrderData`.
+    """
 
     def __init__(self) -> None:
         self.iteration = 0
@@ -70,7 +79,10 @@ class ExecutionOrder:
 
 def handle_to_prefetch(order: ExecutionOrder, current: FlatParamHandle, forward_prefetch: bool,
                        backward_prefetch: BackwardPrefetch | None) -> FlatParamHandle | None:
-    """`_get_handle_to_prefetch`: the unit to all-gather early given the current unit's training state."""
+    """`_get_handle_to_prefetch`: the unit to all-gather early given the current unit's training state.
+
+    Mirrors `pytorch:torch/distributed/fsdp/_runtime_utils.py::_get_handle_to_prefetch`.
+    """
     state = current.training_state
     if (state == HandleTrainingState.BACKWARD_PRE and backward_prefetch == BackwardPrefetch.BACKWARD_PRE) or (
             state == HandleTrainingState.BACKWARD_POST and backward_prefetch == BackwardPrefetch.BACKWARD_POST):

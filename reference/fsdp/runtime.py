@@ -21,13 +21,13 @@ Ordering that differs on purpose, with the reason:
 - The reduce-scatter is issued asynchronously in the post-backward hook and waited in the final callback
   (upstream runs it on the post-backward stream and syncs there too); on gloo this lets it overlap the
   remaining backward compute.
-- Upstream all-gathers CPU tensors with the list form `dist.all_gather` (`_flat_param.py` line 1467, a
-  "HACK"); every device here uses `all_gather_single`, which gloo supports in torch 2.13.
+- Upstream all-gathers CPU tensors with the list form `dist.all_gather` (a "HACK" in
+  `pytorch:torch/distributed/fsdp/_flat_param.py::FlatParamHandle._all_gather_flat_param`); every device here uses `all_gather_single`, which
+  gloo supports in torch 2.13.
 """
 from __future__ import annotations
 
 import functools
-import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -37,7 +37,7 @@ from torch.utils._pytree import tree_map
 
 from reference.fsdp.flat_param import FlatParamHandle, HandleTrainingState
 from reference.fsdp.prefetch import PrefetchMode, handle_to_prefetch
-from reference.fsdp.tracing import record_backward_span, unit_scope
+from reference.fsdp.tracing import backward_start, record_backward_span, unit_scope
 
 if TYPE_CHECKING:
     from reference.fsdp.wrapper import FullyShardedDataParallel as Unit, SharedState
@@ -50,7 +50,10 @@ def unshard(unit: Unit, handle: FlatParamHandle) -> None:
 
 
 def prefetch(unit: Unit, current: FlatParamHandle, mode: PrefetchMode) -> None:
-    """`_prefetch_handle`: unshard the next unit early, emulating the state it will be unsharded in."""
+    """`_prefetch_handle`: unshard the next unit early, emulating the state it will be unsharded in.
+
+    Mirrors `pytorch:torch/distributed/fsdp/_runtime_utils.py::_prefetch_handle`.
+    """
     target = handle_to_prefetch(unit.shared.exec_order, current, unit.forward_prefetch, unit.backward_prefetch)
     if target is None:
         return
@@ -63,14 +66,20 @@ def prefetch(unit: Unit, current: FlatParamHandle, mode: PrefetchMode) -> None:
 
 
 def reshard(handle: FlatParamHandle, free_unsharded: bool) -> None:
-    """`_reshard`: after it, the handle must be unsharded again before use, so it is no longer prefetched."""
+    """`_reshard`: after it, the handle must be unsharded again before use, so it is no longer prefetched.
+
+    Mirrors `pytorch:torch/distributed/fsdp/_runtime_utils.py::_reshard`.
+    """
     handle.reshard(free_unsharded)
     handle.prefetched = False
 
 
 def root_pre_forward(unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """`_root_pre_forward`: with forward prefetch every unit needs its pre-forward unshard again;
-    floating-point inputs are cast to `param_dtype`."""
+    floating-point inputs are cast to `param_dtype`.
+
+    Mirrors `pytorch:torch/distributed/fsdp/_runtime_utils.py::_root_pre_forward`.
+    """
     if unit.forward_prefetch:
         for other in unit.shared.units:
             if other.handle is not None:
@@ -80,7 +89,10 @@ def root_pre_forward(unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict
 
 
 def pre_forward(unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """All-gather this unit (unless prefetched), prefetch the next one, then wait for this one."""
+    """All-gather this unit (unless prefetched), prefetch the next one, then wait for this one.
+
+    Mirrors `pytorch:torch/distributed/fsdp/_runtime_utils.py::_pre_forward_unshard`.
+    """
     handle = unit.handle
     if handle is None:
         return args, kwargs
@@ -96,7 +108,10 @@ def pre_forward(unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 
 def post_forward(unit: Unit, output: Any) -> Any:
     """Reshard (the root keeps its parameters for the backward it is about to start), then hook the
-    outputs so the backward re-gathers this unit before its gradient computation."""
+    outputs so the backward re-gathers this unit before its gradient computation.
+
+    Mirrors `pytorch:torch/distributed/fsdp/_runtime_utils.py::_post_forward_reshard`.
+    """
     handle = unit.handle
     if handle is None:
         return output
@@ -109,7 +124,10 @@ def post_forward(unit: Unit, output: Any) -> Any:
 
 def register_pre_backward(unit: Unit, handle: FlatParamHandle, output: Any) -> Any:
     """`_register_pre_backward_hooks`: a hook on every output tensor that requires grad; the first to
-    fire runs `pre_backward_hook` for the unit."""
+    fire runs `pre_backward_hook` for the unit.
+
+    Mirrors `pytorch:torch/distributed/fsdp/_runtime_utils.py::_register_pre_backward_hooks`.
+    """
     if not torch.is_grad_enabled():
         return output
     handle.needs_pre_backward_unshard = False
@@ -127,7 +145,10 @@ def register_pre_backward(unit: Unit, handle: FlatParamHandle, output: Any) -> A
 def pre_backward_hook(unit: Unit, handle: FlatParamHandle, grad: torch.Tensor) -> torch.Tensor:
     """Before the unit's gradient computation: re-gather it (unless prefetched); with BACKWARD_PRE, issue
     the next unit's all-gather now. The first unit to get here in a backward (the root, whose output the
-    loss reads) queues the end-of-backward callback."""
+    loss reads) queues the end-of-backward callback.
+
+    Mirrors `pytorch:torch/distributed/fsdp/_runtime_utils.py::_pre_backward_hook`.
+    """
     if handle.ran_pre_backward_hook:
         return grad
     shared = unit.shared
@@ -141,14 +162,17 @@ def pre_backward_hook(unit: Unit, handle: FlatParamHandle, grad: torch.Tensor) -
     prefetch(unit, handle, PrefetchMode.BACKWARD)
     handle.wait_unshard()
     handle.ran_pre_backward_hook = True
-    handle.backward_started = time.perf_counter()
+    handle.backward_started = backward_start()
     return grad
 
 
 @torch.no_grad()
 def post_backward_hook(unit: Unit, handle: FlatParamHandle, flat_param: torch.nn.Parameter) -> None:
     """After autograd accumulated the unit's unsharded gradient: free the unsharded parameters, with
-    BACKWARD_POST prefetch the next unit, and reduce-scatter the gradient right away."""
+    BACKWARD_POST prefetch the next unit, and reduce-scatter the gradient right away.
+
+    Mirrors `pytorch:torch/distributed/fsdp/_runtime_utils.py::_post_backward_hook`.
+    """
     record_backward_span(handle.name, handle.backward_started)
     handle.training_state = HandleTrainingState.BACKWARD_POST
     unsharded_grad = flat_param.grad
@@ -160,7 +184,10 @@ def post_backward_hook(unit: Unit, handle: FlatParamHandle, flat_param: torch.nn
 
 def reduce_grad(unit: Unit, handle: FlatParamHandle, unsharded_grad: torch.Tensor) -> None:
     """Average and reduce-scatter the padded flat gradient in `reduce_dtype`; the sum of grad/N over
-    ranks is the data-parallel mean. Waited (and cast to the shard's dtype) in `post_backward_final`."""
+    ranks is the data-parallel mean. Waited (and cast to the shard's dtype) in `post_backward_final`.
+
+    Mirrors `pytorch:torch/distributed/fsdp/_runtime_utils.py::_reduce_grad`.
+    """
     grad = unsharded_grad.to(unit.reduce_dtype or unsharded_grad.dtype)
     grad.div_(handle.world_size)
     sharded = torch.empty(handle.shard_numel, dtype=grad.dtype, device=grad.device)
@@ -171,7 +198,10 @@ def reduce_grad(unit: Unit, handle: FlatParamHandle, unsharded_grad: torch.Tenso
 
 def post_backward_final(shared: SharedState) -> None:
     """End of backward (queued on the autograd engine by the root): wait for the reduce-scatters, hand
-    the reduced shards to the original parameters' `.grad`, reshard anything still unsharded, reset."""
+    the reduced shards to the original parameters' `.grad`, reshard anything still unsharded, reset.
+
+    Mirrors `pytorch:torch/distributed/fsdp/_runtime_utils.py::_post_backward_final_callback`.
+    """
     for handle, work, sharded in shared.pending_reductions:
         work.wait()
         grad = sharded.to(handle.flat_param.dtype)

@@ -10,7 +10,6 @@ to its post-backward hook (its gradient is complete).
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Iterator
 
 import torch
@@ -36,10 +35,17 @@ def forward_span(unit_name: str) -> Iterator[None]:
         yield
 
 
-def record_backward_span(unit_name: str, start: float) -> None:
-    """Close the unit's backward span that started at `start` (a `time.perf_counter()` value)."""
+def backward_start() -> dict[int, tuple[float, int]]:
+    """Where a unit's backward starts, for each active recorder: {id(recorder): recorder.mark()}."""
+    return {id(recorder): recorder.mark() for recorder in CollectiveRecorder.active()}
+
+
+def record_backward_span(unit_name: str, started: dict[int, tuple[float, int]]) -> None:
+    """Close the unit's backward span that started at `started` (backward_start())."""
     for recorder in CollectiveRecorder.active():
-        recorder.add_span(f"{unit_name} backward", "backward", start, time.perf_counter())
+        if id(recorder) in started:
+            (start, flops), (end, flops_end) = started[id(recorder)], recorder.mark()
+            recorder.add_span(f"{unit_name} backward", "backward", start, end, flops, flops_end)
 
 
 @contextlib.contextmanager

@@ -30,7 +30,10 @@ from reference.fsdp.tracing import clean_name, forward_span
 class MixedPrecision:
     """As `torch.distributed.fsdp.MixedPrecision`: compute/all-gather in `param_dtype`, reduce-scatter in
     `reduce_dtype` (defaults to `param_dtype` when only that is given, as upstream), buffers in
-    `buffer_dtype`. The shards the optimizer updates stay in the parameters' original dtype."""
+    `buffer_dtype`. The shards the optimizer updates stay in the parameters' original dtype.
+
+    Mirrors `pytorch:torch/distributed/fsdp/api.py::MixedPrecision`.
+    """
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     buffer_dtype: torch.dtype | None = None
@@ -38,7 +41,10 @@ class MixedPrecision:
 
 @dataclass(frozen=True)
 class CPUOffload:
-    """As `torch.distributed.fsdp.CPUOffload`: keep shards (and their gradients) on the CPU between uses."""
+    """As `torch.distributed.fsdp.CPUOffload`: keep shards (and their gradients) on the CPU between uses.
+
+    Mirrors `pytorch:torch/distributed/fsdp/api.py::CPUOffload`.
+    """
     offload_params: bool = False
 
 
@@ -99,7 +105,10 @@ class FullyShardedDataParallel(nn.Module):
         return runtime.post_forward(self, output)
 
     def _lazy_init(self) -> None:
-        """This unit runs forward first, so it is the root of every unit inside it."""
+        """This unit runs forward first, so it is the root of every unit inside it.
+
+        Mirrors `pytorch:torch/distributed/fsdp/_runtime_utils.py::_lazy_init`.
+        """
         units = [m for m in self.modules() if isinstance(m, FullyShardedDataParallel)]
         shared = SharedState(units)
         for name, unit in self.named_modules():

@@ -143,7 +143,10 @@ def padded_seq_length(config: GPTConfig, tp: int, sequence_parallel: bool) -> in
 def split_layers(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
     """[first, last) layers of each of `pp_size` stages: consecutive, sizes differing by at most one (the
     earlier stages take the extra layers). Megatron requires num_layers divisible by the PP size
-    (megatron/core/transformer/transformer_block.py::get_num_layers_to_build); uneven splits are allowed here."""
+    (megatron/core/transformer/transformer_block.py::get_num_layers_to_build); uneven splits are allowed here.
+
+    Mirrors `megatron-lm:megatron/core/transformer/transformer_block.py::get_num_layers_to_build`.
+    """
     if pp_size < 1:
         raise ParallelConfigError(f"the pipeline needs at least 1 stage, got {pp_size}")
     if pp_size > num_layers:
@@ -226,6 +229,8 @@ class GPTStage(torch.nn.Module):
     (a scalar, equal on every TP rank), the others the hidden state to send on. `block_kwargs` go to every
     block (ParallelTransformerBlock or ParallelLlamaBlock, e.g. async_grad_allreduce).
     `params_dtype` is every parameter's dtype (the weights are drawn in fp32 and rounded, as in Megatron).
+
+    Mirrors `megatron-lm:megatron/core/models/gpt/gpt_model.py::GPTModel`.
     """
 
     def __init__(self, config: GPTConfig, tp_group: dist.ProcessGroup, *, first_layer: int, last_layer: int,
@@ -306,6 +311,7 @@ class GPTStage(torch.nn.Module):
         return self.output_layer.logits(self.final_layernorm(self._layers(self._embed(tokens))))
 
     def forward(self, hidden: torch.Tensor | None, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mirrors `megatron-lm:megatron/core/models/gpt/gpt_model.py::GPTModel.forward`."""
         if self.is_first:
             hidden = self._embed(tokens)
         hidden = self._layers(hidden)

@@ -105,7 +105,10 @@ def train_step(model: DistributedDataParallel | FullyShardedDataParallel, optimi
     """One optimizer step on the global batch `tokens` [B, s + 1] for a stage wrapped by `data_parallel` or
     `fully_sharded`. `no_sync` defaults to the DDP wrapper's (FSDP: nothing to defer, one micro-batch),
     `finalize_grads` to finalize_model_grads (either wrapper). `record` is a context (e.g. a CollectiveRecorder) around the training
-    work only: schedule, gradient finalization and optimizer step."""
+    work only: schedule, gradient finalization and optimizer step.
+
+    Mirrors `megatron-lm:megatron/core/pipeline_parallel/schedules.py::get_forward_backward_func`.
+    """
     device = device or torch.device("cpu")
     if isinstance(model, FullyShardedDataParallel) and num_micro_batches > 1:
         raise ParallelConfigError(f"a fully_sharded stage trains one micro-batch per step, got {num_micro_batches}: "

@@ -27,7 +27,10 @@ class _Saved:
 
 
 class InFlightActivations:
-    """`with meter.forward(i): output = stage(...)`; read `peak_micro_batches` and `peak_bytes` afterwards."""
+    """`with meter.forward(i): output = stage(...)`; read `peak_micro_batches` and `peak_bytes` afterwards.
+
+    Mirrors `megatron-lm:megatron/core/pipeline_parallel/schedules.py::deallocate_output_tensor`.
+    """
 
     def __init__(self) -> None:
         self.live: Counter[int] = Counter()  # micro-batch -> saved tensors still alive

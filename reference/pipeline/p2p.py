@@ -33,7 +33,10 @@ class PipelineP2P:
 
     def _communicate(self, *, send_next=None, send_prev=None, recv_prev=False, recv_next=False,
                      ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """One round; returns (tensor from prev, tensor from next). Received activations require grad."""
+        """One round; returns (tensor from prev, tensor from next). Received activations require grad.
+
+        Mirrors `megatron-lm:megatron/core/pipeline_parallel/p2p_communication.py::_p2p_ops`.
+        """
         from_prev = self._buffer() if recv_prev and self.prev is not None else None
         from_next = self._buffer() if recv_next and self.next is not None else None
         ops = {"send_next": (dist.isend, send_next if self.next is not None else None, self.next),
@@ -66,7 +69,11 @@ class PipelineP2P:
         self._communicate(send_prev=input_grad)
 
     def send_forward_recv_backward(self, output: torch.Tensor) -> torch.Tensor | None:
-        """1F1B steady state: the output of this forward goes on, the gradient of an older one comes back."""
+        """1F1B steady state: the output of this forward goes on, the gradient of an older one comes back.
+
+        Mirrors
+        `megatron-lm:megatron/core/pipeline_parallel/p2p_communication.py::P2PCommunicator.send_forward_recv_backward`.
+        """
         return self._communicate(send_next=output.detach(), recv_next=True)[1]
 
     def send_backward_recv_forward(self, input_grad: torch.Tensor | None) -> torch.Tensor | None:

@@ -22,7 +22,7 @@ torch/distributed/pipelining/schedules.py::ScheduleGPipe. Megatron can also free
 training); this reference does not.
 
 Measured, per stage: the action order and each action's start and end (perf_counter(), the clock of
-reference.recorder), the peak number of micro-batches in flight both as the schedule counts them and as
+reference.recorder) and, under a recorder, its FLOPs as the recorder counts them; the peak number of micro-batches in flight both as the schedule counts them and as
 autograd really keeps them (reference.pipeline.in_flight), and the bubble: the idle
 fraction of the time between two barriers of the PP group around the schedule, the busy time being the sum
 of this stage's forward and backward steps (their TP collectives included, the waits for p2p excluded).
@@ -41,6 +41,7 @@ import torch.distributed as dist
 from reference.parallel_state import ParallelConfigError
 from reference.pipeline.in_flight import InFlightActivations
 from reference.pipeline.p2p import PipelineP2P
+from reference.recorder import CollectiveRecorder
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -67,6 +68,7 @@ class PipelineResult:
     losses: list[float]            # last stage: each micro-batch's loss (before the 1/m scaling); else []
     actions: list[str]             # "F0", "B0", ... in the order run
     action_spans: list[tuple[float, float]]  # (start, end) of each action: perf_counter(), the recorder's clock
+    action_flops: list[int]        # FLOPs of each action as a CollectiveRecorder counted them (0 without one)
     start_s: float                 # perf_counter() when the schedule started (after the PP barrier)
     peak_in_flight: int            # forwards whose backward had not run, as the schedule counted them
     peak_in_flight_measured: int   # micro-batches whose saved activations autograd still held
@@ -125,16 +127,19 @@ class _Steps:
         self.meter = InFlightActivations()
         self.actions: list[str] = []
         self.spans: list[tuple[float, float]] = []
+        self.flops: list[int] = []
         self.losses: list[torch.Tensor] = []  # detached, read once at the end (loss_values)
         self.in_flight = self.peak_in_flight = 0
 
     def _timed(self, name: str, fn, *args):
-        start = time.perf_counter()
+        recorder = (CollectiveRecorder.active() or [None])[-1]
+        start, flops = time.perf_counter(), recorder.flops if recorder else 0
         out = fn(*args)
         if self.cuda is not None:  # the action is done when its kernels are, not when they are queued
             torch.cuda.synchronize(self.cuda)
         self.actions.append(name)
         self.spans.append((start, time.perf_counter()))
+        self.flops.append(recorder.flops - flops if recorder else 0)
         return out
 
     def forward(self, i: int, input_tensor: torch.Tensor | None) -> torch.Tensor:
@@ -151,6 +156,7 @@ class _Steps:
         return output
 
     def backward(self, i: int, input_tensor, output, output_grad) -> torch.Tensor | None:
+        """Mirrors `megatron-lm:megatron/core/pipeline_parallel/schedules.py::backward_step`."""
         def run():
             torch.autograd.backward(output, grad_tensors=output_grad)  # output_grad None: output is the loss
             return None if input_tensor is None else input_tensor.grad
@@ -160,6 +166,7 @@ class _Steps:
 
 
 def _no_pipelining(steps: _Steps, sync: _GradSync) -> None:
+    """Mirrors `megatron-lm:megatron/core/pipeline_parallel/schedules.py::forward_backward_no_pipelining`."""
     m = len(steps.micro_batches)
     sync.disable()
     for i in range(m):
@@ -169,6 +176,7 @@ def _no_pipelining(steps: _Steps, sync: _GradSync) -> None:
 
 
 def _gpipe(steps: _Steps, p2p: PipelineP2P, sync: _GradSync) -> None:
+    """Mirrors `pytorch:torch/distributed/pipelining/schedules.py::ScheduleGPipe`."""
     m, kept = len(steps.micro_batches), []
     sync.disable()
     for i in range(m):
@@ -185,6 +193,9 @@ def _gpipe(steps: _Steps, p2p: PipelineP2P, sync: _GradSync) -> None:
 
 
 def _one_f_one_b(steps: _Steps, p2p: PipelineP2P, sync: _GradSync) -> None:
+    """Mirrors
+    `megatron-lm:megatron/core/pipeline_parallel/schedules.py::forward_backward_pipelining_without_interleaving`.
+    """
     m, p, r = len(steps.micro_batches), p2p.group.size(), p2p.group.rank()
     warmup = min(p - 1 - r, m)
     remaining = m - warmup
@@ -250,6 +261,6 @@ def forward_backward(schedule: str, stage: torch.nn.Module, micro_batches: Seque
         finalize_grads()
     return PipelineResult(schedule=schedule, pp_rank=r, pp_size=p, num_micro_batches=len(micro_batches),
                           losses=loss_values(steps.losses), actions=steps.actions,
-                          action_spans=steps.spans, start_s=start, peak_in_flight=steps.peak_in_flight,
+                          action_spans=steps.spans, action_flops=steps.flops, start_s=start, peak_in_flight=steps.peak_in_flight,
                           peak_in_flight_measured=steps.meter.peak_micro_batches,
                           peak_activation_bytes=steps.meter.peak_bytes, total_s=total)

@@ -16,7 +16,10 @@ from reference.parallel_state import ParallelConfigError
 
 
 def all_reduce(x: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
-    """Reduce `x` over the group (a sum unless `op` says otherwise), in place on a contiguous `x`."""
+    """Reduce `x` over the group (a sum unless `op` says otherwise), in place on a contiguous `x`.
+
+    Mirrors `megatron-lm:megatron/core/tensor_parallel/mappings.py::_reduce`.
+    """
     return issue_all_reduce(x, group, async_op=False, op=op)[0]
 
 
@@ -30,7 +33,10 @@ def issue_all_reduce(x: torch.Tensor, group: dist.ProcessGroup, async_op: bool,
 
 
 def split_last_dim(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """This rank's contiguous slice of the last dimension (no communication)."""
+    """This rank's contiguous slice of the last dimension (no communication).
+
+    Mirrors `megatron-lm:megatron/core/tensor_parallel/mappings.py::_split_along_last_dim`.
+    """
     if group.size() == 1:
         return x
     _check_divisible(x.shape[-1], group, "last dimension")
@@ -42,6 +48,8 @@ def gather_last_dim(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 
     One all-gather into a buffer stacked on dim 0, then a re-concatenation on the last dim; the wire traffic
     and the recorded collective are the same as Megatron's _gather_along_last_dim.
+
+    Mirrors `megatron-lm:megatron/core/tensor_parallel/mappings.py::_gather_along_last_dim`.
     """
     if group.size() == 1:
         return x
@@ -50,7 +58,10 @@ def gather_last_dim(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 
 
 def split_first_dim(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """This rank's contiguous slice of the first (sequence) dimension (no communication)."""
+    """This rank's contiguous slice of the first (sequence) dimension (no communication).
+
+    Mirrors `megatron-lm:megatron/core/tensor_parallel/mappings.py::_split_along_first_dim`.
+    """
     if group.size() == 1:
         return x
     _check_divisible(x.shape[0], group, "first (sequence) dimension")
@@ -58,7 +69,10 @@ def split_first_dim(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 
 
 def gather_first_dim(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """All-gather along the first dimension."""
+    """All-gather along the first dimension.
+
+    Mirrors `megatron-lm:megatron/core/tensor_parallel/mappings.py::_gather_along_first_dim`.
+    """
     return issue_gather_first_dim(x, group, async_op=False)[0]
 
 
@@ -73,7 +87,10 @@ def issue_gather_first_dim(x: torch.Tensor, group: dist.ProcessGroup, async_op: 
 
 
 def reduce_scatter_first_dim(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """Sum over the group and keep this rank's slice of the first dimension."""
+    """Sum over the group and keep this rank's slice of the first dimension.
+
+    Mirrors `megatron-lm:megatron/core/tensor_parallel/mappings.py::_reduce_scatter_along_first_dim`.
+    """
     return issue_reduce_scatter_first_dim(x, group, async_op=False)[0]
 
 

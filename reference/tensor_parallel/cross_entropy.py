@@ -40,7 +40,10 @@ from reference.tensor_parallel import collectives as C
 
 def vocab_range(per_partition_vocab_size: int, rank: int) -> tuple[int, int]:
     """[start, end) of the vocabulary ids held by TP rank `rank`
-    (megatron/core/tensor_parallel/utils.py::VocabUtility.vocab_range_from_per_partition_vocab_size)."""
+    (megatron/core/tensor_parallel/utils.py::VocabUtility.vocab_range_from_per_partition_vocab_size).
+
+    Mirrors `megatron-lm:megatron/core/tensor_parallel/utils.py::VocabUtility`.
+    """
     start = rank * per_partition_vocab_size
     return start, start + per_partition_vocab_size
 
@@ -61,7 +64,10 @@ def check_ids(ids: torch.Tensor, vocab_size: int, what: str) -> None:
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Forward: max / target-logit / exp-sum all-reduces over TP; backward: softmax - one_hot, locally."""
+    """Forward: max / target-logit / exp-sum all-reduces over TP; backward: softmax - one_hot, locally.
+
+    Mirrors `megatron-lm:megatron/core/tensor_parallel/cross_entropy.py::_VocabParallelCrossEntropy`.
+    """
 
     @staticmethod
     def forward(ctx, logits, target, group, vocab_size):

@@ -34,7 +34,9 @@ def shard_of(master: torch.Tensor, partition_dim: int, group: dist.ProcessGroup,
     """This rank's slice of a full tensor: with stride k the dimension is read as k consecutive parts (e.g. the
     [gate; up] of a SwiGLU fc1, k = 2) and the rank takes its 1/p of each, so a rank's gate and up columns meet.
 
-    megatron/core/tensor_parallel/layers.py::_initialize_affine_weight_cpu splits the same way (`stride`).
+    Megatron splits its master weight the same way (`stride`).
+
+    Mirrors `megatron-lm:megatron/core/tensor_parallel/layers.py::_initialize_affine_weight_cpu`.
     """
     p = group.size()
     chunks = master.chunk(stride * p, dim=partition_dim)
@@ -49,6 +51,8 @@ def init_shard_from_master(weight: torch.Tensor, output_size: int, input_size: i
     Same recipe as megatron's _initialize_affine_weight_cpu: equal seeds give equal shards here and in
     megatron-core, and the unsharded model built after the same seed holds their concatenation (stride 1;
     with stride k, each rank's k parts, see shard_of).
+
+    Mirrors `megatron-lm:megatron/core/tensor_parallel/layers.py::_initialize_affine_weight_cpu`.
     """
     master = torch.empty(output_size, input_size, dtype=torch.float32)
     init_method(master)
@@ -113,6 +117,7 @@ class ColumnParallelLinear(_ParallelLinear):
         self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
 
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Mirrors `megatron-lm:megatron/core/tensor_parallel/layers.py::ColumnParallelLinear.forward`."""
         self._check_input(input_, self.input_size)
         output_parallel = linear_with_grad_reduce(
             input_, self.weight, None if self.skip_bias_add else self.bias, self.tp_group,
@@ -150,6 +155,7 @@ class RowParallelLinear(_ParallelLinear):
             self.bias.sequence_parallel = True  # each rank sees a slice of the tokens: its grad is partial
 
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Mirrors `megatron-lm:megatron/core/tensor_parallel/layers.py::RowParallelLinear.forward`."""
         if self.input_is_parallel:
             self._check_input(input_, self.input_size_per_partition)
             input_parallel = input_
@@ -175,6 +181,8 @@ def allreduce_sequence_parallel_grads(module: torch.nn.Module, group: dist.Proce
     Under sequence parallelism LayerNorm weights and row-parallel biases are replicated but applied to a
     slice of the sequence, so each rank's gradient is partial. Megatron does this after backward in
     megatron/core/distributed/finalize_model_grads.py::_allreduce_non_tensor_model_parallel_grads.
+
+    Mirrors `megatron-lm:megatron/core/distributed/finalize_model_grads.py::_allreduce_non_tensor_model_parallel_grads`.
     """
     grads = [p.grad for p in module.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
     if grads and group.size() > 1:

@@ -33,6 +33,9 @@ class LinearWithAsyncGradReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, group, allreduce_dgrad, sequence_parallel, async_grad_allreduce,
                 gradient_accumulation_fusion):
+        """Mirrors
+        `megatron-lm:megatron/core/tensor_parallel/layers.py::LinearWithGradAccumulationAndAsyncCommunication.forward`.
+        """
         ctx.save_for_backward(x, weight)
         ctx.use_bias = bias is not None
         ctx.group, ctx.allreduce_dgrad, ctx.sequence_parallel = group, allreduce_dgrad, sequence_parallel
@@ -43,6 +46,9 @@ class LinearWithAsyncGradReduce(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        """Mirrors
+        `megatron-lm:megatron/core/tensor_parallel/layers.py::LinearWithGradAccumulationAndAsyncCommunication.backward`.
+        """
         x, weight = ctx.saved_tensors
         group, overlap = ctx.group, ctx.async_grad_allreduce
         # with SP, re-gather the input for dW, in flight during the dX GEMM
@@ -74,7 +80,10 @@ def linear_with_grad_reduce(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
                             group: dist.ProcessGroup, *, allreduce_dgrad: bool, sequence_parallel: bool,
                             async_grad_allreduce: bool = True,
                             gradient_accumulation_fusion: bool = False) -> torch.Tensor:
-    """The only entry point to the kernel (megatron: linear_with_grad_accumulation_and_async_allreduce)."""
+    """The only entry point to the kernel (megatron: linear_with_grad_accumulation_and_async_allreduce).
+
+    Mirrors `megatron-lm:megatron/core/tensor_parallel/layers.py::linear_with_grad_accumulation_and_async_allreduce`.
+    """
     if allreduce_dgrad and sequence_parallel:
         raise ValueError("allreduce_dgrad and sequence_parallel are exclusive: SP reduce-scatters dX instead")
     if gradient_accumulation_fusion and not hasattr(weight, "main_grad"):

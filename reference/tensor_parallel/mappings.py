@@ -26,7 +26,10 @@ from reference.tensor_parallel import collectives as C
 
 
 class _CopyToTensorParallelRegion(torch.autograd.Function):
-    """f: forward identity, backward all-reduce of the input gradient."""
+    """f: forward identity, backward all-reduce of the input gradient.
+
+    Mirrors `megatron-lm:megatron/core/tensor_parallel/mappings.py::_CopyToModelParallelRegion`.
+    """
 
     @staticmethod
     def forward(ctx, x, group):
@@ -39,7 +42,10 @@ class _CopyToTensorParallelRegion(torch.autograd.Function):
 
 
 class _ReduceFromTensorParallelRegion(torch.autograd.Function):
-    """g: forward all-reduce of the partial outputs, backward identity."""
+    """g: forward all-reduce of the partial outputs, backward identity.
+
+    Mirrors `megatron-lm:megatron/core/tensor_parallel/mappings.py::_ReduceFromModelParallelRegion`.
+    """
 
     @staticmethod
     def forward(ctx, x, group):
@@ -51,7 +57,10 @@ class _ReduceFromTensorParallelRegion(torch.autograd.Function):
 
 
 class _ScatterToTensorParallelRegion(torch.autograd.Function):
-    """Forward: keep this rank's slice of the last dim; backward: all-gather the gradient along it."""
+    """Forward: keep this rank's slice of the last dim; backward: all-gather the gradient along it.
+
+    Mirrors `megatron-lm:megatron/core/tensor_parallel/mappings.py::_ScatterToModelParallelRegion`.
+    """
 
     @staticmethod
     def forward(ctx, x, group):
@@ -64,7 +73,10 @@ class _ScatterToTensorParallelRegion(torch.autograd.Function):
 
 
 class _GatherFromTensorParallelRegion(torch.autograd.Function):
-    """Forward: all-gather along the last dim; backward: keep this rank's slice of the gradient."""
+    """Forward: all-gather along the last dim; backward: keep this rank's slice of the gradient.
+
+    Mirrors `megatron-lm:megatron/core/tensor_parallel/mappings.py::_GatherFromModelParallelRegion`.
+    """
 
     @staticmethod
     def forward(ctx, x, group):
@@ -77,7 +89,10 @@ class _GatherFromTensorParallelRegion(torch.autograd.Function):
 
 
 class _ScatterToSequenceParallelRegion(torch.autograd.Function):
-    """Forward: keep this rank's slice of the sequence; backward: all-gather the gradient along it."""
+    """Forward: keep this rank's slice of the sequence; backward: all-gather the gradient along it.
+
+    Mirrors `megatron-lm:megatron/core/tensor_parallel/mappings.py::_ScatterToSequenceParallelRegion`.
+    """
 
     @staticmethod
     def forward(ctx, x, group):
@@ -95,6 +110,8 @@ class _GatherFromSequenceParallelRegion(torch.autograd.Function):
     `tensor_parallel_output_grad=True` when what follows is tensor-parallel (a column-parallel layer): each
     rank's gradient is then partial and must be summed before it is split; False when what follows is
     replicated (e.g. a loss computed identically on every rank): the gradient is complete, just split it.
+
+    Mirrors `megatron-lm:megatron/core/tensor_parallel/mappings.py::_GatherFromSequenceParallelRegion`.
     """
 
     @staticmethod
@@ -110,7 +127,10 @@ class _GatherFromSequenceParallelRegion(torch.autograd.Function):
 
 
 class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
-    """Forward: reduce-scatter partial outputs onto sequence slices; backward: all-gather the gradient."""
+    """Forward: reduce-scatter partial outputs onto sequence slices; backward: all-gather the gradient.
+
+    Mirrors `megatron-lm:megatron/core/tensor_parallel/mappings.py::_ReduceScatterToSequenceParallelRegion`.
+    """
 
     @staticmethod
     def forward(ctx, x, group):
@@ -123,12 +143,18 @@ class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
 
 
 def copy_to_tensor_parallel_region(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """f (identity / all-reduce). Megatron: copy_to_tensor_model_parallel_region."""
+    """f (identity / all-reduce). Megatron: copy_to_tensor_model_parallel_region.
+
+    Mirrors `megatron-lm:megatron/core/tensor_parallel/mappings.py::copy_to_tensor_model_parallel_region`.
+    """
     return _CopyToTensorParallelRegion.apply(x, group)
 
 
 def reduce_from_tensor_parallel_region(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """g (all-reduce / identity). Megatron: reduce_from_tensor_model_parallel_region."""
+    """g (all-reduce / identity). Megatron: reduce_from_tensor_model_parallel_region.
+
+    Mirrors `megatron-lm:megatron/core/tensor_parallel/mappings.py::reduce_from_tensor_model_parallel_region`.
+    """
     return _ReduceFromTensorParallelRegion.apply(x, group)
 
 

@@ -22,9 +22,13 @@ _MEGATRON_TP_SEED_OFFSET = 2718
 
 class TensorParallelRNG:
     """Holds the per-TP-rank generator state; `with rng.fork():` runs a block on it, leaving the default
-    stream exactly as it was."""
+    stream exactly as it was.
+
+    Mirrors `megatron-lm:megatron/core/tensor_parallel/random.py::CudaRNGStatesTracker`.
+    """
 
     def __init__(self, seed: int, tp_group: dist.ProcessGroup, device: torch.device | str | None = None):
+        """Mirrors `megatron-lm:megatron/core/tensor_parallel/random.py::model_parallel_cuda_manual_seed`."""
         device = torch.device(device or "cpu")
         # Only CUDA has generators of its own; every other device (CPU, and meta for reference.scale, whose
         # tensors hold no values to drop) draws from the CPU default generator.
@@ -47,6 +51,7 @@ class TensorParallelRNG:
 
     @contextlib.contextmanager
     def fork(self) -> Iterator[None]:
+        """Mirrors `megatron-lm:megatron/core/tensor_parallel/random.py::CudaRNGStatesTracker.fork`."""
         with self._default_stream_preserved():
             self._set(self.state)
             try:

@@ -43,7 +43,10 @@ from reference.tensor_parallel.unsharded import (
 
 class ParallelAttention(torch.nn.Module):
     """QKV column-parallel (each rank gets num_attention_heads / p whole heads), attention on the local
-    heads, output projection row-parallel. Returns (output, bias) with the bias not yet added."""
+    heads, output projection row-parallel. Returns (output, bias) with the bias not yet added.
+
+    Mirrors `megatron-lm:megatron/core/transformer/attention.py::SelfAttention`.
+    """
 
     def __init__(self, hidden_size, num_attention_heads, attention_dropout, rng, linear_kwargs):
         super().__init__()
@@ -64,7 +67,10 @@ class ParallelAttention(torch.nn.Module):
 
 
 class ParallelMLP(torch.nn.Module):
-    """fc1 column-parallel -> GELU on the local columns -> fc2 row-parallel. Returns (output, bias)."""
+    """fc1 column-parallel -> GELU on the local columns -> fc2 row-parallel. Returns (output, bias).
+
+    Mirrors `megatron-lm:megatron/core/transformer/mlp.py::MLP.forward`.
+    """
 
     def __init__(self, hidden_size, ffn_hidden_size, linear_kwargs):
         super().__init__()
@@ -109,6 +115,7 @@ class ParallelTransformerBlock(torch.nn.Module):
             return residual + F.dropout(out + bias, self.hidden_dropout, self.training)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Mirrors `megatron-lm:megatron/core/transformer/transformer_layer.py::TransformerLayer.forward`."""
         out, bias = self.attention(self.ln1(x))
         x = self.bias_dropout_add(out, bias, x)
         out, bias = self.mlp(self.ln2(x))
@@ -120,10 +127,12 @@ def split_query_groups(num_attention_heads: int, num_kv_heads: int, tp_size: int
 
     Megatron-core splits the groups when the TP size divides them and, with fewer key/value heads than TP
     ranks, replicates them: each rank computes one whole group's k/v and keeps its share of the query heads
-    (megatron/core/transformer/attention.py::Attention.__init__, `num_query_groups < world_size`). The
-    reference refuses that case instead: replicated k/v weights would be TP-replicated parameters whose
-    gradients need their own sum over the ranks sharing a head, a second mechanism this block does not need
-    to show the split. A TP size dividing neither is refused by Megatron too (its `divide` asserts).
+    (`num_query_groups < world_size` in Attention.__init__). The reference refuses that case instead:
+    replicated k/v weights would be TP-replicated parameters whose gradients need their own sum over the
+    ranks sharing a head, a second mechanism this block does not need to show the split. A TP size dividing
+    neither is refused by Megatron too (its `divide` asserts).
+
+    Mirrors `megatron-lm:megatron/core/transformer/attention.py::Attention.__init__`.
     """
     divide(num_attention_heads, tp_size, "num_attention_heads", by="the tensor-parallel size")
     if num_kv_heads < tp_size:
@@ -136,7 +145,10 @@ def split_query_groups(num_attention_heads: int, num_kv_heads: int, tp_size: int
 class ParallelGroupedQueryAttention(torch.nn.Module):
     """QKV column-parallel (each rank gets num_kv_heads / p whole query groups, with their q/k/v biases),
     rotary + grouped-query attention on the local groups (`core_attention`, tensors in and out: the seam
-    selective recompute checkpoints), output projection row-parallel without bias. Returns (output, None)."""
+    selective recompute checkpoints), output projection row-parallel without bias. Returns (output, None).
+
+    Mirrors `megatron-lm:megatron/core/transformer/attention.py::SelfAttention.get_query_key_value_tensors`.
+    """
 
     def __init__(self, hidden_size, num_attention_heads, num_kv_heads, linear_kwargs):
         super().__init__()
@@ -159,8 +171,11 @@ class ParallelGroupedQueryAttention(torch.nn.Module):
 
 class ParallelSwiGLUMLP(torch.nn.Module):
     """fc1 [gate; up] column-parallel with stride 2 -> silu(gate) * up on the local columns -> fc2
-    row-parallel (no biases). Returns (output, None). megatron/core/transformer/mlp.py::MLP.__init__ passes
-    stride 2 to its fc1 under gated_linear_unit for the same reason."""
+    row-parallel (no biases). Returns (output, None). Megatron's MLP passes stride 2 to its fc1 under
+    gated_linear_unit for the same reason.
+
+    Mirrors `megatron-lm:megatron/core/transformer/mlp.py::MLP.__init__`.
+    """
 
     def __init__(self, hidden_size, ffn_hidden_size, linear_kwargs):
         super().__init__()

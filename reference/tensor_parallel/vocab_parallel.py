@@ -75,6 +75,8 @@ class VocabParallelEmbedding(torch.nn.Module):
         (transposed to sequence-first, then reduce-scattered along the sequence), as Megatron's
         reduce_scatter_embeddings. Without it the caller transposes to [s, b, h], as Megatron's
         LanguageModelEmbedding does.
+
+    Mirrors `megatron-lm:megatron/core/tensor_parallel/layers.py::VocabParallelEmbedding`.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, tp_group: dist.ProcessGroup,
@@ -117,6 +119,9 @@ class ParallelLMHead(torch.nn.Module):
     sequence_parallel: the hidden input is [s / p, b, h], all-gathered inside the output layer.
     forward(hidden, labels [b, s]) -> loss [b, s], no reduction (Megatron's compute_language_model_loss
     convention: the caller applies its loss mask and mean). logits(hidden) -> this rank's [s, b, V_p / p].
+
+    Mirrors
+    `megatron-lm:megatron/core/models/common/language_module/language_module.py::LanguageModule.compute_language_model_loss`.
     """
 
     def __init__(self, hidden_size: int, vocab_size: int, *, tp_group: dist.ProcessGroup, init_method: Callable,

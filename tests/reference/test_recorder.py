@@ -12,7 +12,7 @@ WORKER = Path(__file__).parent / "workers" / "recorder_worker.py"
 
 def test_recorder_records_every_collective_kind():
     out = torchrun(WORKER, 2, timeout=120)
-    assert out.count("check_phase_module_and_spans ok") == 2
+    assert out.count("check_phase_module_and_spans ok") == 2 and out.count("check_flop_stamps ok") == 2
 
 
 @pytest.mark.cuda

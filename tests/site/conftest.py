@@ -87,5 +87,6 @@ def diagram_site(vendored_docs, tmp_path_factory) -> Path:
     (docs / "broken-diagram.md").write_text(BROKEN_DIAGRAM)
     config = load_config(config_file=str(ROOT / "mkdocs.yml"), docs_dir=str(docs), site_dir=str(work / "site"),
                          strict=True)
+    config.nav += [{"Diagram check": "diagram-check.md"}, {"Broken diagram": "broken-diagram.md"}]
     build(config)
     return work / "site"

@@ -3,8 +3,10 @@
 Every page is loaded once from a server on 127.0.0.1 while every request is recorded and any request for
 another host is aborted, so a CDN fallback would show up here, not on a learner's machine. mkdocs-material
 renders each mermaid diagram into a *closed* shadow root; an init script opens them so the test can read the
-SVG. From the same visit: every excerpt's line numbers and text against the installed upstream file, and every
-link. Screenshots go to build/site-screenshots/ to be looked at.
+SVG. From the same visit, at 1280x1000 as a reader sees it: every excerpt's line numbers and text against the
+installed upstream file, that 100 columns of code fit without scrolling, that each folded excerpt opens to
+the whole citation, the size of every chart's text, the side navigation's order, and every link (each
+"verified by" to its test's page). Screenshots go to build/site-screenshots/ to be looked at.
 
 Without /usr/bin/chromium these tests are skipped with a reason saying so (`pytest -ra` prints it); CI
 installs it with tools/ensure-browser.
@@ -14,8 +16,10 @@ from __future__ import annotations
 import functools
 import http.server
 import os
+import re
 import threading
 import urllib.request
+from html import unescape
 from pathlib import Path
 from urllib.parse import urldefrag, urlsplit
 
@@ -23,6 +27,7 @@ import pytest
 from playwright.sync_api import expect, sync_playwright
 
 from pin_and_cite.core.pins import Pins
+from pin_and_cite.core.verified_by import evidence_of
 from tests.site.conftest import GOOD_LABELS, ROOT
 
 pytestmark = pytest.mark.browser
@@ -44,14 +49,40 @@ DIAGRAM_REPORT = """() => ({
     .filter(svg => svg).map(svg => svg.textContent),
   syntaxError: document.body.textContent.includes("Syntax error"),
 })"""
-# Each excerpt: the permalink in its caption, the line numbers shown, and the text of each code line.
+# Each excerpt: the permalink in its caption (a folded excerpt's caption precedes its fold), the line numbers
+# shown, the text of each code line; and, where it is shown, how many columns of its monospace fit unscrolled.
 EXCERPTS = """() => [...document.querySelectorAll("article div.highlight")].map(block => {
-  const caption = block.previousElementSibling && block.previousElementSibling.querySelector("a[href*='/blob/']");
-  return {permalink: caption ? caption.href : null,
+  const before = (block.closest(".excerpt-fold") || block).previousElementSibling;
+  const caption = before && before.querySelector("a[href*='/blob/']");
+  const code = block.querySelector("pre > code"), style = getComputedStyle(code);
+  const ruler = document.createElement("canvas").getContext("2d");
+  ruler.font = `${style.fontSize} ${style.fontFamily}`;
+  const inner = code.clientWidth - parseFloat(style.paddingLeft) - parseFloat(style.paddingRight);
+  return {permalink: caption ? caption.href : null, shown: code.offsetParent !== null,
+          columns: inner / ruler.measureText("0".repeat(100)).width * 100,
+          scrolls: code.scrollWidth > code.clientWidth,
           numbers: block.querySelector("td.linenos") ? block.querySelector("td.linenos").innerText.trim().split(/\\s+/) : [],
           lines: [...block.querySelectorAll("td.code code > span")].map(s => s.textContent.replace(/\\n$/, ""))};
 })"""
 LINKS = """() => [...document.querySelectorAll("a[href]")].map(a => a.href)"""
+VERIFIED_BY = """() => [...document.querySelectorAll("article a.verified-by")].map(a => ({
+  href: a.href, node: a.querySelector("code").textContent}))"""
+# The font size, in screen pixels, of every text of every SVG in the article: inline ones and mermaid's.
+SVG_TEXT = """() => {
+  const roots = [document, ...[...document.querySelectorAll("div.mermaid")].map(d => d.shadowRoot).filter(r => r)];
+  return roots.flatMap(root => [...root.querySelectorAll("svg")])
+    .filter(svg => svg.getRootNode() !== document || svg.closest("article"))
+    .flatMap(svg => [...svg.querySelectorAll("text")].filter(t => t.textContent.trim() && t.getScreenCTM())
+      .map(t => {
+        const m = t.getScreenCTM();
+        return [t.textContent.trim().slice(0, 40), parseFloat(getComputedStyle(t).fontSize) * Math.hypot(m.a, m.b)];
+      }));
+}"""
+TIMELINES = """() => [...document.querySelectorAll("article .timeline svg")].map(svg => svg.textContent)"""
+SIDE_NAV = """() => [...document.querySelectorAll(".md-sidebar--primary a.md-nav__link[href]")].map(a => a.href)"""
+HOME_ORDER = """() => [...document.querySelector("#what-to-read-in-order").nextElementSibling.querySelectorAll("a")]
+  .map(a => a.href)"""
+VIEWPORT = {"width": 1280, "height": 1000}
 # The only hosts a page links to (never loads from): upstream permalinks and material's footer credit.
 MATERIAL_CREDIT = "https://squidfunk.github.io/mkdocs-material/"
 SITE_PACKAGES = Path(pytest.importorskip("torch").__file__).parents[1]
@@ -86,7 +117,7 @@ def browser():
 def _context(browser):
     """A fresh context that opens closed shadow roots and records every request, aborting non-loopback ones;
     returns (context, open_page, requested_urls)."""
-    context = browser.new_context(service_workers="block")
+    context = browser.new_context(service_workers="block", viewport=VIEWPORT)
     context.set_default_timeout(20_000)
     context.add_init_script(OPEN_SHADOW_ROOTS)
     requested: list[str] = []
@@ -101,7 +132,11 @@ def _context(browser):
     return context, open_page, requested
 
 
-OPEN_ANSWERS = "document.querySelectorAll('details').forEach(d => { d.open = true; })"
+OPEN_ANSWERS = "document.querySelectorAll('details:not(.excerpt-whole)').forEach(d => { d.open = true; })"
+OPEN_FOLDS = "document.querySelectorAll('details.excerpt-whole').forEach(d => { d.open = true; })"
+FOLD_NUMBERS = """fold => [...fold.querySelectorAll("div.highlight")].map(block => ({
+  shown: block.offsetParent !== null,
+  numbers: block.querySelector("td.linenos").innerText.trim().split(/\\s+/)}))"""
 
 
 @pytest.fixture
@@ -125,11 +160,28 @@ def every_page(browser, site_url, diagram_site):
         page = open_page(site_url + url_path)
         diagrams = _rendered(page, diagram_site, url_path)
         page.evaluate(OPEN_ANSWERS)          # excerpts inside collapsed answers are checked as a reader opens them
-        reports[path] = {"diagrams": diagrams, "excerpts": page.evaluate(EXCERPTS), "links": page.evaluate(LINKS)}
+        reports[path] = {"diagrams": diagrams, "folds": _unfold(page), "svg_text": page.evaluate(SVG_TEXT),
+                         "timelines": page.evaluate(TIMELINES),
+                         "verified_by": page.evaluate(VERIFIED_BY), "side_nav": page.evaluate(SIDE_NAV)}
+        page.evaluate(OPEN_FOLDS)
+        reports[path].update(excerpts=page.evaluate(EXCERPTS), links=page.evaluate(LINKS))
+        if path == ".":
+            reports[path]["home_order"] = page.evaluate(HOME_ORDER)
         _screenshot(page, "home" if path == "." else path.replace("/", "-"))
         page.close()
     context.close()
     return reports, requested
+
+
+def _unfold(page) -> list[dict]:
+    """Each folded excerpt: the line numbers it shows, then, after a click on its summary, what it shows."""
+    folds = []
+    for fold in page.locator(".excerpt-fold").all():
+        before = fold.evaluate(FOLD_NUMBERS)
+        fold.locator("summary").click()
+        folds.append({"before": before, "after": fold.evaluate(FOLD_NUMBERS),
+                      "summary": fold.locator("summary").inner_text()})
+    return folds
 
 
 def _is_loopback(url: str) -> bool:
@@ -164,22 +216,24 @@ def test_every_page_loads_from_127_0_0_1_only_and_its_diagrams_render(every_page
 
 
 def test_synthesis_diagrams_drawn_from_recorded_runs_render_with_their_labels(every_page):
-    diagrams = every_page[0]["notes/synthesis"]["diagrams"]
-    assert diagrams["expected"] == 2 and not diagrams["syntaxError"]
-    tp_block, fsdp_timeline = diagrams["svgTexts"]
+    report = every_page[0]["notes/synthesis"]
+    diagrams = report["diagrams"]
+    assert diagrams["expected"] == 1 and not diagrams["syntaxError"]
+    (tp_block,), (fsdp_timeline,) = diagrams["svgTexts"], report["timelines"]
     for label in ("qkv · ColumnParallelLinear", "proj · RowParallelLinear", "GELU", "scaled dot-product attention",
                   "all-reduce 1, forward: 4 KiB over intra-node NVLink ~600 GB/s", "all-reduce 2, forward",
                   "backward: all-reduce of dX, 4 KiB"):
         assert label in tp_block, label
-    for label in ("compute", "all-gather", "root forward", "blocks.0 forward", "blocks.1 49.6 KiB"):
+    for label in ("forward compute", "backward compute", "all-gather", "reduce-scatter", "root forward",
+                  "blocks.0 forward", "blocks.1 backward", "AG blocks.1", "RS root", "modeled at 1 TFLOP/s, 25 GB/s"):
         assert label in fsdp_timeline, label
 
 
-def test_pipeline_timelines_drawn_from_recorded_steps_render_a_section_per_stage(every_page):
-    diagrams = every_page[0]["notes/megatron-pipeline-1f1b"]["diagrams"]
-    assert diagrams["expected"] == 2 and not diagrams["syntaxError"]
-    for svg, title in zip(diagrams["svgTexts"], ("GPipe, 4 stages, 8 micro-batches", "1F1B, 4 stages, 8 micro-batches")):
-        for label in (title, "stage 0", "stage 3", "F0", "F7", "B0", "B7"):
+def test_pipeline_timelines_drawn_from_recorded_steps_render_a_row_per_stage(every_page):
+    timelines = every_page[0]["notes/megatron-pipeline-1f1b"]["timelines"]
+    assert len(timelines) == 2
+    for svg, title in zip(timelines, ("GPipe, 4 stages, 8 micro-batches", "1F1B, 4 stages, 8 micro-batches")):
+        for label in (title, "stage 0", "stage 3", "F0", "F7", "B0", "B7", "µs, modeled at 1 TFLOP/s, 25 GB/s"):
             assert label in svg, (title, label)
 
 
@@ -196,12 +250,69 @@ def test_excerpts_show_upstream_line_numbers_and_text(every_page):
             file, lines = excerpt["permalink"].split(f"/blob/{source.commit}/", 1)[1].split("#")
             first, last = (int(n) for n in lines.removeprefix("L").split("-L"))
             upstream = (SITE_PACKAGES / file).read_text().split("\n")
-            assert excerpt["numbers"] == [str(n) for n in range(first, last + 1)], (path, excerpt["permalink"])
-            assert excerpt["lines"] == upstream[first - 1:last], (path, excerpt["permalink"])
-            checked[f"{file}#L{first}"] = excerpt["numbers"][0]
+            numbers = [int(n) for n in excerpt["numbers"]]
+            assert numbers == list(range(numbers[0], numbers[-1] + 1)), (path, excerpt["permalink"])
+            assert first <= numbers[0] and numbers[-1] <= last, (path, excerpt["permalink"])   # a fold: a part
+            assert excerpt["lines"] == upstream[numbers[0] - 1:numbers[-1]], (path, excerpt["permalink"])
+            if numbers == list(range(first, last + 1)):
+                checked[f"{file}#L{first}"] = excerpt["numbers"][0]
     assert checked["megatron/core/tensor_parallel/layers.py#L920"] == "920"    # a block citing L920 shows 920
     assert checked["torch/distributed/fsdp/_runtime_utils.py#L411"] == "411"
     assert len(checked) >= 20
+
+
+def test_100_columns_of_code_fit_every_excerpt_without_scrolling(every_page):
+    """At 1280 px with the side navigation and the table of contents shown, each shown excerpt (open answers,
+    open folds) has room for 100 columns, so no line of up to 100 columns needs sideways scrolling."""
+    shown = [(path, e) for path, report in every_page[0].items() if path.startswith("notes/")
+             for e in report["excerpts"] if e["shown"]]
+    assert len(shown) >= 50
+    assert [(path, e["permalink"], round(e["columns"])) for path, e in shown if e["columns"] < 100] == []
+    short = [(path, e) for path, e in shown if max(map(len, e["lines"])) <= 100]
+    assert short and [(path, e["permalink"]) for path, e in short if e["scrolls"]] == []
+
+
+def test_every_folded_excerpt_expands_on_click_to_the_whole_citation_with_upstream_numbers(every_page):
+    folds = [(path, fold) for path, report in every_page[0].items() for fold in report["folds"]]
+    assert len(folds) >= 10 and any(path == "notes/megatron-tp-layers" for path, _ in folds)
+    for path, fold in folds:
+        (window, whole), (window_after, whole_after) = fold["before"], fold["after"]
+        assert window["shown"] and not whole["shown"], (path, fold)          # folded: the window only
+        assert not window_after["shown"] and whole_after["shown"], (path, fold)   # clicked: the whole excerpt
+        first, last = int(whole_after["numbers"][0]), int(whole_after["numbers"][-1])
+        assert whole_after["numbers"] == [str(n) for n in range(first, last + 1)]
+        assert fold["summary"] == f"Show all {last - first + 1} lines, L{first}–L{last}"
+        assert set(window["numbers"]) < set(whole_after["numbers"]), (path, fold)
+
+
+def test_every_chart_and_timeline_text_is_at_least_11_px(every_page):
+    sizes = {path: report["svg_text"] for path, report in every_page[0].items() if path.startswith("notes/")}
+    assert sum(map(len, sizes.values())) >= 100 and sizes["notes/scale"] and sizes["notes/synthesis"]
+    assert [(path, text, round(px, 1)) for path, texts in sizes.items() for text, px in texts if px < 11] == []
+
+
+def test_side_navigation_lists_the_notes_in_the_home_pages_order(every_page, site_url):
+    home = every_page[0]["."]
+    order = [url.removeprefix(site_url) for url in home["home_order"]]
+    nav = list(dict.fromkeys(url.removeprefix(site_url) for url in home["side_nav"]))
+    assert len(order) >= 10 and order[0] == "notes/megatron-tp-layers/"
+    assert [page for page in nav if page in order] == list(dict.fromkeys(order))
+
+
+def test_every_verified_by_link_opens_a_page_holding_that_tests_source(every_page):
+    links = {(link["href"], link["node"]) for report in every_page[0].values() for link in report["verified_by"]}
+    assert len(links) >= 40
+    for href, node in sorted(links):
+        with urllib.request.urlopen(href, timeout=10) as response:
+            html = response.read().decode()
+        text = unescape(re.sub(r"<[^>]+>", "", html))
+        evidence = evidence_of(ROOT, node)
+        first, last = evidence.lines
+        source = (ROOT / node.split("::")[0]).read_text().split("\n")[first - 1:last]
+        name = node.split("::")[-1].split("[")[0]
+        assert f"def {name}(" in text and all(line.strip() in text for line in source), href
+        assert ("upstream test" if evidence.kind == "upstream" else "reference test") in text, href
+        assert f'href="#__codelineno-0-{first}">{first}</a>' in html, href     # numbered as in the test file
 
 
 def test_every_link_resolves(every_page, site_url):

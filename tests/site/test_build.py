@@ -108,7 +108,7 @@ def test_a_broken_note_stops_the_build_with_its_file_and_line_and_keeps_the_prev
          "layers.py#L921-L922 is not in the lock"),
         (tp_note, lambda t: t + "\n" + " ".join(["more"] * 40) + "\n",
          f"reading_notes/megatron-tp-layers.md.j2:{len(tp_lines) + 1}: "),
-        (synthesis, lambda t: t.replace('diagram("fsdp_forward")', 'diagram("fsdp_backward")'),
+        (synthesis, lambda t: t.replace('diagram("fsdp_forward"', 'diagram("fsdp_backward"'),
          "reading_notes/synthesis.md.j2:"),
     ]
     for template, damage, message in breakages:

@@ -144,3 +144,27 @@ def test_citations_only_in_the_lock_are_carried_too(project, history):
     assert sorted(json.loads(project.lock_path.read_text())["citations"]) == [f"{MOD}#L15-L17", f"{MOD}#L20-L22"]
     assert "  cited at citations.lock" in r.out
     assert project.run("check").code == 0
+
+
+def test_bump_carries_docstring_citations_and_check_names_one_whose_symbol_was_renamed(project, history):
+    """A symbol citation in the reference names no line: bump re-locks it where the code went and leaves the
+    docstring as written; a renamed symbol is listed where it is cited, and `check` names the docstring."""
+    project.write_pins(up={"url": history.url, "commit": history.c1, "tag": "c1"})
+    (project.root / "reference").mkdir()
+    ours = project.root / "reference" / "mod.py"
+    ours.write_text(f'def backward():\n    """Mirrors `{MOD}::Column.backward`."""\n\n\n'
+                    f'def helper():\n    """Mirrors `{MOD}::helper`."""\n')
+    assert project.run("cite", f"{MOD}::Column.backward", f"{MOD}::helper").code == 0
+    assert project.run("check").code == 0
+    before = ours.read_bytes()
+    r = project.run("bump", "up", "--ref", "c2", "--json")
+    assert r.code == 0, r.err
+    assert ours.read_bytes() == before
+    assert {c["cite"]: (c["new_cite"], c["where"]) for c in r.json()["citations"]} == {
+        f"{MOD}::Column.backward": (f"{MOD}::Column.backward", ["reference/mod.py:2"]),
+        f"{MOD}::helper": (None, ["reference/mod.py:6"])}
+    assert json.loads(project.lock_path.read_text())["citations"][f"{MOD}::Column.backward"]["lines"] == [24, 25]
+    r = project.run("check")
+    assert r.code == 1
+    assert r.out.splitlines() == [f"reference/mod.py:6: {MOD}::helper: not in the lock; run `tools/pin-and-cite cite` "
+                                  "on it", "1 citation(s) ok, 1 broken"]

@@ -91,3 +91,11 @@ def test_cli_help_teaches_the_citation_forms():
     assert "SOURCE:PATH#Lstart-Lend" in out and "SOURCE:PATH::Qual.name" in out
     for verb in ("pin", "fetch", "cite", "check"):
         assert verb in out
+
+
+def test_check_counts_no_citation_ok_when_the_only_template_is_broken(project):
+    (project.root / "reading_notes" / "broken.md.j2").write_text("# Broken\n\n{{ no_such_helper() }}\n")
+    r = project.run("check")
+    assert r.code == 1
+    assert "reading_notes/broken.md.j2:3" in r.out
+    assert r.out.rstrip().endswith("0 citation(s) ok, 1 broken"), r.out

@@ -11,6 +11,7 @@ import pytest
 
 from pin_and_cite.core.errors import PinAndCiteError
 from pin_and_cite.core.local_code import ours
+from pin_and_cite.core.parse_cache import ParseCache
 from tests.tools.conftest import CLI, ProjectDir
 
 
@@ -27,7 +28,7 @@ def test_ours_on_a_file_python_cannot_read_is_one_clear_error(tmp_path, content,
     (tmp_path / "reference").mkdir()
     (tmp_path / "reference" / "x.py").write_bytes(content)
     with pytest.raises(PinAndCiteError) as error:
-        ours(tmp_path, "reference/x.py::f")
+        ours(tmp_path, "reference/x.py::f", ParseCache(tmp_path / "cache"))
     assert message in str(error.value)
 
 

@@ -130,13 +130,23 @@ def test_the_page_shows_each_kind_of_evidence_and_refuses_an_unpinned_upstream(p
                     "{{ reference_only('needs <CUDA>') }}\n")
     r = project.run("render")
     assert r.code == 0, r.err
-    page = (project.root / "docs" / "notes" / "a.md").read_text().split("\n")
+    notes = project.root / "docs" / "notes"
+    page = (notes / "a.md").read_text().split("\n")
     assert page[:3] == [
-        '<span class="verified-by evidence-upstream"><strong>upstream test (up)</strong> '
-        '<code>tests/test_claims.py::test_runs_upstream</code></span>',
-        '<span class="verified-by evidence-reference"><strong>reference test</strong> '
-        '<code>tests/test_claims.py::test_runs_reference</code></span>',
+        "[**upstream test (up)** `tests/test_claims.py::test_runs_upstream`](tests/test_claims/test_runs_upstream.md)"
+        "{ .verified-by .evidence-upstream }",
+        "[**reference test** `tests/test_claims.py::test_runs_reference`](tests/test_claims/test_runs_reference.md)"
+        "{ .verified-by .evidence-reference }",
         '<span class="verified-by evidence-reference-only"><strong>reference only</strong> needs &lt;CUDA&gt;</span>']
+    # Each linked page shows the test's source (decorators included) numbered with its lines in the test file.
+    upstream = (notes / "tests" / "test_claims" / "test_runs_upstream.md").read_text()
+    assert "**upstream test: it runs the pinned upstream implementation itself (up).**" in upstream
+    assert "`tests/test_claims.py` L6–L8" in upstream and "Cited by: [a](../../a.md)." in upstream
+    assert upstream.endswith('```python linenums="6"\n@pytest.mark.upstream("up")\ndef test_runs_upstream():\n'
+                             '    pass\n```\n')
+    reference = (notes / "tests" / "test_claims" / "test_runs_reference.md").read_text()
+    assert "**reference test: it runs this kit's reference implementation" in reference
+    assert reference.endswith('```python linenums="11"\ndef test_runs_reference():\n    pass\n```\n')
     note.write_text("x\n{{ verified_by('tests/test_claims.py::test_marked_with_an_unpinned_source') }}\n")
     r = project.run("check")
     assert r.code == 1 and "reading_notes/a.md.j2:2: render: verified_by: tests/test_claims.py::" \

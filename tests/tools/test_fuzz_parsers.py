@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from pin_and_cite import cli
+from pin_and_cite.core import schema
 from pin_and_cite.core.citation import parse_location, parse_spec
 from pin_and_cite.core.errors import PinAndCiteError
 from pin_and_cite.core.lock import Lock
@@ -28,6 +29,15 @@ PIECE = st.sampled_from(["up", "Up", "", "pkg/mod.py", "pkg//mod.py", "../x.py",
                          " ", "\n", "\r", "\x00", "\u202e", "99999999999999999999", "C:", "."])
 CITATIONS = st.one_of(st.text(max_size=40), st.lists(PIECE, max_size=8).map("".join),
                       st.text(alphabet=string.printable, max_size=40))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def loaded_validators():
+    """The shape checks compile their validators, and import jsonschema for the first refused file, once per
+    process (pin_and_cite.core.schema): do that before the per-input deadlines count."""
+    for shape in (schema.LOCK, schema.PINS):
+        with contextlib.suppress(PinAndCiteError):
+            schema.check([], shape, "warm-up:", "none")
 
 
 def refused_in_one_line(error: PinAndCiteError) -> None:

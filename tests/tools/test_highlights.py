@@ -151,7 +151,7 @@ class Unit:
                 'use highlight="L12-L12" or highlight="L6-L14"'),
 ])
 def test_whole_statements_of_one_block_at_any_depth(highlight, why):
-    statements = Statements(ast.parse(BLOCKS), BLOCKS.split("\n"))
+    statements = Statements.of(ast.parse(BLOCKS), BLOCKS.split("\n"))
     if why is None:
         assert checked_highlight("c", highlight, (1, 14), statements) == tuple(
             int(n) for n in highlight[1:].split("-L"))

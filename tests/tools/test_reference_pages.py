@@ -5,6 +5,7 @@ import pytest
 
 from pin_and_cite.core.errors import PinAndCiteError
 from pin_and_cite.core.local_code import ours
+from pin_and_cite.core.parse_cache import ParseCache
 from tests.tools.conftest import ROOT
 
 # Modules with no upstream counterpart to map, and why.
@@ -39,12 +40,13 @@ def test_every_reference_module_has_a_page():
     assert missing == [], "write reading_notes/reference/<module>.md.j2 for these (or list them in NO_PAGE)"
 
 
-def test_ours_points_at_the_definition_and_refuses_a_stale_name():
-    text = ours(ROOT, "reference/tensor_parallel/mappings.py::_CopyToTensorParallelRegion")
+def test_ours_points_at_the_definition_and_refuses_a_stale_name(tmp_path):
+    parsed = ParseCache(tmp_path)
+    text = ours(ROOT, "reference/tensor_parallel/mappings.py::_CopyToTensorParallelRegion", parsed)
     first = next(i for i, line in enumerate((ROOT / "reference/tensor_parallel/mappings.py").read_text().split("\n"), 1)
                  if line.startswith("class _CopyToTensorParallelRegion"))
     assert text.startswith(f"`_CopyToTensorParallelRegion` (reference/tensor_parallel/mappings.py L{first}–L")
     with pytest.raises(PinAndCiteError, match="symbol 'renamed' is not defined in reference/fsdp/runtime.py"):
-        ours(ROOT, "reference/fsdp/runtime.py::renamed")
+        ours(ROOT, "reference/fsdp/runtime.py::renamed", parsed)
     with pytest.raises(PinAndCiteError, match="does not exist"):
-        ours(ROOT, "reference/gone.py::x")
+        ours(ROOT, "reference/gone.py::x", parsed)

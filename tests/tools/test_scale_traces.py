@@ -9,7 +9,7 @@ import json
 import pytest
 
 import record_traces
-from pin_and_cite.site import scale_tables
+from pin_and_cite.site import diagrams, scale_tables
 from pin_and_cite.site.traces import TraceError, load_trace
 from tests.tools.conftest import ROOT
 
@@ -33,6 +33,20 @@ def test_table_shows_every_row_with_its_formula():
     assert "| 4 (middle) (rank 32) | 40.00 GiB / 70.00 GiB | 4.00 GiB / 2.00 GiB | 1.72 GiB / 3.39 GiB |" in table
     assert "| 4 (middle) | DP | all_reduce | 31 | 1.72 GiB | eP in buckets of >= 25 MiB (DDP grads) |" in table
     assert table.count("\n| 7 (last) | ") == len(trace["runs"][2]["rows"])
+
+
+def test_bar_chart_draws_the_bytes_each_group_receives_from_the_tables_rows():
+    trace = load_trace(NOTES, "scale_70b")
+    chart = diagrams.chart_sent_per_group(trace)
+    assert chart.startswith("```mermaid\n%%{init: ") and "\nxychart-beta horizontal\n" in chart
+    sent = [scale_tables.sent_per_group(trace, run) for run in trace["runs"]]
+    (bars,) = [line for line in chart.split("\n") if line.startswith("  bar [")]
+    assert bars == "  bar [" + ", ".join(f"{s[g] / 2**30:.2f}" for g in ("tp", "pp", "dp") for s in sent) + "]"
+    assert '"TP, stage 4 (middle): 70.00"' in chart and '"DP, stage 4 (middle): 3.39"' in chart   # the table's
+    tampered = copy.deepcopy(trace)
+    tampered["runs"][1]["rows"][0].update(bytes=1)
+    with pytest.raises(TraceError, match="rank 32 tp all_reduce recorded 640 x / 1 B"):   # checked like the table
+        diagrams.chart_sent_per_group(tampered)
 
 
 def test_sent_bytes_follow_ring_algorithms():

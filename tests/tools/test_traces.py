@@ -37,8 +37,9 @@ def drawn(notes):
     """Everything a page shows from the traces in `notes`: the diagrams and the estimates."""
     tp, fsdp = load_trace(notes, "tp_block"), load_trace(notes, "fsdp_forward")
     gpipe, one_f_one_b = load_trace(notes, "pipeline_gpipe"), load_trace(notes, "pipeline_1f1b")
-    return (diagrams.diagram(tp, link="NVLink"), diagrams.diagram(fsdp),
-            diagrams.diagram(gpipe), diagrams.diagram(one_f_one_b),
+    rates = dict(tflops=1, link_GBps=25)
+    return (diagrams.diagram(tp, link="NVLink"), diagrams.diagram(fsdp, **rates),
+            diagrams.diagram(gpipe, **rates), diagrams.diagram(one_f_one_b, **rates),
             estimates.tp_crossover(tp, link_GBps=600, tflops=400, tp=8, bytes_per_element=2),
             estimates.pipeline_memory(gpipe, one_f_one_b, load_trace(NOTES, "scale_70b")))
 
@@ -115,7 +116,7 @@ def test_pipeline_orders_that_wait_on_each_other_are_a_one_line_error(tmp_path):
     last[0], last[1] = last[1], last[0]   # B0 before F0 on the last stage: nothing can run
     (tmp_path / "traces" / "pipeline_1f1b.json").write_text(json.dumps(trace))
     with pytest.raises(diagrams.TraceError, match="wait on each other.*re-record with tools/record-traces"):
-        diagrams.diagram(load_trace(tmp_path, "pipeline_1f1b"))
+        diagrams.diagram(load_trace(tmp_path, "pipeline_1f1b"), tflops=1, link_GBps=25)
 
 
 def test_estimates_follow_from_the_measured_numbers():
@@ -155,7 +156,8 @@ def test_a_trace_the_recorder_cannot_draw_is_a_one_line_error(tmp_path):
     fsdp["spans"] = [s for s in fsdp["spans"] if s["name"] != "blocks.1 forward"]
     (tmp_path / "traces" / "fsdp_forward.json").write_text(json.dumps(fsdp))
     cases = [("tp_block", dict(link="NVLink"), "saw no tensor-parallel linear layer issuing the collectives"),
-             ("fsdp_forward", {}, "no forward all-gather or compute span recorded for unit(s) blocks.1")]
+             ("fsdp_forward", dict(tflops=1, link_GBps=25),
+              "no forward all-gather or compute span recorded for unit(s) blocks.1")]
     for name, options, message in cases:
         with pytest.raises(diagrams.TraceError) as error:
             diagrams.diagram(load_trace(tmp_path, name), **options)

@@ -1,12 +1,14 @@
-"""`check`: prove, offline, that every citation and every rendered default still says what the lock says it
-says, and that every note keeps its rules (pin_and_cite.site.note_rules, which include the evidence each design
-choice names), names tests that exist, and renders (traces, diagrams); and that each recorded bump's excerpts
-still hash as its record says (pin_and_cite.site.changes)."""
+"""`check`: prove, offline, that every citation (in the notes, and in the reference's docstrings, where no
+hand-typed upstream line number may stand: pin_and_cite.core.code_citations) and every rendered default still
+says what the lock says it says, and that every note keeps its rules (pin_and_cite.site.note_rules, which
+include the evidence each design choice names), names tests that exist, and renders (traces, diagrams); and
+that each recorded bump's excerpts still hash as its record says (pin_and_cite.site.changes)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from pin_and_cite.core.citation import parse_spec
+from pin_and_cite.core.code_citations import code_citations, hand_typed_lines
 from pin_and_cite.core.defaults import default_ref, parse_key
 from pin_and_cite.core.errors import PinAndCiteError
 from pin_and_cite.core.locked import locked_default, locked_excerpt
@@ -32,8 +34,9 @@ class Problem:
 
 @dataclass
 class Report:
-    checked: int
-    problems: list[Problem]
+    checked: int                 # citations, defaults and named tests
+    ok: int                      # those of them that hold
+    problems: list[Problem]      # theirs, and the notes' rules, renders, bump records and pinned-SHA files
 
     def as_json(self) -> dict:
         return {"checked": self.checked, "broken": len(self.problems),
@@ -70,8 +73,9 @@ def check(project: Project) -> Report:
     verdicts = {key: verify_locked(project, resolver, key) for key in project.lock.citations}
     verdicts |= {key: _verdict(lambda k: locked_default(project, resolver, parse_key(k)), key)
                  for key in project.lock.defaults}
-    problems, in_notes, malformed = [], set(), 0
-    written = written_calls(project.notes_dir, {"cite", "upstream", "verified_by", "default"})   # parsed once
+    problems, in_notes, malformed, broken = [], set(), 0, {key for key, why in verdicts.items() if why}
+    written = written_calls(project.notes_dir, {"cite", "upstream", "verified_by", "default"}, resolver.parsed)
+    written += code_citations(project.root)                  # the reference's docstrings cite upstream too
     claims = [call for call in written if call.function == "verified_by"]
     for call in (call for call in written if call.function != "verified_by"):
         where = call.where(project.root)
@@ -86,14 +90,19 @@ def check(project: Project) -> Report:
         why = verdicts.get(key, f"not in the lock; run `tools/pin-and-cite {how}` on it")
         if why:
             problems.append(Problem(where, key, why))
+            broken.add(key)
     problems += [Problem("citations.lock", key, why) for key, why in verdicts.items()
                  if why and key not in in_notes]
-    problems += [Problem(c.where(project.root), c.argument, why) for c in claims
-                 if (why := missing_test(project.root, c.argument))]
+    missing = [Problem(c.where(project.root), c.argument, why) for c in claims
+               if (why := missing_test(project.root, c.argument))]
+    problems += missing
+    problems += [Problem(where, what, "a hand-typed upstream line number, which nothing keeps true; cite the code "
+                         "as SOURCE:PATH::Qual.name instead") for where, what in hand_typed_lines(project.root)]
     problems += _render_problems(project, resolver, problems)
     problems += [Problem("citations.lock", what, why) for what, why in record_problems(project, resolver)]
     problems += [Problem(f"reading_notes/{sha_file}", "pins.toml", why) for sha_file, why in stale_sha(project)]
-    return Report(len(verdicts.keys() | in_notes) + malformed + len(claims), problems)
+    checked = len(verdicts.keys() | in_notes) + malformed + len(claims)
+    return Report(checked, checked - len(broken) - malformed - len(missing), problems)
 
 
 def _render_problems(project: Project, resolver: Resolver, found: list[Problem]) -> list[Problem]:

@@ -270,7 +270,7 @@ def cmd_check(project: Project, args) -> int:
     else:
         for problem in report.problems:
             print(printable(str(problem)))
-        print(f"{report.checked - len(report.problems)} citation(s) ok, {len(report.problems)} broken")
+        print(f"{report.ok} citation(s) ok, {len(report.problems)} broken")
     return 1 if report.problems else 0
 
 

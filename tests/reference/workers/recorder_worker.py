@@ -5,6 +5,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+from torch.utils.flop_counter import FlopCounterMode
 
 from common import finish, init
 from reference.recorder import CollectiveRecorder
@@ -181,9 +182,26 @@ def check_torch_distributed_intact_after_exit():
     dist.all_reduce(torch.ones(1))
 
 
+def check_flop_stamps():
+    """The FLOPs a span ran are what FlopCounterMode counts; a collective is stamped with the FLOPs before it."""
+    layer, x = torch.nn.Linear(8, 4), torch.randn(3, 8)
+    with FlopCounterMode(display=False) as counter:
+        layer(x)
+    with CollectiveRecorder() as rec:
+        dist.all_reduce(torch.ones(1))
+        with rec.span("linear"):
+            y = layer(x)
+        dist.all_reduce(y)
+    (span,) = rec.spans
+    assert span.flops_start == 0 and span.flops_end == counter.get_total_flops() == 2 * 3 * 8 * 4, span
+    assert [e.flops for e in rec.events] == [0, span.flops_end]
+    data = rec.to_dict()
+    assert data["spans"][0]["flops_end"] == 192 and data["events"][1]["flops"] == 192
+
+
 for check in [check_torch_distributed_intact_after_exit, check_eager_ops, check_async_end_is_wait_time,
               check_subgroup_ranks, check_point_to_point, check_functional_collectives, check_fsdp2_unit_attribution,
-              check_fsdp1_post_backward_attribution, check_phase_module_and_spans]:
+              check_fsdp1_post_backward_attribution, check_phase_module_and_spans, check_flop_stamps]:
     check()
     print(f"rank {rank}: {check.__name__} ok", flush=True)
 finish()

@@ -55,8 +55,17 @@ class Statements:
     """A Python file's statement boundaries: for each line the statements (by block and position in it) that
     start or end there, and the spans a highlight may not cut (for saying what it cut and what would do)."""
 
-    def __init__(self, tree: ast.Module, lines: Sequence[str]):
+    def __init__(self, lines: Sequence[str], units: list[Unit], starts: dict[int, list[Place]],
+                 ends: dict[int, list[Place]]):
         self.lines = lines                        # the file's text, for naming blank and comment lines
+        self.units: list[Unit] = sorted(units)
+        self.starts: dict[int, list[Place]] = starts
+        self.ends: dict[int, list[Place]] = ends
+        self._start_lines, self._end_lines = sorted(starts), sorted(ends)
+
+    @classmethod
+    def of(cls, tree: ast.Module, lines: Sequence[str]) -> Statements:
+        """The statements of the file with AST `tree` and text `lines`."""
         units, starts, ends = set(), {}, {}
         blocks = [getattr(node, name) for node in ast.walk(tree) for name in _BLOCKS
                   if isinstance(getattr(node, name, None), list)]       # IfExp/Lambda bodies are expressions
@@ -72,10 +81,20 @@ class Statements:
                     firsts.append(decorator.lineno)
                 for line in firsts:
                     starts.setdefault(line, []).append((number, index))
-        self.units: list[Unit] = sorted(units)
-        self.starts: dict[int, list[Place]] = starts
-        self.ends: dict[int, list[Place]] = ends
-        self._start_lines, self._end_lines = sorted(starts), sorted(ends)
+        return cls(lines, list(units), starts, ends)
+
+    def as_json(self) -> dict:
+        """Units, starts and ends as JSON values, for pin_and_cite.core.parse_cache."""
+        return {"units": [list(u) for u in self.units], "starts": list(self.starts.items()),
+                "ends": list(self.ends.items())}
+
+    @classmethod
+    def from_json(cls, data: dict, lines: Sequence[str]) -> Statements:
+        """What as_json() wrote, back into Statements over the same `lines`."""
+        def places(pairs) -> dict[int, list[Place]]:
+            return {int(line): [(int(block), int(index)) for block, index in found] for line, found in pairs}
+        units = [Unit(int(first), int(last), str(kind)) for first, last, kind in data["units"]]
+        return cls(lines, units, places(data["starts"]), places(data["ends"]))
 
     def problem(self, lines: Lines) -> str | None:
         """Why `lines` is not a whole number of statements, naming the offending line; None when it is."""

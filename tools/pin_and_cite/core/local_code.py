@@ -1,4 +1,5 @@
-"""`ours("reference/x.py::Name")`: where a definition lives in this repository, for the reference pages.
+"""`ours("reference/x.py::Name")`: where a definition lives in this repository, and `mirrors(...)`: the upstream
+code its docstring cites, for the reference pages.
 
 Resolved with the same AST reader as upstream symbols, so a renamed or moved function fails the render
 with the template's file:line instead of leaving a stale mapping.
@@ -9,21 +10,43 @@ from pathlib import Path
 
 from pin_and_cite.core import symbols
 from pin_and_cite.core.citation import check_repo_path
+from pin_and_cite.core.code_citations import citations_in_text
 from pin_and_cite.core.errors import PinAndCiteError
+from pin_and_cite.core.parse_cache import ParseCache
 
 
-def ours(root: Path, spec: str) -> str:
+def _read(root: Path, spec: str, call: str) -> tuple[str, str, bytes, str]:
+    """(path, symbol, bytes, text) of `PATH::Name`, a definition in this repository; `call` names the helper."""
     path, sep, symbol = spec.partition("::")
     check_repo_path(path)
     file = root / path
     if not sep or not symbol:
-        raise PinAndCiteError(f"ours({spec!r}): expected PATH::Name, e.g. reference/fsdp/runtime.py::pre_forward")
+        raise PinAndCiteError(f"{call}({spec!r}): expected PATH::Name, e.g. reference/fsdp/runtime.py::pre_forward")
     if not file.is_file():
-        raise PinAndCiteError(f"ours({spec!r}): {path} does not exist")
+        raise PinAndCiteError(f"{call}({spec!r}): {path} does not exist")
+    data = file.read_bytes()
     try:
-        text = file.read_bytes().decode()
+        return path, symbol, data, data.decode()
     except UnicodeDecodeError as exc:
-        raise PinAndCiteError(f"ours({spec!r}): {path} is not UTF-8 (byte {exc.object[exc.start]:#04x} at "
+        raise PinAndCiteError(f"{call}({spec!r}): {path} is not UTF-8 (byte {exc.object[exc.start]:#04x} at "
                               f"offset {exc.start})") from None
-    first, last = symbols.resolve(symbols.definitions(text, path), symbol, path)
+
+
+def ours(root: Path, spec: str, parsed: ParseCache) -> str:
+    path, symbol, data, text = _read(root, spec, "ours")
+    first, last = symbols.resolve(parsed.definitions_in_text(data, text, path), symbol, path)
     return f"`{symbol}` ({path} L{first}–L{last})"
+
+
+def mirrored(root: Path, spec: str, parsed: ParseCache) -> list[str]:
+    """The upstream citations written in the docstring of `PATH::Name` (pin_and_cite.core.code_citations), in
+    order, each once: what the reference pages show it mirrors."""
+    path, symbol, data, text = _read(root, spec, "mirrors")
+    symbols.resolve(parsed.definitions_in_text(data, text, path), symbol, path)          # it exists, once
+    span = parsed.docstrings_in_text(data, text, path).get(symbol)
+    lines = text.split("\n")[span[0] - 1:span[1]] if span else []
+    found = list(dict.fromkeys(spec for spec, _ in citations_in_text("\n".join(lines))))
+    if not found:
+        raise PinAndCiteError(f"mirrors({spec!r}): the docstring of {symbol} cites no upstream code "
+                              f"(SOURCE:PATH::Qual.name)")
+    return found

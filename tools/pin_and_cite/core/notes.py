@@ -8,12 +8,15 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import jinja2
 from jinja2 import nodes
 
 from pin_and_cite.core import sandbox
 from pin_and_cite.core.errors import PinAndCiteError
+from pin_and_cite.core.gitobj import blob_sha
+from pin_and_cite.core.parse_cache import ParseCache
 
 TEMPLATE_GLOB = "**/*.md.j2"
 HIGHLIGHT = "highlight"
@@ -34,24 +37,54 @@ class Written:
         return f"{self.file.relative_to(root)}:{self.line}"
 
 
-def calls_in(template: Path, functions: set[str]) -> list[Written]:
+def calls_in(template: Path, functions: set[str], parsed: ParseCache | None = None) -> list[Written]:
+    """The calls of `functions` written in `template`; `parsed` keeps what Jinja's parser found, by the hash of
+    the template's text (a third of a `check` is parsing templates)."""
+    text = template.read_text()
+    if parsed is None:
+        every = _every_call(text, template)
+    else:
+        every = parsed.get(blob_sha(text.encode()), f"template calls, Jinja {jinja2.__version__}",
+                           lambda: _every_call(text, template), lambda found: [_Call(*c) for c in found])
+    found = []
+    for call in every:
+        if call.function not in functions:
+            continue
+        if call.argument is None:
+            raise PinAndCiteError(f"{template}:{call.line}: {call.function}() takes a literal string")
+        if call.highlight is False:
+            raise PinAndCiteError(f"{template}:{call.line}: {call.function}() takes {HIGHLIGHT}= as a "
+                                  f"literal string (bump carries it with the citation)")
+        found.append(Written(call.function, call.argument, template, call.line, call.highlight, tuple(call.more)))
+    return found
+
+
+class _Call(NamedTuple):
+    """A call of a name in a template, as JSON can keep it: its first argument and highlight= keyword when
+    they are literal strings (None for a missing or non-literal argument, False for a non-literal highlight)."""
+    function: str
+    line: int
+    argument: str | None
+    highlight: str | None | bool
+    more: list[str]
+
+
+def _every_call(text: str, template: Path) -> list[_Call]:
     try:
-        tree = sandbox.environment().parse(template.read_text(), name=template.name, filename=str(template))
+        tree = sandbox.environment().parse(text, name=template.name, filename=str(template))
     except jinja2.TemplateSyntaxError as exc:
         raise PinAndCiteError(f"{template}:{exc.lineno}: template syntax error: {exc.message}") from None
     found = []
     for call in tree.find_all(nodes.Call):
-        if isinstance(call.node, nodes.Name) and call.node.name in functions:
+        if isinstance(call.node, nodes.Name):
             arg = call.args[0] if call.args else None
-            if not isinstance(arg, nodes.Const) or not isinstance(arg.value, str):
-                raise PinAndCiteError(f"{template}:{call.lineno}: {call.node.name}() takes a literal string")
+            literal = isinstance(arg, nodes.Const) and isinstance(arg.value, str)
             highlight = next((kw.value for kw in call.kwargs if kw.key == HIGHLIGHT), None)
-            if highlight is not None and not (isinstance(highlight, nodes.Const) and isinstance(highlight.value, str)):
-                raise PinAndCiteError(f"{template}:{call.lineno}: {call.node.name}() takes {HIGHLIGHT}= as a "
-                                      f"literal string (bump carries it with the citation)")
-            more = tuple(a.value for a in call.args[1:] if isinstance(a, nodes.Const) and isinstance(a.value, str))
-            found.append(Written(call.node.name, arg.value, template, call.lineno,
-                                 highlight.value if highlight is not None else None, more))
+            if highlight is not None:
+                highlight = highlight.value if isinstance(highlight, nodes.Const) and isinstance(highlight.value, str) \
+                    else False
+            more = [a.value for a in call.args[1:] if isinstance(a, nodes.Const) and isinstance(a.value, str)]
+            found.append(_Call(call.node.name, call.lineno, arg.value if literal else None, highlight, more))
     return found
 
 
@@ -60,8 +93,8 @@ def note_templates(notes_dir: Path) -> list[Path]:
     return sorted(t for t in notes_dir.glob(TEMPLATE_GLOB) if not t.name.startswith("_"))
 
 
-def written_calls(notes_dir: Path, functions: set[str]) -> list[Written]:
-    return [w for template in sorted(notes_dir.glob(TEMPLATE_GLOB)) for w in calls_in(template, functions)]
+def written_calls(notes_dir: Path, functions: set[str], parsed: ParseCache | None = None) -> list[Written]:
+    return [w for template in sorted(notes_dir.glob(TEMPLATE_GLOB)) for w in calls_in(template, functions, parsed)]
 
 
 def rewrite_arguments(template: Path, changes: list[tuple[Written, str] | tuple[Written, str, str]]) -> bytes:

@@ -8,6 +8,8 @@ those objects and nothing else. Servers must allow filters and by-SHA wants (Git
 
 Several runs may share one cache: creating the partial repository and every fetch into it happen under the
 remote's file lock (git's own `shallow.lock` and `config.lock` make a second writer fail, not wait).
+GitPython is imported by the methods that talk to git, not with this module: `check` and the site build,
+which never fetch, would otherwise spend a tenth of a second importing it.
 """
 from __future__ import annotations
 
@@ -17,9 +19,6 @@ import tempfile
 from pathlib import Path
 
 import filelock
-import git
-from git.db import GitDB
-from git.objects.fun import tree_entries_from_data
 
 from pin_and_cite.core.errors import PinAndCiteError, SourceUnavailable
 from pin_and_cite.core.gitobj import blob_sha, is_full_sha
@@ -54,6 +53,7 @@ class Remote:
 
     def _run(self, what: str, *args: str, stdin_lines: list[str] | None = None, in_repo: bool = True) -> str:
         """Run one git command with hardened config and a hard time limit; failures become one line."""
+        import git
         cmd = git.Git(str(self.repo.git_dir) if in_repo else None)
         argv = ["git", *(arg for option in _HARDENING for arg in ("-c", option)), *args]
         env = {"GIT_TERMINAL_PROMPT": "0",
@@ -70,6 +70,8 @@ class Remote:
 
     @property
     def repo(self) -> git.Repo:
+        import git
+        from git.db import GitDB
         if self._repo is None:
             if not (self.git_dir / "config").exists():
                 with self.lock:                                  # a second run waits, then finds it made
@@ -81,6 +83,7 @@ class Remote:
     def _init_partial_repository(self) -> None:
         """Configure in a scratch directory, then rename it into place: an interrupted run leaves no
         half-configured repository for the next one to trust."""
+        import git
         self.git_dir.parent.mkdir(parents=True, exist_ok=True)
         scratch = Path(tempfile.mkdtemp(dir=self.git_dir.parent, prefix=f".{self.git_dir.name}."))
         repo = git.Repo.init(scratch, bare=True)
@@ -194,6 +197,7 @@ class Remote:
     def entries(self, tree: str) -> dict[str, tuple[str, str]]:
         """A fetched tree's entries: name -> (object id, kind), kind being "tree", "file" (a regular file's
         blob), "link" (a symlink's blob) or "commit" (a submodule)."""
+        from git.objects.fun import tree_entries_from_data
         kinds = {0o04: "tree", 0o10: "file", 0o12: "link", 0o16: "commit"}
         return {name: (binsha.hex(), kinds.get(mode >> 12, "other"))
                 for binsha, mode, name in tree_entries_from_data(self.read(tree))}

@@ -15,6 +15,7 @@ from pin_and_cite.core.fetch import load_blob
 from pin_and_cite.core.gitobj import blob_sha
 from pin_and_cite.core.highlights import Statements
 from pin_and_cite.core.lock import LockedCitation, LockedDefault, LockedFile, file_key
+from pin_and_cite.core.parse_cache import ParseCache
 from pin_and_cite.core.pins import Source
 from pin_and_cite.core.project import Project
 
@@ -78,8 +79,14 @@ class Resolver:
         # texts) alive for the process, one per rebuild under `mkdocs serve`
         self.lines_of = functools.cache(self._lines_of)
         self.tree_of = functools.cache(self._tree_of)
-        self.definitions_of = functools.cache(lambda *blob: symbols.definitions_in(self.tree_of(*blob)))
-        self.statements_of = functools.cache(lambda *blob: Statements(self.tree_of(*blob), self.lines_of(*blob)))
+        self.parsed = ParseCache(project.cache_dir)       # what the trees yield, kept on disk by blob
+
+    def definitions_of(self, source_name: str, path: str, blob: str) -> dict[str, list[tuple[int, int]]]:
+        return self.parsed.definitions(blob, lambda: self.tree_of(source_name, path, blob))
+
+    def statements_of(self, source_name: str, path: str, blob: str) -> Statements:
+        return self.parsed.statements(blob, lambda: self.tree_of(source_name, path, blob),
+                                      self.lines_of(source_name, path, blob))
 
     def locked_blob(self, source: Source, path: str) -> str | None:
         locked = self.project.lock.files.get(file_key(source.name, path))
@@ -109,7 +116,7 @@ class Resolver:
         return split_lines(data, f"{source_name}:{path}")
 
     def _tree_of(self, source_name: str, path: str, blob: str):
-        """The file's AST, parsed once per blob for its definitions and its statements."""
+        """The file's AST, parsed at most once per blob, and only when the parse cache lacks what it yields."""
         return symbols.parse("\n".join(self.lines_of(source_name, path, blob)), path)
 
     def statements_in(self, excerpt: Excerpt) -> Statements | None:
@@ -139,7 +146,8 @@ class Resolver:
         name, path = excerpt.source.name, ref.spec.path
         where = f"{path} at {name}@{excerpt.source.commit[:12]}"
         blob = (name, path, excerpt.blob)
-        found = read_default(self.lines_of(*blob), self.tree_of(*blob), where, self.definitions_of(*blob), ref)
+        found = self.parsed.default(excerpt.blob, ref, lambda: read_default(
+            self.lines_of(*blob), self.tree_of(*blob), where, self.definitions_of(*blob), ref))
         return found, excerpt, learned
 
     def record_file(self, excerpt: Excerpt, learned: str) -> None:

@@ -30,22 +30,34 @@ def definitions_in(tree: ast.Module) -> dict[str, list[tuple[int, int]]]:
     name defined twice (say, in both arms of an `if`) gets two spans, which makes citing it ambiguous.
     """
     found: dict[str, list[tuple[int, int]]] = {}
-
-    def visit(statements, prefix: str) -> None:
-        for node in statements:
-            if isinstance(node, _DEFS):
-                name = prefix + node.name
-                first = min([d.lineno for d in node.decorator_list] + [node.lineno])
-                found.setdefault(name, []).append((first, node.end_lineno))
-                visit(node.body, name + ".")
-            elif isinstance(node, _BLOCKS):
-                for field in ("body", "orelse", "finalbody", "handlers"):
-                    visit(getattr(node, field, []), prefix)
-            elif isinstance(node, ast.ExceptHandler):
-                visit(node.body, prefix)
-
-    visit(tree.body, "")
+    for name, node in _named_definitions(tree.body, ""):
+        first = min([d.lineno for d in node.decorator_list] + [node.lineno])
+        found.setdefault(name, []).append((first, node.end_lineno))
     return found
+
+
+def docstrings_in(tree: ast.Module) -> dict[str, tuple[int, int]]:
+    """Qualified name -> the lines of its docstring, for each class/function that has one (and is defined
+    once)."""
+    found: dict[str, list[tuple[int, int]]] = {}
+    for name, node in _named_definitions(tree.body, ""):
+        first = node.body[0]
+        if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+            found.setdefault(name, []).append((first.lineno, first.end_lineno))
+    return {name: spans[0] for name, spans in found.items() if len(spans) == 1}
+
+
+def _named_definitions(statements, prefix: str):
+    """(qualified name, node) of every class and function, depth first, as definitions_in names them."""
+    for node in statements:
+        if isinstance(node, _DEFS):
+            yield prefix + node.name, node
+            yield from _named_definitions(node.body, prefix + node.name + ".")
+        elif isinstance(node, _BLOCKS):
+            for field in ("body", "orelse", "finalbody", "handlers"):
+                yield from _named_definitions(getattr(node, field, []), prefix)
+        elif isinstance(node, ast.ExceptHandler):
+            yield from _named_definitions(node.body, prefix)
 
 
 def resolve(definitions_by_name: dict[str, list[tuple[int, int]]], symbol: str, where: str) -> tuple[int, int]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import ast
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 UPSTREAM_MARK = "upstream"
@@ -16,9 +16,11 @@ UPSTREAM_MARK = "upstream"
 
 @dataclass(frozen=True)
 class Evidence:
-    """What a named test proves a claim on: "upstream" (with the pinned source it runs) or "reference"."""
+    """What a named test proves a claim on: "upstream" (with the pinned source it runs) or "reference"; and
+    the lines of the test file it spans, decorators included (for the page that shows it)."""
     kind: str
     source: str | None = None
+    lines: tuple[int, int] | None = field(default=None, compare=False)
 
 
 def _upstream_source(decorators: list[ast.expr]) -> str | None | bool:
@@ -46,21 +48,22 @@ def _tests_in(path: Path) -> dict[str, Evidence] | str:
     module_marks = [node.value for node in tree.body if isinstance(node, ast.Assign)
                     and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in node.targets)]
 
-    def evidence(*decorator_lists: list[ast.expr]) -> Evidence:
+    def evidence(test: ast.FunctionDef | ast.AsyncFunctionDef, *decorator_lists: list[ast.expr]) -> Evidence:
+        lines = (min([test.lineno, *(d.lineno for d in test.decorator_list)]), test.end_lineno)
         for decorators in (*decorator_lists, module_marks):
             source = _upstream_source(decorators)
             if source is not False:
-                return Evidence("upstream", source)
-        return Evidence("reference")
+                return Evidence("upstream", source, lines)
+        return Evidence("reference", lines=lines)
 
     found: dict[str, Evidence] = {}
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            found[node.name] = evidence(node.decorator_list)
+            found[node.name] = evidence(node, node.decorator_list)
         elif isinstance(node, ast.ClassDef):
             for item in node.body:
                 if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                    found[f"{node.name}::{item.name}"] = evidence(item.decorator_list, node.decorator_list)
+                    found[f"{node.name}::{item.name}"] = evidence(item, item.decorator_list, node.decorator_list)
     return found
 
 

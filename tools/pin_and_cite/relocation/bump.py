@@ -28,6 +28,7 @@ from pathlib import Path
 
 from pin_and_cite.core import symbols
 from pin_and_cite.core.citation import Spec, parse_spec
+from pin_and_cite.core.code_citations import code_citations
 from pin_and_cite.core.defaults import DefaultRef, parse_key
 from pin_and_cite.core.errors import PinAndCiteError
 from pin_and_cite.core.fetch import from_distribution
@@ -64,8 +65,11 @@ class Bump:
 
 
 def _citations_of(project: Project, name: str) -> dict[str, Carried]:
+    """Every citation of source `name`: written by cite() in the notes, in the reference's docstrings (there to
+    be listed where the bump record says it is cited; they are symbol citations, which name no line, so a move
+    needs no rewrite), and in the lock."""
     found: dict[str, Carried] = {}
-    for call in written_calls(project.notes_dir, {"cite"}):
+    for call in written_calls(project.notes_dir, {"cite"}) + code_citations(project.root):
         try:
             spec = parse_spec(call.argument)
         except PinAndCiteError as exc:
@@ -201,8 +205,8 @@ def _templates(carried: list[Carried]) -> dict[Path, bytes]:
         spec_moved = c.new_spec is not None and c.new_spec != c.spec
         highlights = {id(h.place): h.literal for h in c.highlights if h.literal not in (None, h.place.highlight)}
         for call in c.places:
-            if not spec_moved and id(call) not in highlights:
-                continue
+            if call.function != "cite" or (not spec_moved and id(call) not in highlights):
+                continue                         # a docstring citation is left as written: `check` names it
             argument = _new_argument(call.argument, c.spec, c.new_spec) if spec_moved else call.argument
             highlight = (highlights[id(call)],) if id(call) in highlights else ()
             changes.setdefault(call.file, []).append((call, argument, *highlight))

@@ -1,34 +1,35 @@
-"""Mermaid diagrams generated from recorded runs (pin_and_cite.site.traces), never drawn by hand.
+"""Diagrams generated from recorded runs (pin_and_cite.site.traces), never drawn by hand: mermaid, and SVG timelines.
 
 `diagram("tp_block", link=...)`: the tensor-parallel transformer block as the recorder saw it run: every leaf
 module and every group of aten ops between them, in forward order, grouped by parent module; the forward
 collectives on the edges leaving the module that issued them (with bytes and the stated link), the backward
 ones as dotted edges back to the module's input.
 
-`diagram("fsdp_forward")`: a gantt chart of the FSDP forward with a compute track (each unit's forward span)
-and an all-gather track (from the moment each all-gather was issued to the moment its unit's compute started).
-The x axis is the order of those events in the recorded step, not wall time: timings of a CPU/gloo run say
-nothing about a GPU, the order is what the prefetch policy decides. Slots are drawn as minutes
-(`dateFormat mm`): mermaid 11 ignores start values under `dateFormat X`.
-
-`diagram("pipeline_1f1b")` / `diagram("pipeline_gpipe")`: a gantt chart of one recorded pipeline step, one
-row per stage, a bar per forward (F i) and backward (B i). The x axis is slots, not wall time (4 processes on
-a shared CPU say nothing about GPUs): each stage's actions in the order it ran them, each as early as the
-action it receives from allows (pin_and_cite.site.traces.pipeline_slots; a forward 1 slot, a backward 2). Rows
-are compact (mermaid's `displayMode: compact` front matter): bars of one section share a row when they do
-not overlap.
+`diagram("fsdp_forward", tflops=, link_GBps=)` and `diagram("pipeline_1f1b" | "pipeline_gpipe", tflops=,
+link_GBps=)`: timelines of a recorded step, FSDP forward and backward (a row per unit and one for the
+collectives) or a pipeline (a row per stage), drawn to a time scale modeled from the recorded FLOPs and bytes
+at the stated rates (pin_and_cite.site.modeled) as inline SVG with a legend (pin_and_cite.site.timeline); with
+`measured="TRACE"` (a trace a device recorded of the same step), its own timeline beside the modeled one.
 
 `chart_training_memory(limit)`: a mermaid xychart of per-rank training states
 (pin_and_cite.site.estimates.sharding_limit) against model size: DDP, FSDP over the stated group, and one GPU's
 memory as a flat line; drawn from the formulas, not from a trace.
 
+`chart_sent_per_group(trace)`: a horizontal mermaid bar chart of a scale trace: the bytes one rank sends per step
+to each process group, per stage, from the same checked rows as the Scale page's tables.
+
 Every flowchart label goes through `label()`, so nothing recorded can break the diagram's syntax.
 """
 from __future__ import annotations
 
+import json
 from collections import Counter
 
-from pin_and_cite.site.traces import RECORD, SLOTS, TraceError, events_where, forward_markers, pipeline_slots
+from pin_and_cite.site import scale_tables
+from pin_and_cite.site.modeled import (FSDP_COLORS, PIPELINE_COLORS, Rates, check_collectives_recorded, fsdp_measured,
+                                       fsdp_modeled, pipeline_measured, pipeline_modeled)
+from pin_and_cite.site.timeline import Panel, timeline
+from pin_and_cite.site.traces import RECORD, TraceError, events_where
 
 # aten ops that name what a group of ops does; layout ops (view, permute, ...) say nothing and are left out.
 OP_NAMES = {"_scaled_dot_product_flash_attention_for_cpu": "scaled dot-product attention",
@@ -120,47 +121,26 @@ def tp_block(trace: dict, link: str, block: str = "layers.0") -> str:
     return mermaid_fence(body)
 
 
-def fsdp_forward(trace: dict) -> str:
-    markers = forward_markers(trace)
-    if len(markers) > 60:
-        raise TraceError(f"trace {trace['name']}: {len(markers)} forward events; the timeline draws at most 60 "
-                         f"(one per minute tick of the gantt axis); record fewer units; {RECORD}")
-    slot = {marker: i for i, marker in enumerate(markers)}
-    units = [u["name"] for u in trace["units"]]
-    missing = [u for u in units if ("issue", u) not in slot or ("start", u) not in slot]
-    if missing:
-        raise TraceError(f"trace {trace['name']}: no forward all-gather or compute span recorded for unit(s) "
-                         f"{', '.join(missing)}; cannot draw the FSDP timeline; {RECORD}")
-    gathers = {e["module"]: e["nbytes"] for e in events_where(trace["events"], op="all_gather", phase="forward")}
-    body = ["gantt", f"  title {gantt_text('FSDP forward of a recorded step, world %d, order of events' % trace['world'])}",
-            "  dateFormat mm", "  axisFormat %M", "  tickInterval 1minute", "  todayMarker off",
-            "  section compute"]
-    body += [f"  {gantt_text(unit + ' forward')} : c{i}, {slot[('start', unit)]:02d}, {slot[('end', unit)]:02d}"
-             for i, unit in enumerate(units)]
-    body.append("  section all-gather")
-    body += [f"  {gantt_text(f'{unit} {human_bytes(gathers[unit])}')} : g{i}, {slot[('issue', unit)]:02d}, "
-             f"{slot[('start', unit)]:02d}" for i, unit in enumerate(units)]
-    return mermaid_fence(body)
+def fsdp_forward(trace: dict, tflops: float, link_GBps: float, measured: dict | None = None) -> str:
+    """The recorded FSDP step, forward and backward, on a modeled time scale (pin_and_cite.site.modeled); with
+    `measured`, that trace's own timeline beside it."""
+    check_collectives_recorded(trace)
+    rates = Rates(tflops, link_GBps)
+    title = f"FSDP step of one rank, world {trace['world']}, forward and backward"
+    modeled = Panel(title, fsdp_modeled(trace, rates), rates.axis, FSDP_COLORS)
+    return timeline(modeled, measured and Panel(f"{title}, measured", fsdp_measured(measured),
+                                                f"measured ({measured['name']})", FSDP_COLORS))
 
 
-def pipeline(trace: dict) -> str:
-    """Gantt of the recorded pipeline step: a section per stage, forwards as `active` bars, backwards as
-    `crit` ones, in slots (see the module docstring)."""
-    slots = pipeline_slots(trace)
-    end = max(stage[-1][2] for stage in slots if stage)
-    if end > 60:
-        raise TraceError(f"trace {trace['name']}: the step takes {end} slots; the timeline draws at most 60 (one "
-                         f"per minute tick of the gantt axis); record fewer micro-batches; {RECORD}")
+def pipeline(trace: dict, tflops: float, link_GBps: float, measured: dict | None = None) -> str:
+    """The recorded pipeline step, a row per stage, on a modeled time scale; with `measured`, that trace's own
+    timeline beside it."""
+    rates = Rates(tflops, link_GBps)
     name = {"gpipe": "GPipe", "1f1b": "1F1B"}.get(trace["schedule"], trace["schedule"])
-    title = (f"{name}, {trace['pp']} stages, {trace['m']} micro-batches, recorded order, in slots "
-             f"(F {SLOTS['F']}, B {SLOTS['B']})")
-    body = ["---", "displayMode: compact", "---", "gantt", f"  title {gantt_text(title)}", "  dateFormat mm",
-            "  axisFormat %M", "  tickInterval 1minute", "  todayMarker off"]
-    for r, stage in enumerate(slots):
-        body.append(f"  section {gantt_text(f'stage {r}')}")
-        body += [f"  {gantt_text(action)} : {'active' if action[0] == 'F' else 'crit'}, s{r}{action.lower()}, "
-                 f"{start:02d}, {stop:02d}" for action, start, stop in stage]
-    return mermaid_fence(body)
+    title = f"{name}, {trace['pp']} stages, {trace['m']} micro-batches"
+    modeled = Panel(title, pipeline_modeled(trace, rates), rates.axis, PIPELINE_COLORS)
+    return timeline(modeled, measured and Panel(f"{title}, measured", pipeline_measured(measured),
+                                                f"measured ({measured['name']})", PIPELINE_COLORS))
 
 
 CHART_COLORS = (("#c62828", "red"), ("#1565c0", "blue"), ("#ef8f00", "amber"))   # one per line, in order
@@ -183,6 +163,23 @@ def chart_training_memory(limit) -> str:
     legend = " · ".join(f'<span style="color:{color}">■</span> {word}: {name}'
                         for (color, word), name in zip(CHART_COLORS, names))
     return mermaid_fence(body) + f'\n<p class="chart-legend">{legend}</p>\n'
+
+
+def chart_sent_per_group(trace: dict) -> str:
+    """A horizontal xychart of the GiB one rank sends per step to each process group, per pipeline stage: the
+    rows of scale_tables.scale_table (checked the same way) drawn, each bar's value in its label (mermaid's own
+    data labels shrink with the bars, below a readable size)."""
+    stages = trace["setup"]["pp"]
+    bars = [(f"{name}, stage {scale_tables.stage_name(run['stage'], stages)}",
+             scale_tables.sent_per_group(trace, run)[group] / 2**30)
+            for group, name in scale_tables.GROUPS.items() for run, _ in scale_tables.checked_runs(trace)]
+    config = {"xyChart": {"width": 760, "height": 440}, "themeVariables": {"xyChart": {"plotColorPalette": "#1565c0"}}}
+    title = f"GiB one rank sends per step, by process group and stage ({trace['name']})"
+    body = ["%%{init: " + json.dumps(config) + "}%%", "xychart-beta horizontal", f'  title "{gantt_text(title)}"',
+            "  x-axis [" + ", ".join(f'"{gantt_text(name)}: {value:.2f}"' for name, value in bars) + "]",
+            f'  y-axis "GiB sent per step (ring algorithms)" 0 --> {max(v for _, v in bars) * 1.1:.0f}',
+            "  bar [" + ", ".join(f"{value:.2f}" for _, value in bars) + "]"]
+    return mermaid_fence(body)
 
 
 GENERATORS = {"tp_block": tp_block, "fsdp_forward": fsdp_forward, "pipeline": pipeline}

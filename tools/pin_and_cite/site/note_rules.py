@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pin_and_cite.core.notes import calls_in
+from pin_and_cite.core.parse_cache import ParseCache
 from pin_and_cite.core.verified_by import evidence_of
 
 MAX_WORDS = 300
@@ -122,16 +123,16 @@ def _has_upstream_evidence(root: Path, calls, section: _Section) -> bool:
         for c in inside if c.function == "verified_by")
 
 
-def check_note(template: Path, root: Path) -> list[RuleProblem]:
+def check_note(template: Path, root: Path, parsed: ParseCache | None = None) -> list[RuleProblem]:
     """Every rule the template's front matter opts into, broken (`root`: the project, whose tests the evidence
-    names)."""
+    names; `parsed`: where the template's calls are kept, pin_and_cite.core.notes.calls_in)."""
     text = template.read_text()
     meta, _ = front_matter(text)
     rules = {"close-reading": _close_reading, "questions": _questions}.get(meta.get("rules", ""))
     if rules is None:
         return []
     lines = prose_lines(text)
-    calls = calls_in(template, CITING_CALLS | EVIDENCE_CALLS)
+    calls = calls_in(template, CITING_CALLS | EVIDENCE_CALLS, parsed)
     last_line = len(text.split("\n"))
     return sorted(rules(root, lines, calls, _sections(lines, last_line), last_line), key=lambda p: p.line)
 

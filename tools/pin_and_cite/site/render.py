@@ -3,7 +3,9 @@
 Templates see these globals: `cite(spec, highlight=)` (a verified excerpt with upstream line numbers),
 `upstream(spec)` (the same citation as a permalink only), `default(spec, param)` (a parameter's default as
 written in the pinned source, pin_and_cite.core.defaults), `ours("reference/x.py::Name")` (lines of our own
-code), `verified_by("tests/...::test")` (the test and the kind of evidence it is: upstream or reference) and
+code), `mirrors("reference/x.py::Name")` (the upstream() links of the citations its docstring writes),
+`verified_by("tests/...::test")` (the test and the kind of evidence it is: upstream or reference,
+linked to a page with the test's source, pin_and_cite.site.evidence_pages) and
 `reference_only(reason)` (why no upstream test can run here), `pins` and `locked_files(source)`; and the
 helpers a site registers (`helpers`: for this study, pin_and_cite.site.study's traces, diagrams, estimates and
 scale tables), so that the renderer imports none of them.
@@ -30,14 +32,16 @@ from pin_and_cite.core.defaults import default_ref
 from pin_and_cite.core.errors import PinAndCiteError
 from pin_and_cite.core.fences import fence_for
 from pin_and_cite.core.highlights import Statements, checked_highlight
-from pin_and_cite.core.local_code import ours
+from pin_and_cite.core.local_code import mirrored, ours
 from pin_and_cite.core.locked import locked_default, locked_excerpt
 from pin_and_cite.core.notes import note_templates
 from pin_and_cite.core.pinned_sha import write_pinned_sha
 from pin_and_cite.core.project import Project
 from pin_and_cite.core.resolve import Excerpt, Resolver
-from pin_and_cite.core.verified_by import evidence_of
+from pin_and_cite.core.verified_by import Evidence, evidence_of
 from pin_and_cite.site.changes import change_pages
+from pin_and_cite.site.evidence_pages import evidence_page, link_from, page_of
+from pin_and_cite.site.folding import fold_window, folded_markdown
 from pin_and_cite.site.note_rules import check_note
 from pin_and_cite.site.output_folder import OutputFolder
 
@@ -50,6 +54,12 @@ LANGUAGES = {".py": "python", ".pyi": "python", ".h": "cpp", ".cpp": "cpp", ".md
 def evidence_line(kind: str, label: str, what: str) -> str:
     """One evidence line under a claim; its class (evidence-upstream, -reference, -reference-only) styles it."""
     return f'<span class="verified-by evidence-{kind}"><strong>{label}</strong> {what}</span>'
+
+
+def evidence_link(kind: str, label: str, node_id: str, href: str) -> str:
+    """The evidence line of a named test, linked to the page showing its source (Markdown, so that mkdocs
+    checks and rewrites the link)."""
+    return f"[**{label}** `{node_id}`]({href}){{ .verified-by .evidence-{kind} }}"
 
 
 def excerpt_link(excerpt: Excerpt, inside: str | None = None) -> str:
@@ -76,17 +86,26 @@ def _refuse_blank_ends(excerpt: Excerpt) -> None:
 def excerpt_markdown(excerpt: Excerpt, highlight: str | None = None, inside: str | None = None,
                      statements: Statements | None = None) -> str:
     """The excerpt as a fenced block numbered with upstream line numbers, under a permalinked caption; a
-    highlight must keep to the `statements` of a Python file (pin_and_cite.core.highlights)."""
+    highlight must keep to the `statements` of a Python file (pin_and_cite.core.highlights). A long excerpt
+    folds to its highlighted lines (pin_and_cite.site.folding)."""
     _refuse_blank_ends(excerpt)
-    first, last = excerpt.lines
-    hl = ""
-    if highlight:
-        a, b = checked_highlight(str(excerpt.spec), highlight, excerpt.lines, statements)
-        hl = f' hl_lines="{a - first + 1}-{b - first + 1}"'
+    first = excerpt.lines[0]
+    span = checked_highlight(str(excerpt.spec), highlight, excerpt.lines, statements) if highlight else None
     caption = excerpt_link(excerpt, inside)
     lang = LANGUAGES.get(Path(excerpt.spec.path).suffix, "text")
     fence = fence_for(excerpt.text)
-    return f'{caption}\n\n{fence}{lang} linenums="{first}"{hl}\n{excerpt.text}{fence}\n'
+
+    def block(start: int, text: str) -> str:
+        hl = f' hl_lines="{span[0] - start + 1}-{span[1] - start + 1}"' if span else ""
+        return f'{fence}{lang} linenums="{start}"{hl}\n{text}{fence}\n'
+
+    lines = excerpt.text.split("\n")[:-1]
+    window = fold_window(lines, first, span)
+    if window is None:
+        return f"{caption}\n\n{block(first, excerpt.text)}"
+    top, bottom = window
+    shown = "".join(line + "\n" for line in lines[top - first:bottom - first + 1])
+    return f"{caption}\n\n{folded_markdown(block(top, shown), block(first, excerpt.text), excerpt.lines)}"
 
 
 Helpers = Callable[[Project], dict]    # a site's extra template globals, made for one project
@@ -97,11 +116,15 @@ class Renderer:
         self.project = project
         self.resolver = resolver or Resolver(project, allow_remote=False)
         self._rules: dict[Path, list] = {}
-        self.env = sandbox.environment(jinja2.FileSystemLoader(project.notes_dir))
+        self.page: str | None = None                    # the page being rendered, for relative links
+        self.cited_tests: dict[str, tuple[Evidence, list[str]]] = {}   # node id -> evidence, citing pages
+        self.env = sandbox.environment(jinja2.FileSystemLoader(project.notes_dir),
+                                       sandbox.CompiledTemplates(project.cache_dir))
         self.env.globals.update(
             cite=self.cite, upstream=self.upstream, default=self.default, verified_by=self.verified_by,
             reference_only=self.reference_only, pins=project.pins.sources,
-            ours=lambda spec: ours(project.root, spec), locked_files=self.locked_files)
+            ours=lambda spec: ours(project.root, spec, self.resolver.parsed), mirrors=self.mirrors,
+            locked_files=self.locked_files)
         if helpers:
             self.env.globals.update(helpers(project))
 
@@ -130,6 +153,10 @@ class Renderer:
         excerpt = self.excerpt(spec_text)
         return excerpt_link(excerpt, self.inside(excerpt))
 
+    def mirrors(self, ours_spec: str) -> str:
+        """The upstream() links of the citations in the docstring of our `reference/x.py::Name`."""
+        return ", ".join(self.upstream(spec) for spec in mirrored(self.project.root, ours_spec, self.resolver.parsed))
+
     def default(self, spec_text: str, param: str) -> str:
         """`param=VALUE` as the pinned source writes it, linked to its line."""
         ref = default_ref(spec_text, param)
@@ -150,17 +177,19 @@ class Renderer:
                 for key, entry in sorted(self.project.lock.files.items()) if key.startswith(prefix)]
 
     def verified_by(self, node_id: str) -> str:
-        """The test and its kind of evidence: it runs the pinned upstream itself, or the reference only."""
+        """The test and its kind of evidence (it runs the pinned upstream itself, or the reference only),
+        linked to the page showing the test's source (pin_and_cite.site.evidence_pages)."""
         found = evidence_of(self.project.root, node_id)
         if isinstance(found, str):
             raise PinAndCiteError(f"verified_by: {found}")
-        if found.kind == "reference":
-            return evidence_line("reference", "reference test", f"<code>{html.escape(node_id)}</code>")
-        if found.source not in self.project.pins.sources:
+        if found.kind == "upstream" and found.source not in self.project.pins.sources:
             raise PinAndCiteError(f"verified_by: {node_id} is marked upstream({found.source!r}), which is not a "
                                   f"source in pins.toml ({', '.join(sorted(self.project.pins.sources))})")
-        return evidence_line("upstream", f"upstream test ({html.escape(found.source)})",
-                             f"<code>{html.escape(node_id)}</code>")
+        citing = self.cited_tests.setdefault(node_id, (found, []))[1]
+        if self.page is not None and self.page not in citing:
+            citing.append(self.page)
+        label = "reference test" if found.kind == "reference" else f"upstream test ({found.source})"
+        return evidence_link(found.kind, label, node_id, link_from(self.page, node_id))
 
     @staticmethod
     def reference_only(reason: str) -> str:
@@ -172,7 +201,7 @@ class Renderer:
     def rule_problems(self, template: Path) -> list:
         """check_note(template), once per template for this renderer (a page per source reuses it)."""
         if template not in self._rules:
-            self._rules[template] = check_note(template, self.project.root)
+            self._rules[template] = check_note(template, self.project.root, self.resolver.parsed)
         return self._rules[template]
 
     def render(self, template: Path, **context) -> str:
@@ -220,12 +249,17 @@ def pages(project: Project) -> list[tuple[Path, dict, str]]:
 
 
 def render_notes(root: Path, out_dir: Path, helpers: Helpers | None = None) -> list[Path]:
-    """Render every note template into `out_dir` (NAME.md.j2 -> NAME.md), the source pages and the change pages,
-    with the site's `helpers`; return the files that changed (stale pages render wrote, say of a replaced bump
+    """Render every note template into `out_dir` (NAME.md.j2 -> NAME.md), the source pages, the page of each test
+    a note cites (tests/) and the change pages, with the site's `helpers`; return the files that changed (stale pages render wrote, say of a replaced bump
     record, are removed: pin_and_cite.site.output_folder)."""
     project = Project(root)
     renderer = Renderer(project, helpers=helpers)
-    rendered = {out_dir / page: renderer.render(template, **context) for template, context, page in pages(project)}
+    rendered = {}
+    for template, context, page in pages(project):
+        renderer.page = page
+        rendered[out_dir / page] = renderer.render(template, **context)
+    rendered.update({out_dir / page_of(node_id): evidence_page(root, node_id, evidence, citing)
+                     for node_id, (evidence, citing) in renderer.cited_tests.items()})
     rendered.update(change_pages(project, renderer.resolver, out_dir))
     site_folder = out_dir.resolve() == (project.root / SITE_NOTES).resolve()
     written = OutputFolder(out_dir, adopt_legacy_pages=site_folder).write(

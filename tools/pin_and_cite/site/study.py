@@ -3,7 +3,7 @@
 `trace(name)` with `diagram(name, ...)`, `tp_crossover(...)` and `pipeline_memory(...)` (recorded runs,
 pin_and_cite.site.traces), `sharding_limit(...)` with `chart_training_memory(...)` (per-rank training memory from
 formulas, pin_and_cite.site.estimates), `scale_table(trace)`, `sent_per_group(trace, run)` and `human(bytes)` (the
-Scale page, pin_and_cite.site.scale_tables). `render_site` is what `render` and the mkdocs hook run.
+Scale page, pin_and_cite.site.scale_tables) with `chart_sent_per_group(trace)` (its bar charts, diagrams). `render_site` is what `render` and the mkdocs hook run.
 """
 from __future__ import annotations
 
@@ -20,13 +20,16 @@ def helpers(project: Project) -> dict:
     def trace(name: str) -> dict:
         return load_trace(project.notes_dir, name)
 
-    def diagram(name: str, **options) -> str:
-        return diagrams.diagram(trace(name), **options)
+    def diagram(name: str, measured: str | None = None, **options) -> str:
+        """The diagram of trace `name`; a timeline also draws the `measured` trace of the same step beside it."""
+        extra = {"measured": trace(measured)} if measured else {}
+        return diagrams.diagram(trace(name), **options, **extra)
 
     return {"trace": trace, "diagram": diagram,
             "tp_crossover": estimates.tp_crossover, "pipeline_memory": estimates.pipeline_memory,
             "sharding_limit": estimates.sharding_limit, "chart_training_memory": diagrams.chart_training_memory,
             "scale_table": scale_tables.scale_table, "sent_per_group": scale_tables.sent_per_group,
+            "chart_sent_per_group": diagrams.chart_sent_per_group,
             "human": scale_tables.human}
 
 

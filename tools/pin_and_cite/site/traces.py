@@ -6,7 +6,8 @@ are computed from it, never typed. A trace that is missing, malformed, or lacks 
 one-line error naming the file and saying how to re-record it.
 
 `structure()` is what a committed trace must share with a fresh run (tests/tools/test_traces.py): operations,
-their order, shapes, bytes, FLOP counts, and the order of issue versus compute, but not timings. For a
+their order, shapes, bytes, FLOP counts (each collective and span stamped with the FLOPs computed before
+it, each pipeline action with its own), and the order of issue versus compute, but not timings. For a
 pipeline trace: each stage's action order, in-flight peaks and activation bytes, and its sends and receives.
 """
 from __future__ import annotations
@@ -25,7 +26,9 @@ REQUIRED = {
     "scale": ("setup", "world", "runs"),     # python -m reference.scale --json (pin_and_cite.site.scale_tables)
     "pipeline": ("schedule", "world", "pp", "m", "b", "s", "h", "dtype_size", "activation_shape", "stages"),
 }
-PIPELINE_STAGE_KEYS = ("pp_rank", "actions", "peak_in_flight", "peak_in_flight_measured", "peak_activation_bytes")
+PIPELINE_STAGE_KEYS = ("pp_rank", "actions", "action_flops", "peak_in_flight", "peak_in_flight_measured",
+                       "peak_activation_bytes")
+SPAN_KEYS = ("name", "phase", "flops_start", "flops_end")
 P2P_KEYS = ("op", "phase", "shape", "nbytes", "dtype", "group_ranks", "async_op")
 # Slots a forward and a backward take on the pipeline timeline: a backward costs about twice a forward's FLOPs.
 SLOTS = {"F": 1, "B": 2}
@@ -80,13 +83,20 @@ def forward_markers(trace: dict) -> list[tuple[str, str]]:
 
 
 def pipeline_slots(trace: dict) -> list[list[tuple[str, int, int]]]:
-    """Each stage's recorded actions as (action, first slot, end slot): in the recorded order per stage, each
-    as early as its inputs allow (F i after F i on the previous stage, B i after B i on the next stage and
-    F i on its own, all after the stage's previous action), a forward taking SLOTS["F"] slots and a backward SLOTS["B"]. Derived
-    from the order alone, so every run that keeps the order draws the same timeline; wall times are not used."""
+    """Each stage's recorded actions as (action, first slot, end slot): pipeline_schedule with a forward taking
+    SLOTS["F"] slots and a backward SLOTS["B"]. Derived from the order alone, so every run that keeps the order
+    draws the same timeline; wall times are not used."""
+    return pipeline_schedule(trace, lambda r, i, action: SLOTS[action[0]])
+
+
+def pipeline_schedule(trace: dict, duration, transfer=lambda r, action: 0) -> list[list[tuple[str, float, float]]]:
+    """Each stage's recorded actions as (action, start, end): in the recorded order per stage, each as early as
+    its inputs allow (F i after F i on the previous stage, B i after B i on the next stage and F i on its own,
+    all after the stage's previous action), the i-th action of stage r taking `duration(r, i, action)` and a
+    message from stage r arriving `transfer(r, action)` after the action that sent it ended."""
     stages = [st["actions"] for st in trace["stages"]]
     p, done = len(stages), {}
-    placed: list[list[tuple[str, int, int]]] = [[] for _ in stages]
+    placed: list[list[tuple[str, float, float]]] = [[] for _ in stages]
     while sum(map(len, placed)) < sum(map(len, stages)):
         progress = False
         for r, actions in enumerate(stages):
@@ -102,10 +112,11 @@ def pipeline_slots(trace: dict) -> list[list[tuple[str, int, int]]]:
                 if 0 <= peer < p:
                     if (peer, action) not in done:
                         break
-                    ready.append(done[peer, action])
+                    ready.append(done[peer, action] + transfer(peer, action))
                 start = max(ready)
-                placed[r].append((action, start, start + SLOTS[kind]))
-                done[r, action] = start + SLOTS[kind]
+                end = start + duration(r, len(placed[r]), action)
+                placed[r].append((action, start, end))
+                done[r, action] = end
                 progress = True
         if not progress:
             raise TraceError(f"trace {trace['name']}: the recorded action orders wait on each other (no stage can "
@@ -133,5 +144,6 @@ def structure(trace: dict) -> dict:
                           "events": _rows(run["events"], EVENT_KEYS)}
                          for run in trace["runs"]]}
     return {**{k: trace[k] for k in REQUIRED["fsdp_forward"] if k not in ("events", "spans")},
-            "events": _rows(trace["events"], EVENT_KEYS),
+            "events": _rows(trace["events"], (*EVENT_KEYS, "flops")),
+            "spans": _rows(trace["spans"], SPAN_KEYS),
             "forward_markers": forward_markers(trace)}

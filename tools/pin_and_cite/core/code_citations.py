@@ -1,0 +1,59 @@
+"""Citations written in this repository's own code: a docstring or comment of the reference names the upstream
+code it mirrors as `SOURCE:PATH::Qual.name` (for example
+`pytorch:torch/distributed/fsdp/_runtime_utils.py::_pre_backward_hook`).
+
+`check` verifies each one against the lock like a citation in a note, at the file:line where it is written;
+`bump` carries it in the lock: a symbol citation names no line, so when upstream code moves only the lock
+changes, and when a symbol is renamed or moved to another file `check` names the docstring still citing the
+old name. A hand-typed upstream line number (`line 1385`, `lines 1239-1291`, `L88`) is what this replaces,
+and `check` refuses one, since nothing could keep it true. The reference pages render their "mirrors" column
+from the same docstrings (pin_and_cite.core.local_code.mirrored), so the citation has one home.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from pin_and_cite.core.errors import PinAndCiteError
+from pin_and_cite.core.notes import Written
+
+CODE_DIRS = ("reference",)        # the folders of the project whose Python files cite upstream
+CODE_CITATION = re.compile(r"(?<![\w/.:-])([A-Za-z][\w-]*:(?:[\w.-]+/)*[\w.-]+\.pyi?::[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)")
+HAND_TYPED_LINE = re.compile(r"\b(?:lines? \d+|L\d{2,})\b")
+
+
+def _line_of(text: str, offset: int) -> int:
+    return text.count("\n", 0, offset) + 1
+
+
+def citations_in_text(text: str) -> list[tuple[str, int]]:
+    """(spec, line) of every upstream citation written in `text`, in order."""
+    return [(m[1], _line_of(text, m.start())) for m in CODE_CITATION.finditer(text)]
+
+
+def code_files(root: Path) -> list[Path]:
+    return sorted(p for folder in CODE_DIRS for p in (root / folder).rglob("*.py") if p.is_file())
+
+
+def _text_of(file: Path, root: Path) -> str:
+    try:
+        return file.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise PinAndCiteError(f"{file.relative_to(root)} is not UTF-8 (byte {exc.object[exc.start]:#04x} at offset "
+                              f"{exc.start})") from None
+
+
+def code_citations(root: Path) -> list[Written]:
+    """Every upstream citation written in the project's code, as `upstream` calls at their file:line."""
+    return [Written("upstream", spec, file, line)
+            for file in code_files(root) for spec, line in citations_in_text(_text_of(file, root))]
+
+
+def hand_typed_lines(root: Path) -> list[tuple[str, str]]:
+    """(file:line, what) of every hand-typed upstream line number in the project's code."""
+    found = []
+    for file in code_files(root):
+        text = _text_of(file, root)
+        found += [(f"{file.relative_to(root)}:{_line_of(text, m.start())}", m[0])
+                  for m in HAND_TYPED_LINE.finditer(text)]
+    return found

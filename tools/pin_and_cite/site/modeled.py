@@ -1,0 +1,140 @@
+"""A recorded step on a modeled time scale: each span's compute from its recorded FLOPs at a stated FLOP rate,
+each collective's and message's time from its recorded bytes at a stated link bandwidth, in the recorded order.
+
+Times of the CPU/gloo runs say nothing about a GPU; FLOPs, bytes and order are what the reference did, so the
+step is re-timed as a GPU at `Rates` would run it, keeping every dependency the recording shows:
+  * FSDP (`fsdp_modeled`): one compute stream and one collective stream. Walking the recorded collectives and
+    compute spans in recorded order, compute advances by the FLOPs recorded between two points; a collective
+    is issued at that compute time and runs when the collective stream is free, for the bytes a rank sends
+    on a ring (scale_tables.sent_bytes); a unit's compute starts no earlier than its all-gather's end.
+  * pipelines (`pipeline_modeled`): each stage runs its actions in the recorded order, each action its
+    recorded FLOPs, a forward after the previous stage's forward of that micro-batch and its activation's
+    transfer, a backward after the next stage's backward and the gradient's transfer (traces.pipeline_schedule).
+`*_measured` give the same bars from a trace's own recorded times (a CUDA run, where a device recorded one).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pin_and_cite.site.scale_tables import sent_bytes
+from pin_and_cite.site.timeline import Bar
+from pin_and_cite.site.traces import RECORD, TraceError, events_where, pipeline_schedule
+
+FSDP_COLORS = {"forward compute": "#1565c0", "backward compute": "#6a1b9a", "all-gather": "#2e7d32",
+               "reduce-scatter": "#ef6c00"}
+PIPELINE_COLORS = {"forward (F micro-batch)": "#1565c0", "backward (B micro-batch)": "#6a1b9a"}
+COLLECTIVES = {"all_gather": ("all-gather", "AG"), "reduce_scatter": ("reduce-scatter", "RS")}
+COLLECTIVE_ROW = "collectives"
+
+
+@dataclass(frozen=True)
+class Rates:
+    tflops: float        # dense FLOP rate of one GPU, TFLOP/s
+    link_GBps: float     # what one rank sends per second, GB/s
+
+    def __post_init__(self):
+        if not (isinstance(self.tflops, (int, float)) and isinstance(self.link_GBps, (int, float))
+                and self.tflops > 0 and self.link_GBps > 0):
+            raise TraceError(f"a modeled timeline needs positive tflops and link_GBps, not {self.tflops!r} and "
+                             f"{self.link_GBps!r}")
+
+    @property
+    def axis(self) -> str:
+        return f"modeled at {self.tflops:g} TFLOP/s, {self.link_GBps:g} GB/s"
+
+    def compute(self, flops: float) -> float:
+        return flops / (self.tflops * 1e12)
+
+    def transfer(self, nbytes: float) -> float:
+        return nbytes / (self.link_GBps * 1e9)
+
+
+def _stamped(trace: dict) -> list[tuple[float, int, str, dict]]:
+    """The FSDP trace's points in recorded order: (time, FLOPs computed before it, what, event or span)."""
+    if any("flops" not in e for e in trace["events"]) or any("flops_end" not in s for s in trace["spans"]):
+        raise TraceError(f"trace {trace['name']}: its collectives and spans carry no FLOP counts, which the "
+                         f"modeled timeline needs; {RECORD}")
+    points = [(e["start"], e["flops"], "issue", e) for e in trace["events"] if e["op"] in COLLECTIVES]
+    points += [(s["start"], s["flops_start"], "start", s) for s in trace["spans"]]
+    points += [(s["end"], s["flops_end"], "end", s) for s in trace["spans"]]
+    return sorted(points, key=lambda p: (p[0], p[1]))
+
+
+def _compute_bar(span: dict, start: float, end: float) -> Bar:
+    unit, phase = span["name"].rsplit(" ", 1)
+    return Bar(unit, f"{phase} compute", f"{unit} {phase}", start, end,
+               f"{span['flops_end'] - span['flops_start']:,} FLOPs (with the units it holds)")
+
+
+def _collective_bar(trace: dict, event: dict, start: float, end: float) -> Bar:
+    kind, short = COLLECTIVES[event["op"]]
+    return Bar(COLLECTIVE_ROW, kind, f"{short} {event['module']}", start, end,
+               f"{event['phase']}, {event['nbytes']:,} B gathered or reduced, "
+               f"{sent_bytes(event['op'], event['nbytes'], trace['world']):,} B sent by a rank")
+
+
+def fsdp_modeled(trace: dict, rates: Rates) -> list[Bar]:
+    """The FSDP step's compute spans and collectives, re-timed (see the module docstring)."""
+    clock = flops_done = stream_free = 0.0
+    gathered: dict[str, float] = {}       # unit -> modeled end of its latest all-gather
+    started: dict[int, float] = {}
+    bars = []
+    for _, flops, what, item in _stamped(trace):
+        clock += rates.compute(max(0, flops - flops_done))
+        flops_done = max(flops_done, flops)
+        if what == "issue":
+            start = max(clock, stream_free)
+            stream_free = start + rates.transfer(sent_bytes(item["op"], item["nbytes"], trace["world"]))
+            if item["op"] == "all_gather":
+                gathered[item["module"]] = stream_free
+            bars.append(_collective_bar(trace, item, start, stream_free))
+        elif what == "start":
+            clock = max(clock, gathered.get(item["name"].rsplit(" ", 1)[0], 0.0))
+            started[id(item)] = clock
+        else:
+            bars.append(_compute_bar(item, started[id(item)], clock))
+    return bars
+
+
+def fsdp_measured(trace: dict) -> list[Bar]:
+    """The same bars at the trace's own recorded times (seconds from its first record)."""
+    bars = [_compute_bar(s, s["start"], s["end"]) for s in trace["spans"]]
+    return bars + [_collective_bar(trace, e, e["start"], e["end"] if e["end"] is not None else e["start"])
+                   for e in trace["events"] if e["op"] in COLLECTIVES]
+
+
+def _pipeline_bar(r: int, action: str, start: float, end: float, flops: int) -> Bar:
+    kind = next(k for k in PIPELINE_COLORS if k.startswith("forward" if action[0] == "F" else "backward"))
+    return Bar(f"stage {r}", kind, action, start, end, f"{flops:,} FLOPs")
+
+
+def pipeline_modeled(trace: dict, rates: Rates) -> list[Bar]:
+    """The pipeline step re-timed (see the module docstring)."""
+    stages = trace["stages"]
+    if any(len(st.get("action_flops", ())) != len(st["actions"]) for st in stages):
+        raise TraceError(f"trace {trace['name']}: its pipeline actions carry no FLOP counts, which the modeled "
+                         f"timeline needs; {RECORD}")
+    message = trace["dtype_size"]
+    for size in trace["activation_shape"]:
+        message *= size
+    placed = pipeline_schedule(trace, lambda r, i, action: rates.compute(stages[r]["action_flops"][i]),
+                               lambda r, action: rates.transfer(message))
+    return [_pipeline_bar(r, action, start, end, stages[r]["action_flops"][i])
+            for r, stage in enumerate(placed) for i, (action, start, end) in enumerate(stage)]
+
+
+def pipeline_measured(trace: dict) -> list[Bar]:
+    return [_pipeline_bar(r, action, start, end, st.get("action_flops", [0] * len(st["actions"]))[i])
+            for r, st in enumerate(trace["stages"])
+            for i, (action, (start, end)) in enumerate(zip(st["actions"], st["action_spans"]))]
+
+
+def check_collectives_recorded(trace: dict) -> None:
+    """Every unit has a forward all-gather and a forward span: otherwise the timeline would be silently partial."""
+    units = [u["name"] for u in trace["units"]]
+    spans = {s["name"] for s in trace["spans"]}
+    gathered = {e["module"] for e in events_where(trace["events"], op="all_gather", phase="forward")}
+    missing = [u for u in units if u not in gathered or f"{u} forward" not in spans]
+    if missing:
+        raise TraceError(f"trace {trace['name']}: no forward all-gather or compute span recorded for unit(s) "
+                         f"{', '.join(missing)}; cannot draw the FSDP timeline; {RECORD}")
