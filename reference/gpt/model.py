@@ -27,7 +27,8 @@ megatron/training/initialize.py::_set_random_seed, so its weights depend on the 
 Sequence parallelism with rotary positions ("llama") accepts a sequence length the TP size does not divide:
 the stage pads tokens and labels at the end, the positions simply continue (causal attention keeps real
 tokens blind to the pad), and the loss is the mean over the real labels only (the pad labels are dropped
-before the mean, as an ignore index would), so it equals the unpadded loss. Learned positions ("gpt2") have one row per position and refuse instead.
+before the mean, as an ignore index would), so it equals the unpadded loss. Learned positions ("gpt2") have
+one row per position and refuse instead.
 """
 from __future__ import annotations
 
