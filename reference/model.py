@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from reference.synthetic_data import random_token_batches
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -97,6 +99,5 @@ def build_model(config: ModelConfig, seed: int) -> Transformer:
 
 def synthetic_batches(config: ModelConfig, steps: int, batch_size: int, seq_length: int, seed: int,
                       ) -> list[torch.Tensor]:
-    """`steps` global batches of random tokens, identical on every rank; each rank takes its own rows."""
-    generator = torch.Generator().manual_seed(seed + 1)
-    return [torch.randint(config.vocab_size, (batch_size, seq_length), generator=generator) for _ in range(steps)]
+    """`steps` global batches of random tokens [B, s], identical on every rank; each rank takes its own rows."""
+    return random_token_batches(config.vocab_size, steps, batch_size, seq_length, seed)

@@ -1,6 +1,6 @@
 """2D parallelism: tensor parallelism inside the TP group (a node), FSDP across the DP group (between nodes).
 
-`shard_tp_model(model, layout)` wraps every ParallelTransformerBlock of a TP-sharded model in a reference FSDP
+`shard_tp_model(model, layout)` wraps every TP block (GPT-2 or Llama style) of a TP-sharded model in a reference FSDP
 unit on `layout.dp_group`, and the model itself in the root unit. Each TP rank flattens *its own shards* of the
 block (its heads, its MLP columns, the replicated LayerNorms), and FSDP splits that flat buffer 1/dp over the
 ranks holding the same TP slices: the DP group is orthogonal to the TP group, so FSDP needs no change, only
@@ -30,16 +30,19 @@ from torch import nn
 from reference.fsdp import FullyShardedDataParallel
 from reference.parallel_state import ParallelConfigError, ParallelLayout, groups
 from reference.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from reference.tensor_parallel.transformer import ParallelTransformerBlock
+from reference.tensor_parallel.transformer import ParallelLlamaBlock, ParallelTransformerBlock
+
+TP_BLOCKS = (ParallelTransformerBlock, ParallelLlamaBlock)  # each becomes one FSDP unit
 
 
 def shard_tp_model(model: nn.Module, layout: ParallelLayout, **fsdp_kwargs) -> FullyShardedDataParallel:
-    """Wrap each ParallelTransformerBlock of `model` (in place), then `model`, in FSDP units on the DP group.
-    `fsdp_kwargs` go to every FullyShardedDataParallel (prefetch, mixed precision, ...). A collective.
+    """Wrap each TP block (ParallelTransformerBlock or ParallelLlamaBlock) of `model` (in place), then `model`,
+    in FSDP units on the DP group. `fsdp_kwargs` go to every FullyShardedDataParallel (prefetch, mixed
+    precision, ...). A collective.
 
     Mirrors `pytorch:torch/distributed/fsdp/_fully_shard/_fsdp_param.py::FSDPParam._init_sharded_param`.
     """
-    blocks = [(name, m) for name, m in model.named_modules() if isinstance(m, ParallelTransformerBlock)]
+    blocks = [(name, m) for name, m in model.named_modules() if isinstance(m, TP_BLOCKS)]
     _check_consistent(model, blocks, layout)
     for name, block in blocks:
         parent_name, _, attr = name.rpartition(".")
@@ -73,7 +76,7 @@ def _check_consistent(model: nn.Module, blocks: list[tuple[str, nn.Module]], lay
 def _local_problem(model: nn.Module, blocks: list[tuple[str, nn.Module]], layout: ParallelLayout) -> str | None:
     """What is wrong with this rank's model, or None."""
     if not blocks:
-        return (f"{type(model).__name__} has no ParallelTransformerBlock to wrap; build it as "
+        return (f"{type(model).__name__} has no ParallelTransformerBlock or ParallelLlamaBlock to wrap; build it as "
                 "reference.tensor_parallel.transformer.ParallelTransformer(..., tp_group=layout.tp_group)")
     tp_ranks = dist.get_process_group_ranks(layout.tp_group)
     for prefix, module in model.named_modules():

@@ -4,9 +4,11 @@ Prints the layout, then per step the global loss, rank 0's parameter bytes next 
 and rank 0's collectives grouped by the process group they ran on (tp, pp, dp) and by type (count and
 bytes, from the CollectiveRecorder), then for each pipeline stage the schedule it ran, its peak number of
 micro-batches in flight (as the schedule counted them and as autograd held them) and its bubble next to the
-formula (p - 1) / (m + p - 1). With --pp 1 --dp 1 this is the tensor-parallel demo. The loss does not
-depend on the layout, the schedule or the number of micro-batches: the same seed gives the same model and
-data everywhere (compare `--nproc-per-node 1` with 8).
+formula (p - 1) / (m + p - 1), then every rank's memory: parameter bytes held and peak activation bytes.
+`--model llama` trains the Llama/Qwen2 block (reference.gpt.model's "llama" style) instead of GPT-2's.
+With --pp 1 --dp 1 this is the tensor-parallel demo. The loss does not depend on the layout, the schedule
+or the number of micro-batches: the same seed gives the same model and data everywhere (compare
+`--nproc-per-node 1` with 8).
 
 `--dp-sharding fsdp` (2D: `torchrun --nproc-per-node 4 -m reference --tp 2 --dp 2 --dp-sharding fsdp
 --sequence-parallel`) shards the TP stage over the DP group with reference FSDP (reference.gpt.train.
@@ -34,8 +36,8 @@ from reference.data_parallel.distributed_optimizer import DistributedOptimizer
 from reference.data_parallel.wrapper import DEFAULT_BUCKET_SIZE
 from reference.distributed import LaunchError, distributed
 from reference.fsdp.units import sharded_parameter_bytes
-from reference.gpt.model import (GPTConfig, UnshardedGPT, build_chunks, build_stage, split_layers,
-                                 split_virtual_stages)
+from reference.gpt.model import (STYLES, GPTConfig, UnshardedGPT, build_chunks, build_stage, check_tensor_parallel,
+                                 split_layers, split_virtual_stages)
 from reference.gpt.train import data_parallel, fully_sharded, synthetic_batches, train_step
 from reference.parallel_state import ParallelConfigError, build_layout, parallel_sizes
 from reference.pipeline.interleaved import check_interleaving
@@ -46,6 +48,12 @@ from reference.recorder import CollectiveRecorder
 
 def add_arguments(group) -> None:
     """Add the 3D-parallel flags to the shared parser's argument group."""
+    group.add_argument("--model", choices=STYLES, default="gpt2",
+                       help="the block: gpt2 (LayerNorm, GELU, learned positions) or llama (the Llama/Qwen2 block: "
+                            "RMSNorm, SwiGLU, rotary positions, grouped-query attention)")
+    group.add_argument("--num-kv-heads", type=int, default=None,
+                       help="llama: key/value heads (query groups), split over --tp; default: half the attention "
+                            "heads")
     group.add_argument("--tp", type=int, default=1, help="tensor-parallel size: ranks splitting every layer")
     group.add_argument("--pp", type=int, default=1, help="pipeline-parallel size: stages of consecutive layers")
     group.add_argument("--dp", type=int, default=None,
@@ -104,10 +112,15 @@ def _config(args) -> GPTConfig:
                 "--dp-sharding replicate")
     if min(args.steps, args.batch_size, args.micro_batches, args.bucket_size) < 1:
         raise ParallelConfigError("--steps, --batch-size, --micro-batches and --bucket-size must be >= 1")
+    if args.num_kv_heads is not None and (args.model != "llama" or args.num_kv_heads < 1):
+        raise ParallelConfigError(f"--num-kv-heads {args.num_kv_heads}: needs --model llama and a positive count")
+    kv_heads = args.num_kv_heads or max(1, args.num_attention_heads // 2)
     config = GPTConfig(vocab_size=args.vocab_size, hidden_size=args.hidden_size,
                        num_attention_heads=args.num_attention_heads, num_layers=args.num_layers,
-                       seq_length=args.seq_length, hidden_dropout=args.dropout, attention_dropout=args.dropout)
+                       seq_length=args.seq_length, hidden_dropout=args.dropout, attention_dropout=args.dropout,
+                       style=args.model, num_kv_heads=kv_heads if args.model == "llama" else None)
     split_layers(config.num_layers, args.pp)
+    check_tensor_parallel(config, args.tp, args.sequence_parallel)
     if args.virtual_stages != 1:
         if args.schedule != "1f1b" or args.dp_sharding == "fsdp":
             raise ParallelConfigError(f"--virtual-stages {args.virtual_stages} needs --schedule 1f1b and "
@@ -168,6 +181,11 @@ def _train(args, config: GPTConfig, device: torch.device) -> None:
     dist.gather_object(result.pipeline.to_dict(), stages, dst=0)
     if rank == 0:
         _report_pipeline(args, [stages[r] for r in layout.grid[:, 0, 0].tolist()])
+    memory = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object({"rank": rank, "param_bytes": sharded_parameter_bytes(model),
+                        "peak_activation_bytes": result.pipeline.peak_activation_bytes}, memory, dst=0)
+    if rank == 0:
+        _report_memory(args, memory)
     if args.trace is not None:
         args.trace.mkdir(parents=True, exist_ok=True)
         (args.trace / f"gpt_trace.rank{rank}.json").write_text(recorder.to_json())
@@ -190,6 +208,18 @@ def _report_step(args, step, result, recorder, layout, param_bytes: dict | None)
     print(f"step {step}: loss {result.loss:.6f} ({seconds * 1e3:.1f} ms) | parameters on rank 0 {shard} B "
           f"(unsharded {total} B, ratio {shard / total:.3f}) | "
           + " | ".join(f"{name}: {fmt(ops)}" for name, ops in groups.items()), flush=True)
+
+
+def _report_memory(args, ranks: list[dict]) -> None:
+    """Per rank: the parameter bytes it holds between steps and the activation bytes autograd held at most."""
+    if args.json:
+        print(json.dumps({"memory": ranks}), flush=True)
+        return
+    print("memory per rank (parameters held between steps, peak activations autograd held in the last step):",
+          flush=True)
+    for r in ranks:
+        print(f"  rank {r['rank']}: parameters {r['param_bytes']} B, activations {r['peak_activation_bytes']} B",
+              flush=True)
 
 
 def _report_pipeline(args, stages: list[dict]) -> None:

@@ -1,4 +1,9 @@
-"""A small GPT, unsharded and as one pipeline stage of a TP x PP split; any split has the same weights.
+"""A small decoder, unsharded and as one pipeline stage of a TP x PP split; any split has the same weights.
+
+One family, two block styles (GPTConfig.style): "gpt2" (LayerNorm, GELU MLP, learned positions, multi-head
+attention with biases) and "llama" (the Llama/Qwen2 block: RMSNorm, SwiGLU MLP without biases, rotary
+positions, grouped-query attention with num_kv_heads key/value heads and q/k/v biases as Qwen2 has them).
+reference/gpt/hf_weights.py maps a Hugging Face Qwen2ForCausalLM's weights onto the "llama" style.
 
 Layout (Megatron's names, megatron/core/models/gpt/gpt_model.py::GPTModel): `embedding` (word + learned
 position embeddings, megatron/core/models/common/embeddings/language_model_embedding.py::
@@ -18,6 +23,12 @@ L + 1: head), with the caller's RNG stream restored afterwards. A stage draws ex
 the unsharded model has for its modules without drawing the others, so every TP x PP split of the same seed
 is the same model. (Megatron-LM instead seeds each pipeline rank differently, seed + 100 * pp_rank, in
 megatron/training/initialize.py::_set_random_seed, so its weights depend on the PP size.)
+
+Sequence parallelism with rotary positions ("llama") accepts a sequence length the TP size does not divide:
+the stage pads tokens and labels at the end, the positions simply continue (causal attention keeps real
+tokens blind to the pad), and the loss is the mean over the real labels only (the pad labels are dropped
+before the mean, as an ignore index would), so it equals the unpadded loss. Learned positions ("gpt2") have
+one row per position and refuse instead.
 """
 from __future__ import annotations
 
@@ -32,9 +43,13 @@ import torch.nn.functional as F
 from reference.parallel_state import ParallelConfigError, ParallelLayout, divide
 from reference.tensor_parallel.mappings import scatter_to_sequence_parallel_region
 from reference.tensor_parallel.random import TensorParallelRNG
-from reference.tensor_parallel.transformer import ParallelTransformerBlock
-from reference.tensor_parallel.unsharded import TransformerBlock, init_method_normal
+from reference.tensor_parallel.rotary import rotary_cos_sin
+from reference.tensor_parallel.transformer import ParallelLlamaBlock, ParallelTransformerBlock, split_query_groups
+from reference.tensor_parallel.unsharded import LlamaBlock, TransformerBlock, init_method_normal
 from reference.tensor_parallel.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
+
+
+STYLES = ("gpt2", "llama")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,8 +66,34 @@ class GPTConfig:
     # one matrix embeds the tokens and produces the logits (Megatron's default is True; here False, so that
     # the untied runs and traces keep their meaning); across stages see reference.pipeline.tied_embeddings
     share_embeddings_and_output_weights: bool = False
+    style: str = "gpt2"                 # the block: "gpt2" or "llama" (see the module docstring)
+    num_kv_heads: int | None = None     # "llama": key/value heads (query groups); default num_attention_heads
+    rope_theta: float = 1_000_000.0     # "llama": rotary base (Qwen2.5's rope_theta)
+    norm_eps: float = 1e-6              # "llama": RMSNorm epsilon (Qwen2's rms_norm_eps)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
 
     def __post_init__(self) -> None:
+        if self.style not in STYLES:
+            raise ParallelConfigError(f"unknown model style {self.style!r}; choose one of {', '.join(STYLES)}")
+        if self.style == "llama":
+            if self.num_attention_heads % self.kv_heads:
+                raise ParallelConfigError(f"{self.num_attention_heads} attention heads do not split into "
+                                          f"{self.kv_heads} key/value heads' groups of equal size")
+            if self.hidden_dropout or self.attention_dropout:
+                raise ParallelConfigError("the llama style has no dropout (as Llama and Qwen2 pretraining); "
+                                          "use --dropout 0")
+            if (self.hidden_size // max(self.num_attention_heads, 1)) % 2:
+                raise ParallelConfigError("rotary positions rotate pairs: the head dimension hidden_size / "
+                                          "num_attention_heads must be even")
+        elif self.num_kv_heads not in (None, self.num_attention_heads):
+            raise ParallelConfigError("grouped-query attention (num_kv_heads) needs the llama style")
         for name in ("vocab_size", "hidden_size", "num_attention_heads", "num_layers", "seq_length"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ParallelConfigError(f"GPTConfig.{name} must be a positive integer, got {getattr(self, name)!r}")
@@ -64,8 +105,43 @@ class GPTConfig:
                 raise ParallelConfigError(f"GPTConfig.{name} must be in [0, 1), got {getattr(self, name)}")
 
     def block_kwargs(self) -> dict:
+        if self.style == "llama":
+            return dict(num_kv_heads=self.kv_heads, ffn_hidden_size=self.ffn_hidden_size or 4 * self.hidden_size,
+                        norm_eps=self.norm_eps, init_method=init_method_normal(self.init_std))
         return dict(ffn_hidden_size=self.ffn_hidden_size, init_method=init_method_normal(self.init_std),
                     hidden_dropout=self.hidden_dropout, attention_dropout=self.attention_dropout)
+
+    def final_norm(self, **kw) -> torch.nn.Module:
+        if self.style == "llama":
+            return torch.nn.RMSNorm(self.hidden_size, eps=self.norm_eps, **kw)
+        return torch.nn.LayerNorm(self.hidden_size, **kw)
+
+    def rotary(self, seq_length: int, device) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+        """The extra block arguments: (cos, sin) of the whole sequence for "llama", none for "gpt2"."""
+        if self.style == "llama":
+            return (rotary_cos_sin(seq_length, self.head_dim, self.rope_theta, device),)
+        return ()
+
+
+def check_tensor_parallel(config: GPTConfig, tp: int, sequence_parallel: bool) -> None:
+    """One-line refusals of a TP size the model cannot be split by, before any process group is used."""
+    if config.style == "llama":
+        split_query_groups(config.num_attention_heads, config.kv_heads, tp)
+    else:
+        divide(config.num_attention_heads, tp, "num_attention_heads", by="the tensor-parallel size")
+    if sequence_parallel and tp > 1:
+        if config.seq_length < tp:
+            raise ParallelConfigError(f"sequence length {config.seq_length} is shorter than the tensor-parallel "
+                                      f"size {tp}: sequence parallelism would leave a rank without tokens")
+        if config.style == "gpt2":
+            divide(config.seq_length, tp, "the sequence length", by="the tensor-parallel size (sequence parallel)")
+
+
+def padded_seq_length(config: GPTConfig, tp: int, sequence_parallel: bool) -> int:
+    """The sequence length the stage runs: under SP, rounded up to a multiple of tp (see the module docstring)."""
+    if not (sequence_parallel and tp > 1):
+        return config.seq_length
+    return -(-config.seq_length // tp) * tp
 
 
 def split_layers(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
@@ -115,15 +191,16 @@ class UnshardedGPT(torch.nn.Module):
             self.embedding = torch.nn.Module()
             self.embedding.word_embeddings = torch.nn.Embedding.from_pretrained(
                 _embedding_weight(config.vocab_size, config), freeze=False)
-            self.embedding.position_embeddings = torch.nn.Embedding.from_pretrained(
-                _embedding_weight(config.seq_length, config), freeze=False)
+            if config.style == "gpt2":
+                self.embedding.position_embeddings = torch.nn.Embedding.from_pretrained(
+                    _embedding_weight(config.seq_length, config), freeze=False)
+        block = LlamaBlock if config.style == "llama" else TransformerBlock
         self.layers = torch.nn.ModuleList()
         for i in range(config.num_layers):
             with module_seed(seed, 1 + i):
-                self.layers.append(TransformerBlock(h, config.num_attention_heads, device="cpu",
-                                                    **config.block_kwargs()))
+                self.layers.append(block(h, config.num_attention_heads, device="cpu", **config.block_kwargs()))
         with module_seed(seed, 1 + config.num_layers):
-            self.final_layernorm = torch.nn.LayerNorm(h)
+            self.final_layernorm = config.final_norm()
             self.output_layer = torch.nn.utils.skip_init(torch.nn.Linear, h, config.vocab_size, bias=False)
             if config.share_embeddings_and_output_weights:
                 self.output_layer.weight = self.embedding.word_embeddings.weight
@@ -132,14 +209,20 @@ class UnshardedGPT(torch.nn.Module):
                     self.output_layer.weight.copy_(_embedding_weight(config.vocab_size, config))
         self.to(device)
 
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [b, s] -> logits [s, b, V]."""
+        x = self.embedding.word_embeddings(tokens)
+        if self.config.style == "gpt2":
+            x = x + self.embedding.position_embeddings(torch.arange(tokens.shape[1], device=tokens.device))
+        x = x.transpose(0, 1)  # [b, s, h] -> [s, b, h]
+        extra = self.config.rotary(x.shape[0], x.device)
+        for layer in self.layers:
+            x = layer(x, *extra)
+        return self.output_layer(self.final_layernorm(x))
+
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """tokens, labels [b, s] -> mean token cross-entropy."""
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        x = self.embedding.word_embeddings(tokens) + self.embedding.position_embeddings(positions)
-        x = x.transpose(0, 1)  # [b, s, h] -> [s, b, h]
-        for layer in self.layers:
-            x = layer(x)
-        logits = self.output_layer(self.final_layernorm(x))  # [s, b, V]
+        logits = self.logits(tokens)
         return F.cross_entropy(logits.float().flatten(0, 1), labels.transpose(0, 1).flatten())
 
 
@@ -148,9 +231,10 @@ class GPTStage(torch.nn.Module):
     first stage and the final LayerNorm + vocab-parallel head and loss on the last.
 
     forward(hidden, tokens, labels): the first stage ignores `hidden` and embeds `tokens` [b, s]; other stages
-    take `hidden` from the previous stage, [s, b, h] ([s / tp, b, h] under sequence parallelism). The last
-    stage returns the micro-batch's mean token loss (a scalar, equal on every TP rank), the others the hidden
-    state to send on. `block_kwargs` go to every ParallelTransformerBlock (e.g. async_grad_allreduce).
+    take `hidden` from the previous stage, [s, b, h] ([s / tp, b, h] under sequence parallelism, s padded to a
+    multiple of tp for "llama"). The last stage returns the micro-batch's mean token loss over its real labels
+    (a scalar, equal on every TP rank), the others the hidden state to send on. `block_kwargs` go to every
+    block (ParallelTransformerBlock or ParallelLlamaBlock, e.g. async_grad_allreduce).
     `params_dtype` is every parameter's dtype (the weights are drawn in fp32 and rounded, as in Megatron).
 
     Mirrors `megatron-lm:megatron/core/models/gpt/gpt_model.py::GPTModel`.
@@ -167,8 +251,8 @@ class GPTStage(torch.nn.Module):
         self.config, self.tp_group, self.params_dtype = config, tp_group, params_dtype
         self.first_layer, self.last_layer, self.is_first, self.is_last = first_layer, last_layer, is_first, is_last
         self.sequence_parallel = sequence_parallel and tp > 1
-        if self.sequence_parallel:
-            divide(config.seq_length, tp, "the sequence length", by="the tensor-parallel size (sequence parallel)")
+        check_tensor_parallel(config, tp, self.sequence_parallel)
+        self.seq_length = padded_seq_length(config, tp, self.sequence_parallel)
         init = init_method_normal(config.init_std)
         if is_first:
             with module_seed(seed, 0):
@@ -176,19 +260,23 @@ class GPTStage(torch.nn.Module):
                 self.embedding.word_embeddings = VocabParallelEmbedding(
                     config.vocab_size, config.hidden_size, tp_group=tp_group, init_method=init,
                     params_dtype=params_dtype, device=device)
-                self.embedding.position_embeddings = torch.nn.Embedding.from_pretrained(
-                    _embedding_weight(config.seq_length, config).to(device, params_dtype), freeze=False)
-        rng = TensorParallelRNG(seed, tp_group, device)
+                if config.style == "gpt2":
+                    self.embedding.position_embeddings = torch.nn.Embedding.from_pretrained(
+                        _embedding_weight(config.seq_length, config).to(device, params_dtype), freeze=False)
+        if config.style == "llama":
+            block, block_kwargs = ParallelLlamaBlock, {**config.block_kwargs(), **block_kwargs}
+        else:
+            block = ParallelTransformerBlock
+            block_kwargs = {**config.block_kwargs(), **block_kwargs, "rng": TensorParallelRNG(seed, tp_group, device)}
         self.layers = torch.nn.ModuleList()
         for i in range(first_layer, last_layer):
             with module_seed(seed, 1 + i):
-                self.layers.append(ParallelTransformerBlock(
-                    config.hidden_size, config.num_attention_heads, tp_group=tp_group,
-                    sequence_parallel=self.sequence_parallel, params_dtype=params_dtype, device=device, rng=rng,
-                    **{**config.block_kwargs(), **block_kwargs}))
+                self.layers.append(block(config.hidden_size, config.num_attention_heads, tp_group=tp_group,
+                                         sequence_parallel=self.sequence_parallel, params_dtype=params_dtype,
+                                         device=device, **block_kwargs))
         if is_last:
             with module_seed(seed, 1 + config.num_layers):
-                self.final_layernorm = torch.nn.LayerNorm(config.hidden_size, dtype=params_dtype, device=device)
+                self.final_layernorm = config.final_norm(dtype=params_dtype, device=device)
                 self.output_layer = ParallelLMHead(config.hidden_size, config.vocab_size, tp_group=tp_group,
                                                    init_method=init, sequence_parallel=self.sequence_parallel,
                                                    params_dtype=params_dtype, device=device)
@@ -200,25 +288,49 @@ class GPTStage(torch.nn.Module):
     def activation_shape(self, micro_batch_size: int) -> tuple[int, int, int]:
         """Shape of the hidden state sent between stages (megatron/core/pipeline_parallel/schedules.py::
         get_tensor_shapes: the sequence divided by TP under sequence parallelism)."""
-        s = self.config.seq_length // (self.tp_group.size() if self.sequence_parallel else 1)
+        s = self.seq_length // (self.tp_group.size() if self.sequence_parallel else 1)
         return (s, micro_batch_size, self.config.hidden_size)
+
+    def _pad(self, ids: torch.Tensor, value: int) -> torch.Tensor:
+        """[b, s] -> [b, self.seq_length]: the sequence-parallel padding at the end (see the module docstring)."""
+        pad = self.seq_length - ids.shape[1]
+        return F.pad(ids, (0, pad), value=value) if pad else ids
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        if tokens.shape[1] != self.config.seq_length:
+            raise ParallelConfigError(f"tokens have sequence length {tokens.shape[1]}, the model "
+                                      f"{self.config.seq_length}")
+        tokens = self._pad(tokens, 0)
+        x = self.embedding.word_embeddings(tokens)
+        if self.config.style == "gpt2":
+            x = x + self.embedding.position_embeddings(torch.arange(tokens.shape[1], device=tokens.device))
+        hidden = x.transpose(0, 1).contiguous()  # [b, s, h] -> [s, b, h]
+        if self.sequence_parallel:
+            hidden = scatter_to_sequence_parallel_region(hidden, self.tp_group)
+        return hidden
+
+    def _layers(self, hidden: torch.Tensor) -> torch.Tensor:
+        extra = self.config.rotary(self.seq_length, hidden.device)
+        for layer in self.layers:
+            hidden = layer(hidden, *extra)
+        return hidden
+
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """A single-stage model's logits, this rank's vocabulary columns [s, b, V_p / tp] (padded s under SP)."""
+        return self.output_layer.logits(self.final_layernorm(self._layers(self._embed(tokens))))
 
     def forward(self, hidden: torch.Tensor | None, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Mirrors `megatron-lm:megatron/core/models/gpt/gpt_model.py::GPTModel.forward`."""
         if self.is_first:
-            if tokens.shape[1] != self.config.seq_length:
-                raise ParallelConfigError(f"tokens have sequence length {tokens.shape[1]}, the model "
-                                          f"{self.config.seq_length}")
-            positions = torch.arange(tokens.shape[1], device=tokens.device)
-            x = self.embedding.word_embeddings(tokens) + self.embedding.position_embeddings(positions)
-            hidden = x.transpose(0, 1).contiguous()  # [b, s, h] -> [s, b, h]
-            if self.sequence_parallel:
-                hidden = scatter_to_sequence_parallel_region(hidden, self.tp_group)
-        for layer in self.layers:
-            hidden = layer(hidden)
+            hidden = self._embed(tokens)
+        hidden = self._layers(hidden)
         if not self.is_last:
             return hidden
-        return self.output_layer(self.final_layernorm(hidden), labels).mean()
+        hidden = self.final_layernorm(hidden)
+        if labels.shape[1] == self.seq_length:
+            return self.output_layer(hidden, labels).mean()
+        real = labels.shape[1]  # padded under SP: the pad positions get id 0 and leave the mean
+        return self.output_layer(hidden, self._pad(labels, 0))[:, :real].mean()
 
 
 def build_stage(config: GPTConfig, layout: ParallelLayout, *, sequence_parallel: bool = False, seed: int = 1234,

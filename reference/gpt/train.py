@@ -45,13 +45,13 @@ from reference.fsdp import FullyShardedDataParallel
 from reference.gpt.model import GPTConfig, GPTStage
 from reference.parallel_state import ParallelConfigError, ParallelLayout
 from reference.pipeline.schedules import PipelineResult, forward_backward, loss_values
+from reference.synthetic_data import random_token_batches
 
 
 def synthetic_batches(config: GPTConfig, steps: int, global_batch_size: int, seed: int) -> list[torch.Tensor]:
-    """`steps` global batches of random tokens [B, s + 1], identical on every rank for a given seed."""
-    generator = torch.Generator().manual_seed(seed + 1)
-    return [torch.randint(config.vocab_size, (global_batch_size, config.seq_length + 1), generator=generator)
-            for _ in range(steps)]
+    """`steps` global batches of random tokens [B, s + 1] (inputs and shifted labels), identical on every rank
+    for a given seed."""
+    return random_token_batches(config.vocab_size, steps, global_batch_size, config.seq_length + 1, seed)
 
 
 def split_batch(tokens: torch.Tensor, dp_size: int, dp_rank: int, num_micro_batches: int
@@ -91,10 +91,13 @@ def data_parallel(stage: GPTStage, layout: ParallelLayout, *, bucket_size: int |
                                    use_distributed_optimizer=use_distributed_optimizer)
 
 
-def fully_sharded(stage: GPTStage, layout: ParallelLayout) -> FullyShardedDataParallel:
+def fully_sharded(stage: GPTStage, layout: ParallelLayout, **fsdp_kwargs) -> FullyShardedDataParallel:
     """The stage sharded by reference FSDP over the layout's DP group, TP inside (one unit per block, the
-    embedding and head in the root unit). train_step trains it with one micro-batch per step."""
-    return shard_tp_model(stage, layout)
+    embedding and head in the root unit). train_step trains it with one micro-batch per step. `fsdp_kwargs`
+    go to every unit, e.g. mixed_precision=MixedPrecision(param_dtype=torch.bfloat16,
+    reduce_dtype=torch.float32): bf16 compute over fp32 shards (the optimizer's master weights), gradients
+    reduce-scattered in fp32."""
+    return shard_tp_model(stage, layout, **fsdp_kwargs)
 
 
 def train_step(model: DistributedDataParallel | FullyShardedDataParallel | list[DistributedDataParallel],

@@ -30,20 +30,34 @@ from reference.tensor_parallel.mappings import (
 )
 
 
+def shard_of(master: torch.Tensor, partition_dim: int, group: dist.ProcessGroup, stride: int = 1) -> torch.Tensor:
+    """This rank's slice of a full tensor: with stride k the dimension is read as k consecutive parts (e.g. the
+    [gate; up] of a SwiGLU fc1, k = 2) and the rank takes its 1/p of each, so a rank's gate and up columns meet.
+
+    Megatron splits its master weight the same way (`stride`).
+
+    Mirrors `megatron-lm:megatron/core/tensor_parallel/layers.py::_initialize_affine_weight_cpu`.
+    """
+    p = group.size()
+    chunks = master.chunk(stride * p, dim=partition_dim)
+    return torch.cat(chunks[group.rank()::p], dim=partition_dim)
+
+
 def init_shard_from_master(weight: torch.Tensor, output_size: int, input_size: int, partition_dim: int,
-                           init_method: Callable[[torch.Tensor], object], group: dist.ProcessGroup) -> None:
+                           init_method: Callable[[torch.Tensor], object], group: dist.ProcessGroup,
+                           stride: int = 1) -> None:
     """Build the full fp32 master weight on every rank from the global RNG, keep this rank's slice.
 
-    Same recipe as megatron's _initialize_affine_weight_cpu (stride 1): equal seeds give equal shards here and
-    in megatron-core, and the unsharded model built after the same seed holds their concatenation.
+    Same recipe as megatron's _initialize_affine_weight_cpu: equal seeds give equal shards here and in
+    megatron-core, and the unsharded model built after the same seed holds their concatenation (stride 1;
+    with stride k, each rank's k parts, see shard_of).
 
     Mirrors `megatron-lm:megatron/core/tensor_parallel/layers.py::_initialize_affine_weight_cpu`.
     """
     master = torch.empty(output_size, input_size, dtype=torch.float32)
     init_method(master)
-    shard = master.to(weight.dtype).chunk(group.size(), dim=partition_dim)[group.rank()]
     with torch.no_grad():
-        weight.copy_(shard)
+        weight.copy_(shard_of(master.to(weight.dtype), partition_dim, group, stride))
 
 
 class _ParallelLinear(torch.nn.Module):
@@ -51,14 +65,15 @@ class _ParallelLinear(torch.nn.Module):
 
     def __init__(self, weight_shape, bias_size, *, tp_group, init_method, bias, sequence_parallel,
                  async_grad_allreduce, gradient_accumulation_fusion, params_dtype, device, partition_dim,
-                 input_size, output_size):
+                 input_size, output_size, stride=1):
         super().__init__()
         self.input_size, self.output_size, self.tp_group = input_size, output_size, tp_group
         self.sequence_parallel = sequence_parallel and tp_group.size() > 1  # as Megatron: off at TP=1
         self.async_grad_allreduce = async_grad_allreduce
         self.gradient_accumulation_fusion = gradient_accumulation_fusion
         self.weight = torch.nn.Parameter(torch.empty(weight_shape, dtype=params_dtype, device=device))
-        init_shard_from_master(self.weight, output_size, input_size, partition_dim, init_method, tp_group)
+        self.partition_dim, self.stride = partition_dim, stride
+        init_shard_from_master(self.weight, output_size, input_size, partition_dim, init_method, tp_group, stride)
         if gradient_accumulation_fusion:
             self.weight.main_grad = torch.zeros(weight_shape, dtype=torch.float32, device=device)
         if bias:  # Megatron zero-initializes biases
@@ -81,6 +96,7 @@ class ColumnParallelLinear(_ParallelLinear):
 
     gather_output: all-gather Y along the last dim so every rank holds the full output.
     skip_bias_add: return the bias instead of adding it, so the caller can fuse the add.
+    stride: the output features are `stride` consecutive parts, each split 1/p (see shard_of).
     sequence_parallel: the input is split along the sequence (dim 0) and all-gathered inside the kernel;
     its gradient is reduce-scattered back instead of all-reduced.
     """
@@ -89,12 +105,14 @@ class ColumnParallelLinear(_ParallelLinear):
                  init_method: Callable, bias: bool = True, gather_output: bool = False,
                  skip_bias_add: bool = False, sequence_parallel: bool = False,
                  async_grad_allreduce: bool = True, gradient_accumulation_fusion: bool = False,
-                 params_dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
-        per_rank = divide(output_size, tp_group.size(), "ColumnParallelLinear output_size")
+                 params_dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+                 stride: int = 1):
+        per_rank = divide(output_size, stride * tp_group.size(), "ColumnParallelLinear output_size") * stride
         super().__init__((per_rank, input_size), per_rank, tp_group=tp_group, init_method=init_method,
                          bias=bias, sequence_parallel=sequence_parallel, async_grad_allreduce=async_grad_allreduce,
                          gradient_accumulation_fusion=gradient_accumulation_fusion, params_dtype=params_dtype,
-                         device=device, partition_dim=0, input_size=input_size, output_size=output_size)
+                         device=device, partition_dim=0, input_size=input_size, output_size=output_size,
+                         stride=stride)
         self.output_size_per_partition = per_rank
         self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
 

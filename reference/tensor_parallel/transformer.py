@@ -11,6 +11,11 @@ config.sequence_parallel). Backward additionally re-gathers each column layer's 
 Parameters are named and initialized exactly as in reference.tensor_parallel.unsharded, so after the same
 seed each rank holds its slice of the unsharded model's weights. Dropout on split activations (attention
 heads; the residual stream under SP) draws from a per-rank stream (reference.tensor_parallel.random).
+
+ParallelLlamaBlock is the Llama/Qwen2 block (unsharded.LlamaBlock) split the same way, with the same
+collectives: QKV column-parallel with whole query groups (a key/value head and its query heads) per rank,
+SwiGLU's fused [gate; up] column-parallel with stride 2 (each rank holds its gate columns next to the
+matching up columns), o and down row-parallel, RMSNorm under sequence parallelism like LayerNorm.
 """
 from __future__ import annotations
 
@@ -29,7 +34,12 @@ from reference.tensor_parallel.mappings import (
     scatter_to_sequence_parallel_region,
 )
 from reference.tensor_parallel.random import TensorParallelRNG
-from reference.tensor_parallel.unsharded import causal_self_attention, init_method_normal
+from reference.tensor_parallel.unsharded import (
+    causal_self_attention,
+    grouped_query_attention,
+    init_method_normal,
+    swiglu,
+)
 
 
 class ParallelAttention(torch.nn.Module):
@@ -128,6 +138,101 @@ class ParallelTransformerBlock(torch.nn.Module):
         x = self.bias_dropout_add(out, bias, x)
         out, bias = self.mlp(self.ln2(x))
         return self.bias_dropout_add(out, bias, x)
+
+
+def split_query_groups(num_attention_heads: int, num_kv_heads: int, tp_size: int) -> int:
+    """Query groups (key/value heads) per TP rank; refuses a TP size that does not divide both head counts.
+
+    Megatron-core splits the groups when the TP size divides them and, with fewer key/value heads than TP
+    ranks, replicates them: each rank computes one whole group's k/v and keeps its share of the query heads
+    (`num_query_groups < world_size` in Attention.__init__). The reference refuses that case instead:
+    replicated k/v weights would be TP-replicated parameters whose gradients need their own sum over the
+    ranks sharing a head, a second mechanism this block does not need to show the split. A TP size dividing
+    neither is refused by Megatron too (its `divide` asserts).
+
+    Mirrors `megatron-lm:megatron/core/transformer/attention.py::Attention.__init__`.
+    """
+    divide(num_attention_heads, tp_size, "num_attention_heads", by="the tensor-parallel size")
+    if num_kv_heads < tp_size:
+        raise ParallelConfigError(
+            f"{num_kv_heads} key/value heads cannot be split over tensor-parallel size {tp_size}: each rank needs "
+            f"a whole key/value head (Megatron replicates them instead; this reference does not), lower --tp")
+    return divide(num_kv_heads, tp_size, "num_kv_heads (key/value heads)", by="the tensor-parallel size")
+
+
+class ParallelGroupedQueryAttention(torch.nn.Module):
+    """QKV column-parallel (each rank gets num_kv_heads / p whole query groups, with their q/k/v biases),
+    rotary + grouped-query attention on the local groups (`core_attention`, tensors in and out: the seam
+    selective recompute checkpoints), output projection row-parallel without bias. Returns (output, None).
+
+    Mirrors `megatron-lm:megatron/core/transformer/attention.py::SelfAttention.get_query_key_value_tensors`.
+    """
+
+    def __init__(self, hidden_size, num_attention_heads, num_kv_heads, linear_kwargs):
+        super().__init__()
+        tp = linear_kwargs["tp_group"].size()
+        self.local_query_groups = split_query_groups(num_attention_heads, num_kv_heads, tp)
+        self.head_dim = divide(hidden_size, num_attention_heads, "hidden_size", by="num_attention_heads")
+        qkv_size = (num_attention_heads + 2 * num_kv_heads) * self.head_dim
+        self.qkv = ColumnParallelLinear(hidden_size, qkv_size, **linear_kwargs)
+        self.proj = RowParallelLinear(num_attention_heads * self.head_dim, hidden_size, bias=False,
+                                      input_is_parallel=True, **linear_kwargs)
+
+    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, None]:
+        qkv, _ = self.qkv(x)
+        return self.proj(self.core_attention(qkv, *rotary))
+
+    def core_attention(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The local query groups' attention: what selective recompute would checkpoint (tensors in, tensor out)."""
+        return grouped_query_attention(qkv, self.head_dim, self.local_query_groups, cos, sin)
+
+
+class ParallelSwiGLUMLP(torch.nn.Module):
+    """fc1 [gate; up] column-parallel with stride 2 -> silu(gate) * up on the local columns -> fc2
+    row-parallel (no biases). Returns (output, None). Megatron's MLP passes stride 2 to its fc1 under
+    gated_linear_unit for the same reason.
+
+    Mirrors `megatron-lm:megatron/core/transformer/mlp.py::MLP.__init__`.
+    """
+
+    def __init__(self, hidden_size, ffn_hidden_size, linear_kwargs):
+        super().__init__()
+        self.fc1 = ColumnParallelLinear(hidden_size, 2 * ffn_hidden_size, bias=False, stride=2, **linear_kwargs)
+        self.fc2 = RowParallelLinear(ffn_hidden_size, hidden_size, bias=False, input_is_parallel=True,
+                                     **linear_kwargs)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        hidden, _ = self.fc1(x)
+        return self.fc2(swiglu(hidden))
+
+
+class ParallelLlamaBlock(torch.nn.Module):
+    """Pre-RMSNorm block: x + attention(ln1(x), rotary), then + mlp(ln2(x)), no dropout. `rotary` is the
+    (cos, sin) of the whole sequence: attention runs on the gathered sequence even under SP."""
+
+    def __init__(self, hidden_size: int, num_attention_heads: int, *, tp_group: dist.ProcessGroup,
+                 num_kv_heads: int, ffn_hidden_size: int, norm_eps: float, init_method: Callable | None = None,
+                 sequence_parallel: bool = False, async_grad_allreduce: bool = True,
+                 gradient_accumulation_fusion: bool = False, params_dtype=torch.float32, device=None):
+        super().__init__()
+        self.sequence_parallel = sequence_parallel and tp_group.size() > 1
+        linear_kwargs = dict(tp_group=tp_group, init_method=init_method or init_method_normal(),
+                             sequence_parallel=self.sequence_parallel, async_grad_allreduce=async_grad_allreduce,
+                             gradient_accumulation_fusion=gradient_accumulation_fusion,
+                             params_dtype=params_dtype, device=device)
+        self.ln1 = torch.nn.RMSNorm(hidden_size, eps=norm_eps, dtype=params_dtype, device=device)
+        self.attention = ParallelGroupedQueryAttention(hidden_size, num_attention_heads, num_kv_heads,
+                                                       linear_kwargs)
+        self.ln2 = torch.nn.RMSNorm(hidden_size, eps=norm_eps, dtype=params_dtype, device=device)
+        self.mlp = ParallelSwiGLUMLP(hidden_size, ffn_hidden_size, linear_kwargs)
+        for param in [*self.ln1.parameters(), *self.ln2.parameters()]:
+            param.sequence_parallel = self.sequence_parallel  # replicated, but sees only local tokens under SP
+
+    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        out, _ = self.attention(self.ln1(x), rotary)
+        x = x + out
+        out, _ = self.mlp(self.ln2(x))
+        return x + out
 
 
 class ParallelTransformer(torch.nn.Module):

@@ -1,0 +1,112 @@
+"""Forward+backward time and bytes per step of the Llama/Qwen2 block: the reference vs Hugging Face's own
+Qwen2ForCausalLM under the same DTensor TP plan, one run.
+
+    torchrun --nproc-per-node 2 benchmarks/bench_decoder.py [--sequence-parallel] [--hidden-size 256 ...]
+
+Both hold the same weights (the HF model's, loaded into the reference's "llama" style by
+reference.gpt.hf_weights) on the same ranks, and run interleaved step by step so that machine noise hits
+them alike; rank 0 prints the medians, the bytes each sent per step (one recorded step each, by the
+CollectiveRecorder) and the ratios reference / HF, plus the two losses (equal up to fp32 order).
+  * reference: reference.gpt.model's GPTStage, style "llama", TP over the whole world (vocab-parallel
+               embedding and head, Megatron's cross-entropy), optionally sequence-parallel
+  * hf:        the document's DTensor plan (benchmarks/qwen2_dtensor.py::document_plan: q/k/v and gate/up
+               colwise, o and down rowwise, embedding rowwise, head colwise kept as a DTensor for
+               loss_parallel), SDPA attention
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from qwen2_dtensor import document_plan, loss_and_backward
+from torch.distributed.device_mesh import init_device_mesh
+from transformers import Qwen2ForCausalLM
+
+from reference.distributed import distributed
+from reference.gpt.hf_weights import load_hf_into_stage, qwen2_config
+from reference.gpt.model import GPTConfig, build_stage
+from reference.gpt.train import synthetic_batches
+from reference.parallel_state import build_layout
+from reference.recorder import CollectiveRecorder
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--seq-length", type=int, default=128)
+    parser.add_argument("--hidden-size", type=int, default=256)
+    parser.add_argument("--num-attention-heads", type=int, default=8)
+    parser.add_argument("--num-kv-heads", type=int, default=2)
+    parser.add_argument("--num-layers", type=int, default=2)
+    parser.add_argument("--vocab-size", type=int, default=1024)
+    parser.add_argument("--rounds", type=int, default=20, help="rounds; each times one step of both, in turn")
+    parser.add_argument("--sequence-parallel", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    with distributed("cpu") as device:
+        config = GPTConfig(style="llama", vocab_size=args.vocab_size, hidden_size=args.hidden_size,
+                           num_attention_heads=args.num_attention_heads, num_kv_heads=args.num_kv_heads,
+                           num_layers=args.num_layers, seq_length=args.seq_length)
+        world = dist.get_world_size()
+        torch.manual_seed(0)
+        hf = Qwen2ForCausalLM(qwen2_config(config, attn_implementation="sdpa"))
+        stage = build_stage(config, build_layout(tp_size=world), sequence_parallel=args.sequence_parallel,
+                            device=device)
+        load_hf_into_stage(stage, hf.state_dict())
+        document_plan(hf, init_device_mesh("cpu", (world,)), args.sequence_parallel)
+        tokens = synthetic_batches(config, 1, args.batch_size, 0)[0]
+        inputs, labels = tokens[:, :-1], tokens[:, 1:]
+        positions = torch.arange(config.seq_length).expand(args.batch_size, -1)
+
+        def reference_step() -> float:
+            loss = stage(None, inputs, labels)
+            loss.backward()
+            stage.zero_grad()
+            return loss.item()
+
+        def hf_step() -> float:
+            loss = loss_and_backward(hf, inputs, labels, positions)
+            hf.zero_grad()
+            return loss.item()
+
+        steps = {"reference": reference_step, "hf": hf_step}
+        losses, nbytes = {}, {}
+        for name, step in steps.items():  # one recorded step each: warm-up, loss and bytes
+            with CollectiveRecorder() as rec:
+                losses[name] = step()
+            nbytes[name] = sum(e.nbytes for e in rec.events)
+        times = {name: [] for name in steps}
+        for _ in range(args.rounds):
+            for name, step in steps.items():
+                dist.barrier()
+                start = time.perf_counter()
+                step()
+                times[name].append(time.perf_counter() - start)
+        if dist.get_rank() != 0:
+            return
+        report = {"tp": world, "sequence_parallel": args.sequence_parallel, "losses": losses,
+                  "median_s": {n: statistics.median(t) for n, t in times.items()}, "bytes_per_step": nbytes}
+        report["ratios"] = {"time reference/hf": report["median_s"]["reference"] / report["median_s"]["hf"],
+                            "bytes reference/hf": nbytes["reference"] / nbytes["hf"]}
+        if args.json:
+            print(json.dumps(report), flush=True)
+            return
+        print(f"TP {world}{' + SP' if args.sequence_parallel else ''}, b {args.batch_size} s {args.seq_length} "
+              f"h {args.hidden_size}, {args.num_attention_heads} heads / {args.num_kv_heads} KV heads, "
+              f"{args.num_layers} layers, {args.rounds} rounds")
+        for name in steps:
+            print(f"  {name:9s} median {report['median_s'][name] * 1e3:8.2f} ms  {nbytes[name]:>10,} B/step  "
+                  f"loss {losses[name]:.6f}")
+        print("  ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in report["ratios"].items()), flush=True)
+
+
+if __name__ == "__main__":
+    main()
