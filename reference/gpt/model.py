@@ -263,11 +263,8 @@ class GPTStage(torch.nn.Module):
                 if config.style == "gpt2":
                     self.embedding.position_embeddings = torch.nn.Embedding.from_pretrained(
                         _embedding_weight(config.seq_length, config).to(device, params_dtype), freeze=False)
-        if config.style == "llama":
-            block, block_kwargs = ParallelLlamaBlock, {**config.block_kwargs(), **block_kwargs}
-        else:
-            block = ParallelTransformerBlock
-            block_kwargs = {**config.block_kwargs(), **block_kwargs, "rng": TensorParallelRNG(seed, tp_group, device)}
+        block = ParallelLlamaBlock if config.style == "llama" else ParallelTransformerBlock
+        block_kwargs = {**config.block_kwargs(), **block_kwargs, "rng": TensorParallelRNG(seed, tp_group, device)}
         self.layers = torch.nn.ModuleList()
         for i in range(first_layer, last_layer):
             with module_seed(seed, 1 + i):

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from reference.pipeline.in_flight import InFlightActivations
+from reference.recorder import CollectiveRecorder
 
 
 class GradSync:
@@ -46,6 +47,7 @@ class Steps:
         self.meter = InFlightActivations()
         self.actions: list[str] = []
         self.spans: list[tuple[float, float]] = []
+        self.flops: list[int] = []
         self.losses: list[torch.Tensor] = []  # detached, read once at the end (loss_values)
         self.in_flight = self.peak_in_flight = 0
 
@@ -53,12 +55,14 @@ class Steps:
         return f"{kind}{i}" if len(self.chunks) == 1 else f"{kind}{chunk}.{i}"
 
     def _timed(self, name: str, fn, *args):
-        start = time.perf_counter()
+        recorder = (CollectiveRecorder.active() or [None])[-1]
+        start, flops = time.perf_counter(), recorder.flops if recorder else 0
         out = fn(*args)
         if self.cuda is not None:  # the action is done when its kernels are, not when they are queued
             torch.cuda.synchronize(self.cuda)
         self.actions.append(name)
         self.spans.append((start, time.perf_counter()))
+        self.flops.append(recorder.flops - flops if recorder else 0)
         return out
 
     def forward(self, i: int, input_tensor: torch.Tensor | None, chunk: int = 0) -> torch.Tensor:

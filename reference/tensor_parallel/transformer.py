@@ -168,8 +168,10 @@ class ParallelGroupedQueryAttention(torch.nn.Module):
     Mirrors `megatron-lm:megatron/core/transformer/attention.py::SelfAttention.get_query_key_value_tensors`.
     """
 
-    def __init__(self, hidden_size, num_attention_heads, num_kv_heads, linear_kwargs):
+    def __init__(self, hidden_size, num_attention_heads, num_kv_heads, linear_kwargs, rng=None,
+                 selective_recompute: bool = False):
         super().__init__()
+        self.rng, self.selective_recompute = rng, selective_recompute
         tp = linear_kwargs["tp_group"].size()
         self.local_query_groups = split_query_groups(num_attention_heads, num_kv_heads, tp)
         self.head_dim = divide(hidden_size, num_attention_heads, "hidden_size", by="num_attention_heads")
@@ -180,10 +182,12 @@ class ParallelGroupedQueryAttention(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, None]:
         qkv, _ = self.qkv(x)
+        if self.selective_recompute and self.training and torch.is_grad_enabled():
+            return self.proj(checkpoint(self.core_attention, self.rng, qkv, *rotary))
         return self.proj(self.core_attention(qkv, *rotary))
 
     def core_attention(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """The local query groups' attention: what selective recompute would checkpoint (tensors in, tensor out)."""
+        """The local query groups' attention: what selective recompute checkpoints (tensors in, tensor out)."""
         return grouped_query_attention(qkv, self.head_dim, self.local_query_groups, cos, sin)
 
 
@@ -208,13 +212,17 @@ class ParallelSwiGLUMLP(torch.nn.Module):
 
 class ParallelLlamaBlock(torch.nn.Module):
     """Pre-RMSNorm block: x + attention(ln1(x), rotary), then + mlp(ln2(x)), no dropout. `rotary` is the
-    (cos, sin) of the whole sequence: attention runs on the gathered sequence even under SP."""
+    (cos, sin) of the whole sequence: attention runs on the gathered sequence even under SP. `recompute` (none,
+    selective, full; reference.recompute) as for ParallelTransformerBlock; `rng` is the TP stream the
+    recomputation restores (no dropout here, so it only keeps the two blocks' recomputation the same code)."""
 
     def __init__(self, hidden_size: int, num_attention_heads: int, *, tp_group: dist.ProcessGroup,
                  num_kv_heads: int, ffn_hidden_size: int, norm_eps: float, init_method: Callable | None = None,
                  sequence_parallel: bool = False, async_grad_allreduce: bool = True,
-                 gradient_accumulation_fusion: bool = False, params_dtype=torch.float32, device=None):
+                 gradient_accumulation_fusion: bool = False, params_dtype=torch.float32, device=None,
+                 rng=None, recompute: str = "none"):
         super().__init__()
+        self.rng, self.recompute = rng, check_recompute_mode(recompute)
         self.sequence_parallel = sequence_parallel and tp_group.size() > 1
         linear_kwargs = dict(tp_group=tp_group, init_method=init_method or init_method_normal(),
                              sequence_parallel=self.sequence_parallel, async_grad_allreduce=async_grad_allreduce,
@@ -222,13 +230,20 @@ class ParallelLlamaBlock(torch.nn.Module):
                              params_dtype=params_dtype, device=device)
         self.ln1 = torch.nn.RMSNorm(hidden_size, eps=norm_eps, dtype=params_dtype, device=device)
         self.attention = ParallelGroupedQueryAttention(hidden_size, num_attention_heads, num_kv_heads,
-                                                       linear_kwargs)
+                                                       linear_kwargs, rng, recompute == "selective")
         self.ln2 = torch.nn.RMSNorm(hidden_size, eps=norm_eps, dtype=params_dtype, device=device)
         self.mlp = ParallelSwiGLUMLP(hidden_size, ffn_hidden_size, linear_kwargs)
         for param in [*self.ln1.parameters(), *self.ln2.parameters()]:
             param.sequence_parallel = self.sequence_parallel  # replicated, but sees only local tokens under SP
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        if self.recompute == "full" and self.training and torch.is_grad_enabled():
+            return checkpoint(self.layer_forward, self.rng, x, *rotary)
+        return self.layer_forward(x, *rotary)
+
+    def layer_forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The layer itself: what full recompute checkpoints."""
+        rotary = (cos, sin)
         out, _ = self.attention(self.ln1(x), rotary)
         x = x + out
         out, _ = self.mlp(self.ln2(x))

@@ -66,3 +66,30 @@ def test_the_demo_trains_the_same_with_recomputation(mode):
     """--recompute through the GPT stage and the pipeline step: the same losses as without, with dropout."""
     losses = _demo_losses(mode)
     assert len(losses) == 2 and losses == _demo_losses("none")
+
+
+@functools.cache
+def _llama_demo(recompute: str) -> tuple[list[float], int, list[int]]:
+    """(losses, peak activation bytes, FLOPs of each action) of the Llama/Qwen2 block's demo at world 1."""
+    args = ["--json", "--model", "llama", "--steps", "2", "--recompute", recompute, "--hidden-size", "32",
+            "--num-attention-heads", "4", "--seq-length", "16", "--vocab-size", "64", "--micro-batches", "2"]
+    lines = [json.loads(line) for line in torchrun("-m", 1, "reference", *args, timeout=120).splitlines()
+             if line.startswith("{")]
+    losses = [line["loss"] for line in lines if "step" in line]
+    pipeline = [line["pipeline"][0] for line in lines if "pipeline" in line][-1]
+    memory = [line["memory"][0] for line in lines if "memory" in line][-1]
+    return losses, memory["peak_activation_bytes"], pipeline["action_flops"]
+
+
+def test_the_llama_block_recomputes_too():
+    """The modern block takes the same modes: the same losses, fewer activation bytes kept (full keeps only the
+    block inputs), and under full recompute a backward that does the forward's linear-layer FLOPs again (the
+    recorder counts matmuls of the linear layers, so selective recompute of the attention core adds none)."""
+    losses, kept, flops = _llama_demo("none")
+    selective, full = _llama_demo("selective"), _llama_demo("full")
+    assert len(losses) == 2 and selective[0] == losses and full[0] == losses
+    assert full[1] < selective[1] < kept
+    assert selective[2][0::2] == full[2][0::2] == flops[0::2]              # forwards: unchanged
+    assert selective[2][1::2] == flops[1::2]
+    extra = [b - n for b, n in zip(full[2][1::2], flops[1::2])]
+    assert all(0 < e < f for e, f in zip(extra, flops[0::2]))  # full: the blocks' forward again, not the head's
