@@ -8,7 +8,6 @@ bucket layouts (ours and torch's `_compute_bucket_assignment_by_size`) and bad-i
 """
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
@@ -16,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from common import finish, full_tensor, init, max_diff
+from common import finish, full_tensor, init, max_diff, write_results
 from reference.data_parallel import DistributedDataParallel, finalize_model_grads, local_batch
 from reference.parallel_state import build_layout
 from reference.recorder import CollectiveRecorder
@@ -156,7 +155,8 @@ def bad_input(group, tp_group) -> dict[str, str]:
     return errors
 
 
-def main(outdir: Path) -> None:
+def main() -> None:
+    out = Path(sys.argv[1])
     init()
     world, rank = dist.get_world_size(), dist.get_rank()
     assert world == 4, "run on 4 ranks"
@@ -195,10 +195,9 @@ def main(outdir: Path) -> None:
                          "diff_single": max_diff(accumulated["grads"], single_grads),
                          "diff_one_batch": max_diff(accumulated["grads"], runs["dp4"]["first_grads"])}
     result["bad_input"] = bad_input(world_group, layout.tp_group)
-    (outdir / f"rank{rank}.json").write_text(json.dumps(result))
-    print(f"rank {rank}: data parallel ok", flush=True)
+    write_results(out, result)
     finish()
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main()

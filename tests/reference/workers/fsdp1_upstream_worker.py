@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import sys
 import time
 from pathlib import Path
@@ -31,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import BackwardPrefetch, FullyShardedDataParallel as FSDP, MixedPrecision
 
+from common import write_results
 from reference.distributed import distributed
 from reference.fsdp.tracing import clean_name, torch_fsdp1_unit_scopes
 from reference.model import ModelConfig, build_model, next_token_loss, synthetic_batches
@@ -262,7 +262,7 @@ def main() -> None:
                 result["runs"][name] = run_config(options, initial, recorder, rank, world)
             result["unused_branch"] = unused_branch(recorder)
         result["memory"] = memory(initial, rank, world)
-        (out / f"rank{rank}.json").write_text(json.dumps(result))
+        write_results(out, result)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import parallelize_module
 
-from common import dtensor_plan, finish, full_tensor, init, max_diff
+from common import dtensor_plan, finish, full_tensor, init, max_diff, write_results
 from reference.data_parallel import finalize_model_grads, local_batch
 from reference.data_parallel.fsdp_tp import shard_tp_model
 from reference.parallel_state import ParallelConfigError, build_layout
@@ -153,7 +153,8 @@ def bad_input(layout) -> dict[str, str]:
     return errors
 
 
-def main(outdir: Path) -> None:
+def main() -> None:
+    out = Path(sys.argv[1])
     init()
     rank = dist.get_rank()
     assert dist.get_world_size() == 4, "run on 4 ranks"
@@ -175,10 +176,9 @@ def main(outdir: Path) -> None:
         result[name] = {"steps": ours["steps"], "units": ours["units"], "fsdp2_steps": theirs["steps"],
                         "tp_only": tp_only_step(layout, sp)}
     result["bad_input"] = bad_input(layout)
-    (outdir / f"rank{rank}.json").write_text(json.dumps(result))
-    print(f"rank {rank}: fsdp x tp ok", flush=True)
+    write_results(out, result)
     finish()
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main()

@@ -1,4 +1,4 @@
-"""Worker for the FSDP tests: `torchrun ... fsdp_worker.py OUTDIR {main,crash} {cpu,cuda}`.
+"""Worker for the FSDP tests: `torchrun ... fsdp_worker.py OUTDIR {main,crash}` (device: REFERENCE_TEST_DEVICE).
 
 `main` trains the test transformer for a few steps with the reference FSDP in every configuration the tests
 check, and with the oracles (single-process training from the same weights, PyTorch FSDP1 with the same
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import sys
 import time
 from pathlib import Path
@@ -23,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from common import max_diff
+from common import device_type, max_diff, write_results
 from reference.distributed import distributed
 from reference.fsdp import FullyShardedDataParallel
 from reference.fsdp.units import shard_model
@@ -139,7 +138,7 @@ def run_main(out: Path, device: torch.device) -> None:
         if world > 1:
             result["diff"]["reference/adam/fsdp1"] = adam_diff(initial, group, recorder, device)
     result["bad_input"] = bad_input_errors(group)
-    (out / f"rank{rank}.json").write_text(json.dumps(result))
+    write_results(out, result)
 
 
 def adam_diff(initial, group, recorder, device) -> float:
@@ -224,8 +223,8 @@ def _fsdp1_handles(model):
 
 
 def main() -> None:
-    out, mode, device_type = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
-    with distributed(device_type, timeout_s=15 if mode == "crash" else 60) as device:
+    out, mode = Path(sys.argv[1]), sys.argv[2]
+    with distributed(device_type(), timeout_s=15 if mode == "crash" else 60) as device:
         (run_main if mode == "main" else run_crash)(*((out, device) if mode == "main" else (device,)))
 
 
