@@ -7,22 +7,20 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch import ROOT
-
-WORKER = Path(__file__).parent / "workers" / "fake_pg_worker.py"
+from tests.launch import ROOT, WORKERS
 
 
-def trace(rank: int, world: int, tp: int, sp: bool) -> dict:
-    out = subprocess.run([sys.executable, str(WORKER), str(rank), str(world), str(tp), str(int(sp))], cwd=ROOT,
-                         env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                         timeout=120, check=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+def trace(rank: int, world: int, tp: int, sp: bool, out: Path) -> dict:
+    subprocess.run([sys.executable, str(WORKERS / "fake_pg_worker.py"), str(out), str(rank), str(world), str(tp),
+                    str(int(sp))], cwd=ROOT, env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}, capture_output=True,
+                   timeout=120, check=True)
+    return json.loads((out / f"rank{rank}.json").read_text())
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
-def test_collective_bytes_and_groups_at_scale_with_fake_process_group(sp):
+def test_collective_bytes_and_groups_at_scale_with_fake_process_group(sp, tmp_path):
     tp, world, rank = 8, 64, 19
-    result = trace(rank, world, tp, sp)
+    result = trace(rank, world, tp, sp, tmp_path)
     assert result["tp_rank"] == rank % tp
     n = (2 * tp) * 3 * (8 * tp) * 4  # s * b * h * fp32, independent of the TP size
     block = [e for e in result["events"] if e["module"].startswith("layers.0")]
