@@ -3,8 +3,8 @@ import pytest
 
 CUDA = pytest.param("cuda", marks=pytest.mark.cuda)
 DEVICES = ["cpu", CUDA]
-# (world, device) of a worker checked at 2 and 4 CPU ranks and on one GPU (a TP group of one, on NCCL)
-WORLDS = [(2, "cpu"), (4, "cpu"), pytest.param((1, "cuda"), marks=pytest.mark.cuda)]
+# (world, device) of a worker checked at 2 and 4 CPU ranks and on 2 GPUs (NCCL)
+WORLDS = [(2, "cpu"), (4, "cpu"), pytest.param((2, "cuda"), marks=pytest.mark.cuda)]
 
 
 def world_id(world_device: tuple[int, str]) -> str:

@@ -8,7 +8,6 @@ local batch (its TP collectives) and the bad-input errors. Each rank writes OUTD
 """
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
