@@ -25,15 +25,35 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKERS = ROOT / "tests" / "reference" / "workers"
 
 
+# Workers that set up nothing but the default group (TP = world) run together, through
+# workers/shared_worker.py, at these (world, device): one launch, one torch and megatron-core import per rank,
+# instead of one per worker. The first test that needs any of them pays for all of them.
+SHARED = {
+    (2, "cpu"): ("tp_claims_worker.py", "tp_vs_unsharded_worker.py", "tp_vs_dtensor_worker.py",
+                 "tp_bad_input_worker.py", "recorder_worker.py", "tp_vs_megatron_worker.py",
+                 "vocab_parallel_worker.py", "megatron_claims_worker.py"),
+    (4, "cpu"): ("tp_claims_worker.py", "tp_vs_unsharded_worker.py", "tp_vs_megatron_worker.py",
+                 "vocab_parallel_worker.py"),
+}
+SHARED_TIMEOUT = 540  # s, under pytest-timeout's 600 for the test that starts the launch
+
+
 def run_worker(worker: str, world: int, *args: str, device: str = "cpu", timeout: float = 300) -> list[dict]:
     """Every rank's results from the one launch of tests/reference/workers/`worker` with these arguments.
 
     The device reaches the worker as REFERENCE_TEST_DEVICE (workers/common.init); "cuda" needs one GPU per
-    rank and skips without them. A failed launch is remembered too, so the tests sharing it fail at once.
+    rank and skips without them. A worker in SHARED at this world and device runs in the shared launch (under
+    SHARED_TIMEOUT). A failed launch is remembered too, so the tests sharing it fail at once.
     """
     if device == "cuda":
         require_gpus(world)
-    results, failure = _launch(worker, world, args, device, timeout)
+    shared = SHARED.get((world, device), ())
+    if worker in shared and not args:
+        names = tuple(Path(name).stem for name in shared)
+        results, failure = _launch("shared_worker.py", world, names, device, SHARED_TIMEOUT)
+        results = [result[Path(worker).stem] for result in results]
+    else:
+        results, failure = _launch(worker, world, args, device, timeout)
     if failure:
         pytest.fail(failure, pytrace=False)
     return results

@@ -6,9 +6,7 @@ Usage: megatron_claims_worker.py OUT_DIR (world 2, CPU/gloo). Writes OUT_DIR/ran
 tests/reference/test_megatron_upstream_claims.py. megatron runs with use_cpu_initialization=True (its GPU
 path needs CUDA); its buffers allocated on torch.cuda.current_device() are redirected to the CPU.
 """
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -17,7 +15,7 @@ from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.tensor_parallel import layers
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from common import finish, init, write_results
+from common import serve
 from reference.recorder import CollectiveRecorder, current_phase
 from reference.torch_patches import cuda_calls_on_cpu
 
@@ -226,19 +224,22 @@ def fusion_case(main_grad_dtype, fsdp=False, ddp=False, two_micro_batches=True):
             "expected_main_grad": expected.tolist()}
 
 
-def main() -> None:
-    out = Path(sys.argv[1])
-    init()
+def results(device: torch.device) -> dict:
+    """Every case megatron ran on this rank (CPU only: its buffers are redirected there)."""
+    assert device.type == "cpu", "megatron runs here with CPU initialization and CUDA calls redirected to the CPU"
     cuda_calls_on_cpu()
     mpu.initialize_model_parallel(tensor_model_parallel_size=dist.get_world_size(), create_gloo_process_groups=False)
-    results = {**layer_cases(), "init": cpu_initialization(), "fusion_without_apex": fusion_without_apex(),
-               "fusion_fp32": fusion_case(torch.float32),
-               "fusion_bf16": fusion_case(torch.bfloat16),
-               "fusion_ddp": fusion_case(torch.float32, ddp=True, two_micro_batches=False),
-               "fusion_megatron_fsdp": fusion_case(torch.float32, fsdp=True, two_micro_batches=False)}
-    write_results(out, results)
+    found = {**layer_cases(), "init": cpu_initialization(), "fusion_without_apex": fusion_without_apex(),
+             "fusion_fp32": fusion_case(torch.float32),
+             "fusion_bf16": fusion_case(torch.bfloat16),
+             "fusion_ddp": fusion_case(torch.float32, ddp=True, two_micro_batches=False),
+             "fusion_megatron_fsdp": fusion_case(torch.float32, fsdp=True, two_micro_batches=False)}
     mpu.destroy_model_parallel()
-    finish()
+    return found
+
+
+def main() -> None:
+    serve(results)
 
 
 if __name__ == "__main__":

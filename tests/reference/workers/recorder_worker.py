@@ -1,15 +1,13 @@
 """reference.recorder on real collectives (gloo; NCCL on CUDA): what each check recorded, per rank, written
 for test_recorder.py to compare with what it should have recorded."""
 import json
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from common import finish, init, write_results
+from common import serve
 from reference.recorder import CollectiveRecorder
 
 
@@ -168,12 +166,15 @@ CHECKS = [check_torch_distributed_intact_after_exit, check_eager_ops, check_asyn
           check_fsdp1_post_backward_attribution, check_phase_module_and_spans]
 
 
+def results(device: torch.device) -> dict:
+    """What each check recorded on this rank."""
+    with device:  # the checks allocate on the default device
+        return {"rank": dist.get_rank(), "world": dist.get_world_size(),
+                **{check.__name__.removeprefix("check_"): check() for check in CHECKS}}
+
+
 def main() -> None:
-    out = Path(sys.argv[1])
-    torch.set_default_device(init())
-    write_results(out, {"rank": dist.get_rank(), "world": dist.get_world_size(),
-                        **{check.__name__.removeprefix("check_"): check() for check in CHECKS}})
-    finish()
+    serve(results)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,10 @@
 """Bad input to the TP reference, at world 2: each case's ParallelConfigError message (or that none was
 raised) per rank, for test_tp_bad_input.py to check it names the problem in one line, identically everywhere."""
-import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from common import finish, init, write_results
+from common import serve
 from reference.parallel_state import ParallelConfigError, build_layout
 from reference.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from reference.tensor_parallel.transformer import ParallelTransformer
@@ -22,9 +20,8 @@ def error_of(make) -> str | None:
     return None
 
 
-def main() -> None:
-    out = Path(sys.argv[1])
-    device = init()
+def results(device: torch.device) -> dict:
+    """Each case's error message on this rank, and the shape the padded model returns."""
     tp = build_layout(tp_size=2).tp_group
 
     def column(**kw):
@@ -47,9 +44,12 @@ def main() -> None:
     errors = {name: error_of(make) for name, make in cases.items()}
     # the same model with padding by request runs and keeps the sequence length
     padded = ParallelTransformer(1, 8, 2, tp_group=tp, sequence_parallel=True, pad_sequence=True, device=device)
-    write_results(out, {"errors": errors, "padded_output_shape": list(padded(torch.ones(5, 1, 8, device=device)).shape),
-                        "rank": dist.get_rank()})
-    finish()
+    return {"errors": errors, "padded_output_shape": list(padded(torch.ones(5, 1, 8, device=device)).shape),
+            "rank": dist.get_rank()}
+
+
+def main() -> None:
+    serve(results)
 
 
 if __name__ == "__main__":

@@ -5,13 +5,11 @@ CollectiveRecorder.to_dict() plus the shapes, which test_tp_claims.py reads to c
 what the per-rank checks (the explicit 2-way FFN derivation, main_grad accumulation, dropout streams)
 observed; their tensor equalities assert here, naming the tensor.
 """
-import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from common import assert_close, gather_dim, finish, init, write_results
+from common import assert_close, gather_dim, serve
 from reference.parallel_state import build_layout
 from reference.recorder import CollectiveRecorder
 from reference.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -121,18 +119,20 @@ def check_dropout_streams(tp, device) -> dict:
     return observed
 
 
-def main() -> None:
-    out = Path(sys.argv[1])
-    device = init()
+def results(device: torch.device) -> dict:
+    """Each configuration's recorded step, and what the per-rank checks observed."""
     tp = build_layout(tp_size=dist.get_world_size()).tp_group
     logs = {"tp": record_step(tp, device),
             "sp": record_step(tp, device, sequence_parallel=True),
             "tp_no_async": record_step(tp, device, async_grad_allreduce=False),
             "sp_no_async": record_step(tp, device, sequence_parallel=True, async_grad_allreduce=False)}
-    write_results(out, {"logs": logs, "ffn_backward_collectives": check_ffn_derivation(tp, device),
-                        "grad_accumulation_fusion": check_grad_accumulation_fusion(tp, device),
-                        "dropout": check_dropout_streams(tp, device)})
-    finish()
+    return {"logs": logs, "ffn_backward_collectives": check_ffn_derivation(tp, device),
+            "grad_accumulation_fusion": check_grad_accumulation_fusion(tp, device),
+            "dropout": check_dropout_streams(tp, device)}
+
+
+def main() -> None:
+    serve(results)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,6 @@
 Every rank asserts the numerics (assert_close, naming the tensor) and writes, per configuration, both
 implementations' recorded collective counts and CommDebugMode's, for test_tp_vs_dtensor.py to compare.
 """
-import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -13,7 +11,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import parallelize_module
 
-from common import assert_close, dtensor_plan, full_tensor, finish, init, write_results
+from common import assert_close, dtensor_plan, full_tensor, serve
 from reference.parallel_state import build_layout
 from reference.recorder import CollectiveRecorder
 from reference.tensor_parallel.layers import allreduce_sequence_parallel_grads
@@ -65,13 +63,12 @@ def run_reference(layout, sp: bool, x: torch.Tensor):
     return out, x.grad, grads, rec, {"all": comm_debug_counts(comm)}
 
 
-def main() -> None:
-    out = Path(sys.argv[1])
-    device = init()
+def results(device: torch.device) -> dict:
+    """Per configuration (tp, sp): both sides' recorded counts and CommDebugMode's (numbers asserted here)."""
     world = dist.get_world_size()
     layout = build_layout(tp_size=world)
     mesh = init_device_mesh(device.type, (world,))
-    results = {}
+    found = {}
     for sp in (False, True):
         x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(3)).to(device)
         ours, theirs = run_reference(layout, sp, x), run_dtensor(mesh, sp, x)
@@ -79,15 +76,18 @@ def main() -> None:
         assert_close(ours[1], theirs[1], f"sp={sp} input grad")
         for name in theirs[2]:
             assert_close(ours[2][name], theirs[2][name], f"sp={sp} grad {name}")
-        results["sp" if sp else "tp"] = {
+        found["sp" if sp else "tp"] = {
             "reference": {p: counts(ours[3], p) for p in ("forward", "backward")},
             "dtensor": {p: counts(theirs[3], p) for p in ("forward", "backward")},
             "reference_all": {op: v["count"] for op, v in ours[3].summary().items()},
             "dtensor_all": {op: v["count"] for op, v in theirs[3].summary().items()},
             "comm_debug": {"reference": ours[4], "dtensor": theirs[4]},
             "grads_compared": sorted(theirs[2])}
-    write_results(out, results)
-    finish()
+    return found
+
+
+def main() -> None:
+    serve(results)
 
 
 if __name__ == "__main__":

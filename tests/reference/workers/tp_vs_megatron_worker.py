@@ -9,8 +9,6 @@ test_tp_vs_megatron.py: per layout, both sides' groups and the TP all-reduce; pe
 collective sequence both recorded.
 """
 import itertools
-import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -18,7 +16,7 @@ from megatron.core import parallel_state as mpu
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.tensor_parallel import layers as megatron_layers
 
-from common import assert_close, gather_dim, finish, init, write_results
+from common import assert_close, gather_dim, serve
 from reference.parallel_state import build_layout
 from reference.recorder import CollectiveRecorder
 from reference.tensor_parallel import layers as reference_layers
@@ -135,20 +133,22 @@ def shards_equal_megatron_master(tp, device) -> bool:
     return torch.equal(gather_dim(ours.weight.detach().cpu(), 0, tp), master)
 
 
-def main() -> None:
-    out = Path(sys.argv[1])
-    device = init()
+def results(device: torch.device) -> dict:
+    """The layouts, then the layers at TP = world."""
     if device.type == "cpu":
         cuda_calls_on_cpu()
     world = dist.get_world_size()
-    results = {"rank": dist.get_rank(), "layouts": layouts(device)}
+    found = {"rank": dist.get_rank(), "layouts": layouts(device)}
     mpu.initialize_model_parallel(tensor_model_parallel_size=world, create_gloo_process_groups=False)
     tp = build_layout(tp_size=world).tp_group
-    results["layers"] = layers(tp, device)
-    results["shards_equal_megatron_master"] = shards_equal_megatron_master(tp, device)
+    found["layers"] = layers(tp, device)
+    found["shards_equal_megatron_master"] = shards_equal_megatron_master(tp, device)
     mpu.destroy_model_parallel()
-    write_results(out, results)
-    finish()
+    return found
+
+
+def main() -> None:
+    serve(results)
 
 
 if __name__ == "__main__":

@@ -3,13 +3,11 @@
 Every rank asserts outputs, input gradients, gradients and parameters equal (assert_close, naming the
 configuration, step and tensor) and writes the configurations it compared, for test_tp_vs_unsharded.py."""
 import itertools
-import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from common import assert_close, full_tensor, finish, init, write_results
+from common import assert_close, full_tensor, serve
 from reference.parallel_state import build_layout
 from reference.tensor_parallel.layers import allreduce_sequence_parallel_grads
 from reference.tensor_parallel.transformer import ParallelTransformer
@@ -67,9 +65,8 @@ def compare_models(tp, device, sp, overlap, fusion, seq, pad) -> str:
     return what
 
 
-def main() -> None:
-    out = Path(sys.argv[1])
-    device = init()
+def results(device: torch.device) -> dict:
+    """The configurations compared at this world size (every comparison asserted on the way)."""
     world = dist.get_world_size()
     tp = build_layout(tp_size=world).tp_group
     # every combination at world 2; at 1 and 4, four that still take each flag both ways
@@ -79,8 +76,11 @@ def main() -> None:
     compared = [compare_models(tp, device, sp, overlap, fusion, seq=8, pad=False) for sp, overlap, fusion in configs]
     if world > 1:
         compared.append(compare_models(tp, device, True, True, False, seq=8 * world + 1, pad=True))
-    write_results(out, {"compared": compared})
-    finish()
+    return {"compared": compared}
+
+
+def main() -> None:
+    serve(results)
 
 
 if __name__ == "__main__":

@@ -6,8 +6,6 @@ the checks it ran, the recorded collective sequences, the allocation probe's fig
 and the largest differences. megatron-core runs on CPU/gloo (use_cpu_initialization=True); its
 sequence-parallel paths allocate on torch.cuda.current_device(), redirected to the CPU here.
 """
-import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -18,7 +16,7 @@ from megatron.core.model_parallel_config import ModelParallelConfig
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from common import assert_close, finish, gather_dim, init, write_results
+from common import assert_close, gather_dim, serve
 from reference.parallel_state import ParallelConfigError, build_layout
 from reference.recorder import CollectiveRecorder
 from reference.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -352,18 +350,19 @@ class Checks:
         return messages
 
 
-def main() -> None:
-    out = Path(sys.argv[1])
-    device = init()
+def results(device: torch.device) -> dict:
     if device.type == "cpu":
         cuda_calls_on_cpu()
     mpu.initialize_model_parallel(tensor_model_parallel_size=dist.get_world_size(), create_gloo_process_groups=False)
     checks = Checks(device)
-    results = {"unsharded": checks.unsharded(), "collectives": checks.megatron(), "probe": checks.probes(),
-               "bad_input": checks.bad_input(), "max_diff": checks.max_diff}
+    found = {"unsharded": checks.unsharded(), "collectives": checks.megatron(), "probe": checks.probes(),
+             "bad_input": checks.bad_input(), "max_diff": checks.max_diff}
     mpu.destroy_model_parallel()
-    write_results(out, results)
-    finish()
+    return found
+
+
+def main() -> None:
+    serve(results)
 
 
 if __name__ == "__main__":
