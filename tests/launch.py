@@ -25,16 +25,19 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKERS = ROOT / "tests" / "reference" / "workers"
 
 
-# Workers that set up nothing but the default group (TP = world) run together, through
-# workers/shared_worker.py, at these (world, device): one launch, one torch and megatron-core import per rank,
-# instead of one per worker. The first test that needs any of them pays for all of them.
-SHARED = {
-    (2, "cpu"): ("tp_claims_worker.py", "tp_vs_unsharded_worker.py", "tp_vs_dtensor_worker.py",
-                 "tp_bad_input_worker.py", "recorder_worker.py", "tp_vs_megatron_worker.py",
-                 "vocab_parallel_worker.py", "megatron_claims_worker.py"),
-    (4, "cpu"): ("tp_claims_worker.py", "tp_vs_unsharded_worker.py", "tp_vs_megatron_worker.py",
-                 "vocab_parallel_worker.py"),
-}
+# Workers that run in one launch (workers/shared_worker.py) at a world and device: one torch and megatron-core
+# import per rank instead of one per worker. The first test that needs any of them pays for all of them; the
+# groups are kept small enough to finish within SHARED_TIMEOUT on two busy cores.
+SHARED = [
+    (2, "cpu", ("tp_claims_worker.py", "tp_vs_unsharded_worker.py", "tp_vs_dtensor_worker.py",
+                "tp_bad_input_worker.py", "recorder_worker.py", "tp_vs_megatron_worker.py",
+                "vocab_parallel_worker.py", "megatron_claims_worker.py")),
+    (2, "cpu", ("fsdp_worker.py", "fsdp1_upstream_worker.py")),
+    (4, "cpu", ("tp_claims_worker.py", "tp_vs_unsharded_worker.py", "tp_vs_megatron_worker.py",
+                "vocab_parallel_worker.py")),
+    (4, "cpu", ("fsdp_worker.py", "data_parallel_worker.py", "fsdp_tp_worker.py")),
+    (4, "cpu", ("pipeline_worker.py", "megatron_pipeline_worker.py")),
+]
 SHARED_TIMEOUT = 540  # s, under pytest-timeout's 600 for the test that starts the launch
 
 
@@ -42,14 +45,14 @@ def run_worker(worker: str, world: int, *args: str, device: str = "cpu", timeout
     """Every rank's results from the one launch of tests/reference/workers/`worker` with these arguments.
 
     The device reaches the worker as REFERENCE_TEST_DEVICE (workers/common.init); "cuda" needs one GPU per
-    rank and skips without them. A worker in SHARED at this world and device runs in the shared launch (under
-    SHARED_TIMEOUT). A failed launch is remembered too, so the tests sharing it fail at once.
+    rank and skips without them. A worker in SHARED at this world and device runs in its group's launch
+    (under SHARED_TIMEOUT). A failed launch is remembered too, so the tests sharing it fail at once.
     """
     if device == "cuda":
         require_gpus(world)
-    shared = SHARED.get((world, device), ())
-    if worker in shared and not args:
-        names = tuple(Path(name).stem for name in shared)
+    shared = [members for w, d, members in SHARED if (w, d) == (world, device) and worker in members]
+    if shared and not args:
+        names = tuple(Path(name).stem for name in shared[0])
         results, failure = _launch("shared_worker.py", world, names, device, SHARED_TIMEOUT)
         results = [result[Path(worker).stem] for result in results]
     else:

@@ -9,8 +9,8 @@ from tests.launch import run_worker
 
 
 def fsdp_results(world: int, device: str = "cpu") -> list[dict]:
-    """Every rank's JSON from the session's one `main` launch of the worker at this world and device."""
-    return run_worker("fsdp_worker.py", world, "main", device=device, timeout=240)
+    """Every rank's JSON from the session's one launch of the worker at this world and device."""
+    return run_worker("fsdp_worker.py", world, device=device, timeout=240)
 
 
 def schedule(step: dict, phase: str | None = None) -> list[tuple]:

@@ -15,9 +15,7 @@ every batched p2p round (batch_p2p_sync; a no-op here).
 """
 import contextlib
 import functools
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -30,7 +28,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch.overrides import TorchFunctionMode
 
-from common import finish, init, write_results
+from common import serve
 from reference.pipeline.schedules import forward_backward as reference_forward_backward
 from reference.torch_patches import cuda_calls_on_cpu
 
@@ -305,9 +303,8 @@ def ddp_grad_dtypes() -> dict[str, str]:
     return dtypes
 
 
-def main() -> None:
-    out = Path(sys.argv[1])
-    device = init()
+def results(device: torch.device) -> dict:
+    """Every run's event log on this rank, and the schedules' action orders."""
     assert device.type == "cpu" and dist.get_world_size() == 4, "run on 4 CPU ranks"
     cuda_calls_on_cpu()
     runs = [
@@ -334,8 +331,11 @@ def main() -> None:
               "defaults_m8": [e[0] for e in run("defaults_m8", pp=4, m=8)["events"]
                               if e[0][0] in "FB" and not e[0].endswith("_end")],
               "with_virtual_stages": schedules.get_forward_backward_func(pp_size=4, vp_size=2).__name__}
-    write_results(out, result)
-    finish()
+    return result
+
+
+def main() -> None:
+    serve(results)
 
 
 if __name__ == "__main__":

@@ -8,13 +8,11 @@ start and end (the recorder and the schedule share perf_counter()). Each rank wr
 one entry per run, for the test to cross-check. Usage: pipeline_worker.py OUT (4 ranks).
 """
 import functools
-import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from common import assert_close, finish, full_tensor, gather_dim, init, write_results
+from common import assert_close, full_tensor, gather_dim, serve
 from reference.gpt.model import GPTConfig, UnshardedGPT, build_stage, split_layers
 from reference.gpt.train import data_parallel, split_batch, synthetic_batches, train_step
 from reference.parallel_state import ParallelConfigError, build_layout
@@ -130,14 +128,16 @@ def bad_input() -> None:
             raise AssertionError(f"no error for: {message}")
 
 
-def main() -> None:
-    out = Path(sys.argv[1])
-    device = init()
+def results(device: torch.device) -> dict:
+    """Every layout and schedule's run on this rank (each asserted against the unsharded model)."""
     assert dist.get_world_size() == 4, "run on 4 ranks"
     bad_input()
     runs = [run(device, tp, pp, dp, sp, m, schedule) for tp, pp, dp, sp, m in LAYOUTS for schedule in ("gpipe", "1f1b")]
-    write_results(out, {"runs": runs})
-    finish()
+    return {"runs": runs}
+
+
+def main() -> None:
+    serve(results)
 
 
 if __name__ == "__main__":
