@@ -1,6 +1,6 @@
 """One process posing as rank RANK of a WORLD-rank job (torch's `fake` backend: no communication), running a
-TP=TP transformer step; writes the recorded collectives to OUT/rank{RANK}.json.
-Usage: fake_pg_worker.py OUT RANK WORLD TP SP"""
+TP=TP transformer step without and with sequence parallelism; writes each step's recorded collectives to
+OUT/rank{RANK}.json ({"tp": ..., "sp": ...}). Usage: fake_pg_worker.py OUT RANK WORLD TP"""
 import sys
 from pathlib import Path
 
@@ -14,16 +14,20 @@ from reference.recorder import CollectiveRecorder
 from reference.tensor_parallel.transformer import ParallelTransformer
 
 
-def main() -> None:
-    out, (rank, world, tp), sp = Path(sys.argv[1]), map(int, sys.argv[2:5]), sys.argv[5] == "1"
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-    layout = build_layout(tp)
+def step(layout, tp: int, sp: bool) -> dict:
     model = ParallelTransformer(1, 8 * tp, tp, tp_group=layout.tp_group, sequence_parallel=sp)
     x = torch.randn(2 * tp, 3, 8 * tp)  # s = 2 tp, b = 3, h = 8 tp
     with CollectiveRecorder() as rec:
         rec.watch(model)
         model(x).sum().backward()
-    write_results(out, {"tp_rank": layout.tp_rank, "events": rec.to_dict()["events"]})
+    return {"tp_rank": layout.tp_rank, "events": rec.to_dict()["events"]}
+
+
+def main() -> None:
+    out, (rank, world, tp) = Path(sys.argv[1]), map(int, sys.argv[2:5])
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    layout = build_layout(tp)
+    write_results(out, {"tp": step(layout, tp, sp=False), "sp": step(layout, tp, sp=True)})
     dist.destroy_process_group()
 
 
