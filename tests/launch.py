@@ -1,12 +1,16 @@
 """Launch a worker script under torchrun from pytest: bounded in time, failing with every rank's output.
 
-Tests that need several ranks put their assertions in a worker script (each rank asserts, a failing
-rank exits non-zero and torchrun tears the others down) and call `torchrun(...)` from a pytest test.
+The worker protocol (tests/reference/workers/): a worker's `main()` takes an output folder as its first
+argument and writes each rank's results to OUT/rank{R}.json; `run_worker` launches it once per (worker, world,
+arguments, device) for the whole session and returns those results, so many small named tests assert on one
+launch. A rank whose own check fails exits non-zero and torchrun tears the others down.
 Each rank writes to its own log file (torchrun `--redirects`), so lines of different ranks never
-interleave; the returned text is torchrun's own output, then each rank's, in rank order.
+interleave; a failure shows torchrun's own output, then each rank's, in rank order.
 """
 from __future__ import annotations
 
+import functools
+import json
 import os
 import signal
 import subprocess
@@ -18,6 +22,63 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+WORKERS = ROOT / "tests" / "reference" / "workers"
+
+
+# Workers that run in one launch (workers/shared_worker.py) at a world and device: one torch and megatron-core
+# import per rank instead of one per worker. The first test that needs any of them pays for all of them; the
+# groups are kept small enough to finish within SHARED_TIMEOUT on two busy cores.
+SHARED = [
+    (1, "cpu", ("tp_vs_unsharded_worker.py", "fsdp_worker.py")),
+    (2, "cpu", ("tp_claims_worker.py", "tp_vs_unsharded_worker.py", "tp_vs_dtensor_worker.py",
+                "tp_bad_input_worker.py", "recorder_worker.py", "tp_vs_megatron_worker.py",
+                "vocab_parallel_worker.py", "megatron_claims_worker.py")),
+    (2, "cpu", ("fsdp_worker.py", "fsdp1_upstream_worker.py")),
+    (4, "cpu", ("tp_claims_worker.py", "tp_vs_unsharded_worker.py", "tp_vs_megatron_worker.py",
+                "vocab_parallel_worker.py")),
+    (4, "cpu", ("fsdp_worker.py", "data_parallel_worker.py", "fsdp_tp_worker.py")),
+    (4, "cpu", ("pipeline_worker.py", "megatron_pipeline_worker.py")),
+]
+SHARED_TIMEOUT = 540  # s, under pytest-timeout's 600 for the test that starts the launch
+
+
+def run_worker(worker: str, world: int, *args: str, device: str = "cpu", timeout: float = 300) -> list[dict]:
+    """Every rank's results from the one launch of tests/reference/workers/`worker` with these arguments.
+
+    The device reaches the worker as REFERENCE_TEST_DEVICE (workers/common.init); "cuda" needs one GPU per
+    rank and skips without them. A worker in SHARED at this world and device runs in its group's launch
+    (under SHARED_TIMEOUT). A failed launch is remembered too, so the tests sharing it fail at once.
+    """
+    if device == "cuda":
+        require_gpus(world)
+    shared = [members for w, d, members in SHARED if (w, d) == (world, device) and worker in members]
+    if shared and not args:
+        names = tuple(Path(name).stem for name in shared[0])
+        results, failure = _launch("shared_worker.py", world, names, device, SHARED_TIMEOUT)
+        results = [result[Path(worker).stem] for result in results]
+    else:
+        results, failure = _launch(worker, world, args, device, timeout)
+    if failure:
+        pytest.fail(failure, pytrace=False)
+    return results
+
+
+def require_gpus(count: int) -> None:
+    import torch
+
+    if torch.cuda.device_count() < count:
+        pytest.skip(f"needs {count} CUDA device(s), found {torch.cuda.device_count()}")
+
+
+@functools.cache
+def _launch(worker: str, world: int, args: tuple[str, ...], device: str, timeout: float
+            ) -> tuple[list[dict], str | None]:
+    with tempfile.TemporaryDirectory(prefix=f"{Path(worker).stem}-w{world}-{device}-") as out:
+        try:
+            torchrun(WORKERS / worker, world, out, *args, timeout=timeout, env={"REFERENCE_TEST_DEVICE": device})
+        except pytest.fail.Exception as failure:
+            return [], str(failure)
+        return [json.loads((Path(out) / f"rank{rank}.json").read_text()) for rank in range(world)], None
 
 
 def torchrun(script: str | Path, nproc: int, *args: str, timeout: float = 300, env: dict | None = None) -> str:

@@ -1,29 +1,16 @@
-"""Run tests/reference/workers/fsdp_worker.py once per (world size, device) and share its per-rank results.
+"""The results of tests/reference/workers/fsdp_worker.py, launched once per (world size, device) and shared.
 
-Many named tests read the same launch (torchrun + torch import costs seconds on this machine), so the
-results are cached for the pytest session.
+Many named tests read the same launch (torchrun + torch import costs seconds on this machine); run_worker
+caches it for the pytest session.
 """
 from __future__ import annotations
 
-import functools
-import json
-import tempfile
-from pathlib import Path
-
-from tests.launch import torchrun
-from tests.reference.gpus import require_gpus
-
-WORKER = Path(__file__).parent / "workers" / "fsdp_worker.py"
+from tests.launch import run_worker
 
 
-@functools.cache
 def fsdp_results(world: int, device: str = "cpu") -> list[dict]:
-    """Every rank's JSON from one `main` launch of the worker."""
-    if device == "cuda":
-        require_gpus(world)
-    out = Path(tempfile.mkdtemp(prefix=f"fsdp-w{world}-{device}-"))
-    torchrun(WORKER, world, str(out), "main", device, timeout=240)
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(world)]
+    """Every rank's JSON from the session's one launch of the worker at this world and device."""
+    return run_worker("fsdp_worker.py", world, device=device, timeout=240)
 
 
 def schedule(step: dict, phase: str | None = None) -> list[tuple]:

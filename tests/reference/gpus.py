@@ -1,32 +1,13 @@
-"""The CUDA/NCCL variants of the reference tests (one GPU per rank): skip without GPUs, launch with them."""
-from pathlib import Path
-
+"""The devices the reference tests run on: CPU/gloo always, CUDA/NCCL (marked `cuda`, skipped without GPUs)."""
 import pytest
 
-from tests.launch import torchrun
-
-CUDA_ENV = {"REFERENCE_TEST_DEVICE": "cuda"}
-
-
-def require_gpus(count: int) -> None:
-    import torch
-
-    if torch.cuda.device_count() < count:
-        pytest.skip(f"needs {count} CUDA device(s), found {torch.cuda.device_count()}")
+# A collective claim needs two ranks, so its CUDA form needs two GPUs (one per rank); run_worker skips it with
+# fewer. Where one rank means something (TP vs unsharded at TP 1), the test adds a world-1 CUDA form.
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+# (world, device) of a worker checked at 2 and 4 CPU ranks and on 2 GPUs (NCCL)
+WORLDS = [(2, "cpu"), (4, "cpu"), pytest.param((2, "cuda"), marks=pytest.mark.cuda)]
 
 
-# Module-fixture params for a worker checked at 2 and 4 CPU ranks and, with 2 GPUs, on CUDA.
-WORLDS = [2, 4, pytest.param("cuda2", marks=pytest.mark.cuda)]
-
-
-def world_id(world) -> str:
-    return f"tp{world}" if isinstance(world, int) else world
-
-
-def launch_world(world, worker: Path, *args: str, timeout: float = 180) -> tuple[int, str]:
-    """Run `worker` (with `args`) at one of WORLDS; return (ranks, output)."""
-    cuda = world == "cuda2"
-    ranks = 2 if cuda else world
-    if cuda:
-        require_gpus(ranks)
-    return ranks, torchrun(worker, ranks, *args, timeout=timeout, env=CUDA_ENV if cuda else None)
+def world_id(world_device: tuple[int, str]) -> str:
+    world, device = world_device
+    return f"tp{world}" if device == "cpu" else f"{device}{world}"

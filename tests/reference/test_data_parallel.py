@@ -8,16 +8,10 @@ bucket), the others with `DistributedDataParallel.zero_grad()` (the buckets are 
 """
 from __future__ import annotations
 
-import functools
-import json
-import tempfile
-from pathlib import Path
-
 import pytest
 
-from tests.launch import torchrun
+from tests.launch import run_worker
 
-WORKER = Path(__file__).parent / "workers" / "data_parallel_worker.py"
 FP32 = 1e-7  # observed <= 7.5e-9 on parameters and gradients: the batch-split summation order
 # Buckets at bucket_size=4096 bytes, filled from the last parameter back and closed at >= 4096 bytes. Per block
 # (fp32 bytes): ln1 64+64, qkv 3072+192, proj 1024+64, ln2 64+64, fc1 4096+256, fc2 4096+64. So: fc2.bias +
@@ -29,11 +23,8 @@ DP_BUCKETS = [4160, 4352, 4480, 4288, 4352, 4480, 128]
 TP_DP_BUCKETS = [4288, 4576, 4512, 128]
 
 
-@functools.cache
 def results() -> list[dict]:
-    out = Path(tempfile.mkdtemp(prefix="data-parallel-"))
-    torchrun(WORKER, 4, str(out), timeout=240)
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(4)]
+    return run_worker("data_parallel_worker.py", 4, timeout=240)
 
 
 def all_reduces(step: list[dict], group: list[int]) -> list[dict]:

@@ -9,23 +9,18 @@ overlapping the all-gathers with the next forward, with fp32 and with bf16 gradi
 from __future__ import annotations
 
 import functools
-import json
-import tempfile
 from pathlib import Path
 
 import pytest
 
-from tests.launch import torchrun
+from tests.launch import run_worker
 
-WORKER = Path(__file__).parent / "workers" / "distributed_optimizer_worker.py"
 DISTRIBUTED = ["distopt", "distopt/overlap_param_gather", "distopt/bf16_grads"]
 
 
 @functools.cache
 def results() -> list[dict]:
-    out = Path(tempfile.mkdtemp(prefix="distributed-optimizer-"))
-    torchrun(WORKER, 4, str(out), timeout=300)
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(4)]
+    return run_worker("distributed_optimizer_worker.py", 4, timeout=300)
 
 
 def runs(dp: str, config: str) -> list[dict]:
@@ -132,14 +127,11 @@ def test_bad_input_is_refused_with_a_message():
     assert "reduce-scattered" in errors["unsharded_on_sharded_ddp"]
 
 
-MEGATRON_WORKER = Path(__file__).parent / "workers" / "megatron_distopt_worker.py"
 
 
 @functools.cache
 def megatron_results() -> list[dict]:
-    out = Path(tempfile.mkdtemp(prefix="megatron-distopt-"))
-    torchrun(MEGATRON_WORKER, 2, str(out), timeout=240)
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+    return run_worker("megatron_distopt_worker.py", 2, timeout=240)
 
 
 @pytest.mark.upstream("megatron-lm")

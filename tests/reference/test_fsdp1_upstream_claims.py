@@ -7,30 +7,21 @@ Prefetch claims are checked from step 1 on (step 0 records the forward order).
 """
 from __future__ import annotations
 
-import functools
-import json
-import tempfile
-from pathlib import Path
-
 import pytest
 
 from pin_and_cite.site.estimates import training_memory
-from tests.launch import torchrun
+from tests.launch import run_worker
 
 pytestmark = pytest.mark.upstream("pytorch")
 
-WORKER = Path(__file__).parent / "workers" / "fsdp1_upstream_worker.py"
 WORLD = 2
 BLOCKS = ["blocks.0", "blocks.1", "blocks.2"]
 FORWARD_PAIRS = list(zip(["root"] + BLOCKS[:-1], BLOCKS))             # (unit l, unit l+1)
 BACKWARD_PAIRS = [("root", "blocks.2"), ("blocks.2", "blocks.1"), ("blocks.1", "blocks.0")]  # (current, next)
 
 
-@functools.cache
 def results() -> list[dict]:
-    out = Path(tempfile.mkdtemp(prefix="fsdp1-upstream-"))
-    torchrun(WORKER, WORLD, str(out), timeout=240)
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
+    return run_worker("fsdp1_upstream_worker.py", WORLD, timeout=240)
 
 
 def steps(config: str, first: int = 1):

@@ -1,11 +1,10 @@
 """Bad input to the reference FSDP: a clear one-line error, padding instead of a crash, bounded failure."""
 from __future__ import annotations
 
-
 import pytest
 
-from tests.launch import torchrun_failing
-from tests.reference.fsdp_runs import WORKER, fsdp_results
+from tests.launch import WORKERS, torchrun_failing
+from tests.reference.fsdp_runs import fsdp_results
 
 
 def errors() -> dict[str, str]:
@@ -54,7 +53,7 @@ def test_flat_size_not_divisible_by_world_is_padded(world):
 
 
 def test_rank_crash_mid_step_fails_fast_with_clear_error(tmp_path):
-    message, elapsed = torchrun_failing(WORKER, 2, str(tmp_path), "crash", "cpu")
+    message, elapsed = torchrun_failing(WORKERS / "fsdp_worker.py", 2, str(tmp_path), "crash")
     assert "RuntimeError: simulated rank crash: rank 1 failed in step 2" in message
     assert "exited 1" in message
     assert "finished" not in message

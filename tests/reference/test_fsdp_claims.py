@@ -3,13 +3,16 @@
 Times come from `CollectiveRecorder`: a collective's `start` is when it was issued; spans "<unit> forward"
 (the wrapped module's forward) and "<unit> backward" (pre-backward hook, after the unit's own all-gather
 landed, to post-backward hook) are recorded by `reference.fsdp.tracing`. Units: root (embeddings, final
-norm, head) and blocks.0-2. Steps 1 and 2 are checked (step 0 records the forward order).
+norm, head) and blocks.0-2. Steps 1 and 2 are checked (step 0 records the forward order). The timing claims
+also run on CUDA/NCCL (2 GPUs), where each all-gather runs on NCCL's stream and `Work.wait()` only makes the
+compute stream wait, so the prefetched all-gathers overlap compute on the GPU.
 """
 from __future__ import annotations
 
 import pytest
 
 from tests.reference.fsdp_runs import fsdp_results, issued, schedule, span
+from tests.reference.gpus import DEVICES
 
 BLOCKS = ["blocks.0", "blocks.1", "blocks.2"]
 FORWARD_PAIRS = list(zip(["root"] + BLOCKS[:-1], BLOCKS))           # (unit l, unit l+1)
@@ -21,7 +24,8 @@ def steps(config: str, device: str, world: int = 2):
         yield from result["runs"][f"reference/{config}"]["steps"][1:]
 
 
-def test_forward_prefetch_issues_next_allgather_before_current_compute_ends(device="cpu"):
+@pytest.mark.parametrize("device", DEVICES)
+def test_forward_prefetch_issues_next_allgather_before_current_compute_ends(device):
     for step in steps("pre+fwd", device):
         for current, following in FORWARD_PAIRS:
             assert issued(step, "all_gather", following, "forward") < span(step, f"{current} forward")["end"]
@@ -32,7 +36,8 @@ def test_forward_prefetch_issues_next_allgather_before_current_compute_ends(devi
             assert issued(step, "all_gather", following, "forward") > span(step, f"{current} forward")["end"]
 
 
-def test_forward_prefetch_uses_execution_order_recorded_in_first_iteration(device="cpu"):
+@pytest.mark.parametrize("device", DEVICES)
+def test_forward_prefetch_uses_execution_order_recorded_in_first_iteration(device):
     """Step 0 cannot know the next unit yet, so it gathers on demand; later steps prefetch."""
     for result in fsdp_results(2, device):
         first = result["runs"]["reference/pre+fwd"]["steps"][0]
@@ -40,7 +45,8 @@ def test_forward_prefetch_uses_execution_order_recorded_in_first_iteration(devic
             assert issued(first, "all_gather", following, "forward") > span(first, f"{current} forward")["end"]
 
 
-def test_backward_pre_prefetch_issues_next_allgather_before_current_reduce_scatter(device="cpu"):
+@pytest.mark.parametrize("device", DEVICES)
+def test_backward_pre_prefetch_issues_next_allgather_before_current_reduce_scatter(device):
     for step in steps("pre", device):
         assert issued(step, "all_gather", "blocks.2", "backward") < span(step, "root backward")["start"]
         for current, following in BACKWARD_PAIRS:
@@ -49,7 +55,8 @@ def test_backward_pre_prefetch_issues_next_allgather_before_current_reduce_scatt
             assert gathered < span(step, f"{current} backward")["start"]  # before its gradient computation
 
 
-def test_backward_post_prefetch_issues_next_allgather_after_current_gradient_before_its_reduce_scatter(device="cpu"):
+@pytest.mark.parametrize("device", DEVICES)
+def test_backward_post_prefetch_issues_next_allgather_after_current_gradient_before_its_reduce_scatter(device):
     for step in steps("post", device):
         for current, following in BACKWARD_PAIRS:
             gathered = issued(step, "all_gather", following, "backward")
@@ -57,7 +64,8 @@ def test_backward_post_prefetch_issues_next_allgather_after_current_gradient_bef
             assert span(step, f"{current} backward")["end"] <= gathered < reduced
 
 
-def test_without_backward_prefetch_next_allgather_follows_current_reduce_scatter(device="cpu"):
+@pytest.mark.parametrize("device", DEVICES)
+def test_without_backward_prefetch_next_allgather_follows_current_reduce_scatter(device):
     for step in steps("none", device):
         for current, following in BACKWARD_PAIRS:
             reduced = issued(step, "reduce_scatter", current, "backward")
@@ -73,7 +81,8 @@ MAX_BLOCKS_UNSHARDED = {"none": 1, "post": 1, "pre": 2, "none+fwd": 2, "post+fwd
 
 
 @pytest.mark.parametrize("config", sorted(MAX_BLOCKS_UNSHARDED))
-def test_unit_full_parameters_never_outlive_its_forward_or_backward(config, device="cpu"):
+@pytest.mark.parametrize("device", DEVICES)
+def test_unit_full_parameters_never_outlive_its_forward_or_backward(config, device):
     """Unsharded bytes of every unit, sampled at every aten op of forward+backward (a dispatch mode)."""
     for result in fsdp_results(2, device):
         run = result["runs"][f"reference/{config}"]
@@ -124,15 +133,3 @@ def test_bytes_per_step_are_two_allgathers_and_one_reduce_scatter_of_each_flat_s
                 assert [e[0] for e in events] == ["all_gather"] * gathers + ["reduce_scatter"]
                 assert [e[3] for e in events] == ([unit["padded_numel"] * param_size] * gathers
                                                   + [unit["padded_numel"] * reduce_size])
-
-
-@pytest.mark.cuda
-def test_claims_hold_on_cuda_nccl():
-    """The same claims on CUDA/NCCL, where each all-gather runs on NCCL's stream and `Work.wait()` only
-    makes the compute stream wait, so the prefetched all-gathers overlap compute on the GPU."""
-    test_forward_prefetch_issues_next_allgather_before_current_compute_ends("cuda")
-    test_forward_prefetch_uses_execution_order_recorded_in_first_iteration("cuda")
-    test_backward_pre_prefetch_issues_next_allgather_before_current_reduce_scatter("cuda")
-    test_backward_post_prefetch_issues_next_allgather_after_current_gradient_before_its_reduce_scatter("cuda")
-    for config in MAX_BLOCKS_UNSHARDED:
-        test_unit_full_parameters_never_outlive_its_forward_or_backward(config, "cuda")

@@ -7,16 +7,10 @@ single-process training and PyTorch's FSDP2 (`fully_shard` on the "dp" mesh dime
 """
 from __future__ import annotations
 
-import functools
-import json
-import tempfile
-from pathlib import Path
-
 import pytest
 
-from tests.launch import torchrun
+from tests.launch import run_worker
 
-WORKER = Path(__file__).parent / "workers" / "fsdp_tp_worker.py"
 FP32 = 1e-7  # observed <= 3.8e-9 against both oracles
 # One block's TP-local parameters (fp32 elements): ln1 12+12, qkv 18x12+18, proj 12x6+12, ln2 12+12,
 # fc1 24x12+24, fc2 12x24+12 = 978; qkv.bias ends off a 16-byte boundary, so the flat buffer is 980 (FSDP1's
@@ -25,11 +19,8 @@ UNIT_PARAM_NUMEL, UNIT_NUMEL = 978, 980
 DP = 2
 
 
-@functools.cache
 def results() -> list[dict]:
-    out = Path(tempfile.mkdtemp(prefix="fsdp-tp-"))
-    torchrun(WORKER, 4, str(out), timeout=240)
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(4)]
+    return run_worker("fsdp_tp_worker.py", 4, timeout=240)
 
 
 def on(events: list[dict], group: list[int]) -> list[tuple]:

@@ -5,25 +5,20 @@ interleaved schedule is compared in test_megatron_pipeline_upstream.py (same lau
 from __future__ import annotations
 
 import functools
-import json
-import tempfile
 from pathlib import Path
 
 import pytest
 
 from reference import __main__ as demo_cli
-from tests.launch import torchrun
+from tests.launch import run_worker
 from reference.pipeline.replay import idle_fraction
 
-WORKER = Path(__file__).parent / "workers" / "interleaved_worker.py"
 
 
 @functools.cache
 def ranks() -> list[dict]:
     """Every rank's results from one launch at world 4 (all layouts, the torch oracle)."""
-    out = Path(tempfile.mkdtemp(prefix="interleaved-w4-"))
-    torchrun(WORKER, 4, str(out), timeout=420)
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(4)]
+    return run_worker("interleaved_worker.py", 4, timeout=420)
 
 
 def runs() -> list[dict]:

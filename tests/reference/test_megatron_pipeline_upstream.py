@@ -9,27 +9,17 @@ torch.cuda.synchronize() of batch_p2p_sync (a no-op here), and CUDA-stream concu
 """
 from __future__ import annotations
 
-import functools
-import json
-import tempfile
-from pathlib import Path
-
 import pytest
 
-from tests.launch import torchrun
 from reference.pipeline.replay import idle_fraction
+from tests.launch import run_worker
 
 pytestmark = pytest.mark.upstream("megatron-lm")
 
-WORKER = Path(__file__).parent / "workers" / "megatron_pipeline_worker.py"
 
-
-@functools.cache
 def ranks() -> list[dict]:
     """Every rank's log from one launch (shared by the tests of this module)."""
-    out = Path(tempfile.mkdtemp(prefix="megatron-pipeline-"))
-    torchrun(WORKER, 4, str(out), timeout=240)
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(4)]
+    return run_worker("megatron_pipeline_worker.py", 4, timeout=240)
 
 
 def runs(name: str) -> list[dict]:

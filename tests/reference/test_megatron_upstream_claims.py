@@ -7,29 +7,20 @@ output size 20, so the column layer's dX GEMM gives [12, 12], its dW GEMM [10, 1
 """
 from __future__ import annotations
 
-import functools
-import json
-import tempfile
-from pathlib import Path
-
 import pytest
 import torch
 
-from tests.launch import torchrun
+from tests.launch import run_worker
 
 pytestmark = pytest.mark.upstream("megatron-lm")
 
-WORKER = Path(__file__).parent / "workers" / "megatron_claims_worker.py"
 WORLD, S, B, IN, OUT = 2, 4, 3, 12, 20
 ACTIVATION_BYTES = S * B * IN * 4      # one full [s, b, h] fp32 activation
 
 
-@functools.cache
 def records() -> list[dict]:
     """Both ranks' records of the one worker launch."""
-    out = Path(tempfile.mkdtemp(prefix="megatron-claims-"))
-    torchrun(WORKER, WORLD, str(out), timeout=240)
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
+    return run_worker("megatron_claims_worker.py", WORLD, timeout=240)
 
 
 def cases(name: str) -> list[dict]:

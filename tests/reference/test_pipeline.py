@@ -1,20 +1,12 @@
 """Pipeline parallelism: TP x PP x DP training equals the unsharded GPT, schedules run the textbook order
 (and torch.distributed.pipelining's schedule IR), 1F1B holds fewer micro-batches than GPipe, failures end."""
-import json
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleGPipe, _ComputationType
 
-from tests.launch import torchrun, torchrun_failing
-from tests.reference.gpus import CUDA_ENV, require_gpus
-
-WORKERS = Path(__file__).parent / "workers"
-
-
-def results(out: str) -> list[dict]:
-    return [json.loads(line.split("RESULT ", 1)[1]) for line in out.splitlines() if "RESULT {" in line]
+from tests.launch import WORKERS, run_worker, torchrun_failing
+from tests.reference.gpus import DEVICES
 
 
 def torch_order(schedule: str, pp: int, stage: int, m: int) -> list[str]:
@@ -50,10 +42,11 @@ def check(runs: list[dict], world: int) -> None:
                 assert peak["1f1b"] < peak["gpipe"], (key, peak)
 
 
-@pytest.fixture(scope="module")
-def world4():
-    """Every run of the pipeline worker at world 4 (one launch for the tests below)."""
-    runs = results(torchrun(WORKERS / "pipeline_worker.py", 4, timeout=240))
+@pytest.fixture(scope="module", params=DEVICES)
+def world4(request):
+    """Every run of the pipeline worker at world 4 (one launch per device for the tests below)."""
+    runs = [run for result in run_worker("pipeline_worker.py", 4, device=request.param, timeout=240)
+            for run in result["runs"]]
     assert len(runs) == 4 * 5 * 2  # ranks x layouts x schedules
     return runs
 
@@ -91,9 +84,3 @@ def test_rank_failing_mid_pipeline_ends_the_run_in_bounded_time():
     message, _ = torchrun_failing(WORKERS / "pipeline_crash_worker.py", 2)
     assert "simulated crash of stage 1" in message
     assert "unreachable on rank 0" not in message
-
-
-@pytest.mark.cuda
-def test_tp_pp_dp_training_equals_unsharded_world4_cuda():
-    require_gpus(4)
-    check(results(torchrun(WORKERS / "pipeline_worker.py", 4, timeout=240, env=CUDA_ENV)), 4)

@@ -10,14 +10,12 @@ per_step) for the lead's cross-check against the reference decoder.
 from __future__ import annotations
 
 import functools
-import json
 import tempfile
 from pathlib import Path
 
 import pytest
 
-from tests.launch import torchrun, torchrun_failing
-from tests.reference.gpus import CUDA_ENV, require_gpus
+from tests.launch import run_worker, torchrun_failing
 
 WORKER = Path(__file__).parent / "workers" / "qwen2_dtensor_worker.py"
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
@@ -59,11 +57,7 @@ def per_step(config: str, layers: int = LAYERS) -> dict:
 @functools.cache
 def results(mode: str, device: str = "cpu") -> list[dict]:
     world = 4 if mode == "fsdp_tp" else 2
-    if device == "cuda":
-        require_gpus(world)
-    out = Path(tempfile.mkdtemp(prefix=f"qwen2-{mode}-{device}-"))
-    torchrun(WORKER, world, str(out), mode, device, timeout=420, env=CUDA_ENV if device == "cuda" else None)
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(world)]
+    return run_worker("qwen2_dtensor_worker.py", world, mode, device, device=device, timeout=420)
 
 
 @pytest.mark.upstream("pytorch")

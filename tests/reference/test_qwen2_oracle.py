@@ -9,16 +9,12 @@ The config: vocab 128, hidden 64, 4 query heads in 2 key/value groups, 2 layers,
 from __future__ import annotations
 
 import functools
-import json
-import tempfile
 from pathlib import Path
 
 import pytest
 
-from tests.launch import torchrun
-from tests.reference.gpus import CUDA_ENV, require_gpus
+from tests.launch import run_worker
 
-WORKER = Path(__file__).parent / "workers" / "qwen2_oracle_worker.py"
 LAYERS = 2
 EXACT = 1e-6  # fp32, same math in a different order
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
@@ -26,11 +22,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 @functools.cache
 def results(world: int, device: str = "cpu") -> list[dict]:
-    if device == "cuda":
-        require_gpus(world)
-    out = Path(tempfile.mkdtemp(prefix=f"qwen2-w{world}-{device}-"))
-    torchrun(WORKER, world, str(out), timeout=420, env=CUDA_ENV if device == "cuda" else None)
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(world)]
+    return run_worker("qwen2_oracle_worker.py", world, device=device, timeout=420)
 
 
 @pytest.mark.parametrize("config", ["unsharded", "unsharded_uneven"])

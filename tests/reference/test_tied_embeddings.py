@@ -5,23 +5,18 @@ against the unsharded tied GPT, and once without the embedding-gradient all-redu
 from __future__ import annotations
 
 import functools
-import json
-import tempfile
 from pathlib import Path
 
 import pytest
 
-from tests.launch import torchrun
+from tests.launch import run_worker
 
-WORKER = Path(__file__).parent / "workers" / "tied_embeddings_worker.py"
 FP32 = 1e-7  # observed <= 3e-8: the batch split changes the fp32 summation order
 
 
 @functools.cache
 def results() -> list[dict]:
-    out = Path(tempfile.mkdtemp(prefix="tied-embeddings-"))
-    torchrun(WORKER, 4, str(out), timeout=300)
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(4)]
+    return run_worker("tied_embeddings_worker.py", 4, timeout=300)
 
 
 @pytest.mark.parametrize("layout", ["pp2_dp2", "pp2_tp2"])

@@ -1,28 +1,31 @@
 """Collective sizes and groups at scale, traced by one process posing as a rank of a large job (torch's
 `fake` process-group backend): what the notes' formulas predict for TP=8 inside a 64-rank world."""
+import functools
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
-from tests.launch import ROOT
-
-WORKER = Path(__file__).parent / "workers" / "fake_pg_worker.py"
+from tests.launch import ROOT, WORKERS
 
 
-def trace(rank: int, world: int, tp: int, sp: bool) -> dict:
-    out = subprocess.run([sys.executable, str(WORKER), str(rank), str(world), str(tp), str(int(sp))], cwd=ROOT,
-                         env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                         timeout=120, check=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+@functools.cache
+def trace(rank: int, world: int, tp: int) -> dict:
+    """Both steps (tp, sp) recorded by one process posing as `rank`."""
+    with tempfile.TemporaryDirectory(prefix="fake-pg-") as out:
+        subprocess.run([sys.executable, str(WORKERS / "fake_pg_worker.py"), out, str(rank), str(world), str(tp)],
+                       cwd=ROOT, env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}, capture_output=True,
+                       timeout=120, check=True)
+        return json.loads((Path(out) / f"rank{rank}.json").read_text())
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
 def test_collective_bytes_and_groups_at_scale_with_fake_process_group(sp):
     tp, world, rank = 8, 64, 19
-    result = trace(rank, world, tp, sp)
+    result = trace(rank, world, tp)["sp" if sp else "tp"]
     assert result["tp_rank"] == rank % tp
     n = (2 * tp) * 3 * (8 * tp) * 4  # s * b * h * fp32, independent of the TP size
     block = [e for e in result["events"] if e["module"].startswith("layers.0")]

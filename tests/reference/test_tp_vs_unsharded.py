@@ -3,25 +3,25 @@
 Outputs, input gradients and every weight gradient (re-assembled from the shards) match for 3 SGD steps,
 with and without sequence parallelism, overlap and gradient-accumulation fusion, and with a padded sequence.
 """
-from pathlib import Path
-
 import pytest
 
-from tests.launch import torchrun
-from tests.reference.gpus import CUDA_ENV, require_gpus
-
-WORKER = Path(__file__).parent / "workers" / "tp_vs_unsharded_worker.py"
+from tests.launch import run_worker
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
-def test_tp_transformer_matches_unsharded_for_several_steps(world):
-    out = torchrun(WORKER, world, timeout=180)
-    assert out.count("unsharded comparisons ok") == world
+def configurations(world: int) -> list[str]:
+    """What the worker compares at `world`: every flag combination at 2, four covering each flag both ways at
+    1 and 4, and (TP > 1) sequence parallelism with a padded sequence of 8 * world + 1."""
+    if world == 2:
+        flags = [(sp, overlap, fusion) for sp in (False, True) for overlap in (True, False) for fusion in (False, True)]
+    else:
+        flags = [(False, True, False), (True, True, True), (True, False, False), (False, False, True)]
+    names = [f"sp={sp} overlap={overlap} fusion={fusion} seq=8" for sp, overlap, fusion in flags]
+    return names + ([f"sp=True overlap=True fusion=False seq={8 * world + 1}"] if world > 1 else [])
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize("world", [1, 2])
-def test_tp_transformer_matches_unsharded_for_several_steps_cuda(world):
-    require_gpus(world)
-    out = torchrun(WORKER, world, timeout=180, env=CUDA_ENV)
-    assert out.count("unsharded comparisons ok") == world
+@pytest.mark.parametrize("world, device", [(1, "cpu"), (2, "cpu"), (4, "cpu"),
+                                           pytest.param(1, "cuda", marks=pytest.mark.cuda),
+                                           pytest.param(2, "cuda", marks=pytest.mark.cuda)])
+def test_tp_transformer_matches_unsharded_for_several_steps(world, device):
+    for result in run_worker("tp_vs_unsharded_worker.py", world, device=device, timeout=180):
+        assert result["compared"] == configurations(world)

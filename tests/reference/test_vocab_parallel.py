@@ -11,52 +11,60 @@
   tokens * V_p / tp elements; the same probe does see [tokens, V] logits in the unsharded computation;
 * bad input: token or target ids outside the vocabulary (pad ids included) raise a one-line error.
 """
-import re
-from pathlib import Path
+import math
 
 import pytest
 
 from reference.parallel_state import ParallelConfigError
 from reference.tensor_parallel.vocab_parallel import pad_vocab_size
-from tests.reference.gpus import WORLDS, launch_world, world_id
+from tests.launch import run_worker
+from tests.reference.gpus import WORLDS, world_id
 
-WORKER = Path(__file__).parent / "workers" / "vocab_parallel_worker.py"
+S, B, V_PROBE = 8, 2, 50
 
 
 @pytest.fixture(scope="module", params=WORLDS, ids=world_id)
 def run(request):
-    return launch_world(request.param, WORKER)
+    world, device = request.param
+    return world, run_worker("vocab_parallel_worker.py", world, device=device, timeout=180)
 
 
 def test_vocab_parallel_matches_unsharded(run):
-    world, out = run
-    assert out.count("vocab parallel vs unsharded ok") == world
+    world, results = run
+    vocabs = [12 * world, 6 * world + 1, 5]  # divisible by TP, padded, and (TP=4) a rank holding only padding
+    for result in results:  # each rank asserted equal numbers; this is what it compared
+        assert result["unsharded"] == [
+            what for vocab in vocabs for what in (
+                [f"{kind} V={vocab} sp={sp}" for sp in (False, True) for kind in ("embedding", "lm_head")]
+                + [f"cross_entropy V={vocab} scale={scale}" for scale in (1.0, 50.0)])]
 
 
 def test_vocab_parallel_matches_megatron_core(run):
-    world, out = run
-    assert out.count("megatron comparisons ok") == world
-    # the loss's three all-reduces of one fp32 number per token, forward only; nothing in backward
-    s, b = 8, 2
-    assert (f"figures: collectives cross_entropy: [('all_reduce', ({s}, {b}), 'forward'), "
-            f"('all_reduce', ({s}, {b}), 'forward'), ('all_reduce', ({s}, {b}), 'forward')]") in out
+    world, results = run
+    for result in results:
+        assert sorted(result["collectives"]) == ["cross_entropy", "embedding sp=False", "embedding sp=True",
+                                                 "lm_head sp=False", "lm_head sp=True"]
+        # the loss's three all-reduces of one fp32 number per token, forward only; nothing in backward
+        assert result["collectives"]["cross_entropy"] == [["all_reduce", [S, B], "forward"]] * 3
 
 
 def test_no_rank_allocates_full_logits(run):
-    world, out = run
-    assert out.count("allocation probe ok") == world
-    padded = pad_vocab_size(50, world)
-    lines = re.findall(r"figures: probe tp=\d+ sp=(\w+) .*: rank (\d+) .* largest \(([\d, ]+)\) .*"
-                       r"\((\d+) elements <= tokens\*V_p/tp = (\d+)\)", out)
-    assert len(lines) == 2 * world, out[-3000:]
-    for _sp, _rank, shape, numel, bound in lines:  # the largest tensor on every rank: one logits shard
-        assert int(shape.split(",")[-1]) == padded // world and int(numel) == int(bound) == 16 * padded // world
-    assert "figures: probe unsharded V=50" in out and "largest (16, 50)" in out
+    world, results = run
+    padded = pad_vocab_size(V_PROBE, world)
+    for result in results:
+        for sp in (False, True):  # the largest tensor on every rank: one logits shard
+            probe = result["probe"][f"sp={sp}"]
+            assert probe["largest"][-1] == padded // world, probe
+            assert math.prod(probe["largest"]) == probe["bound"] == 16 * padded // world, probe
+        assert result["probe"]["unsharded"]["full_vocabulary_tensors"] > 0
+        assert result["probe"]["unsharded"]["largest"] == [16, V_PROBE]
 
 
 def test_bad_input_raises_one_line_errors(run):
-    world, out = run
-    assert out.count("bad input ok") == world
+    world, results = run
+    for result in results:  # each message was checked on its rank: one line, naming the problem
+        assert len(result["bad_input"]) == 3 * 2 + 4
+    assert all(result["bad_input"] == results[0]["bad_input"] for result in results), "ranks disagree"
 
 
 @pytest.mark.parametrize("vocab, tp, multiple, padded", [(50, 2, 1, 50), (50, 4, 1, 52), (5, 4, 1, 8),

@@ -1,7 +1,17 @@
-"""Helpers shared by the worker scripts: process-group setup and re-assembly of sharded tensors."""
+"""Helpers shared by the worker scripts: process-group setup, the results file, re-assembly of sharded tensors.
+
+The worker protocol (tests/launch.run_worker): `main()` under `if __name__ == "__main__"`, the output folder as
+first argument, each rank's results written by `write_results` for the pytest side to assert on. Most workers
+define `results(device) -> dict` and `main()` calls `serve(results)`, so shared_worker.py can run several of
+them in one launch.
+"""
 from __future__ import annotations
 
+import json
 import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -9,9 +19,28 @@ import torch.distributed as dist
 from reference.distributed import finish, init_distributed  # noqa: F401 (finish: for the workers)
 
 
+def device_type() -> str:
+    """The device the test launched this worker for (REFERENCE_TEST_DEVICE, set by run_worker): cpu or cuda."""
+    return "cuda" if os.environ.get("REFERENCE_TEST_DEVICE") == "cuda" else "cpu"
+
+
 def init(timeout_s: int = 60) -> torch.device:
     """gloo on CPU, or nccl on CUDA when REFERENCE_TEST_DEVICE=cuda; returns the device."""
-    return init_distributed("cuda" if os.environ.get("REFERENCE_TEST_DEVICE") == "cuda" else "cpu", timeout_s)
+    return init_distributed(device_type(), timeout_s)
+
+
+def write_results(out: str | Path, results: dict) -> None:
+    """This rank's results as OUT/rank{R}.json, the one way a worker reports to its test."""
+    (Path(out) / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
+
+
+def serve(results: Callable[[torch.device], dict]) -> None:
+    """A worker's main: set up the process group, write this rank's `results(device)` to the output folder
+    given as first argument, tear the group down."""
+    out = Path(sys.argv[1])
+    device = init()
+    write_results(out, results(device))
+    finish()
 
 
 def gather_dim(t: torch.Tensor, dim: int, group) -> torch.Tensor:

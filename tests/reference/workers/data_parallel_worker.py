@@ -8,15 +8,12 @@ bucket layouts (ours and torch's `_compute_bucket_assignment_by_size`) and bad-i
 """
 from __future__ import annotations
 
-import json
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from common import finish, full_tensor, init, max_diff
+from common import full_tensor, max_diff, serve
 from reference.data_parallel import DistributedDataParallel, finalize_model_grads, local_batch
 from reference.parallel_state import build_layout
 from reference.recorder import CollectiveRecorder
@@ -156,8 +153,9 @@ def bad_input(group, tp_group) -> dict[str, str]:
     return errors
 
 
-def main(outdir: Path) -> None:
-    init()
+def results(device: torch.device) -> dict:
+    """Every configuration's differences, recorded steps and buckets; the bad-input errors (CPU, 4 ranks)."""
+    assert device == DEVICE, "runs on the CPU"
     world, rank = dist.get_world_size(), dist.get_rank()
     assert world == 4, "run on 4 ranks"
     losses, single_grads, single_params = single_process()
@@ -195,10 +193,12 @@ def main(outdir: Path) -> None:
                          "diff_single": max_diff(accumulated["grads"], single_grads),
                          "diff_one_batch": max_diff(accumulated["grads"], runs["dp4"]["first_grads"])}
     result["bad_input"] = bad_input(world_group, layout.tp_group)
-    (outdir / f"rank{rank}.json").write_text(json.dumps(result))
-    print(f"rank {rank}: data parallel ok", flush=True)
-    finish()
+    return result
+
+
+def main() -> None:
+    serve(results)
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main()

@@ -21,17 +21,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import BackwardPrefetch, FullyShardedDataParallel as FSDP, MixedPrecision
 
-from reference.distributed import distributed
+from common import serve
 from reference.fsdp.tracing import clean_name, torch_fsdp1_unit_scopes
 from reference.model import ModelConfig, build_model, next_token_loss, synthetic_batches
 from reference.recorder import CollectiveRecorder, current_phase
@@ -251,18 +248,22 @@ def memory(initial: nn.Module, rank: int, world: int) -> dict:
     return result
 
 
+def results(device: torch.device) -> dict:
+    """Every configuration's recorded steps, the unused-branch run and the memory figures (CPU)."""
+    assert device.type == "cpu", "FSDP1 runs here with device_id=cpu"
+    rank, world = dist.get_rank(), dist.get_world_size()
+    initial = build_model(CONFIG, SEED)
+    result: dict = {"rank": rank, "world": world, "runs": {}}
+    with CollectiveRecorder() as recorder:
+        for name, options in CONFIGS.items():
+            result["runs"][name] = run_config(options, initial, recorder, rank, world)
+        result["unused_branch"] = unused_branch(recorder)
+    result["memory"] = memory(initial, rank, world)
+    return result
+
+
 def main() -> None:
-    out = Path(sys.argv[1])
-    with distributed("cpu", timeout_s=60):
-        rank, world = dist.get_rank(), dist.get_world_size()
-        initial = build_model(CONFIG, SEED)
-        result: dict = {"rank": rank, "world": world, "runs": {}}
-        with CollectiveRecorder() as recorder:
-            for name, options in CONFIGS.items():
-                result["runs"][name] = run_config(options, initial, recorder, rank, world)
-            result["unused_branch"] = unused_branch(recorder)
-        result["memory"] = memory(initial, rank, world)
-        (out / f"rank{rank}.json").write_text(json.dumps(result))
+    serve(results)
 
 
 if __name__ == "__main__":

@@ -8,9 +8,6 @@ local batch (its TP collectives) and the bad-input errors. Each rank writes OUTD
 """
 from __future__ import annotations
 
-import json
-import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -19,7 +16,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import parallelize_module
 
-from common import dtensor_plan, finish, full_tensor, init, max_diff
+from common import dtensor_plan, full_tensor, max_diff, serve
 from reference.data_parallel import finalize_model_grads, local_batch
 from reference.data_parallel.fsdp_tp import shard_tp_model
 from reference.parallel_state import ParallelConfigError, build_layout
@@ -153,8 +150,9 @@ def bad_input(layout) -> dict[str, str]:
     return errors
 
 
-def main(outdir: Path) -> None:
-    init()
+def results(device: torch.device) -> dict:
+    """Both configurations (plain, sp) against their oracles; the bad-input errors (CPU, TP 2 x DP 2)."""
+    assert device.type == "cpu", "runs on the CPU"
     rank = dist.get_rank()
     assert dist.get_world_size() == 4, "run on 4 ranks"
     layout = build_layout(tp_size=2)  # TP [0,1] [2,3], DP [0,2] [1,3]
@@ -175,10 +173,12 @@ def main(outdir: Path) -> None:
         result[name] = {"steps": ours["steps"], "units": ours["units"], "fsdp2_steps": theirs["steps"],
                         "tp_only": tp_only_step(layout, sp)}
     result["bad_input"] = bad_input(layout)
-    (outdir / f"rank{rank}.json").write_text(json.dumps(result))
-    print(f"rank {rank}: fsdp x tp ok", flush=True)
-    finish()
+    return result
+
+
+def main() -> None:
+    serve(results)
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main()

@@ -1,6 +1,6 @@
-"""Worker for the FSDP tests: `torchrun ... fsdp_worker.py OUTDIR {main,crash} {cpu,cuda}`.
+"""Worker for the FSDP tests: `torchrun ... fsdp_worker.py OUTDIR [crash]` (device: REFERENCE_TEST_DEVICE).
 
-`main` trains the test transformer for a few steps with the reference FSDP in every configuration the tests
+Without `crash` it trains the test transformer for a few steps with the reference FSDP in every configuration the tests
 check, and with the oracles (single-process training from the same weights, PyTorch FSDP1 with the same
 wrapping and options, PyTorch FSDP2 `fully_shard`), under one `CollectiveRecorder`. Each rank writes what it
 observed to OUTDIR/rank{r}.json: parameter differences, the collective schedule of each step with unit
@@ -13,17 +13,15 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from common import max_diff
+from common import device_type, max_diff, serve
 from reference.distributed import distributed
 from reference.fsdp import FullyShardedDataParallel
 from reference.fsdp.units import shard_model
@@ -87,7 +85,7 @@ def full_parameters(model: nn.Module, implementation: str) -> dict[str, torch.Te
     return {name: p.detach().float().cpu().clone() for name, p in model.named_parameters()}
 
 
-def run_main(out: Path, device: torch.device) -> None:
+def results(device: torch.device) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.group.WORLD
     result: dict = {"rank": rank, "world": world, "runs": {}, "diff": {}}
@@ -139,7 +137,7 @@ def run_main(out: Path, device: torch.device) -> None:
         if world > 1:
             result["diff"]["reference/adam/fsdp1"] = adam_diff(initial, group, recorder, device)
     result["bad_input"] = bad_input_errors(group)
-    (out / f"rank{rank}.json").write_text(json.dumps(result))
+    return result
 
 
 def adam_diff(initial, group, recorder, device) -> float:
@@ -224,9 +222,11 @@ def _fsdp1_handles(model):
 
 
 def main() -> None:
-    out, mode, device_type = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
-    with distributed(device_type, timeout_s=15 if mode == "crash" else 60) as device:
-        (run_main if mode == "main" else run_crash)(*((out, device) if mode == "main" else (device,)))
+    if sys.argv[2:] == ["crash"]:
+        with distributed(device_type(), timeout_s=15) as device:
+            run_crash(device)
+    else:
+        serve(results)
 
 
 if __name__ == "__main__":

@@ -6,31 +6,19 @@ Usage: megatron_claims_worker.py OUT_DIR (world 2, CPU/gloo). Writes OUT_DIR/ran
 tests/reference/test_megatron_upstream_claims.py. megatron runs with use_cpu_initialization=True (its GPU
 path needs CUDA); its buffers allocated on torch.cuda.current_device() are redirected to the CPU.
 """
-import json
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.tensor_parallel import layers
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from common import finish, init
+from common import serve
+from reference.recorder import CollectiveRecorder, current_phase
 from reference.torch_patches import cuda_calls_on_cpu
 
-device = init()
-cuda_calls_on_cpu()
-
-from megatron.core import parallel_state as mpu  # noqa: E402
-from megatron.core.model_parallel_config import ModelParallelConfig  # noqa: E402
-from megatron.core.tensor_parallel import layers  # noqa: E402
-
-from reference.recorder import CollectiveRecorder, current_phase  # noqa: E402
-
-out_dir = Path(sys.argv[1])
-world, rank = dist.get_world_size(), dist.get_rank()
-mpu.initialize_model_parallel(tensor_model_parallel_size=world, create_gloo_process_groups=False)
-TP = mpu.get_tensor_model_parallel_group()
 IN, OUT, S, B = 12, 20, 4, 3          # GEMM outputs differ in shape: dX [S*B, IN], dW [OUT/p, IN] or [OUT, IN/p]
 OPS = {"aten::mm", "aten::addmm", "aten::add", "aten::add_"}
 
@@ -59,7 +47,8 @@ def init_method(weight):
 
 def config(**overrides):
     """megatron's defaults, except CPU initialization (its GPU path needs CUDA) and what a case changes."""
-    return ModelParallelConfig(tensor_model_parallel_size=world, use_cpu_initialization=True, **overrides)
+    return ModelParallelConfig(tensor_model_parallel_size=dist.get_world_size(), use_cpu_initialization=True,
+                               **overrides)
 
 
 def autograd_chain(output):
@@ -71,14 +60,14 @@ def autograd_chain(output):
     return names
 
 
-def gathered(t):
-    """Every TP rank's `t`, in rank order."""
-    parts = [torch.empty_like(t) for _ in range(world)]
-    dist.all_gather(parts, t.contiguous(), group=TP)
+def gathered(t, group):
+    """Every rank's `t` in `group`, in rank order."""
+    parts = [torch.empty_like(t) for _ in range(group.size())]
+    dist.all_gather(parts, t.contiguous(), group=group)
     return parts
 
 
-def run_case(layer, x, group=TP):
+def run_case(layer, x, group):
     """One forward and backward of `layer` on `x`, recorded."""
     x = x.clone().requires_grad_()
     saved = []
@@ -90,7 +79,7 @@ def run_case(layer, x, group=TP):
     t0 = min([e.start for e in rec.events] + [o["t"] for o in log.ops])
     events = [{"op": e.op, "nbytes": e.nbytes, "async_op": e.async_op, "phase": e.phase, "start": e.start - t0,
                "end": e.end - t0} for e in rec.events]
-    dx_parts = gathered(x.grad) if group.size() > 1 else [x.grad]
+    dx_parts = gathered(x.grad, group) if group.size() > 1 else [x.grad]
     return {"events": events, "ops": [{**o, "t": o["t"] - t0, "end": o["end"] - t0} for o in log.ops],
             "chain": chain, "saved": saved, "allreduce_dgrad": getattr(layer, "allreduce_dgrad", None),
             "output": out.tolist(), "output_bias": None if out_bias is None else out_bias.tolist(),
@@ -98,7 +87,9 @@ def run_case(layer, x, group=TP):
             "dx_equal_across_ranks": all(torch.equal(p, dx_parts[0]) for p in dx_parts)}
 
 
-def column(group=TP, **kwargs):
+def column(group=None, **kwargs):
+    """megatron's ColumnParallelLinear on `group` (default: the TP group), seeded, with bias values."""
+    group = group or mpu.get_tensor_model_parallel_group()
     cfg = config(**{k: kwargs.pop(k) for k in ("sequence_parallel", "async_tensor_model_parallel_allreduce")
                     if k in kwargs})
     torch.manual_seed(1)
@@ -108,11 +99,13 @@ def column(group=TP, **kwargs):
 
 
 def row(**kwargs):
+    """megatron's RowParallelLinear on the TP group, seeded, with bias values."""
+    tp = mpu.get_tensor_model_parallel_group()
     cfg = config(**{k: kwargs.pop(k) for k in ("sequence_parallel",) if k in kwargs})
     torch.manual_seed(2)
-    layer = layers.RowParallelLinear(IN, OUT, config=cfg, init_method=init_method, tp_group=TP, bias=True,
+    layer = layers.RowParallelLinear(IN, OUT, config=cfg, init_method=init_method, tp_group=tp, bias=True,
                                      input_is_parallel=True, keep_master_weight_for_test=True, **kwargs)
-    return with_bias_values(layer, TP, sharded=False)
+    return with_bias_values(layer, tp, sharded=False)
 
 
 def with_bias_values(layer, group, sharded=True):
@@ -124,53 +117,59 @@ def with_bias_values(layer, group, sharded=True):
 
 FULL_BIAS = torch.randn(OUT, generator=torch.Generator().manual_seed(3))
 X = torch.randn(S, B, IN, generator=torch.Generator().manual_seed(4))
-x_seq = X.chunk(world, dim=0)[rank]       # sequence-parallel input: this rank's slice of the sequence
-x_hidden = X.chunk(world, dim=-1)[rank]   # row-parallel input: this rank's slice of the hidden dimension
-results = {}
-
-
-def record(name, layer, x, group=TP, **extra):
-    results[name] = {**run_case(layer, x, group), **extra}
 
 
 def master(layer):
     return layer.master_weight.tolist()
 
 
-# the f operator and the dX all-reduce
-col = column()
-record("column", col, X, master=master(col), full_bias=FULL_BIAS.tolist())
-solo = dist.new_subgroups(1)[0]   # a TP group of one: this rank alone
-record("column_tp1", column(group=solo), X, group=solo)
-record("column_async_flag_off", column(async_tensor_model_parallel_allreduce=False), X)
-record("column_disable_grad_reduce", column(disable_grad_reduce=True), X)
-record("column_expert", column(is_expert=True), X)
-# sequence parallelism
-record("column_sp", column(sequence_parallel=True), x_seq)
-row_layer = row(skip_bias_add=False)
-record("row", row_layer, x_hidden, master=master(row_layer), full_bias=FULL_BIAS.tolist())
-record("row_sp", row(skip_bias_add=False, sequence_parallel=True), x_hidden)
-# biases returned to the caller
-record("column_skip_bias_add", column(skip_bias_add=True), X)
-record("row_skip_bias_add", row(skip_bias_add=True), x_hidden)
+def layer_cases() -> dict:
+    """Each case: one recorded forward and backward of megatron's layer."""
+    tp = mpu.get_tensor_model_parallel_group()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    x_seq = X.chunk(world, dim=0)[rank]       # sequence-parallel input: this rank's slice of the sequence
+    x_hidden = X.chunk(world, dim=-1)[rank]   # row-parallel input: this rank's slice of the hidden dimension
+    cases = {}
+    # the f operator and the dX all-reduce
+    col = column()
+    cases["column"] = {**run_case(col, X, tp), "master": master(col), "full_bias": FULL_BIAS.tolist()}
+    solo = dist.new_subgroups(1)[0]   # a TP group of one: this rank alone
+    cases["column_tp1"] = run_case(column(group=solo), X, solo)
+    cases["column_async_flag_off"] = run_case(column(async_tensor_model_parallel_allreduce=False), X, tp)
+    cases["column_disable_grad_reduce"] = run_case(column(disable_grad_reduce=True), X, tp)
+    cases["column_expert"] = run_case(column(is_expert=True), X, tp)
+    # sequence parallelism
+    cases["column_sp"] = run_case(column(sequence_parallel=True), x_seq, tp)
+    row_layer = row(skip_bias_add=False)
+    cases["row"] = {**run_case(row_layer, x_hidden, tp), "master": master(row_layer), "full_bias": FULL_BIAS.tolist()}
+    cases["row_sp"] = run_case(row(skip_bias_add=False, sequence_parallel=True), x_hidden, tp)
+    # biases returned to the caller
+    cases["column_skip_bias_add"] = run_case(column(skip_bias_add=True), X, tp)
+    cases["row_skip_bias_add"] = run_case(row(skip_bias_add=True), x_hidden, tp)
+    return cases
 
-# CPU initialization: one master weight on every rank, strided pieces rank::world kept
-torch.manual_seed(5)
-strided = layers.ColumnParallelLinear(IN, OUT, config=config(), init_method=init_method, tp_group=TP, stride=2,
-                                      keep_master_weight_for_test=True, bias=False)
-results["init"] = {"stride": 2, "master": strided.master_weight.tolist(), "weight": strided.weight.tolist(),
-                   "storage_bytes": strided.weight.untyped_storage().nbytes(),
-                   "tensor_model_parallel": strided.weight.tensor_model_parallel,
-                   "partition_stride": strided.weight.partition_stride,
-                   "partition_dim": strided.weight.partition_dim}
 
-# gradient_accumulation_fusion: without APEX's fused_weight_gradient_mlp_cuda the layer refuses to build
-try:
-    layers.ColumnParallelLinear(IN, OUT, config=config(gradient_accumulation_fusion=True), init_method=init_method,
-                                tp_group=TP)
-    results["fusion_without_apex"] = None
-except RuntimeError as error:
-    results["fusion_without_apex"] = str(error)
+def cpu_initialization() -> dict:
+    """One master weight on every rank, strided pieces rank::world kept."""
+    torch.manual_seed(5)
+    strided = layers.ColumnParallelLinear(IN, OUT, config=config(), init_method=init_method,
+                                          tp_group=mpu.get_tensor_model_parallel_group(), stride=2,
+                                          keep_master_weight_for_test=True, bias=False)
+    return {"stride": 2, "master": strided.master_weight.tolist(), "weight": strided.weight.tolist(),
+            "storage_bytes": strided.weight.untyped_storage().nbytes(),
+            "tensor_model_parallel": strided.weight.tensor_model_parallel,
+            "partition_stride": strided.weight.partition_stride,
+            "partition_dim": strided.weight.partition_dim}
+
+
+def fusion_without_apex() -> str | None:
+    """gradient_accumulation_fusion: without APEX's fused_weight_gradient_mlp_cuda the layer refuses to build."""
+    try:
+        layers.ColumnParallelLinear(IN, OUT, config=config(gradient_accumulation_fusion=True),
+                                    init_method=init_method, tp_group=mpu.get_tensor_model_parallel_group())
+    except RuntimeError as error:
+        return str(error)
+    return None
 
 
 class KernelStandIn:
@@ -201,7 +200,8 @@ def fusion_case(main_grad_dtype, fsdp=False, ddp=False, two_micro_batches=True):
     layers._grad_accum_fusion_available, layers.fused_weight_gradient_mlp_cuda = True, kernel
     torch.manual_seed(6)
     layer = layers.ColumnParallelLinear(IN, OUT, config=config(gradient_accumulation_fusion=True),
-                                        init_method=init_method, tp_group=TP, bias=False)
+                                        init_method=init_method, tp_group=mpu.get_tensor_model_parallel_group(),
+                                        bias=False)
     weight = layer.weight
     weight.main_grad = torch.zeros(weight.shape, dtype=main_grad_dtype)
     if ddp:
@@ -215,7 +215,7 @@ def fusion_case(main_grad_dtype, fsdp=False, ddp=False, two_micro_batches=True):
         x = torch.randn(S, B, IN, generator=torch.Generator().manual_seed(10 + micro_batch))
         layer(x)[0].sum().backward()
         with torch.no_grad():
-            expected += torch.ones(S * B, OUT // world).t() @ x.reshape(S * B, IN)
+            expected += torch.ones(S * B, OUT // dist.get_world_size()).t() @ x.reshape(S * B, IN)
     del layers.fused_weight_gradient_mlp_cuda
     layers._grad_accum_fusion_available = False
     return {"calls": kernel.calls, "main_grad": weight.main_grad.float().tolist(), "grad_is_none": weight.grad is None,
@@ -224,12 +224,23 @@ def fusion_case(main_grad_dtype, fsdp=False, ddp=False, two_micro_batches=True):
             "expected_main_grad": expected.tolist()}
 
 
-results["fusion_fp32"] = fusion_case(torch.float32)
-results["fusion_bf16"] = fusion_case(torch.bfloat16)
-results["fusion_ddp"] = fusion_case(torch.float32, ddp=True, two_micro_batches=False)
-results["fusion_megatron_fsdp"] = fusion_case(torch.float32, fsdp=True, two_micro_batches=False)
+def results(device: torch.device) -> dict:
+    """Every case megatron ran on this rank (CPU only: its buffers are redirected there)."""
+    assert device.type == "cpu", "megatron runs here with CPU initialization and CUDA calls redirected to the CPU"
+    cuda_calls_on_cpu()
+    mpu.initialize_model_parallel(tensor_model_parallel_size=dist.get_world_size(), create_gloo_process_groups=False)
+    found = {**layer_cases(), "init": cpu_initialization(), "fusion_without_apex": fusion_without_apex(),
+             "fusion_fp32": fusion_case(torch.float32),
+             "fusion_bf16": fusion_case(torch.bfloat16),
+             "fusion_ddp": fusion_case(torch.float32, ddp=True, two_micro_batches=False),
+             "fusion_megatron_fsdp": fusion_case(torch.float32, fsdp=True, two_micro_batches=False)}
+    mpu.destroy_model_parallel()
+    return found
 
-(out_dir / f"rank{rank}.json").write_text(json.dumps(results))
-mpu.destroy_model_parallel()
-print(f"rank {rank}: megatron claims recorded", flush=True)
-finish()
+
+def main() -> None:
+    serve(results)
+
+
+if __name__ == "__main__":
+    main()

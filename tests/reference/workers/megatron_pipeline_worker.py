@@ -17,33 +17,23 @@ every batched p2p round (batch_p2p_sync; a no-op here).
 """
 import contextlib
 import functools
-import json
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.enums import ModelType
+from megatron.core.pipeline_parallel import schedules
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
 from torch.overrides import TorchFunctionMode
 
-from common import finish, init
+from common import serve
+from reference.pipeline.schedules import forward_backward as reference_forward_backward
 from reference.torch_patches import cuda_calls_on_cpu
 
-device = init()
-assert device.type == "cpu" and dist.get_world_size() == 4, "run on 4 CPU ranks"
-cuda_calls_on_cpu()
-
-from megatron.core import parallel_state  # noqa: E402
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
-from megatron.core.distributed import finalize_model_grads  # noqa: E402
-from megatron.core.enums import ModelType  # noqa: E402
-from megatron.core.pipeline_parallel import schedules  # noqa: E402
-from megatron.core.transformer.module import MegatronModule  # noqa: E402
-from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
-
-from reference.pipeline.schedules import forward_backward as reference_forward_backward  # noqa: E402
-
-OUT = Path(sys.argv[1])
 S, B, H = 4, 2, 8  # what goes between stages: (seq, micro-batch, hidden), megatron's tensor_shapes
 EVENTS: list = []  # the current run's log: [name, details..., perf_counter()] (one clock for all ranks)
 BACKWARD_SLEEP = {"s": 0.0}  # makes each backward last long enough to order events across ranks by time
@@ -341,35 +331,45 @@ def ddp_grad_dtypes() -> dict[str, str]:
     return dtypes
 
 
-rank = dist.get_rank()
-runs = [
-    run("defaults_m6", pp=4, m=6),
-    run("defaults_m2", pp=4, m=2),
-    run("unbatched_m6", pp=4, m=6, config_kw={"batch_p2p_comm": False}, unbatched_log=True),
-    run("deallocate_m6", pp=4, m=6, config_kw={"deallocate_pipeline_outputs": True}),
-    run("three_output_m6", pp=4, m=6, loss="three"),
-    # megatron's DDP and finalize_model_grads, so that the per-token division of the gradients happens
-    run("per_token_m6", pp=4, m=6, loss="three", config_kw={"calculate_per_token_loss": True}, ddp={}),
-    # pp 2 x dp 2; a bucket per layer where megatron buckets at all (the first stage); the second iteration
-    # is the one logged (in the first, megatron's overlapping DDP learns which grads fill each bucket)
-    run("ddp_defaults", pp=2, m=4, iterations=2, ddp={}, backward_sleep=0.05),
-    run("ddp_overlap", pp=2, m=4, iterations=2, ddp={"overlap_grad_reduce": True, "bucket_size": H * H + H},
-        backward_sleep=0.05),
-    run("ddp_overlap_align", pp=2, m=4, iterations=2, align=True,
-        ddp={"overlap_grad_reduce": True, "bucket_size": H * H + H}, backward_sleep=0.05),
-]
-result = {"runs": {r["name"]: r for r in runs},
-          "reference_actions": {"m6": reference_actions(4, 6), "m2": reference_actions(4, 2)},
-          "deallocated_plain_backward": deallocated_output_rejects_plain_backward(),
-          "bf16_grad_dtypes": ddp_grad_dtypes(),
-          "interleaved_v2_m8": interleaved_actions(4, 2, 8),
-          "interleaved_v2_m4": interleaved_actions(4, 2, 4),
-          "interleaved_v3_m4": interleaved_actions(4, 3, 4),
-          "reference_interleaved": {f"v{v}_m{m}": reference_actions(4, m, v) for v, m in ((2, 8), (2, 4), (3, 4))},
-          "interleaved_m6_refused": interleaved_refusal(4, 2, 6),
-          "defaults_m8": [e[0] for e in run("defaults_m8", pp=4, m=8)["events"]
-                          if e[0][0] in "FB" and not e[0].endswith("_end")],
-          "with_virtual_stages": schedules.get_forward_backward_func(pp_size=4, vp_size=2).__name__}
-(OUT / f"rank{rank}.json").write_text(json.dumps(result))
-print(f"rank {rank}: megatron pipeline runs written", flush=True)
-finish()
+def results(device: torch.device) -> dict:
+    """Every run's event log on this rank, and the schedules' action orders."""
+    assert device.type == "cpu" and dist.get_world_size() == 4, "run on 4 CPU ranks"
+    cuda_calls_on_cpu()
+    runs = [
+        run("defaults_m6", pp=4, m=6),
+        run("defaults_m2", pp=4, m=2),
+        run("unbatched_m6", pp=4, m=6, config_kw={"batch_p2p_comm": False}, unbatched_log=True),
+        run("deallocate_m6", pp=4, m=6, config_kw={"deallocate_pipeline_outputs": True}),
+        run("three_output_m6", pp=4, m=6, loss="three"),
+        # megatron's DDP and finalize_model_grads, so that the per-token division of the gradients happens
+        run("per_token_m6", pp=4, m=6, loss="three", config_kw={"calculate_per_token_loss": True}, ddp={}),
+        # pp 2 x dp 2; a bucket per layer where megatron buckets at all (the first stage); the second iteration
+        # is the one logged (in the first, megatron's overlapping DDP learns which grads fill each bucket)
+        run("ddp_defaults", pp=2, m=4, iterations=2, ddp={}, backward_sleep=0.05),
+        run("ddp_overlap", pp=2, m=4, iterations=2, ddp={"overlap_grad_reduce": True, "bucket_size": H * H + H},
+            backward_sleep=0.05),
+        run("ddp_overlap_align", pp=2, m=4, iterations=2, align=True,
+            ddp={"overlap_grad_reduce": True, "bucket_size": H * H + H}, backward_sleep=0.05),
+    ]
+    result = {"runs": {r["name"]: r for r in runs},
+              "reference_actions": {"m6": reference_actions(4, 6), "m2": reference_actions(4, 2)},
+              "deallocated_plain_backward": deallocated_output_rejects_plain_backward(),
+              "bf16_grad_dtypes": ddp_grad_dtypes(),
+              "interleaved_v2_m8": interleaved_actions(4, 2, 8),
+              "interleaved_v2_m4": interleaved_actions(4, 2, 4),
+              "interleaved_v3_m4": interleaved_actions(4, 3, 4),
+              "reference_interleaved": {f"v{v}_m{m}": reference_actions(4, m, v)
+                                        for v, m in ((2, 8), (2, 4), (3, 4))},
+              "interleaved_m6_refused": interleaved_refusal(4, 2, 6),
+              "defaults_m8": [e[0] for e in run("defaults_m8", pp=4, m=8)["events"]
+                              if e[0][0] in "FB" and not e[0].endswith("_end")],
+              "with_virtual_stages": schedules.get_forward_backward_func(pp_size=4, vp_size=2).__name__}
+    return result
+
+
+def main() -> None:
+    serve(results)
+
+
+if __name__ == "__main__":
+    main()

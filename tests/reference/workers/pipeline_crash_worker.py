@@ -7,23 +7,27 @@ from reference.gpt.model import GPTConfig, build_stage
 from reference.gpt.train import data_parallel, synthetic_batches, train_step
 from reference.parallel_state import build_layout
 
-device = init(timeout_s=30)
-config = GPTConfig(vocab_size=32, hidden_size=16, num_attention_heads=4, num_layers=2, seq_length=8)
-layout = build_layout(1, 2, 1)
-stage = build_stage(config, layout, device=device)
-backwards = []
+
+def main() -> None:
+    device = init(timeout_s=30)
+    config = GPTConfig(vocab_size=32, hidden_size=16, num_attention_heads=4, num_layers=2, seq_length=8)
+    layout = build_layout(1, 2, 1)
+    stage = build_stage(config, layout, device=device)
+    backwards = []
+
+    def crash(*_):
+        backwards.append(1)
+        if len(backwards) == 2:
+            raise RuntimeError("simulated crash of stage 1 in the backward of micro-batch 1")
+
+    if layout.pp_rank == 1:
+        stage.layers[0].register_full_backward_pre_hook(crash)
+    tokens = synthetic_batches(config, 1, 4, seed=0)[0]
+    model = data_parallel(stage, layout)
+    train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), tokens, layout, num_micro_batches=4,
+               schedule="1f1b", device=device)
+    print(f"unreachable on rank {dist.get_rank()}: the step finished", flush=True)
 
 
-def crash(*_):
-    backwards.append(1)
-    if len(backwards) == 2:
-        raise RuntimeError("simulated crash of stage 1 in the backward of micro-batch 1")
-
-
-if layout.pp_rank == 1:
-    stage.layers[0].register_full_backward_pre_hook(crash)
-tokens = synthetic_batches(config, 1, 4, seed=0)[0]
-model = data_parallel(stage, layout)
-train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), tokens, layout, num_micro_batches=4,
-           schedule="1f1b", device=device)
-print(f"unreachable on rank {dist.get_rank()}: the step finished", flush=True)
+if __name__ == "__main__":
+    main()

@@ -4,24 +4,21 @@ Every rank asserts: the loss curve and its final weights equal the single-proces
 same seed and data, each stage ran the textbook action order, and the peak number of micro-batches in
 flight (counted by the schedule and measured from autograd's saved tensors) is GPipe's m and 1F1B's
 min(pp - stage, m). With dp > 1 it reports when the DP all-reduces were issued against the last backward's
-start and end (the recorder and the schedule share perf_counter()). Each rank prints one "RESULT {json}" line per run for the test to cross-check.
+start and end (the recorder and the schedule share perf_counter()). Each rank writes OUT/rank<r>.json with
+one entry per run, for the test to cross-check. Usage: pipeline_worker.py OUT (4 ranks).
 """
 import functools
-import json
-import sys
 
 import torch
 import torch.distributed as dist
 
-from common import assert_close, finish, full_tensor, gather_dim, init
+from common import assert_close, full_tensor, gather_dim, serve
 from reference.gpt.model import GPTConfig, UnshardedGPT, build_stage, split_layers
 from reference.gpt.train import data_parallel, split_batch, synthetic_batches, train_step
 from reference.parallel_state import ParallelConfigError, build_layout
 from reference.pipeline.schedules import forward_backward
 from reference.recorder import CollectiveRecorder
 
-device = init()
-assert dist.get_world_size() == 4, "run on 4 ranks"
 CONFIG = GPTConfig(vocab_size=51, hidden_size=16, num_attention_heads=4, num_layers=4, seq_length=8)
 SEED, STEPS, LR = 1234, 3, 0.5
 BUCKET_SIZE = 4096  # bytes: several DP buckets per stage, so their all-reduces overlap the last backward
@@ -69,7 +66,7 @@ def full_parameter(name: str, param: torch.Tensor, tp_group) -> torch.Tensor:
     return full_tensor(module, pname, param.detach(), tp_group)
 
 
-def run(tp, pp, dp, sp, m, schedule) -> dict:
+def run(device, tp, pp, dp, sp, m, schedule) -> dict:
     layout = build_layout(tp, pp, dp)
     what = f"tp{tp} pp{pp} dp{dp} sp={sp} m={m} {schedule}"
     stage = build_stage(CONFIG, layout, sequence_parallel=sp, seed=SEED, device=device)
@@ -131,10 +128,17 @@ def bad_input() -> None:
             raise AssertionError(f"no error for: {message}")
 
 
-bad_input()
-for tp, pp, dp, sp, m in LAYOUTS:
-    for schedule in ("gpipe", "1f1b"):
-        print("RESULT " + json.dumps(run(tp, pp, dp, sp, m, schedule)), flush=True)
-print(f"pipeline worker ok on rank {dist.get_rank()}", flush=True)
-finish()
-sys.exit(0)
+def results(device: torch.device) -> dict:
+    """Every layout and schedule's run on this rank (each asserted against the unsharded model)."""
+    assert dist.get_world_size() == 4, "run on 4 ranks"
+    bad_input()
+    runs = [run(device, tp, pp, dp, sp, m, schedule) for tp, pp, dp, sp, m in LAYOUTS for schedule in ("gpipe", "1f1b")]
+    return {"runs": runs}
+
+
+def main() -> None:
+    serve(results)
+
+
+if __name__ == "__main__":
+    main()

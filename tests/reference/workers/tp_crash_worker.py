@@ -6,12 +6,18 @@ from common import init
 from reference.parallel_state import build_layout
 from reference.tensor_parallel.transformer import ParallelTransformer
 
-device = init(timeout_s=30)
-tp = build_layout(tp_size=dist.get_world_size()).tp_group
-model = ParallelTransformer(2, 16, 4, tp_group=tp, device=device)
-for step in range(3):
-    loss = model(torch.randn(8, 2, 16, device=device)).square().sum()
-    if step == 1 and dist.get_rank() == 1:
-        raise RuntimeError("simulated crash of rank 1 between forward and backward")
-    loss.backward()  # rank 0 blocks in the backward all-reduce its peer never joins
-print("unreachable on rank 0: finished all steps", flush=True)
+
+def main() -> None:
+    device = init(timeout_s=30)
+    tp = build_layout(tp_size=dist.get_world_size()).tp_group
+    model = ParallelTransformer(2, 16, 4, tp_group=tp, device=device)
+    for step in range(3):
+        loss = model(torch.randn(8, 2, 16, device=device)).square().sum()
+        if step == 1 and dist.get_rank() == 1:
+            raise RuntimeError("simulated crash of rank 1 between forward and backward")
+        loss.backward()  # rank 0 blocks in the backward all-reduce its peer never joins
+    print("unreachable on rank 0: finished all steps", flush=True)
+
+
+if __name__ == "__main__":
+    main()

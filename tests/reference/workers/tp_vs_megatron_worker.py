@@ -3,59 +3,55 @@ RowParallelLinear numbers and collective sequences.
 
 megatron-core runs on CPU/gloo with use_cpu_initialization=True; its gather_output and sequence-parallel
 paths allocate buffers on torch.cuda.current_device(), redirected to the CPU here.
+
+Every rank asserts (naming the layer, options and tensor) and writes what it compared, for
+test_tp_vs_megatron.py: per layout, both sides' groups and the TP all-reduce; per layer configuration, the
+collective sequence both recorded.
 """
 import itertools
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.tensor_parallel import layers as megatron_layers
 
-from common import assert_close, gather_dim, finish, init
+from common import assert_close, gather_dim, serve
+from reference.parallel_state import build_layout
+from reference.recorder import CollectiveRecorder
+from reference.tensor_parallel import layers as reference_layers
+from reference.tensor_parallel.unsharded import init_method_normal
 from reference.torch_patches import cuda_calls_on_cpu
 
-device = init()
-if device.type == "cpu":
-    cuda_calls_on_cpu()
-
-from megatron.core import parallel_state as mpu  # noqa: E402
-from megatron.core.model_parallel_config import ModelParallelConfig  # noqa: E402
-from megatron.core.tensor_parallel import layers as megatron_layers  # noqa: E402
-
-from reference.parallel_state import build_layout  # noqa: E402
-from reference.recorder import CollectiveRecorder  # noqa: E402
-from reference.tensor_parallel import layers as reference_layers  # noqa: E402
-from reference.tensor_parallel.unsharded import init_method_normal  # noqa: E402
-
-world, rank = dist.get_world_size(), dist.get_rank()
-
-# 1. The process-group grid: the same groups as megatron's initialize_model_parallel, for every TP x PP split
-#    and both rank orders megatron supports.
-SPLITS = [(t, p) for t in (1, 2, 4) for p in (1, 2, 4) if t * p <= world and (t, p) != (1, 1)]
-for (tp_size, pp_size), order in [(split, order) for split in SPLITS for order in ("tp-pp-dp", "tp-dp-pp")]:
-    grid = build_layout(tp_size, pp_size, order=order)
-    mpu.initialize_model_parallel(tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=pp_size,
-                                  order=order.replace("tp-", "tp-cp-ep-"), create_gloo_process_groups=False)
-    for name, ours, theirs in [("tp", grid.tp_group, mpu.get_tensor_model_parallel_group()),
-                               ("dp", grid.dp_group, mpu.get_data_parallel_group()),
-                               ("pp", grid.pp_group, mpu.get_pipeline_model_parallel_group())]:
-        mine, megatron = dist.get_process_group_ranks(ours), dist.get_process_group_ranks(theirs)
-        assert mine == megatron, f"{order} tp={tp_size} pp={pp_size} {name} group of rank {rank}: {mine} vs {megatron}"
-    assert (grid.tp_rank, grid.dp_rank) == (mpu.get_tensor_model_parallel_rank(), mpu.get_data_parallel_rank())
-    total = torch.tensor([float(rank)], device=device)
-    dist.all_reduce(total, group=grid.tp_group)  # the TP group really is the run of consecutive ranks
-    assert total.item() == sum(range(rank - rank % tp_size, rank - rank % tp_size + tp_size))
-    mpu.destroy_model_parallel()
-    if rank == 0:
-        print(grid.describe(), flush=True)
-print(f"rank {rank}: parallel_state layouts ok", flush=True)
-
-# 2. The layers, at TP = world.
-mpu.initialize_model_parallel(tensor_model_parallel_size=world, create_gloo_process_groups=False)
-layout = build_layout(tp_size=world)
-tp = layout.tp_group
-IN, OUT, S, B = 8, 16, 4 * world, 2
+IN, OUT, B = 8, 16, 2
 
 
-def build(kind, lib, seed, **kw):
+def layouts(device) -> list[dict]:
+    """The process-group grid: the same groups as megatron's initialize_model_parallel, for every TP x PP split
+    and both rank orders megatron supports; per layout, both sides' groups of this rank."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    splits = [(t, p) for t in (1, 2, 4) for p in (1, 2, 4) if t * p <= world and (t, p) != (1, 1)]
+    found = []
+    for (tp_size, pp_size), order in [(split, order) for split in splits for order in ("tp-pp-dp", "tp-dp-pp")]:
+        grid = build_layout(tp_size, pp_size, order=order)
+        mpu.initialize_model_parallel(tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=pp_size,
+                                      order=order.replace("tp-", "tp-cp-ep-"), create_gloo_process_groups=False)
+        groups = {name: [dist.get_process_group_ranks(ours), dist.get_process_group_ranks(theirs)]
+                  for name, ours, theirs in [("tp", grid.tp_group, mpu.get_tensor_model_parallel_group()),
+                                             ("dp", grid.dp_group, mpu.get_data_parallel_group()),
+                                             ("pp", grid.pp_group, mpu.get_pipeline_model_parallel_group())]}
+        total = torch.tensor([float(rank)], device=device)
+        dist.all_reduce(total, group=grid.tp_group)  # the TP group really is the run of consecutive ranks
+        found.append({"order": order, "tp": tp_size, "pp": pp_size, "groups": groups, "describe": grid.describe(),
+                      "ranks": [[grid.tp_rank, grid.dp_rank],
+                                [mpu.get_tensor_model_parallel_rank(), mpu.get_data_parallel_rank()]],
+                      "tp_rank_sum": total.item()})
+        mpu.destroy_model_parallel()
+    return found
+
+
+def build(kind, lib, seed, tp, device, **kw):
+    world = dist.get_world_size()
     torch.manual_seed(seed)
     init_method = init_method_normal(0.02)
     if lib == "megatron":
@@ -73,6 +69,7 @@ def build(kind, lib, seed, **kw):
 
 
 def run(layer, x):
+    device = x.device
     x = x.clone().requires_grad_()
     with CollectiveRecorder() as rec:
         out, out_bias = layer(x)
@@ -84,13 +81,16 @@ def run(layer, x):
     return out, out_bias, x.grad, grads, [(e.key(), e.phase, e.async_op) for e in rec.events]
 
 
-def compare(kind, seed, input_shape, **kw):
+def compare(kind, seed, input_shape, tp, device, **kw) -> dict:
+    """Both layers from the same seed on the same input: equal outputs and gradients (asserted here, per
+    tensor), and both recorded collective sequences."""
+    world = dist.get_world_size()
     what = f"{kind} {kw}"
     x = torch.randn(*input_shape, generator=torch.Generator().manual_seed(seed + 2)).to(device)
     if kw.get("sequence_parallel"):
         x = x.chunk(world, dim=0)[dist.get_rank()]
-    mine = run(build(kind, "reference", seed, **kw), x)
-    theirs = run(build(kind, "megatron", seed, **kw), x)
+    mine = run(build(kind, "reference", seed, tp, device, **kw), x)
+    theirs = run(build(kind, "megatron", seed, tp, device, **kw), x)
     for name, a, b in zip(["output", "output_bias", "input grad"], mine[:3], theirs[:3]):
         assert (a is None) == (b is None), f"{what}: {name} is {a} vs megatron {b}"
         if a is not None:
@@ -98,33 +98,58 @@ def compare(kind, seed, input_shape, **kw):
     assert mine[3].keys() == theirs[3].keys(), (mine[3].keys(), theirs[3].keys())
     for name in mine[3]:
         assert_close(mine[3][name], theirs[3][name], f"{what}: grad {name}", atol=1e-6, rtol=1e-5)
-    assert mine[4] == theirs[4], f"{what}: collectives differ\nreference {mine[4]}\nmegatron  {theirs[4]}"
-    assert len(mine[4]) > 0 or world == 1
-    return mine[4]
+    return {"what": what, "reference": mine[4], "megatron": theirs[4]}
 
 
-for bias, skip_bias_add, gather_output, sp in itertools.product([True, False], [False, True], [False, True],
-                                                                  [False, True]):
-    if skip_bias_add and not bias:
-        continue
-    compare("ColumnParallelLinear", 10, (S, B, IN), bias=bias, skip_bias_add=skip_bias_add,
-            gather_output=gather_output, sequence_parallel=sp)
-for bias, skip_bias_add, input_is_parallel, sp in itertools.product([True, False], [False, True], [True, False],
+def layers(tp, device) -> list[dict]:
+    """ColumnParallelLinear and RowParallelLinear over their options, at TP = world."""
+    world, s = dist.get_world_size(), 4 * dist.get_world_size()
+    compared = []
+    for bias, skip_bias_add, gather_output, sp in itertools.product([True, False], [False, True], [False, True],
                                                                       [False, True]):
-    if (skip_bias_add and not bias) or (sp and not input_is_parallel):
-        continue
-    shape = (S, B, IN // world) if input_is_parallel else (S, B, IN)
-    compare("RowParallelLinear", 20, shape, bias=bias, skip_bias_add=skip_bias_add,
-            input_is_parallel=input_is_parallel, sequence_parallel=sp)
+        if skip_bias_add and not bias:
+            continue
+        compared.append(compare("ColumnParallelLinear", 10, (s, B, IN), tp, device, bias=bias,
+                                skip_bias_add=skip_bias_add, gather_output=gather_output, sequence_parallel=sp))
+    for bias, skip_bias_add, input_is_parallel, sp in itertools.product([True, False], [False, True], [True, False],
+                                                                          [False, True]):
+        if (skip_bias_add and not bias) or (sp and not input_is_parallel):
+            continue
+        shape = (s, B, IN // world) if input_is_parallel else (s, B, IN)
+        compared.append(compare("RowParallelLinear", 20, shape, tp, device, bias=bias, skip_bias_add=skip_bias_add,
+                                input_is_parallel=input_is_parallel, sequence_parallel=sp))
+    return compared
 
-# Same seed, same shards: the reference's shards re-assemble to megatron's master weight.
-torch.manual_seed(5)
-master = megatron_layers.ColumnParallelLinear(
-    IN, OUT, config=ModelParallelConfig(tensor_model_parallel_size=world, use_cpu_initialization=True),
-    init_method=init_method_normal(0.02), keep_master_weight_for_test=True,
-    tp_group=mpu.get_tensor_model_parallel_group()).master_weight
-ours = build("ColumnParallelLinear", "reference", 5, bias=False)
-assert torch.equal(gather_dim(ours.weight.detach().cpu(), 0, tp), master)
-print(f"rank {dist.get_rank()}: megatron comparisons ok", flush=True)
-mpu.destroy_model_parallel()
-finish()
+
+def shards_equal_megatron_master(tp, device) -> bool:
+    """Same seed, same shards: the reference's shards re-assemble to megatron's master weight."""
+    torch.manual_seed(5)
+    master = megatron_layers.ColumnParallelLinear(
+        IN, OUT, config=ModelParallelConfig(tensor_model_parallel_size=dist.get_world_size(),
+                                            use_cpu_initialization=True),
+        init_method=init_method_normal(0.02), keep_master_weight_for_test=True,
+        tp_group=mpu.get_tensor_model_parallel_group()).master_weight
+    ours = build("ColumnParallelLinear", "reference", 5, tp, device, bias=False)
+    return torch.equal(gather_dim(ours.weight.detach().cpu(), 0, tp), master)
+
+
+def results(device: torch.device) -> dict:
+    """The layouts, then the layers at TP = world."""
+    if device.type == "cpu":
+        cuda_calls_on_cpu()
+    world = dist.get_world_size()
+    found = {"rank": dist.get_rank(), "layouts": layouts(device)}
+    mpu.initialize_model_parallel(tensor_model_parallel_size=world, create_gloo_process_groups=False)
+    tp = build_layout(tp_size=world).tp_group
+    found["layers"] = layers(tp, device)
+    found["shards_equal_megatron_master"] = shards_equal_megatron_master(tp, device)
+    mpu.destroy_model_parallel()
+    return found
+
+
+def main() -> None:
+    serve(results)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,19 +1,18 @@
-"""The TP transformer against the plain one built from the same master weights, at any world size."""
+"""The TP transformer against the plain one built from the same master weights, at any world size.
+
+Every rank asserts outputs, input gradients, gradients and parameters equal (assert_close, naming the
+configuration, step and tensor) and writes the configurations it compared, for test_tp_vs_unsharded.py."""
 import itertools
 
 import torch
 import torch.distributed as dist
 
-from common import assert_close, full_tensor, finish, init
+from common import assert_close, full_tensor, serve
 from reference.parallel_state import build_layout
 from reference.tensor_parallel.layers import allreduce_sequence_parallel_grads
 from reference.tensor_parallel.transformer import ParallelTransformer
 from reference.tensor_parallel.unsharded import Transformer
 
-device = init()
-layout = build_layout(tp_size=dist.get_world_size())
-tp = layout.tp_group
-rank = dist.get_rank()
 H, HEADS, LAYERS, B = 16, 4, 2, 2
 
 
@@ -21,7 +20,7 @@ def params_by_name(model):
     return {n: (n.rsplit(".", 1)[0], n.rsplit(".", 1)[1], p) for n, p in model.named_parameters()}
 
 
-def compare_models(sp, overlap, fusion, seq, pad):
+def compare_models(tp, device, sp, overlap, fusion, seq, pad) -> str:
     torch.manual_seed(1234)
     ref = ParallelTransformer(LAYERS, H, HEADS, tp_group=tp, sequence_parallel=sp, async_grad_allreduce=overlap,
                               gradient_accumulation_fusion=fusion, pad_sequence=pad, device=device)
@@ -63,16 +62,26 @@ def compare_models(sp, overlap, fusion, seq, pad):
     for name, (mod, pname, p) in params_by_name(ref).items():
         assert_close(full_tensor(mod, pname, p.detach(), tp), plain_params[name].detach(),
                      f"{what} param {name} after 3 steps")
+    return what
 
 
-world = dist.get_world_size()
-# every combination at world 2; at 1 and 4, four that still take each flag both ways
-configs = list(itertools.product([False, True], [True, False], [False, True]))
-if world != 2:
-    configs = [(False, True, False), (True, True, True), (True, False, False), (False, False, True)]
-for sp, overlap, fusion in configs:
-    compare_models(sp, overlap, fusion, seq=8, pad=False)
-if world > 1:
-    compare_models(True, True, False, seq=8 * world + 1, pad=True)
-print(f"rank {rank}: unsharded comparisons ok", flush=True)
-finish()
+def results(device: torch.device) -> dict:
+    """The configurations compared at this world size (every comparison asserted on the way)."""
+    world = dist.get_world_size()
+    tp = build_layout(tp_size=world).tp_group
+    # every combination at world 2; at 1 and 4, four that still take each flag both ways
+    configs = list(itertools.product([False, True], [True, False], [False, True]))
+    if world != 2:
+        configs = [(False, True, False), (True, True, True), (True, False, False), (False, False, True)]
+    compared = [compare_models(tp, device, sp, overlap, fusion, seq=8, pad=False) for sp, overlap, fusion in configs]
+    if world > 1:
+        compared.append(compare_models(tp, device, True, True, False, seq=8 * world + 1, pad=True))
+    return {"compared": compared}
+
+
+def main() -> None:
+    serve(results)
+
+
+if __name__ == "__main__":
+    main()
