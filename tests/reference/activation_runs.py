@@ -3,7 +3,6 @@ results between the recomputation and the activation-memory tests."""
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 from tests.launch import run_worker
 

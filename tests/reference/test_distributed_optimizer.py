@@ -9,7 +9,6 @@ overlapping the all-gathers with the next forward, with fp32 and with bf16 gradi
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 import pytest
 

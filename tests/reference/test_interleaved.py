@@ -5,7 +5,6 @@ interleaved schedule is compared in test_megatron_pipeline_upstream.py (same lau
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 import pytest
 

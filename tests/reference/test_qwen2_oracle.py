@@ -9,7 +9,6 @@ The config: vocab 128, hidden 64, 4 query heads in 2 key/value groups, 2 layers,
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 import pytest
 

@@ -5,7 +5,6 @@ against the unsharded tied GPT, and once without the embedding-gradient all-redu
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 import pytest
 
