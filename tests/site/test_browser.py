@@ -149,13 +149,14 @@ def visit(browser):
 
 @pytest.fixture(scope="module")
 def every_page(browser, site_url, diagram_site):
-    """Each page but the negative control, visited once: its diagrams, excerpts and links; plus all requests."""
+    """Each page but the negative control and the generated test pages (fetched by their own test), visited
+    once: its diagrams, folds, excerpts, SVG text, evidence links and links; plus all requests."""
     context, open_page, requested = _context(browser)
     pages = sorted(p.parent.relative_to(diagram_site).as_posix() for p in diagram_site.rglob("index.html"))
     reports = {}
     for path in pages:
-        if path == "broken-diagram":
-            continue  # the negative control, checked on its own below
+        if path == "broken-diagram" or path.startswith("notes/tests/"):
+            continue  # the negative control, checked on its own below; the test pages, by their own test
         url_path = "" if path == "." else f"{path}/"
         page = open_page(site_url + url_path)
         diagrams = _rendered(page, diagram_site, url_path)
@@ -404,12 +405,12 @@ def test_check_yourself_answers_are_collapsed_until_opened(visit, site_url):
     """Each question's answer is a closed <details>; opening it shows cited upstream lines and its evidence."""
     open_page, _ = visit
     page = open_page(site_url + "notes/check-yourself/")
-    answers = page.locator("details")
+    answers = page.locator("details:not(.excerpt-whole)")      # not the folded excerpts inside them
     assert answers.count() >= 16                    # the brief's two stop questions and fourteen candidates
     assert page.evaluate("[...document.querySelectorAll('details')].every(d => !d.open)")
     first = answers.first
     assert not first.locator(".verified-by").first.is_visible()
-    first.locator("summary").click()
+    first.locator(":scope > summary").click()
     assert first.evaluate("d => d.open")
     assert first.locator(".verified-by").first.is_visible()
     assert first.locator("div.highlight td.linenos").first.is_visible()
