@@ -3,7 +3,8 @@
 `trace(name)` with `diagram(name, ...)`, `tp_crossover(...)` and `pipeline_memory(...)` (recorded runs,
 pin_and_cite.site.traces), `sharding_limit(...)` with `chart_training_memory(...)` (per-rank training memory from
 formulas, pin_and_cite.site.estimates), `scale_table(trace)`, `sent_per_group(trace, run)` and `human(bytes)` (the
-Scale page, pin_and_cite.site.scale_tables) with `chart_sent_per_group(trace)` (its bar charts, diagrams). `render_site` is what `render` and the mkdocs hook run.
+Scale page, pin_and_cite.site.scale_tables) with `chart_sent_per_group(trace)` (its bar charts, diagrams).
+`render_site` is what `render` and the mkdocs hook run.
 """
 from __future__ import annotations
 
