@@ -58,7 +58,7 @@ EXCERPTS = """() => [...document.querySelectorAll("article div.highlight")].map(
   const ruler = document.createElement("canvas").getContext("2d");
   ruler.font = `${style.fontSize} ${style.fontFamily}`;
   const inner = code.clientWidth - parseFloat(style.paddingLeft) - parseFloat(style.paddingRight);
-  return {permalink: caption ? caption.href : null, shown: code.offsetParent !== null,
+  return {permalink: caption ? caption.href : null, shown: block.checkVisibility(),
           columns: inner / ruler.measureText("0".repeat(100)).width * 100,
           scrolls: code.scrollWidth > code.clientWidth,
           numbers: block.querySelector("td.linenos") ? block.querySelector("td.linenos").innerText.trim().split(/\\s+/) : [],
@@ -135,7 +135,7 @@ def _context(browser):
 OPEN_ANSWERS = "document.querySelectorAll('details:not(.excerpt-whole)').forEach(d => { d.open = true; })"
 OPEN_FOLDS = "document.querySelectorAll('details.excerpt-whole').forEach(d => { d.open = true; })"
 FOLD_NUMBERS = """fold => [...fold.querySelectorAll("div.highlight")].map(block => ({
-  shown: block.offsetParent !== null,
+  shown: block.checkVisibility(),
   numbers: block.querySelector("td.linenos").innerText.trim().split(/\\s+/)}))"""
 
 
