@@ -119,6 +119,7 @@ def _context(browser):
     returns (context, open_page, requested_urls)."""
     context = browser.new_context(service_workers="block", viewport=VIEWPORT)
     context.set_default_timeout(20_000)
+    context.set_default_navigation_timeout(60_000)   # a page loads mermaid (3 MB): slow on a shared, busy CPU
     context.add_init_script(OPEN_SHADOW_ROOTS)
     requested: list[str] = []
     context.on("request", lambda request: requested.append(request.url))
