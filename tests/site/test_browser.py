@@ -161,6 +161,7 @@ def every_page(browser, site_url, diagram_site):
         url_path = "" if path == "." else f"{path}/"
         page = open_page(site_url + url_path)
         diagrams = _rendered(page, diagram_site, url_path)
+        _screenshot(page, "home" if path == "." else path.replace("/", "-"))   # as a reader first sees it
         page.evaluate(OPEN_ANSWERS)          # excerpts inside collapsed answers are checked as a reader opens them
         reports[path] = {"diagrams": diagrams, "folds": _unfold(page), "svg_text": page.evaluate(SVG_TEXT),
                          "timelines": page.evaluate(TIMELINES),
@@ -169,7 +170,6 @@ def every_page(browser, site_url, diagram_site):
         reports[path].update(excerpts=page.evaluate(EXCERPTS), links=page.evaluate(LINKS))
         if path == ".":
             reports[path]["home_order"] = page.evaluate(HOME_ORDER)
-        _screenshot(page, "home" if path == "." else path.replace("/", "-"))
         page.close()
     context.close()
     return reports, requested
