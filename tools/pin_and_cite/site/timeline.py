@@ -46,7 +46,8 @@ def _step(span: float) -> float:
     return next(m * magnitude for m in (1, 2, 5, 10) if m * magnitude >= raw)
 
 
-def _text(x: float, y: float, text: str, anchor: str = "start", weight: str = "normal", fill: str = "currentColor") -> str:
+def _text(x: float, y: float, text: str, anchor: str = "start", weight: str = "normal",
+          fill: str = "currentColor") -> str:
     return (f'<text x="{x:.1f}" y="{y:.1f}" font-size="{FONT_PX}" text-anchor="{anchor}" font-weight="{weight}" '
             f'fill="{fill}">{html.escape(text)}</text>')
 
@@ -77,14 +78,17 @@ def panel_svg(panel: Panel) -> str:
     out.append(_text(left + plot / 2, top + len(rows) * ROW + 2 * FONT_PX + 10, f"{unit}, {panel.axis}", "middle"))
     for bar in panel.bars:
         y, x0, x1 = top + rows.index(bar.row) * ROW + (ROW - BAR) / 2, x(bar.start), x(bar.end)
-        tip = f"{bar.label}: {bar.start * scale:.3g}–{bar.end * scale:.3g} {unit}" + (f", {bar.detail}" if bar.detail else "")
+        tip = f"{bar.label}: {bar.start * scale:.3g}–{bar.end * scale:.3g} {unit}"
+        tip += f", {bar.detail}" if bar.detail else ""
         out.append(f'<rect x="{x0:.1f}" y="{y:.1f}" width="{max(x1 - x0, 1.5):.1f}" height="{BAR}" '
-                   f'fill="{panel.colors[bar.kind]}" stroke="#fff" stroke-width="1"><title>{html.escape(tip)}</title></rect>')
+                   f'fill="{panel.colors[bar.kind]}" stroke="#fff" stroke-width="1">'
+                   f'<title>{html.escape(tip)}</title></rect>')
         if len(bar.label) * CHAR_PX + 6 <= x1 - x0:
             out.append(_text((x0 + x1) / 2, y + BAR / 2 + FONT_PX / 3, bar.label, "middle", fill="#fff"))
     for i, (kind, color) in enumerate(panel.colors.items()):
         lx, ly = 8 + (i % 3) * (WIDTH / 3), legend_y + (i // 3) * ROW
-        out.append(f'<rect x="{lx:.1f}" y="{ly - FONT_PX + 2:.1f}" width="{FONT_PX}" height="{FONT_PX}" fill="{color}"/>')
+        out.append(f'<rect x="{lx:.1f}" y="{ly - FONT_PX + 2:.1f}" width="{FONT_PX}" height="{FONT_PX}" '
+                   f'fill="{color}"/>')
         out.append(_text(lx + FONT_PX + 6, ly, kind))
     return "\n".join(out + ["</svg>"])
 
