@@ -38,7 +38,10 @@ def check_mode(mode: str) -> str:
 
 def _replaying(function: Callable, rng: TensorParallelRNG) -> Callable:
     """`function`, whose second and later calls (the recomputation in backward) start from the TP stream's
-    state of the first call, and leave the stream as they found it."""
+    state of the first call, and leave the stream as they found it.
+
+    Mirrors `megatron-lm:megatron/core/tensor_parallel/random.py::CheckpointFunction.backward`.
+    """
     state_at_forward, calls = rng.state, 0
 
     def run(*args):
@@ -57,6 +60,9 @@ def _replaying(function: Callable, rng: TensorParallelRNG) -> Callable:
 
 def checkpoint(function: Callable, rng: TensorParallelRNG, *args: torch.Tensor) -> torch.Tensor:
     """function(*args), keeping only `args` for backward and recomputing the rest there, with the same
-    dropout masks (default generators and the TP stream restored)."""
+    dropout masks (default generators and the TP stream restored).
+
+    Mirrors `megatron-lm:megatron/core/tensor_parallel/random.py::checkpoint`.
+    """
     return torch.utils.checkpoint.checkpoint(_replaying(function, rng), *args, use_reentrant=True,
                                              preserve_rng_state=True)

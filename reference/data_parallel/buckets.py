@@ -107,7 +107,11 @@ class GradBucket:
     def take_grad(self, param: torch.nn.Parameter) -> None:
         """After autograd wrote `param.grad`: with main_grad, add it into the view and drop it (fp32
         accumulation); otherwise, if it is not the bucket view (the optimizer set it to None, so autograd
-        allocated a fresh one), move it into the view; the view is the gradient from now on."""
+        allocated a fresh one), move it into the view; the view is the gradient from now on.
+
+        Mirrors
+        `megatron-lm:megatron/core/distributed/distributed_data_parallel.py::DistributedDataParallel._make_backward_post_hook`.
+        """
         view = self.views[param]
         if self.main_grad:
             view.add_(param.grad)

@@ -33,7 +33,12 @@ from reference.data_parallel.mixed_precision import MasterWeightOptimizer, Model
 
 class DistributedOptimizer(MasterWeightOptimizer):
     """Steps this rank's slice of every bucket of `model` (one DDP model or its chunks), then all-gathers the
-    parameters."""
+    parameters.
+
+    Mirrors
+    `megatron-lm:megatron/core/optimizer/distrib_optimizer.py::DistributedOptimizer._build_model_gbuf_range`,
+    `megatron-lm:megatron/core/optimizer/distrib_optimizer.py::DistributedOptimizer._build_model_and_main_param_groups`.
+    """
 
     def __init__(self, model: ModelChunks, make_optimizer: OptimizerFactory) -> None:
         self.chunks = model_chunks(model)
@@ -44,7 +49,11 @@ class DistributedOptimizer(MasterWeightOptimizer):
                           for params, grads in zip(chunk.param_buckets, chunk.buckets)], make_optimizer)
 
     def step(self) -> None:
-        """Step the slices (their gradients were reduce-scattered by finish_grad_sync), then gather."""
+        """Step the slices (their gradients were reduce-scattered by finish_grad_sync), then gather.
+
+        Mirrors
+        `megatron-lm:megatron/core/optimizer/distrib_optimizer.py::DistributedOptimizer.step_with_ready_grads`.
+        """
         super().step()
         for chunk in self.chunks:
             chunk.start_param_sync()

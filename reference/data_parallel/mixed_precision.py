@@ -33,7 +33,10 @@ def model_chunks(model: ModelChunks) -> list[DistributedDataParallel]:
 
 
 class MasterWeightOptimizer:
-    """An inner torch optimizer over fp32 masters of `pairs`' model tensors, fed by their fp32 gradients."""
+    """An inner torch optimizer over fp32 masters of `pairs`' model tensors, fed by their fp32 gradients.
+
+    Mirrors `megatron-lm:megatron/core/optimizer/optimizer.py::Float16OptimizerWithFloat16Params`.
+    """
 
     def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], make_optimizer: OptimizerFactory) -> None:
         self.model_tensors = [model for model, _ in pairs]
@@ -44,7 +47,12 @@ class MasterWeightOptimizer:
 
     @torch.no_grad()
     def step(self) -> None:
-        """Masters take the gradients (a view when already fp32), step, and are copied back to the model."""
+        """Masters take the gradients (a view when already fp32), step, and are copied back to the model.
+
+        Mirrors
+        `megatron-lm:megatron/core/optimizer/optimizer.py::Float16OptimizerWithFloat16Params._copy_model_grads_to_main_grads`,
+        `megatron-lm:megatron/core/optimizer/optimizer.py::MixedPrecisionOptimizer.step`.
+        """
         for master, grad in zip(self.masters, self.grads):
             master.grad = grad if grad.dtype == torch.float32 else grad.float()
         self.optimizer.step()

@@ -62,13 +62,21 @@ class ParamBucket:
             self.finish_param_sync()
 
     def issue(self) -> None:
-        """Put this bucket's pending all-gather on the wire (once)."""
+        """Put this bucket's pending all-gather on the wire (once).
+
+        Mirrors
+        `megatron-lm:megatron/core/distributed/param_and_grad_buffer.py::_ParamAndGradBucketGroup.start_param_sync`.
+        """
         if self.pending and self.work is None:
             self.work = dist.all_gather_into_tensor(self.param_data, self.shard, group=self.group,
                                                     async_op=True)
 
     def finish_param_sync(self) -> None:
-        """Wait for this bucket's all-gather (issuing it if nothing did), then issue the next one."""
+        """Wait for this bucket's all-gather (issuing it if nothing did), then issue the next one.
+
+        Mirrors
+        `megatron-lm:megatron/core/distributed/param_and_grad_buffer.py::_ParamAndGradBucketGroup.finish_param_sync`.
+        """
         if not self.pending:
             return
         self.issue()
@@ -80,7 +88,11 @@ class ParamBucket:
     @staticmethod
     def wait_before_forward(module: nn.Module, buckets: list["ParamBucket"]) -> list:
         """Forward pre-hooks: a module waits for the buckets of its own parameters. Chains the buckets in the
-        order the forward needs them (last bucket first) so each wait prefetches the next one."""
+        order the forward needs them (last bucket first) so each wait prefetches the next one.
+
+        Mirrors
+        `megatron-lm:megatron/core/distributed/distributed_data_parallel.py::DistributedDataParallel._make_forward_pre_hook`.
+        """
         for later, earlier in zip(buckets[1:], buckets[:-1]):
             later.next = earlier
         bucket_of = {param: bucket for bucket in buckets for param in bucket.params}

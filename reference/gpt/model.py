@@ -344,7 +344,10 @@ def split_virtual_stages(num_layers: int, pp_size: int, virtual_stages: int) -> 
     virtual stages, chunk c of PP rank r being virtual stage c * p + r (megatron/core/transformer/
     transformer_layer.py::get_transformer_layer_offset), so a micro-batch visits every rank v times. Megatron
     refuses layer counts that p * v does not divide (megatron/core/transformer/transformer_config.py::
-    TransformerConfig.__post_init__: layers per stage divisible by the virtual size)."""
+    TransformerConfig.__post_init__: layers per stage divisible by the virtual size).
+
+    Mirrors `megatron-lm:megatron/core/transformer/transformer_layer.py::get_transformer_layer_offset`.
+    """
     p, v = pp_size, virtual_stages
     if p < 1 or v < 1:
         raise ParallelConfigError(f"pipeline and virtual stages must be at least 1, got pp {p} and {v}")

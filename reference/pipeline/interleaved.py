@@ -41,17 +41,26 @@ def check_interleaving(p: int, v: int, m: int) -> None:
 
 def schedule_table(v: int, m: int, p: int) -> list[tuple[int, int]]:
     """(micro-batch, chunk) of each forward in the order every rank runs them: groups of p micro-batches, each
-    through all v chunks."""
+    through all v chunks.
+
+    Mirrors `megatron-lm:megatron/core/pipeline_parallel/schedules.py::get_schedule_table`.
+    """
     return [(i, c) for first in range(0, m, p) for c in range(v) for i in range(first, min(first + p, m))]
 
 
 def warmup_forwards(p: int, r: int, v: int, m: int) -> int:
-    """Forwards rank r runs before its first backward."""
+    """Forwards rank r runs before its first backward.
+
+    Mirrors `megatron-lm:megatron/core/pipeline_parallel/schedules.py::get_pp_rank_microbatches`.
+    """
     return min(2 * (p - r - 1) + (v - 1) * p, v * m)
 
 
 def interleaved_order(p: int, r: int, v: int, m: int) -> list[tuple[str, int, int]]:
-    """("F" or "B", chunk, micro-batch) of every action of rank r, in order."""
+    """("F" or "B", chunk, micro-batch) of every action of rank r, in order.
+
+    Mirrors `pytorch:torch/distributed/pipelining/schedules.py::ScheduleInterleaved1F1B`.
+    """
     check_interleaving(p, v, m)
     table, warmup = schedule_table(v, m, p), warmup_forwards(p, r, v, m)
     forwards = [("F", c, i) for i, c in table]
@@ -66,7 +75,11 @@ def peak_in_flight(p: int, r: int, v: int, m: int) -> int:
 
 
 def run_interleaved(steps: Steps, ring: RingP2P, sync: GradSync, p: int, r: int) -> None:
-    """Run rank r's actions in interleaved_order, receiving each input just before it is needed."""
+    """Run rank r's actions in interleaved_order, receiving each input just before it is needed.
+
+    Mirrors
+    `megatron-lm:megatron/core/pipeline_parallel/schedules.py::forward_backward_pipelining_with_interleaving`.
+    """
     v, m = len(steps.chunks), len(steps.micro_batches)
     kept: dict[int, collections.deque] = {c: collections.deque() for c in range(v)}  # chunk -> (input, output)
     sync.disable()

@@ -66,6 +66,7 @@ class Steps:
         return out
 
     def forward(self, i: int, input_tensor: torch.Tensor | None, chunk: int = 0) -> torch.Tensor:
+        """Mirrors `megatron-lm:megatron/core/pipeline_parallel/schedules.py::forward_step`."""
         is_last = self.is_last_rank and chunk == len(self.chunks) - 1
 
         def run():
@@ -81,6 +82,7 @@ class Steps:
         return output
 
     def backward(self, i: int, input_tensor, output, output_grad, chunk: int = 0) -> torch.Tensor | None:
+        """Mirrors `megatron-lm:megatron/core/pipeline_parallel/schedules.py::backward_step`."""
         def run():
             torch.autograd.backward(output, grad_tensors=output_grad)  # output_grad None: output is the loss
             return None if input_tensor is None else input_tensor.grad

@@ -58,7 +58,11 @@ def shared_weight(stage: "GPTStage") -> torch.nn.Parameter | None:
 
 @torch.no_grad()
 def tie_across_stages(stage: "GPTStage", group: dist.ProcessGroup | None) -> None:
-    """Make the last stage's output weight a copy of the first stage's word embedding (zero it, all-reduce)."""
+    """Make the last stage's output weight a copy of the first stage's word embedding (zero it, all-reduce).
+
+    Mirrors
+    `megatron-lm:megatron/core/models/common/language_module/language_module.py::LanguageModule.setup_embeddings_and_output_layer`.
+    """
     weight = shared_weight(stage)
     if group is None or weight is None:
         return
@@ -68,7 +72,10 @@ def tie_across_stages(stage: "GPTStage", group: dist.ProcessGroup | None) -> Non
 
 
 def allreduce_word_embedding_grads(stage: torch.nn.Module, group: dist.ProcessGroup | None) -> None:
-    """Sum the two ends' gradients of the tied matrix (`main_grad` when the DP wrapper keeps one)."""
+    """Sum the two ends' gradients of the tied matrix (`main_grad` when the DP wrapper keeps one).
+
+    Mirrors `megatron-lm:megatron/core/distributed/finalize_model_grads.py::_allreduce_word_embedding_grads`.
+    """
     weight = shared_weight(stage)
     if group is None or weight is None:
         return

@@ -68,7 +68,10 @@ class ParallelAttention(torch.nn.Module):
         return self.proj(self.core_attention(qkv))
 
     def core_attention(self, qkv: torch.Tensor) -> torch.Tensor:
-        """QK^T, softmax, dropout, x V on this rank's heads: the region selective recomputation re-runs."""
+        """QK^T, softmax, dropout, x V on this rank's heads: the region selective recomputation re-runs.
+
+        Mirrors `megatron-lm:megatron/core/transformer/attention.py::Attention._checkpointed_attention_forward`.
+        """
         p = self.attention_dropout if self.training else 0.0
         with self.rng.fork() if p > 0 else contextlib.nullcontext():  # this rank's heads: its own masks
             return causal_self_attention(qkv, self.head_dim, p)
@@ -127,7 +130,9 @@ class ParallelTransformerBlock(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Mirrors `megatron-lm:megatron/core/transformer/transformer_layer.py::TransformerLayer.forward`; with
-        full recompute the whole layer runs again in backward (reference.recompute)."""
+        full recompute the whole layer runs again in backward (reference.recompute), as
+        `megatron-lm:megatron/core/transformer/transformer_block.py::TransformerBlock._checkpointed_forward`
+        does."""
         if self.recompute == "full" and self.training and torch.is_grad_enabled():
             return checkpoint(self.layer_forward, self.rng, x)
         return self.layer_forward(x)
