@@ -3,7 +3,7 @@ PY      := .venv/bin/python
 STAMP   := .venv/.installed
 ADDR    ?= 127.0.0.1:8000
 
-.PHONY: setup serve test bench clean
+.PHONY: setup serve test lint bench clean
 
 setup: $(STAMP)
 
@@ -25,6 +25,11 @@ serve: setup
 test: setup
 	tools/ensure-browser
 	$(PY) -m pytest
+
+# ruff's lint and format check (configured in pyproject.toml); CI runs it before the tests.
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 bench: setup
 	$(PY) benchmarks/fetch_vs_clone.py

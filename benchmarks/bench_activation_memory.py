@@ -12,6 +12,7 @@ CUDA (one GPU, t = 1): the same hook count, and torch.cuda.max_memory_allocated 
 forward left allocated, the output excluded), both next to the paper's. The CUDA path uses public torch only
 (no reference.torch_patches), so it runs on other torch versions than the pinned one.
 """
+
 from __future__ import annotations
 
 import json
@@ -47,9 +48,12 @@ def main() -> None:
     parser.add_argument("--num-attention-heads", type=int, default=8)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--terms", action="store_true", help="print each configuration's term table (CPU)")
-    parser.add_argument("--json", action="store_true",
-                        help="print the counts as one JSON object instead (tools/record-traces records it as "
-                             "reading_notes/traces/activation_memory.json, which the scale page shows)")
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print the counts as one JSON object instead (tools/record-traces records it as "
+        "reading_notes/traces/activation_memory.json, which the scale page shows)",
+    )
     args = parser.parse_args()
     with distributed(args.device) as device:
         world, rank = dist.get_world_size(), dist.get_rank()
@@ -57,25 +61,40 @@ def main() -> None:
         groups = {1: single, world: dist.group.WORLD}
         shape = dict(s=args.seq_length, b=args.batch_size, h=args.hidden_size, a=args.num_attention_heads)
         counts = count_all(**shape, tp_groups=groups, device=device, explain=device.type == "cpu")
-        measured = [cuda_bytes(c.setting, groups[c.setting.t], device) for c in counts] if device.type == "cuda" \
-            else None
+        measured = (
+            [cuda_bytes(c.setting, groups[c.setting.t], device) for c in counts] if device.type == "cuda" else None
+        )
         if rank:
             return
         if args.json:
             configurations = [c.to_dict() for c in counts]
             for c, (retained, peak) in zip(configurations, measured or []):
                 c.update(cuda_allocated_bytes=retained, cuda_peak_bytes=peak)
-            print(json.dumps({"kind": "activation_memory", "world": world, "device": device.type, "shape": shape,
-                              "configurations": configurations}, indent=1))
+            print(
+                json.dumps(
+                    {
+                        "kind": "activation_memory",
+                        "world": world,
+                        "device": device.type,
+                        "shape": shape,
+                        "configurations": configurations,
+                    },
+                    indent=1,
+                )
+            )
             return
-        print(f"s {args.seq_length}, b {args.batch_size}, h {args.hidden_size}, a {args.num_attention_heads}, "
-              f"t {world}, bf16, {device.type}" + (f" ({torch.cuda.get_device_name(device)}, torch "
-                                                   f"{torch.__version__})" if measured else ""))
+        print(
+            f"s {args.seq_length}, b {args.batch_size}, h {args.hidden_size}, a {args.num_attention_heads}, "
+            f"t {world}, bf16, {device.type}"
+            + (f" ({torch.cuda.get_device_name(device)}, torch {torch.__version__})" if measured else "")
+        )
         head = f"{'configuration':<50} {'Table 2':>12} {'counted':>12} {'ratio':>6}"
         print(head + (f" {'allocated':>12} {'ratio':>6} {'peak':>12}" if measured else ""))
         for i, c in enumerate(counts):
-            line = f"{c.configuration:<50} {c.table2_bytes:>12,} {c.counted_bytes:>12,} " \
-                   f"{c.counted_bytes / c.table2_bytes:>6.3f}"
+            line = (
+                f"{c.configuration:<50} {c.table2_bytes:>12,} {c.counted_bytes:>12,} "
+                f"{c.counted_bytes / c.table2_bytes:>6.3f}"
+            )
             if measured:
                 retained, peak = measured[i]
                 line += f" {retained:>12,} {retained / c.table2_bytes:>6.3f} {peak:>12,}"

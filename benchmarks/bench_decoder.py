@@ -13,6 +13,7 @@ CollectiveRecorder) and the ratios reference / HF, plus the two losses (equal up
                colwise, o and down rowwise, embedding rowwise, head colwise kept as a DTensor for
                loss_parallel), SDPA attention
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,14 +53,21 @@ def parse_args():
 def main() -> None:
     args = parse_args()
     with distributed("cpu") as device:
-        config = GPTConfig(style="llama", vocab_size=args.vocab_size, hidden_size=args.hidden_size,
-                           num_attention_heads=args.num_attention_heads, num_kv_heads=args.num_kv_heads,
-                           num_layers=args.num_layers, seq_length=args.seq_length)
+        config = GPTConfig(
+            style="llama",
+            vocab_size=args.vocab_size,
+            hidden_size=args.hidden_size,
+            num_attention_heads=args.num_attention_heads,
+            num_kv_heads=args.num_kv_heads,
+            num_layers=args.num_layers,
+            seq_length=args.seq_length,
+        )
         world = dist.get_world_size()
         torch.manual_seed(0)
         hf = Qwen2ForCausalLM(qwen2_config(config, attn_implementation="sdpa"))
-        stage = build_stage(config, build_layout(tp_size=world), sequence_parallel=args.sequence_parallel,
-                            device=device)
+        stage = build_stage(
+            config, build_layout(tp_size=world), sequence_parallel=args.sequence_parallel, device=device
+        )
         load_hf_into_stage(stage, hf.state_dict())
         document_plan(hf, init_device_mesh("cpu", (world,)), args.sequence_parallel)
         tokens = synthetic_batches(config, 1, args.batch_size, 0)[0]
@@ -92,19 +100,30 @@ def main() -> None:
                 times[name].append(time.perf_counter() - start)
         if dist.get_rank() != 0:
             return
-        report = {"tp": world, "sequence_parallel": args.sequence_parallel, "losses": losses,
-                  "median_s": {n: statistics.median(t) for n, t in times.items()}, "bytes_per_step": nbytes}
-        report["ratios"] = {"time reference/hf": report["median_s"]["reference"] / report["median_s"]["hf"],
-                            "bytes reference/hf": nbytes["reference"] / nbytes["hf"]}
+        report = {
+            "tp": world,
+            "sequence_parallel": args.sequence_parallel,
+            "losses": losses,
+            "median_s": {n: statistics.median(t) for n, t in times.items()},
+            "bytes_per_step": nbytes,
+        }
+        report["ratios"] = {
+            "time reference/hf": report["median_s"]["reference"] / report["median_s"]["hf"],
+            "bytes reference/hf": nbytes["reference"] / nbytes["hf"],
+        }
         if args.json:
             print(json.dumps(report), flush=True)
             return
-        print(f"TP {world}{' + SP' if args.sequence_parallel else ''}, b {args.batch_size} s {args.seq_length} "
-              f"h {args.hidden_size}, {args.num_attention_heads} heads / {args.num_kv_heads} KV heads, "
-              f"{args.num_layers} layers, {args.rounds} rounds")
+        print(
+            f"TP {world}{' + SP' if args.sequence_parallel else ''}, b {args.batch_size} s {args.seq_length} "
+            f"h {args.hidden_size}, {args.num_attention_heads} heads / {args.num_kv_heads} KV heads, "
+            f"{args.num_layers} layers, {args.rounds} rounds"
+        )
         for name in steps:
-            print(f"  {name:9s} median {report['median_s'][name] * 1e3:8.2f} ms  {nbytes[name]:>10,} B/step  "
-                  f"loss {losses[name]:.6f}")
+            print(
+                f"  {name:9s} median {report['median_s'][name] * 1e3:8.2f} ms  {nbytes[name]:>10,} B/step  "
+                f"loss {losses[name]:.6f}"
+            )
         print("  ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in report["ratios"].items()), flush=True)
 
 

@@ -20,6 +20,7 @@ ZeRO paper's 2Ψ + 2Ψ + 12Ψ/N counts 16-bit gradients), Ψ the padded bucket e
 recorded step (CollectiveRecorder nbytes, full buffers) and the bytes a ring sends per rank for it
 (all-reduce 2(N-1)/N, reduce-scatter and all-gather (N-1)/N each); step time, fastest and median.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,8 +47,9 @@ RING = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1}  # x (N-1)/N of t
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--hidden-size", type=int, default=128)
     parser.add_argument("--num-attention-heads", type=int, default=4)
     parser.add_argument("--num-layers", type=int, default=4)
@@ -65,12 +67,15 @@ def main() -> None:
     args = parse_args()
     try:
         if min(args.steps, args.batch_size, args.bucket_size, args.hidden_size, args.num_layers) < 1:
-            raise ParallelConfigError("--steps, --batch-size, --bucket-size, --hidden-size and --num-layers "
-                                      "must be >= 1")
+            raise ParallelConfigError(
+                "--steps, --batch-size, --bucket-size, --hidden-size and --num-layers must be >= 1"
+            )
         with distributed("cpu") as device:
             if dist.get_world_size() < 2:
-                raise ParallelConfigError("the distributed optimizer needs a data-parallel group of at least 2 "
-                                          "ranks; run under torchrun --nproc-per-node N, N >= 2")
+                raise ParallelConfigError(
+                    "the distributed optimizer needs a data-parallel group of at least 2 "
+                    "ranks; run under torchrun --nproc-per-node N, N >= 2"
+                )
             _benchmark(args, device)
     except (LaunchError, ParallelConfigError) as error:
         if int(os.environ.get("RANK", 0)) == 0:
@@ -83,16 +88,24 @@ def _benchmark(args, device: torch.device) -> None:
     models, optimizers = {}, {}
     for label, (sharded, overlap) in VARIANTS.items():
         torch.manual_seed(args.seed)
-        module = Transformer(args.num_layers, args.hidden_size, args.num_attention_heads,
-                             params_dtype=torch.bfloat16, device=device)
-        models[label] = DistributedDataParallel(module, group, bucket_size=args.bucket_size,
-                                                grad_dtype=torch.float32, use_distributed_optimizer=sharded,
-                                                overlap_param_gather=overlap)
-        make = lambda tensors: torch.optim.Adam(tensors, lr=args.lr)  # noqa: E731
+        module = Transformer(
+            args.num_layers, args.hidden_size, args.num_attention_heads, params_dtype=torch.bfloat16, device=device
+        )
+        models[label] = DistributedDataParallel(
+            module,
+            group,
+            bucket_size=args.bucket_size,
+            grad_dtype=torch.float32,
+            use_distributed_optimizer=sharded,
+            overlap_param_gather=overlap,
+        )
+        make = lambda tensors: torch.optim.Adam(tensors, lr=args.lr)
         optimizers[label] = DistributedOptimizer(models[label], make) if sharded else unsharded(models[label], make)
     generator = torch.Generator().manual_seed(args.seed + 1)
-    batches = [torch.randn(args.seq_length, args.batch_size * n, args.hidden_size, generator=generator)
-               for _ in range(args.steps + 1)]
+    batches = [
+        torch.randn(args.seq_length, args.batch_size * n, args.hidden_size, generator=generator)
+        for _ in range(args.steps + 1)
+    ]
 
     def step(label: str, x: torch.Tensor, record: CollectiveRecorder | None = None) -> tuple[float, float]:
         model, optimizer = models[label], optimizers[label]
@@ -119,41 +132,58 @@ def _benchmark(args, device: torch.device) -> None:
         recorder = CollectiveRecorder()
         step(label, batches[-1], recorder)
         ops = recorder.summary()
-        traffic[label] = {"collectives": ops,
-                          "ring_bytes_per_rank": sum(RING[op] * v["bytes"] * (n - 1) // n for op, v in ops.items())}
+        traffic[label] = {
+            "collectives": ops,
+            "ring_bytes_per_rank": sum(RING[op] * v["bytes"] * (n - 1) // n for op, v in ops.items()),
+        }
     slowest = torch.tensor([[statistics.median(times[label]), min(times[label])] for label in VARIANTS])
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     if dist.get_rank() != 0:
         return
     psi = sum(bucket.numel for bucket in models["ddp"].buckets)
     padded = sum(padded_numel(bucket.numel, n) for bucket in models["ddp"].buckets)
-    report = {"world": n, "psi": psi, "psi_padded": padded,
-              "max_loss_difference": max(abs(a - b) for label in VARIANTS for a, b in zip(losses[label],
-                                                                                         losses["ddp"])),
-              "variants": {}}
+    report = {
+        "world": n,
+        "psi": psi,
+        "psi_padded": padded,
+        "max_loss_difference": max(abs(a - b) for label in VARIANTS for a, b in zip(losses[label], losses["ddp"])),
+        "variants": {},
+    }
     for (label, (sharded, _)), (median, fastest) in zip(VARIANTS.items(), slowest.tolist()):
         held = bytes_per_rank(models[label], optimizers[label])
         p = padded if sharded else psi
         report["variants"][label] = {
-            "bytes": held, "total_bytes": sum(held.values()),
+            "bytes": held,
+            "total_bytes": sum(held.values()),
             "formula_bytes": 2 * p + 4 * p + (12 * p // n if sharded else 12 * p),
-            **traffic[label], "median_s": median, "fastest_s": fastest}
+            **traffic[label],
+            "median_s": median,
+            "fastest_s": fastest,
+        }
     if args.json:
         print(json.dumps(report), flush=True)
         return
-    print(f"DP {n}, Ψ = {psi:,} parameters ({padded:,} padded to a multiple of {n} per bucket); "
-          f"largest loss difference from ddp: {report['max_loss_difference']}")
-    print(f"{'variant':<16} {'params':>10} {'grads':>10} {'masters':>10} {'states':>10} {'total':>11} "
-          f"{'formula':>11} {'ring B/rank':>12} {'fastest ms':>11} {'median ms':>10}")
+    print(
+        f"DP {n}, Ψ = {psi:,} parameters ({padded:,} padded to a multiple of {n} per bucket); "
+        f"largest loss difference from ddp: {report['max_loss_difference']}"
+    )
+    print(
+        f"{'variant':<16} {'params':>10} {'grads':>10} {'masters':>10} {'states':>10} {'total':>11} "
+        f"{'formula':>11} {'ring B/rank':>12} {'fastest ms':>11} {'median ms':>10}"
+    )
     for label, v in report["variants"].items():
         b = v["bytes"]
-        print(f"{label:<16} {b['parameters']:>10,} {b['gradients']:>10,} {b['master_weights']:>10,} "
-              f"{b['optimizer_states']:>10,} {v['total_bytes']:>11,} {v['formula_bytes']:>11,} "
-              f"{v['ring_bytes_per_rank']:>12,} {v['fastest_s'] * 1e3:>11.1f} {v['median_s'] * 1e3:>10.1f}")
+        print(
+            f"{label:<16} {b['parameters']:>10,} {b['gradients']:>10,} {b['master_weights']:>10,} "
+            f"{b['optimizer_states']:>10,} {v['total_bytes']:>11,} {v['formula_bytes']:>11,} "
+            f"{v['ring_bytes_per_rank']:>12,} {v['fastest_s'] * 1e3:>11.1f} {v['median_s'] * 1e3:>10.1f}"
+        )
     ddp, distopt = report["variants"]["ddp"], report["variants"]["distopt"]
-    print(f"distopt / ddp: bytes per rank {distopt['total_bytes'] / ddp['total_bytes']:.3f} (closed form "
-          f"(6 + 12/{n}) / 18 = {(6 + 12 / n) / 18:.3f}), ring traffic "
-          f"{distopt['ring_bytes_per_rank'] / ddp['ring_bytes_per_rank']:.3f} (fp32 grads, bf16 params: 6/8)")
+    print(
+        f"distopt / ddp: bytes per rank {distopt['total_bytes'] / ddp['total_bytes']:.3f} (closed form "
+        f"(6 + 12/{n}) / 18 = {(6 + 12 / n) / 18:.3f}), ring traffic "
+        f"{distopt['ring_bytes_per_rank'] / ddp['ring_bytes_per_rank']:.3f} (fp32 grads, bf16 params: 6/8)"
+    )
 
 
 if __name__ == "__main__":

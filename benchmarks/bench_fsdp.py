@@ -15,6 +15,7 @@ the peak allocated memory of each configuration is printed too. Ratios are again
 10% of its step time) and against FSDP1 with the same options. Communicated bytes per step are recorded by
 `CollectiveRecorder` in one extra step per configuration.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -78,8 +79,14 @@ def timed_steps(model, optimizer, batches, device) -> list[float]:
 def communication_time(events, device, repeats: int = 9) -> float:
     """Run one step's recorded collectives back to back, nothing else: fastest seconds per step."""
     world = dist.get_world_size()
-    buffers = [(e.op, torch.empty(e.nbytes // world, dtype=torch.uint8, device=device),
-                torch.empty(e.nbytes, dtype=torch.uint8, device=device)) for e in events]
+    buffers = [
+        (
+            e.op,
+            torch.empty(e.nbytes // world, dtype=torch.uint8, device=device),
+            torch.empty(e.nbytes, dtype=torch.uint8, device=device),
+        )
+        for e in events
+    ]
     times = []
     for _ in range(repeats):
         dist.barrier()
@@ -104,8 +111,13 @@ def main() -> None:
 def _benchmark(args, device: torch.device) -> None:
     cuda = device.type == "cuda"
     rank, world = dist.get_rank(), dist.get_world_size()
-    config = ModelConfig(vocab_size=1024, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-                         num_layers=args.num_layers, max_seq_length=args.seq_length)
+    config = ModelConfig(
+        vocab_size=1024,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_layers=args.num_layers,
+        max_seq_length=args.seq_length,
+    )
     initial = build_model(config, 0).to(device)
     global_batches = synthetic_batches(config, args.steps, args.batch_size, args.seq_length, 0)
     batches = [t.chunk(world)[rank] for t in global_batches]
@@ -113,8 +125,16 @@ def _benchmark(args, device: torch.device) -> None:
 
     models = {"compute only": (copy.deepcopy(initial), None)}
     for label, implementation, backward, forward in CONFIGS:
-        models[label] = (shard_model(copy.deepcopy(initial), implementation, dist.group.WORLD,
-                                     backward_prefetch=backward, forward_prefetch=forward), implementation)
+        models[label] = (
+            shard_model(
+                copy.deepcopy(initial),
+                implementation,
+                dist.group.WORLD,
+                backward_prefetch=backward,
+                forward_prefetch=forward,
+            ),
+            implementation,
+        )
     optimizers = {label: torch.optim.SGD(model.parameters(), lr=1e-3) for label, (model, _) in models.items()}
     times: dict[str, list[float]] = {label: [] for label in models}
     peaks: dict[str, int] = {}
@@ -144,8 +164,11 @@ def _benchmark(args, device: torch.device) -> None:
                 comm_times[signature] = max_over_ranks(communication_time(events, device))
             comm = comm_times[signature]
             hidden = min(1.0, max(0.0, 1 - (step - compute) / comm))
-            param_bytes = sum(_local_bytes(p) for p in model.parameters()) if implementation == "fsdp2" else \
-                _flat_shard_bytes(model, implementation)
+            param_bytes = (
+                sum(_local_bytes(p) for p in model.parameters())
+                if implementation == "fsdp2"
+                else _flat_shard_bytes(model, implementation)
+            )
             rows.append((label, step, comm, hidden, sum(e.nbytes for e in events), param_bytes, peaks.get(label)))
         if rank == 0:
             _print_table(args, world, device, compute, unsharded_bytes, rows)
@@ -160,24 +183,36 @@ def _flat_shard_bytes(model, implementation: str) -> int:
     if implementation == "reference":
         return sum(h.sharded_param_bytes() for h in model.handles())
     from torch.distributed.fsdp import FullyShardedDataParallel
-    return sum(m._handle.flat_param._local_shard.numel() * m._handle.flat_param._local_shard.element_size()
-               for m in model.modules() if isinstance(m, FullyShardedDataParallel) and m._handle)
+
+    return sum(
+        m._handle.flat_param._local_shard.numel() * m._handle.flat_param._local_shard.element_size()
+        for m in model.modules()
+        if isinstance(m, FullyShardedDataParallel) and m._handle
+    )
 
 
 def _print_table(args, world, device, compute, unsharded_bytes, rows) -> None:
     by_label = {row[0]: row for row in rows}
-    print(f"world {world} on {device.type}; model h={args.hidden_size} layers={args.num_layers} "
-          f"s={args.seq_length} global batch {args.batch_size}; {args.rounds}x{args.steps} timed steps")
-    print(f"compute only (unsharded, local batch): {compute * 1e3:.1f} ms/step (fastest); unsharded parameters "
-          f"{unsharded_bytes / 2**20:.2f} MiB")
-    header = f"{'config':18} {'step ms':>8} {'comm ms':>8} {'hidden':>7} {'comm MiB':>9} {'params/rank':>12} " \
-             f"{'vs fsdp2':>9} {'vs fsdp1':>9}"
+    print(
+        f"world {world} on {device.type}; model h={args.hidden_size} layers={args.num_layers} "
+        f"s={args.seq_length} global batch {args.batch_size}; {args.rounds}x{args.steps} timed steps"
+    )
+    print(
+        f"compute only (unsharded, local batch): {compute * 1e3:.1f} ms/step (fastest); unsharded parameters "
+        f"{unsharded_bytes / 2**20:.2f} MiB"
+    )
+    header = (
+        f"{'config':18} {'step ms':>8} {'comm ms':>8} {'hidden':>7} {'comm MiB':>9} {'params/rank':>12} "
+        f"{'vs fsdp2':>9} {'vs fsdp1':>9}"
+    )
     print(header + ("  peak MiB" if device.type == "cuda" else ""))
     for label, step, comm, hidden, nbytes, param_bytes, peak in rows:
         fsdp1 = by_label.get(label.replace("reference", "fsdp1"))
         vs_fsdp1 = f"{step / fsdp1[1]:9.2f}" if fsdp1 else f"{'-':>9}"
-        line = (f"{label:18} {step * 1e3:8.1f} {comm * 1e3:8.1f} {hidden:7.0%} {nbytes / 2**20:9.2f} "
-                f"{param_bytes / unsharded_bytes:11.3f}x {step / by_label['fsdp2'][1]:9.2f} {vs_fsdp1}")
+        line = (
+            f"{label:18} {step * 1e3:8.1f} {comm * 1e3:8.1f} {hidden:7.0%} {nbytes / 2**20:9.2f} "
+            f"{param_bytes / unsharded_bytes:11.3f}x {step / by_label['fsdp2'][1]:9.2f} {vs_fsdp1}"
+        )
         print(line + (f"  {peak / 2**20:8.1f}" if peak else ""))
 
 

@@ -31,6 +31,7 @@ Printed by rank 0 (`--json`: one object instead):
   * ratios: 1F1B / GPipe and overlap / no-overlap step times, by fastest step and by median.
 On a shared machine the fastest step is the least disturbed figure; medians show the typical cost.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,43 +54,64 @@ from reference.recorder import CollectiveRecorder
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     parser.add_argument("--pp", type=int, default=None, help="pipeline stages; default: world / (tp x dp)")
-    parser.add_argument("--dp", type=int, default=None,
-                        help="data-parallel size; default: world / (tp x pp) when --pp is given, else 1")
+    parser.add_argument(
+        "--dp", type=int, default=None, help="data-parallel size; default: world / (tp x pp) when --pp is given, else 1"
+    )
     parser.add_argument("--micro-batches", type=int, default=8, help="micro-batches m per step and replica")
     parser.add_argument("--micro-batch-size", type=int, default=2, help="sequences per micro-batch")
-    parser.add_argument("--virtual-stages", type=int, default=2, metavar="V",
-                        help="model chunks per stage of the interleaved variant (1: no interleaved variant)")
+    parser.add_argument(
+        "--virtual-stages",
+        type=int,
+        default=2,
+        metavar="V",
+        help="model chunks per stage of the interleaved variant (1: no interleaved variant)",
+    )
     parser.add_argument("--seq-length", type=int, default=32)
     parser.add_argument("--hidden-size", type=int, default=128)
     parser.add_argument("--num-attention-heads", type=int, default=4)
     parser.add_argument("--num-layers", type=int, default=8)
     parser.add_argument("--vocab-size", type=int, default=128)
-    parser.add_argument("--bucket-size", type=int, default=2**19, metavar="BYTES",
-                        help="DP gradient bucket size (small enough for several buckets per stage)")
+    parser.add_argument(
+        "--bucket-size",
+        type=int,
+        default=2**19,
+        metavar="BYTES",
+        help="DP gradient bucket size (small enough for several buckets per stage)",
+    )
     parser.add_argument("--steps", type=int, default=20, help="timed steps per variant (interleaved)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per variant first")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    parser.add_argument("--json", action="store_true",
-                        help="print one JSON object on one line (rank 0) instead of tables")
+    parser.add_argument(
+        "--json", action="store_true", help="print one JSON object on one line (rank 0) instead of tables"
+    )
     return parser.parse_args()
 
 
 def main() -> None:
     args = parse_args()
     try:
-        if (min(args.steps, args.micro_batches, args.micro_batch_size, args.bucket_size, args.virtual_stages) < 1
-                or args.warmup < 0):
-            raise ParallelConfigError("--steps, --micro-batches, --micro-batch-size, --bucket-size, --virtual-stages "
-                                      "must be >= 1 and --warmup >= 0")
-        config = GPTConfig(vocab_size=args.vocab_size, hidden_size=args.hidden_size,
-                           num_attention_heads=args.num_attention_heads, num_layers=args.num_layers,
-                           seq_length=args.seq_length)
+        if (
+            min(args.steps, args.micro_batches, args.micro_batch_size, args.bucket_size, args.virtual_stages) < 1
+            or args.warmup < 0
+        ):
+            raise ParallelConfigError(
+                "--steps, --micro-batches, --micro-batch-size, --bucket-size, --virtual-stages "
+                "must be >= 1 and --warmup >= 0"
+            )
+        config = GPTConfig(
+            vocab_size=args.vocab_size,
+            hidden_size=args.hidden_size,
+            num_attention_heads=args.num_attention_heads,
+            num_layers=args.num_layers,
+            seq_length=args.seq_length,
+        )
         with distributed(args.device) as device:
             _benchmark(args, config, device)
     except (LaunchError, ParallelConfigError) as error:
@@ -123,10 +145,14 @@ def _benchmark(args, config: GPTConfig, device: torch.device) -> None:
         variants.append(("1f1b no-overlap", "1f1b", False))
     models, optimizers = {}, {}
     for label, _, overlap in variants:
-        chunks = (build_chunks(config, layout, args.virtual_stages, seed=args.seed, device=device)
-                  if label == "interleaved" else [build_stage(config, layout, seed=args.seed, device=device)])
-        wrapped = [data_parallel(chunk, layout, bucket_size=args.bucket_size, overlap_grad_reduce=overlap)
-                   for chunk in chunks]
+        chunks = (
+            build_chunks(config, layout, args.virtual_stages, seed=args.seed, device=device)
+            if label == "interleaved"
+            else [build_stage(config, layout, seed=args.seed, device=device)]
+        )
+        wrapped = [
+            data_parallel(chunk, layout, bucket_size=args.bucket_size, overlap_grad_reduce=overlap) for chunk in chunks
+        ]
         models[label] = wrapped if label == "interleaved" else wrapped[0]
         optimizers[label] = torch.optim.SGD([p for chunk in wrapped for p in chunk.parameters()], lr=args.lr)
     global_batch = args.micro_batch_size * args.micro_batches * layout.dp_size
@@ -138,15 +164,34 @@ def _benchmark(args, config: GPTConfig, device: torch.device) -> None:
         if cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
-        result = train_step(model, optimizers[label], tokens, layout, num_micro_batches=args.micro_batches,
-                            schedule=schedule, device=device, record=record)
+        result = train_step(
+            model,
+            optimizers[label],
+            tokens,
+            layout,
+            num_micro_batches=args.micro_batches,
+            schedule=schedule,
+            device=device,
+            record=record,
+        )
         if cuda:
             torch.cuda.synchronize()
         return time.perf_counter() - start, result
 
-    mine = {label: {"times": [], "tails": [], "bubbles": [], "losses": [], "actions": [], "peak_bytes": 0,
-                    "peak_in_flight": 0,
-                    "peak_in_flight_measured": 0, "cuda_peak_bytes": 0} for label, _, _ in variants}
+    mine = {
+        label: {
+            "times": [],
+            "tails": [],
+            "bubbles": [],
+            "losses": [],
+            "actions": [],
+            "peak_bytes": 0,
+            "peak_in_flight": 0,
+            "peak_in_flight_measured": 0,
+            "cuda_peak_bytes": 0,
+        }
+        for label, _, _ in variants
+    }
     for index, tokens in enumerate(batches[:-1]):
         for label, schedule, _ in variants:
             if cuda:
@@ -157,8 +202,7 @@ def _benchmark(args, config: GPTConfig, device: torch.device) -> None:
             record["actions"] = pipeline.actions
             record["peak_bytes"] = max(record["peak_bytes"], pipeline.peak_activation_bytes)
             record["peak_in_flight"] = max(record["peak_in_flight"], pipeline.peak_in_flight)
-            record["peak_in_flight_measured"] = max(record["peak_in_flight_measured"],
-                                                    pipeline.peak_in_flight_measured)
+            record["peak_in_flight_measured"] = max(record["peak_in_flight_measured"], pipeline.peak_in_flight_measured)
             if cuda:
                 record["cuda_peak_bytes"] = max(record["cuda_peak_bytes"], torch.cuda.max_memory_allocated())
             if index >= args.warmup:
@@ -174,9 +218,12 @@ def _benchmark(args, config: GPTConfig, device: torch.device) -> None:
         dp = [e for e in recorder.events if e.op == "all_reduce" and e.group_ranks == dp_ranks and len(dp_ranks) > 1]
         mine[label]["dp_all_reduces"] = len(dp)
         mine[label]["dp_all_reduces_in_backward"] = sum(e.phase == "backward" for e in dp)
-    mine_all = {"coordinates": layout.coordinates(), "variants": mine,
-                "buckets": len(models["1f1b"].buckets),
-                "parameter_bytes": sum(p.numel() * p.element_size() for p in models["1f1b"].module.parameters())}
+    mine_all = {
+        "coordinates": layout.coordinates(),
+        "variants": mine,
+        "buckets": len(models["1f1b"].buckets),
+        "parameter_bytes": sum(p.numel() * p.element_size() for p in models["1f1b"].module.parameters()),
+    }
     everyone = [None] * world
     dist.all_gather_object(everyone, mine_all)
     if rank == 0:
@@ -194,38 +241,64 @@ def _report(args, config, layout, device, variants, everyone) -> dict:
         got = everyone[global_rank]["variants"]
         gpipe, one, chunked = got["gpipe"], got["1f1b"], got.get("interleaved")
         expected = {schedule: peak_in_flight_formula(schedule, p, r, m) for schedule in SCHEDULES}
-        interleaved = {} if chunked is None else {
-            "interleaved_peak_bytes": chunked["peak_bytes"], "interleaved_peak_in_flight": chunked["peak_in_flight"],
-            "interleaved_peak_in_flight_measured": chunked["peak_in_flight_measured"],
-            "interleaved_expected_in_flight": peak_in_flight_formula("1f1b", p, r, m, v),
-            "interleaved_bubble": statistics.median(chunked["bubbles"]),
-            "interleaved_bubble_formula": bubble_formula(p, m, v)}
-        stages.append({
-            "pp_rank": r, "rank": global_rank, "layers": bounds[r][1] - bounds[r][0],
-            "buckets": everyone[global_rank]["buckets"], "parameter_bytes": everyone[global_rank]["parameter_bytes"],
-            **{f"{name}_{key}": v[key] for name, v in (("gpipe", gpipe), ("1f1b", one))
-               for key in ("peak_bytes", "peak_in_flight", "peak_in_flight_measured")},
-            "peak_bytes_ratio": one["peak_bytes"] / gpipe["peak_bytes"] if gpipe["peak_bytes"] else None,
-            "peak_bytes_ratio_formula": expected["1f1b"] / expected["gpipe"], "expected_in_flight": expected,
-            "gpipe_bubble": statistics.median(gpipe["bubbles"]), "1f1b_bubble": statistics.median(one["bubbles"]),
-            "bubble_formula": bubble_formula(p, m), **interleaved})
+        interleaved = (
+            {}
+            if chunked is None
+            else {
+                "interleaved_peak_bytes": chunked["peak_bytes"],
+                "interleaved_peak_in_flight": chunked["peak_in_flight"],
+                "interleaved_peak_in_flight_measured": chunked["peak_in_flight_measured"],
+                "interleaved_expected_in_flight": peak_in_flight_formula("1f1b", p, r, m, v),
+                "interleaved_bubble": statistics.median(chunked["bubbles"]),
+                "interleaved_bubble_formula": bubble_formula(p, m, v),
+            }
+        )
+        stages.append(
+            {
+                "pp_rank": r,
+                "rank": global_rank,
+                "layers": bounds[r][1] - bounds[r][0],
+                "buckets": everyone[global_rank]["buckets"],
+                "parameter_bytes": everyone[global_rank]["parameter_bytes"],
+                **{
+                    f"{name}_{key}": v[key]
+                    for name, v in (("gpipe", gpipe), ("1f1b", one))
+                    for key in ("peak_bytes", "peak_in_flight", "peak_in_flight_measured")
+                },
+                "peak_bytes_ratio": one["peak_bytes"] / gpipe["peak_bytes"] if gpipe["peak_bytes"] else None,
+                "peak_bytes_ratio_formula": expected["1f1b"] / expected["gpipe"],
+                "expected_in_flight": expected,
+                "gpipe_bubble": statistics.median(gpipe["bubbles"]),
+                "1f1b_bubble": statistics.median(one["bubbles"]),
+                "bubble_formula": bubble_formula(p, m),
+                **interleaved,
+            }
+        )
     step_times = {}
     for label in labels:  # a step takes as long as its slowest rank
         per_step = [max(e["variants"][label]["times"][k] for e in everyone) for k in range(args.steps)]
         tails = [max(e["variants"][label]["tails"][k] for e in everyone) for k in range(args.steps)]
         step_times[label] = {
-            "fastest_s": min(per_step), "median_s": statistics.median(per_step),
+            "fastest_s": min(per_step),
+            "median_s": statistics.median(per_step),
             "tail_median_s": statistics.median(tails),
             "dp_all_reduces": sum(everyone[g]["variants"][label]["dp_all_reduces"] for g in stage_ranks),
-            "dp_all_reduces_in_backward": sum(everyone[g]["variants"][label]["dp_all_reduces_in_backward"]
-                                              for g in stage_ranks),
+            "dp_all_reduces_in_backward": sum(
+                everyone[g]["variants"][label]["dp_all_reduces_in_backward"] for g in stage_ranks
+            ),
             "cuda_peak_bytes": max(e["variants"][label]["cuda_peak_bytes"] for e in everyone) or None,
-            "replayed_bubble": idle_fraction([everyone[g]["variants"][label]["actions"] for g in stage_ranks],
-                                             chunks=v if label == "interleaved" else 1) if p > 1 else 0.0,
-            "bubble_formula": bubble_formula(p, m, v if label == "interleaved" else 1)}
+            "replayed_bubble": idle_fraction(
+                [everyone[g]["variants"][label]["actions"] for g in stage_ranks],
+                chunks=v if label == "interleaved" else 1,
+            )
+            if p > 1
+            else 0.0,
+            "bubble_formula": bubble_formula(p, m, v if label == "interleaved" else 1),
+        }
 
     def ratio(a, b):
         return {stat: step_times[a][f"{stat}_s"] / step_times[b][f"{stat}_s"] for stat in ("fastest", "median")}
+
     ratios = {"1f1b/gpipe": ratio("1f1b", "gpipe")}
     if "interleaved" in step_times:
         ratios["interleaved/1f1b"] = ratio("interleaved", "1f1b")
@@ -233,28 +306,44 @@ def _report(args, config, layout, device, variants, everyone) -> dict:
         ratios["overlap/no-overlap"] = ratio("1f1b", "1f1b no-overlap")
     losses = {label: everyone[0]["variants"][label]["losses"] for label in labels}
     difference = max(abs(a - b) for label in labels for a, b in zip(losses[label], losses["gpipe"]))
-    return {"device": device.type, "backend": dist.get_backend(),
-            "layout": {"tp": layout.tp_size, "pp": p, "dp": layout.dp_size},
-            "model": {"hidden_size": config.hidden_size, "num_layers": config.num_layers,
-                      "seq_length": config.seq_length, "vocab_size": config.vocab_size},
-            "micro_batches": m, "micro_batch_size": args.micro_batch_size, "bucket_size": args.bucket_size,
-            "virtual_stages": v if "interleaved" in labels else None,
-            "steps": args.steps, "warmup": args.warmup, "stages": stages, "variants": step_times,
-            "ratios": ratios, "losses": losses, "max_loss_difference": difference}
+    return {
+        "device": device.type,
+        "backend": dist.get_backend(),
+        "layout": {"tp": layout.tp_size, "pp": p, "dp": layout.dp_size},
+        "model": {
+            "hidden_size": config.hidden_size,
+            "num_layers": config.num_layers,
+            "seq_length": config.seq_length,
+            "vocab_size": config.vocab_size,
+        },
+        "micro_batches": m,
+        "micro_batch_size": args.micro_batch_size,
+        "bucket_size": args.bucket_size,
+        "virtual_stages": v if "interleaved" in labels else None,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "stages": stages,
+        "variants": step_times,
+        "ratios": ratios,
+        "losses": losses,
+        "max_loss_difference": difference,
+    }
 
 
 def _text(report: dict) -> str:
     lay, p, m = report["layout"], report["layout"]["pp"], report["micro_batches"]
     model = report["model"]
-    lines = [f"tp {lay['tp']} x pp {p} x dp {lay['dp']} on {report['device']} ({report['backend']}); "
-             f"h={model['hidden_size']} layers={model['num_layers']} s={model['seq_length']}, m={m} micro-batches "
-             f"of {report['micro_batch_size']}, DP buckets of {report['bucket_size']} B "
-             f"({'/'.join(str(s['buckets']) for s in report['stages'])} per stage); {report['steps']} timed "
-             f"steps per variant, interleaved (after {report['warmup']} warm-up)",
-             "per stage (rank dp 0, tp 0): peak saved activations and micro-batches in flight "
-             "(schedule count / autograd), bubble median over steps",
-             f"{'stage':>5} {'layers':>6} {'gpipe B':>9} {'1f1b B':>9} {'1f1b/gpipe':>10} {'min(p-r,m)/m':>12} "
-             f"{'in flight gpipe':>15} {'1f1b':>7} {'bubble gpipe':>12} {'1f1b':>6} {'(p-1)/(m+p-1)':>13}"]
+    lines = [
+        f"tp {lay['tp']} x pp {p} x dp {lay['dp']} on {report['device']} ({report['backend']}); "
+        f"h={model['hidden_size']} layers={model['num_layers']} s={model['seq_length']}, m={m} micro-batches "
+        f"of {report['micro_batch_size']}, DP buckets of {report['bucket_size']} B "
+        f"({'/'.join(str(s['buckets']) for s in report['stages'])} per stage); {report['steps']} timed "
+        f"steps per variant, interleaved (after {report['warmup']} warm-up)",
+        "per stage (rank dp 0, tp 0): peak saved activations and micro-batches in flight "
+        "(schedule count / autograd), bubble median over steps",
+        f"{'stage':>5} {'layers':>6} {'gpipe B':>9} {'1f1b B':>9} {'1f1b/gpipe':>10} {'min(p-r,m)/m':>12} "
+        f"{'in flight gpipe':>15} {'1f1b':>7} {'bubble gpipe':>12} {'1f1b':>6} {'(p-1)/(m+p-1)':>13}",
+    ]
     for s in report["stages"]:
         ratio = f"{s['peak_bytes_ratio']:.3f}" if s["peak_bytes_ratio"] is not None else "-"
         lines.append(
@@ -262,35 +351,48 @@ def _text(report: dict) -> str:
             f"{s['peak_bytes_ratio_formula']:12.3f} "
             f"{s['gpipe_peak_in_flight']:>7d} / {s['gpipe_peak_in_flight_measured']:<5d} "
             f"{s['1f1b_peak_in_flight']:>2d} / {s['1f1b_peak_in_flight_measured']:<2d} "
-            f"{s['gpipe_bubble']:12.2f} {s['1f1b_bubble']:6.2f} {s['bubble_formula']:13.2f}")
+            f"{s['gpipe_bubble']:12.2f} {s['1f1b_bubble']:6.2f} {s['bubble_formula']:13.2f}"
+        )
     if report["virtual_stages"]:
         v = report["virtual_stages"]
-        lines.append(f"interleaved 1F1B, {v} chunks per stage: peak saved activations, chunk-forwards in flight "
-                     "(schedule / autograd / formula), bubble median against its formula, next to 1F1B's")
-        lines.append(f"{'stage':>5} {'1f1b B':>9} {'interl. B':>9} {'in flight 1f1b':>14} {'interleaved':>13} "
-                     f"{'bubble 1f1b':>11} {'(p-1)/(m+p-1)':>13} {'interleaved':>11} {'(p-1)/(vm+p-1)':>14}")
+        lines.append(
+            f"interleaved 1F1B, {v} chunks per stage: peak saved activations, chunk-forwards in flight "
+            "(schedule / autograd / formula), bubble median against its formula, next to 1F1B's"
+        )
+        lines.append(
+            f"{'stage':>5} {'1f1b B':>9} {'interl. B':>9} {'in flight 1f1b':>14} {'interleaved':>13} "
+            f"{'bubble 1f1b':>11} {'(p-1)/(m+p-1)':>13} {'interleaved':>11} {'(p-1)/(vm+p-1)':>14}"
+        )
         for s in report["stages"]:
             lines.append(
                 f"{s['pp_rank']:5d} {s['1f1b_peak_bytes']:9d} {s['interleaved_peak_bytes']:9d} "
                 f"{s['1f1b_peak_in_flight_measured']:>9d} / {s['expected_in_flight']['1f1b']:<2d} "
                 f"{s['interleaved_peak_in_flight']:>3d} / {s['interleaved_peak_in_flight_measured']:>2d} / "
                 f"{s['interleaved_expected_in_flight']:<2d} {s['1f1b_bubble']:11.2f} {s['bubble_formula']:13.2f} "
-                f"{s['interleaved_bubble']:11.2f} {s['interleaved_bubble_formula']:14.2f}")
+                f"{s['interleaved_bubble']:11.2f} {s['interleaved_bubble_formula']:14.2f}"
+            )
     cuda = any(v["cuda_peak_bytes"] for v in report["variants"].values())
-    lines.append("per variant: step time (slowest rank), tail = median time after the schedule (DP wait, "
-                 "optimizer, loss report); DP all-reduces issued during the last backward / all (sum over stages)")
-    lines.append(f"{'variant':16} {'fastest ms':>10} {'median ms':>10} {'tail ms':>8} {'DP in bwd':>10} "
-                 f"{'replayed bubble':>15} {'formula':>7}" + (f" {'cuda peak MiB':>13}" if cuda else ""))
+    lines.append(
+        "per variant: step time (slowest rank), tail = median time after the schedule (DP wait, "
+        "optimizer, loss report); DP all-reduces issued during the last backward / all (sum over stages)"
+    )
+    lines.append(
+        f"{'variant':16} {'fastest ms':>10} {'median ms':>10} {'tail ms':>8} {'DP in bwd':>10} "
+        f"{'replayed bubble':>15} {'formula':>7}" + (f" {'cuda peak MiB':>13}" if cuda else "")
+    )
     for label, v in report["variants"].items():
         dp = f"{v['dp_all_reduces_in_backward']}/{v['dp_all_reduces']}" if lay["dp"] > 1 else "-"
-        lines.append(f"{label:16} {v['fastest_s'] * 1e3:10.2f} {v['median_s'] * 1e3:10.2f} "
-                     f"{v['tail_median_s'] * 1e3:8.2f} {dp:>10} {v['replayed_bubble']:15.3f} "
-                     f"{v['bubble_formula']:7.3f}"
-                     + (f" {v['cuda_peak_bytes'] / 2**20:13.1f}" if cuda else ""))
+        lines.append(
+            f"{label:16} {v['fastest_s'] * 1e3:10.2f} {v['median_s'] * 1e3:10.2f} "
+            f"{v['tail_median_s'] * 1e3:8.2f} {dp:>10} {v['replayed_bubble']:15.3f} "
+            f"{v['bubble_formula']:7.3f}" + (f" {v['cuda_peak_bytes'] / 2**20:13.1f}" if cuda else "")
+        )
     for name, r in report["ratios"].items():
         lines.append(f"step time {name:20s}: fastest {r['fastest']:.3f}   median {r['median']:.3f}")
-    lines.append(f"losses of all variants, {len(report['losses']['gpipe'])} steps: max |difference| = "
-                 f"{report['max_loss_difference']:.3g} (last loss {report['losses']['gpipe'][-1]:.6f})")
+    lines.append(
+        f"losses of all variants, {len(report['losses']['gpipe'])} steps: max |difference| = "
+        f"{report['max_loss_difference']:.3g} (last loss {report['losses']['gpipe'][-1]:.6f})"
+    )
     return "\n".join(lines)
 
 

@@ -9,6 +9,7 @@ above 0 fails the run.
 
 `mkdocs build` needs the self-hosted assets: run tools/vendor-assets once.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,7 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = ROOT / ".venv" / "bin" / "python"
-TARGETS = {"check_s": 0.5, "mkdocs_build_s": 3.0}   # issue 13
+TARGETS = {"check_s": 0.5, "mkdocs_build_s": 3.0}  # issue 13
 
 
 def _env() -> dict[str, str]:
@@ -55,19 +56,29 @@ def median_of(cmd: list[str], repeat: int) -> tuple[float, float]:
 
 def torch_modules_in_check() -> int:
     """How many torch modules `check` imports, from -X importtime."""
-    proc = subprocess.run([str(PYTHON), "-X", "importtime", "-m", "pin_and_cite", "check"], cwd=ROOT, env=_env(),
-                          capture_output=True, text=True)
-    return sum(1 for line in proc.stderr.splitlines()
-               if line.startswith("import time:") and line.rsplit("|", 1)[-1].strip().split(".")[0] == "torch")
+    proc = subprocess.run(
+        [str(PYTHON), "-X", "importtime", "-m", "pin_and_cite", "check"],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+    )
+    return sum(
+        1
+        for line in proc.stderr.splitlines()
+        if line.startswith("import time:") and line.rsplit("|", 1)[-1].strip().split(".")[0] == "torch"
+    )
 
 
 def measure(repeat: int) -> dict[str, float]:
-    _timed([str(ROOT / "tools" / "pin-and-cite"), "check"])           # fills the caches a warm check reads
+    _timed([str(ROOT / "tools" / "pin-and-cite"), "check"])  # fills the caches a warm check reads
     figures: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="bench-site-") as site:
-        for name, cmd in (("check", [str(ROOT / "tools" / "pin-and-cite"), "check"]),
-                          ("mkdocs_build", [str(PYTHON), "-m", "mkdocs", "build", "--quiet", "--site-dir", site]),
-                          ("import", [str(PYTHON), "-c", "import pin_and_cite.cli"])):
+        for name, cmd in (
+            ("check", [str(ROOT / "tools" / "pin-and-cite"), "check"]),
+            ("mkdocs_build", [str(PYTHON), "-m", "mkdocs", "build", "--quiet", "--site-dir", site]),
+            ("import", [str(PYTHON), "-c", "import pin_and_cite.cli"]),
+        ):
             figures[f"{name}_s"], figures[f"{name}_cpu_s"] = median_of(cmd, repeat)
     figures["torch_modules_in_check"] = torch_modules_in_check()
     return figures
@@ -84,8 +95,10 @@ def main() -> int:
         return 1 if figures["torch_modules_in_check"] else 0
     print(f"{'what':28} {'wall':>10} {'CPU':>8} {'target':>8}")
     print(f"{'check':28} {figures['check_s']:>9.2f}s {figures['check_cpu_s']:>7.2f}s {TARGETS['check_s']:>7}s")
-    print(f"{'mkdocs build':28} {figures['mkdocs_build_s']:>9.2f}s {figures['mkdocs_build_cpu_s']:>7.2f}s "
-          f"{TARGETS['mkdocs_build_s']:>7}s")
+    print(
+        f"{'mkdocs build':28} {figures['mkdocs_build_s']:>9.2f}s {figures['mkdocs_build_cpu_s']:>7.2f}s "
+        f"{TARGETS['mkdocs_build_s']:>7}s"
+    )
     print(f"{'import pin_and_cite.cli':28} {figures['import_s']:>9.2f}s {figures['import_cpu_s']:>7.2f}s")
     print(f"{'torch modules check imports':28} {figures['torch_modules_in_check']:>10} {'':>8} {0:>8}")
     if figures["torch_modules_in_check"]:

@@ -14,6 +14,7 @@ machine noise hits them alike; the medians and ratios are printed by rank 0.
                RowwiseParallel (and SequenceParallel for LayerNorm with --sequence-parallel)
 Then one recorded step per implementation gives the bytes communicated per step, against the formula.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,24 +29,24 @@ from reference.torch_patches import cuda_calls_on_cpu
 if not torch.cuda.is_available():  # megatron allocates some buffers on torch.cuda.current_device()
     cuda_calls_on_cpu()
 
-from megatron.core import parallel_state as mpu  # noqa: E402
-from megatron.core.model_parallel_config import ModelParallelConfig  # noqa: E402
-from megatron.core.tensor_parallel import ColumnParallelLinear as MegatronColumn  # noqa: E402
-from megatron.core.tensor_parallel import RowParallelLinear as MegatronRow  # noqa: E402
-from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
-from torch.distributed.tensor import DTensor, Replicate, Shard  # noqa: E402
-from torch.distributed.tensor.parallel import (  # noqa: E402
+from megatron.core import parallel_state as mpu
+from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.tensor_parallel import ColumnParallelLinear as MegatronColumn
+from megatron.core.tensor_parallel import RowParallelLinear as MegatronRow
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
 
-from reference.distributed import distributed  # noqa: E402
-from reference.parallel_state import build_layout  # noqa: E402
-from reference.recorder import CollectiveRecorder  # noqa: E402
-from reference.tensor_parallel.transformer import ParallelTransformer  # noqa: E402
-from reference.tensor_parallel.unsharded import Transformer, init_method_normal  # noqa: E402
+from reference.distributed import distributed
+from reference.parallel_state import build_layout
+from reference.recorder import CollectiveRecorder
+from reference.tensor_parallel.transformer import ParallelTransformer
+from reference.tensor_parallel.unsharded import Transformer, init_method_normal
 
 
 def parse_args():
@@ -55,27 +56,38 @@ def parse_args():
     parser.add_argument("--hidden-size", type=int, default=512)
     parser.add_argument("--num-attention-heads", type=int, default=8)
     parser.add_argument("--num-layers", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=30,
-                        help="rounds; each times one step of every implementation, in turn")
+    parser.add_argument(
+        "--rounds", type=int, default=30, help="rounds; each times one step of every implementation, in turn"
+    )
     parser.add_argument("--sequence-parallel", action="store_true")
     return parser.parse_args()
 
 
 def megatron_swap(model: ParallelTransformer, args, device) -> ParallelTransformer:
     """Replace every reference linear layer by megatron-core's, built the same way (same seed order)."""
-    config = ModelParallelConfig(tensor_model_parallel_size=dist.get_world_size(),
-                                 sequence_parallel=args.sequence_parallel, use_cpu_initialization=True)
+    config = ModelParallelConfig(
+        tensor_model_parallel_size=dist.get_world_size(),
+        sequence_parallel=args.sequence_parallel,
+        use_cpu_initialization=True,
+    )
     for block in model.layers:
-        for parent, name in ((block.attention, "qkv"), (block.attention, "proj"), (block.mlp, "fc1"),
-                             (block.mlp, "fc2")):
+        for parent, name in (
+            (block.attention, "qkv"),
+            (block.attention, "proj"),
+            (block.mlp, "fc1"),
+            (block.mlp, "fc2"),
+        ):
             old = getattr(parent, name)
-            common = dict(config=config, init_method=init_method_normal(), bias=True,
-                          tp_group=mpu.get_tensor_model_parallel_group())
+            common = dict(
+                config=config,
+                init_method=init_method_normal(),
+                bias=True,
+                tp_group=mpu.get_tensor_model_parallel_group(),
+            )
             if name in ("qkv", "fc1"):
                 new = MegatronColumn(old.input_size, old.output_size, gather_output=False, **common)
             else:
-                new = MegatronRow(old.input_size, old.output_size, input_is_parallel=True, skip_bias_add=True,
-                                  **common)
+                new = MegatronRow(old.input_size, old.output_size, input_is_parallel=True, skip_bias_add=True, **common)
             setattr(parent, name, new.to(device))
     return model
 
@@ -83,10 +95,12 @@ def megatron_swap(model: ParallelTransformer, args, device) -> ParallelTransform
 def dtensor_model(args, mesh, device):
     model = Transformer(args.num_layers, args.hidden_size, args.num_attention_heads, device=device)
     sp = args.sequence_parallel
-    plan = {"attention.qkv": ColwiseParallel(input_layouts=Shard(0) if sp else Replicate()),
-            "attention.proj": RowwiseParallel(output_layouts=Shard(0) if sp else Replicate()),
-            "mlp.fc1": ColwiseParallel(input_layouts=Shard(0) if sp else Replicate()),
-            "mlp.fc2": RowwiseParallel(output_layouts=Shard(0) if sp else Replicate())}
+    plan = {
+        "attention.qkv": ColwiseParallel(input_layouts=Shard(0) if sp else Replicate()),
+        "attention.proj": RowwiseParallel(output_layouts=Shard(0) if sp else Replicate()),
+        "mlp.fc1": ColwiseParallel(input_layouts=Shard(0) if sp else Replicate()),
+        "mlp.fc2": RowwiseParallel(output_layouts=Shard(0) if sp else Replicate()),
+    }
     if sp:
         plan.update({"ln1": SequenceParallel(sequence_dim=0), "ln2": SequenceParallel(sequence_dim=0)})
     for block in model.layers:
@@ -97,6 +111,7 @@ def dtensor_model(args, mesh, device):
     def forward(x):  # enter and leave the sequence-parallel region as the reference does
         local = DTensor.from_local(x, mesh, [Replicate()]).redistribute(mesh, [Shard(0)]).to_local()
         return DTensor.from_local(Transformer.forward(model, local), mesh, [Shard(0)]).full_tensor()
+
     model.forward = forward
     return model
 
@@ -118,20 +133,27 @@ def _benchmark(args, device: torch.device) -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
     layout = build_layout(world)
     mesh = init_device_mesh(device.type, (world,))
-    shape = dict(num_layers=args.num_layers, hidden_size=args.hidden_size,
-                 num_attention_heads=args.num_attention_heads)
+    shape = dict(num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads)
     torch.manual_seed(0)
-    models = {"reference": ParallelTransformer(**shape, tp_group=layout.tp_group,
-                                               sequence_parallel=args.sequence_parallel, device=device)}
-    for variant, flags in (("ref-sync", dict(async_grad_allreduce=False)),
-                           ("ref-fusion", dict(gradient_accumulation_fusion=True))):
+    models = {
+        "reference": ParallelTransformer(
+            **shape, tp_group=layout.tp_group, sequence_parallel=args.sequence_parallel, device=device
+        )
+    }
+    for variant, flags in (
+        ("ref-sync", dict(async_grad_allreduce=False)),
+        ("ref-fusion", dict(gradient_accumulation_fusion=True)),
+    ):
         torch.manual_seed(0)
-        models[variant] = ParallelTransformer(**shape, tp_group=layout.tp_group,
-                                              sequence_parallel=args.sequence_parallel, device=device, **flags)
+        models[variant] = ParallelTransformer(
+            **shape, tp_group=layout.tp_group, sequence_parallel=args.sequence_parallel, device=device, **flags
+        )
     torch.manual_seed(0)
-    models["megatron"] = megatron_swap(ParallelTransformer(**shape, tp_group=layout.tp_group,
-                                                           sequence_parallel=args.sequence_parallel,
-                                                           device=device), args, device)
+    models["megatron"] = megatron_swap(
+        ParallelTransformer(**shape, tp_group=layout.tp_group, sequence_parallel=args.sequence_parallel, device=device),
+        args,
+        device,
+    )
     torch.manual_seed(0)
     models["dtensor"] = dtensor_model(args, mesh, device)
     x = torch.randn(args.seq_length, args.batch_size, args.hidden_size, generator=torch.Generator().manual_seed(1))
@@ -159,20 +181,26 @@ def _benchmark(args, device: torch.device) -> None:
     if rank != 0:
         return
     n = args.batch_size * args.seq_length * args.hidden_size * x.element_size()
-    print(f"TP={world} on {device.type} ({'nccl' if cuda else 'gloo'}), b={args.batch_size} s={args.seq_length} "
-          f"h={args.hidden_size} heads={args.num_attention_heads} layers={args.num_layers} "
-          f"sequence_parallel={args.sequence_parallel}; median of {args.rounds} interleaved steps each")
+    print(
+        f"TP={world} on {device.type} ({'nccl' if cuda else 'gloo'}), b={args.batch_size} s={args.seq_length} "
+        f"h={args.hidden_size} heads={args.num_attention_heads} layers={args.num_layers} "
+        f"sequence_parallel={args.sequence_parallel}; median of {args.rounds} interleaved steps each"
+    )
     median = {name: statistics.median(t) for name, t in times.items()}
     for name in models:
         print(f"  {name:10s} fwd+bwd {median[name] * 1e3:8.2f} ms/step  (min {min(times[name]) * 1e3:.2f})")
     best = {name: min(t) for name, t in times.items()}  # the least disturbed step: steadier on a busy machine
     for label, stat in (("median", median), ("min", best)):
-        print(f"  by {label:6s}: reference / megatron = {stat['reference'] / stat['megatron']:.3f}   "
-              f"reference / dtensor = {stat['reference'] / stat['dtensor']:.3f}")
+        print(
+            f"  by {label:6s}: reference / megatron = {stat['reference'] / stat['megatron']:.3f}   "
+            f"reference / dtensor = {stat['reference'] / stat['dtensor']:.3f}"
+        )
     layers = args.num_layers
     if args.sequence_parallel:
-        expected = f"per layer 2 all-gather + 2 reduce-scatter forward, 4 all-gather + 2 reduce-scatter backward, " \
-                   f"each N; plus the entry/exit gather: {10 * layers + 1}N = {(10 * layers + 1) * n} B"
+        expected = (
+            f"per layer 2 all-gather + 2 reduce-scatter forward, 4 all-gather + 2 reduce-scatter backward, "
+            f"each N; plus the entry/exit gather: {10 * layers + 1}N = {(10 * layers + 1) * n} B"
+        )
     else:
         expected = f"4 all-reduces of N per layer (2 forward, 2 backward): {4 * layers}N = {4 * layers * n} B"
     print(f"  bytes per step, N = b*s*h*{x.element_size()} = {n} B; formula: {expected}")

@@ -12,6 +12,7 @@ the test suite. Plans:
 - `hf_plan`: the plan HF ships on the class (`Qwen2ForCausalLM.tp_plan`), applied by transformers' own
   `apply_tensor_parallelism` (its DTensor-based styles run on CPU/gloo).
 """
+
 from __future__ import annotations
 
 import torch
@@ -20,8 +21,14 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                               SequenceParallel, loss_parallel, parallelize_module)
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 IGNORE_INDEX = -100
@@ -29,9 +36,17 @@ IGNORE_INDEX = -100
 
 def tiny_config(**overrides) -> Qwen2Config:
     """A Qwen2 small enough for CPU: 4 query heads sharing 2 KV heads (GQA), untied head, fp32, SDPA attention."""
-    fields = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False,
-                  attn_implementation="sdpa")
+    fields = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
     return Qwen2Config(**(fields | overrides))
 
 
@@ -44,26 +59,41 @@ def build(config: Qwen2Config, seed: int = 0) -> Qwen2ForCausalLM:
 def block_plan(sequence_parallel: bool) -> dict:
     """The document's plan for one `Qwen2DecoderLayer` (section 1 without, section 2 with sequence parallelism)."""
     if not sequence_parallel:
-        return {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
-                "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
-                "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
-                "mlp.down_proj": RowwiseParallel()}
-    return {"input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel(),
-            # the decoder layer calls self_attn(hidden_states=...): a keyword layout, not a positional one
-            "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
-                                            desired_input_kwarg_layouts={"hidden_states": Replicate()}),
-            "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
-            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
-            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
-            "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1))}
+        return {
+            "self_attn.q_proj": ColwiseParallel(),
+            "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(),
+            "self_attn.o_proj": RowwiseParallel(),
+            "mlp.gate_proj": ColwiseParallel(),
+            "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(),
+        }
+    return {
+        "input_layernorm": SequenceParallel(),
+        "post_attention_layernorm": SequenceParallel(),
+        # the decoder layer calls self_attn(hidden_states=...): a keyword layout, not a positional one
+        "self_attn": PrepareModuleInput(
+            input_kwarg_layouts={"hidden_states": Shard(1)}, desired_input_kwarg_layouts={"hidden_states": Replicate()}
+        ),
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+        "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+    }
 
 
 def top_plan(sequence_parallel: bool) -> dict:
     """Embedding row-wise (vocab-sharded), head column-wise keeping its DTensor output for `loss_parallel`."""
-    plan = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate(),
-                                                  output_layouts=Shard(1) if sequence_parallel else Replicate()),
-            "lm_head": ColwiseParallel(use_local_output=False)}
+    plan = {
+        "model.embed_tokens": RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Shard(1) if sequence_parallel else Replicate()
+        ),
+        "lm_head": ColwiseParallel(use_local_output=False),
+    }
     if sequence_parallel:
         plan["model.norm"] = SequenceParallel()
     return plan
@@ -84,8 +114,9 @@ def hf_plan(model: Qwen2ForCausalLM, tp_mesh: DeviceMesh) -> Qwen2ForCausalLM:
     return apply_tensor_parallelism(model, tp_mesh, model._expand_parallel_plan(model.tp_plan))
 
 
-def fsdp2_2d(model: Qwen2ForCausalLM, mesh: DeviceMesh, sequence_parallel: bool,
-             param_dtype: torch.dtype = torch.bfloat16) -> Qwen2ForCausalLM:
+def fsdp2_2d(
+    model: Qwen2ForCausalLM, mesh: DeviceMesh, sequence_parallel: bool, param_dtype: torch.dtype = torch.bfloat16
+) -> Qwen2ForCausalLM:
     """The document's working configuration: the TP plan on mesh["tp"], each decoder layer checkpointed
     (full recompute) and `fully_shard`ed on mesh["dp"] with bf16 compute and fp32 gradient reduction, then
     the root."""
@@ -108,8 +139,9 @@ def pad_to_multiple(x: torch.Tensor, multiple: int, value: int) -> torch.Tensor:
     return F.pad(x, (0, (-x.size(-1)) % multiple), value=value)
 
 
-def loss_and_backward(model: Qwen2ForCausalLM, input_ids: torch.Tensor, labels: torch.Tensor,
-                      position_ids: torch.Tensor) -> torch.Tensor:
+def loss_and_backward(
+    model: Qwen2ForCausalLM, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor
+) -> torch.Tensor:
     """Mean next-token cross-entropy and its backward. Vocab-sharded DTensor logits go through `loss_parallel()`
     (cross-entropy and backward inside it, as it requires); plain logits through the same `F.cross_entropy`.
     Returns the loss as a plain tensor (a DTensor loss is made local before anyone reduces it)."""

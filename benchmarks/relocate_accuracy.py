@@ -28,6 +28,7 @@ Ground truth is computed here, independently of the engine (its own line normali
 
     .venv/bin/python benchmarks/relocate_accuracy.py [--ranges N] [--json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,12 +54,25 @@ GIT = ["git", "-c", "user.name=bench", "-c", "user.email=bench@example.com"]
 
 # -- the history ------------------------------------------------------------------------------------------
 
+
 def wheel(version: str) -> Path:
     wheels = CACHE / "wheels"
     found = sorted(wheels.glob(f"megatron_core-{version}-*.whl"))
     if not found:
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", f"megatron-core=={version}",
-                        "-d", str(wheels)], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--no-deps",
+                f"megatron-core=={version}",
+                "-d",
+                str(wheels),
+            ],
+            check=True,
+        )
         found = sorted(wheels.glob(f"megatron_core-{version}-*.whl"))
     return found[0]
 
@@ -101,6 +115,7 @@ def files_at(version: str) -> dict[str, list[str]]:
 
 # -- ground truth (independent of the engine) -------------------------------------------------------------
 
+
 def norm(lines: list[str]) -> list[str]:
     return [line.rstrip() for line in lines]
 
@@ -131,11 +146,11 @@ def qualified_spans(lines: list[str]) -> dict[str, list[tuple[int, int]]]:
 
 def occurrences(block: list[str], lines: list[str]) -> list[int]:
     n = len(block)
-    return [i + 1 for i in range(len(lines) - n + 1) if lines[i] == block[0] and lines[i:i + n] == block]
+    return [i + 1 for i in range(len(lines) - n + 1) if lines[i] == block[0] and lines[i : i + n] == block]
 
 
 def truth_for_range(old: list[str], new: list[str], start: int, end: int) -> tuple[str, tuple | None]:
-    found = occurrences(norm(old[start - 1:end]), norm(new))
+    found = occurrences(norm(old[start - 1 : end]), norm(new))
     if len(found) == 1:
         p = found[0]
         return ("unchanged" if p == start else "moved"), (p, p + end - start)
@@ -145,24 +160,32 @@ def truth_for_range(old: list[str], new: list[str], start: int, end: int) -> tup
 def home(old_spans: dict, new_spans: dict, start: int, end: int) -> tuple[int, int] | None:
     """Where edited lines should be looked for: the new span of the innermost definition holding them at the
     old release, when that name is defined exactly once at both releases."""
-    holding = [(b - a, name) for name, spans in old_spans.items() if len(spans) == 1
-               for a, b in spans if a <= start and end <= b]
+    holding = [
+        (b - a, name)
+        for name, spans in old_spans.items()
+        if len(spans) == 1
+        for a, b in spans
+        if a <= start and end <= b
+    ]
     if not holding:
         return None
     spans = new_spans.get(min(holding)[1], [])
     return spans[0] if len(spans) == 1 else None
 
 
-def truth_for_symbol(old: list[str], new: list[str], span: tuple[int, int], new_spans: list) -> tuple[str, tuple | None]:
+def truth_for_symbol(
+    old: list[str], new: list[str], span: tuple[int, int], new_spans: list
+) -> tuple[str, tuple | None]:
     if len(new_spans) != 1:
         return "flag", None
     a, b = new_spans[0]
-    if norm(new[a - 1:b]) != norm(old[span[0] - 1:span[1]]):
+    if norm(new[a - 1 : b]) != norm(old[span[0] - 1 : span[1]]):
         return "changed", (a, b)
     return ("unchanged" if (a, b) == span else "moved"), (a, b)
 
 
 # -- baselines -------------------------------------------------------------------------------------------
+
 
 def keep_lines(new: list[str], start: int, end: int) -> tuple[str, tuple | None]:
     return ("unchanged", (start, end)) if end <= len(new) else ("deleted", None)
@@ -183,10 +206,11 @@ def diff_hunks(repo: Path, old: str, new: str) -> dict[str, list[tuple[int, int,
 
 def through_diff(hunks: list, start: int, end: int) -> tuple[str, tuple | None]:
     """Map old lines through the hunks: a line outside every hunk shifts by the net size of the hunks above."""
+
     def mapped(line: int) -> int | None:
         shift = 0
         for a, b, c, d in hunks:
-            if b and a <= line < a + b:                 # inside a changed hunk: its new counterpart, if any
+            if b and a <= line < a + b:  # inside a changed hunk: its new counterpart, if any
                 return c + min(line - a, d - 1) if d else None
             if (a + b - 1 if b else a) < line:
                 shift += d - b
@@ -204,11 +228,27 @@ def through_diff(hunks: list, start: int, end: int) -> tuple[str, tuple | None]:
 
 # -- one pair --------------------------------------------------------------------------------------------
 
+
 def engine(repo: Path, old: str, new: str, cites: list[str]) -> tuple[list[dict], float]:
     started = time.perf_counter()
-    proc = subprocess.run([str(ROOT / "tools" / "pin-and-cite"), "relocate", "--source", str(repo), "--from", old,
-                           "--to", new, "--json", "-"], input="\n".join(cites) + "\n", capture_output=True,
-                          text=True, env={**os.environ, "PIN_AND_CITE_CACHE": str(CACHE / "pin-and-cite")})
+    proc = subprocess.run(
+        [
+            str(ROOT / "tools" / "pin-and-cite"),
+            "relocate",
+            "--source",
+            str(repo),
+            "--from",
+            old,
+            "--to",
+            new,
+            "--json",
+            "-",
+        ],
+        input="\n".join(cites) + "\n",
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PIN_AND_CITE_CACHE": str(CACHE / "pin-and-cite")},
+    )
     if proc.returncode not in (0, 1):
         raise SystemExit(f"relocate failed: {proc.stderr}")
     return json.loads(proc.stdout), time.perf_counter() - started
@@ -219,7 +259,7 @@ def evaluate(repo: Path, commits: dict, old_v: str, new_v: str, n_ranges: int, r
     old_files, new_files = files_at(old_v), files_at(new_v)
     common = sorted(p for p in old_files if p in new_files and old_files[p])
     weights = [len(old_files[p]) for p in common]
-    cases = []                                         # (cite, path, (start, end) cited, truth, truth lines)
+    cases = []  # (cite, path, (start, end) cited, truth, truth lines)
     spans_at = {path: (qualified_spans(old_files[path]), qualified_spans(new_files[path])) for path in common}
     for path in rng.choices(common, weights, k=n_ranges):
         lines = old_files[path]
@@ -234,39 +274,58 @@ def evaluate(repo: Path, commits: dict, old_v: str, new_v: str, n_ranges: int, r
         old_spans, new_spans = spans_at[path]
         for name, spans in sorted(old_spans.items()):
             if len(spans) == 1:
-                cases.append((f"{path}::{name}", path, spans[0], "symbol",
-                              *truth_for_symbol(old_files[path], new_files[path], spans[0], new_spans.get(name, []))))
+                cases.append(
+                    (
+                        f"{path}::{name}",
+                        path,
+                        spans[0],
+                        "symbol",
+                        *truth_for_symbol(old_files[path], new_files[path], spans[0], new_spans.get(name, [])),
+                    )
+                )
     hunks = diff_hunks(repo, old_c, new_c)
     answers = {"engine": engine(repo, old_c, new_c, [c[0] for c in cases])}
     answers["keep-lines"] = ([dict(zip(("status", "lines"), keep_lines(new_files[c[1]], *c[2]))) for c in cases], 0.0)
-    answers["git-diff"] = ([dict(zip(("status", "lines"), through_diff(hunks.get(c[1], []), *c[2]))) for c in cases], 0.0)
+    answers["git-diff"] = (
+        [dict(zip(("status", "lines"), through_diff(hunks.get(c[1], []), *c[2]))) for c in cases],
+        0.0,
+    )
     rows = []
     for method, (found, seconds) in answers.items():
         tally = Counter()
-        for (cite, path, (start, end), kind, truth, truth_lines), answer in zip(cases, found):
+        for (_cite, path, (start, end), kind, truth, truth_lines), answer in zip(cases, found):
             status, lines = answer["status"], tuple(answer["lines"]) if answer["lines"] else None
             claims_same = status in ("unchanged", "moved")
-            at = answer.get("path") or path                  # the engine may follow code into another file
-            if claims_same and norm(new_files[at][lines[0] - 1:lines[1]]) != norm(old_files[path][start - 1:end]):
+            at = answer.get("path") or path  # the engine may follow code into another file
+            if claims_same and norm(new_files[at][lines[0] - 1 : lines[1]]) != norm(old_files[path][start - 1 : end]):
                 tally["silent_wrong"] += 1
-            flagged = status in ("changed", "deleted") or at != path      # another file: see relocate_crossfile
+            flagged = status in ("changed", "deleted") or at != path  # another file: see relocate_crossfile
             if kind == "symbol":
                 tally["symbols"] += 1
                 tally["symbols_ok"] += flagged if truth == "flag" else (status, lines) == (truth, truth_lines)
             elif truth == "flag":
                 tally["modified"] += 1
                 tally["modified_flagged"] += flagged
-                if truth_lines:                                  # is it a changed pointer into the right definition?
+                if truth_lines:  # is it a changed pointer into the right definition?
                     tally["changed_homed"] += 1
-                    tally["changed_homed_ok"] += status == "changed" and truth_lines[0] <= lines[0] <= lines[1] <= truth_lines[1]
+                    tally["changed_homed_ok"] += (
+                        status == "changed" and truth_lines[0] <= lines[0] <= lines[1] <= truth_lines[1]
+                    )
             elif truth == "duplicated":
                 tally["duplicated"] += 1
             else:
                 tally["same_text"] += 1
                 tally["same_text_ok"] += (status, lines) == (truth, truth_lines)
             tally["errors"] += status == "error"
-        rows.append({"pair": f"{old_v} -> {new_v}", "method": method, "cites": len(cases),
-                     "seconds": round(seconds, 2), **tally})
+        rows.append(
+            {
+                "pair": f"{old_v} -> {new_v}",
+                "method": method,
+                "cites": len(cases),
+                "seconds": round(seconds, 2),
+                **tally,
+            }
+        )
     return rows
 
 
@@ -287,13 +346,33 @@ def main() -> None:
     if args.json:
         print(json.dumps(rows, indent=2))
         return
-    header = ("pair", "method", "same-text relocated", "modified flagged", "changed in its def", "symbols correct",
-              "dup", "silent wrong", "errors", "relocate: cites, wall")
-    table = [header] + [(r["pair"], r["method"], pct(r["same_text_ok"], r["same_text"]),
-                         pct(r["modified_flagged"], r["modified"]), pct(r.get("changed_homed_ok", 0), r.get("changed_homed", 0)),
-                         pct(r["symbols_ok"], r["symbols"]),
-                         str(r.get("duplicated", 0)), str(r.get("silent_wrong", 0)), str(r.get("errors", 0)),
-                         f"{r['cites']} in {r['seconds']:.1f}s" if r["method"] == "engine" else "") for r in rows]
+    header = (
+        "pair",
+        "method",
+        "same-text relocated",
+        "modified flagged",
+        "changed in its def",
+        "symbols correct",
+        "dup",
+        "silent wrong",
+        "errors",
+        "relocate: cites, wall",
+    )
+    table = [header] + [
+        (
+            r["pair"],
+            r["method"],
+            pct(r["same_text_ok"], r["same_text"]),
+            pct(r["modified_flagged"], r["modified"]),
+            pct(r.get("changed_homed_ok", 0), r.get("changed_homed", 0)),
+            pct(r["symbols_ok"], r["symbols"]),
+            str(r.get("duplicated", 0)),
+            str(r.get("silent_wrong", 0)),
+            str(r.get("errors", 0)),
+            f"{r['cites']} in {r['seconds']:.1f}s" if r["method"] == "engine" else "",
+        )
+        for r in rows
+    ]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     for row in table:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
@@ -302,10 +381,13 @@ def main() -> None:
         for r in rows:
             if r["method"] == method:
                 total.update({k: v for k, v in r.items() if isinstance(v, int) and k != "cites"})
-        print(f"all pairs, {method}: same-text {pct(total['same_text_ok'], total['same_text'])}, flagged "
-              f"{pct(total['modified_flagged'], total['modified'])}, changed in its def "
-              f"{pct(total['changed_homed_ok'], total['changed_homed'])}, symbols {pct(total['symbols_ok'], total['symbols'])}, "
-              f"silent wrong pointers {total['silent_wrong']}")
+        print(
+            f"all pairs, {method}: same-text {pct(total['same_text_ok'], total['same_text'])}, flagged "
+            f"{pct(total['modified_flagged'], total['modified'])}, changed in its def "
+            f"{pct(total['changed_homed_ok'], total['changed_homed'])}, "
+            f"symbols {pct(total['symbols_ok'], total['symbols'])}, "
+            f"silent wrong pointers {total['silent_wrong']}"
+        )
 
 
 if __name__ == "__main__":

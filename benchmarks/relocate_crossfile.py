@@ -23,6 +23,7 @@ shared machine.
 
 `--cli` runs another checkout's CLI on the same citations (to compare times with the engine before this change).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,12 +39,15 @@ import zipfile
 from collections import Counter
 from pathlib import Path
 
+from relocate_accuracy import CACHE, wheel  # the same PyPI wheel cache (benchmarks/ is on the path)
+
 ROOT = Path(__file__).resolve().parents[1]
-from relocate_accuracy import CACHE, wheel      # the same PyPI wheel cache (benchmarks/ is on the path)
+
 GIT = ["git", "-c", "user.name=bench", "-c", "user.email=bench@example.com"]
 
 
 # -- synthetic histories ----------------------------------------------------------------------------------
+
 
 class Writer:
     """Generated Python: functions and classes of made-up statements, unique per seed."""
@@ -65,8 +69,10 @@ class Writer:
 
     def module(self, functions: dict[str, str], classes: dict[str, dict[str, str]] | None = None) -> str:
         parts = [f'"""{self.word()}."""\nimport torch\n']
-        parts += [f"class {cls}:\n    \"\"\"{self.word()}.\"\"\"\n\n" + "\n".join(methods.values())
-                  for cls, methods in (classes or {}).items()]
+        parts += [
+            f'class {cls}:\n    """{self.word()}."""\n\n' + "\n".join(methods.values())
+            for cls, methods in (classes or {}).items()
+        ]
         parts += list(functions.values())
         return "\n\n".join(parts)
 
@@ -91,8 +97,9 @@ def synthetic(seed: int) -> tuple[dict[str, str], dict[str, str], list[str]]:
     w = Writer(rng)
     moved_names = ["forward", "state_dict", "load_state_dict", "state_dict_for_save_checkpoint"]
     ddp = w.methods(["__init__", *moved_names, "zero_grad_buffer", "start_grad_sync", "finish_grad_sync"])
-    buffer_methods = w.methods(["__init__", "reset", "scale_gradients", "start_param_sync", "finish_param_sync",
-                                "register_grad_ready"])
+    buffer_methods = w.methods(
+        ["__init__", "reset", "scale_gradients", "start_param_sync", "finish_param_sync", "register_grad_ready"]
+    )
     buffer_functions = w.functions("partition", 3)
     utils = w.functions("util", 8)
     finalize = w.functions("finalize", 6)
@@ -119,10 +126,11 @@ def synthetic(seed: int) -> tuple[dict[str, str], dict[str, str], list[str]]:
     new = {
         "core/distributed/distributed_data_parallel.py": w.module({}, {"DistributedDataParallel": kept_ddp}),
         "core/distributed/data_parallel_base.py": w.module({}, {"_BaseDataParallel": base}),
-        "core/distributed/param_and_grad_buffer.py": "# header\n" * 5 + w.module(buffer_functions,
-                                                                                {"GradBuffer": new_buffer}),
-        "core/distributed/finalize_model_grads.py": w.module({k: v for k, v in finalize.items()
-                                                              if k not in ("finalize_4", *deleted)}),
+        "core/distributed/param_and_grad_buffer.py": "# header\n" * 5
+        + w.module(buffer_functions, {"GradBuffer": new_buffer}),
+        "core/distributed/finalize_model_grads.py": w.module(
+            {k: v for k, v in finalize.items() if k not in ("finalize_4", *deleted)}
+        ),
         "core/distributed/dist_utils.py": w.module({k: utils[k] for k in to_sibling}),
         "core/distributed/grad_helpers.py": w.module({"finalize_4": edited(rng, finalize["finalize_4"])}),
         "core/utils.py": w.module({k: v for k, v in utils.items() if k not in (*to_sibling, copied, *deleted)}),
@@ -137,11 +145,15 @@ def synthetic(seed: int) -> tuple[dict[str, str], dict[str, str], list[str]]:
 
 # -- megatron-core from PyPI ---------------------------------------------------------------------------
 
+
 def wheel_files(version: str) -> dict[str, str]:
     """megatron/core/*.py of a megatron-core release, from relocate_accuracy's wheel cache."""
     with zipfile.ZipFile(wheel(version)) as whl:
-        return {name: whl.read(name).decode("utf-8") for name in whl.namelist()
-                if name.startswith("megatron/core/") and name.endswith(".py")}
+        return {
+            name: whl.read(name).decode("utf-8")
+            for name in whl.namelist()
+            if name.startswith("megatron/core/") and name.endswith(".py")
+        }
 
 
 def megatron() -> tuple[dict[str, str], dict[str, str], list[str]]:
@@ -150,6 +162,7 @@ def megatron() -> tuple[dict[str, str], dict[str, str], list[str]]:
 
 
 # -- the repository and the citations ------------------------------------------------------------------
+
 
 def commit_history(where: Path, old: dict[str, str], new: dict[str, str]) -> None:
     subprocess.run(GIT + ["init", "-q", str(where)], check=True)
@@ -202,11 +215,13 @@ def norm(block: list[str]) -> list[str]:
 
 def occurrences(block: list[str], text_lines: list[str]) -> list[int]:
     n = len(block)
-    return [i + 1 for i in range(len(text_lines) - n + 1) if text_lines[i] == block[0] and text_lines[i:i + n] == block]
+    return [
+        i + 1 for i in range(len(text_lines) - n + 1) if text_lines[i] == block[0] and text_lines[i : i + n] == block
+    ]
 
 
 def truth(old: dict, new_lines: dict, path: str, span: tuple[int, int]) -> tuple[str, tuple | None]:
-    block = norm(lines(old[path])[span[0] - 1:span[1]])
+    block = norm(lines(old[path])[span[0] - 1 : span[1]])
     same = occurrences(block, new_lines.get(path, []))
     if len(same) == 1:
         return "same-file", (path, same[0], same[0] + len(block) - 1)
@@ -237,21 +252,25 @@ def score(old: dict, new: dict, cited: list[str], cli: str, work: Path) -> tuple
         if not picked:
             continue
         started, cpu = time.perf_counter(), _children_cpu()
-        proc = subprocess.run([cli, "relocate", "--source", str(repo), "--from", "old", "--to", "new", "--json", "-"],
-                              input="".join(c[0] + "\n" for c, _ in picked), capture_output=True, text=True,
-                              env={**os.environ, "PIN_AND_CITE_CACHE": str(work / "cache")})
+        proc = subprocess.run(
+            [cli, "relocate", "--source", str(repo), "--from", "old", "--to", "new", "--json", "-"],
+            input="".join(c[0] + "\n" for c, _ in picked),
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PIN_AND_CITE_CACHE": str(work / "cache")},
+        )
         seconds[kind] = time.perf_counter() - started
         seconds[f"{kind} cpu"] = _children_cpu() - cpu
         if proc.returncode not in (0, 1):
             raise SystemExit(f"relocate failed: {proc.stderr}")
-        for ((cite, path, span), (category, where)), answer in zip(picked, json.loads(proc.stdout)):
+        for ((_cite, path, span), (category, where)), answer in zip(picked, json.loads(proc.stdout)):
             status, answer_lines = answer["status"], answer["lines"]
             at = answer.get("path") or path
             tally[category] += 1
             tally[f"{category}: {status}"] += 1
             if status in ("unchanged", "moved"):
-                text = new_lines.get(at, [])[answer_lines[0] - 1:answer_lines[1]]
-                tally["silent wrong pointers"] += text != norm(lines(old[path])[span[0] - 1:span[1]])
+                text = new_lines.get(at, [])[answer_lines[0] - 1 : answer_lines[1]]
+                tally["silent wrong pointers"] += text != norm(lines(old[path])[span[0] - 1 : span[1]])
             if where is not None and status in ("unchanged", "moved") and (at, *answer_lines) == where:
                 tally["relocated" if category == "moved away" else "same-file relocated"] += 1
             if category in ("ambiguous", "edited or gone", "duplicated") and status in ("changed", "deleted"):
@@ -266,20 +285,29 @@ def main() -> None:
     parser.add_argument("--megatron", action="store_true", help="megatron-core 0.9.0 -> 0.10.0 instead")
     parser.add_argument("--cli", default=str(ROOT / "tools" / "pin-and-cite"), help="the pin-and-cite to run")
     args = parser.parse_args()
-    histories = [("megatron-core 0.9.0 -> 0.10.0", megatron())] if args.megatron else \
-        [(f"synthetic seed {seed}", synthetic(seed)) for seed in range(args.seeds)]
+    histories = (
+        [("megatron-core 0.9.0 -> 0.10.0", megatron())]
+        if args.megatron
+        else [(f"synthetic seed {seed}", synthetic(seed)) for seed in range(args.seeds)]
+    )
     total, total_seconds = Counter(), Counter()
     for name, (old, new, cited) in histories:
         with tempfile.TemporaryDirectory(dir=CACHE.mkdir(parents=True, exist_ok=True) or CACHE) as work:
             tally, seconds = score(old, new, cited, args.cli, Path(work))
         total.update(tally)
         total_seconds.update(seconds)
-        print(f"{name}: " + ", ".join(f"{k} {v}" for k, v in sorted(tally.items())) +
-              "; " + ", ".join(f"{k} {v:.2f}s" for k, v in seconds.items()))
-    print(f"all: relocated {total['relocated']} of {total['moved away']} moved away, flagged {total['flagged']} of "
-          f"{total['ambiguous'] + total['edited or gone'] + total['duplicated']}, silent wrong pointers "
-          f"{total['silent wrong pointers']}, same-file {total['same-file relocated']} of "
-          f"{total['same-file']}; time: " + ", ".join(f"{k} {v:.2f}s" for k, v in total_seconds.items()))
+        print(
+            f"{name}: "
+            + ", ".join(f"{k} {v}" for k, v in sorted(tally.items()))
+            + "; "
+            + ", ".join(f"{k} {v:.2f}s" for k, v in seconds.items())
+        )
+    print(
+        f"all: relocated {total['relocated']} of {total['moved away']} moved away, flagged {total['flagged']} of "
+        f"{total['ambiguous'] + total['edited or gone'] + total['duplicated']}, silent wrong pointers "
+        f"{total['silent wrong pointers']}, same-file {total['same-file relocated']} of "
+        f"{total['same-file']}; time: " + ", ".join(f"{k} {v:.2f}s" for k, v in total_seconds.items())
+    )
 
 
 if __name__ == "__main__":

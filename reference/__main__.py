@@ -4,6 +4,7 @@ One parser for both demos so `--help` shows every flag. The TP x PP x DP demo (t
 --dp 1 the tensor-parallel demo) lives in `reference.gpt.demo`, the FSDP one in `reference.fsdp.demo`; each
 adds its own argument group and runs from the parsed arguments.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,28 +18,41 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
         prog="torchrun --nproc-per-node N -m reference",
         description="Train a small GPT for a few steps with the reference TP x PP x DP parallelism (default; "
-                    "e.g. --nproc-per-node 8 ... --tp 2 --pp 2 --dp 2) or FSDP (--fsdp), printing the layout, "
-                    "the loss and the collectives of each step per process group, and the pipeline schedule's "
-                    "bubble and peak in-flight micro-batches. Uses CUDA/NCCL when a GPU is visible, else "
-                    "CPU/gloo.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        "e.g. --nproc-per-node 8 ... --tp 2 --pp 2 --dp 2) or FSDP (--fsdp), printing the layout, "
+        "the loss and the collectives of each step per process group, and the pipeline schedule's "
+        "bubble and peak in-flight micro-batches. Uses CUDA/NCCL when a GPU is visible, else "
+        "CPU/gloo.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     common = parser.add_argument_group("model and data (both demos)")
     common.add_argument("--fsdp", action="store_true", help="run the FSDP demo instead of TP x PP x DP")
     common.add_argument("--steps", type=int, default=3, help="optimizer steps to run")
-    common.add_argument("--batch-size", type=int, default=2,
-                        help="micro-batch size b (default demo: the global batch is b x micro-batches x dp)")
+    common.add_argument(
+        "--batch-size",
+        type=int,
+        default=2,
+        help="micro-batch size b (default demo: the global batch is b x micro-batches x dp)",
+    )
     common.add_argument("--seq-length", type=int, default=16, help="sequence length s")
     common.add_argument("--hidden-size", type=int, default=64, help="hidden size h")
     common.add_argument("--num-attention-heads", type=int, default=4, help="attention heads")
     common.add_argument("--num-layers", type=int, default=2, help="transformer blocks")
     common.add_argument("--seed", type=int, default=1234, help="seed for weights and data (same on every rank)")
     common.add_argument("--lr", type=learning_rate, default=1e-2, help="SGD learning rate (positive, finite)")
-    common.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                        help="auto picks cuda+nccl when a GPU is visible, else cpu+gloo")
+    common.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="auto picks cuda+nccl when a GPU is visible, else cpu+gloo",
+    )
     common.add_argument("--json", action="store_true", help="print one JSON object per step instead of text")
-    common.add_argument("--trace", type=output_dir, default=None, metavar="DIR",
-                        help="write the last step's recorded collectives and compute spans to "
-                             "DIR/{gpt,fsdp}_trace.rank<r>.json")
+    common.add_argument(
+        "--trace",
+        type=output_dir,
+        default=None,
+        metavar="DIR",
+        help="write the last step's recorded collectives and compute spans to DIR/{gpt,fsdp}_trace.rank<r>.json",
+    )
     gpt_demo.add_arguments(parser.add_argument_group("TP x PP x DP (default demo)"))
     fsdp_demo.add_arguments(parser.add_argument_group("FSDP (--fsdp)"))
     return parser

@@ -1,5 +1,6 @@
 """Argument checks shared by the reference CLIs, done at parse time so that a bad value is one line and exit 2
 before anything is allocated, traced or launched (the bounds say why in the error and in --help)."""
+
 from __future__ import annotations
 
 import argparse
@@ -7,8 +8,8 @@ import math
 import sys
 from pathlib import Path
 
-MAX_WORLD = 2**20            # ranks; more than any job run so far, and each command holds a list per rank
-MAX_MICROBATCHES = 256       # the scale trace runs every micro-batch through the schedule
+MAX_WORLD = 2**20  # ranks; more than any job run so far, and each command holds a list per rank
+MAX_MICROBATCHES = 256  # the scale trace runs every micro-batch through the schedule
 MICROBATCHES_WHY = "the trace walks every micro-batch of the schedule, about 0.3 s each per traced rank"
 
 
@@ -22,6 +23,7 @@ class OneLineParser(argparse.ArgumentParser):
 
 def size(limit: int, why: str):
     """An argparse type: a whole number from 1 to `limit`, refused with `why` above it."""
+
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -32,6 +34,7 @@ def size(limit: int, why: str):
         if value > limit:
             raise argparse.ArgumentTypeError(f"at most {limit:,} ({why}), got {value:,}")
         return value
+
     return parse
 
 

@@ -7,13 +7,14 @@ the group (FSDP units and autograd hooks form such cycles), then destroys the gr
 and the collection, gloo sometimes aborts a rank at exit ("terminate called without an active exception")
 because a peer closed its sockets first. After an exception there is no barrier: a peer may be gone.
 """
+
 from __future__ import annotations
 
 import contextlib
 import gc
 import os
+from collections.abc import Iterator
 from datetime import timedelta
-from typing import Iterator
 
 import torch
 import torch.distributed as dist

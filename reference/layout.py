@@ -3,6 +3,7 @@
 No processes are started: the groups are computed with the same `rank_grid` that `build_layout` uses at
 run time, so what this prints is what a `torchrun ... -m reference --tp 2 --pp 2 --dp 2` job creates.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,16 +18,25 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
         prog="python -m reference.layout",
         description="Print the process groups of a TP x PP x DP layout (TP groups are consecutive ranks). "
-                    "Give the three sizes, or --world and some of them (DP defaults to what is left). "
-                    f"At most {MAX_WORLD:,} ranks: the groups list every rank.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        "Give the three sizes, or --world and some of them (DP defaults to what is left). "
+        f"At most {MAX_WORLD:,} ranks: the groups list every rank.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     parser.add_argument("--tp", type=world_size, default=1, help="tensor-parallel size")
     parser.add_argument("--pp", type=world_size, default=1, help="pipeline-parallel size (stages)")
     parser.add_argument("--dp", type=world_size, default=None, help="data-parallel size; default: world / (tp x pp)")
-    parser.add_argument("--world", type=world_size, default=None,
-                        help="number of ranks; default: tp x pp x dp. Refused when the product differs")
-    parser.add_argument("--order", choices=ORDERS, default="tp-pp-dp",
-                        help="dimensions from fastest- to slowest-varying rank (megatron's `order`)")
+    parser.add_argument(
+        "--world",
+        type=world_size,
+        default=None,
+        help="number of ranks; default: tp x pp x dp. Refused when the product differs",
+    )
+    parser.add_argument(
+        "--order",
+        choices=ORDERS,
+        default="tp-pp-dp",
+        help="dimensions from fastest- to slowest-varying rank (megatron's `order`)",
+    )
     parser.add_argument("--rank", type=int, default=None, help="also say where this rank sits")
     parser.add_argument("--json", action="store_true", help="print the groups as one JSON object")
     return parser
@@ -48,8 +58,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"reference.layout: error: {error}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps({"world": world, "tp": tp, "pp": pp, "dp": dp, "order": args.order,
-                          **{f"{kind}_groups": groups(grid, kind) for kind in ("tp", "pp", "dp")}}))
+        print(
+            json.dumps(
+                {
+                    "world": world,
+                    "tp": tp,
+                    "pp": pp,
+                    "dp": dp,
+                    "order": args.order,
+                    **{f"{kind}_groups": groups(grid, kind) for kind in ("tp", "pp", "dp")},
+                }
+            )
+        )
     else:
         print(describe_grid(grid, args.order, args.rank))
     return 0

@@ -4,6 +4,7 @@ Like torchtitan's models, this file never mentions ranks or process groups; para
 afterwards by wrapping submodules (`reference.fsdp.FullyShardedDataParallel(block)` per block, then the
 root). Blocks are pre-LayerNorm: x + attn(ln1(x)), then x + mlp(ln2(x)).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -25,8 +26,9 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_attention_heads:
-            raise ValueError(f"hidden size {self.hidden_size} is not divisible by "
-                             f"{self.num_attention_heads} attention heads")
+            raise ValueError(
+                f"hidden size {self.hidden_size} is not divisible by {self.num_attention_heads} attention heads"
+            )
 
 
 class CausalSelfAttention(nn.Module):
@@ -97,7 +99,12 @@ def build_model(config: ModelConfig, seed: int) -> Transformer:
     return Transformer(config)
 
 
-def synthetic_batches(config: ModelConfig, steps: int, batch_size: int, seq_length: int, seed: int,
-                      ) -> list[torch.Tensor]:
+def synthetic_batches(
+    config: ModelConfig,
+    steps: int,
+    batch_size: int,
+    seq_length: int,
+    seed: int,
+) -> list[torch.Tensor]:
     """`steps` global batches of random tokens [B, s], identical on every rank; each rank takes its own rows."""
     return random_token_batches(config.vocab_size, steps, batch_size, seq_length, seed)

@@ -12,6 +12,7 @@ Whatever the order, the grid is kept indexed [pp, dp, tp] (`rank_grid`), and eve
 TP groups are grid[p, d, :], DP groups grid[p, :, t], PP groups grid[:, d, t]. The groups are held by a
 small object that is passed to the layers explicitly.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -37,8 +38,9 @@ def divide(numerator: int, denominator: int, what: str, by: str = "the tensor-pa
     return numerator // denominator
 
 
-def parallel_sizes(world_size: int, tp_size: int = 1, pp_size: int = 1, dp_size: int | None = None
-                   ) -> tuple[int, int, int]:
+def parallel_sizes(
+    world_size: int, tp_size: int = 1, pp_size: int = 1, dp_size: int | None = None
+) -> tuple[int, int, int]:
     """(tp, pp, dp) for `world_size` ranks; dp defaults to what is left. Refuses sizes whose product is not
     the world size."""
     if min(tp_size, pp_size, dp_size or 1) < 1:
@@ -46,8 +48,10 @@ def parallel_sizes(world_size: int, tp_size: int = 1, pp_size: int = 1, dp_size:
     if dp_size is None:
         dp_size = divide(world_size, tp_size * pp_size, "the world size", by=f"tp {tp_size} x pp {pp_size}")
     if tp_size * pp_size * dp_size != world_size:
-        raise ParallelConfigError(f"tp {tp_size} x pp {pp_size} x dp {dp_size} = {tp_size * pp_size * dp_size} "
-                                  f"ranks, but the world has {world_size}")
+        raise ParallelConfigError(
+            f"tp {tp_size} x pp {pp_size} x dp {dp_size} = {tp_size * pp_size * dp_size} "
+            f"ranks, but the world has {world_size}"
+        )
     return tp_size, pp_size, dp_size
 
 
@@ -90,6 +94,7 @@ def describe_grid(grid: torch.Tensor, order: str, rank: int | None = None) -> st
 @dataclasses.dataclass(frozen=True)
 class ParallelLayout:
     """This rank's place in the grid and its process groups (a group of one rank where a size is 1)."""
+
     grid: torch.Tensor
     order: str
     rank: int
@@ -135,13 +140,12 @@ class ParallelLayout:
         return {tuple(own[kind].tolist()): kind for kind in ("dp", "pp", "tp")}  # TP wins where groups coincide
 
     def group_kind(self, ranks: tuple[int, ...]) -> str:
-        """"tp", "pp" or "dp": which of this rank's groups holds exactly `ranks` (a recorded collective's
+        """ "tp", "pp" or "dp": which of this rank's groups holds exactly `ranks` (a recorded collective's
         group); "other" for any other group."""
         return self._kinds.get(tuple(ranks), "other")
 
 
-def build_layout(tp_size: int, pp_size: int = 1, dp_size: int | None = None, order: str = "tp-pp-dp"
-                 ) -> ParallelLayout:
+def build_layout(tp_size: int, pp_size: int = 1, dp_size: int | None = None, order: str = "tp-pp-dp") -> ParallelLayout:
     """Create the TP, PP and DP groups of the initialized world; every rank must call this the same way.
 
     Mirrors `megatron-lm:megatron/core/parallel_state.py::initialize_model_parallel`.
@@ -156,5 +160,6 @@ def build_layout(tp_size: int, pp_size: int = 1, dp_size: int | None = None, ord
             group = dist.new_group(ranks)  # collective call: every rank creates every group
             if rank in ranks:
                 mine[kind] = group
-    return ParallelLayout(grid=grid, order=order, rank=rank, tp_group=mine["tp"], dp_group=mine["dp"],
-                          pp_group=mine["pp"])
+    return ParallelLayout(
+        grid=grid, order=order, rank=rank, tp_group=mine["tp"], dp_group=mine["dp"], pp_group=mine["pp"]
+    )

@@ -16,6 +16,7 @@ masks: torch's checkpoint restores the default CPU and CUDA generators, and `_re
 per-TP-rank stream (reference.tensor_parallel.random.TensorParallelRNG), which is what Megatron's version adds
 to torch's ("the states in the model parallel tracker are also properly tracked/set/reset").
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -55,6 +56,7 @@ def _replaying(function: Callable, rng: TensorParallelRNG) -> Callable:
             return function(*args)
         finally:
             rng.state = state_before
+
     return run
 
 
@@ -64,5 +66,6 @@ def checkpoint(function: Callable, rng: TensorParallelRNG, *args: torch.Tensor) 
 
     Mirrors `megatron-lm:megatron/core/tensor_parallel/random.py::checkpoint`.
     """
-    return torch.utils.checkpoint.checkpoint(_replaying(function, rng), *args, use_reentrant=True,
-                                             preserve_rng_state=True)
+    return torch.utils.checkpoint.checkpoint(
+        _replaying(function, rng), *args, use_reentrant=True, preserve_rng_state=True
+    )

@@ -36,6 +36,7 @@ Conventions (the notes' byte formulas are checked against these):
     Functional collectives have no `Work`: `end` is when the op returned, or when `wait_tensor` ran under the
     recorder. `async_op` is the flag the caller passed (True for functional collectives).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -95,6 +96,7 @@ _OPS = {
 @dataclasses.dataclass
 class CollectiveEvent:
     """One collective as this rank issued it (see the module docstring for each field's convention)."""
+
     op: str
     group_ranks: tuple[int, ...]
     shape: tuple[int, ...]
@@ -106,7 +108,7 @@ class CollectiveEvent:
     end: float | None
     async_op: bool
     num_tensors: int = 1
-    flops: int = 0               # FLOPs computed under the recorder before this op was issued
+    flops: int = 0  # FLOPs computed under the recorder before this op was issued
 
     def key(self) -> tuple:
         """(op, group_ranks, shape, nbytes, dtype): what two implementations must agree on, timing aside."""
@@ -116,11 +118,12 @@ class CollectiveEvent:
 @dataclasses.dataclass
 class Span:
     """A named compute interval (e.g. one unit's forward), for timelines drawn next to the collectives."""
+
     name: str
     phase: str
     start: float
     end: float
-    flops_start: int = 0         # FLOPs computed under the recorder when the span opened, and when it closed
+    flops_start: int = 0  # FLOPs computed under the recorder when the span opened, and when it closed
     flops_end: int = 0
 
 
@@ -147,15 +150,15 @@ class CollectiveRecorder(TorchDispatchMode):
         super().__init__()
         self.events: list[CollectiveEvent] = []
         self.spans: list[Span] = []
-        self._stack: list[tuple[str, str]] = []          # (name, phase it was opened in)
+        self._stack: list[tuple[str, str]] = []  # (name, phase it was opened in)
         self._forward_ranges: list[tuple[int, int, str]] = []  # autograd seq-nr [lo, hi) -> scope name
         self._param_owner: dict[int, str] = {}  # id(parameter) -> name of the watched module holding it
         self._pending: dict[int, tuple[dist.Work, CollectiveEvent]] = {}  # id(Work) -> event awaiting wait()
-        self._functional_pending: dict[int, CollectiveEvent] = {}   # id(output tensor) -> event
+        self._functional_pending: dict[int, CollectiveEvent] = {}  # id(output tensor) -> event
         self._group_ranks: dict[str, tuple[int, ...]] = {}
         self._lock = threading.Lock()
         self._wait_patches: list = []  # one per __enter__ (reference.torch_patches.work_wait_observed)
-        self.flops = 0                 # FLOPs of every op run under the recorder so far
+        self.flops = 0  # FLOPs of every op run under the recorder so far
 
     # ---- scopes and spans ----------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -184,13 +187,14 @@ class CollectiveRecorder(TorchDispatchMode):
         """(time.perf_counter(), FLOPs so far): where a span starts."""
         return time.perf_counter(), self.flops
 
-    def add_span(self, name: str, phase: str, start: float, end: float, flops_start: int = 0,
-                 flops_end: int = 0) -> None:
+    def add_span(
+        self, name: str, phase: str, start: float, end: float, flops_start: int = 0, flops_end: int = 0
+    ) -> None:
         """Record a span whose ends are seen in different places (e.g. from one autograd hook to another)."""
         self.spans.append(Span(name, phase, start, end, flops_start, flops_end))
 
     @staticmethod
-    def active() -> list["CollectiveRecorder"]:
+    def active() -> list[CollectiveRecorder]:
         """The recorders currently recording, innermost last (code that labels its work for any of them)."""
         return [mode for mode in torch_patches.dispatch_mode_stack() if isinstance(mode, CollectiveRecorder)]
 
@@ -213,8 +217,10 @@ class CollectiveRecorder(TorchDispatchMode):
 
             # first pre-hook and last post-hook, so that collectives issued by other hooks (FSDP's unshard and
             # reshard) fall inside the scope; always_call pops the scope even if forward raises
-            handles += [module.register_forward_pre_hook(enter, prepend=True),
-                        module.register_forward_hook(leave, always_call=True)]
+            handles += [
+                module.register_forward_pre_hook(enter, prepend=True),
+                module.register_forward_hook(leave, always_call=True),
+            ]
         return handles
 
     def _module(self, phase: str) -> str:
@@ -292,11 +298,19 @@ class CollectiveRecorder(TorchDispatchMode):
         if factor > 1 and shape:
             shape = (shape[0] * factor, *shape[1:])
         return CollectiveEvent(
-            op=op, group_ranks=ranks, shape=shape, nbytes=factor * sum(t.nbytes for t in tensors),
+            op=op,
+            group_ranks=ranks,
+            shape=shape,
+            nbytes=factor * sum(t.nbytes for t in tensors),
             dtype=str(first.dtype).removeprefix("torch.") if first is not None else "",
-            phase=phase, module=self._module(phase), start=start, end=None,
-            async_op=bool(named.get("async_op", not name.startswith("c10d::"))), num_tensors=len(tensors),
-            flops=self.flops)
+            phase=phase,
+            module=self._module(phase),
+            start=start,
+            end=None,
+            async_op=bool(named.get("async_op", not name.startswith("c10d::"))),
+            num_tensors=len(tensors),
+            flops=self.flops,
+        )
 
     def _ranks(self, named) -> tuple[int, ...]:
         """The group's global ranks, looked up once per group: eager c10d ops carry the group itself,
@@ -344,8 +358,9 @@ class CollectiveRecorder(TorchDispatchMode):
                 entry["bytes"] += e.nbytes
         return out
 
-    def summary_by_group(self, kind_of: Callable[[tuple[int, ...]], str],
-                         kinds: tuple[str, ...] = ()) -> dict[str, dict[str, dict[str, int]]]:
+    def summary_by_group(
+        self, kind_of: Callable[[tuple[int, ...]], str], kinds: tuple[str, ...] = ()
+    ) -> dict[str, dict[str, dict[str, int]]]:
         """{kind: summary()} of this rank's events by the group each ran on, named by `kind_of(group_ranks)`
         (e.g. ParallelLayout.group_kind: "tp", "pp", "dp", else "other"); `kinds` come first, even if empty."""
         by_kind: dict[str, list[CollectiveEvent]] = {kind: [] for kind in kinds}
@@ -356,12 +371,14 @@ class CollectiveRecorder(TorchDispatchMode):
     def to_dict(self) -> dict:
         """Plain data for JSON and the notes' diagram generator; times are relative to the first record."""
         t0 = min([e.start for e in self.events] + [s.start for s in self.spans], default=0.0)
-        rel = lambda t: None if t is None else t - t0  # noqa: E731
+        rel = lambda t: None if t is None else t - t0
         rank = dist.get_rank() if dist.is_initialized() else 0
-        return {"rank": rank,
-                "events": [{**dataclasses.asdict(e), "start": rel(e.start), "end": rel(e.end)} for e in self.events],
-                "spans": [{**dataclasses.asdict(s), "start": rel(s.start), "end": rel(s.end)} for s in self.spans],
-                "summary": self.summary()}
+        return {
+            "rank": rank,
+            "events": [{**dataclasses.asdict(e), "start": rel(e.start), "end": rel(e.end)} for e in self.events],
+            "spans": [{**dataclasses.asdict(s), "start": rel(s.start), "end": rel(s.end)} for s in self.spans],
+            "summary": self.summary(),
+        }
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
@@ -371,5 +388,6 @@ class CollectiveRecorder(TorchDispatchMode):
 def _schema_arguments(func) -> tuple[list[str], dict]:
     """An op's argument names and defaults, read from its schema once (not on every collective)."""
     arguments = func._schema.arguments
-    return [a.name for a in arguments], {a.name: (a.default_value if a.has_default_value() else None)
-                                         for a in arguments}
+    return [a.name for a in arguments], {
+        a.name: (a.default_value if a.has_default_value() else None) for a in arguments
+    }

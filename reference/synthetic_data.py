@@ -3,6 +3,7 @@
 One generator, seeded apart from the weights (seed + 1), so that the same seed gives the same batches on
 every rank and in every single-process oracle; each rank then takes its own rows.
 """
+
 from __future__ import annotations
 
 import torch

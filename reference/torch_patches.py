@@ -8,6 +8,7 @@ LaunchError as one line, refuse a different torch the same way. The private-API 
 check on every call (the recorder calls them per collective); the recorder checks once, on entry, through
 `work_wait_observed`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -33,8 +34,10 @@ def require_pinned_torch() -> None:
     """Raise TorchVersionError (one line) unless the installed torch is TORCH_VERSION (any local build tag)."""
     installed = str(torch.__version__)
     if installed.split("+")[0] != TORCH_VERSION:
-        raise TorchVersionError(f"reference/torch_patches.py is written for torch {TORCH_VERSION}, but torch "
-                                f"{installed} is installed; install torch=={TORCH_VERSION} (constraints.txt)")
+        raise TorchVersionError(
+            f"reference/torch_patches.py is written for torch {TORCH_VERSION}, but torch "
+            f"{installed} is installed; install torch=={TORCH_VERSION} (constraints.txt)"
+        )
 
 
 # ---- patches ---------------------------------------------------------------------------------------------
@@ -131,8 +134,9 @@ def cuda_calls_on_cpu() -> None:
     does nothing. Call it only in a process that runs on the CPU.
 
     Why: megatron-core allocates some buffers on `torch.cuda.current_device()` even with
-    use_cpu_initialization (its gather and sequence-parallel paths in megatron-lm:megatron/core/tensor_parallel/layers.py),
-    and its pipeline schedules call `torch.cuda.synchronize()`; redirected, megatron itself runs as an oracle on
+    use_cpu_initialization (its gather and sequence-parallel paths in
+    megatron-lm:megatron/core/tensor_parallel/layers.py), and its pipeline schedules call `torch.cuda.synchronize()`;
+    redirected, megatron itself runs as an oracle on
     CPU/gloo. Replaces pytorch:torch/cuda/__init__.py::current_device and
     pytorch:torch/cuda/__init__.py::synchronize on the `torch.cuda` module, where megatron looks them up at each
     call.

@@ -3,6 +3,7 @@
 Every process the session starts inherits SESSION_VARIABLE (tests/processes.py), so one left running is found
 however it was started and whoever adopted it. It is named, then killed, so the next run starts clean.
 """
+
 from __future__ import annotations
 
 import os
@@ -31,8 +32,11 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     for process in left:
         if reporter is not None:
-            reporter.write_line(f"leaked process: pid {process.pid}: {process.command} (still running after the "
-                                "test session; killed now)", red=True)
+            reporter.write_line(
+                f"leaked process: pid {process.pid}: {process.command} (still running after the "
+                "test session; killed now)",
+                red=True,
+            )
         try:
             os.kill(process.pid, signal.SIGKILL)
         except ProcessLookupError:

@@ -4,6 +4,7 @@
 by-SHA wants allowed. `ByteCountingProxy` sits in front of it and counts the bytes that cross the wire,
 which is what "fetch transfers only what it needs" is measured by (not what lands on disk).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -40,10 +41,25 @@ class GitDaemon:
         self.base = base
         self.port = free_port()
         self.proc = subprocess.Popen(
-            ["git", "-c", "uploadpack.allowFilter=true", "-c", "uploadpack.allowAnySHA1InWant=true",
-             "daemon", "--reuseaddr", "--export-all", "--enable=upload-pack", f"--base-path={base}",
-             "--listen=127.0.0.1", f"--port={self.port}", str(base)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+            [
+                "git",
+                "-c",
+                "uploadpack.allowFilter=true",
+                "-c",
+                "uploadpack.allowAnySHA1InWant=true",
+                "daemon",
+                "--reuseaddr",
+                "--export-all",
+                "--enable=upload-pack",
+                f"--base-path={base}",
+                "--listen=127.0.0.1",
+                f"--port={self.port}",
+                str(base),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         wait_for_port(self.port)
 
     def url(self, name: str, port: int | None = None) -> str:
@@ -59,8 +75,10 @@ class GitDaemon:
         while (left := live_in_group(self.proc.pid)) and time.monotonic() < deadline:
             time.sleep(0.05)
         if left:
-            raise RuntimeError(f"git daemon's process group {self.proc.pid} still runs after SIGKILL: "
-                               + ", ".join(f"{p.pid} {p.command}" for p in left))
+            raise RuntimeError(
+                f"git daemon's process group {self.proc.pid} still runs after SIGKILL: "
+                + ", ".join(f"{p.pid} {p.command}" for p in left)
+            )
 
 
 class ByteCountingProxy:
@@ -72,7 +90,7 @@ class ByteCountingProxy:
         self.stall_after = stall_after
         self.sent_to_client = 0
         self.sent_to_server = 0
-        self.connections = 0           # one per git request (ls-remote, fetch): what "one fetch" is counted by
+        self.connections = 0  # one per git request (ls-remote, fetch): what "one fetch" is counted by
         self._lock = threading.Lock()
         self._server = socket.create_server(("127.0.0.1", 0))
         self.port = self._server.getsockname()[1]
@@ -104,7 +122,7 @@ class ByteCountingProxy:
                         room = self.stall_after - self.sent_to_client
                         if len(data) >= room:
                             self.stalled.set()  # from here on, swallow: the client waits for bytes that never come
-                        data = data[:max(room, 0)]
+                        data = data[: max(room, 0)]
                     setattr(self, counter, getattr(self, counter) + len(data))
                 dst.sendall(data)
         except OSError:

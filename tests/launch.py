@@ -7,6 +7,7 @@ launch. A rank whose own check fails exits non-zero and torchrun tears the other
 Each rank writes to its own log file (torchrun `--redirects`), so lines of different ranks never
 interleave; a failure shows torchrun's own output, then each rank's, in rank order.
 """
+
 from __future__ import annotations
 
 import functools
@@ -30,12 +31,26 @@ WORKERS = ROOT / "tests" / "reference" / "workers"
 # groups are kept small enough to finish within SHARED_TIMEOUT on two busy cores.
 SHARED = [
     (1, "cpu", ("tp_vs_unsharded_worker.py", "fsdp_worker.py")),
-    (2, "cpu", ("tp_claims_worker.py", "tp_vs_unsharded_worker.py", "tp_vs_dtensor_worker.py",
-                "tp_bad_input_worker.py", "recorder_worker.py", "tp_vs_megatron_worker.py",
-                "vocab_parallel_worker.py", "megatron_claims_worker.py")),
+    (
+        2,
+        "cpu",
+        (
+            "tp_claims_worker.py",
+            "tp_vs_unsharded_worker.py",
+            "tp_vs_dtensor_worker.py",
+            "tp_bad_input_worker.py",
+            "recorder_worker.py",
+            "tp_vs_megatron_worker.py",
+            "vocab_parallel_worker.py",
+            "megatron_claims_worker.py",
+        ),
+    ),
     (2, "cpu", ("fsdp_worker.py", "fsdp1_upstream_worker.py")),
-    (4, "cpu", ("tp_claims_worker.py", "tp_vs_unsharded_worker.py", "tp_vs_megatron_worker.py",
-                "vocab_parallel_worker.py")),
+    (
+        4,
+        "cpu",
+        ("tp_claims_worker.py", "tp_vs_unsharded_worker.py", "tp_vs_megatron_worker.py", "vocab_parallel_worker.py"),
+    ),
     (4, "cpu", ("fsdp_worker.py", "data_parallel_worker.py", "fsdp_tp_worker.py")),
     (4, "cpu", ("pipeline_worker.py", "megatron_pipeline_worker.py")),
 ]
@@ -71,8 +86,9 @@ def require_gpus(count: int) -> None:
 
 
 @functools.cache
-def _launch(worker: str, world: int, args: tuple[str, ...], device: str, timeout: float
-            ) -> tuple[list[dict], str | None]:
+def _launch(
+    worker: str, world: int, args: tuple[str, ...], device: str, timeout: float
+) -> tuple[list[dict], str | None]:
     with tempfile.TemporaryDirectory(prefix=f"{Path(worker).stem}-w{world}-{device}-") as out:
         try:
             torchrun(WORKERS / worker, world, out, *args, timeout=timeout, env={"REFERENCE_TEST_DEVICE": device})
@@ -87,12 +103,35 @@ def torchrun(script: str | Path, nproc: int, *args: str, timeout: float = 300, e
     The whole process group is killed on timeout, so a hung collective fails the test instead of the suite.
     """
     with tempfile.TemporaryDirectory(prefix="torchrun-logs-") as logs:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "--max-restarts=0", f"--log-dir={logs}", "--redirects=3", str(script), *args]
-        full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1",
-                    "TORCH_CPP_LOG_LEVEL": "ERROR", **(env or {})}
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            "--max-restarts=0",
+            f"--log-dir={logs}",
+            "--redirects=3",
+            str(script),
+            *args,
+        ]
+        full_env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": str(ROOT),
+            "PYTHONUNBUFFERED": "1",
+            "TORCH_CPP_LOG_LEVEL": "ERROR",
+            **(env or {}),
+        }
+        proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            env=full_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         try:
             launcher_out, _ = proc.communicate(timeout=timeout)
             timed_out = False

@@ -4,6 +4,7 @@ A process that outlives its parent is re-parented to init, so "started by this t
 from the process tree; it is read from the environment instead: the session sets SESSION_VARIABLE to a value
 of its own (tests/conftest.py), and every process it starts inherits it, however far down.
 """
+
 from __future__ import annotations
 
 import dataclasses

@@ -1,5 +1,6 @@
 """No process outlives the test session: the git daemon's whole group ends with stop(), and the session-end
 check (tests/conftest.py) fails a run that leaves one behind, naming it."""
+
 from __future__ import annotations
 
 import socket
@@ -24,16 +25,34 @@ def test_git_daemon_stop_ends_its_whole_process_group(tmp_path):
 
 
 def test_a_run_that_leaks_a_process_fails_naming_it(tmp_path):
-    (tmp_path / "test_leak.py").write_text(textwrap.dedent("""
+    (tmp_path / "test_leak.py").write_text(
+        textwrap.dedent("""
         import subprocess
 
         def test_starts_and_forgets():
             subprocess.Popen(["sleep", "137"], start_new_session=True)
-    """))
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.conftest",
-                          "--rootdir", str(tmp_path), str(tmp_path / "test_leak.py")],
-                         cwd=tmp_path, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
-                         capture_output=True, text=True, timeout=120)
+    """)
+    )
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "tests.conftest",
+            "--rootdir",
+            str(tmp_path),
+            str(tmp_path / "test_leak.py"),
+        ],
+        cwd=tmp_path,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 1, run.stdout + run.stderr
     assert "1 passed" in run.stdout
     assert "leaked process: pid " in run.stdout and ": sleep 137 (still running after the test session" in run.stdout

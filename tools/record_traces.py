@@ -2,7 +2,8 @@
 
 Runs tools/trace_worker.py on two ranks under torchrun (CPU, gloo) and writes DIR/tp_block.json and
 DIR/fsdp_forward.json (default reading_notes/traces/, which is committed), then on four ranks (four
-pipeline stages) DIR/pipeline_gpipe.json, DIR/pipeline_1f1b.json and DIR/pipeline_interleaved.json. tests/tools/test_traces.py runs the
+pipeline stages) DIR/pipeline_gpipe.json, DIR/pipeline_1f1b.json and DIR/pipeline_interleaved.json.
+tests/tools/test_traces.py runs the
 same worker and fails when a fresh run no longer matches the committed traces, so re-record after changing the
 reference and commit the result. Then, in one process each, `python -m reference.scale --json` traces a first,
 middle and last stage rank of the layouts in SCALE (fake process group, 70B shapes) into DIR/scale_*.json,
@@ -11,6 +12,7 @@ counts one block's activation bytes per configuration of Korthikanti et al.'s Ta
 DIR/activation_memory.json, at the shape of the test worker that checks it
 (tests/reference/test_activation_memory.py). Exit status: 0 recorded, 1 a run failed (its output is printed).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,22 +28,39 @@ from pin_and_cite.core.atomic import atomic_write
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tools" / "trace_worker.py"
 RANKS = 2
-PIPELINE_RANKS = 4   # trace_worker.PIPELINE_RANKS
+PIPELINE_RANKS = 4  # trace_worker.PIPELINE_RANKS
 # trace name -> python -m reference.scale arguments: 70B on TP 8 x PP 8 x DP 64 (1F1B, DDP in 25 MiB buckets),
 # plain TP and with sequence parallelism
 SCALE = {
     "scale_70b": ["--model", "70b", "--tp", "8", "--pp", "8", "--dp", "64", "--microbatches", "16"],
     "scale_70b_sp": ["--model", "70b", "--tp", "8", "--pp", "8", "--dp", "64", "--microbatches", "16", "--sp"],
-    "scale_70b_distopt": ["--model", "70b", "--tp", "8", "--pp", "8", "--dp", "64", "--microbatches", "16",
-                          "--distributed-optimizer"],
+    "scale_70b_distopt": [
+        "--model",
+        "70b",
+        "--tp",
+        "8",
+        "--pp",
+        "8",
+        "--dp",
+        "64",
+        "--microbatches",
+        "16",
+        "--distributed-optimizer",
+    ],
 }
 
 
 def _run(cmd: list[str], what: str, timeout: float, **env: str) -> str:
     """Run one recording process from the repository root, single-threaded; its stdout, or RuntimeError
     with the tail of its output."""
-    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **env},
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **env},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"{what} exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-6000:]}")
     return proc.stdout
@@ -51,13 +70,26 @@ def record(out: Path, timeout: float = 300) -> list[Path]:
     """Run the worker into a scratch folder, then move each trace into `out`; the paths written."""
     with tempfile.TemporaryDirectory(prefix="traces-") as scratch:
         for ranks, what in ((RANKS, "tp_fsdp"), (PIPELINE_RANKS, "pipeline")):
-            _run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-                  "--max-restarts=0", str(WORKER), scratch, what], f"trace worker ({what}, {ranks} ranks)",
-                 timeout, TORCH_CPP_LOG_LEVEL="ERROR")
+            _run(
+                [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--standalone",
+                    f"--nproc-per-node={ranks}",
+                    "--max-restarts=0",
+                    str(WORKER),
+                    scratch,
+                    what,
+                ],
+                f"trace worker ({what}, {ranks} ranks)",
+                timeout,
+                TORCH_CPP_LOG_LEVEL="ERROR",
+            )
         out.mkdir(parents=True, exist_ok=True)
         written = []
         for trace in sorted(Path(scratch).glob("*.json")):
-            shutil.move(str(trace), out / trace.name)   # within one filesystem: a rename
+            shutil.move(str(trace), out / trace.name)  # within one filesystem: a rename
             written.append(out / trace.name)
         return written
 
@@ -67,8 +99,12 @@ def record_scale(out: Path, timeout: float = 300) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for name, args in SCALE.items():
-        stdout = _run([sys.executable, "-m", "reference.scale", *args, "--json"],
-                      f"reference.scale {' '.join(args)}", timeout, PYTHONWARNINGS="ignore")
+        stdout = _run(
+            [sys.executable, "-m", "reference.scale", *args, "--json"],
+            f"reference.scale {' '.join(args)}",
+            timeout,
+            PYTHONWARNINGS="ignore",
+        )
         atomic_write(out / f"{name}.json", stdout.encode())
         written.append(out / f"{name}.json")
     return written
@@ -79,11 +115,24 @@ ACTIVATION_MEMORY = ["--seq-length", "32", "--batch-size", "2", "--hidden-size",
 
 def record_activation_memory(out: Path, timeout: float = 300) -> list[Path]:
     """Write out/activation_memory.json from the activation-memory benchmark on two ranks; the path written."""
-    stdout = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                   "--max-restarts=0", str(ROOT / "benchmarks" / "bench_activation_memory.py"), *ACTIVATION_MEMORY,
-                   "--json"], "bench_activation_memory --json", timeout, TORCH_CPP_LOG_LEVEL="ERROR")
+    stdout = _run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            "--max-restarts=0",
+            str(ROOT / "benchmarks" / "bench_activation_memory.py"),
+            *ACTIVATION_MEMORY,
+            "--json",
+        ],
+        "bench_activation_memory --json",
+        timeout,
+        TORCH_CPP_LOG_LEVEL="ERROR",
+    )
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write(out / "activation_memory.json", stdout[stdout.index("{"):].encode())
+    atomic_write(out / "activation_memory.json", stdout[stdout.index("{") :].encode())
     return [out / "activation_memory.json"]
 
 

@@ -11,16 +11,18 @@
 `on_serve` watches reading_notes/ as well, so saving a template re-renders and reloads the page.
 The project root is $PIN_AND_CITE_PROJECT when set (tests build scratch copies), else the folder of mkdocs.yml.
 """
+
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
+import vendor_assets
 from mkdocs.exceptions import PluginError
 
-import vendor_assets
 from pin_and_cite.core.errors import PinAndCiteError
 from pin_and_cite.site.study import render_site
+
 
 def project_root(config) -> Path:
     """$PIN_AND_CITE_PROJECT (as for the CLI), else the folder holding mkdocs.yml: tests build scratch copies."""

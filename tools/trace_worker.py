@@ -1,4 +1,5 @@
-"""Record the runs the study site's diagrams and numbers come from: `torchrun --nproc-per-node 2 tools/trace_worker.py OUT`
+"""Record the runs the study site's diagrams and numbers come from: `torchrun --nproc-per-node 2 tools/trace_worker.py
+OUT`
 and `torchrun --nproc-per-node 4 tools/trace_worker.py OUT pipeline`.
 
 Run by `tools/record-traces` (which writes reading_notes/traces/); rank 0 writes OUT/tp_block.json and
@@ -22,6 +23,7 @@ Everything in them is observed, not computed:
   * pipeline_interleaved: the same for interleaved 1F1B, 2 model chunks per stage, on the same GPT with twice
     the layers (INTERLEAVED_CONFIG), so that a chunk holds one layer as a 1F1B stage does above.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,20 +38,21 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from pin_and_cite.site.traces import EVENT_KEYS  # what the site's trace comparison reads
+from reference.distributed import distributed
 from reference.fsdp.units import shard_model
 from reference.gpt.model import GPTConfig, build_chunks, build_stage
-from reference.gpt.train import data_parallel, synthetic_batches as gpt_batches, train_step
+from reference.gpt.train import data_parallel, train_step
+from reference.gpt.train import synthetic_batches as gpt_batches
 from reference.model import ModelConfig, build_model, next_token_loss, synthetic_batches
-from reference.distributed import distributed
 from reference.parallel_state import build_layout
 from reference.recorder import CollectiveRecorder
 from reference.tensor_parallel.transformer import ParallelTransformer
 
 TP_SHAPE = dict(s=8, b=2, heads=4)
-TP_HIDDEN = (64, 128)             # two sizes: bytes grow like h, FLOPs like a*h^2 + c*h
+TP_HIDDEN = (64, 128)  # two sizes: bytes grow like h, FLOPs like a*h^2 + c*h
 FSDP_CONFIG = ModelConfig(vocab_size=128, hidden_size=32, num_attention_heads=4, num_layers=2, max_seq_length=64)
 FSDP_BATCH, FSDP_SEQ, SEED = 4, 16, 1234
-PIPELINE_RANKS, PIPELINE_M, PIPELINE_B = 4, 8, 2     # pp 4, 8 micro-batches of 2 sequences
+PIPELINE_RANKS, PIPELINE_M, PIPELINE_B = 4, 8, 2  # pp 4, 8 micro-batches of 2 sequences
 PIPELINE_CONFIG = GPTConfig(vocab_size=51, hidden_size=16, num_attention_heads=4, num_layers=4, seq_length=8)
 INTERLEAVED_V = 2
 INTERLEAVED_CONFIG = dataclasses.replace(PIPELINE_CONFIG, num_layers=PIPELINE_CONFIG.num_layers * INTERLEAVED_V)
@@ -79,8 +82,13 @@ class ForwardSteps(TorchDispatchMode):
         self.stack.append((name, module))
         if not list(module.children()):
             weight = getattr(module, "weight", None)
-            self.steps.append({"module": name, "type": type(module).__name__,
-                               "weight_shape": list(weight.shape) if weight is not None else None})
+            self.steps.append(
+                {
+                    "module": name,
+                    "type": type(module).__name__,
+                    "weight_shape": list(weight.shape) if weight is not None else None,
+                }
+            )
 
     def _leave(self) -> None:
         self.stack.pop()
@@ -102,7 +110,7 @@ def tp_block(world: int) -> dict:
         torch.manual_seed(SEED)
         model = ParallelTransformer(1, h, heads, tp_group=layout.tp_group)
         x = torch.randn(s, b, h)
-        flops = counted_flops(lambda: model(x).pow(2).mean().backward())   # forward + backward
+        flops = counted_flops(lambda model=model, x=x: model(x).pow(2).mean().backward())  # forward + backward
         model.zero_grad(set_to_none=True)
         steps = ForwardSteps(model)
         recorder = CollectiveRecorder()
@@ -110,10 +118,18 @@ def tp_block(world: int) -> dict:
         with recorder, steps:
             model(x).pow(2).mean().backward()
         events = [{k: e[k] for k in EVENT_KEYS} for e in recorder.to_dict()["events"]]
-        runs.append({"h": h, "step_flops_per_rank": flops, "events": events,
-                     "forward_steps": steps.steps})
-    return {"kind": "tp_block", "world": world, "tp": layout.tp_size, "s": s, "b": b, "heads": heads,
-            "dtype": "float32", "dtype_size": 4, "runs": runs}
+        runs.append({"h": h, "step_flops_per_rank": flops, "events": events, "forward_steps": steps.steps})
+    return {
+        "kind": "tp_block",
+        "world": world,
+        "tp": layout.tp_size,
+        "s": s,
+        "b": b,
+        "heads": heads,
+        "dtype": "float32",
+        "dtype_size": 4,
+        "runs": runs,
+    }
 
 
 def fsdp_forward(world: int) -> dict:
@@ -126,24 +142,41 @@ def fsdp_forward(world: int) -> dict:
     model = shard_model(model, "reference", dist.group.WORLD, backward_prefetch="BACKWARD_PRE", forward_prefetch=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     recorder = CollectiveRecorder()
-    with sdpa_kernel(SDPBackend.MATH), recorder:     # math attention: the recorder counts its FLOPs
+    with sdpa_kernel(SDPBackend.MATH), recorder:  # math attention: the recorder counts its FLOPs
         for batch in synthetic_batches(FSDP_CONFIG, 2, FSDP_BATCH, FSDP_SEQ, SEED):
-            recorder.clear()    # keep the second step: the first records the unit order, so it cannot prefetch
+            recorder.clear()  # keep the second step: the first records the unit order, so it cannot prefetch
             local = batch.chunk(world)[rank]
             next_token_loss(model(local), local).backward()
             optimizer.step()
             optimizer.zero_grad()
     record = recorder.to_dict()
-    units = [{"name": handle.name, "param_numel": handle.param_numel, "padded_numel": handle.padded_numel}
-             for handle in model.handles()]
-    return {"kind": "fsdp_forward", "world": world, "forward_prefetch": True, "backward_prefetch": "BACKWARD_PRE",
-            "params": params, "dtype": "float32", "dtype_size": 4,
-            "tokens_per_rank": FSDP_BATCH * FSDP_SEQ // world,
-            "forward_flops_per_token": flops / (FSDP_BATCH * FSDP_SEQ),
-            "units": units,
-            "events": [{**{k: e[k] for k in EVENT_KEYS}, "flops": e["flops"], **_times(e)} for e in record["events"]],
-            "spans": [{"name": s["name"], "phase": s["phase"], "flops_start": s["flops_start"],
-                       "flops_end": s["flops_end"], **_times(s)} for s in record["spans"]]}
+    units = [
+        {"name": handle.name, "param_numel": handle.param_numel, "padded_numel": handle.padded_numel}
+        for handle in model.handles()
+    ]
+    return {
+        "kind": "fsdp_forward",
+        "world": world,
+        "forward_prefetch": True,
+        "backward_prefetch": "BACKWARD_PRE",
+        "params": params,
+        "dtype": "float32",
+        "dtype_size": 4,
+        "tokens_per_rank": FSDP_BATCH * FSDP_SEQ // world,
+        "forward_flops_per_token": flops / (FSDP_BATCH * FSDP_SEQ),
+        "units": units,
+        "events": [{**{k: e[k] for k in EVENT_KEYS}, "flops": e["flops"], **_times(e)} for e in record["events"]],
+        "spans": [
+            {
+                "name": s["name"],
+                "phase": s["phase"],
+                "flops_start": s["flops_start"],
+                "flops_end": s["flops_end"],
+                **_times(s),
+            }
+            for s in record["spans"]
+        ],
+    }
 
 
 def pipeline(schedule: str, virtual_stages: int = 1) -> dict:
@@ -151,32 +184,54 @@ def pipeline(schedule: str, virtual_stages: int = 1) -> dict:
     gathered on rank 0."""
     layout = build_layout(1, PIPELINE_RANKS, 1)
     config = INTERLEAVED_CONFIG if virtual_stages > 1 else PIPELINE_CONFIG
-    chunks = (build_chunks(config, layout, virtual_stages, seed=SEED) if virtual_stages > 1
-              else [build_stage(config, layout, seed=SEED)])
+    chunks = (
+        build_chunks(config, layout, virtual_stages, seed=SEED)
+        if virtual_stages > 1
+        else [build_stage(config, layout, seed=SEED)]
+    )
     wrapped = [data_parallel(chunk, layout) for chunk in chunks]
     model = wrapped if virtual_stages > 1 else wrapped[0]
     optimizer = torch.optim.SGD([p for chunk in wrapped for p in chunk.parameters()], lr=0.1)
     tokens = gpt_batches(config, 1, PIPELINE_M * PIPELINE_B, SEED)[0]
     recorder = CollectiveRecorder()
-    step = train_step(model, optimizer, tokens, layout, num_micro_batches=PIPELINE_M, schedule=schedule,
-                      record=recorder)
+    step = train_step(
+        model, optimizer, tokens, layout, num_micro_batches=PIPELINE_M, schedule=schedule, record=recorder
+    )
     result = step.pipeline
     p2p = [{k: e[k] for k in EVENT_KEYS} for e in recorder.to_dict()["events"] if e["op"] in P2P_OPS]
-    mine = {"pp_rank": result.pp_rank, "actions": result.actions,
-            "action_spans": [[round(a - result.start_s, 6), round(b - result.start_s, 6)]
-                             for a, b in result.action_spans],   # seconds from the schedule's start
-            "action_flops": result.action_flops,
-            "peak_in_flight": result.peak_in_flight, "peak_in_flight_measured": result.peak_in_flight_measured,
-            "peak_activation_bytes": result.peak_activation_bytes, "busy_s": round(result.busy_s, 6),
-            "total_s": round(result.total_s, 6), "p2p": p2p}
+    mine = {
+        "pp_rank": result.pp_rank,
+        "actions": result.actions,
+        "action_spans": [
+            [round(a - result.start_s, 6), round(b - result.start_s, 6)] for a, b in result.action_spans
+        ],  # seconds from the schedule's start
+        "action_flops": result.action_flops,
+        "peak_in_flight": result.peak_in_flight,
+        "peak_in_flight_measured": result.peak_in_flight_measured,
+        "peak_activation_bytes": result.peak_activation_bytes,
+        "busy_s": round(result.busy_s, 6),
+        "total_s": round(result.total_s, 6),
+        "p2p": p2p,
+    }
     stages = [None] * dist.get_world_size()
     dist.all_gather_object(stages, mine)
     c = config
-    return {"kind": "pipeline", "schedule": schedule, "virtual_stages": virtual_stages,
-            "world": dist.get_world_size(), "pp": layout.pp_size,
-            "m": PIPELINE_M, "b": PIPELINE_B, "s": c.seq_length, "h": c.hidden_size, "layers": c.num_layers,
-            "dtype": "float32", "dtype_size": 4, "activation_shape": list(chunks[0].activation_shape(PIPELINE_B)),
-            "stages": sorted(stages, key=lambda st: st["pp_rank"])}
+    return {
+        "kind": "pipeline",
+        "schedule": schedule,
+        "virtual_stages": virtual_stages,
+        "world": dist.get_world_size(),
+        "pp": layout.pp_size,
+        "m": PIPELINE_M,
+        "b": PIPELINE_B,
+        "s": c.seq_length,
+        "h": c.hidden_size,
+        "layers": c.num_layers,
+        "dtype": "float32",
+        "dtype_size": 4,
+        "activation_shape": list(chunks[0].activation_shape(PIPELINE_B)),
+        "stages": sorted(stages, key=lambda st: st["pp_rank"]),
+    }
 
 
 def _times(record: dict) -> dict:

@@ -7,6 +7,7 @@ integrity before anything is read from it, and cached under the user cache dir, 
 checkouts need no network. The one file is then extracted, checked against its own pinned hash and moved
 into the docs dir atomically. An installed file whose hash matches is left alone (no work, no network).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,13 @@ DOCS = ROOT / "docs"
 CACHE = Path(platformdirs.user_cache_dir("tp-fsdp-study")) / "npm"
 NPM_TIMEOUT_S = 300
 # Few, short retries: an unreachable registry should fail in seconds, not after npm's minute of backoff.
-NPM_FLAGS = ["--json", "--ignore-scripts", "--fetch-retries=1", "--fetch-retry-mintimeout=1000",
-             "--fetch-retry-maxtimeout=3000"]
+NPM_FLAGS = [
+    "--json",
+    "--ignore-scripts",
+    "--fetch-retries=1",
+    "--fetch-retry-mintimeout=1000",
+    "--fetch-retry-maxtimeout=3000",
+]
 
 
 class AssetError(Exception):
@@ -125,8 +131,10 @@ def _cached_tarball(asset: Asset, cache_dir: Path, npm: str) -> Path:
             tarball = _npm_pack(asset, Path(tmp), npm)
             got = sri_sha512(tarball.read_bytes())
             if got != asset.integrity:
-                raise AssetError(f"integrity mismatch for {asset.spec}: the lock pins {asset.integrity} but npm "
-                                 f"delivered {got}; refusing it (check your npm registry/proxy, or the lock)")
+                raise AssetError(
+                    f"integrity mismatch for {asset.spec}: the lock pins {asset.integrity} but npm "
+                    f"delivered {got}; refusing it (check your npm registry/proxy, or the lock)"
+                )
             os.replace(tarball, path)
     return path
 
@@ -137,8 +145,9 @@ def _npm_pack(asset: Asset, out_dir: Path, npm: str) -> Path:
     try:
         proc = subprocess.run(cmd, cwd=out_dir, capture_output=True, text=True, timeout=NPM_TIMEOUT_S)
     except FileNotFoundError:
-        raise AssetError(f"{npm!r} not found: install Node.js's npm to fetch {asset.spec} once "
-                         "(it is cached afterwards)") from None
+        raise AssetError(
+            f"{npm!r} not found: install Node.js's npm to fetch {asset.spec} once (it is cached afterwards)"
+        ) from None
     except subprocess.TimeoutExpired:
         raise AssetError(f"npm pack {asset.spec} did not finish within {NPM_TIMEOUT_S}s") from None
     if proc.returncode != 0:

@@ -7,6 +7,7 @@ from the fused QKV output) count once, in their own dtype. Not counted: paramete
 of the activations). Each record names the innermost module that was running when the tensor was saved, so
 the caller can say which part of the layer it belongs to.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,10 +17,10 @@ import torch
 
 @dataclasses.dataclass(frozen=True)
 class SavedTensor:
-    module: str                  # qualified name inside the counted module ("" for the module itself)
-    dtype: str                   # e.g. "torch.bfloat16"
-    shape: tuple[int, ...]       # the saved tensor's shape (a view's, when it is a view)
-    nbytes: int                  # bytes of the storage it lives in, counted at its first save only
+    module: str  # qualified name inside the counted module ("" for the module itself)
+    dtype: str  # e.g. "torch.bfloat16"
+    shape: tuple[int, ...]  # the saved tensor's shape (a view's, when it is a view)
+    nbytes: int  # bytes of the storage it lives in, counted at its first save only
 
 
 class SavedTensorCounter:
@@ -46,8 +47,14 @@ class SavedTensorCounter:
         self._held.append(t)
         if key not in self._counted:
             self._counted.add(key)
-            self.saved.append(SavedTensor(self._running[-1] if self._running else "", str(t.dtype),
-                                          tuple(t.shape), t.untyped_storage().nbytes()))
+            self.saved.append(
+                SavedTensor(
+                    self._running[-1] if self._running else "",
+                    str(t.dtype),
+                    tuple(t.shape),
+                    t.untyped_storage().nbytes(),
+                )
+            )
         return t
 
     @property

@@ -15,6 +15,7 @@ of four, each named in its row:
 Everything else (LayerNorm inputs, the four linear layers' inputs, the GeLU input, the checkpoints' inputs)
 is the paper's term byte for byte. A record that fits no row is an error: an unexplained difference.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -45,18 +46,25 @@ REFERENCE = {
     "fc2_input": (1, "same: the GeLU output, saved by the second linear layer"),
     "layer_input": (1, "same: the checkpoint keeps the block's input"),
 }
-LAYERNORM_STATISTICS = ("LayerNorm mean and rstd, 2 LayerNorms x 2 x sb; not counted by the paper (O(sb))",
-                        "layernorm_statistics")
-LINEAR_INPUTS = {"attention.qkv": "qkv_input", "attention.proj": "projection_input", "mlp.fc1": "fc1_input",
-                 "mlp.fc2": "fc2_input", "mlp": "gelu_input"}
+LAYERNORM_STATISTICS = (
+    "LayerNorm mean and rstd, 2 LayerNorms x 2 x sb; not counted by the paper (O(sb))",
+    "layernorm_statistics",
+)
+LINEAR_INPUTS = {
+    "attention.qkv": "qkv_input",
+    "attention.proj": "projection_input",
+    "mlp.fc1": "fc1_input",
+    "mlp.fc2": "fc2_input",
+    "mlp": "gelu_input",
+}
 
 
 @dataclasses.dataclass(frozen=True)
 class Row:
-    term: str               # the paper's words for it
+    term: str  # the paper's words for it
     paper_bytes: int
-    expected_bytes: int     # the paper's bytes times the reference's bytes-per-element ratio
-    measured_bytes: int     # counted with the saved-tensor hooks
+    expected_bytes: int  # the paper's bytes times the reference's bytes-per-element ratio
+    measured_bytes: int  # counted with the saved-tensor hooks
     reason: str
 
 
@@ -99,8 +107,15 @@ def rows(saved: list[SavedTensor], x: Setting) -> list[Row]:
         table.append(Row(TERMS[key][0], whole(paper), whole(paper * ratio), measured.pop(key, 0), reason))
     if x.recompute != "full":
         words, key = LAYERNORM_STATISTICS
-        table.append(Row(words, 0, _layernorm_statistics_bytes(x), measured.pop(key, 0),
-                         "torch's LayerNorm keeps them for backward; bf16 on CPU"))
+        table.append(
+            Row(
+                words,
+                0,
+                _layernorm_statistics_bytes(x),
+                measured.pop(key, 0),
+                "torch's LayerNorm keeps them for backward; bf16 on CPU",
+            )
+        )
     if measured:
         raise ValueError(f"saved tensors of terms the configuration should not have: {measured}")
     return table

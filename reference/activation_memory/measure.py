@@ -1,5 +1,6 @@
 """Build one reference GPT-2 block in a configuration of Korthikanti et al.'s Table 2 and count the bytes its
 forward keeps for backward: the code the tests and benchmarks/bench_activation_memory.py share."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,16 +25,28 @@ class Count:
     rows: list[gpt2_block.Row]
 
     def to_dict(self) -> dict:
-        return {"configuration": self.configuration, "formula": FORMULAS[self.configuration],
-                "setting": dataclasses.asdict(self.setting),
-                "table2_bytes": self.table2_bytes, "counted_bytes": self.counted_bytes,
-                "rows": [dataclasses.asdict(r) for r in self.rows]}
+        return {
+            "configuration": self.configuration,
+            "formula": FORMULAS[self.configuration],
+            "setting": dataclasses.asdict(self.setting),
+            "table2_bytes": self.table2_bytes,
+            "counted_bytes": self.counted_bytes,
+            "rows": [dataclasses.asdict(r) for r in self.rows],
+        }
 
 
 def build_block(x: Setting, tp_group: dist.ProcessGroup, device, dtype=torch.bfloat16) -> ParallelTransformerBlock:
-    return ParallelTransformerBlock(x.h, x.a, tp_group=tp_group, sequence_parallel=x.sequence_parallel,
-                                    hidden_dropout=DROPOUT, attention_dropout=DROPOUT, params_dtype=dtype,
-                                    device=device, recompute=x.recompute)
+    return ParallelTransformerBlock(
+        x.h,
+        x.a,
+        tp_group=tp_group,
+        sequence_parallel=x.sequence_parallel,
+        hidden_dropout=DROPOUT,
+        attention_dropout=DROPOUT,
+        params_dtype=dtype,
+        device=device,
+        recompute=x.recompute,
+    )
 
 
 def layer_input(x: Setting, device, dtype=torch.bfloat16) -> torch.Tensor:
@@ -43,8 +56,9 @@ def layer_input(x: Setting, device, dtype=torch.bfloat16) -> torch.Tensor:
     return torch.randn(rows, x.b, x.h, device=device, dtype=dtype, requires_grad=True)
 
 
-def count(configuration: str, s: int, b: int, h: int, a: int, tp_group: dist.ProcessGroup, device,
-          explain: bool = True) -> Count:
+def count(
+    configuration: str, s: int, b: int, h: int, a: int, tp_group: dist.ProcessGroup, device, explain: bool = True
+) -> Count:
     """One forward of one block; `tp_group` sets t for the tensor-parallel configurations (a size-1 group
     is used for "no parallelism"). `explain`: name every saved tensor by its term (gpt2_block explains the
     CPU kernels; on CUDA the fused attention and dropout save other tensors, so only the total is counted)."""
@@ -55,13 +69,21 @@ def count(configuration: str, s: int, b: int, h: int, a: int, tp_group: dist.Pro
     inputs = layer_input(x, device)
     with SavedTensorCounter(block) as counter:
         block(inputs)
-    return Count(configuration, x, gpt2_block.whole(table2_bytes(x)), counter.total_bytes,
-                 gpt2_block.rows(counter.saved, x) if explain else [])
+    return Count(
+        configuration,
+        x,
+        gpt2_block.whole(table2_bytes(x)),
+        counter.total_bytes,
+        gpt2_block.rows(counter.saved, x) if explain else [],
+    )
 
 
-def count_all(s: int, b: int, h: int, a: int, tp_groups: dict[int, dist.ProcessGroup], device,
-              explain: bool = True) -> list[Count]:
+def count_all(
+    s: int, b: int, h: int, a: int, tp_groups: dict[int, dist.ProcessGroup], device, explain: bool = True
+) -> list[Count]:
     """Every configuration of Table 2; tp_groups[1] for the unparallel one, tp_groups[t] for the others."""
     t = max(tp_groups)
-    return [count(name, s, b, h, a, tp_groups[t if tensor_parallel else 1], device, explain)
-            for name, (tensor_parallel, _, _) in CONFIGURATIONS.items()]
+    return [
+        count(name, s, b, h, a, tp_groups[t if tensor_parallel else 1], device, explain)
+        for name, (tensor_parallel, _, _) in CONFIGURATIONS.items()
+    ]

@@ -7,6 +7,7 @@ or, when sequence parallelism is on, when it lies in the sequence-split part (La
 of the column layers). Selective recomputation drops the three s^2 terms; full recomputation keeps only the
 layer's input.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,6 +32,7 @@ CONFIGURATIONS = {  # name: (tensor parallel, sequence parallel, recompute), in 
 @dataclasses.dataclass(frozen=True)
 class Setting:
     """One layer's shape and parallelism; t is 1 without tensor parallelism."""
+
     s: int
     b: int
     h: int
@@ -92,10 +94,21 @@ def terms_for(x: Setting) -> list[str]:
     """The terms the paper counts in the setting, in the order of the layer."""
     if x.recompute == "full":
         return ["layer_input"]
-    attention = (["q_k_v"] if x.recompute == "selective" else
-                 ["q_k", "softmax_output", "attention_dropout_mask", "attention_dropout_output", "v"])
-    return ["layernorm_inputs", "qkv_input", *attention, "projection_input", "hidden_dropout_masks",
-            "fc1_input", "gelu_input", "fc2_input"]
+    attention = (
+        ["q_k_v"]
+        if x.recompute == "selective"
+        else ["q_k", "softmax_output", "attention_dropout_mask", "attention_dropout_output", "v"]
+    )
+    return [
+        "layernorm_inputs",
+        "qkv_input",
+        *attention,
+        "projection_input",
+        "hidden_dropout_masks",
+        "fc1_input",
+        "gelu_input",
+        "fc2_input",
+    ]
 
 
 def term_bytes(key: str, x: Setting) -> Fraction:

@@ -29,6 +29,7 @@ r-th 1/dp of the bucket (`shard`), which is all its optimizer shard needs
 (param_and_grad_buffer.py::_ParamAndGradBucketGroup.start_grad_sync with use_distributed_optimizer; Megatron
 pads further, to a multiple of lcm(dp, 128) elements, for GPU memory alignment, which the CPU does not need).
 """
+
 from __future__ import annotations
 
 import torch
@@ -69,17 +70,26 @@ class GradBucket:
     grad_dtype: None keeps `.grad` views of the parameters' dtype; a dtype keeps `main_grad` views of it.
     sharded: pad to a multiple of the group size and reduce-scatter (see the module docstring)."""
 
-    def __init__(self, params: list[torch.nn.Parameter], group: dist.ProcessGroup, *,
-                 grad_dtype: torch.dtype | None = None, sharded: bool = False) -> None:
+    def __init__(
+        self,
+        params: list[torch.nn.Parameter],
+        group: dist.ProcessGroup,
+        *,
+        grad_dtype: torch.dtype | None = None,
+        sharded: bool = False,
+    ) -> None:
         self.params, self.group, self.sharded = params, group, sharded
         self.numel = sum(p.numel() for p in params)
         self.main_grad = grad_dtype is not None
-        self.grad_data = torch.zeros(padded_numel(self.numel, group.size()) if sharded else self.numel,
-                                     dtype=grad_dtype or params[0].dtype, device=params[0].device)
+        self.grad_data = torch.zeros(
+            padded_numel(self.numel, group.size()) if sharded else self.numel,
+            dtype=grad_dtype or params[0].dtype,
+            device=params[0].device,
+        )
         self.views: dict[torch.nn.Parameter, torch.Tensor] = {}
         offset = 0
         for param in params:
-            self.views[param] = self.grad_data[offset:offset + param.numel()].view(param.shape)
+            self.views[param] = self.grad_data[offset : offset + param.numel()].view(param.shape)
             offset += param.numel()
         self.ready: set[torch.nn.Parameter] = set()
         self.work: dist.Work | None = None
@@ -94,7 +104,7 @@ class GradBucket:
     def shard(self) -> torch.Tensor:
         """This rank's 1/dp of the (padded) buffer: after a sharded sync, the mean gradient it steps."""
         size = self.grad_data.numel() // self.group.size()
-        return self.grad_data[self.group.rank() * size:(self.group.rank() + 1) * size]
+        return self.grad_data[self.group.rank() * size : (self.group.rank() + 1) * size]
 
     def attach_grads(self) -> None:
         """Point every parameter's `.grad` (or `main_grad`) at its view, so gradients land in the bucket."""
@@ -127,8 +137,10 @@ class GradBucket:
         after the bucket may already be on the wire: its all-reduce would miss that gradient, or race with
         it. Refused, as megatron's _ParamAndGradBucketGroup.register_grad_ready ("Cannot set grad twice")."""
         if param in self.ready:
-            raise RuntimeError("DistributedDataParallel: a parameter's gradient arrived twice in one synced step; "
-                               "run every backward but the last of a step under no_sync()")
+            raise RuntimeError(
+                "DistributedDataParallel: a parameter's gradient arrived twice in one synced step; "
+                "run every backward but the last of a step under no_sync()"
+            )
         self.ready.add(param)
         return len(self.ready) == len(self.params)
 
@@ -142,8 +154,7 @@ class GradBucket:
         if self.group.size() > 1:  # a replica of one: its gradient is already the mean
             self.grad_data.mul_(1.0 / self.group.size())
             if self.sharded:  # in place, as Megatron: the output is this rank's view of the input
-                self.work = dist.reduce_scatter_tensor(self.shard, self.grad_data, group=self.group,
-                                                       async_op=async_op)
+                self.work = dist.reduce_scatter_tensor(self.shard, self.grad_data, group=self.group, async_op=async_op)
             else:
                 self.work = dist.all_reduce(self.grad_data, group=self.group, async_op=async_op)
         self.started = True

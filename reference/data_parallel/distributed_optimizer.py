@@ -26,6 +26,7 @@ rank r owns [r, r+1) x bucket size / dp of each bucket; `_build_model_and_main_p
 cloned from the bf16 shard; `_copy_model_grads_to_main_grads`, `_copy_main_params_to_model_params`,
 `step_with_ready_grads`: start_param_sync unless overlap_param_gather).
 """
+
 from __future__ import annotations
 
 from reference.data_parallel.mixed_precision import MasterWeightOptimizer, ModelChunks, OptimizerFactory, model_chunks
@@ -43,10 +44,18 @@ class DistributedOptimizer(MasterWeightOptimizer):
     def __init__(self, model: ModelChunks, make_optimizer: OptimizerFactory) -> None:
         self.chunks = model_chunks(model)
         if not all(chunk.use_distributed_optimizer for chunk in self.chunks):
-            raise ValueError("DistributedOptimizer needs a model wrapped with "
-                             "DistributedDataParallel(..., use_distributed_optimizer=True)")
-        super().__init__([(params.shard, grads.shard) for chunk in self.chunks
-                          for params, grads in zip(chunk.param_buckets, chunk.buckets)], make_optimizer)
+            raise ValueError(
+                "DistributedOptimizer needs a model wrapped with "
+                "DistributedDataParallel(..., use_distributed_optimizer=True)"
+            )
+        super().__init__(
+            [
+                (params.shard, grads.shard)
+                for chunk in self.chunks
+                for params, grads in zip(chunk.param_buckets, chunk.buckets)
+            ],
+            make_optimizer,
+        )
 
     def step(self) -> None:
         """Step the slices (their gradients were reduce-scattered by finish_grad_sync), then gather.
@@ -62,8 +71,14 @@ class DistributedOptimizer(MasterWeightOptimizer):
 def bytes_per_rank(model: ModelChunks, optimizer: MasterWeightOptimizer) -> dict[str, int]:
     """What this rank holds, in bytes: model parameters, gradient buckets, fp32 masters, optimizer states."""
     chunks = model_chunks(model)
-    params = sum(sum(bucket.nbytes for bucket in chunk.param_buckets) if chunk.param_buckets else
-                 sum(p.numel() * p.element_size() for p in chunk.module.parameters() if p.requires_grad)
-                 for chunk in chunks)
-    return {"parameters": params, "gradients": sum(bucket.nbytes for chunk in chunks for bucket in chunk.buckets),
-            **optimizer.state_bytes()}
+    params = sum(
+        sum(bucket.nbytes for bucket in chunk.param_buckets)
+        if chunk.param_buckets
+        else sum(p.numel() * p.element_size() for p in chunk.module.parameters() if p.requires_grad)
+        for chunk in chunks
+    )
+    return {
+        "parameters": params,
+        "gradients": sum(bucket.nbytes for chunk in chunks for bucket in chunk.buckets),
+        **optimizer.state_bytes(),
+    }

@@ -14,6 +14,7 @@ nothing to wait for (its own end-of-backward callback waited for the reduce-scat
 remains, and FSDP x TP runs it on the sharded gradients (fsdp_tp says why that is right). Megatron's
 finalize_model_grads likewise serves DDP and its FSDP wrappers, which both expose `finish_grad_sync`.
 """
+
 from __future__ import annotations
 
 import torch.distributed as dist
@@ -24,9 +25,11 @@ from reference.pipeline.tied_embeddings import allreduce_word_embedding_grads
 from reference.tensor_parallel.layers import allreduce_sequence_parallel_grads
 
 
-def finalize_model_grads(model_chunks: list[DistributedDataParallel | FullyShardedDataParallel],
-                         tp_group: dist.ProcessGroup | None = None,
-                         embedding_group: dist.ProcessGroup | None = None) -> None:
+def finalize_model_grads(
+    model_chunks: list[DistributedDataParallel | FullyShardedDataParallel],
+    tp_group: dist.ProcessGroup | None = None,
+    embedding_group: dist.ProcessGroup | None = None,
+) -> None:
     """DP-average every chunk's gradients (each chunk's `finish_grad_sync()`: DDP waits for its bucket
     all-reduces, FSDP's were reduce-scattered by the end of backward), then TP-sum the sequence-parallel ones
     (when a TP group is given), then sum the tied embedding's over the embedding group (when one is given).

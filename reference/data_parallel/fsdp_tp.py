@@ -22,6 +22,7 @@ Counterparts: torchtitan's parallelize_llama (`apply_tp`, then `apply_fsdp` with
 "dp" dimension) and torch/distributed/fsdp/_fully_shard/_fsdp_param.py (FSDP2 sharding a TP DTensor
 parameter's local tensor on dim 0: "2D"), which the tests compare against.
 """
+
 from __future__ import annotations
 
 import torch.distributed as dist
@@ -46,8 +47,7 @@ def shard_tp_model(model: nn.Module, layout: ParallelLayout, **fsdp_kwargs) -> F
     _check_consistent(model, blocks, layout)
     for name, block in blocks:
         parent_name, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), attr, FullyShardedDataParallel(block, layout.dp_group,
-                                                                                 **fsdp_kwargs))
+        setattr(model.get_submodule(parent_name), attr, FullyShardedDataParallel(block, layout.dp_group, **fsdp_kwargs))
     return FullyShardedDataParallel(model, layout.dp_group, **fsdp_kwargs)
 
 
@@ -70,26 +70,36 @@ def _check_consistent(model: nn.Module, blocks: list[tuple[str, nn.Module]], lay
                     raise ParallelConfigError(
                         f"shard_tp_model: parameter shapes differ between ranks {ranks[0]} and {peer} of "
                         f"{kind.upper()} group {ranks} (first: '{name}' {list(shape)}); FSDP x TP needs one flat "
-                        f"layout per TP and per DP group")
+                        f"layout per TP and per DP group"
+                    )
 
 
 def _local_problem(model: nn.Module, blocks: list[tuple[str, nn.Module]], layout: ParallelLayout) -> str | None:
     """What is wrong with this rank's model, or None."""
     if not blocks:
-        return (f"{type(model).__name__} has no ParallelTransformerBlock or ParallelLlamaBlock to wrap; build it as "
-                "reference.tensor_parallel.transformer.ParallelTransformer(..., tp_group=layout.tp_group)")
+        return (
+            f"{type(model).__name__} has no ParallelTransformerBlock or ParallelLlamaBlock to wrap; build it as "
+            "reference.tensor_parallel.transformer.ParallelTransformer(..., tp_group=layout.tp_group)"
+        )
     tp_ranks = dist.get_process_group_ranks(layout.tp_group)
     for prefix, module in model.named_modules():
         if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             continue
         if dist.get_process_group_ranks(module.tp_group) != tp_ranks:
-            return (f"{prefix} was built for the TP group {dist.get_process_group_ranks(module.tp_group)}, "
-                    f"but the layout's TP group is {tp_ranks}")
+            return (
+                f"{prefix} was built for the TP group {dist.get_process_group_ranks(module.tp_group)}, "
+                f"but the layout's TP group is {tp_ranks}"
+            )
         if hasattr(module.weight, "main_grad"):
             return f"{prefix} uses gradient_accumulation_fusion (main_grad), which FSDP's flat views cannot carry"
-        expected = ((module.output_size_per_partition, module.input_size) if isinstance(module, ColumnParallelLinear)
-                    else (module.output_size, module.input_size_per_partition))
+        expected = (
+            (module.output_size_per_partition, module.input_size)
+            if isinstance(module, ColumnParallelLinear)
+            else (module.output_size, module.input_size_per_partition)
+        )
         if tuple(module.weight.shape) != expected:
-            return (f"{prefix}.weight has shape {list(module.weight.shape)}, expected {list(expected)}: a "
-                    f"TP-sharded layer must hold this rank's 1/{len(tp_ranks)} slice, not the full weight")
+            return (
+                f"{prefix}.weight has shape {list(module.weight.shape)}, expected {list(expected)}: a "
+                f"TP-sharded layer must hold this rank's 1/{len(tp_ranks)} slice, not the full weight"
+            )
     return None

@@ -14,6 +14,7 @@ fp32 branch: no copy). Counterparts: megatron/core/optimizer/optimizer.py::Float
 model_param.main_grad.float()`, `_copy_main_params_to_model_params`) and ::MixedPrecisionOptimizer.step.
 No loss scaler: bf16 has fp32's exponent range, so Megatron runs bf16 with none (grad_scaler None).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -41,8 +42,9 @@ class MasterWeightOptimizer:
     def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], make_optimizer: OptimizerFactory) -> None:
         self.model_tensors = [model for model, _ in pairs]
         self.grads = [grad for _, grad in pairs]
-        self.masters = [model if model.dtype == torch.float32 else model.detach().clone().float()
-                        for model in self.model_tensors]
+        self.masters = [
+            model if model.dtype == torch.float32 else model.detach().clone().float() for model in self.model_tensors
+        ]
         self.optimizer = make_optimizer(self.masters)
 
     @torch.no_grad()
@@ -64,8 +66,12 @@ class MasterWeightOptimizer:
         """Bytes this rank holds for the optimizer: fp32 masters that are copies, and the inner optimizer's
         per-element states (Adam: exp_avg, exp_avg_sq; its scalar `step` counters are not counted)."""
         masters = sum(m.numel() * m.element_size() for m, t in zip(self.masters, self.model_tensors) if m is not t)
-        states = sum(value.numel() * value.element_size() for state in self.optimizer.state.values()
-                     for key, value in state.items() if torch.is_tensor(value) and key != "step")
+        states = sum(
+            value.numel() * value.element_size()
+            for state in self.optimizer.state.values()
+            for key, value in state.items()
+            if torch.is_tensor(value) and key != "step"
+        )
         return {"master_weights": masters, "optimizer_states": states}
 
 
@@ -74,7 +80,9 @@ def unsharded(model: ModelChunks, make_optimizer: OptimizerFactory) -> MasterWei
     its DP-averaged gradient (fp32 `main_grad` buckets, or bf16 `.grad` ones widened to fp32 at the step)."""
     chunks = model_chunks(model)
     if any(chunk.use_distributed_optimizer for chunk in chunks):
-        raise ValueError("unsharded(): the model was wrapped with use_distributed_optimizer=True, whose buckets "
-                         "are reduce-scattered; use reference.data_parallel.distributed_optimizer")
+        raise ValueError(
+            "unsharded(): the model was wrapped with use_distributed_optimizer=True, whose buckets "
+            "are reduce-scattered; use reference.data_parallel.distributed_optimizer"
+        )
     pairs = [(param, bucket.views[param]) for chunk in chunks for bucket in chunk.buckets for param in bucket.params]
     return MasterWeightOptimizer(pairs, make_optimizer)

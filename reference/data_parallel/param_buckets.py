@@ -19,6 +19,7 @@ dispatch `next_param_gather_bucket_group`), and distributed_data_parallel.py::Di
 _make_forward_pre_hook. Megatron issues the first all-gather in `zero_grad`; here it is issued at the end of the
 step, which is the same point of a training loop (step, then zero_grad, then the next forward).
 """
+
 from __future__ import annotations
 
 import torch
@@ -35,12 +36,12 @@ class ParamBucket:
         offset = 0
         with torch.no_grad():
             for param in params:
-                view = self.param_data[offset:offset + param.numel()].view(param.shape)
+                view = self.param_data[offset : offset + param.numel()].view(param.shape)
                 view.copy_(param)
                 param.data = view
                 offset += param.numel()
         self.work: dist.Work | None = None
-        self.pending = False          # updated on some rank, not gathered here yet
+        self.pending = False  # updated on some rank, not gathered here yet
         self.next: ParamBucket | None = None  # the bucket the forward needs after this one
 
     @property
@@ -51,7 +52,7 @@ class ParamBucket:
     def shard(self) -> torch.Tensor:
         """This rank's 1/dp of the buffer: the parameters its optimizer shard updates."""
         size = self.param_data.numel() // self.group.size()
-        return self.param_data[self.group.rank() * size:(self.group.rank() + 1) * size]
+        return self.param_data[self.group.rank() * size : (self.group.rank() + 1) * size]
 
     def start_param_sync(self) -> None:
         """After the step: gather now (and wait), or, overlapped, mark pending for the next forward."""
@@ -68,8 +69,7 @@ class ParamBucket:
         `megatron-lm:megatron/core/distributed/param_and_grad_buffer.py::_ParamAndGradBucketGroup.start_param_sync`.
         """
         if self.pending and self.work is None:
-            self.work = dist.all_gather_into_tensor(self.param_data, self.shard, group=self.group,
-                                                    async_op=True)
+            self.work = dist.all_gather_into_tensor(self.param_data, self.shard, group=self.group, async_op=True)
 
     def finish_param_sync(self) -> None:
         """Wait for this bucket's all-gather (issuing it if nothing did), then issue the next one.
@@ -86,7 +86,7 @@ class ParamBucket:
             self.next.issue()
 
     @staticmethod
-    def wait_before_forward(module: nn.Module, buckets: list["ParamBucket"]) -> list:
+    def wait_before_forward(module: nn.Module, buckets: list[ParamBucket]) -> list:
         """Forward pre-hooks: a module waits for the buckets of its own parameters. Chains the buckets in the
         order the forward needs them (last bucket first) so each wait prefetches the next one.
 
@@ -102,5 +102,8 @@ class ParamBucket:
                 if param in bucket_of:
                     bucket_of[param].finish_param_sync()
 
-        return [m.register_forward_pre_hook(hook) for m in module.modules()
-                if any(p in bucket_of for p in m.parameters(recurse=False))]
+        return [
+            m.register_forward_pre_hook(hook)
+            for m in module.modules()
+            if any(p in bucket_of for p in m.parameters(recurse=False))
+        ]

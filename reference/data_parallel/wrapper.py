@@ -26,6 +26,7 @@ Counterparts: megatron/core/distributed/distributed_data_parallel.py::Distribute
 torch/nn/parallel/distributed.py::DistributedDataParallel (`no_sync`, `_sync_module_states` at construction,
 the C++ Reducer's in-order bucket launch `Reducer::mark_variable_ready` / `mark_bucket_ready`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -44,10 +45,18 @@ DEFAULT_BUCKET_SIZE = 25 * 2**20  # bytes, torch DDP's bucket_cap_mb default
 
 
 class DistributedDataParallel(nn.Module):
-    def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None, *,
-                 bucket_size: int | None = DEFAULT_BUCKET_SIZE, overlap_grad_reduce: bool = True,
-                 broadcast_params: bool = True, grad_dtype: torch.dtype | None = None,
-                 use_distributed_optimizer: bool = False, overlap_param_gather: bool = False) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        process_group: dist.ProcessGroup | None = None,
+        *,
+        bucket_size: int | None = DEFAULT_BUCKET_SIZE,
+        overlap_grad_reduce: bool = True,
+        broadcast_params: bool = True,
+        grad_dtype: torch.dtype | None = None,
+        use_distributed_optimizer: bool = False,
+        overlap_param_gather: bool = False,
+    ) -> None:
         super().__init__()
         if not dist.is_initialized():
             raise RuntimeError("DistributedDataParallel needs torch.distributed.init_process_group() first")
@@ -57,22 +66,36 @@ class DistributedDataParallel(nn.Module):
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         for name, param in named:
             if hasattr(param, "main_grad"):
-                raise ValueError(f"parameter '{name}' accumulates into main_grad (gradient_accumulation_fusion); "
-                                 "reference DDP reduces .grad: build the model with gradient_accumulation_fusion=False")
+                raise ValueError(
+                    f"parameter '{name}' accumulates into main_grad (gradient_accumulation_fusion); "
+                    "reference DDP reduces .grad: build the model with gradient_accumulation_fusion=False"
+                )
         params = [p for _, p in named]
         if overlap_param_gather and not use_distributed_optimizer:
-            raise ValueError("overlap_param_gather needs use_distributed_optimizer=True: only the distributed "
-                             "optimizer all-gathers parameters")
+            raise ValueError(
+                "overlap_param_gather needs use_distributed_optimizer=True: only the distributed "
+                "optimizer all-gathers parameters"
+            )
         self.use_distributed_optimizer = use_distributed_optimizer
-        self.buckets = [GradBucket([params[i] for i in indices], self.process_group, grad_dtype=grad_dtype,
-                                   sharded=use_distributed_optimizer)
-                        for indices in bucket_layout(params, bucket_size)]
+        self.buckets = [
+            GradBucket(
+                [params[i] for i in indices],
+                self.process_group,
+                grad_dtype=grad_dtype,
+                sharded=use_distributed_optimizer,
+            )
+            for indices in bucket_layout(params, bucket_size)
+        ]
         self._bucket_of = {param: bucket for bucket in self.buckets for param in bucket.params}
-        self.param_buckets = ([ParamBucket(bucket.params, bucket.grad_data.numel(), self.process_group,
-                                           overlap_param_gather) for bucket in self.buckets]
-                              if use_distributed_optimizer else [])
-        self._hooks_pre = (ParamBucket.wait_before_forward(module, self.param_buckets) if overlap_param_gather
-                           else [])
+        self.param_buckets = (
+            [
+                ParamBucket(bucket.params, bucket.grad_data.numel(), self.process_group, overlap_param_gather)
+                for bucket in self.buckets
+            ]
+            if use_distributed_optimizer
+            else []
+        )
+        self._hooks_pre = ParamBucket.wait_before_forward(module, self.param_buckets) if overlap_param_gather else []
         self._next_bucket = 0
         self._sync = True
         if broadcast_params:

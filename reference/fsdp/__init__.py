@@ -6,6 +6,7 @@ module wrapper), `tracing.py` (unit attribution and compute spans in a `referenc
 `units.py` (one unit per block, then the root, with the reference or torch's FSDP1/FSDP2), `demo.py`
 (`torchrun -m reference --fsdp`).
 """
+
 from reference.fsdp.prefetch import BackwardPrefetch
 from reference.fsdp.wrapper import CPUOffload, FullyShardedDataParallel, MixedPrecision
 

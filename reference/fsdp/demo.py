@@ -7,6 +7,7 @@ so the printed schedules can be compared line by line. Every step prints its col
 step with the recorder's events and compute spans, and `--trace DIR` writes the last step's record to
 DIR/fsdp_trace.rank<r>.json, for scripts and the notes' timeline diagram.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,31 +19,48 @@ import torch
 import torch.distributed as dist
 
 from reference.distributed import LaunchError, distributed
-from reference.model import ModelConfig, build_model, next_token_loss, synthetic_batches
 from reference.fsdp.tracing import torch_fsdp1_unit_scopes
 from reference.fsdp.units import shard_model, sharded_parameter_bytes
+from reference.model import ModelConfig, build_model, next_token_loss, synthetic_batches
 from reference.recorder import CollectiveRecorder
 
 PREFETCH_CHOICES = {"pre": "BACKWARD_PRE", "post": "BACKWARD_POST", "none": None}
 
 
 def add_arguments(group: argparse._ArgumentGroup) -> None:
-    group.add_argument("--backward-prefetch", choices=sorted(PREFETCH_CHOICES), default="pre",
-                       help="all-gather the next unit in backward before (pre) or after (post) the current "
-                            "unit's gradient computation, or only when needed (none)")
-    group.add_argument("--forward-prefetch", action="store_true",
-                       help="all-gather unit l+1 before unit l computes (from the second step on)")
-    group.add_argument("--mixed-precision", action="store_true",
-                       help="bf16 parameters and compute, fp32 gradient reduction and fp32 shards")
+    group.add_argument(
+        "--backward-prefetch",
+        choices=sorted(PREFETCH_CHOICES),
+        default="pre",
+        help="all-gather the next unit in backward before (pre) or after (post) the current "
+        "unit's gradient computation, or only when needed (none)",
+    )
+    group.add_argument(
+        "--forward-prefetch",
+        action="store_true",
+        help="all-gather unit l+1 before unit l computes (from the second step on)",
+    )
+    group.add_argument(
+        "--mixed-precision",
+        action="store_true",
+        help="bf16 parameters and compute, fp32 gradient reduction and fp32 shards",
+    )
     group.add_argument("--cpu-offload", action="store_true", help="keep the shards on the CPU between uses")
-    group.add_argument("--use-torch-fsdp", action="store_true",
-                       help="use torch.distributed.fsdp.FullyShardedDataParallel instead of the reference")
+    group.add_argument(
+        "--use-torch-fsdp",
+        action="store_true",
+        help="use torch.distributed.fsdp.FullyShardedDataParallel instead of the reference",
+    )
 
 
 def run(args: argparse.Namespace) -> None:
     try:
-        config = ModelConfig(hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-                             num_layers=args.num_layers, max_seq_length=max(64, args.seq_length))
+        config = ModelConfig(
+            hidden_size=args.hidden_size,
+            num_attention_heads=args.num_attention_heads,
+            num_layers=args.num_layers,
+            max_seq_length=max(64, args.seq_length),
+        )
     except ValueError as error:
         sys.exit(f"reference: error: {error}")
     try:
@@ -55,15 +73,22 @@ def run(args: argparse.Namespace) -> None:
 def _train(args: argparse.Namespace, config: ModelConfig, device: torch.device) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.batch_size % world:
-        sys.exit(f"reference: error: --batch-size {args.batch_size} is not divisible by the world size {world}; "
-                 "each rank trains on an equal slice of the global batch")
+        sys.exit(
+            f"reference: error: --batch-size {args.batch_size} is not divisible by the world size {world}; "
+            "each rank trains on an equal slice of the global batch"
+        )
     model = build_model(config, args.seed).to(device)
     total_bytes = sharded_parameter_bytes(model)
-    model = shard_model(model, "fsdp1" if args.use_torch_fsdp else "reference", dist.group.WORLD,
-                        backward_prefetch=PREFETCH_CHOICES[args.backward_prefetch],
-                        forward_prefetch=args.forward_prefetch,
-                        param_dtype=torch.bfloat16 if args.mixed_precision else None,
-                        reduce_dtype=torch.float32 if args.mixed_precision else None, cpu_offload=args.cpu_offload)
+    model = shard_model(
+        model,
+        "fsdp1" if args.use_torch_fsdp else "reference",
+        dist.group.WORLD,
+        backward_prefetch=PREFETCH_CHOICES[args.backward_prefetch],
+        forward_prefetch=args.forward_prefetch,
+        param_dtype=torch.bfloat16 if args.mixed_precision else None,
+        reduce_dtype=torch.float32 if args.mixed_precision else None,
+        cpu_offload=args.cpu_offload,
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
     shard_bytes = sharded_parameter_bytes(model)
     scopes = torch_fsdp1_unit_scopes(model) if args.use_torch_fsdp else contextlib.nullcontext()
@@ -76,8 +101,13 @@ def _train(args: argparse.Namespace, config: ModelConfig, device: torch.device) 
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
-            record = {"step": step, "loss": loss.item(), "param_bytes_per_rank": shard_bytes,
-                      "param_bytes_unsharded": total_bytes, **recorder.to_dict()}
+            record = {
+                "step": step,
+                "loss": loss.item(),
+                "param_bytes_per_rank": shard_bytes,
+                "param_bytes_unsharded": total_bytes,
+                **recorder.to_dict(),
+            }
             _report(args, record)
         trace_dir = args.trace
         if trace_dir is not None:
@@ -96,9 +126,13 @@ def _report(args, record: dict) -> None:
     if record["rank"] != 0:
         return
     shard, total = record["param_bytes_per_rank"], record["param_bytes_unsharded"]
-    lines = [f"step {record['step']}  loss {record['loss']:.4f}  parameters on this rank {shard} B "
-             f"(unsharded {total} B, ratio {shard / total:.3f})"]
-    lines += [f"  {e['phase']:8} {e['op']:14} {e['module'] or '?':10} {e['nbytes']:>9} B  {e['dtype']}"
-              for e in record["events"]]
+    lines = [
+        f"step {record['step']}  loss {record['loss']:.4f}  parameters on this rank {shard} B "
+        f"(unsharded {total} B, ratio {shard / total:.3f})"
+    ]
+    lines += [
+        f"  {e['phase']:8} {e['op']:14} {e['module'] or '?':10} {e['nbytes']:>9} B  {e['dtype']}"
+        for e in record["events"]
+    ]
     summary = ", ".join(f"{op} x{v['count']} {v['bytes']} B" for op, v in record["summary"].items())
     print("\n".join(lines + [f"  total: {summary}"]), flush=True)

@@ -2,11 +2,16 @@
 
 Mirrors `pytorch:torch/distributed/fsdp/_flat_param.py::FlatParamHandle` (torch 2.13.0) with
 `pytorch:torch/distributed/fsdp/_flat_param.py::FlatParamHandle.flatten_tensors`,
-`pytorch:torch/distributed/fsdp/_flat_param.py::FlatParamHandle.shard` and `pytorch:torch/distributed/fsdp/_flat_param.py::FlatParamHandle._get_shard`,
-`pytorch:torch/distributed/fsdp/_flat_param.py::FlatParamHandle.unshard` and `pytorch:torch/distributed/fsdp/_flat_param.py::FlatParamHandle._all_gather_flat_param`,
-`pytorch:torch/distributed/fsdp/_flat_param.py::FlatParamHandle.reshard` and `pytorch:torch/distributed/fsdp/_flat_param.py::FlatParamHandle._free_unsharded_flat_param`,
-and the `use_orig_params=True` views `pytorch:torch/distributed/fsdp/_flat_param.py::FlatParamHandle._use_unsharded_views`,
-`pytorch:torch/distributed/fsdp/_flat_param.py::FlatParamHandle._use_sharded_views` and `pytorch:torch/distributed/fsdp/_flat_param.py::FlatParamHandle._use_sharded_grad_views`.
+`pytorch:torch/distributed/fsdp/_flat_param.py::FlatParamHandle.shard` and
+`pytorch:torch/distributed/fsdp/_flat_param.py::FlatParamHandle._get_shard`,
+`pytorch:torch/distributed/fsdp/_flat_param.py::FlatParamHandle.unshard` and
+`pytorch:torch/distributed/fsdp/_flat_param.py::FlatParamHandle._all_gather_flat_param`,
+`pytorch:torch/distributed/fsdp/_flat_param.py::FlatParamHandle.reshard` and
+`pytorch:torch/distributed/fsdp/_flat_param.py::FlatParamHandle._free_unsharded_flat_param`,
+and the `use_orig_params=True` views
+`pytorch:torch/distributed/fsdp/_flat_param.py::FlatParamHandle._use_unsharded_views`,
+`pytorch:torch/distributed/fsdp/_flat_param.py::FlatParamHandle._use_sharded_views` and
+`pytorch:torch/distributed/fsdp/_flat_param.py::FlatParamHandle._use_sharded_grad_views`.
 
 The memory trick is the same as upstream's: the unsharded buffer is one tensor whose *storage* is
 resized to 0 after use and re-allocated (same storage object) before the next all-gather, so the views
@@ -17,6 +22,7 @@ of it), so its gradient is already padded and reduce-scatters without upstream's
 (`pytorch:torch/distributed/fsdp/_runtime_utils.py::_get_reduce_scatter_tensors`); the padding gradient is
 zero.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -32,6 +38,7 @@ class HandleTrainingState(Enum):
 
     Mirrors `pytorch:torch/distributed/fsdp/_common_utils.py::HandleTrainingState`.
     """
+
     IDLE = auto()
     FORWARD = auto()
     BACKWARD_PRE = auto()
@@ -41,6 +48,7 @@ class HandleTrainingState(Enum):
 @dataclass(frozen=True)
 class ParamInfo:
     """Where an original parameter lives: its owner module and attribute, and its slice of the flat buffer."""
+
     fqn: str
     module: nn.Module
     attr: str
@@ -58,8 +66,14 @@ class FlatParamHandle:
     views of the local shard, which is what the optimizer updates in place.
     """
 
-    def __init__(self, params: list[tuple[str, nn.Module, str]], process_group: dist.ProcessGroup,
-                 compute_device: torch.device, param_dtype: torch.dtype | None, offload_to_cpu: bool) -> None:
+    def __init__(
+        self,
+        params: list[tuple[str, nn.Module, str]],
+        process_group: dist.ProcessGroup,
+        compute_device: torch.device,
+        param_dtype: torch.dtype | None,
+        offload_to_cpu: bool,
+    ) -> None:
         self.process_group = process_group
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
@@ -68,9 +82,9 @@ class FlatParamHandle:
         self.orig_params: list[nn.Parameter] = [getattr(module, attr) for _, module, attr in params]
         self.param_dtype = param_dtype or self.orig_params[0].dtype
         # Each parameter starts on a 16-byte boundary of the unsharded buffer, as upstream does with
-        # use_orig_params (`pytorch:torch/distributed/fsdp/_flat_param.py::_get_aligned_numel`; the padding loop in
-        # `pytorch:torch/distributed/fsdp/_flat_param.py::FlatParamHandle._init_flat_param_and_metadata`): same flat sizes, so the same bytes on the
-        # wire.
+        # use_orig_params (`pytorch:torch/distributed/fsdp/_flat_param.py::_get_aligned_numel`; the padding
+        # loop in `pytorch:torch/distributed/fsdp/_flat_param.py::FlatParamHandle._init_flat_param_and_metadata`):
+        # same flat sizes, so the same bytes on the wire.
         aligned_numel = 16 // torch.empty((), dtype=self.param_dtype).element_size()
         self.infos: list[ParamInfo] = []
         offset = 0
@@ -80,12 +94,13 @@ class FlatParamHandle:
             offset += param.numel()
         self.numel = offset
         self.param_numel = sum(info.numel for info in self.infos)
-        # Pad the end so every rank holds an equal shard (`pytorch:torch/distributed/fsdp/_flat_param.py::FlatParamHandle._get_shard`,
+        # Pad the end so every rank holds an equal shard
+        # (`pytorch:torch/distributed/fsdp/_flat_param.py::FlatParamHandle._get_shard`,
         # `pytorch:torch/distributed/fsdp/_flat_param.py::FlatParamHandle.flatten_tensors`).
         self.shard_numel = -(-self.numel // self.world_size)
         self.padded_numel = self.shard_numel * self.world_size
-        self._split_sizes = self._split_sizes_of_padded()    # fixed by the layout: computed once, used
-        self._local_parts = self._parts_in_local_shard()     # at every unshard, reshard and grad hand-off
+        self._split_sizes = self._split_sizes_of_padded()  # fixed by the layout: computed once, used
+        self._local_parts = self._parts_in_local_shard()  # at every unshard, reshard and grad hand-off
         self.flat_param = nn.Parameter(self._flatten_and_shard(), requires_grad=self.orig_params[0].requires_grad)
         self._local_shard = self.flat_param.data
         self._full_param_padded = torch.empty(self.padded_numel, dtype=self.param_dtype, device=compute_device)
@@ -111,14 +126,16 @@ class FlatParamHandle:
         """
         flat = torch.zeros(self.padded_numel, dtype=self.orig_params[0].dtype)
         for info, param in zip(self.infos, self.orig_params):
-            flat[info.offset:info.offset + info.numel] = param.detach().reshape(-1).cpu()
+            flat[info.offset : info.offset + info.numel] = param.detach().reshape(-1).cpu()
         start = self.rank * self.shard_numel
         device = torch.device("cpu") if self.offload_to_cpu else self.compute_device
-        return flat[start:start + self.shard_numel].clone().to(device)
+        return flat[start : start + self.shard_numel].clone().to(device)
 
     # -- unshard / reshard ------------------------------------------------------------------------------
     def is_unsharded(self) -> bool:
-        """`pytorch:torch/distributed/fsdp/_flat_param.py::FlatParamHandle.needs_unshard` negated: is the unsharded buffer's storage allocated?"""
+        """`pytorch:torch/distributed/fsdp/_flat_param.py::FlatParamHandle.needs_unshard` negated: is the unsharded
+        buffer's storage
+        allocated?"""
         return self._full_param_padded.untyped_storage().size() > 0
 
     def unshard(self) -> None:
@@ -133,8 +150,9 @@ class FlatParamHandle:
         if not self.is_unsharded():
             self._full_param_padded.untyped_storage().resize_(self.padded_numel * self._full_param_padded.itemsize)
             shard = self._local_shard.to(self.compute_device, self.param_dtype, non_blocking=True)
-            self._unshard_work = dist.all_gather_single(self._full_param_padded, shard, group=self.process_group,
-                                                        async_op=True)
+            self._unshard_work = dist.all_gather_single(
+                self._full_param_padded, shard, group=self.process_group, async_op=True
+            )
         self.flat_param.data = self._full_param_padded
         if self.training_state == HandleTrainingState.FORWARD:
             self._use_unsharded_views()  # backward reuses the views autograd saved

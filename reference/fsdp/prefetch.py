@@ -1,9 +1,11 @@
 """Prefetch policy: which unit's all-gather to issue early, from the execution order FSDP recorded.
 
-Mirrors `pytorch:torch/distributed/fsdp/_exec_order_utils.py::_ExecOrderData` (torch 2.13.0: `pytorch:torch/distributed/fsdp/_exec_order_utils.py::_ExecOrderData.get_handle_to_backward_prefetch`,
+Mirrors `pytorch:torch/distributed/fsdp/_exec_order_utils.py::_ExecOrderData` (torch 2.13.0:
+`pytorch:torch/distributed/fsdp/_exec_order_utils.py::_ExecOrderData.get_handle_to_backward_prefetch`,
 `pytorch:torch/distributed/fsdp/_exec_order_utils.py::_ExecOrderData.get_handle_to_forward_prefetch`,
 `pytorch:torch/distributed/fsdp/_exec_order_utils.py::_ExecOrderData.record_post_forward`,
-`pytorch:torch/distributed/fsdp/_exec_order_utils.py::_ExecOrderData.record_pre_forward`, `pytorch:torch/distributed/fsdp/_exec_order_utils.py::_ExecOrderData.next_iter`)
+`pytorch:torch/distributed/fsdp/_exec_order_utils.py::_ExecOrderData.record_pre_forward`,
+`pytorch:torch/distributed/fsdp/_exec_order_utils.py::_ExecOrderData.next_iter`)
 and `pytorch:torch/distributed/fsdp/_runtime_utils.py::_get_handle_to_prefetch`, with a prefetch limit of 1 as
 upstream's default.
 
@@ -15,6 +17,7 @@ upstream's default.
 - A candidate is only prefetched if it still needs its unshard and is not already `prefetched`, so no
   all-gather is issued twice and none is issued for a unit whose buffers are already in use.
 """
+
 from __future__ import annotations
 
 from enum import Enum, auto
@@ -24,6 +27,7 @@ from reference.fsdp.flat_param import FlatParamHandle, HandleTrainingState
 
 class BackwardPrefetch(Enum):
     """Same members and meaning as `pytorch:torch/distributed/fsdp/api.py::BackwardPrefetch`."""
+
     BACKWARD_PRE = auto()
     BACKWARD_POST = auto()
 
@@ -33,6 +37,7 @@ class PrefetchMode(Enum):
 
     Mirrors `pytorch:torch/distributed/fsdp/_runtime_utils.py::_PrefetchMode`.
     """
+
     BACKWARD = auto()
     FORWARD = auto()
 
@@ -77,15 +82,17 @@ class ExecutionOrder:
         return self.post_forward_order[index - 1]
 
 
-def handle_to_prefetch(order: ExecutionOrder, current: FlatParamHandle, forward_prefetch: bool,
-                       backward_prefetch: BackwardPrefetch | None) -> FlatParamHandle | None:
+def handle_to_prefetch(
+    order: ExecutionOrder, current: FlatParamHandle, forward_prefetch: bool, backward_prefetch: BackwardPrefetch | None
+) -> FlatParamHandle | None:
     """`_get_handle_to_prefetch`: the unit to all-gather early given the current unit's training state.
 
     Mirrors `pytorch:torch/distributed/fsdp/_runtime_utils.py::_get_handle_to_prefetch`.
     """
     state = current.training_state
     if (state == HandleTrainingState.BACKWARD_PRE and backward_prefetch == BackwardPrefetch.BACKWARD_PRE) or (
-            state == HandleTrainingState.BACKWARD_POST and backward_prefetch == BackwardPrefetch.BACKWARD_POST):
+        state == HandleTrainingState.BACKWARD_POST and backward_prefetch == BackwardPrefetch.BACKWARD_POST
+    ):
         candidate = order.next_in_backward(current)
         if candidate is not None and candidate.needs_pre_backward_unshard and not candidate.prefetched:
             return candidate

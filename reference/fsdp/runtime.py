@@ -22,9 +22,10 @@ Ordering that differs on purpose, with the reason:
   (upstream runs it on the post-backward stream and syncs there too); on gloo this lets it overlap the
   remaining backward compute.
 - Upstream all-gathers CPU tensors with the list form `dist.all_gather` (a "HACK" in
-  `pytorch:torch/distributed/fsdp/_flat_param.py::FlatParamHandle._all_gather_flat_param`); every device here uses `all_gather_single`, which
-  gloo supports in torch 2.13.
+  `pytorch:torch/distributed/fsdp/_flat_param.py::FlatParamHandle._all_gather_flat_param`); every device here uses
+  `all_gather_single`, which gloo supports in torch 2.13.
 """
+
 from __future__ import annotations
 
 import functools
@@ -40,7 +41,8 @@ from reference.fsdp.prefetch import PrefetchMode, handle_to_prefetch
 from reference.fsdp.tracing import backward_start, record_backward_span, unit_scope
 
 if TYPE_CHECKING:
-    from reference.fsdp.wrapper import FullyShardedDataParallel as Unit, SharedState
+    from reference.fsdp.wrapper import FullyShardedDataParallel as Unit
+    from reference.fsdp.wrapper import SharedState
 
 
 def unshard(unit: Unit, handle: FlatParamHandle) -> None:
@@ -58,8 +60,9 @@ def prefetch(unit: Unit, current: FlatParamHandle, mode: PrefetchMode) -> None:
     if target is None:
         return
     previous = target.training_state
-    target.training_state = (HandleTrainingState.FORWARD if mode == PrefetchMode.FORWARD
-                             else HandleTrainingState.BACKWARD_PRE)
+    target.training_state = (
+        HandleTrainingState.FORWARD if mode == PrefetchMode.FORWARD else HandleTrainingState.BACKWARD_PRE
+    )
     unshard(unit, target)
     target.training_state = previous
     target.prefetched = True

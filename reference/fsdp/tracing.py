@@ -7,6 +7,7 @@ compute appears in `rec.spans` as "<unit> forward" / "<unit> backward", so the F
 from a real run. The backward span runs from the unit's pre-backward hook (after its all-gather landed)
 to its post-backward hook (its gradient is complete).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -58,8 +59,11 @@ def torch_fsdp1_unit_scopes(model: torch.nn.Module) -> Iterator[None]:
     """
     from torch.distributed.fsdp import FullyShardedDataParallel
 
-    names = {id(unit._handle): clean_name(name) or "root" for name, unit in model.named_modules()
-             if isinstance(unit, FullyShardedDataParallel) and unit._handle is not None}
+    names = {
+        id(unit._handle): clean_name(name) or "root"
+        for name, unit in model.named_modules()
+        if isinstance(unit, FullyShardedDataParallel) and unit._handle is not None
+    }
 
     def in_unit_scope(original, state, handle, *args):
         with unit_scope(names.get(id(handle), "?")):

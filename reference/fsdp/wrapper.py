@@ -9,11 +9,13 @@ Always behaves like upstream's `use_orig_params=True`: `named_parameters()` yiel
 (without the `_fsdp_wrapped_module.` prefix) and the original parameters, whose data is this rank's part of
 the shard, so an optimizer built from `model.parameters()` steps on shards only.
 """
+
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,7 +27,6 @@ from reference.fsdp.prefetch import BackwardPrefetch, ExecutionOrder
 from reference.fsdp.tracing import clean_name, forward_span
 
 
-
 @dataclass(frozen=True)
 class MixedPrecision:
     """As `torch.distributed.fsdp.MixedPrecision`: compute/all-gather in `param_dtype`, reduce-scatter in
@@ -34,6 +35,7 @@ class MixedPrecision:
 
     Mirrors `pytorch:torch/distributed/fsdp/api.py::MixedPrecision`.
     """
+
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     buffer_dtype: torch.dtype | None = None
@@ -45,12 +47,14 @@ class CPUOffload:
 
     Mirrors `pytorch:torch/distributed/fsdp/api.py::CPUOffload`.
     """
+
     offload_params: bool = False
 
 
 @dataclass
 class SharedState:
     """What every unit under one root shares (upstream: the root's `_exec_order_data`, `_all_fsdp_states`)."""
+
     units: list[FullyShardedDataParallel]
     exec_order: ExecutionOrder = field(default_factory=ExecutionOrder)
     pending_reductions: list = field(default_factory=list)
@@ -58,10 +62,17 @@ class SharedState:
 
 
 class FullyShardedDataParallel(nn.Module):
-    def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None, *,
-                 backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
-                 forward_prefetch: bool = False, mixed_precision: MixedPrecision | None = None,
-                 cpu_offload: CPUOffload | None = None, device_id: torch.device | None = None) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        process_group: dist.ProcessGroup | None = None,
+        *,
+        backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
+        forward_prefetch: bool = False,
+        mixed_precision: MixedPrecision | None = None,
+        cpu_offload: CPUOffload | None = None,
+        device_id: torch.device | None = None,
+    ) -> None:
         super().__init__()
         if isinstance(module, FullyShardedDataParallel) or getattr(module, "_reference_fsdp_wrapped", False):
             raise ValueError(f"{type(module).__name__} is already wrapped by reference FSDP; wrap each module once")
@@ -91,8 +102,9 @@ class FullyShardedDataParallel(nn.Module):
             # Upstream hooks the flat parameter's AccumulateGrad node (`_register_post_backward_hook`,
             # _runtime_utils.py 1416-1470); the post-accumulate-grad hook fires at the same point.
             if self.handle.flat_param.requires_grad:  # a frozen unit is resharded by the final callback
-                self.handle.flat_param.register_post_accumulate_grad_hook(functools.partial(
-                    runtime.post_backward_hook, self, self.handle))
+                self.handle.flat_param.register_post_accumulate_grad_hook(
+                    functools.partial(runtime.post_backward_hook, self, self.handle)
+                )
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.shared is None:
@@ -149,11 +161,12 @@ class FullyShardedDataParallel(nn.Module):
         full = {}
         for handle in self.handles():
             gathered = torch.empty(handle.padded_numel, dtype=handle.flat_param.dtype, device=handle.compute_device)
-            dist.all_gather_single(gathered, handle.flat_param.data.to(handle.compute_device),
-                                   group=handle.process_group)
+            dist.all_gather_single(
+                gathered, handle.flat_param.data.to(handle.compute_device), group=handle.process_group
+            )
             for info in handle.infos:
                 name = f"{handle.name}.{info.fqn}" if handle.name != "root" else info.fqn
-                full[name] = gathered[info.offset:info.offset + info.numel].view(info.shape).cpu()
+                full[name] = gathered[info.offset : info.offset + info.numel].view(info.shape).cpu()
         return full
 
 
@@ -171,23 +184,29 @@ def _unowned_params(module: nn.Module) -> list[tuple[str, nn.Module, str]]:
                 continue
             fqn = f"{prefix}{attr}"
             if getattr(param, "_reference_fsdp_flattened", False):
-                raise ValueError(f"parameter '{fqn}' is already flattened into another FSDP unit: a parameter "
-                                 "shared between units is not supported; wrap the modules sharing it in one unit")
+                raise ValueError(
+                    f"parameter '{fqn}' is already flattened into another FSDP unit: a parameter "
+                    "shared between units is not supported; wrap the modules sharing it in one unit"
+                )
             if id(param) in seen:
-                raise ValueError(f"parameter '{fqn}' is the same tensor as '{seen[id(param)]}': shared "
-                                 "parameters inside one unit are not supported by the reference FSDP")
+                raise ValueError(
+                    f"parameter '{fqn}' is the same tensor as '{seen[id(param)]}': shared "
+                    "parameters inside one unit are not supported by the reference FSDP"
+                )
             if not param.is_floating_point():
-                raise ValueError(f"parameter '{fqn}' has dtype {param.dtype}; FSDP shards floating-point "
-                                 "parameters only")
+                raise ValueError(
+                    f"parameter '{fqn}' has dtype {param.dtype}; FSDP shards floating-point parameters only"
+                )
             seen[id(param)] = fqn
             found.append((fqn, mod, attr))
     dtypes = {getattr(mod, attr).dtype for _, mod, attr in found}
     if len(dtypes) > 1:
-        raise ValueError("parameters of one unit must share a dtype to be flattened, "
-                         f"found {sorted(map(str, dtypes))}")
+        raise ValueError(f"parameters of one unit must share a dtype to be flattened, found {sorted(map(str, dtypes))}")
     if len({getattr(mod, attr).requires_grad for _, mod, attr in found}) > 1:
-        raise ValueError("parameters of one unit must all require grad or all be frozen (one flat gradient); "
-                         "wrap frozen modules in their own unit")
+        raise ValueError(
+            "parameters of one unit must all require grad or all be frozen (one flat gradient); "
+            "wrap frozen modules in their own unit"
+        )
     for _, mod, attr in found:
         getattr(mod, attr)._reference_fsdp_flattened = True
     return found

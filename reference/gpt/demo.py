@@ -23,6 +23,7 @@ reduce-scatter per gradient bucket and an all-gather per parameter bucket. It ne
 --num-layers 8 --micro-batches 8`) gives each stage v model chunks (reference.gpt.model.build_chunks): the
 layers must split into pp x v equal chunks and m must be a multiple of pp, as megatron-core requires.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,8 +37,16 @@ from reference.data_parallel.distributed_optimizer import DistributedOptimizer
 from reference.data_parallel.wrapper import DEFAULT_BUCKET_SIZE
 from reference.distributed import LaunchError, distributed
 from reference.fsdp.units import sharded_parameter_bytes
-from reference.gpt.model import (STYLES, GPTConfig, UnshardedGPT, build_chunks, build_stage, check_tensor_parallel,
-                                 split_layers, split_virtual_stages)
+from reference.gpt.model import (
+    STYLES,
+    GPTConfig,
+    UnshardedGPT,
+    build_chunks,
+    build_stage,
+    check_tensor_parallel,
+    split_layers,
+    split_virtual_stages,
+)
 from reference.gpt.train import data_parallel, fully_sharded, synthetic_batches, train_step
 from reference.parallel_state import ParallelConfigError, build_layout, parallel_sizes
 from reference.pipeline.interleaved import check_interleaving
@@ -48,49 +57,94 @@ from reference.recorder import CollectiveRecorder
 
 def add_arguments(group) -> None:
     """Add the 3D-parallel flags to the shared parser's argument group."""
-    group.add_argument("--model", choices=STYLES, default="gpt2",
-                       help="the block: gpt2 (LayerNorm, GELU, learned positions) or llama (the Llama/Qwen2 block: "
-                            "RMSNorm, SwiGLU, rotary positions, grouped-query attention)")
-    group.add_argument("--num-kv-heads", type=int, default=None,
-                       help="llama: key/value heads (query groups), split over --tp; default: half the attention "
-                            "heads")
+    group.add_argument(
+        "--model",
+        choices=STYLES,
+        default="gpt2",
+        help="the block: gpt2 (LayerNorm, GELU, learned positions) or llama (the Llama/Qwen2 block: "
+        "RMSNorm, SwiGLU, rotary positions, grouped-query attention)",
+    )
+    group.add_argument(
+        "--num-kv-heads",
+        type=int,
+        default=None,
+        help="llama: key/value heads (query groups), split over --tp; default: half the attention heads",
+    )
     group.add_argument("--tp", type=int, default=1, help="tensor-parallel size: ranks splitting every layer")
     group.add_argument("--pp", type=int, default=1, help="pipeline-parallel size: stages of consecutive layers")
-    group.add_argument("--dp", type=int, default=None,
-                       help="data-parallel size: model replicas; default: world / (tp x pp). tp x pp x dp must "
-                            "equal the world size")
-    group.add_argument("--schedule", choices=SCHEDULES, default="1f1b",
-                       help="pipeline schedule: all forwards then all backwards (gpipe), or one-forward-one-"
-                            "backward after a warm-up (1f1b: at most pp micro-batches in flight)")
-    group.add_argument("--virtual-stages", type=int, default=1, metavar="V",
-                       help="model chunks per pipeline stage; V > 1 runs interleaved 1F1B, whose bubble is "
-                            "(pp - 1) / (V m + pp - 1); needs the layers divisible by pp x V and m by pp")
-    group.add_argument("--micro-batches", type=int, default=None,
-                       help="micro-batches m per step and replica; the bubble is (pp - 1) / (m + pp - 1); "
-                            "default: 4, or 1 with --dp-sharding fsdp")
-    group.add_argument("--sequence-parallel", action="store_true",
-                       help="split LayerNorm/dropout/residual activations along the sequence over TP: each "
-                            "all-reduce becomes an all-gather + reduce-scatter, stages exchange [s/tp, b, h]")
+    group.add_argument(
+        "--dp",
+        type=int,
+        default=None,
+        help="data-parallel size: model replicas; default: world / (tp x pp). tp x pp x dp must equal the world size",
+    )
+    group.add_argument(
+        "--schedule",
+        choices=SCHEDULES,
+        default="1f1b",
+        help="pipeline schedule: all forwards then all backwards (gpipe), or one-forward-one-"
+        "backward after a warm-up (1f1b: at most pp micro-batches in flight)",
+    )
+    group.add_argument(
+        "--virtual-stages",
+        type=int,
+        default=1,
+        metavar="V",
+        help="model chunks per pipeline stage; V > 1 runs interleaved 1F1B, whose bubble is "
+        "(pp - 1) / (V m + pp - 1); needs the layers divisible by pp x V and m by pp",
+    )
+    group.add_argument(
+        "--micro-batches",
+        type=int,
+        default=None,
+        help="micro-batches m per step and replica; the bubble is (pp - 1) / (m + pp - 1); "
+        "default: 4, or 1 with --dp-sharding fsdp",
+    )
+    group.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="split LayerNorm/dropout/residual activations along the sequence over TP: each "
+        "all-reduce becomes an all-gather + reduce-scatter, stages exchange [s/tp, b, h]",
+    )
     group.add_argument("--vocab-size", type=int, default=128, help="vocabulary size (padded to a multiple of tp)")
     group.add_argument("--dropout", type=float, default=0.0, help="hidden and attention dropout probability")
-    group.add_argument("--dp-sharding", choices=["replicate", "optimizer", "fsdp"], default="replicate",
-                       help="replicate: every DP rank holds the stage and all-reduces gradients in buckets (DDP); "
-                            "optimizer: the distributed optimizer (ZeRO-1) shards the optimizer state over DP "
-                            "(reduce-scatter gradients, all-gather parameters; needs dp > 1); "
-                            "fsdp: reference FSDP over the DP group shards the TP-sharded stage (2D, all-gathers "
-                            "and reduce-scatters; needs --pp 1 and --micro-batches 1)")
-    group.add_argument("--bucket-size", type=int, default=DEFAULT_BUCKET_SIZE, metavar="BYTES",
-                       help="data-parallel gradient bucket size: one all-reduce per bucket over the DP group")
-    group.add_argument("--no-overlap-grad-reduce", action="store_true",
-                       help="issue the data-parallel bucket all-reduces after backward instead of as soon as "
-                            "each bucket's gradients are ready (during the last micro-batch's backward)")
-    group.add_argument("--recompute", choices=RECOMPUTE_MODES, default="none",
-                       help="activation recomputation per block: keep everything for backward (none), keep only "
-                            "the attention core's input and recompute QK^T/softmax/dropout/xV (selective), or keep "
-                            "only each block's input and recompute the block (full); same gradients in all three")
-    group.add_argument("--no-async-grad-allreduce", action="store_true",
-                       help="wait for the input-gradient all-reduce/reduce-scatter before computing the weight "
-                            "gradient, instead of overlapping the two")
+    group.add_argument(
+        "--dp-sharding",
+        choices=["replicate", "optimizer", "fsdp"],
+        default="replicate",
+        help="replicate: every DP rank holds the stage and all-reduces gradients in buckets (DDP); "
+        "optimizer: the distributed optimizer (ZeRO-1) shards the optimizer state over DP "
+        "(reduce-scatter gradients, all-gather parameters; needs dp > 1); "
+        "fsdp: reference FSDP over the DP group shards the TP-sharded stage (2D, all-gathers "
+        "and reduce-scatters; needs --pp 1 and --micro-batches 1)",
+    )
+    group.add_argument(
+        "--bucket-size",
+        type=int,
+        default=DEFAULT_BUCKET_SIZE,
+        metavar="BYTES",
+        help="data-parallel gradient bucket size: one all-reduce per bucket over the DP group",
+    )
+    group.add_argument(
+        "--no-overlap-grad-reduce",
+        action="store_true",
+        help="issue the data-parallel bucket all-reduces after backward instead of as soon as "
+        "each bucket's gradients are ready (during the last micro-batch's backward)",
+    )
+    group.add_argument(
+        "--recompute",
+        choices=RECOMPUTE_MODES,
+        default="none",
+        help="activation recomputation per block: keep everything for backward (none), keep only "
+        "the attention core's input and recompute QK^T/softmax/dropout/xV (selective), or keep "
+        "only each block's input and recompute the block (full); same gradients in all three",
+    )
+    group.add_argument(
+        "--no-async-grad-allreduce",
+        action="store_true",
+        help="wait for the input-gradient all-reduce/reduce-scatter before computing the weight "
+        "gradient, instead of overlapping the two",
+    )
 
 
 def _config(args) -> GPTConfig:
@@ -101,7 +155,8 @@ def _config(args) -> GPTConfig:
         raise ParallelConfigError(
             f"--dp-sharding fsdp needs --pp 1 and --micro-batches 1 (got --pp {args.pp} --micro-batches "
             f"{args.micro_batches}): the reference FSDP has no no_sync, so it cannot accumulate gradients over "
-            "micro-batches and reduce-scatter once; use --dp-sharding replicate for pipelining")
+            "micro-batches and reduce-scatter once; use --dp-sharding replicate for pipelining"
+        )
     if args.dp_sharding == "optimizer":
         world = int(os.environ.get("WORLD_SIZE", "1"))
         _, _, dp = parallel_sizes(world, args.tp, args.pp, args.dp)
@@ -109,23 +164,33 @@ def _config(args) -> GPTConfig:
             raise ParallelConfigError(
                 f"--dp-sharding optimizer shards the optimizer state over the data-parallel group, but dp is 1 "
                 f"(world {world} / (tp {args.tp} x pp {args.pp})): nothing to shard; launch more ranks or use "
-                "--dp-sharding replicate")
+                "--dp-sharding replicate"
+            )
     if min(args.steps, args.batch_size, args.micro_batches, args.bucket_size) < 1:
         raise ParallelConfigError("--steps, --batch-size, --micro-batches and --bucket-size must be >= 1")
     if args.num_kv_heads is not None and (args.model != "llama" or args.num_kv_heads < 1):
         raise ParallelConfigError(f"--num-kv-heads {args.num_kv_heads}: needs --model llama and a positive count")
     kv_heads = args.num_kv_heads or max(1, args.num_attention_heads // 2)
-    config = GPTConfig(vocab_size=args.vocab_size, hidden_size=args.hidden_size,
-                       num_attention_heads=args.num_attention_heads, num_layers=args.num_layers,
-                       seq_length=args.seq_length, hidden_dropout=args.dropout, attention_dropout=args.dropout,
-                       style=args.model, num_kv_heads=kv_heads if args.model == "llama" else None)
+    config = GPTConfig(
+        vocab_size=args.vocab_size,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_layers=args.num_layers,
+        seq_length=args.seq_length,
+        hidden_dropout=args.dropout,
+        attention_dropout=args.dropout,
+        style=args.model,
+        num_kv_heads=kv_heads if args.model == "llama" else None,
+    )
     split_layers(config.num_layers, args.pp)
     check_tensor_parallel(config, args.tp, args.sequence_parallel)
     if args.virtual_stages != 1:
         if args.schedule != "1f1b" or args.dp_sharding == "fsdp":
-            raise ParallelConfigError(f"--virtual-stages {args.virtual_stages} needs --schedule 1f1b and "
-                                      "--dp-sharding replicate or optimizer (interleaved 1F1B over DDP-wrapped "
-                                      "chunks)")
+            raise ParallelConfigError(
+                f"--virtual-stages {args.virtual_stages} needs --schedule 1f1b and "
+                "--dp-sharding replicate or optimizer (interleaved 1F1B over DDP-wrapped "
+                "chunks)"
+            )
         split_virtual_stages(config.num_layers, args.pp, args.virtual_stages)
         check_interleaving(args.pp, args.virtual_stages, args.micro_batches)
     return config
@@ -148,25 +213,42 @@ def _train(args, config: GPTConfig, device: torch.device) -> None:
     rank, text = dist.get_rank(), not args.json
     if rank == 0 and text:
         print(layout.describe(), flush=True)
-    kwargs = dict(sequence_parallel=args.sequence_parallel, seed=args.seed, device=device,
-                  async_grad_allreduce=not args.no_async_grad_allreduce, recompute=args.recompute)
-    chunks = (build_chunks(config, layout, args.virtual_stages, **kwargs) if args.virtual_stages > 1
-              else [build_stage(config, layout, **kwargs)])
+    kwargs = dict(
+        sequence_parallel=args.sequence_parallel,
+        seed=args.seed,
+        device=device,
+        async_grad_allreduce=not args.no_async_grad_allreduce,
+        recompute=args.recompute,
+    )
+    chunks = (
+        build_chunks(config, layout, args.virtual_stages, **kwargs)
+        if args.virtual_stages > 1
+        else [build_stage(config, layout, **kwargs)]
+    )
     recorder = CollectiveRecorder()
     for c, chunk in enumerate(chunks):
         recorder.watch(chunk, prefix=f"chunk{c}" if len(chunks) > 1 else "")
     if args.dp_sharding == "fsdp":
         model = fully_sharded(chunks[0], layout)
     else:
-        wrapped = [data_parallel(chunk, layout, bucket_size=args.bucket_size,
-                                 overlap_grad_reduce=not args.no_overlap_grad_reduce,
-                                 use_distributed_optimizer=args.dp_sharding == "optimizer") for chunk in chunks]
+        wrapped = [
+            data_parallel(
+                chunk,
+                layout,
+                bucket_size=args.bucket_size,
+                overlap_grad_reduce=not args.no_overlap_grad_reduce,
+                use_distributed_optimizer=args.dp_sharding == "optimizer",
+            )
+            for chunk in chunks
+        ]
         model = wrapped if len(wrapped) > 1 else wrapped[0]
     params = [param for chunk in (model if isinstance(model, list) else [model]) for param in chunk.parameters()]
     param_bytes = None  # only rank 0 reports: only it builds the whole model, to count its bytes
     if rank == 0:
-        param_bytes = {"param_bytes_per_rank": sum(p.numel() * p.element_size() for p in params),
-                       "param_bytes_unsharded": sharded_parameter_bytes(UnshardedGPT(config, args.seed))}
+        param_bytes = {
+            "param_bytes_per_rank": sum(p.numel() * p.element_size() for p in params),
+            "param_bytes_unsharded": sharded_parameter_bytes(UnshardedGPT(config, args.seed)),
+        }
     if args.dp_sharding == "optimizer":
         optimizer = DistributedOptimizer(model, lambda tensors: torch.optim.SGD(tensors, lr=args.lr))
     else:
@@ -174,16 +256,31 @@ def _train(args, config: GPTConfig, device: torch.device) -> None:
     global_batch = args.batch_size * args.micro_batches * layout.dp_size
     for step, tokens in enumerate(synthetic_batches(config, args.steps, global_batch, args.seed)):
         recorder.clear()
-        result = train_step(model, optimizer, tokens, layout, num_micro_batches=args.micro_batches,
-                            schedule=args.schedule, device=device, record=recorder)
+        result = train_step(
+            model,
+            optimizer,
+            tokens,
+            layout,
+            num_micro_batches=args.micro_batches,
+            schedule=args.schedule,
+            device=device,
+            record=recorder,
+        )
         _report_step(args, step, result, recorder, layout, param_bytes)
     stages = [None] * dist.get_world_size() if rank == 0 else None  # only rank 0 reports
     dist.gather_object(result.pipeline.to_dict(), stages, dst=0)
     if rank == 0:
         _report_pipeline(args, [stages[r] for r in layout.grid[:, 0, 0].tolist()])
     memory = [None] * dist.get_world_size() if rank == 0 else None
-    dist.gather_object({"rank": rank, "param_bytes": sharded_parameter_bytes(model),
-                        "peak_activation_bytes": result.pipeline.peak_activation_bytes}, memory, dst=0)
+    dist.gather_object(
+        {
+            "rank": rank,
+            "param_bytes": sharded_parameter_bytes(model),
+            "peak_activation_bytes": result.pipeline.peak_activation_bytes,
+        },
+        memory,
+        dst=0,
+    )
     if rank == 0:
         _report_memory(args, memory)
     if args.trace is not None:
@@ -197,17 +294,34 @@ def _report_step(args, step, result, recorder, layout, param_bytes: dict | None)
     groups = recorder.summary_by_group(layout.group_kind, kinds=("tp", "pp", "dp"))
     seconds = result.pipeline.total_s
     if args.json:
-        print(json.dumps({"step": step, "loss": result.loss, "seconds": seconds,
-                          "layout": {"tp": layout.tp_size, "pp": layout.pp_size, "dp": layout.dp_size},
-                          "dp_sharding": args.dp_sharding, "schedule": args.schedule,
-                          "micro_batches": args.micro_batches, **param_bytes, "collectives": groups}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "step": step,
+                    "loss": result.loss,
+                    "seconds": seconds,
+                    "layout": {"tp": layout.tp_size, "pp": layout.pp_size, "dp": layout.dp_size},
+                    "dp_sharding": args.dp_sharding,
+                    "schedule": args.schedule,
+                    "micro_batches": args.micro_batches,
+                    **param_bytes,
+                    "collectives": groups,
+                }
+            ),
+            flush=True,
+        )
         return
+
     def fmt(ops):
         return ", ".join(f"{op} x{v['count']} ({v['bytes']} B)" for op, v in ops.items()) or "none"
+
     shard, total = param_bytes["param_bytes_per_rank"], param_bytes["param_bytes_unsharded"]
-    print(f"step {step}: loss {result.loss:.6f} ({seconds * 1e3:.1f} ms) | parameters on rank 0 {shard} B "
-          f"(unsharded {total} B, ratio {shard / total:.3f}) | "
-          + " | ".join(f"{name}: {fmt(ops)}" for name, ops in groups.items()), flush=True)
+    print(
+        f"step {step}: loss {result.loss:.6f} ({seconds * 1e3:.1f} ms) | parameters on rank 0 {shard} B "
+        f"(unsharded {total} B, ratio {shard / total:.3f}) | "
+        + " | ".join(f"{name}: {fmt(ops)}" for name, ops in groups.items()),
+        flush=True,
+    )
 
 
 def _report_memory(args, ranks: list[dict]) -> None:
@@ -215,11 +329,14 @@ def _report_memory(args, ranks: list[dict]) -> None:
     if args.json:
         print(json.dumps({"memory": ranks}), flush=True)
         return
-    print("memory per rank (parameters held between steps, peak activations autograd held in the last step):",
-          flush=True)
+    print(
+        "memory per rank (parameters held between steps, peak activations autograd held in the last step):", flush=True
+    )
     for r in ranks:
-        print(f"  rank {r['rank']}: parameters {r['param_bytes']} B, activations {r['peak_activation_bytes']} B",
-              flush=True)
+        print(
+            f"  rank {r['rank']}: parameters {r['param_bytes']} B, activations {r['peak_activation_bytes']} B",
+            flush=True,
+        )
 
 
 def _report_pipeline(args, stages: list[dict]) -> None:
@@ -228,12 +345,18 @@ def _report_pipeline(args, stages: list[dict]) -> None:
         return
     p, m, v = len(stages), args.micro_batches, args.virtual_stages
     name = f"interleaved 1f1b, {v} chunks per stage" if v > 1 else args.schedule
-    print(f"pipeline: {name if p > 1 else 'no pipelining (pp 1)'}, pp {p}, {m} micro-batches "
-          f"(last step, one rank per stage)", flush=True)
+    print(
+        f"pipeline: {name if p > 1 else 'no pipelining (pp 1)'}, pp {p}, {m} micro-batches "
+        f"(last step, one rank per stage)",
+        flush=True,
+    )
     unit, formula = ("chunk-forwards", "(p-1)/(v m+p-1)") if v > 1 else ("micro-batches", "(p-1)/(m+p-1)")
     for s in stages:
         expected = peak_in_flight_formula(args.schedule, p, s["pp_rank"], m, v)
-        print(f"  stage {s['pp_rank']}: {' '.join(s['actions'])}\n"
-              f"    peak in flight {s['peak_in_flight']} {unit} (autograd held {s['peak_in_flight_measured']},"
-              f" {s['peak_activation_bytes']} B; expected {expected}), bubble {s['bubble']:.2f} "
-              f"(formula {formula} = {s['bubble_formula']:.2f})", flush=True)
+        print(
+            f"  stage {s['pp_rank']}: {' '.join(s['actions'])}\n"
+            f"    peak in flight {s['peak_in_flight']} {unit} (autograd held {s['peak_in_flight_measured']},"
+            f" {s['peak_activation_bytes']} B; expected {expected}), bubble {s['bubble']:.2f} "
+            f"(formula {formula} = {s['bubble_formula']:.2f})",
+            flush=True,
+        )

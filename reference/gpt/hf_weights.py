@@ -20,6 +20,7 @@ rearrangement) into the unsharded reference's names and layouts:
 `stage_state_from_master(stage, master)` then cuts this TP rank's slices for a GPTStage (the TP layers'
 splits, the vocabulary padded to a multiple of TP), so one HF model loads into any TP x PP split.
 """
+
 from __future__ import annotations
 
 import torch
@@ -28,8 +29,12 @@ from reference.gpt.model import GPTConfig
 from reference.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, shard_of
 from reference.tensor_parallel.vocab_parallel import VocabParallelEmbedding
 
-_SAME = {"input_layernorm.weight": "ln1.weight", "post_attention_layernorm.weight": "ln2.weight",
-         "self_attn.o_proj.weight": "attention.proj.weight", "mlp.down_proj.weight": "mlp.fc2.weight"}
+_SAME = {
+    "input_layernorm.weight": "ln1.weight",
+    "post_attention_layernorm.weight": "ln2.weight",
+    "self_attn.o_proj.weight": "attention.proj.weight",
+    "mlp.down_proj.weight": "mlp.fc2.weight",
+}
 
 
 def qwen2_config(config: GPTConfig, **overrides):
@@ -38,13 +43,23 @@ def qwen2_config(config: GPTConfig, **overrides):
 
     if config.style != "llama":
         raise ValueError(f"only the llama style maps onto Qwen2, got style {config.style!r}")
-    return Qwen2Config(**{
-        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
-        "intermediate_size": config.ffn_hidden_size or 4 * config.hidden_size,
-        "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.kv_heads, "max_position_embeddings": max(config.seq_length, 64),
-        "rms_norm_eps": config.norm_eps, "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
-        "tie_word_embeddings": False, "attention_dropout": 0.0, "attn_implementation": "eager", **overrides})
+    return Qwen2Config(
+        **{
+            "vocab_size": config.vocab_size,
+            "hidden_size": config.hidden_size,
+            "intermediate_size": config.ffn_hidden_size or 4 * config.hidden_size,
+            "num_hidden_layers": config.num_layers,
+            "num_attention_heads": config.num_attention_heads,
+            "num_key_value_heads": config.kv_heads,
+            "max_position_embeddings": max(config.seq_length, 64),
+            "rms_norm_eps": config.norm_eps,
+            "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+            "tie_word_embeddings": False,
+            "attention_dropout": 0.0,
+            "attn_implementation": "eager",
+            **overrides,
+        }
+    )
 
 
 def _grouped_qkv(config: GPTConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -57,8 +72,11 @@ def _grouped_qkv(config: GPTConfig, q: torch.Tensor, k: torch.Tensor, v: torch.T
 def master_state_from_hf(config: GPTConfig, hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A Qwen2ForCausalLM state dict (or its gradients, by the same names) -> the UnshardedGPT's (table above)."""
     hf = {name.removeprefix("model."): t for name, t in hf_state.items()}
-    master = {"embedding.word_embeddings.weight": hf["embed_tokens.weight"],
-              "final_layernorm.weight": hf["norm.weight"], "output_layer.weight": hf["lm_head.weight"]}
+    master = {
+        "embedding.word_embeddings.weight": hf["embed_tokens.weight"],
+        "final_layernorm.weight": hf["norm.weight"],
+        "output_layer.weight": hf["lm_head.weight"],
+    }
     for i in range(config.num_layers):
         theirs, ours = f"layers.{i}.", f"layers.{i}."
         for their_name, our_name in _SAME.items():
@@ -66,8 +84,9 @@ def master_state_from_hf(config: GPTConfig, hf_state: dict[str, torch.Tensor]) -
         for kind in ("weight", "bias"):
             q, k, v = (hf[f"{theirs}self_attn.{x}_proj.{kind}"] for x in "qkv")
             master[f"{ours}attention.qkv.{kind}"] = _grouped_qkv(config, q, k, v)
-        master[ours + "mlp.fc1.weight"] = torch.cat([hf[theirs + "mlp.gate_proj.weight"],
-                                                     hf[theirs + "mlp.up_proj.weight"]])
+        master[ours + "mlp.fc1.weight"] = torch.cat(
+            [hf[theirs + "mlp.gate_proj.weight"], hf[theirs + "mlp.up_proj.weight"]]
+        )
     return master
 
 
@@ -75,13 +94,15 @@ def stage_state_from_master(stage: torch.nn.Module, master: dict[str, torch.Tens
     """This TP rank's tensors for every parameter of a GPTStage, by the stage's own names."""
     out = {}
     for module_name, module in stage.named_modules():
-        for param_name, param in module.named_parameters(recurse=False):
+        for param_name, _param in module.named_parameters(recurse=False):
             name = f"{module_name}.{param_name}"
             full = master[_master_name(stage, name)]
             if isinstance(module, VocabParallelEmbedding) or (
-                    isinstance(module, ColumnParallelLinear) and module.output_size > full.shape[0]):
-                full = _pad_rows(full, module.padded_vocab_size if isinstance(module, VocabParallelEmbedding)
-                                 else module.output_size)
+                isinstance(module, ColumnParallelLinear) and module.output_size > full.shape[0]
+            ):
+                full = _pad_rows(
+                    full, module.padded_vocab_size if isinstance(module, VocabParallelEmbedding) else module.output_size
+                )
             if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
                 full = shard_of(full, 0, module.tp_group, getattr(module, "stride", 1))
             elif isinstance(module, RowParallelLinear) and param_name == "weight":

@@ -30,6 +30,7 @@ tokens blind to the pad), and the loss is the mean over the real labels only (th
 before the mean, as an ignore index would), so it equals the unpadded loss. Learned positions ("gpt2") have
 one row per position and refuse instead.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -48,7 +49,6 @@ from reference.tensor_parallel.transformer import ParallelLlamaBlock, ParallelTr
 from reference.tensor_parallel.unsharded import LlamaBlock, TransformerBlock, init_method_normal
 from reference.tensor_parallel.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 
-
 STYLES = ("gpt2", "llama")
 
 
@@ -66,10 +66,10 @@ class GPTConfig:
     # one matrix embeds the tokens and produces the logits (Megatron's default is True; here False, so that
     # the untied runs and traces keep their meaning); across stages see reference.pipeline.tied_embeddings
     share_embeddings_and_output_weights: bool = False
-    style: str = "gpt2"                 # the block: "gpt2" or "llama" (see the module docstring)
-    num_kv_heads: int | None = None     # "llama": key/value heads (query groups); default num_attention_heads
-    rope_theta: float = 1_000_000.0     # "llama": rotary base (Qwen2.5's rope_theta)
-    norm_eps: float = 1e-6              # "llama": RMSNorm epsilon (Qwen2's rms_norm_eps)
+    style: str = "gpt2"  # the block: "gpt2" or "llama" (see the module docstring)
+    num_kv_heads: int | None = None  # "llama": key/value heads (query groups); default num_attention_heads
+    rope_theta: float = 1_000_000.0  # "llama": rotary base (Qwen2.5's rope_theta)
+    norm_eps: float = 1e-6  # "llama": RMSNorm epsilon (Qwen2's rms_norm_eps)
 
     @property
     def kv_heads(self) -> int:
@@ -84,14 +84,18 @@ class GPTConfig:
             raise ParallelConfigError(f"unknown model style {self.style!r}; choose one of {', '.join(STYLES)}")
         if self.style == "llama":
             if self.num_attention_heads % self.kv_heads:
-                raise ParallelConfigError(f"{self.num_attention_heads} attention heads do not split into "
-                                          f"{self.kv_heads} key/value heads' groups of equal size")
+                raise ParallelConfigError(
+                    f"{self.num_attention_heads} attention heads do not split into "
+                    f"{self.kv_heads} key/value heads' groups of equal size"
+                )
             if self.hidden_dropout or self.attention_dropout:
-                raise ParallelConfigError("the llama style has no dropout (as Llama and Qwen2 pretraining); "
-                                          "use --dropout 0")
+                raise ParallelConfigError(
+                    "the llama style has no dropout (as Llama and Qwen2 pretraining); use --dropout 0"
+                )
             if (self.hidden_size // max(self.num_attention_heads, 1)) % 2:
-                raise ParallelConfigError("rotary positions rotate pairs: the head dimension hidden_size / "
-                                          "num_attention_heads must be even")
+                raise ParallelConfigError(
+                    "rotary positions rotate pairs: the head dimension hidden_size / num_attention_heads must be even"
+                )
         elif self.num_kv_heads not in (None, self.num_attention_heads):
             raise ParallelConfigError("grouped-query attention (num_kv_heads) needs the llama style")
         for name in ("vocab_size", "hidden_size", "num_attention_heads", "num_layers", "seq_length"):
@@ -106,10 +110,18 @@ class GPTConfig:
 
     def block_kwargs(self) -> dict:
         if self.style == "llama":
-            return dict(num_kv_heads=self.kv_heads, ffn_hidden_size=self.ffn_hidden_size or 4 * self.hidden_size,
-                        norm_eps=self.norm_eps, init_method=init_method_normal(self.init_std))
-        return dict(ffn_hidden_size=self.ffn_hidden_size, init_method=init_method_normal(self.init_std),
-                    hidden_dropout=self.hidden_dropout, attention_dropout=self.attention_dropout)
+            return dict(
+                num_kv_heads=self.kv_heads,
+                ffn_hidden_size=self.ffn_hidden_size or 4 * self.hidden_size,
+                norm_eps=self.norm_eps,
+                init_method=init_method_normal(self.init_std),
+            )
+        return dict(
+            ffn_hidden_size=self.ffn_hidden_size,
+            init_method=init_method_normal(self.init_std),
+            hidden_dropout=self.hidden_dropout,
+            attention_dropout=self.attention_dropout,
+        )
 
     def final_norm(self, **kw) -> torch.nn.Module:
         if self.style == "llama":
@@ -131,8 +143,10 @@ def check_tensor_parallel(config: GPTConfig, tp: int, sequence_parallel: bool) -
         divide(config.num_attention_heads, tp, "num_attention_heads", by="the tensor-parallel size")
     if sequence_parallel and tp > 1:
         if config.seq_length < tp:
-            raise ParallelConfigError(f"sequence length {config.seq_length} is shorter than the tensor-parallel "
-                                      f"size {tp}: sequence parallelism would leave a rank without tokens")
+            raise ParallelConfigError(
+                f"sequence length {config.seq_length} is shorter than the tensor-parallel "
+                f"size {tp}: sequence parallelism would leave a rank without tokens"
+            )
         if config.style == "gpt2":
             divide(config.seq_length, tp, "the sequence length", by="the tensor-parallel size (sequence parallel)")
 
@@ -154,8 +168,10 @@ def split_layers(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
     if pp_size < 1:
         raise ParallelConfigError(f"the pipeline needs at least 1 stage, got {pp_size}")
     if pp_size > num_layers:
-        raise ParallelConfigError(f"{pp_size} pipeline stages need at least {pp_size} transformer layers, "
-                                  f"the model has {num_layers}; lower --pp or raise --num-layers")
+        raise ParallelConfigError(
+            f"{pp_size} pipeline stages need at least {pp_size} transformer layers, "
+            f"the model has {num_layers}; lower --pp or raise --num-layers"
+        )
     base, extra = divmod(num_layers, pp_size)
     bounds, first = [], 0
     for stage in range(pp_size):
@@ -190,10 +206,12 @@ class UnshardedGPT(torch.nn.Module):
         with module_seed(seed, 0):
             self.embedding = torch.nn.Module()
             self.embedding.word_embeddings = torch.nn.Embedding.from_pretrained(
-                _embedding_weight(config.vocab_size, config), freeze=False)
+                _embedding_weight(config.vocab_size, config), freeze=False
+            )
             if config.style == "gpt2":
                 self.embedding.position_embeddings = torch.nn.Embedding.from_pretrained(
-                    _embedding_weight(config.seq_length, config), freeze=False)
+                    _embedding_weight(config.seq_length, config), freeze=False
+                )
         block = LlamaBlock if config.style == "llama" else TransformerBlock
         self.layers = torch.nn.ModuleList()
         for i in range(config.num_layers):
@@ -240,13 +258,26 @@ class GPTStage(torch.nn.Module):
     Mirrors `megatron-lm:megatron/core/models/gpt/gpt_model.py::GPTModel`.
     """
 
-    def __init__(self, config: GPTConfig, tp_group: dist.ProcessGroup, *, first_layer: int, last_layer: int,
-                 is_first: bool, is_last: bool, sequence_parallel: bool = False, seed: int = 1234,
-                 device=None, params_dtype: torch.dtype = torch.float32, **block_kwargs):
+    def __init__(
+        self,
+        config: GPTConfig,
+        tp_group: dist.ProcessGroup,
+        *,
+        first_layer: int,
+        last_layer: int,
+        is_first: bool,
+        is_last: bool,
+        sequence_parallel: bool = False,
+        seed: int = 1234,
+        device=None,
+        params_dtype: torch.dtype = torch.float32,
+        **block_kwargs,
+    ):
         super().__init__()
         if not 0 <= first_layer <= last_layer <= config.num_layers:
-            raise ParallelConfigError(f"layers [{first_layer}, {last_layer}) are outside the model's "
-                                      f"{config.num_layers} layers")
+            raise ParallelConfigError(
+                f"layers [{first_layer}, {last_layer}) are outside the model's {config.num_layers} layers"
+            )
         tp = tp_group.size()
         self.config, self.tp_group, self.params_dtype = config, tp_group, params_dtype
         self.first_layer, self.last_layer, self.is_first, self.is_last = first_layer, last_layer, is_first, is_last
@@ -258,25 +289,45 @@ class GPTStage(torch.nn.Module):
             with module_seed(seed, 0):
                 self.embedding = torch.nn.Module()
                 self.embedding.word_embeddings = VocabParallelEmbedding(
-                    config.vocab_size, config.hidden_size, tp_group=tp_group, init_method=init,
-                    params_dtype=params_dtype, device=device)
+                    config.vocab_size,
+                    config.hidden_size,
+                    tp_group=tp_group,
+                    init_method=init,
+                    params_dtype=params_dtype,
+                    device=device,
+                )
                 if config.style == "gpt2":
                     self.embedding.position_embeddings = torch.nn.Embedding.from_pretrained(
-                        _embedding_weight(config.seq_length, config).to(device, params_dtype), freeze=False)
+                        _embedding_weight(config.seq_length, config).to(device, params_dtype), freeze=False
+                    )
         block = ParallelLlamaBlock if config.style == "llama" else ParallelTransformerBlock
         block_kwargs = {**config.block_kwargs(), **block_kwargs, "rng": TensorParallelRNG(seed, tp_group, device)}
         self.layers = torch.nn.ModuleList()
         for i in range(first_layer, last_layer):
             with module_seed(seed, 1 + i):
-                self.layers.append(block(config.hidden_size, config.num_attention_heads, tp_group=tp_group,
-                                         sequence_parallel=self.sequence_parallel, params_dtype=params_dtype,
-                                         device=device, **block_kwargs))
+                self.layers.append(
+                    block(
+                        config.hidden_size,
+                        config.num_attention_heads,
+                        tp_group=tp_group,
+                        sequence_parallel=self.sequence_parallel,
+                        params_dtype=params_dtype,
+                        device=device,
+                        **block_kwargs,
+                    )
+                )
         if is_last:
             with module_seed(seed, 1 + config.num_layers):
                 self.final_layernorm = config.final_norm(dtype=params_dtype, device=device)
-                self.output_layer = ParallelLMHead(config.hidden_size, config.vocab_size, tp_group=tp_group,
-                                                   init_method=init, sequence_parallel=self.sequence_parallel,
-                                                   params_dtype=params_dtype, device=device)
+                self.output_layer = ParallelLMHead(
+                    config.hidden_size,
+                    config.vocab_size,
+                    tp_group=tp_group,
+                    init_method=init,
+                    sequence_parallel=self.sequence_parallel,
+                    params_dtype=params_dtype,
+                    device=device,
+                )
             for param in self.final_layernorm.parameters():  # sees only local tokens under SP: partial grads
                 param.sequence_parallel = self.sequence_parallel
             if config.share_embeddings_and_output_weights and is_first:  # one stage: one Parameter
@@ -295,8 +346,9 @@ class GPTStage(torch.nn.Module):
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         if tokens.shape[1] != self.config.seq_length:
-            raise ParallelConfigError(f"tokens have sequence length {tokens.shape[1]}, the model "
-                                      f"{self.config.seq_length}")
+            raise ParallelConfigError(
+                f"tokens have sequence length {tokens.shape[1]}, the model {self.config.seq_length}"
+            )
         tokens = self._pad(tokens, 0)
         x = self.embedding.word_embeddings(tokens)
         if self.config.style == "gpt2":
@@ -330,13 +382,31 @@ class GPTStage(torch.nn.Module):
         return self.output_layer(hidden, self._pad(labels, 0))[:, :real].mean()
 
 
-def build_stage(config: GPTConfig, layout: ParallelLayout, *, sequence_parallel: bool = False, seed: int = 1234,
-                device=None, params_dtype: torch.dtype = torch.float32, **block_kwargs) -> GPTStage:
+def build_stage(
+    config: GPTConfig,
+    layout: ParallelLayout,
+    *,
+    sequence_parallel: bool = False,
+    seed: int = 1234,
+    device=None,
+    params_dtype: torch.dtype = torch.float32,
+    **block_kwargs,
+) -> GPTStage:
     """This rank's stage: its PP rank's share of split_layers, tensor-parallel over its TP group."""
     first, last = split_layers(config.num_layers, layout.pp_size)[layout.pp_rank]
-    return GPTStage(config, layout.tp_group, first_layer=first, last_layer=last, is_first=layout.pp_rank == 0,
-                    is_last=layout.pp_rank == layout.pp_size - 1, sequence_parallel=sequence_parallel, seed=seed,
-                    device=device, params_dtype=params_dtype, **block_kwargs)
+    return GPTStage(
+        config,
+        layout.tp_group,
+        first_layer=first,
+        last_layer=last,
+        is_first=layout.pp_rank == 0,
+        is_last=layout.pp_rank == layout.pp_size - 1,
+        sequence_parallel=sequence_parallel,
+        seed=seed,
+        device=device,
+        params_dtype=params_dtype,
+        **block_kwargs,
+    )
 
 
 def split_virtual_stages(num_layers: int, pp_size: int, virtual_stages: int) -> list[list[tuple[int, int]]]:
@@ -352,18 +422,41 @@ def split_virtual_stages(num_layers: int, pp_size: int, virtual_stages: int) -> 
     if p < 1 or v < 1:
         raise ParallelConfigError(f"pipeline and virtual stages must be at least 1, got pp {p} and {v}")
     if num_layers % (p * v):
-        raise ParallelConfigError(f"{num_layers} transformer layers do not split into pp {p} x {v} virtual stages "
-                                  f"of equal size; use a multiple of {p * v} layers")
+        raise ParallelConfigError(
+            f"{num_layers} transformer layers do not split into pp {p} x {v} virtual stages "
+            f"of equal size; use a multiple of {p * v} layers"
+        )
     per_chunk = num_layers // (p * v)
     return [[((c * p + r) * per_chunk, (c * p + r + 1) * per_chunk) for c in range(v)] for r in range(p)]
 
 
-def build_chunks(config: GPTConfig, layout: ParallelLayout, virtual_stages: int, *, sequence_parallel: bool = False,
-                 seed: int = 1234, device=None, params_dtype: torch.dtype = torch.float32,
-                 **block_kwargs) -> list[GPTStage]:
+def build_chunks(
+    config: GPTConfig,
+    layout: ParallelLayout,
+    virtual_stages: int,
+    *,
+    sequence_parallel: bool = False,
+    seed: int = 1234,
+    device=None,
+    params_dtype: torch.dtype = torch.float32,
+    **block_kwargs,
+) -> list[GPTStage]:
     """This rank's v model chunks for interleaved 1F1B (split_virtual_stages), tensor-parallel over its TP group."""
     p, r, v = layout.pp_size, layout.pp_rank, virtual_stages
     bounds = split_virtual_stages(config.num_layers, p, v)[r]
-    return [GPTStage(config, layout.tp_group, first_layer=first, last_layer=last, is_first=first == 0,
-                     is_last=last == config.num_layers, sequence_parallel=sequence_parallel, seed=seed,
-                     device=device, params_dtype=params_dtype, **block_kwargs) for first, last in bounds]
+    return [
+        GPTStage(
+            config,
+            layout.tp_group,
+            first_layer=first,
+            last_layer=last,
+            is_first=first == 0,
+            is_last=last == config.num_layers,
+            sequence_parallel=sequence_parallel,
+            seed=seed,
+            device=device,
+            params_dtype=params_dtype,
+            **block_kwargs,
+        )
+        for first, last in bounds
+    ]

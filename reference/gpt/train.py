@@ -28,6 +28,7 @@ defaults of train_step's `finalize_grads` and `no_sync`). Under its default --al
 `config.grad_sync_func`, so that stages after the first reduce after their last backward; this reference
 overlaps the last backward on every stage (Megatron-LM with --no-align-grad-reduce).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -54,13 +55,16 @@ def synthetic_batches(config: GPTConfig, steps: int, global_batch_size: int, see
     return random_token_batches(config.vocab_size, steps, global_batch_size, config.seq_length + 1, seed)
 
 
-def split_batch(tokens: torch.Tensor, dp_size: int, dp_rank: int, num_micro_batches: int
-                ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def split_batch(
+    tokens: torch.Tensor, dp_size: int, dp_rank: int, num_micro_batches: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """This replica's rows of the global batch as m (inputs, labels) micro-batches."""
     rows, m = tokens.shape[0], num_micro_batches
     if m < 1 or rows % (dp_size * m):
-        raise ParallelConfigError(f"a global batch of {rows} sequences does not split into dp {dp_size} x "
-                                  f"{m} micro-batches of equal size; use a multiple of {dp_size * max(m, 1)}")
+        raise ParallelConfigError(
+            f"a global batch of {rows} sequences does not split into dp {dp_size} x "
+            f"{m} micro-batches of equal size; use a multiple of {dp_size * max(m, 1)}"
+        )
     mine = tokens.chunk(dp_size)[dp_rank]
     return [(chunk[:, :-1], chunk[:, 1:]) for chunk in mine.chunk(m)]
 
@@ -78,17 +82,27 @@ def global_loss(result: PipelineResult, layout: ParallelLayout, device: torch.de
 
 @dataclasses.dataclass
 class StepResult:
-    loss: float               # the global batch's mean token loss (same on every rank)
+    loss: float  # the global batch's mean token loss (same on every rank)
     pipeline: PipelineResult  # this stage's schedule record
 
 
-def data_parallel(stage: GPTStage, layout: ParallelLayout, *, bucket_size: int | None = DEFAULT_BUCKET_SIZE,
-                  overlap_grad_reduce: bool = True, use_distributed_optimizer: bool = False) -> DistributedDataParallel:
+def data_parallel(
+    stage: GPTStage,
+    layout: ParallelLayout,
+    *,
+    bucket_size: int | None = DEFAULT_BUCKET_SIZE,
+    overlap_grad_reduce: bool = True,
+    use_distributed_optimizer: bool = False,
+) -> DistributedDataParallel:
     """The stage wrapped for gradient averaging over the layout's DP group (bucketed, optionally overlapped;
     reduce-scattered for reference.data_parallel.distributed_optimizer.DistributedOptimizer)."""
-    return DistributedDataParallel(stage, layout.dp_group, bucket_size=bucket_size,
-                                   overlap_grad_reduce=overlap_grad_reduce,
-                                   use_distributed_optimizer=use_distributed_optimizer)
+    return DistributedDataParallel(
+        stage,
+        layout.dp_group,
+        bucket_size=bucket_size,
+        overlap_grad_reduce=overlap_grad_reduce,
+        use_distributed_optimizer=use_distributed_optimizer,
+    )
 
 
 def fully_sharded(stage: GPTStage, layout: ParallelLayout, **fsdp_kwargs) -> FullyShardedDataParallel:
@@ -100,12 +114,19 @@ def fully_sharded(stage: GPTStage, layout: ParallelLayout, **fsdp_kwargs) -> Ful
     return shard_tp_model(stage, layout, **fsdp_kwargs)
 
 
-def train_step(model: DistributedDataParallel | FullyShardedDataParallel | list[DistributedDataParallel],
-               optimizer: torch.optim.Optimizer,
-               tokens: torch.Tensor, layout: ParallelLayout, *, num_micro_batches: int, schedule: str = "1f1b",
-               device: torch.device | None = None, record: contextlib.AbstractContextManager | None = None,
-               no_sync: Callable[[], contextlib.AbstractContextManager] | None = None,
-               finalize_grads: Callable[[], None] | None = None) -> StepResult:
+def train_step(
+    model: DistributedDataParallel | FullyShardedDataParallel | list[DistributedDataParallel],
+    optimizer: torch.optim.Optimizer,
+    tokens: torch.Tensor,
+    layout: ParallelLayout,
+    *,
+    num_micro_batches: int,
+    schedule: str = "1f1b",
+    device: torch.device | None = None,
+    record: contextlib.AbstractContextManager | None = None,
+    no_sync: Callable[[], contextlib.AbstractContextManager] | None = None,
+    finalize_grads: Callable[[], None] | None = None,
+) -> StepResult:
     """One optimizer step on the global batch `tokens` [B, s + 1] for a stage wrapped by `data_parallel` or
     `fully_sharded`, or for a list of v > 1 model chunks each wrapped by `data_parallel` (interleaved 1F1B).
     `no_sync` defaults to the DDP wrappers' (all chunks at once; FSDP: nothing to defer, one micro-batch),
@@ -117,20 +138,31 @@ def train_step(model: DistributedDataParallel | FullyShardedDataParallel | list[
     device = device or torch.device("cpu")
     chunks = model if isinstance(model, list) else [model]
     if isinstance(model, FullyShardedDataParallel) and num_micro_batches > 1:
-        raise ParallelConfigError(f"a fully_sharded stage trains one micro-batch per step, got {num_micro_batches}: "
-                                  "the reference FSDP has no no_sync to defer its reduce-scatters")
+        raise ParallelConfigError(
+            f"a fully_sharded stage trains one micro-batch per step, got {num_micro_batches}: "
+            "the reference FSDP has no no_sync to defer its reduce-scatters"
+        )
     if no_sync is None:
-        no_sync = (functools.partial(_all_no_sync, chunks) if isinstance(chunks[0], DistributedDataParallel)
-                   else contextlib.nullcontext)
-    micro_batches = [(x.to(device), y.to(device))
-                     for x, y in split_batch(tokens, layout.dp_size, layout.dp_rank, num_micro_batches)]
+        no_sync = (
+            functools.partial(_all_no_sync, chunks)
+            if isinstance(chunks[0], DistributedDataParallel)
+            else contextlib.nullcontext
+        )
+    micro_batches = [
+        (x.to(device), y.to(device)) for x, y in split_batch(tokens, layout.dp_size, layout.dp_rank, num_micro_batches)
+    ]
     with record or contextlib.nullcontext():
         result = forward_backward(
-            schedule, model, micro_batches, pp_group=layout.pp_group,
+            schedule,
+            model,
+            micro_batches,
+            pp_group=layout.pp_group,
             activation_shape=chunks[0].module.activation_shape(micro_batches[0][0].shape[0]),
             no_sync=no_sync,
             finalize_grads=finalize_grads or (lambda: finalize_model_grads(chunks, layout.tp_group)),
-            dtype=chunks[0].module.params_dtype, device=device)
+            dtype=chunks[0].module.params_dtype,
+            device=device,
+        )
         optimizer.step()
     for chunk in chunks:
         chunk.zero_grad()

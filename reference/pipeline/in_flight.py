@@ -6,6 +6,7 @@ saved_tensors_hooks) in a small holder tagged with i. Autograd drops the holder 
 flight and the bytes they hold, as the schedule runs, independently of the schedule's own bookkeeping.
 Parameters saved by a layer are not activations and are not counted in the bytes.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -17,6 +18,7 @@ import torch
 
 class _Saved:
     """A saved tensor, and the accounting to undo when autograd lets go of it."""
+
     __slots__ = ("tensor", "owner", "micro_batch", "nbytes")
 
     def __init__(self, tensor, owner, micro_batch, nbytes):

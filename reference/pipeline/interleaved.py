@@ -20,6 +20,7 @@ left at its default p). Megatron exchanges in matched send/receive rounds shifte
 reference posts each send at once and blocks only on receives (reference.pipeline.p2p.RingP2P): the order of
 actions per rank is megatron's, the moment a transfer happens is not.
 """
+
 from __future__ import annotations
 
 import collections
@@ -35,8 +36,10 @@ def check_interleaving(p: int, v: int, m: int) -> None:
     if v > 1 and p < 2:
         raise ParallelConfigError(f"{v} virtual pipeline stages need a pipeline of at least 2 stages, got {p}")
     if v > 1 and m % p:
-        raise ParallelConfigError(f"interleaved 1F1B ({v} virtual stages) needs the number of micro-batches ({m}) "
-                                  f"to be a multiple of the pipeline size ({p}), as megatron-core requires")
+        raise ParallelConfigError(
+            f"interleaved 1F1B ({v} virtual stages) needs the number of micro-batches ({m}) "
+            f"to be a multiple of the pipeline size ({p}), as megatron-core requires"
+        )
 
 
 def schedule_table(v: int, m: int, p: int) -> list[tuple[int, int]]:
@@ -66,7 +69,7 @@ def interleaved_order(p: int, r: int, v: int, m: int) -> list[tuple[str, int, in
     forwards = [("F", c, i) for i, c in table]
     backwards = [("B", v - 1 - c, i) for i, c in table]
     steady = [action for k in range(v * m - warmup) for action in (forwards[warmup + k], backwards[k])]
-    return forwards[:warmup] + steady + backwards[v * m - warmup:]
+    return forwards[:warmup] + steady + backwards[v * m - warmup :]
 
 
 def peak_in_flight(p: int, r: int, v: int, m: int) -> int:

@@ -13,6 +13,7 @@ send_forward, recv_backward, send_backward, send_forward_recv_backward, send_bac
 ::_p2p_ops. Megatron pairs the two directions on different communicators when the PP group has two ranks,
 to overlap them; here one group carries both.
 """
+
 from __future__ import annotations
 
 import torch
@@ -23,30 +24,43 @@ class PipelineP2P:
     """The four transfers of one stage; at the pipeline's ends the missing neighbour's transfers are no-ops
     (receives return None)."""
 
-    def __init__(self, pp_group: dist.ProcessGroup, shape: tuple[int, ...], dtype: torch.dtype,
-                 device: torch.device):
+    def __init__(self, pp_group: dist.ProcessGroup, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
         self.group, self.shape, self.dtype, self.device = pp_group, tuple(shape), dtype, device
         rank, size = pp_group.rank(), pp_group.size()
         self.is_first, self.is_last, self.even = rank == 0, rank == size - 1, rank % 2 == 0
         self.prev = None if self.is_first else dist.get_global_rank(pp_group, rank - 1)
         self.next = None if self.is_last else dist.get_global_rank(pp_group, rank + 1)
 
-    def _communicate(self, *, send_next=None, send_prev=None, recv_prev=False, recv_next=False,
-                     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def _communicate(
+        self,
+        *,
+        send_next=None,
+        send_prev=None,
+        recv_prev=False,
+        recv_next=False,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """One round; returns (tensor from prev, tensor from next). Received activations require grad.
 
         Mirrors `megatron-lm:megatron/core/pipeline_parallel/p2p_communication.py::_p2p_ops`.
         """
         from_prev = self._buffer() if recv_prev and self.prev is not None else None
         from_next = self._buffer() if recv_next and self.next is not None else None
-        ops = {"send_next": (dist.isend, send_next if self.next is not None else None, self.next),
-               "recv_prev": (dist.irecv, from_prev, self.prev),
-               "send_prev": (dist.isend, send_prev if self.prev is not None else None, self.prev),
-               "recv_next": (dist.irecv, from_next, self.next)}
-        order = (("send_next", "recv_prev", "send_prev", "recv_next") if self.even
-                 else ("recv_prev", "send_next", "recv_next", "send_prev"))
-        works = [op(tensor.contiguous() if op is dist.isend else tensor, peer, group=self.group)
-                 for op, tensor, peer in (ops[name] for name in order) if tensor is not None]
+        ops = {
+            "send_next": (dist.isend, send_next if self.next is not None else None, self.next),
+            "recv_prev": (dist.irecv, from_prev, self.prev),
+            "send_prev": (dist.isend, send_prev if self.prev is not None else None, self.prev),
+            "recv_next": (dist.irecv, from_next, self.next),
+        }
+        order = (
+            ("send_next", "recv_prev", "send_prev", "recv_next")
+            if self.even
+            else ("recv_prev", "send_next", "recv_next", "send_prev")
+        )
+        works = [
+            op(tensor.contiguous() if op is dist.isend else tensor, peer, group=self.group)
+            for op, tensor, peer in (ops[name] for name in order)
+            if tensor is not None
+        ]
         for work in works:
             work.wait()
         if from_prev is not None:
@@ -94,8 +108,7 @@ class RingP2P:
 
     FORWARD, BACKWARD = 0, 1  # tags: activations go to next, their gradients to prev
 
-    def __init__(self, pp_group: dist.ProcessGroup, shape: tuple[int, ...], dtype: torch.dtype,
-                 device: torch.device):
+    def __init__(self, pp_group: dist.ProcessGroup, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
         self.group, self.shape, self.dtype, self.device = pp_group, tuple(shape), dtype, device
         rank, size = pp_group.rank(), pp_group.size()
         self.prev = dist.get_global_rank(pp_group, (rank - 1) % size)

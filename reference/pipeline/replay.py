@@ -4,6 +4,7 @@ Wall-clock bubbles of ranks sharing a few CPU cores are noise; the order each st
 orders with only their data dependencies and fixed costs gives the idle fraction to compare with a closed form
 (tests/reference/test_interleaved.py, test_megatron_pipeline_upstream.py, benchmarks/bench_pipeline.py).
 """
+
 from __future__ import annotations
 
 

@@ -24,11 +24,13 @@ torch/distributed/pipelining/schedules.py::ScheduleGPipe. Megatron can also free
 training); this reference does not.
 
 Measured, per stage: the action order and each action's start and end (perf_counter(), the clock of
-reference.recorder) and, under a recorder, its FLOPs as the recorder counts them; the peak number of micro-batches in flight both as the schedule counts them and as
-autograd really keeps them (reference.pipeline.in_flight), and the bubble: the idle
+reference.recorder) and, under a recorder, its FLOPs as the recorder counts them; the peak number of
+micro-batches in flight both as the schedule counts them and as autograd really keeps them
+(reference.pipeline.in_flight), and the bubble: the idle
 fraction of the time between two barriers of the PP group around the schedule, the busy time being the sum
 of this stage's forward and backward steps (their TP collectives included, the waits for p2p excluded).
 """
+
 from __future__ import annotations
 
 import collections
@@ -67,20 +69,21 @@ def peak_in_flight_formula(schedule: str, p: int, r: int, m: int, v: int = 1) ->
 @dataclasses.dataclass
 class PipelineResult:
     """What one stage did in one forward_backward call."""
+
     schedule: str
-    virtual_stages: int            # model chunks on this stage (v); > 1: interleaved 1F1B
+    virtual_stages: int  # model chunks on this stage (v); > 1: interleaved 1F1B
     pp_rank: int
     pp_size: int
     num_micro_batches: int
-    losses: list[float]            # last stage: each micro-batch's loss (before the 1/m scaling); else []
-    actions: list[str]             # "F0", "B0", ... in the order run ("F<chunk>.<i>" with several chunks)
+    losses: list[float]  # last stage: each micro-batch's loss (before the 1/m scaling); else []
+    actions: list[str]  # "F0", "B0", ... in the order run ("F<chunk>.<i>" with several chunks)
     action_spans: list[tuple[float, float]]  # (start, end) of each action: perf_counter(), the recorder's clock
-    action_flops: list[int]        # FLOPs of each action as a CollectiveRecorder counted them (0 without one)
-    start_s: float                 # perf_counter() when the schedule started (after the PP barrier)
-    peak_in_flight: int            # forwards whose backward had not run, as the schedule counted them
-    peak_in_flight_measured: int   # micro-batches whose saved activations autograd still held
-    peak_activation_bytes: int     # bytes of those saved activations at their peak
-    total_s: float                 # from start_s to the end of the schedule (its closing PP barrier)
+    action_flops: list[int]  # FLOPs of each action as a CollectiveRecorder counted them (0 without one)
+    start_s: float  # perf_counter() when the schedule started (after the PP barrier)
+    peak_in_flight: int  # forwards whose backward had not run, as the schedule counted them
+    peak_in_flight_measured: int  # micro-batches whose saved activations autograd still held
+    peak_activation_bytes: int  # bytes of those saved activations at their peak
+    total_s: float  # from start_s to the end of the schedule (its closing PP barrier)
 
     @property
     def busy_s(self) -> float:
@@ -96,8 +99,12 @@ class PipelineResult:
         return bubble_formula(self.pp_size, self.num_micro_batches, self.virtual_stages)
 
     def to_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "busy_s": self.busy_s, "bubble": self.bubble,
-                "bubble_formula": self.bubble_formula}
+        return {
+            **dataclasses.asdict(self),
+            "busy_s": self.busy_s,
+            "bubble": self.bubble,
+            "bubble_formula": self.bubble_formula,
+        }
 
 
 def loss_values(losses: list[torch.Tensor]) -> list[float]:
@@ -170,12 +177,18 @@ def _one_f_one_b(steps: Steps, p2p: PipelineP2P, sync: GradSync) -> None:
         p2p.send_backward(steps.backward(j, old_input, old_output, p2p.recv_backward()))
 
 
-def forward_backward(schedule: str, stage: torch.nn.Module | Sequence[torch.nn.Module],
-                     micro_batches: Sequence[tuple], *,
-                     pp_group: dist.ProcessGroup, activation_shape: tuple[int, ...],
-                     no_sync: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                     finalize_grads: Callable[[], None] | None = None, dtype: torch.dtype = torch.float32,
-                     device: torch.device | None = None) -> PipelineResult:
+def forward_backward(
+    schedule: str,
+    stage: torch.nn.Module | Sequence[torch.nn.Module],
+    micro_batches: Sequence[tuple],
+    *,
+    pp_group: dist.ProcessGroup,
+    activation_shape: tuple[int, ...],
+    no_sync: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    finalize_grads: Callable[[], None] | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | None = None,
+) -> PipelineResult:
     """Run forward and backward of every micro-batch on this stage with `schedule` ("gpipe" or "1f1b").
 
     stage(hidden, *micro_batch) is called per micro-batch (hidden: None on the first stage, else received);
@@ -213,9 +226,19 @@ def forward_backward(schedule: str, stage: torch.nn.Module | Sequence[torch.nn.M
     total = time.perf_counter() - start
     if finalize_grads is not None:
         finalize_grads()
-    return PipelineResult(schedule=schedule, virtual_stages=v, pp_rank=r, pp_size=p,
-                          num_micro_batches=len(micro_batches),
-                          losses=loss_values(steps.losses), actions=steps.actions,
-                          action_spans=steps.spans, action_flops=steps.flops, start_s=start, peak_in_flight=steps.peak_in_flight,
-                          peak_in_flight_measured=steps.meter.peak_micro_batches,
-                          peak_activation_bytes=steps.meter.peak_bytes, total_s=total)
+    return PipelineResult(
+        schedule=schedule,
+        virtual_stages=v,
+        pp_rank=r,
+        pp_size=p,
+        num_micro_batches=len(micro_batches),
+        losses=loss_values(steps.losses),
+        actions=steps.actions,
+        action_spans=steps.spans,
+        action_flops=steps.flops,
+        start_s=start,
+        peak_in_flight=steps.peak_in_flight,
+        peak_in_flight_measured=steps.meter.peak_micro_batches,
+        peak_activation_bytes=steps.meter.peak_bytes,
+        total_s=total,
+    )

@@ -6,6 +6,7 @@ order; these run each action, name it, time it and count what it keeps alive.
 Counterparts: megatron/core/pipeline_parallel/schedules.py::forward_step and ::backward_step, and the
 disable_grad_sync / enable_grad_sync closures of its schedule functions.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -40,8 +41,9 @@ class Steps:
     and measured. Actions are named F<i>/B<i>, or F<c>.<i>/B<c>.<i> for chunk c of several (as megatron-core's
     vp_stage numbers them)."""
 
-    def __init__(self, chunks: Sequence[torch.nn.Module], micro_batches: Sequence[tuple], is_last: bool,
-                 device: torch.device):
+    def __init__(
+        self, chunks: Sequence[torch.nn.Module], micro_batches: Sequence[tuple], is_last: bool, device: torch.device
+    ):
         self.chunks, self.micro_batches, self.is_last_rank = chunks, micro_batches, is_last
         self.cuda = device if device.type == "cuda" else None
         self.meter = InFlightActivations()
@@ -76,6 +78,7 @@ class Steps:
                 self.losses.append(output.detach())
                 output = output / len(self.micro_batches)
             return output
+
         output = self._timed(self._name("F", i, chunk), run)
         self.in_flight += 1
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
@@ -83,9 +86,11 @@ class Steps:
 
     def backward(self, i: int, input_tensor, output, output_grad, chunk: int = 0) -> torch.Tensor | None:
         """Mirrors `megatron-lm:megatron/core/pipeline_parallel/schedules.py::backward_step`."""
+
         def run():
             torch.autograd.backward(output, grad_tensors=output_grad)  # output_grad None: output is the loss
             return None if input_tensor is None else input_tensor.grad
+
         input_grad = self._timed(self._name("B", i, chunk), run)
         self.in_flight -= 1
         return input_grad

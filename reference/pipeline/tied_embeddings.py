@@ -18,6 +18,7 @@ setup_embeddings_and_output_layer (fill_(0), then all_reduce over embd_group), m
 megatron/core/distributed/finalize_model_grads.py::_allreduce_word_embedding_grads (main_grad all-reduced
 over embd_group).
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -46,7 +47,7 @@ def embedding_group(layout: ParallelLayout) -> dist.ProcessGroup | None:
     return mine
 
 
-def shared_weight(stage: "GPTStage") -> torch.nn.Parameter | None:
+def shared_weight(stage: GPTStage) -> torch.nn.Parameter | None:
     """The copy of the tied matrix this stage holds: the word embedding (first stage) or the output layer's
     weight (last stage); None on a middle stage."""
     if stage.is_first:
@@ -57,7 +58,7 @@ def shared_weight(stage: "GPTStage") -> torch.nn.Parameter | None:
 
 
 @torch.no_grad()
-def tie_across_stages(stage: "GPTStage", group: dist.ProcessGroup | None) -> None:
+def tie_across_stages(stage: GPTStage, group: dist.ProcessGroup | None) -> None:
     """Make the last stage's output weight a copy of the first stage's word embedding (zero it, all-reduce).
 
     Mirrors

@@ -2,26 +2,38 @@
 [--json]`: trace one training step of one rank (or a first, middle and last stage rank) of a large job with the
 fake process group, and print the bytes per group and collective type, and the bytes the rank holds, next to
 the closed-form formula. Exit 0 when every row agrees, 1 when one does not, 2 for a setup that cannot exist."""
+
 from __future__ import annotations
 
 import argparse
 import json
 import sys
 
-from reference.arguments import (MAX_MICROBATCHES, MAX_WORLD, MICROBATCHES_WHY, WORLD_WHY, OneLineParser,
-                                 microbatches, refuse_large_world, world_size)
+from reference.arguments import (
+    MAX_MICROBATCHES,
+    MAX_WORLD,
+    MICROBATCHES_WHY,
+    WORLD_WHY,
+    OneLineParser,
+    microbatches,
+    refuse_large_world,
+    world_size,
+)
 from reference.data_parallel.wrapper import DEFAULT_BUCKET_SIZE
 from reference.parallel_state import ORDERS, ParallelConfigError
 from reference.pipeline.schedules import SCHEDULES
 from reference.scale import formulas
 from reference.scale.shapes import MODELS, setup_for
-from reference.scale.simulate import document, default_ranks
+from reference.scale.simulate import default_ranks, document
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(prog="python -m reference.scale", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                           description=__doc__.split("\n\n")[0] + f" At most {MAX_WORLD:,} ranks ({WORLD_WHY}) and "
-                           f"{MAX_MICROBATCHES} micro-batches ({MICROBATCHES_WHY}).")
+    parser = OneLineParser(
+        prog="python -m reference.scale",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description=__doc__.split("\n\n")[0] + f" At most {MAX_WORLD:,} ranks ({WORLD_WHY}) and "
+        f"{MAX_MICROBATCHES} micro-batches ({MICROBATCHES_WHY}).",
+    )
     parser.add_argument("--model", default="70b", help=f"model shape: {', '.join(MODELS)}")
     parser.add_argument("--tp", type=world_size, default=8, help="tensor-parallel size")
     parser.add_argument("--pp", type=world_size, default=8, help="pipeline-parallel size")
@@ -29,37 +41,58 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--microbatches", type=microbatches, default=16, help="micro-batches per step (m)")
     parser.add_argument("--sp", action="store_true", help="sequence parallelism")
     parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule")
-    parser.add_argument("--virtual-stages", type=int, default=1, metavar="V",
-                        help="model chunks per stage; V > 1: interleaved 1F1B (layers divisible by pp x V, "
-                             "micro-batches by pp)")
-    parser.add_argument("--bucket-size", type=int, default=DEFAULT_BUCKET_SIZE, metavar="BYTES",
-                        help="DDP gradient bucket size (0: one bucket)")
-    parser.add_argument("--distributed-optimizer", action="store_true",
-                        help="shard fp32 masters and Adam states over DP (ZeRO-1): reduce-scatter the gradients, "
-                             "all-gather the parameters; needs dp > 1")
+    parser.add_argument(
+        "--virtual-stages",
+        type=int,
+        default=1,
+        metavar="V",
+        help="model chunks per stage; V > 1: interleaved 1F1B (layers divisible by pp x V, micro-batches by pp)",
+    )
+    parser.add_argument(
+        "--bucket-size",
+        type=int,
+        default=DEFAULT_BUCKET_SIZE,
+        metavar="BYTES",
+        help="DDP gradient bucket size (0: one bucket)",
+    )
+    parser.add_argument(
+        "--distributed-optimizer",
+        action="store_true",
+        help="shard fp32 masters and Adam states over DP (ZeRO-1): reduce-scatter the gradients, "
+        "all-gather the parameters; needs dp > 1",
+    )
     parser.add_argument("--order", choices=ORDERS, default="tp-pp-dp", help="rank order (megatron's `order`)")
-    parser.add_argument("--rank", type=int, action="append", default=None,
-                        help="rank to trace (repeatable); default: a first, middle and last stage rank")
+    parser.add_argument(
+        "--rank",
+        type=int,
+        action="append",
+        default=None,
+        help="rank to trace (repeatable); default: a first, middle and last stage rank",
+    )
     parser.add_argument("--json", action="store_true", help="print the trace document as JSON")
     return parser
 
 
 def format_document(doc: dict) -> str:
     s = doc["setup"]
-    lines = [f"{s['model']['name']} on tp {s['tp']} x pp {s['pp']} x dp {s['dp']} = {doc['world']} ranks, "
-             f"{s['microbatches']} micro-batches, sp {'on' if s['sp'] else 'off'}, {s['schedule']}"
-             + (f" interleaved over {s['virtual_stages']} chunks per stage" if s.get("virtual_stages", 1) > 1 else "")
-             + ", DDP "
-             + (f"buckets of {formulas.human(s['bucket_size'])}" if s["bucket_size"] else "in one bucket")
-             + (", distributed optimizer" if s.get("distributed_optimizer") else "")]
+    lines = [
+        f"{s['model']['name']} on tp {s['tp']} x pp {s['pp']} x dp {s['dp']} = {doc['world']} ranks, "
+        f"{s['microbatches']} micro-batches, sp {'on' if s['sp'] else 'off'}, {s['schedule']}"
+        + (f" interleaved over {s['virtual_stages']} chunks per stage" if s.get("virtual_stages", 1) > 1 else "")
+        + ", DDP "
+        + (f"buckets of {formulas.human(s['bucket_size'])}" if s["bucket_size"] else "in one bucket")
+        + (", distributed optimizer" if s.get("distributed_optimizer") else "")
+    ]
     for run in doc["runs"]:
         lines.append(f"rank {run['rank']} (pipeline stage {run['stage']} of {s['pp']}): one step")
         lines.append(f"  {'group':5} {'op':14} {'count':>6} {'bytes':>16} {'':>12}  formula")
         for r in run["rows"]:
             ok = r["count"] == r["formula_count"] and r["bytes"] == r["formula_bytes"]
             verdict = "" if ok else f"   MISMATCH: formula gives {r['formula_count']} x, {r['formula_bytes']} B"
-            lines.append(f"  {r['group']:5} {r['op']:14} {r['count']:>6} {r['bytes']:>16,} {formulas.human(r['bytes']):>12}"
-                         f"  {r['formula']}{verdict}")
+            lines.append(
+                f"  {r['group']:5} {r['op']:14} {r['count']:>6} {r['bytes']:>16,} {formulas.human(r['bytes']):>12}"
+                f"  {r['formula']}{verdict}"
+            )
         lines.append(f"  {'held':20} {'':>6} {'bytes':>16} {'':>12}  formula")
         for what, nbytes in run["memory"]["measured"].items():
             expected = run["memory"]["formula"][what]
@@ -73,10 +106,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     refuse_large_world(parser, tp=args.tp, pp=args.pp, dp=args.dp)
     try:
-        setup = setup_for(args.model.lower(), tp=args.tp, pp=args.pp, dp=args.dp, microbatches=args.microbatches,
-                          sp=args.sp, schedule=args.schedule, bucket_size=args.bucket_size or None,
-                          order=args.order, distributed_optimizer=args.distributed_optimizer,
-                          virtual_stages=args.virtual_stages)
+        setup = setup_for(
+            args.model.lower(),
+            tp=args.tp,
+            pp=args.pp,
+            dp=args.dp,
+            microbatches=args.microbatches,
+            sp=args.sp,
+            schedule=args.schedule,
+            bucket_size=args.bucket_size or None,
+            order=args.order,
+            distributed_optimizer=args.distributed_optimizer,
+            virtual_stages=args.virtual_stages,
+        )
         ranks = args.rank or default_ranks(setup)
         outside = [r for r in ranks if not 0 <= r < setup.world]
         if outside:

@@ -44,6 +44,7 @@ optimizer is Adam behind fp32 master weights (reference.data_parallel.mixed_prec
 fp32): masters 4 P and moments 8 P on every DP rank, or 4 P'/d and 8 P'/d with the distributed optimizer: the
 ZeRO paper's 2 + 2 + 12/N bytes per parameter at e = 2.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -57,6 +58,7 @@ FP32 = 4
 @dataclasses.dataclass(frozen=True)
 class Term:
     """One source of traffic in a (group, op) row: how many collectives, how many bytes in all, and why."""
+
     count: int
     nbytes: int
     formula: str
@@ -109,8 +111,11 @@ def padded_buckets(setup: ScaleSetup, stage: int) -> list[int]:
     """Elements of each gradient bucket, padded to a multiple of dp under the distributed optimizer
     (reference.data_parallel.buckets.padded_numel)."""
     e = setup.dtype_bytes
-    elements = [nbytes // e for chunk in range(setup.virtual_stages)
-                for nbytes in ddp_buckets(stage_parameters(setup, stage, chunk), e, setup.bucket_size)]
+    elements = [
+        nbytes // e
+        for chunk in range(setup.virtual_stages)
+        for nbytes in ddp_buckets(stage_parameters(setup, stage, chunk), e, setup.bucket_size)
+    ]
     if not setup.distributed_optimizer:
         return elements
     return [-(-n // setup.dp) * setup.dp for n in elements]
@@ -120,8 +125,12 @@ def memory(setup: ScaleSetup, stage: int) -> dict[str, int]:
     """Bytes a rank of stage `stage` holds for parameters, gradients, fp32 masters and Adam's moments."""
     e, held = setup.dtype_bytes, sum(padded_buckets(setup, stage))
     share = held // setup.dp if setup.distributed_optimizer else held
-    return {"parameters": e * held, "gradients": e * held, "master_weights": 0 if e == FP32 else FP32 * share,
-            "optimizer_states": 2 * FP32 * share}
+    return {
+        "parameters": e * held,
+        "gradients": e * held,
+        "master_weights": 0 if e == FP32 else FP32 * share,
+        "optimizer_states": 2 * FP32 * share,
+    }
 
 
 def sequence_parallel_params(setup: ScaleSetup, stage: int, chunk: int = 0) -> int:
@@ -175,15 +184,22 @@ def expected(setup: ScaleSetup, stage: int) -> dict[tuple[str, str], list[Term]]
         for chunk in range(setup.virtual_stages):  # one flat all-reduce per model chunk
             heads = chunk_layers(setup, stage, chunk)[2]
             per_chunk = "L" if setup.virtual_stages == 1 else "L/v"
-            add("tp", "all_reduce", 1, sequence_parallel_params(setup, stage, chunk) * e,
-                f"1 x (6h{per_chunk}" + (" + 2h" if heads else "") + ")e (SP LayerNorm + bias grads)")
+            add(
+                "tp",
+                "all_reduce",
+                1,
+                sequence_parallel_params(setup, stage, chunk) * e,
+                f"1 x (6h{per_chunk}" + (" + 2h" if heads else "") + ")e (SP LayerNorm + bias grads)",
+            )
     if setup.pp > 1:
         add("pp", "barrier", 2, 0, "2 x 0 (bubble measurement: start, end)")
         shard = act // setup.tp if sp else act
         what = "bshe/t" if sp else "bshe"
         v = setup.virtual_stages
-        for op, direction_first, direction_last in (("send", "activations", "input grads"),
-                                                    ("recv", "output grads", "activations")):
+        for op, direction_first, direction_last in (
+            ("send", "activations", "input grads"),
+            ("recv", "output grads", "activations"),
+        ):
             if v > 1:  # every chunk-forward but the model's last sends on, every one but its first receives
                 add("pp", op, mb * (v - last), shard, f"m {'(v - 1)' if last else 'v'} x {what} ({direction_first})")
                 add("pp", op, mb * (v - first), shard, f"m {'(v - 1)' if first else 'v'} x {what} ({direction_last})")

@@ -10,6 +10,7 @@ first-to-last-stage embedding all-reduce. The vocabulary is padded to a multiple
 reference.tensor_parallel.vocab_parallel does (Megatron-LM pads to a multiple of 128 tp).
 The "small" preset is for tests; its vocabulary (1001) needs padding at every TP size above 1.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -40,9 +41,14 @@ class ModelShape:
 
     def gpt_config(self) -> GPTConfig:
         """The reference GPT of this shape (no dropout: a meta tensor has nothing to drop)."""
-        return GPTConfig(vocab_size=self.vocab_size, hidden_size=self.hidden_size,
-                         num_attention_heads=self.num_attention_heads, num_layers=self.num_layers,
-                         seq_length=self.seq_length, ffn_hidden_size=self.ffn_hidden_size)
+        return GPTConfig(
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            num_attention_heads=self.num_attention_heads,
+            num_layers=self.num_layers,
+            seq_length=self.seq_length,
+            ffn_hidden_size=self.ffn_hidden_size,
+        )
 
 
 MODELS = {
@@ -58,9 +64,11 @@ class ScaleSetup:
     microbatches: per step and DP replica. sp: sequence parallelism. schedule: "gpipe" or "1f1b" (the same
     traffic per step, in another order). bucket_size: the DDP gradient bucket size in bytes (None: one
     bucket), reference.data_parallel.DistributedDataParallel's. distributed_optimizer: ZeRO-1
-    (reference.data_parallel.distributed_optimizer) instead of every DP rank stepping every parameter. virtual_stages: model chunks per stage
-    (v > 1: interleaved 1F1B, reference.gpt.model.build_chunks; each chunk its own DDP).
+    (reference.data_parallel.distributed_optimizer) instead of every DP rank stepping every parameter.
+    virtual_stages: model chunks per stage (v > 1: interleaved 1F1B, reference.gpt.model.build_chunks; each chunk its
+    own DDP).
     """
+
     model: ModelShape
     tp: int
     pp: int
@@ -76,8 +84,9 @@ class ScaleSetup:
     def __post_init__(self) -> None:
         m = self.model
         if min(self.tp, self.pp, self.dp, self.microbatches) < 1:
-            raise ParallelConfigError(f"tp {self.tp}, pp {self.pp}, dp {self.dp} and microbatches "
-                                      f"{self.microbatches} must be >= 1")
+            raise ParallelConfigError(
+                f"tp {self.tp}, pp {self.pp}, dp {self.dp} and microbatches {self.microbatches} must be >= 1"
+            )
         if self.pp > m.num_layers:
             raise ParallelConfigError(f"{self.pp} pipeline stages but only {m.num_layers} layers")
         divide(m.num_attention_heads, self.tp, "num_attention_heads")
@@ -90,9 +99,11 @@ class ScaleSetup:
         if self.schedule not in SCHEDULES:
             raise ParallelConfigError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
         if self.distributed_optimizer and self.dp == 1:
-            raise ParallelConfigError("the distributed optimizer shards the optimizer state over the data-parallel "
-                                      "group, but dp is 1: nothing to shard; raise --dp or drop "
-                                      "--distributed-optimizer")
+            raise ParallelConfigError(
+                "the distributed optimizer shards the optimizer state over the data-parallel "
+                "group, but dp is 1: nothing to shard; raise --dp or drop "
+                "--distributed-optimizer"
+            )
         if self.bucket_size is not None and self.bucket_size < 1:
             raise ParallelConfigError(f"bucket size {self.bucket_size} must be a positive number of bytes")
         if self.virtual_stages != 1:
@@ -129,7 +140,7 @@ class ScaleSetup:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "ScaleSetup":
+    def from_dict(cls, data: dict) -> ScaleSetup:
         return cls(**{**data, "model": ModelShape(**data["model"])})
 
 

@@ -19,6 +19,7 @@ Not recorded, because they are not per-step training traffic: DistributedDataPar
 parameters over DP at construction (one per bucket, once per run), and train_step's reported loss, a scalar
 all-reduced over DP on the last stage and broadcast over PP (outside its `record` context).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -42,6 +43,7 @@ GROUPS = ("tp", "pp", "dp")
 @dataclasses.dataclass(frozen=True)
 class Row:
     """Measured and predicted traffic of one (group, collective type) for one rank and step."""
+
     group: str
     op: str
     count: int
@@ -78,17 +80,32 @@ def trace_rank(setup: ScaleSetup, rank: int, device: str = "meta", held: dict | 
         model, where = setup.model, torch.device(device)
         kwargs = dict(sequence_parallel=setup.sp, device=where, params_dtype=setup.params_dtype)
         with where:  # the master weights the layers draw their shards from are plain torch.empty: meta too
-            chunks = (build_chunks(model.gpt_config(), layout, setup.virtual_stages, **kwargs)
-                      if setup.virtual_stages > 1 else [build_stage(model.gpt_config(), layout, **kwargs)])
-        wrapped = [data_parallel(chunk, layout, bucket_size=setup.bucket_size,
-                                 use_distributed_optimizer=setup.distributed_optimizer) for chunk in chunks]
+            chunks = (
+                build_chunks(model.gpt_config(), layout, setup.virtual_stages, **kwargs)
+                if setup.virtual_stages > 1
+                else [build_stage(model.gpt_config(), layout, **kwargs)]
+            )
+        wrapped = [
+            data_parallel(
+                chunk, layout, bucket_size=setup.bucket_size, use_distributed_optimizer=setup.distributed_optimizer
+            )
+            for chunk in chunks
+        ]
         ddp = wrapped if setup.virtual_stages > 1 else wrapped[0]
         optimizer = DistributedOptimizer(ddp, adam) if setup.distributed_optimizer else unsharded(ddp, adam)
         rows = setup.dp * setup.microbatches * model.micro_batch_size
         tokens = torch.zeros(rows, model.seq_length + 1, dtype=torch.long, device=where)  # global batch
         recorder = CollectiveRecorder()
-        train_step(ddp, optimizer, tokens, layout, num_micro_batches=setup.microbatches, schedule=setup.schedule,
-                   device=where, record=recorder)
+        train_step(
+            ddp,
+            optimizer,
+            tokens,
+            layout,
+            num_micro_batches=setup.microbatches,
+            schedule=setup.schedule,
+            device=where,
+            record=recorder,
+        )
         if held is not None:
             held.update(bytes_per_rank(ddp, optimizer))
         return _labelled(recorder.events, layout)
@@ -110,8 +127,9 @@ def summarize(setup: ScaleSetup, rank: int, events: list[CollectiveEvent]) -> li
         entry[1] += e.nbytes
     predicted = formulas.expected(setup, stage_of(setup, rank))
     rows = []
-    for key in sorted(measured.keys() | predicted.keys(), key=lambda k: (GROUPS.index(k[0]) if k[0] in GROUPS
-                                                                          else len(GROUPS), k[1])):
+    for key in sorted(
+        measured.keys() | predicted.keys(), key=lambda k: (GROUPS.index(k[0]) if k[0] in GROUPS else len(GROUPS), k[1])
+    ):
         count, nbytes = measured.get(key, (0, 0))
         terms = predicted.get(key, [])
         f_count, f_bytes = formulas.totals(terms)
@@ -139,13 +157,32 @@ def document(setup: ScaleSetup, ranks: list[int]) -> dict:
         held: dict[str, int] = {}
         stage = stage_of(setup, rank)
         rows = summarize(setup, rank, trace_rank(setup, rank, held=held))
-        runs.append({"rank": rank, "stage": stage, "memory": {"measured": held,
-                                                              "formula": formulas.memory(setup, stage)}, "rows": [
-            {"group": r.group, "op": r.op, "count": r.count, "bytes": r.nbytes, "formula_count": r.formula_count,
-             "formula_bytes": r.formula_nbytes, "formula": r.formula} for r in rows],
-            "formulas": [{"group": group, "op": op, "terms": [dataclasses.asdict(t) for t in terms]}
-                         for (group, op), terms in formulas.expected(setup, stage).items()]})
-    agree = all(row["count"] == row["formula_count"] and row["bytes"] == row["formula_bytes"]
-                for run in runs for row in run["rows"]) and all(
-        run["memory"]["measured"] == run["memory"]["formula"] for run in runs)
+        runs.append(
+            {
+                "rank": rank,
+                "stage": stage,
+                "memory": {"measured": held, "formula": formulas.memory(setup, stage)},
+                "rows": [
+                    {
+                        "group": r.group,
+                        "op": r.op,
+                        "count": r.count,
+                        "bytes": r.nbytes,
+                        "formula_count": r.formula_count,
+                        "formula_bytes": r.formula_nbytes,
+                        "formula": r.formula,
+                    }
+                    for r in rows
+                ],
+                "formulas": [
+                    {"group": group, "op": op, "terms": [dataclasses.asdict(t) for t in terms]}
+                    for (group, op), terms in formulas.expected(setup, stage).items()
+                ],
+            }
+        )
+    agree = all(
+        row["count"] == row["formula_count"] and row["bytes"] == row["formula_bytes"]
+        for run in runs
+        for row in run["rows"]
+    ) and all(run["memory"]["measured"] == run["memory"]["formula"] for run in runs)
     return {"kind": "scale", "setup": setup.to_dict(), "world": setup.world, "runs": runs, "agree": agree}

@@ -7,6 +7,7 @@ The `issue_*` variants return (output, work) for a caller that overlaps the coll
 waits later (`wait(work)`); work is None when the call was synchronous or had nothing to communicate.
 The first dimension is the sequence (layout [s, b, h], as in Megatron), the last one the hidden features.
 """
+
 from __future__ import annotations
 
 import torch
@@ -23,8 +24,9 @@ def all_reduce(x: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp = di
     return issue_all_reduce(x, group, async_op=False, op=op)[0]
 
 
-def issue_all_reduce(x: torch.Tensor, group: dist.ProcessGroup, async_op: bool,
-                     op: dist.ReduceOp = dist.ReduceOp.SUM) -> tuple[torch.Tensor, dist.Work | None]:
+def issue_all_reduce(
+    x: torch.Tensor, group: dist.ProcessGroup, async_op: bool, op: dist.ReduceOp = dist.ReduceOp.SUM
+) -> tuple[torch.Tensor, dist.Work | None]:
     """all_reduce, returning (output, work); work is None when nothing is left to wait for."""
     if group.size() == 1:
         return x, None
@@ -76,8 +78,9 @@ def gather_first_dim(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return issue_gather_first_dim(x, group, async_op=False)[0]
 
 
-def issue_gather_first_dim(x: torch.Tensor, group: dist.ProcessGroup, async_op: bool
-                           ) -> tuple[torch.Tensor, dist.Work | None]:
+def issue_gather_first_dim(
+    x: torch.Tensor, group: dist.ProcessGroup, async_op: bool
+) -> tuple[torch.Tensor, dist.Work | None]:
     """gather_first_dim, returning (output, work) without waiting when async_op."""
     size = group.size()
     if size == 1:
@@ -94,8 +97,9 @@ def reduce_scatter_first_dim(x: torch.Tensor, group: dist.ProcessGroup) -> torch
     return issue_reduce_scatter_first_dim(x, group, async_op=False)[0]
 
 
-def issue_reduce_scatter_first_dim(x: torch.Tensor, group: dist.ProcessGroup, async_op: bool
-                                   ) -> tuple[torch.Tensor, dist.Work | None]:
+def issue_reduce_scatter_first_dim(
+    x: torch.Tensor, group: dist.ProcessGroup, async_op: bool
+) -> tuple[torch.Tensor, dist.Work | None]:
     """reduce_scatter_first_dim, returning (output, work) without waiting when async_op."""
     size = group.size()
     if size == 1:

@@ -29,6 +29,7 @@ Differences from Megatron, each deliberate:
   * The input logits are not modified. Megatron subtracts the max in place to save one logits-sized buffer.
   * No label smoothing.
 """
+
 from __future__ import annotations
 
 import torch
@@ -59,8 +60,10 @@ def check_ids(ids: torch.Tensor, vocab_size: int, what: str) -> None:
     low, high = torch.stack(torch.aminmax(ids)).tolist()  # one host sync (two with .min() and .max())
     if low < 0 or high >= vocab_size:
         bad = low if low < 0 else high
-        raise ParallelConfigError(f"{what} holds id {bad}, outside the vocabulary [0, {vocab_size}); "
-                                  f"check the tokenizer's vocabulary size against the model's")
+        raise ParallelConfigError(
+            f"{what} holds id {bad}, outside the vocabulary [0, {vocab_size}); "
+            f"check the tokenizer's vocabulary size against the model's"
+        )
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -106,8 +109,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         if ctx.backward_done:  # the saved softmax is turned into the gradient in place (saves a buffer)
-            raise RuntimeError("vocab_parallel_cross_entropy: backward through the same loss twice "
-                               "(retain_graph) is not supported")
+            raise RuntimeError(
+                "vocab_parallel_cross_entropy: backward through the same loss twice (retain_graph) is not supported"
+            )
         ctx.backward_done = True
         softmax, target_mask, local_target = ctx.saved_tensors
         grad = softmax  # d loss / d z_v = softmax_v - [v == t], then times the incoming gradient
@@ -117,8 +121,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tensor, tp_group: dist.ProcessGroup,
-                                 vocab_size: int | None = None) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits_shard: torch.Tensor, target: torch.Tensor, tp_group: dist.ProcessGroup, vocab_size: int | None = None
+) -> torch.Tensor:
     """Per-token cross-entropy of vocabulary-split logits; the loss has target's shape, no reduction.
 
     logits_shard: [..., V_p / tp] this rank's contiguous slice of the (padded, V_p) vocabulary columns,
@@ -133,10 +138,14 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tenso
     padded = logits_shard.shape[-1] * tp_group.size()
     vocab_size = padded if vocab_size is None else vocab_size
     if not 0 < vocab_size <= padded:
-        raise ParallelConfigError(f"vocab_size {vocab_size} must be in [1, {padded}], the padded vocabulary "
-                                  f"({logits_shard.shape[-1]} columns on each of {tp_group.size()} TP ranks)")
+        raise ParallelConfigError(
+            f"vocab_size {vocab_size} must be in [1, {padded}], the padded vocabulary "
+            f"({logits_shard.shape[-1]} columns on each of {tp_group.size()} TP ranks)"
+        )
     if target.shape != logits_shard.shape[:-1]:
-        raise ParallelConfigError(f"target shape {tuple(target.shape)} does not match the logits' "
-                                  f"{tuple(logits_shard.shape[:-1])} (logits are [..., vocab / tp])")
+        raise ParallelConfigError(
+            f"target shape {tuple(target.shape)} does not match the logits' "
+            f"{tuple(logits_shard.shape[:-1])} (logits are [..., vocab / tp])"
+        )
     check_ids(target, vocab_size, "target")
     return _VocabParallelCrossEntropy.apply(logits_shard, target, tp_group, vocab_size)

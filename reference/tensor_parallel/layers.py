@@ -13,6 +13,7 @@ Counterparts: megatron/core/tensor_parallel/layers.py::ColumnParallelLinear, Row
 _initialize_affine_weight_cpu. Megatron takes a ModelParallelConfig; here the few settings that matter are
 keyword arguments and the process group is passed explicitly.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -40,12 +41,18 @@ def shard_of(master: torch.Tensor, partition_dim: int, group: dist.ProcessGroup,
     """
     p = group.size()
     chunks = master.chunk(stride * p, dim=partition_dim)
-    return torch.cat(chunks[group.rank()::p], dim=partition_dim)
+    return torch.cat(chunks[group.rank() :: p], dim=partition_dim)
 
 
-def init_shard_from_master(weight: torch.Tensor, output_size: int, input_size: int, partition_dim: int,
-                           init_method: Callable[[torch.Tensor], object], group: dist.ProcessGroup,
-                           stride: int = 1) -> None:
+def init_shard_from_master(
+    weight: torch.Tensor,
+    output_size: int,
+    input_size: int,
+    partition_dim: int,
+    init_method: Callable[[torch.Tensor], object],
+    group: dist.ProcessGroup,
+    stride: int = 1,
+) -> None:
     """Build the full fp32 master weight on every rank from the global RNG, keep this rank's slice.
 
     Same recipe as megatron's _initialize_affine_weight_cpu: equal seeds give equal shards here and in
@@ -63,9 +70,24 @@ def init_shard_from_master(weight: torch.Tensor, output_size: int, input_size: i
 class _ParallelLinear(torch.nn.Module):
     """Parameters and checks shared by both layers; subclasses decide how the weight is split."""
 
-    def __init__(self, weight_shape, bias_size, *, tp_group, init_method, bias, sequence_parallel,
-                 async_grad_allreduce, gradient_accumulation_fusion, params_dtype, device, partition_dim,
-                 input_size, output_size, stride=1):
+    def __init__(
+        self,
+        weight_shape,
+        bias_size,
+        *,
+        tp_group,
+        init_method,
+        bias,
+        sequence_parallel,
+        async_grad_allreduce,
+        gradient_accumulation_fusion,
+        params_dtype,
+        device,
+        partition_dim,
+        input_size,
+        output_size,
+        stride=1,
+    ):
         super().__init__()
         self.input_size, self.output_size, self.tp_group = input_size, output_size, tp_group
         self.sequence_parallel = sequence_parallel and tp_group.size() > 1  # as Megatron: off at TP=1
@@ -101,18 +123,40 @@ class ColumnParallelLinear(_ParallelLinear):
     its gradient is reduce-scattered back instead of all-reduced.
     """
 
-    def __init__(self, input_size: int, output_size: int, *, tp_group: dist.ProcessGroup,
-                 init_method: Callable, bias: bool = True, gather_output: bool = False,
-                 skip_bias_add: bool = False, sequence_parallel: bool = False,
-                 async_grad_allreduce: bool = True, gradient_accumulation_fusion: bool = False,
-                 params_dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-                 stride: int = 1):
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        tp_group: dist.ProcessGroup,
+        init_method: Callable,
+        bias: bool = True,
+        gather_output: bool = False,
+        skip_bias_add: bool = False,
+        sequence_parallel: bool = False,
+        async_grad_allreduce: bool = True,
+        gradient_accumulation_fusion: bool = False,
+        params_dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        stride: int = 1,
+    ):
         per_rank = divide(output_size, stride * tp_group.size(), "ColumnParallelLinear output_size") * stride
-        super().__init__((per_rank, input_size), per_rank, tp_group=tp_group, init_method=init_method,
-                         bias=bias, sequence_parallel=sequence_parallel, async_grad_allreduce=async_grad_allreduce,
-                         gradient_accumulation_fusion=gradient_accumulation_fusion, params_dtype=params_dtype,
-                         device=device, partition_dim=0, input_size=input_size, output_size=output_size,
-                         stride=stride)
+        super().__init__(
+            (per_rank, input_size),
+            per_rank,
+            tp_group=tp_group,
+            init_method=init_method,
+            bias=bias,
+            sequence_parallel=sequence_parallel,
+            async_grad_allreduce=async_grad_allreduce,
+            gradient_accumulation_fusion=gradient_accumulation_fusion,
+            params_dtype=params_dtype,
+            device=device,
+            partition_dim=0,
+            input_size=input_size,
+            output_size=output_size,
+            stride=stride,
+        )
         self.output_size_per_partition = per_rank
         self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
 
@@ -120,12 +164,20 @@ class ColumnParallelLinear(_ParallelLinear):
         """Mirrors `megatron-lm:megatron/core/tensor_parallel/layers.py::ColumnParallelLinear.forward`."""
         self._check_input(input_, self.input_size)
         output_parallel = linear_with_grad_reduce(
-            input_, self.weight, None if self.skip_bias_add else self.bias, self.tp_group,
+            input_,
+            self.weight,
+            None if self.skip_bias_add else self.bias,
+            self.tp_group,
             allreduce_dgrad=self.tp_group.size() > 1 and not self.sequence_parallel,
-            sequence_parallel=self.sequence_parallel, async_grad_allreduce=self.async_grad_allreduce,
-            gradient_accumulation_fusion=self.gradient_accumulation_fusion)
-        output = (gather_from_tensor_parallel_region(output_parallel, self.tp_group)
-                  if self.gather_output else output_parallel)
+            sequence_parallel=self.sequence_parallel,
+            async_grad_allreduce=self.async_grad_allreduce,
+            gradient_accumulation_fusion=self.gradient_accumulation_fusion,
+        )
+        output = (
+            gather_from_tensor_parallel_region(output_parallel, self.tp_group)
+            if self.gather_output
+            else output_parallel
+        )
         return output, (self.bias if self.skip_bias_add else None)
 
 
@@ -137,18 +189,40 @@ class RowParallelLinear(_ParallelLinear):
     of all-reducing it (requires input_is_parallel). skip_bias_add as in ColumnParallelLinear.
     """
 
-    def __init__(self, input_size: int, output_size: int, *, tp_group: dist.ProcessGroup,
-                 init_method: Callable, bias: bool = True, input_is_parallel: bool = False,
-                 skip_bias_add: bool = False, sequence_parallel: bool = False,
-                 async_grad_allreduce: bool = True, gradient_accumulation_fusion: bool = False,
-                 params_dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        tp_group: dist.ProcessGroup,
+        init_method: Callable,
+        bias: bool = True,
+        input_is_parallel: bool = False,
+        skip_bias_add: bool = False,
+        sequence_parallel: bool = False,
+        async_grad_allreduce: bool = True,
+        gradient_accumulation_fusion: bool = False,
+        params_dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ):
         if sequence_parallel and not input_is_parallel:
             raise ParallelConfigError("RowParallelLinear: sequence_parallel requires input_is_parallel=True")
         per_rank = divide(input_size, tp_group.size(), "RowParallelLinear input_size")
-        super().__init__((output_size, per_rank), output_size, tp_group=tp_group, init_method=init_method,
-                         bias=bias, sequence_parallel=sequence_parallel, async_grad_allreduce=async_grad_allreduce,
-                         gradient_accumulation_fusion=gradient_accumulation_fusion, params_dtype=params_dtype,
-                         device=device, partition_dim=1, input_size=input_size, output_size=output_size)
+        super().__init__(
+            (output_size, per_rank),
+            output_size,
+            tp_group=tp_group,
+            init_method=init_method,
+            bias=bias,
+            sequence_parallel=sequence_parallel,
+            async_grad_allreduce=async_grad_allreduce,
+            gradient_accumulation_fusion=gradient_accumulation_fusion,
+            params_dtype=params_dtype,
+            device=device,
+            partition_dim=1,
+            input_size=input_size,
+            output_size=output_size,
+        )
         self.input_size_per_partition = per_rank
         self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
         if self.bias is not None and self.sequence_parallel:
@@ -163,9 +237,15 @@ class RowParallelLinear(_ParallelLinear):
             self._check_input(input_, self.input_size)
             input_parallel = scatter_to_tensor_parallel_region(input_, self.tp_group)
         output_parallel = linear_with_grad_reduce(
-            input_parallel, self.weight, None, self.tp_group, allreduce_dgrad=False, sequence_parallel=False,
+            input_parallel,
+            self.weight,
+            None,
+            self.tp_group,
+            allreduce_dgrad=False,
+            sequence_parallel=False,
             async_grad_allreduce=self.async_grad_allreduce,
-            gradient_accumulation_fusion=self.gradient_accumulation_fusion)
+            gradient_accumulation_fusion=self.gradient_accumulation_fusion,
+        )
         if self.sequence_parallel:
             output = reduce_scatter_to_sequence_parallel_region(output_parallel, self.tp_group)
         else:

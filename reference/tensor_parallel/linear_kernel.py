@@ -19,6 +19,7 @@ With sequence parallelism the layer's input arrives split along the sequence. Fo
 gathered copy is *not* saved for backward (that would cost the memory SP saves), backward all-gathers it
 again, overlapped with the dX GEMM, exactly as Megatron does.
 """
+
 from __future__ import annotations
 
 import torch
@@ -31,8 +32,17 @@ class LinearWithAsyncGradReduce(torch.autograd.Function):
     """Y = X W^T (+ b); backward: dX collective overlapped with the dW GEMM, dW optionally into main_grad."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, allreduce_dgrad, sequence_parallel, async_grad_allreduce,
-                gradient_accumulation_fusion):
+    def forward(
+        ctx,
+        x,
+        weight,
+        bias,
+        group,
+        allreduce_dgrad,
+        sequence_parallel,
+        async_grad_allreduce,
+        gradient_accumulation_fusion,
+    ):
         """Mirrors
         `megatron-lm:megatron/core/tensor_parallel/layers.py::LinearWithGradAccumulationAndAsyncCommunication.forward`.
         """
@@ -76,10 +86,17 @@ class LinearWithAsyncGradReduce(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias, None, None, None, None, None
 
 
-def linear_with_grad_reduce(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                            group: dist.ProcessGroup, *, allreduce_dgrad: bool, sequence_parallel: bool,
-                            async_grad_allreduce: bool = True,
-                            gradient_accumulation_fusion: bool = False) -> torch.Tensor:
+def linear_with_grad_reduce(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    group: dist.ProcessGroup,
+    *,
+    allreduce_dgrad: bool,
+    sequence_parallel: bool,
+    async_grad_allreduce: bool = True,
+    gradient_accumulation_fusion: bool = False,
+) -> torch.Tensor:
     """The only entry point to the kernel (megatron: linear_with_grad_accumulation_and_async_allreduce).
 
     Mirrors `megatron-lm:megatron/core/tensor_parallel/layers.py::linear_with_grad_accumulation_and_async_allreduce`.
@@ -88,5 +105,6 @@ def linear_with_grad_reduce(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
         raise ValueError("allreduce_dgrad and sequence_parallel are exclusive: SP reduce-scatters dX instead")
     if gradient_accumulation_fusion and not hasattr(weight, "main_grad"):
         raise ValueError("gradient_accumulation_fusion needs a `main_grad` buffer on the weight")
-    return LinearWithAsyncGradReduce.apply(x, weight, bias, group, allreduce_dgrad, sequence_parallel,
-                                           async_grad_allreduce, gradient_accumulation_fusion)
+    return LinearWithAsyncGradReduce.apply(
+        x, weight, bias, group, allreduce_dgrad, sequence_parallel, async_grad_allreduce, gradient_accumulation_fusion
+    )

@@ -17,6 +17,7 @@ _ReduceFromModelParallelRegion, _ScatterToModelParallelRegion, _GatherFromModelP
 _ScatterToSequenceParallelRegion, _GatherFromSequenceParallelRegion, _ReduceScatterToSequenceParallelRegion,
 and their public functions (copy_to_tensor_model_parallel_region, ...).
 """
+
 from __future__ import annotations
 
 import torch
@@ -173,8 +174,9 @@ def scatter_to_sequence_parallel_region(x: torch.Tensor, group: dist.ProcessGrou
     return _ScatterToSequenceParallelRegion.apply(x, group)
 
 
-def gather_from_sequence_parallel_region(x: torch.Tensor, group: dist.ProcessGroup,
-                                         tensor_parallel_output_grad: bool = True) -> torch.Tensor:
+def gather_from_sequence_parallel_region(
+    x: torch.Tensor, group: dist.ProcessGroup, tensor_parallel_output_grad: bool = True
+) -> torch.Tensor:
     """all-gather sequence / reduce-scatter (or split). Megatron: gather_from_sequence_parallel_region."""
     return _GatherFromSequenceParallelRegion.apply(x, group, tensor_parallel_output_grad)
 

@@ -9,6 +9,7 @@ drop the same positions of different heads/tokens. Megatron keeps that second st
 model_parallel_cuda_manual_seed) and swaps it in with `get_cuda_rng_tracker().fork()`; this is the same
 idea for the CPU or CUDA default generator.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -10,6 +10,7 @@ Counterparts: transformers/models/qwen2/modeling_qwen2.py (`Qwen2RotaryEmbedding
 `apply_rotary_pos_emb`: transformers is the oracle here, not a pinned source) and, in Megatron-core,
 megatron/core/models/common/embeddings/rotary_pos_embedding.py::RotaryEmbedding with rotary_interleaved=False.
 """
+
 from __future__ import annotations
 
 import torch

@@ -17,6 +17,7 @@ collectives: QKV column-parallel with whole query groups (a key/value head and i
 SwiGLU's fused [gate; up] column-parallel with stride 2 (each rank holds its gate columns next to the
 matching up columns), o and down row-parallel, RMSNorm under sequence parallelism like LayerNorm.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -27,7 +28,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from reference.parallel_state import ParallelConfigError, divide
-from reference.recompute import check_mode as check_recompute_mode, checkpoint
+from reference.recompute import check_mode as check_recompute_mode
+from reference.recompute import checkpoint
 from reference.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from reference.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
@@ -50,16 +52,18 @@ class ParallelAttention(torch.nn.Module):
     Mirrors `megatron-lm:megatron/core/transformer/attention.py::SelfAttention`.
     """
 
-    def __init__(self, hidden_size, num_attention_heads, attention_dropout, rng, linear_kwargs,
-                 selective_recompute: bool = False):
+    def __init__(
+        self, hidden_size, num_attention_heads, attention_dropout, rng, linear_kwargs, selective_recompute: bool = False
+    ):
         super().__init__()
         self.rng, self.selective_recompute = rng, selective_recompute
         divide(num_attention_heads, linear_kwargs["tp_group"].size(), "num_attention_heads")
         self.head_dim = divide(hidden_size, num_attention_heads, "hidden_size", by="num_attention_heads")
         self.attention_dropout = attention_dropout
         self.qkv = ColumnParallelLinear(hidden_size, 3 * hidden_size, **linear_kwargs)
-        self.proj = RowParallelLinear(hidden_size, hidden_size, input_is_parallel=True, skip_bias_add=True,
-                                      **linear_kwargs)
+        self.proj = RowParallelLinear(
+            hidden_size, hidden_size, input_is_parallel=True, skip_bias_add=True, **linear_kwargs
+        )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         qkv, _ = self.qkv(x)
@@ -86,8 +90,9 @@ class ParallelMLP(torch.nn.Module):
     def __init__(self, hidden_size, ffn_hidden_size, linear_kwargs):
         super().__init__()
         self.fc1 = ColumnParallelLinear(hidden_size, ffn_hidden_size, **linear_kwargs)
-        self.fc2 = RowParallelLinear(ffn_hidden_size, hidden_size, input_is_parallel=True, skip_bias_add=True,
-                                     **linear_kwargs)
+        self.fc2 = RowParallelLinear(
+            ffn_hidden_size, hidden_size, input_is_parallel=True, skip_bias_add=True, **linear_kwargs
+        )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, _ = self.fc1(x)
@@ -99,24 +104,47 @@ class ParallelTransformerBlock(torch.nn.Module):
     bias-dropout-add as Megatron does (hence skip_bias_add on the row layers). `recompute` (none, selective,
     full; reference.recompute) picks what the block keeps for backward while training."""
 
-    def __init__(self, hidden_size: int, num_attention_heads: int, *, tp_group: dist.ProcessGroup,
-                 ffn_hidden_size: int | None = None, init_method: Callable | None = None,
-                 sequence_parallel: bool = False, hidden_dropout: float = 0.0, attention_dropout: float = 0.0,
-                 async_grad_allreduce: bool = True, gradient_accumulation_fusion: bool = False,
-                 params_dtype=torch.float32, device=None, rng: TensorParallelRNG | None = None,
-                 recompute: str = "none"):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_attention_heads: int,
+        *,
+        tp_group: dist.ProcessGroup,
+        ffn_hidden_size: int | None = None,
+        init_method: Callable | None = None,
+        sequence_parallel: bool = False,
+        hidden_dropout: float = 0.0,
+        attention_dropout: float = 0.0,
+        async_grad_allreduce: bool = True,
+        gradient_accumulation_fusion: bool = False,
+        params_dtype=torch.float32,
+        device=None,
+        rng: TensorParallelRNG | None = None,
+        recompute: str = "none",
+    ):
         super().__init__()
         self.recompute = check_recompute_mode(recompute)
         self.sequence_parallel = sequence_parallel and tp_group.size() > 1
         self.hidden_dropout = hidden_dropout
         self.rng = rng or TensorParallelRNG(0, tp_group, device)
-        linear_kwargs = dict(tp_group=tp_group, init_method=init_method or init_method_normal(),
-                             sequence_parallel=self.sequence_parallel, async_grad_allreduce=async_grad_allreduce,
-                             gradient_accumulation_fusion=gradient_accumulation_fusion,
-                             params_dtype=params_dtype, device=device)
+        linear_kwargs = dict(
+            tp_group=tp_group,
+            init_method=init_method or init_method_normal(),
+            sequence_parallel=self.sequence_parallel,
+            async_grad_allreduce=async_grad_allreduce,
+            gradient_accumulation_fusion=gradient_accumulation_fusion,
+            params_dtype=params_dtype,
+            device=device,
+        )
         self.ln1 = torch.nn.LayerNorm(hidden_size, dtype=params_dtype, device=device)
-        self.attention = ParallelAttention(hidden_size, num_attention_heads, attention_dropout, self.rng,
-                                           linear_kwargs, selective_recompute=recompute == "selective")
+        self.attention = ParallelAttention(
+            hidden_size,
+            num_attention_heads,
+            attention_dropout,
+            self.rng,
+            linear_kwargs,
+            selective_recompute=recompute == "selective",
+        )
         self.ln2 = torch.nn.LayerNorm(hidden_size, dtype=params_dtype, device=device)
         self.mlp = ParallelMLP(hidden_size, ffn_hidden_size or 4 * hidden_size, linear_kwargs)
         for param in [*self.ln1.parameters(), *self.ln2.parameters()]:
@@ -161,7 +189,8 @@ def split_query_groups(num_attention_heads: int, num_kv_heads: int, tp_size: int
     if num_kv_heads < tp_size:
         raise ParallelConfigError(
             f"{num_kv_heads} key/value heads cannot be split over tensor-parallel size {tp_size}: each rank needs "
-            f"a whole key/value head (Megatron replicates them instead; this reference does not), lower --tp")
+            f"a whole key/value head (Megatron replicates them instead; this reference does not), lower --tp"
+        )
     return divide(num_kv_heads, tp_size, "num_kv_heads (key/value heads)", by="the tensor-parallel size")
 
 
@@ -173,8 +202,9 @@ class ParallelGroupedQueryAttention(torch.nn.Module):
     Mirrors `megatron-lm:megatron/core/transformer/attention.py::SelfAttention.get_query_key_value_tensors`.
     """
 
-    def __init__(self, hidden_size, num_attention_heads, num_kv_heads, linear_kwargs, rng=None,
-                 selective_recompute: bool = False):
+    def __init__(
+        self, hidden_size, num_attention_heads, num_kv_heads, linear_kwargs, rng=None, selective_recompute: bool = False
+    ):
         super().__init__()
         self.rng, self.selective_recompute = rng, selective_recompute
         tp = linear_kwargs["tp_group"].size()
@@ -182,8 +212,9 @@ class ParallelGroupedQueryAttention(torch.nn.Module):
         self.head_dim = divide(hidden_size, num_attention_heads, "hidden_size", by="num_attention_heads")
         qkv_size = (num_attention_heads + 2 * num_kv_heads) * self.head_dim
         self.qkv = ColumnParallelLinear(hidden_size, qkv_size, **linear_kwargs)
-        self.proj = RowParallelLinear(num_attention_heads * self.head_dim, hidden_size, bias=False,
-                                      input_is_parallel=True, **linear_kwargs)
+        self.proj = RowParallelLinear(
+            num_attention_heads * self.head_dim, hidden_size, bias=False, input_is_parallel=True, **linear_kwargs
+        )
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, None]:
         qkv, _ = self.qkv(x)
@@ -207,8 +238,7 @@ class ParallelSwiGLUMLP(torch.nn.Module):
     def __init__(self, hidden_size, ffn_hidden_size, linear_kwargs):
         super().__init__()
         self.fc1 = ColumnParallelLinear(hidden_size, 2 * ffn_hidden_size, bias=False, stride=2, **linear_kwargs)
-        self.fc2 = RowParallelLinear(ffn_hidden_size, hidden_size, bias=False, input_is_parallel=True,
-                                     **linear_kwargs)
+        self.fc2 = RowParallelLinear(ffn_hidden_size, hidden_size, bias=False, input_is_parallel=True, **linear_kwargs)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
         hidden, _ = self.fc1(x)
@@ -221,21 +251,40 @@ class ParallelLlamaBlock(torch.nn.Module):
     selective, full; reference.recompute) as for ParallelTransformerBlock; `rng` is the TP stream the
     recomputation restores (no dropout here, so it only keeps the two blocks' recomputation the same code)."""
 
-    def __init__(self, hidden_size: int, num_attention_heads: int, *, tp_group: dist.ProcessGroup,
-                 num_kv_heads: int, ffn_hidden_size: int, norm_eps: float, init_method: Callable | None = None,
-                 sequence_parallel: bool = False, async_grad_allreduce: bool = True,
-                 gradient_accumulation_fusion: bool = False, params_dtype=torch.float32, device=None,
-                 rng=None, recompute: str = "none"):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_attention_heads: int,
+        *,
+        tp_group: dist.ProcessGroup,
+        num_kv_heads: int,
+        ffn_hidden_size: int,
+        norm_eps: float,
+        init_method: Callable | None = None,
+        sequence_parallel: bool = False,
+        async_grad_allreduce: bool = True,
+        gradient_accumulation_fusion: bool = False,
+        params_dtype=torch.float32,
+        device=None,
+        rng=None,
+        recompute: str = "none",
+    ):
         super().__init__()
         self.rng, self.recompute = rng, check_recompute_mode(recompute)
         self.sequence_parallel = sequence_parallel and tp_group.size() > 1
-        linear_kwargs = dict(tp_group=tp_group, init_method=init_method or init_method_normal(),
-                             sequence_parallel=self.sequence_parallel, async_grad_allreduce=async_grad_allreduce,
-                             gradient_accumulation_fusion=gradient_accumulation_fusion,
-                             params_dtype=params_dtype, device=device)
+        linear_kwargs = dict(
+            tp_group=tp_group,
+            init_method=init_method or init_method_normal(),
+            sequence_parallel=self.sequence_parallel,
+            async_grad_allreduce=async_grad_allreduce,
+            gradient_accumulation_fusion=gradient_accumulation_fusion,
+            params_dtype=params_dtype,
+            device=device,
+        )
         self.ln1 = torch.nn.RMSNorm(hidden_size, eps=norm_eps, dtype=params_dtype, device=device)
-        self.attention = ParallelGroupedQueryAttention(hidden_size, num_attention_heads, num_kv_heads,
-                                                       linear_kwargs, rng, recompute == "selective")
+        self.attention = ParallelGroupedQueryAttention(
+            hidden_size, num_attention_heads, num_kv_heads, linear_kwargs, rng, recompute == "selective"
+        )
         self.ln2 = torch.nn.RMSNorm(hidden_size, eps=norm_eps, dtype=params_dtype, device=device)
         self.mlp = ParallelSwiGLUMLP(hidden_size, ffn_hidden_size, linear_kwargs)
         for param in [*self.ln1.parameters(), *self.ln2.parameters()]:
@@ -263,14 +312,24 @@ class ParallelTransformer(torch.nn.Module):
     zeros at the end (causal attention keeps real tokens blind to the padding) and trimmed on exit.
     """
 
-    def __init__(self, num_layers: int, hidden_size: int, num_attention_heads: int, *,
-                 tp_group: dist.ProcessGroup, pad_sequence: bool = False, dropout_seed: int = 0, **block_kwargs):
+    def __init__(
+        self,
+        num_layers: int,
+        hidden_size: int,
+        num_attention_heads: int,
+        *,
+        tp_group: dist.ProcessGroup,
+        pad_sequence: bool = False,
+        dropout_seed: int = 0,
+        **block_kwargs,
+    ):
         super().__init__()
         self.tp_group, self.pad_sequence = tp_group, pad_sequence
         rng = TensorParallelRNG(dropout_seed, tp_group, block_kwargs.get("device"))
         self.layers = torch.nn.ModuleList(
             ParallelTransformerBlock(hidden_size, num_attention_heads, tp_group=tp_group, rng=rng, **block_kwargs)
-            for _ in range(num_layers))
+            for _ in range(num_layers)
+        )
         self.sequence_parallel = bool(self.layers) and self.layers[0].sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -280,7 +339,8 @@ class ParallelTransformer(torch.nn.Module):
                 if not self.pad_sequence:
                     raise ParallelConfigError(
                         f"sequence length {seq_length} is not divisible by the tensor-parallel size {tp}, "
-                        "which sequence parallelism splits it by; pad it or pass pad_sequence=True")
+                        "which sequence parallelism splits it by; pad it or pass pad_sequence=True"
+                    )
                 x = F.pad(x, (0, 0, 0, 0, 0, tp - seq_length % tp))
             x = scatter_to_sequence_parallel_region(x, self.tp_group)
         for layer in self.layers:

@@ -11,6 +11,7 @@ heads / g query heads sharing one key and one value head, laid out [g, (q_1 .. q
 (megatron/core/transformer/attention.py::SelfAttention.get_query_key_value_tensors splits it so), so a
 contiguous split gives each rank whole groups. Its MLP's fused fc1 is [gate; up], split with stride 2.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -38,11 +39,11 @@ def causal_self_attention(qkv: torch.Tensor, head_dim: int, dropout_p: float) ->
     return context.permute(2, 0, 1, 3).reshape(s, b, -1)
 
 
-def _linear(in_features: int, out_features: int, init_method: Callable, dtype, device,
-            bias: bool = True) -> torch.nn.Linear:
+def _linear(
+    in_features: int, out_features: int, init_method: Callable, dtype, device, bias: bool = True
+) -> torch.nn.Linear:
     """nn.Linear whose weight comes from `init_method` (no default init drawing from the RNG), zero bias."""
-    layer = torch.nn.utils.skip_init(torch.nn.Linear, in_features, out_features, bias=bias, dtype=dtype,
-                                     device=device)
+    layer = torch.nn.utils.skip_init(torch.nn.Linear, in_features, out_features, bias=bias, dtype=dtype, device=device)
     with torch.no_grad():
         master = torch.empty(out_features, in_features, dtype=torch.float32)
         init_method(master)
@@ -81,9 +82,18 @@ class MLP(torch.nn.Module):
 class TransformerBlock(torch.nn.Module):
     """Pre-LayerNorm block: x + attention(ln1(x)), then + mlp(ln2(x)); dropout on each branch's output."""
 
-    def __init__(self, hidden_size: int, num_attention_heads: int, *, ffn_hidden_size: int | None = None,
-                 init_method: Callable | None = None, hidden_dropout: float = 0.0,
-                 attention_dropout: float = 0.0, params_dtype=torch.float32, device=None):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_attention_heads: int,
+        *,
+        ffn_hidden_size: int | None = None,
+        init_method: Callable | None = None,
+        hidden_dropout: float = 0.0,
+        attention_dropout: float = 0.0,
+        params_dtype=torch.float32,
+        device=None,
+    ):
         super().__init__()
         init_method = init_method or init_method_normal()
         kw = dict(dtype=params_dtype, device=device)
@@ -98,8 +108,9 @@ class TransformerBlock(torch.nn.Module):
         return x + F.dropout(self.mlp(self.ln2(x)), self.hidden_dropout, self.training)
 
 
-def grouped_query_attention(qkv: torch.Tensor, head_dim: int, num_query_groups: int, cos: torch.Tensor,
-                            sin: torch.Tensor) -> torch.Tensor:
+def grouped_query_attention(
+    qkv: torch.Tensor, head_dim: int, num_query_groups: int, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
     """[s, b, groups * (heads/groups + 2) * head_dim] fused projections -> [s, b, heads * head_dim]: rotary
     positions on q and k, then causal attention, each key/value head serving its group's query heads.
 
@@ -107,7 +118,7 @@ def grouped_query_attention(qkv: torch.Tensor, head_dim: int, num_query_groups: 
     core-attention callable of the Llama block, as causal_self_attention is the GPT-2 block's.
     """
     s, b = qkv.shape[:2]
-    grouped = qkv.view(s, b, num_query_groups, -1, head_dim)        # [s, b, g, heads/g + 2, d]
+    grouped = qkv.view(s, b, num_query_groups, -1, head_dim)  # [s, b, g, heads/g + 2, d]
     q, k, v = grouped[:, :, :, :-2], grouped[:, :, :, -2:-1], grouped[:, :, :, -1:]
     q, k, v = (t.flatten(2, 3).permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads or g, s, d]
     q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -151,9 +162,18 @@ class SwiGLUMLP(torch.nn.Module):
 class LlamaBlock(torch.nn.Module):
     """Pre-RMSNorm block: x + attention(ln1(x), rotary), then + mlp(ln2(x)); no dropout (Llama, Qwen2)."""
 
-    def __init__(self, hidden_size: int, num_attention_heads: int, *, num_kv_heads: int,
-                 ffn_hidden_size: int, norm_eps: float, init_method: Callable | None = None,
-                 params_dtype=torch.float32, device=None):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_attention_heads: int,
+        *,
+        num_kv_heads: int,
+        ffn_hidden_size: int,
+        norm_eps: float,
+        init_method: Callable | None = None,
+        params_dtype=torch.float32,
+        device=None,
+    ):
         super().__init__()
         init_method = init_method or init_method_normal()
         kw = dict(dtype=params_dtype, device=device)
@@ -173,7 +193,8 @@ class Transformer(torch.nn.Module):
     def __init__(self, num_layers: int, hidden_size: int, num_attention_heads: int, **kwargs):
         super().__init__()
         self.layers = torch.nn.ModuleList(
-            TransformerBlock(hidden_size, num_attention_heads, **kwargs) for _ in range(num_layers))
+            TransformerBlock(hidden_size, num_attention_heads, **kwargs) for _ in range(num_layers)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:

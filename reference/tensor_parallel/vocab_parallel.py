@@ -27,6 +27,7 @@ megatron/core/models/gpt/gpt_model.py::GPTModel.__init__ (`self.output_layer = C
 bias=False, gather_output=not parallel_output)`) and
 megatron/core/models/common/language_module/language_module.py::LanguageModule.compute_language_model_loss.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -50,8 +51,10 @@ def pad_vocab_size(vocab_size: int, tp_size: int, make_vocab_size_divisible_by: 
     Megatron-LM: megatron/training/tokenizer/tokenizer.py::_vocab_size_with_padding (default multiple 128).
     """
     if vocab_size < 1 or tp_size < 1 or make_vocab_size_divisible_by < 1:
-        raise ParallelConfigError(f"vocab size ({vocab_size}), tp size ({tp_size}) and "
-                                  f"make_vocab_size_divisible_by ({make_vocab_size_divisible_by}) must be positive")
+        raise ParallelConfigError(
+            f"vocab size ({vocab_size}), tp size ({tp_size}) and "
+            f"make_vocab_size_divisible_by ({make_vocab_size_divisible_by}) must be positive"
+        )
     multiple = make_vocab_size_divisible_by * tp_size
     return -(-vocab_size // multiple) * multiple
 
@@ -59,10 +62,12 @@ def pad_vocab_size(vocab_size: int, tp_size: int, make_vocab_size_divisible_by: 
 def padded_init_method(init_method: Callable[[torch.Tensor], object], vocab_size: int) -> Callable:
     """An init method for the [V_p, h] padded master: the first vocab_size rows drawn exactly as init_method
     draws an unpadded [vocab_size, h] weight, the pad rows zero."""
+
     def init(master: torch.Tensor) -> None:
         init_method(master[:vocab_size])  # contiguous leading rows: the same RNG draws as a fresh [V, h]
         with torch.no_grad():
             master[vocab_size:].zero_()
+
     return init
 
 
@@ -79,21 +84,35 @@ class VocabParallelEmbedding(torch.nn.Module):
     Mirrors `megatron-lm:megatron/core/tensor_parallel/layers.py::VocabParallelEmbedding`.
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, *, tp_group: dist.ProcessGroup,
-                 init_method: Callable, sequence_parallel: bool = False,
-                 params_dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        tp_group: dist.ProcessGroup,
+        init_method: Callable,
+        sequence_parallel: bool = False,
+        params_dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ):
         super().__init__()
         p = tp_group.size()
         self.vocab_size, self.embedding_dim, self.tp_group = num_embeddings, embedding_dim, tp_group
         self.padded_vocab_size = pad_vocab_size(num_embeddings, p)
         self.num_embeddings_per_partition = self.padded_vocab_size // p
-        self.vocab_start_index, self.vocab_end_index = vocab_range(self.num_embeddings_per_partition,
-                                                                   tp_group.rank())
+        self.vocab_start_index, self.vocab_end_index = vocab_range(self.num_embeddings_per_partition, tp_group.rank())
         self.sequence_parallel = sequence_parallel and p > 1
-        self.weight = torch.nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim,
-                                                     dtype=params_dtype, device=device))
-        init_shard_from_master(self.weight, self.padded_vocab_size, embedding_dim, 0,
-                               padded_init_method(init_method, num_embeddings), tp_group)
+        self.weight = torch.nn.Parameter(
+            torch.empty(self.num_embeddings_per_partition, embedding_dim, dtype=params_dtype, device=device)
+        )
+        init_shard_from_master(
+            self.weight,
+            self.padded_vocab_size,
+            embedding_dim,
+            0,
+            padded_init_method(init_method, num_embeddings),
+            tp_group,
+        )
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         check_ids(input_ids, self.vocab_size, "VocabParallelEmbedding input")
@@ -124,16 +143,31 @@ class ParallelLMHead(torch.nn.Module):
     `megatron-lm:megatron/core/models/common/language_module/language_module.py::LanguageModule.compute_language_model_loss`.
     """
 
-    def __init__(self, hidden_size: int, vocab_size: int, *, tp_group: dist.ProcessGroup, init_method: Callable,
-                 sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None):
+    def __init__(
+        self,
+        hidden_size: int,
+        vocab_size: int,
+        *,
+        tp_group: dist.ProcessGroup,
+        init_method: Callable,
+        sequence_parallel: bool = False,
+        params_dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ):
         super().__init__()
         self.vocab_size, self.tp_group = vocab_size, tp_group
         self.padded_vocab_size = pad_vocab_size(vocab_size, tp_group.size())
         self.output_layer = ColumnParallelLinear(
-            hidden_size, self.padded_vocab_size, tp_group=tp_group,
-            init_method=padded_init_method(init_method, vocab_size), bias=False, gather_output=False,
-            sequence_parallel=sequence_parallel, params_dtype=params_dtype, device=device)
+            hidden_size,
+            self.padded_vocab_size,
+            tp_group=tp_group,
+            init_method=padded_init_method(init_method, vocab_size),
+            bias=False,
+            gather_output=False,
+            sequence_parallel=sequence_parallel,
+            params_dtype=params_dtype,
+            device=device,
+        )
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits_shard, _ = self.output_layer(hidden)

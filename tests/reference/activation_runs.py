@@ -1,5 +1,6 @@
 """Run tests/reference/workers/activation_worker.py once per (world size, device) and share its per-rank
 results between the recomputation and the activation-memory tests."""
+
 from __future__ import annotations
 
 import functools
@@ -7,13 +8,10 @@ import functools
 from tests.launch import run_worker
 
 
-
 @functools.cache
 def activation_results(world: int, device: str = "cpu") -> list[dict]:
     """Every rank's JSON from one launch of the worker."""
     return run_worker("activation_worker.py", world, device, device=device, timeout=300)
-
-
 
 
 @functools.cache

@@ -3,6 +3,7 @@
 Many named tests read the same launch (torchrun + torch import costs seconds on this machine); run_worker
 caches it for the pytest session.
 """
+
 from __future__ import annotations
 
 from tests.launch import run_worker
@@ -15,8 +16,11 @@ def fsdp_results(world: int, device: str = "cpu") -> list[dict]:
 
 def schedule(step: dict, phase: str | None = None) -> list[tuple]:
     """(op, unit, phase, nbytes, dtype) of each collective in issue order."""
-    return [(e["op"], e["module"], e["phase"], e["nbytes"], e["dtype"]) for e in step["events"]
-            if phase is None or e["phase"] == phase]
+    return [
+        (e["op"], e["module"], e["phase"], e["nbytes"], e["dtype"])
+        for e in step["events"]
+        if phase is None or e["phase"] == phase
+    ]
 
 
 def issued(step: dict, op: str, unit: str, phase: str) -> float:

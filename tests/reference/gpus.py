@@ -1,4 +1,5 @@
 """The devices the reference tests run on: CPU/gloo always, CUDA/NCCL (marked `cuda`, skipped without GPUs)."""
+
 import pytest
 
 # A collective claim needs two ranks, so its CUDA form needs two GPUs (one per rank); run_worker skips it with

@@ -1,5 +1,6 @@
 """The bytes one reference GPT-2 block saves for backward (counted with saved_tensors_hooks, bf16, CPU) in
 each configuration of Korthikanti et al. 2022 Table 2, term by term, with the reason for every difference."""
+
 import json
 
 import pytest
@@ -51,7 +52,8 @@ def test_table2_closed_forms():
         "tensor parallel": 10 * SBH + 24 * SBH // T + 5 * AS2B // T,
         "tensor + sequence parallel": 34 * SBH // T + 5 * AS2B // T,
         "tensor + sequence parallel + selective recompute": 34 * SBH // T,
-        "full recompute": 2 * SBH}
+        "full recompute": 2 * SBH,
+    }
 
 
 def test_no_parallelism_term_by_term():
@@ -72,8 +74,13 @@ def test_no_parallelism_term_by_term():
         ("MLP first linear input, 2sbh", 2 * SBH, 2 * SBH, "same"),
         ("GeLU input, 8sbh", 8 * SBH, 8 * SBH, "same"),
         ("MLP second linear input, 8sbh", 8 * SBH, 8 * SBH, "same: the GeLU output, saved by the second linear layer"),
-        ("LayerNorm mean and rstd, 2 LayerNorms x 2 x sb; not counted by the paper (O(sb))", 0, 2 * 2 * S * B * 2,
-         "torch's LayerNorm keeps them for backward; bf16 on CPU")]
+        (
+            "LayerNorm mean and rstd, 2 LayerNorms x 2 x sb; not counted by the paper (O(sb))",
+            0,
+            2 * 2 * S * B * 2,
+            "torch's LayerNorm keeps them for backward; bf16 on CPU",
+        ),
+    ]
     assert _counts()["no parallelism"]["counted_bytes"] - _counts()["no parallelism"]["table2_bytes"] == 90_624
 
 
@@ -87,8 +94,10 @@ def test_sequence_parallelism_splits_the_ten_replicated_sbh():
 def test_selective_recompute_drops_exactly_the_attention_core():
     """Selective keeps the fused QKV output (bf16, 6sbh/t) for the core, instead of fp32 Q, K^T, V (12sbh/t)
     and the three s^2 tensors (12as^2b/t in fp32; the paper's 5as^2b/t)."""
-    sp, selective = (_counts()[c]["counted_bytes"] for c in
-                     ("tensor + sequence parallel", "tensor + sequence parallel + selective recompute"))
+    sp, selective = (
+        _counts()[c]["counted_bytes"]
+        for c in ("tensor + sequence parallel", "tensor + sequence parallel + selective recompute")
+    )
     assert sp - selective == (12 * SBH + 12 * AS2B - 6 * SBH) // T
 
 
@@ -103,22 +112,27 @@ def test_the_counter_counts_a_storage_once_in_its_dtype_and_skips_parameters():
     linear = torch.nn.Linear(4, 6, bias=False, dtype=torch.bfloat16)
     x = torch.randn(3, 4, dtype=torch.bfloat16, requires_grad=True)
     with SavedTensorCounter(linear) as counter:
-        y = linear(x * x)                     # saves x (twice, once counted) and x * x (with the weight)
-        a, b, c = y.chunk(3, dim=1)           # views of y's storage
-        (a * b * c).sum()                     # saves a, b, c and a * b: y's storage once, then a * b
+        y = linear(x * x)  # saves x (twice, once counted) and x * x (with the weight)
+        a, b, c = y.chunk(3, dim=1)  # views of y's storage
+        (a * b * c).sum()  # saves a, b, c and a * b: y's storage once, then a * b
     assert [(s.module, s.dtype, s.shape, s.nbytes) for s in counter.saved] == [
-        ("", "torch.bfloat16", (3, 4), 24), ("", "torch.bfloat16", (3, 4), 24),
-        ("", "torch.bfloat16", (3, 2), 36), ("", "torch.bfloat16", (3, 2), 12)]
+        ("", "torch.bfloat16", (3, 4), 24),
+        ("", "torch.bfloat16", (3, 4), 24),
+        ("", "torch.bfloat16", (3, 2), 36),
+        ("", "torch.bfloat16", (3, 2), 12),
+    ]
     assert counter.total_bytes == 96
 
 
 def _megatron_extras(t: int) -> dict[str, int]:
     """What megatron-core's layer keeps beyond the paper's terms, on CPU in bf16 (t: tensor-parallel size)."""
-    return {"LayerNorm mean and rstd, fp32 (its LayerNorm weights are fp32)": 2 * 2 * S * B * 4,
-            "the causal mask, bool s x s, saved by masked_fill (an input, not split)": S * S,
-            "softmax output in fp32 (attention_softmax_in_fp32): 4as^2b/t, not 2as^2b/t": 2 * AS2B // t,
-            "attention dropout: bf16 noise, not a 1-byte mask": AS2B // t,
-            "hidden dropouts: bf16 noise, not 1-byte masks (replicated without SP)": 2 * SBH}
+    return {
+        "LayerNorm mean and rstd, fp32 (its LayerNorm weights are fp32)": 2 * 2 * S * B * 4,
+        "the causal mask, bool s x s, saved by masked_fill (an input, not split)": S * S,
+        "softmax output in fp32 (attention_softmax_in_fp32): 4as^2b/t, not 2as^2b/t": 2 * AS2B // t,
+        "attention dropout: bf16 noise, not a 1-byte mask": AS2B // t,
+        "hidden dropouts: bf16 noise, not 1-byte masks (replicated without SP)": 2 * SBH,
+    }
 
 
 @pytest.mark.upstream("megatron-lm")
@@ -135,8 +149,11 @@ def test_megatron_transformer_layer_keeps_the_paper_terms_plus_named_extras(conf
 def test_megatron_keeps_q_k_v_as_one_bf16_buffer_the_papers_6sbh(configuration, t):
     """Its unfused attention saves views of the fused QKV output: the paper's 6sbh/t exactly, where the
     reference's CPU SDPA keeps fp32 copies (12sbh/t)."""
-    core = [s for s in megatron_activation_counts()[configuration]["saved"]
-            if s["module"] == "self_attention.core_attention"]
+    core = [
+        s
+        for s in megatron_activation_counts()[configuration]["saved"]
+        if s["module"] == "self_attention.core_attention"
+    ]
     assert (core[0]["dtype"], core[0]["nbytes"]) == ("torch.bfloat16", 6 * SBH // t)
     assert (core[1]["dtype"], core[1]["nbytes"]) == ("torch.bfloat16", 2 * AS2B // t)  # dropout output for x V
 

@@ -4,6 +4,7 @@ fewer (DTensor all-reduces each column layer's input gradient on its own, q, k, 
 where the reference's fused layers reduce once); with SP it sends more (Megatron's column layers re-gather
 their sequence-split input in backward for the weight gradient instead of keeping the gathered copy, which
 DTensor's autograd saves). Timings are printed by the benchmark, never asserted here."""
+
 import json
 
 import pytest
@@ -11,8 +12,21 @@ import pytest
 from tests.launch import ROOT, torchrun
 
 PLANS = ROOT / "benchmarks" / "qwen2_dtensor.py"  # the HF side, from the DTensor engineer's branch (i-dtensor14)
-TINY = ["--hidden-size", "32", "--num-attention-heads", "4", "--num-kv-heads", "2", "--seq-length", "8",
-        "--vocab-size", "64", "--rounds", "1", "--json"]
+TINY = [
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--num-kv-heads",
+    "2",
+    "--seq-length",
+    "8",
+    "--vocab-size",
+    "64",
+    "--rounds",
+    "1",
+    "--json",
+]
 
 
 @pytest.mark.skipif(not PLANS.is_file(), reason="needs benchmarks/qwen2_dtensor.py (branch i-dtensor14) merged")

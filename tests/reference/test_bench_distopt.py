@@ -1,11 +1,11 @@
 """benchmarks/bench_distopt.py does not rot: one tiny step at world 2 gives its JSON report, with equal losses
 and bytes per rank at their closed forms. Timings are printed by the benchmark, never asserted here."""
+
 import json
 
 from tests.launch import ROOT, torchrun
 
-TINY = ["--hidden-size", "16", "--num-layers", "1", "--seq-length", "4", "--batch-size", "1", "--steps", "1",
-        "--json"]
+TINY = ["--hidden-size", "16", "--num-layers", "1", "--seq-length", "4", "--batch-size", "1", "--steps", "1", "--json"]
 
 
 def test_bench_distopt_reports_equal_losses_and_bytes_at_the_closed_forms():

@@ -1,13 +1,32 @@
 """benchmarks/bench_pipeline.py does not rot: one tiny step at world 2 (pp 2) gives its JSON report, with
 every variant's loss equal, 1F1B's measured activation peak at the formula's fraction of GPipe's, and the
-interleaved variant's chunk-forwards in flight and every variant's replayed bubble at their formulas. Timings are printed by the benchmark, never
+interleaved variant's chunk-forwards in flight and every variant's replayed bubble at their formulas. Timings are
+printed by the benchmark, never
 asserted here."""
+
 import json
 
 from tests.launch import ROOT, torchrun
 
-TINY = ["--hidden-size", "16", "--num-layers", "4", "--seq-length", "8", "--micro-batches", "2",
-        "--micro-batch-size", "1", "--steps", "1", "--warmup", "0", "--virtual-stages", "2", "--json"]
+TINY = [
+    "--hidden-size",
+    "16",
+    "--num-layers",
+    "4",
+    "--seq-length",
+    "8",
+    "--micro-batches",
+    "2",
+    "--micro-batch-size",
+    "1",
+    "--steps",
+    "1",
+    "--warmup",
+    "0",
+    "--virtual-stages",
+    "2",
+    "--json",
+]
 
 
 def test_bench_pipeline_reports_equal_losses_and_the_1f1b_and_interleaved_memory_formulas():

@@ -6,6 +6,7 @@ with torch DDP on the same groups; the pytest functions below read what each ran
 clears gradients with `optimizer.zero_grad()` (set to None: the hooks move autograd's fresh gradient into the
 bucket), the others with `DistributedDataParallel.zero_grad()` (the buckets are zeroed in place).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -52,11 +53,14 @@ def test_bucket_layout_is_one_all_reduce_per_bucket_of_the_computed_size():
         assert sum(result["param_bytes"]) == sum(DP_BUCKETS) == result["buckets"]["dp4/one_bucket"][0]
         assert result["buckets"]["dp4"] == result["buckets"]["torch_assignment"] == DP_BUCKETS
         assert result["buckets"]["tp2dp2"] == result["buckets"]["tp2dp2/sp"] == TP_DP_BUCKETS
-        for run, group, expected in [("dp4", [0, 1, 2, 3], DP_BUCKETS), ("dp4/no_overlap", [0, 1, 2, 3], DP_BUCKETS),
-                                     ("dp4/one_bucket", [0, 1, 2, 3], [sum(DP_BUCKETS)]),
-                                     ("dp2", [0, 1] if result["rank"] < 2 else [2, 3], DP_BUCKETS),
-                                     ("tp2dp2", result["dp_group"], TP_DP_BUCKETS),
-                                     ("tp2dp2/sp", result["dp_group"], TP_DP_BUCKETS)]:
+        for run, group, expected in [
+            ("dp4", [0, 1, 2, 3], DP_BUCKETS),
+            ("dp4/no_overlap", [0, 1, 2, 3], DP_BUCKETS),
+            ("dp4/one_bucket", [0, 1, 2, 3], [sum(DP_BUCKETS)]),
+            ("dp2", [0, 1] if result["rank"] < 2 else [2, 3], DP_BUCKETS),
+            ("tp2dp2", result["dp_group"], TP_DP_BUCKETS),
+            ("tp2dp2/sp", result["dp_group"], TP_DP_BUCKETS),
+        ]:
             for step in result["steps"][run]:
                 assert [e["nbytes"] for e in all_reduces(step, group)] == expected, (run, result["rank"])
 
@@ -74,7 +78,8 @@ def test_overlap_issues_every_bucket_but_the_last_during_backward_before_the_las
     for result in results():
         for step in result["steps"]["dp4"]:
             assert [(e["phase"], e["before_last_gradient"]) for e in step] == (
-                [("backward", True)] * (len(DP_BUCKETS) - 1) + [("backward", False)])
+                [("backward", True)] * (len(DP_BUCKETS) - 1) + [("backward", False)]
+            )
         for step in result["steps"]["dp4/no_overlap"]:  # all issued by finish_grad_sync, after backward
             assert [(e["phase"], e["before_last_gradient"]) for e in step] == [("forward", False)] * len(DP_BUCKETS)
 
@@ -82,8 +87,10 @@ def test_overlap_issues_every_bucket_but_the_last_during_backward_before_the_las
 def test_tp_x_dp_reduces_shards_on_the_dp_group_and_keeps_the_tp_collectives():
     for result in results():
         dp, tp = result["dp_group"], result["tp_group"]
-        assert dp == [result["rank"] % 2, result["rank"] % 2 + 2] and tp == [result["rank"] // 2 * 2,
-                                                                             result["rank"] // 2 * 2 + 1]
+        assert dp == [result["rank"] % 2, result["rank"] % 2 + 2] and tp == [
+            result["rank"] // 2 * 2,
+            result["rank"] // 2 * 2 + 1,
+        ]
         plain, sp = result["steps"]["tp2dp2"][0], result["steps"]["tp2dp2/sp"][0]
         assert {e["group"] == dp or e["group"] == tp for e in plain + sp} == {True}
         # TP as the TP-only model (2 layers: 2 all-reduces per block each way); DP bucket all-reduces
@@ -93,8 +100,13 @@ def test_tp_x_dp_reduces_shards_on_the_dp_group_and_keeps_the_tp_collectives():
         assert any(e["group"] == tp for e in plain[first_dp:])
         # under SP, finalize_model_grads adds one TP all-reduce of the partial LayerNorm and row-bias grads:
         # 2 layers x (ln1, ln2: weight + bias; proj, fc2: bias) x 16 x 4 bytes, after the DP reduction
-        assert sp[-1] == {"op": "all_reduce", "group": tp, "nbytes": 2 * 6 * 16 * 4, "phase": "forward",
-                          "before_last_gradient": False}
+        assert sp[-1] == {
+            "op": "all_reduce",
+            "group": tp,
+            "nbytes": 2 * 6 * 16 * 4,
+            "phase": "forward",
+            "before_last_gradient": False,
+        }
 
 
 def test_no_sync_accumulates_without_collectives_then_one_sync_equals_one_big_batch():
@@ -111,8 +123,9 @@ def test_bad_input_gets_one_line_errors():
         "bucket_size_negative": "bucket_size must be a positive number of bytes or None (one bucket), got -5",
         "batch_not_divisible": "the global batch size (6) is not divisible by the data-parallel size (4)",
         "main_grad": "parameter 'layers.0.attention.qkv.weight' accumulates into main_grad "
-                     "(gradient_accumulation_fusion); reference DDP reduces .grad: build the model with "
-                     "gradient_accumulation_fusion=False",
+        "(gradient_accumulation_fusion); reference DDP reduces .grad: build the model with "
+        "gradient_accumulation_fusion=False",
         "grad_twice": "DistributedDataParallel: a parameter's gradient arrived twice in one synced step; run every "
-                      "backward but the last of a step under no_sync()",
-        "collectives_after_remove_hooks": 0}
+        "backward but the last of a step under no_sync()",
+        "collectives_after_remove_hooks": 0,
+    }

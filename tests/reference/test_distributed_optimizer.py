@@ -6,6 +6,7 @@ mixed precision optimizer (the oracle: fp32 main_grad all-reduced, fp32 masters 
 rank) and with the distributed optimizer (reduce-scatter, step this rank's slice, all-gather), with and without
 overlapping the all-gathers with the next forward, with fp32 and with bf16 gradients.
 """
+
 from __future__ import annotations
 
 import functools
@@ -67,16 +68,28 @@ def test_bytes_per_rank_are_the_zero_paper_accounting(dp, n):
     Ψ is the padded bucket size (at most N - 1 elements per bucket more than the model)."""
     for run in runs(dp, "distopt/bf16_grads"):
         psi = run["padded_numel"]
-        assert run["bytes"] == {"parameters": 2 * psi, "gradients": 2 * psi, "master_weights": 4 * psi // n,
-                                "optimizer_states": 8 * psi // n}
+        assert run["bytes"] == {
+            "parameters": 2 * psi,
+            "gradients": 2 * psi,
+            "master_weights": 4 * psi // n,
+            "optimizer_states": 8 * psi // n,
+        }
     for run in runs(dp, "distopt"):
         psi = run["padded_numel"]
-        assert run["bytes"] == {"parameters": 2 * psi, "gradients": 4 * psi, "master_weights": 4 * psi // n,
-                                "optimizer_states": 8 * psi // n}
+        assert run["bytes"] == {
+            "parameters": 2 * psi,
+            "gradients": 4 * psi,
+            "master_weights": 4 * psi // n,
+            "optimizer_states": 8 * psi // n,
+        }
     for run in runs(dp, "oracle"):  # unsharded: 2 + 4 + 12 bytes per parameter on every rank
         psi = run["numel"]
-        assert run["bytes"] == {"parameters": 2 * psi, "gradients": 4 * psi, "master_weights": 4 * psi,
-                                "optimizer_states": 8 * psi}
+        assert run["bytes"] == {
+            "parameters": 2 * psi,
+            "gradients": 4 * psi,
+            "master_weights": 4 * psi,
+            "optimizer_states": 8 * psi,
+        }
 
 
 @pytest.mark.parametrize("dp", ["dp2", "dp4"])
@@ -126,8 +139,6 @@ def test_bad_input_is_refused_with_a_message():
     assert "reduce-scattered" in errors["unsharded_on_sharded_ddp"]
 
 
-
-
 @functools.cache
 def megatron_results() -> list[dict]:
     return run_worker("megatron_distopt_worker.py", 2, timeout=240)
@@ -155,15 +166,21 @@ def test_megatron_holds_fp32_main_grads_and_a_twelve_byte_optimizer_share():
         megatron = result["megatron"]
         padded = megatron["grad_buffer"]["numel"]
         assert megatron["grad_buffer"]["dtype"] == "torch.float32" and megatron["param_buffer"] == {
-            "numel": padded, "dtype": "torch.bfloat16"}
+            "numel": padded,
+            "dtype": "torch.bfloat16",
+        }
         assert padded % 128 == 0 and padded > megatron["numel_unpadded"]  # lcm(dp, 128), params 64-aligned
         assert megatron["state_bytes"] == 2 * megatron["master_bytes"]
     assert sum(r["megatron"]["master_bytes"] for r in results) == 4 * results[0]["megatron"]["numel_unpadded"]
     for result in results:  # the reference pads the one bucket only to a multiple of dp
         numel = result["megatron"]["numel_unpadded"]
         padded = numel + numel % 2
-        assert result["reference"]["bytes"] == {"parameters": 2 * padded, "gradients": 4 * padded,
-                                                "master_weights": 2 * padded, "optimizer_states": 4 * padded}
+        assert result["reference"]["bytes"] == {
+            "parameters": 2 * padded,
+            "gradients": 4 * padded,
+            "master_weights": 2 * padded,
+            "optimizer_states": 4 * padded,
+        }
 
 
 @pytest.mark.upstream("megatron-lm")
@@ -177,10 +194,15 @@ def test_megatron_reduce_scatters_fp32_and_all_gathers_bf16_like_the_reference()
         padded = megatron["grad_buffer"]["numel"]
         for step, (theirs, ours) in enumerate(zip(megatron["steps"], reference["steps"])):
             assert [(e["op"], e["dtype"]) for e in theirs] == [
-                ("reduce_scatter", "float32"), ("all_reduce", "float32"), ("all_gather", "bfloat16")]
+                ("reduce_scatter", "float32"),
+                ("all_reduce", "float32"),
+                ("all_gather", "bfloat16"),
+            ]
             assert [e["nbytes"] for e in theirs] == [4 * padded, 4, 2 * padded]
             assert [(e["op"], e["dtype"], e["phase"]) for e in ours] == [
-                ("reduce_scatter", "float32", "backward"), ("all_gather", "bfloat16", "forward")]
+                ("reduce_scatter", "float32", "backward"),
+                ("all_gather", "bfloat16", "forward"),
+            ]
             assert theirs[0]["phase"] == ("forward" if step == 0 else "backward")
 
 

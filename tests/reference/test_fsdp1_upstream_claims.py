@@ -5,6 +5,7 @@ with the defaults and with each option the note discusses; see the worker's docs
 Units in forward order: root (embeddings, final norm, head; its forward encloses the blocks'), blocks.0-2.
 Prefetch claims are checked from step 1 on (step 0 records the forward order).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -16,7 +17,7 @@ pytestmark = pytest.mark.upstream("pytorch")
 
 WORLD = 2
 BLOCKS = ["blocks.0", "blocks.1", "blocks.2"]
-FORWARD_PAIRS = list(zip(["root"] + BLOCKS[:-1], BLOCKS))             # (unit l, unit l+1)
+FORWARD_PAIRS = list(zip(["root"] + BLOCKS[:-1], BLOCKS))  # (unit l, unit l+1)
 BACKWARD_PAIRS = [("root", "blocks.2"), ("blocks.2", "blocks.1"), ("blocks.1", "blocks.0")]  # (current, next)
 
 
@@ -62,7 +63,8 @@ def test_one_allgather_and_one_reduce_scatter_per_unit_of_many_parameters():
                 events = [(e["op"], e["nbytes"]) for e in step["events"] if e["unit"] == name]
                 gathers = 1 if name == "root" else 2
                 assert events == [("all_gather", unit["padded_numel"] * 4)] * gathers + [
-                    ("reduce_scatter", unit["padded_numel"] * 4)]
+                    ("reduce_scatter", unit["padded_numel"] * 4)
+                ]
 
 
 def test_default_gathers_each_unit_in_its_own_pre_forward_after_the_previous_computed():
@@ -86,7 +88,7 @@ def test_forward_prefetch_gathers_next_unit_from_current_pre_forward():
             assert issued(step, "all_gather", current, "forward") < gather < step["spans"][f"{current} forward"][0]
     for result in results():
         first = result["runs"]["forward_prefetch"]["steps"][0]
-        for current, following in FORWARD_PAIRS:
+        for _current, following in FORWARD_PAIRS:
             assert inside(first, issued(first, "all_gather", following, "forward"), f"{following} pre-forward")
 
 

@@ -1,4 +1,5 @@
 """Bad input to the reference FSDP: a clear one-line error, padding instead of a crash, bounded failure."""
+
 from __future__ import annotations
 
 import pytest
@@ -14,24 +15,28 @@ def errors() -> dict[str, str]:
 def test_parameter_shared_between_units_is_refused():
     assert errors()["shared_between_units"] == (
         "parameter 'tok_emb.weight' is already flattened into another FSDP unit: a parameter shared between "
-        "units is not supported; wrap the modules sharing it in one unit")
+        "units is not supported; wrap the modules sharing it in one unit"
+    )
 
 
 def test_module_wrapped_twice_is_refused():
     assert errors()["wrapped_twice"] == "Block is already wrapped by reference FSDP; wrap each module once"
     assert errors()["wrapper_wrapped"] == (
-        "FullyShardedDataParallel is already wrapped by reference FSDP; wrap each module once")
+        "FullyShardedDataParallel is already wrapped by reference FSDP; wrap each module once"
+    )
 
 
 def test_non_floating_parameter_is_refused():
     assert errors()["integer_parameter"] == (
-        "parameter 'step' has dtype torch.int64; FSDP shards floating-point parameters only")
+        "parameter 'step' has dtype torch.int64; FSDP shards floating-point parameters only"
+    )
 
 
 def test_unit_mixing_trainable_and_frozen_parameters_is_refused():
     assert errors()["partly_frozen"] == (
         "parameters of one unit must all require grad or all be frozen (one flat gradient); "
-        "wrap frozen modules in their own unit")
+        "wrap frozen modules in their own unit"
+    )
 
 
 def test_world_size_one_shards_nothing_and_trains_bitwise_like_single_process():

@@ -7,6 +7,7 @@ norm, head) and blocks.0-2. Steps 1 and 2 are checked (step 0 records the forwar
 also run on CUDA/NCCL (2 GPUs), where each all-gather runs on NCCL's stream and `Work.wait()` only makes the
 compute stream wait, so the prefetched all-gathers overlap compute on the GPU.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -15,7 +16,7 @@ from tests.reference.fsdp_runs import fsdp_results, issued, schedule, span
 from tests.reference.gpus import DEVICES
 
 BLOCKS = ["blocks.0", "blocks.1", "blocks.2"]
-FORWARD_PAIRS = list(zip(["root"] + BLOCKS[:-1], BLOCKS))           # (unit l, unit l+1)
+FORWARD_PAIRS = list(zip(["root"] + BLOCKS[:-1], BLOCKS))  # (unit l, unit l+1)
 BACKWARD_PAIRS = [("blocks.2", "blocks.1"), ("blocks.1", "blocks.0")]  # (current, next in backward)
 
 
@@ -109,8 +110,8 @@ def test_per_rank_parameter_memory_is_one_nth_of_total_plus_padding(world):
         units = run["units"]
         for unit in units:
             assert unit["shard_numel"] * world == unit["padded_numel"] >= unit["numel"] >= unit["param_numel"]
-            assert unit["padded_numel"] - unit["numel"] < world               # end padding to a multiple of N
-            assert unit["numel"] - unit["param_numel"] < 4 * 16                # 16-byte alignment, < 4 each here
+            assert unit["padded_numel"] - unit["numel"] < world  # end padding to a multiple of N
+            assert unit["numel"] - unit["param_numel"] < 4 * 16  # 16-byte alignment, < 4 each here
         total = sum(u["param_numel"] * u["itemsize"] for u in units)
         padding = sum((u["padded_numel"] - u["param_numel"]) * u["itemsize"] for u in units)
         assert run["param_bytes_per_rank"] == (total + padding) // world
@@ -131,5 +132,6 @@ def test_bytes_per_step_are_two_allgathers_and_one_reduce_scatter_of_each_flat_s
                 events = [e for e in schedule(step) if e[1] == unit["name"]]
                 gathers = 1 if unit["name"] == "root" else 2
                 assert [e[0] for e in events] == ["all_gather"] * gathers + ["reduce_scatter"]
-                assert [e[3] for e in events] == ([unit["padded_numel"] * param_size] * gathers
-                                                  + [unit["padded_numel"] * reduce_size])
+                assert [e[3] for e in events] == (
+                    [unit["padded_numel"] * param_size] * gathers + [unit["padded_numel"] * reduce_size]
+                )

@@ -6,14 +6,15 @@ compared with single-process training on the whole batch, and with torch 2.13's 
 (`FullyShardedDataParallel(use_orig_params=True)`, same wrapping, prefetch and mixed precision) and FSDP2
 (`fully_shard`, same wrapping and mixed precision).
 """
+
 from __future__ import annotations
 
 import pytest
 
 from tests.reference.fsdp_runs import fsdp_results
 
-FP32_TOLERANCE = 1e-6   # observed 1.5e-8 (world 2) and 3e-8 (world 4): the batch-split summation order
-BF16_TOLERANCE = 2e-4   # bf16 compute, fp32 reduce and shards, lr 0.05, 3 steps: observed 4.9e-5
+FP32_TOLERANCE = 1e-6  # observed 1.5e-8 (world 2) and 3e-8 (world 4): the batch-split summation order
+BF16_TOLERANCE = 2e-4  # bf16 compute, fp32 reduce and shards, lr 0.05, 3 steps: observed 4.9e-5
 FP32_CONFIGS = ["pre", "pre+fwd", "post", "post+fwd", "none", "none+fwd"]
 
 

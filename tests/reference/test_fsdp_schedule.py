@@ -5,6 +5,7 @@ units by `reference.fsdp.tracing.torch_fsdp1_unit_scopes`. Compared per step: op
 dtype of every collective in issue order, so prefetch decisions, the root's kept parameters and the
 16-byte alignment padding (flat sizes) must all agree.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -35,6 +36,8 @@ def test_backward_prefetch_changes_the_backward_schedule():
     """Prefetching moves unit l-1's all-gather before unit l's reduce-scatter (so the equality above is not
     vacuous). BACKWARD_PRE and BACKWARD_POST issue the same sequence; they differ in where it falls
     relative to the gradient computation (test_fsdp_claims.py)."""
-    steps = {c: schedule(fsdp_results(2)[0]["runs"][f"reference/{c}"]["steps"][1], "backward")
-             for c in ("pre", "post", "none")}
+    steps = {
+        c: schedule(fsdp_results(2)[0]["runs"][f"reference/{c}"]["steps"][1], "backward")
+        for c in ("pre", "post", "none")
+    }
     assert steps["pre"] == steps["post"] != steps["none"]

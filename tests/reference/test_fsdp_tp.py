@@ -5,6 +5,7 @@ steps as reference FSDP over the DP group of TP-sharded blocks, with and without
 single-process training and PyTorch's FSDP2 (`fully_shard` on the "dp" mesh dimension) over DTensor TP
 (`parallelize_module`) on a 2D DeviceMesh whose groups are the layout's.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -46,15 +47,21 @@ def test_matches_fsdp2_over_dtensor_tp_on_a_2d_mesh(config):
 def test_dp_group_carries_fsdp_all_gathers_and_reduce_scatters_of_the_tp_sharded_unit(config):
     unit_bytes = UNIT_NUMEL * 4  # recorded as the full gathered / unreduced buffer; each rank sends 1/dp of it
     for result in results():
-        assert [(u["param_numel"], u["numel"], u["padded_numel"], u["shard_numel"]) for u in result[config]["units"]] \
-            == [(UNIT_PARAM_NUMEL, UNIT_NUMEL, UNIT_NUMEL, UNIT_NUMEL // DP)] * 2
+        assert [
+            (u["param_numel"], u["numel"], u["padded_numel"], u["shard_numel"]) for u in result[config]["units"]
+        ] == [(UNIT_PARAM_NUMEL, UNIT_NUMEL, UNIT_NUMEL, UNIT_NUMEL // DP)] * 2
         for step, theirs in zip(result[config]["steps"], result[config]["fsdp2_steps"]):
             # per block: an all-gather before forward, one before backward, a reduce-scatter after backward
-            assert on(step, result["dp_group"]) == [("all_gather", "forward", unit_bytes)] * 2 + [
-                ("all_gather", "backward", unit_bytes)] * 2 + [("reduce_scatter", "backward", unit_bytes)] * 2
+            assert (
+                on(step, result["dp_group"])
+                == [("all_gather", "forward", unit_bytes)] * 2
+                + [("all_gather", "backward", unit_bytes)] * 2
+                + [("reduce_scatter", "backward", unit_bytes)] * 2
+            )
             # FSDP2 issues the same schedule; it shards each parameter on dim 0 (no alignment padding): 978
-            assert on(theirs, result["dp_group"]) == [(op, phase, UNIT_PARAM_NUMEL * 4)
-                                                      for op, phase, _ in on(step, result["dp_group"])]
+            assert on(theirs, result["dp_group"]) == [
+                (op, phase, UNIT_PARAM_NUMEL * 4) for op, phase, _ in on(step, result["dp_group"])
+            ]
 
 
 @pytest.mark.parametrize("config", ["plain", "sp"])
@@ -66,8 +73,11 @@ def test_tp_group_carries_the_tp_only_models_collectives(config):
             ours = on(step, tp)
             assert (ours[:-1] if config == "sp" else ours) == tp_only
             if config == "plain":  # DTensor TP: the same 2 all-reduces per block each way
-                assert on(theirs, tp) == tp_only == [("all_reduce", "forward", 768)] * 4 + [
-                    ("all_reduce", "backward", 768)] * 4
+                assert (
+                    on(theirs, tp)
+                    == tp_only
+                    == [("all_reduce", "forward", 768)] * 4 + [("all_reduce", "backward", 768)] * 4
+                )
 
 
 def test_sequence_parallel_grads_are_summed_over_tp_on_the_sharded_gradients():
@@ -88,11 +98,12 @@ def test_bad_input_gets_one_line_errors_on_every_rank():
     for result in results():
         assert result["bad_input"] == {
             "unsharded_model": "shard_tp_model: rank 0: Transformer has no ParallelTransformerBlock or "
-                               "ParallelLlamaBlock to wrap; "
-                               "build it as reference.tensor_parallel.transformer.ParallelTransformer(..., "
-                               "tp_group=layout.tp_group)",
+            "ParallelLlamaBlock to wrap; "
+            "build it as reference.tensor_parallel.transformer.ParallelTransformer(..., "
+            "tp_group=layout.tp_group)",
             "full_weight": "shard_tp_model: rank 0: layers.0.attention.qkv.weight has shape [36, 12], expected "
-                           "[18, 12]: a TP-sharded layer must hold this rank's 1/2 slice, not the full weight",
+            "[18, 12]: a TP-sharded layer must hold this rank's 1/2 slice, not the full weight",
             "uneven_plain_parameter": "shard_tp_model: parameter shapes differ between ranks 0 and 1 of TP group "
-                                      "[0, 1] (first: 'layers.0.extra' [5]); FSDP x TP needs one flat layout per "
-                                      "TP and per DP group"}
+            "[0, 1] (first: 'layers.0.extra' [5]); FSDP x TP needs one flat layout per "
+            "TP and per DP group",
+        }

@@ -1,6 +1,7 @@
 """`torchrun -m reference --tp T --pp P --dp D [--dp-sharding fsdp]`: help, one-line errors, loss equal to the
 unsharded GPT's, traffic per process group, parameter bytes per rank, and the schedule's measured in-flight
 peak per stage."""
+
 import json
 import subprocess
 import sys
@@ -13,18 +14,33 @@ from reference.gpt.model import GPTConfig, UnshardedGPT
 from reference.gpt.train import synthetic_batches
 from tests.launch import ROOT, torchrun
 
-FLAGS = ["--tp", "--pp", "--dp", "--schedule", "--micro-batches", "--sequence-parallel", "--vocab-size",
-         "--dropout", "--no-async-grad-allreduce", "--trace", "--fsdp", "--dp-sharding"]
+FLAGS = [
+    "--tp",
+    "--pp",
+    "--dp",
+    "--schedule",
+    "--micro-batches",
+    "--sequence-parallel",
+    "--vocab-size",
+    "--dropout",
+    "--no-async-grad-allreduce",
+    "--trace",
+    "--fsdp",
+    "--dp-sharding",
+]
 MODEL = dict(vocab_size=51, hidden_size=16, num_attention_heads=4, num_layers=2, seq_length=8)
 B, M, STEPS, SEED, LR = 2, 3, 3, 7, 0.5
-FSDP_REFUSED = ("--dp-sharding fsdp needs --pp 1 and --micro-batches 1 (got --pp {pp} --micro-batches {m}): the "
-                "reference FSDP has no no_sync, so it cannot accumulate gradients over micro-batches and "
-                "reduce-scatter once; use --dp-sharding replicate for pipelining")
+FSDP_REFUSED = (
+    "--dp-sharding fsdp needs --pp 1 and --micro-batches 1 (got --pp {pp} --micro-batches {m}): the "
+    "reference FSDP has no no_sync, so it cannot accumulate gradients over micro-batches and "
+    "reduce-scatter once; use --dp-sharding replicate for pipelining"
+)
 
 
 def _python_m_reference(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "reference", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "reference", *args], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
 
 
 def test_help_explains_every_flag():
@@ -34,17 +50,25 @@ def test_help_explains_every_flag():
         assert flag in out.stdout, flag
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--pp", "4", "--num-layers", "2"],
-     "4 pipeline stages need at least 4 transformer layers, the model has 2; lower --pp or raise --num-layers"),
-    (["--micro-batches", "0"], "--steps, --batch-size, --micro-batches and --bucket-size must be >= 1"),
-    (["--hidden-size", "10"], "hidden_size (10) is not divisible by num_attention_heads (4)"),
-    (["--tp", "2", "--pp", "2", "--dp-sharding", "fsdp"], FSDP_REFUSED.format(pp=2, m=1)),
-    (["--tp", "2", "--dp-sharding", "fsdp", "--micro-batches", "2"], FSDP_REFUSED.format(pp=1, m=2)),
-    (["--dp-sharding", "optimizer"], "--dp-sharding optimizer shards the optimizer state over the data-parallel "
-     "group, but dp is 1 (world 1 / (tp 1 x pp 1)): nothing to shard; launch more ranks or use --dp-sharding "
-     "replicate"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--pp", "4", "--num-layers", "2"],
+            "4 pipeline stages need at least 4 transformer layers, the model has 2; lower --pp or raise --num-layers",
+        ),
+        (["--micro-batches", "0"], "--steps, --batch-size, --micro-batches and --bucket-size must be >= 1"),
+        (["--hidden-size", "10"], "hidden_size (10) is not divisible by num_attention_heads (4)"),
+        (["--tp", "2", "--pp", "2", "--dp-sharding", "fsdp"], FSDP_REFUSED.format(pp=2, m=1)),
+        (["--tp", "2", "--dp-sharding", "fsdp", "--micro-batches", "2"], FSDP_REFUSED.format(pp=1, m=2)),
+        (
+            ["--dp-sharding", "optimizer"],
+            "--dp-sharding optimizer shards the optimizer state over the data-parallel "
+            "group, but dp is 1 (world 1 / (tp 1 x pp 1)): nothing to shard; launch more ranks or use --dp-sharding "
+            "replicate",
+        ),
+    ],
+)
 def test_bad_sizes_are_refused_with_one_line_before_starting(args, message):
     out = _python_m_reference(*args)
     assert out.returncode == 2 and out.stderr.strip() == f"reference: error: {message}", out.stderr
@@ -66,11 +90,39 @@ def unsharded_losses() -> list[float]:
 
 def demo(*extra: str, pp: int = 2, batch_size: int = B, micro_batches: int = M) -> tuple[list[dict], dict]:
     """The demo at tp 2 x pp x dp 2 on the global batch B x M x 2 of unsharded_losses."""
-    args = ["--tp", "2", "--pp", str(pp), "--dp", "2", "--json", "--steps", str(STEPS), "--batch-size",
-            str(batch_size), "--micro-batches", str(micro_batches), "--seed", str(SEED), "--lr", str(LR),
-            "--vocab-size", "51", "--hidden-size", "16", "--seq-length", "8", "--num-layers", "2", *extra]
-    lines = [json.loads(line) for line in torchrun("-m", 4 * pp, "reference", *args, timeout=180).splitlines()
-             if line.startswith("{")]
+    args = [
+        "--tp",
+        "2",
+        "--pp",
+        str(pp),
+        "--dp",
+        "2",
+        "--json",
+        "--steps",
+        str(STEPS),
+        "--batch-size",
+        str(batch_size),
+        "--micro-batches",
+        str(micro_batches),
+        "--seed",
+        str(SEED),
+        "--lr",
+        str(LR),
+        "--vocab-size",
+        "51",
+        "--hidden-size",
+        "16",
+        "--seq-length",
+        "8",
+        "--num-layers",
+        "2",
+        *extra,
+    ]
+    lines = [
+        json.loads(line)
+        for line in torchrun("-m", 4 * pp, "reference", *args, timeout=180).splitlines()
+        if line.startswith("{")
+    ]
     return [x for x in lines if "step" in x], next(x for x in lines if "pipeline" in x)
 
 
@@ -83,9 +135,18 @@ def three_d(tmp_path_factory):
     def run(schedule: str, sequence_parallel: bool) -> tuple[list[dict], dict, Path]:
         if (schedule, sequence_parallel) not in runs:
             trace = tmp_path_factory.mktemp(f"trace-{schedule}")
-            runs[schedule, sequence_parallel] = (*demo("--schedule", schedule, "--trace", str(trace),
-                                                       *(["--sequence-parallel"] if sequence_parallel else [])), trace)
+            runs[schedule, sequence_parallel] = (
+                *demo(
+                    "--schedule",
+                    schedule,
+                    "--trace",
+                    str(trace),
+                    *(["--sequence-parallel"] if sequence_parallel else []),
+                ),
+                trace,
+            )
         return runs[schedule, sequence_parallel]
+
     return run
 
 
@@ -98,8 +159,11 @@ def test_tp2_pp2_dp2_demo_trains_like_the_unsharded_gpt(three_d, schedule, seque
     s, b, h = 8, B, 16
     boundary = (s // 2 if sequence_parallel else s) * b * h * 4  # stages exchange [s/tp, b, h] under SP
     groups = steps[0]["collectives"]  # rank 0: stage 0, 1 layer
-    assert groups["pp"] == {"barrier": {"count": 2, "bytes": 0}, "send": {"count": M, "bytes": M * boundary},
-                            "recv": {"count": M, "bytes": M * boundary}}
+    assert groups["pp"] == {
+        "barrier": {"count": 2, "bytes": 0},
+        "send": {"count": M, "bytes": M * boundary},
+        "recv": {"count": M, "bytes": M * boundary},
+    }
     assert list(groups["dp"]) == ["all_reduce"] and groups["dp"]["all_reduce"]["count"] == 1
     if not sequence_parallel:  # embedding all-reduce, 2 per layer forward, 2 per layer backward
         assert groups["tp"] == {"all_reduce": {"count": 5 * M, "bytes": 5 * M * s * b * h * 4}}
@@ -114,15 +178,20 @@ def test_fsdp_x_tp_demo_trains_like_replicate_and_unsharded(three_d):
     replica; the replicate run is the 1f1b, sequence-parallel tp 2 x pp 2 x dp 2 one (same global batches)."""
     fsdp, _ = demo("--dp-sharding", "fsdp", "--sequence-parallel", pp=1, batch_size=B * M, micro_batches=1)
     replicate = three_d("1f1b", True)[0]
-    losses = {"fsdp": [s["loss"] for s in fsdp], "replicate": [s["loss"] for s in replicate],
-              "unsharded": unsharded_losses()}
+    losses = {
+        "fsdp": [s["loss"] for s in fsdp],
+        "replicate": [s["loss"] for s in replicate],
+        "unsharded": unsharded_losses(),
+    }
     for got, replicated, expected in zip(losses["fsdp"], losses["replicate"], losses["unsharded"]):
         assert abs(got - expected) < 2e-6 and abs(got - replicated) < 2e-6, losses
     layers = MODEL["num_layers"]
     for step in fsdp:  # root unit: one all-gather (kept for backward); each block: forward + backward
         dp = step["collectives"]["dp"]
-        assert {op: v["count"] for op, v in dp.items()} == {"all_gather": 1 + 2 * layers,
-                                                             "reduce_scatter": 1 + layers}, dp
+        assert {op: v["count"] for op, v in dp.items()} == {
+            "all_gather": 1 + 2 * layers,
+            "reduce_scatter": 1 + layers,
+        }, dp
     unsharded = sum(p.numel() * 4 for p in UnshardedGPT(GPTConfig(**MODEL), SEED).parameters())
     assert fsdp[0]["param_bytes_unsharded"] == unsharded
     assert abs(fsdp[0]["param_bytes_per_rank"] / unsharded - 1 / 4) < 0.02  # + replicated LayerNorms, positions

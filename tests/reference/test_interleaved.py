@@ -2,6 +2,7 @@
 GPT, holds and idles what Narayanan et al. 2021 say it does, and torch.distributed.pipelining's
 ScheduleInterleaved1F1B plans the same actions and computes the same losses and gradients. Megatron's own
 interleaved schedule is compared in test_megatron_pipeline_upstream.py (same launch as its other claims)."""
+
 from __future__ import annotations
 
 import functools
@@ -9,9 +10,8 @@ import functools
 import pytest
 
 from reference import __main__ as demo_cli
-from tests.launch import run_worker
 from reference.pipeline.replay import idle_fraction
-
+from tests.launch import run_worker
 
 
 @functools.cache
@@ -36,7 +36,12 @@ def test_interleaved_training_equals_the_unsharded_gpt_in_every_layout():
     """Two SGD steps with v chunks per stage (tp x pp x dp in 1x4x1, 1x2x2, 2x2x1 with SP; v 2 and 4):
     the losses and the final weights are the single-process model's, up to fp32 summation order."""
     assert {(*r["layout"], r["v"], r["m"]) for r in runs()} == {
-        (1, 4, 1, 2, 4), (1, 4, 1, 2, 8), (1, 2, 2, 2, 4), (1, 2, 2, 4, 2), (2, 2, 1, 2, 4)}
+        (1, 4, 1, 2, 4),
+        (1, 4, 1, 2, 8),
+        (1, 2, 2, 2, 4),
+        (1, 2, 2, 4, 2),
+        (2, 2, 1, 2, 4),
+    }
     for run in runs():
         assert run["max_loss_diff"] < 2e-6 and run["max_weight_diff"] < 2e-6, run
 
@@ -106,19 +111,24 @@ def refused(argv, capsys) -> str:
 
 
 def test_layers_that_p_times_v_does_not_divide_are_refused_in_one_line(capsys):
-    assert ("6 transformer layers do not split into pp 4 x 2 virtual stages of equal size; use a multiple of 8"
-            in refused(["--pp", "4", "--virtual-stages", "2", "--num-layers", "6", "--micro-batches", "4"], capsys))
+    assert (
+        "6 transformer layers do not split into pp 4 x 2 virtual stages of equal size; use a multiple of 8"
+        in refused(["--pp", "4", "--virtual-stages", "2", "--num-layers", "6", "--micro-batches", "4"], capsys)
+    )
 
 
 def test_micro_batches_not_a_multiple_of_p_are_refused_in_one_line(capsys):
-    assert ("interleaved 1F1B (2 virtual stages) needs the number of micro-batches (6) to be a multiple of the "
-            "pipeline size (4)" in refused(["--pp", "4", "--virtual-stages", "2", "--num-layers", "8",
-                                              "--micro-batches", "6"], capsys))
+    assert (
+        "interleaved 1F1B (2 virtual stages) needs the number of micro-batches (6) to be a multiple of the "
+        "pipeline size (4)"
+        in refused(["--pp", "4", "--virtual-stages", "2", "--num-layers", "8", "--micro-batches", "6"], capsys)
+    )
 
 
 def test_virtual_stages_need_the_1f1b_schedule_and_replicated_dp(capsys):
     assert "--virtual-stages 2 needs --schedule 1f1b" in refused(
-        ["--pp", "2", "--virtual-stages", "2", "--num-layers", "4", "--schedule", "gpipe"], capsys)
+        ["--pp", "2", "--virtual-stages", "2", "--num-layers", "4", "--schedule", "gpipe"], capsys
+    )
 
 
 def test_schedule_refuses_a_single_stage_with_virtual_stages():

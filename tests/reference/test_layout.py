@@ -1,5 +1,6 @@
 """The TP x PP x DP layout: the issue's 8-rank example, megatron-core's RankGenerator for many sizes and both
 orders, and the `python -m reference.layout` command (text, --json, refused sizes)."""
+
 import json
 import subprocess
 import sys
@@ -12,8 +13,9 @@ from tests.launch import ROOT
 
 
 def layout_command(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "reference.layout", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "reference.layout", *args], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
 
 
 def test_eight_ranks_tp2_pp2_dp2_groups():

@@ -7,6 +7,7 @@ What CPU/gloo cannot show: that a batch_isend_irecv is one NCCL group (gloo runs
 torch.cuda.synchronize() of batch_p2p_sync (a no-op here), and CUDA-stream concurrency: an all-reduce
 "overlapping" a backward is shown by when it is issued, not by kernels running side by side.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -51,12 +52,15 @@ def test_stage_r_runs_min_p_minus_r_minus_1_warmup_forwards_then_alternates(name
         assert order[:warmup] == [f"F{i}" for i in range(warmup)], order
         if not run["last"]:
             events = run["events"]
-            sends_alone = [e[0] for i, e in enumerate(events[1:], 1)
-                           if events[i - 1][0][0] == "F" and e[0] == "batch" and e[1] == [["isend", r + 1]]]
+            sends_alone = [
+                e[0]
+                for i, e in enumerate(events[1:], 1)
+                if events[i - 1][0][0] == "F" and e[0] == "batch" and e[1] == [["isend", r + 1]]
+            ]
             assert len(sends_alone) == warmup, (r, events)
-        steady = order[warmup:warmup + 2 * (m - warmup)]
+        steady = order[warmup : warmup + 2 * (m - warmup)]
         assert steady == [a for i in range(m - warmup) for a in (f"F{warmup + i}", f"B{i}")], order
-        assert order[warmup + 2 * (m - warmup):] == [f"B{i}" for i in range(m - warmup, m)], order
+        assert order[warmup + 2 * (m - warmup) :] == [f"B{i}" for i in range(m - warmup, m)], order
         held = [sum(a[0] == "F" for a in order[:k]) - sum(a[0] == "B" for a in order[:k]) for k in range(len(order))]
         assert max(held) == min(p - r, m), (r, order)
 
@@ -93,8 +97,11 @@ def test_unbatched_rounds_send_to_next_before_receiving_and_receive_from_previou
     for run in runs("unbatched_m6"):
         assert "batch" not in names(run)
         r, events = run["pp_rank"], [(e[0], e[1]) for e in run["events"]]
-        rounds = [pair for pair in zip(events, events[1:]) if {pair[0][0], pair[1][0]} == {"isend", "irecv"}
-                  and pair[0][1] == pair[1][1]]  # a send and a receive with one peer, back to back
+        rounds = [
+            pair
+            for pair in zip(events, events[1:])
+            if {pair[0][0], pair[1][0]} == {"isend", "irecv"} and pair[0][1] == pair[1][1]
+        ]  # a send and a receive with one peer, back to back
         assert rounds, events
         for first, second in rounds:
             peer = first[1]
@@ -109,7 +116,7 @@ def test_no_sync_is_entered_before_the_first_micro_batch_and_left_just_before_th
         assert order[0] == "no_sync_enter", order
         exit_at, last_backward = order.index("no_sync_exit"), backward_indices(run)[-1]
         assert [i for i in backward_indices(run) if i > exit_at] == [last_backward], order
-        assert not [n for n in order[exit_at + 1:last_backward] if n[0] == "F"], order  # nothing else runs
+        assert not [n for n in order[exit_at + 1 : last_backward] if n[0] == "F"], order  # nothing else runs
         before = order[:exit_at]
         assert before.count("no_sync_enter") == 1 and sum(n[0] == "F" for n in before) == run["m"], order
         assert order.index("finalize_enter") > last_backward
@@ -148,7 +155,7 @@ def test_overlap_grad_reduce_issues_bucket_all_reduces_while_the_last_backward_r
         assert reduces and all(start < i < end and e[3] is True for i, e in reduces), (start, end, reduces)
         if run["first"]:
             layer_boundary = names(run).index("bwd_layer1_done", start)
-            assert reduces[0][0] < layer_boundary < reduces[1][0], names(run)[start:end + 1]
+            assert reduces[0][0] < layer_boundary < reduces[1][0], names(run)[start : end + 1]
 
 
 def test_with_grad_sync_func_only_the_first_stage_reduces_in_its_last_backward_the_others_in_the_bubble():
@@ -164,8 +171,9 @@ def test_with_grad_sync_func_only_the_first_stage_reduces_in_its_last_backward_t
             assert reduces and all(start < i < end for i, _ in reduces) and "grad_sync_func" not in order
             continue
         assert order.index("no_sync_exit") > end and "grad_sync_func" in order
-        assert [i for i, _ in reduces] and all(order.index("grad_sync_func") < i < order.index("finalize_enter")
-                                               for i, _ in reduces)
+        assert [i for i, _ in reduces] and all(
+            order.index("grad_sync_func") < i < order.index("finalize_enter") for i, _ in reduces
+        )
         issued = run["events"][reduces[0][0]][-1]
         for stage0 in first:  # this stage is idle until the first stage's last backward ends: its bubble
             assert run["events"][end][-1] < issued < stage0["events"][last_backward_span(stage0)[1]][-1]
@@ -175,9 +183,11 @@ def test_each_loss_is_divided_by_num_microbatches_before_backward():
     """Two outputs: loss / m (x the context-parallel size, 1 here). Three: loss / num_tokens / m, unless
     calculate_per_token_loss, where backward starts from the sum and megatron's finalize_model_grads divides the
     gradients by the global token count."""
-    for name, divide in [("defaults_m6", lambda loss, tokens, m: loss / m),
-                         ("three_output_m6", lambda loss, tokens, m: loss / tokens / m),
-                         ("per_token_m6", lambda loss, tokens, m: loss)]:
+    for name, divide in [
+        ("defaults_m6", lambda loss, tokens, m: loss / m),
+        ("three_output_m6", lambda loss, tokens, m: loss / tokens / m),
+        ("per_token_m6", lambda loss, tokens, m: loss),
+    ]:
         last = runs(name)[-1]
         assert last["last"]
         losses = {e[1]: e for e in last["events"] if e[0] == "loss"}
@@ -240,7 +250,9 @@ def test_megatron_interleaved_order_is_the_reference_interleaved_1f1b(v, m):
 def test_megatron_refuses_interleaving_when_m_is_not_a_multiple_of_p():
     """Its default microbatch_group_size_per_vp_stage is p; m 6 at p 4 leaves a last group of 2 < p."""
     for rank in ranks():
-        assert rank["interleaved_m6_refused"].startswith("RuntimeError: The remainder of M"), rank["interleaved_m6_refused"]
+        assert rank["interleaved_m6_refused"].startswith("RuntimeError: The remainder of M"), rank[
+            "interleaved_m6_refused"
+        ]
         assert "but it is 2" in rank["interleaved_m6_refused"]
 
 
@@ -255,13 +267,33 @@ def test_megatron_assigns_chunk_c_of_rank_r_the_layers_of_virtual_stage_c_p_plus
     from reference.gpt.model import split_virtual_stages
 
     for layers, p, v in [(8, 2, 2), (8, 2, 4), (12, 4, 3), (8, 4, 2)]:
-        config = TransformerConfig(num_layers=layers, hidden_size=8, num_attention_heads=1, pipeline_dtype=torch.float32,
-                                   pipeline_model_parallel_size=p, virtual_pipeline_model_parallel_size=v)
-        megatron = [[(get_transformer_layer_offset(config, vp_stage=c, pp_rank=r),
-                      get_transformer_layer_offset(config, vp_stage=c, pp_rank=r)
-                      + get_num_layers_to_build(config, vp_stage=c, pp_rank=r)) for c in range(v)] for r in range(p)]
+        config = TransformerConfig(
+            num_layers=layers,
+            hidden_size=8,
+            num_attention_heads=1,
+            pipeline_dtype=torch.float32,
+            pipeline_model_parallel_size=p,
+            virtual_pipeline_model_parallel_size=v,
+        )
+        megatron = [
+            [
+                (
+                    get_transformer_layer_offset(config, vp_stage=c, pp_rank=r),
+                    get_transformer_layer_offset(config, vp_stage=c, pp_rank=r)
+                    + get_num_layers_to_build(config, vp_stage=c, pp_rank=r),
+                )
+                for c in range(v)
+            ]
+            for r in range(p)
+        ]
         assert megatron == split_virtual_stages(layers, p, v), (layers, p, v)
-    config = TransformerConfig(num_layers=6, hidden_size=8, num_attention_heads=1, pipeline_dtype=torch.float32,
-                               pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
+    config = TransformerConfig(
+        num_layers=6,
+        hidden_size=8,
+        num_attention_heads=1,
+        pipeline_dtype=torch.float32,
+        pipeline_model_parallel_size=2,
+        virtual_pipeline_model_parallel_size=2,
+    )
     with pytest.raises(AssertionError):
         get_num_layers_to_build(config, vp_stage=0, pp_rank=0)

@@ -5,6 +5,7 @@ configuration once; each test reads both ranks' records. Layers use megatron's M
 except use_cpu_initialization=True (the GPU path needs CUDA). Shapes: input [s, b, h] = [4, 3, 12] in fp32,
 output size 20, so the column layer's dX GEMM gives [12, 12], its dW GEMM [10, 12].
 """
+
 from __future__ import annotations
 
 import pytest
@@ -15,7 +16,7 @@ from tests.launch import run_worker
 pytestmark = pytest.mark.upstream("megatron-lm")
 
 WORLD, S, B, IN, OUT = 2, 4, 3, 12, 20
-ACTIVATION_BYTES = S * B * IN * 4      # one full [s, b, h] fp32 activation
+ACTIVATION_BYTES = S * B * IN * 4  # one full [s, b, h] fp32 activation
 
 
 def records() -> list[dict]:
@@ -50,8 +51,11 @@ def test_column_defaults_allreduce_dx_async_between_dx_and_dw_gemms():
     for case in cases("column"):
         assert case["allreduce_dgrad"] is True
         assert collectives(case, "forward") == []
-        assert ops(case, "backward") == [("aten::mm", [S * B, IN]), ("c10d::allreduce_", None),
-                                         ("aten::mm", [OUT // WORLD, IN])]
+        assert ops(case, "backward") == [
+            ("aten::mm", [S * B, IN]),
+            ("c10d::allreduce_", None),
+            ("aten::mm", [OUT // WORLD, IN]),
+        ]
         assert collectives(case, "backward") == [("all_reduce", ACTIVATION_BYTES, True)]
         dw_gemm = case["ops"][-1]
         (event,) = case["events"]
@@ -74,8 +78,11 @@ def test_column_input_enters_the_kernel_unwrapped_f_only_at_tp1():
         for case in cases(name):
             assert case["chain"] == ["LinearWithGradAccumulationAndAsyncCommunicationBackward", "AccumulateGrad"], name
     for case in cases("column_tp1"):
-        assert case["chain"] == ["LinearWithGradAccumulationAndAsyncCommunicationBackward",
-                                 "_CopyToModelParallelRegionBackward", "AccumulateGrad"]
+        assert case["chain"] == [
+            "LinearWithGradAccumulationAndAsyncCommunicationBackward",
+            "_CopyToModelParallelRegionBackward",
+            "AccumulateGrad",
+        ]
         assert case["allreduce_dgrad"] is False and collectives(case) == []
 
 
@@ -96,10 +103,16 @@ def test_sequence_parallel_gathers_input_in_forward_and_again_in_backward_then_r
         assert case["allreduce_dgrad"] is False
         assert case["saved"][0] == [S // WORLD, B, IN], "autograd keeps the sequence shard, not the gathered input"
         assert collectives(case, "forward") == [("all_gather", ACTIVATION_BYTES, False)]
-        assert collectives(case, "backward") == [("all_gather", ACTIVATION_BYTES, True),
-                                                 ("reduce_scatter", ACTIVATION_BYTES, True)]
-        assert ops(case, "backward") == [("c10d::_allgather_base_", None), ("aten::mm", [S * B, IN]),
-                                         ("c10d::_reduce_scatter_base_", None), ("aten::mm", [OUT // WORLD, IN])]
+        assert collectives(case, "backward") == [
+            ("all_gather", ACTIVATION_BYTES, True),
+            ("reduce_scatter", ACTIVATION_BYTES, True),
+        ]
+        assert ops(case, "backward") == [
+            ("c10d::_allgather_base_", None),
+            ("aten::mm", [S * B, IN]),
+            ("c10d::_reduce_scatter_base_", None),
+            ("aten::mm", [OUT // WORLD, IN]),
+        ]
         _, dx_gemm, _, dw_gemm = [o for o in case["ops"] if o["phase"] == "backward"]
         regather, reduce_scatter = [e for e in case["events"] if e["phase"] == "backward"]
         assert regather["end"] >= dx_gemm["end"], "the re-gather is waited after the dX GEMM"
@@ -137,8 +150,11 @@ def row_expected(with_bias: bool) -> torch.Tensor:
 def test_row_bias_is_replicated_and_added_once_after_the_allreduce():
     for case in cases("row"):
         assert case["bias_shape"] == [OUT]
-        assert ops(case, "forward") == [("aten::mm", [S * B, OUT]), ("c10d::allreduce_", None),
-                                        ("aten::add", [S, B, OUT])]
+        assert ops(case, "forward") == [
+            ("aten::mm", [S * B, OUT]),
+            ("c10d::allreduce_", None),
+            ("aten::add", [S, B, OUT]),
+        ]
         torch.testing.assert_close(tensor(case["output"]), row_expected(with_bias=True))
     for rank, case in enumerate(cases("row_sp")):  # sequence parallel: added to this rank's sequence slice
         assert ops(case, "forward")[-1] == ("aten::add", [S // WORLD, B, OUT])
@@ -160,8 +176,9 @@ def test_skip_bias_add_returns_the_bias_unadded_column_and_row():
     for rank, case in enumerate(cases("column_skip_bias_add")):
         assert ("aten::add", [S, B, OUT // WORLD]) not in ops(case, "forward")
         torch.testing.assert_close(tensor(case["output"]), column_expected(rank, with_bias=False))
-        torch.testing.assert_close(tensor(case["output_bias"]),
-                                   tensor(cases("column")[rank]["full_bias"]).chunk(WORLD)[rank])
+        torch.testing.assert_close(
+            tensor(case["output_bias"]), tensor(cases("column")[rank]["full_bias"]).chunk(WORLD)[rank]
+        )
     for case in cases("row_skip_bias_add"):
         assert [op for op, _ in ops(case, "forward")] == ["aten::mm", "c10d::allreduce_"]
         torch.testing.assert_close(tensor(case["output"]), row_expected(with_bias=False))
@@ -195,15 +212,28 @@ def test_gradient_accumulation_fusion_hands_the_kernel_dy_x_and_main_grad_by_dty
     [out, in] weight, so what accumulates is dY^T X; the entry point follows main_grad's dtype; autograd
     gets no weight gradient, and two micro-batches sum in main_grad."""
     for record in records():
-        for name, variant, dtype in (("fusion_fp32", "fp32", "torch.float32"),
-                                     ("fusion_bf16", "fp16", "torch.bfloat16")):
+        for name, variant, dtype in (
+            ("fusion_fp32", "fp32", "torch.float32"),
+            ("fusion_bf16", "fp16", "torch.bfloat16"),
+        ):
             case = record[name]
-            assert case["calls"] == [{"variant": variant, "total_input": [S * B, IN],
-                                      "grad_output": [S * B, OUT // WORLD], "main_grad": [OUT // WORLD, IN],
-                                      "main_grad_dtype": dtype}] * 2
+            assert (
+                case["calls"]
+                == [
+                    {
+                        "variant": variant,
+                        "total_input": [S * B, IN],
+                        "grad_output": [S * B, OUT // WORLD],
+                        "main_grad": [OUT // WORLD, IN],
+                        "main_grad_dtype": dtype,
+                    }
+                ]
+                * 2
+            )
             assert case["grad_is_none"]
-        torch.testing.assert_close(tensor(record["fusion_fp32"]["main_grad"]),
-                                   tensor(record["fusion_fp32"]["expected_main_grad"]))
+        torch.testing.assert_close(
+            tensor(record["fusion_fp32"]["main_grad"]), tensor(record["fusion_fp32"]["expected_main_grad"])
+        )
 
 
 def test_gradient_accumulation_fusion_gives_autograd_a_placeholder_under_megatron_ddp():

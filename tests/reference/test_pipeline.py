@@ -1,5 +1,6 @@
 """Pipeline parallelism: TP x PP x DP training equals the unsharded GPT, schedules run the textbook order
 (and torch.distributed.pipelining's schedule IR), 1F1B holds fewer micro-batches than GPipe, failures end."""
+
 from types import SimpleNamespace
 
 import pytest
@@ -15,8 +16,11 @@ def torch_order(schedule: str, pp: int, stage: int, m: int) -> list[str]:
     cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
     plan = cls(SimpleNamespace(num_stages=pp), m).pipeline_order[stage]
     names = {_ComputationType.FORWARD: "F", _ComputationType.FULL_BACKWARD: "B"}
-    return [f"{names[a.computation_type]}{a.microbatch_index}" for a in plan
-            if a is not None and a.computation_type in names]
+    return [
+        f"{names[a.computation_type]}{a.microbatch_index}"
+        for a in plan
+        if a is not None and a.computation_type in names
+    ]
 
 
 def check(runs: list[dict], world: int) -> None:
@@ -34,8 +38,7 @@ def check(runs: list[dict], world: int) -> None:
         assert r["actions"] == expected, r
     for key in {(tuple(r["layout"]), r["sp"], r["m"], r["pp_rank"]) for r in runs}:
         (tp, pp, dp), sp, m, stage = key
-        peak = {r["schedule"]: r["peak"] for r in runs
-                if (tuple(r["layout"]), r["sp"], r["m"], r["pp_rank"]) == key}
+        peak = {r["schedule"]: r["peak"] for r in runs if (tuple(r["layout"]), r["sp"], r["m"], r["pp_rank"]) == key}
         if pp > 1:
             assert peak == {"gpipe": m, "1f1b": min(pp - stage, m)}, (key, peak)
             if m > pp:
@@ -45,8 +48,11 @@ def check(runs: list[dict], world: int) -> None:
 @pytest.fixture(scope="module", params=DEVICES)
 def world4(request):
     """Every run of the pipeline worker at world 4 (one launch per device for the tests below)."""
-    runs = [run for result in run_worker("pipeline_worker.py", 4, device=request.param, timeout=240)
-            for run in result["runs"]]
+    runs = [
+        run
+        for result in run_worker("pipeline_worker.py", 4, device=request.param, timeout=240)
+        for run in result["runs"]
+    ]
     assert len(runs) == 4 * 5 * 2  # ranks x layouts x schedules
     return runs
 

@@ -7,6 +7,7 @@ a dp 2 x tp 2 mesh with checkpointed layers, fp32 and bf16 compute), `uneven` at
 crashes). Every test asserts on one shared launch. The expected collective counts are data (PER_BLOCK,
 per_step) for the lead's cross-check against the reference decoder.
 """
+
 from __future__ import annotations
 
 import functools
@@ -19,8 +20,8 @@ from tests.launch import run_worker, torchrun_failing
 
 WORKER = Path(__file__).parent / "workers" / "qwen2_dtensor_worker.py"
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
-LAYERS = 2                  # tiny_config(): 2 decoder layers, hidden 32, 4 query heads, 2 KV heads, vocab 64
-FP32 = 2e-6                 # observed: loss <= 4.8e-7, gradients <= 4.5e-8 (fp32 sums in another order)
+LAYERS = 2  # tiny_config(): 2 decoder layers, hidden 32, 4 query heads, 2 KV heads, vocab 64
+FP32 = 2e-6  # observed: loss <= 4.8e-7, gradients <= 4.5e-8 (fp32 sums in another order)
 BF16_LOSS, BF16_GRAD = 5e-2, 5e-3  # bf16 compute, fp32 reduction: observed 2.2e-2 (loss ~4.2), 1.0e-3
 
 # Collectives one decoder layer issues in one step, as CommDebugMode attributes them (TP 2, no FSDP).
@@ -41,16 +42,19 @@ PER_BLOCK["hf"] = PER_BLOCK["tp"]  # HF's shipped plan is the same block plan (c
 def per_step(config: str, layers: int = LAYERS) -> dict:
     """Collectives of one whole step (forward, backward) at TP 2, in the number of decoder layers."""
     if config == "tp":  # embedding all-reduce, blocks, loss_parallel's 3 all-reduces (max, sum of exp, target)
-        return {"forward": {"all_reduce": 1 + 2 * layers + 3},
-                "backward": {"all_reduce": 5 * layers + 1}}   # + the head's input gradient
+        return {
+            "forward": {"all_reduce": 1 + 2 * layers + 3},
+            "backward": {"all_reduce": 5 * layers + 1},
+        }  # + the head's input gradient
     if config == "sp":  # embedding reduce-scatter, blocks, the head's all-gather, loss_parallel
-        return {"forward": {"all_gather": 2 * layers + 1, "all_reduce": 3, "reduce_scatter": 2 * layers + 1},
-                # blocks, the embedding's and the head's mirrors, and 2 of each CommDebugMode attributes to the
-                # final norm (measured, the same at 1, 2 and 3 layers)
-                "backward": {"all_gather": 2 * layers + 3, "reduce_scatter": 2 * layers + 3}}
+        return {
+            "forward": {"all_gather": 2 * layers + 1, "all_reduce": 3, "reduce_scatter": 2 * layers + 1},
+            # blocks, the embedding's and the head's mirrors, and 2 of each CommDebugMode attributes to the
+            # final norm (measured, the same at 1, 2 and 3 layers)
+            "backward": {"all_gather": 2 * layers + 3, "reduce_scatter": 2 * layers + 3},
+        }
     if config == "hf":  # embedding, blocks, colwise_gather_output's all-gather of the logits; plain loss
-        return {"forward": {"all_gather": 1, "all_reduce": 1 + 2 * layers},
-                "backward": {"all_reduce": 5 * layers + 1}}
+        return {"forward": {"all_gather": 1, "all_reduce": 1 + 2 * layers}, "backward": {"all_reduce": 5 * layers + 1}}
     raise ValueError(config)
 
 
@@ -98,8 +102,11 @@ def test_collectives_per_step_follow_the_closed_form(config, device):
 def test_sequence_parallel_leaves_norm_weight_gradients_partial_after_backward(device):
     """SequenceParallel's norm weights are Replicate; each rank's gradient covers its tokens only, and DTensor
     leaves the sum to whoever reads it next (Megatron all-reduces them in finalize_model_grads)."""
-    norms = [f"model.layers.{i}.{norm}.weight" for i in range(LAYERS)
-             for norm in ("input_layernorm", "post_attention_layernorm")] + ["model.norm.weight"]
+    norms = [
+        f"model.layers.{i}.{norm}.weight"
+        for i in range(LAYERS)
+        for norm in ("input_layernorm", "post_attention_layernorm")
+    ] + ["model.norm.weight"]
     for rank in results("tp", device):
         assert rank["sp"]["partial_grads"] == sorted(norms)
         assert rank["tp"]["partial_grads"] == rank["hf"]["partial_grads"] == []
@@ -141,8 +148,10 @@ def test_fsdp2_bf16_compute_stays_within_bound_and_keeps_fp32_gradients(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_pitfall_positional_layouts_on_a_keyword_call_then_keyword_layouts(device):
     for rank in results("tp", device):
-        assert rank["pitfall_positional"]["error"] == \
-            "ValueError: module inputs and input_layouts should have same length!"
+        assert (
+            rank["pitfall_positional"]["error"]
+            == "ValueError: module inputs and input_layouts should have same length!"
+        )
         assert rank["sp"]["loss_diff"] <= FP32  # the fix: input_kwarg_layouts={"hidden_states": Shard(1)}
 
 
@@ -172,8 +181,10 @@ def test_pitfall_collective_on_a_dtensor_loss_then_on_its_local_tensor(device):
         assert (pitfall["loss_type"], pitfall["placements"]) == ("DTensor", ["R"])
         # at the pin the error is DTensor's dispatch refusing the c10d op, not the document's
         # "found no DeviceMesh from dtensor args"
-        assert pitfall["error"] == \
-            "NotImplementedError: Operator c10d.allreduce_.default does not have a sharding strategy registered."
+        assert (
+            pitfall["error"]
+            == "NotImplementedError: Operator c10d.allreduce_.default does not have a sharding strategy registered."
+        )
         assert pitfall["fixed_mean_diff"] == 0.0  # all_reduce(loss.to_local()) / world: the replicated loss
 
 
@@ -183,8 +194,10 @@ def test_sequence_parallel_plan_needs_sdpa_attention_on_hf_qwen2(device):
     """With eager attention the causal mask is built for the local sequence shard (4 of 8 tokens) and added to
     the gathered sequence's scores; the plans above run with SDPA, which takes no mask here."""
     for rank in results("tp", device):
-        assert rank["eager_mask"]["error"] == \
-            "RuntimeError: The size of tensor a (8) must match the size of tensor b (4) at non-singleton dimension 3"
+        assert (
+            rank["eager_mask"]["error"]
+            == "RuntimeError: The size of tensor a (8) must match the size of tensor b (4) at non-singleton dimension 3"
+        )
 
 
 @pytest.mark.upstream("pytorch")
@@ -193,5 +206,7 @@ def test_sequence_parallel_plan_needs_positions_passed_in(device):
     """HF derives default positions from the embedding's output, under SP this rank's 4 tokens: rotary cos/sin
     for 4 positions meet 8-token queries. The plans above pass position_ids (as the document pads them)."""
     for rank in results("tp", device):
-        assert rank["positions_missing"]["error"] == \
-            "RuntimeError: The size of tensor a (8) must match the size of tensor b (4) at non-singleton dimension 2"
+        assert (
+            rank["positions_missing"]["error"]
+            == "RuntimeError: The size of tensor a (8) must match the size of tensor b (4) at non-singleton dimension 2"
+        )

@@ -6,6 +6,7 @@ tests/reference/workers/qwen2_oracle_worker.py per world (1, 2, 4) and device; t
 The config: vocab 128, hidden 64, 4 query heads in 2 key/value groups, 2 layers, SwiGLU 96, b 4, s 12
 (and 11, which TP 2 does not divide).
 """
+
 from __future__ import annotations
 
 import functools
@@ -41,17 +42,22 @@ def test_tp_stage_equals_hf_qwen2_logits_loss_and_gradient_shards(config, world,
 
 
 def block_ops(r: dict, phase: str) -> list[tuple[str, str, int]]:
-    return [(op, module, nbytes) for op, module, ph, nbytes in r["events"]
-            if ph == phase and module.startswith("layers.0.")]
+    return [
+        (op, module, nbytes) for op, module, ph, nbytes in r["events"] if ph == phase and module.startswith("layers.0.")
+    ]
 
 
 def test_llama_block_under_tp_all_reduces_once_per_row_layer_forward_and_column_layer_backward():
     for r in results(2):
         n = r["tp"]["activation_bytes"]  # one [s, b, h] fp32 activation
-        assert block_ops(r["tp"], "forward") == [("all_reduce", "layers.0.attention.proj", n),
-                                                 ("all_reduce", "layers.0.mlp.fc2", n)]
-        assert block_ops(r["tp"], "backward") == [("all_reduce", "layers.0.mlp.fc1", n),
-                                                  ("all_reduce", "layers.0.attention.qkv", n)]
+        assert block_ops(r["tp"], "forward") == [
+            ("all_reduce", "layers.0.attention.proj", n),
+            ("all_reduce", "layers.0.mlp.fc2", n),
+        ]
+        assert block_ops(r["tp"], "backward") == [
+            ("all_reduce", "layers.0.mlp.fc1", n),
+            ("all_reduce", "layers.0.attention.qkv", n),
+        ]
 
 
 @pytest.mark.parametrize("config", ["tp_sp", "tp_sp_uneven"])
@@ -61,12 +67,21 @@ def test_llama_block_under_sp_gathers_before_columns_and_reduce_scatters_after_r
     for r in results(2):
         n = r[config]["activation_bytes"]
         assert block_ops(r[config], "forward") == [
-            ("all_gather", "layers.0.attention.qkv", n), ("reduce_scatter", "layers.0.attention.proj", n),
-            ("all_gather", "layers.0.mlp.fc1", n), ("reduce_scatter", "layers.0.mlp.fc2", n)]
-        assert sorted(block_ops(r[config], "backward")) == sorted([
-            ("all_gather", "layers.0.mlp.fc2", n), ("all_gather", "layers.0.mlp.fc1", n),
-            ("reduce_scatter", "layers.0.mlp.fc1", n), ("all_gather", "layers.0.attention.proj", n),
-            ("all_gather", "layers.0.attention.qkv", n), ("reduce_scatter", "layers.0.attention.qkv", n)])
+            ("all_gather", "layers.0.attention.qkv", n),
+            ("reduce_scatter", "layers.0.attention.proj", n),
+            ("all_gather", "layers.0.mlp.fc1", n),
+            ("reduce_scatter", "layers.0.mlp.fc2", n),
+        ]
+        assert sorted(block_ops(r[config], "backward")) == sorted(
+            [
+                ("all_gather", "layers.0.mlp.fc2", n),
+                ("all_gather", "layers.0.mlp.fc1", n),
+                ("reduce_scatter", "layers.0.mlp.fc1", n),
+                ("all_gather", "layers.0.attention.proj", n),
+                ("all_gather", "layers.0.attention.qkv", n),
+                ("reduce_scatter", "layers.0.attention.qkv", n),
+            ]
+        )
 
 
 def test_sequence_padding_continues_positions_and_keeps_the_unpadded_loss():

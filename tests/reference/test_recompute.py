@@ -1,5 +1,6 @@
 """Activation recomputation (reference.recompute): selective and full recomputation give the gradients of no
 recomputation bit for bit, because the recomputed dropout masks are the same; an unknown mode is one line."""
+
 import functools
 import json
 import subprocess
@@ -12,14 +13,20 @@ from reference.recompute import check_mode
 from tests.launch import ROOT, torchrun
 from tests.reference.activation_runs import activation_results
 
-RUNS = [pytest.param(1, "cpu", id="t1-cpu"), pytest.param(2, "cpu", id="t2-cpu"),
-        pytest.param(1, "cuda", id="t1-cuda", marks=pytest.mark.cuda)]
+RUNS = [
+    pytest.param(1, "cpu", id="t1-cpu"),
+    pytest.param(2, "cpu", id="t2-cpu"),
+    pytest.param(1, "cuda", id="t1-cuda", marks=pytest.mark.cuda),
+]
 
 
 def _layouts(world: int, device: str) -> dict:
     """{layout: {mode: comparison}} of every rank, keyed by rank too."""
-    return {f"rank{r}.{layout}": modes for r, result in enumerate(activation_results(world, device))
-            for layout, modes in result["recompute"].items()}
+    return {
+        f"rank{r}.{layout}": modes
+        for r, result in enumerate(activation_results(world, device))
+        for layout, modes in result["recompute"].items()
+    }
 
 
 @pytest.mark.parametrize("world, device", RUNS)
@@ -47,16 +54,36 @@ def test_an_unknown_mode_is_refused_with_the_choices():
 
 
 def test_the_demo_refuses_an_unknown_recompute_mode_in_one_line():
-    out = subprocess.run([sys.executable, "-m", "reference", "--recompute", "partial"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "reference", "--recompute", "partial"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
     assert "argument --recompute: invalid choice: 'partial'" in out.stderr
 
 
 @functools.cache
 def _demo_losses(recompute: str) -> list[float]:
-    args = ["--json", "--steps", "2", "--dropout", "0.2", "--recompute", recompute, "--hidden-size", "16",
-            "--seq-length", "8", "--vocab-size", "32", "--micro-batches", "2"]
+    args = [
+        "--json",
+        "--steps",
+        "2",
+        "--dropout",
+        "0.2",
+        "--recompute",
+        recompute,
+        "--hidden-size",
+        "16",
+        "--seq-length",
+        "8",
+        "--vocab-size",
+        "32",
+        "--micro-batches",
+        "2",
+    ]
     out = torchrun("-m", 1, "reference", *args, timeout=120)
     return [json.loads(line)["loss"] for line in out.splitlines() if line.startswith('{"step"')]
 
@@ -71,10 +98,30 @@ def test_the_demo_trains_the_same_with_recomputation(mode):
 @functools.cache
 def _llama_demo(recompute: str) -> tuple[list[float], int, list[int]]:
     """(losses, peak activation bytes, FLOPs of each action) of the Llama/Qwen2 block's demo at world 1."""
-    args = ["--json", "--model", "llama", "--steps", "2", "--recompute", recompute, "--hidden-size", "32",
-            "--num-attention-heads", "4", "--seq-length", "16", "--vocab-size", "64", "--micro-batches", "2"]
-    lines = [json.loads(line) for line in torchrun("-m", 1, "reference", *args, timeout=120).splitlines()
-             if line.startswith("{")]
+    args = [
+        "--json",
+        "--model",
+        "llama",
+        "--steps",
+        "2",
+        "--recompute",
+        recompute,
+        "--hidden-size",
+        "32",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "16",
+        "--vocab-size",
+        "64",
+        "--micro-batches",
+        "2",
+    ]
+    lines = [
+        json.loads(line)
+        for line in torchrun("-m", 1, "reference", *args, timeout=120).splitlines()
+        if line.startswith("{")
+    ]
     losses = [line["loss"] for line in lines if "step" in line]
     pipeline = [line["pipeline"][0] for line in lines if "pipeline" in line][-1]
     memory = [line["memory"][0] for line in lines if "memory" in line][-1]
@@ -89,7 +136,7 @@ def test_the_llama_block_recomputes_too():
     selective, full = _llama_demo("selective"), _llama_demo("full")
     assert len(losses) == 2 and selective[0] == losses and full[0] == losses
     assert full[1] < selective[1] < kept
-    assert selective[2][0::2] == full[2][0::2] == flops[0::2]              # forwards: unchanged
+    assert selective[2][0::2] == full[2][0::2] == flops[0::2]  # forwards: unchanged
     assert selective[2][1::2] == flops[1::2]
     extra = [b - n for b, n in zip(full[2][1::2], flops[1::2])]
     assert all(0 < e < f for e, f in zip(extra, flops[0::2]))  # full: the blocks' forward again, not the head's

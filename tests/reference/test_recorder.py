@@ -3,6 +3,7 @@ FSDP1 and FSDP2, at world size 2 (TP groups at 4 and 64 ranks are covered by the
 
 One launch of workers/recorder_worker.py runs every check; each test compares what one check recorded on
 every rank with what it should have recorded."""
+
 import pytest
 
 from tests.launch import run_worker
@@ -37,10 +38,12 @@ def test_eager_ops_are_recorded_with_group_shape_bytes_dtype_phase(device):
             ["all_reduce", EVERYONE, [4, 3], 24, "bfloat16", "forward", False],
         ]
         assert got["ended_after_start"]
-        assert got["summary"] == {"all_reduce": {"count": 2, "bytes": 72},
-                                  "all_gather": {"count": 3, "bytes": 3 * full},
-                                  "reduce_scatter": {"count": 2, "bytes": 96},
-                                  "broadcast": {"count": 1, "bytes": 48}}
+        assert got["summary"] == {
+            "all_reduce": {"count": 2, "bytes": 72},
+            "all_gather": {"count": 3, "bytes": 3 * full},
+            "reduce_scatter": {"count": 2, "bytes": 96},
+            "broadcast": {"count": 1, "bytes": 48},
+        }
 
 
 def test_an_async_collective_ends_when_it_is_waited_on(device):
@@ -63,9 +66,11 @@ def test_functional_collectives_are_recorded_and_still_compute(device):
     for got in checks(device, "functional_collectives"):
         assert got["all_reduce"] == [[float(WORLD)] * 2] * 4 and got["all_gather_shape"] == [4 * WORLD, 2]
         assert got["reduce_scatter"] == [[WORLD * 1.0] * 2] * (4 // WORLD)
-        assert got["events"] == [["all_reduce", EVERYONE, [4, 2], 32],
-                                 ["all_gather", EVERYONE, [4 * WORLD, 2], 32 * WORLD],
-                                 ["reduce_scatter", EVERYONE, [4, 2], 32]]
+        assert got["events"] == [
+            ["all_reduce", EVERYONE, [4, 2], 32],
+            ["all_gather", EVERYONE, [4 * WORLD, 2], 32 * WORLD],
+            ["reduce_scatter", EVERYONE, [4, 2], 32],
+        ]
 
 
 def test_fsdp2_collectives_are_attributed_to_their_unit_at_the_full_flat_size(device):
@@ -77,8 +82,10 @@ def test_fsdp2_collectives_are_attributed_to_their_unit_at_the_full_flat_size(de
 
 def test_fsdp1_reduce_scatter_is_attributed_to_the_unit_owning_the_flat_parameter(device):
     for got in checks(device, "fsdp1_post_backward_attribution"):
-        assert got == [["net._fsdp_wrapped_module.2._fsdp_wrapped_module", (16 * 4 + 4) * 4],
-                       ["net._fsdp_wrapped_module.0._fsdp_wrapped_module", (8 * 16 + 16) * 4]]
+        assert got == [
+            ["net._fsdp_wrapped_module.2._fsdp_wrapped_module", (16 * 4 + 4) * 4],
+            ["net._fsdp_wrapped_module.0._fsdp_wrapped_module", (8 * 16 + 16) * 4],
+        ]
 
 
 def test_phase_module_spans_json_and_explicit_scope(device):

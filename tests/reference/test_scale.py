@@ -6,6 +6,7 @@ The 70B rows are also checked against numbers written out here from the sizes (n
 meta-device trace against the same step on real tensors, GPipe against 1F1B (same transfers, other order),
 and two negative controls show the comparison can fail.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -20,9 +21,9 @@ from reference.scale.__main__ import main
 from reference.scale.shapes import setup_for
 from reference.scale.simulate import default_ranks, simulate, stage_of, summarize, trace_rank
 
-M = 4                                     # micro-batches in the 70B tests (fewer than stages: 1F1B copes)
-A = 1 * 4096 * 8192 * 2                   # one bf16 activation [s, b, h] of the 70B shape, bytes
-L = 10                                    # layers per stage at PP 8
+M = 4  # micro-batches in the 70B tests (fewer than stages: 1F1B copes)
+A = 1 * 4096 * 8192 * 2  # one bf16 activation [s, b, h] of the 70B shape, bytes
+L = 10  # layers per stage at PP 8
 H, F, S, VOCAB_ROWS = 8192, 28672, 4096, 128256 // 8
 
 
@@ -61,13 +62,13 @@ def test_70b_first_middle_last_stage_rows_equal_the_formulas(seventy_b):
 
 def test_70b_without_sp_in_numbers(seventy_b):
     first, middle, last = (table(seventy_b[0][False, p]) for p in (0, 4, 7))
-    loss = 3 * M * 4096 * 4                         # max, target logit, sum-exp: fp32 per token
+    loss = 3 * M * 4096 * 4  # max, target logit, sum-exp: fp32 per token
     assert middle[("tp", "all_reduce")] == (4 * M * L, 4 * M * L * A)
     assert first[("tp", "all_reduce")] == (4 * M * L + M, (4 * M * L + M) * A)
     assert last[("tp", "all_reduce")] == (4 * M * L + M + 3 * M, (4 * M * L + M) * A + loss)
     assert middle[("pp", "send")] == middle[("pp", "recv")] == (2 * M, 2 * M * A)
     assert first[("pp", "send")] == last[("pp", "recv")] == (M, M * A)
-    assert ("pp", "recv") in first and ("pp", "send") in last           # the gradients coming back
+    assert ("pp", "recv") in first and ("pp", "send") in last  # the gradients coming back
     assert middle[("pp", "barrier")] == (2, 0)
     block = 6 * H + (4 * H * H + 3 * H + 2 * H * F + F) // 8
     # DDP: bf16 gradients (2 bytes), buckets of >= 25 MiB; a block's grads close three buckets (fc2, fc1, then
@@ -85,16 +86,19 @@ def test_70b_ddp_buckets_in_order(seventy_b):
     attention = 2 * (2 * H + H * H // 8 + H + 3 * H * H // 8 + 3 * H // 8)
     ln = 2 * 2 * H
     assert sizes == [fc2, fc1, attention] + [ln + fc2, fc1, attention] * (L - 1) + [ln]
-    assert all(e.op == "all_reduce" and e.dtype == "bfloat16" and e.phase == "backward"  # overlapped
-               for e in seventy_b[1][False, 4] if e.module == "dp")
+    assert all(
+        e.op == "all_reduce" and e.dtype == "bfloat16" and e.phase == "backward"  # overlapped
+        for e in seventy_b[1][False, 4]
+        if e.module == "dp"
+    )
 
 
 def test_70b_with_sp_in_numbers(seventy_b):
     first, middle, last = (table(seventy_b[0][True, p]) for p in (0, 4, 7))
     assert middle[("tp", "all_gather")] == (6 * M * L, 6 * M * L * A)
     assert middle[("tp", "reduce_scatter")] == (4 * M * L, 4 * M * L * A)
-    assert middle[("tp", "all_reduce")] == (1, 6 * H * L * 2)               # SP LayerNorm and bias grads, bf16
-    assert middle[("pp", "send")] == (2 * M, 2 * M * A // 8)              # the sequence shard crosses stages
+    assert middle[("tp", "all_reduce")] == (1, 6 * H * L * 2)  # SP LayerNorm and bias grads, bf16
+    assert middle[("pp", "send")] == (2 * M, 2 * M * A // 8)  # the sequence shard crosses stages
     # the first stage all-reduces the embedding (positions are added to the full sequence), then splits it
     assert first[("tp", "all_reduce")] == (M + 1, M * A + 6 * H * L * 2)
     assert first[("tp", "all_gather")] == (6 * M * L + M, (6 * M * L + M) * A)
@@ -114,15 +118,18 @@ def test_70b_distributed_optimizer_holds_the_zero_bytes_and_moves_the_all_reduce
     assert params == 923_304_960
     held = {}
     rows = table(summarize(setup, 32, trace_rank(setup, 32, held=held)))
-    assert held == {"parameters": 2 * params, "gradients": 2 * params, "master_weights": 4 * params // 64,
-                    "optimizer_states": 8 * params // 64}
+    assert held == {
+        "parameters": 2 * params,
+        "gradients": 2 * params,
+        "master_weights": 4 * params // 64,
+        "optimizer_states": 8 * params // 64,
+    }
     ddp = table(seventy_b[0][False, 4])[("dp", "all_reduce")]
     assert rows[("dp", "reduce_scatter")] == rows[("dp", "all_gather")] == ddp
     assert ("dp", "all_reduce") not in rows
 
 
-@pytest.mark.parametrize("layout", [dict(tp=2, pp=4, dp=2), dict(tp=2, pp=3, dp=2, sp=True)],
-                         ids=["tp-pp4", "sp-pp3"])
+@pytest.mark.parametrize("layout", [dict(tp=2, pp=4, dp=2), dict(tp=2, pp=3, dp=2, sp=True)], ids=["tp-pp4", "sp-pp3"])
 def test_gpipe_and_1f1b_move_the_same_tensors_in_another_order(layout):
     setup = setup_for("small", microbatches=5, **layout)
     for rank in (int(rank) for rank in rank_grid(setup.tp, setup.pp, setup.dp)[:, 0, 0]):  # every stage
@@ -131,20 +138,28 @@ def test_gpipe_and_1f1b_move_the_same_tensors_in_another_order(layout):
         keys = [[(e.key(), e.module) for e in events] for events in (gpipe, one_f_one_b)]
         assert sorted(keys[0]) == sorted(keys[1])
         stage = stage_of(setup, rank)
-        if 0 < stage < setup.pp - 1:                       # a middle stage interleaves differently
+        if 0 < stage < setup.pp - 1:  # a middle stage interleaves differently
             assert keys[0] != keys[1]
 
 
-@pytest.mark.parametrize("layout", [
-    dict(tp=2, pp=2, dp=2), dict(tp=2, pp=2, dp=2, sp=True, schedule="gpipe"), dict(tp=4, pp=3, dp=2, sp=True),
-    dict(tp=2, pp=4, dp=1), dict(tp=1, pp=2, dp=4, bucket_size=10_000), dict(tp=2, pp=1, dp=2, sp=True),
-    dict(tp=2, pp=2, dp=3, order="tp-dp-pp", bucket_size=None),
-    dict(tp=2, pp=2, dp=3, bucket_size=10_000, distributed_optimizer=True),
-    dict(tp=1, pp=2, dp=4, sp=True, distributed_optimizer=True),
-], ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
+@pytest.mark.parametrize(
+    "layout",
+    [
+        dict(tp=2, pp=2, dp=2),
+        dict(tp=2, pp=2, dp=2, sp=True, schedule="gpipe"),
+        dict(tp=4, pp=3, dp=2, sp=True),
+        dict(tp=2, pp=4, dp=1),
+        dict(tp=1, pp=2, dp=4, bucket_size=10_000),
+        dict(tp=2, pp=1, dp=2, sp=True),
+        dict(tp=2, pp=2, dp=3, order="tp-dp-pp", bucket_size=None),
+        dict(tp=2, pp=2, dp=3, bucket_size=10_000, distributed_optimizer=True),
+        dict(tp=1, pp=2, dp=4, sp=True, distributed_optimizer=True),
+    ],
+    ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()),
+)
 def test_small_layouts_every_stage_equals_the_formulas(layout):
     setup = setup_for("small", microbatches=3, **layout)
-    for rank in {*default_ranks(setup), setup.world - 1}:      # every stage kind, and a last TP / DP rank
+    for rank in {*default_ranks(setup), setup.world - 1}:  # every stage kind, and a last TP / DP rank
         held = {}
         rows = summarize(setup, rank, trace_rank(setup, rank, held=held))
         assert_agrees(rows)
@@ -153,9 +168,15 @@ def test_small_layouts_every_stage_equals_the_formulas(layout):
         assert groups == {g for g, size in (("tp", setup.tp), ("pp", setup.pp), ("dp", setup.dp)) if size > 1}
 
 
-@pytest.mark.parametrize("layout", [dict(tp=2, pp=2, dp=2), dict(tp=2, pp=2, dp=2, sp=True, bucket_size=20_000),
-                                    dict(tp=2, pp=2, dp=2, distributed_optimizer=True)],
-                         ids=["tp", "sp-buckets", "distopt"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        dict(tp=2, pp=2, dp=2),
+        dict(tp=2, pp=2, dp=2, sp=True, bucket_size=20_000),
+        dict(tp=2, pp=2, dp=2, distributed_optimizer=True),
+    ],
+    ids=["tp", "sp-buckets", "distopt"],
+)
 def test_meta_device_records_what_real_tensors_record(layout):
     setup = setup_for("small", microbatches=2, **layout)
     for rank in (0, 7):
@@ -170,9 +191,14 @@ def test_a_wrong_formula_is_caught(monkeypatch, capsys):
     events = trace_rank(setup, 2)
     assert all(r.agrees for r in summarize(setup, 2, events))
     real = formulas.expected
-    monkeypatch.setattr(formulas, "expected", lambda s, stage: {
-        key: [dataclasses.replace(t, count=t.count + 1) if key == ("pp", "send") else t for t in terms]
-        for key, terms in real(s, stage).items()})
+    monkeypatch.setattr(
+        formulas,
+        "expected",
+        lambda s, stage: {
+            key: [dataclasses.replace(t, count=t.count + 1) if key == ("pp", "send") else t for t in terms]
+            for key, terms in real(s, stage).items()
+        },
+    )
     wrong = [r for r in summarize(setup, 2, events) if not r.agrees]
     assert [(r.group, r.op) for r in wrong] == [("pp", "send")]
     assert main(["--model", "small", "--tp", "2", "--pp", "2", "--dp", "2", "--microbatches", "2", "--rank", "2"]) == 1
@@ -185,7 +211,12 @@ def test_a_layout_change_is_caught():
     events = trace_rank(with_sp, 0)
     rows = summarize(dataclasses.replace(with_sp, sp=False), 0, events)
     assert {(r.group, r.op) for r in rows if not r.agrees} == {
-        ("tp", "all_gather"), ("tp", "reduce_scatter"), ("tp", "all_reduce"), ("pp", "send"), ("pp", "recv")}
+        ("tp", "all_gather"),
+        ("tp", "reduce_scatter"),
+        ("tp", "all_reduce"),
+        ("pp", "send"),
+        ("pp", "recv"),
+    }
 
 
 def test_cli_exit_codes_and_json(capsys):
@@ -195,17 +226,23 @@ def test_cli_exit_codes_and_json(capsys):
     assert main(["--model", "small", "--tp", "2", "--pp", "2", "--dp", "2", "--rank", "5", "--sp"]) == 0
     out = capsys.readouterr().out
     assert "rank 5 (pipeline stage 0 of 2)" in out and "6 m L x bshe" in out and "MISMATCH" not in out
-    for argv, message in ((["--model", "small", "--pp", "5"], "5 pipeline stages but only 4 layers"),
-                          (["--model", "small", "--pp", "1", "--dp", "1", "--bucket-size", "-1"],
-                           "bucket size -1 must be a positive"),
-                          (["--model", "405b"], "unknown model '405b'"),
-                          (["--model", "small", "--tp", "2", "--pp", "2", "--dp", "2", "--rank", "8"],
-                           "--rank 8 is outside the world of 8 ranks"),
-                          (["--model", "small", "--tp", "3", "--pp", "1", "--dp", "1"],
-                           "num_attention_heads (8) is not divisible by the tensor-parallel size (3)"),
-                          (["--model", "small", "--tp", "2", "--pp", "2", "--dp", "1", "--distributed-optimizer"],
-                           "the distributed optimizer shards the optimizer state over the data-parallel group, "
-                           "but dp is 1")):
+    for argv, message in (
+        (["--model", "small", "--pp", "5"], "5 pipeline stages but only 4 layers"),
+        (["--model", "small", "--pp", "1", "--dp", "1", "--bucket-size", "-1"], "bucket size -1 must be a positive"),
+        (["--model", "405b"], "unknown model '405b'"),
+        (
+            ["--model", "small", "--tp", "2", "--pp", "2", "--dp", "2", "--rank", "8"],
+            "--rank 8 is outside the world of 8 ranks",
+        ),
+        (
+            ["--model", "small", "--tp", "3", "--pp", "1", "--dp", "1"],
+            "num_attention_heads (8) is not divisible by the tensor-parallel size (3)",
+        ),
+        (
+            ["--model", "small", "--tp", "2", "--pp", "2", "--dp", "1", "--distributed-optimizer"],
+            "the distributed optimizer shards the optimizer state over the data-parallel group, but dp is 1",
+        ),
+    ):
         assert main(argv) == 2
         err = capsys.readouterr().err.strip()
         assert message in err and "\n" not in err
@@ -215,15 +252,22 @@ def test_bad_setup_is_refused_before_any_process_group():
     with pytest.raises(ParallelConfigError, match="8 pipeline stages but only 4 layers"):
         setup_for("small", tp=1, pp=8, dp=1, microbatches=1)
     with pytest.raises(ParallelConfigError, match="seq_length .* not divisible"):
-        dataclasses.replace(setup_for("small", tp=2, pp=1, dp=1, microbatches=1, sp=True),
-                            model=dataclasses.replace(setup_for("small", tp=1, pp=1, dp=1, microbatches=1).model,
-                                                      seq_length=33))
+        dataclasses.replace(
+            setup_for("small", tp=2, pp=1, dp=1, microbatches=1, sp=True),
+            model=dataclasses.replace(setup_for("small", tp=1, pp=1, dp=1, microbatches=1).model, seq_length=33),
+        )
 
 
-@pytest.mark.parametrize("layout", [
-    dict(tp=2, pp=2, dp=2, virtual_stages=2), dict(tp=2, pp=2, dp=2, sp=True, virtual_stages=2, bucket_size=20_000),
-    dict(tp=1, pp=2, dp=2, virtual_stages=2, microbatches=4), dict(tp=2, pp=4, dp=1, virtual_stages=1),
-], ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
+@pytest.mark.parametrize(
+    "layout",
+    [
+        dict(tp=2, pp=2, dp=2, virtual_stages=2),
+        dict(tp=2, pp=2, dp=2, sp=True, virtual_stages=2, bucket_size=20_000),
+        dict(tp=1, pp=2, dp=2, virtual_stages=2, microbatches=4),
+        dict(tp=2, pp=4, dp=1, virtual_stages=1),
+    ],
+    ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()),
+)
 def test_interleaved_layouts_every_stage_equals_the_formulas(layout):
     setup = setup_for("small", **{"microbatches": 2, **layout})
     for rank in {*default_ranks(setup), setup.world - 1}:
@@ -249,12 +293,34 @@ def test_interleaving_moves_v_times_the_pipeline_bytes_in_numbers():
 
 def test_interleaving_bad_setups_are_refused_in_one_line(capsys):
     for argv, message in (
-            (["--model", "small", "--pp", "2", "--dp", "1", "--tp", "1", "--virtual-stages", "3"],
-             "4 transformer layers do not split into pp 2 x 3 virtual stages"),
-            (["--model", "small", "--pp", "2", "--dp", "1", "--tp", "1", "--virtual-stages", "2",
-              "--microbatches", "3"], "needs the number of micro-batches (3) to be a multiple of the pipeline size (2)"),
-            (["--model", "small", "--pp", "2", "--dp", "1", "--tp", "1", "--virtual-stages", "2",
-              "--microbatches", "2", "--schedule", "gpipe"], "2 virtual stages need the 1f1b schedule")):
+        (
+            ["--model", "small", "--pp", "2", "--dp", "1", "--tp", "1", "--virtual-stages", "3"],
+            "4 transformer layers do not split into pp 2 x 3 virtual stages",
+        ),
+        (
+            ["--model", "small", "--pp", "2", "--dp", "1", "--tp", "1", "--virtual-stages", "2", "--microbatches", "3"],
+            "needs the number of micro-batches (3) to be a multiple of the pipeline size (2)",
+        ),
+        (
+            [
+                "--model",
+                "small",
+                "--pp",
+                "2",
+                "--dp",
+                "1",
+                "--tp",
+                "1",
+                "--virtual-stages",
+                "2",
+                "--microbatches",
+                "2",
+                "--schedule",
+                "gpipe",
+            ],
+            "2 virtual stages need the 1f1b schedule",
+        ),
+    ):
         assert main(argv) == 2
         err = capsys.readouterr().err.strip()
         assert message in err and "\n" not in err

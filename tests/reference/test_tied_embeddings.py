@@ -2,6 +2,7 @@
 Megatron's share_embeddings_and_output_weights): one 4-rank launch of workers/tied_embeddings_worker.py trains the
 small tied GPT (vocabulary 51: padded to 52 under TP 2) for three SGD steps at PP 2 x DP 2 and PP 2 x TP 2
 against the unsharded tied GPT, and once without the embedding-gradient all-reduce."""
+
 from __future__ import annotations
 
 import functools

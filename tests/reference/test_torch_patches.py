@@ -1,4 +1,5 @@
 """reference.torch_patches: each patch does what it says, undoes it, and refuses another torch in one line."""
+
 from __future__ import annotations
 
 import os
@@ -32,24 +33,38 @@ def test_written_for_the_installed_torch():
     torch_patches.require_pinned_torch()
 
 
-@pytest.mark.parametrize("apply", [
-    lambda: torch_patches.work_wait_observed(print).__enter__(),
-    lambda: torch_patches.fsdp1_runtime_wrapped(_unshard=print).__enter__(),
-    lambda: torch_patches.fsdp1_rate_limiter_wrapped(print).__enter__(),
-    torch_patches.cuda_calls_on_cpu,
-], ids=["work_wait", "fsdp1_runtime", "fsdp1_rate_limiter", "cuda_calls_on_cpu"])
+@pytest.mark.parametrize(
+    "apply",
+    [
+        lambda: torch_patches.work_wait_observed(print).__enter__(),
+        lambda: torch_patches.fsdp1_runtime_wrapped(_unshard=print).__enter__(),
+        lambda: torch_patches.fsdp1_rate_limiter_wrapped(print).__enter__(),
+        torch_patches.cuda_calls_on_cpu,
+    ],
+    ids=["work_wait", "fsdp1_runtime", "fsdp1_rate_limiter", "cuda_calls_on_cpu"],
+)
 def test_every_patch_refuses_another_torch_in_one_line_and_patches_nothing(monkeypatch, apply):
     monkeypatch.setattr(torch, "__version__", OTHER)
-    before = (Work.__dict__["wait"], _runtime_utils._unshard, _FreeEventQueue.dequeue_if_needed,
-              torch.cuda.current_device, torch.cuda.synchronize)
+    before = (
+        Work.__dict__["wait"],
+        _runtime_utils._unshard,
+        _FreeEventQueue.dequeue_if_needed,
+        torch.cuda.current_device,
+        torch.cuda.synchronize,
+    )
     with pytest.raises(torch_patches.TorchVersionError) as error:
         apply()
     message = str(error.value)
     assert "\n" not in message
     assert f"written for torch {torch_patches.TORCH_VERSION}, but torch {OTHER} is installed" in message
     assert isinstance(error.value, LaunchError)  # what the demos print as one line
-    assert (Work.__dict__["wait"], _runtime_utils._unshard, _FreeEventQueue.dequeue_if_needed,
-            torch.cuda.current_device, torch.cuda.synchronize) == before
+    assert (
+        Work.__dict__["wait"],
+        _runtime_utils._unshard,
+        _FreeEventQueue.dequeue_if_needed,
+        torch.cuda.current_device,
+        torch.cuda.synchronize,
+    ) == before
 
 
 def test_work_wait_observed_sees_every_wait_nested_and_restores_the_binding(one_rank_gloo):
@@ -105,13 +120,24 @@ def test_cuda_calls_on_cpu(monkeypatch):
 @pytest.mark.parametrize("demo", [["--fsdp"], []], ids=["fsdp", "gpt"])
 def test_a_demo_on_another_torch_fails_in_one_line(demo):
     """The demo's recorder applies a patch: a different torch is refused before any step, in one line."""
-    code = (f"import torch; torch.__version__ = {OTHER!r}; from reference.__main__ import main; "
-            f"main({[*demo, '--steps', '1', '--device', 'cpu']!r})")
-    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port()), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=120)
+    code = (
+        f"import torch; torch.__version__ = {OTHER!r}; from reference.__main__ import main; "
+        f"main({[*demo, '--steps', '1', '--device', 'cpu']!r})"
+    )
+    env = {
+        **os.environ,
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": "1",
+    }
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode != 0
-    assert run.stderr.strip() == (f"reference: error: reference/torch_patches.py is written for torch "
-                                  f"{torch_patches.TORCH_VERSION}, but torch {OTHER} is installed; install "
-                                  f"torch=={torch_patches.TORCH_VERSION} (constraints.txt)"), run.stderr
+    assert run.stderr.strip() == (
+        f"reference: error: reference/torch_patches.py is written for torch "
+        f"{torch_patches.TORCH_VERSION}, but torch {OTHER} is installed; install "
+        f"torch=={torch_patches.TORCH_VERSION} (constraints.txt)"
+    ), run.stderr

@@ -1,4 +1,5 @@
 """Bad input to the TP reference: one clear line naming the problem, a non-zero exit, never a hang."""
+
 import pytest
 
 from tests.launch import ROOT, WORKERS, run_worker, torchrun, torchrun_failing
@@ -37,8 +38,17 @@ def test_sequence_padding_by_request_runs_and_keeps_the_length(device):
 def test_demo_refuses_world_not_divisible_by_tp_with_one_line_error():
     with pytest.raises(pytest.fail.Exception) as failure:
         # 6 heads: tp 3 splits them, so the refusal is the world's (the heads are checked before launch)
-        torchrun(ROOT / "reference" / "__main__.py", 2, "--tp", "3", "--num-attention-heads", "6",
-                 "--hidden-size", "48", timeout=120)
+        torchrun(
+            ROOT / "reference" / "__main__.py",
+            2,
+            "--tp",
+            "3",
+            "--num-attention-heads",
+            "6",
+            "--hidden-size",
+            "48",
+            timeout=120,
+        )
     message = str(failure.value)
     assert "exited 1" in message or "exited 2" in message, message[-2000:]
     assert "reference: error: the world size (2) is not divisible by tp 3 x pp 1 (3)" in message

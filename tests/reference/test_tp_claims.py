@@ -4,6 +4,7 @@ One torchrun launch per world size records a training step of a one-block TP tra
 configurations (tests/reference/workers/tp_claims_worker.py); each test below reads those logs. Activations
 are [s, b, h] = [8, 2, 16] in fp32, so one activation is N = b*s*h*4 = 1024 bytes.
 """
+
 import pytest
 
 from tests.launch import run_worker
@@ -19,8 +20,11 @@ def run(request):
 
 
 def events(run, config, rank=0, phase=None, module_prefix=""):
-    return [e for e in run["logs"][config][rank]["events"]
-            if (phase is None or e["phase"] == phase) and e["module"].startswith(module_prefix)]
+    return [
+        e
+        for e in run["logs"][config][rank]["events"]
+        if (phase is None or e["phase"] == phase) and e["module"].startswith(module_prefix)
+    ]
 
 
 def activation_bytes(run, config="tp"):
@@ -41,9 +45,13 @@ def test_one_allreduce_per_mlp_forward_and_backward(run):
 def test_two_allreduces_per_block_each_way_without_sequence_parallel(run):
     for rank in range(run["world"]):
         assert ops(events(run, "tp", rank, "forward")) == [
-            ("all_reduce", "layers.0.attention.proj"), ("all_reduce", "layers.0.mlp.fc2")]
+            ("all_reduce", "layers.0.attention.proj"),
+            ("all_reduce", "layers.0.mlp.fc2"),
+        ]
         assert ops(events(run, "tp", rank, "backward")) == [
-            ("all_reduce", "layers.0.mlp.fc1"), ("all_reduce", "layers.0.attention.qkv")]
+            ("all_reduce", "layers.0.mlp.fc1"),
+            ("all_reduce", "layers.0.attention.qkv"),
+        ]
 
 
 def test_bytes_per_collective_equal_b_s_h_dtype_size(run):
@@ -62,18 +70,28 @@ def _ring_bytes(evs, p):
 
 def test_sequence_parallel_turns_allreduce_into_allgather_and_reducescatter_of_equal_volume(run):
     p, n = run["world"], activation_bytes(run)
-    tp_fwd, sp_fwd = events(run, "tp", phase="forward", module_prefix="layers.0"), \
-        events(run, "sp", phase="forward", module_prefix="layers.0")
-    assert ops(sp_fwd) == [("all_gather", "layers.0.attention.qkv"), ("reduce_scatter", "layers.0.attention.proj"),
-                           ("all_gather", "layers.0.mlp.fc1"), ("reduce_scatter", "layers.0.mlp.fc2")]
+    tp_fwd, sp_fwd = (
+        events(run, "tp", phase="forward", module_prefix="layers.0"),
+        events(run, "sp", phase="forward", module_prefix="layers.0"),
+    )
+    assert ops(sp_fwd) == [
+        ("all_gather", "layers.0.attention.qkv"),
+        ("reduce_scatter", "layers.0.attention.proj"),
+        ("all_gather", "layers.0.mlp.fc1"),
+        ("reduce_scatter", "layers.0.mlp.fc2"),
+    ]
     assert _ring_bytes(sp_fwd, p) == _ring_bytes(tp_fwd, p) == 4 * (p - 1) / p * n
     # Backward: the conjugates (all-gather for each reduce-scatter, reduce-scatter of dX for each all-reduce)
     # carry the same volume; on top, each column layer re-gathers its input (not kept, to save memory).
     sp_bwd = events(run, "sp", phase="backward", module_prefix="layers.0")
     assert ops(sp_bwd) == [
-        ("all_gather", "layers.0.mlp.fc2"), ("all_gather", "layers.0.mlp.fc1"), ("reduce_scatter", "layers.0.mlp.fc1"),
-        ("all_gather", "layers.0.attention.proj"), ("all_gather", "layers.0.attention.qkv"),
-        ("reduce_scatter", "layers.0.attention.qkv")]
+        ("all_gather", "layers.0.mlp.fc2"),
+        ("all_gather", "layers.0.mlp.fc1"),
+        ("reduce_scatter", "layers.0.mlp.fc1"),
+        ("all_gather", "layers.0.attention.proj"),
+        ("all_gather", "layers.0.attention.qkv"),
+        ("reduce_scatter", "layers.0.attention.qkv"),
+    ]
     regathers = [e for e in sp_bwd if e["op"] == "all_gather" and e["async_op"]]
     assert [e["module"] for e in regathers] == ["layers.0.mlp.fc1", "layers.0.attention.qkv"]
     conjugates = [e for e in sp_bwd if e not in regathers]
@@ -83,11 +101,14 @@ def test_sequence_parallel_turns_allreduce_into_allgather_and_reducescatter_of_e
 
 def test_input_grad_collective_is_async_unless_disabled(run):
     for config, overlapped in (("tp", True), ("sp", True), ("tp_no_async", False), ("sp_no_async", False)):
-        dgrad = [e for e in events(run, config, phase="backward", module_prefix="layers.0")
-                 if e["module"].endswith(("qkv", "fc1"))]
+        dgrad = [
+            e
+            for e in events(run, config, phase="backward", module_prefix="layers.0")
+            if e["module"].endswith(("qkv", "fc1"))
+        ]
         assert dgrad and all(e["async_op"] is overlapped for e in dgrad), (config, dgrad)
         assert all(e["end"] >= e["start"] for e in dgrad)
-    strip = lambda evs: [(e["op"], e["module"], e["nbytes"], e["phase"]) for e in evs]  # noqa: E731
+    strip = lambda evs: [(e["op"], e["module"], e["nbytes"], e["phase"]) for e in evs]
     assert strip(events(run, "tp")) == strip(events(run, "tp_no_async"))
     assert strip(events(run, "sp")) == strip(events(run, "sp_no_async"))
 

@@ -6,6 +6,7 @@
   (op, group, shape, bytes, dtype, phase, async), over bias / skip_bias_add / gather_output /
   input_is_parallel / sequence_parallel.
 """
+
 import pytest
 
 from tests.launch import run_worker
@@ -35,8 +36,9 @@ def test_layout_groups_match_megatron_core(run):
     assert any(f"world {world} = tp {world} x pp 1 x dp 1, order tp-dp-pp" in d for d in described)
     if world == 4:
         assert any("world 4 = tp 2 x pp 2 x dp 1, order tp-dp-pp" in d for d in described)
-        assert any("  tp groups: [0,1] [2,3]\n  pp groups: [0,2] [1,3]\n  dp groups: [0] [1] [2] [3]" in d
-                   for d in described)
+        assert any(
+            "  tp groups: [0,1] [2,3]\n  pp groups: [0,2] [1,3]\n  dp groups: [0] [1] [2] [3]" in d for d in described
+        )
 
 
 def test_parallel_linear_layers_match_megatron_core(run):

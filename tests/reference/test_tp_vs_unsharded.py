@@ -3,6 +3,7 @@
 Outputs, input gradients and every weight gradient (re-assembled from the shards) match for 3 SGD steps,
 with and without sequence parallelism, overlap and gradient-accumulation fusion, and with a padded sequence.
 """
+
 import pytest
 
 from tests.launch import run_worker
@@ -19,9 +20,16 @@ def configurations(world: int) -> list[str]:
     return names + ([f"sp=True overlap=True fusion=False seq={8 * world + 1}"] if world > 1 else [])
 
 
-@pytest.mark.parametrize("world, device", [(1, "cpu"), (2, "cpu"), (4, "cpu"),
-                                           pytest.param(1, "cuda", marks=pytest.mark.cuda),
-                                           pytest.param(2, "cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize(
+    "world, device",
+    [
+        (1, "cpu"),
+        (2, "cpu"),
+        (4, "cpu"),
+        pytest.param(1, "cuda", marks=pytest.mark.cuda),
+        pytest.param(2, "cuda", marks=pytest.mark.cuda),
+    ],
+)
 def test_tp_transformer_matches_unsharded_for_several_steps(world, device):
     for result in run_worker("tp_vs_unsharded_worker.py", world, device=device, timeout=180):
         assert result["compared"] == configurations(world)

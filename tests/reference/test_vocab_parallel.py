@@ -11,6 +11,7 @@
   tokens * V_p / tp elements; the same probe does see [tokens, V] logits in the unsharded computation;
 * bad input: token or target ids outside the vocabulary (pad ids included) raise a one-line error.
 """
+
 import math
 
 import pytest
@@ -34,16 +35,25 @@ def test_vocab_parallel_matches_unsharded(run):
     vocabs = [12 * world, 6 * world + 1, 5]  # divisible by TP, padded, and (TP=4) a rank holding only padding
     for result in results:  # each rank asserted equal numbers; this is what it compared
         assert result["unsharded"] == [
-            what for vocab in vocabs for what in (
+            what
+            for vocab in vocabs
+            for what in (
                 [f"{kind} V={vocab} sp={sp}" for sp in (False, True) for kind in ("embedding", "lm_head")]
-                + [f"cross_entropy V={vocab} scale={scale}" for scale in (1.0, 50.0)])]
+                + [f"cross_entropy V={vocab} scale={scale}" for scale in (1.0, 50.0)]
+            )
+        ]
 
 
 def test_vocab_parallel_matches_megatron_core(run):
     world, results = run
     for result in results:
-        assert sorted(result["collectives"]) == ["cross_entropy", "embedding sp=False", "embedding sp=True",
-                                                 "lm_head sp=False", "lm_head sp=True"]
+        assert sorted(result["collectives"]) == [
+            "cross_entropy",
+            "embedding sp=False",
+            "embedding sp=True",
+            "lm_head sp=False",
+            "lm_head sp=True",
+        ]
         # the loss's three all-reduces of one fp32 number per token, forward only; nothing in backward
         assert result["collectives"]["cross_entropy"] == [["all_reduce", [S, B], "forward"]] * 3
 
@@ -67,8 +77,9 @@ def test_bad_input_raises_one_line_errors(run):
     assert all(result["bad_input"] == results[0]["bad_input"] for result in results), "ranks disagree"
 
 
-@pytest.mark.parametrize("vocab, tp, multiple, padded", [(50, 2, 1, 50), (50, 4, 1, 52), (5, 4, 1, 8),
-                                                         (50257, 8, 128, 51200), (1, 1, 1, 1)])
+@pytest.mark.parametrize(
+    "vocab, tp, multiple, padded", [(50, 2, 1, 50), (50, 4, 1, 52), (5, 4, 1, 8), (50257, 8, 128, 51200), (1, 1, 1, 1)]
+)
 def test_pad_vocab_size(vocab, tp, multiple, padded):
     assert pad_vocab_size(vocab, tp, multiple) == padded
 

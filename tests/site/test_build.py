@@ -90,7 +90,7 @@ def test_a_broken_note_stops_the_build_with_its_file_and_line_and_keeps_the_prev
     shutil.copytree(vendored_docs, docs, ignore=shutil.ignore_patterns("notes"))
     monkeypatch.setenv("PIN_AND_CITE_PROJECT", str(project))
     site = tmp_path / "site"
-    config = lambda: load_config(config_file=str(ROOT / "mkdocs.yml"), docs_dir=str(docs), site_dir=str(site))  # noqa: E731
+    config = lambda: load_config(config_file=str(ROOT / "mkdocs.yml"), docs_dir=str(docs), site_dir=str(site))
     build(config())
     site_before, notes_before = _files(site), _files(docs / "notes")
     assert "notes/synthesis/index.html" in site_before and "megatron-tp-layers.md" in notes_before

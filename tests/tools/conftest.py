@@ -1,4 +1,5 @@
 """Fixtures for pin-and-cite: a synthetic upstream served by a real `git daemon`, and a project pinning it."""
+
 from __future__ import annotations
 
 import json
@@ -49,11 +50,11 @@ else:
 
 @dataclass
 class Upstream:
-    path: Path            # bare repository served by the daemon
+    path: Path  # bare repository served by the daemon
     url: str
-    v1: str               # commit SHAs
+    v1: str  # commit SHAs
     v2: str
-    files: dict           # path -> bytes at v1
+    files: dict  # path -> bytes at v1
 
 
 def _write(repo: git.Repo, files: dict[str, bytes]) -> None:
@@ -78,11 +79,13 @@ def upstream(daemon, tmp_path_factory) -> Upstream:
     work = git.Repo.init(tmp_path_factory.mktemp("work"))
     actor = git.Actor("Upstream", "upstream@example.com")
     rng = random.Random(0)
-    files = {"pkg/core/layers.py": LAYERS_PY.encode(),
-             "pkg/core/mappings.py": "".join(f"def region_{i}():\n    return {i}\n\n\n" for i in range(40)).encode(),
-             "pkg/core/ticks.py": b'def example():\n    """Usage:\n\n    ````python\n    example()\n    ````\n    """\n',
-             "git/__init__.py": b"# same path as GitPython's, other bytes\n",
-             **{f"assets/blob_{i}.bin": rng.randbytes(200_000) for i in range(20)}}
+    files = {
+        "pkg/core/layers.py": LAYERS_PY.encode(),
+        "pkg/core/mappings.py": "".join(f"def region_{i}():\n    return {i}\n\n\n" for i in range(40)).encode(),
+        "pkg/core/ticks.py": b'def example():\n    """Usage:\n\n    ````python\n    example()\n    ````\n    """\n',
+        "git/__init__.py": b"# same path as GitPython's, other bytes\n",
+        **{f"assets/blob_{i}.bin": rng.randbytes(200_000) for i in range(20)},
+    }
     _write(work, files)
     v1 = work.index.commit("v1", author=actor, committer=actor)
     work.create_tag("v1", message="release v1")
@@ -119,19 +122,31 @@ class ProjectDir:
         return self.root / "reading_notes" / "pins.toml"
 
     def write_pins(self, **sources: dict) -> None:
-        text = "".join(f'[sources.{name}]\n' + "".join(f'{k} = "{v}"\n' for k, v in table.items()) + "\n"
-                       for name, table in sources.items())
+        text = "".join(
+            f"[sources.{name}]\n" + "".join(f'{k} = "{v}"\n' for k, v in table.items()) + "\n"
+            for name, table in sources.items()
+        )
         self.pins_path.write_text(text)
 
     def run(self, *args: str, timeout: float = 60, env: dict | None = None) -> Run:
-        proc = subprocess.run([str(CLI), *args, "--project", str(self.root)], capture_output=True, text=True,
-                              timeout=timeout, env={**os.environ, "PIN_AND_CITE_CACHE": str(self.cache), **(env or {})})
+        proc = subprocess.run(
+            [str(CLI), *args, "--project", str(self.root)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env={**os.environ, "PIN_AND_CITE_CACHE": str(self.cache), **(env or {})},
+        )
         return Run(proc.returncode, proc.stdout, proc.stderr)
 
     def popen(self, *args: str) -> subprocess.Popen:
-        return subprocess.Popen([str(CLI), *args, "--project", str(self.root)], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, start_new_session=True,
-                                env={**os.environ, "PIN_AND_CITE_CACHE": str(self.cache)})
+        return subprocess.Popen(
+            [str(CLI), *args, "--project", str(self.root)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+            env={**os.environ, "PIN_AND_CITE_CACHE": str(self.cache)},
+        )
 
 
 @pytest.fixture
@@ -146,7 +161,7 @@ TEXT = "alpha\nbeta\ngamma\n"
 
 @dataclass
 class History:
-    work: Path            # the working repository (also usable as a local source)
+    work: Path  # the working repository (also usable as a local source)
     url: str
     c1: str
     c2: str
@@ -185,9 +200,19 @@ def history(daemon, tmp_path_factory) -> History:
 
     c1 = commit({"pkg/mod.py": BASE, "docs/notes.txt": TEXT, "pkg/gone.py": "x = 1\n"}, "c1")
     work.create_tag("c1")
-    c2 = commit({"pkg/mod.py": HEADER + edited(("y = y + 1", "y = y + 2"), ("def helper(", "def combine("),
-                                                ("\n\n\ndef other(a):\n    return a\n", "\n")),
-                 "docs/notes.txt": TEXT.replace("\n", "\r\n")}, "c2", removed=["pkg/gone.py"])
+    c2 = commit(
+        {
+            "pkg/mod.py": HEADER
+            + edited(
+                ("y = y + 1", "y = y + 2"),
+                ("def helper(", "def combine("),
+                ("\n\n\ndef other(a):\n    return a\n", "\n"),
+            ),
+            "docs/notes.txt": TEXT.replace("\n", "\r\n"),
+        },
+        "c2",
+        removed=["pkg/gone.py"],
+    )
     work.create_tag("c2")
     bare = daemon.base / "reloc.git"
     work.clone(bare, bare=True)

@@ -1,5 +1,6 @@
 """`bump` end to end: templates rewritten byte for byte except the line numbers, pins and lock moved, a review
 report, --dry-run and failures writing nothing."""
+
 import json
 
 import pytest
@@ -31,8 +32,14 @@ def noted(project, history):
     project.write_pins(up={"url": history.url, "commit": history.c1, "tag": "c1"})
     note = project.root / "reading_notes" / "layers.md.j2"
     note.write_bytes(TEMPLATE.encode())
-    specs = [f"{MOD}#L12-L14", f"{MOD}#L17-L19", f"{MOD}::Column.backward", "up:docs/notes.txt#L2",
-             f"{MOD}::helper", f"{MOD}#L25-L28"]
+    specs = [
+        f"{MOD}#L12-L14",
+        f"{MOD}#L17-L19",
+        f"{MOD}::Column.backward",
+        "up:docs/notes.txt#L2",
+        f"{MOD}::helper",
+        f"{MOD}#L25-L28",
+    ]
     r = project.run("cite", *specs, "--json")
     assert r.code == 0, r.err
     assert project.run("check").code == 0
@@ -56,16 +63,19 @@ def test_bump_rewrites_only_the_line_numbers_and_moves_pin_and_lock(project, his
         f"{MOD}#L17-L19": ("changed", [20, 22], f"{MOD}#L20-L22"),
         f"{MOD}::Column.backward": ("moved", [24, 25], f"{MOD}::Column.backward"),
         "up:docs/notes.txt#L2-L2": ("unchanged", [2, 2], "up:docs/notes.txt#L2-L2"),
-        f"{MOD}::helper": ("changed", [28, 31], None),          # renamed: a person must edit the note
+        f"{MOD}::helper": ("changed", [28, 31], None),  # renamed: a person must edit the note
         f"{MOD}#L25-L28": ("changed", [28, 31], f"{MOD}#L28-L31"),
     }
     lock = json.loads(project.lock_path.read_text())
     assert {f["commit"] for f in lock["files"].values()} == {history.c2}
     assert sorted(lock["citations"]) == sorted(c["new_cite"] for c in report["citations"] if c["new_cite"])
     assert lock["citations"][f"{MOD}::Column.backward"]["lines"] == [24, 25]
-    r = project.run("check")                                   # only the renamed symbol needs a person now
+    r = project.run("check")  # only the renamed symbol needs a person now
     assert r.code == 1
-    assert r.out.splitlines()[0] == f"reading_notes/layers.md.j2:7: {MOD}::helper: not in the lock; run `tools/pin-and-cite cite` on it"
+    assert (
+        r.out.splitlines()[0]
+        == f"reading_notes/layers.md.j2:7: {MOD}::helper: not in the lock; run `tools/pin-and-cite cite` on it"
+    )
     assert r.out.rstrip().endswith("5 citation(s) ok, 1 broken")
 
 
@@ -75,7 +85,7 @@ def test_review_report_shows_where_and_the_old_and_new_excerpts(project, history
     out = r.out
     assert out.splitlines()[0] == f"up: {history.c1[:12]} -> {history.c2[:12]} (c2)  [dry run: nothing written]"
     assert out.splitlines()[1] == "6 citation(s): 1 unchanged, 2 moved, 3 changed, 0 deleted"
-    block = out[out.index(f"changed: {MOD}#L17-L19"):].split("\n\n")[0].splitlines()
+    block = out[out.index(f"changed: {MOD}#L17-L19") :].split("\n\n")[0].splitlines()
     assert block == [
         f"changed: {MOD}#L17-L19 -> {MOD}#L20-L22",
         "  cited at reading_notes/layers.md.j2:5",
@@ -90,7 +100,7 @@ def test_review_report_shows_where_and_the_old_and_new_excerpts(project, history
     assert f"changed: {MOD}::helper -> left as written: fix the note (`check` fails until then)" in out
     assert "  note: helper is gone; combine looks like it renamed" in out
     assert "  -def helper(a, b):\n  +def combine(a, b):" in out
-    assert "moved" not in out.split("\n", 2)[2]                # moved/unchanged need no review
+    assert "moved" not in out.split("\n", 2)[2]  # moved/unchanged need no review
 
 
 def test_dry_run_writes_nothing(project, noted):
@@ -152,8 +162,10 @@ def test_bump_carries_docstring_citations_and_check_names_one_whose_symbol_was_r
     project.write_pins(up={"url": history.url, "commit": history.c1, "tag": "c1"})
     (project.root / "reference").mkdir()
     ours = project.root / "reference" / "mod.py"
-    ours.write_text(f'def backward():\n    """Mirrors `{MOD}::Column.backward`."""\n\n\n'
-                    f'def helper():\n    """Mirrors `{MOD}::helper`."""\n')
+    ours.write_text(
+        f'def backward():\n    """Mirrors `{MOD}::Column.backward`."""\n\n\n'
+        f'def helper():\n    """Mirrors `{MOD}::helper`."""\n'
+    )
     assert project.run("cite", f"{MOD}::Column.backward", f"{MOD}::helper").code == 0
     assert project.run("check").code == 0
     before = ours.read_bytes()
@@ -162,9 +174,12 @@ def test_bump_carries_docstring_citations_and_check_names_one_whose_symbol_was_r
     assert ours.read_bytes() == before
     assert {c["cite"]: (c["new_cite"], c["where"]) for c in r.json()["citations"]} == {
         f"{MOD}::Column.backward": (f"{MOD}::Column.backward", ["reference/mod.py:2"]),
-        f"{MOD}::helper": (None, ["reference/mod.py:6"])}
+        f"{MOD}::helper": (None, ["reference/mod.py:6"]),
+    }
     assert json.loads(project.lock_path.read_text())["citations"][f"{MOD}::Column.backward"]["lines"] == [24, 25]
     r = project.run("check")
     assert r.code == 1
-    assert r.out.splitlines() == [f"reference/mod.py:6: {MOD}::helper: not in the lock; run `tools/pin-and-cite cite` "
-                                  "on it", "1 citation(s) ok, 1 broken"]
+    assert r.out.splitlines() == [
+        f"reference/mod.py:6: {MOD}::helper: not in the lock; run `tools/pin-and-cite cite` on it",
+        "1 citation(s) ok, 1 broken",
+    ]

@@ -1,9 +1,12 @@
 """`bump` writes pins, lock and templates as one step even when killed: a journal written before the first
 rename lets the next run roll the write back (killed while staging) or forward (killed after the commit
 mark), so the project is never a mix of old and new files, and no staged file is left behind."""
+
 import shutil
 
-from tests.tools.test_bump import noted, snapshot  # noqa: F401  (noted: a fixture)
+import pytest
+
+from tests.tools.test_bump import noted, snapshot  # noqa: F401  (noted: a fixture pytest finds by name)
 
 KILL = "PIN_AND_CITE_TEST_KILL_AT_RENAME"
 JOURNAL = ".pin-and-cite-journal.json"
@@ -17,7 +20,8 @@ def restore(project, files: dict) -> None:
         path.write_bytes(data)
 
 
-def test_a_bump_killed_at_any_rename_is_rolled_back_or_forward_by_the_next_run(project, noted):
+@pytest.mark.usefixtures("noted")
+def test_a_bump_killed_at_any_rename_is_rolled_back_or_forward_by_the_next_run(project):
     before = snapshot(project)
     assert project.run("bump", "up", "--ref", "c2").code == 0
     after = snapshot(project)
@@ -26,22 +30,26 @@ def test_a_bump_killed_at_any_rename_is_rolled_back_or_forward_by_the_next_run(p
     for rename in range(20):
         restore(project, before)
         r = project.run("bump", "up", "--ref", "c2", env={KILL: str(rename)})
-        if r.code == 0:                               # no rename left to kill at
+        if r.code == 0:  # no rename left to kill at
             break
         assert r.code == -9, r.err
-        assert snapshot(project) not in (before, after)       # the kill really interrupted the write
-        r = project.run("check")                      # any verb that opens the project recovers first
+        assert snapshot(project) not in (before, after)  # the kill really interrupted the write
+        r = project.run("check")  # any verb that opens the project recovers first
         assert snapshot(project) in (before, after), f"a mix of old and new files after a kill at rename {rename}"
         outcomes.append("old" if snapshot(project) == before else "new")
-        assert r.err in ("", f"pin-and-cite: {'rolled back' if outcomes[-1] == 'old' else 'completed'} an "
-                             f"interrupted write of 3 file(s) in {project.root / 'reading_notes'}\n")
-        assert r.code == (0 if outcomes[-1] == "old" else 1), r.err    # after the bump, a renamed symbol is broken
+        assert r.err in (
+            "",
+            f"pin-and-cite: {'rolled back' if outcomes[-1] == 'old' else 'completed'} an "
+            f"interrupted write of 3 file(s) in {project.root / 'reading_notes'}\n",
+        )
+        assert r.code == (0 if outcomes[-1] == "old" else 1), r.err  # after the bump, a renamed symbol is broken
     # two journal renames (staging, committed), then pins, lock and the template
     assert outcomes == ["old", "old", "new", "new", "new"]
     assert snapshot(project) == after
 
 
-def test_a_journal_naming_files_outside_the_project_is_refused(project, noted, tmp_path):
+@pytest.mark.usefixtures("noted")
+def test_a_journal_naming_files_outside_the_project_is_refused(project, tmp_path):
     victim = tmp_path / "victim"
     victim.write_text("keep me")
     journal = project.root / "reading_notes" / JOURNAL

@@ -1,6 +1,7 @@
 """The site's change pages: `bump` records, in the lock, each cited region whose text changed or was deleted
 (hashes, lines, blobs, statuses: never upstream text); `fetch` gets the old blobs the record names; `check`
 verifies the record; render writes one page per recorded region with its numbered diff, and an index."""
+
 import hashlib
 import json
 import shutil
@@ -16,11 +17,13 @@ from tests.tools.synthetic import BASE, HEADER, edited
 MOD = "up:pkg/mod.py"
 KEEP = "pkg/keep.py"
 # At A, in BASE: traced 5-6, Column.__init__ 12-14, forward's body 17-19, helper 25-28, other 31-32.
-NOTE = ("# Layers\n\n{{ cite('" + MOD + "#L5-L6') }}\n{{ cite('" + MOD + "#L12-L14') }}\n"
-        "{{ cite('" + MOD + "#L17-L19') }}\n{{ cite('" + MOD + "::helper') }}\n"
-        "{{ cite('up:" + KEEP + "#L1-L2') }}\n{{ cite('" + MOD + "#L31-L32') }}\n")
+NOTE = (
+    "# Layers\n\n{{ cite('" + MOD + "#L5-L6') }}\n{{ cite('" + MOD + "#L12-L14') }}\n"
+    "{{ cite('" + MOD + "#L17-L19') }}\n{{ cite('" + MOD + "::helper') }}\n"
+    "{{ cite('up:" + KEEP + "#L1-L2') }}\n{{ cite('" + MOD + "#L31-L32') }}\n"
+)
 OTHER_NOTE = "# Also\n\n{{ cite('" + MOD + "#L17-L19') }}\n"
-WEB = "https://example.com/up"        # the pinned url, for permalinks; every fetch goes to the daemon (--url)
+WEB = "https://example.com/up"  # the pinned url, for permalinks; every fetch goes to the daemon (--url)
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +54,20 @@ def bumped(tmp_path, abc):
     (notes / "layers.md.j2").write_text(NOTE)
     (notes / "more").mkdir()
     (notes / "more" / "also.md.j2").write_text(OTHER_NOTE)
-    assert project.run("cite", f"{MOD}#L5-L6", f"{MOD}#L12-L14", f"{MOD}#L17-L19", f"{MOD}::helper",
-                       f"up:{KEEP}#L1-L2", f"{MOD}#L31-L32", "--url", f"up={url}").code == 0
+    assert (
+        project.run(
+            "cite",
+            f"{MOD}#L5-L6",
+            f"{MOD}#L12-L14",
+            f"{MOD}#L17-L19",
+            f"{MOD}::helper",
+            f"up:{KEEP}#L1-L2",
+            f"{MOD}#L31-L32",
+            "--url",
+            f"up={url}",
+        ).code
+        == 0
+    )
     r = project.run("bump", "up", "--ref", "B", "--json", "--url", f"up={url}")
     assert r.code == 0, r.err
     assert r.json()["counts"] == {"unchanged": 1, "moved": 3, "changed": 1, "deleted": 1}
@@ -76,14 +91,23 @@ def test_bump_records_changed_and_deleted_regions_by_hash_lines_and_blob_only(bu
     changes = record["changes"]
     assert sorted(changes) == [f"{MOD}#L17-L19", f"{MOD}#L31-L32"]
     changed = changes[f"{MOD}#L17-L19"]
-    assert (changed["status"], changed["old_lines"], changed["new_lines"], changed["new_cite"]) == \
-        ("changed", [17, 19], [20, 22], f"{MOD}#L20-L22")
+    assert (changed["status"], changed["old_lines"], changed["new_lines"], changed["new_cite"]) == (
+        "changed",
+        [17, 19],
+        [20, 22],
+        f"{MOD}#L20-L22",
+    )
     assert changed["cited_at"] == ["reading_notes/layers.md.j2:5", "reading_notes/more/also.md.j2:3"]
     assert changed["old_text_sha256"] == _sha256(BASE.split("\n")[16:19])
     deleted = changes[f"{MOD}#L31-L32"]
-    assert (deleted["status"], deleted["old_lines"], deleted["new_lines"], deleted["new_text_sha256"],
-            deleted["new_cite"], deleted["cited_at"]) == \
-        ("deleted", [31, 32], None, None, None, ["reading_notes/layers.md.j2:8"])
+    assert (
+        deleted["status"],
+        deleted["old_lines"],
+        deleted["new_lines"],
+        deleted["new_text_sha256"],
+        deleted["new_cite"],
+        deleted["cited_at"],
+    ) == ("deleted", [31, 32], None, None, None, ["reading_notes/layers.md.j2:8"])
     committed = "".join(p.read_text() for p in (bumped.root / "reading_notes").rglob("*") if p.is_file())
     upstream_lines = {line.strip() for text in texts.values() for line in text.split("\n") if len(line.strip()) > 5}
     assert len(upstream_lines) > 15
@@ -111,31 +135,47 @@ def test_render_writes_a_page_per_changed_or_deleted_region_and_an_index(bumped,
     assert sorted(found) == sorted(["index.md", CHANGED_PAGE, DELETED_PAGE])
     changed = found[CHANGED_PAGE]
     assert changed.startswith("# changed: pkg/mod.py L17–L19\n")
-    assert ("- **Cited by:** [`reading_notes/layers.md.j2:5`](../layers.md), "
-            "[`reading_notes/more/also.md.j2:3`](../more/also.md)\n") in changed
-    assert (f"- **Old pin:** [L17–L19 @ `{a}`]({WEB}/blob/{commits['A']}/pkg/mod.py#L17-L19)\n"
-            f"- **New pin:** [L20–L22 @ `{b}`]({WEB}/blob/{commits['B']}/pkg/mod.py#L20-L22) (`B`)\n") in changed
+    assert (
+        "- **Cited by:** [`reading_notes/layers.md.j2:5`](../layers.md), "
+        "[`reading_notes/more/also.md.j2:3`](../more/also.md)\n"
+    ) in changed
+    assert (
+        f"- **Old pin:** [L17–L19 @ `{a}`]({WEB}/blob/{commits['A']}/pkg/mod.py#L17-L19)\n"
+        f"- **New pin:** [L20–L22 @ `{b}`]({WEB}/blob/{commits['B']}/pkg/mod.py#L20-L22) (`B`)\n"
+    ) in changed
     assert f"The notes now cite `{MOD}#L20-L22`" in changed
-    assert changed.endswith("```diff\n" + "\n".join([
-        f"--- pkg/mod.py#L17-L19 @ {a}",
-        f"+++ pkg/mod.py#L20-L22 @ {b}",
-        "@@ -17,3 +20,3 @@",
-        " 17 20 |         y = x * 2",
-        "-18    |         y = y + 1",
-        "+   21 |         y = y + 2",
-        " 19 22 |         return y",
-    ]) + "\n```\n")
+    assert changed.endswith(
+        "```diff\n"
+        + "\n".join(
+            [
+                f"--- pkg/mod.py#L17-L19 @ {a}",
+                f"+++ pkg/mod.py#L20-L22 @ {b}",
+                "@@ -17,3 +20,3 @@",
+                " 17 20 |         y = x * 2",
+                "-18    |         y = y + 1",
+                "+   21 |         y = y + 2",
+                " 19 22 |         return y",
+            ]
+        )
+        + "\n```\n"
+    )
     deleted = found[DELETED_PAGE]
     assert deleted.startswith("# deleted: pkg/mod.py L31–L32\n")
     assert "- **Cited by:** [`reading_notes/layers.md.j2:8`](../layers.md)\n" in deleted
     assert f"- **New pin:** no counterpart @ `{b}` (`B`)\n" in deleted
-    assert deleted.endswith("```diff\n" + "\n".join([
-        f"--- pkg/mod.py#L31-L32 @ {a}",
-        f"+++ pkg/mod.py (no counterpart) @ {b}",
-        "@@ -31,2 +0,0 @@",
-        "-31    | def other(a):",
-        "-32    |     return a",
-    ]) + "\n```\n")
+    assert deleted.endswith(
+        "```diff\n"
+        + "\n".join(
+            [
+                f"--- pkg/mod.py#L31-L32 @ {a}",
+                f"+++ pkg/mod.py (no counterpart) @ {b}",
+                "@@ -31,2 +0,0 @@",
+                "-31    | def other(a):",
+                "-32    |     return a",
+            ]
+        )
+        + "\n```\n"
+    )
     index = found["index.md"]
     assert index.startswith("# Changes between pins\n")
     assert f"## up: `{a}` → `{b}` (B)\n\n6 citation(s): 1 unchanged, 3 moved, 1 changed, 1 deleted.\n" in index
@@ -145,14 +185,14 @@ def test_render_writes_a_page_per_changed_or_deleted_region_and_an_index(bumped,
         "`reading_notes/layers.md.j2:5`, `reading_notes/more/also.md.j2:3` |",
         f"| [`{MOD}#L31-L32`]({DELETED_PAGE}) | deleted | `reading_notes/layers.md.j2:8` |",
     ]
-    assert bumped.run("render", "--json").json() == {"changed": []}       # unchanged pages are not rewritten
+    assert bumped.run("render", "--json").json() == {"changed": []}  # unchanged pages are not rewritten
 
 
 def test_a_fresh_cache_fetches_the_old_blobs_by_sha_then_renders_and_checks_offline(bumped, abc, tmp_path):
     url, _, texts = abc
     before = bumped.run("render")
     assert before.code == 0, before.err
-    fresh = ProjectDir(tmp_path / "clone", tmp_path / "empty-cache")      # what a new user's checkout holds
+    fresh = ProjectDir(tmp_path / "clone", tmp_path / "empty-cache")  # what a new user's checkout holds
     shutil.copytree(bumped.root / "reading_notes", fresh.root / "reading_notes", dirs_exist_ok=True)
     r = fresh.run("fetch", "--json", "--url", f"up={url}")
     assert r.code == 0, r.err
@@ -170,7 +210,8 @@ def test_check_and_render_refuse_a_record_that_does_not_hold(bumped):
     check = bumped.run("check")
     assert check.code == 1
     assert [line for line in check.out.splitlines() if "bump record" in line] == [
-        f"citations.lock: {MOD}#L17-L19: {why}{lock['bumps']['up']['old_commit'][:12]} differs from the record's hash"]
+        f"citations.lock: {MOD}#L17-L19: {why}{lock['bumps']['up']['old_commit'][:12]} differs from the record's hash"
+    ]
     r = bumped.run("render")
     assert r.code == 2 and r.err.count("\n") == 1
     assert f"reading_notes/citations.lock: {MOD}#L17-L19: {why}" in r.err

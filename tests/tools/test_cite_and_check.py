@@ -1,4 +1,5 @@
 """cite and check against a real git daemon: excerpts, symbols, the lock, and where broken citations are."""
+
 import json
 
 LAYERS = "up:pkg/core/layers.py"
@@ -35,7 +36,7 @@ def test_cite_by_symbol_includes_stacked_decorators(project):
     [excerpt] = r.json()
     assert excerpt["lines"] == [12, 15]
     assert excerpt["text"].startswith("    @staticmethod\n    @traced\n    def forward(ctx, x):")
-    assert excerpt["permalink"] is None          # git:// remotes have no web permalink
+    assert excerpt["permalink"] is None  # git:// remotes have no web permalink
 
 
 def test_permalink_is_github_style_for_web_urls(project, upstream):
@@ -47,7 +48,7 @@ def test_permalink_is_github_style_for_web_urls(project, upstream):
 
 def test_check_passes_offline_after_cite(project, upstream, daemon):
     assert project.run("cite", f"{LAYERS}::ColumnParallel", "up:pkg/core/mappings.py#L1-L2").code == 0
-    project.write_pins(up={"url": "git://127.0.0.1:9/unreachable", "commit": upstream.v1})   # no network needed
+    project.write_pins(up={"url": "git://127.0.0.1:9/unreachable", "commit": upstream.v1})  # no network needed
     r = project.run("check", "--json")
     assert r.code == 0, r.out + r.err
     assert r.json() == {"checked": 2, "broken": 0, "problems": []}
@@ -56,10 +57,11 @@ def test_check_passes_offline_after_cite(project, upstream, daemon):
 def test_check_names_note_file_and_line_of_each_broken_citation(project):
     assert project.run("cite", f"{LAYERS}#L9-L10").code == 0
     note = project.root / "reading_notes" / "layers.md.j2"
-    note.write_text("# Layers\n\nThe class:\n{{ cite('" + LAYERS + "#L9-L10') }}\n\n"
-                    "{{ cite('" + LAYERS + "#L1-L3') }}\n")
+    note.write_text(
+        "# Layers\n\nThe class:\n{{ cite('" + LAYERS + "#L9-L10') }}\n\n{{ cite('" + LAYERS + "#L1-L3') }}\n"
+    )
     lock = json.loads(project.lock_path.read_text())
-    lock["citations"][f"{LAYERS}#L9-L10"]["text_sha256"] = "0" * 64          # the lock claims other text
+    lock["citations"][f"{LAYERS}#L9-L10"]["text_sha256"] = "0" * 64  # the lock claims other text
     project.lock_path.write_text(json.dumps(lock))
     r = project.run("check")
     assert r.code == 1
@@ -85,8 +87,10 @@ def test_pin_refuses_to_orphan_locked_citations(project, upstream):
 
 
 def test_cli_help_teaches_the_citation_forms():
-    from tests.tools.conftest import CLI
     import subprocess
+
+    from tests.tools.conftest import CLI
+
     out = subprocess.run([str(CLI), "--help"], capture_output=True, text=True).stdout
     assert "SOURCE:PATH#Lstart-Lend" in out and "SOURCE:PATH::Qual.name" in out
     for verb in ("pin", "fetch", "cite", "check"):

@@ -1,5 +1,6 @@
 """Inputs and conditions that once ended in a traceback: each is now one line on stderr and the documented
 exit status (2 bad input, 4 a local file could not be written, 130 interrupted), and nothing is half-written."""
+
 import errno
 import os
 import signal
@@ -20,10 +21,16 @@ def one_line(r, code: int) -> str:
     return r.err
 
 
-@pytest.mark.parametrize("content, message", [
-    (b'def f():\n    return "\xff"\n', "ours('reference/x.py::f'): reference/x.py is not UTF-8 (byte 0xff at offset 21)"),
-    (b"x = " + b"-" * 200_000 + b"1\n", "reference/x.py nests too deeply for Python's parser"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (
+            b'def f():\n    return "\xff"\n',
+            "ours('reference/x.py::f'): reference/x.py is not UTF-8 (byte 0xff at offset 21)",
+        ),
+        (b"x = " + b"-" * 200_000 + b"1\n", "reference/x.py nests too deeply for Python's parser"),
+    ],
+)
 def test_ours_on_a_file_python_cannot_read_is_one_clear_error(tmp_path, content, message):
     (tmp_path / "reference").mkdir()
     (tmp_path / "reference" / "x.py").write_bytes(content)
@@ -35,8 +42,9 @@ def test_ours_on_a_file_python_cannot_read_is_one_clear_error(tmp_path, content,
 def test_a_template_that_includes_itself_is_one_line(project):
     (project.root / "reading_notes" / "loop.md.j2").write_text('# Loop\n\n{% include "loop.md.j2" %}\n')
     err = one_line(project.run("render", "--out", "out"), 2)
-    assert err == ("pin-and-cite: error: reading_notes/loop.md.j2:3: templates include or extend each other "
-                   "without end\n")
+    assert err == (
+        "pin-and-cite: error: reading_notes/loop.md.j2:3: templates include or extend each other without end\n"
+    )
 
 
 @pytest.mark.parametrize("value", ["nan", "inf", "0", "-5", "1e12"])
@@ -48,37 +56,56 @@ def test_a_timeout_that_is_not_a_positive_finite_number_is_refused_at_parse_time
 def test_a_cache_variable_naming_a_file_or_a_missing_parent_is_refused(project, tmp_path):
     a_file = tmp_path / "a-file"
     a_file.write_text("")
-    for cache, message in ((a_file, f"PIN_AND_CITE_CACHE='{a_file}' is not a directory"),
-                           (a_file / "sub", f"{a_file} is not a directory"),
-                           (tmp_path / "missing" / "cache", f"{tmp_path / 'missing'} is not a directory")):
-        for args in (["check"], ["cite", "up:pkg/core/layers.py#L1-L2"],
-                     ["relocate", "--source", str(tmp_path), "--from", "a", "--to", "b", "x.py#L1-L2"]):
-            r = project.run(*args, env={"PIN_AND_CITE_CACHE": str(cache)}) if args[0] != "relocate" else \
-                _run_cli(args, cache)
+    for cache, message in (
+        (a_file, f"PIN_AND_CITE_CACHE='{a_file}' is not a directory"),
+        (a_file / "sub", f"{a_file} is not a directory"),
+        (tmp_path / "missing" / "cache", f"{tmp_path / 'missing'} is not a directory"),
+    ):
+        for args in (
+            ["check"],
+            ["cite", "up:pkg/core/layers.py#L1-L2"],
+            ["relocate", "--source", str(tmp_path), "--from", "a", "--to", "b", "x.py#L1-L2"],
+        ):
+            r = (
+                project.run(*args, env={"PIN_AND_CITE_CACHE": str(cache)})
+                if args[0] != "relocate"
+                else _run_cli(args, cache)
+            )
             assert message in one_line(r, 2)
     assert not (tmp_path / "missing").exists()
 
 
 def _run_cli(args, cache: Path):
     from tests.tools.conftest import Run
-    proc = subprocess.run([str(CLI), *args], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PIN_AND_CITE_CACHE": str(cache)})
+
+    proc = subprocess.run(
+        [str(CLI), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PIN_AND_CITE_CACHE": str(cache)},
+    )
     return Run(proc.returncode, proc.stdout, proc.stderr)
 
 
-@pytest.mark.parametrize("delay", [0.05, 0.1, 0.15])   # without torch the tool loads in a fraction of a second
+@pytest.mark.parametrize("delay", [0.05, 0.1, 0.15])  # without torch the tool loads in a fraction of a second
 def test_ctrl_c_while_the_libraries_load_is_one_line_and_exit_130(project, delay):
-    proc = subprocess.Popen([str(CLI), "check", "--project", str(project.root)], stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PIN_AND_CITE_CACHE": str(project.cache)})
+    proc = subprocess.Popen(
+        [str(CLI), "check", "--project", str(project.root)],
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PIN_AND_CITE_CACHE": str(project.cache)},
+    )
     time.sleep(delay)
     proc.send_signal(signal.SIGINT)
     err = proc.communicate(timeout=60)[1]
     if proc.returncode == -signal.SIGINT and err == "":
-        return                               # before Python's own handler: the default action, silent
+        return  # before Python's own handler: the default action, silent
     assert proc.returncode == 130 and err.count("\n") == 1 and err.startswith("pin-and-cite: interrupted"), err
 
 
 # -- a full disk ---------------------------------------------------------------------------------------
+
 
 @pytest.fixture
 def tiny_disk(tmp_path):

@@ -1,5 +1,6 @@
 """Citations written in the reference's docstrings (pin_and_cite.core.code_citations): `check` verifies them at
 their file:line, refuses hand-typed upstream line numbers, and the reference pages render from them."""
+
 from pin_and_cite.core.code_citations import citations_in_text, hand_typed_lines
 from tests.tools.conftest import ROOT
 
@@ -33,17 +34,21 @@ def test_a_misspelled_symbol_is_one_line_naming_the_docstring(project):
     _reference(project, OURS.format(cite=f"{LAYERS}::ColumnParalel"))
     r = project.run("check")
     assert r.code == 1
-    assert f"reference/layers.py:7: {LAYERS}::ColumnParalel: not in the lock; run `tools/pin-and-cite cite` on it" \
+    assert (
+        f"reference/layers.py:7: {LAYERS}::ColumnParalel: not in the lock; run `tools/pin-and-cite cite` on it"
         in r.out.splitlines()
-    assert r.out.rstrip().endswith("1 citation(s) ok, 1 broken"), r.out     # the locked one still holds
+    )
+    assert r.out.rstrip().endswith("1 citation(s) ok, 1 broken"), r.out  # the locked one still holds
 
 
 def test_a_hand_typed_upstream_line_number_is_reported(project):
     _reference(project, '"""Mirrors layers.py (the column split at line 123, see also L88)."""\n')
     r = project.run("check")
     assert r.code == 1
-    assert ("reference/layers.py:1: line 123: a hand-typed upstream line number, which nothing keeps true; cite the "
-            "code as SOURCE:PATH::Qual.name instead") in r.out.splitlines()
+    assert (
+        "reference/layers.py:1: line 123: a hand-typed upstream line number, which nothing keeps true; cite the "
+        "code as SOURCE:PATH::Qual.name instead"
+    ) in r.out.splitlines()
     assert "reference/layers.py:1: L88: a hand-typed" in r.out
 
 
@@ -52,8 +57,9 @@ def test_the_reference_page_renders_what_the_docstring_cites(project):
     _reference(project, OURS.format(cite=f"{LAYERS}::ColumnParallel`\nand `{LAYERS}::ColumnParallel.forward"))
     notes = project.root / "reading_notes"
     (notes / "page.md.j2").write_text('{{ mirrors("reference/layers.py::Column") }}\n')
-    (notes / "by_hand.md.j2").write_text(f'{{{{ upstream("{LAYERS}::ColumnParallel") }}}}, '
-                                         f'{{{{ upstream("{LAYERS}::ColumnParallel.forward") }}}}\n')
+    (notes / "by_hand.md.j2").write_text(
+        f'{{{{ upstream("{LAYERS}::ColumnParallel") }}}}, {{{{ upstream("{LAYERS}::ColumnParallel.forward") }}}}\n'
+    )
     assert project.run("render", "--out", str(project.root / "out")).code == 0
     page = (project.root / "out" / "page.md").read_text()
     assert page == (project.root / "out" / "by_hand.md").read_text()
@@ -65,15 +71,22 @@ def test_mirrors_of_a_docstring_citing_nothing_fails_the_render(project):
     (project.root / "reading_notes" / "page.md.j2").write_text('\n{{ mirrors("reference/layers.py::Column") }}\n')
     r = project.run("check")
     assert r.code == 1
-    assert ("reading_notes/page.md.j2:2: render: mirrors('reference/layers.py::Column'): the docstring of Column "
-            "cites no upstream code (SOURCE:PATH::Qual.name)") in r.out
+    assert (
+        "reading_notes/page.md.j2:2: render: mirrors('reference/layers.py::Column'): the docstring of Column "
+        "cites no upstream code (SOURCE:PATH::Qual.name)"
+    ) in r.out
 
 
 def test_the_citation_form_is_found_inside_prose_and_backticks():
-    text = ("Mirrors `pytorch:torch/a/b.py::C.d`, (megatron-lm:megatron/x.py::f). Not a citation: "
-            "reference/fsdp/x.py::f, `_runtime_utils.py::_unshard`.\nSee up:p.py::Name.")
-    assert citations_in_text(text) == [("pytorch:torch/a/b.py::C.d", 1), ("megatron-lm:megatron/x.py::f", 1),
-                                       ("up:p.py::Name", 2)]
+    text = (
+        "Mirrors `pytorch:torch/a/b.py::C.d`, (megatron-lm:megatron/x.py::f). Not a citation: "
+        "reference/fsdp/x.py::f, `_runtime_utils.py::_unshard`.\nSee up:p.py::Name."
+    )
+    assert citations_in_text(text) == [
+        ("pytorch:torch/a/b.py::C.d", 1),
+        ("megatron-lm:megatron/x.py::f", 1),
+        ("up:p.py::Name", 2),
+    ]
 
 
 def test_the_reference_carries_no_hand_typed_upstream_line_number():

@@ -4,6 +4,7 @@ A synthetic upstream (two commits served by `git daemon` on 127.0.0.1) declares 
 keyword-only parameters and as dataclass fields; the second commit flips one, drops one and moves the class
 down, as real history does.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,9 @@ class Config:
     ratio: tuple = (1,
                     2)
 '''
-V2 = "# a new header line\n" + V1.replace("forward_prefetch: bool = False", "forward_prefetch: bool = True") \
-    .replace("                 limit_all_gathers: bool = True, device_id", "                 device_id")
+V2 = "# a new header line\n" + V1.replace("forward_prefetch: bool = False", "forward_prefetch: bool = True").replace(
+    "                 limit_all_gathers: bool = True, device_id", "                 device_id"
+)
 WRAPPER = "up:pkg/fsdp.py::Wrapper.__init__"
 CONFIG = "up:pkg/fsdp.py::Config"
 
@@ -66,9 +68,10 @@ def test_cite_default_locks_what_the_source_writes(pinned):
     r = pinned.run("cite", "--default", "forward_prefetch", "--default", "limit_all_gathers", WRAPPER, "--json")
     assert r.code == 0, r.err
     assert [(row["default"], row["value"], row["line"]) for row in r.json()] == [
-        (f"{WRAPPER}(forward_prefetch)", "False", 5), (f"{WRAPPER}(limit_all_gathers)", "True", 6)]
-    r = pinned.run("cite", "--default", "overlap_grad_reduce", "--default", "bucket_size", "--default", "ratio",
-                   CONFIG)
+        (f"{WRAPPER}(forward_prefetch)", "False", 5),
+        (f"{WRAPPER}(limit_all_gathers)", "True", 6),
+    ]
+    r = pinned.run("cite", "--default", "overlap_grad_reduce", "--default", "bucket_size", "--default", "ratio", CONFIG)
     assert r.code == 0, r.err
     assert r.out.splitlines()[1].endswith("bucket_size=40_000_000 (L14)")
     lock = json.loads(pinned.lock_path.read_text())
@@ -77,17 +80,21 @@ def test_cite_default_locks_what_the_source_writes(pinned):
         f"{WRAPPER}(limit_all_gathers)": {"value": "True", "line": 6},
         f"{CONFIG}(overlap_grad_reduce)": {"value": "False", "line": 12},
         f"{CONFIG}(bucket_size)": {"value": "40_000_000", "line": 14},
-        f"{CONFIG}(ratio)": {"value": "(1,\n                    2)", "line": 16}}
+        f"{CONFIG}(ratio)": {"value": "(1,\n                    2)", "line": 16},
+    }
     assert list(lock["files"]) == ["up:pkg/fsdp.py"]
 
 
-@pytest.mark.parametrize("param, spec, message", [
-    ("device_id", WRAPPER, "parameter 'device_id' of Wrapper.__init__ in pkg/fsdp.py at up@"),
-    ("buckets", CONFIG, "field 'buckets' of Config in pkg/fsdp.py at up@"),
-    ("backward_prefetch", WRAPPER, "Wrapper.__init__ in pkg/fsdp.py at up@"),
-    ("x", "up:pkg/fsdp.py#L4-L6", "default('up:pkg/fsdp.py#L4-L6', ...) needs SOURCE:PATH::Qual.name"),
-    ("not-a-name", WRAPPER, "the parameter must be a Python name"),
-])
+@pytest.mark.parametrize(
+    "param, spec, message",
+    [
+        ("device_id", WRAPPER, "parameter 'device_id' of Wrapper.__init__ in pkg/fsdp.py at up@"),
+        ("buckets", CONFIG, "field 'buckets' of Config in pkg/fsdp.py at up@"),
+        ("backward_prefetch", WRAPPER, "Wrapper.__init__ in pkg/fsdp.py at up@"),
+        ("x", "up:pkg/fsdp.py#L4-L6", "default('up:pkg/fsdp.py#L4-L6', ...) needs SOURCE:PATH::Qual.name"),
+        ("not-a-name", WRAPPER, "the parameter must be a Python name"),
+    ],
+)
 def test_a_default_that_is_not_there_is_one_line(pinned, param, spec, message):
     r = pinned.run("cite", "--default", param, spec)
     assert r.code == 2 and message in r.err and r.err.count("\n") == 1, r.err
@@ -103,17 +110,23 @@ def test_a_note_renders_the_default_and_check_proves_it(pinned):
     assert pinned.run("check").code == 0
 
     lock = json.loads(pinned.lock_path.read_text())
-    lock["defaults"][f"{WRAPPER}(forward_prefetch)"]["value"] = "True"          # a lock that lies
+    lock["defaults"][f"{WRAPPER}(forward_prefetch)"]["value"] = "True"  # a lock that lies
     pinned.lock_path.write_text(json.dumps(lock))
     r = pinned.run("check")
-    assert r.code == 1 and f"reading_notes/n.md.j2:1: {WRAPPER}(forward_prefetch): the default is now " \
-                           "forward_prefetch=False at L5; the lock says forward_prefetch=True at L5" in r.out
+    assert (
+        r.code == 1
+        and f"reading_notes/n.md.j2:1: {WRAPPER}(forward_prefetch): the default is now "
+        "forward_prefetch=False at L5; the lock says forward_prefetch=True at L5"
+        in r.out
+    )
 
     note(pinned, "{{ default('" + WRAPPER + "', 'limit_all_gathers') }}\n{{ default('" + WRAPPER + "') }}\n")
     r = pinned.run("check")
     assert r.code == 1
-    assert f"reading_notes/n.md.j2:1: {WRAPPER}(limit_all_gathers): not in the lock; run `tools/pin-and-cite " \
-           f"cite --default limit_all_gathers {WRAPPER}` on it" in r.out
+    assert (
+        f"reading_notes/n.md.j2:1: {WRAPPER}(limit_all_gathers): not in the lock; run `tools/pin-and-cite "
+        f"cite --default limit_all_gathers {WRAPPER}` on it" in r.out
+    )
     assert f"reading_notes/n.md.j2:2: {WRAPPER}: default() takes two literal strings" in r.out
 
 
@@ -121,21 +134,27 @@ def test_bump_reports_a_changed_default_and_drops_a_vanished_one(pinned, flipped
     _, (v1, v2) = flipped
     assert pinned.run("cite", "--default", "forward_prefetch", "--default", "limit_all_gathers", WRAPPER).code == 0
     assert pinned.run("cite", "--default", "overlap_grad_reduce", CONFIG).code == 0
-    note(pinned, "{{ default('" + WRAPPER + "', 'forward_prefetch') }} {{ default('" + CONFIG +
-         "', 'overlap_grad_reduce') }}\n")
+    note(
+        pinned,
+        "{{ default('" + WRAPPER + "', 'forward_prefetch') }} {{ default('" + CONFIG + "', 'overlap_grad_reduce') }}\n",
+    )
     r = pinned.run("bump", "up", "--ref", v2, "--json")
     assert r.code == 0, r.err
     assert r.json()["defaults"] == [
         {"default": f"{WRAPPER}(forward_prefetch)", "old": "False", "new": "True"},
-        {"default": f"{WRAPPER}(limit_all_gathers)", "old": "True", "new": None}]
+        {"default": f"{WRAPPER}(limit_all_gathers)", "old": "True", "new": None},
+    ]
     lock = json.loads(pinned.lock_path.read_text())
-    assert lock["defaults"] == {f"{WRAPPER}(forward_prefetch)": {"value": "True", "line": 6},
-                                f"{CONFIG}(overlap_grad_reduce)": {"value": "False", "line": 13}}
+    assert lock["defaults"] == {
+        f"{WRAPPER}(forward_prefetch)": {"value": "True", "line": 6},
+        f"{CONFIG}(overlap_grad_reduce)": {"value": "False", "line": 13},
+    }
     assert lock["bumps"]["up"]["defaults"] == {
         f"{WRAPPER}(forward_prefetch)": {"old_value": "False", "new_value": "True"},
-        f"{WRAPPER}(limit_all_gathers)": {"old_value": "True", "new_value": None}}
+        f"{WRAPPER}(limit_all_gathers)": {"old_value": "True", "new_value": None},
+    }
     assert lock["files"]["up:pkg/fsdp.py"]["commit"] == v2
-    assert pinned.run("check").code == 0          # the note renders the new value; the report asks for a re-read
+    assert pinned.run("check").code == 0  # the note renders the new value; the report asks for a re-read
     assert pinned.run("render").code == 0
     index = (pinned.root / "docs" / "notes" / "changes" / "index.md").read_text()
     assert f"| `{WRAPPER}(forward_prefetch)` | `False` | `True` |" in index

@@ -4,13 +4,14 @@ The kind is read from the named test's source by AST (its `@pytest.mark.upstream
 importing it; a close reading's design choice without upstream evidence, and a "Check yourself" answer without
 any, fail `check` at the choice's heading.
 """
+
 from __future__ import annotations
 
 from pin_and_cite.core.verified_by import Evidence, evidence_of
 from pin_and_cite.site.note_rules import check_note
 from tests.tools.test_note_rules import note_text
 
-TESTS = '''\
+TESTS = """\
 import pytest
 
 pytestmark = [pytest.mark.slow]
@@ -35,7 +36,7 @@ def test_marked_with_an_unpinned_source(x):
 class TestUpstream:
     def test_in_class(self):
         pass
-'''
+"""
 MODULE_MARKED = 'import pytest\n\npytestmark = pytest.mark.upstream("up")\n\n\ndef test_any():\n    pass\n'
 
 
@@ -49,8 +50,9 @@ def test_the_marker_on_a_function_class_or_module_names_upstream_evidence(tmp_pa
     write_tests(tmp_path, "test_module.py", MODULE_MARKED)
     assert evidence_of(tmp_path, "tests/test_claims.py::test_runs_upstream") == Evidence("upstream", "up")
     assert evidence_of(tmp_path, "tests/test_claims.py::test_runs_reference") == Evidence("reference")
-    assert evidence_of(tmp_path, "tests/test_claims.py::test_marked_with_an_unpinned_source[1]") == \
-        Evidence("upstream", "nowhere")
+    assert evidence_of(tmp_path, "tests/test_claims.py::test_marked_with_an_unpinned_source[1]") == Evidence(
+        "upstream", "nowhere"
+    )
     assert evidence_of(tmp_path, "tests/test_claims.py::TestUpstream::test_in_class") == Evidence("upstream", "up")
     assert evidence_of(tmp_path, "tests/test_module.py::test_any") == Evidence("upstream", "up")
 
@@ -60,14 +62,22 @@ def test_a_test_that_cannot_be_read_is_one_line_never_a_traceback(tmp_path):
     write_tests(tmp_path, "test_latin1.py", "")
     (tmp_path / "tests" / "test_latin1.py").write_bytes(b"# caf\xe9\ndef test_x():\n    pass\n")
     (tmp_path / "outside.py").write_text("def test_x():\n    pass\n")
-    assert evidence_of(tmp_path, "tests/test_broken.py::test_x") == "tests/test_broken.py: test_broken.py is " \
-                                                                    "not valid Python (line 1)"
-    assert evidence_of(tmp_path, "tests/test_latin1.py::test_x") == "tests/test_latin1.py: test_latin1.py is " \
-                                                                    "not UTF-8 text"
-    assert evidence_of(tmp_path, "tests/../outside.py::test_x") == "test file 'tests/../outside.py' does not " \
-                                                                   "exist under tests/"
-    assert evidence_of(tmp_path, "tests/test_broken.py") == "'tests/test_broken.py' is not a pytest node id " \
-                                                            "(tests/FILE.py::test_name)"
+    assert (
+        evidence_of(tmp_path, "tests/test_broken.py::test_x") == "tests/test_broken.py: test_broken.py is "
+        "not valid Python (line 1)"
+    )
+    assert (
+        evidence_of(tmp_path, "tests/test_latin1.py::test_x") == "tests/test_latin1.py: test_latin1.py is "
+        "not UTF-8 text"
+    )
+    assert (
+        evidence_of(tmp_path, "tests/../outside.py::test_x") == "test file 'tests/../outside.py' does not "
+        "exist under tests/"
+    )
+    assert (
+        evidence_of(tmp_path, "tests/test_broken.py") == "'tests/test_broken.py' is not a pytest node id "
+        "(tests/FILE.py::test_name)"
+    )
 
 
 def test_a_choice_needs_an_upstream_test_or_a_reason_upstream_cannot_run(tmp_path):
@@ -80,12 +90,18 @@ def test_a_choice_needs_an_upstream_test_or_a_reason_upstream_cannot_run(tmp_pat
 
     assert problems("{{ verified_by('tests/test_claims.py::test_runs_upstream') }}") == []
     assert problems("{{ reference_only('the fused kernel is CUDA-only') }}") == []
-    for weak in ("{{ verified_by('tests/test_claims.py::test_runs_reference') }}", "",
-                 "{{ verified_by('tests/test_claims.py::test_gone') }}"):
+    for weak in (
+        "{{ verified_by('tests/test_claims.py::test_runs_reference') }}",
+        "",
+        "{{ verified_by('tests/test_claims.py::test_gone') }}",
+    ):
         found = problems(weak)
-        assert len(found) == 5 and found[0] == (6, "design choice 'Choice 0' has no upstream evidence: name a test "
-                                                   "marked @pytest.mark.upstream(SOURCE) with verified_by(...), or "
-                                                   "say why upstream cannot run here with reference_only(...)")
+        assert len(found) == 5 and found[0] == (
+            6,
+            "design choice 'Choice 0' has no upstream evidence: name a test "
+            "marked @pytest.mark.upstream(SOURCE) with verified_by(...), or "
+            "say why upstream cannot run here with reference_only(...)",
+        )
 
 
 QUESTIONS = """---
@@ -111,23 +127,28 @@ def test_each_question_is_answered_briefly_with_a_citation_and_evidence(tmp_path
         path.write_text(QUESTIONS.format(answer=answer, evidence=evidence))
         return [(p.line, p.message) for p in check_note(path, tmp_path)]
 
-    assert problems() == []                                     # "Answer" (the summary) + 79 words
-    assert problems(answer="word " * 80) == [(6, "the answer to 'What does it do?' has 81 words of prose; keep it "
-                                                 "to 80")]
-    assert problems(evidence="") == [(6, "the answer to 'What does it do?' names no evidence: add "
-                                         "verified_by(...) or reference_only(...)")]
+    assert problems() == []  # "Answer" (the summary) + 79 words
+    assert problems(answer="word " * 80) == [
+        (6, "the answer to 'What does it do?' has 81 words of prose; keep it to 80")
+    ]
+    assert problems(evidence="") == [
+        (6, "the answer to 'What does it do?' names no evidence: add verified_by(...) or reference_only(...)")
+    ]
     path.write_text("---\nrules: questions\n---\n# Check yourself\n\nNothing yet.\n")
     assert [(p.line, p.message) for p in check_note(path, tmp_path)] == [
-        (1, "no questions: each '### ' heading is a question, answered below it")]
+        (1, "no questions: each '### ' heading is a question, answered below it")
+    ]
 
 
 def test_the_page_shows_each_kind_of_evidence_and_refuses_an_unpinned_upstream(project):
     write_tests(project.root)
     assert project.run("cite", "up:pkg/core/layers.py#L9-L10").code == 0
     note = project.root / "reading_notes" / "a.md.j2"
-    note.write_text("{{ verified_by('tests/test_claims.py::test_runs_upstream') }}\n"
-                    "{{ verified_by('tests/test_claims.py::test_runs_reference') }}\n"
-                    "{{ reference_only('needs <CUDA>') }}\n")
+    note.write_text(
+        "{{ verified_by('tests/test_claims.py::test_runs_upstream') }}\n"
+        "{{ verified_by('tests/test_claims.py::test_runs_reference') }}\n"
+        "{{ reference_only('needs <CUDA>') }}\n"
+    )
     r = project.run("render")
     assert r.code == 0, r.err
     notes = project.root / "docs" / "notes"
@@ -137,18 +158,24 @@ def test_the_page_shows_each_kind_of_evidence_and_refuses_an_unpinned_upstream(p
         "{ .verified-by .evidence-upstream }",
         "[**reference test** `tests/test_claims.py::test_runs_reference`](tests/test_claims/test_runs_reference.md)"
         "{ .verified-by .evidence-reference }",
-        '<span class="verified-by evidence-reference-only"><strong>reference only</strong> needs &lt;CUDA&gt;</span>']
+        '<span class="verified-by evidence-reference-only"><strong>reference only</strong> needs &lt;CUDA&gt;</span>',
+    ]
     # Each linked page shows the test's source (decorators included) numbered with its lines in the test file.
     upstream = (notes / "tests" / "test_claims" / "test_runs_upstream.md").read_text()
     assert "**upstream test: it runs the pinned upstream implementation itself (up).**" in upstream
     assert "`tests/test_claims.py` L6–L8" in upstream and "Cited by: [a](../../a.md)." in upstream
-    assert upstream.endswith('```python linenums="6"\n@pytest.mark.upstream("up")\ndef test_runs_upstream():\n'
-                             '    pass\n```\n')
+    assert upstream.endswith(
+        '```python linenums="6"\n@pytest.mark.upstream("up")\ndef test_runs_upstream():\n    pass\n```\n'
+    )
     reference = (notes / "tests" / "test_claims" / "test_runs_reference.md").read_text()
     assert "**reference test: it runs this kit's reference implementation" in reference
     assert reference.endswith('```python linenums="11"\ndef test_runs_reference():\n    pass\n```\n')
     note.write_text("x\n{{ verified_by('tests/test_claims.py::test_marked_with_an_unpinned_source') }}\n")
     r = project.run("check")
-    assert r.code == 1 and "reading_notes/a.md.j2:2: render: verified_by: tests/test_claims.py::" \
-                           "test_marked_with_an_unpinned_source is marked upstream('nowhere'), which is not a " \
-                           "source in pins.toml (up)" in r.out
+    assert (
+        r.code == 1
+        and "reading_notes/a.md.j2:2: render: verified_by: tests/test_claims.py::"
+        "test_marked_with_an_unpinned_source is marked upstream('nowhere'), which is not a "
+        "source in pins.toml (up)"
+        in r.out
+    )

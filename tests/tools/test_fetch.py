@@ -1,4 +1,5 @@
 """fetch: exactly the cited objects cross the wire, every byte is verified, interruptions leave nothing half-written."""
+
 import json
 import os
 import signal
@@ -16,11 +17,12 @@ def locked(project, upstream):
     r = project.run("cite", *CITES)
     assert r.code == 0, r.err
     import shutil
+
     shutil.rmtree(project.cache)
 
 
 def partial_repo_objects(project) -> set[str]:
-    [git_dir] = [d for d in (project.cache / "git").iterdir() if d.is_dir()]     # not its .lock
+    [git_dir] = [d for d in (project.cache / "git").iterdir() if d.is_dir()]  # not its .lock
     out = git.Repo(git_dir).git.execute(["git", "cat-file", "--batch-all-objects", "--batch-check"])
     return {line.split()[0]: line.split()[1] for line in out.splitlines()}
 
@@ -32,17 +34,17 @@ def test_fetch_with_lock_transfers_only_the_cited_blobs(project, upstream, daemo
     assert r.code == 0, r.err
     blobs = {f["blob"] for f in r.json()}
     assert {f["origin"] for f in r.json()} == {daemon.url("upstream.git", proxy.port)}
-    assert set(partial_repo_objects(project)) == blobs                 # not a commit, not a tree more
+    assert set(partial_repo_objects(project)) == blobs  # not a commit, not a tree more
     cited_size = sum(len(upstream.files[p]) for p in ("pkg/core/layers.py", "pkg/core/mappings.py"))
-    assert proxy.sent_to_client < cited_size + 2_000                   # 4 MB of other files never moved
-    assert "[2/2]" in r.err                                             # progress
+    assert proxy.sent_to_client < cited_size + 2_000  # 4 MB of other files never moved
+    assert "[2/2]" in r.err  # progress
 
 
 def test_first_cite_walks_only_the_trees_on_the_cited_path(project, upstream):
     assert project.run("cite", CITES[0]).code == 0
     objects = partial_repo_objects(project)
     kinds = sorted(objects.values())
-    assert kinds == ["blob", "commit", "tree", "tree", "tree"]          # commit, /, pkg/, pkg/core/, layers.py
+    assert kinds == ["blob", "commit", "tree", "tree", "tree"]  # commit, /, pkg/, pkg/core/, layers.py
 
 
 def test_fetch_prefers_the_cache_and_refetches_a_corrupt_entry(project, upstream):
@@ -55,17 +57,17 @@ def test_fetch_prefers_the_cache_and_refetches_a_corrupt_entry(project, upstream
     r = project.run("fetch", "--json")
     assert r.code == 0, r.err
     origins = {f["path"]: f["origin"] for f in r.json()}
-    assert origins["pkg/core/layers.py"] == upstream.url                # tampered copy never used
+    assert origins["pkg/core/layers.py"] == upstream.url  # tampered copy never used
     assert cached.read_bytes() == upstream.files["pkg/core/layers.py"]
 
 
 def test_interrupted_fetch_leaves_no_partial_file_and_next_run_recovers(project, upstream, daemon):
     locked(project, upstream)
-    proxy = ByteCountingProxy(daemon.port, stall_after=400)            # the pack stops mid-way
+    proxy = ByteCountingProxy(daemon.port, stall_after=400)  # the pack stops mid-way
     proc = project.popen("fetch", "--url", f"up={daemon.url('upstream.git', proxy.port)}")
     assert proxy.stalled.wait(20)
     time.sleep(0.3)
-    os.killpg(proc.pid, signal.SIGINT)                                  # Ctrl-C: the whole process group
+    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the whole process group
     proc.wait(20)
     assert proc.returncode != 0
     blobs_dir = project.cache / "blobs"
@@ -82,7 +84,7 @@ def test_two_fetches_at_once_share_the_cache_safely(project, upstream):
     assert [p.returncode for p in procs] == [0, 0], results
     assert project.run("check").code == 0
     origins = sorted(f["origin"] for out, _ in results for f in json.loads(out))
-    assert origins.count("cache") >= 2                                  # the second waited, then reused
+    assert origins.count("cache") >= 2  # the second waited, then reused
 
 
 def test_check_needs_no_network_once_fetched(project, upstream):

@@ -1,6 +1,7 @@
 """Property-based tests (hypothesis) of what pin-and-cite parses from people and branches: the citation
 grammar, the lock and pins.toml loaders, and `relocate`'s stdin. Each input is either answered or refused
 with a one-line PinAndCiteError: never a traceback, never a hang. The budgets keep the file to seconds."""
+
 import contextlib
 import io
 import json
@@ -19,16 +20,50 @@ from pin_and_cite.core.errors import PinAndCiteError
 from pin_and_cite.core.lock import Lock
 from pin_and_cite.core.pins import Pins
 
-FAST = settings(max_examples=300, deadline=500, database=None,       # no .hypothesis/ folder in the checkout
-                suppress_health_check=[HealthCheck.function_scoped_fixture])
+FAST = settings(
+    max_examples=300,
+    deadline=500,
+    database=None,  # no .hypothesis/ folder in the checkout
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 SHA = "a" * 40
 
 # near-misses of the grammar find more than uniform text: every piece of a citation, each maybe wrong
-PIECE = st.sampled_from(["up", "Up", "", "pkg/mod.py", "pkg//mod.py", "../x.py", "/abs.py", ".git/HEAD", "a\\b.py",
-                         "#L", "#L0", "#L1", "#L3-L2", "-L", "L12", "::", "::Column.backward", "::1bad", ":", "#",
-                         " ", "\n", "\r", "\x00", "\u202e", "99999999999999999999", "C:", "."])
-CITATIONS = st.one_of(st.text(max_size=40), st.lists(PIECE, max_size=8).map("".join),
-                      st.text(alphabet=string.printable, max_size=40))
+PIECE = st.sampled_from(
+    [
+        "up",
+        "Up",
+        "",
+        "pkg/mod.py",
+        "pkg//mod.py",
+        "../x.py",
+        "/abs.py",
+        ".git/HEAD",
+        "a\\b.py",
+        "#L",
+        "#L0",
+        "#L1",
+        "#L3-L2",
+        "-L",
+        "L12",
+        "::",
+        "::Column.backward",
+        "::1bad",
+        ":",
+        "#",
+        " ",
+        "\n",
+        "\r",
+        "\x00",
+        "\u202e",
+        "99999999999999999999",
+        "C:",
+        ".",
+    ]
+)
+CITATIONS = st.one_of(
+    st.text(max_size=40), st.lists(PIECE, max_size=8).map("".join), st.text(alphabet=string.printable, max_size=40)
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -56,15 +91,19 @@ def test_the_citation_grammar_answers_or_refuses_in_one_line(text):
             continue
         assert 1 <= (spec.lines or (1, 1))[0] <= (spec.lines or (1, 1))[1]
         if parse is parse_spec:
-            assert parse_spec(str(spec)) == spec                        # what the lock writes reads back the same
+            assert parse_spec(str(spec)) == spec  # what the lock writes reads back the same
 
 
-JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
-                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
-                    max_leaves=12)
-VALID_LOCK = {"version": 1,
-              "files": {"up:pkg/mod.py": {"commit": SHA, "blob": SHA, "size": 3, "resolved_from": "git tree"}},
-              "citations": {"up:pkg/mod.py#L1-L2": {"lines": [1, 2], "text_sha256": "0" * 64}}}
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=12,
+)
+VALID_LOCK = {
+    "version": 1,
+    "files": {"up:pkg/mod.py": {"commit": SHA, "blob": SHA, "size": 3, "resolved_from": "git tree"}},
+    "citations": {"up:pkg/mod.py#L1-L2": {"lines": [1, 2], "text_sha256": "0" * 64}},
+}
 
 
 @st.composite
@@ -96,8 +135,14 @@ def test_the_lock_loader_answers_or_refuses_in_one_line(tmp_path, data):
         refused_in_one_line(error)
 
 
-TOML_VALUE = st.one_of(st.text(max_size=8), st.integers(), st.booleans(), st.just(SHA), st.just("git://127.0.0.1/x"),
-                       st.lists(st.integers(), max_size=2))
+TOML_VALUE = st.one_of(
+    st.text(max_size=8),
+    st.integers(),
+    st.booleans(),
+    st.just(SHA),
+    st.just("git://127.0.0.1/x"),
+    st.lists(st.integers(), max_size=2),
+)
 
 
 @st.composite
@@ -105,9 +150,13 @@ def pins_texts(draw) -> bytes:
     """pins.toml-shaped TOML whose names, keys and values are each maybe wrong, or arbitrary bytes."""
     if draw(st.booleans()):
         return draw(st.binary(max_size=64))
-    tables = draw(st.dictionaries(st.sampled_from(["up", "Up", "a b", "", "x.y", "0"]),
-                                  st.dictionaries(st.sampled_from(["url", "commit", "tag", "distribution", "x"]),
-                                                  TOML_VALUE, max_size=5), max_size=2))
+    tables = draw(
+        st.dictionaries(
+            st.sampled_from(["up", "Up", "a b", "", "x.y", "0"]),
+            st.dictionaries(st.sampled_from(["url", "commit", "tag", "distribution", "x"]), TOML_VALUE, max_size=5),
+            max_size=2,
+        )
+    )
     top = draw(st.sampled_from(["sources", "source"]))
     doc = {top: tables if draw(st.booleans()) else draw(TOML_VALUE)}
     return tomlkit.dumps(doc).encode()
@@ -138,18 +187,32 @@ def warm_cache(history, tmp_path_factory):
 
 def _relocate(history, stdin: str) -> tuple[int, str, str]:
     out, err = io.StringIO(), io.StringIO()
-    stdin_file = io.TextIOWrapper(io.BytesIO(stdin.encode()))          # universal newlines, as a real stdin
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
-            pytest.MonkeyPatch.context() as patch:
+    stdin_file = io.TextIOWrapper(io.BytesIO(stdin.encode()))  # universal newlines, as a real stdin
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), pytest.MonkeyPatch.context() as patch:
         patch.setattr(sys, "stdin", stdin_file)
         code = cli.main(["relocate", "--source", history.url, "--from", history.c1, "--to", history.c2, "--json", "-"])
     return code, out.getvalue(), err.getvalue()
 
 
 @settings(FAST, max_examples=40, deadline=3000)
-@given(st.lists(st.one_of(CITATIONS, st.sampled_from(["pkg/mod.py#L12-L14", "pkg/mod.py::Column.backward",
-                                                      "pkg/gone.py#L1", "docs/notes.txt#L1-L3", "pkg#L1",
-                                                      "pkg/mod.py/x#L1"])), max_size=6).map("\n".join))
+@given(
+    st.lists(
+        st.one_of(
+            CITATIONS,
+            st.sampled_from(
+                [
+                    "pkg/mod.py#L12-L14",
+                    "pkg/mod.py::Column.backward",
+                    "pkg/gone.py#L1",
+                    "docs/notes.txt#L1-L3",
+                    "pkg#L1",
+                    "pkg/mod.py/x#L1",
+                ]
+            ),
+        ),
+        max_size=6,
+    ).map("\n".join)
+)
 @example("pkg/mod.py#L1\x00-L2\npkg/mod.py::a.b.c\n\n")
 def test_relocate_stdin_answers_each_citation_or_refuses_in_one_line(history, warm_cache, stdin):
     code, out, err = _relocate(history, stdin)

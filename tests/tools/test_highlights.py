@@ -1,5 +1,6 @@
 """Highlights hold: a highlight is whole statements of the cited code (render and `check` refuse one that cuts a
 statement, naming the line), and `bump` carries each highlight with its citation or reports it for review."""
+
 import ast
 
 import git
@@ -43,21 +44,26 @@ class Layer:
         return grad
 '''
 # V2: five lines inserted above `reduce` (everything below moves by 5), and forward's `y = y * 3` edited.
-V2 = V1.replace("import functools\n", "import functools\nimport operator\n\n\ndef helper():\n    return 0\n"
-                ).replace("y = y * 3", "y = y * 4")
-NOTE = ("# Ops\n\n"
-        "{{ cite('" + MOD + "#L5-L13', highlight='L7-L10') }}\r\n"          # the multi-line call: moves
-        '{{ cite("' + MOD + '::Layer.backward", highlight = "L24") }}\n'    # in a symbol that moves
-        "{{ cite('" + MOD + "::Layer.forward', highlight='L20-L20') }}\n"   # its code changes
-        "{{ cite('" + MOD + "#L17-L21',\n        highlight='L18-L18') }}\n"  # citation changes, highlight moves
-        "{{ cite('" + MOD + "#L5-L13') }}\n")                                # no highlight: untouched
-AFTER = ("# Ops\n\n"
-         "{{ cite('" + MOD + "#L10-L18', highlight='L12-L15') }}\r\n"
-         '{{ cite("' + MOD + '::Layer.backward", highlight = "L29") }}\n'
-         "{{ cite('" + MOD + "::Layer.forward', highlight='L25-L25') }}\n"
-         "{{ cite('" + MOD + "#L22-L26',\n        highlight='L23-L23') }}\n"
-         "{{ cite('" + MOD + "#L10-L18') }}\n")
-V3 = V1.replace("        # scale\n        y = y * 3\n", "")       # v1 with forward's scaling gone
+V2 = V1.replace("import functools\n", "import functools\nimport operator\n\n\ndef helper():\n    return 0\n").replace(
+    "y = y * 3", "y = y * 4"
+)
+NOTE = (
+    "# Ops\n\n"
+    "{{ cite('" + MOD + "#L5-L13', highlight='L7-L10') }}\r\n"  # the multi-line call: moves
+    '{{ cite("' + MOD + '::Layer.backward", highlight = "L24") }}\n'  # in a symbol that moves
+    "{{ cite('" + MOD + "::Layer.forward', highlight='L20-L20') }}\n"  # its code changes
+    "{{ cite('" + MOD + "#L17-L21',\n        highlight='L18-L18') }}\n"  # citation changes, highlight moves
+    "{{ cite('" + MOD + "#L5-L13') }}\n"
+)  # no highlight: untouched
+AFTER = (
+    "# Ops\n\n"
+    "{{ cite('" + MOD + "#L10-L18', highlight='L12-L15') }}\r\n"
+    '{{ cite("' + MOD + '::Layer.backward", highlight = "L29") }}\n'
+    "{{ cite('" + MOD + "::Layer.forward', highlight='L25-L25') }}\n"
+    "{{ cite('" + MOD + "#L22-L26',\n        highlight='L23-L23') }}\n"
+    "{{ cite('" + MOD + "#L10-L18') }}\n"
+)
+V3 = V1.replace("        # scale\n        y = y * 3\n", "")  # v1 with forward's scaling gone
 SPECS = [f"{MOD}#L5-L13", f"{MOD}::Layer.backward", f"{MOD}::Layer.forward", f"{MOD}#L17-L21"]
 
 
@@ -99,21 +105,26 @@ def test_a_highlight_that_cuts_a_statement_is_a_one_line_error_naming_the_line(p
     cite = "{{ cite('" + MOD + "#L5-L13', highlight='%s') }}\n"
     assert render_error(project, "x\n" + cite % "L7-L8") == (
         f"reading_notes/a.md.j2:2: {MOD}#L5-L13: highlight L7-L8 must end on a statement's last line, and L8 is "
-        'in the statement at L7-L10; use highlight="L7-L10"')
+        'in the statement at L7-L10; use highlight="L7-L10"'
+    )
     assert render_error(project, cite % "L6-L10") == (
         f"reading_notes/a.md.j2:1: {MOD}#L5-L13: highlight L6-L10 must start on a statement's first line, and L6 "
-        'is a comment line; use highlight="L7-L10" or highlight="L5-L13"')
+        'is a comment line; use highlight="L7-L10" or highlight="L5-L13"'
+    )
     assert render_error(project, cite % "L12-L13") == (
         f"reading_notes/a.md.j2:1: {MOD}#L5-L13: highlight L12-L13 cuts the statement at L11-L12 in half (it "
-        'begins before L12); use highlight="L11-L13" or highlight="L13-L13"')
+        'begins before L12); use highlight="L11-L13" or highlight="L13-L13"'
+    )
     good = cite % "L11-L12" + cite % "L7-L10" + "{{ cite('up:docs/notes.txt#L1-L3', highlight='L2-L3') }}\n"
-    (project.root / "reading_notes" / "a.md.j2").write_text(good)     # not Python: only the range is checked
+    (project.root / "reading_notes" / "a.md.j2").write_text(good)  # not Python: only the range is checked
     assert project.run("render").code == 0
     assert project.run("check").code == 0
     md = (project.root / "docs" / "notes" / "a.md").read_text()
     assert [line for line in md.splitlines() if "hl_lines" in line] == [
-        '```python linenums="5" hl_lines="7-8"', '```python linenums="5" hl_lines="3-6"',
-        '```text linenums="1" hl_lines="2-3"']
+        '```python linenums="5" hl_lines="7-8"',
+        '```python linenums="5" hl_lines="3-6"',
+        '```text linenums="1" hl_lines="2-3"',
+    ]
 
 
 BLOCKS = """\
@@ -134,27 +145,50 @@ class Unit:
 """
 
 
-@pytest.mark.parametrize("highlight, why", [
-    ("L2-L14", None), ("L3-L14", None), ("L5-L14", None),       # from either decorator or the def line
-    ("L6-L10", None), ("L9-L10", None), ("L13-L14", None), ("L11-L14", None), ("L1-L14", None),
-    ("L5-L10", "cuts the statement at L5-L14 in half (it runs past L10); "
-               'use highlight="L6-L10" or highlight="L5-L14"'),
-    ("L4-L10", "must start on a statement's first line, and L4 is in the decorator at L3-L4; "
-               'use highlight="L6-L10" or highlight="L3-L14"'),
-    ("L2-L3", "must end on a statement's last line, and L3 is in the decorator at L3-L4; use highlight="
-              '"L2-L14"'),
-    ("L7-L10", "takes statements from two blocks of the statement at L6-L10 (an else/except/finally line "
-               'between them); use highlight="L6-L10" or highlight="L7-L7"'),
-    ("L8-L10", "must start on a statement's first line, and L8 is in the statement at L6-L10; "
-               'use highlight="L9-L10" or highlight="L6-L10"'),
-    ("L10-L12", "cuts the statement at L6-L10 in half (it begins before L10); "
-                'use highlight="L12-L12" or highlight="L6-L14"'),
-])
+@pytest.mark.parametrize(
+    "highlight, why",
+    [
+        ("L2-L14", None),
+        ("L3-L14", None),
+        ("L5-L14", None),  # from either decorator or the def line
+        ("L6-L10", None),
+        ("L9-L10", None),
+        ("L13-L14", None),
+        ("L11-L14", None),
+        ("L1-L14", None),
+        (
+            "L5-L10",
+            'cuts the statement at L5-L14 in half (it runs past L10); use highlight="L6-L10" or highlight="L5-L14"',
+        ),
+        (
+            "L4-L10",
+            "must start on a statement's first line, and L4 is in the decorator at L3-L4; "
+            'use highlight="L6-L10" or highlight="L3-L14"',
+        ),
+        ("L2-L3", 'must end on a statement\'s last line, and L3 is in the decorator at L3-L4; use highlight="L2-L14"'),
+        (
+            "L7-L10",
+            "takes statements from two blocks of the statement at L6-L10 (an else/except/finally line "
+            'between them); use highlight="L6-L10" or highlight="L7-L7"',
+        ),
+        (
+            "L8-L10",
+            "must start on a statement's first line, and L8 is in the statement at L6-L10; "
+            'use highlight="L9-L10" or highlight="L6-L10"',
+        ),
+        (
+            "L10-L12",
+            "cuts the statement at L6-L10 in half (it begins before L10); "
+            'use highlight="L12-L12" or highlight="L6-L14"',
+        ),
+    ],
+)
 def test_whole_statements_of_one_block_at_any_depth(highlight, why):
     statements = Statements.of(ast.parse(BLOCKS), BLOCKS.split("\n"))
     if why is None:
         assert checked_highlight("c", highlight, (1, 14), statements) == tuple(
-            int(n) for n in highlight[1:].split("-L"))
+            int(n) for n in highlight[1:].split("-L")
+        )
     else:
         with pytest.raises(PinAndCiteError) as error:
             checked_highlight("c", highlight, (1, 14), statements)
@@ -171,30 +205,38 @@ def test_check_reports_a_highlight_that_cuts_a_statement(project, ops):
     assert r.code == 1
     assert r.out.splitlines()[0] == (
         f"reading_notes/a.md.j2:1: render: {MOD}::Layer.forward: highlight L19-L21 must start on a statement's "
-        'first line, and L19 is a comment line; use highlight="L18-L21" or highlight="L20-L21"')
+        'first line, and L19 is a comment line; use highlight="L18-L21" or highlight="L20-L21"'
+    )
 
 
 def test_bump_carries_each_highlight_with_its_citation(project, ops, noted):
     url, commits = ops
     r = project.run("bump", "up", "--ref", "v2", "--json")
     assert r.code == 0, r.err
-    assert noted.read_bytes() == AFTER.encode()           # every other byte as it was, CRLF and spacing too
-    highlights = {(h["where"], h["highlight"]): (h["status"], h["new_highlight"], h["review"])
-                  for h in r.json()["highlights"]}
+    assert noted.read_bytes() == AFTER.encode()  # every other byte as it was, CRLF and spacing too
+    highlights = {
+        (h["where"], h["highlight"]): (h["status"], h["new_highlight"], h["review"]) for h in r.json()["highlights"]
+    }
     assert highlights == {
         ("reading_notes/ops.md.j2:3", "L7-L10"): ("moved", "L12-L15", None),
         ("reading_notes/ops.md.j2:4", "L24"): ("moved", "L29", None),
         ("reading_notes/ops.md.j2:5", "L20-L20"): (
-            "changed", "L25-L25", "the highlighted code changed; set to the nearest whole statements inside the "
-                                  "citation"),
+            "changed",
+            "L25-L25",
+            "the highlighted code changed; set to the nearest whole statements inside the citation",
+        ),
         ("reading_notes/ops.md.j2:6", "L18-L18"): ("moved", "L23-L23", None),
     }
     assert project.run("check").code == 0
     assert project.run("render").code == 0
     md = (project.root / "docs" / "notes" / "ops.md").read_text()
     assert [line for line in md.splitlines() if line.startswith("```python")] == [
-        '```python linenums="10" hl_lines="3-6"', '```python linenums="28" hl_lines="2-2"',
-        '```python linenums="22" hl_lines="4-4"', '```python linenums="22" hl_lines="2-2"', '```python linenums="10"']
+        '```python linenums="10" hl_lines="3-6"',
+        '```python linenums="28" hl_lines="2-2"',
+        '```python linenums="22" hl_lines="4-4"',
+        '```python linenums="22" hl_lines="2-2"',
+        '```python linenums="10"',
+    ]
 
 
 def test_review_report_counts_highlights_and_names_each_to_review(project, ops, noted):
@@ -202,9 +244,11 @@ def test_review_report_counts_highlights_and_names_each_to_review(project, ops, 
     assert r.code == 0, r.err
     lines = r.out.splitlines()
     assert lines[2] == "4 highlight(s): 3 carried, 1 to review"
-    assert lines[-1] == (f"highlight changed: reading_notes/ops.md.j2:5: {MOD}::Layer.forward highlight=\"L20-L20\" "
-                         '-> highlight="L25-L25": the highlighted code changed; set to the nearest whole statements '
-                         "inside the citation")
+    assert lines[-1] == (
+        f'highlight changed: reading_notes/ops.md.j2:5: {MOD}::Layer.forward highlight="L20-L20" '
+        '-> highlight="L25-L25": the highlighted code changed; set to the nearest whole statements '
+        "inside the citation"
+    )
 
 
 def test_dry_run_writes_nothing_and_reports_the_carried_highlights(project, noted):
@@ -227,19 +271,23 @@ def test_a_highlight_whose_code_is_gone_is_left_as_written_and_reported(project,
     assert (h["status"], h["new_highlight"]) == ("deleted", "L20-L20")
     assert h["review"] == "the highlighted code has no counterpart; left as written"
     assert note.read_text() == "{{ cite('" + MOD + "#L16-L19', highlight='L20-L20') }}\n"
-    r = project.run("check")                          # a highlight left where nothing is: check says so
+    r = project.run("check")  # a highlight left where nothing is: check says so
     assert r.code == 1 and "highlight L20-L20 lies outside the cited L16-L19" in r.out
 
 
 def test_rewrite_changes_only_the_highlight_literal_of_the_same_call(tmp_path):
     note = tmp_path / "n.md.j2"
-    note.write_bytes(b"{{ cite('s:p.py#L1-L9') }} {{ cite('s:p.py#L1-L9' ,\r\n highlight = \"L2\") }} "
-                     b"highlight='L2' {{ cite('s:q.py::f', highlight='L2') }}\r\n")
+    note.write_bytes(
+        b"{{ cite('s:p.py#L1-L9') }} {{ cite('s:p.py#L1-L9' ,\r\n highlight = \"L2\") }} "
+        b"highlight='L2' {{ cite('s:q.py::f', highlight='L2') }}\r\n"
+    )
     plain, lit, symbol = calls_in(note, {"cite"})
     assert (plain.highlight, lit.highlight, symbol.highlight) == (None, "L2", "L2")
     out = rewrite_arguments(note, [(lit, "s:p.py#L5-L13", "L7"), (symbol, "s:q.py::f", "L8-L9")])
-    assert out == (b"{{ cite('s:p.py#L1-L9') }} {{ cite('s:p.py#L5-L13' ,\r\n highlight = \"L7\") }} "
-                   b"highlight='L2' {{ cite('s:q.py::f', highlight='L8-L9') }}\r\n")
+    assert out == (
+        b"{{ cite('s:p.py#L1-L9') }} {{ cite('s:p.py#L5-L13' ,\r\n highlight = \"L7\") }} "
+        b"highlight='L2' {{ cite('s:q.py::f', highlight='L8-L9') }}\r\n"
+    )
 
 
 def test_a_highlight_that_is_not_a_literal_is_refused(tmp_path):

@@ -1,4 +1,5 @@
 """The shipped pins and lock, proven against the installed torch 2.13.0 and megatron-core 0.16.1 wheels."""
+
 import json
 import os
 import subprocess
@@ -13,14 +14,23 @@ LOCK = json.loads((ROOT / "reading_notes" / "citations.lock").read_text())
 
 
 def run(*args: str, cache: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([str(ROOT / "tools" / "pin-and-cite"), *args], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "PIN_AND_CITE_CACHE": str(cache)}, timeout=120)
+    return subprocess.run(
+        [str(ROOT / "tools" / "pin-and-cite"), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PIN_AND_CITE_CACHE": str(cache)},
+        timeout=120,
+    )
 
 
-@pytest.mark.parametrize("module, key", [
-    ("torch", "pytorch:torch/distributed/fsdp/_runtime_utils.py"),
-    ("megatron.core", "megatron-lm:megatron/core/tensor_parallel/layers.py"),
-])
+@pytest.mark.parametrize(
+    "module, key",
+    [
+        ("torch", "pytorch:torch/distributed/fsdp/_runtime_utils.py"),
+        ("megatron.core", "megatron-lm:megatron/core/tensor_parallel/layers.py"),
+    ],
+)
 def test_installed_wheel_has_the_locked_blob(module, key):
     package = __import__(module, fromlist=["_"])
     site = Path(package.__file__).parents[module.count(".") + 1]
@@ -30,6 +40,7 @@ def test_installed_wheel_has_the_locked_blob(module, key):
 
 def test_torch_is_the_pinned_pytorch_commit():
     import torch
+
     pins = (ROOT / "reading_notes" / "pins.toml").read_text()
     assert f'commit = "{torch.version.git_version}"' in pins
 

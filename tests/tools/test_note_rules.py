@@ -1,4 +1,5 @@
 """Close-reading notes keep their rules; `render` and `check` stop on a broken note with its file:line."""
+
 from __future__ import annotations
 
 import shutil
@@ -11,8 +12,14 @@ EVIDENCE = "{{ reference_only('the kernel needs CUDA') }}"
 LAYERS_LINES = "up:pkg/core/layers.py#L9-L10"
 
 
-def note_text(choices: int = 5, words_each: int = 51, cite: bool = True, connect: str | None = "{{ 6 * 7 }} bytes.",
-              extra: str = "", evidence: str = EVIDENCE) -> str:
+def note_text(
+    choices: int = 5,
+    words_each: int = 51,
+    cite: bool = True,
+    connect: str | None = "{{ 6 * 7 }} bytes.",
+    extra: str = "",
+    evidence: str = EVIDENCE,
+) -> str:
     lines = ["---", "rules: close-reading", "---", "# A note", ""]
     for i in range(choices):
         lines += [f"### Choice {i}", "", " ".join(["word"] * words_each), "", CITE if cite else "", evidence, ""]
@@ -33,21 +40,29 @@ def test_a_note_within_the_rules_passes(tmp_path):
 
 
 def test_excerpts_diagrams_headings_and_jinja_are_not_prose(tmp_path):
-    text = ("---\nrules: close-reading\n---\n# Title words here\n{# a comment of many words #}\n"
-            "{% set x = trace('tp_block') %}\nOne two three.\n{{ cite('up:a.py#L1-L2') }} {{ diagram('tp_block') }}\n"
-            "```mermaid\ngraph LR\n  a --> b\n```\n{{ verified_by('tests/x.py::test_y') }} [link text](https://example.org/a b)\n"
-            "{{ x.bytes }} bytes <span class=\"y\">shown</span>\n")
+    text = (
+        "---\nrules: close-reading\n---\n# Title words here\n{# a comment of many words #}\n"
+        "{% set x = trace('tp_block') %}\nOne two three.\n{{ cite('up:a.py#L1-L2') }} {{ diagram('tp_block') }}\n"
+        "```mermaid\ngraph LR\n  a --> b\n```\n{{ verified_by('tests/x.py::test_y') }} "
+        "[link text](https://example.org/a b)\n"
+        '{{ x.bytes }} bytes <span class="y">shown</span>\n'
+    )
     counted = [(n, words(line)) for n, line, heading in prose_lines(text) if not heading and words(line)]
-    assert counted == [(7, 3), (13, 2), (14, 3)]   # "link text"; N bytes shown
+    assert counted == [(7, 3), (13, 2), (14, 3)]  # "link text"; N bytes shown
 
 
 def test_over_the_word_limit_names_the_line_of_word_301_counting_headings(tmp_path):
-    text = note_text(choices=5, words_each=56)     # 2 (title) + 5 * (2 + 56) + 3 + 2 (Connect the dots) = 297
+    text = note_text(choices=5, words_each=56)  # 2 (title) + 5 * (2 + 56) + 3 + 2 (Connect the dots) = 297
     assert problems(tmp_path, text) == []
-    text = note_text(choices=5, words_each=57)     # 302: the headings are what a reader reads too
+    text = note_text(choices=5, words_each=57)  # 302: the headings are what a reader reads too
     line_of_word_301 = text.split("\n").index("## Connect the dots") + 3
-    assert problems(tmp_path, text) == [(line_of_word_301, "302 words, over the 300-word limit (word 301 is on "
-                                                           "this line); headings count, excerpts and diagrams do not")]
+    assert problems(tmp_path, text) == [
+        (
+            line_of_word_301,
+            "302 words, over the 300-word limit (word 301 is on "
+            "this line); headings count, excerpts and diagrams do not",
+        )
+    ]
 
 
 def test_each_rule_is_reported_at_its_heading(tmp_path):
@@ -59,8 +74,12 @@ def test_each_rule_is_reported_at_its_heading(tmp_path):
     assert (6, "design choice 'Choice 0' has 49 words of prose; write 50-80") in short
     connect_line = note_text().split("\n").index("## Connect the dots") + 1
     typed = problems(tmp_path, note_text(connect="It sent N bytes, 4096 of them."))
-    assert typed == [(connect_line, "'Connect the dots' prints no measured number: render it from a trace with {{ ... }}, "
-                          "never type it")]
+    assert typed == [
+        (
+            connect_line,
+            "'Connect the dots' prints no measured number: render it from a trace with {{ ... }}, never type it",
+        )
+    ]
     last = problems(tmp_path, note_text(connect="{{ n }}") + "## Afterword\n\nMore.\n")
     assert last == [(connect_line + 3, "the note must end with its 'Connect the dots' section")]
 
@@ -76,8 +95,8 @@ def test_render_and_check_stop_on_a_broken_note_and_keep_the_previous_page(proje
     assert project.run("render").code == 0, project.run("render").err
     page = project.root / "docs" / "notes" / "n.md"
     before = page.read_text()
-    assert "word word" in before and "rules: close-reading" in before          # mkdocs reads it as page metadata
-    too_long = note_text(choices=6, words_each=60)          # word 301 is in the fifth choice, headings counted
+    assert "word word" in before and "rules: close-reading" in before  # mkdocs reads it as page metadata
+    too_long = note_text(choices=6, words_each=60)  # word 301 is in the fifth choice, headings counted
     line = [n for n, text in enumerate(too_long.split("\n"), 1) if text == " ".join(["word"] * 60)][4]
     path.write_text(too_long)
     r = project.run("render")
@@ -93,12 +112,14 @@ def test_a_diagram_without_a_recorded_trace_stops_render_and_check(project):
     path.write_text("# Diagrams\n\ntext\n{{ diagram('tp_block', link='NVLink') }}\n")
     r = project.run("render")
     assert r.code == 2 and r.err.count("\n") == 1
-    assert "reading_notes/d.md.j2:4: no recorded trace 'tp_block' (reading_notes/traces/tp_block.json is missing" in r.err
+    assert (
+        "reading_notes/d.md.j2:4: no recorded trace 'tp_block' (reading_notes/traces/tp_block.json is missing" in r.err
+    )
     (project.root / "reading_notes" / "traces").mkdir()
     shutil.copy(ROOT / "reading_notes" / "traces" / "tp_block.json", project.root / "reading_notes" / "traces")
     assert project.run("render").code == 0
     assert "```mermaid\nflowchart TB\n" in (project.root / "docs" / "notes" / "d.md").read_text()
-    path.write_text("# Diagrams\n\n{{ diagram('tp_block') }}\n")   # a generator argument missing: still one line
+    path.write_text("# Diagrams\n\n{{ diagram('tp_block') }}\n")  # a generator argument missing: still one line
     r = project.run("check")
     assert r.code == 1 and "reading_notes/d.md.j2:3: render: TypeError: " in r.out and "'link'" in r.out
 

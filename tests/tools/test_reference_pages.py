@@ -1,4 +1,5 @@
 """Every reference module that mirrors upstream code has a page mapping it, and the mapping cannot go stale."""
+
 from __future__ import annotations
 
 import pytest
@@ -39,17 +40,29 @@ NO_PAGE = {
 
 def test_every_reference_module_has_a_page():
     modules = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "reference").rglob("*.py"))
-    missing = [m for m in modules if m not in NO_PAGE and not m.endswith("/__init__.py")
-               and not (ROOT / "reading_notes" / "reference" / (m.removeprefix("reference/").removesuffix(".py")
-                                                               .replace("/", ".") + ".md.j2")).is_file()]
+    missing = [
+        m
+        for m in modules
+        if m not in NO_PAGE
+        and not m.endswith("/__init__.py")
+        and not (
+            ROOT
+            / "reading_notes"
+            / "reference"
+            / (m.removeprefix("reference/").removesuffix(".py").replace("/", ".") + ".md.j2")
+        ).is_file()
+    ]
     assert missing == [], "write reading_notes/reference/<module>.md.j2 for these (or list them in NO_PAGE)"
 
 
 def test_ours_points_at_the_definition_and_refuses_a_stale_name(tmp_path):
     parsed = ParseCache(tmp_path)
     text = ours(ROOT, "reference/tensor_parallel/mappings.py::_CopyToTensorParallelRegion", parsed)
-    first = next(i for i, line in enumerate((ROOT / "reference/tensor_parallel/mappings.py").read_text().split("\n"), 1)
-                 if line.startswith("class _CopyToTensorParallelRegion"))
+    first = next(
+        i
+        for i, line in enumerate((ROOT / "reference/tensor_parallel/mappings.py").read_text().split("\n"), 1)
+        if line.startswith("class _CopyToTensorParallelRegion")
+    )
     assert text.startswith(f"`_CopyToTensorParallelRegion` (reference/tensor_parallel/mappings.py L{first}–L")
     with pytest.raises(PinAndCiteError, match="symbol 'renamed' is not defined in reference/fsdp/runtime.py"):
         ours(ROOT, "reference/fsdp/runtime.py::renamed", parsed)

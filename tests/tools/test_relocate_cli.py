@@ -1,5 +1,6 @@
 """`relocate` end to end: a two-commit history served by a real git daemon, answers in input order, one
 fetch per commit however many citations, per-citation errors, and local repositories as sources."""
+
 import json
 import os
 import subprocess
@@ -13,14 +14,25 @@ from tests.tools.conftest import CLI
 
 
 def relocate(source: str, *args: str, cache: Path, stdin: str | None = None):
-    proc = subprocess.run([str(CLI), "relocate", "--source", source, *args], input=stdin, capture_output=True,
-                          text=True, timeout=60, env={**os.environ, "PIN_AND_CITE_CACHE": str(cache)})
+    proc = subprocess.run(
+        [str(CLI), "relocate", "--source", source, *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PIN_AND_CITE_CACHE": str(cache)},
+    )
     return proc
 
 
 def relocate_popen(source: str, *args: str, cache: Path) -> subprocess.Popen:
-    return subprocess.Popen([str(CLI), "relocate", "--source", source, *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PIN_AND_CITE_CACHE": str(cache)})
+    return subprocess.Popen(
+        [str(CLI), "relocate", "--source", source, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PIN_AND_CITE_CACHE": str(cache)},
+    )
 
 
 EXPECTED = [
@@ -34,8 +46,7 @@ EXPECTED = [
 
 
 def test_relocate_answers_in_input_order_as_json(history, tmp_path):
-    proc = relocate(history.url, "--from", "c1", "--to", "c2", "--json", *[c for c, _, _ in EXPECTED],
-                    cache=tmp_path)
+    proc = relocate(history.url, "--from", "c1", "--to", "c2", "--json", *[c for c, _, _ in EXPECTED], cache=tmp_path)
     assert proc.returncode == 0, proc.stderr
     answers = json.loads(proc.stdout)
     assert [(a["cite"], a["status"], a["lines"]) for a in answers] == EXPECTED
@@ -52,8 +63,9 @@ def test_thousands_of_citations_cost_the_same_requests_as_one_per_file(history, 
     counts = []
     for n, text in enumerate((few, many)):
         proxy.reset()
-        proc = relocate(url, "--from", history.c1, "--to", history.c2, "--json", "-", cache=tmp_path / str(n),
-                        stdin=text)
+        proc = relocate(
+            url, "--from", history.c1, "--to", history.c2, "--json", "-", cache=tmp_path / str(n), stdin=text
+        )
         assert proc.returncode == 0, proc.stderr
         assert len(json.loads(proc.stdout)) == text.count("\n")
         counts.append(proxy.connections)
@@ -69,8 +81,14 @@ def test_thousands_of_citations_cost_the_same_requests_as_one_per_file(history, 
 
 
 def test_per_citation_errors_leave_the_others_answered(history, tmp_path):
-    cites = ["pkg/gone.py#L1-L1", "pkg/absent.py#L1-L1", "docs/notes.txt::alpha", "pkg/mod.py#L30-L40",
-             "pkg/mod.py#Lx", "pkg/mod.py#L12-L14"]
+    cites = [
+        "pkg/gone.py#L1-L1",
+        "pkg/absent.py#L1-L1",
+        "docs/notes.txt::alpha",
+        "pkg/mod.py#L30-L40",
+        "pkg/mod.py#Lx",
+        "pkg/mod.py#L12-L14",
+    ]
     proc = relocate(history.url, "--from", history.c1, "--to", "c2", "--json", *cites, cache=tmp_path)
     assert proc.returncode == 1
     answers = json.loads(proc.stdout)
@@ -84,10 +102,13 @@ def test_per_citation_errors_leave_the_others_answered(history, tmp_path):
     ]
 
 
-@pytest.mark.parametrize("old, message", [
-    ("0123456789abcdef0123456789abcdef01234567", "has no commit 0123456789abcdef0123456789abcdef01234567"),
-    ("no-such-tag", "has no tag or branch named 'no-such-tag'"),
-])
+@pytest.mark.parametrize(
+    "old, message",
+    [
+        ("0123456789abcdef0123456789abcdef01234567", "has no commit 0123456789abcdef0123456789abcdef01234567"),
+        ("no-such-tag", "has no tag or branch named 'no-such-tag'"),
+    ],
+)
 def test_unknown_commits_are_one_clear_line(history, tmp_path, old, message):
     proc = relocate(history.url, "--from", old, "--to", "c2", "pkg/mod.py#L1-L2", cache=tmp_path)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
@@ -95,12 +116,21 @@ def test_unknown_commits_are_one_clear_line(history, tmp_path, old, message):
 
 
 def test_a_local_repository_directory_is_a_source(history, tmp_path):
-    proc = relocate(str(history.work), "--from", history.c1, "--to", "c2", "pkg/mod.py#L12-L14",
-                    "pkg/mod.py::helper", cache=tmp_path)
+    proc = relocate(
+        str(history.work),
+        "--from",
+        history.c1,
+        "--to",
+        "c2",
+        "pkg/mod.py#L12-L14",
+        "pkg/mod.py::helper",
+        cache=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == [
         "moved     pkg/mod.py#L12-L14 -> L15-L17",
-        "changed   pkg/mod.py::helper -> L28-L31  (helper is gone; combine looks like it renamed)"]
+        "changed   pkg/mod.py::helper -> L28-L31  (helper is gone; combine looks like it renamed)",
+    ]
 
 
 def test_help_documents_the_verbs_and_statuses():

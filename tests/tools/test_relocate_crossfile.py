@@ -9,6 +9,7 @@ c1 -> c2 in dist/ (synthetic code):
   far_away goes from helpers.py into deep/inner/dest.py (another top-level directory);
   far/ (another top-level directory) changes 2 MB of files that no answer needs; still/ does not change.
 """
+
 import json
 import os
 import random
@@ -34,7 +35,8 @@ DDP_METHODS = '''\
         """Load into the wrapped module."""
         self.module.load_state_dict(state_dict, strict=strict)
 '''
-DDP_OLD = '''\
+DDP_OLD = (
+    '''\
 """Data parallel wrapper."""
 import contextlib
 
@@ -46,11 +48,14 @@ class DDP:
         self.module = module
         self.buckets = buckets
 
-''' + DDP_METHODS + '''
+'''
+    + DDP_METHODS
+    + """
     def zero_grad(self):
         for bucket in self.buckets:
             bucket.reset()
-'''
+"""
+)
 DDP_NEW = '''\
 """Data parallel wrapper."""
 import contextlib
@@ -69,7 +74,8 @@ class DDP(BaseDP):
         for bucket in self.buckets:
             bucket.reset()
 '''
-BASE_NEW = '''\
+BASE_NEW = (
+    '''\
 """What every data-parallel wrapper shares."""
 
 
@@ -79,7 +85,9 @@ class BaseDP:
     def __init__(self, module):
         self.module = module
 
-''' + DDP_METHODS
+'''
+    + DDP_METHODS
+)
 GRAD_BUFFER = '''\
 """Contiguous gradient buffers."""
 
@@ -98,11 +106,13 @@ class GradBuffer:
     def view(self, start, end):
         return self.data[start:end]
 '''
-PARAM_AND_GRAD_BUFFER = GRAD_BUFFER.replace("        self.data = [0] * self.numel\n",
-                                            "        self.data = [0.0] * self.numel\n") + '''
+PARAM_AND_GRAD_BUFFER = (
+    GRAD_BUFFER.replace("        self.data = [0] * self.numel\n", "        self.data = [0.0] * self.numel\n")
+    + """
     def scale(self, factor):
         self.data = [x * factor for x in self.data]
-'''
+"""
+)
 SCALE = '''\
 def scale(values, factor):
     """Multiply every value by factor."""
@@ -111,18 +121,18 @@ def scale(values, factor):
         out.append(v * factor)
     return out
 '''
-TWIN = '''\
+TWIN = """\
 def twin(a, b):
     total = a + b
     total = total * 2
     return total
-'''
+"""
 FAR_AWAY = "def far_away(path):\n    with open(path) as f:\n        return f.read()\n"
-HELPERS_OLD = ('"""Helpers."""\n\n\n' + SCALE + "\n\n" + TWIN + "\n\ndef gone(x):\n    return x - 1\n\n\n" +
-               FAR_AWAY)
+HELPERS_OLD = '"""Helpers."""\n\n\n' + SCALE + "\n\n" + TWIN + "\n\ndef gone(x):\n    return x - 1\n\n\n" + FAR_AWAY
 HELPERS_NEW = '"""Helpers."""\n\n\ndef kept():\n    return 0\n'
 OPS_NEW = '"""Ops."""\n\n\n' + SCALE.replace("def scale(", "def scale_all(").replace(
-    "out.append(v * factor)", "out.append(v * factor + 0)")
+    "out.append(v * factor)", "out.append(v * factor + 0)"
+)
 BROKEN_OLD = "def f():\n    return 1\n"
 
 
@@ -134,34 +144,60 @@ def lines_of(text: str, first: str, count: int) -> list[int]:
 
 def far_files(seed: int) -> dict[str, bytes]:
     rng = random.Random(seed)
-    return {f"far/big_{i}.py": "".join(f"x_{rng.getrandbits(64):x} = {rng.getrandbits(64)}\n"
-                                      for _ in range(5000)).encode() for i in range(4)}
+    return {
+        f"far/big_{i}.py": "".join(f"x_{rng.getrandbits(64):x} = {rng.getrandbits(64)}\n" for _ in range(5000)).encode()
+        for i in range(4)
+    }
 
 
 @pytest.fixture(scope="module")
 def moves(daemon, tmp_path_factory):
-    c1 = {"dist/ddp.py": DDP_OLD, "dist/grad_buffer.py": GRAD_BUFFER, "dist/helpers.py": HELPERS_OLD,
-          "dist/broken.py": BROKEN_OLD, "still/same.py": "def same():\n    return 1\n"}
-    c2 = {"dist/ddp.py": DDP_NEW, "dist/base.py": BASE_NEW, "dist/grad_buffer.py": None,
-          "dist/param_and_grad_buffer.py": PARAM_AND_GRAD_BUFFER, "dist/helpers.py": HELPERS_NEW,
-          "dist/ops.py": OPS_NEW, "dist/a_copy.py": '"""A."""\n\n\n' + TWIN, "dist/b_copy.py": '"""B."""\n\n\n' + TWIN,
-          "dist/broken.py": "def f(:\n", "deep/inner/dest.py": '"""Dest."""\n\n\n' + FAR_AWAY}
-    return serve_history(daemon, tmp_path_factory.mktemp("moves-work"), "moves",
-                         [{**{k: v.encode() for k, v in c1.items()}, **far_files(1)},
-                          {**{k: v.encode() if v is not None else None for k, v in c2.items()}, **far_files(2)}])
+    c1 = {
+        "dist/ddp.py": DDP_OLD,
+        "dist/grad_buffer.py": GRAD_BUFFER,
+        "dist/helpers.py": HELPERS_OLD,
+        "dist/broken.py": BROKEN_OLD,
+        "still/same.py": "def same():\n    return 1\n",
+    }
+    c2 = {
+        "dist/ddp.py": DDP_NEW,
+        "dist/base.py": BASE_NEW,
+        "dist/grad_buffer.py": None,
+        "dist/param_and_grad_buffer.py": PARAM_AND_GRAD_BUFFER,
+        "dist/helpers.py": HELPERS_NEW,
+        "dist/ops.py": OPS_NEW,
+        "dist/a_copy.py": '"""A."""\n\n\n' + TWIN,
+        "dist/b_copy.py": '"""B."""\n\n\n' + TWIN,
+        "dist/broken.py": "def f(:\n",
+        "deep/inner/dest.py": '"""Dest."""\n\n\n' + FAR_AWAY,
+    }
+    return serve_history(
+        daemon,
+        tmp_path_factory.mktemp("moves-work"),
+        "moves",
+        [
+            {**{k: v.encode() for k, v in c1.items()}, **far_files(1)},
+            {**{k: v.encode() if v is not None else None for k, v in c2.items()}, **far_files(2)},
+        ],
+    )
 
 
 def relocate(url: str, *cites: str, cache) -> list[dict]:
-    proc = subprocess.run([str(CLI), "relocate", "--source", url, "--from", "c1", "--to", "c2", "--json", *cites],
-                          capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PIN_AND_CITE_CACHE": str(cache)})
+    proc = subprocess.run(
+        [str(CLI), "relocate", "--source", url, "--from", "c1", "--to", "c2", "--json", *cites],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PIN_AND_CITE_CACHE": str(cache)},
+    )
     assert proc.returncode in (0, 1), proc.stderr
     return json.loads(proc.stdout)
 
 
 def answers(url: str, cache, *cites: str) -> dict[str, tuple]:
-    return {a["cite"]: (a["status"], a["path"], a["lines"], a.get("symbol"))
-            for a in relocate(url, *cites, cache=cache)}
+    return {
+        a["cite"]: (a["status"], a["path"], a["lines"], a.get("symbol")) for a in relocate(url, *cites, cache=cache)
+    }
 
 
 FORWARD_OLD = lines_of(DDP_OLD, "    def forward(self, *inputs, **kwargs):", 3)
@@ -169,17 +205,22 @@ FORWARD_NEW = lines_of(BASE_NEW, "    def forward(self, *inputs, **kwargs):", 3)
 
 
 def test_methods_moved_with_identical_text_into_a_new_file_are_moved_with_the_path(moves, tmp_path):
-    state_old = lines_of(DDP_OLD, "    def state_dict(self, prefix=\"\", keep_vars=False):", 3)
-    state_new = lines_of(BASE_NEW, "    def state_dict(self, prefix=\"\", keep_vars=False):", 3)
+    state_new = lines_of(BASE_NEW, '    def state_dict(self, prefix="", keep_vars=False):', 3)
     zero_old = lines_of(DDP_OLD, "    def zero_grad(self):", 3)
     zero_new = lines_of(DDP_NEW, "    def zero_grad(self):", 3)
     body = f"dist/ddp.py#L{FORWARD_OLD[0] + 1}-L{FORWARD_OLD[1]}"
-    assert answers(moves.url, tmp_path, "dist/ddp.py::DDP.forward", "dist/ddp.py::DDP.state_dict", body,
-                   "dist/ddp.py::DDP.zero_grad") == {
+    assert answers(
+        moves.url,
+        tmp_path,
+        "dist/ddp.py::DDP.forward",
+        "dist/ddp.py::DDP.state_dict",
+        body,
+        "dist/ddp.py::DDP.zero_grad",
+    ) == {
         "dist/ddp.py::DDP.forward": ("moved", "dist/base.py", FORWARD_NEW, "BaseDP.forward"),
         "dist/ddp.py::DDP.state_dict": ("moved", "dist/base.py", state_new, "BaseDP.state_dict"),
         body: ("moved", "dist/base.py", [FORWARD_NEW[0] + 1, FORWARD_NEW[1]], None),
-        "dist/ddp.py::DDP.zero_grad": ("moved", "dist/ddp.py", zero_new, None),     # stayed: same file
+        "dist/ddp.py::DDP.zero_grad": ("moved", "dist/ddp.py", zero_new, None),  # stayed: same file
     }
     assert zero_old != zero_new
 
@@ -187,22 +228,32 @@ def test_methods_moved_with_identical_text_into_a_new_file_are_moved_with_the_pa
 def test_a_renamed_file_takes_its_citations_along(moves, tmp_path):
     init = lines_of(GRAD_BUFFER, "    def __init__(self, numel, dtype):", 4)
     reset = lines_of(GRAD_BUFFER, "    def reset(self):", 2)
-    found = relocate(moves.url, f"dist/grad_buffer.py#L{init[0]}-L{init[1]}", "dist/grad_buffer.py::GradBuffer.view",
-                     "dist/grad_buffer.py::GradBuffer.reset", cache=tmp_path)
+    found = relocate(
+        moves.url,
+        f"dist/grad_buffer.py#L{init[0]}-L{init[1]}",
+        "dist/grad_buffer.py::GradBuffer.view",
+        "dist/grad_buffer.py::GradBuffer.reset",
+        cache=tmp_path,
+    )
     new = "dist/param_and_grad_buffer.py"
     assert [(a["status"], a["path"], a["lines"]) for a in found] == [
-        ("unchanged", new, init), ("unchanged", new, lines_of(GRAD_BUFFER, "    def view(self, start, end):", 2)),
-        ("changed", new, reset)]
+        ("unchanged", new, init),
+        ("unchanged", new, lines_of(GRAD_BUFFER, "    def view(self, start, end):", 2)),
+        ("changed", new, reset),
+    ]
     assert found[2]["reason"] == f"dist/grad_buffer.py is now {new}"
 
 
 def test_a_similar_body_elsewhere_is_changed(moves, tmp_path):
     scale = lines_of(HELPERS_OLD, "def scale(values, factor):", 6)
     scale_all = lines_of(OPS_NEW, "def scale_all(values, factor):", 6)
-    found = relocate(moves.url, "dist/helpers.py::scale", f"dist/helpers.py#L{scale[0] + 1}-L{scale[1]}",
-                     cache=tmp_path)
+    found = relocate(
+        moves.url, "dist/helpers.py::scale", f"dist/helpers.py#L{scale[0] + 1}-L{scale[1]}", cache=tmp_path
+    )
     assert [(a["status"], a["path"], a["lines"]) for a in found] == [
-        ("changed", "dist/ops.py", scale_all), ("changed", "dist/ops.py", [scale_all[0] + 1, scale_all[1]])]
+        ("changed", "dist/ops.py", scale_all),
+        ("changed", "dist/ops.py", [scale_all[0] + 1, scale_all[1]]),
+    ]
     assert found[0]["reason"] == "scale is gone from dist/helpers.py; scale_all in dist/ops.py looks like it"
 
 
@@ -211,9 +262,12 @@ def test_identical_copies_in_two_files_are_changed_never_moved(moves, tmp_path):
     copy = lines_of('"""A."""\n\n\n' + TWIN, "def twin(a, b):", 4)
     found = relocate(moves.url, "dist/helpers.py::twin", f"dist/helpers.py#L{twin[0] + 1}-L{twin[1]}", cache=tmp_path)
     assert [(a["status"], a["path"], a["lines"]) for a in found] == [
-        ("changed", "dist/a_copy.py", copy), ("changed", "dist/a_copy.py", [copy[0] + 1, copy[1]])]
+        ("changed", "dist/a_copy.py", copy),
+        ("changed", "dist/a_copy.py", [copy[0] + 1, copy[1]]),
+    ]
     assert {a["reason"] for a in found} == {
-        "2 identical copies in other files (dist/a_copy.py, dist/b_copy.py); check this is the one meant"}
+        "2 identical copies in other files (dist/a_copy.py, dist/b_copy.py); check this is the one meant"
+    }
 
 
 def test_code_that_is_gone_everywhere_is_deleted(moves, tmp_path):
@@ -227,7 +281,7 @@ def test_only_the_trees_near_the_path_and_the_changed_files_there_are_fetched(mo
     proxy = ByteCountingProxy(daemon.port)
     found = relocate(daemon.url("moves.git", proxy.port), "dist/ddp.py::DDP.forward", cache=tmp_path)
     assert (found[0]["status"], found[0]["path"]) == ("moved", "dist/base.py")
-    [git_dir] = [p for p in (tmp_path / "git").iterdir() if p.suffix != ".lock"]   # beside it: its file lock
+    [git_dir] = [p for p in (tmp_path / "git").iterdir() if p.suffix != ".lock"]  # beside it: its file lock
     listing = git.Repo(git_dir).git.execute(["git", "cat-file", "--batch-all-objects", "--batch-check"])
     kinds = sorted(line.split()[1] for line in listing.splitlines())
     # commits 2; trees: root and dist/ at each commit; blobs: ddp.py at both, and the 7 changed .py files of
@@ -239,9 +293,9 @@ def test_only_the_trees_near_the_path_and_the_changed_files_there_are_fetched(mo
 def test_code_moved_far_away_is_found_in_the_whole_tree_without_opening_unchanged_trees(moves, tmp_path):
     found = relocate(moves.url, "dist/helpers.py::far_away", cache=tmp_path)
     assert [(a["status"], a["path"], a["lines"]) for a in found] == [("moved", "deep/inner/dest.py", [4, 6])]
-    [git_dir] = [p for p in (tmp_path / "git").iterdir() if p.suffix != ".lock"]   # beside it: its file lock
+    [git_dir] = [p for p in (tmp_path / "git").iterdir() if p.suffix != ".lock"]  # beside it: its file lock
     listing = git.Repo(git_dir).git.execute(["git", "cat-file", "--batch-all-objects", "--batch-check"])
-    cached = {line.split()[0] for line in listing.splitlines()}      # what is there: never a lazy fetch
+    cached = {line.split()[0] for line in listing.splitlines()}  # what is there: never a lazy fetch
     work = git.Repo(moves.work)
     assert work.git.rev_parse("c2:deep/inner") in cached
     unchanged = work.git.rev_parse("c2:still")
@@ -252,8 +306,12 @@ def test_code_moved_far_away_is_found_in_the_whole_tree_without_opening_unchange
 def noted_moves(project, moves):
     project.write_pins(up={"url": moves.url, "commit": moves.c1, "tag": "c1"})
     init = lines_of(GRAD_BUFFER, "    def __init__(self, numel, dtype):", 4)
-    specs = ["up:dist/ddp.py::DDP.forward", f"up:dist/ddp.py#L{FORWARD_OLD[0] + 1}-L{FORWARD_OLD[1]}",
-             f"up:dist/grad_buffer.py#L{init[0]}-L{init[1]}", "up:dist/grad_buffer.py::GradBuffer.reset"]
+    specs = [
+        "up:dist/ddp.py::DDP.forward",
+        f"up:dist/ddp.py#L{FORWARD_OLD[0] + 1}-L{FORWARD_OLD[1]}",
+        f"up:dist/grad_buffer.py#L{init[0]}-L{init[1]}",
+        "up:dist/grad_buffer.py::GradBuffer.reset",
+    ]
     note = project.root / "reading_notes" / "dp.md.j2"
     note.write_text("".join(f"- {{{{ cite('{spec}') }}}}\n" for spec in specs))
     r = project.run("cite", *specs)
@@ -266,9 +324,12 @@ def test_bump_rewrites_the_path_in_the_note_and_the_lock_and_check_passes(projec
     assert r.code == 0, r.err
     init = lines_of(GRAD_BUFFER, "    def __init__(self, numel, dtype):", 4)
     reset_new = lines_of(PARAM_AND_GRAD_BUFFER, "    def reset(self):", 2)
-    new_specs = ["up:dist/base.py::BaseDP.forward", f"up:dist/base.py#L{FORWARD_NEW[0] + 1}-L{FORWARD_NEW[1]}",
-                 f"up:dist/param_and_grad_buffer.py#L{init[0]}-L{init[1]}",
-                 "up:dist/param_and_grad_buffer.py::GradBuffer.reset"]
+    new_specs = [
+        "up:dist/base.py::BaseDP.forward",
+        f"up:dist/base.py#L{FORWARD_NEW[0] + 1}-L{FORWARD_NEW[1]}",
+        f"up:dist/param_and_grad_buffer.py#L{init[0]}-L{init[1]}",
+        "up:dist/param_and_grad_buffer.py::GradBuffer.reset",
+    ]
     assert noted_moves.read_text() == "".join(f"- {{{{ cite('{spec}') }}}}\n" for spec in new_specs)
     assert [c["new_cite"] for c in r.json()["citations"]] == new_specs
     lock = json.loads(project.lock_path.read_text())
@@ -278,7 +339,10 @@ def test_bump_rewrites_the_path_in_the_note_and_the_lock_and_check_passes(projec
     assert record["counts"] == {"unchanged": 1, "moved": 2, "changed": 1, "deleted": 0}
     change = record["changes"]["up:dist/grad_buffer.py::GradBuffer.reset"]
     assert (change["status"], change["new_path"], change["new_cite"]) == (
-        "changed", "dist/param_and_grad_buffer.py", new_specs[3])
+        "changed",
+        "dist/param_and_grad_buffer.py",
+        new_specs[3],
+    )
     assert record["files"]["dist/grad_buffer.py"]["new_blob"] is None
     check = project.run("check")
     assert check.code == 0, check.out + check.err
@@ -293,17 +357,35 @@ def test_a_citation_that_cannot_be_relocated_makes_bump_write_nothing(project, m
     before = {p: p.read_bytes() for p in (project.root / "reading_notes").rglob("*") if p.is_file()}
     r = project.run("bump", "up", "--ref", "c2")
     assert r.code == 2
-    assert r.err == (f"pin-and-cite: error: cannot bump up: 1 citation(s) cannot be relocated, e.g. "
-                     f"reading_notes/dp.md.j2:5: up:dist/broken.py::f: dist/broken.py is not valid Python at "
-                     f"{moves.c2[:12]}; cite it by line range\n")
+    assert r.err == (
+        f"pin-and-cite: error: cannot bump up: 1 citation(s) cannot be relocated, e.g. "
+        f"reading_notes/dp.md.j2:5: up:dist/broken.py::f: dist/broken.py is not valid Python at "
+        f"{moves.c2[:12]}; cite it by line range\n"
+    )
     assert {p: p.read_bytes() for p in (project.root / "reading_notes").rglob("*") if p.is_file()} == before
 
 
 def test_text_output_names_the_new_file_and_name(moves, tmp_path):
-    proc = subprocess.run([str(CLI), "relocate", "--source", str(moves.work), "--from", "c1", "--to", "c2",
-                           "dist/ddp.py::DDP.forward", "dist/helpers.py::gone"], capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "PIN_AND_CITE_CACHE": str(tmp_path)})
+    proc = subprocess.run(
+        [
+            str(CLI),
+            "relocate",
+            "--source",
+            str(moves.work),
+            "--from",
+            "c1",
+            "--to",
+            "c2",
+            "dist/ddp.py::DDP.forward",
+            "dist/helpers.py::gone",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PIN_AND_CITE_CACHE": str(tmp_path)},
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == [
         f"moved     dist/ddp.py::DDP.forward -> dist/base.py#L{FORWARD_NEW[0]}-L{FORWARD_NEW[1]} (BaseDP.forward)",
-        "deleted   dist/helpers.py::gone -> -"]
+        "deleted   dist/helpers.py::gone -> -",
+    ]

@@ -3,6 +3,7 @@
 Pure functions of text, so these run in milliseconds; tests/tools/test_relocate_cli.py drives the same engine
 through git histories and the CLI.
 """
+
 import random
 
 import pytest
@@ -42,7 +43,7 @@ def test_edit_inside_the_range_is_changed_at_the_same_place():
     new = edited(("y = y + 1", "y = y + 2"))
     assert reloc(new, (17, 19)) == ("changed", (17, 19))
     assert reloc(new, "Column.forward") == ("changed", (16, 19))
-    assert reloc(new, (12, 14)) == ("unchanged", (12, 14))          # the method before is untouched
+    assert reloc(new, (12, 14)) == ("unchanged", (12, 14))  # the method before is untouched
 
 
 def test_lines_added_inside_the_range_grow_it():
@@ -57,8 +58,10 @@ def test_line_removed_inside_the_range_shrinks_it():
 
 
 def test_edits_right_around_the_range_leave_it_unchanged():
-    new = edited(("    def forward(self, x):", "    def forward(self, x, scale=1):"),
-                 ("        return y\n", "        return y * scale\n"))
+    new = edited(
+        ("    def forward(self, x):", "    def forward(self, x, scale=1):"),
+        ("        return y\n", "        return y * scale\n"),
+    )
     assert reloc(new, (17, 18)) == ("unchanged", (17, 18))
     assert reloc(new, "Column.forward") == ("changed", (16, 19))
 
@@ -71,7 +74,7 @@ def test_lines_inserted_right_before_the_range_move_it():
 
 def test_duplicated_block_follows_the_copy_the_diff_aligns():
     twin = "def twin(a, b):\n    total = a + b\n    total = total * 2\n    return total\n"
-    old = BASE + "\n\n" + twin                                  # body of helper (26-28) == body of twin (36-38)
+    old = BASE + "\n\n" + twin  # body of helper (26-28) == body of twin (36-38)
     new = HEADER + old
     assert reloc(new, (26, 28), old_text=old) == ("moved", (29, 31))
     assert reloc(new, (36, 38), old_text=old) == ("moved", (39, 41))
@@ -85,17 +88,19 @@ def test_block_copied_elsewhere_keeps_pointing_at_the_original():
 
 
 def test_identical_copies_with_no_evidence_which_is_meant_are_flagged_changed():
-    old = "X = 1\nY = 2\nP = 3\nQ = 4\nR = 5\n"                      # the diff aligns P-R and drops X, Y
-    new = "P = 3\nQ = 4\nR = 5\nX = 1\nY = 2\nS = 6\nX = 1\nY = 2\n"    # X, Y now twice, not in a function
+    old = "X = 1\nY = 2\nP = 3\nQ = 4\nR = 5\n"  # the diff aligns P-R and drops X, Y
+    new = "P = 3\nQ = 4\nR = 5\nX = 1\nY = 2\nS = 6\nX = 1\nY = 2\n"  # X, Y now twice, not in a function
     r = relocate("script.txt", lines(old), lines(new), (1, 2))
-    assert (r.status, r.lines) == ("changed", (4, 5))                  # the copy nearest where the diff expects it
+    assert (r.status, r.lines) == ("changed", (4, 5))  # the copy nearest where the diff expects it
     assert r.reason == "2 identical copies at the new commit; check this is the one meant"
 
 
 def test_duplicate_resolved_by_enclosing_symbol():
-    old = ("def a():\n    x = 1\n    y = 2\n    return x\n\n\ndef b():\n    x = 1\n    y = 2\n    return y\n")
-    new = ("def b():\n    x = 1\n    y = 2\n    return y\n\n\ndef c():\n    pass\n\n\n"
-           "def a():\n    x = 1\n    y = 2\n    return x\n")
+    old = "def a():\n    x = 1\n    y = 2\n    return x\n\n\ndef b():\n    x = 1\n    y = 2\n    return y\n"
+    new = (
+        "def b():\n    x = 1\n    y = 2\n    return y\n\n\ndef c():\n    pass\n\n\n"
+        "def a():\n    x = 1\n    y = 2\n    return x\n"
+    )
     assert reloc(new, (2, 3), old_text=old) == ("moved", (12, 13))
     assert reloc(new, (8, 9), old_text=old) == ("moved", (2, 3))
 
@@ -104,7 +109,7 @@ def test_function_renamed():
     new = edited(("def helper(a, b):", "def combine(a, b):"))
     assert reloc(new, "helper") == ("changed", (25, 28))
     assert relocate("m.py", lines(BASE), lines(new), "helper").reason == "helper is gone; combine looks like it renamed"
-    assert reloc(new, (26, 28)) == ("unchanged", (26, 28))   # the body's text did not change
+    assert reloc(new, (26, 28)) == ("unchanged", (26, 28))  # the body's text did not change
     assert reloc(new, (25, 28)) == ("changed", (25, 28))
 
 
@@ -137,7 +142,7 @@ def test_whole_file_rewritten():
     assert reloc(new, (17, 19)) == ("deleted", None)
     assert reloc(new, (1, 32)) == ("deleted", None)
     assert reloc(new, "Column.forward") == ("deleted", None)
-    assert reloc("", (17, 19)) == ("deleted", None)                     # emptied
+    assert reloc("", (17, 19)) == ("deleted", None)  # emptied
     assert reloc("", "Column.forward") == ("deleted", None)
 
 
@@ -152,8 +157,12 @@ def test_crlf_and_trailing_whitespace_count_as_the_same_text():
 
 
 def test_body_rewritten_inside_the_same_definition_is_changed_not_deleted():
-    new = edited(("        y = x * 2\n        y = y + 1\n        return y\n",
-                  "        out = torch.relu(x)\n        out = out.sum()\n        return out\n"))
+    new = edited(
+        (
+            "        y = x * 2\n        y = y + 1\n        return y\n",
+            "        out = torch.relu(x)\n        out = out.sum()\n        return out\n",
+        )
+    )
     assert reloc(new, (17, 19)) == ("changed", (17, 19))
     assert reloc(new, "Column.forward") == ("changed", (16, 19))
 
@@ -165,8 +174,9 @@ def test_indentation_change_is_a_change():
 
 def test_code_moved_and_edited_is_found_where_it_went():
     block = "def helper(a, b):\n    total = a + b\n    total = total * 2\n    return total\n\n\n"
-    new = edited((block, "")).replace('import functools\n', 'import functools\n\n\n' + block.replace(
-        "total * 2", "total * 3"))
+    new = edited((block, "")).replace(
+        "import functools\n", "import functools\n\n\n" + block.replace("total * 2", "total * 3")
+    )
     assert reloc(new, (25, 28)) == ("changed", (5, 8))
 
 
@@ -175,13 +185,16 @@ def test_symbol_defined_twice_at_the_new_commit_is_changed():
     assert reloc(new, "other") == ("changed", (31, 32))
 
 
-@pytest.mark.parametrize("old, new, cite, reason", [
-    (BASE, BASE, (30, 40), "L30-L40 is past the end of pkg/mod.py at old (32 lines)"),
-    (BASE, BASE, "Column.missing", "symbol 'Column.missing' is not defined in pkg/mod.py at old"),
-    (BASE + "def other():\n    pass\n", BASE, "other", "symbol 'other' is ambiguous in pkg/mod.py at old"),
-    (BASE, BASE + "def broken(:\n", "Column", "pkg/mod.py is not valid Python at new; cite it by line range"),
-    ("def f(:\n", BASE, "f", "pkg/mod.py is not valid Python at old; cite it by line range"),
-])
+@pytest.mark.parametrize(
+    "old, new, cite, reason",
+    [
+        (BASE, BASE, (30, 40), "L30-L40 is past the end of pkg/mod.py at old (32 lines)"),
+        (BASE, BASE, "Column.missing", "symbol 'Column.missing' is not defined in pkg/mod.py at old"),
+        (BASE + "def other():\n    pass\n", BASE, "other", "symbol 'other' is ambiguous in pkg/mod.py at old"),
+        (BASE, BASE + "def broken(:\n", "Column", "pkg/mod.py is not valid Python at new; cite it by line range"),
+        ("def f(:\n", BASE, "f", "pkg/mod.py is not valid Python at old; cite it by line range"),
+    ],
+)
 def test_per_citation_errors(old, new, cite, reason):
     r = relocate("pkg/mod.py", lines(old), lines(new), cite)
     assert (r.status, r.lines) == ("error", None)
@@ -192,7 +205,7 @@ def test_symbols_need_python_but_ranges_work_on_any_text():
     r = relocate("docs/guide.md", lines(BASE), lines(HEADER + BASE), "Column")
     assert (r.status, r.reason) == ("error", "docs/guide.md is not a Python file; cite it by line range")
     assert reloc(HEADER + BASE, (17, 19), path="docs/guide.md") == ("moved", (20, 22))
-    assert reloc(HEADER + BASE + "def broken(:\n", (17, 19)) == ("moved", (20, 22))   # unparsable: ranges still work
+    assert reloc(HEADER + BASE + "def broken(:\n", (17, 19)) == ("moved", (20, 22))  # unparsable: ranges still work
 
 
 def test_never_a_silent_wrong_pointer_under_random_edits():
@@ -209,12 +222,12 @@ def test_never_a_silent_wrong_pointer_under_random_edits():
             if action == "insert":
                 new[at:at] = [rng.choice(vocabulary) for _ in range(rng.randint(1, 5))]
             elif new and action == "delete":
-                del new[at:at + rng.randint(1, 4)]
+                del new[at : at + rng.randint(1, 4)]
             elif new and action == "modify" and at < len(new):
                 new[at] = new[at] + "  # edited" if rng.random() < 0.5 else rng.choice(vocabulary)
             elif new and action == "move":
-                chunk = new[at:at + rng.randint(1, 6)]
-                del new[at:at + len(chunk)]
+                chunk = new[at : at + rng.randint(1, 6)]
+                del new[at : at + len(chunk)]
                 dest = rng.randrange(len(new) + 1)
                 new[dest:dest] = chunk
         for _ in range(5):
@@ -223,6 +236,6 @@ def test_never_a_silent_wrong_pointer_under_random_edits():
             r = relocate("gen.txt", old, new, (a, b))
             answered[r.status] += 1
             if r.status in ("unchanged", "moved"):
-                assert normalized(new[r.lines[0] - 1:r.lines[1]]) == normalized(old[a - 1:b])
+                assert normalized(new[r.lines[0] - 1 : r.lines[1]]) == normalized(old[a - 1 : b])
                 assert (r.status == "unchanged") == (r.lines == (a, b))
-    assert all(answered.values()), answered                # every status was exercised
+    assert all(answered.values()), answered  # every status was exercised

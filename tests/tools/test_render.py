@@ -1,4 +1,5 @@
 """render: notes become Markdown with verified excerpts; failures name file:line and leave the old output."""
+
 import os
 
 LAYERS = "up:pkg/core/layers.py"
@@ -16,7 +17,9 @@ def rendered(project, name):
 
 def test_excerpt_keeps_upstream_numbers_highlight_and_symbol(project):
     assert project.run("cite", f"{LAYERS}::ColumnParallel.forward").code == 0
-    note(project, "layers.md.j2", "# Layers\n\n{{ cite('" + LAYERS + "::ColumnParallel.forward', highlight='L14-L15') }}")
+    note(
+        project, "layers.md.j2", "# Layers\n\n{{ cite('" + LAYERS + "::ColumnParallel.forward', highlight='L14-L15') }}"
+    )
     r = project.run("render")
     assert r.code == 0, r.err
     md = rendered(project, "layers.md")
@@ -57,10 +60,15 @@ def test_failures_name_file_and_line_and_keep_previous_output(project):
     assert project.run("render").code == 0
     before = rendered(project, "a.md")
     cases = [
-        ("x\n\n{{ cite('" + LAYERS + "#L1-L2') }}\n", "reading_notes/a.md.j2:3: up:pkg/core/layers.py#L1-L2 is not in the lock"),
+        (
+            "x\n\n{{ cite('" + LAYERS + "#L1-L2') }}\n",
+            "reading_notes/a.md.j2:3: up:pkg/core/layers.py#L1-L2 is not in the lock",
+        ),
         ("x\n{% if %}\n", "reading_notes/a.md.j2:2: "),
-        ("x\n\n\n{{ verified_by('tests/tools/test_render.py::test_nope') }}\n",
-         "reading_notes/a.md.j2:4: verified_by: test file 'tests/tools/test_render.py' does not exist under tests/"),
+        (
+            "x\n\n\n{{ verified_by('tests/tools/test_render.py::test_nope') }}\n",
+            "reading_notes/a.md.j2:4: verified_by: test file 'tests/tools/test_render.py' does not exist under tests/",
+        ),
         ("{{ cite('" + LAYERS + "#L9-L10', highlight='L1-L2') }}\n", "highlight L1-L2 lies outside the cited L9-L10"),
         ("{{ undefined_thing }}\n", "reading_notes/a.md.j2:1: 'undefined_thing' is undefined"),
     ]
@@ -74,11 +82,18 @@ def test_failures_name_file_and_line_and_keep_previous_output(project):
 def test_check_fails_when_a_named_test_does_not_exist(project):
     (project.root / "tests").mkdir()
     (project.root / "tests" / "test_claims.py").write_text("def test_real():\n    assert True\n")
-    note(project, "claims.md.j2", "{{ verified_by('tests/test_claims.py::test_real') }}\n\n"
-                                  "{{ verified_by('tests/test_claims.py::test_gone') }}\n")
+    note(
+        project,
+        "claims.md.j2",
+        "{{ verified_by('tests/test_claims.py::test_real') }}\n\n"
+        "{{ verified_by('tests/test_claims.py::test_gone') }}\n",
+    )
     r = project.run("check")
     assert r.code == 1
-    assert "reading_notes/claims.md.j2:3: tests/test_claims.py::test_gone: tests/test_claims.py has no test test_gone" in r.out
+    assert (
+        "reading_notes/claims.md.j2:3: tests/test_claims.py::test_gone: tests/test_claims.py has no test test_gone"
+        in r.out
+    )
     assert "test_real" not in r.out
 
 
@@ -89,8 +104,10 @@ def test_an_excerpt_with_blank_first_or_last_lines_names_the_range_to_cite(proje
         note(project, "a.md.j2", "text\n{{ cite('" + spec + "') }}\n")
         r = project.run("render")
         assert r.code == 2 and r.err.count("\n") == 1
-        assert f"reading_notes/a.md.j2:2: {spec} starts or ends with a blank line, which the page cannot number " \
-               f"correctly; cite {better}" in r.err
+        assert (
+            f"reading_notes/a.md.j2:2: {spec} starts or ends with a blank line, which the page cannot number "
+            f"correctly; cite {better}" in r.err
+        )
 
 
 def test_a_line_range_caption_names_the_definition_holding_it(project):
@@ -98,4 +115,4 @@ def test_a_line_range_caption_names_the_definition_holding_it(project):
     note(project, "a.md.j2", "{{ cite('" + LAYERS + "#L14-L15') }}\n{{ cite('" + LAYERS + "#L2-L2') }}\n")
     assert project.run("render").code == 0
     md = rendered(project, "a.md")
-    assert "L14–L15 · in `ColumnParallel.forward` @" in md and "L2–L2 @" in md   # module level: no name
+    assert "L14–L15 · in `ColumnParallel.forward` @" in md and "L2–L2 @" in md  # module level: no name

@@ -1,14 +1,15 @@
 """The committed scale traces (reading_notes/traces/scale_*.json) are what `python -m reference.scale` traces
 now, formula terms included, and the site's tables from them re-check each row against those recorded terms
 when rendered (a changed setup or formula is caught by the fresh run here)."""
+
 from __future__ import annotations
 
 import copy
 import json
 
 import pytest
-
 import record_traces
+
 from pin_and_cite.site import diagrams, scale_tables
 from pin_and_cite.site.traces import TraceError, load_trace
 from tests.tools.conftest import ROOT
@@ -21,8 +22,9 @@ def test_committed_scale_traces_match_a_fresh_run(tmp_path):
     assert sorted(p.stem for p in written) == sorted(record_traces.SCALE)
     for path in written:
         committed = json.loads((NOTES / "traces" / path.name).read_text())
-        assert json.loads(path.read_text()) == committed, \
+        assert json.loads(path.read_text()) == committed, (
             f"reading_notes/traces/{path.name} is stale: re-record with tools/record-traces and commit it"
+        )
         assert committed["agree"] and [run["stage"] for run in committed["runs"]] == [0, 4, 7]
 
 
@@ -42,26 +44,33 @@ def test_bar_chart_draws_the_bytes_each_group_receives_from_the_tables_rows():
     sent = [scale_tables.sent_per_group(trace, run) for run in trace["runs"]]
     (bars,) = [line for line in chart.split("\n") if line.startswith("  bar [")]
     assert bars == "  bar [" + ", ".join(f"{s[g] / 2**30:.2f}" for g in ("tp", "pp", "dp") for s in sent) + "]"
-    assert '"TP, stage 4 (middle): 70.00"' in chart and '"DP, stage 4 (middle): 3.39"' in chart   # the table's
+    assert '"TP, stage 4 (middle): 70.00"' in chart and '"DP, stage 4 (middle): 3.39"' in chart  # the table's
     tampered = copy.deepcopy(trace)
     tampered["runs"][1]["rows"][0].update(bytes=1)
-    with pytest.raises(TraceError, match="rank 32 tp all_reduce recorded 640 x / 1 B"):   # checked like the table
+    with pytest.raises(TraceError, match="rank 32 tp all_reduce recorded 640 x / 1 B"):  # checked like the table
         diagrams.chart_sent_per_group(tampered)
 
 
 def test_sent_bytes_follow_ring_algorithms():
     n = 8 * 2**20
-    assert [scale_tables.sent_bytes(op, n, 8) for op in ("all_reduce", "all_gather", "reduce_scatter", "send",
-                                                         "recv")] == [n * 14 // 8, n * 7 // 8, n * 7 // 8, n, 0]
+    assert [
+        scale_tables.sent_bytes(op, n, 8) for op in ("all_reduce", "all_gather", "reduce_scatter", "send", "recv")
+    ] == [n * 14 // 8, n * 7 // 8, n * 7 // 8, n, 0]
 
 
-@pytest.mark.parametrize("tamper, message", [
-    (lambda t: t["runs"][1]["rows"][0].update(bytes=1), "rank 32 tp all_reduce recorded 640 x / 1 B but "
-                                                        "reference.scale.formulas gives 640 x / 42949672960 B"),
-    (lambda t: t["runs"][0]["rows"].pop(), "rank 0 recorded no dp all_reduce, which reference.scale.formulas"),
-    (lambda t: t["runs"][0]["formulas"][0]["terms"][0].update(count=1), "recorded 656 x"),
-    (lambda t: t["runs"][2].pop("formulas"), "rank 56 lacks the formulas' terms"),
-], ids=["bytes", "missing-row", "formula", "unrecorded-formulas"])
+@pytest.mark.parametrize(
+    "tamper, message",
+    [
+        (
+            lambda t: t["runs"][1]["rows"][0].update(bytes=1),
+            "rank 32 tp all_reduce recorded 640 x / 1 B but reference.scale.formulas gives 640 x / 42949672960 B",
+        ),
+        (lambda t: t["runs"][0]["rows"].pop(), "rank 0 recorded no dp all_reduce, which reference.scale.formulas"),
+        (lambda t: t["runs"][0]["formulas"][0]["terms"][0].update(count=1), "recorded 656 x"),
+        (lambda t: t["runs"][2].pop("formulas"), "rank 56 lacks the formulas' terms"),
+    ],
+    ids=["bytes", "missing-row", "formula", "unrecorded-formulas"],
+)
 def test_a_trace_that_disagrees_with_the_formulas_is_a_one_line_error(tamper, message):
     trace = copy.deepcopy(load_trace(NOTES, "scale_70b"))
     tamper(trace)
@@ -81,4 +90,5 @@ def test_memory_table_shows_ddp_against_the_distributed_optimizer_and_refuses_a_
     with pytest.raises(TraceError) as error:
         scale_tables.memory_table(ddp, tampered)
     assert "rank 32 holds 115413121 B of optimizer_states but reference.scale.formulas gives 115413120 B" in str(
-        error.value) and "\n" not in str(error.value)
+        error.value
+    ) and "\n" not in str(error.value)

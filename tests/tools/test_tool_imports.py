@@ -2,6 +2,7 @@
 one that imports it back (directly or around a cycle), none imports the reference or torch, and none imports a
 layer above its own (core < relocation < site < the commands: the folders of tools/pin_and_cite); and `check`
 on the shipped notes loads neither (the Scale page's tables read the committed traces instead)."""
+
 from __future__ import annotations
 
 import ast
@@ -30,7 +31,9 @@ def imported_names(path) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
             found |= {base} | {f"{base}.{alias.name}" for alias in node.names}
     return found
 
@@ -42,7 +45,8 @@ def import_graph() -> dict[str, set[str]]:
     for name, path in files.items():
         names = imported_names(path)
         graph[name] = {n for n in names if n in files and n != name} | {
-            n.split(".")[0] for n in names if n.split(".")[0] in FORBIDDEN}
+            n.split(".")[0] for n in names if n.split(".")[0] in FORBIDDEN
+        }
     return graph
 
 
@@ -56,7 +60,7 @@ def cycle_in(graph: dict[str, set[str]]) -> list[str] | None:
         stack.append(node)
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == "open":
-                return stack[stack.index(nxt):] + [nxt]
+                return stack[stack.index(nxt) :] + [nxt]
             if nxt not in state and (found := visit(nxt)):
                 return found
         state[node] = "done"
@@ -87,18 +91,21 @@ def test_no_module_of_the_citation_tool_imports_the_reference_or_torch():
 
 def test_check_loads_neither_torch_nor_the_reference():
     """Run `check` on the shipped notes in a fresh interpreter and look at what it loaded."""
-    probe = ("import sys, runpy\nsys.argv = ['pin_and_cite', 'check']\n"
-             "try:\n    runpy.run_module('pin_and_cite', run_name='__main__')\nexcept SystemExit as e:\n"
-             "    code = e.code\nelse:\n    code = 0\n"
-             "print(code, sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'reference'}))")
+    probe = (
+        "import sys, runpy\nsys.argv = ['pin_and_cite', 'check']\n"
+        "try:\n    runpy.run_module('pin_and_cite', run_name='__main__')\nexcept SystemExit as e:\n"
+        "    code = e.code\nelse:\n    code = 0\n"
+        "print(code, sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'reference'}))"
+    )
     env = {**os.environ, "PYTHONPATH": str(ROOT / "tools")}
     env.pop("PIN_AND_CITE_PROJECT", None)
-    proc = subprocess.run([sys.executable, "-P", "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-P", "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.stdout.strip().splitlines()[-1] == "0 []", proc.stdout + proc.stderr
 
 
-LAYERS = ("core", "relocation", "site")   # docs/architecture.md: each imports only from the ones before it
+LAYERS = ("core", "relocation", "site")  # docs/architecture.md: each imports only from the ones before it
 
 
 def layer_of(module: str) -> int:
@@ -113,6 +120,10 @@ def layer_of(module: str) -> int:
 def test_each_layer_imports_only_the_layers_below_it():
     graph = import_graph()
     assert {layer_of(module) for module in graph} == {0, 1, 2, 3}
-    upward = [f"{module} -> {dep}" for module, deps in graph.items() for dep in deps
-              if dep.startswith("pin_and_cite") and layer_of(dep) > layer_of(module)]
+    upward = [
+        f"{module} -> {dep}"
+        for module, deps in graph.items()
+        for dep in deps
+        if dep.startswith("pin_and_cite") and layer_of(dep) > layer_of(module)
+    ]
     assert upward == []

@@ -4,13 +4,14 @@ One torchrun launch of tools/trace_worker.py (the script behind tools/record-tra
 its structure (operations, order, shapes, bytes, FLOP counts, issue order against compute) must equal the
 committed trace's, timings aside, and the diagrams and numbers rendered from it must be the same text.
 """
+
 from __future__ import annotations
 
 import json
 
 import pytest
-
 import record_traces
+
 from pin_and_cite.site import diagrams, estimates
 from pin_and_cite.site.traces import forward_markers, load_trace, pipeline_slots, structure
 from tests.tools.conftest import ROOT
@@ -29,8 +30,9 @@ def fresh(tmp_path_factory):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_committed_trace_matches_a_fresh_run(fresh, name):
-    assert structure(load_trace(fresh, name)) == structure(load_trace(NOTES, name)), \
+    assert structure(load_trace(fresh, name)) == structure(load_trace(NOTES, name)), (
         f"reading_notes/traces/{name}.json is stale: re-record with tools/record-traces and commit it"
+    )
 
 
 def drawn(notes):
@@ -38,11 +40,15 @@ def drawn(notes):
     tp, fsdp = load_trace(notes, "tp_block"), load_trace(notes, "fsdp_forward")
     gpipe, one_f_one_b = load_trace(notes, "pipeline_gpipe"), load_trace(notes, "pipeline_1f1b")
     rates = dict(tflops=1, link_GBps=25)
-    return (diagrams.diagram(tp, link="NVLink"), diagrams.diagram(fsdp, **rates),
-            diagrams.diagram(gpipe, **rates), diagrams.diagram(one_f_one_b, **rates),
-            diagrams.diagram(load_trace(notes, "pipeline_interleaved"), **rates),
-            estimates.tp_crossover(tp, link_GBps=600, tflops=400, tp=8, bytes_per_element=2),
-            estimates.pipeline_memory(gpipe, one_f_one_b, load_trace(NOTES, "scale_70b")))
+    return (
+        diagrams.diagram(tp, link="NVLink"),
+        diagrams.diagram(fsdp, **rates),
+        diagrams.diagram(gpipe, **rates),
+        diagrams.diagram(one_f_one_b, **rates),
+        diagrams.diagram(load_trace(notes, "pipeline_interleaved"), **rates),
+        estimates.tp_crossover(tp, link_GBps=600, tflops=400, tp=8, bytes_per_element=2),
+        estimates.pipeline_memory(gpipe, one_f_one_b, load_trace(NOTES, "scale_70b")),
+    )
 
 
 def test_diagrams_and_numbers_from_a_fresh_run_are_the_committed_ones(fresh):
@@ -54,15 +60,26 @@ def test_tp_trace_records_two_allreduces_of_b_s_h_bytes_each_way():
     for run in trace["runs"]:
         n = trace["b"] * trace["s"] * run["h"] * trace["dtype_size"]
         assert [(e["op"], e["module"], e["phase"], e["nbytes"]) for e in run["events"]] == [
-            ("all_reduce", "layers.0.attention.proj", "forward", n), ("all_reduce", "layers.0.mlp.fc2", "forward", n),
-            ("all_reduce", "layers.0.mlp.fc1", "backward", n), ("all_reduce", "layers.0.attention.qkv", "backward", n)]
+            ("all_reduce", "layers.0.attention.proj", "forward", n),
+            ("all_reduce", "layers.0.mlp.fc2", "forward", n),
+            ("all_reduce", "layers.0.mlp.fc1", "backward", n),
+            ("all_reduce", "layers.0.attention.qkv", "backward", n),
+        ]
 
 
 def test_fsdp_trace_prefetches_each_block_before_the_previous_unit_computes():
     trace = load_trace(NOTES, "fsdp_forward")
     assert forward_markers(trace) == [
-        ("issue", "root"), ("issue", "blocks.0"), ("start", "root"), ("issue", "blocks.1"),
-        ("start", "blocks.0"), ("end", "blocks.0"), ("start", "blocks.1"), ("end", "blocks.1"), ("end", "root")]
+        ("issue", "root"),
+        ("issue", "blocks.0"),
+        ("start", "root"),
+        ("issue", "blocks.1"),
+        ("start", "blocks.0"),
+        ("end", "blocks.0"),
+        ("start", "blocks.1"),
+        ("end", "blocks.1"),
+        ("end", "root"),
+    ]
     gathered = [e["nbytes"] for e in trace["events"] if e["op"] == "all_gather" and e["phase"] == "forward"]
     assert gathered == [u["padded_numel"] * trace["dtype_size"] for u in trace["units"]]
 
@@ -71,8 +88,11 @@ def textbook(schedule: str, p: int, r: int, m: int) -> list[str]:
     if schedule == "gpipe":
         return [f"F{i}" for i in range(m)] + [f"B{i}" for i in range(m)]
     w = min(p - 1 - r, m)
-    return ([f"F{i}" for i in range(w)] + [a for i in range(m - w) for a in (f"F{w + i}", f"B{i}")]
-            + [f"B{i}" for i in range(m - w, m)])
+    return (
+        [f"F{i}" for i in range(w)]
+        + [a for i in range(m - w) for a in (f"F{w + i}", f"B{i}")]
+        + [f"B{i}" for i in range(m - w, m)]
+    )
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -103,7 +123,7 @@ def test_pipeline_timelines_idle_for_the_bubble_formula_and_1f1b_halves_stage_0_
     numbers = estimates.pipeline_memory(gpipe, one_f_one_b, load_trace(NOTES, "scale_70b"))
     assert numbers.bubble == pytest.approx((p - 1) / (m + p - 1)) == pytest.approx(numbers.bubble_formula)
     assert numbers.gpipe_peaks == [m] * p and numbers.one_f_one_b_peaks == [p - r for r in range(p)]
-    assert numbers.first_stage_bytes_ratio == p / m   # equal micro-batches: bytes follow the count
+    assert numbers.first_stage_bytes_ratio == p / m  # equal micro-batches: bytes follow the count
     assert numbers.message_bytes == numbers.formula_bytes
     setup = load_trace(NOTES, "scale_70b")["setup"]
     model = setup["model"]
@@ -114,7 +134,7 @@ def test_pipeline_orders_that_wait_on_each_other_are_a_one_line_error(tmp_path):
     (tmp_path / "traces").mkdir()
     trace = json.loads((NOTES / "traces" / "pipeline_1f1b.json").read_text())
     last = trace["stages"][-1]["actions"]
-    last[0], last[1] = last[1], last[0]   # B0 before F0 on the last stage: nothing can run
+    last[0], last[1] = last[1], last[0]  # B0 before F0 on the last stage: nothing can run
     (tmp_path / "traces" / "pipeline_1f1b.json").write_text(json.dumps(trace))
     with pytest.raises(diagrams.TraceError, match="wait on each other.*re-record with tools/record-traces"):
         diagrams.diagram(load_trace(tmp_path, "pipeline_1f1b"), tflops=1, link_GBps=25)
@@ -127,7 +147,7 @@ def test_estimates_follow_from_the_measured_numbers():
     # 3 x 4 s h / 8; four all-reduces of 2(7/8) x 2h bytes (bf16). Equal times at h = (14 R/B - 1.5 s) / 9.
     s = load_trace(NOTES, "tp_block")["s"]
     assert tp.crossover_hidden == round((14 * 400e12 / 600e9 - 1.5 * s) / 9)
-    fsdp = load_trace(NOTES, "fsdp_forward")   # the recorded run's parameter shards are the formula's 1/N
+    fsdp = load_trace(NOTES, "fsdp_forward")  # the recorded run's parameter shards are the formula's 1/N
     shards = sum(u["padded_numel"] for u in fsdp["units"]) * fsdp["dtype_size"] // fsdp["world"]
     assert estimates.training_memory(fsdp["params"], world=fsdp["world"], sharded=True).params == shards
 
@@ -144,7 +164,10 @@ def test_memory_chart_is_drawn_from_the_formulas():
     assert "red: DDP (every rank holds all 16 B per parameter) · " in chart and "blue: FSDP over 8 ranks" in chart
     assert '  x-axis "parameters" ["0.25B", "0.5B", "1B", "2B", "4B", "8B"]' in chart
     assert [line for line in chart.split("\n") if line.startswith("  line")] == [
-        "  line [4, 8, 16, 32, 64, 128]", "  line [0.5, 1, 2, 4, 8, 16]", "  line [16, 16, 16, 16, 16, 16]"]
+        "  line [4, 8, 16, 32, 64, 128]",
+        "  line [0.5, 1, 2, 4, 8, 16]",
+        "  line [16, 16, 16, 16, 16, 16]",
+    ]
 
 
 def test_a_trace_the_recorder_cannot_draw_is_a_one_line_error(tmp_path):
@@ -156,9 +179,14 @@ def test_a_trace_the_recorder_cannot_draw_is_a_one_line_error(tmp_path):
     fsdp = json.loads((NOTES / "traces" / "fsdp_forward.json").read_text())
     fsdp["spans"] = [s for s in fsdp["spans"] if s["name"] != "blocks.1 forward"]
     (tmp_path / "traces" / "fsdp_forward.json").write_text(json.dumps(fsdp))
-    cases = [("tp_block", dict(link="NVLink"), "saw no tensor-parallel linear layer issuing the collectives"),
-             ("fsdp_forward", dict(tflops=1, link_GBps=25),
-              "no forward all-gather or compute span recorded for unit(s) blocks.1")]
+    cases = [
+        ("tp_block", dict(link="NVLink"), "saw no tensor-parallel linear layer issuing the collectives"),
+        (
+            "fsdp_forward",
+            dict(tflops=1, link_GBps=25),
+            "no forward all-gather or compute span recorded for unit(s) blocks.1",
+        ),
+    ]
     for name, options, message in cases:
         with pytest.raises(diagrams.TraceError) as error:
             diagrams.diagram(load_trace(tmp_path, name), **options)
@@ -172,6 +200,8 @@ def test_a_trace_the_recorder_cannot_draw_is_a_one_line_error(tmp_path):
 
 
 def test_mermaid_labels_are_escaped():
-    assert diagrams.label('a "b" <script> #1 `x` | y; z') == \
-        '"a #quot;b#quot; #lt;script#gt; #35;1 #96;x#96; #124; y#59; z"'
+    assert (
+        diagrams.label('a "b" <script> #1 `x` | y; z')
+        == '"a #quot;b#quot; #lt;script#gt; #35;1 #96;x#96; #124; y#59; z"'
+    )
     assert diagrams.gantt_text("blocks.0: 49 KiB #x") == "blocks.0  49 KiB  x"

@@ -4,6 +4,7 @@ escaped line and an exit status, and nothing outside the cache or the output fol
 The CLI runs here under a 1 GiB address-space limit, so a regression that reads /dev/zero fails with a
 MemoryError instead of eating the machine.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,12 +25,19 @@ CITE = f"{LAYERS}#L9-L10"
 
 def run(project, *args: str, timeout: float = 30) -> Run:
     """The CLI as ProjectDir.run runs it, with bounded memory; a hang fails the test after `timeout`."""
+
     def limit_memory():
         resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
 
-    proc = subprocess.run([str(CLI), *args, "--project", str(project.root)], capture_output=True, text=True,
-                          timeout=timeout, preexec_fn=limit_memory, cwd=project.root,
-                          env={**os.environ, "PIN_AND_CITE_CACHE": str(project.cache)})
+    proc = subprocess.run(
+        [str(CLI), *args, "--project", str(project.root)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        preexec_fn=limit_memory,
+        cwd=project.root,
+        env={**os.environ, "PIN_AND_CITE_CACHE": str(project.cache)},
+    )
     return Run(proc.returncode, proc.stdout, proc.stderr)
 
 
@@ -56,6 +64,7 @@ def cache_entry(project, lock: dict):
 
 # -- the tool runs its own code, never the checkout's -----------------------------------------------------
 
+
 def test_check_in_a_checkout_imports_nothing_from_it(project, tmp_path):
     """`python -m` would put the working directory first on sys.path: a branch's git.py or reference/
     would then run in place of the library or the tool's own reference package."""
@@ -68,8 +77,9 @@ def test_check_in_a_checkout_imports_nothing_from_it(project, tmp_path):
     assert not marker.exists(), marker.read_text()
 
 
-@pytest.mark.parametrize("name, target", [("evil.md.j2", "secret"), ("traces/big.json", "/dev/zero"),
-                                          ("citations.lock", "secret")])
+@pytest.mark.parametrize(
+    "name, target", [("evil.md.j2", "secret"), ("traces/big.json", "/dev/zero"), ("citations.lock", "secret")]
+)
 def test_check_reads_no_file_outside_the_project_through_a_symlink(project, tmp_path, name, target):
     secret = tmp_path / "secret"
     secret.write_text("{{ 'outside' }}\n")
@@ -82,12 +92,13 @@ def test_check_reads_no_file_outside_the_project_through_a_symlink(project, tmp_
 
 # -- 1. SHAs name cache paths only when they are SHAs; the lock and pins have a schema ---------------------
 
+
 @pytest.mark.parametrize("verb", ["check", "fetch"])
 def test_a_blob_that_is_a_path_deletes_nothing(project, tmp_path, verb):
     lock = locked(project)
     victim = tmp_path / "victim"
     victim.write_text("precious\n")
-    lock["files"]["up:pkg/core/layers.py"]["blob"] = ".." + str(victim)    # blob[2:] is then absolute
+    lock["files"]["up:pkg/core/layers.py"]["blob"] = ".." + str(victim)  # blob[2:] is then absolute
     write_lock(project, lock)
     err = one_error_line(run(project, verb))
     assert "citations.lock" in err and "files" in err and "blob" in err
@@ -111,30 +122,40 @@ def _set(path: tuple, value):
             target = target[key]
         target[path[-1]] = value
         return lock
+
     return tamper
 
 
-BUMP = {"old_commit": "a" * 40, "new_commit": "b" * 40, "tag": None,
-        "counts": {"unchanged": 1, "moved": 0, "changed": 1, "deleted": 0},
-        "files": {"pkg/core/layers.py": {"old_blob": "c" * 40, "new_blob": None}},
-        "changes": {}}
+BUMP = {
+    "old_commit": "a" * 40,
+    "new_commit": "b" * 40,
+    "tag": None,
+    "counts": {"unchanged": 1, "moved": 0, "changed": 1, "deleted": 0},
+    "files": {"pkg/core/layers.py": {"old_blob": "c" * 40, "new_blob": None}},
+    "changes": {},
+}
 
 
-@pytest.mark.parametrize("tamper", [
-    pytest.param(lambda lock: [lock], id="list-at-top"),
-    pytest.param(_set(("files",), []), id="files-as-list"),
-    pytest.param(_set(("files", "up:pkg/core/layers.py", "blob"), 7), id="integer-blob"),
-    pytest.param(_set(("files", "up:pkg/core/layers.py", "blob"), "F" * 40), id="uppercase-blob"),
-    pytest.param(_set(("files", "up:pkg/core/layers.py", "commit"), "v1"), id="tag-as-commit"),
-    pytest.param(_set(("files", "up:pkg/core/layers.py", "size"), "big"), id="string-size"),
-    pytest.param(_set(("citations", f"{CITE}", "lines"), "9-10"), id="string-lines"),
-    pytest.param(_set(("citations", f"{CITE}", "text_sha256"), None), id="null-text-hash"),
-    pytest.param(_set(("version",), "1"), id="string-version"),
-    pytest.param(_set(("bumps",), {"up": {**BUMP, "old_commit": "../../x" + "0" * 33}}), id="bump-commit-path"),
-    pytest.param(_set(("bumps",), {"up": {**BUMP, "files": {"p": {"old_blob": "/etc/passwd",
-                                                                  "new_blob": None}}}}), id="bump-blob-path"),
-    pytest.param(_set(("bumps",), {"up": {**BUMP, "counts": []}}), id="bump-counts-list"),
-])
+@pytest.mark.parametrize(
+    "tamper",
+    [
+        pytest.param(lambda lock: [lock], id="list-at-top"),
+        pytest.param(_set(("files",), []), id="files-as-list"),
+        pytest.param(_set(("files", "up:pkg/core/layers.py", "blob"), 7), id="integer-blob"),
+        pytest.param(_set(("files", "up:pkg/core/layers.py", "blob"), "F" * 40), id="uppercase-blob"),
+        pytest.param(_set(("files", "up:pkg/core/layers.py", "commit"), "v1"), id="tag-as-commit"),
+        pytest.param(_set(("files", "up:pkg/core/layers.py", "size"), "big"), id="string-size"),
+        pytest.param(_set(("citations", f"{CITE}", "lines"), "9-10"), id="string-lines"),
+        pytest.param(_set(("citations", f"{CITE}", "text_sha256"), None), id="null-text-hash"),
+        pytest.param(_set(("version",), "1"), id="string-version"),
+        pytest.param(_set(("bumps",), {"up": {**BUMP, "old_commit": "../../x" + "0" * 33}}), id="bump-commit-path"),
+        pytest.param(
+            _set(("bumps",), {"up": {**BUMP, "files": {"p": {"old_blob": "/etc/passwd", "new_blob": None}}}}),
+            id="bump-blob-path",
+        ),
+        pytest.param(_set(("bumps",), {"up": {**BUMP, "counts": []}}), id="bump-counts-list"),
+    ],
+)
 def test_a_tampered_lock_is_one_line(project, tamper):
     write_lock(project, tamper(locked(project)))
     err = one_error_line(run(project, "check"))
@@ -146,27 +167,42 @@ def test_a_lock_with_defaults_and_cross_file_records_loads(project):
     absent at the old commit."""
     lock = locked(project)
     lock["defaults"] = {f"{LAYERS}::ColumnParallel.forward(x)": {"value": "None", "line": 14}}
-    change = {"status": "changed", "old_lines": [9, 10], "old_text_sha256": "d" * 64, "new_lines": [3, 4],
-              "new_text_sha256": "e" * 64, "new_cite": None, "cited_at": ["reading_notes/a.md.j2:1"]}
-    lock["bumps"] = {"up": {**BUMP, "old_commit": lock["files"]["up:pkg/core/layers.py"]["commit"],
-                            "files": {"pkg/core/other.py": {"old_blob": None, "new_blob": "c" * 40}},
-                            "changes": {CITE: change},
-                            "defaults": {f"{LAYERS}::ColumnParallel.forward(x)": {"old_value": "1",
-                                                                                   "new_value": None}}}}
+    change = {
+        "status": "changed",
+        "old_lines": [9, 10],
+        "old_text_sha256": "d" * 64,
+        "new_lines": [3, 4],
+        "new_text_sha256": "e" * 64,
+        "new_cite": None,
+        "cited_at": ["reading_notes/a.md.j2:1"],
+    }
+    lock["bumps"] = {
+        "up": {
+            **BUMP,
+            "old_commit": lock["files"]["up:pkg/core/layers.py"]["commit"],
+            "files": {"pkg/core/other.py": {"old_blob": None, "new_blob": "c" * 40}},
+            "changes": {CITE: change},
+            "defaults": {f"{LAYERS}::ColumnParallel.forward(x)": {"old_value": "1", "new_value": None}},
+        }
+    }
     write_lock(project, lock)
     r = run(project, "check")
     assert r.code == 1 and r.err == "" and "bump record of up" in r.out, (r.out, r.err)
 
 
-@pytest.mark.parametrize("pins", [
-    pytest.param(b'sources = "x"\n', id="sources-as-string"),
-    pytest.param(b"sources = [1, 2]\n", id="sources-as-list"),
-    pytest.param(b"[sources.up]\nurl = 1\ncommit = 2\n", id="integer-fields"),
-    pytest.param(b'[sources.up]\nurl = "git://h/x"\ncommit = "' + b"A" * 40 + b'"\n', id="uppercase-commit"),
-    pytest.param(b'[sources.up]\nurl = "git://h/x"\ncommit = "' + b"a" * 40 + b'"\nbranch = "main"\n',
-                 id="unknown-key"),
-    pytest.param(b"\xff\xfe[sources]\x00\x81\n", id="binary"),
-])
+@pytest.mark.parametrize(
+    "pins",
+    [
+        pytest.param(b'sources = "x"\n', id="sources-as-string"),
+        pytest.param(b"sources = [1, 2]\n", id="sources-as-list"),
+        pytest.param(b"[sources.up]\nurl = 1\ncommit = 2\n", id="integer-fields"),
+        pytest.param(b'[sources.up]\nurl = "git://h/x"\ncommit = "' + b"A" * 40 + b'"\n', id="uppercase-commit"),
+        pytest.param(
+            b'[sources.up]\nurl = "git://h/x"\ncommit = "' + b"a" * 40 + b'"\nbranch = "main"\n', id="unknown-key"
+        ),
+        pytest.param(b"\xff\xfe[sources]\x00\x81\n", id="binary"),
+    ],
+)
 def test_tampered_pins_are_one_line(project, pins):
     project.pins_path.write_bytes(pins)
     err = one_error_line(run(project, "check"))
@@ -175,12 +211,16 @@ def test_tampered_pins_are_one_line(project, pins):
 
 # -- 2. templates render in a sandbox --------------------------------------------------------------------
 
-@pytest.mark.parametrize("payload", [
-    "{{ cycler.__init__.__globals__.os.popen('touch MARKER') }}",
-    "{{ ''.__class__.__mro__[1].__subclasses__() }}",
-    "{{ self.__init__.__globals__.__builtins__.open('MARKER', 'w') }}",
-    "{{ pins.up.__class__.__init__.__globals__.os.system('touch MARKER') }}",
-])
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        "{{ cycler.__init__.__globals__.os.popen('touch MARKER') }}",
+        "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+        "{{ self.__init__.__globals__.__builtins__.open('MARKER', 'w') }}",
+        "{{ pins.up.__class__.__init__.__globals__.os.system('touch MARKER') }}",
+    ],
+)
 @pytest.mark.parametrize("verb", ["render", "check"])
 def test_a_template_cannot_run_code(project, tmp_path, payload, verb):
     marker = tmp_path / "pwned"
@@ -193,8 +233,9 @@ def test_a_template_cannot_run_code(project, tmp_path, payload, verb):
 
 def test_a_template_cannot_change_what_check_compares(project):
     """A note that empties the pins in memory must not hide that megatron-sha.txt disagrees with them."""
-    project.write_pins(**{"megatron-lm": {"url": "git://127.0.0.1:9/m.git", "commit": "a" * 40,
-                                          "sha_file": "megatron-sha.txt"}})
+    project.write_pins(
+        **{"megatron-lm": {"url": "git://127.0.0.1:9/m.git", "commit": "a" * 40, "sha_file": "megatron-sha.txt"}}
+    )
     (project.root / "reading_notes" / "megatron-sha.txt").write_text("b" * 40 + "\n")
     (project.root / "reading_notes" / "quiet.md.j2").write_text("{{ pins.clear() }}{{ pins.pop('megatron-lm') }}\n")
     r = run(project, "check")
@@ -202,6 +243,7 @@ def test_a_template_cannot_change_what_check_compares(project):
 
 
 # -- 3. render removes only what it wrote ----------------------------------------------------------------
+
 
 def _note(project):
     locked(project)
@@ -272,6 +314,7 @@ def test_render_never_writes_through_a_symlinked_folder(project, tmp_path):
 
 # -- 4. cache entries that are not regular files ---------------------------------------------------------
 
+
 def _fifo(path):
     os.mkfifo(path)
 
@@ -302,7 +345,7 @@ def test_a_cache_entry_that_is_not_a_regular_file_is_refused(project, plant):
 def test_a_cache_entry_larger_than_its_blob_is_never_read(project):
     entry = cache_entry(project, locked(project))
     with open(entry, "r+b") as f:
-        f.truncate(8 << 30)                                 # sparse: 8 GiB that reading would allocate
+        f.truncate(8 << 30)  # sparse: 8 GiB that reading would allocate
     r = run(project, "check", timeout=20)
     assert r.code == 1 and "Traceback" not in r.err, (r.out, r.err)
     assert "not fetched" in r.out
@@ -310,6 +353,7 @@ def test_a_cache_entry_larger_than_its_blob_is_never_read(project):
 
 
 # -- 5. what is echoed from input is escaped -------------------------------------------------------------
+
 
 def test_an_error_naming_a_spoofed_path_stays_one_line(project):
     r = run(project, "cite", "up:pkg/\u202eyp.evil\nfake: all good.py#L1-L2")
@@ -326,6 +370,7 @@ def test_check_escapes_citations_it_reports(project):
 
 
 # -- 9. pin records commits only -------------------------------------------------------------------------
+
 
 def test_pin_peels_an_annotated_tag_to_its_commit(project, upstream):
     tag_object = git.Repo(upstream.path).tags["v1"].tag.hexsha

@@ -3,6 +3,7 @@ hand-typed upstream line number may stand: pin_and_cite.core.code_citations) and
 says what the lock says it says, and that every note keeps its rules (pin_and_cite.site.note_rules, which
 include the evidence each design choice names), names tests that exist, and renders (traces, diagrams); and
 that each recorded bump's excerpts still hash as its record says (pin_and_cite.site.changes)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from pin_and_cite.site.study import helpers
 
 @dataclass
 class Problem:
-    where: str       # "reading_notes/x.md.j2:12" or "citations.lock"
+    where: str  # "reading_notes/x.md.j2:12" or "citations.lock"
     cite: str
     message: str
 
@@ -34,13 +35,12 @@ class Problem:
 
 @dataclass
 class Report:
-    checked: int                 # citations, defaults and named tests
-    ok: int                      # those of them that hold
-    problems: list[Problem]      # theirs, and the notes' rules, renders, bump records and pinned-SHA files
+    checked: int  # citations, defaults and named tests
+    ok: int  # those of them that hold
+    problems: list[Problem]  # theirs, and the notes' rules, renders, bump records and pinned-SHA files
 
     def as_json(self) -> dict:
-        return {"checked": self.checked, "broken": len(self.problems),
-                "problems": [vars(p) for p in self.problems]}
+        return {"checked": self.checked, "broken": len(self.problems), "problems": [vars(p) for p in self.problems]}
 
 
 def _verdict(prove, *args) -> str | None:
@@ -71,11 +71,12 @@ def check(project: Project) -> Report:
     every test a note names with verified_by() exists."""
     resolver = Resolver(project, allow_remote=False)
     verdicts = {key: verify_locked(project, resolver, key) for key in project.lock.citations}
-    verdicts |= {key: _verdict(lambda k: locked_default(project, resolver, parse_key(k)), key)
-                 for key in project.lock.defaults}
+    verdicts |= {
+        key: _verdict(lambda k: locked_default(project, resolver, parse_key(k)), key) for key in project.lock.defaults
+    }
     problems, in_notes, malformed, broken = [], set(), 0, {key for key, why in verdicts.items() if why}
     written = written_calls(project.notes_dir, {"cite", "upstream", "verified_by", "default"}, resolver.parsed)
-    written += code_citations(project.root)                  # the reference's docstrings cite upstream too
+    written += code_citations(project.root)  # the reference's docstrings cite upstream too
     claims = [call for call in written if call.function == "verified_by"]
     for call in (call for call in written if call.function != "verified_by"):
         where = call.where(project.root)
@@ -91,13 +92,22 @@ def check(project: Project) -> Report:
         if why:
             problems.append(Problem(where, key, why))
             broken.add(key)
-    problems += [Problem("citations.lock", key, why) for key, why in verdicts.items()
-                 if why and key not in in_notes]
-    missing = [Problem(c.where(project.root), c.argument, why) for c in claims
-               if (why := missing_test(project.root, c.argument))]
+    problems += [Problem("citations.lock", key, why) for key, why in verdicts.items() if why and key not in in_notes]
+    missing = [
+        Problem(c.where(project.root), c.argument, why)
+        for c in claims
+        if (why := missing_test(project.root, c.argument))
+    ]
     problems += missing
-    problems += [Problem(where, what, "a hand-typed upstream line number, which nothing keeps true; cite the code "
-                         "as SOURCE:PATH::Qual.name instead") for where, what in hand_typed_lines(project.root)]
+    problems += [
+        Problem(
+            where,
+            what,
+            "a hand-typed upstream line number, which nothing keeps true; cite the code "
+            "as SOURCE:PATH::Qual.name instead",
+        )
+        for where, what in hand_typed_lines(project.root)
+    ]
     problems += _render_problems(project, resolver, problems)
     problems += [Problem("citations.lock", what, why) for what, why in record_problems(project, resolver)]
     problems += [Problem(f"reading_notes/{sha_file}", "pins.toml", why) for sha_file, why in stale_sha(project)]
@@ -110,8 +120,10 @@ def _render_problems(project: Project, resolver: Resolver, found: list[Problem])
     for: traces, diagrams, Jinja errors."""
     renderer, problems = Renderer(project, resolver, helpers), []
     for template in sorted(project.notes_dir.glob(TEMPLATE_GLOB)):
-        problems += [Problem(f"{template.relative_to(project.root)}:{p.line}", "note rules", p.message)
-                     for p in renderer.rule_problems(template)]
+        problems += [
+            Problem(f"{template.relative_to(project.root)}:{p.line}", "note rules", p.message)
+            for p in renderer.rule_problems(template)
+        ]
     skip = {p.where.rsplit(":", 1)[0] for p in found + problems}
     for template, context, _ in pages(project):
         where = str(template.relative_to(project.root))
@@ -122,5 +134,5 @@ def _render_problems(project: Project, resolver: Resolver, found: list[Problem])
         except PinAndCiteError as exc:
             where_line, _, message = str(exc).partition(": ")
             problems.append(Problem(where_line, "render", message))
-            skip.add(where)                     # one problem per template, not one per source page
+            skip.add(where)  # one problem per template, not one per source page
     return problems

@@ -1,4 +1,5 @@
 """The command line: a verb per subcommand, `--json` for scripts, exit codes that mean something."""
+
 from __future__ import annotations
 
 import argparse
@@ -63,7 +64,7 @@ def _url_override(text: str) -> tuple[str, str]:
     return name, url
 
 
-MAX_TIMEOUT = 86400      # a day: beyond it, nothing is waiting for an answer (and timers overflow)
+MAX_TIMEOUT = 86400  # a day: beyond it, nothing is waiting for an answer (and timers overflow)
 
 
 def _seconds(text: str) -> float:
@@ -86,92 +87,149 @@ class _OneLineParser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     network = argparse.ArgumentParser(add_help=False)
-    network.add_argument("--timeout", type=_seconds, default=60.0, metavar="SECONDS",
-                         help="give up on a git remote that does not answer within this many seconds "
-                              f"(more than 0, at most {MAX_TIMEOUT}; default 60)")
+    network.add_argument(
+        "--timeout",
+        type=_seconds,
+        default=60.0,
+        metavar="SECONDS",
+        help="give up on a git remote that does not answer within this many seconds "
+        f"(more than 0, at most {MAX_TIMEOUT}; default 60)",
+    )
     network.add_argument("--json", action="store_true", help="print machine-readable JSON on stdout")
     common = argparse.ArgumentParser(add_help=False, parents=[network])
-    common.add_argument("--project", type=Path, help="project root (default: nearest parent with reading_notes/pins.toml)")
-    common.add_argument("--url", dest="urls", action="append", type=_url_override, default=[], metavar="NAME=URL",
-                        help="fetch source NAME from URL instead of its pinned url (a mirror); repeatable")
+    common.add_argument(
+        "--project", type=Path, help="project root (default: nearest parent with reading_notes/pins.toml)"
+    )
+    common.add_argument(
+        "--url",
+        dest="urls",
+        action="append",
+        type=_url_override,
+        default=[],
+        metavar="NAME=URL",
+        help="fetch source NAME from URL instead of its pinned url (a mirror); repeatable",
+    )
 
     parser = _OneLineParser(
-        prog="pin-and-cite", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
+        prog="pin-and-cite",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EPILOG,
         description="Pin upstream repositories at exact commits, fetch only the cited files (verified by git "
-                    "blob hash), and check that every citation in the reading notes still says what it claims.")
+        "blob hash), and check that every citation in the reading notes still says what it claims.",
+    )
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
 
-    pin = verbs.add_parser("pin", parents=[common], help="resolve a tag, branch or full SHA and record it in pins.toml",
-                           description="Resolve REF on the source's remote to a full commit SHA and record it.")
+    pin = verbs.add_parser(
+        "pin",
+        parents=[common],
+        help="resolve a tag, branch or full SHA and record it in pins.toml",
+        description="Resolve REF on the source's remote to a full commit SHA and record it.",
+    )
     pin.add_argument("source", help="source name in pins.toml (or a new one, with --source-url)")
     pin.add_argument("--ref", required=True, help="tag, branch or full 40-hex commit SHA")
     pin.add_argument("--source-url", help="git URL of a new source")
-    pin.add_argument("--force", action="store_true",
-                     help="move a pin even though citations are locked at the old commit (`bump` re-anchors them)")
+    pin.add_argument(
+        "--force",
+        action="store_true",
+        help="move a pin even though citations are locked at the old commit (`bump` re-anchors them)",
+    )
 
-    verbs.add_parser("fetch", parents=[common], help="materialize every locked file, verified, into the cache",
-                     description="Get every file in the lock (with both ends of each recorded bump) from the "
-                                 "cache, an installed distribution, or one partial git fetch per source, "
-                                 "verifying each against its git blob SHA.")
+    verbs.add_parser(
+        "fetch",
+        parents=[common],
+        help="materialize every locked file, verified, into the cache",
+        description="Get every file in the lock (with both ends of each recorded bump) from the "
+        "cache, an installed distribution, or one partial git fetch per source, "
+        "verifying each against its git blob SHA.",
+    )
 
-    cite = verbs.add_parser("cite", parents=[common], help="print cited lines with a permalink, and lock them",
-                            description="Resolve citations at the pinned commit, print them with upstream line "
-                                        "numbers and a permalink, and record them in the lock.")
+    cite = verbs.add_parser(
+        "cite",
+        parents=[common],
+        help="print cited lines with a permalink, and lock them",
+        description="Resolve citations at the pinned commit, print them with upstream line "
+        "numbers and a permalink, and record them in the lock.",
+    )
     cite.add_argument("specs", nargs="+", metavar="CITATION")
     cite.add_argument("--no-lock", action="store_true", help="print only; leave the lock unchanged")
-    cite.add_argument("--default", metavar="PARAM", action="append",
-                      help="lock the default of parameter PARAM (repeatable) as written in each CITATION (SOURCE:PATH::Qual.name: "
-                           "a function's signature or a dataclass field), for the notes' default(CITATION, PARAM)")
-    cite.add_argument("--trust-distribution", action="store_true",
-                      help="learn a new file's blob SHA from the installed distribution named in pins.toml instead "
-                           "of the git tree (for bootstrapping a lock without access to the remote; recorded)")
+    cite.add_argument(
+        "--default",
+        metavar="PARAM",
+        action="append",
+        help="lock the default of parameter PARAM (repeatable) as written in each CITATION (SOURCE:PATH::Qual.name: "
+        "a function's signature or a dataclass field), for the notes' default(CITATION, PARAM)",
+    )
+    cite.add_argument(
+        "--trust-distribution",
+        action="store_true",
+        help="learn a new file's blob SHA from the installed distribution named in pins.toml instead "
+        "of the git tree (for bootstrapping a lock without access to the remote; recorded)",
+    )
 
-    verbs.add_parser("check", parents=[common], help="verify every citation offline (non-zero exit when broken)",
-                     description="Verify, without network, that every citation in the lock and in the note "
-                                 "templates resolves to the locked text at the pinned commit, that every note keeps "
-                                 "its rules and renders, that megatron-sha.txt matches the pin, and that the "
-                                 "excerpts of each recorded bump hash as the record says.")
-    render = verbs.add_parser("render", parents=[common], help="render the note templates into Markdown for the site",
-                              description="Render reading_notes/**/*.md.j2 into OUT (NAME.md.j2 -> NAME.md) from the "
-                                          "verified cache, offline, with a page per pinned source and, under "
-                                          "OUT/changes/, a page per citation the latest bump of a source changed "
-                                          "or deleted (old vs new diff) and their index; only changed files are "
-                                          "written, and pages render wrote before but no longer makes are "
-                                          "removed (OUT/.pin-and-cite-pages.json lists them). An OUT holding "
-                                          "Markdown render did not write is refused. Templates render in a "
-                                          "sandbox.")
+    verbs.add_parser(
+        "check",
+        parents=[common],
+        help="verify every citation offline (non-zero exit when broken)",
+        description="Verify, without network, that every citation in the lock and in the note "
+        "templates resolves to the locked text at the pinned commit, that every note keeps "
+        "its rules and renders, that megatron-sha.txt matches the pin, and that the "
+        "excerpts of each recorded bump hash as the record says.",
+    )
+    render = verbs.add_parser(
+        "render",
+        parents=[common],
+        help="render the note templates into Markdown for the site",
+        description="Render reading_notes/**/*.md.j2 into OUT (NAME.md.j2 -> NAME.md) from the "
+        "verified cache, offline, with a page per pinned source and, under "
+        "OUT/changes/, a page per citation the latest bump of a source changed "
+        "or deleted (old vs new diff) and their index; only changed files are "
+        "written, and pages render wrote before but no longer makes are "
+        "removed (OUT/.pin-and-cite-pages.json lists them). An OUT holding "
+        "Markdown render did not write is refused. Templates render in a "
+        "sandbox.",
+    )
     render.add_argument("--out", type=Path, default=Path(SITE_NOTES), help="output folder, relative to the project")
 
     bumper = verbs.add_parser(
-        "bump", parents=[common], help="move a pin to a new commit and carry every citation along",
+        "bump",
+        parents=[common],
+        help="move a pin to a new commit and carry every citation along",
         description="Resolve REF, relocate every citation of source NAME (note templates and lock) to it, "
-                    "rewrite the line numbers in the templates in place, highlight= ones included (nothing "
-                    "else changes), update pins.toml and the lock, and print a review report: counts per status "
-                    "and, for each changed or deleted citation, where it is cited and its old vs new excerpt as "
-                    "a diff; then the highlights carried, and one line per highlight a person should review. "
-                    "The lock also records the bump (replacing the source's previous record), so `render` "
-                    "can show the same diffs on the site. A REF naming the pinned commit changes nothing (so a "
-                    "repeated bump keeps the record); two bumps of one project take turns. "
-                    "All files are written together, or none (any error, or --dry-run).")
+        "rewrite the line numbers in the templates in place, highlight= ones included (nothing "
+        "else changes), update pins.toml and the lock, and print a review report: counts per status "
+        "and, for each changed or deleted citation, where it is cited and its old vs new excerpt as "
+        "a diff; then the highlights carried, and one line per highlight a person should review. "
+        "The lock also records the bump (replacing the source's previous record), so `render` "
+        "can show the same diffs on the site. A REF naming the pinned commit changes nothing (so a "
+        "repeated bump keeps the record); two bumps of one project take turns. "
+        "All files are written together, or none (any error, or --dry-run).",
+    )
     bumper.add_argument("source", metavar="NAME", help="source name in pins.toml")
     bumper.add_argument("--ref", required=True, help="tag, branch or full 40-hex commit SHA to move to")
     bumper.add_argument("--dry-run", action="store_true", help="report what would change; write nothing")
 
     relocate = verbs.add_parser(
-        "relocate", parents=[network], help="where do citations made at one commit point at another?",
+        "relocate",
+        parents=[network],
+        help="where do citations made at one commit point at another?",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Follow citations of a git repository from commit OLD to commit NEW: line ranges follow their\n"
-                    "text, symbols follow their qualified name, into a renamed file or another file when the code\n"
-                    "left its own. Needs no project; fetches each cited file once per commit (into the cache),\n"
-                    "however many citations there are, and other files only for code that left its file.",
+        "text, symbols follow their qualified name, into a renamed file or another file when the code\n"
+        "left its own. Needs no project; fetches each cited file once per commit (into the cache),\n"
+        "however many citations there are, and other files only for code that left its file.",
         epilog="CITE is PATH#Lstart-Lend (1-based, inclusive) or PATH::Qual.name; '-' reads one per line from stdin.\n"
-               "--json prints a list in input order, one object per citation:\n"
-               '  {"cite": ..., "status": ..., "lines": [start, end] or null, "path": the file the lines are in},\n'
-               '  plus "reason" (errors, some changed answers) and "symbol" (a definition now under another name).\n'
-               "Statuses: see `pin-and-cite --help`. Exit status 1 when any citation is an error (the others are\n"
-               "still answered); 2 for bad arguments or an unknown commit; 3 when the repository cannot be read.")
-    relocate.add_argument("--source", required=True, metavar="GIT_URL_OR_PATH",
-                          help="the repository: a git URL or a local repository directory")
+        "--json prints a list in input order, one object per citation:\n"
+        '  {"cite": ..., "status": ..., "lines": [start, end] or null, "path": the file the lines are in},\n'
+        '  plus "reason" (errors, some changed answers) and "symbol" (a definition now under another name).\n'
+        "Statuses: see `pin-and-cite --help`. Exit status 1 when any citation is an error (the others are\n"
+        "still answered); 2 for bad arguments or an unknown commit; 3 when the repository cannot be read.",
+    )
+    relocate.add_argument(
+        "--source",
+        required=True,
+        metavar="GIT_URL_OR_PATH",
+        help="the repository: a git URL or a local repository directory",
+    )
     relocate.add_argument("--from", dest="old", required=True, metavar="OLD", help="commit, tag or branch cited")
     relocate.add_argument("--to", dest="new", required=True, metavar="NEW", help="commit, tag or branch to follow to")
     relocate.add_argument("cites", nargs="+", metavar="CITE")
@@ -181,7 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_render(project: Project, args) -> int:
     changed = render_site(project.root, project.root / args.out)
     names = [str(p.relative_to(project.root) if p.is_relative_to(project.root) else p) for p in changed]
-    print(json.dumps({"changed": names}) if args.json else "\n".join(map(printable, names)) or "rendered notes unchanged")
+    print(
+        json.dumps({"changed": names}) if args.json else "\n".join(map(printable, names)) or "rendered notes unchanged"
+    )
     return 0
 
 
@@ -195,20 +255,30 @@ def cmd_pin(project: Project, args) -> int:
     commit = project.remote_at(args.source, url).resolve_ref(args.ref)
     locked = [k for k, f in project.lock.files.items() if k.startswith(f"{args.source}:") and f.commit != commit]
     if locked and not args.force:
-        raise PinAndCiteError(f"{len(locked)} locked file(s) of {args.source} are at {existing.commit[:12]}; "
-                              f"moving the pin to {commit[:12]} would orphan their citations: use "
-                              f"`pin-and-cite bump {args.source} --ref {args.ref}` to carry them along (or --force)")
+        raise PinAndCiteError(
+            f"{len(locked)} locked file(s) of {args.source} are at {existing.commit[:12]}; "
+            f"moving the pin to {commit[:12]} would orphan their citations: use "
+            f"`pin-and-cite bump {args.source} --ref {args.ref}` to carry them along (or --force)"
+        )
     project.pins.set_commit(args.source, url, commit, None if is_full_sha(args.ref) else args.ref)
-    result = {"source": args.source, "commit": commit, "tag": None if is_full_sha(args.ref) else args.ref,
-              "previous": existing.commit if existing else None}
+    result = {
+        "source": args.source,
+        "commit": commit,
+        "tag": None if is_full_sha(args.ref) else args.ref,
+        "previous": existing.commit if existing else None,
+    }
     print(json.dumps(result) if args.json else printable(f"pinned {args.source} at {commit} ({args.ref})"))
     return 0
 
 
 def cmd_fetch(project: Project, args) -> int:
     def progress(item: Fetched, n: int, total: int) -> None:
-        print(printable(f"[{n}/{total}] {item.source}:{item.path} <- {item.origin}" +
-                        (f" ({item.note})" if item.note else "")), file=sys.stderr)
+        print(
+            printable(
+                f"[{n}/{total}] {item.source}:{item.path} <- {item.origin}" + (f" ({item.note})" if item.note else "")
+            ),
+            file=sys.stderr,
+        )
 
     fetched = fetch_all(project, progress)
     if args.json:
@@ -221,7 +291,7 @@ def cmd_fetch(project: Project, args) -> int:
 def cmd_cite(project: Project, args) -> int:
     if args.default:
         return cmd_cite_default(project, args)
-    specs = [parse_spec(text) for text in args.specs]        # refuse any malformed spec before work
+    specs = [parse_spec(text) for text in args.specs]  # refuse any malformed spec before work
     resolver = Resolver(project, trust_distribution=args.trust_distribution)
     excerpts = []
     for spec in specs:
@@ -244,7 +314,7 @@ def cmd_cite(project: Project, args) -> int:
 
 
 def cmd_cite_default(project: Project, args) -> int:
-    refs = [default_ref(text, param) for text in args.specs for param in args.default]   # all parsed before work
+    refs = [default_ref(text, param) for text in args.specs for param in args.default]  # all parsed before work
     resolver = Resolver(project, trust_distribution=args.trust_distribution)
     found = []
     for ref in refs:
@@ -254,8 +324,17 @@ def cmd_cite_default(project: Project, args) -> int:
             resolver.record_default(ref, default, excerpt, learned)
     if not args.no_lock:
         project.lock.save()
-    rows = [{"default": str(ref), "param": ref.param, "value": d.value, "line": d.line, "commit": e.source.commit,
-             "permalink": e.source.permalink(ref.spec.path, (d.line, d.line))} for ref, d, e in found]
+    rows = [
+        {
+            "default": str(ref),
+            "param": ref.param,
+            "value": d.value,
+            "line": d.line,
+            "commit": e.source.commit,
+            "permalink": e.source.permalink(ref.spec.path, (d.line, d.line)),
+        }
+        for ref, d, e in found
+    ]
     if args.json:
         print(json.dumps(rows, indent=2))
     for row in [] if args.json else rows:
@@ -278,8 +357,21 @@ def cmd_bump(project: Project, args) -> int:
     try:
         planned = bump.plan(project, args.source, args.ref)
     except bump.AlreadyPinned as done:
-        print(json.dumps({"source": done.source, "from": done.commit, "to": done.commit, "dry_run": args.dry_run,
-                          "written": [], "citations": [], "note": str(done)}) if args.json else done)
+        print(
+            json.dumps(
+                {
+                    "source": done.source,
+                    "from": done.commit,
+                    "to": done.commit,
+                    "dry_run": args.dry_run,
+                    "written": [],
+                    "citations": [],
+                    "note": str(done),
+                }
+            )
+            if args.json
+            else done
+        )
         return 0
     if not args.dry_run:
         bump.apply(planned, project.notes_dir)
@@ -307,22 +399,30 @@ def cmd_relocate(args) -> int:
     texts = _read_cites(args.cites)
     results = relocate_texts(args.source, args.old, args.new, texts, args.timeout)
     if args.json:
-        print("[\n" + ",\n".join(json.dumps(r) for r in results) + "\n]")     # one citation per line
+        print("[\n" + ",\n".join(json.dumps(r) for r in results) + "\n]")  # one citation per line
     else:
         for r in results:
             where = f"L{r['lines'][0]}-L{r['lines'][1]}" if r["lines"] else "-"
             if r["lines"] and not r["cite"].startswith(r["path"] + "#") and not r["cite"].startswith(r["path"] + "::"):
-                where = f"{r['path']}#{where}"                     # the code went into another file
+                where = f"{r['path']}#{where}"  # the code went into another file
             if "symbol" in r:
                 where += f" ({r['symbol']})"
-            print(printable(f"{r['status']:<9} {r['cite']} -> {where}" + (f"  ({r['reason']})" if "reason" in r else "")))
+            print(
+                printable(f"{r['status']:<9} {r['cite']} -> {where}" + (f"  ({r['reason']})" if "reason" in r else ""))
+            )
     return 1 if any(r["status"] == "error" for r in results) else 0
 
 
-COMMANDS = {"pin": cmd_pin, "fetch": cmd_fetch, "cite": cmd_cite, "check": cmd_check, "render": cmd_render,
-            "bump": cmd_bump}
+COMMANDS = {
+    "pin": cmd_pin,
+    "fetch": cmd_fetch,
+    "cite": cmd_cite,
+    "check": cmd_check,
+    "render": cmd_render,
+    "bump": cmd_bump,
+}
 WRITERS = {"pin", "cite", "bump"}
-STANDALONE = {"relocate": cmd_relocate}      # verbs that need no project
+STANDALONE = {"relocate": cmd_relocate}  # verbs that need no project
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -332,19 +432,23 @@ def main(argv: list[str] | None = None) -> int:
             return STANDALONE[args.verb](args)
         root = args.project or find_root(Path.cwd())
         project_lock = Store(default_cache_dir()).lock(f"project {root.resolve()}")
-        if recovered := journal.recover(root / NOTES_DIR, project_lock):     # a bump killed mid-write
+        if recovered := journal.recover(root / NOTES_DIR, project_lock):  # a bump killed mid-write
             print(f"pin-and-cite: {recovered}", file=sys.stderr)
         if args.verb not in WRITERS:
             return COMMANDS[args.verb](Project(root, timeout=args.timeout, url_overrides=dict(args.urls)), args)
-        with project_lock:                                                      # pins and lock read under it
+        with project_lock:  # pins and lock read under it
             return COMMANDS[args.verb](Project(root, timeout=args.timeout, url_overrides=dict(args.urls)), args)
     except PinAndCiteError as exc:
         print(f"pin-and-cite: error: {printable(str(exc))}", file=sys.stderr)
         return exc.exit_code
-    except OSError as exc:                         # the machine's, not the input's: disk full, permissions
-        print(printable(f"pin-and-cite: error: {exc.strerror or exc}: {exc.filename or ''} (nothing was left "
-                        "half-written)"), file=sys.stderr)
+    except OSError as exc:  # the machine's, not the input's: disk full, permissions
+        print(
+            printable(
+                f"pin-and-cite: error: {exc.strerror or exc}: {exc.filename or ''} (nothing was left half-written)"
+            ),
+            file=sys.stderr,
+        )
         return LOCAL_IO
     except KeyboardInterrupt:
         print("pin-and-cite: interrupted; nothing was left half-written", file=sys.stderr, flush=True)
-        os._exit(130)   # now: gitpython's timeout watchdog thread would otherwise keep the process alive
+        os._exit(130)  # now: gitpython's timeout watchdog thread would otherwise keep the process alive

@@ -7,6 +7,7 @@ without restoring the TP dropout stream, to show that restoring it is what makes
 counts the bytes one block saves for backward in every configuration of Korthikanti et al.'s Table 2 that the
 world allows (reference.activation_memory). Each rank writes OUTDIR/rank{r}.json.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,9 +30,19 @@ COUNT_SHAPE = dict(s=32, b=2, h=64, a=4)  # s != h / a, so the s^2 tensors are t
 def train(device, tp_group, sequence_parallel: bool, recompute: str, dtype) -> tuple[list[float], dict]:
     """Losses and this rank's parameter and input gradients after STEPS forward-backward passes."""
     torch.manual_seed(SEED)
-    model = ParallelTransformer(LAYERS, H, A, tp_group=tp_group, dropout_seed=SEED, hidden_dropout=DROPOUT,
-                                attention_dropout=DROPOUT, sequence_parallel=sequence_parallel,
-                                recompute=recompute, params_dtype=dtype, device=device)
+    model = ParallelTransformer(
+        LAYERS,
+        H,
+        A,
+        tp_group=tp_group,
+        dropout_seed=SEED,
+        hidden_dropout=DROPOUT,
+        attention_dropout=DROPOUT,
+        sequence_parallel=sequence_parallel,
+        recompute=recompute,
+        params_dtype=dtype,
+        device=device,
+    )
     losses, grads = [], {}
     for step in range(STEPS):
         x = torch.randn(S, B, H, device=device, dtype=dtype, requires_grad=True)
@@ -46,9 +57,11 @@ def train(device, tp_group, sequence_parallel: bool, recompute: str, dtype) -> t
 
 def compare(reference_run, run) -> dict:
     (losses0, grads0), (losses, grads) = reference_run, run
-    return {"losses_equal": losses == losses0,
-            "grads_equal": all(torch.equal(grads[n], grads0[n]) for n in grads0),
-            "max_grad_diff": max((grads[n].float() - grads0[n].float()).abs().max().item() for n in grads0)}
+    return {
+        "losses_equal": losses == losses0,
+        "grads_equal": all(torch.equal(grads[n], grads0[n]) for n in grads0),
+        "max_grad_diff": max((grads[n].float() - grads0[n].float()).abs().max().item() for n in grads0),
+    }
 
 
 def recompute_results(device, tp_group) -> dict:
@@ -59,13 +72,15 @@ def recompute_results(device, tp_group) -> dict:
         for sp in layouts:
             name = f"t{tp_group.size()}{'_sp' if sp else ''}_{str(dtype).removeprefix('torch.')}"
             baseline = train(device, tp_group, sp, "none", dtype)
-            results[name] = {mode: compare(baseline, train(device, tp_group, sp, mode, dtype))
-                             for mode in RECOMPUTE_MODES[1:]}
+            results[name] = {
+                mode: compare(baseline, train(device, tp_group, sp, mode, dtype)) for mode in RECOMPUTE_MODES[1:]
+            }
             replaying = reference.recompute._replaying
             reference.recompute._replaying = lambda function, rng: function  # the control: no TP stream replay
             try:
                 results[name]["selective_without_tp_stream_replay"] = compare(
-                    baseline, train(device, tp_group, sp, "selective", dtype))
+                    baseline, train(device, tp_group, sp, "selective", dtype)
+                )
             finally:
                 reference.recompute._replaying = replaying
     return results
@@ -76,8 +91,9 @@ def memory_counts(device, world: int) -> list[dict]:
     single = [dist.new_group([r]) for r in range(world)][dist.get_rank()]  # every rank creates every group
     if world == 1:
         return [count("no parallelism", **COUNT_SHAPE, tp_group=dist.group.WORLD, device=device).to_dict()]
-    return [c.to_dict() for c in count_all(**COUNT_SHAPE, tp_groups={1: single, world: dist.group.WORLD},
-                                           device=device)]
+    return [
+        c.to_dict() for c in count_all(**COUNT_SHAPE, tp_groups={1: single, world: dist.group.WORLD}, device=device)
+    ]
 
 
 def main() -> None:

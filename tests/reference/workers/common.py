@@ -5,6 +5,7 @@ first argument, each rank's results written by `write_results` for the pytest si
 define `results(device) -> dict` and `main()` calls `serve(results)`, so shared_worker.py can run several of
 them in one launch.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from reference.distributed import finish, init_distributed  # noqa: F401 (finish: for the workers)
+from reference.distributed import finish, init_distributed
 
 
 def device_type() -> str:
@@ -52,11 +53,11 @@ def gather_dim(t: torch.Tensor, dim: int, group) -> torch.Tensor:
 
 def full_tensor(module_name: str, param_name: str, t: torch.Tensor, group) -> torch.Tensor:
     """The unsharded version of a TP block parameter (or its gradient), by the layer it belongs to."""
-    if module_name.endswith(("qkv", "fc1")):          # column-parallel: weight and bias split on dim 0
+    if module_name.endswith(("qkv", "fc1")):  # column-parallel: weight and bias split on dim 0
         return gather_dim(t, 0, group)
     if module_name.endswith(("proj", "fc2")) and param_name == "weight":  # row-parallel weight: dim 1
         return gather_dim(t, 1, group)
-    return t                                           # replicated: LayerNorm, row bias
+    return t  # replicated: LayerNorm, row bias
 
 
 def assert_close(actual, expected, what: str, atol=1e-5, rtol=1e-4):
@@ -70,11 +71,20 @@ def dtensor_plan(sp: bool) -> dict:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
     if not sp:
-        return {"attention.qkv": ColwiseParallel(), "attention.proj": RowwiseParallel(),
-                "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()}
-    return {"ln1": SequenceParallel(sequence_dim=0), "attention.qkv": ColwiseParallel(input_layouts=Shard(0)),
-            "attention.proj": RowwiseParallel(output_layouts=Shard(0)), "ln2": SequenceParallel(sequence_dim=0),
-            "mlp.fc1": ColwiseParallel(input_layouts=Shard(0)), "mlp.fc2": RowwiseParallel(output_layouts=Shard(0))}
+        return {
+            "attention.qkv": ColwiseParallel(),
+            "attention.proj": RowwiseParallel(),
+            "mlp.fc1": ColwiseParallel(),
+            "mlp.fc2": RowwiseParallel(),
+        }
+    return {
+        "ln1": SequenceParallel(sequence_dim=0),
+        "attention.qkv": ColwiseParallel(input_layouts=Shard(0)),
+        "attention.proj": RowwiseParallel(output_layouts=Shard(0)),
+        "ln2": SequenceParallel(sequence_dim=0),
+        "mlp.fc1": ColwiseParallel(input_layouts=Shard(0)),
+        "mlp.fc2": RowwiseParallel(output_layouts=Shard(0)),
+    }
 
 
 def max_diff(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> float:

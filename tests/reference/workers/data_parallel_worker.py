@@ -6,14 +6,15 @@ DistributedDataParallel on the same groups), under a CollectiveRecorder. Each ra
 max differences, per-step recorded all-reduces (group, bytes, phase, issued before the last gradient?), the
 bucket layouts (ours and torch's `_compute_bucket_assignment_by_size`) and bad-input errors.
 """
+
 from __future__ import annotations
 
 import time
 
 import torch
 import torch.distributed as dist
-
 from common import full_tensor, max_diff, serve
+
 from reference.data_parallel import DistributedDataParallel, finalize_model_grads, local_batch
 from reference.parallel_state import build_layout
 from reference.recorder import CollectiveRecorder
@@ -57,22 +58,33 @@ def mean_over(value: float, group) -> float:
     return t.item() / group.size()
 
 
-def train_ddp(group, *, tp_group=None, sequence_parallel=False, overlap=True, bucket_size=BUCKET,
-              implementation="reference", steps=STEPS, optimizer_zero_grad=False) -> dict:
+def train_ddp(
+    group,
+    *,
+    tp_group=None,
+    sequence_parallel=False,
+    overlap=True,
+    bucket_size=BUCKET,
+    implementation="reference",
+    steps=STEPS,
+    optimizer_zero_grad=False,
+) -> dict:
     """STEPS steps of DDP over `group` (TP-sharded when tp_group is given); what the tests read.
     optimizer_zero_grad: clear with `optimizer.zero_grad()` (grads set to None) instead of `model.zero_grad()`."""
     torch.manual_seed(SEED)
     if tp_group is None:
         module = Transformer(LAYERS, H, HEADS, device=DEVICE)
     else:
-        module = ParallelTransformer(LAYERS, H, HEADS, tp_group=tp_group, sequence_parallel=sequence_parallel,
-                                     device=DEVICE)
+        module = ParallelTransformer(
+            LAYERS, H, HEADS, tp_group=tp_group, sequence_parallel=sequence_parallel, device=DEVICE
+        )
     gradient_stamps: list[float] = []
     for param in module.parameters():  # registered before DDP's hooks, so they fire first on each parameter
         param.register_post_accumulate_grad_hook(lambda _p: gradient_stamps.append(time.perf_counter()))
     if implementation == "torch":
-        model = torch.nn.parallel.DistributedDataParallel(module, process_group=group,
-                                                          bucket_cap_mb_list=[bucket_size / 2**20])
+        model = torch.nn.parallel.DistributedDataParallel(
+            module, process_group=group, bucket_cap_mb_list=[bucket_size / 2**20]
+        )
     else:
         model = DistributedDataParallel(module, group, bucket_size=bucket_size, overlap_grad_reduce=overlap)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
@@ -85,14 +97,28 @@ def train_ddp(group, *, tp_group=None, sequence_parallel=False, overlap=True, bu
             if implementation == "reference":
                 finalize_model_grads([model], tp_group)
         last_gradient = max(gradient_stamps)
-        records.append([{"op": e.op, "group": list(e.group_ranks), "nbytes": e.nbytes, "phase": e.phase,
-                         "before_last_gradient": e.start < last_gradient} for e in rec.events])
+        records.append(
+            [
+                {
+                    "op": e.op,
+                    "group": list(e.group_ranks),
+                    "nbytes": e.nbytes,
+                    "phase": e.phase,
+                    "before_last_gradient": e.start < last_gradient,
+                }
+                for e in rec.events
+            ]
+        )
         first_grads = first_grads or {n: full(n, p.grad, tp_group) for n, p in module.named_parameters()}
         optimizer.step()
         (optimizer if optimizer_zero_grad else model).zero_grad()
         losses.append(mean_over(loss.item(), group))
-    result = {"losses": losses, "steps": records, "first_grads": first_grads,
-              "params": {n: full(n, p.detach(), tp_group) for n, p in module.named_parameters()}}
+    result = {
+        "losses": losses,
+        "steps": records,
+        "first_grads": first_grads,
+        "params": {n: full(n, p.detach(), tp_group) for n, p in module.named_parameters()},
+    }
     if implementation == "reference":
         result["buckets"] = [bucket.nbytes for bucket in model.buckets]
     return result
@@ -122,7 +148,10 @@ def no_sync_run(group, micro_batches: int) -> dict:
                 (loss_fn(model(xm), tm) / micro_batches).backward()
                 model.finish_grad_sync()
             per_micro.append(len(rec.events))
-    return {"collectives_per_micro_batch": per_micro, "grads": {n: p.grad.clone() for n, p in module.named_parameters()}}
+    return {
+        "collectives_per_micro_batch": per_micro,
+        "grads": {n: p.grad.clone() for n, p in module.named_parameters()},
+    }
 
 
 def bad_input(group, tp_group) -> dict[str, str]:
@@ -134,11 +163,16 @@ def bad_input(group, tp_group) -> dict[str, str]:
         except (ValueError, RuntimeError) as error:
             errors[key] = str(error)
 
-    capture("bucket_size_zero", lambda: DistributedDataParallel(Transformer(1, H, HEADS, device=DEVICE), group, bucket_size=0))
-    capture("bucket_size_negative", lambda: DistributedDataParallel(Transformer(1, H, HEADS, device=DEVICE), group, bucket_size=-5))
+    capture(
+        "bucket_size_zero",
+        lambda: DistributedDataParallel(Transformer(1, H, HEADS, device=DEVICE), group, bucket_size=0),
+    )
+    capture(
+        "bucket_size_negative",
+        lambda: DistributedDataParallel(Transformer(1, H, HEADS, device=DEVICE), group, bucket_size=-5),
+    )
     capture("batch_not_divisible", lambda: local_batch(torch.zeros(6, 2), group))
-    fused = ParallelTransformer(1, H, HEADS, tp_group=tp_group, gradient_accumulation_fusion=True,
-                                device=DEVICE)
+    fused = ParallelTransformer(1, H, HEADS, tp_group=tp_group, gradient_accumulation_fusion=True, device=DEVICE)
     capture("main_grad", lambda: DistributedDataParallel(fused, group))
     twice = DistributedDataParallel(Transformer(1, H, HEADS, device=DEVICE), group, bucket_size=None)
     x = torch.randn(S, 2, H)
@@ -172,9 +206,15 @@ def results(device: torch.device) -> dict:
         "tp2dp2": train_ddp(layout.dp_group, tp_group=layout.tp_group),
         "tp2dp2/sp": train_ddp(layout.dp_group, tp_group=layout.tp_group, sequence_parallel=True),
     }
-    result = {"rank": rank, "dp_group": dist.get_process_group_ranks(layout.dp_group),
-              "tp_group": dist.get_process_group_ranks(layout.tp_group), "diff": {}, "loss_diff": {}, "steps": {},
-              "buckets": {}}
+    result = {
+        "rank": rank,
+        "dp_group": dist.get_process_group_ranks(layout.dp_group),
+        "tp_group": dist.get_process_group_ranks(layout.tp_group),
+        "diff": {},
+        "loss_diff": {},
+        "steps": {},
+        "buckets": {},
+    }
     for name, run in runs.items():
         result["diff"][f"{name}/single"] = max_diff(run["params"], single_params)
         result["diff"][f"{name}/single_grads"] = max_diff(run["first_grads"], single_grads)
@@ -189,9 +229,11 @@ def results(device: torch.device) -> dict:
     result["buckets"]["torch_assignment"] = [sum(params[::-1][i].nbytes for i in b) for b in torch_indices]
     result["param_bytes"] = [p.nbytes for p in params]
     accumulated = no_sync_run(world_group, micro_batches=2)
-    result["no_sync"] = {"collectives_per_micro_batch": accumulated["collectives_per_micro_batch"],
-                         "diff_single": max_diff(accumulated["grads"], single_grads),
-                         "diff_one_batch": max_diff(accumulated["grads"], runs["dp4"]["first_grads"])}
+    result["no_sync"] = {
+        "collectives_per_micro_batch": accumulated["collectives_per_micro_batch"],
+        "diff_single": max_diff(accumulated["grads"], single_grads),
+        "diff_one_batch": max_diff(accumulated["grads"], runs["dp4"]["first_grads"]),
+    }
     result["bad_input"] = bad_input(world_group, layout.tp_group)
     return result
 

@@ -8,6 +8,7 @@ bf16 gradients. Each rank writes OUTDIR/rank{r}.json: differences against the or
 fp32 master slices, losses), bytes per rank, the recorded collectives of every step, mixed-precision facts and
 bad-input errors.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
 from common import finish, init
+
 from reference.data_parallel import DistributedDataParallel, local_batch
 from reference.data_parallel.buckets import padded_numel
 from reference.data_parallel.distributed_optimizer import DistributedOptimizer, bytes_per_rank
@@ -57,8 +58,14 @@ def train(group, config: str) -> dict:
     use_distopt, overlap_param_gather, fp32_grads = CONFIGS[config]
     torch.manual_seed(SEED)
     module = Transformer(LAYERS, H, HEADS, ffn_hidden_size=FFN, params_dtype=torch.bfloat16, device=DEVICE)
-    model = DistributedDataParallel(module, group, bucket_size=BUCKET, grad_dtype=torch.float32 if fp32_grads else None,
-                                    use_distributed_optimizer=use_distopt, overlap_param_gather=overlap_param_gather)
+    model = DistributedDataParallel(
+        module,
+        group,
+        bucket_size=BUCKET,
+        grad_dtype=torch.float32 if fp32_grads else None,
+        use_distributed_optimizer=use_distopt,
+        overlap_param_gather=overlap_param_gather,
+    )
     optimizer = DistributedOptimizer(model, adam) if use_distopt else unsharded(model, adam)
     losses, steps, facts = [], [], {}
     for x, target in batches():
@@ -67,30 +74,53 @@ def train(group, config: str) -> dict:
             loss = ((out.float() - local_batch(target, group, dim=1)) ** 2).mean()
             loss.backward()
             if not facts:
-                facts = {"param_dtype": str(next(module.parameters()).dtype),
-                         "grad_is_none": all(p.grad is None for p in module.parameters()) if fp32_grads else None,
-                         "main_grad_dtype": str(next(module.parameters()).main_grad.dtype) if fp32_grads else None,
-                         "master_dtypes": sorted({str(m.dtype) for m in optimizer.masters})}
+                facts = {
+                    "param_dtype": str(next(module.parameters()).dtype),
+                    "grad_is_none": all(p.grad is None for p in module.parameters()) if fp32_grads else None,
+                    "main_grad_dtype": str(next(module.parameters()).main_grad.dtype) if fp32_grads else None,
+                    "master_dtypes": sorted({str(m.dtype) for m in optimizer.masters}),
+                }
             model.finish_grad_sync()
             with rec.scope("step"):
                 optimizer.step()
             model.zero_grad()
-        steps.append([{"op": e.op, "group": list(e.group_ranks), "nbytes": e.nbytes, "dtype": e.dtype,
-                       "phase": e.phase, "in_step": e.module == "step"} for e in rec.events])
+        steps.append(
+            [
+                {
+                    "op": e.op,
+                    "group": list(e.group_ranks),
+                    "nbytes": e.nbytes,
+                    "dtype": e.dtype,
+                    "phase": e.phase,
+                    "in_step": e.module == "step",
+                }
+                for e in rec.events
+            ]
+        )
         losses.append(mean_over(loss.item(), group))
     model.finish_param_sync()
     params = {n: p.detach().clone() for n, p in module.named_parameters()}
     masters = flat_masters(model, optimizer, use_distopt)
     rounded = [m.to(torch.bfloat16) for m in masters]
-    model_flat = [bucket.shard if use_distopt else torch.cat([p.detach().reshape(-1) for p in bucket.params])
-                  for bucket in (model.param_buckets or model.buckets)]
+    model_flat = [
+        bucket.shard if use_distopt else torch.cat([p.detach().reshape(-1) for p in bucket.params])
+        for bucket in (model.param_buckets or model.buckets)
+    ]
     facts["master_rounds_to_param"] = all(torch.equal(r, p) for r, p in zip(rounded, model_flat))
     facts["master_finer_than_param"] = sum(int((m != p.float()).sum()) for m, p in zip(masters, model_flat))
     numel = sum(b.numel for b in model.buckets)
     padded = sum(padded_numel(b.numel, group.size()) for b in model.buckets)
-    return {"losses": losses, "steps": steps, "params": params, "masters": masters, "facts": facts,
-            "bytes": bytes_per_rank(model, optimizer), "numel": numel, "padded_numel": padded,
-            "buckets": len(model.buckets)}
+    return {
+        "losses": losses,
+        "steps": steps,
+        "params": params,
+        "masters": masters,
+        "facts": facts,
+        "bytes": bytes_per_rank(model, optimizer),
+        "numel": numel,
+        "padded_numel": padded,
+        "buckets": len(model.buckets),
+    }
 
 
 def flat_masters(model, optimizer, use_distopt: bool) -> list[torch.Tensor]:
@@ -109,11 +139,14 @@ def compare(run: dict, oracle: dict, group) -> dict:
     for full in oracle["masters"]:
         padded = torch.cat([full, full.new_zeros(padded_numel(full.numel(), size) - full.numel())])
         slices.append(padded.chunk(size)[rank])
-    return {"params": max((run["params"][n].float() - oracle["params"][n].float()).abs().max().item()
-                          for n in oracle["params"]),
-            "params_bitwise": all(torch.equal(run["params"][n], oracle["params"][n]) for n in oracle["params"]),
-            "masters": max((a - b).abs().max().item() for a, b in zip(run["masters"], slices)),
-            "losses": max(abs(a - b) for a, b in zip(run["losses"], oracle["losses"]))}
+    return {
+        "params": max(
+            (run["params"][n].float() - oracle["params"][n].float()).abs().max().item() for n in oracle["params"]
+        ),
+        "params_bitwise": all(torch.equal(run["params"][n], oracle["params"][n]) for n in oracle["params"]),
+        "masters": max((a - b).abs().max().item() for a, b in zip(run["masters"], slices)),
+        "losses": max(abs(a - b) for a, b in zip(run["losses"], oracle["losses"])),
+    }
 
 
 def bad_input(group) -> dict[str, str]:
@@ -127,8 +160,10 @@ def bad_input(group) -> dict[str, str]:
 
     plain = DistributedDataParallel(Transformer(1, H, HEADS, device=DEVICE), group)
     capture("distopt_on_plain_ddp", lambda: DistributedOptimizer(plain, adam))
-    capture("overlap_param_gather_without_distopt",
-            lambda: DistributedDataParallel(Transformer(1, H, HEADS, device=DEVICE), group, overlap_param_gather=True))
+    capture(
+        "overlap_param_gather_without_distopt",
+        lambda: DistributedDataParallel(Transformer(1, H, HEADS, device=DEVICE), group, overlap_param_gather=True),
+    )
     sharded = DistributedDataParallel(Transformer(1, H, HEADS, device=DEVICE), group, use_distributed_optimizer=True)
     capture("unsharded_on_sharded_ddp", lambda: unsharded(sharded, adam))
     return errors
@@ -144,9 +179,10 @@ def main(outdir: Path) -> None:
         entry = {"size": group.size(), "runs": {}}
         for config, run in runs.items():
             oracle = runs["oracle/bf16_grads" if config.endswith("bf16_grads") else "oracle"]
-            entry["runs"][config] = {"diff": compare(run, oracle, group) if run is not oracle else None,
-                                     **{k: run[k] for k in ("steps", "facts", "bytes", "numel", "padded_numel",
-                                                            "buckets", "losses")}}
+            entry["runs"][config] = {
+                "diff": compare(run, oracle, group) if run is not oracle else None,
+                **{k: run[k] for k in ("steps", "facts", "bytes", "numel", "padded_numel", "buckets", "losses")},
+            }
         result["dp"][dp] = entry
     result["bad_input"] = bad_input(dist.group.WORLD)
     (outdir / f"rank{result['rank']}.json").write_text(json.dumps(result))

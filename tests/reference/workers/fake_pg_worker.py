@@ -1,14 +1,15 @@
 """One process posing as rank RANK of a WORLD-rank job (torch's `fake` backend: no communication), running a
 TP=TP transformer step without and with sequence parallelism; writes each step's recorded collectives to
 OUT/rank{RANK}.json ({"tp": ..., "sp": ...}). Usage: fake_pg_worker.py OUT RANK WORLD TP"""
+
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from common import write_results
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from common import write_results
 from reference.parallel_state import build_layout
 from reference.recorder import CollectiveRecorder
 from reference.tensor_parallel.transformer import ParallelTransformer

@@ -17,6 +17,7 @@ FSDP1 refuses a CPU module without it. Each rank writes OUTDIR/rank{r}.json with
 Per configuration it also writes what the note says about parameters and dtypes, and per-rank bytes of
 parameters, gradients and Adam states under DDP and FSDP1 for the memory formulas.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -25,10 +26,11 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.distributed.fsdp import BackwardPrefetch, FullyShardedDataParallel as FSDP, MixedPrecision
-
 from common import serve
+from torch import nn
+from torch.distributed.fsdp import BackwardPrefetch, MixedPrecision
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
 from reference.fsdp.tracing import clean_name, torch_fsdp1_unit_scopes
 from reference.model import ModelConfig, build_model, next_token_loss, synthetic_batches
 from reference.recorder import CollectiveRecorder, current_phase
@@ -77,9 +79,12 @@ def units(model: FSDP) -> dict[str, FSDP]:
 
 
 def flags(handle) -> dict[str, bool]:
-    return {"gathered": handle.flat_param._full_param_padded.untyped_storage().size() > 0,
-            "prefetched": handle._prefetched, "needs_pre_forward": handle._needs_pre_forward_unshard,
-            "needs_pre_backward": handle._needs_pre_backward_unshard}
+    return {
+        "gathered": handle.flat_param._full_param_padded.untyped_storage().size() > 0,
+        "prefetched": handle._prefetched,
+        "needs_pre_forward": handle._needs_pre_forward_unshard,
+        "needs_pre_backward": handle._needs_pre_backward_unshard,
+    }
 
 
 class HookLog:
@@ -92,8 +97,13 @@ class HookLog:
         self.waits = 0
 
     def mark(self, at: str) -> None:
-        self.marks.append({"at": at, "t": time.perf_counter(),
-                           "units": {name: flags(unit._handle) for name, unit in self.units.items()}})
+        self.marks.append(
+            {
+                "at": at,
+                "t": time.perf_counter(),
+                "units": {name: flags(unit._handle) for name, unit in self.units.items()},
+            }
+        )
 
     @contextlib.contextmanager
     def span(self, name: str):
@@ -129,9 +139,12 @@ class HookLog:
             def outer_post(_m, _a, _o, name=name):
                 self._close(f"{name} post-forward", started, name)
 
-            hooks += [unit.register_forward_pre_hook(outer_pre, prepend=True),
-                      inner.register_forward_pre_hook(inner_pre),
-                      inner.register_forward_hook(inner_post, prepend=True), unit.register_forward_hook(outer_post)]
+            hooks += [
+                unit.register_forward_pre_hook(outer_pre, prepend=True),
+                inner.register_forward_pre_hook(inner_pre),
+                inner.register_forward_hook(inner_post, prepend=True),
+                unit.register_forward_hook(outer_post),
+            ]
 
         def pre_backward_hook(pre_backward, state, module, handle, *args):
             if handle is None or getattr(handle, "_ran_pre_backward_hook", False):
@@ -154,9 +167,13 @@ class HookLog:
             return event
 
         with contextlib.ExitStack() as stack:
-            stack.enter_context(fsdp1_runtime_wrapped(_pre_backward_hook=pre_backward_hook,
-                                                      _post_backward_hook=post_backward_hook,
-                                                      _post_backward_final_callback=final_callback_hook))
+            stack.enter_context(
+                fsdp1_runtime_wrapped(
+                    _pre_backward_hook=pre_backward_hook,
+                    _post_backward_hook=post_backward_hook,
+                    _post_backward_final_callback=final_callback_hook,
+                )
+            )
             stack.enter_context(fsdp1_rate_limiter_wrapped(dequeue_if_needed))
             for hook in hooks:
                 stack.callback(hook.remove)
@@ -171,8 +188,12 @@ class HookLog:
 
 def parameter_table(module: nn.Module) -> list[list]:
     """[name, type, shape, dtype] of each registered parameter entry (FSDP1 may put plain tensors there)."""
-    return [[clean_name(f"{prefix}.{name}" if prefix else name), type(p).__name__, list(p.shape), str(p.dtype)]
-            for prefix, sub in module.named_modules() for name, p in sub._parameters.items() if p is not None]
+    return [
+        [clean_name(f"{prefix}.{name}" if prefix else name), type(p).__name__, list(p.shape), str(p.dtype)]
+        for prefix, sub in module.named_modules()
+        for name, p in sub._parameters.items()
+        if p is not None
+    ]
 
 
 def run_config(options: dict, initial: nn.Module, recorder: CollectiveRecorder, rank: int, world: int):
@@ -198,17 +219,41 @@ def run_config(options: dict, initial: nn.Module, recorder: CollectiveRecorder, 
             grad_dtypes = sorted({str(p.grad.dtype) for p in model.parameters() if p.grad is not None})
             optimizer.step()
             optimizer.zero_grad()
-            steps.append({"events": [{"op": e.op, "unit": e.module, "phase": e.phase, "nbytes": e.nbytes,
-                                      "dtype": e.dtype, "start": e.start} for e in recorder.events],
-                          "spans": {s.name: [s.start, s.end] for s in recorder.spans},
-                          "marks": list(log.marks), "waits": log.waits, "grad_dtypes": grad_dtypes})
+            steps.append(
+                {
+                    "events": [
+                        {
+                            "op": e.op,
+                            "unit": e.module,
+                            "phase": e.phase,
+                            "nbytes": e.nbytes,
+                            "dtype": e.dtype,
+                            "start": e.start,
+                        }
+                        for e in recorder.events
+                    ],
+                    "spans": {s.name: [s.start, s.end] for s in recorder.spans},
+                    "marks": list(log.marks),
+                    "waits": log.waits,
+                    "grad_dtypes": grad_dtypes,
+                }
+            )
     peek.remove()
-    flat = {name: {"numel": unit._handle.flat_param._unpadded_unsharded_size.numel(),
-                   "padded_numel": unit._handle.flat_param._padded_unsharded_size.numel(),
-                   "shard_numel": unit._handle.flat_param._sharded_size.numel(),
-                   "original_parameters": len(unit._handle.flat_param._fqns)} for name, unit in log.units.items()}
-    return {"steps": steps, "units": flat, "in_forward": seen["in_forward"],
-            "outside_forward": {"parameters": parameter_table(model), "buffer_dtype": str(model.scale.dtype)}}
+    flat = {
+        name: {
+            "numel": unit._handle.flat_param._unpadded_unsharded_size.numel(),
+            "padded_numel": unit._handle.flat_param._padded_unsharded_size.numel(),
+            "shard_numel": unit._handle.flat_param._sharded_size.numel(),
+            "original_parameters": len(unit._handle.flat_param._fqns),
+        }
+        for name, unit in log.units.items()
+    }
+    return {
+        "steps": steps,
+        "units": flat,
+        "in_forward": seen["in_forward"],
+        "outside_forward": {"parameters": parameter_table(model), "buffer_dtype": str(model.scale.dtype)},
+    }
 
 
 def unused_branch(recorder: CollectiveRecorder) -> list[dict]:
@@ -227,10 +272,12 @@ def unused_branch(recorder: CollectiveRecorder) -> list[dict]:
 
 def adam_bytes(model: nn.Module, optimizer: torch.optim.Adam) -> dict[str, int]:
     """Bytes this rank holds for parameters, gradients and Adam's two moments (its step counters aside)."""
-    size = lambda t: t.numel() * t.element_size()  # noqa: E731
-    return {"params": sum(size(p) for p in model.parameters()),
-            "grads": sum(size(p.grad) for p in model.parameters() if p.grad is not None),
-            "optimizer": sum(size(s[k]) for s in optimizer.state.values() for k in ("exp_avg", "exp_avg_sq"))}
+    size = lambda t: t.numel() * t.element_size()
+    return {
+        "params": sum(size(p) for p in model.parameters()),
+        "grads": sum(size(p.grad) for p in model.parameters() if p.grad is not None),
+        "optimizer": sum(size(s[k]) for s in optimizer.state.values() for k in ("exp_avg", "exp_avg_sq")),
+    }
 
 
 def memory(initial: nn.Module, rank: int, world: int) -> dict:
@@ -238,8 +285,11 @@ def memory(initial: nn.Module, rank: int, world: int) -> dict:
     result = {"params": sum(p.numel() for p in initial.parameters()), "units": 1 + CONFIG.num_layers}
     for kind in ("ddp", "fsdp"):
         model = copy.deepcopy(initial)
-        model = (nn.parallel.DistributedDataParallel(model) if kind == "ddp"
-                 else wrap(model, [f"blocks.{i}" for i in range(CONFIG.num_layers)]))
+        model = (
+            nn.parallel.DistributedDataParallel(model)
+            if kind == "ddp"
+            else wrap(model, [f"blocks.{i}" for i in range(CONFIG.num_layers)])
+        )
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
         tokens = next(iter(synthetic_batches(CONFIG, 1, BATCH, SEQ, SEED))).chunk(world)[rank]
         next_token_loss(model(tokens), tokens).backward()

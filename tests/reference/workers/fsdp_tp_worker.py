@@ -6,17 +6,17 @@ composition (FSDP2 `fully_shard` on the "dp" dimension of a 2D DeviceMesh over D
 `parallelize_module`) built from the same unsharded model. Also records one step of the TP-only model on the
 local batch (its TP collectives) and the bad-input errors. Each rank writes OUTDIR/rank{r}.json.
 """
-from __future__ import annotations
 
+from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from common import dtensor_plan, full_tensor, max_diff, serve
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import parallelize_module
 
-from common import dtensor_plan, full_tensor, max_diff, serve
 from reference.data_parallel import finalize_model_grads, local_batch
 from reference.data_parallel.fsdp_tp import shard_tp_model
 from reference.parallel_state import ParallelConfigError, build_layout
@@ -74,8 +74,9 @@ def train(model, step_fn, layout) -> tuple[list[float], list[list[dict]]]:
 
 def run_reference(layout, sp: bool) -> dict:
     torch.manual_seed(SEED)
-    model = shard_tp_model(ParallelTransformer(LAYERS, H, HEADS, tp_group=layout.tp_group, sequence_parallel=sp,
-                                               device=DEVICE), layout)
+    model = shard_tp_model(
+        ParallelTransformer(LAYERS, H, HEADS, tp_group=layout.tp_group, sequence_parallel=sp, device=DEVICE), layout
+    )
 
     def step(x, target):
         loss = loss_fn(model(x), target)
@@ -85,10 +86,20 @@ def run_reference(layout, sp: bool) -> dict:
         return loss
 
     losses, records = train(model, step, layout)
-    params = {n: full_tensor(n.rsplit(".", 1)[0], n.rsplit(".", 1)[1], t, layout.tp_group)
-              for n, t in model.full_parameters().items()}
-    units = [{"name": h.name, "numel": h.numel, "padded_numel": h.padded_numel, "shard_numel": h.shard_numel,
-              "param_numel": h.param_numel} for h in model.handles()]
+    params = {
+        n: full_tensor(n.rsplit(".", 1)[0], n.rsplit(".", 1)[1], t, layout.tp_group)
+        for n, t in model.full_parameters().items()
+    }
+    units = [
+        {
+            "name": h.name,
+            "numel": h.numel,
+            "padded_numel": h.padded_numel,
+            "shard_numel": h.shard_numel,
+            "param_numel": h.param_numel,
+        }
+        for h in model.handles()
+    ]
     return {"losses": losses, "steps": records, "params": params, "units": units}
 
 
@@ -111,8 +122,11 @@ def run_fsdp2(mesh, layout, sp: bool) -> dict:
         return loss
 
     losses, records = train(model, step, layout)
-    return {"losses": losses, "steps": records,
-            "params": {n: p.full_tensor().detach() for n, p in model.named_parameters()}}
+    return {
+        "losses": losses,
+        "steps": records,
+        "params": {n: p.full_tensor().detach() for n, p in model.named_parameters()},
+    }
 
 
 def tp_only_step(layout, sp: bool) -> list[dict]:
@@ -160,8 +174,13 @@ def results(device: torch.device) -> dict:
     assert dist.get_process_group_ranks(mesh["tp"].get_group()) == dist.get_process_group_ranks(layout.tp_group)
     assert dist.get_process_group_ranks(mesh["dp"].get_group()) == dist.get_process_group_ranks(layout.dp_group)
     single_losses, single_params = single_process()
-    result = {"rank": rank, "dp_group": dist.get_process_group_ranks(layout.dp_group),
-              "tp_group": dist.get_process_group_ranks(layout.tp_group), "diff": {}, "loss_diff": {}}
+    result = {
+        "rank": rank,
+        "dp_group": dist.get_process_group_ranks(layout.dp_group),
+        "tp_group": dist.get_process_group_ranks(layout.tp_group),
+        "diff": {},
+        "loss_diff": {},
+    }
     for sp in (False, True):
         name = "sp" if sp else "plain"
         ours, theirs = run_reference(layout, sp), run_fsdp2(mesh, layout, sp)
@@ -170,8 +189,12 @@ def results(device: torch.device) -> dict:
         result["diff"][f"fsdp2_{name}/single"] = max_diff(theirs["params"], single_params)
         result["loss_diff"][f"{name}/single"] = max(abs(a - b) for a, b in zip(ours["losses"], single_losses))
         result["loss_diff"][f"{name}/fsdp2"] = max(abs(a - b) for a, b in zip(ours["losses"], theirs["losses"]))
-        result[name] = {"steps": ours["steps"], "units": ours["units"], "fsdp2_steps": theirs["steps"],
-                        "tp_only": tp_only_step(layout, sp)}
+        result[name] = {
+            "steps": ours["steps"],
+            "units": ours["units"],
+            "fsdp2_steps": theirs["steps"],
+            "tp_only": tp_only_step(layout, sp),
+        }
     result["bad_input"] = bad_input(layout)
     return result
 

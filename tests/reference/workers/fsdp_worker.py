@@ -9,6 +9,7 @@ assert on those files, so one launch serves many named tests.
 
 `crash` makes rank 1 raise in the middle of a step while the others wait in a collective.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -18,14 +19,14 @@ import time
 
 import torch
 import torch.distributed as dist
+from common import device_type, max_diff, serve
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from common import device_type, max_diff, serve
 from reference.distributed import distributed
 from reference.fsdp import FullyShardedDataParallel
-from reference.fsdp.units import shard_model
 from reference.fsdp.tracing import torch_fsdp1_unit_scopes
+from reference.fsdp.units import shard_model
 from reference.model import ModelConfig, build_model, next_token_loss, synthetic_batches
 from reference.recorder import CollectiveRecorder
 
@@ -50,8 +51,15 @@ class UnshardedMemorySampler(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def train(model: nn.Module, recorder: CollectiveRecorder, device: torch.device, world: int, rank: int,
-          optimizer_class=torch.optim.SGD, sampler_handles=None) -> list[dict]:
+def train(
+    model: nn.Module,
+    recorder: CollectiveRecorder,
+    device: torch.device,
+    world: int,
+    rank: int,
+    optimizer_class=torch.optim.SGD,
+    sampler_handles=None,
+) -> list[dict]:
     """STEPS optimizer steps on this rank's slice of each global batch; the recorded schedule per step."""
     optimizer = optimizer_class(model.parameters(), lr=LR)
     steps = []
@@ -67,9 +75,16 @@ def train(model: nn.Module, recorder: CollectiveRecorder, device: torch.device, 
         optimizer.step()
         optimizer.zero_grad()
         record = recorder.to_dict()
-        steps.append({"events": [{k: e[k] for k in ("op", "module", "phase", "nbytes", "dtype", "start", "end")}
-                                 for e in record["events"]],
-                      "spans": record["spans"], "memory_samples": sampler.samples if sampler else None})
+        steps.append(
+            {
+                "events": [
+                    {k: e[k] for k in ("op", "module", "phase", "nbytes", "dtype", "start", "end")}
+                    for e in record["events"]
+                ],
+                "spans": record["spans"],
+                "memory_samples": sampler.samples if sampler else None,
+            }
+        )
     return steps
 
 
@@ -78,6 +93,7 @@ def full_parameters(model: nn.Module, implementation: str) -> dict[str, torch.Te
         return model.full_parameters()
     if implementation == "fsdp1":
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+
         with FSDP1.summon_full_params(model):
             return {name: p.detach().float().cpu().clone() for name, p in model.named_parameters()}
     if implementation == "fsdp2":
@@ -105,14 +121,22 @@ def results(device: torch.device) -> dict:
             result["runs"][name] = {"steps": steps}
             if implementation == "reference":
                 result["runs"][name]["units"] = [
-                    {"name": h.name, "param_numel": h.param_numel, "numel": h.numel,
-                     "padded_numel": h.padded_numel, "shard_numel": h.shard_numel,
-                     "itemsize": h._local_shard.element_size(),
-                     "full_bytes": h.padded_numel * h._full_param_padded.element_size()} for h in model.handles()]
+                    {
+                        "name": h.name,
+                        "param_numel": h.param_numel,
+                        "numel": h.numel,
+                        "padded_numel": h.padded_numel,
+                        "shard_numel": h.shard_numel,
+                        "itemsize": h._local_shard.element_size(),
+                        "full_bytes": h.padded_numel * h._full_param_padded.element_size(),
+                    }
+                    for h in model.handles()
+                ]
                 result["runs"][name]["param_bytes_per_rank"] = sum(h.sharded_param_bytes() for h in model.handles())
             elif implementation == "fsdp1":
                 result["runs"][name]["shard_numel"] = {
-                    n: h.flat_param._sharded_size.numel() for n, h in _fsdp1_handles(model).items()}
+                    n: h.flat_param._sharded_size.numel() for n, h in _fsdp1_handles(model).items()
+                }
             result["diff"][f"{name}/single"] = max_diff(final, expected)
             return final
 
@@ -217,7 +241,9 @@ def run_crash(device: torch.device) -> None:
 
 def _fsdp1_handles(model):
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+
     from reference.fsdp.tracing import clean_name
+
     return {clean_name(n) or "root": m._handle for n, m in model.named_modules() if isinstance(m, FSDP1) and m._handle}
 
 

@@ -11,6 +11,7 @@ Usage: interleaved_worker.py OUT_DIR (4 ranks). Each rank writes OUT_DIR/rank<r>
     reference's from the same initial weights.
 test_interleaved.py asserts on them.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
 from common import finish, full_tensor, gather_dim, init
+
 from reference.gpt.model import GPTConfig, UnshardedGPT, build_chunks
 from reference.gpt.train import data_parallel, split_batch, synthetic_batches, train_step
 from reference.parallel_state import build_layout
@@ -52,7 +53,7 @@ def full_parameters(chunks, tp_group) -> dict[str, torch.Tensor]:
     for chunk in chunks:
         for name, param in chunk.named_parameters():
             if "word_embeddings" in name or name.startswith("output_layer"):  # vocabulary rows, padded
-                tensor = gather_dim(param.detach(), 0, tp_group)[:CONFIG.vocab_size]
+                tensor = gather_dim(param.detach(), 0, tp_group)[: CONFIG.vocab_size]
             else:
                 module, pname = name.rsplit(".", 1)
                 tensor = full_tensor(module, pname, param.detach(), tp_group)
@@ -78,15 +79,28 @@ def run(tp: int, pp: int, dp: int, v: int, m: int) -> dict:
     result = step.pipeline
     dp_ranks = tuple(dist.get_process_group_ranks(layout.dp_group))
     reduces = [e.start for e in recorder.events if e.op == "all_reduce" and e.group_ranks == dp_ranks]
-    last_backwards = {a.split(".")[0][1:]: span for a, span in zip(result.actions, result.action_spans)
-                      if a.startswith("B") and a.endswith(f".{m - 1}")}
-    return {"layout": [tp, pp, dp], "v": v, "m": m, "pp_rank": layout.pp_rank, "actions": result.actions,
-            "peak": result.peak_in_flight, "peak_measured": result.peak_in_flight_measured,
-            "max_loss_diff": max(abs(a - b) for a, b in zip(losses, expected_losses)),
-            "max_weight_diff": max((weights[n] - expected_weights[n]).abs().max().item() for n in weights),
-            "dp_reduces": len(reduces) if dp > 1 else 0,
-            "dp_reduces_outside_last_backwards": sum(not any(s <= t < e for s, e in last_backwards.values())
-                                                     for t in reduces) if dp > 1 else 0}
+    last_backwards = {
+        a.split(".")[0][1:]: span
+        for a, span in zip(result.actions, result.action_spans)
+        if a.startswith("B") and a.endswith(f".{m - 1}")
+    }
+    return {
+        "layout": [tp, pp, dp],
+        "v": v,
+        "m": m,
+        "pp_rank": layout.pp_rank,
+        "actions": result.actions,
+        "peak": result.peak_in_flight,
+        "peak_measured": result.peak_in_flight_measured,
+        "max_loss_diff": max(abs(a - b) for a, b in zip(losses, expected_losses)),
+        "max_weight_diff": max((weights[n] - expected_weights[n]).abs().max().item() for n in weights),
+        "dp_reduces": len(reduces) if dp > 1 else 0,
+        "dp_reduces_outside_last_backwards": sum(
+            not any(s <= t < e for s, e in last_backwards.values()) for t in reduces
+        )
+        if dp > 1
+        else 0,
+    }
 
 
 class TorchChunk(torch.nn.Module):
@@ -113,11 +127,18 @@ def torch_oracle(m: int) -> dict:
     layout, v = build_layout(1, 4, 1), 2
     tokens = synthetic_batches(CONFIG, 1, m, SEED)[0]
     ours = build_chunks(CONFIG, layout, v, seed=SEED)
-    result = forward_backward("1f1b", ours, split_batch(tokens, 1, 0, m), pp_group=layout.pp_group,
-                              activation_shape=ours[0].activation_shape(1))
+    result = forward_backward(
+        "1f1b",
+        ours,
+        split_batch(tokens, 1, 0, m),
+        pp_group=layout.pp_group,
+        activation_shape=ours[0].activation_shape(1),
+    )
     theirs = build_chunks(CONFIG, layout, v, seed=SEED)
-    stages = [PipelineStage(TorchChunk(chunk), c * 4 + layout.pp_rank, 4 * v, torch.device("cpu"),
-                            group=layout.pp_group) for c, chunk in enumerate(theirs)]
+    stages = [
+        PipelineStage(TorchChunk(chunk), c * 4 + layout.pp_rank, 4 * v, torch.device("cpu"), group=layout.pp_group)
+        for c, chunk in enumerate(theirs)
+    ]
     schedule = ScheduleInterleaved1F1B(stages, m, loss_fn=lambda loss, _target: loss.sum())
     losses = []
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
@@ -128,12 +149,25 @@ def torch_oracle(m: int) -> dict:
     else:
         schedule.step(labels=labels, **kwargs)
     names = {_ComputationType.FORWARD: "F", _ComputationType.FULL_BACKWARD: "B"}
-    plan = [f"{names[a.computation_type]}{a.stage_index // 4}.{a.microbatch_index}"
-            for a in schedule.pipeline_order[layout.pp_rank] if a is not None and a.computation_type in names]
-    grad_diff = max((a.grad - b.grad).abs().max().item()
-                    for x, y in zip(ours, theirs) for a, b in zip(x.parameters(), y.parameters()))
-    return {"m": m, "pp_rank": layout.pp_rank, "actions": result.actions, "torch_actions": plan,
-            "losses": result.losses, "torch_losses": [loss.item() for loss in losses], "max_grad_diff": grad_diff}
+    plan = [
+        f"{names[a.computation_type]}{a.stage_index // 4}.{a.microbatch_index}"
+        for a in schedule.pipeline_order[layout.pp_rank]
+        if a is not None and a.computation_type in names
+    ]
+    grad_diff = max(
+        (a.grad - b.grad).abs().max().item()
+        for x, y in zip(ours, theirs)
+        for a, b in zip(x.parameters(), y.parameters())
+    )
+    return {
+        "m": m,
+        "pp_rank": layout.pp_rank,
+        "actions": result.actions,
+        "torch_actions": plan,
+        "losses": result.losses,
+        "torch_losses": [loss.item() for loss in losses],
+        "max_grad_diff": grad_diff,
+    }
 
 
 def main() -> None:

@@ -12,6 +12,7 @@ which refuses it (megatron-lm:megatron/core/transformer/torch_norm.py::WrappedTo
 full recomputation are not run: megatron's CheckpointFunction saves all CUDA generator states
 before it runs the region (megatron-lm:megatron/core/tensor_parallel/random.py::CheckpointFunction.forward).
 """
+
 import contextlib
 import dataclasses
 import json
@@ -21,8 +22,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
 from common import finish, init
+
 from reference.activation_memory.counting import SavedTensorCounter
 from reference.torch_patches import cuda_calls_on_cpu
 
@@ -45,21 +46,35 @@ def count_layer(tp: int) -> dict:
 
     mpu.initialize_model_parallel(tensor_model_parallel_size=tp, create_gloo_process_groups=False)
     try:
-        config = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=A, hidden_dropout=0.1,
-                                   attention_dropout=0.1, params_dtype=torch.bfloat16, bf16=True,
-                                   tensor_model_parallel_size=tp,
-                                   use_cpu_initialization=True, gradient_accumulation_fusion=False,
-                                   bias_dropout_fusion=False, masked_softmax_fusion=False,
-                                   bias_activation_fusion=False, apply_rope_fusion=False, persist_layer_norm=False)
+        config = TransformerConfig(
+            num_layers=1,
+            hidden_size=H,
+            num_attention_heads=A,
+            hidden_dropout=0.1,
+            attention_dropout=0.1,
+            params_dtype=torch.bfloat16,
+            bf16=True,
+            tensor_model_parallel_size=tp,
+            use_cpu_initialization=True,
+            gradient_accumulation_fusion=False,
+            bias_dropout_fusion=False,
+            masked_softmax_fusion=False,
+            bias_activation_fusion=False,
+            apply_rope_fusion=False,
+            persist_layer_norm=False,
+        )
         layer = TransformerLayer(config, get_gpt_layer_local_spec().submodules, layer_number=1)
         layer.train()
         x = torch.randn(S, B, H, dtype=torch.bfloat16, requires_grad=True)
         causal = torch.triu(torch.ones(1, 1, S, S, dtype=torch.bool), diagonal=1)  # True: masked out
         with SavedTensorCounter(layer) as counter:
             layer(x, attention_mask=causal)
-        return {"tp": tp, "counted_bytes": counter.total_bytes,
-                "saved": [dataclasses.asdict(s) for s in counter.saved],
-                "attention_softmax_in_fp32": config.attention_softmax_in_fp32}
+        return {
+            "tp": tp,
+            "counted_bytes": counter.total_bytes,
+            "saved": [dataclasses.asdict(s) for s in counter.saved],
+            "attention_softmax_in_fp32": config.attention_softmax_in_fp32,
+        }
     finally:
         mpu.destroy_model_parallel()
 
@@ -69,6 +84,7 @@ def main() -> None:
     init()
     cuda_calls_on_cpu()
     from megatron.core.tensor_parallel import random as megatron_random
+
     megatron_random._CUDA_RNG_STATE_TRACKER = CpuRNGTracker()
     megatron_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     counts = {"no parallelism": count_layer(1), "tensor parallel": count_layer(2)}

@@ -6,20 +6,21 @@ Usage: megatron_claims_worker.py OUT_DIR (world 2, CPU/gloo). Writes OUT_DIR/ran
 tests/reference/test_megatron_upstream_claims.py. megatron runs with use_cpu_initialization=True (its GPU
 path needs CUDA); its buffers allocated on torch.cuda.current_device() are redirected to the CPU.
 """
+
 import time
 
 import torch
 import torch.distributed as dist
+from common import serve
 from megatron.core import parallel_state as mpu
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.tensor_parallel import layers
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from common import serve
 from reference.recorder import CollectiveRecorder, current_phase
 from reference.torch_patches import cuda_calls_on_cpu
 
-IN, OUT, S, B = 12, 20, 4, 3          # GEMM outputs differ in shape: dX [S*B, IN], dW [OUT/p, IN] or [OUT, IN/p]
+IN, OUT, S, B = 12, 20, 4, 3  # GEMM outputs differ in shape: dX [S*B, IN], dW [OUT/p, IN] or [OUT, IN/p]
 OPS = {"aten::mm", "aten::addmm", "aten::add", "aten::add_"}
 
 
@@ -36,8 +37,9 @@ class OpLog(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if name in OPS or name.startswith("c10d::"):
             shape = list(out.shape) if isinstance(out, torch.Tensor) else None
-            self.ops.append({"op": name, "shape": shape, "t": start, "end": time.perf_counter(),
-                             "phase": current_phase()})
+            self.ops.append(
+                {"op": name, "shape": shape, "t": start, "end": time.perf_counter(), "phase": current_phase()}
+            )
         return out
 
 
@@ -47,8 +49,9 @@ def init_method(weight):
 
 def config(**overrides):
     """megatron's defaults, except CPU initialization (its GPU path needs CUDA) and what a case changes."""
-    return ModelParallelConfig(tensor_model_parallel_size=dist.get_world_size(), use_cpu_initialization=True,
-                               **overrides)
+    return ModelParallelConfig(
+        tensor_model_parallel_size=dist.get_world_size(), use_cpu_initialization=True, **overrides
+    )
 
 
 def autograd_chain(output):
@@ -71,30 +74,51 @@ def run_case(layer, x, group):
     """One forward and backward of `layer` on `x`, recorded."""
     x = x.clone().requires_grad_()
     saved = []
-    with CollectiveRecorder() as rec, OpLog() as log, \
-            torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(list(t.shape)) or t, lambda t: t):
+    with (
+        CollectiveRecorder() as rec,
+        OpLog() as log,
+        torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(list(t.shape)) or t, lambda t: t),
+    ):
         out, out_bias = layer(x)
         chain = autograd_chain(out)
         out.backward(torch.ones_like(out))
     t0 = min([e.start for e in rec.events] + [o["t"] for o in log.ops])
-    events = [{"op": e.op, "nbytes": e.nbytes, "async_op": e.async_op, "phase": e.phase, "start": e.start - t0,
-               "end": e.end - t0} for e in rec.events]
+    events = [
+        {
+            "op": e.op,
+            "nbytes": e.nbytes,
+            "async_op": e.async_op,
+            "phase": e.phase,
+            "start": e.start - t0,
+            "end": e.end - t0,
+        }
+        for e in rec.events
+    ]
     dx_parts = gathered(x.grad, group) if group.size() > 1 else [x.grad]
-    return {"events": events, "ops": [{**o, "t": o["t"] - t0, "end": o["end"] - t0} for o in log.ops],
-            "chain": chain, "saved": saved, "allreduce_dgrad": getattr(layer, "allreduce_dgrad", None),
-            "output": out.tolist(), "output_bias": None if out_bias is None else out_bias.tolist(),
-            "bias_shape": list(layer.bias.shape), "dx": x.grad.tolist(),
-            "dx_equal_across_ranks": all(torch.equal(p, dx_parts[0]) for p in dx_parts)}
+    return {
+        "events": events,
+        "ops": [{**o, "t": o["t"] - t0, "end": o["end"] - t0} for o in log.ops],
+        "chain": chain,
+        "saved": saved,
+        "allreduce_dgrad": getattr(layer, "allreduce_dgrad", None),
+        "output": out.tolist(),
+        "output_bias": None if out_bias is None else out_bias.tolist(),
+        "bias_shape": list(layer.bias.shape),
+        "dx": x.grad.tolist(),
+        "dx_equal_across_ranks": all(torch.equal(p, dx_parts[0]) for p in dx_parts),
+    }
 
 
 def column(group=None, **kwargs):
     """megatron's ColumnParallelLinear on `group` (default: the TP group), seeded, with bias values."""
     group = group or mpu.get_tensor_model_parallel_group()
-    cfg = config(**{k: kwargs.pop(k) for k in ("sequence_parallel", "async_tensor_model_parallel_allreduce")
-                    if k in kwargs})
+    cfg = config(
+        **{k: kwargs.pop(k) for k in ("sequence_parallel", "async_tensor_model_parallel_allreduce") if k in kwargs}
+    )
     torch.manual_seed(1)
-    layer = layers.ColumnParallelLinear(IN, OUT, config=cfg, init_method=init_method, tp_group=group,
-                                        keep_master_weight_for_test=True, **kwargs)
+    layer = layers.ColumnParallelLinear(
+        IN, OUT, config=cfg, init_method=init_method, tp_group=group, keep_master_weight_for_test=True, **kwargs
+    )
     return with_bias_values(layer, group)
 
 
@@ -103,8 +127,17 @@ def row(**kwargs):
     tp = mpu.get_tensor_model_parallel_group()
     cfg = config(**{k: kwargs.pop(k) for k in ("sequence_parallel",) if k in kwargs})
     torch.manual_seed(2)
-    layer = layers.RowParallelLinear(IN, OUT, config=cfg, init_method=init_method, tp_group=tp, bias=True,
-                                     input_is_parallel=True, keep_master_weight_for_test=True, **kwargs)
+    layer = layers.RowParallelLinear(
+        IN,
+        OUT,
+        config=cfg,
+        init_method=init_method,
+        tp_group=tp,
+        bias=True,
+        input_is_parallel=True,
+        keep_master_weight_for_test=True,
+        **kwargs,
+    )
     return with_bias_values(layer, tp, sharded=False)
 
 
@@ -127,13 +160,13 @@ def layer_cases() -> dict:
     """Each case: one recorded forward and backward of megatron's layer."""
     tp = mpu.get_tensor_model_parallel_group()
     world, rank = dist.get_world_size(), dist.get_rank()
-    x_seq = X.chunk(world, dim=0)[rank]       # sequence-parallel input: this rank's slice of the sequence
-    x_hidden = X.chunk(world, dim=-1)[rank]   # row-parallel input: this rank's slice of the hidden dimension
+    x_seq = X.chunk(world, dim=0)[rank]  # sequence-parallel input: this rank's slice of the sequence
+    x_hidden = X.chunk(world, dim=-1)[rank]  # row-parallel input: this rank's slice of the hidden dimension
     cases = {}
     # the f operator and the dX all-reduce
     col = column()
     cases["column"] = {**run_case(col, X, tp), "master": master(col), "full_bias": FULL_BIAS.tolist()}
-    solo = dist.new_subgroups(1)[0]   # a TP group of one: this rank alone
+    solo = dist.new_subgroups(1)[0]  # a TP group of one: this rank alone
     cases["column_tp1"] = run_case(column(group=solo), X, solo)
     cases["column_async_flag_off"] = run_case(column(async_tensor_model_parallel_allreduce=False), X, tp)
     cases["column_disable_grad_reduce"] = run_case(column(disable_grad_reduce=True), X, tp)
@@ -152,21 +185,37 @@ def layer_cases() -> dict:
 def cpu_initialization() -> dict:
     """One master weight on every rank, strided pieces rank::world kept."""
     torch.manual_seed(5)
-    strided = layers.ColumnParallelLinear(IN, OUT, config=config(), init_method=init_method,
-                                          tp_group=mpu.get_tensor_model_parallel_group(), stride=2,
-                                          keep_master_weight_for_test=True, bias=False)
-    return {"stride": 2, "master": strided.master_weight.tolist(), "weight": strided.weight.tolist(),
-            "storage_bytes": strided.weight.untyped_storage().nbytes(),
-            "tensor_model_parallel": strided.weight.tensor_model_parallel,
-            "partition_stride": strided.weight.partition_stride,
-            "partition_dim": strided.weight.partition_dim}
+    strided = layers.ColumnParallelLinear(
+        IN,
+        OUT,
+        config=config(),
+        init_method=init_method,
+        tp_group=mpu.get_tensor_model_parallel_group(),
+        stride=2,
+        keep_master_weight_for_test=True,
+        bias=False,
+    )
+    return {
+        "stride": 2,
+        "master": strided.master_weight.tolist(),
+        "weight": strided.weight.tolist(),
+        "storage_bytes": strided.weight.untyped_storage().nbytes(),
+        "tensor_model_parallel": strided.weight.tensor_model_parallel,
+        "partition_stride": strided.weight.partition_stride,
+        "partition_dim": strided.weight.partition_dim,
+    }
 
 
 def fusion_without_apex() -> str | None:
     """gradient_accumulation_fusion: without APEX's fused_weight_gradient_mlp_cuda the layer refuses to build."""
     try:
-        layers.ColumnParallelLinear(IN, OUT, config=config(gradient_accumulation_fusion=True),
-                                    init_method=init_method, tp_group=mpu.get_tensor_model_parallel_group())
+        layers.ColumnParallelLinear(
+            IN,
+            OUT,
+            config=config(gradient_accumulation_fusion=True),
+            init_method=init_method,
+            tp_group=mpu.get_tensor_model_parallel_group(),
+        )
     except RuntimeError as error:
         return str(error)
     return None
@@ -180,9 +229,15 @@ class KernelStandIn:
         self.calls = []
 
     def _accumulate(self, variant, total_input, grad_output, main_grad):
-        self.calls.append({"variant": variant, "total_input": list(total_input.shape),
-                           "grad_output": list(grad_output.shape), "main_grad": list(main_grad.shape),
-                           "main_grad_dtype": str(main_grad.dtype)})
+        self.calls.append(
+            {
+                "variant": variant,
+                "total_input": list(total_input.shape),
+                "grad_output": list(grad_output.shape),
+                "main_grad": list(main_grad.shape),
+                "main_grad_dtype": str(main_grad.dtype),
+            }
+        )
         main_grad.add_((grad_output.t() @ total_input).to(main_grad.dtype))
 
     def wgrad_gemm_accum_fp32(self, total_input, grad_output, main_grad):
@@ -199,9 +254,14 @@ def fusion_case(main_grad_dtype, fsdp=False, ddp=False, two_micro_batches=True):
     kernel = KernelStandIn()
     layers._grad_accum_fusion_available, layers.fused_weight_gradient_mlp_cuda = True, kernel
     torch.manual_seed(6)
-    layer = layers.ColumnParallelLinear(IN, OUT, config=config(gradient_accumulation_fusion=True),
-                                        init_method=init_method, tp_group=mpu.get_tensor_model_parallel_group(),
-                                        bias=False)
+    layer = layers.ColumnParallelLinear(
+        IN,
+        OUT,
+        config=config(gradient_accumulation_fusion=True),
+        init_method=init_method,
+        tp_group=mpu.get_tensor_model_parallel_group(),
+        bias=False,
+    )
     weight = layer.weight
     weight.main_grad = torch.zeros(weight.shape, dtype=main_grad_dtype)
     if ddp:
@@ -218,10 +278,14 @@ def fusion_case(main_grad_dtype, fsdp=False, ddp=False, two_micro_batches=True):
             expected += torch.ones(S * B, OUT // dist.get_world_size()).t() @ x.reshape(S * B, IN)
     del layers.fused_weight_gradient_mlp_cuda
     layers._grad_accum_fusion_available = False
-    return {"calls": kernel.calls, "main_grad": weight.main_grad.float().tolist(), "grad_is_none": weight.grad is None,
-            "grad_shape": None if weight.grad is None else list(weight.grad.shape),
-            "grad_added_to_main_grad": getattr(weight, "grad_added_to_main_grad", None),
-            "expected_main_grad": expected.tolist()}
+    return {
+        "calls": kernel.calls,
+        "main_grad": weight.main_grad.float().tolist(),
+        "grad_is_none": weight.grad is None,
+        "grad_shape": None if weight.grad is None else list(weight.grad.shape),
+        "grad_added_to_main_grad": getattr(weight, "grad_added_to_main_grad", None),
+        "expected_main_grad": expected.tolist(),
+    }
 
 
 def results(device: torch.device) -> dict:
@@ -229,11 +293,15 @@ def results(device: torch.device) -> dict:
     assert device.type == "cpu", "megatron runs here with CPU initialization and CUDA calls redirected to the CPU"
     cuda_calls_on_cpu()
     mpu.initialize_model_parallel(tensor_model_parallel_size=dist.get_world_size(), create_gloo_process_groups=False)
-    found = {**layer_cases(), "init": cpu_initialization(), "fusion_without_apex": fusion_without_apex(),
-             "fusion_fp32": fusion_case(torch.float32),
-             "fusion_bf16": fusion_case(torch.bfloat16),
-             "fusion_ddp": fusion_case(torch.float32, ddp=True, two_micro_batches=False),
-             "fusion_megatron_fsdp": fusion_case(torch.float32, fsdp=True, two_micro_batches=False)}
+    found = {
+        **layer_cases(),
+        "init": cpu_initialization(),
+        "fusion_without_apex": fusion_without_apex(),
+        "fusion_fp32": fusion_case(torch.float32),
+        "fusion_bf16": fusion_case(torch.bfloat16),
+        "fusion_ddp": fusion_case(torch.float32, ddp=True, two_micro_batches=False),
+        "fusion_megatron_fsdp": fusion_case(torch.float32, fsdp=True, two_micro_batches=False),
+    }
     mpu.destroy_model_parallel()
     return found
 

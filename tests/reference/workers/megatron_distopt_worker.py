@@ -1,4 +1,5 @@
-"""Worker for test_distributed_optimizer.py's upstream tests: `torchrun --nproc-per-node 2 megatron_distopt_worker.py OUT`.
+"""Worker for test_distributed_optimizer.py's upstream tests: `torchrun --nproc-per-node 2 megatron_distopt_worker.py
+OUT`.
 
 Trains one bf16 MLP (16 -> 61 -> 16, odd sizes) for three Adam steps at DP 2 twice from the same seed and data:
 with megatron-core 0.16.1's own DistributedDataParallel (use_distributed_optimizer, grad_reduce_in_fp32) and
@@ -16,6 +17,7 @@ Runs on CPU because megatron's allocations on torch.cuda.current_device() are re
 (distrib_optimizer.py::DistributedOptimizer._build_model_and_main_param_groups) and refuse any other.
 Without Transformer Engine or Apex megatron steps torch.optim.AdamW (weight_decay 0 here, so Adam).
 """
+
 from __future__ import annotations
 
 import json
@@ -24,24 +26,23 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from common import finish, init
 from torch.overrides import TorchFunctionMode
 
-from common import finish, init
 from reference.torch_patches import cuda_calls_on_cpu
 
 cuda_calls_on_cpu()
 
-from megatron.core import parallel_state  # noqa: E402
-from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,  # noqa: E402
-                                      finalize_model_grads)
-from megatron.core.models.gpt import GPTModel  # noqa: E402
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
-from megatron.core.transformer import TransformerConfig  # noqa: E402
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.transformer import TransformerConfig
 
-from reference.data_parallel import DistributedDataParallel as ReferenceDDP  # noqa: E402
-from reference.data_parallel.distributed_optimizer import DistributedOptimizer, bytes_per_rank  # noqa: E402
-from reference.recorder import CollectiveRecorder  # noqa: E402
+from reference.data_parallel import DistributedDataParallel as ReferenceDDP
+from reference.data_parallel.distributed_optimizer import DistributedOptimizer, bytes_per_rank
+from reference.recorder import CollectiveRecorder
 
 H, FFN, B, STEPS, SEED, LR = 16, 61, 8, 3, 1234, 1e-3
 
@@ -82,20 +83,34 @@ def train(model, module, optimizer, zero_grad) -> dict:
             optimizer.step()
         steps.append([{"op": e.op, "nbytes": e.nbytes, "dtype": e.dtype, "phase": e.phase} for e in rec.events])
         losses.append(loss.item())
-    return {"losses": losses, "steps": steps, "params": [p.detach().float().flatten().tolist() for p in module.parameters()]}
+    return {
+        "losses": losses,
+        "steps": steps,
+        "params": [p.detach().float().flatten().tolist() for p in module.parameters()],
+    }
 
 
 def megatron_run() -> dict:
     parallel_state.initialize_model_parallel(create_gloo_process_groups=False)
     module = mlp()
     with CudaTypeNames():
-        config = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=1, bf16=True,
-                                   params_dtype=torch.bfloat16)
-        model = DistributedDataParallel(config, DistributedDataParallelConfig(
-            use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=True), module)
-        optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=LR, bf16=True, clip_grad=0.0,
-                                                           weight_decay=0.0, use_distributed_optimizer=True),
-                                           [model], use_gloo_process_groups=False)
+        config = TransformerConfig(
+            num_layers=1, hidden_size=H, num_attention_heads=1, bf16=True, params_dtype=torch.bfloat16
+        )
+        model = DistributedDataParallel(
+            config,
+            DistributedDataParallelConfig(
+                use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=True
+            ),
+            module,
+        )
+        optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam", lr=LR, bf16=True, clip_grad=0.0, weight_decay=0.0, use_distributed_optimizer=True
+            ),
+            [model],
+            use_gloo_process_groups=False,
+        )
         inner = optimizer.chained_optimizers[0] if hasattr(optimizer, "chained_optimizers") else optimizer
 
         def zero_grad():
@@ -106,20 +121,24 @@ def megatron_run() -> dict:
     buffer = model.buffers[0]
     states = [t for state in inner.optimizer.state.values() for k, t in state.items() if k != "step"]
     masters = [p for group in inner.shard_fp32_from_float16_groups for p in group]
-    result.update(optimizer_class=type(inner).__name__, inner_class=type(inner.optimizer).__name__,
-                  numel_unpadded=sum(p.numel() for p in module.parameters()),
-                  grad_buffer={"numel": buffer.grad_data.numel(), "dtype": str(buffer.grad_data.dtype)},
-                  param_buffer={"numel": buffer.param_data.numel(), "dtype": str(buffer.param_data.dtype)},
-                  master_bytes=sum(m.numel() * m.element_size() for m in masters),
-                  state_bytes=sum(t.numel() * t.element_size() for t in states))
+    result.update(
+        optimizer_class=type(inner).__name__,
+        inner_class=type(inner.optimizer).__name__,
+        numel_unpadded=sum(p.numel() for p in module.parameters()),
+        grad_buffer={"numel": buffer.grad_data.numel(), "dtype": str(buffer.grad_data.dtype)},
+        param_buffer={"numel": buffer.param_data.numel(), "dtype": str(buffer.param_data.dtype)},
+        master_bytes=sum(m.numel() * m.element_size() for m in masters),
+        state_bytes=sum(t.numel() * t.element_size() for t in states),
+    )
     parallel_state.destroy_model_parallel()
     return result
 
 
 def reference_run() -> dict:
     module = mlp()
-    model = ReferenceDDP(module, dist.group.WORLD, bucket_size=None, grad_dtype=torch.float32,
-                         use_distributed_optimizer=True)
+    model = ReferenceDDP(
+        module, dist.group.WORLD, bucket_size=None, grad_dtype=torch.float32, use_distributed_optimizer=True
+    )
     optimizer = DistributedOptimizer(model, lambda tensors: torch.optim.AdamW(tensors, lr=LR, weight_decay=0.0))
     result = train(model, module, optimizer, model.zero_grad)
     result["bytes"] = bytes_per_rank(model, optimizer)
@@ -130,11 +149,23 @@ def megatron_tied_embeddings() -> dict:
     parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2, create_gloo_process_groups=False)
     torch.manual_seed(SEED)
     with CudaTypeNames():
-        config = TransformerConfig(num_layers=2, hidden_size=H, num_attention_heads=2, use_cpu_initialization=True,
-                                   pipeline_dtype=torch.float32, pipeline_model_parallel_size=2)
-        gpt = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=8,
-                       pre_process=parallel_state.is_pipeline_first_stage(),
-                       post_process=parallel_state.is_pipeline_last_stage(), share_embeddings_and_output_weights=True)
+        config = TransformerConfig(
+            num_layers=2,
+            hidden_size=H,
+            num_attention_heads=2,
+            use_cpu_initialization=True,
+            pipeline_dtype=torch.float32,
+            pipeline_model_parallel_size=2,
+        )
+        gpt = GPTModel(
+            config,
+            get_gpt_layer_local_spec(),
+            vocab_size=64,
+            max_sequence_length=8,
+            pre_process=parallel_state.is_pipeline_first_stage(),
+            post_process=parallel_state.is_pipeline_last_stage(),
+            share_embeddings_and_output_weights=True,
+        )
         weight = gpt.shared_embedding_or_output_weight()
         ends = [torch.empty_like(weight) for _ in range(2)]
         dist.all_gather(ends, weight.detach())
@@ -144,12 +175,18 @@ def megatron_tied_embeddings() -> dict:
         with CollectiveRecorder() as rec:
             finalize_model_grads([model])
     group = parallel_state.get_embedding_group()
-    result = {"first": parallel_state.is_pipeline_first_stage(), "embedding_group": dist.get_process_group_ranks(group),
-              "ends_equal_after_construction": torch.equal(ends[0], ends[1]),
-              "main_grad_after_finalize": sorted(set(weight.main_grad.flatten().tolist())),
-              "weight_bytes": weight.numel() * weight.element_size(),
-              "embedding_group_all_reduces": [e.nbytes for e in rec.events if e.op == "all_reduce"
-                                              and list(e.group_ranks) == dist.get_process_group_ranks(group)]}
+    result = {
+        "first": parallel_state.is_pipeline_first_stage(),
+        "embedding_group": dist.get_process_group_ranks(group),
+        "ends_equal_after_construction": torch.equal(ends[0], ends[1]),
+        "main_grad_after_finalize": sorted(set(weight.main_grad.flatten().tolist())),
+        "weight_bytes": weight.numel() * weight.element_size(),
+        "embedding_group_all_reduces": [
+            e.nbytes
+            for e in rec.events
+            if e.op == "all_reduce" and list(e.group_ranks) == dist.get_process_group_ranks(group)
+        ],
+    }
     parallel_state.destroy_model_parallel()
     return result
 

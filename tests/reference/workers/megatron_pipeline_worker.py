@@ -15,22 +15,22 @@ Runs on CPU because megatron allocates on torch.cuda.current_device() (redirecte
 counter with device="cuda" (a TorchFunctionMode sends it to the CPU) and calls torch.cuda.synchronize() after
 every batched p2p round (batch_p2p_sync; a no-op here).
 """
+
 import contextlib
 import functools
 import time
 
 import torch
 import torch.distributed as dist
+from common import serve
 from megatron.core import parallel_state
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-from megatron.core.distributed import finalize_model_grads
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.enums import ModelType
 from megatron.core.pipeline_parallel import schedules
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch.overrides import TorchFunctionMode
 
-from common import serve
 from reference.pipeline.schedules import forward_backward as reference_forward_backward
 from reference.torch_patches import cuda_calls_on_cpu
 
@@ -92,8 +92,7 @@ class Stage(MegatronModule):
 
 def micro_batches(m: int):
     g = torch.Generator().manual_seed(7)
-    return [{"mb": i, "x": torch.randn(S, B, H, generator=g), "y": torch.randn(S, B, H, generator=g)}
-            for i in range(m)]
+    return [{"mb": i, "x": torch.randn(S, B, H, generator=g), "y": torch.randn(S, B, H, generator=g)} for i in range(m)]
 
 
 def loss_function(kind: str, mb: int, target, output):
@@ -140,8 +139,12 @@ def logged(fn, name):
     def wrapper(*args, **kwargs):
         if name == "all_reduce":
             group = kwargs.get("group")
-            log("all_reduce", dist.get_process_group_ranks(group) if group else None, args[0].numel(),
-                bool(kwargs.get("async_op")))
+            log(
+                "all_reduce",
+                dist.get_process_group_ranks(group) if group else None,
+                args[0].numel(),
+                bool(kwargs.get("async_op")),
+            )
         elif name == "batch_isend_irecv":
             log("batch", [[op.op.__name__, op.peer] for op in args[0]])
         else:
@@ -162,9 +165,19 @@ def logged_context(name, inner=contextlib.nullcontext):
     return context
 
 
-def run(name: str, *, pp: int, m: int, loss: str = "two", iterations: int = 1, ddp: dict | None = None,
-        align: bool = False, config_kw: dict | None = None, unbatched_log=False,
-        backward_sleep: float = 0.0):
+def run(
+    name: str,
+    *,
+    pp: int,
+    m: int,
+    loss: str = "two",
+    iterations: int = 1,
+    ddp: dict | None = None,
+    align: bool = False,
+    config_kw: dict | None = None,
+    unbatched_log=False,
+    backward_sleep: float = 0.0,
+):
     """One megatron forward_backward call per iteration; returns the last iteration's log and the grads.
 
     ddp: megatron's DistributedDataParallelConfig fields (the stage is wrapped in its DDP); its hooks are then
@@ -173,9 +186,14 @@ def run(name: str, *, pp: int, m: int, loss: str = "two", iterations: int = 1, d
     """
     BACKWARD_SLEEP["s"] = backward_sleep
     parallel_state.initialize_model_parallel(pipeline_model_parallel_size=pp, create_gloo_process_groups=False)
-    config = TransformerConfig(num_layers=pp, hidden_size=H, num_attention_heads=1,
-                               pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32,
-                               **(config_kw or {}))
+    config = TransformerConfig(
+        num_layers=pp,
+        hidden_size=H,
+        num_attention_heads=1,
+        pipeline_model_parallel_size=pp,
+        pipeline_dtype=torch.float32,
+        **(config_kw or {}),
+    )
     first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
     model = Stage(config, first, last)
     if ddp is not None:  # megatron's own DDP, wired as megatron/training/training.py wires it
@@ -183,9 +201,11 @@ def run(name: str, *, pp: int, m: int, loss: str = "two", iterations: int = 1, d
         if ddp.get("overlap_grad_reduce"):
             config.no_sync_func = logged_context("no_sync", model.no_sync)
             if align:
+
                 def grad_sync(params, start=model.start_grad_sync):
                     log("grad_sync_func")
                     start()
+
                 config.grad_sync_func = grad_sync
     else:
         config.no_sync_func = logged_context("no_sync")
@@ -214,20 +234,33 @@ def run(name: str, *, pp: int, m: int, loss: str = "two", iterations: int = 1, d
             with CudaLiteralToCpu():
                 forward_backward(
                     forward_step_func=functools.partial(forward_step_func, loss),
-                    data_iterator=iter(micro_batches(m)), model=model, num_microbatches=m, seq_length=S,
-                    micro_batch_size=B)
+                    data_iterator=iter(micro_batches(m)),
+                    model=model,
+                    num_microbatches=m,
+                    seq_length=S,
+                    micro_batch_size=B,
+                )
     finally:
         schedules.backward_step = original_backward_step
         for attr, fn in patches.items():
             setattr(torch.distributed, attr, fn)
     inner = model.module if ddp is not None else model
     grads = [(p.main_grad if ddp is not None else p.grad).flatten().tolist() for p in inner.parameters()]
-    result = {"name": name, "pp": pp, "m": m, "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
-              "dp_size": parallel_state.get_data_parallel_world_size(), "first": first, "last": last,
-              "events": list(EVENTS), "grads": grads,
-              "defaults": {k: getattr(config, k) for k in ("batch_p2p_comm", "batch_p2p_sync",
-                                                            "deallocate_pipeline_outputs",
-                                                            "calculate_per_token_loss")}}
+    result = {
+        "name": name,
+        "pp": pp,
+        "m": m,
+        "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
+        "dp_size": parallel_state.get_data_parallel_world_size(),
+        "first": first,
+        "last": last,
+        "events": list(EVENTS),
+        "grads": grads,
+        "defaults": {
+            k: getattr(config, k)
+            for k in ("batch_p2p_comm", "batch_p2p_sync", "deallocate_pipeline_outputs", "calculate_per_token_loss")
+        },
+    }
     if ddp is not None:
         result["ddp_defaults"] = {k: getattr(model.ddp_config, k) for k in ("overlap_grad_reduce",)}
         result["buckets"] = len(model.bucket_groups)
@@ -238,10 +271,17 @@ def run(name: str, *, pp: int, m: int, loss: str = "two", iterations: int = 1, d
 def interleaved_actions(p: int, v: int, m: int) -> list[str]:
     """This stage's order under forward_backward_pipelining_with_interleaving: v model chunks per stage (chunk c
     of stage r is virtual stage c * p + r), picked by get_forward_backward_func from parallel_state."""
-    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=p, virtual_pipeline_model_parallel_size=v,
-                                             create_gloo_process_groups=False)
-    config = TransformerConfig(num_layers=p * v, hidden_size=H, num_attention_heads=1, pipeline_model_parallel_size=p,
-                               virtual_pipeline_model_parallel_size=v, pipeline_dtype=torch.float32)
+    parallel_state.initialize_model_parallel(
+        pipeline_model_parallel_size=p, virtual_pipeline_model_parallel_size=v, create_gloo_process_groups=False
+    )
+    config = TransformerConfig(
+        num_layers=p * v,
+        hidden_size=H,
+        num_attention_heads=1,
+        pipeline_model_parallel_size=p,
+        virtual_pipeline_model_parallel_size=v,
+        pipeline_dtype=torch.float32,
+    )
     r = parallel_state.get_pipeline_model_parallel_rank()
     chunks = []
     for c in range(v):
@@ -255,9 +295,14 @@ def interleaved_actions(p: int, v: int, m: int) -> list[str]:
     EVENTS.clear()
     try:
         with CudaLiteralToCpu():
-            forward_backward(forward_step_func=functools.partial(forward_step_func, "two"),
-                             data_iterator=[iter(micro_batches(m)) for _ in range(v)], model=chunks,
-                             num_microbatches=m, seq_length=S, micro_batch_size=B)
+            forward_backward(
+                forward_step_func=functools.partial(forward_step_func, "two"),
+                data_iterator=[iter(micro_batches(m)) for _ in range(v)],
+                model=chunks,
+                num_microbatches=m,
+                seq_length=S,
+                micro_batch_size=B,
+            )
     finally:
         schedules.backward_step = original_backward_step
     parallel_state.destroy_model_parallel()
@@ -267,17 +312,28 @@ def interleaved_actions(p: int, v: int, m: int) -> list[str]:
 def interleaved_refusal(p: int, v: int, m: int) -> str:
     """What forward_backward_pipelining_with_interleaving says when m is not a multiple of p (its default
     microbatch_group_size_per_vp_stage); it checks before any communication."""
-    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=p, virtual_pipeline_model_parallel_size=v,
-                                             create_gloo_process_groups=False)
-    config = TransformerConfig(num_layers=p * v, hidden_size=H, num_attention_heads=1, pipeline_model_parallel_size=p,
-                               virtual_pipeline_model_parallel_size=v, pipeline_dtype=torch.float32)
+    parallel_state.initialize_model_parallel(
+        pipeline_model_parallel_size=p, virtual_pipeline_model_parallel_size=v, create_gloo_process_groups=False
+    )
+    config = TransformerConfig(
+        num_layers=p * v,
+        hidden_size=H,
+        num_attention_heads=1,
+        pipeline_model_parallel_size=p,
+        virtual_pipeline_model_parallel_size=v,
+        pipeline_dtype=torch.float32,
+    )
     chunks = [Stage(config, first=False, last=False) for _ in range(v)]
     try:
         with CudaLiteralToCpu():
             schedules.forward_backward_pipelining_with_interleaving(
                 forward_step_func=functools.partial(forward_step_func, "two"),
-                data_iterator=[iter(micro_batches(m)) for _ in range(v)], model=chunks, num_microbatches=m,
-                seq_length=S, micro_batch_size=B)
+                data_iterator=[iter(micro_batches(m)) for _ in range(v)],
+                model=chunks,
+                num_microbatches=m,
+                seq_length=S,
+                micro_batch_size=B,
+            )
     except (RuntimeError, ValueError) as error:
         return f"{type(error).__name__}: {error}"
     finally:
@@ -297,6 +353,7 @@ def reference_actions(p: int, m: int, v: int = 1) -> list[str]:
         def stage(hidden, x):
             out = layer(x if r == 0 and c == 0 else hidden)
             return out.pow(2).mean() if r == p - 1 and c == v - 1 else out
+
         return stage
 
     batches = [(mb["x"],) for mb in micro_batches(m)]
@@ -322,8 +379,15 @@ def ddp_grad_dtypes() -> dict[str, str]:
     parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2, create_gloo_process_groups=False)
     dtypes = {}
     for name, ddp in [("default", {}), ("grad_reduce_in_fp32", {"grad_reduce_in_fp32": True})]:
-        config = TransformerConfig(num_layers=2, hidden_size=H, num_attention_heads=1, pipeline_model_parallel_size=2,
-                                   pipeline_dtype=torch.bfloat16, params_dtype=torch.bfloat16, bf16=True)
+        config = TransformerConfig(
+            num_layers=2,
+            hidden_size=H,
+            num_attention_heads=1,
+            pipeline_model_parallel_size=2,
+            pipeline_dtype=torch.bfloat16,
+            params_dtype=torch.bfloat16,
+            bf16=True,
+        )
         stage = Stage(config, parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage())
         model = DistributedDataParallel(config, DistributedDataParallelConfig(**ddp), stage.to(torch.bfloat16))
         dtypes[name] = str(model.buffers[0].grad_dtype)
@@ -346,24 +410,39 @@ def results(device: torch.device) -> dict:
         # pp 2 x dp 2; a bucket per layer where megatron buckets at all (the first stage); the second iteration
         # is the one logged (in the first, megatron's overlapping DDP learns which grads fill each bucket)
         run("ddp_defaults", pp=2, m=4, iterations=2, ddp={}, backward_sleep=0.05),
-        run("ddp_overlap", pp=2, m=4, iterations=2, ddp={"overlap_grad_reduce": True, "bucket_size": H * H + H},
-            backward_sleep=0.05),
-        run("ddp_overlap_align", pp=2, m=4, iterations=2, align=True,
-            ddp={"overlap_grad_reduce": True, "bucket_size": H * H + H}, backward_sleep=0.05),
+        run(
+            "ddp_overlap",
+            pp=2,
+            m=4,
+            iterations=2,
+            ddp={"overlap_grad_reduce": True, "bucket_size": H * H + H},
+            backward_sleep=0.05,
+        ),
+        run(
+            "ddp_overlap_align",
+            pp=2,
+            m=4,
+            iterations=2,
+            align=True,
+            ddp={"overlap_grad_reduce": True, "bucket_size": H * H + H},
+            backward_sleep=0.05,
+        ),
     ]
-    result = {"runs": {r["name"]: r for r in runs},
-              "reference_actions": {"m6": reference_actions(4, 6), "m2": reference_actions(4, 2)},
-              "deallocated_plain_backward": deallocated_output_rejects_plain_backward(),
-              "bf16_grad_dtypes": ddp_grad_dtypes(),
-              "interleaved_v2_m8": interleaved_actions(4, 2, 8),
-              "interleaved_v2_m4": interleaved_actions(4, 2, 4),
-              "interleaved_v3_m4": interleaved_actions(4, 3, 4),
-              "reference_interleaved": {f"v{v}_m{m}": reference_actions(4, m, v)
-                                        for v, m in ((2, 8), (2, 4), (3, 4))},
-              "interleaved_m6_refused": interleaved_refusal(4, 2, 6),
-              "defaults_m8": [e[0] for e in run("defaults_m8", pp=4, m=8)["events"]
-                              if e[0][0] in "FB" and not e[0].endswith("_end")],
-              "with_virtual_stages": schedules.get_forward_backward_func(pp_size=4, vp_size=2).__name__}
+    result = {
+        "runs": {r["name"]: r for r in runs},
+        "reference_actions": {"m6": reference_actions(4, 6), "m2": reference_actions(4, 2)},
+        "deallocated_plain_backward": deallocated_output_rejects_plain_backward(),
+        "bf16_grad_dtypes": ddp_grad_dtypes(),
+        "interleaved_v2_m8": interleaved_actions(4, 2, 8),
+        "interleaved_v2_m4": interleaved_actions(4, 2, 4),
+        "interleaved_v3_m4": interleaved_actions(4, 3, 4),
+        "reference_interleaved": {f"v{v}_m{m}": reference_actions(4, m, v) for v, m in ((2, 8), (2, 4), (3, 4))},
+        "interleaved_m6_refused": interleaved_refusal(4, 2, 6),
+        "defaults_m8": [
+            e[0] for e in run("defaults_m8", pp=4, m=8)["events"] if e[0][0] in "FB" and not e[0].endswith("_end")
+        ],
+        "with_virtual_stages": schedules.get_forward_backward_func(pp_size=4, vp_size=2).__name__,
+    }
     return result
 
 

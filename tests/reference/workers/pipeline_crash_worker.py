@@ -1,8 +1,9 @@
 """Stage 1 dies in the backward of micro-batch 1; stage 0, waiting for that gradient, must not hang."""
+
 import torch
 import torch.distributed as dist
-
 from common import init
+
 from reference.gpt.model import GPTConfig, build_stage
 from reference.gpt.train import data_parallel, synthetic_batches, train_step
 from reference.parallel_state import build_layout
@@ -24,8 +25,15 @@ def main() -> None:
         stage.layers[0].register_full_backward_pre_hook(crash)
     tokens = synthetic_batches(config, 1, 4, seed=0)[0]
     model = data_parallel(stage, layout)
-    train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), tokens, layout, num_micro_batches=4,
-               schedule="1f1b", device=device)
+    train_step(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        tokens,
+        layout,
+        num_micro_batches=4,
+        schedule="1f1b",
+        device=device,
+    )
     print(f"unreachable on rank {dist.get_rank()}: the step finished", flush=True)
 
 

@@ -7,12 +7,13 @@ min(pp - stage, m). With dp > 1 it reports when the DP all-reduces were issued a
 start and end (the recorder and the schedule share perf_counter()). Each rank writes OUT/rank<r>.json with
 one entry per run, for the test to cross-check. Usage: pipeline_worker.py OUT (4 ranks).
 """
+
 import functools
 
 import torch
 import torch.distributed as dist
-
 from common import assert_close, full_tensor, gather_dim, serve
+
 from reference.gpt.model import GPTConfig, UnshardedGPT, build_stage, split_layers
 from reference.gpt.train import data_parallel, split_batch, synthetic_batches, train_step
 from reference.parallel_state import ParallelConfigError, build_layout
@@ -48,8 +49,11 @@ def textbook(schedule: str, p: int, r: int, m: int) -> list[str]:
     if schedule == "gpipe":
         return [f"F{i}" for i in range(m)] + [f"B{i}" for i in range(m)]
     w = min(p - 1 - r, m)
-    return ([f"F{i}" for i in range(w)] + [a for i in range(m - w) for a in (f"F{w + i}", f"B{i}")]
-            + [f"B{i}" for i in range(m - w, m)])
+    return (
+        [f"F{i}" for i in range(w)]
+        + [a for i in range(m - w) for a in (f"F{w + i}", f"B{i}")]
+        + [f"B{i}" for i in range(m - w, m)]
+    )
 
 
 def unsharded_name(stage, name: str) -> str:
@@ -61,7 +65,7 @@ def unsharded_name(stage, name: str) -> str:
 
 def full_parameter(name: str, param: torch.Tensor, tp_group) -> torch.Tensor:
     if "word_embeddings" in name or name.startswith("output_layer"):  # vocabulary rows, padded to V_p
-        return gather_dim(param.detach(), 0, tp_group)[:CONFIG.vocab_size]
+        return gather_dim(param.detach(), 0, tp_group)[: CONFIG.vocab_size]
     module, pname = name.rsplit(".", 1)
     return full_tensor(module, pname, param.detach(), tp_group)
 
@@ -77,8 +81,9 @@ def run(device, tp, pp, dp, sp, m, schedule) -> dict:
     recorder = CollectiveRecorder()
     for tokens in synthetic_batches(CONFIG, STEPS, dp * m, SEED):
         recorder.clear()
-        step = train_step(model, optimizer, tokens, layout, num_micro_batches=m, schedule=schedule, device=device,
-                          record=recorder)
+        step = train_step(
+            model, optimizer, tokens, layout, num_micro_batches=m, schedule=schedule, device=device, record=recorder
+        )
         losses.append(step.loss)
         results.append(step.pipeline)
     assert_close(torch.tensor(losses), torch.tensor(expected_losses), f"{what} losses", atol=2e-6, rtol=0)
@@ -98,27 +103,43 @@ def run(device, tp, pp, dp, sp, m, schedule) -> dict:
     dp_starts = [e.start for e in recorder.events if e.op == "all_reduce" and e.group_ranks == dp_ranks]
     last_backward = last.action_spans[-1]
     assert last.actions[-1].startswith("B"), last.actions
-    return {"layout": [tp, pp, dp], "sp": sp, "m": m, "schedule": schedule, "rank": dist.get_rank(), "pp_rank": r,
-            "actions": last.actions, "peak": last.peak_in_flight_measured,
-            "peak_activation_bytes": last.peak_activation_bytes, "bubble": last.bubble,
-            "bubble_formula": last.bubble_formula,
-            "dp_allreduces": len(dp_starts) if dp > 1 else 0,
-            "dp_allreduces_before_last_backward": sum(t < last_backward[0] for t in dp_starts) if dp > 1 else 0,
-            "dp_allreduces_during_last_backward": sum(last_backward[0] <= t < last_backward[1] for t in dp_starts)
-            if dp > 1 else 0,
-            "max_loss_diff": max(abs(a - b) for a, b in zip(losses, expected_losses)), "max_weight_diff": weight_diff}
+    return {
+        "layout": [tp, pp, dp],
+        "sp": sp,
+        "m": m,
+        "schedule": schedule,
+        "rank": dist.get_rank(),
+        "pp_rank": r,
+        "actions": last.actions,
+        "peak": last.peak_in_flight_measured,
+        "peak_activation_bytes": last.peak_activation_bytes,
+        "bubble": last.bubble,
+        "bubble_formula": last.bubble_formula,
+        "dp_allreduces": len(dp_starts) if dp > 1 else 0,
+        "dp_allreduces_before_last_backward": sum(t < last_backward[0] for t in dp_starts) if dp > 1 else 0,
+        "dp_allreduces_during_last_backward": sum(last_backward[0] <= t < last_backward[1] for t in dp_starts)
+        if dp > 1
+        else 0,
+        "max_loss_diff": max(abs(a - b) for a, b in zip(losses, expected_losses)),
+        "max_weight_diff": weight_diff,
+    }
 
 
 def bad_input() -> None:
     """Refused before any communication, with one-line errors."""
-    cases = [(lambda: split_layers(2, 4), "4 pipeline stages need at least 4 transformer layers, the model has 2"),
-             (lambda: split_batch(torch.zeros(10, 9, dtype=torch.long), 2, 0, 3),
-              "a global batch of 10 sequences does not split into dp 2 x 3 micro-batches"),
-             (lambda: GPTConfig(hidden_size=10, num_attention_heads=4), "hidden_size (10) is not divisible"),
-             (lambda: forward_backward("zero-bubble", None, [()], pp_group=None, activation_shape=()),
-              "unknown pipeline schedule 'zero-bubble'"),
-             (lambda: forward_backward("1f1b", None, [], pp_group=None, activation_shape=()),
-              "at least one micro-batch")]
+    cases = [
+        (lambda: split_layers(2, 4), "4 pipeline stages need at least 4 transformer layers, the model has 2"),
+        (
+            lambda: split_batch(torch.zeros(10, 9, dtype=torch.long), 2, 0, 3),
+            "a global batch of 10 sequences does not split into dp 2 x 3 micro-batches",
+        ),
+        (lambda: GPTConfig(hidden_size=10, num_attention_heads=4), "hidden_size (10) is not divisible"),
+        (
+            lambda: forward_backward("zero-bubble", None, [()], pp_group=None, activation_shape=()),
+            "unknown pipeline schedule 'zero-bubble'",
+        ),
+        (lambda: forward_backward("1f1b", None, [], pp_group=None, activation_shape=()), "at least one micro-batch"),
+    ]
     for fn, message in cases:
         try:
             fn()

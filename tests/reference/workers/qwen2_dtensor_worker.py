@@ -9,6 +9,7 @@ HF model, on CPU/gloo or CUDA/NCCL. Usage: OUT MODE DEVICE, MODE one of
 Each rank writes OUT/rank{R}.json: loss and gradient differences, and the collectives `CommDebugMode` counted
 per decoder layer and per step, phase by phase.
 """
+
 from __future__ import annotations
 
 import copy
@@ -30,10 +31,17 @@ from reference.distributed import distributed
 
 SEED, DATA_SEED, BATCH, SEQ = 0, 1, 4, 8
 # CommDebugMode's op names (functional collectives from DTensor, c10d ops from FSDP2) -> the collective's kind
-OP_NAMES = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather", "allgather_": "all_gather",
-            "_allgather_base_": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
-            "reduce_scatter_tensor_coalesced": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter",
-            "reduce_scatter_": "reduce_scatter", "allreduce_": "all_reduce"}
+OP_NAMES = {
+    "all_reduce": "all_reduce",
+    "all_gather_into_tensor": "all_gather",
+    "allgather_": "all_gather",
+    "_allgather_base_": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_": "reduce_scatter",
+    "allreduce_": "all_reduce",
+}
 
 
 def batch(device: torch.device, seq: int = SEQ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -45,15 +53,21 @@ def batch(device: torch.device, seq: int = SEQ) -> tuple[torch.Tensor, torch.Ten
 
 def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter's whole gradient under its HF name (DTensor shards gathered, checkpoint wrapper removed)."""
-    return {name.replace("_checkpoint_wrapped_module.", ""):
-            (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).float()
-            for name, p in model.named_parameters()}
+    return {
+        name.replace("_checkpoint_wrapped_module.", ""): (
+            p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        ).float()
+        for name, p in model.named_parameters()
+    }
 
 
 def partial_grads(model: torch.nn.Module) -> list[str]:
     """Parameters whose gradient is still an unreduced Partial sum after backward (left for a later reduction)."""
-    return sorted(name.replace("_checkpoint_wrapped_module.", "") for name, p in model.named_parameters()
-                  if isinstance(p.grad, DTensor) and any(pl.is_partial() for pl in p.grad.placements))
+    return sorted(
+        name.replace("_checkpoint_wrapped_module.", "")
+        for name, p in model.named_parameters()
+        if isinstance(p.grad, DTensor) and any(pl.is_partial() for pl in p.grad.placements)
+    )
 
 
 def max_diff(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> float:
@@ -80,12 +94,14 @@ def step_record(model, oracle_loss, oracle_grads, ids, labels, positions, dp_gro
         dist.all_reduce(loss, group=dp_group)
         loss /= dp_group.size()
     layers = len(model.model.layers)
-    return {"loss_diff": (loss.float() - oracle_loss).abs().item(),
-            "grad_diff": max_diff(full_grads(model), oracle_grads),
-            "grad_dtypes": sorted({str(p.grad.dtype) for p in model.parameters()}),
-            "partial_grads": partial_grads(model),
-            "step": counts(comm, "Global"),
-            "blocks": [counts(comm, f"{type(model).__name__}.model.layers.{i}") for i in range(layers)]}
+    return {
+        "loss_diff": (loss.float() - oracle_loss).abs().item(),
+        "grad_diff": max_diff(full_grads(model), oracle_grads),
+        "grad_dtypes": sorted({str(p.grad.dtype) for p in model.parameters()}),
+        "partial_grads": partial_grads(model),
+        "step": counts(comm, "Global"),
+        "blocks": [counts(comm, f"{type(model).__name__}.model.layers.{i}") for i in range(layers)],
+    }
 
 
 def oracle(base, ids, labels, positions) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -97,7 +113,7 @@ def error_of(action) -> str:
     """'ExceptionType: message' of what `action()` raises (the test asserts it raised)."""
     try:
         action()
-    except Exception as error:  # noqa: BLE001 (the pitfalls' exceptions are the observation)
+    except Exception as error:
         return f"{type(error).__name__}: {error}"
     return "no error"
 
@@ -108,15 +124,19 @@ def run_tp(device: torch.device) -> dict:
     ids, labels, positions = batch(device)
     oracle_loss, oracle_grads = oracle(base, ids, labels, positions)
     result = {}
-    for config, apply in (("tp", lambda m: qwen2.document_plan(m, mesh, sequence_parallel=False)),
-                          ("sp", lambda m: qwen2.document_plan(m, mesh, sequence_parallel=True)),
-                          ("hf", lambda m: qwen2.hf_plan(m, mesh))):
+    for config, apply in (
+        ("tp", lambda m: qwen2.document_plan(m, mesh, sequence_parallel=False)),
+        ("sp", lambda m: qwen2.document_plan(m, mesh, sequence_parallel=True)),
+        ("hf", lambda m: qwen2.hf_plan(m, mesh)),
+    ):
         model = apply(copy.deepcopy(base))
         result[config] = step_record(model, oracle_loss, oracle_grads, ids, labels, positions)
         with torch.no_grad():
             logits = model(input_ids=ids, position_ids=positions).logits
-        result[config]["logits"] = {"dtensor": isinstance(logits, DTensor), "local_shape": list(
-            (logits.to_local() if isinstance(logits, DTensor) else logits).shape)}
+        result[config]["logits"] = {
+            "dtensor": isinstance(logits, DTensor),
+            "local_shape": list((logits.to_local() if isinstance(logits, DTensor) else logits).shape),
+        }
     result["pitfall_positional"] = pitfall_positional(base, mesh, ids, positions)
     result["pitfall_uneven_fix"] = pitfall_uneven_fix(base, mesh, device)
     result["pitfall_dtensor_loss"] = pitfall_dtensor_loss(base, mesh, ids, labels, positions)
@@ -151,12 +171,19 @@ def pitfall_uneven_fix(base, mesh, device) -> dict:
     ids, labels, positions = batch(device, seq=SEQ - 1)
     oracle_loss, oracle_grads = oracle(base, ids, labels, positions)
     tp = mesh.size()
-    padded = (qwen2.pad_to_multiple(ids, tp, 0), qwen2.pad_to_multiple(labels, tp, qwen2.IGNORE_INDEX),
-              torch.arange(qwen2.pad_to_multiple(ids, tp, 0).size(1), device=device).unsqueeze(0))
+    padded = (
+        qwen2.pad_to_multiple(ids, tp, 0),
+        qwen2.pad_to_multiple(labels, tp, qwen2.IGNORE_INDEX),
+        torch.arange(qwen2.pad_to_multiple(ids, tp, 0).size(1), device=device).unsqueeze(0),
+    )
     model = qwen2.document_plan(copy.deepcopy(base), mesh, sequence_parallel=True)
     record = step_record(model, oracle_loss, oracle_grads, *padded)
-    return {"seq": ids.size(1), "padded_seq": padded[0].size(1), "loss_diff": record["loss_diff"],
-            "grad_diff": record["grad_diff"]}
+    return {
+        "seq": ids.size(1),
+        "padded_seq": padded[0].size(1),
+        "loss_diff": record["loss_diff"],
+        "grad_diff": record["grad_diff"],
+    }
 
 
 def pitfall_dtensor_loss(base, mesh, ids, labels, positions) -> dict:
@@ -169,8 +196,12 @@ def pitfall_dtensor_loss(base, mesh, ids, labels, positions) -> dict:
     error = error_of(lambda: dist.all_reduce(loss))
     local = loss.to_local().detach().clone()
     dist.all_reduce(local)
-    return {"loss_type": type(loss).__name__, "placements": [str(p) for p in loss.placements], "error": error,
-            "fixed_mean_diff": (local / dist.get_world_size() - loss.to_local()).abs().item()}
+    return {
+        "loss_type": type(loss).__name__,
+        "placements": [str(p) for p in loss.placements],
+        "error": error,
+        "fixed_mean_diff": (local / dist.get_world_size() - loss.to_local()).abs().item(),
+    }
 
 
 def run_fsdp_tp(device: torch.device) -> dict:

@@ -11,6 +11,7 @@ RMSNorm weights randomized too), loaded into the reference's "llama" style by re
              (DDP) every parameter of the stage after them.
 Each rank writes OUTDIR/rank{r}.json.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,9 +22,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from common import finish, init
 from transformers import Qwen2ForCausalLM
 
-from common import finish, init
 from reference.fsdp import MixedPrecision
 from reference.gpt.hf_weights import load_hf_into_stage, master_state_from_hf, qwen2_config, stage_state_from_master
 from reference.gpt.model import GPTConfig, UnshardedGPT, build_stage
@@ -32,8 +33,16 @@ from reference.parallel_state import build_layout
 from reference.recorder import CollectiveRecorder
 from reference.tensor_parallel.layers import allreduce_sequence_parallel_grads
 
-CONFIG = GPTConfig(style="llama", vocab_size=128, hidden_size=64, num_attention_heads=4, num_kv_heads=2,
-                   num_layers=2, seq_length=12, ffn_hidden_size=96)
+CONFIG = GPTConfig(
+    style="llama",
+    vocab_size=128,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_kv_heads=2,
+    num_layers=2,
+    seq_length=12,
+    ffn_hidden_size=96,
+)
 UNEVEN = dataclasses.replace(CONFIG, seq_length=11)  # not divisible by TP 2 (nor 4)
 B, SEED, STEPS, LR = 4, 1234, 2, 0.5
 DEVICE = torch.device("cpu")  # main() sets it: cuda under REFERENCE_TEST_DEVICE=cuda
@@ -80,8 +89,12 @@ def unsharded(config: GPTConfig) -> dict:
     ours = ref.logits(tokens[:, :-1]).transpose(0, 1)
     our_loss = ref(tokens[:, :-1], tokens[:, 1:])
     our_loss.backward()
-    return {"logits": (ours - logits).abs().max().item(), "loss": abs(our_loss.item() - loss),
-            "grads": max_abs({n: p.grad for n, p in ref.named_parameters()}, grads), "hf_loss": loss}
+    return {
+        "logits": (ours - logits).abs().max().item(),
+        "loss": abs(our_loss.item() - loss),
+        "grads": max_abs({n: p.grad for n, p in ref.named_parameters()}, grads),
+        "hf_loss": loss,
+    }
 
 
 def tp_stage(config: GPTConfig, layout, sp: bool) -> dict:
@@ -95,7 +108,7 @@ def tp_stage(config: GPTConfig, layout, sp: bool) -> dict:
     with torch.no_grad():
         our_logits = stage.logits(tokens[:, :-1])[: config.seq_length].transpose(0, 1)
     columns = our_logits.shape[-1]
-    their_logits = logits[..., r * columns:(r + 1) * columns]
+    their_logits = logits[..., r * columns : (r + 1) * columns]
     rec = CollectiveRecorder()
     rec.watch(stage)
     with rec:
@@ -103,10 +116,14 @@ def tp_stage(config: GPTConfig, layout, sp: bool) -> dict:
         our_loss.backward()
     allreduce_sequence_parallel_grads(stage, layout.tp_group)
     expected = stage_state_from_master(stage, grads)
-    return {"logits": (our_logits - their_logits).abs().max().item(), "loss": abs(our_loss.item() - loss),
-            "grads": max_abs({n: p.grad for n, p in stage.named_parameters()}, expected), "tp": tp,
-            "events": [[e.op, e.module, e.phase, e.nbytes] for e in rec.events],
-            "activation_bytes": stage.seq_length * B * config.hidden_size * 4}
+    return {
+        "logits": (our_logits - their_logits).abs().max().item(),
+        "loss": abs(our_loss.item() - loss),
+        "grads": max_abs({n: p.grad for n, p in stage.named_parameters()}, expected),
+        "tp": tp,
+        "events": [[e.op, e.module, e.phase, e.nbytes] for e in rec.events],
+        "activation_bytes": stage.seq_length * B * config.hidden_size * 4,
+    }
 
 
 def hf_train(config: GPTConfig, batches: list[torch.Tensor]) -> tuple[Qwen2ForCausalLM, list[float]]:
@@ -119,8 +136,9 @@ def hf_train(config: GPTConfig, batches: list[torch.Tensor]) -> tuple[Qwen2ForCa
     return hf, losses
 
 
-def tp_dp(layout, sharding: str, sp: bool, bf16: bool = False, config: GPTConfig = CONFIG,
-          micro_batches: int = 1) -> dict:
+def tp_dp(
+    layout, sharding: str, sp: bool, bf16: bool = False, config: GPTConfig = CONFIG, micro_batches: int = 1
+) -> dict:
     """STEPS SGD steps of a TP x PP x DP layout against HF on the global batch; with DDP, the parameters after
     them (this stage's)."""
     batches = tokens_of(config, STEPS)
@@ -137,11 +155,18 @@ def tp_dp(layout, sharding: str, sp: bool, bf16: bool = False, config: GPTConfig
     dp_ranks = tuple(dist.get_process_group_ranks(layout.dp_group))
     for tokens in batches:
         rec = CollectiveRecorder()
-        losses.append(train_step(model, optimizer, tokens, layout, num_micro_batches=micro_batches,
-                                 device=DEVICE, record=rec).loss)
+        losses.append(
+            train_step(
+                model, optimizer, tokens, layout, num_micro_batches=micro_batches, device=DEVICE, record=rec
+            ).loss
+        )
         dp_events = [(e.op, e.dtype) for e in rec.events if e.group_ranks == dp_ranks]
-    out = {"losses": losses, "hf_losses": hf_losses, "dp_ops": sorted(set(dp_events)),
-           "param_dtypes": sorted({str(p.dtype) for p in model.parameters()})}
+    out = {
+        "losses": losses,
+        "hf_losses": hf_losses,
+        "dp_ops": sorted(set(dp_events)),
+        "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+    }
     if sharding == "ddp":
         expected = stage_state_from_master(stage, master_state_from_hf(config, hf.state_dict()))
         out["params"] = max_abs({n: p.detach() for n, p in stage.named_parameters()}, expected)

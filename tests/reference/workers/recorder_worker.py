@@ -1,19 +1,21 @@
 """reference.recorder on real collectives (gloo; NCCL on CUDA): what each check recorded, per rank, written
 for test_recorder.py to compare with what it should have recorded."""
+
 import json
 import time
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+from common import serve
 from torch.utils.flop_counter import FlopCounterMode
 
-from common import serve
 from reference.recorder import CollectiveRecorder
 
 
 class AllReduceGradInBackward(torch.autograd.Function):
     """Identity forward, all-reduce of the gradient in backward (the shape of Megatron's copy-to region)."""
+
     @staticmethod
     def forward(ctx, x):
         return x.view_as(x)
@@ -50,9 +52,11 @@ def check_eager_ops() -> dict:
         dist.all_gather([torch.empty(4, 3) for _ in range(world)], x)
         dist.broadcast(x.clone(), 0)
         dist.all_reduce(x.to(torch.bfloat16))
-    return {"events": [[e.op, e.group_ranks, e.shape, e.nbytes, e.dtype, e.phase, e.async_op] for e in rec.events],
-            "ended_after_start": all(e.end is not None and e.end >= e.start for e in rec.events),
-            "summary": rec.summary()}
+    return {
+        "events": [[e.op, e.group_ranks, e.shape, e.nbytes, e.dtype, e.phase, e.async_op] for e in rec.events],
+        "ended_after_start": all(e.end is not None and e.end >= e.start for e in rec.events),
+        "summary": rec.summary(),
+    }
 
 
 def check_async_end_is_wait_time() -> dict:
@@ -61,8 +65,10 @@ def check_async_end_is_wait_time() -> dict:
         time.sleep(0.2)
         work.wait()
         after_wait = time.perf_counter()
-    return {"events": [{"async_op": e.async_op, "start": e.start, "end": e.end} for e in rec.events],
-            "after_wait": after_wait}
+    return {
+        "events": [{"async_op": e.async_op, "start": e.start, "end": e.end} for e in rec.events],
+        "after_wait": after_wait,
+    }
 
 
 def check_subgroup_ranks() -> list:
@@ -92,8 +98,12 @@ def check_functional_collectives() -> dict:
         a = funcol.all_reduce(x, "sum", dist.group.WORLD) * 1
         g = funcol.all_gather_tensor(x, 0, dist.group.WORLD) * 1
         r = funcol.reduce_scatter_tensor(x, "sum", 0, dist.group.WORLD) * 1
-    return {"all_reduce": a.tolist(), "all_gather_shape": list(g.shape), "reduce_scatter": r.tolist(),
-            "events": [[e.op, e.group_ranks, e.shape, e.nbytes] for e in rec.events]}
+    return {
+        "all_reduce": a.tolist(),
+        "all_gather_shape": list(g.shape),
+        "reduce_scatter": r.tolist(),
+        "events": [[e.op, e.group_ranks, e.shape, e.nbytes] for e in rec.events],
+    }
 
 
 def check_phase_module_and_spans() -> dict:
@@ -111,10 +121,14 @@ def check_phase_module_and_spans() -> dict:
     with CollectiveRecorder() as rec2:
         with rec2.scope("explicit"):
             dist.all_reduce(torch.ones(1))
-    return {"events": [[e.op, e.phase, e.module] for e in rec.events],
-            "spans": [{"name": s.name, "phase": s.phase, "start": s.start, "end": s.end} for s in rec.spans],
-            "to_json": data, "summary": rec.summary(), "backward_summary": rec.summary(phase="backward"),
-            "scoped_module": rec2.events[0].module}
+    return {
+        "events": [[e.op, e.phase, e.module] for e in rec.events],
+        "spans": [{"name": s.name, "phase": s.phase, "start": s.start, "end": s.end} for s in rec.spans],
+        "to_json": data,
+        "summary": rec.summary(),
+        "backward_summary": rec.summary(phase="backward"),
+        "scoped_module": rec2.events[0].module,
+    }
 
 
 def check_fsdp2_unit_attribution() -> dict:
@@ -129,9 +143,12 @@ def check_fsdp2_unit_attribution() -> dict:
         model(torch.randn(2, 8)).sum().backward()
     for h in handles:
         h.remove()
-    return {"forward": [[e.op, e.module, e.nbytes] for e in rec.events if e.phase == "forward"],
-            "backward_reduce_scatters": sorted(e.nbytes for e in rec.events
-                                               if e.op == "reduce_scatter" and e.phase == "backward")}
+    return {
+        "forward": [[e.op, e.module, e.nbytes] for e in rec.events if e.phase == "forward"],
+        "backward_reduce_scatters": sorted(
+            e.nbytes for e in rec.events if e.op == "reduce_scatter" and e.phase == "backward"
+        ),
+    }
 
 
 def check_fsdp1_post_backward_attribution() -> list:
@@ -174,21 +191,37 @@ def check_flop_stamps() -> dict:
         dist.all_reduce(y)
     (span,) = rec.spans
     data = rec.to_dict()
-    return {"counted": counter.get_total_flops(), "span": [span.flops_start, span.flops_end],
-            "events": [e.flops for e in rec.events], "json_span_end": data["spans"][0]["flops_end"],
-            "json_event": data["events"][1]["flops"]}
+    return {
+        "counted": counter.get_total_flops(),
+        "span": [span.flops_start, span.flops_end],
+        "events": [e.flops for e in rec.events],
+        "json_span_end": data["spans"][0]["flops_end"],
+        "json_event": data["events"][1]["flops"],
+    }
 
 
-CHECKS = [check_torch_distributed_intact_after_exit, check_eager_ops, check_async_end_is_wait_time,
-          check_subgroup_ranks, check_point_to_point, check_functional_collectives, check_fsdp2_unit_attribution,
-          check_fsdp1_post_backward_attribution, check_phase_module_and_spans, check_flop_stamps]
+CHECKS = [
+    check_torch_distributed_intact_after_exit,
+    check_eager_ops,
+    check_async_end_is_wait_time,
+    check_subgroup_ranks,
+    check_point_to_point,
+    check_functional_collectives,
+    check_fsdp2_unit_attribution,
+    check_fsdp1_post_backward_attribution,
+    check_phase_module_and_spans,
+    check_flop_stamps,
+]
 
 
 def results(device: torch.device) -> dict:
     """What each check recorded on this rank."""
     with device:  # the checks allocate on the default device
-        return {"rank": dist.get_rank(), "world": dist.get_world_size(),
-                **{check.__name__.removeprefix("check_"): check() for check in CHECKS}}
+        return {
+            "rank": dist.get_rank(),
+            "world": dist.get_world_size(),
+            **{check.__name__.removeprefix("check_"): check() for check in CHECKS},
+        }
 
 
 def main() -> None:

@@ -4,6 +4,7 @@ Each named worker's `results(device)` runs in turn on the same process group, in
 rank writes {worker: its results} to OUT/rank{R}.json. One launch imports torch (and megatron-core) once per
 rank instead of once per worker; tests/launch.run_worker picks which workers share a launch (SHARED).
 """
+
 import importlib
 import sys
 

@@ -7,6 +7,7 @@ matrix after finalize_model_grads and the final matrix (this rank's TP shard gat
 vocabulary), the first stage's and the last stage's copies' largest difference, and the recorded all-reduces
 on the embedding group; and, as a negative control, PP 2 x DP 2 finalized without the embedding group.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
 from common import finish, gather_dim, init
+
 from reference.data_parallel import finalize_model_grads
 from reference.gpt.model import GPTConfig, UnshardedGPT, build_stage
 from reference.gpt.train import data_parallel, synthetic_batches, train_step
@@ -24,8 +25,14 @@ from reference.parallel_state import build_layout
 from reference.pipeline.tied_embeddings import embedding_group, shared_weight, tie_across_stages
 from reference.recorder import CollectiveRecorder
 
-CONFIG = GPTConfig(vocab_size=51, hidden_size=16, num_attention_heads=4, num_layers=2, seq_length=8,
-                   share_embeddings_and_output_weights=True)
+CONFIG = GPTConfig(
+    vocab_size=51,
+    hidden_size=16,
+    num_attention_heads=4,
+    num_layers=2,
+    seq_length=8,
+    share_embeddings_and_output_weights=True,
+)
 B, M, STEPS, SEED, LR = 2, 2, 3, 7, 0.5
 
 
@@ -46,7 +53,7 @@ def unsharded(global_batch: int) -> dict:
 
 def full_rows(t: torch.Tensor, layout) -> torch.Tensor:
     """The whole [V, h] matrix from this rank's vocabulary shard (padding rows dropped)."""
-    return gather_dim(t.detach(), 0, layout.tp_group)[:CONFIG.vocab_size]
+    return gather_dim(t.detach(), 0, layout.tp_group)[: CONFIG.vocab_size]
 
 
 def run(tp: int, pp: int, dp: int, sum_embedding_grads: bool = True) -> dict:
@@ -66,8 +73,9 @@ def run(tp: int, pp: int, dp: int, sum_embedding_grads: bool = True) -> dict:
     group_ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else None
     for tokens in synthetic_batches(CONFIG, STEPS, B * M * dp, SEED):
         recorder = CollectiveRecorder()
-        result = train_step(model, optimizer, tokens, layout, num_micro_batches=M, record=recorder,
-                            finalize_grads=finalize)
+        result = train_step(
+            model, optimizer, tokens, layout, num_micro_batches=M, record=recorder, finalize_grads=finalize
+        )
         losses.append(result.loss)
         events.append([e.nbytes for e in recorder.events if e.op == "all_reduce" and e.group_ranks == group_ranks])
     final = full_rows(weight, layout)
@@ -77,19 +85,28 @@ def run(tp: int, pp: int, dp: int, sum_embedding_grads: bool = True) -> dict:
         dist.all_gather(peers, final, group=group)
         other = peers[1] if stage.is_first else peers[0]
     oracle = unsharded(B * M * dp)
-    return {"pp_rank": layout.pp_rank, "embedding_group": list(group_ranks) if group_ranks else None,
-            "losses": losses, "oracle_losses": oracle["losses"],
-            "grad_diff": (grads[0] - oracle["grad"]).abs().max().item(),
-            "weight_diff": (final - oracle["weight"]).abs().max().item(),
-            "ends_equal": torch.equal(final, other), "embedding_all_reduces": events,
-            "shard_bytes": weight.numel() * weight.element_size()}
+    return {
+        "pp_rank": layout.pp_rank,
+        "embedding_group": list(group_ranks) if group_ranks else None,
+        "losses": losses,
+        "oracle_losses": oracle["losses"],
+        "grad_diff": (grads[0] - oracle["grad"]).abs().max().item(),
+        "weight_diff": (final - oracle["weight"]).abs().max().item(),
+        "ends_equal": torch.equal(final, other),
+        "embedding_all_reduces": events,
+        "shard_bytes": weight.numel() * weight.element_size(),
+    }
 
 
 def main(outdir: Path) -> None:
     init()
     assert dist.get_world_size() == 4, "run on 4 ranks"
-    result = {"rank": dist.get_rank(), "pp2_dp2": run(tp=1, pp=2, dp=2), "pp2_tp2": run(tp=2, pp=2, dp=1),
-              "pp2_dp2/no_sum": run(tp=1, pp=2, dp=2, sum_embedding_grads=False)}
+    result = {
+        "rank": dist.get_rank(),
+        "pp2_dp2": run(tp=1, pp=2, dp=2),
+        "pp2_tp2": run(tp=2, pp=2, dp=1),
+        "pp2_dp2/no_sum": run(tp=1, pp=2, dp=2, sum_embedding_grads=False),
+    }
     (outdir / f"rank{result['rank']}.json").write_text(json.dumps(result))
     print(f"rank {result['rank']}: tied embeddings ok", flush=True)
     finish()

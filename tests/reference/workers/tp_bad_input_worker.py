@@ -3,8 +3,8 @@ raised) per rank, for test_tp_bad_input.py to check it names the problem in one 
 
 import torch
 import torch.distributed as dist
-
 from common import serve
+
 from reference.parallel_state import ParallelConfigError, build_layout
 from reference.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from reference.tensor_parallel.transformer import ParallelTransformer
@@ -34,8 +34,9 @@ def results(device: torch.device) -> dict:
         "hidden_18": lambda: ParallelTransformer(1, 18, 4, tp_group=tp),
         "column_output_7": lambda: ColumnParallelLinear(8, 7, tp_group=tp, init_method=init_method_normal()),
         "row_input_7": lambda: RowParallelLinear(7, 8, tp_group=tp, init_method=init_method_normal()),
-        "row_sp_input_not_parallel": lambda: RowParallelLinear(8, 8, tp_group=tp, init_method=init_method_normal(),
-                                                               sequence_parallel=True),
+        "row_sp_input_not_parallel": lambda: RowParallelLinear(
+            8, 8, tp_group=tp, init_method=init_method_normal(), sequence_parallel=True
+        ),
         "float64_input": lambda: column()(torch.ones(4, 2, 8, dtype=torch.float64, device=device)),
         "meta_input": lambda: column()(torch.ones(4, 2, 8, device="meta")),
         "last_dimension_6": lambda: column()(torch.ones(4, 2, 6, device=device)),
@@ -44,8 +45,11 @@ def results(device: torch.device) -> dict:
     errors = {name: error_of(make) for name, make in cases.items()}
     # the same model with padding by request runs and keeps the sequence length
     padded = ParallelTransformer(1, 8, 2, tp_group=tp, sequence_parallel=True, pad_sequence=True, device=device)
-    return {"errors": errors, "padded_output_shape": list(padded(torch.ones(5, 1, 8, device=device)).shape),
-            "rank": dist.get_rank()}
+    return {
+        "errors": errors,
+        "padded_output_shape": list(padded(torch.ones(5, 1, 8, device=device)).shape),
+        "rank": dist.get_rank(),
+    }
 
 
 def main() -> None:

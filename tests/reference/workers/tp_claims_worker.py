@@ -8,8 +8,8 @@ observed; their tensor equalities assert here, naming the tensor.
 
 import torch
 import torch.distributed as dist
-
 from common import assert_close, gather_dim, serve
+
 from reference.parallel_state import build_layout
 from reference.recorder import CollectiveRecorder
 from reference.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -35,8 +35,9 @@ def check_ffn_derivation(tp, device) -> list:
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(1)
     fc1 = ColumnParallelLinear(H, 4 * H, tp_group=tp, init_method=init_method_normal(), bias=False, device=device)
-    fc2 = RowParallelLinear(4 * H, H, tp_group=tp, init_method=init_method_normal(), bias=False,
-                            input_is_parallel=True, device=device)
+    fc2 = RowParallelLinear(
+        4 * H, H, tp_group=tp, init_method=init_method_normal(), bias=False, input_is_parallel=True, device=device
+    )
     torch.manual_seed(1)
     full_a, full_b = (torch.empty(4 * H, H), torch.empty(H, 4 * H))
     init_method_normal()(full_a), init_method_normal()(full_b)
@@ -101,13 +102,24 @@ def check_dropout_streams(tp, device) -> dict:
     set_state = torch.cuda.set_rng_state if device.type == "cuda" else torch.set_rng_state
     for sp in (False, True):
         torch.manual_seed(3)
-        model = ParallelTransformer(1, H, HEADS, tp_group=tp, sequence_parallel=sp, hidden_dropout=0.3,
-                                    attention_dropout=0.3, dropout_seed=9, device=device)
+        model = ParallelTransformer(
+            1,
+            H,
+            HEADS,
+            tp_group=tp,
+            sequence_parallel=sp,
+            hidden_dropout=0.3,
+            attention_dropout=0.3,
+            dropout_seed=9,
+            device=device,
+        )
         x = torch.randn(S, B, H, device=device)
         out = model(x).detach()
         replicas = gather_dim(out.unsqueeze(0), 0, tp)
-        observed[f"sp={sp}"] = {"replicas_equal": all(torch.equal(r, replicas[0]) for r in replicas),
-                                 "eval_differs": not torch.allclose(model.eval()(x), out)}
+        observed[f"sp={sp}"] = {
+            "replicas_equal": all(torch.equal(r, replicas[0]) for r in replicas),
+            "eval_differs": not torch.allclose(model.eval()(x), out),
+        }
     saved = get_state()
     with model.layers[0].rng.fork():
         sharded_draw = torch.rand(8, device=device)
@@ -122,13 +134,18 @@ def check_dropout_streams(tp, device) -> dict:
 def results(device: torch.device) -> dict:
     """Each configuration's recorded step, and what the per-rank checks observed."""
     tp = build_layout(tp_size=dist.get_world_size()).tp_group
-    logs = {"tp": record_step(tp, device),
-            "sp": record_step(tp, device, sequence_parallel=True),
-            "tp_no_async": record_step(tp, device, async_grad_allreduce=False),
-            "sp_no_async": record_step(tp, device, sequence_parallel=True, async_grad_allreduce=False)}
-    return {"logs": logs, "ffn_backward_collectives": check_ffn_derivation(tp, device),
-            "grad_accumulation_fusion": check_grad_accumulation_fusion(tp, device),
-            "dropout": check_dropout_streams(tp, device)}
+    logs = {
+        "tp": record_step(tp, device),
+        "sp": record_step(tp, device, sequence_parallel=True),
+        "tp_no_async": record_step(tp, device, async_grad_allreduce=False),
+        "sp_no_async": record_step(tp, device, sequence_parallel=True, async_grad_allreduce=False),
+    }
+    return {
+        "logs": logs,
+        "ffn_backward_collectives": check_ffn_derivation(tp, device),
+        "grad_accumulation_fusion": check_grad_accumulation_fusion(tp, device),
+        "dropout": check_dropout_streams(tp, device),
+    }
 
 
 def main() -> None:

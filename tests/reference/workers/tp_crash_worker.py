@@ -1,8 +1,9 @@
 """Rank 1 dies in the middle of a training step; the other rank must not hang (torchrun tears it down)."""
+
 import torch
 import torch.distributed as dist
-
 from common import init
+
 from reference.parallel_state import build_layout
 from reference.tensor_parallel.transformer import ParallelTransformer
 

@@ -6,12 +6,12 @@ implementations' recorded collective counts and CommDebugMode's, for test_tp_vs_
 
 import torch
 import torch.distributed as dist
+from common import assert_close, dtensor_plan, full_tensor, serve
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import parallelize_module
 
-from common import assert_close, dtensor_plan, full_tensor, serve
 from reference.parallel_state import build_layout
 from reference.recorder import CollectiveRecorder
 from reference.tensor_parallel.layers import allreduce_sequence_parallel_grads
@@ -22,9 +22,14 @@ H, HEADS, LAYERS, S, B = 16, 4, 2, 8, 2
 
 
 def comm_debug_counts(mode: CommDebugMode) -> dict:
-    names = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather", "reduce_scatter_tensor":
-             "reduce_scatter", "allreduce_": "all_reduce", "_allgather_base_": "all_gather",
-             "_reduce_scatter_base_": "reduce_scatter"}
+    names = {
+        "all_reduce": "all_reduce",
+        "all_gather_into_tensor": "all_gather",
+        "reduce_scatter_tensor": "reduce_scatter",
+        "allreduce_": "all_reduce",
+        "_allgather_base_": "all_gather",
+        "_reduce_scatter_base_": "reduce_scatter",
+    }
     return {names[str(op).split(".")[-1]]: n for op, n in mode.get_comm_counts().items() if n}
 
 
@@ -58,8 +63,10 @@ def run_reference(layout, sp: bool, x: torch.Tensor):
         out = model(x)
         (out * out).sum().backward()
     allreduce_sequence_parallel_grads(model, layout.tp_group)
-    grads = {n: full_tensor(n.rsplit(".", 1)[0], n.rsplit(".", 1)[1], p.grad, layout.tp_group)
-             for n, p in model.named_parameters()}
+    grads = {
+        n: full_tensor(n.rsplit(".", 1)[0], n.rsplit(".", 1)[1], p.grad, layout.tp_group)
+        for n, p in model.named_parameters()
+    }
     return out, x.grad, grads, rec, {"all": comm_debug_counts(comm)}
 
 
@@ -82,7 +89,8 @@ def results(device: torch.device) -> dict:
             "reference_all": {op: v["count"] for op, v in ours[3].summary().items()},
             "dtensor_all": {op: v["count"] for op, v in theirs[3].summary().items()},
             "comm_debug": {"reference": ours[4], "dtensor": theirs[4]},
-            "grads_compared": sorted(theirs[2])}
+            "grads_compared": sorted(theirs[2]),
+        }
     return found
 
 

@@ -8,15 +8,16 @@ Every rank asserts (naming the layer, options and tensor) and writes what it com
 test_tp_vs_megatron.py: per layout, both sides' groups and the TP all-reduce; per layer configuration, the
 collective sequence both recorded.
 """
+
 import itertools
 
 import torch
 import torch.distributed as dist
+from common import assert_close, gather_dim, serve
 from megatron.core import parallel_state as mpu
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.tensor_parallel import layers as megatron_layers
 
-from common import assert_close, gather_dim, serve
 from reference.parallel_state import build_layout
 from reference.recorder import CollectiveRecorder
 from reference.tensor_parallel import layers as reference_layers
@@ -34,18 +35,36 @@ def layouts(device) -> list[dict]:
     found = []
     for (tp_size, pp_size), order in [(split, order) for split in splits for order in ("tp-pp-dp", "tp-dp-pp")]:
         grid = build_layout(tp_size, pp_size, order=order)
-        mpu.initialize_model_parallel(tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=pp_size,
-                                      order=order.replace("tp-", "tp-cp-ep-"), create_gloo_process_groups=False)
-        groups = {name: [dist.get_process_group_ranks(ours), dist.get_process_group_ranks(theirs)]
-                  for name, ours, theirs in [("tp", grid.tp_group, mpu.get_tensor_model_parallel_group()),
-                                             ("dp", grid.dp_group, mpu.get_data_parallel_group()),
-                                             ("pp", grid.pp_group, mpu.get_pipeline_model_parallel_group())]}
+        mpu.initialize_model_parallel(
+            tensor_model_parallel_size=tp_size,
+            pipeline_model_parallel_size=pp_size,
+            order=order.replace("tp-", "tp-cp-ep-"),
+            create_gloo_process_groups=False,
+        )
+        groups = {
+            name: [dist.get_process_group_ranks(ours), dist.get_process_group_ranks(theirs)]
+            for name, ours, theirs in [
+                ("tp", grid.tp_group, mpu.get_tensor_model_parallel_group()),
+                ("dp", grid.dp_group, mpu.get_data_parallel_group()),
+                ("pp", grid.pp_group, mpu.get_pipeline_model_parallel_group()),
+            ]
+        }
         total = torch.tensor([float(rank)], device=device)
         dist.all_reduce(total, group=grid.tp_group)  # the TP group really is the run of consecutive ranks
-        found.append({"order": order, "tp": tp_size, "pp": pp_size, "groups": groups, "describe": grid.describe(),
-                      "ranks": [[grid.tp_rank, grid.dp_rank],
-                                [mpu.get_tensor_model_parallel_rank(), mpu.get_data_parallel_rank()]],
-                      "tp_rank_sum": total.item()})
+        found.append(
+            {
+                "order": order,
+                "tp": tp_size,
+                "pp": pp_size,
+                "groups": groups,
+                "describe": grid.describe(),
+                "ranks": [
+                    [grid.tp_rank, grid.dp_rank],
+                    [mpu.get_tensor_model_parallel_rank(), mpu.get_data_parallel_rank()],
+                ],
+                "tp_rank_sum": total.item(),
+            }
+        )
         mpu.destroy_model_parallel()
     return found
 
@@ -55,10 +74,15 @@ def build(kind, lib, seed, tp, device, **kw):
     torch.manual_seed(seed)
     init_method = init_method_normal(0.02)
     if lib == "megatron":
-        config = ModelParallelConfig(tensor_model_parallel_size=world, sequence_parallel=kw.pop("sequence_parallel"),
-                                     use_cpu_initialization=True, params_dtype=torch.float32)
-        layer = getattr(megatron_layers, kind)(IN, OUT, config=config, init_method=init_method,
-                                               tp_group=mpu.get_tensor_model_parallel_group(), **kw)
+        config = ModelParallelConfig(
+            tensor_model_parallel_size=world,
+            sequence_parallel=kw.pop("sequence_parallel"),
+            use_cpu_initialization=True,
+            params_dtype=torch.float32,
+        )
+        layer = getattr(megatron_layers, kind)(
+            IN, OUT, config=config, init_method=init_method, tp_group=mpu.get_tensor_model_parallel_group(), **kw
+        )
     else:
         layer = getattr(reference_layers, kind)(IN, OUT, tp_group=tp, init_method=init_method, device=device, **kw)
     if layer.bias is not None:  # both zero-initialize; give the bias values so its handling shows
@@ -105,19 +129,43 @@ def layers(tp, device) -> list[dict]:
     """ColumnParallelLinear and RowParallelLinear over their options, at TP = world."""
     world, s = dist.get_world_size(), 4 * dist.get_world_size()
     compared = []
-    for bias, skip_bias_add, gather_output, sp in itertools.product([True, False], [False, True], [False, True],
-                                                                      [False, True]):
+    for bias, skip_bias_add, gather_output, sp in itertools.product(
+        [True, False], [False, True], [False, True], [False, True]
+    ):
         if skip_bias_add and not bias:
             continue
-        compared.append(compare("ColumnParallelLinear", 10, (s, B, IN), tp, device, bias=bias,
-                                skip_bias_add=skip_bias_add, gather_output=gather_output, sequence_parallel=sp))
-    for bias, skip_bias_add, input_is_parallel, sp in itertools.product([True, False], [False, True], [True, False],
-                                                                          [False, True]):
+        compared.append(
+            compare(
+                "ColumnParallelLinear",
+                10,
+                (s, B, IN),
+                tp,
+                device,
+                bias=bias,
+                skip_bias_add=skip_bias_add,
+                gather_output=gather_output,
+                sequence_parallel=sp,
+            )
+        )
+    for bias, skip_bias_add, input_is_parallel, sp in itertools.product(
+        [True, False], [False, True], [True, False], [False, True]
+    ):
         if (skip_bias_add and not bias) or (sp and not input_is_parallel):
             continue
         shape = (s, B, IN // world) if input_is_parallel else (s, B, IN)
-        compared.append(compare("RowParallelLinear", 20, shape, tp, device, bias=bias, skip_bias_add=skip_bias_add,
-                                input_is_parallel=input_is_parallel, sequence_parallel=sp))
+        compared.append(
+            compare(
+                "RowParallelLinear",
+                20,
+                shape,
+                tp,
+                device,
+                bias=bias,
+                skip_bias_add=skip_bias_add,
+                input_is_parallel=input_is_parallel,
+                sequence_parallel=sp,
+            )
+        )
     return compared
 
 
@@ -125,10 +173,13 @@ def shards_equal_megatron_master(tp, device) -> bool:
     """Same seed, same shards: the reference's shards re-assemble to megatron's master weight."""
     torch.manual_seed(5)
     master = megatron_layers.ColumnParallelLinear(
-        IN, OUT, config=ModelParallelConfig(tensor_model_parallel_size=dist.get_world_size(),
-                                            use_cpu_initialization=True),
-        init_method=init_method_normal(0.02), keep_master_weight_for_test=True,
-        tp_group=mpu.get_tensor_model_parallel_group()).master_weight
+        IN,
+        OUT,
+        config=ModelParallelConfig(tensor_model_parallel_size=dist.get_world_size(), use_cpu_initialization=True),
+        init_method=init_method_normal(0.02),
+        keep_master_weight_for_test=True,
+        tp_group=mpu.get_tensor_model_parallel_group(),
+    ).master_weight
     ours = build("ColumnParallelLinear", "reference", 5, tp, device, bias=False)
     return torch.equal(gather_dim(ours.weight.detach().cpu(), 0, tp), master)
 

@@ -2,12 +2,13 @@
 
 Every rank asserts outputs, input gradients, gradients and parameters equal (assert_close, naming the
 configuration, step and tensor) and writes the configurations it compared, for test_tp_vs_unsharded.py."""
+
 import itertools
 
 import torch
 import torch.distributed as dist
-
 from common import assert_close, full_tensor, serve
+
 from reference.parallel_state import build_layout
 from reference.tensor_parallel.layers import allreduce_sequence_parallel_grads
 from reference.tensor_parallel.transformer import ParallelTransformer
@@ -22,8 +23,17 @@ def params_by_name(model):
 
 def compare_models(tp, device, sp, overlap, fusion, seq, pad) -> str:
     torch.manual_seed(1234)
-    ref = ParallelTransformer(LAYERS, H, HEADS, tp_group=tp, sequence_parallel=sp, async_grad_allreduce=overlap,
-                              gradient_accumulation_fusion=fusion, pad_sequence=pad, device=device)
+    ref = ParallelTransformer(
+        LAYERS,
+        H,
+        HEADS,
+        tp_group=tp,
+        sequence_parallel=sp,
+        async_grad_allreduce=overlap,
+        gradient_accumulation_fusion=fusion,
+        pad_sequence=pad,
+        device=device,
+    )
     torch.manual_seed(1234)
     plain = Transformer(LAYERS, H, HEADS, device=device)
     with torch.no_grad():  # non-zero biases and LayerNorm affine, identical on both sides
@@ -60,8 +70,9 @@ def compare_models(tp, device, sp, overlap, fusion, seq, pad) -> str:
             if hasattr(p, "main_grad"):
                 p.main_grad.zero_()
     for name, (mod, pname, p) in params_by_name(ref).items():
-        assert_close(full_tensor(mod, pname, p.detach(), tp), plain_params[name].detach(),
-                     f"{what} param {name} after 3 steps")
+        assert_close(
+            full_tensor(mod, pname, p.detach(), tp), plain_params[name].detach(), f"{what} param {name} after 3 steps"
+        )
     return what
 
 

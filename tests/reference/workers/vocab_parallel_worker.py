@@ -10,13 +10,13 @@ sequence-parallel paths allocate on torch.cuda.current_device(), redirected to t
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from common import assert_close, gather_dim, serve
 from megatron.core import parallel_state as mpu
 from megatron.core import tensor_parallel as megatron_tp
 from megatron.core.model_parallel_config import ModelParallelConfig
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from common import assert_close, gather_dim, serve
 from reference.parallel_state import ParallelConfigError, build_layout
 from reference.recorder import CollectiveRecorder
 from reference.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -24,8 +24,8 @@ from reference.tensor_parallel.unsharded import init_method_normal
 from reference.tensor_parallel.vocab_parallel import ParallelLMHead, VocabParallelEmbedding, pad_vocab_size
 from reference.torch_patches import cuda_calls_on_cpu
 
-S, B, H = 8, 2, 8                  # 16 tokens; H < tokens so a logits shard is the largest tensor of the head
-V_TINY = 5                         # at TP=4 padded to 8: the last rank holds only padding
+S, B, H = 8, 2, 8  # 16 tokens; H < tokens so a logits shard is the largest tensor of the head
+V_TINY = 5  # at TP=4 padded to 8: the last rank holds only padding
 V_PROBE = 50  # no dimension of the test collides with 50 or its padded size / shards (52, 25, 13)
 
 
@@ -67,8 +67,9 @@ class AllocationProbe(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        self.shapes += [(str(func.overloadpacket), tuple(t.shape)) for t in tree_leaves(out)
-                        if isinstance(t, torch.Tensor)]
+        self.shapes += [
+            (str(func.overloadpacket), tuple(t.shape)) for t in tree_leaves(out) if isinstance(t, torch.Tensor)
+        ]
         return out
 
     def largest(self):
@@ -81,8 +82,8 @@ class Checks:
     def __init__(self, device: torch.device):
         self.device, self.world, self.rank = device, dist.get_world_size(), dist.get_rank()
         self.tp = build_layout(tp_size=self.world).tp_group
-        self.v_even = 12 * self.world                # divisible by TP
-        self.v_odd = 6 * self.world + 1              # padded to 7 * world
+        self.v_even = 12 * self.world  # divisible by TP
+        self.v_odd = 6 * self.world + 1  # padded to 7 * world
         self.max_diff = {"embedding": 0.0, "cross_entropy": 0.0, "lm_head": 0.0, "megatron": 0.0}
 
     def track(self, kind, actual, expected, what, **tol):
@@ -105,8 +106,9 @@ class Checks:
     def check_embedding(self, vocab, sp, seed=3):
         what = f"embedding V={vocab} sp={sp}"
         torch.manual_seed(seed)
-        emb = VocabParallelEmbedding(vocab, H, tp_group=self.tp, init_method=init_method_normal(0.02),
-                                     sequence_parallel=sp, device=self.device)
+        emb = VocabParallelEmbedding(
+            vocab, H, tp_group=self.tp, init_method=init_method_normal(0.02), sequence_parallel=sp, device=self.device
+        )
         ref = torch.nn.Embedding.from_pretrained(self.master_weight(vocab, seed), freeze=False)
         padded = pad_vocab_size(vocab, self.world)
         assert emb.weight.shape == (padded // self.world, H) and emb.padded_vocab_size == padded
@@ -115,7 +117,7 @@ class Checks:
         assert torch.count_nonzero(weight_full[vocab:]) == 0, f"{what}: padding rows should be zero"
 
         ids = self.token_ids(vocab, (B, S), seed + 1)
-        expected = ref(ids)                                    # [b, s, h]
+        expected = ref(ids)  # [b, s, h]
         weights = torch.randn(B, S, H, generator=gen(seed + 2)).to(self.device)
         (expected * weights).sum().backward()
         out = emb(ids)
@@ -140,8 +142,9 @@ class Checks:
         shard = full.chunk(self.world, -1)[self.rank].clone().requires_grad_()
         loss = vocab_parallel_cross_entropy(shard, target, self.tp, vocab_size=vocab)
         (loss * upstream).sum().backward()
-        assert torch.equal(shard.detach(), full.chunk(self.world, -1)[self.rank]), \
+        assert torch.equal(shard.detach(), full.chunk(self.world, -1)[self.rank]), (
             f"{what}: the input logits were modified"
+        )
 
         real = full[..., :vocab].clone().requires_grad_()
         expected = F.cross_entropy(real.reshape(-1, vocab), target.reshape(-1), reduction="none").view(S, B)
@@ -155,8 +158,9 @@ class Checks:
     def check_lm_head(self, vocab, sp, seed=7):
         what = f"lm_head V={vocab} sp={sp}"
         torch.manual_seed(seed)
-        head = ParallelLMHead(H, vocab, tp_group=self.tp, init_method=init_method_normal(0.02), sequence_parallel=sp,
-                              device=self.device)
+        head = ParallelLMHead(
+            H, vocab, tp_group=self.tp, init_method=init_method_normal(0.02), sequence_parallel=sp, device=self.device
+        )
         weight = self.master_weight(vocab, seed).requires_grad_()
         hidden_full = torch.randn(S, B, H, generator=gen(seed + 1)).to(self.device).requires_grad_()
         labels = self.token_ids(vocab, (B, S), seed + 2)
@@ -178,21 +182,28 @@ class Checks:
         self.track("lm_head", hidden.grad, expected_dh, f"{what}: dhidden")
 
     def megatron_config(self, sp):
-        return ModelParallelConfig(tensor_model_parallel_size=self.world, sequence_parallel=sp,
-                                   use_cpu_initialization=True, params_dtype=torch.float32)
+        return ModelParallelConfig(
+            tensor_model_parallel_size=self.world,
+            sequence_parallel=sp,
+            use_cpu_initialization=True,
+            params_dtype=torch.float32,
+        )
 
     def vs_megatron_cross_entropy(self, seed=11):
         full = torch.randn(S, B, self.v_even, generator=gen(seed)).to(self.device)
         target = self.token_ids(self.v_even, (S, B), seed + 1)
         results = []
-        for fn in (lambda x: vocab_parallel_cross_entropy(x, target, self.tp),
-                   lambda x: megatron_tp.vocab_parallel_cross_entropy(x.clone(), target)):  # megatron writes its input
+        for fn in (
+            lambda x: vocab_parallel_cross_entropy(x, target, self.tp),
+            lambda x: megatron_tp.vocab_parallel_cross_entropy(x.clone(), target),
+        ):  # megatron writes its input
             shard = full.chunk(self.world, -1)[self.rank].clone().requires_grad_()
 
             def step(fn=fn, shard=shard):
                 loss = fn(shard)
                 loss.sum().backward()
                 return loss.detach()
+
             loss, events = record(step)
             results.append((loss, shard.grad, events))
         (mine, mine_grad, mine_events), (theirs, theirs_grad, theirs_events) = results
@@ -207,20 +218,33 @@ class Checks:
         weights = torch.randn(S, B, H, generator=gen(seed + 2)).to(self.device)
         weights = weights.chunk(self.world, 0)[self.rank] if sp else weights.transpose(0, 1)
         torch.manual_seed(seed)
-        mine = VocabParallelEmbedding(self.v_even, H, tp_group=self.tp, init_method=init_method_normal(0.02),
-                                      sequence_parallel=sp, device=self.device)
+        mine = VocabParallelEmbedding(
+            self.v_even,
+            H,
+            tp_group=self.tp,
+            init_method=init_method_normal(0.02),
+            sequence_parallel=sp,
+            device=self.device,
+        )
         torch.manual_seed(seed)
-        theirs = megatron_tp.VocabParallelEmbedding(self.v_even, H, init_method=init_method_normal(0.02),
-                                                    reduce_scatter_embeddings=sp, config=self.megatron_config(sp),
-                                                    tp_group=mpu.get_tensor_model_parallel_group()).to(self.device)
+        theirs = megatron_tp.VocabParallelEmbedding(
+            self.v_even,
+            H,
+            init_method=init_method_normal(0.02),
+            reduce_scatter_embeddings=sp,
+            config=self.megatron_config(sp),
+            tp_group=mpu.get_tensor_model_parallel_group(),
+        ).to(self.device)
         assert torch.equal(mine.weight, theirs.weight), f"{what}: different shards from the same seed"
         assert (mine.vocab_start_index, mine.vocab_end_index) == (theirs.vocab_start_index, theirs.vocab_end_index)
         outs = []
         for module in (mine, theirs):
+
             def step(module=module):
                 out = module(ids)
                 (out * weights).sum().backward()
                 return out.detach()
+
             outs.append(record(step))
         self.track("megatron", outs[0][0], outs[1][0], f"{what}: output", atol=1e-6, rtol=1e-5)
         self.track("megatron", mine.weight.grad, theirs.weight.grad, f"{what}: weight grad", atol=1e-6, rtol=1e-5)
@@ -233,12 +257,25 @@ class Checks:
         hidden_in = hidden_full.chunk(self.world, 0)[self.rank] if sp else hidden_full
         labels = self.token_ids(self.v_even, (B, S), seed + 2)
         torch.manual_seed(seed)
-        mine = ParallelLMHead(H, self.v_even, tp_group=self.tp, init_method=init_method_normal(0.02),
-                              sequence_parallel=sp, device=self.device)
+        mine = ParallelLMHead(
+            H,
+            self.v_even,
+            tp_group=self.tp,
+            init_method=init_method_normal(0.02),
+            sequence_parallel=sp,
+            device=self.device,
+        )
         torch.manual_seed(seed)
         output_layer = megatron_tp.ColumnParallelLinear(  # as GPTModel.output_layer with parallel_output=True
-            H, self.v_even, config=self.megatron_config(sp), init_method=init_method_normal(0.02), bias=False,
-            skip_bias_add=False, gather_output=False, tp_group=mpu.get_tensor_model_parallel_group()).to(self.device)
+            H,
+            self.v_even,
+            config=self.megatron_config(sp),
+            init_method=init_method_normal(0.02),
+            bias=False,
+            skip_bias_add=False,
+            gather_output=False,
+            tp_group=mpu.get_tensor_model_parallel_group(),
+        ).to(self.device)
         assert torch.equal(mine.output_layer.weight, output_layer.weight), f"{what}: different shards"
 
         def theirs(hidden):  # LanguageModule.compute_language_model_loss, unfused path
@@ -254,6 +291,7 @@ class Checks:
                 loss = fn(hidden)
                 loss.sum().backward()
                 return loss.detach()
+
             loss, events = record(step)
             results.append((loss, hidden.grad, weight.grad, events))
         for i, name in enumerate(["loss", "dhidden", "dW"]):
@@ -264,8 +302,9 @@ class Checks:
     def probe_lm_head(self, vocab, sp, seed=19):
         padded = pad_vocab_size(vocab, self.world)
         torch.manual_seed(seed)
-        head = ParallelLMHead(H, vocab, tp_group=self.tp, init_method=init_method_normal(0.02), sequence_parallel=sp,
-                              device=self.device)
+        head = ParallelLMHead(
+            H, vocab, tp_group=self.tp, init_method=init_method_normal(0.02), sequence_parallel=sp, device=self.device
+        )
         hidden = torch.randn(S, B, H, generator=gen(seed + 1)).to(self.device)
         hidden = (hidden.chunk(self.world, 0)[self.rank] if sp else hidden).requires_grad_()
         labels = self.token_ids(vocab, (B, S), seed + 2)
@@ -326,24 +365,30 @@ class Checks:
     def bad_input(self) -> list[str]:
         """Section 6: one clear error, on every TP rank alike (no hang); the messages."""
         torch.manual_seed(0)
-        head = ParallelLMHead(H, self.v_odd, tp_group=self.tp, init_method=init_method_normal(0.02),
-                              device=self.device)
-        emb = VocabParallelEmbedding(self.v_odd, H, tp_group=self.tp, init_method=init_method_normal(0.02),
-                                     device=self.device)
+        head = ParallelLMHead(H, self.v_odd, tp_group=self.tp, init_method=init_method_normal(0.02), device=self.device)
+        emb = VocabParallelEmbedding(
+            self.v_odd, H, tp_group=self.tp, init_method=init_method_normal(0.02), device=self.device
+        )
         hidden = torch.randn(S, B, H, device=self.device)
         good = self.token_ids(self.v_odd, (B, S), 1)
         messages = []
         for bad_id in (self.v_odd, pad_vocab_size(self.v_odd, self.world) - 1, -1):  # past, a pad id, negative
             bad = good.clone()
             bad[1, 3] = bad_id
-            messages.append(expect_error(lambda: head(hidden, bad), f"target holds id {bad_id}", f"[0, {self.v_odd})"))
-            messages.append(expect_error(lambda: emb(bad), f"input holds id {bad_id}"))
+            messages.append(
+                expect_error(lambda bad=bad: head(hidden, bad), f"target holds id {bad_id}", f"[0, {self.v_odd})")
+            )
+            messages.append(expect_error(lambda bad=bad: emb(bad), f"input holds id {bad_id}"))
         shard = torch.randn(S, B, pad_vocab_size(self.v_odd, self.world) // self.world, device=self.device)
-        messages.append(expect_error(lambda: vocab_parallel_cross_entropy(shard, good.t().float(), self.tp),
-                                     "integer token ids"))
+        messages.append(
+            expect_error(lambda: vocab_parallel_cross_entropy(shard, good.t().float(), self.tp), "integer token ids")
+        )
         messages.append(expect_error(lambda: vocab_parallel_cross_entropy(shard, good, self.tp), "does not match"))
-        messages.append(expect_error(lambda: vocab_parallel_cross_entropy(shard, good.t(), self.tp,
-                                                                          vocab_size=10 ** 6), "padded vocabulary"))
+        messages.append(
+            expect_error(
+                lambda: vocab_parallel_cross_entropy(shard, good.t(), self.tp, vocab_size=10**6), "padded vocabulary"
+            )
+        )
         loss = vocab_parallel_cross_entropy(shard.clone().requires_grad_(), good.t().contiguous(), self.tp, self.v_odd)
         loss.sum().backward(retain_graph=True)
         messages.append(expect_error(lambda: loss.sum().backward(), "twice", error=RuntimeError))
@@ -355,8 +400,13 @@ def results(device: torch.device) -> dict:
         cuda_calls_on_cpu()
     mpu.initialize_model_parallel(tensor_model_parallel_size=dist.get_world_size(), create_gloo_process_groups=False)
     checks = Checks(device)
-    found = {"unsharded": checks.unsharded(), "collectives": checks.megatron(), "probe": checks.probes(),
-             "bad_input": checks.bad_input(), "max_diff": checks.max_diff}
+    found = {
+        "unsharded": checks.unsharded(),
+        "collectives": checks.megatron(),
+        "probe": checks.probes(),
+        "bad_input": checks.bad_input(),
+        "max_diff": checks.max_diff,
+    }
     mpu.destroy_model_parallel()
     return found
 

@@ -1,5 +1,6 @@
 """Write-then-rename, so a reader or a crash never sees half a file. Several files replaced as one step go
 through pin_and_cite.relocation.journal, which builds on these primitives."""
+
 from __future__ import annotations
 
 import contextlib

@@ -2,6 +2,7 @@
 
 Parsing is pure (no files touched) so a malformed spec is refused before any work starts.
 """
+
 from __future__ import annotations
 
 import re
@@ -20,6 +21,7 @@ _QUALNAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
 @dataclass(frozen=True)
 class Spec:
     """What a note asks for; `lines` is None for symbol citations until resolved."""
+
     source: str
     path: str
     lines: tuple[int, int] | None = None
@@ -44,7 +46,8 @@ def parse_spec(text: str) -> Spec:
     match = _SPEC.fullmatch(text.strip())
     if not match:
         raise PinAndCiteError(
-            f"malformed citation {text!r}: expected SOURCE:PATH#Lstart-Lend or SOURCE:PATH::Qual.name")
+            f"malformed citation {text!r}: expected SOURCE:PATH#Lstart-Lend or SOURCE:PATH::Qual.name"
+        )
     return _spec(match, text, match["source"])
 
 

@@ -9,6 +9,7 @@ old name. A hand-typed upstream line number (`line 1385`, `lines 1239-1291`, `L8
 and `check` refuses one, since nothing could keep it true. The reference pages render their "mirrors" column
 from the same docstrings (pin_and_cite.core.local_code.mirrored), so the citation has one home.
 """
+
 from __future__ import annotations
 
 import re
@@ -17,7 +18,7 @@ from pathlib import Path
 from pin_and_cite.core.errors import PinAndCiteError
 from pin_and_cite.core.notes import Written
 
-CODE_DIRS = ("reference",)        # the folders of the project whose Python files cite upstream
+CODE_DIRS = ("reference",)  # the folders of the project whose Python files cite upstream
 CODE_CITATION = re.compile(r"(?<![\w/.:-])([A-Za-z][\w-]*:(?:[\w.-]+/)*[\w.-]+\.pyi?::[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)")
 HAND_TYPED_LINE = re.compile(r"\b(?:lines? \d+|L\d{2,})\b")
 
@@ -39,14 +40,18 @@ def _text_of(file: Path, root: Path) -> str:
     try:
         return file.read_bytes().decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise PinAndCiteError(f"{file.relative_to(root)} is not UTF-8 (byte {exc.object[exc.start]:#04x} at offset "
-                              f"{exc.start})") from None
+        raise PinAndCiteError(
+            f"{file.relative_to(root)} is not UTF-8 (byte {exc.object[exc.start]:#04x} at offset {exc.start})"
+        ) from None
 
 
 def code_citations(root: Path) -> list[Written]:
     """Every upstream citation written in the project's code, as `upstream` calls at their file:line."""
-    return [Written("upstream", spec, file, line)
-            for file in code_files(root) for spec, line in citations_in_text(_text_of(file, root))]
+    return [
+        Written("upstream", spec, file, line)
+        for file in code_files(root)
+        for spec, line in citations_in_text(_text_of(file, root))
+    ]
 
 
 def hand_typed_lines(root: Path) -> list[tuple[str, str]]:
@@ -54,6 +59,7 @@ def hand_typed_lines(root: Path) -> list[tuple[str, str]]:
     found = []
     for file in code_files(root):
         text = _text_of(file, root)
-        found += [(f"{file.relative_to(root)}:{_line_of(text, m.start())}", m[0])
-                  for m in HAND_TYPED_LINE.finditer(text)]
+        found += [
+            (f"{file.relative_to(root)}:{_line_of(text, m.start())}", m[0]) for m in HAND_TYPED_LINE.finditer(text)
+        ]
     return found

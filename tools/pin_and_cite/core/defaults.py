@@ -8,6 +8,7 @@ class: the annotated field, or `field(default=...)`). It is locked like a citati
 `SOURCE:PATH::Qual.name(param)`, with the default's source text and line, so `check` proves it offline and
 `bump` reports when it changed.
 """
+
 from __future__ import annotations
 
 import ast
@@ -25,6 +26,7 @@ _KEY = re.compile(r"(?P<spec>.+)\((?P<param>[A-Za-z_][A-Za-z0-9_]*)\)")
 @dataclass(frozen=True)
 class DefaultRef:
     """A default a note asks for: the symbol that declares the parameter, and the parameter's name."""
+
     spec: Spec
     param: str
 
@@ -35,6 +37,7 @@ class DefaultRef:
 @dataclass(frozen=True)
 class FoundDefault:
     """The default as written upstream: its source text (`False`, `BackwardPrefetch.BACKWARD_PRE`) and line."""
+
     value: str
     line: int
 
@@ -43,8 +46,10 @@ def default_ref(spec_text: str, param: str) -> DefaultRef:
     """Parse what a template or the CLI names; only a symbol citation can declare a parameter."""
     spec = parse_spec(spec_text)
     if not spec.symbol:
-        raise PinAndCiteError(f"default({spec_text!r}, ...) needs SOURCE:PATH::Qual.name, the function or class "
-                              "that declares the parameter")
+        raise PinAndCiteError(
+            f"default({spec_text!r}, ...) needs SOURCE:PATH::Qual.name, the function or class "
+            "that declares the parameter"
+        )
     if not isinstance(param, str) or not _PARAM.fullmatch(param):
         raise PinAndCiteError(f"default({spec_text!r}, {param!r}): the parameter must be a Python name")
     return DefaultRef(spec, param)
@@ -65,7 +70,7 @@ def _definition(tree: ast.Module, span: tuple[int, int], name: str) -> ast.AST:
             first = min([d.lineno for d in node.decorator_list] + [node.lineno])
             if (first, node.end_lineno) == span:
                 return node
-    raise PinAndCiteError(f"no definition of {name} at L{span[0]}-L{span[1]}")   # symbols and ast disagree: a bug
+    raise PinAndCiteError(f"no definition of {name} at L{span[0]}-L{span[1]}")  # symbols and ast disagree: a bug
 
 
 def _signature_default(node: ast.FunctionDef | ast.AsyncFunctionDef, param: str) -> ast.expr | None | bool:
@@ -95,13 +100,19 @@ def _segment(lines: tuple[str, ...], node: ast.expr) -> str:
     """The source text of `node` (ast.get_source_segment, without splitting the whole file again per call)."""
     first, last = node.lineno - 1, node.end_lineno - 1
     if first == last:
-        return lines[first].encode()[node.col_offset:node.end_col_offset].decode()
-    return "\n".join([lines[first].encode()[node.col_offset:].decode(), *lines[first + 1:last],
-                      lines[last].encode()[:node.end_col_offset].decode()])
+        return lines[first].encode()[node.col_offset : node.end_col_offset].decode()
+    return "\n".join(
+        [
+            lines[first].encode()[node.col_offset :].decode(),
+            *lines[first + 1 : last],
+            lines[last].encode()[: node.end_col_offset].decode(),
+        ]
+    )
 
 
-def read_default(lines: tuple[str, ...], tree: ast.Module, where: str, definitions: dict,
-                 ref: DefaultRef) -> FoundDefault:
+def read_default(
+    lines: tuple[str, ...], tree: ast.Module, where: str, definitions: dict, ref: DefaultRef
+) -> FoundDefault:
     """The default of `ref.param` in the pinned file (its lines and their AST, parsed once per blob by the
     resolver); PinAndCiteError says why there is none."""
     span = symbols.resolve(definitions, ref.spec.symbol, where)

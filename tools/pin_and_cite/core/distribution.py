@@ -4,6 +4,7 @@ A wheel's file is only a candidate: fetch uses it when its git blob SHA equals t
 importlib.metadata (with the email package it reads metadata with) is imported only when a wheel is asked:
 a warm `check` never does.
 """
+
 from __future__ import annotations
 
 import functools
@@ -13,6 +14,7 @@ from pathlib import Path
 @functools.cache
 def _files(distribution: str) -> tuple[str, dict[str, Path]] | None:
     import importlib.metadata
+
     try:
         dist = importlib.metadata.distribution(distribution)
     except importlib.metadata.PackageNotFoundError:

@@ -1,9 +1,9 @@
 """The one exception the CLI turns into a one-line error and an exit code (tracebacks are for bugs), and the
 escaping that keeps such a line one line whatever input it echoes."""
 
-BAD_INPUT = 2        # the user's arguments, pins or notes are wrong
-UNAVAILABLE = 3      # a source could not deliver verified bytes (network, integrity)
-LOCAL_IO = 4         # a local file could not be read or written (disk full, permissions)
+BAD_INPUT = 2  # the user's arguments, pins or notes are wrong
+UNAVAILABLE = 3  # a source could not deliver verified bytes (network, integrity)
+LOCAL_IO = 4  # a local file could not be read or written (disk full, permissions)
 
 
 class PinAndCiteError(Exception):

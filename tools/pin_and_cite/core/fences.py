@@ -1,4 +1,5 @@
 """Markdown code fences for upstream text, which may hold backtick runs of any length."""
+
 import re
 
 

@@ -4,11 +4,12 @@ Order: the cache, an installed distribution, then one git request per source for
 missing, wanted by blob SHA (so the old commit's files that a bump record names come the same way). Every
 candidate is hashed as a git blob and compared with the lock before it is used or cached.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from pin_and_cite.core.distribution import installed_file
 from pin_and_cite.core.errors import SourceUnavailable
@@ -22,8 +23,8 @@ class Fetched:
     source: str
     path: str
     blob: str
-    origin: str          # "cache", "distribution NAME VERSION" or the git URL
-    note: str = ""       # e.g. why an installed file was passed over
+    origin: str  # "cache", "distribution NAME VERSION" or the git URL
+    note: str = ""  # e.g. why an installed file was passed over
 
 
 def from_distribution(project: Project, source_name: str, path: str, blob: str) -> tuple[bytes, str] | str:
@@ -70,8 +71,9 @@ def fetch_all(project: Project, report: Callable[[Fetched, int, int], None]) -> 
             source = project.pins.get(source_name)
             remote = project.remote(source)
             with remote.lock:
-                data = remote.fetch_blobs([blob for _, blob, _ in wanted],
-                                          f"fetching {len(wanted)} file(s) of {source_name}")
+                data = remote.fetch_blobs(
+                    [blob for _, blob, _ in wanted], f"fetching {len(wanted)} file(s) of {source_name}"
+                )
                 for path, blob, note in wanted:
                     project.store.put(blob, data[blob])
                     done.append(Fetched(source_name, path, blob, remote.url, note))

@@ -1,4 +1,5 @@
 """Git object identity: the blob SHA is how every byte is proven, whoever delivered it."""
+
 import hashlib
 import re
 

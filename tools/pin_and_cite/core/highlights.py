@@ -9,16 +9,18 @@ last line is one statement of its parent's block. `else:`/`finally:` lines have 
 highlight from the first statement under them. In other files a highlight only has to lie inside the citation.
 An error names the offending line and the nearest highlights that would do.
 """
+
 from __future__ import annotations
 
 import ast
 import bisect
 import re
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 from pin_and_cite.core.errors import PinAndCiteError
 
-Lines = tuple[int, int]               # 1-based, inclusive
+Lines = tuple[int, int]  # 1-based, inclusive
 _HIGHLIGHT = re.compile(r"L(\d+)(?:-L(\d+))?")
 
 
@@ -38,12 +40,13 @@ def format_like(written: str, lines: Lines) -> str:
 
 class Unit(NamedTuple):
     """Lines a highlight may hold whole or lie inside, never cut."""
+
     first: int
     last: int
-    kind: str                         # statement | decorator | clause
+    kind: str  # statement | decorator | clause
 
 
-Place = tuple[int, int]               # (block number, index of the statement in that block)
+Place = tuple[int, int]  # (block number, index of the statement in that block)
 _BLOCKS = ("body", "orelse", "finalbody", "handlers", "cases")
 
 
@@ -55,9 +58,10 @@ class Statements:
     """A Python file's statement boundaries: for each line the statements (by block and position in it) that
     start or end there, and the spans a highlight may not cut (for saying what it cut and what would do)."""
 
-    def __init__(self, lines: Sequence[str], units: list[Unit], starts: dict[int, list[Place]],
-                 ends: dict[int, list[Place]]):
-        self.lines = lines                        # the file's text, for naming blank and comment lines
+    def __init__(
+        self, lines: Sequence[str], units: list[Unit], starts: dict[int, list[Place]], ends: dict[int, list[Place]]
+    ):
+        self.lines = lines  # the file's text, for naming blank and comment lines
         self.units: list[Unit] = sorted(units)
         self.starts: dict[int, list[Place]] = starts
         self.ends: dict[int, list[Place]] = ends
@@ -67,8 +71,12 @@ class Statements:
     def of(cls, tree: ast.Module, lines: Sequence[str]) -> Statements:
         """The statements of the file with AST `tree` and text `lines`."""
         units, starts, ends = set(), {}, {}
-        blocks = [getattr(node, name) for node in ast.walk(tree) for name in _BLOCKS
-                  if isinstance(getattr(node, name, None), list)]       # IfExp/Lambda bodies are expressions
+        blocks = [
+            getattr(node, name)
+            for node in ast.walk(tree)
+            for name in _BLOCKS
+            if isinstance(getattr(node, name, None), list)
+        ]  # IfExp/Lambda bodies are expressions
         for number, block in enumerate(blocks):
             for index, node in enumerate(block):  # a decorated def's lineno is its `def` line
                 kind = "statement" if isinstance(node, ast.stmt) else "clause"
@@ -85,14 +93,19 @@ class Statements:
 
     def as_json(self) -> dict:
         """Units, starts and ends as JSON values, for pin_and_cite.core.parse_cache."""
-        return {"units": [list(u) for u in self.units], "starts": list(self.starts.items()),
-                "ends": list(self.ends.items())}
+        return {
+            "units": [list(u) for u in self.units],
+            "starts": list(self.starts.items()),
+            "ends": list(self.ends.items()),
+        }
 
     @classmethod
     def from_json(cls, data: dict, lines: Sequence[str]) -> Statements:
         """What as_json() wrote, back into Statements over the same `lines`."""
+
         def places(pairs) -> dict[int, list[Place]]:
             return {int(line): [(int(block), int(index)) for block, index in found] for line, found in pairs}
+
         units = [Unit(int(first), int(last), str(kind)) for first, last, kind in data["units"]]
         return cls(lines, units, places(data["starts"]), places(data["ends"]))
 
@@ -118,18 +131,27 @@ class Statements:
         return any(sa == sb and ia <= ib for sa, ia in self.starts[lines[0]] for sb, ib in self.ends[lines[1]])
 
     def _holder(self, lines: Lines) -> Unit | None:
-        return min((u for u in self.units if u.first <= lines[0] and lines[1] <= u.last),
-                   key=lambda u: u.last - u.first, default=None)
+        return min(
+            (u for u in self.units if u.first <= lines[0] and lines[1] <= u.last),
+            key=lambda u: u.last - u.first,
+            default=None,
+        )
 
     def alternatives(self, lines: Lines, cited: Lines) -> list[Lines]:
         """The two nearest whole-statement highlights inside `cited`: each end moved to the nearest statement
         boundary before or after it, the smallest one holding `lines` and the largest one inside them."""
         a, b = lines
-        moved = [(x, y) for x in {_at_or_before(self._start_lines, a), _at_or_after(self._start_lines, a)}
-                 for y in {_at_or_before(self._end_lines, b), _at_or_after(self._end_lines, b)}
-                 if x is not None and y is not None and x <= y and self.problem((x, y)) is None]
-        found = {r for r in [self.widen(lines), self.narrow(lines), *moved]
-                 if r is not None and cited[0] <= r[0] and r[1] <= cited[1]}
+        moved = [
+            (x, y)
+            for x in {_at_or_before(self._start_lines, a), _at_or_after(self._start_lines, a)}
+            for y in {_at_or_before(self._end_lines, b), _at_or_after(self._end_lines, b)}
+            if x is not None and y is not None and x <= y and self.problem((x, y)) is None
+        ]
+        found = {
+            r
+            for r in [self.widen(lines), self.narrow(lines), *moved]
+            if r is not None and cited[0] <= r[0] and r[1] <= cited[1]
+        }
         return sorted(found, key=lambda r: (abs(r[0] - a) + abs(r[1] - b), r))[:2]
 
     def widen(self, lines: Lines) -> Lines | None:
@@ -160,13 +182,13 @@ class Statements:
             elif (cut := self._cut((a, b))) is None:
                 if self._one_block((a, b)):
                     return a, b
-                b -= 1                           # two blocks of one statement: drop the later one's lines
+                b -= 1  # two blocks of one statement: drop the later one's lines
             elif cut.first < a:
-                a = cut.last + 1                 # the statement begins before: skip past it
+                a = cut.last + 1  # the statement begins before: skip past it
             elif cut.first > a:
-                b = cut.first - 1                # it runs past the end: stop before it
+                b = cut.first - 1  # it runs past the end: stop before it
             else:
-                a += 1                           # a header whose block runs past the end: into its body
+                a += 1  # a header whose block runs past the end: into its body
         return None
 
     def _cut(self, lines: Lines) -> Unit | None:
@@ -184,8 +206,7 @@ class Statements:
         text = self.lines[line - 1].strip() if line <= len(self.lines) else ""
         if not text or text.startswith("#"):
             return "a comment line" if text else "a blank line"
-        unit = min((u for u in self.units if u.first <= line <= u.last), key=lambda u: u.last - u.first,
-                   default=None)
+        unit = min((u for u in self.units if u.first <= line <= u.last), key=lambda u: u.last - u.first, default=None)
         return f"in the {unit.kind} at L{unit.first}-L{unit.last}" if unit else "outside every statement"
 
 
@@ -212,8 +233,11 @@ def checked_highlight(cite: str, text: str, cited: Lines, statements: Statements
     if why is None:
         return lines
     better = statements.alternatives(lines, cited)
-    instead = (" or ".join(f'highlight="L{a}-L{b}"' for a, b in better) if better
-               else f"no whole statement fits in the cited L{cited[0]}-L{cited[1]}: cite more lines")
+    instead = (
+        " or ".join(f'highlight="L{a}-L{b}"' for a, b in better)
+        if better
+        else f"no whole statement fits in the cited L{cited[0]}-L{cited[1]}: cite more lines"
+    )
     raise PinAndCiteError(f"{cite}: highlight {text} {why}; use {instead}")
 
 

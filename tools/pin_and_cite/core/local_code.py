@@ -4,6 +4,7 @@ code its docstring cites, for the reference pages.
 Resolved with the same AST reader as upstream symbols, so a renamed or moved function fails the render
 with the template's file:line instead of leaving a stale mapping.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -28,8 +29,9 @@ def _read(root: Path, spec: str, call: str) -> tuple[str, str, bytes, str]:
     try:
         return path, symbol, data, data.decode()
     except UnicodeDecodeError as exc:
-        raise PinAndCiteError(f"{call}({spec!r}): {path} is not UTF-8 (byte {exc.object[exc.start]:#04x} at "
-                              f"offset {exc.start})") from None
+        raise PinAndCiteError(
+            f"{call}({spec!r}): {path} is not UTF-8 (byte {exc.object[exc.start]:#04x} at offset {exc.start})"
+        ) from None
 
 
 def ours(root: Path, spec: str, parsed: ParseCache) -> str:
@@ -42,11 +44,12 @@ def mirrored(root: Path, spec: str, parsed: ParseCache) -> list[str]:
     """The upstream citations written in the docstring of `PATH::Name` (pin_and_cite.core.code_citations), in
     order, each once: what the reference pages show it mirrors."""
     path, symbol, data, text = _read(root, spec, "mirrors")
-    symbols.resolve(parsed.definitions_in_text(data, text, path), symbol, path)          # it exists, once
+    symbols.resolve(parsed.definitions_in_text(data, text, path), symbol, path)  # it exists, once
     span = parsed.docstrings_in_text(data, text, path).get(symbol)
-    lines = text.split("\n")[span[0] - 1:span[1]] if span else []
+    lines = text.split("\n")[span[0] - 1 : span[1]] if span else []
     found = list(dict.fromkeys(spec for spec, _ in citations_in_text("\n".join(lines))))
     if not found:
-        raise PinAndCiteError(f"mirrors({spec!r}): the docstring of {symbol} cites no upstream code "
-                              f"(SOURCE:PATH::Qual.name)")
+        raise PinAndCiteError(
+            f"mirrors({spec!r}): the docstring of {symbol} cites no upstream code (SOURCE:PATH::Qual.name)"
+        )
     return found

@@ -6,6 +6,7 @@ JSON with sorted keys, so a diff of the lock reads like a diff of what the notes
 a bump record holds only commits, blob SHAs, paths, line numbers, text hashes and statuses: the excerpts it
 describes are read at build time from the blobs it names, fetched and verified like every other cited file.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,7 +17,7 @@ from pin_and_cite.core import schema
 from pin_and_cite.core.atomic import atomic_write
 from pin_and_cite.core.errors import PinAndCiteError
 
-VERSION = 1                     # schema.LOCK accepts this version only
+VERSION = 1  # schema.LOCK accepts this version only
 
 
 @dataclass
@@ -24,7 +25,7 @@ class LockedFile:
     commit: str
     blob: str
     size: int
-    resolved_from: str          # how the blob SHA was learned: "git tree" or "distribution NAME VERSION"
+    resolved_from: str  # how the blob SHA was learned: "git tree" or "distribution NAME VERSION"
 
 
 @dataclass
@@ -37,6 +38,7 @@ class LockedCitation:
 @dataclass
 class LockedDefault:
     """A default a note renders, keyed `SOURCE:PATH::Qual.name(param)`: as written upstream, and where."""
+
     value: str
     line: int
 
@@ -44,52 +46,64 @@ class LockedDefault:
 @dataclass
 class RecordedDefault:
     """A locked default whose text a bump changed (new_value None: the parameter or its default is gone)."""
+
     old_value: str
     new_value: str | None
 
 
 @dataclass
 class RecordedFile:
-    old_blob: str | None        # None: absent at the old commit, or only a new side is read from this path
-    new_blob: str | None        # None: the path is gone at the new commit
+    old_blob: str | None  # None: absent at the old commit, or only a new side is read from this path
+    new_blob: str | None  # None: the path is gone at the new commit
 
 
 @dataclass
 class RecordedChange:
     """A citation whose text a bump changed or deleted, keyed by the citation as it was written before."""
-    status: str                                 # "changed" | "deleted"
+
+    status: str  # "changed" | "deleted"
     old_lines: tuple[int, int]
     old_text_sha256: str
-    new_lines: tuple[int, int] | None           # the best counterpart at the new commit; None when deleted
+    new_lines: tuple[int, int] | None  # the best counterpart at the new commit; None when deleted
     new_text_sha256: str | None
-    new_cite: str | None                        # what the lock cites now; None: left as written for a person
-    cited_at: list[str]                         # note template file:line at the bump ([]: only in the lock)
-    new_path: str | None = None                 # the file new_lines are in, when the code left the cited one
+    new_cite: str | None  # what the lock cites now; None: left as written for a person
+    cited_at: list[str]  # note template file:line at the bump ([]: only in the lock)
+    new_path: str | None = None  # the file new_lines are in, when the code left the cited one
 
 
-STATUSES = ("unchanged", "moved", "changed", "deleted")   # a bumped citation's relocation status
-REVIEWED = ("changed", "deleted")             # the statuses a person must look at
+STATUSES = ("unchanged", "moved", "changed", "deleted")  # a bumped citation's relocation status
+REVIEWED = ("changed", "deleted")  # the statuses a person must look at
 
 
 @dataclass
 class BumpRecord:
     """The latest `bump` of one source (a later bump of it replaces this record)."""
+
     old_commit: str
     new_commit: str
     tag: str | None
-    counts: dict[str, int]                      # citations per relocation status
-    files: dict[str, RecordedFile]              # path -> its blobs at both commits, for every recorded change
+    counts: dict[str, int]  # citations per relocation status
+    files: dict[str, RecordedFile]  # path -> its blobs at both commits, for every recorded change
     changes: dict[str, RecordedChange]
     defaults: dict[str, RecordedDefault] = field(default_factory=dict)
 
 
 def _bump_record(data: dict) -> BumpRecord:
-    changes = {k: RecordedChange(**{**v, "old_lines": tuple(v["old_lines"]),
-                                    "new_lines": tuple(v["new_lines"]) if v["new_lines"] else None})
-               for k, v in data["changes"].items()}
-    return BumpRecord(data["old_commit"], data["new_commit"], data.get("tag"), dict(data["counts"]),
-                      {k: RecordedFile(**v) for k, v in data["files"].items()}, changes,
-                      {k: RecordedDefault(**v) for k, v in data.get("defaults", {}).items()})
+    changes = {
+        k: RecordedChange(
+            **{**v, "old_lines": tuple(v["old_lines"]), "new_lines": tuple(v["new_lines"]) if v["new_lines"] else None}
+        )
+        for k, v in data["changes"].items()
+    }
+    return BumpRecord(
+        data["old_commit"],
+        data["new_commit"],
+        data.get("tag"),
+        dict(data["counts"]),
+        {k: RecordedFile(**v) for k, v in data["files"].items()},
+        changes,
+        {k: RecordedDefault(**v) for k, v in data.get("defaults", {}).items()},
+    )
 
 
 def file_key(source: str, path: str) -> str:
@@ -102,7 +116,7 @@ class Lock:
         self.files: dict[str, LockedFile] = {}
         self.citations: dict[str, LockedCitation] = {}
         self.defaults: dict[str, LockedDefault] = {}
-        self.bumps: dict[str, BumpRecord] = {}          # source name -> its latest bump
+        self.bumps: dict[str, BumpRecord] = {}  # source name -> its latest bump
         if path.exists():
             self._load()
 
@@ -110,12 +124,14 @@ class Lock:
         """Read the lock, refusing anything that does not fit schema.LOCK before a field is used."""
         try:
             data = json.loads(self.path.read_bytes())
-        except ValueError as exc:                       # also UnicodeDecodeError
+        except ValueError as exc:  # also UnicodeDecodeError
             raise PinAndCiteError(f"{self.path} is not a valid lock ({exc}); restore it from git") from None
         schema.check(data, schema.LOCK, f"{self.path} is not a valid lock:", "restore it from git")
         self.files = {k: LockedFile(**v) for k, v in data["files"].items()}
-        self.citations = {k: LockedCitation(tuple(v["lines"]), v["text_sha256"], v.get("symbol"))
-                          for k, v in data["citations"].items()}
+        self.citations = {
+            k: LockedCitation(tuple(v["lines"]), v["text_sha256"], v.get("symbol"))
+            for k, v in data["citations"].items()
+        }
         self.defaults = {k: LockedDefault(**v) for k, v in data.get("defaults", {}).items()}
         self.bumps = {k: _bump_record(v) for k, v in data.get("bumps", {}).items()}
 
@@ -126,14 +142,18 @@ class Lock:
         data = {
             "version": VERSION,
             "files": {k: asdict(v) for k, v in sorted(self.files.items())},
-            "citations": {k: {key: val for key, val in asdict(v).items() if val is not None}
-                          for k, v in sorted(self.citations.items())},
+            "citations": {
+                k: {key: val for key, val in asdict(v).items() if val is not None}
+                for k, v in sorted(self.citations.items())
+            },
         }
         if self.defaults:
             data["defaults"] = {k: asdict(v) for k, v in sorted(self.defaults.items())}
         if self.bumps:
-            data["bumps"] = {k: {key: val for key, val in asdict(v).items() if key != "defaults" or val}
-                             for k, v in self.bumps.items()}
+            data["bumps"] = {
+                k: {key: val for key, val in asdict(v).items() if key != "defaults" or val}
+                for k, v in self.bumps.items()
+            }
         return (json.dumps(data, indent=2, sort_keys=True) + "\n").encode()
 
     def blobs(self) -> list[tuple[str, str, str]]:

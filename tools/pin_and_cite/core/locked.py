@@ -1,5 +1,6 @@
 """A locked citation or default, proven to say what citations.lock says: what `check` verifies and `render`
 shows (both import it; neither imports the other back)."""
+
 from __future__ import annotations
 
 from pin_and_cite.core.citation import parse_spec
@@ -19,12 +20,14 @@ def locked_excerpt(project: Project, resolver: Resolver, key: str) -> Excerpt:
     if entry is None:
         raise PinAndCiteError("its file is missing from the lock")
     if entry.commit != source.commit:
-        raise PinAndCiteError(f"locked at {entry.commit[:12]} but pins.toml now pins {source.commit[:12]}; "
-                              "re-lock after moving a pin")
+        raise PinAndCiteError(
+            f"locked at {entry.commit[:12]} but pins.toml now pins {source.commit[:12]}; re-lock after moving a pin"
+        )
     excerpt, _ = resolver.resolve(spec)
     if excerpt.lines != tuple(locked.lines):
-        raise PinAndCiteError(f"symbol now spans L{excerpt.lines[0]}-L{excerpt.lines[1]}, "
-                              f"lock says L{locked.lines[0]}-L{locked.lines[1]}")
+        raise PinAndCiteError(
+            f"symbol now spans L{excerpt.lines[0]}-L{excerpt.lines[1]}, lock says L{locked.lines[0]}-L{locked.lines[1]}"
+        )
     if excerpt.text_sha256 != locked.text_sha256:
         raise PinAndCiteError("cited text differs from the lock's hash")
     return excerpt
@@ -34,10 +37,13 @@ def locked_default(project: Project, resolver: Resolver, ref: DefaultRef) -> tup
     """The default `ref` names, proven to be what the lock says, with the excerpt of its declaring symbol."""
     locked = project.lock.defaults.get(str(ref))
     if locked is None:
-        raise PinAndCiteError(f"{ref} is not in the lock; run `tools/pin-and-cite cite --default {ref.param} "
-                              f"{ref.spec}`")
+        raise PinAndCiteError(
+            f"{ref} is not in the lock; run `tools/pin-and-cite cite --default {ref.param} {ref.spec}`"
+        )
     found, excerpt, _ = resolver.resolve_default(ref)
     if (found.value, found.line) != (locked.value, locked.line):
-        raise PinAndCiteError(f"the default is now {ref.param}={found.value} at L{found.line}; the lock says "
-                              f"{ref.param}={locked.value} at L{locked.line}")
+        raise PinAndCiteError(
+            f"the default is now {ref.param}={found.value} at L{found.line}; the lock says "
+            f"{ref.param}={locked.value} at L{locked.line}"
+        )
     return found, excerpt

@@ -3,6 +3,7 @@
 Templates are parsed with Jinja's own parser, in the environment render uses (pin_and_cite.core.sandbox), so a
 `cite("...")` call is found wherever Jinja would run it (and only there), with the line number Jinja reports.
 """
+
 from __future__ import annotations
 
 import re
@@ -26,6 +27,7 @@ HIGHLIGHT = "highlight"
 class Written:
     """One call written in a template: `cite("SPEC")` at file:line, with its `highlight="Lx-Ly"` if any (`more`:
     its further literal arguments, such as default()'s parameter name)."""
+
     function: str
     argument: str
     file: Path
@@ -44,8 +46,12 @@ def calls_in(template: Path, functions: set[str], parsed: ParseCache | None = No
     if parsed is None:
         every = _every_call(text, template)
     else:
-        every = parsed.get(blob_sha(text.encode()), f"template calls, Jinja {jinja2.__version__}",
-                           lambda: _every_call(text, template), lambda found: [_Call(*c) for c in found])
+        every = parsed.get(
+            blob_sha(text.encode()),
+            f"template calls, Jinja {jinja2.__version__}",
+            lambda: _every_call(text, template),
+            lambda found: [_Call(*c) for c in found],
+        )
     found = []
     for call in every:
         if call.function not in functions:
@@ -53,8 +59,10 @@ def calls_in(template: Path, functions: set[str], parsed: ParseCache | None = No
         if call.argument is None:
             raise PinAndCiteError(f"{template}:{call.line}: {call.function}() takes a literal string")
         if call.highlight is False:
-            raise PinAndCiteError(f"{template}:{call.line}: {call.function}() takes {HIGHLIGHT}= as a "
-                                  f"literal string (bump carries it with the citation)")
+            raise PinAndCiteError(
+                f"{template}:{call.line}: {call.function}() takes {HIGHLIGHT}= as a "
+                f"literal string (bump carries it with the citation)"
+            )
         found.append(Written(call.function, call.argument, template, call.line, call.highlight, tuple(call.more)))
     return found
 
@@ -62,6 +70,7 @@ def calls_in(template: Path, functions: set[str], parsed: ParseCache | None = No
 class _Call(NamedTuple):
     """A call of a name in a template, as JSON can keep it: its first argument and highlight= keyword when
     they are literal strings (None for a missing or non-literal argument, False for a non-literal highlight)."""
+
     function: str
     line: int
     argument: str | None
@@ -81,8 +90,11 @@ def _every_call(text: str, template: Path) -> list[_Call]:
             literal = isinstance(arg, nodes.Const) and isinstance(arg.value, str)
             highlight = next((kw.value for kw in call.kwargs if kw.key == HIGHLIGHT), None)
             if highlight is not None:
-                highlight = highlight.value if isinstance(highlight, nodes.Const) and isinstance(highlight.value, str) \
+                highlight = (
+                    highlight.value
+                    if isinstance(highlight, nodes.Const) and isinstance(highlight.value, str)
                     else False
+                )
             more = [a.value for a in call.args[1:] if isinstance(a, nodes.Const) and isinstance(a.value, str)]
             found.append(_Call(call.node.name, call.lineno, arg.value if literal else None, highlight, more))
     return found
@@ -102,14 +114,17 @@ def rewrite_arguments(template: Path, changes: list[tuple[Written, str] | tuple[
     given a third item, the literal of its highlight= keyword by a new highlight), and every other byte
     (quotes, spacing, line endings, the rest of the note) exactly as it was."""
     text = template.read_bytes().decode("utf-8")
-    line_starts = [0] + [m.end() for m in re.finditer(r"\r\n|\r|\n", text)]   # as Jinja counts lines
+    line_starts = [0] + [m.end() for m in re.finditer(r"\r\n|\r|\n", text)]  # as Jinja counts lines
     edits: dict[int, tuple[int, str]] = {}
     for call, argument, *highlight in sorted(changes, key=lambda change: change[0].line):
-        keyword = (r"""\s*,\s*""" + HIGHLIGHT + r"""\s*=\s*(['"])""" + re.escape(call.highlight) + r"\3"
-                   if call.highlight is not None else r"(?!\s*,\s*" + HIGHLIGHT + r"\s*=)")   # the call's only keyword
+        keyword = (
+            r"""\s*,\s*""" + HIGHLIGHT + r"""\s*=\s*(['"])""" + re.escape(call.highlight) + r"\3"
+            if call.highlight is not None
+            else r"(?!\s*,\s*" + HIGHLIGHT + r"\s*=)"
+        )  # the call's only keyword
         literal = re.compile(r"""((['"])""" + re.escape(call.argument) + r"\2)" + keyword)
         match = literal.search(text, line_starts[call.line - 1])
-        while match and match.start() in edits:            # the same citation twice: take the next one
+        while match and match.start() in edits:  # the same citation twice: take the next one
             match = literal.search(text, match.start() + 1)
         if match is None:
             raise PinAndCiteError(f"{template}:{call.line}: cannot find the literal {call.argument!r} to rewrite")

@@ -8,12 +8,14 @@ the folder is named by a hash of the code that computes the entries (the reader 
 to that code starts afresh. An entry that cannot be read or decoded is ignored and written again; a cache that
 cannot be written only costs time. Entries are JSON, never pickles: reading one runs no code.
 """
+
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 from pin_and_cite.core import defaults, highlights, symbols
 from pin_and_cite.core.atomic import atomic_write
@@ -23,7 +25,7 @@ Spans = dict[str, list[tuple[int, int]]]
 T = TypeVar("T")
 
 
-READERS = ("symbols.py", "highlights.py", "defaults.py", "notes.py", "parse_cache.py")   # in core/
+READERS = ("symbols.py", "highlights.py", "defaults.py", "notes.py", "parse_cache.py")  # in core/
 
 
 def _readers_version() -> str:
@@ -54,7 +56,7 @@ class ParseCache:
             if entry["what"] != what:
                 raise KeyError(what)
             found = decode(entry["value"])
-        except Exception:        # missing, truncated, or not an entry of this shape: compute it again
+        except Exception:  # missing, truncated, or not an entry of this shape: compute it again
             value = compute()
             found = decode(value)
             try:
@@ -66,8 +68,12 @@ class ParseCache:
 
     def definitions(self, blob: str, parse: Callable[[], object]) -> Spans:
         """symbols.definitions_in of the tree `parse()` gives, for the file `blob`."""
-        return self.get(blob, "definitions", lambda: symbols.definitions_in(parse()),
-                        lambda found: {str(name): [_span(span) for span in spans] for name, spans in found.items()})
+        return self.get(
+            blob,
+            "definitions",
+            lambda: symbols.definitions_in(parse()),
+            lambda found: {str(name): [_span(span) for span in spans] for name, spans in found.items()},
+        )
 
     def definitions_in_text(self, data: bytes, text: str, filename: str) -> Spans:
         """The definitions of a file of this repository (its bytes and their text), for ours()."""
@@ -75,19 +81,32 @@ class ParseCache:
 
     def docstrings_in_text(self, data: bytes, text: str, filename: str) -> dict[str, tuple[int, int]]:
         """symbols.docstrings_in of a file of this repository (its bytes and their text), for mirrors()."""
-        return self.get(blob_sha(data), "docstrings", lambda: symbols.docstrings_in(symbols.parse(text, filename)),
-                        lambda found: {str(name): _span(span) for name, span in found.items()})
+        return self.get(
+            blob_sha(data),
+            "docstrings",
+            lambda: symbols.docstrings_in(symbols.parse(text, filename)),
+            lambda found: {str(name): _span(span) for name, span in found.items()},
+        )
 
     def statements(self, blob: str, parse: Callable[[], object], lines) -> highlights.Statements:
         """The statement boundaries of the file `blob` (its `lines`, the tree `parse()` gives)."""
-        return self.get(blob, "statements", lambda: highlights.Statements.of(parse(), lines).as_json(),
-                        lambda found: highlights.Statements.from_json(found, lines))
+        return self.get(
+            blob,
+            "statements",
+            lambda: highlights.Statements.of(parse(), lines).as_json(),
+            lambda found: highlights.Statements.from_json(found, lines),
+        )
 
-    def default(self, blob: str, ref: defaults.DefaultRef, read: Callable[[], defaults.FoundDefault]
-                ) -> defaults.FoundDefault:
+    def default(
+        self, blob: str, ref: defaults.DefaultRef, read: Callable[[], defaults.FoundDefault]
+    ) -> defaults.FoundDefault:
         """The default `ref` names in the file `blob`; a missing default is an error, never cached."""
-        return self.get(blob, f"default {ref}", lambda: [(found := read()).value, found.line],
-                        lambda found: defaults.FoundDefault(str(found[0]), int(found[1])))
+        return self.get(
+            blob,
+            f"default {ref}",
+            lambda: [(found := read()).value, found.line],
+            lambda found: defaults.FoundDefault(str(found[0]), int(found[1])),
+        )
 
 
 def _span(span) -> tuple[int, int]:

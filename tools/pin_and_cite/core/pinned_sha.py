@@ -4,6 +4,7 @@ A source in pins.toml that names a `sha_file` (this kit: megatron-lm -> megatron
 notes folder, written from the pin by `render` (and so by every site build); `check` fails when it disagrees
 with the pin, so a moved pin cannot leave a stale SHA behind.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,8 +15,11 @@ from pin_and_cite.core.project import Project
 
 def expected(project: Project) -> dict[str, tuple[str, str]]:
     """{sha_file: (source name, its text)} for every source that names one."""
-    return {source.sha_file: (name, f"{source.commit}\n")
-            for name, source in project.pins.sources.items() if source.sha_file}
+    return {
+        source.sha_file: (name, f"{source.commit}\n")
+        for name, source in project.pins.sources.items()
+        if source.sha_file
+    }
 
 
 def write_pinned_sha(project: Project) -> list[Path]:
@@ -37,6 +41,7 @@ def stale_sha(project: Project) -> list[tuple[str, str]]:
         found = path.read_text() if path.is_file() else None
         if found != text:
             what = "is missing" if found is None else f"says {found.strip()[:12]!r}"
-            stale.append((sha_file, f"{sha_file} {what} but pins.toml pins {name} at {text[:12]}; "
-                                    "run tools/pin-and-cite render"))
+            stale.append(
+                (sha_file, f"{sha_file} {what} but pins.toml pins {name} at {text[:12]}; run tools/pin-and-cite render")
+            )
     return stale

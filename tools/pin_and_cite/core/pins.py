@@ -2,6 +2,7 @@
 
 Edited by people and by `pin`; tomlkit keeps their comments and layout when `pin` rewrites a commit.
 """
+
 from __future__ import annotations
 
 import re
@@ -15,8 +16,7 @@ from pin_and_cite.core.atomic import atomic_write
 from pin_and_cite.core.citation import SOURCE_NAME
 from pin_and_cite.core.errors import PinAndCiteError
 
-SHAPE = ("each [sources.NAME] table takes url and commit (a full SHA), and optionally tag, distribution and "
-         "sha_file")
+SHAPE = "each [sources.NAME] table takes url and commit (a full SHA), and optionally tag, distribution and sha_file"
 
 
 @dataclass(frozen=True)
@@ -25,8 +25,8 @@ class Source:
     url: str
     commit: str
     tag: str | None = None
-    distribution: str | None = None   # "name==version" of a wheel that may carry byte-identical files
-    sha_file: str | None = None       # a file in the notes folder that render keeps holding the commit
+    distribution: str | None = None  # "name==version" of a wheel that may carry byte-identical files
+    sha_file: str | None = None  # a file in the notes folder that render keeps holding the commit
 
     @property
     def distribution_name(self) -> str | None:
@@ -49,23 +49,28 @@ class Pins:
         try:
             self._doc = tomlkit.parse(path.read_bytes().decode("utf-8"))
         except FileNotFoundError:
-            raise PinAndCiteError(f"{path} not found; create it with a [sources.NAME] table (url, commit)")
+            raise PinAndCiteError(f"{path} not found; create it with a [sources.NAME] table (url, commit)") from None
         except UnicodeDecodeError as exc:
             raise PinAndCiteError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
         except tomlkit.exceptions.TOMLKitError as exc:
-            raise PinAndCiteError(f"{path} is not valid TOML: {exc}")
+            raise PinAndCiteError(f"{path} is not valid TOML: {exc}") from None
         schema.check(self._doc.unwrap(), schema.PINS, f"{path}:", SHAPE)
         self.sources = {name: self._source(name, table) for name, table in self._doc.get("sources", {}).items()}
 
     def _source(self, name: str, table) -> Source:
         """The source of a table that fits schema.PINS (its name is checked here, by the citation grammar's rule)."""
         if not SOURCE_NAME.fullmatch(name):
-            raise PinAndCiteError(f"{self.path.name} [sources.{name}]: source names are lowercase letters, "
-                                  "digits, '.', '_' and '-'")
-        return Source(name, str(table["url"]), str(table["commit"]),
-                      str(table["tag"]) if "tag" in table else None,
-                      str(table["distribution"]) if "distribution" in table else None,
-                      str(table["sha_file"]) if "sha_file" in table else None)
+            raise PinAndCiteError(
+                f"{self.path.name} [sources.{name}]: source names are lowercase letters, digits, '.', '_' and '-'"
+            )
+        return Source(
+            name,
+            str(table["url"]),
+            str(table["commit"]),
+            str(table["tag"]) if "tag" in table else None,
+            str(table["distribution"]) if "distribution" in table else None,
+            str(table["sha_file"]) if "sha_file" in table else None,
+        )
 
     def get(self, name: str) -> Source:
         try:

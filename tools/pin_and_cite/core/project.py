@@ -1,4 +1,5 @@
 """Where a project's pins, lock and notes live, and the sources they are fetched from."""
+
 from __future__ import annotations
 
 import os
@@ -22,7 +23,9 @@ def find_root(start: Path) -> Path:
     for candidate in [start, *start.parents]:
         if (candidate / NOTES_DIR / "pins.toml").is_file():
             return candidate
-    raise PinAndCiteError(f"no {NOTES_DIR}/pins.toml in {start} or its parents; run inside the project or pass --project")
+    raise PinAndCiteError(
+        f"no {NOTES_DIR}/pins.toml in {start} or its parents; run inside the project or pass --project"
+    )
 
 
 def refuse_special_files(notes_dir: Path) -> None:

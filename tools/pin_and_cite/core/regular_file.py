@@ -1,6 +1,7 @@
 """Read a file someone else may have planted (a cache entry, a page in the output folder) without following
 it anywhere: never through a symlink, never a FIFO (which would block), a device (/dev/zero never ends) or a
 directory, and never more bytes than the caller can use."""
+
 from __future__ import annotations
 
 import os
@@ -9,8 +10,13 @@ from pathlib import Path
 
 from pin_and_cite.core.errors import PinAndCiteError
 
-KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-         (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
 
 
 class NotRegularFile(PinAndCiteError):
@@ -20,11 +26,11 @@ class NotRegularFile(PinAndCiteError):
 def read_regular(path: Path, limit: int) -> bytes | None:
     """At most `limit + 1` bytes of the regular file `path` (so a caller sees that it is too large without
     reading it all), or None when nothing is there; NotRegularFile for anything else."""
-    try:                                                    # O_NONBLOCK: opening a FIFO must not wait
+    try:  # O_NONBLOCK: opening a FIFO must not wait
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         return None
-    except OSError as exc:                                  # ELOOP: the last component is a symlink
+    except OSError as exc:  # ELOOP: the last component is a symlink
         kind = "a symlink" if path.is_symlink() else exc.strerror
         raise NotRegularFile(f"{path} is {kind}, not a regular file") from None
     mode = os.fstat(fd).st_mode

@@ -11,25 +11,35 @@ remote's file lock (git's own `shallow.lock` and `config.lock` make a second wri
 GitPython is imported by the methods that talk to git, not with this module: `check` and the site build,
 which never fetch, would otherwise spend a tenth of a second importing it.
 """
+
 from __future__ import annotations
 
 import re
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import filelock
 
 from pin_and_cite.core.errors import PinAndCiteError, SourceUnavailable
 from pin_and_cite.core.gitobj import blob_sha, is_full_sha
 
+if TYPE_CHECKING:
+    import git
+
 _SAFE_SCHEMES = ("https://", "http://", "git://", "ssh://", "file://")
 _SCP_LIKE = re.compile(r"[A-Za-z0-9._-]+@[A-Za-z0-9.-]+:[^:]")
 _HARDENING = [  # no remote helpers that run commands, no prompts, bounded HTTP stalls
-    "protocol.ext.allow=never", "protocol.fd.allow=never", "http.lowSpeedLimit=1000", "http.lowSpeedTime=20",
-    "fetch.negotiationAlgorithm=noop", "core.askPass=true", "credential.interactive=false",
+    "protocol.ext.allow=never",
+    "protocol.fd.allow=never",
+    "http.lowSpeedLimit=1000",
+    "http.lowSpeedTime=20",
+    "fetch.negotiationAlgorithm=noop",
+    "core.askPass=true",
+    "credential.interactive=false",
 ]
-TAG_CHAIN_LIMIT = 8              # a tag of a tag of ... : how far `commit_of` follows before giving up
+TAG_CHAIN_LIMIT = 8  # a tag of a tag of ... : how far `commit_of` follows before giving up
 
 
 def check_url(url: str) -> str:
@@ -48,16 +58,19 @@ class Remote:
         self.url = check_url(url)
         self.timeout = timeout
         self.git_dir = git_dir
-        self.lock = filelock.FileLock(git_dir.with_name(f"{git_dir.name}.lock"))   # reentrant: nest freely
+        self.lock = filelock.FileLock(git_dir.with_name(f"{git_dir.name}.lock"))  # reentrant: nest freely
         self._repo: git.Repo | None = None
 
     def _run(self, what: str, *args: str, stdin_lines: list[str] | None = None, in_repo: bool = True) -> str:
         """Run one git command with hardened config and a hard time limit; failures become one line."""
         import git
+
         cmd = git.Git(str(self.repo.git_dir) if in_repo else None)
         argv = ["git", *(arg for option in _HARDENING for arg in ("-c", option)), *args]
-        env = {"GIT_TERMINAL_PROMPT": "0",
-               "GIT_SSH_COMMAND": f"ssh -o BatchMode=yes -o ConnectTimeout={max(1, int(self.timeout))}"}
+        env = {
+            "GIT_TERMINAL_PROMPT": "0",
+            "GIT_SSH_COMMAND": f"ssh -o BatchMode=yes -o ConnectTimeout={max(1, int(self.timeout))}",
+        }
         try:
             if stdin_lines is None:
                 return cmd.execute(argv, env=env, kill_after_timeout=self.timeout)
@@ -72,18 +85,20 @@ class Remote:
     def repo(self) -> git.Repo:
         import git
         from git.db import GitDB
+
         if self._repo is None:
             if not (self.git_dir / "config").exists():
-                with self.lock:                                  # a second run waits, then finds it made
+                with self.lock:  # a second run waits, then finds it made
                     if not (self.git_dir / "config").exists():
                         self._init_partial_repository()
-            self._repo = git.Repo(self.git_dir, odbt=GitDB)   # pure-Python reads: never a lazy fetch
+            self._repo = git.Repo(self.git_dir, odbt=GitDB)  # pure-Python reads: never a lazy fetch
         return self._repo
 
     def _init_partial_repository(self) -> None:
         """Configure in a scratch directory, then rename it into place: an interrupted run leaves no
         half-configured repository for the next one to trust."""
         import git
+
         self.git_dir.parent.mkdir(parents=True, exist_ok=True)
         scratch = Path(tempfile.mkdtemp(dir=self.git_dir.parent, prefix=f".{self.git_dir.name}."))
         repo = git.Repo.init(scratch, bare=True)
@@ -93,7 +108,7 @@ class Remote:
             cfg.set_value('remote "origin"', "url", self.url)
             cfg.set_value('remote "origin"', "promisor", "true")
             cfg.set_value('remote "origin"', "partialclonefilter", "blob:none")
-        shutil.rmtree(self.git_dir, ignore_errors=True)      # a leftover without config (an older crash)
+        shutil.rmtree(self.git_dir, ignore_errors=True)  # a leftover without config (an older crash)
         scratch.rename(self.git_dir)
 
     # -- refs -------------------------------------------------------------------------------------------
@@ -125,7 +140,7 @@ class Remote:
                 return oid
             if kind != "tag":
                 raise PinAndCiteError(f"{oid} is a {kind}, not a commit; pin a commit, tag or branch")
-            target = self.read(oid).split(b"\n", 1)[0].split()          # b"object <sha>"
+            target = self.read(oid).split(b"\n", 1)[0].split()  # b"object <sha>"
             if len(target) != 2 or not is_full_sha(target[1].decode("ascii", "replace")):
                 raise SourceUnavailable(f"{self.url} sent tag {oid} without a target object")
             oid = target[1].decode()
@@ -155,8 +170,17 @@ class Remote:
         with self.lock:
             if self._missing([commit]):
                 try:
-                    self._run(f"fetching commit {commit[:12]}", "fetch", "--depth=1", "--filter=tree:0",
-                              "--no-tags", "--no-write-fetch-head", "--", "origin", commit)
+                    self._run(
+                        f"fetching commit {commit[:12]}",
+                        "fetch",
+                        "--depth=1",
+                        "--filter=tree:0",
+                        "--no-tags",
+                        "--no-write-fetch-head",
+                        "--",
+                        "origin",
+                        commit,
+                    )
                 except SourceUnavailable as exc:
                     if "not our ref" in str(exc) or "no such remote ref" in str(exc):
                         raise PinAndCiteError(f"{self.url} has no commit {commit}") from None
@@ -172,8 +196,16 @@ class Remote:
         with self.lock:
             missing = self._missing(oids)
             if missing:
-                self._run(what, "fetch", "--filter=tree:0", "--no-tags", "--no-write-fetch-head", "--stdin",
-                          "origin", stdin_lines=missing)
+                self._run(
+                    what,
+                    "fetch",
+                    "--filter=tree:0",
+                    "--no-tags",
+                    "--no-write-fetch-head",
+                    "--stdin",
+                    "origin",
+                    stdin_lines=missing,
+                )
                 self.repo.odb.update_cache(force=True)
                 absent = [oid for oid in missing if not self.has(oid)]
                 if absent:
@@ -192,15 +224,18 @@ class Remote:
 
     def root_tree(self, commit: str) -> str:
         self.fetch_commit(commit)
-        return self.read(commit).split(b"\n", 1)[0].split()[1].decode()   # "tree <sha>"
+        return self.read(commit).split(b"\n", 1)[0].split()[1].decode()  # "tree <sha>"
 
     def entries(self, tree: str) -> dict[str, tuple[str, str]]:
         """A fetched tree's entries: name -> (object id, kind), kind being "tree", "file" (a regular file's
         blob), "link" (a symlink's blob) or "commit" (a submodule)."""
         from git.objects.fun import tree_entries_from_data
+
         kinds = {0o04: "tree", 0o10: "file", 0o12: "link", 0o16: "commit"}
-        return {name: (binsha.hex(), kinds.get(mode >> 12, "other"))
-                for binsha, mode, name in tree_entries_from_data(self.read(tree))}
+        return {
+            name: (binsha.hex(), kinds.get(mode >> 12, "other"))
+            for binsha, mode, name in tree_entries_from_data(self.read(tree))
+        }
 
     def blob_ids(self, commit: str, paths: list[str]) -> dict[str, str | None]:
         """Each path's blob id at `commit` (None when the path is absent), walking only the trees needed."""

@@ -1,10 +1,11 @@
 """Turn a citation spec into an excerpt: the exact lines at the pinned commit, proven by blob hash."""
+
 from __future__ import annotations
 
 import functools
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from pin_and_cite.core import symbols
 from pin_and_cite.core.citation import Spec
@@ -47,13 +48,24 @@ class Excerpt:
 
     def numbered(self) -> str:
         width = len(str(self.lines[1]))
-        return "".join(f"{n:>{width}} | {line}\n" for n, line in
-                       zip(range(self.lines[0], self.lines[1] + 1), self.text.split("\n")))
+        return "".join(
+            f"{n:>{width}} | {line}\n"
+            for n, line in zip(range(self.lines[0], self.lines[1] + 1), self.text.split("\n"))
+        )
 
     def as_json(self) -> dict:
-        return {"cite": str(self.spec), "source": self.source.name, "commit": self.source.commit,
-                "path": self.spec.path, "blob": self.blob, "lines": list(self.lines), "symbol": self.spec.symbol,
-                "text_sha256": self.text_sha256, "permalink": self.permalink, "text": self.text}
+        return {
+            "cite": str(self.spec),
+            "source": self.source.name,
+            "commit": self.source.commit,
+            "path": self.spec.path,
+            "blob": self.blob,
+            "lines": list(self.lines),
+            "symbol": self.spec.symbol,
+            "text_sha256": self.text_sha256,
+            "permalink": self.permalink,
+            "text": self.text,
+        }
 
 
 def split_lines(data: bytes, where: str) -> tuple[str, ...]:
@@ -79,14 +91,15 @@ class Resolver:
         # texts) alive for the process, one per rebuild under `mkdocs serve`
         self.lines_of = functools.cache(self._lines_of)
         self.tree_of = functools.cache(self._tree_of)
-        self.parsed = ParseCache(project.cache_dir)       # what the trees yield, kept on disk by blob
+        self.parsed = ParseCache(project.cache_dir)  # what the trees yield, kept on disk by blob
 
     def definitions_of(self, source_name: str, path: str, blob: str) -> dict[str, list[tuple[int, int]]]:
         return self.parsed.definitions(blob, lambda: self.tree_of(source_name, path, blob))
 
     def statements_of(self, source_name: str, path: str, blob: str) -> Statements:
-        return self.parsed.statements(blob, lambda: self.tree_of(source_name, path, blob),
-                                      self.lines_of(source_name, path, blob))
+        return self.parsed.statements(
+            blob, lambda: self.tree_of(source_name, path, blob), self.lines_of(source_name, path, blob)
+        )
 
     def locked_blob(self, source: Source, path: str) -> str | None:
         locked = self.project.lock.files.get(file_key(source.name, path))
@@ -102,7 +115,9 @@ class Resolver:
         if self.trust_distribution:
             hit = installed_file(source.distribution_name or "", path)
             if hit is None:
-                raise PinAndCiteError(f"{path} is not in installed {source.distribution or 'distribution (none pinned)'}")
+                raise PinAndCiteError(
+                    f"{path} is not in installed {source.distribution or 'distribution (none pinned)'}"
+                )
             return blob_sha(hit[1].read_bytes()), f"distribution {source.distribution_name} {hit[0]}"
         if not self.allow_remote:
             raise PinAndCiteError(f"{source.name}:{path} is not in the lock; cite it once with network to lock it")
@@ -137,7 +152,7 @@ class Resolver:
             span = spec.lines
             if span[1] > len(lines):
                 raise PinAndCiteError(f"{spec}: past the end of {where} ({len(lines)} lines)")
-        return Excerpt(spec, source, blob, span, cited_text(lines[span[0] - 1:span[1]])), learned
+        return Excerpt(spec, source, blob, span, cited_text(lines[span[0] - 1 : span[1]])), learned
 
     def resolve_default(self, ref: DefaultRef) -> tuple[FoundDefault, Excerpt, str]:
         """The parameter's default as written at the pinned commit, the excerpt of the symbol declaring it,
@@ -146,8 +161,11 @@ class Resolver:
         name, path = excerpt.source.name, ref.spec.path
         where = f"{path} at {name}@{excerpt.source.commit[:12]}"
         blob = (name, path, excerpt.blob)
-        found = self.parsed.default(excerpt.blob, ref, lambda: read_default(
-            self.lines_of(*blob), self.tree_of(*blob), where, self.definitions_of(*blob), ref))
+        found = self.parsed.default(
+            excerpt.blob,
+            ref,
+            lambda: read_default(self.lines_of(*blob), self.tree_of(*blob), where, self.definitions_of(*blob), ref),
+        )
         return found, excerpt, learned
 
     def record_file(self, excerpt: Excerpt, learned: str) -> None:
@@ -155,13 +173,15 @@ class Resolver:
         if learned != "lock":
             size = len(load_blob(self.project, excerpt.source.name, excerpt.spec.path, excerpt.blob, self.allow_remote))
             self.project.lock.files[file_key(excerpt.source.name, excerpt.spec.path)] = LockedFile(
-                excerpt.source.commit, excerpt.blob, size, learned)
+                excerpt.source.commit, excerpt.blob, size, learned
+            )
 
     def record(self, excerpt: Excerpt, learned: str) -> None:
         """Add the excerpt's file and citation to the in-memory lock (the caller saves it)."""
         self.record_file(excerpt, learned)
-        self.project.lock.citations[str(excerpt.spec)] = LockedCitation(excerpt.lines, excerpt.text_sha256,
-                                                                         excerpt.spec.symbol)
+        self.project.lock.citations[str(excerpt.spec)] = LockedCitation(
+            excerpt.lines, excerpt.text_sha256, excerpt.spec.symbol
+        )
 
     def record_default(self, ref: DefaultRef, found: FoundDefault, excerpt: Excerpt, learned: str) -> None:
         """Add the default (and its file) to the in-memory lock (the caller saves it)."""

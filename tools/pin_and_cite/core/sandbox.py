@@ -8,6 +8,7 @@ or set (a note cannot empty `pins` to hide a stale pin from `check`). Jinja's ow
 may be kept (CompiledTemplates): the checks run when a template runs, through calls Jinja compiles in only
 for a sandboxed environment, so the folder is this environment's alone.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -33,7 +34,7 @@ class CompiledTemplates(jinja2.FileSystemBytecodeCache):
     def load_bytecode(self, bucket: jinja2.bccache.Bucket) -> None:
         try:
             super().load_bytecode(bucket)
-        except Exception:          # a damaged file: Jinja's own reader only survives some damage
+        except Exception:  # a damaged file: Jinja's own reader only survives some damage
             bucket.reset()
 
     def dump_bytecode(self, bucket: jinja2.bccache.Bucket) -> None:
@@ -43,9 +44,15 @@ class CompiledTemplates(jinja2.FileSystemBytecodeCache):
             pass
 
 
-def environment(loader: jinja2.BaseLoader | None = None, compiled: CompiledTemplates | None = None
-                ) -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(loader=loader, undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
-                                        autoescape=False, bytecode_cache=compiled)
+def environment(
+    loader: jinja2.BaseLoader | None = None, compiled: CompiledTemplates | None = None
+) -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(
+        loader=loader,
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        autoescape=False,
+        bytecode_cache=compiled,
+    )
     env.globals.clear()
     return env

@@ -9,9 +9,10 @@ Every run checks with fastjsonschema, which compiles each schema to Python once 
 that does not fit imports jsonschema, whose best_match names the field best (importing it costs a tenth of a
 second, a fifth of a `check`).
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import fastjsonschema
 
@@ -21,8 +22,13 @@ SHA = {"type": "string", "maxLength": 40, "pattern": "^[0-9a-f]{40}$", "descript
 SHA_OR_NULL = {**SHA, "type": ["string", "null"], "description": "a full 40-hex SHA or null"}
 TEXT_SHA256 = {"type": "string", "maxLength": 64, "pattern": "^[0-9a-f]{64}$", "description": "a hex SHA-256"}
 TEXT_SHA256_OR_NULL = {**TEXT_SHA256, "type": ["string", "null"], "description": "a hex SHA-256 or null"}
-LINES = {"type": "array", "items": {"type": "integer", "minimum": 1}, "minItems": 2, "maxItems": 2,
-         "description": "[first, last], line numbers from 1"}
+LINES = {
+    "type": "array",
+    "items": {"type": "integer", "minimum": 1},
+    "minItems": 2,
+    "maxItems": 2,
+    "description": "[first, last], line numbers from 1",
+}
 LINES_OR_NULL = {"anyOf": [LINES, {"type": "null"}], "description": "[first, last] or null"}
 STRING_OR_NULL = {"type": ["string", "null"]}
 
@@ -35,33 +41,64 @@ def _map_of(value: dict) -> dict:
     return {"type": "object", "additionalProperties": value}
 
 
-LOCKED_FILE = _record(["commit", "blob", "size", "resolved_from"], commit=SHA, blob=SHA,
-                      size={"type": "integer", "minimum": 0}, resolved_from={"type": "string"})
+LOCKED_FILE = _record(
+    ["commit", "blob", "size", "resolved_from"],
+    commit=SHA,
+    blob=SHA,
+    size={"type": "integer", "minimum": 0},
+    resolved_from={"type": "string"},
+)
 LOCKED_CITATION = _record(["lines", "text_sha256"], lines=LINES, text_sha256=TEXT_SHA256, symbol={"type": "string"})
 RECORDED_FILE = _record(["old_blob", "new_blob"], old_blob=SHA_OR_NULL, new_blob=SHA_OR_NULL)
 RECORDED_CHANGE = _record(
     ["status", "old_lines", "old_text_sha256", "new_lines", "new_text_sha256", "new_cite", "cited_at"],
-    status={"enum": ["changed", "deleted"]}, old_lines=LINES, old_text_sha256=TEXT_SHA256, new_lines=LINES_OR_NULL,
-    new_text_sha256=TEXT_SHA256_OR_NULL, new_cite=STRING_OR_NULL,
-    cited_at={"type": "array", "items": {"type": "string"}}, new_path=STRING_OR_NULL)
+    status={"enum": ["changed", "deleted"]},
+    old_lines=LINES,
+    old_text_sha256=TEXT_SHA256,
+    new_lines=LINES_OR_NULL,
+    new_text_sha256=TEXT_SHA256_OR_NULL,
+    new_cite=STRING_OR_NULL,
+    cited_at={"type": "array", "items": {"type": "string"}},
+    new_path=STRING_OR_NULL,
+)
 RECORDED_DEFAULT = _record(["old_value", "new_value"], old_value={"type": "string"}, new_value=STRING_OR_NULL)
 BUMP_RECORD = _record(
     ["old_commit", "new_commit", "counts", "files", "changes"],
-    old_commit=SHA, new_commit=SHA, tag=STRING_OR_NULL, counts=_map_of({"type": "integer", "minimum": 0}),
-    files=_map_of(RECORDED_FILE), changes=_map_of(RECORDED_CHANGE), defaults=_map_of(RECORDED_DEFAULT))
+    old_commit=SHA,
+    new_commit=SHA,
+    tag=STRING_OR_NULL,
+    counts=_map_of({"type": "integer", "minimum": 0}),
+    files=_map_of(RECORDED_FILE),
+    changes=_map_of(RECORDED_CHANGE),
+    defaults=_map_of(RECORDED_DEFAULT),
+)
 PARAMETER_DEFAULT = _record(["value", "line"], value={"type": "string"}, line={"type": "integer", "minimum": 1})
 
-LOCK = _record(["version", "files", "citations"], version={"const": 1}, files=_map_of(LOCKED_FILE),
-               citations=_map_of(LOCKED_CITATION), bumps=_map_of(BUMP_RECORD), defaults=_map_of(PARAMETER_DEFAULT))
+LOCK = _record(
+    ["version", "files", "citations"],
+    version={"const": 1},
+    files=_map_of(LOCKED_FILE),
+    citations=_map_of(LOCKED_CITATION),
+    bumps=_map_of(BUMP_RECORD),
+    defaults=_map_of(PARAMETER_DEFAULT),
+)
 
-SOURCE = _record(["url", "commit"], url={"type": "string"}, commit=SHA, tag={"type": "string"},
-                 distribution={"type": "string"},
-                 sha_file={"type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9._-]*$",
-                           "description": "a file name in the notes folder"})
+SOURCE = _record(
+    ["url", "commit"],
+    url={"type": "string"},
+    commit=SHA,
+    tag={"type": "string"},
+    distribution={"type": "string"},
+    sha_file={
+        "type": "string",
+        "pattern": "^[A-Za-z0-9][A-Za-z0-9._-]*$",
+        "description": "a file name in the notes folder",
+    },
+)
 PINS = _record([], sources=_map_of(SOURCE))
 
 
-_compiled: dict[int, Callable] = {}       # id of a schema above -> its fastjsonschema validator
+_compiled: dict[int, Callable] = {}  # id of a schema above -> its fastjsonschema validator
 
 
 def fits(data, schema: dict) -> bool:
@@ -79,8 +116,9 @@ def check(data, schema: dict, where: str, remedy: str) -> None:
     """Raise PinAndCiteError naming the first field of `data` that does not fit `schema`."""
     if fits(data, schema):
         return
-    import jsonschema                    # only for a file that does not fit: see the module docstring
+    import jsonschema  # only for a file that does not fit: see the module docstring
     from jsonschema.exceptions import best_match
+
     error = best_match(jsonschema.Draft202012Validator(schema).iter_errors(data))
     if error is None:
         return

@@ -5,6 +5,7 @@ root: a lock from an untrusted branch cannot name a file elsewhere to read, writ
 back is a regular file (pin_and_cite.core.regular_file), read no further than the blob's size, and re-hashed; a
 corrupt entry is deleted and treated as missing, never used.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -19,7 +20,7 @@ from pin_and_cite.core.errors import PinAndCiteError, SourceUnavailable
 from pin_and_cite.core.gitobj import blob_sha, is_full_sha
 from pin_and_cite.core.regular_file import NotRegularFile, read_regular
 
-MAX_BLOB_BYTES = 100 << 20      # GitHub refuses files over 100 MiB: the bound when the lock gives no size
+MAX_BLOB_BYTES = 100 << 20  # GitHub refuses files over 100 MiB: the bound when the lock gives no size
 
 
 def default_cache_dir() -> Path:
@@ -32,8 +33,10 @@ def default_cache_dir() -> Path:
     if path.exists() and not path.is_dir():
         raise PinAndCiteError(f"PIN_AND_CITE_CACHE={configured!r} is not a directory; point it at one")
     if not path.exists() and not path.parent.is_dir():
-        raise PinAndCiteError(f"PIN_AND_CITE_CACHE={configured!r}: {path.parent} is not a directory; create it, "
-                              f"or point the variable at an existing directory")
+        raise PinAndCiteError(
+            f"PIN_AND_CITE_CACHE={configured!r}: {path.parent} is not a directory; create it, "
+            f"or point the variable at an existing directory"
+        )
     return path
 
 

@@ -1,4 +1,5 @@
 """Resolve `Class.method` to the line span of its definition with the stdlib AST, decorators included."""
+
 from __future__ import annotations
 
 import ast
@@ -15,7 +16,7 @@ def parse(source: str, filename: str) -> ast.Module:
         return ast.parse(source, filename=filename)
     except SyntaxError as exc:
         raise PinAndCiteError(f"{filename} is not valid Python (line {exc.lineno}); cite it by line range") from None
-    except (MemoryError, RecursionError):                       # CPython's parser on absurdly deep nesting
+    except (MemoryError, RecursionError):  # CPython's parser on absurdly deep nesting
         raise PinAndCiteError(f"{filename} nests too deeply for Python's parser; cite it by line range") from None
 
 
@@ -72,6 +73,10 @@ def resolve(definitions_by_name: dict[str, list[tuple[int, int]]], symbol: str, 
 
 def enclosing(definitions_by_name: dict[str, list[tuple[int, int]]], lines: tuple[int, int]) -> str | None:
     """The innermost class or function whose span holds `lines`, for naming a line-range excerpt."""
-    holding = [(b - a, name) for name, spans in definitions_by_name.items() for a, b in spans
-               if a <= lines[0] and lines[1] <= b]
+    holding = [
+        (b - a, name)
+        for name, spans in definitions_by_name.items()
+        for a, b in spans
+        if a <= lines[0] and lines[1] <= b
+    ]
     return min(holding)[1] if holding else None

@@ -4,6 +4,7 @@ The test also says which kind of evidence it is, read from its source by AST (ne
 `@pytest.mark.upstream("SOURCE")` (on the function, its class, or a module-level `pytestmark`) runs the pinned
 upstream implementation itself, SOURCE being the pins.toml name; any other test exercises the reference only.
 """
+
 from __future__ import annotations
 
 import ast
@@ -18,6 +19,7 @@ UPSTREAM_MARK = "upstream"
 class Evidence:
     """What a named test proves a claim on: "upstream" (with the pinned source it runs) or "reference"; and
     the lines of the test file it spans, decorators included (for the page that shows it)."""
+
     kind: str
     source: str | None = None
     lines: tuple[int, int] | None = field(default=None, compare=False)
@@ -29,8 +31,12 @@ def _upstream_source(decorators: list[ast.expr]) -> str | None | bool:
         for mark in node.elts if isinstance(node, (ast.List, ast.Tuple)) else [node]:
             call = mark if isinstance(mark, ast.Call) else None
             target = call.func if call else mark
-            if (isinstance(target, ast.Attribute) and target.attr == UPSTREAM_MARK
-                    and isinstance(target.value, ast.Attribute) and target.value.attr == "mark"):
+            if (
+                isinstance(target, ast.Attribute)
+                and target.attr == UPSTREAM_MARK
+                and isinstance(target.value, ast.Attribute)
+                and target.value.attr == "mark"
+            ):
                 args = call.args if call else []
                 return args[0].value if args and isinstance(args[0], ast.Constant) else None
     return False
@@ -45,8 +51,11 @@ def _tests_in(path: Path) -> dict[str, Evidence] | str:
         return f"{path.name} is not UTF-8 text"
     except SyntaxError as exc:
         return f"{path.name} is not valid Python (line {exc.lineno})"
-    module_marks = [node.value for node in tree.body if isinstance(node, ast.Assign)
-                    and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in node.targets)]
+    module_marks = [
+        node.value
+        for node in tree.body
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in node.targets)
+    ]
 
     def evidence(test: ast.FunctionDef | ast.AsyncFunctionDef, *decorator_lists: list[ast.expr]) -> Evidence:
         lines = (min([test.lineno, *(d.lineno for d in test.decorator_list)]), test.end_lineno)

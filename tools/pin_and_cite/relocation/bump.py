@@ -19,6 +19,7 @@ Locked parameter defaults (pin_and_cite.core.defaults) are read again at the new
 text, and every default whose text changed, or that is gone, is recorded and reported, since the prose around
 it may now be wrong. A default that is gone leaves the lock, so `check` fails on its note until a person fixes it.
 """
+
 from __future__ import annotations
 
 import re
@@ -33,8 +34,15 @@ from pin_and_cite.core.defaults import DefaultRef, parse_key
 from pin_and_cite.core.errors import PinAndCiteError
 from pin_and_cite.core.fetch import from_distribution
 from pin_and_cite.core.gitobj import blob_sha, is_full_sha
-from pin_and_cite.core.lock import (REVIEWED, STATUSES, BumpRecord, RecordedChange, RecordedDefault, RecordedFile,
-                                    file_key)
+from pin_and_cite.core.lock import (
+    REVIEWED,
+    STATUSES,
+    BumpRecord,
+    RecordedChange,
+    RecordedDefault,
+    RecordedFile,
+    file_key,
+)
 from pin_and_cite.core.notes import rewrite_arguments, written_calls
 from pin_and_cite.core.project import Project
 from pin_and_cite.core.resolve import Resolver, cited_text, text_sha256
@@ -102,15 +110,20 @@ def plan(project: Project, name: str, ref: str) -> Bump:
     if new == old:
         raise AlreadyPinned(name, old, ref)
     carried = list(_citations_of(project, name).values())
-    defaults = {default: project.lock.defaults[key] for key in project.lock.defaults
-                if (default := parse_key(key)).spec.source == name}
+    defaults = {
+        default: project.lock.defaults[key]
+        for key in project.lock.defaults
+        if (default := parse_key(key)).spec.source == name
+    }
     paths = sorted({c.spec.path for c in carried})
     known = {}
     for path in paths:
         entry = project.lock.files.get(file_key(name, path))
         if entry is not None and entry.commit != old:
-            raise PinAndCiteError(f"citations.lock has {name}:{path} at {entry.commit[:12]} but pins.toml pins "
-                                  f"{old[:12]}; run `check` and re-cite before bumping")
+            raise PinAndCiteError(
+                f"citations.lock has {name}:{path} at {entry.commit[:12]} but pins.toml pins "
+                f"{old[:12]}; run `check` and re-cite before bumping"
+            )
         if entry is not None:
             known[(old, path)] = entry.blob
 
@@ -124,11 +137,13 @@ def plan(project: Project, name: str, ref: str) -> Bump:
     failed = [c for c in carried if c.answer.status == "error"]
     if failed:
         where = failed[0].places[0].where(project.root) if failed[0].places else "citations.lock"
-        raise PinAndCiteError(f"cannot bump {name}: {len(failed)} citation(s) cannot be relocated, e.g. {where}: "
-                              f"{failed[0].spec}: {failed[0].answer.reason}")
+        raise PinAndCiteError(
+            f"cannot bump {name}: {len(failed)} citation(s) cannot be relocated, e.g. {where}: "
+            f"{failed[0].spec}: {failed[0].answer.reason}"
+        )
 
     tag = None if is_full_sha(ref) else ref
-    pins_bytes = project.pins.with_commit(name, source.url, new, tag)   # from here on, resolving means at `new`
+    pins_bytes = project.pins.with_commit(name, source.url, new, tag)  # from here on, resolving means at `new`
     resolver = Resolver(project)
     for table in (project.lock.citations, project.lock.files):
         for key in [k for k in table if k.startswith(f"{name}:")]:
@@ -136,14 +151,24 @@ def plan(project: Project, name: str, ref: str) -> Bump:
     for c in carried:
         _carry(c, resolver, relocated, old)
         c.highlights = bump_highlights.carry(c, relocated.same_file_pair(c.spec.path, c.answer), resolver)
-    changed_defaults = {str(default): change for default, locked in defaults.items()
-                        if (change := _carry_default(default, locked.value, resolver))}
+    changed_defaults = {
+        str(default): change
+        for default, locked in defaults.items()
+        if (change := _carry_default(default, locked.value, resolver))
+    }
     blobs = {key: blob_sha(data) if data is not None else None for key, data in relocated.files.items()}
     blobs.update({(new, path): blob for path, blob in relocated.elsewhere.blobs.items()})
     record = project.lock.bumps[name] = _record(project.root, carried, old, new, tag, blobs)
     record.defaults = changed_defaults
-    return Bump(name, old, new, tag, carried, record, {project.pins.path: pins_bytes, **_templates(carried),
-                                                       project.lock.path: project.lock.dumps()})
+    return Bump(
+        name,
+        old,
+        new,
+        tag,
+        carried,
+        record,
+        {project.pins.path: pins_bytes, **_templates(carried), project.lock.path: project.lock.dumps()},
+    )
 
 
 def _carry(c: Carried, resolver: Resolver, relocated: Relocated, old: str) -> None:
@@ -156,18 +181,21 @@ def _carry(c: Carried, resolver: Resolver, relocated: Relocated, old: str) -> No
     else:
         first, last = c.spec.lines
     c.old_lines = (first, last)
-    c.old_text = list(pair.old_raw[first - 1:last])
+    c.old_text = list(pair.old_raw[first - 1 : last])
     if c.answer.lines:
-        c.new_text = list(relocated.new_lines(c.spec.path, c.answer)[c.answer.lines[0] - 1:c.answer.lines[1]])
+        c.new_text = list(relocated.new_lines(c.spec.path, c.answer)[c.answer.lines[0] - 1 : c.answer.lines[1]])
     if c.answer.status == "deleted":
         return
     path = c.answer.path or c.spec.path
-    spec = Spec(c.spec.source, path, symbol=c.answer.symbol or c.spec.symbol) if c.spec.symbol else \
-        Spec(c.spec.source, path, lines=c.answer.lines)
+    spec = (
+        Spec(c.spec.source, path, symbol=c.answer.symbol or c.spec.symbol)
+        if c.spec.symbol
+        else Spec(c.spec.source, path, lines=c.answer.lines)
+    )
     try:
         excerpt, learned = resolver.resolve(spec)
     except PinAndCiteError:
-        return                                            # a symbol that is gone or ambiguous under its name
+        return  # a symbol that is gone or ambiguous under its name
     resolver.record(excerpt, learned)
     c.new_spec = spec
 
@@ -184,17 +212,25 @@ def _carry_default(ref: DefaultRef, old_value: str, resolver: Resolver) -> Recor
     return None if found.value == old_value else RecordedDefault(old_value, found.value)
 
 
-def _record(root: Path, carried: list[Carried], old: str, new: str, tag: str | None,
-            blobs: dict[tuple[str, str], str | None]) -> BumpRecord:
+def _record(
+    root: Path, carried: list[Carried], old: str, new: str, tag: str | None, blobs: dict[tuple[str, str], str | None]
+) -> BumpRecord:
     """What the lock keeps of this bump: hashes, paths, lines and statuses, never upstream text."""
     changes, files = {}, {}
     for c in (c for c in carried if c.answer.status in REVIEWED):
         for path in {c.spec.path, c.answer.path or c.spec.path}:
             files[path] = RecordedFile(blobs.get((old, path)), blobs.get((new, path)))
         new_sha = text_sha256(cited_text(c.new_text)) if c.answer.lines else None
-        changes[str(c.spec)] = RecordedChange(c.answer.status, c.old_lines, text_sha256(cited_text(c.old_text)),
-                                              c.answer.lines, new_sha, str(c.new_spec) if c.new_spec else None,
-                                              [call.where(root) for call in c.places], c.answer.path)
+        changes[str(c.spec)] = RecordedChange(
+            c.answer.status,
+            c.old_lines,
+            text_sha256(cited_text(c.old_text)),
+            c.answer.lines,
+            new_sha,
+            str(c.new_spec) if c.new_spec else None,
+            [call.where(root) for call in c.places],
+            c.answer.path,
+        )
     found = Counter(c.answer.status for c in carried)
     return BumpRecord(old, new, tag, {status: found[status] for status in STATUSES}, files, changes)
 
@@ -206,7 +242,7 @@ def _templates(carried: list[Carried]) -> dict[Path, bytes]:
         highlights = {id(h.place): h.literal for h in c.highlights if h.literal not in (None, h.place.highlight)}
         for call in c.places:
             if call.function != "cite" or (not spec_moved and id(call) not in highlights):
-                continue                         # a docstring citation is left as written: `check` names it
+                continue  # a docstring citation is left as written: `check` names it
             argument = _new_argument(call.argument, c.spec, c.new_spec) if spec_moved else call.argument
             highlight = (highlights[id(call)],) if id(call) in highlights else ()
             changes.setdefault(call.file, []).append((call, argument, *highlight))

@@ -9,6 +9,7 @@ where something of the highlight is left inside the citation, the template gets 
 holding it (a best guess, said so); where nothing is (deleted, moved out of the citation, or its citation is
 left as written), the highlight is left as written, so `check` fails on it if it no longer fits.
 """
+
 from __future__ import annotations
 
 from pin_and_cite.core.errors import PinAndCiteError
@@ -39,16 +40,23 @@ def carry(c: Carried, pair: FilePair | None, resolver: Resolver) -> list[Carried
     return [_carry_one(place, old, c, pair, new_cited, statements) for place, old in zip(places, olds)]
 
 
-def _carry_one(place: Written, old: Lines, c: Carried, pair: FilePair | None, new_cited: Lines | None,
-               statements: Statements | None) -> CarriedHighlight:
+def _carry_one(
+    place: Written,
+    old: Lines,
+    c: Carried,
+    pair: FilePair | None,
+    new_cited: Lines | None,
+    statements: Statements | None,
+) -> CarriedHighlight:
     if new_cited is None:
         return CarriedHighlight(place, "left", None, "left as written with its citation")
     if c.answer.status in EXACT and c.old_lines[0] <= old[0] and old[1] <= c.old_lines[1]:
         shift = new_cited[0] - c.old_lines[0]
         status, lines, reason = ("moved" if shift else "unchanged"), (old[0] + shift, old[1] + shift), None
     elif pair is None:
-        return CarriedHighlight(place, "left", None, "its citation's code went into another file and changed; "
-                                                    "left as written")
+        return CarriedHighlight(
+            place, "left", None, "its citation's code went into another file and changed; left as written"
+        )
     else:
         answer = pair.relocate_range(*old)
         status, lines, reason = answer.status, answer.lines, answer.reason
@@ -66,8 +74,11 @@ def _carry_one(place: Written, old: Lines, c: Carried, pair: FilePair | None, ne
 def _why(status: str, reason: str | None, problem: str | None) -> str:
     """What a person reviewing a highlight should know about its lines."""
     if status in EXACT:
-        return (f"the highlighted lines are not whole statements at the new commit: {problem}" if problem
-                else "the highlighted code moved out of the citation's new lines")
+        return (
+            f"the highlighted lines are not whole statements at the new commit: {problem}"
+            if problem
+            else "the highlighted code moved out of the citation's new lines"
+        )
     if status == "deleted":
         return "the highlighted code has no counterpart"
     if status == "error":

@@ -20,13 +20,14 @@ What answers, in a ring:
   - a similar body (at least 60% alike by tokens, three lines or more) -> `changed`.
 `moved`/`unchanged` are never answered for text that is not identical; an answer in another file carries its path.
 """
+
 from __future__ import annotations
 
 import functools
 import posixpath
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from pin_and_cite.core import symbols
 from pin_and_cite.core.citation import Spec
@@ -35,24 +36,32 @@ from pin_and_cite.core.errors import PinAndCiteError
 from pin_and_cite.core.remote import Remote
 from pin_and_cite.core.resolve import split_lines
 from pin_and_cite.core.store import Store
-from pin_and_cite.relocation.relocate import (MIN_SIMILARITY, RENAMED_SIMILARITY, FilePair, Relocation,
-                                              definition_kind)
-from pin_and_cite.relocation.textmatch import (LineIndex, Span, aligned_span, best_windows, most_similar, normalized,
-                                               retained, similarity)
+from pin_and_cite.relocation.relocate import MIN_SIMILARITY, RENAMED_SIMILARITY, FilePair, Relocation, definition_kind
+from pin_and_cite.relocation.textmatch import (
+    LineIndex,
+    Span,
+    aligned_span,
+    best_windows,
+    most_similar,
+    normalized,
+    retained,
+    similarity,
+)
 
-RENAME_SHARE = 0.5        # a renamed file keeps at least this share of the larger side's lines (git: -M50%)
-MIN_FUZZY_LINES = 3       # shorter blocks are too common to be recognized by likeness alone
-HIT_SHARE = 0.5           # a file is searched for a similar block only if it has this share of its lines
+RENAME_SHARE = 0.5  # a renamed file keeps at least this share of the larger side's lines (git: -M50%)
+MIN_FUZZY_LINES = 3  # shorter blocks are too common to be recognized by likeness alone
+HIT_SHARE = 0.5  # a file is searched for a similar block only if it has this share of its lines
 
 
 @dataclass
 class Lost:
     """A citation the same-file engine could not place: what it cited at the old commit."""
+
     index: int
     spec: Spec
     pair: FilePair
-    span: Span                            # 0-based, end exclusive, in the old file
-    fallback: Relocation                  # the same-file answer, kept when nothing better is found elsewhere
+    span: Span  # 0-based, end exclusive, in the old file
+    fallback: Relocation  # the same-file answer, kept when nothing better is found elsewhere
 
     @property
     def rings(self) -> int:
@@ -62,7 +71,7 @@ class Lost:
 
     @property
     def block(self) -> list[str]:
-        return self.pair.old[self.span[0]:self.span[1]]
+        return self.pair.old[self.span[0] : self.span[1]]
 
 
 class NewFile:
@@ -122,15 +131,21 @@ class TwoTrees:
         """Subdirectories at the new commit whose tree is not the same at the old one."""
         new = self.listing.get((self.new, directory)) or {}
         old = self.listing.get((self.old, directory)) or {}
-        return [posixpath.join(directory, name) for name, (oid, kind) in sorted(new.items())
-                if kind == "tree" and old.get(name) != (oid, kind)]
+        return [
+            posixpath.join(directory, name)
+            for name, (oid, kind) in sorted(new.items())
+            if kind == "tree" and old.get(name) != (oid, kind)
+        ]
 
     def changed_files(self, directory: str, suffix: str) -> list[tuple[str, str, bool]]:
         """(path, blob, added) of the regular files with `suffix` whose blob differs from the old commit's."""
         new = self.listing.get((self.new, directory)) or {}
         old = self.listing.get((self.old, directory)) or {}
-        return [(posixpath.join(directory, name), oid, name not in old) for name, (oid, kind) in sorted(new.items())
-                if kind == "file" and name.endswith(suffix) and old.get(name) != (oid, kind)]
+        return [
+            (posixpath.join(directory, name), oid, name not in old)
+            for name, (oid, kind) in sorted(new.items())
+            if kind == "file" and name.endswith(suffix) and old.get(name) != (oid, kind)
+        ]
 
     def exists_at_new(self, path: str) -> bool:
         listing = self.listing.get((self.new, posixpath.dirname(path))) or {}
@@ -165,15 +180,19 @@ class CrossFile:
     def __init__(self, remote: Remote, store: Store, old: str, new: str, local: LocalBytes | None = None):
         self.trees = TwoTrees(remote, store, old, new)
         self.remote, self.store, self.old, self.new, self.local = remote, store, old, new, local
-        self.files: dict[str, NewFile] = {}       # every candidate fetched, by path: bump reads the new text here
-        self.blobs: dict[str, str] = {}           # their blob ids at the new commit
-        self.renames: dict[tuple[str, tuple[str, ...]], FilePair | None] = {}   # one diff per renamed file
+        self.files: dict[str, NewFile] = {}  # every candidate fetched, by path: bump reads the new text here
+        self.blobs: dict[str, str] = {}  # their blob ids at the new commit
+        self.renames: dict[tuple[str, tuple[str, ...]], FilePair | None] = {}  # one diff per renamed file
 
-    def follow(self, specs: list[Spec], answers: list[Relocation],
-               pairs: dict[str, FilePair | str]) -> list[Relocation]:
+    def follow(
+        self, specs: list[Spec], answers: list[Relocation], pairs: dict[str, FilePair | str]
+    ) -> list[Relocation]:
         """`answers` with each lost citation's answer replaced by what was found in another file."""
-        pending = [lost for lost in (_lost(i, s, a, pairs.get(s.path)) for i, (s, a) in
-                                     enumerate(zip(specs, answers))) if lost is not None]
+        pending = [
+            lost
+            for lost in (_lost(i, s, a, pairs.get(s.path)) for i, (s, a) in enumerate(zip(specs, answers)))
+            if lost is not None
+        ]
         answers = dict(enumerate(answers))
         searched: dict[int, set[str]] = {lost.index: set() for lost in pending}
         for number, ring in enumerate((self._ring_1, self._ring_2, self._ring_3), 1):
@@ -186,8 +205,12 @@ class CrossFile:
             still = []
             for lost in pending:
                 searched[lost.index] |= dirs[lost.index]
-                files = [f for d in sorted(dirs[lost.index]) for f in candidates.get((d, _suffix(lost.spec.path)), [])
-                         if f.path != lost.spec.path]           # the engine has looked there already
+                files = [
+                    f
+                    for d in sorted(dirs[lost.index])
+                    for f in candidates.get((d, _suffix(lost.spec.path)), [])
+                    if f.path != lost.spec.path
+                ]  # the engine has looked there already
                 found = self._answer(lost, files)
                 if found is None:
                     still.append(lost)
@@ -221,15 +244,21 @@ class CrossFile:
         """The changed files of each (directory, suffix), fetched in one request for all of them."""
         self.trees.read({d for d, _ in wanted})
         listed = {key: self.trees.changed_files(*key) for key in wanted}
-        blobs = {path: (oid, added) for files in listed.values() for path, oid, added in files
-                 if path not in self.files}
-        data = fetch_files(self.remote, self.store, {self.new: list(blobs)},
-                           {(self.new, path): oid for path, (oid, _) in blobs.items()}, self.local)
+        blobs = {
+            path: (oid, added) for files in listed.values() for path, oid, added in files if path not in self.files
+        }
+        data = fetch_files(
+            self.remote,
+            self.store,
+            {self.new: list(blobs)},
+            {(self.new, path): oid for path, (oid, _) in blobs.items()},
+            self.local,
+        )
         for path, (oid, added) in blobs.items():
             try:
                 raw = split_lines(data[(self.new, path)], path)
             except PinAndCiteError:
-                continue                                      # not text: nothing can have moved there
+                continue  # not text: nothing can have moved there
             self.files[path], self.blobs[path] = NewFile(path, raw, added), oid
         return {key: [self.files[p] for p, _, _ in files if p in self.files] for key, files in listed.items()}
 
@@ -243,17 +272,24 @@ class CrossFile:
             spec = lost.spec
             answer = pair.relocate_symbol(spec.symbol) if spec.symbol else pair.relocate_range(*spec.lines)
             if answer.status not in ("deleted", "error"):
-                return Relocation(answer.status, answer.lines, answer.reason or f"{lost.spec.path} is now {pair.path}",
-                                  pair.path)
+                return Relocation(
+                    answer.status, answer.lines, answer.reason or f"{lost.spec.path} is now {pair.path}", pair.path
+                )
         copies = self._copies(lost, files)
         if len(copies) == 1:
-            (f, span, name), = copies
+            ((f, span, name),) = copies
             return _located("moved", f, span, lost, name)
         if copies:
             f, span, name = copies[0]
             where = ", ".join(sorted({c[0].path for c in copies}))
-            return _located("changed", f, span, lost, name,
-                            f"{len(copies)} identical copies in other files ({where}); check this is the one meant")
+            return _located(
+                "changed",
+                f,
+                span,
+                lost,
+                name,
+                f"{len(copies)} identical copies in other files ({where}); check this is the one meant",
+            )
         found = self._same_name(lost, files)
         if found is not None or lost.fallback.status != "deleted":
             return found
@@ -264,8 +300,9 @@ class CrossFile:
         key = (lost.spec.path, tuple(f.path for f in files))
         if key not in self.renames:
             renamed = None if self.trees.exists_at_new(lost.spec.path) else _renamed_file(lost.pair.old, files)
-            self.renames[key] = renamed and FilePair(renamed.path, lost.pair.old_raw, renamed.raw,
-                                                     old_label=self.old[:12], new_label=self.new[:12])
+            self.renames[key] = renamed and FilePair(
+                renamed.path, lost.pair.old_raw, renamed.raw, old_label=self.old[:12], new_label=self.new[:12]
+            )
         return self.renames[key]
 
     def _copies(self, lost: Lost, files: list[NewFile]) -> list[tuple[NewFile, Span, str | None]]:
@@ -288,14 +325,21 @@ class CrossFile:
         if name is None:
             return None
         last = name.rsplit(".", 1)[-1]
-        spans = [(f, (a - 1, b)) for f in files if f"def {last}(" in f.text or f"class {last}" in f.text
-                 for a, b in f.definitions.get(name, [])]
+        spans = [
+            (f, (a - 1, b))
+            for f in files
+            if f"def {last}(" in f.text or f"class {last}" in f.text
+            for a, b in f.definitions.get(name, [])
+        ]
         if not spans:
             return None
         if lost.spec.symbol:
             f, span = max(spans, key=lambda s: similarity(lost.block, s[0].lines[slice(*s[1])]))
-            reason = f"{name} is now in {f.path}" if len(spans) == 1 else \
-                f"{name} is defined {len(spans)} times in other files; the most similar is in {f.path}"
+            reason = (
+                f"{name} is now in {f.path}"
+                if len(spans) == 1
+                else f"{name} is defined {len(spans)} times in other files; the most similar is in {f.path}"
+            )
             return _located("changed", f, span, lost, None, reason)
         if len(spans) > 1:
             return None
@@ -314,30 +358,48 @@ class CrossFile:
         likely = [f for f in files if len(wanted & f.stripped) >= HIT_SHARE * len(wanted)]
         if lost.spec.symbol:
             kind = definition_kind(lost.block)
-            scored = [(similarity(lost.block, f.lines[a - 1:b], RENAMED_SIMILARITY), f.path, name, f, (a - 1, b))
-                      for f in likely for name, spans in f.definitions.items() if len(spans) == 1
-                      for a, b in spans if definition_kind(f.lines[a - 1:b]) == kind]
+            scored = [
+                (similarity(lost.block, f.lines[a - 1 : b], RENAMED_SIMILARITY), f.path, name, f, (a - 1, b))
+                for f in likely
+                for name, spans in f.definitions.items()
+                if len(spans) == 1
+                for a, b in spans
+                if definition_kind(f.lines[a - 1 : b]) == kind
+            ]
             scored = [s for s in scored if s[0] >= RENAMED_SIMILARITY]
             if not scored:
                 return None
             _, _, name, f, span = max(scored, key=lambda s: s[0])
-            return _located("changed", f, span, lost, None,
-                            f"{lost.spec.symbol} is gone from {lost.spec.path}; {name} in {f.path} looks like it")
-        windows = [(f, aligned_span(lost.block, f.lines, w)) for f in likely
-                   for w in best_windows(lost.block, f.lines, (0, len(f.lines)))]
+            return _located(
+                "changed",
+                f,
+                span,
+                lost,
+                None,
+                f"{lost.spec.symbol} is gone from {lost.spec.path}; {name} in {f.path} looks like it",
+            )
+        windows = [
+            (f, aligned_span(lost.block, f.lines, w))
+            for f in likely
+            for w in best_windows(lost.block, f.lines, (0, len(f.lines)))
+        ]
         best = most_similar(lost.block, [f.lines[a:b] for f, (a, b) in windows])
         if best is None:
             return None
         f, span = windows[best]
-        if similarity(lost.block, f.lines[span[0]:span[1]], RENAMED_SIMILARITY) < RENAMED_SIMILARITY:
+        if similarity(lost.block, f.lines[span[0] : span[1]], RENAMED_SIMILARITY) < RENAMED_SIMILARITY:
             return None
-        return _located("changed", f, span, lost, None, f"similar code in {f.path}; the cited text is gone from "
-                                                        f"{lost.spec.path}")
+        return _located(
+            "changed", f, span, lost, None, f"similar code in {f.path}; the cited text is gone from {lost.spec.path}"
+        )
 
     def _not_found(self, lost: Lost) -> Relocation:
         if lost.fallback.status == "deleted" and not self.trees.exists_at_new(lost.spec.path):
-            return Relocation("deleted", None, f"{lost.spec.path} does not exist at {self.new[:12]}, and the cited "
-                                               "code is not found in another file")
+            return Relocation(
+                "deleted",
+                None,
+                f"{lost.spec.path} does not exist at {self.new[:12]}, and the cited code is not found in another file",
+            )
         return lost.fallback
 
 
@@ -371,7 +433,8 @@ def _renamed_file(old: Sequence[str], files: list[NewFile]) -> NewFile | None:
     return best
 
 
-def _located(status: str, f: NewFile, span: Span, lost: Lost, name: str | None,
-             reason: str | None = None) -> Relocation:
+def _located(
+    status: str, f: NewFile, span: Span, lost: Lost, name: str | None, reason: str | None = None
+) -> Relocation:
     symbol = name if lost.spec.symbol and name and name != lost.spec.symbol else None
     return Relocation(status, (span[0] + 1, span[1]), reason, f.path, symbol)

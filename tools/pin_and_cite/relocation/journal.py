@@ -7,6 +7,7 @@ after it is rolled forward (the remaining renames are done). The journal itself 
 is either absent or whole. `recover` runs when the next pin-and-cite verb opens the project, under the
 project lock, so it never races a live writer.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,8 @@ from pin_and_cite.core.atomic import no_interrupts, stage, sync_directory
 from pin_and_cite.core.errors import PinAndCiteError
 
 NAME = ".pin-and-cite-journal.json"
-KILL_AT_RENAME = "PIN_AND_CITE_TEST_KILL_AT_RENAME"   # tests: SIGKILL this process just before rename N (0-based)
-_STAGED = re.compile(r"\.(.+)\.[0-9a-f]{8}\.tmp")      # the staged name of `name`: .name.XXXXXXXX.tmp
+KILL_AT_RENAME = "PIN_AND_CITE_TEST_KILL_AT_RENAME"  # tests: SIGKILL this process just before rename N (0-based)
+_STAGED = re.compile(r"\.(.+)\.[0-9a-f]{8}\.tmp")  # the staged name of `name`: .name.XXXXXXXX.tmp
 
 
 def write_all(files: dict[Path, bytes], directory: Path) -> None:
@@ -37,11 +38,11 @@ def write_all(files: dict[Path, bytes], directory: Path) -> None:
         _save(journal, "staging", pairs, directory, renames)
         for tmp, target in pairs:
             stage(tmp, target, files[target])
-        _save(journal, "committed", pairs, directory, renames)      # the commit point
+        _save(journal, "committed", pairs, directory, renames)  # the commit point
     except BaseException:
         _roll_back(journal, pairs)
         raise
-    with no_interrupts():                        # Ctrl-C cannot land between two renames
+    with no_interrupts():  # Ctrl-C cannot land between two renames
         _roll_forward(journal, pairs, renames)
 
 
@@ -60,7 +61,7 @@ def _recover(directory: Path, journal: Path) -> str | None:
         record = json.loads(journal.read_bytes())
         state = record["state"]
         pairs = [_inside(directory, tmp, target) for tmp, target in record["files"]]
-    except FileNotFoundError:                   # killed while writing the journal: nothing staged yet
+    except FileNotFoundError:  # killed while writing the journal: nothing staged yet
         journal.with_name(f"{NAME}.tmp").unlink(missing_ok=True)
         return None
     except (ValueError, KeyError, TypeError) as exc:
@@ -96,7 +97,7 @@ def _save(journal: Path, state: str, pairs: list[tuple[Path, Path]], directory: 
 
 def _roll_forward(journal: Path, pairs: list[tuple[Path, Path]], rename: _Renames) -> None:
     for tmp, target in pairs:
-        if tmp.exists():                         # else renamed before the interruption
+        if tmp.exists():  # else renamed before the interruption
             rename(tmp, target)
     for directory in {target.parent for _, target in pairs}:
         sync_directory(directory)
@@ -114,7 +115,12 @@ def _inside(directory: Path, tmp: str, target: str) -> tuple[Path, Path]:
     tmp_path, target_path = directory / tmp, directory / target
     root = directory.resolve()
     match = _STAGED.fullmatch(tmp_path.name)
-    if (not match or match[1] != target_path.name or tmp_path.parent != target_path.parent
-            or not target_path.resolve().is_relative_to(root) or ".." in Path(target).parts):
+    if (
+        not match
+        or match[1] != target_path.name
+        or tmp_path.parent != target_path.parent
+        or not target_path.resolve().is_relative_to(root)
+        or ".." in Path(target).parts
+    ):
         raise ValueError(f"entry {tmp!r} -> {target!r} is not a staged file of the project")
     return tmp_path, target_path

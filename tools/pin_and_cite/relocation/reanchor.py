@@ -6,11 +6,12 @@ request. Each blob is verified by its git hash and kept in the cache, so a secon
 Citations whose code left their file are then looked for in other files (pin_and_cite.relocation.crossfile), which
 fetches more only for them.
 """
+
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 from pin_and_cite.core.citation import Spec, parse_location
 from pin_and_cite.core.commit_files import LocalBytes, fetch_files
@@ -22,8 +23,9 @@ from pin_and_cite.relocation.crossfile import CrossFile
 from pin_and_cite.relocation.relocate import FilePair, Relocation
 
 
-def file_pairs(paths: Iterable[str], old: str, new: str,
-               files: dict[tuple[str, str], bytes | None]) -> dict[str, FilePair | str]:
+def file_pairs(
+    paths: Iterable[str], old: str, new: str, files: dict[tuple[str, str], bytes | None]
+) -> dict[str, FilePair | str]:
     """Each path's FilePair (its lines at both commits, split once), or why it has none. A path absent at the
     new commit is an empty file there: its citations are `deleted` until found in another file."""
     pairs: dict[str, FilePair | str] = {}
@@ -52,7 +54,9 @@ def relocate_pairs(cites: list[Spec], pairs: dict[str, FilePair | str]) -> list[
     return answers
 
 
-def relocate_batch(cites: list[Spec], old: str, new: str, files: dict[tuple[str, str], bytes | None]) -> list[Relocation]:
+def relocate_batch(
+    cites: list[Spec], old: str, new: str, files: dict[tuple[str, str], bytes | None]
+) -> list[Relocation]:
     """Answer every citation, in order; problems with one citation become its own `error` answer."""
     return relocate_pairs(cites, file_pairs(dict.fromkeys(c.path for c in cites), old, new, files))
 
@@ -60,10 +64,11 @@ def relocate_batch(cites: list[Spec], old: str, new: str, files: dict[tuple[str,
 @dataclass
 class Relocated:
     """A batch's answers, with what they were computed from (bump reads the texts and blobs back)."""
+
     answers: list[Relocation]
-    files: dict[tuple[str, str], bytes | None]       # (commit, path) -> bytes of every cited path
+    files: dict[tuple[str, str], bytes | None]  # (commit, path) -> bytes of every cited path
     pairs: dict[str, FilePair | str]
-    elsewhere: CrossFile                              # the other files it looked into
+    elsewhere: CrossFile  # the other files it looked into
 
     def same_file_pair(self, cited_path: str, answer: Relocation) -> FilePair | None:
         """The cited file at both commits, when the answer stays in that file (None: it went elsewhere or the
@@ -79,8 +84,15 @@ class Relocated:
         return tuple(pair.new_raw) if isinstance(pair, FilePair) else ()
 
 
-def relocate_remote(remote: Remote, store: Store, cites: list[Spec], old: str, new: str, known: dict | None = None,
-                    local: LocalBytes | None = None) -> Relocated:
+def relocate_remote(
+    remote: Remote,
+    store: Store,
+    cites: list[Spec],
+    old: str,
+    new: str,
+    known: dict | None = None,
+    local: LocalBytes | None = None,
+) -> Relocated:
     """Answer every citation of one remote, in order: each cited file fetched once per commit, then the code
     that left its file followed into others."""
     paths = sorted({c.path for c in cites})

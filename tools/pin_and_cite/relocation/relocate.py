@@ -6,34 +6,48 @@ counterpart), `error` (the citation cannot be answered; `reason` says why). Text
 ignoring trailing whitespace. The rule everything else serves: `unchanged`/`moved` is only ever answered when
 the text at the answered lines is exactly the cited text; when in doubt the answer is `changed`.
 """
+
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from pin_and_cite.core import symbols
 from pin_and_cite.core.errors import PinAndCiteError
-from pin_and_cite.relocation.textmatch import (LineIndex, LineMap, Span, aligned_span, best_windows, most_similar,
-                                               normalized, retained, similarity)
+from pin_and_cite.relocation.textmatch import (
+    LineIndex,
+    LineMap,
+    Span,
+    aligned_span,
+    best_windows,
+    most_similar,
+    normalized,
+    retained,
+    similarity,
+)
 
-MIN_SIMILARITY = 0.5          # a counterpart keeps at least this share of the cited text, else: deleted
-MIN_IN_PLACE = 0.3            # ... or this share, where the diff aligns it in place (rewritten, not gone)
-RENAMED_SIMILARITY = 0.6      # a definition under a new name must be at least this like the old one
-MAX_GROWTH = 3                # an edited range may grow to 3x its length (+50 lines) and still be one pointer
+MIN_SIMILARITY = 0.5  # a counterpart keeps at least this share of the cited text, else: deleted
+MIN_IN_PLACE = 0.3  # ... or this share, where the diff aligns it in place (rewritten, not gone)
+RENAMED_SIMILARITY = 0.6  # a definition under a new name must be at least this like the old one
+MAX_GROWTH = 3  # an edited range may grow to 3x its length (+50 lines) and still be one pointer
 
 
 @dataclass(frozen=True)
 class Relocation:
-    status: str                           # unchanged | moved | changed | deleted | error
-    lines: tuple[int, int] | None         # 1-based inclusive, at the new commit
-    reason: str | None = None             # for errors: why; for some `changed` answers: what to review
-    path: str | None = None               # the file `lines` are in, when not the cited one (relocation.crossfile)
-    symbol: str | None = None             # the definition's qualified name there, when not the cited one
+    status: str  # unchanged | moved | changed | deleted | error
+    lines: tuple[int, int] | None  # 1-based inclusive, at the new commit
+    reason: str | None = None  # for errors: why; for some `changed` answers: what to review
+    path: str | None = None  # the file `lines` are in, when not the cited one (relocation.crossfile)
+    symbol: str | None = None  # the definition's qualified name there, when not the cited one
 
     def as_json(self, cite: str, cited_path: str | None = None) -> dict:
-        out = {"cite": cite, "status": self.status, "lines": list(self.lines) if self.lines else None,
-               "path": (self.path or cited_path) if self.lines else None}
+        out = {
+            "cite": cite,
+            "status": self.status,
+            "lines": list(self.lines) if self.lines else None,
+            "path": (self.path or cited_path) if self.lines else None,
+        }
         if self.symbol:
             out["symbol"] = self.symbol
         if self.reason:
@@ -49,8 +63,9 @@ class FilePair:
     """One file at two commits, with the per-file work (diff, line index, symbol tables) done once and
     shared by every citation of that file."""
 
-    def __init__(self, path: str, old: Sequence[str], new: Sequence[str], old_label: str = "old",
-                 new_label: str = "new"):
+    def __init__(
+        self, path: str, old: Sequence[str], new: Sequence[str], old_label: str = "old", new_label: str = "new"
+    ):
         self.path, self.old_label, self.new_label = path, old_label, new_label
         self.old_raw, self.new_raw = old, new
         self.old, self.new = normalized(old), normalized(new)
@@ -105,18 +120,24 @@ class FilePair:
 
     def relocate_range(self, start: int, end: int) -> Relocation:
         if end > len(self.old):
-            return Relocation("error", None, f"L{start}-L{end} is past the end of {self.path} at {self.old_label} "
-                                             f"({len(self.old)} lines)")
+            return Relocation(
+                "error",
+                None,
+                f"L{start}-L{end} is past the end of {self.path} at {self.old_label} ({len(self.old)} lines)",
+            )
         span = (start - 1, end)
-        block = self.old[span[0]:span[1]]
+        block = self.old[span[0] : span[1]]
         copies = self.index.find(block)
         if not copies:
             return self._edited(span, block)
         chosen = self._which_copy(span, copies)
         if chosen is None:
             near = min(copies, key=lambda s: abs(s - self.diff.predicted_start(span)))
-            return _found((near, near + len(block)), "changed",
-                          f"{len(copies)} identical copies at the new commit; check this is the one meant")
+            return _found(
+                (near, near + len(block)),
+                "changed",
+                f"{len(copies)} identical copies at the new commit; check this is the one meant",
+            )
         return _found((chosen, chosen + len(block)), "unchanged" if chosen == span[0] else "moved")
 
     def _which_copy(self, span: Span, copies: list[int]) -> int | None:
@@ -141,11 +162,13 @@ class FilePair:
         call it changed when at least half the cited text survives there. Else deleted."""
         hull = self.diff.hull(span)
         if hull is not None and hull[1] - hull[0] > MAX_GROWTH * len(block) + 50:
-            hull = None                                   # aligned across a huge insertion: not a pointer
+            hull = None  # aligned across a huge insertion: not a pointer
         region = self.counterpart_region(span)
-        if hull is not None and (self.diff.kept_share(span, block) >= MIN_IN_PLACE
-                                 or _inside(hull, region)
-                                 or retained(block, self.new[hull[0]:hull[1]]) >= MIN_IN_PLACE):
+        if hull is not None and (
+            self.diff.kept_share(span, block) >= MIN_IN_PLACE
+            or _inside(hull, region)
+            or retained(block, self.new[hull[0] : hull[1]]) >= MIN_IN_PLACE
+        ):
             return _found(hull, "changed")
         candidates = [hull] if hull else []
         for where in ([region] if region else []) + [(0, len(self.new))]:
@@ -163,15 +186,15 @@ class FilePair:
             new_defs = self.definitions("new")
         except PinAndCiteError as exc:
             return Relocation("error", None, str(exc))
-        old_text = self.old[old_span[0] - 1:old_span[1]]
+        old_text = self.old[old_span[0] - 1 : old_span[1]]
         spans = new_defs.get(name, [])
         if len(spans) == 1:
-            (a, b), = spans
-            if self.new[a - 1:b] == old_text:
+            ((a, b),) = spans
+            if self.new[a - 1 : b] == old_text:
                 return Relocation("unchanged" if (a, b) == old_span else "moved", (a, b))
             return Relocation("changed", (a, b))
         if spans:
-            best = max(spans, key=lambda s: similarity(old_text, self.new[s[0] - 1:s[1]]))
+            best = max(spans, key=lambda s: similarity(old_text, self.new[s[0] - 1 : s[1]]))
             return Relocation("changed", best, f"{name} is defined {len(spans)} times at {self.new_label}")
         return self._renamed(name, old_text)
 
@@ -179,11 +202,17 @@ class FilePair:
         """A name that is gone: the most similar definition of the same kind under a name that is new."""
         old_defs, new_defs = self.definitions("old"), self.definitions("new")
         kind = definition_kind(old_text)
-        candidates = [(new_name, spans[0]) for new_name, spans in new_defs.items()
-                      if new_name not in old_defs and len(spans) == 1
-                      and definition_kind(self.new[spans[0][0] - 1:spans[0][1]]) == kind]
-        scored = [(similarity(old_text, self.new[a - 1:b], RENAMED_SIMILARITY), new_name, (a, b))
-                  for new_name, (a, b) in candidates]
+        candidates = [
+            (new_name, spans[0])
+            for new_name, spans in new_defs.items()
+            if new_name not in old_defs
+            and len(spans) == 1
+            and definition_kind(self.new[spans[0][0] - 1 : spans[0][1]]) == kind
+        ]
+        scored = [
+            (similarity(old_text, self.new[a - 1 : b], RENAMED_SIMILARITY), new_name, (a, b))
+            for new_name, (a, b) in candidates
+        ]
         scored = [s for s in scored if s[0] >= RENAMED_SIMILARITY]
         if not scored:
             return Relocation("deleted", None)

@@ -2,6 +2,7 @@
 deleted) where the notes cite it and its old and new excerpts as one unified diff, numbered as upstream; then
 how many highlights were carried and, for each one a person must look at, one line saying what was chosen.
 The site's change pages (pin_and_cite.site.changes) show the same diff, each line numbered."""
+
 from __future__ import annotations
 
 import difflib
@@ -18,6 +19,7 @@ HUNK = re.compile(r"@@ -(\d+)(,\d+)? \+(\d+)(,\d+)? @@")
 @dataclass(frozen=True)
 class Side:
     """One end of a diff: the commit, the cited lines there (None: no counterpart) and their text."""
+
     commit: str
     lines: tuple[int, int] | None
     text: list[str]
@@ -32,9 +34,14 @@ def excerpt_diff(path: str, old: Side, new: Side, new_path: str | None = None) -
     `new_path` names the new side's file when the code went into another one."""
     old_start = old.lines[0]
     new_start = new.lines[0] if new.lines else 0
-    diff = difflib.unified_diff(old.text, new.text, lineterm="", n=max(len(old.text), len(new.text)),
-                                fromfile=f"{path}{_anchor(old.lines)} @ {old.commit[:12]}",
-                                tofile=f"{new_path or path}{_anchor(new.lines)} @ {new.commit[:12]}")
+    diff = difflib.unified_diff(
+        old.text,
+        new.text,
+        lineterm="",
+        n=max(len(old.text), len(new.text)),
+        fromfile=f"{path}{_anchor(old.lines)} @ {old.commit[:12]}",
+        tofile=f"{new_path or path}{_anchor(new.lines)} @ {new.commit[:12]}",
+    )
 
     def renumber(line: str) -> str:
         match = HUNK.fullmatch(line)
@@ -49,10 +56,10 @@ def excerpt_diff(path: str, old: Side, new: Side, new_path: str | None = None) -
 def numbered_diff(diff: list[str]) -> list[str]:
     """excerpt_diff's lines with each body line's old and new upstream line numbers after its -/+/space mark
     (blank where the line does not exist on that side), so the mark still colors the line as a diff."""
-    head = next((i for i, line in enumerate(diff) if HUNK.fullmatch(line)), len(diff))   # after ---/+++
+    head = next((i for i, line in enumerate(diff) if HUNK.fullmatch(line)), len(diff))  # after ---/+++
     rows, old, new = [], 0, 0
     for line in diff[head:]:
-        if match := HUNK.fullmatch(line):             # a body line starts with -, + or space: never a hunk
+        if match := HUNK.fullmatch(line):  # a body line starts with -, + or space: never a hunk
             old, new = int(match[1]), int(match[3])
             rows.append((line, None, None))
             continue
@@ -60,15 +67,18 @@ def numbered_diff(diff: list[str]) -> list[str]:
         rows.append((line, str(old) if mark != "+" else "", str(new) if mark != "-" else ""))
         old, new = old + (mark != "+"), new + (mark != "-")
     width = max((len(n) for _, a, b in rows if a is not None for n in (a, b)), default=0)
-    return diff[:head] + [line if a is None else f"{line[:1]}{a:>{width}} {b:>{width}} | {line[1:]}"
-                          for line, a, b in rows]
+    return diff[:head] + [
+        line if a is None else f"{line[:1]}{a:>{width}} {b:>{width}} | {line[1:]}" for line, a, b in rows
+    ]
 
 
 def text_report(bump: Bump, root: Path, dry_run: bool) -> str:
     n = bump.record.counts
     head = f"{bump.source}: {bump.old[:12]} -> {bump.new[:12]}" + (f" ({bump.tag})" if bump.tag else "")
-    out = [head + ("  [dry run: nothing written]" if dry_run else ""),
-           f"{len(bump.citations)} citation(s): " + ", ".join(f"{n[s]} {s}" for s in STATUSES)]
+    out = [
+        head + ("  [dry run: nothing written]" if dry_run else ""),
+        f"{len(bump.citations)} citation(s): " + ", ".join(f"{n[s]} {s}" for s in STATUSES),
+    ]
     highlights = [h for c in bump.citations for h in c.highlights]
     if highlights:
         flagged = sum(1 for h in highlights if h.review)
@@ -76,9 +86,16 @@ def text_report(bump: Bump, root: Path, dry_run: bool) -> str:
     written = sorted(str(p.relative_to(root)) for p in bump.writes)
     out.append(("would write: " if dry_run else "wrote: ") + ", ".join(written))
     for key, change in sorted(bump.record.defaults.items()):
-        now = f"now {change.new_value}" if change.new_value is not None else "gone: fix the note (`check` fails until then)"
-        out += ["", f"default changed: {key}: was {change.old_value}, {now}",
-                "  the prose around every default(...) of it may now be wrong: re-read it"]
+        now = (
+            f"now {change.new_value}"
+            if change.new_value is not None
+            else "gone: fix the note (`check` fails until then)"
+        )
+        out += [
+            "",
+            f"default changed: {key}: was {change.old_value}, {now}",
+            "  the prose around every default(...) of it may now be wrong: re-read it",
+        ]
     for c in bump.citations:
         if c.answer.status not in REVIEWED:
             continue
@@ -89,26 +106,45 @@ def text_report(bump: Bump, root: Path, dry_run: bool) -> str:
             out.append(f"  note: {c.answer.reason}")
         places = [call.where(root) for call in c.places] + (["citations.lock"] if c.in_lock and not c.places else [])
         out.append("  cited at " + ", ".join(places))
-        diff = excerpt_diff(c.spec.path, Side(bump.old, c.old_lines, c.old_text),
-                            Side(bump.new, c.answer.lines, c.new_text), c.answer.path)
+        diff = excerpt_diff(
+            c.spec.path,
+            Side(bump.old, c.old_lines, c.old_text),
+            Side(bump.new, c.answer.lines, c.new_text),
+            c.answer.path,
+        )
         out += ["  " + line for line in diff]
     flagged = [h for h in highlights if h.review]
     if flagged:
         out.append("")
     for h in flagged:
         target = f'highlight="{h.literal}"' if h.literal else "left as written"
-        out.append(f'highlight {h.status}: {h.place.where(root)}: {h.place.argument} highlight="{h.place.highlight}" '
-                   f"-> {target}: {h.review}")
+        out.append(
+            f'highlight {h.status}: {h.place.where(root)}: {h.place.argument} highlight="{h.place.highlight}" '
+            f"-> {target}: {h.review}"
+        )
     return "\n".join(out)
 
 
 def json_report(bump: Bump, root: Path, dry_run: bool) -> dict:
-    return {"source": bump.source, "from": bump.old, "to": bump.new, "tag": bump.tag, "dry_run": dry_run,
-            "counts": bump.record.counts,
-            "written": [] if dry_run else sorted(str(p.relative_to(root)) for p in bump.writes),
-            "citations": [{**c.answer.as_json(str(c.spec), c.spec.path),
-                           "new_cite": str(c.new_spec) if c.new_spec else None,
-                           "where": [call.where(root) for call in c.places]} for c in bump.citations],
-            "defaults": [{"default": key, "old": change.old_value, "new": change.new_value}
-                         for key, change in sorted(bump.record.defaults.items())],
-            "highlights": [h.as_json(root) for c in bump.citations for h in c.highlights]}
+    return {
+        "source": bump.source,
+        "from": bump.old,
+        "to": bump.new,
+        "tag": bump.tag,
+        "dry_run": dry_run,
+        "counts": bump.record.counts,
+        "written": [] if dry_run else sorted(str(p.relative_to(root)) for p in bump.writes),
+        "citations": [
+            {
+                **c.answer.as_json(str(c.spec), c.spec.path),
+                "new_cite": str(c.new_spec) if c.new_spec else None,
+                "where": [call.where(root) for call in c.places],
+            }
+            for c in bump.citations
+        ],
+        "defaults": [
+            {"default": key, "old": change.old_value, "new": change.new_value}
+            for key, change in sorted(bump.record.defaults.items())
+        ],
+        "highlights": [h.as_json(root) for c in bump.citations for h in c.highlights],
+    }

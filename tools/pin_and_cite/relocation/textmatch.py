@@ -4,14 +4,15 @@ Every comparison works on *normalized* lines (trailing whitespace, including a C
 that only switched to CRLF or lost trailing spaces still matches exactly. Fuzzy scores compare tokens, so
 indentation and spacing do not count: code that moved into a class or out of a block still scores as similar.
 """
+
 from __future__ import annotations
 
 import difflib
 import re
 from collections import defaultdict
-from typing import Sequence
+from collections.abc import Sequence
 
-Span = tuple[int, int]      # 0-based, end exclusive, over lines
+Span = tuple[int, int]  # 0-based, end exclusive, over lines
 
 
 def normalized(lines: Sequence[str]) -> list[str]:
@@ -81,7 +82,7 @@ class LineIndex:
         offset = min(range(len(block)), key=lambda i: len(self.positions.get(block[i], ())))
         starts = (p - offset for p in self.positions.get(block[offset], ()))
         n = len(block)
-        return [s for s in starts if s >= 0 and list(self.lines[s:s + n]) == list(block)]
+        return [s for s in starts if s >= 0 and list(self.lines[s : s + n]) == list(block)]
 
 
 class LineMap:
@@ -105,7 +106,7 @@ class LineMap:
 
     def hull(self, span: Span) -> Span | None:
         """The new lines that the old lines of `span` align with (None if all of them were deleted)."""
-        mapped = [j for j in self.near[span[0]:span[1]] if j >= 0]
+        mapped = [j for j in self.near[span[0] : span[1]] if j >= 0]
         return (min(mapped), max(mapped) + 1) if mapped else None
 
     def kept_share(self, span: Span, block: Sequence[str]) -> float:
@@ -156,7 +157,9 @@ def aligned_span(block: Sequence[str], new: Sequence[str], window: Span) -> Span
     lo, hi = max(0, window[0] - n), min(len(new), window[1] + n)
     stripped = [line.strip() for line in new[lo:hi]]
     matcher = difflib.SequenceMatcher(None, [line.strip() for line in block], stripped, autojunk=False)
-    matched = [m for m in matcher.get_matching_blocks() if m.size and any(block[m.a + k].strip() for k in range(m.size))]
+    matched = [
+        m for m in matcher.get_matching_blocks() if m.size and any(block[m.a + k].strip() for k in range(m.size))
+    ]
     if not matched:
         return window
     first, last = matched[0], matched[-1]

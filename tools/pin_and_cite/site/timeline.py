@@ -61,7 +61,7 @@ def panel_svg(panel: Panel) -> str:
     left = max(len(row) for row in rows) * CHAR_PX + 16
     plot = WIDTH - left - 16
     top = 2 * ROW
-    x = lambda seconds: left + seconds * scale / ticks[-1] * plot  # noqa: E731
+    x = lambda seconds: left + seconds * scale / ticks[-1] * plot
     legend_y = top + len(rows) * ROW + 2.4 * ROW
     height = legend_y + ROW * (1 + len(panel.colors) // 3)
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height:.0f}" role="img" '
