@@ -1,4 +1,5 @@
 """Fixtures for the site tests: the vendored mermaid installed (as `make serve` does) and built sites."""
+
 from __future__ import annotations
 
 import os
@@ -8,17 +9,19 @@ import sys
 from pathlib import Path
 
 import pytest
+import vendor_assets  # lives in tools/ (on sys.path via pytest's pythonpath), next to the mkdocs hook
+
+from pin_and_cite.site.diagrams import label
 
 ROOT = Path(__file__).resolve().parents[2]
-import vendor_assets  # lives in tools/ (on sys.path via pytest's pythonpath), next to the mkdocs hook
-from pin_and_cite.site.diagrams import label
 
 # A label with every character mermaid's grammar gives a meaning: escaped by the diagram generator, it must
 # come out of the browser as the same text (positive control for the escaping of recorded names).
 NASTY_LABEL = 'a "quote" <b>tag</b> #1 `tick` | pipe; semi [x] (y) {z}'
 
 # Mermaid sources of the test-only pages. The real site gets no fake pages: these live in a copy of docs/.
-GOOD_DIAGRAMS = """# Diagram check
+GOOD_DIAGRAMS = (
+    """# Diagram check
 
 ```mermaid
 graph LR
@@ -35,11 +38,21 @@ sequenceDiagram
 
 ```mermaid
 flowchart LR
-  A[""" + label(NASTY_LABEL) + """] -->|""" + label(NASTY_LABEL) + """| B[b]
+  A["""
+    + label(NASTY_LABEL)
+    + """] -->|"""
+    + label(NASTY_LABEL)
+    + """| B[b]
 ```
 """
-GOOD_LABELS = ["ColumnParallelLinear", "RowParallelLinear", "all-reduce over NVLink", "all-gather of unit 1",
-               NASTY_LABEL]
+)
+GOOD_LABELS = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "all-reduce over NVLink",
+    "all-gather of unit 1",
+    NASTY_LABEL,
+]
 BROKEN_DIAGRAM = """# Broken diagram (negative control)
 
 ```mermaid
@@ -68,8 +81,14 @@ def vendored_docs() -> Path:
 def built_site(vendored_docs, tmp_path_factory) -> Path:
     """The real site, built the way a user builds it: `mkdocs build --strict` from the repo root."""
     site = tmp_path_factory.mktemp("site")
-    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
-                          cwd=ROOT, env=mkdocs_env(), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
+        cwd=ROOT,
+        env=mkdocs_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stdout}{proc.stderr}"
     return site
 
@@ -85,8 +104,9 @@ def diagram_site(vendored_docs, tmp_path_factory) -> Path:
     shutil.copytree(vendored_docs, docs)
     (docs / "diagram-check.md").write_text(GOOD_DIAGRAMS)
     (docs / "broken-diagram.md").write_text(BROKEN_DIAGRAM)
-    config = load_config(config_file=str(ROOT / "mkdocs.yml"), docs_dir=str(docs), site_dir=str(work / "site"),
-                         strict=True)
+    config = load_config(
+        config_file=str(ROOT / "mkdocs.yml"), docs_dir=str(docs), site_dir=str(work / "site"), strict=True
+    )
     config.nav += [{"Diagram check": "diagram-check.md"}, {"Broken diagram": "broken-diagram.md"}]
     build(config)
     return work / "site"

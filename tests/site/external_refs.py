@@ -5,6 +5,7 @@ take. It tells fetches from mere text: in HTML only attributes that load somethi
 link href, img src/srcset, ...), never <a href>; in CSS `url()` and `@import`; in JS a string literal that
 *is* a URL (starts with it), not prose that mentions one ("please report this at https://...").
 """
+
 from __future__ import annotations
 
 import re
@@ -15,14 +16,33 @@ from urllib.parse import urlsplit
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 # XML namespace names are identifiers that only look like URLs; nothing ever fetches them.
-XML_NAMESPACES = {"http://www.w3.org/2000/svg", "http://www.w3.org/1999/xhtml", "http://www.w3.org/1999/xlink",
-                  "http://www.w3.org/1998/Math/MathML", "http://www.w3.org/XML/1998/namespace",
-                  "http://www.w3.org/2000/xmlns/"}
+XML_NAMESPACES = {
+    "http://www.w3.org/2000/svg",
+    "http://www.w3.org/1999/xhtml",
+    "http://www.w3.org/1999/xlink",
+    "http://www.w3.org/1998/Math/MathML",
+    "http://www.w3.org/XML/1998/namespace",
+    "http://www.w3.org/2000/xmlns/",
+}
 # (tag, attribute) pairs whose URL the browser loads by itself. <a href> and <form action> are navigation.
-FETCHING_ATTRS = {("script", "src"), ("link", "href"), ("img", "src"), ("img", "srcset"), ("source", "src"),
-                  ("source", "srcset"), ("iframe", "src"), ("embed", "src"), ("object", "data"),
-                  ("video", "src"), ("video", "poster"), ("audio", "src"), ("track", "src"),
-                  ("input", "src"), ("image", "href"), ("use", "href")}
+FETCHING_ATTRS = {
+    ("script", "src"),
+    ("link", "href"),
+    ("img", "src"),
+    ("img", "srcset"),
+    ("source", "src"),
+    ("source", "srcset"),
+    ("iframe", "src"),
+    ("embed", "src"),
+    ("object", "data"),
+    ("video", "src"),
+    ("video", "poster"),
+    ("audio", "src"),
+    ("track", "src"),
+    ("input", "src"),
+    ("image", "href"),
+    ("use", "href"),
+}
 NOT_FETCHED_LINK_RELS = {"canonical", "alternate", "author", "license", "help", "search", "next", "prev"}
 CSS_URL = re.compile(r"""@import\s+["']([^"']+)["']|url\(\s*["']?([^"')\s]+)""", re.I)
 JS_URL_LITERAL = re.compile(r"""["'`](https?://[^"'`\s]*)""")
@@ -30,8 +50,8 @@ JS_URL_LITERAL = re.compile(r"""["'`](https?://[^"'`\s]*)""")
 
 @dataclass(frozen=True)
 class ExternalRef:
-    file: str   # relative to the scanned site dir
-    how: str    # what would fetch it, e.g. "<script src>", "css url()", "js literal"
+    file: str  # relative to the scanned site dir
+    how: str  # what would fetch it, e.g. "<script src>", "css url()", "js literal"
     url: str
 
 
@@ -73,7 +93,7 @@ class _HtmlRefs(HTMLParser):
             elif name == "http-equiv" and value.lower() == "refresh":
                 content = attrs.get("content") or ""
                 if "url=" in content.lower():
-                    self.refs.append(("<meta refresh>", content[content.lower().index("url=") + 4:].strip()))
+                    self.refs.append(("<meta refresh>", content[content.lower().index("url=") + 4 :].strip()))
         self._in = tag if tag in ("style", "script") else None
 
     def handle_endtag(self, tag):
@@ -103,6 +123,7 @@ def external_refs(site_dir: Path) -> list[ExternalRef]:
         scan = SCANNERS.get(path.suffix)
         if scan and path.is_file():
             rel = path.relative_to(site_dir).as_posix()
-            found += [ExternalRef(rel, how, url) for how, url in scan(path.read_text(errors="replace"))
-                      if is_external(url)]
+            found += [
+                ExternalRef(rel, how, url) for how, url in scan(path.read_text(errors="replace")) if is_external(url)
+            ]
     return found

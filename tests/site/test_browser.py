@@ -11,6 +11,7 @@ the whole citation, the size of every chart's text, the side navigation's order,
 Without /usr/bin/chromium these tests are skipped with a reason saying so (`pytest -ra` prints it); CI
 installs it with tools/ensure-browser.
 """
+
 from __future__ import annotations
 
 import functools
@@ -32,9 +33,17 @@ from tests.site.conftest import GOOD_LABELS, ROOT
 
 pytestmark = pytest.mark.browser
 
-CHROMIUM = Path(os.environ.get("SITE_TEST_CHROMIUM", "/usr/bin/chromium"))   # override: tests of the skip
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CHROMIUM = Path(os.environ.get("SITE_TEST_CHROMIUM", "/usr/bin/chromium"))  # override: tests of the skip
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 SCREENSHOTS = ROOT / "build" / "site-screenshots"
 # Runs before any page script: material's `attachShadow({mode: "closed"})` gets an open root instead.
 OPEN_SHADOW_ROOTS = """
@@ -61,7 +70,8 @@ EXCERPTS = """() => [...document.querySelectorAll("article div.highlight")].map(
   return {permalink: caption ? caption.href : null, shown: block.checkVisibility(),
           columns: inner / ruler.measureText("0".repeat(100)).width * 100,
           scrolls: code.scrollWidth > code.clientWidth,
-          numbers: block.querySelector("td.linenos") ? block.querySelector("td.linenos").innerText.trim().split(/\\s+/) : [],
+          numbers: block.querySelector("td.linenos") ? block.querySelector("td.linenos").innerText.trim().split(/\\s+/)
+          : [],
           lines: [...block.querySelectorAll("td.code code > span")].map(s => s.textContent.replace(/\\n$/, ""))};
 })"""
 LINKS = """() => [...document.querySelectorAll("a[href]")].map(a => a.href)"""
@@ -95,8 +105,9 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def site_url(diagram_site):
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0),
-                                             functools.partial(_QuietHandler, directory=str(diagram_site)))
+    server = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), functools.partial(_QuietHandler, directory=str(diagram_site))
+    )
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{server.server_address[1]}/"
     server.shutdown()
@@ -106,8 +117,10 @@ def site_url(diagram_site):
 @pytest.fixture(scope="module")
 def browser():
     if not CHROMIUM.exists():
-        pytest.skip(f"BROWSER TESTS SKIPPED: {CHROMIUM} is missing; install Debian's chromium with "
-                    "tools/ensure-browser (as root; CI does) to run them")
+        pytest.skip(
+            f"BROWSER TESTS SKIPPED: {CHROMIUM} is missing; install Debian's chromium with "
+            "tools/ensure-browser (as root; CI does) to run them"
+        )
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, timeout=30_000)
         yield browser
@@ -119,7 +132,7 @@ def _context(browser):
     returns (context, open_page, requested_urls)."""
     context = browser.new_context(service_workers="block", viewport=VIEWPORT)
     context.set_default_timeout(20_000)
-    context.set_default_navigation_timeout(60_000)   # a page loads mermaid (3 MB): slow on a shared, busy CPU
+    context.set_default_navigation_timeout(60_000)  # a page loads mermaid (3 MB): slow on a shared, busy CPU
     context.add_init_script(OPEN_SHADOW_ROOTS)
     requested: list[str] = []
     context.on("request", lambda request: requested.append(request.url))
@@ -161,11 +174,16 @@ def every_page(browser, site_url, diagram_site):
         url_path = "" if path == "." else f"{path}/"
         page = open_page(site_url + url_path)
         diagrams = _rendered(page, diagram_site, url_path)
-        _screenshot(page, "home" if path == "." else path.replace("/", "-"))   # as a reader first sees it
-        page.evaluate(OPEN_ANSWERS)          # excerpts inside collapsed answers are checked as a reader opens them
-        reports[path] = {"diagrams": diagrams, "folds": _unfold(page), "svg_text": page.evaluate(SVG_TEXT),
-                         "timelines": page.evaluate(TIMELINES),
-                         "verified_by": page.evaluate(VERIFIED_BY), "side_nav": page.evaluate(SIDE_NAV)}
+        _screenshot(page, "home" if path == "." else path.replace("/", "-"))  # as a reader first sees it
+        page.evaluate(OPEN_ANSWERS)  # excerpts inside collapsed answers are checked as a reader opens them
+        reports[path] = {
+            "diagrams": diagrams,
+            "folds": _unfold(page),
+            "svg_text": page.evaluate(SVG_TEXT),
+            "timelines": page.evaluate(TIMELINES),
+            "verified_by": page.evaluate(VERIFIED_BY),
+            "side_nav": page.evaluate(SIDE_NAV),
+        }
         page.evaluate(OPEN_FOLDS)
         reports[path].update(excerpts=page.evaluate(EXCERPTS), links=page.evaluate(LINKS))
         if path == ".":
@@ -181,8 +199,9 @@ def _unfold(page) -> list[dict]:
     for fold in page.locator(".excerpt-fold").all():
         before = fold.evaluate(FOLD_NUMBERS)
         fold.locator("summary").click()
-        folds.append({"before": before, "after": fold.evaluate(FOLD_NUMBERS),
-                      "summary": fold.locator("summary").inner_text()})
+        folds.append(
+            {"before": before, "after": fold.evaluate(FOLD_NUMBERS), "summary": fold.locator("summary").inner_text()}
+        )
     return folds
 
 
@@ -195,8 +214,9 @@ def _rendered(page, site_dir: Path, url_path: str) -> dict:
     """Wait until every mermaid block in the page's HTML is an SVG, or mermaid reported an error."""
     html_file = site_dir / (url_path.rstrip("/") + "/index.html" if url_path.strip("/") else "index.html")
     expected = html_file.read_text().count('<pre class="mermaid">')
-    page.wait_for_function(f"() => ({DIAGRAM_REPORT})().svgTexts.length >= {expected} || "
-                           f"({DIAGRAM_REPORT})().syntaxError")
+    page.wait_for_function(
+        f"() => ({DIAGRAM_REPORT})().svgTexts.length >= {expected} || ({DIAGRAM_REPORT})().syntaxError"
+    )
     return {"expected": expected, **page.evaluate(DIAGRAM_REPORT)}
 
 
@@ -207,9 +227,17 @@ def _screenshot(page, name: str) -> None:
 
 def test_every_page_loads_from_127_0_0_1_only_and_its_diagrams_render(every_page, site_url):
     reports, requested = every_page
-    assert {".", "diagram-check", "notes/synthesis", "notes/megatron-tp-layers", "notes/fsdp-prefetch",
-            "notes/megatron-pipeline-1f1b", "notes/dtensor-tp", "notes/sources/megatron-lm",
-            "notes/reference/fsdp.runtime"} <= set(reports)
+    assert {
+        ".",
+        "diagram-check",
+        "notes/synthesis",
+        "notes/megatron-tp-layers",
+        "notes/fsdp-prefetch",
+        "notes/megatron-pipeline-1f1b",
+        "notes/dtensor-tp",
+        "notes/sources/megatron-lm",
+        "notes/reference/fsdp.runtime",
+    } <= set(reports)
     for path, report in reports.items():
         diagrams = report["diagrams"]
         assert len(diagrams["svgTexts"]) == diagrams["expected"] and not diagrams["syntaxError"], (path, diagrams)
@@ -223,12 +251,28 @@ def test_synthesis_diagrams_drawn_from_recorded_runs_render_with_their_labels(ev
     diagrams = report["diagrams"]
     assert diagrams["expected"] == 1 and not diagrams["syntaxError"]
     (tp_block,), (fsdp_timeline,) = diagrams["svgTexts"], report["timelines"]
-    for label in ("qkv · ColumnParallelLinear", "proj · RowParallelLinear", "GELU", "scaled dot-product attention",
-                  "all-reduce 1, forward: 4 KiB over intra-node NVLink ~600 GB/s", "all-reduce 2, forward",
-                  "backward: all-reduce of dX, 4 KiB"):
+    for label in (
+        "qkv · ColumnParallelLinear",
+        "proj · RowParallelLinear",
+        "GELU",
+        "scaled dot-product attention",
+        "all-reduce 1, forward: 4 KiB over intra-node NVLink ~600 GB/s",
+        "all-reduce 2, forward",
+        "backward: all-reduce of dX, 4 KiB",
+    ):
         assert label in tp_block, label
-    for label in ("forward compute", "backward compute", "all-gather", "reduce-scatter", "root forward",
-                  "blocks.0 forward", "blocks.1 backward", "AG blocks.1", "RS root", "modeled at 1 TFLOP/s, 25 GB/s"):
+    for label in (
+        "forward compute",
+        "backward compute",
+        "all-gather",
+        "reduce-scatter",
+        "root forward",
+        "blocks.0 forward",
+        "blocks.1 backward",
+        "AG blocks.1",
+        "RS root",
+        "modeled at 1 TFLOP/s, 25 GB/s",
+    ):
         assert label in fsdp_timeline, label
 
 
@@ -246,8 +290,8 @@ def test_excerpts_show_upstream_line_numbers_and_text(every_page):
     checked = {}
     for path, report in every_page[0].items():
         for excerpt in report["excerpts"]:
-            if excerpt["permalink"] is None:        # a plain code block of a hand-written page (architecture)
-                assert not path.startswith("notes/"), (path, excerpt["lines"][:2])   # every note block cites
+            if excerpt["permalink"] is None:  # a plain code block of a hand-written page (architecture)
+                assert not path.startswith("notes/"), (path, excerpt["lines"][:2])  # every note block cites
                 continue
             source = next(s for s in pins.values() if excerpt["permalink"].startswith(s.url.removesuffix(".git")))
             file, lines = excerpt["permalink"].split(f"/blob/{source.commit}/", 1)[1].split("#")
@@ -255,11 +299,11 @@ def test_excerpts_show_upstream_line_numbers_and_text(every_page):
             upstream = (SITE_PACKAGES / file).read_text().split("\n")
             numbers = [int(n) for n in excerpt["numbers"]]
             assert numbers == list(range(numbers[0], numbers[-1] + 1)), (path, excerpt["permalink"])
-            assert first <= numbers[0] and numbers[-1] <= last, (path, excerpt["permalink"])   # a fold: a part
-            assert excerpt["lines"] == upstream[numbers[0] - 1:numbers[-1]], (path, excerpt["permalink"])
+            assert first <= numbers[0] and numbers[-1] <= last, (path, excerpt["permalink"])  # a fold: a part
+            assert excerpt["lines"] == upstream[numbers[0] - 1 : numbers[-1]], (path, excerpt["permalink"])
             if numbers == list(range(first, last + 1)):
                 checked[f"{file}#L{first}"] = excerpt["numbers"][0]
-    assert checked["megatron/core/tensor_parallel/layers.py#L920"] == "920"    # a block citing L920 shows 920
+    assert checked["megatron/core/tensor_parallel/layers.py#L920"] == "920"  # a block citing L920 shows 920
     assert checked["torch/distributed/fsdp/_runtime_utils.py#L411"] == "411"
     assert len(checked) >= 20
 
@@ -267,8 +311,13 @@ def test_excerpts_show_upstream_line_numbers_and_text(every_page):
 def test_100_columns_of_code_fit_every_excerpt_without_scrolling(every_page):
     """At 1280 px with the side navigation and the table of contents shown, each shown excerpt (open answers,
     open folds) has room for 100 columns, so no line of up to 100 columns needs sideways scrolling."""
-    shown = [(path, e) for path, report in every_page[0].items() if path.startswith("notes/")
-             for e in report["excerpts"] if e["shown"]]
+    shown = [
+        (path, e)
+        for path, report in every_page[0].items()
+        if path.startswith("notes/")
+        for e in report["excerpts"]
+        if e["shown"]
+    ]
     assert len(shown) >= 50
     assert [(path, e["permalink"], round(e["columns"])) for path, e in shown if e["columns"] < 100] == []
     short = [(path, e) for path, e in shown if max(map(len, e["lines"])) <= 100]
@@ -280,8 +329,8 @@ def test_every_folded_excerpt_expands_on_click_to_the_whole_citation_with_upstre
     assert len(folds) >= 10 and any(path == "notes/megatron-tp-layers" for path, _ in folds)
     for path, fold in folds:
         (window, whole), (window_after, whole_after) = fold["before"], fold["after"]
-        assert window["shown"] and not whole["shown"], (path, fold)          # folded: the window only
-        assert not window_after["shown"] and whole_after["shown"], (path, fold)   # clicked: the whole excerpt
+        assert window["shown"] and not whole["shown"], (path, fold)  # folded: the window only
+        assert not window_after["shown"] and whole_after["shown"], (path, fold)  # clicked: the whole excerpt
         first, last = int(whole_after["numbers"][0]), int(whole_after["numbers"][-1])
         assert whole_after["numbers"] == [str(n) for n in range(first, last + 1)]
         assert fold["summary"] == f"Show all {last - first + 1} lines, L{first}–L{last}"
@@ -311,11 +360,11 @@ def test_every_verified_by_link_opens_a_page_holding_that_tests_source(every_pag
         text = unescape(re.sub(r"<[^>]+>", "", html))
         evidence = evidence_of(ROOT, node)
         first, last = evidence.lines
-        source = (ROOT / node.split("::")[0]).read_text().split("\n")[first - 1:last]
+        source = (ROOT / node.split("::")[0]).read_text().split("\n")[first - 1 : last]
         name = node.split("::")[-1].split("[")[0]
         assert f"def {name}(" in text and all(line.strip() in text for line in source), href
         assert ("upstream test" if evidence.kind == "upstream" else "reference test") in text, href
-        assert re.search(rf'href="#__codelineno-0-{first}">\s*{first}</a>', html), href   # as in the test file
+        assert re.search(rf'href="#__codelineno-0-{first}">\s*{first}</a>', html), href  # as in the test file
 
 
 def test_every_link_resolves(every_page, site_url):
@@ -374,8 +423,10 @@ def test_recorder_sees_and_blocks_requests_to_other_hosts(visit, site_url):
     open_page, requested = visit
     page = open_page(site_url)
     with page.expect_event("requestfailed") as failed:
-        page.evaluate("document.head.appendChild(Object.assign(document.createElement('script'), "
-                      "{src: 'https://cdn.example.org/stray.js'}))")
+        page.evaluate(
+            "document.head.appendChild(Object.assign(document.createElement('script'), "
+            "{src: 'https://cdn.example.org/stray.js'}))"
+        )
     assert failed.value.url == "https://cdn.example.org/stray.js"
     assert [url for url in requested if not _is_loopback(url)] == ["https://cdn.example.org/stray.js"]
 
@@ -386,8 +437,14 @@ def test_without_the_vendored_script_material_would_fetch_mermaid_from_unpkg(vis
     from mkdocs.config import load_config
 
     site = tmp_path / "site"
-    build(load_config(config_file=str(ROOT / "mkdocs.yml"), docs_dir=str(diagram_site.parent / "docs"),
-                      site_dir=str(site), extra_javascript=[]))
+    build(
+        load_config(
+            config_file=str(ROOT / "mkdocs.yml"),
+            docs_dir=str(diagram_site.parent / "docs"),
+            site_dir=str(site),
+            extra_javascript=[],
+        )
+    )
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_QuietHandler, directory=str(site)))
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
@@ -407,8 +464,8 @@ def test_check_yourself_answers_are_collapsed_until_opened(visit, site_url):
     """Each question's answer is a closed <details>; opening it shows cited upstream lines and its evidence."""
     open_page, _ = visit
     page = open_page(site_url + "notes/check-yourself/")
-    answers = page.locator("details:not(.excerpt-whole)")      # not the folded excerpts inside them
-    assert answers.count() >= 16                    # the brief's two stop questions and fourteen candidates
+    answers = page.locator("details:not(.excerpt-whole)")  # not the folded excerpts inside them
+    assert answers.count() >= 16  # the brief's two stop questions and fourteen candidates
     assert page.evaluate("[...document.querySelectorAll('details')].every(d => !d.open)")
     first = answers.first
     assert not first.locator(".verified-by").first.is_visible()

@@ -1,4 +1,5 @@
 """The real site builds strictly, serves the pinned mermaid, and its files fetch nothing from other hosts."""
+
 from __future__ import annotations
 
 import hashlib
@@ -15,10 +16,11 @@ from tests.site.external_refs import external_refs
 
 BUNDLE = re.compile(r"assets/javascripts/bundle\.[0-9a-f]+\.min\.js")
 # Fallbacks inside mkdocs-material's own bundle. Each is a code path the site never takes, for the reason
-# given; the browser test loads every page with such requests blocked and recorded. Listed exactly so that any new URL fails.
+# given; the browser test loads every page with such requests blocked and recorded. Listed exactly so that any new URL
+# fails.
 MATERIAL_FALLBACKS = {
     "https://unpkg.com/mermaid@11/dist/mermaid.min.js": "loaded only when window.mermaid is undefined; "
-                                                        "extra_javascript defines it first",
+    "extra_javascript defines it first",
     "https://unpkg.com/resize-observer-polyfill": "loaded only by browsers without ResizeObserver",
     "https://api.github.com/repos/${e}/${t}": "repository facts, fetched only when repo_url is set",
     "https://api.github.com/users/${e}": "repository facts, fetched only when repo_url is set",
@@ -79,12 +81,13 @@ def _files(folder) -> dict:
 
 
 def test_a_broken_note_stops_the_build_with_its_file_and_line_and_keeps_the_previous_site(
-        vendored_docs, tmp_path, caplog, monkeypatch):
+    vendored_docs, tmp_path, caplog, monkeypatch
+):
     """Bad input in a note (Jinja error, unknown citation, over the word limit, a diagram no recording can
     produce): the build stops with one line naming the template's file:line, before mkdocs cleans the site, and
     render writes nothing, so the previous site and rendered pages stay whole."""
-    project = tmp_path / "project"                 # a scratch copy of what the notes read: templates, traces,
-    for part in ("reading_notes", "reference", "tests/reference"):   # the code ours() maps, the tests named
+    project = tmp_path / "project"  # a scratch copy of what the notes read: templates, traces,
+    for part in ("reading_notes", "reference", "tests/reference"):  # the code ours() maps, the tests named
         shutil.copytree(ROOT / part, project / part)
     docs = tmp_path / "docs"
     shutil.copytree(vendored_docs, docs, ignore=shutil.ignore_patterns("notes"))
@@ -101,15 +104,27 @@ def test_a_broken_note_stops_the_build_with_its_file_and_line_and_keeps_the_prev
     tp_lines = original[tp_note].split("\n")
     cite_line = next(i for i, line in enumerate(tp_lines, 1) if "layers.py#L920-L922" in line)
     breakages = [
-        (tp_note, lambda t: t.replace("## Connect the dots", "## Connect the dots\n{% if %}"),
-         f"reading_notes/megatron-tp-layers.md.j2:{tp_lines.index('## Connect the dots') + 2}: "),
-        (tp_note, lambda t: t.replace("layers.py#L920-L922", "layers.py#L921-L922"),
-         f"reading_notes/megatron-tp-layers.md.j2:{cite_line}: megatron-lm:megatron/core/tensor_parallel/"
-         "layers.py#L921-L922 is not in the lock"),
-        (tp_note, lambda t: t + "\n" + " ".join(["more"] * 40) + "\n",
-         f"reading_notes/megatron-tp-layers.md.j2:{len(tp_lines) + 1}: "),
-        (synthesis, lambda t: t.replace('diagram("fsdp_forward"', 'diagram("fsdp_backward"'),
-         "reading_notes/synthesis.md.j2:"),
+        (
+            tp_note,
+            lambda t: t.replace("## Connect the dots", "## Connect the dots\n{% if %}"),
+            f"reading_notes/megatron-tp-layers.md.j2:{tp_lines.index('## Connect the dots') + 2}: ",
+        ),
+        (
+            tp_note,
+            lambda t: t.replace("layers.py#L920-L922", "layers.py#L921-L922"),
+            f"reading_notes/megatron-tp-layers.md.j2:{cite_line}: megatron-lm:megatron/core/tensor_parallel/"
+            "layers.py#L921-L922 is not in the lock",
+        ),
+        (
+            tp_note,
+            lambda t: t + "\n" + " ".join(["more"] * 40) + "\n",
+            f"reading_notes/megatron-tp-layers.md.j2:{len(tp_lines) + 1}: ",
+        ),
+        (
+            synthesis,
+            lambda t: t.replace('diagram("fsdp_forward"', 'diagram("fsdp_backward"'),
+            "reading_notes/synthesis.md.j2:",
+        ),
     ]
     for template, damage, message in breakages:
         template.write_text(damage(original[template]))
@@ -129,5 +144,5 @@ def test_changes_between_pins_page_is_listed_and_says_no_bump_is_recorded(built_
     changes = built_site / "notes" / "changes"
     assert sorted(p.name for p in changes.iterdir()) == ["index.html"]
     page = (changes / "index.html").read_text()
-    assert "<h1 id=\"changes-between-pins\">Changes between pins" in page and "No bump is recorded in" in page
+    assert '<h1 id="changes-between-pins">Changes between pins' in page and "No bump is recorded in" in page
     assert '<a href="notes/changes/" class="md-nav__link' in (built_site / "index.html").read_text()

@@ -1,4 +1,5 @@
 """The static scanner itself: it must tell what a browser fetches from text that merely mentions a URL."""
+
 from __future__ import annotations
 
 from tests.site.external_refs import is_external, refs_in_css, refs_in_html, refs_in_js
@@ -20,11 +21,19 @@ def test_scanner_tells_fetches_from_text_links():
       <div style="background-image: url('https://img.example/c.png')"></div>
     </body></html>"""
     fetched = {url for _, url in refs_in_html(html) if is_external(url)}
-    assert fetched == {"https://fonts.googleapis.com/css?family=Roboto", "https://fonts.gstatic.com",
-                       "//cdn.jsdelivr.net/npm/mermaid.js", "https://cdn.example/a.css", "https://unpkg.com/x.js",
-                       "https://img.example/b.png", "https://icons.example/s.svg#i", "https://img.example/c.png"}
+    assert fetched == {
+        "https://fonts.googleapis.com/css?family=Roboto",
+        "https://fonts.gstatic.com",
+        "//cdn.jsdelivr.net/npm/mermaid.js",
+        "https://cdn.example/a.css",
+        "https://unpkg.com/x.js",
+        "https://img.example/b.png",
+        "https://icons.example/s.svg#i",
+        "https://img.example/c.png",
+    }
     css = "@import url(https://fonts.example/f.css);"
     assert [url for _, url in refs_in_css(css)] == ["https://fonts.example/f.css"]
-    assert refs_in_js('e.setAttribute("xmlns","http://www.w3.org/2000/svg")') and \
-        not is_external("http://www.w3.org/2000/svg")
+    assert refs_in_js('e.setAttribute("xmlns","http://www.w3.org/2000/svg")') and not is_external(
+        "http://www.w3.org/2000/svg"
+    )
     assert not is_external("http://localhost:8000/x.js") and not is_external("https://")

@@ -3,6 +3,7 @@
 A note rendered but not listed in `nav` would fall to the bottom of the side navigation; these tests (and
 `mkdocs build --strict`, through validation.nav.omitted_files) fail instead.
 """
+
 from __future__ import annotations
 
 import re
@@ -54,8 +55,9 @@ def test_every_rendered_note_has_a_slot_in_the_nav():
 def test_a_note_missing_from_the_nav_fails_the_strict_build(vendored_docs, tmp_path, caplog):
     docs = tmp_path / "docs"
     shutil.copytree(vendored_docs, docs)
-    config = load_config(config_file=str(ROOT / "mkdocs.yml"), docs_dir=str(docs), site_dir=str(tmp_path / "site"),
-                         strict=True)
+    config = load_config(
+        config_file=str(ROOT / "mkdocs.yml"), docs_dir=str(docs), site_dir=str(tmp_path / "site"), strict=True
+    )
     config.nav = [{"Home": "index.md"}, {"Notes": ["notes/megatron-tp-layers.md"]}]
     with pytest.raises(Abort):
         build(config)

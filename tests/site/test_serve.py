@@ -1,4 +1,5 @@
 """`mkdocs serve` with the site's hooks: editing a reading-note template triggers a rebuild (live reload)."""
+
 from __future__ import annotations
 
 import queue
@@ -31,13 +32,19 @@ def test_editing_a_note_template_rebuilds_the_served_site(vendored_docs, tmp_pat
     config = (ROOT / "mkdocs.yml").read_text().replace("- tools/site_hooks.py", f"- {ROOT}/tools/site_hooks.py")
     (tmp_path / "mkdocs.yml").write_text(config)
     shutil.copytree(vendored_docs, tmp_path / "docs")
-    shutil.copytree(ROOT / "reading_notes", tmp_path / "reading_notes",
-                    ignore=shutil.ignore_patterns("*.md.j2"))                  # pins and lock, no notes
+    shutil.copytree(
+        ROOT / "reading_notes", tmp_path / "reading_notes", ignore=shutil.ignore_patterns("*.md.j2")
+    )  # pins and lock, no notes
     template = tmp_path / "reading_notes" / "note.md.j2"
     template.write_text("# A note\n")
-    proc = subprocess.Popen([sys.executable, "-m", "mkdocs", "serve", "--dev-addr", f"127.0.0.1:{free_port()}"],
-                            cwd=tmp_path, env=mkdocs_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mkdocs", "serve", "--dev-addr", f"127.0.0.1:{free_port()}"],
+        cwd=tmp_path,
+        env=mkdocs_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
     try:

@@ -3,6 +3,7 @@
 The registry serves a small stand-in "mermaid" package whose tarball the test builds, so every path runs
 for real: npm pack downloads it, the pinned integrity is checked, the cache is filled and reused.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -28,8 +29,10 @@ DEST = "assets/vendor/mermaid/mermaid.min.js"
 def _tarball(script: str) -> bytes:
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz") as tar:
-        for name, text in [("package/package.json", '{"name": "mermaid", "version": "11.17.2"}'),
-                           ("package/dist/mermaid.min.js", script)]:
+        for name, text in [
+            ("package/package.json", '{"name": "mermaid", "version": "11.17.2"}'),
+            ("package/dist/mermaid.min.js", script),
+        ]:
             data = text.encode()
             info = tarfile.TarInfo(name)
             info.size = len(data)
@@ -40,17 +43,24 @@ def _tarball(script: str) -> bytes:
 class _Registry(http.server.BaseHTTPRequestHandler):
     """The two documents `npm pack mermaid@11.17.2` asks a registry for: the packument and the tarball."""
 
-    def do_GET(self):  # noqa: N802 (http.server's name)
+    def do_GET(self):
         tarball, hits = self.server.tarball, self.server.hits
         hits.append(self.path)
         if self.path.endswith(".tgz"):
             body, kind = tarball, "application/octet-stream"
         elif self.path.rstrip("/") == "/mermaid":
             host, port = self.server.server_address
-            dist = {"tarball": f"http://{host}:{port}/mermaid/-/mermaid-11.17.2.tgz",
-                    "integrity": vendor_assets.sri_sha512(tarball)}
-            body = json.dumps({"name": "mermaid", "dist-tags": {"latest": "11.17.2"}, "versions": {
-                "11.17.2": {"name": "mermaid", "version": "11.17.2", "dist": dist}}}).encode()
+            dist = {
+                "tarball": f"http://{host}:{port}/mermaid/-/mermaid-11.17.2.tgz",
+                "integrity": vendor_assets.sri_sha512(tarball),
+            }
+            body = json.dumps(
+                {
+                    "name": "mermaid",
+                    "dist-tags": {"latest": "11.17.2"},
+                    "versions": {"11.17.2": {"name": "mermaid", "version": "11.17.2", "dist": dist}},
+                }
+            ).encode()
             kind = "application/json"
         else:
             self.send_error(404)
@@ -79,17 +89,31 @@ def registry(monkeypatch, tmp_path):
 
 def _lock(tmp_path: Path, tarball: bytes, script: str = SCRIPT) -> Path:
     path = tmp_path / "vendor-assets.lock"
-    path.write_text(f'[mermaid]\npackage = "mermaid"\nversion = "11.17.2"\n'
-                    f'integrity = "{vendor_assets.sri_sha512(tarball)}"\nfile = "dist/mermaid.min.js"\n'
-                    f'file_sha512 = "{hashlib.sha512(script.encode()).hexdigest()}"\ndest = "{DEST}"\n')
+    path.write_text(
+        f'[mermaid]\npackage = "mermaid"\nversion = "11.17.2"\n'
+        f'integrity = "{vendor_assets.sri_sha512(tarball)}"\nfile = "dist/mermaid.min.js"\n'
+        f'file_sha512 = "{hashlib.sha512(script.encode()).hexdigest()}"\ndest = "{DEST}"\n'
+    )
     return path
 
 
 def _cli_error(tmp_path: Path, lock: Path) -> str:
     """Run the tool as users do; return its one error line, after checking it failed with nothing else to say."""
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "vendor_assets.py"), "--lock", str(lock),
-                           "--docs-dir", str(tmp_path / "docs"), "--cache-dir", str(tmp_path / "cache")],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tools" / "vendor_assets.py"),
+            "--lock",
+            str(lock),
+            "--docs-dir",
+            str(tmp_path / "docs"),
+            "--cache-dir",
+            str(tmp_path / "cache"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 1, proc
     progress, error = proc.stderr.splitlines()
     assert progress == "vendor-assets: fetching mermaid@11.17.2 with npm pack (once; cached afterwards)"
@@ -158,7 +182,9 @@ def test_missing_npm_and_bad_lock_are_one_line_errors(tmp_path):
     with pytest.raises(vendor_assets.AssetError, match="'/nonexistent/npm' not found: install Node.js's npm"):
         vendor_assets.ensure(tmp_path / "docs", assets, tmp_path / "cache", npm="/nonexistent/npm")
     bad = tmp_path / "bad.lock"
-    bad.write_text('[x]\npackage = "x"\nversion = "1"\nintegrity = "sha512-AA=="\nfile = "f"\n'
-                   'file_sha512 = "00"\ndest = "../outside.js"\n')
+    bad.write_text(
+        '[x]\npackage = "x"\nversion = "1"\nintegrity = "sha512-AA=="\nfile = "f"\n'
+        'file_sha512 = "00"\ndest = "../outside.js"\n'
+    )
     with pytest.raises(vendor_assets.AssetError, match=r"dest '\.\./outside\.js' must stay inside the docs dir"):
         vendor_assets.load_lock(bad)

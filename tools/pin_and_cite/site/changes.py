@@ -7,6 +7,7 @@ only. notes/changes/index.md, "Changes between pins", lists them, or says that n
 excerpts are read from the blobs the record names (fetched and verified like every cited file) and must hash
 to the record's text hashes, which `check` proves offline with the same function the pages use.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -33,18 +34,20 @@ def page_name(key: str) -> str:
     return f"{readable}-{hashlib.sha256(key.encode()).hexdigest()[:8]}.md"
 
 
-def _side(resolver: Resolver, source: str, path: str, blob: str | None, commit: str, lines: tuple[int, int],
-          sha256: str) -> Side:
+def _side(
+    resolver: Resolver, source: str, path: str, blob: str | None, commit: str, lines: tuple[int, int], sha256: str
+) -> Side:
     """One recorded excerpt, read from its blob and proven against the record's text hash."""
     if blob is None:
         raise PinAndCiteError(f"the record has lines at {commit[:12]} but no blob for {path} there")
     text = resolver.lines_of(source, path, blob)
     if not 1 <= lines[0] <= lines[1] <= len(text):
         raise PinAndCiteError(f"L{lines[0]}-L{lines[1]} lies outside {path} at {commit[:12]} ({len(text)} lines)")
-    cited = list(text[lines[0] - 1:lines[1]])
+    cited = list(text[lines[0] - 1 : lines[1]])
     if text_sha256(cited_text(cited)) != sha256:
-        raise PinAndCiteError(f"the text at L{lines[0]}-L{lines[1]} of {path} at {commit[:12]} differs from "
-                              "the record's hash")
+        raise PinAndCiteError(
+            f"the text at L{lines[0]}-L{lines[1]} of {path} at {commit[:12]} differs from the record's hash"
+        )
     return Side(commit, lines, cited)
 
 
@@ -62,12 +65,20 @@ def recorded_sides(resolver: Resolver, source: str, record: BumpRecord, key: str
     if change.new_cite is not None:
         parse_spec(change.new_cite)
     old_file, new_file = _recorded_file(record, spec.path), _recorded_file(record, change.new_path or spec.path)
-    old = _side(resolver, source, spec.path, old_file.old_blob, record.old_commit, change.old_lines,
-                change.old_text_sha256)
+    old = _side(
+        resolver, source, spec.path, old_file.old_blob, record.old_commit, change.old_lines, change.old_text_sha256
+    )
     if change.new_lines is None:
         return old, Side(record.new_commit, None, [])
-    return old, _side(resolver, source, change.new_path or spec.path, new_file.new_blob, record.new_commit,
-                      change.new_lines, change.new_text_sha256)
+    return old, _side(
+        resolver,
+        source,
+        change.new_path or spec.path,
+        new_file.new_blob,
+        record.new_commit,
+        change.new_lines,
+        change.new_text_sha256,
+    )
 
 
 def _recorded_file(record: BumpRecord, path: str) -> RecordedFile:
@@ -76,15 +87,16 @@ def _recorded_file(record: BumpRecord, path: str) -> RecordedFile:
     return record.files[path]
 
 
-def _proven(project: Project, resolver: Resolver) -> tuple[list[tuple[str, str]],
-                                                           dict[str, dict[str, tuple[Side, Side]]]]:
+def _proven(
+    project: Project, resolver: Resolver
+) -> tuple[list[tuple[str, str]], dict[str, dict[str, tuple[Side, Side]]]]:
     """(what, why) for every recorded bump or change that does not hold, checked offline from the cache, and
     source -> key -> the proven (old, new) excerpts of every change that does."""
     problems, sides = [], {}
     for source, record in sorted(project.lock.bumps.items()):
         sides[source] = {}
         try:
-            project.pins.get(source)        # its SHAs were checked with the lock (schema.LOCK)
+            project.pins.get(source)  # its SHAs were checked with the lock (schema.LOCK)
         except PinAndCiteError as exc:
             problems.append((f"bump record of {source}", str(exc)))
             continue
@@ -114,37 +126,54 @@ def _cited_by(project: Project, change: RecordedChange, pages: dict[str, Path]) 
 
 def _status(change: RecordedChange) -> str:
     if change.status == "deleted":
-        return ("deleted: there is no counterpart at the new pin, so only the old excerpt is shown. The notes kept "
-                "citing it as written, and `tools/pin-and-cite check` fails on it until a person edits them.")
+        return (
+            "deleted: there is no counterpart at the new pin, so only the old excerpt is shown. The notes kept "
+            "citing it as written, and `tools/pin-and-cite check` fails on it until a person edits them."
+        )
     if change.new_cite:
-        return (f"changed: the code is still there but its text differs. The notes now cite `{change.new_cite}`: "
-                "check that what they say still holds.")
-    return ("changed: the code is still there, but not under the cited name. The notes kept citing it as "
-            "written, and `tools/pin-and-cite check` fails on it until a person edits them.")
+        return (
+            f"changed: the code is still there but its text differs. The notes now cite `{change.new_cite}`: "
+            "check that what they say still holds."
+        )
+    return (
+        "changed: the code is still there, but not under the cited name. The notes kept citing it as "
+        "written, and `tools/pin-and-cite check` fails on it until a person edits them."
+    )
 
 
 def _pin(project: Project, source: str, side: Side, path: str) -> str:
-    where = f"L{side.lines[0]}–L{side.lines[1]} @ `{side.commit[:12]}`" if side.lines else \
-        f"no counterpart @ `{side.commit[:12]}`"
+    where = (
+        f"L{side.lines[0]}–L{side.lines[1]} @ `{side.commit[:12]}`"
+        if side.lines
+        else f"no counterpart @ `{side.commit[:12]}`"
+    )
     link = side.lines and dataclasses.replace(project.pins.get(source), commit=side.commit).permalink(path, side.lines)
     return f"[{where}]({link})" if link else where
 
 
-def _page(project: Project, source: str, record: BumpRecord, key: str, old: Side, new: Side,
-          notes: dict[str, Path]) -> str:
+def _page(
+    project: Project, source: str, record: BumpRecord, key: str, old: Side, new: Side, notes: dict[str, Path]
+) -> str:
     change, spec = record.changes[key], parse_spec(key)
     name = f" ({spec.symbol})" if spec.symbol else ""
     diff = excerpt_diff(spec.path, old, new, change.new_path)
-    out = [f"# {change.status}: {spec.path} L{old.lines[0]}–L{old.lines[1]}{name}", "",
-           f"`{key}`, as the notes cited it when `tools/pin-and-cite bump` moved the pin of `{source}`.", "",
-           f"- **Status:** {_status(change)}",
-           f"- **Old pin:** {_pin(project, source, old, spec.path)}",
-           f"- **New pin:** {_pin(project, source, new, change.new_path or spec.path)}"
-           + (f" (`{record.tag}`)" if record.tag else ""),
-           f"- **Cited by:** {_cited_by(project, change, notes)}", ""]
+    out = [
+        f"# {change.status}: {spec.path} L{old.lines[0]}–L{old.lines[1]}{name}",
+        "",
+        f"`{key}`, as the notes cited it when `tools/pin-and-cite bump` moved the pin of `{source}`.",
+        "",
+        f"- **Status:** {_status(change)}",
+        f"- **Old pin:** {_pin(project, source, old, spec.path)}",
+        f"- **New pin:** {_pin(project, source, new, change.new_path or spec.path)}"
+        + (f" (`{record.tag}`)" if record.tag else ""),
+        f"- **Cited by:** {_cited_by(project, change, notes)}",
+        "",
+    ]
     if not diff:
-        out.append("The text is the same at both pins, but there it has identical copies and which one the notes "
-                   "mean could not be decided: review the new lines.")
+        out.append(
+            "The text is the same at both pins, but there it has identical copies and which one the notes "
+            "mean could not be decided: review the new lines."
+        )
     else:
         block = "\n".join(numbered_diff(diff)) + "\n"
         out += [f"{fence_for(block)}diff", block.rstrip("\n"), fence_for(block)]
@@ -154,25 +183,41 @@ def _page(project: Project, source: str, record: BumpRecord, key: str, old: Side
 def _index(project: Project, entries: dict[str, list[tuple[str, RecordedChange, str]]]) -> str:
     out = [f"# {INDEX_TITLE}", ""]
     if not project.lock.bumps:
-        out.append("No bump is recorded in `reading_notes/citations.lock`: every citation is shown at the pin it "
-                   "was made at, so there is nothing to compare. After `tools/pin-and-cite bump NAME --ref REF` "
-                   "moves a pin, this page lists every cited region whose text changed or was deleted, each with "
-                   "its old and new excerpt as a diff.")
+        out.append(
+            "No bump is recorded in `reading_notes/citations.lock`: every citation is shown at the pin it "
+            "was made at, so there is nothing to compare. After `tools/pin-and-cite bump NAME --ref REF` "
+            "moves a pin, this page lists every cited region whose text changed or was deleted, each with "
+            "its old and new excerpt as a diff."
+        )
         return "\n".join(out) + "\n"
-    out.append("Every cited region whose text changed, or that was deleted, when `tools/pin-and-cite bump` last "
-               "moved each source's pin: one page each, with the notes that cite it and the old and new excerpts "
-               "as a diff numbered with the upstream lines. Only each source's latest bump is kept.")
+    out.append(
+        "Every cited region whose text changed, or that was deleted, when `tools/pin-and-cite bump` last "
+        "moved each source's pin: one page each, with the notes that cite it and the old and new excerpts "
+        "as a diff numbered with the upstream lines. Only each source's latest bump is kept."
+    )
     for source, record in sorted(project.lock.bumps.items()):
         tag = f" ({record.tag})" if record.tag else ""
         counts = ", ".join(f"{record.counts.get(s, 0)} {s}" for s in STATUSES)
-        out += ["", f"## {source}: `{record.old_commit[:12]}` → `{record.new_commit[:12]}`{tag}", "",
-                f"{sum(record.counts.values())} citation(s): {counts}.", ""]
+        out += [
+            "",
+            f"## {source}: `{record.old_commit[:12]}` → `{record.new_commit[:12]}`{tag}",
+            "",
+            f"{sum(record.counts.values())} citation(s): {counts}.",
+            "",
+        ]
         if record.defaults:
-            out += ["Parameter defaults the notes render (`default(...)`) whose text changed: the prose around "
-                    "them may need a new reading.", "", "| default | before | after |", "| --- | --- | --- |"]
-            out += [f"| `{key}` | `{change.old_value}` | " + (f"`{change.new_value}` |" if change.new_value is not None
-                                                              else "gone |")
-                    for key, change in sorted(record.defaults.items())] + [""]
+            out += [
+                "Parameter defaults the notes render (`default(...)`) whose text changed: the prose around "
+                "them may need a new reading.",
+                "",
+                "| default | before | after |",
+                "| --- | --- | --- |",
+            ]
+            out += [
+                f"| `{key}` | `{change.old_value}` | "
+                + (f"`{change.new_value}` |" if change.new_value is not None else "gone |")
+                for key, change in sorted(record.defaults.items())
+            ] + [""]
         if not entries[source]:
             out.append("Every citation kept its text: nothing to review.")
             continue

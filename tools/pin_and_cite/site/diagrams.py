@@ -20,26 +20,51 @@ to each process group, per stage, from the same checked rows as the Scale page's
 
 Every flowchart label goes through `label()`, so nothing recorded can break the diagram's syntax.
 """
+
 from __future__ import annotations
 
 import json
 from collections import Counter
 
 from pin_and_cite.site import scale_tables
-from pin_and_cite.site.modeled import (FSDP_COLORS, PIPELINE_COLORS, Rates, check_collectives_recorded, fsdp_measured,
-                                       fsdp_modeled, pipeline_measured, pipeline_modeled)
+from pin_and_cite.site.modeled import (
+    FSDP_COLORS,
+    PIPELINE_COLORS,
+    Rates,
+    check_collectives_recorded,
+    fsdp_measured,
+    fsdp_modeled,
+    pipeline_measured,
+    pipeline_modeled,
+)
 from pin_and_cite.site.timeline import Panel, timeline
 from pin_and_cite.site.traces import RECORD, TraceError, events_where
 
 # aten ops that name what a group of ops does; layout ops (view, permute, ...) say nothing and are left out.
-OP_NAMES = {"_scaled_dot_product_flash_attention_for_cpu": "scaled dot-product attention",
-            "_scaled_dot_product_flash_attention": "scaled dot-product attention",
-            "_scaled_dot_product_efficient_attention": "scaled dot-product attention",
-            "scaled_dot_product_attention": "scaled dot-product attention",
-            "gelu": "GELU", "add": "add", "mul": "mul", "softmax": "softmax", "_softmax": "softmax",
-            "dropout": "dropout", "native_dropout": "dropout"}
-MERMAID_ESCAPES = {"#": "#35;", '"': "#quot;", "<": "#lt;", ">": "#gt;", "`": "#96;", "|": "#124;",
-                   ";": "#59;", "\n": " ", "\r": " "}
+OP_NAMES = {
+    "_scaled_dot_product_flash_attention_for_cpu": "scaled dot-product attention",
+    "_scaled_dot_product_flash_attention": "scaled dot-product attention",
+    "_scaled_dot_product_efficient_attention": "scaled dot-product attention",
+    "scaled_dot_product_attention": "scaled dot-product attention",
+    "gelu": "GELU",
+    "add": "add",
+    "mul": "mul",
+    "softmax": "softmax",
+    "_softmax": "softmax",
+    "dropout": "dropout",
+    "native_dropout": "dropout",
+}
+MERMAID_ESCAPES = {
+    "#": "#35;",
+    '"': "#quot;",
+    "<": "#lt;",
+    ">": "#gt;",
+    "`": "#96;",
+    "|": "#124;",
+    ";": "#59;",
+    "\n": " ",
+    "\r": " ",
+}
 OP_LABEL = {"all_reduce": "all-reduce", "all_gather": "all-gather", "reduce_scatter": "reduce-scatter"}
 
 
@@ -54,7 +79,7 @@ def gantt_text(text: str) -> str:
 
 
 def human_bytes(n: int) -> str:
-    return f"{n} B" if n < 1024 else f"{n / 1024:.3g} KiB" if n < 1024 ** 2 else f"{n / 1024 ** 2:.3g} MiB"
+    return f"{n} B" if n < 1024 else f"{n / 1024:.3g} KiB" if n < 1024**2 else f"{n / 1024**2:.3g} MiB"
 
 
 def mermaid_fence(body: list[str]) -> str:
@@ -90,8 +115,10 @@ def tp_block(trace: dict, link: str, block: str = "layers.0") -> str:
     events = [e for e in run["events"] if e["module"].startswith(block + ".")]
     forward = [e for e in events if e["phase"] == "forward"]
     if not forward or any(e["module"] not in linears for e in events):
-        raise TraceError(f"trace {trace['name']}: the recorder saw no tensor-parallel linear layer issuing the "
-                         f"collectives of {block}; cannot draw the TP block; {RECORD}")
+        raise TraceError(
+            f"trace {trace['name']}: the recorder saw no tensor-parallel linear layer issuing the "
+            f"collectives of {block}; cannot draw the TP block; {RECORD}"
+        )
     shape = f"x [s, b, h] = [{trace['s']}, {trace['b']}, {run['h']}], on every rank"
     body = ["flowchart TB", f"  x([{label(shape)}]); y([{label('y, on every rank')}])"]
     for parent in dict.fromkeys(parent for parent, _, _ in nodes):
@@ -101,14 +128,16 @@ def tp_block(trace: dict, link: str, block: str = "layers.0") -> str:
         else:
             name = parent.removeprefix(block + ".")
             body += [f"  subgraph {name.replace('.', '_')}[{label(name)}]", f"    {defs}", "  end"]
-    chain = ["x", *(f"n{i}" for i in range(len(nodes))), "y"]   # node i is chain[i + 1]
+    chain = ["x", *(f"n{i}" for i in range(len(nodes))), "y"]  # node i is chain[i + 1]
     numbered = {id(e): n for n, e in enumerate(forward, start=1)}
     line = f"  {chain[0]}"
-    for j in range(len(chain) - 1):   # one line per stretch between forward collectives
+    for j in range(len(chain) - 1):  # one line per stretch between forward collectives
         issued = [e for e in forward if j > 0 and e["module"] == nodes[j - 1][2]]
         if issued:
-            texts = [f"{OP_LABEL.get(e['op'], e['op'])} {numbered[id(e)]}, forward: {human_bytes(e['nbytes'])} "
-                     f"over {link}" for e in issued]
+            texts = [
+                f"{OP_LABEL.get(e['op'], e['op'])} {numbered[id(e)]}, forward: {human_bytes(e['nbytes'])} over {link}"
+                for e in issued
+            ]
             body.append(line)
             line = f"  {chain[j]} ==>|{label('; '.join(texts))}| {chain[j + 1]}"
         else:
@@ -128,8 +157,11 @@ def fsdp_forward(trace: dict, tflops: float, link_GBps: float, measured: dict | 
     rates = Rates(tflops, link_GBps)
     title = f"FSDP step of one rank, world {trace['world']}, forward and backward"
     modeled = Panel(title, fsdp_modeled(trace, rates), rates.axis, FSDP_COLORS)
-    return timeline(modeled, measured and Panel(f"{title}, measured", fsdp_measured(measured),
-                                                f"measured ({measured['name']})", FSDP_COLORS))
+    return timeline(
+        modeled,
+        measured
+        and Panel(f"{title}, measured", fsdp_measured(measured), f"measured ({measured['name']})", FSDP_COLORS),
+    )
 
 
 def pipeline(trace: dict, tflops: float, link_GBps: float, measured: dict | None = None) -> str:
@@ -141,11 +173,14 @@ def pipeline(trace: dict, tflops: float, link_GBps: float, measured: dict | None
         name = f"Interleaved 1F1B ({trace['virtual_stages']} chunks per stage)"
     title = f"{name}, {trace['pp']} stages, {trace['m']} micro-batches"
     modeled = Panel(title, pipeline_modeled(trace, rates), rates.axis, PIPELINE_COLORS)
-    return timeline(modeled, measured and Panel(f"{title}, measured", pipeline_measured(measured),
-                                                f"measured ({measured['name']})", PIPELINE_COLORS))
+    return timeline(
+        modeled,
+        measured
+        and Panel(f"{title}, measured", pipeline_measured(measured), f"measured ({measured['name']})", PIPELINE_COLORS),
+    )
 
 
-CHART_COLORS = (("#c62828", "red"), ("#1565c0", "blue"), ("#ef8f00", "amber"))   # one per line, in order
+CHART_COLORS = (("#c62828", "red"), ("#1565c0", "blue"), ("#ef8f00", "amber"))  # one per line, in order
 
 
 def chart_training_memory(limit) -> str:
@@ -154,16 +189,24 @@ def chart_training_memory(limit) -> str:
     sizes = ", ".join(f'"{b:g}B"' for b in limit.billions)
     palette = ", ".join(color for color, _ in CHART_COLORS)
     top = max(limit.ddp_GB)
-    body = ['%%{init: {"themeVariables": {"xyChart": {"plotColorPalette": "' + palette + '"}}}}%%', "xychart-beta",
-            f'  title "{gantt_text(f"Per-rank training memory, {limit.bytes_per_param} B per parameter")}"',
-            f'  x-axis "parameters" [{sizes}]', f'  y-axis "GB per rank" 0 --> {top:g}',
-            f"  line [{', '.join(f'{v:g}' for v in limit.ddp_GB)}]",
-            f"  line [{', '.join(f'{v:g}' for v in limit.fsdp_GB)}]",
-            f"  line [{', '.join(f'{limit.gpu_GB:g}' for _ in limit.billions)}]"]
-    names = [f"DDP (every rank holds all {limit.bytes_per_param} B per parameter)",
-             f"FSDP over {limit.world} ranks", f"one {limit.gpu_GB:g} GB GPU (activations aside)"]
-    legend = " · ".join(f'<span style="color:{color}">■</span> {word}: {name}'
-                        for (color, word), name in zip(CHART_COLORS, names))
+    body = [
+        '%%{init: {"themeVariables": {"xyChart": {"plotColorPalette": "' + palette + '"}}}}%%',
+        "xychart-beta",
+        f'  title "{gantt_text(f"Per-rank training memory, {limit.bytes_per_param} B per parameter")}"',
+        f'  x-axis "parameters" [{sizes}]',
+        f'  y-axis "GB per rank" 0 --> {top:g}',
+        f"  line [{', '.join(f'{v:g}' for v in limit.ddp_GB)}]",
+        f"  line [{', '.join(f'{v:g}' for v in limit.fsdp_GB)}]",
+        f"  line [{', '.join(f'{limit.gpu_GB:g}' for _ in limit.billions)}]",
+    ]
+    names = [
+        f"DDP (every rank holds all {limit.bytes_per_param} B per parameter)",
+        f"FSDP over {limit.world} ranks",
+        f"one {limit.gpu_GB:g} GB GPU (activations aside)",
+    ]
+    legend = " · ".join(
+        f'<span style="color:{color}">■</span> {word}: {name}' for (color, word), name in zip(CHART_COLORS, names)
+    )
     return mermaid_fence(body) + f'\n<p class="chart-legend">{legend}</p>\n'
 
 
@@ -172,15 +215,24 @@ def chart_sent_per_group(trace: dict) -> str:
     rows of scale_tables.scale_table (checked the same way) drawn, each bar's value in its label (mermaid's own
     data labels shrink with the bars, below a readable size)."""
     stages = trace["setup"]["pp"]
-    bars = [(f"{name}, stage {scale_tables.stage_name(run['stage'], stages)}",
-             scale_tables.sent_per_group(trace, run)[group] / 2**30)
-            for group, name in scale_tables.GROUPS.items() for run, _ in scale_tables.checked_runs(trace)]
+    bars = [
+        (
+            f"{name}, stage {scale_tables.stage_name(run['stage'], stages)}",
+            scale_tables.sent_per_group(trace, run)[group] / 2**30,
+        )
+        for group, name in scale_tables.GROUPS.items()
+        for run, _ in scale_tables.checked_runs(trace)
+    ]
     config = {"xyChart": {"width": 760, "height": 440}, "themeVariables": {"xyChart": {"plotColorPalette": "#1565c0"}}}
     title = f"GiB one rank sends per step, by process group and stage ({trace['name']})"
-    body = ["%%{init: " + json.dumps(config) + "}%%", "xychart-beta horizontal", f'  title "{gantt_text(title)}"',
-            "  x-axis [" + ", ".join(f'"{gantt_text(name)}: {value:.2f}"' for name, value in bars) + "]",
-            f'  y-axis "GiB sent per step (ring algorithms)" 0 --> {max(v for _, v in bars) * 1.1:.0f}',
-            "  bar [" + ", ".join(f"{value:.2f}" for _, value in bars) + "]"]
+    body = [
+        "%%{init: " + json.dumps(config) + "}%%",
+        "xychart-beta horizontal",
+        f'  title "{gantt_text(title)}"',
+        "  x-axis [" + ", ".join(f'"{gantt_text(name)}: {value:.2f}"' for name, value in bars) + "]",
+        f'  y-axis "GiB sent per step (ring algorithms)" 0 --> {max(v for _, v in bars) * 1.1:.0f}',
+        "  bar [" + ", ".join(f"{value:.2f}" for _, value in bars) + "]",
+    ]
     return mermaid_fence(body)
 
 

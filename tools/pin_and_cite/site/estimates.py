@@ -9,6 +9,7 @@ The training-memory formulas (`training_memory`, `sharding_limit`) need no trace
 parameters, divided by the group under FSDP; tests/reference/test_fsdp1_upstream_claims.py checks them
 against the bytes torch DDP and FSDP1 hold.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,16 +19,17 @@ from pin_and_cite.site.traces import RECORD, TraceError, events_where, pipeline_
 
 @dataclass(frozen=True)
 class TPCrossover:
-    allreduce_bytes: int        # measured, one all-reduce at the first traced hidden size
-    formula_bytes: int          # b * s * h * dtype_size at that size
-    allreduces_per_block: int   # measured, forward and backward of one step
-    hidden: int                 # first traced hidden size
-    flops_per_rank: int         # measured forward+backward FLOPs of the block per rank at `hidden`
-    crossover_hidden: int       # h at which compute time equals all-reduce time under the assumptions
+    allreduce_bytes: int  # measured, one all-reduce at the first traced hidden size
+    formula_bytes: int  # b * s * h * dtype_size at that size
+    allreduces_per_block: int  # measured, forward and backward of one step
+    hidden: int  # first traced hidden size
+    flops_per_rank: int  # measured forward+backward FLOPs of the block per rank at `hidden`
+    crossover_hidden: int  # h at which compute time equals all-reduce time under the assumptions
 
 
-def tp_crossover(trace: dict, *, link_GBps: float, tflops: float, tp: int, bytes_per_element: int,
-                 block: str = "layers.0") -> TPCrossover:
+def tp_crossover(
+    trace: dict, *, link_GBps: float, tflops: float, tp: int, bytes_per_element: int, block: str = "layers.0"
+) -> TPCrossover:
     """Hidden size above which one TP block's training step (forward + backward) spends longer in GEMMs than
     in its all-reduces, with no overlap.
 
@@ -52,8 +54,9 @@ def tp_crossover(trace: dict, *, link_GBps: float, tflops: float, tp: int, bytes
     n = bytes1 / h1 * bytes_per_element / trace["dtype_size"]
     wire = 2 * (tp - 1) / tp * n
     crossover = (wire * tflops * 1e12 / (link_GBps * 1e9) - c) / a
-    return TPCrossover(one, trace["b"] * trace["s"] * h1 * trace["dtype_size"], count, h1,
-                       r1["step_flops_per_rank"], round(crossover))
+    return TPCrossover(
+        one, trace["b"] * trace["s"] * h1 * trace["dtype_size"], count, h1, r1["step_flops_per_rank"], round(crossover)
+    )
 
 
 # Bytes per parameter a data-parallel rank keeps for mixed-precision or fp32 Adam training, activations aside:
@@ -63,7 +66,7 @@ TRAINING_BYTES = {"params": 4, "grads": 4, "optimizer": 8}
 
 @dataclass(frozen=True)
 class TrainingMemory:
-    params: float       # bytes per rank
+    params: float  # bytes per rank
     grads: float
     optimizer: float
 
@@ -82,13 +85,13 @@ def training_memory(params: int, *, world: int, sharded: bool) -> TrainingMemory
 
 @dataclass(frozen=True)
 class ShardingLimit:
-    gpu_GB: float            # assumed memory of one GPU
-    world: int               # assumed FSDP group size
-    bytes_per_param: int     # sum of TRAINING_BYTES
+    gpu_GB: float  # assumed memory of one GPU
+    world: int  # assumed FSDP group size
+    bytes_per_param: int  # sum of TRAINING_BYTES
     ddp_max_billions: float  # largest model (billions of parameters) whose training states fit one GPU under DDP
     fsdp_max_billions: float  # the same, sharded over `world` ranks
-    billions: list[float]    # model sizes to chart: doublings from a quarter of the DDP limit to the FSDP one
-    ddp_GB: list[float]      # per-rank training states at each size
+    billions: list[float]  # model sizes to chart: doublings from a quarter of the DDP limit to the FSDP one
+    ddp_GB: list[float]  # per-rank training states at each size
     fsdp_GB: list[float]
 
 
@@ -104,26 +107,27 @@ def sharding_limit(*, gpu_GB: float, world: int) -> ShardingLimit:
     def per_rank_GB(sharded: bool) -> list[float]:
         return [round(training_memory(b * 1e9, world=world, sharded=sharded).total / 1e9, 2) for b in billions]
 
-    return ShardingLimit(gpu_GB, world, per_param, round(ddp_max, 2), round(fsdp_max, 2), billions,
-                         per_rank_GB(False), per_rank_GB(True))
+    return ShardingLimit(
+        gpu_GB, world, per_param, round(ddp_max, 2), round(fsdp_max, 2), billions, per_rank_GB(False), per_rank_GB(True)
+    )
 
 
 @dataclass(frozen=True)
 class PipelineMemory:
-    pp: int                          # recorded pipeline: stages and micro-batches
+    pp: int  # recorded pipeline: stages and micro-batches
     m: int
-    gpipe_peaks: list[int]           # measured per stage: micro-batches autograd kept alive at the peak
+    gpipe_peaks: list[int]  # measured per stage: micro-batches autograd kept alive at the peak
     one_f_one_b_peaks: list[int]
-    first_stage_bytes_ratio: float   # measured: 1F1B's peak activation bytes on stage 0 over GPipe's
-    bubble: float                    # idle fraction of both recorded timelines, in slots (traces.pipeline_slots)
-    bubble_formula: float            # (p - 1) / (m + p - 1)
-    message_bytes: int               # measured: every send of the recorded step (all the same size)
-    formula_bytes: int               # b * s * h * dtype_size
-    scale_pp: int                    # the scale trace's layout
+    first_stage_bytes_ratio: float  # measured: 1F1B's peak activation bytes on stage 0 over GPipe's
+    bubble: float  # idle fraction of both recorded timelines, in slots (traces.pipeline_slots)
+    bubble_formula: float  # (p - 1) / (m + p - 1)
+    message_bytes: int  # measured: every send of the recorded step (all the same size)
+    formula_bytes: int  # b * s * h * dtype_size
+    scale_pp: int  # the scale trace's layout
     scale_m: int
-    scale_message_bytes: int         # its point-to-point sends, per message (recorded on a middle stage)
-    scale_first_stage_1f1b: int      # micro-batches in flight on stage 0 at that layout: 1F1B min(p, m), GPipe m
-    scale_bubble: float              # (p - 1) / (m + p - 1) at that layout
+    scale_message_bytes: int  # its point-to-point sends, per message (recorded on a middle stage)
+    scale_first_stage_1f1b: int  # micro-batches in flight on stage 0 at that layout: 1F1B min(p, m), GPipe m
+    scale_bubble: float  # (p - 1) / (m + p - 1) at that layout
 
 
 def _idle(trace: dict) -> float:
@@ -139,25 +143,35 @@ def pipeline_memory(gpipe: dict, one_f_one_b: dict, scale: dict) -> PipelineMemo
     if (gpipe["pp"], gpipe["m"]) != (one_f_one_b["pp"], one_f_one_b["m"]):
         raise TraceError(f"traces {gpipe['name']} and {one_f_one_b['name']} ran different pipelines; {RECORD}")
     p, m = gpipe["pp"], gpipe["m"]
-    sends = {e["nbytes"] for trace in (gpipe, one_f_one_b) for st in trace["stages"] for e in st["p2p"]
-             if e["op"] == "send"}
+    sends = {
+        e["nbytes"] for trace in (gpipe, one_f_one_b) for st in trace["stages"] for e in st["p2p"] if e["op"] == "send"
+    }
     if len(sends) != 1:
         raise TraceError(f"trace {gpipe['name']}: sends of sizes {sorted(sends)}, expected one size; {RECORD}")
     bubbles = {round(_idle(trace), 9) for trace in (gpipe, one_f_one_b)}
     if len(bubbles) != 1:
         raise TraceError(f"traces {gpipe['name']} and {one_f_one_b['name']} idle for different fractions; {RECORD}")
     setup = scale["setup"]
-    rows = [row for row in scale["runs"][len(scale["runs"]) // 2]["rows"] if row["group"] == "pp"
-            and row["op"] == "send"]
+    rows = [
+        row for row in scale["runs"][len(scale["runs"]) // 2]["rows"] if row["group"] == "pp" and row["op"] == "send"
+    ]
     if not rows or not rows[0]["count"]:
         raise TraceError(f"trace {scale['name']}: no point-to-point send on a middle stage; re-record it")
     sp, sm = setup["pp"], setup["microbatches"]
     return PipelineMemory(
-        pp=p, m=m, gpipe_peaks=[st["peak_in_flight_measured"] for st in gpipe["stages"]],
+        pp=p,
+        m=m,
+        gpipe_peaks=[st["peak_in_flight_measured"] for st in gpipe["stages"]],
         one_f_one_b_peaks=[st["peak_in_flight_measured"] for st in one_f_one_b["stages"]],
         first_stage_bytes_ratio=one_f_one_b["stages"][0]["peak_activation_bytes"]
         / gpipe["stages"][0]["peak_activation_bytes"],
-        bubble=bubbles.pop(), bubble_formula=(p - 1) / (m + p - 1), message_bytes=sends.pop(),
-        formula_bytes=gpipe["b"] * gpipe["s"] * gpipe["h"] * gpipe["dtype_size"], scale_pp=sp, scale_m=sm,
-        scale_message_bytes=rows[0]["bytes"] // rows[0]["count"], scale_first_stage_1f1b=min(sp, sm),
-        scale_bubble=(sp - 1) / (sm + sp - 1))
+        bubble=bubbles.pop(),
+        bubble_formula=(p - 1) / (m + p - 1),
+        message_bytes=sends.pop(),
+        formula_bytes=gpipe["b"] * gpipe["s"] * gpipe["h"] * gpipe["dtype_size"],
+        scale_pp=sp,
+        scale_m=sm,
+        scale_message_bytes=rows[0]["bytes"] // rows[0]["count"],
+        scale_first_stage_1f1b=min(sp, sm),
+        scale_bubble=(sp - 1) / (sm + sp - 1),
+    )

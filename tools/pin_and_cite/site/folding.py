@@ -5,11 +5,12 @@ Both views are cut from the same verified Excerpt text (pin_and_cite.site.render
 shown first, never what is cited. The folded view is a fenced block of its own window; the whole excerpt is in
 a <details> after it; notes.css hides the folded view while the whole one is open.
 """
+
 from __future__ import annotations
 
-FOLD_OVER = 16      # an excerpt of more lines than this folds
-CONTEXT = 3         # lines shown on each side of the highlighted ones (or the first 2 * CONTEXT + 1 without)
-MIN_HIDDEN = 4      # folding that would hide fewer lines than this is not worth a click
+FOLD_OVER = 16  # an excerpt of more lines than this folds
+CONTEXT = 3  # lines shown on each side of the highlighted ones (or the first 2 * CONTEXT + 1 without)
+MIN_HIDDEN = 4  # folding that would hide fewer lines than this is not worth a click
 
 
 def fold_window(lines: list[str], first: int, highlight: tuple[int, int] | None) -> tuple[int, int] | None:
@@ -30,6 +31,8 @@ def fold_window(lines: list[str], first: int, highlight: tuple[int, int] | None)
 def folded_markdown(window_block: str, whole_block: str, lines: tuple[int, int]) -> str:
     """The folded view, then the whole excerpt collapsed under a summary naming its range (md_in_html)."""
     first, last = lines
-    return (f'<div class="excerpt-fold" markdown="1">\n<div class="excerpt-folded" markdown="1">\n\n{window_block}\n'
-            f'</div>\n<details class="excerpt-whole" markdown="1">\n<summary>Show all {last - first + 1} lines, '
-            f'L{first}–L{last}</summary>\n\n{whole_block}\n</details>\n</div>\n')
+    return (
+        f'<div class="excerpt-fold" markdown="1">\n<div class="excerpt-folded" markdown="1">\n\n{window_block}\n'
+        f'</div>\n<details class="excerpt-whole" markdown="1">\n<summary>Show all {last - first + 1} lines, '
+        f"L{first}–L{last}</summary>\n\n{whole_block}\n</details>\n</div>\n"
+    )

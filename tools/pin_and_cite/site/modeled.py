@@ -12,6 +12,7 @@ step is re-timed as a GPU at `Rates` would run it, keeping every dependency the 
     transfer, a backward after the next stage's backward and the gradient's transfer (traces.pipeline_schedule).
 `*_measured` give the same bars from a trace's own recorded times (a CUDA run, where a device recorded one).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,8 +21,12 @@ from pin_and_cite.site.scale_tables import sent_bytes
 from pin_and_cite.site.timeline import Bar
 from pin_and_cite.site.traces import RECORD, TraceError, events_where, pipeline_schedule
 
-FSDP_COLORS = {"forward compute": "#1565c0", "backward compute": "#6a1b9a", "all-gather": "#2e7d32",
-               "reduce-scatter": "#ef6c00"}
+FSDP_COLORS = {
+    "forward compute": "#1565c0",
+    "backward compute": "#6a1b9a",
+    "all-gather": "#2e7d32",
+    "reduce-scatter": "#ef6c00",
+}
 PIPELINE_COLORS = {"forward (F micro-batch)": "#1565c0", "backward (B micro-batch)": "#6a1b9a"}
 COLLECTIVES = {"all_gather": ("all-gather", "AG"), "reduce_scatter": ("reduce-scatter", "RS")}
 COLLECTIVE_ROW = "collectives"
@@ -29,14 +34,19 @@ COLLECTIVE_ROW = "collectives"
 
 @dataclass(frozen=True)
 class Rates:
-    tflops: float        # dense FLOP rate of one GPU, TFLOP/s
-    link_GBps: float     # what one rank sends per second, GB/s
+    tflops: float  # dense FLOP rate of one GPU, TFLOP/s
+    link_GBps: float  # what one rank sends per second, GB/s
 
     def __post_init__(self):
-        if not (isinstance(self.tflops, (int, float)) and isinstance(self.link_GBps, (int, float))
-                and self.tflops > 0 and self.link_GBps > 0):
-            raise TraceError(f"a modeled timeline needs positive tflops and link_GBps, not {self.tflops!r} and "
-                             f"{self.link_GBps!r}")
+        if not (
+            isinstance(self.tflops, (int, float))
+            and isinstance(self.link_GBps, (int, float))
+            and self.tflops > 0
+            and self.link_GBps > 0
+        ):
+            raise TraceError(
+                f"a modeled timeline needs positive tflops and link_GBps, not {self.tflops!r} and {self.link_GBps!r}"
+            )
 
     @property
     def axis(self) -> str:
@@ -52,8 +62,10 @@ class Rates:
 def _stamped(trace: dict) -> list[tuple[float, int, str, dict]]:
     """The FSDP trace's points in recorded order: (time, FLOPs computed before it, what, event or span)."""
     if any("flops" not in e for e in trace["events"]) or any("flops_end" not in s for s in trace["spans"]):
-        raise TraceError(f"trace {trace['name']}: its collectives and spans carry no FLOP counts, which the "
-                         f"modeled timeline needs; {RECORD}")
+        raise TraceError(
+            f"trace {trace['name']}: its collectives and spans carry no FLOP counts, which the "
+            f"modeled timeline needs; {RECORD}"
+        )
     points = [(e["start"], e["flops"], "issue", e) for e in trace["events"] if e["op"] in COLLECTIVES]
     points += [(s["start"], s["flops_start"], "start", s) for s in trace["spans"]]
     points += [(s["end"], s["flops_end"], "end", s) for s in trace["spans"]]
@@ -62,21 +74,33 @@ def _stamped(trace: dict) -> list[tuple[float, int, str, dict]]:
 
 def _compute_bar(span: dict, start: float, end: float) -> Bar:
     unit, phase = span["name"].rsplit(" ", 1)
-    return Bar(unit, f"{phase} compute", f"{unit} {phase}", start, end,
-               f"{span['flops_end'] - span['flops_start']:,} FLOPs (with the units it holds)")
+    return Bar(
+        unit,
+        f"{phase} compute",
+        f"{unit} {phase}",
+        start,
+        end,
+        f"{span['flops_end'] - span['flops_start']:,} FLOPs (with the units it holds)",
+    )
 
 
 def _collective_bar(trace: dict, event: dict, start: float, end: float) -> Bar:
     kind, short = COLLECTIVES[event["op"]]
-    return Bar(COLLECTIVE_ROW, kind, f"{short} {event['module']}", start, end,
-               f"{event['phase']}, {event['nbytes']:,} B gathered or reduced, "
-               f"{sent_bytes(event['op'], event['nbytes'], trace['world']):,} B sent by a rank")
+    return Bar(
+        COLLECTIVE_ROW,
+        kind,
+        f"{short} {event['module']}",
+        start,
+        end,
+        f"{event['phase']}, {event['nbytes']:,} B gathered or reduced, "
+        f"{sent_bytes(event['op'], event['nbytes'], trace['world']):,} B sent by a rank",
+    )
 
 
 def fsdp_modeled(trace: dict, rates: Rates) -> list[Bar]:
     """The FSDP step's compute spans and collectives, re-timed (see the module docstring)."""
     clock = flops_done = stream_free = 0.0
-    gathered: dict[str, float] = {}       # unit -> modeled end of its latest all-gather
+    gathered: dict[str, float] = {}  # unit -> modeled end of its latest all-gather
     started: dict[int, float] = {}
     bars = []
     for _, flops, what, item in _stamped(trace):
@@ -99,8 +123,11 @@ def fsdp_modeled(trace: dict, rates: Rates) -> list[Bar]:
 def fsdp_measured(trace: dict) -> list[Bar]:
     """The same bars at the trace's own recorded times (seconds from its first record)."""
     bars = [_compute_bar(s, s["start"], s["end"]) for s in trace["spans"]]
-    return bars + [_collective_bar(trace, e, e["start"], e["end"] if e["end"] is not None else e["start"])
-                   for e in trace["events"] if e["op"] in COLLECTIVES]
+    return bars + [
+        _collective_bar(trace, e, e["start"], e["end"] if e["end"] is not None else e["start"])
+        for e in trace["events"]
+        if e["op"] in COLLECTIVES
+    ]
 
 
 def _pipeline_bar(r: int, action: str, start: float, end: float, flops: int) -> Bar:
@@ -112,21 +139,31 @@ def pipeline_modeled(trace: dict, rates: Rates) -> list[Bar]:
     """The pipeline step re-timed (see the module docstring)."""
     stages = trace["stages"]
     if any(len(st.get("action_flops", ())) != len(st["actions"]) for st in stages):
-        raise TraceError(f"trace {trace['name']}: its pipeline actions carry no FLOP counts, which the modeled "
-                         f"timeline needs; {RECORD}")
+        raise TraceError(
+            f"trace {trace['name']}: its pipeline actions carry no FLOP counts, which the modeled "
+            f"timeline needs; {RECORD}"
+        )
     message = trace["dtype_size"]
     for size in trace["activation_shape"]:
         message *= size
-    placed = pipeline_schedule(trace, lambda r, i, action: rates.compute(stages[r]["action_flops"][i]),
-                               lambda r, action: rates.transfer(message))
-    return [_pipeline_bar(r, action, start, end, stages[r]["action_flops"][i])
-            for r, stage in enumerate(placed) for i, (action, start, end) in enumerate(stage)]
+    placed = pipeline_schedule(
+        trace,
+        lambda r, i, action: rates.compute(stages[r]["action_flops"][i]),
+        lambda r, action: rates.transfer(message),
+    )
+    return [
+        _pipeline_bar(r, action, start, end, stages[r]["action_flops"][i])
+        for r, stage in enumerate(placed)
+        for i, (action, start, end) in enumerate(stage)
+    ]
 
 
 def pipeline_measured(trace: dict) -> list[Bar]:
-    return [_pipeline_bar(r, action, start, end, st.get("action_flops", [0] * len(st["actions"]))[i])
-            for r, st in enumerate(trace["stages"])
-            for i, (action, (start, end)) in enumerate(zip(st["actions"], st["action_spans"]))]
+    return [
+        _pipeline_bar(r, action, start, end, st.get("action_flops", [0] * len(st["actions"]))[i])
+        for r, st in enumerate(trace["stages"])
+        for i, (action, (start, end)) in enumerate(zip(st["actions"], st["action_spans"]))
+    ]
 
 
 def check_collectives_recorded(trace: dict) -> None:
@@ -136,5 +173,7 @@ def check_collectives_recorded(trace: dict) -> None:
     gathered = {e["module"] for e in events_where(trace["events"], op="all_gather", phase="forward")}
     missing = [u for u in units if u not in gathered or f"{u} forward" not in spans]
     if missing:
-        raise TraceError(f"trace {trace['name']}: no forward all-gather or compute span recorded for unit(s) "
-                         f"{', '.join(missing)}; cannot draw the FSDP timeline; {RECORD}")
+        raise TraceError(
+            f"trace {trace['name']}: no forward all-gather or compute span recorded for unit(s) "
+            f"{', '.join(missing)}; cannot draw the FSDP timeline; {RECORD}"
+        )

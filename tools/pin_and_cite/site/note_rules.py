@@ -15,6 +15,7 @@ Prose is what a reader reads as text: front matter, fenced blocks and Jinja stat
 counted, the outputs of NOT_PROSE_CALLS are not counted (excerpts, diagrams, charts, evidence lines), and any
 other `{{ expression }}` counts as one word (a number, a rendered default).
 """
+
 from __future__ import annotations
 
 import re
@@ -36,7 +37,7 @@ EVIDENCE_CALLS = {"verified_by", "reference_only"}
 _JINJA_BLOCK = re.compile(r"\{#.*?#\}|\{%.*?%\}", re.S)
 _EXPRESSION = re.compile(r"\{\{(.*?)\}\}", re.S)
 _WORD = re.compile(r"\S*[A-Za-z0-9]\S*")
-VALUE = "{{value}}"     # what a printed expression becomes: one word, and never text a template can hold
+VALUE = "{{value}}"  # what a printed expression becomes: one word, and never text a template can hold
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,7 @@ def prose_lines(text: str) -> list[tuple[int, str, bool]]:
             continue
         if fence:
             continue
-        line = re.sub(r"\]\([^)]*\)", "]", re.sub(r"<[^>]+>", " ", line))   # link targets, HTML tags
+        line = re.sub(r"\]\([^)]*\)", "]", re.sub(r"<[^>]+>", " ", line))  # link targets, HTML tags
         out.append((number, line, line.lstrip().startswith("#")))
     return out
 
@@ -93,6 +94,7 @@ def words(line: str) -> int:
 @dataclass(frozen=True)
 class _Section:
     """A `##`/`###` heading and the template lines up to the next one."""
+
     line: int
     title: str
     end: int
@@ -120,7 +122,9 @@ def _has_upstream_evidence(root: Path, calls, section: _Section) -> bool:
     inside = [c for c in calls if section.holds(c.line)]
     return any(c.function == "reference_only" for c in inside) or any(
         getattr(evidence_of(root, c.argument), "kind", None) == "upstream"
-        for c in inside if c.function == "verified_by")
+        for c in inside
+        if c.function == "verified_by"
+    )
 
 
 def check_note(template: Path, root: Path, parsed: ParseCache | None = None) -> list[RuleProblem]:
@@ -143,14 +147,18 @@ def _questions(root: Path, lines, calls, sections: list[_Section], last_line: in
     for q in questions:
         count = _prose_words(lines, q)
         if count > ANSWER_WORDS:
-            problems.append(RuleProblem(q.line, f"the answer to {q.name!r} has {count} words of prose; "
-                                                f"keep it to {ANSWER_WORDS}"))
+            problems.append(
+                RuleProblem(q.line, f"the answer to {q.name!r} has {count} words of prose; keep it to {ANSWER_WORDS}")
+            )
         found = {c.function for c in calls if q.holds(c.line)}
         if not found & CITING_CALLS:
             problems.append(RuleProblem(q.line, f"the answer to {q.name!r} cites no upstream lines; add cite(...)"))
         if not found & EVIDENCE_CALLS:
-            problems.append(RuleProblem(q.line, f"the answer to {q.name!r} names no evidence: add verified_by(...) "
-                                                f"or reference_only(...)"))
+            problems.append(
+                RuleProblem(
+                    q.line, f"the answer to {q.name!r} names no evidence: add verified_by(...) or reference_only(...)"
+                )
+            )
     if not questions:
         problems.append(RuleProblem(1, "no questions: each '### ' heading is a question, answered below it"))
     return problems
@@ -163,18 +171,32 @@ def _close_reading(root: Path, lines, calls, sections: list[_Section], last_line
         if before <= MAX_WORDS < total and over_at is None:
             over_at = number
     if over_at is not None:
-        problems.append(RuleProblem(over_at, f"{total} words, over the {MAX_WORDS}-word limit (word {MAX_WORDS + 1} "
-                                             f"is on this line); headings count, excerpts and diagrams do not"))
+        problems.append(
+            RuleProblem(
+                over_at,
+                f"{total} words, over the {MAX_WORDS}-word limit (word {MAX_WORDS + 1} "
+                f"is on this line); headings count, excerpts and diagrams do not",
+            )
+        )
     expressions = {number for number, line, _ in lines if VALUE in line}
     connect = [s for s in sections if s.title.lower() == CONNECT_HEADING]
     if not connect:
-        problems.append(RuleProblem(last_line, f"no '{CONNECT_HEADING[3:].capitalize()}' section: end the note with "
-                                               f"'## Connect the dots' tied to measured numbers"))
+        problems.append(
+            RuleProblem(
+                last_line,
+                f"no '{CONNECT_HEADING[3:].capitalize()}' section: end the note with "
+                f"'## Connect the dots' tied to measured numbers",
+            )
+        )
     elif sections[-1] != connect[0]:
         problems.append(RuleProblem(sections[-1].line, "the note must end with its 'Connect the dots' section"))
     elif not any(connect[0].holds(n) for n in expressions):
-        problems.append(RuleProblem(connect[0].line, "'Connect the dots' prints no measured number: render it from "
-                                                     "a trace with {{ ... }}, never type it"))
+        problems.append(
+            RuleProblem(
+                connect[0].line,
+                "'Connect the dots' prints no measured number: render it from a trace with {{ ... }}, never type it",
+            )
+        )
     choices = 0
     for s in (s for s in sections if s.title.startswith("### ")):
         if not any(s.holds(c.line) for c in calls if c.function == "cite"):
@@ -183,13 +205,27 @@ def _close_reading(root: Path, lines, calls, sections: list[_Section], last_line
         choices += 1
         count = _prose_words(lines, s)
         if not CHOICE_WORDS[0] <= count <= CHOICE_WORDS[1]:
-            problems.append(RuleProblem(s.line, f"design choice {s.name!r} has {count} words of prose; "
-                                                f"write {CHOICE_WORDS[0]}-{CHOICE_WORDS[1]}"))
+            problems.append(
+                RuleProblem(
+                    s.line,
+                    f"design choice {s.name!r} has {count} words of prose; write {CHOICE_WORDS[0]}-{CHOICE_WORDS[1]}",
+                )
+            )
         if not _has_upstream_evidence(root, calls, s):
-            problems.append(RuleProblem(s.line, f"design choice {s.name!r} has no upstream evidence: name a test "
-                                                f"marked @pytest.mark.upstream(SOURCE) with verified_by(...), or say "
-                                                f"why upstream cannot run here with reference_only(...)"))
+            problems.append(
+                RuleProblem(
+                    s.line,
+                    f"design choice {s.name!r} has no upstream evidence: name a test "
+                    f"marked @pytest.mark.upstream(SOURCE) with verified_by(...), or say "
+                    f"why upstream cannot run here with reference_only(...)",
+                )
+            )
     if choices < MIN_CHOICES:
-        problems.append(RuleProblem(1, f"{choices} cited design choice(s) ('### ' sections with cite()); "
-                                       f"a close reading needs at least {MIN_CHOICES}"))
+        problems.append(
+            RuleProblem(
+                1,
+                f"{choices} cited design choice(s) ('### ' sections with cite()); "
+                f"a close reading needs at least {MIN_CHOICES}",
+            )
+        )
     return problems

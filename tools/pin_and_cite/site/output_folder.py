@@ -6,9 +6,11 @@ not write (README.md when DIR is the project, someone's own page, a file committ
 before anything is written; a page that already says exactly what render would write is taken as its own
 (an older render's output). The project's own site folder (docs/notes, build output git ignores) rendered by a
 version without the manifest also holds render's pages at the paths render writes: there, and only while no
-manifest exists yet, those are taken as its own too. Nothing is written or removed outside DIR: a page whose folder is a symlink
+manifest exists yet, those are taken as its own too. Nothing is written or removed outside DIR: a page whose folder is a
+symlink
 leading elsewhere is refused, and existing pages are read as regular files only.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,7 +22,7 @@ from pin_and_cite.core.errors import PinAndCiteError
 from pin_and_cite.core.regular_file import read_regular
 
 MANIFEST = ".pin-and-cite-pages.json"
-SHOWN = 3                       # foreign pages named in the refusal
+SHOWN = 3  # foreign pages named in the refusal
 
 
 class OutputFolder:
@@ -37,8 +39,10 @@ class OutputFolder:
         except (ValueError, PinAndCiteError) as exc:
             raise PinAndCiteError(f"{self.manifest} cannot be read ({exc}); delete it and the pages it lists") from None
         if not isinstance(listed, list) or not all(isinstance(p, str) and _is_page(p) for p in listed):
-            raise PinAndCiteError(f"{self.manifest} must list pages under {self.root} (relative *.md paths); "
-                                  "delete it and the pages it lists")
+            raise PinAndCiteError(
+                f"{self.manifest} must list pages under {self.root} (relative *.md paths); "
+                "delete it and the pages it lists"
+            )
         return set(listed)
 
     def write(self, pages: dict[str, str]) -> list[Path]:
@@ -47,15 +51,21 @@ class OutputFolder:
         files written or removed are returned."""
         for name in set(pages) | self.owned:
             self._refuse_outside(name)
-        same = {name for name, text in pages.items()
-                if read_regular(self.root / name, len(text.encode())) == text.encode()}
-        legacy = {name for name in pages if (self.root / name).is_file() and not (self.root / name).is_symlink()} \
-            if self.adopt_legacy_pages else set()      # an older render of the site folder, before the manifest
+        same = {
+            name for name, text in pages.items() if read_regular(self.root / name, len(text.encode())) == text.encode()
+        }
+        legacy = (
+            {name for name in pages if (self.root / name).is_file() and not (self.root / name).is_symlink()}
+            if self.adopt_legacy_pages
+            else set()
+        )  # an older render of the site folder, before the manifest
         foreign = sorted(self._markdown() - self.owned - same - legacy)
         if foreign:
             shown = ", ".join(foreign[:SHOWN]) + (f" and {len(foreign) - SHOWN} more" if len(foreign) > SHOWN else "")
-            raise PinAndCiteError(f"{self.root} holds Markdown that render did not write ({shown}); render into "
-                                  "a folder of its own, or move those files away")
+            raise PinAndCiteError(
+                f"{self.root} holds Markdown that render did not write ({shown}); render into "
+                "a folder of its own, or move those files away"
+            )
         changed = []
         for name in sorted(set(pages) - same):
             atomic_write(self.root / name, pages[name].encode())

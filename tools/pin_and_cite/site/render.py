@@ -18,11 +18,12 @@ watches docs/: rewriting an unchanged page would trigger the next live-reload fo
 names the template file and line and leaves the previous output as it was. Templates run in a sandbox
 (pin_and_cite.core.sandbox); pages are written, and only render's own removed, by pin_and_cite.site.output_folder.
 """
+
 from __future__ import annotations
 
 import html
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import jinja2
 
@@ -46,7 +47,7 @@ from pin_and_cite.site.note_rules import check_note
 from pin_and_cite.site.output_folder import OutputFolder
 
 SOURCE_PAGE = "_source.md.j2"
-SITE_NOTES = "docs/notes"       # where the site (mkdocs hook) and `render` by default put the pages
+SITE_NOTES = "docs/notes"  # where the site (mkdocs hook) and `render` by default put the pages
 TEMPLATE_MISTAKES = (TypeError, ValueError, LookupError, AttributeError, ArithmeticError)
 LANGUAGES = {".py": "python", ".pyi": "python", ".h": "cpp", ".cpp": "cpp", ".md": "markdown", ".toml": "toml"}
 
@@ -79,12 +80,14 @@ def _refuse_blank_ends(excerpt: Excerpt) -> None:
         return
     text = [n for n, line in enumerate(lines, first) if line.strip()]
     better = f"L{text[0]}-L{text[-1]}" if text else "a range with code in it"
-    raise PinAndCiteError(f"{excerpt.spec} starts or ends with a blank line, which the page cannot number "
-                          f"correctly; cite {better}")
+    raise PinAndCiteError(
+        f"{excerpt.spec} starts or ends with a blank line, which the page cannot number correctly; cite {better}"
+    )
 
 
-def excerpt_markdown(excerpt: Excerpt, highlight: str | None = None, inside: str | None = None,
-                     statements: Statements | None = None) -> str:
+def excerpt_markdown(
+    excerpt: Excerpt, highlight: str | None = None, inside: str | None = None, statements: Statements | None = None
+) -> str:
     """The excerpt as a fenced block numbered with upstream line numbers, under a permalinked caption; a
     highlight must keep to the `statements` of a Python file (pin_and_cite.core.highlights). A long excerpt
     folds to its highlighted lines (pin_and_cite.site.folding)."""
@@ -104,11 +107,11 @@ def excerpt_markdown(excerpt: Excerpt, highlight: str | None = None, inside: str
     if window is None:
         return f"{caption}\n\n{block(first, excerpt.text)}"
     top, bottom = window
-    shown = "".join(line + "\n" for line in lines[top - first:bottom - first + 1])
+    shown = "".join(line + "\n" for line in lines[top - first : bottom - first + 1])
     return f"{caption}\n\n{folded_markdown(block(top, shown), block(first, excerpt.text), excerpt.lines)}"
 
 
-Helpers = Callable[[Project], dict]    # a site's extra template globals, made for one project
+Helpers = Callable[[Project], dict]  # a site's extra template globals, made for one project
 
 
 class Renderer:
@@ -116,15 +119,22 @@ class Renderer:
         self.project = project
         self.resolver = resolver or Resolver(project, allow_remote=False)
         self._rules: dict[Path, list] = {}
-        self.page: str | None = None                    # the page being rendered, for relative links
-        self.cited_tests: dict[str, tuple[Evidence, list[str]]] = {}   # node id -> evidence, citing pages
-        self.env = sandbox.environment(jinja2.FileSystemLoader(project.notes_dir),
-                                       sandbox.CompiledTemplates(project.cache_dir))
+        self.page: str | None = None  # the page being rendered, for relative links
+        self.cited_tests: dict[str, tuple[Evidence, list[str]]] = {}  # node id -> evidence, citing pages
+        self.env = sandbox.environment(
+            jinja2.FileSystemLoader(project.notes_dir), sandbox.CompiledTemplates(project.cache_dir)
+        )
         self.env.globals.update(
-            cite=self.cite, upstream=self.upstream, default=self.default, verified_by=self.verified_by,
-            reference_only=self.reference_only, pins=project.pins.sources,
-            ours=lambda spec: ours(project.root, spec, self.resolver.parsed), mirrors=self.mirrors,
-            locked_files=self.locked_files)
+            cite=self.cite,
+            upstream=self.upstream,
+            default=self.default,
+            verified_by=self.verified_by,
+            reference_only=self.reference_only,
+            pins=project.pins.sources,
+            ours=lambda spec: ours(project.root, spec, self.resolver.parsed),
+            mirrors=self.mirrors,
+            locked_files=self.locked_files,
+        )
         if helpers:
             self.env.globals.update(helpers(project))
 
@@ -141,8 +151,9 @@ class Renderer:
         """For a line range in a Python file, the innermost definition holding it."""
         if excerpt.spec.symbol or not excerpt.spec.path.endswith(".py"):
             return None
-        return symbols.enclosing(self.resolver.definitions_of(excerpt.source.name, excerpt.spec.path, excerpt.blob),
-                                 excerpt.lines)
+        return symbols.enclosing(
+            self.resolver.definitions_of(excerpt.source.name, excerpt.spec.path, excerpt.blob), excerpt.lines
+        )
 
     def cite(self, spec_text: str, highlight: str | None = None) -> str:
         excerpt = self.excerpt(spec_text)
@@ -171,10 +182,18 @@ class Renderer:
     def locked_files(self, source: str) -> list[dict]:
         """The source's files in the lock, with their blob SHA and how many citations read each."""
         prefix, pinned = f"{source}:", self.project.pins.get(source)
-        return [{"path": key.removeprefix(prefix), **vars(entry), "url": pinned.file_url(key.removeprefix(prefix)),
-                 "citations": sum(1 for c in self.project.lock.citations if c.startswith(f"{key}#")
-                                  or c.startswith(f"{key}::"))}
-                for key, entry in sorted(self.project.lock.files.items()) if key.startswith(prefix)]
+        return [
+            {
+                "path": key.removeprefix(prefix),
+                **vars(entry),
+                "url": pinned.file_url(key.removeprefix(prefix)),
+                "citations": sum(
+                    1 for c in self.project.lock.citations if c.startswith(f"{key}#") or c.startswith(f"{key}::")
+                ),
+            }
+            for key, entry in sorted(self.project.lock.files.items())
+            if key.startswith(prefix)
+        ]
 
     def verified_by(self, node_id: str) -> str:
         """The test and its kind of evidence (it runs the pinned upstream itself, or the reference only),
@@ -183,8 +202,10 @@ class Renderer:
         if isinstance(found, str):
             raise PinAndCiteError(f"verified_by: {found}")
         if found.kind == "upstream" and found.source not in self.project.pins.sources:
-            raise PinAndCiteError(f"verified_by: {node_id} is marked upstream({found.source!r}), which is not a "
-                                  f"source in pins.toml ({', '.join(sorted(self.project.pins.sources))})")
+            raise PinAndCiteError(
+                f"verified_by: {node_id} is marked upstream({found.source!r}), which is not a "
+                f"source in pins.toml ({', '.join(sorted(self.project.pins.sources))})"
+            )
         citing = self.cited_tests.setdefault(node_id, (found, []))[1]
         if self.page is not None and self.page not in citing:
             citing.append(self.page)
@@ -216,9 +237,11 @@ class Renderer:
         except (PinAndCiteError, jinja2.TemplateError) as exc:
             raise PinAndCiteError(f"{self._where(template, _template_line(exc, template))}: {exc}") from None
         except RecursionError as exc:
-            raise PinAndCiteError(f"{self._where(template, _template_line(exc, template))}: templates include or "
-                                  f"extend each other without end") from None
-        except TEMPLATE_MISTAKES as exc:      # e.g. a global called with a missing or misspelled argument
+            raise PinAndCiteError(
+                f"{self._where(template, _template_line(exc, template))}: templates include or "
+                f"extend each other without end"
+            ) from None
+        except TEMPLATE_MISTAKES as exc:  # e.g. a global called with a missing or misspelled argument
             where = self._where(template, _template_line(exc, template))
             raise PinAndCiteError(f"{where}: {type(exc).__name__}: {exc}") from None
 
@@ -239,12 +262,14 @@ def _template_line(exc: BaseException, template: Path) -> int | None:
 def pages(project: Project) -> list[tuple[Path, dict, str]]:
     """Every page the templates make, as (template, context, output path under the notes folder): a page per
     note template (partials, `_*.md.j2`, excepted) and one per pinned source from SOURCE_PAGE."""
-    found = [(t, {}, t.relative_to(project.notes_dir).with_suffix("").as_posix())
-             for t in note_templates(project.notes_dir)]
+    found = [
+        (t, {}, t.relative_to(project.notes_dir).with_suffix("").as_posix()) for t in note_templates(project.notes_dir)
+    ]
     source_page = project.notes_dir / SOURCE_PAGE
     if source_page.is_file():
-        found += [(source_page, {"source": source}, f"sources/{name}.md")
-                  for name, source in project.pins.sources.items()]
+        found += [
+            (source_page, {"source": source}, f"sources/{name}.md") for name, source in project.pins.sources.items()
+        ]
     return found
 
 
@@ -258,10 +283,15 @@ def render_notes(root: Path, out_dir: Path, helpers: Helpers | None = None) -> l
     for template, context, page in pages(project):
         renderer.page = page
         rendered[out_dir / page] = renderer.render(template, **context)
-    rendered.update({out_dir / page_of(node_id): evidence_page(root, node_id, evidence, citing)
-                     for node_id, (evidence, citing) in renderer.cited_tests.items()})
+    rendered.update(
+        {
+            out_dir / page_of(node_id): evidence_page(root, node_id, evidence, citing)
+            for node_id, (evidence, citing) in renderer.cited_tests.items()
+        }
+    )
     rendered.update(change_pages(project, renderer.resolver, out_dir))
     site_folder = out_dir.resolve() == (project.root / SITE_NOTES).resolve()
     written = OutputFolder(out_dir, adopt_legacy_pages=site_folder).write(
-        {path.relative_to(out_dir).as_posix(): text for path, text in rendered.items()})
+        {path.relative_to(out_dir).as_posix(): text for path, text in rendered.items()}
+    )
     return write_pinned_sha(project) + written

@@ -6,12 +6,13 @@ terms when the trace was recorded (tests/tools/test_scale_traces.py re-records a
 never imports the reference or torch. A row that disagrees with its terms (a hand-edited or stale trace) stops
 the build with a one-line error instead of being shown.
 """
+
 from __future__ import annotations
 
 from pin_and_cite.site.traces import RECORD, TraceError
 
 GROUPS = {"tp": "TP", "pp": "PP", "dp": "DP"}
-RING = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}   # x (p-1)/p of the full tensor, sent per rank
+RING = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}  # x (p-1)/p of the full tensor, sent per rank
 
 
 def sent_bytes(op: str, nbytes: int, group_size: int) -> int:
@@ -61,14 +62,18 @@ def checked_runs(trace: dict) -> list[tuple[dict, list[tuple[dict, list[dict]]]]
             terms = predicted.pop((row["group"], row["op"]), [])
             if (row["count"], row["bytes"]) != totals(terms):
                 count, nbytes = totals(terms)
-                raise TraceError(f"trace {trace['name']}: rank {run['rank']} {row['group']} {row['op']} recorded "
-                                 f"{row['count']} x / {row['bytes']} B but reference.scale.formulas gives "
-                                 f"{count} x / {nbytes} B; {RECORD}")
+                raise TraceError(
+                    f"trace {trace['name']}: rank {run['rank']} {row['group']} {row['op']} recorded "
+                    f"{row['count']} x / {row['bytes']} B but reference.scale.formulas gives "
+                    f"{count} x / {nbytes} B; {RECORD}"
+                )
             rows.append((row, terms))
         if predicted:
             group, op = next(iter(predicted))
-            raise TraceError(f"trace {trace['name']}: rank {run['rank']} recorded no {group} {op}, which "
-                             f"reference.scale.formulas predicts; {RECORD}")
+            raise TraceError(
+                f"trace {trace['name']}: rank {run['rank']} recorded no {group} {op}, which "
+                f"reference.scale.formulas predicts; {RECORD}"
+            )
         runs.append((run, rows))
     return runs
 
@@ -77,25 +82,38 @@ def scale_table(trace: dict) -> str:
     """Markdown: per stage and group, the collectives' bytes and what the rank sends (ring); then every
     (group, collective) row with its formula."""
     runs = checked_runs(trace)
-    totals = ["| stage (rank) | " + " | ".join(f"{g}: collective bytes / sent by the rank" for g in GROUPS.values())
-              + " |", "|---|" + "---:|" * len(GROUPS)]
-    detail = ["| stage | group | collective | count | bytes | formula (checked at render) |",
-              "|---|---|---|---:|---:|---|"]
+    totals = [
+        "| stage (rank) | " + " | ".join(f"{g}: collective bytes / sent by the rank" for g in GROUPS.values()) + " |",
+        "|---|" + "---:|" * len(GROUPS),
+    ]
+    detail = [
+        "| stage | group | collective | count | bytes | formula (checked at render) |",
+        "|---|---|---|---:|---:|---|",
+    ]
     for run, rows in runs:
         where = stage_name(run["stage"], trace["setup"]["pp"])
         per_group = {g: sum(r["bytes"] for r, _ in rows if r["group"] == g) for g in GROUPS}
         sent = sent_per_group(trace, run)
-        totals.append(f"| {where} (rank {run['rank']}) | " + " | ".join(
-            f"{human(per_group[g])} / {human(sent[g])}" if per_group[g] else "—" for g in GROUPS) + " |")
+        totals.append(
+            f"| {where} (rank {run['rank']}) | "
+            + " | ".join(f"{human(per_group[g])} / {human(sent[g])}" if per_group[g] else "—" for g in GROUPS)
+            + " |"
+        )
         for row, terms in rows:
             formula = " + ".join(t["formula"] for t in terms)
-            detail.append(f"| {where} | {GROUPS.get(row['group'], row['group'])} | {row['op']} | {row['count']} | "
-                          f"{human(row['bytes'])} | {formula} |")
+            detail.append(
+                f"| {where} | {GROUPS.get(row['group'], row['group'])} | {row['op']} | {row['count']} | "
+                f"{human(row['bytes'])} | {formula} |"
+            )
     return "\n".join(totals) + "\n\n" + "\n".join(detail) + "\n"
 
 
-HELD = {"parameters": "parameters", "gradients": "gradients", "master_weights": "fp32 master weights",
-        "optimizer_states": "Adam moments"}
+HELD = {
+    "parameters": "parameters",
+    "gradients": "gradients",
+    "master_weights": "fp32 master weights",
+    "optimizer_states": "Adam moments",
+}
 
 
 def checked_memory(trace: dict, run: dict) -> dict[str, int]:
@@ -105,22 +123,29 @@ def checked_memory(trace: dict, run: dict) -> dict[str, int]:
         raise TraceError(f"trace {trace['name']}: rank {run['rank']} lacks the bytes it holds; {RECORD}")
     for what, nbytes in memory["measured"].items():
         if memory["formula"].get(what) != nbytes:
-            raise TraceError(f"trace {trace['name']}: rank {run['rank']} holds {nbytes} B of {what} but "
-                             f"reference.scale.formulas gives {memory['formula'].get(what)} B; {RECORD}")
+            raise TraceError(
+                f"trace {trace['name']}: rank {run['rank']} holds {nbytes} B of {what} but "
+                f"reference.scale.formulas gives {memory['formula'].get(what)} B; {RECORD}"
+            )
     return memory["measured"]
 
 
 def memory_table(replicated: dict, sharded: dict) -> str:
     """Markdown: per stage, what a rank holds with every DP rank stepping every parameter (`replicated`) and
     with the distributed optimizer (`sharded`), two traces of the same layout."""
-    lines = ["| stage (rank) | held | every DP rank steps all | distributed optimizer | ratio |",
-             "|---|---|---:|---:|---:|"]
+    lines = [
+        "| stage (rank) | held | every DP rank steps all | distributed optimizer | ratio |",
+        "|---|---|---:|---:|---:|",
+    ]
     for whole, sliced in zip(replicated["runs"], sharded["runs"]):
         where = f"{stage_name(whole['stage'], replicated['setup']['pp'])} (rank {whole['rank']})"
         a, b = checked_memory(replicated, whole), checked_memory(sharded, sliced)
         for what, label in HELD.items():
-            lines.append(f"| {where} | {label} | {human(a[what])} | {human(b[what])} | "
-                         f"{b[what] / a[what]:.3f} |" if a[what] else f"| {where} | {label} | 0 B | 0 B | — |")
+            lines.append(
+                f"| {where} | {label} | {human(a[what])} | {human(b[what])} | {b[what] / a[what]:.3f} |"
+                if a[what]
+                else f"| {where} | {label} | 0 B | 0 B | — |"
+            )
         total_a, total_b = sum(a.values()), sum(b.values())
         lines.append(f"| {where} | **total** | {human(total_a)} | {human(total_b)} | {total_b / total_a:.3f} |")
     return "\n".join(lines) + "\n"

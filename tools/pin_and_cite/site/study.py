@@ -6,6 +6,7 @@ formulas, pin_and_cite.site.estimates), `scale_table(trace)`, `memory_table(trac
 run)` and `human(bytes)` (the Scale page, pin_and_cite.site.scale_tables) with `chart_sent_per_group(trace)` (its
 bar charts, diagrams). `render_site` is what `render` and the mkdocs hook run.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -18,6 +19,7 @@ from pin_and_cite.site.traces import load_trace
 
 def helpers(project: Project) -> dict:
     """The template globals of this study's notes, reading `project`'s committed traces."""
+
     def trace(name: str) -> dict:
         return load_trace(project.notes_dir, name)
 
@@ -26,12 +28,19 @@ def helpers(project: Project) -> dict:
         extra = {"measured": trace(measured)} if measured else {}
         return diagrams.diagram(trace(name), **options, **extra)
 
-    return {"trace": trace, "diagram": diagram,
-            "tp_crossover": estimates.tp_crossover, "pipeline_memory": estimates.pipeline_memory,
-            "sharding_limit": estimates.sharding_limit, "chart_training_memory": diagrams.chart_training_memory,
-            "scale_table": scale_tables.scale_table, "sent_per_group": scale_tables.sent_per_group,
-            "chart_sent_per_group": diagrams.chart_sent_per_group,
-            "human": scale_tables.human, "memory_table": scale_tables.memory_table}
+    return {
+        "trace": trace,
+        "diagram": diagram,
+        "tp_crossover": estimates.tp_crossover,
+        "pipeline_memory": estimates.pipeline_memory,
+        "sharding_limit": estimates.sharding_limit,
+        "chart_training_memory": diagrams.chart_training_memory,
+        "scale_table": scale_tables.scale_table,
+        "sent_per_group": scale_tables.sent_per_group,
+        "chart_sent_per_group": diagrams.chart_sent_per_group,
+        "human": scale_tables.human,
+        "memory_table": scale_tables.memory_table,
+    }
 
 
 def render_site(root: Path, out_dir: Path) -> list[Path]:

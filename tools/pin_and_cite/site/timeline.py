@@ -5,24 +5,25 @@ whose axis says at what FLOP rate and link bandwidth) and, when a device recorde
 the same step. Drawn here rather than as a mermaid gantt: a gantt's axis is calendar time (minutes at best),
 and mermaid scales its text with the chart's width, below a readable size.
 """
+
 from __future__ import annotations
 
 import html
 import math
 from dataclasses import dataclass
 
-FONT_PX = 14                    # body text (the browser test requires at least 11 px)
-WIDTH, ROW, BAR = 800, 30, 20   # the SVG is drawn at its size, never scaled (content is 832 px wide at 1280)
-CHAR_PX = 7.6                   # an estimate of a character's width, to decide whether a label fits its bar
+FONT_PX = 14  # body text (the browser test requires at least 11 px)
+WIDTH, ROW, BAR = 800, 30, 20  # the SVG is drawn at its size, never scaled (content is 832 px wide at 1280)
+CHAR_PX = 7.6  # an estimate of a character's width, to decide whether a label fits its bar
 UNITS = ((1e-6, "ns", 1e9), (1e-3, "µs", 1e6), (1.0, "ms", 1e3), (math.inf, "s", 1.0))
 
 
 @dataclass(frozen=True)
 class Bar:
-    row: str          # the row it is drawn on, rows in order of first appearance
-    kind: str         # its legend entry, which gives its colour
-    label: str        # written inside the bar when it fits; always in its tooltip
-    start: float      # seconds
+    row: str  # the row it is drawn on, rows in order of first appearance
+    kind: str  # its legend entry, which gives its colour
+    label: str  # written inside the bar when it fits; always in its tooltip
+    start: float  # seconds
     end: float
     detail: str = ""  # more for the tooltip (bytes, FLOPs)
 
@@ -31,8 +32,8 @@ class Bar:
 class Panel:
     title: str
     bars: list[Bar]
-    axis: str                        # what the time axis is: "modeled at 100 TFLOP/s, 50 GB/s", "measured on ..."
-    colors: dict[str, str]           # kind -> colour, in legend order
+    axis: str  # what the time axis is: "modeled at 100 TFLOP/s, 50 GB/s", "measured on ..."
+    colors: dict[str, str]  # kind -> colour, in legend order
 
 
 def _unit(seconds: float) -> tuple[str, float]:
@@ -46,10 +47,13 @@ def _step(span: float) -> float:
     return next(m * magnitude for m in (1, 2, 5, 10) if m * magnitude >= raw)
 
 
-def _text(x: float, y: float, text: str, anchor: str = "start", weight: str = "normal",
-          fill: str = "currentColor") -> str:
-    return (f'<text x="{x:.1f}" y="{y:.1f}" font-size="{FONT_PX}" text-anchor="{anchor}" font-weight="{weight}" '
-            f'fill="{fill}">{html.escape(text)}</text>')
+def _text(
+    x: float, y: float, text: str, anchor: str = "start", weight: str = "normal", fill: str = "currentColor"
+) -> str:
+    return (
+        f'<text x="{x:.1f}" y="{y:.1f}" font-size="{FONT_PX}" text-anchor="{anchor}" font-weight="{weight}" '
+        f'fill="{fill}">{html.escape(text)}</text>'
+    )
 
 
 def panel_svg(panel: Panel) -> str:
@@ -64,9 +68,11 @@ def panel_svg(panel: Panel) -> str:
     x = lambda seconds: left + seconds * scale / ticks[-1] * plot
     legend_y = top + len(rows) * ROW + 2.4 * ROW
     height = legend_y + ROW * (1 + len(panel.colors) // 3)
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height:.0f}" role="img" '
-           f'class="timeline-svg" aria-label="{html.escape(panel.title)}">',
-           _text(WIDTH / 2, ROW * 0.8, panel.title, "middle", "bold")]
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height:.0f}" role="img" '
+        f'class="timeline-svg" aria-label="{html.escape(panel.title)}">',
+        _text(WIDTH / 2, ROW * 0.8, panel.title, "middle", "bold"),
+    ]
     for i, row in enumerate(rows):
         y = top + i * ROW
         out.append(_text(left - 8, y + ROW / 2 + FONT_PX / 3, row, "end"))
@@ -80,15 +86,18 @@ def panel_svg(panel: Panel) -> str:
         y, x0, x1 = top + rows.index(bar.row) * ROW + (ROW - BAR) / 2, x(bar.start), x(bar.end)
         tip = f"{bar.label}: {bar.start * scale:.3g}–{bar.end * scale:.3g} {unit}"
         tip += f", {bar.detail}" if bar.detail else ""
-        out.append(f'<rect x="{x0:.1f}" y="{y:.1f}" width="{max(x1 - x0, 1.5):.1f}" height="{BAR}" '
-                   f'fill="{panel.colors[bar.kind]}" stroke="#fff" stroke-width="1">'
-                   f'<title>{html.escape(tip)}</title></rect>')
+        out.append(
+            f'<rect x="{x0:.1f}" y="{y:.1f}" width="{max(x1 - x0, 1.5):.1f}" height="{BAR}" '
+            f'fill="{panel.colors[bar.kind]}" stroke="#fff" stroke-width="1">'
+            f"<title>{html.escape(tip)}</title></rect>"
+        )
         if len(bar.label) * CHAR_PX + 6 <= x1 - x0:
             out.append(_text((x0 + x1) / 2, y + BAR / 2 + FONT_PX / 3, bar.label, "middle", fill="#fff"))
     for i, (kind, color) in enumerate(panel.colors.items()):
         lx, ly = 8 + (i % 3) * (WIDTH / 3), legend_y + (i // 3) * ROW
-        out.append(f'<rect x="{lx:.1f}" y="{ly - FONT_PX + 2:.1f}" width="{FONT_PX}" height="{FONT_PX}" '
-                   f'fill="{color}"/>')
+        out.append(
+            f'<rect x="{lx:.1f}" y="{ly - FONT_PX + 2:.1f}" width="{FONT_PX}" height="{FONT_PX}" fill="{color}"/>'
+        )
         out.append(_text(lx + FONT_PX + 6, ly, kind))
     return "\n".join(out + ["</svg>"])
 
@@ -96,4 +105,4 @@ def panel_svg(panel: Panel) -> str:
 def timeline(modeled: Panel, measured: Panel | None = None) -> str:
     """The HTML of one timeline, or of a modeled and a measured one side by side (wrapping when narrow)."""
     panels = [modeled] + ([measured] if measured else [])
-    return ('<div class="timeline">\n' + "\n".join(panel_svg(p) for p in panels) + "\n</div>\n")
+    return '<div class="timeline">\n' + "\n".join(panel_svg(p) for p in panels) + "\n</div>\n"

@@ -10,6 +10,7 @@ their order, shapes, bytes, FLOP counts (each collective and span stamped with t
 it, each pipeline action with its own), and the order of issue versus compute, but not timings. For a
 pipeline trace: each stage's action order, in-flight peaks and activation bytes, and its sends and receives.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,14 +22,28 @@ TRACE_DIR = "traces"
 RECORD = "re-record with tools/record-traces"
 REQUIRED = {
     "tp_block": ("world", "tp", "s", "b", "heads", "dtype_size", "runs"),
-    "fsdp_forward": ("world", "params", "dtype_size", "tokens_per_rank", "forward_flops_per_token", "units",
-                     "events", "spans"),
-    "scale": ("setup", "world", "runs"),     # python -m reference.scale --json (pin_and_cite.site.scale_tables)
+    "fsdp_forward": (
+        "world",
+        "params",
+        "dtype_size",
+        "tokens_per_rank",
+        "forward_flops_per_token",
+        "units",
+        "events",
+        "spans",
+    ),
+    "scale": ("setup", "world", "runs"),  # python -m reference.scale --json (pin_and_cite.site.scale_tables)
     "pipeline": ("schedule", "world", "pp", "m", "b", "s", "h", "dtype_size", "activation_shape", "stages"),
     "activation_memory": ("world", "shape", "configurations"),  # benchmarks/bench_activation_memory.py --json
 }
-PIPELINE_STAGE_KEYS = ("pp_rank", "actions", "action_flops", "peak_in_flight", "peak_in_flight_measured",
-                       "peak_activation_bytes")
+PIPELINE_STAGE_KEYS = (
+    "pp_rank",
+    "actions",
+    "action_flops",
+    "peak_in_flight",
+    "peak_in_flight_measured",
+    "peak_activation_bytes",
+)
 SPAN_KEYS = ("name", "phase", "flops_start", "flops_end")
 P2P_KEYS = ("op", "phase", "shape", "nbytes", "dtype", "group_ranks", "async_op")
 # Slots a forward and a backward take on the pipeline timeline: a backward costs about twice a forward's FLOPs.
@@ -74,8 +89,9 @@ def events_where(events: list[dict], **match) -> list[dict]:
 def forward_markers(trace: dict) -> list[tuple[str, str]]:
     """The FSDP forward as an ordered list of ("issue", unit) / ("start"|"end", unit): when each all-gather was
     issued relative to each unit's compute. Ordering, not time, so it must be the same in every run."""
-    points = [(e["start"], "issue", e["module"]) for e in events_where(trace["events"], op="all_gather",
-                                                                         phase="forward")]
+    points = [
+        (e["start"], "issue", e["module"]) for e in events_where(trace["events"], op="all_gather", phase="forward")
+    ]
     for span in trace["spans"]:
         if span["phase"] == "forward":
             unit = span["name"].removesuffix(" forward")
@@ -108,13 +124,15 @@ def pipeline_schedule(trace: dict, duration, transfer=lambda r, action: 0) -> li
                 action = actions[len(placed[r])]
                 kind, (chunk, _, micro_batch) = action[0], action[1:].rpartition(".")
                 if kind not in SLOTS or not micro_batch.isdigit() or not (chunk or "0").isdigit():
-                    raise TraceError(f"trace {trace['name']}: stage {r} ran {action!r}, not F<i>, B<i>, F<c>.<i> "
-                                     f"or B<c>.<i>; {RECORD}")
+                    raise TraceError(
+                        f"trace {trace['name']}: stage {r} ran {action!r}, not F<i>, B<i>, F<c>.<i> "
+                        f"or B<c>.<i>; {RECORD}"
+                    )
                 virtual = int(chunk or 0) * p + r
                 peer = virtual - 1 if kind == "F" else virtual + 1
                 ready = [placed[r][-1][2] if placed[r] else 0]
                 if kind == "B" and (virtual, "F", micro_batch) not in done:
-                    break   # a backward needs its own forward first: recorded out of order, it never runs
+                    break  # a backward needs its own forward first: recorded out of order, it never runs
                 if 0 <= peer <= last_virtual:
                     if (peer, kind, micro_batch) not in done:
                         break
@@ -125,8 +143,10 @@ def pipeline_schedule(trace: dict, duration, transfer=lambda r, action: 0) -> li
                 done[virtual, kind, micro_batch] = end
                 progress = True
         if not progress:
-            raise TraceError(f"trace {trace['name']}: the recorded action orders wait on each other (no stage can "
-                             f"run its next action); {RECORD}")
+            raise TraceError(
+                f"trace {trace['name']}: the recorded action orders wait on each other (no stage can "
+                f"run its next action); {RECORD}"
+            )
     return placed
 
 
@@ -138,19 +158,34 @@ def _rows(events: list[dict], keys: tuple[str, ...]) -> list[tuple[str, ...]]:
 def structure(trace: dict) -> dict:
     """Everything of a trace that a fresh run must reproduce exactly."""
     if trace["kind"] == "pipeline":
-        return {**{k: trace[k] for k in REQUIRED["pipeline"] if k != "stages"},
-                "virtual_stages": trace.get("virtual_stages", 1),
-                "stages": [{**{k: st[k] for k in PIPELINE_STAGE_KEYS},
-                            "spans": len(st["action_spans"]),
-                            "p2p": _rows(st["p2p"], P2P_KEYS)}
-                           for st in trace["stages"]]}
+        return {
+            **{k: trace[k] for k in REQUIRED["pipeline"] if k != "stages"},
+            "virtual_stages": trace.get("virtual_stages", 1),
+            "stages": [
+                {
+                    **{k: st[k] for k in PIPELINE_STAGE_KEYS},
+                    "spans": len(st["action_spans"]),
+                    "p2p": _rows(st["p2p"], P2P_KEYS),
+                }
+                for st in trace["stages"]
+            ],
+        }
     if trace["kind"] == "tp_block":
-        return {**{k: trace[k] for k in REQUIRED["tp_block"] if k != "runs"},
-                "runs": [{"h": run["h"], "step_flops_per_rank": run["step_flops_per_rank"],
-                          "forward_steps": run["forward_steps"],
-                          "events": _rows(run["events"], EVENT_KEYS)}
-                         for run in trace["runs"]]}
-    return {**{k: trace[k] for k in REQUIRED["fsdp_forward"] if k not in ("events", "spans")},
-            "events": _rows(trace["events"], (*EVENT_KEYS, "flops")),
-            "spans": _rows(trace["spans"], SPAN_KEYS),
-            "forward_markers": forward_markers(trace)}
+        return {
+            **{k: trace[k] for k in REQUIRED["tp_block"] if k != "runs"},
+            "runs": [
+                {
+                    "h": run["h"],
+                    "step_flops_per_rank": run["step_flops_per_rank"],
+                    "forward_steps": run["forward_steps"],
+                    "events": _rows(run["events"], EVENT_KEYS),
+                }
+                for run in trace["runs"]
+            ],
+        }
+    return {
+        **{k: trace[k] for k in REQUIRED["fsdp_forward"] if k not in ("events", "spans")},
+        "events": _rows(trace["events"], (*EVENT_KEYS, "flops")),
+        "spans": _rows(trace["spans"], SPAN_KEYS),
+        "forward_markers": forward_markers(trace),
+    }
