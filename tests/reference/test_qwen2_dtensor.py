@@ -5,7 +5,7 @@ workers/qwen2_dtensor_worker.py launches once per (mode, device): `tp` at world 
 sequence-parallel plan, HF's shipped plan, the pitfalls' observations and fixes), `fsdp_tp` at world 4 (FSDP2 on
 a dp 2 x tp 2 mesh with checkpointed layers, fp32 and bf16 compute), `uneven` at world 2 (pitfall 2, which
 crashes). Every test asserts on one shared launch. The expected collective counts are data (PER_BLOCK,
-per_step) for the lead's cross-check against the reference decoder.
+per_step); test_qwen2_reference_vs_dtensor.py compares the measured ones with the reference decoder's.
 """
 
 from __future__ import annotations
