@@ -382,31 +382,30 @@ class GPTStage(torch.nn.Module):
         return self.output_layer(hidden, self._pad(labels, 0))[:, :real].mean()
 
 
-def build_stage(
-    config: GPTConfig,
-    layout: ParallelLayout,
-    *,
-    sequence_parallel: bool = False,
-    seed: int = 1234,
-    device=None,
-    params_dtype: torch.dtype = torch.float32,
-    **block_kwargs,
-) -> GPTStage:
-    """This rank's stage: its PP rank's share of split_layers, tensor-parallel over its TP group."""
-    first, last = split_layers(config.num_layers, layout.pp_size)[layout.pp_rank]
-    return GPTStage(
-        config,
-        layout.tp_group,
-        first_layer=first,
-        last_layer=last,
-        is_first=layout.pp_rank == 0,
-        is_last=layout.pp_rank == layout.pp_size - 1,
-        sequence_parallel=sequence_parallel,
-        seed=seed,
-        device=device,
-        params_dtype=params_dtype,
-        **block_kwargs,
+def _stages(config: GPTConfig, layout: ParallelLayout, bounds: list[tuple[int, int]], **stage_kwargs) -> list[GPTStage]:
+    """A GPTStage per [first, last) layer range, tensor-parallel over the layout's TP group; the one holding
+    layer 0 embeds, the one holding the last layer computes the loss."""
+    return [
+        GPTStage(
+            config,
+            layout.tp_group,
+            first_layer=first,
+            last_layer=last,
+            is_first=first == 0,
+            is_last=last == config.num_layers,
+            **stage_kwargs,
+        )
+        for first, last in bounds
+    ]
+
+
+def build_stage(config: GPTConfig, layout: ParallelLayout, **stage_kwargs) -> GPTStage:
+    """This rank's stage: its PP rank's share of split_layers, tensor-parallel over its TP group. `stage_kwargs`
+    go to GPTStage (sequence_parallel, seed, device, params_dtype, block arguments)."""
+    (stage,) = _stages(
+        config, layout, [split_layers(config.num_layers, layout.pp_size)[layout.pp_rank]], **stage_kwargs
     )
+    return stage
 
 
 def split_virtual_stages(num_layers: int, pp_size: int, virtual_stages: int) -> list[list[tuple[int, int]]]:
@@ -430,33 +429,7 @@ def split_virtual_stages(num_layers: int, pp_size: int, virtual_stages: int) -> 
     return [[((c * p + r) * per_chunk, (c * p + r + 1) * per_chunk) for c in range(v)] for r in range(p)]
 
 
-def build_chunks(
-    config: GPTConfig,
-    layout: ParallelLayout,
-    virtual_stages: int,
-    *,
-    sequence_parallel: bool = False,
-    seed: int = 1234,
-    device=None,
-    params_dtype: torch.dtype = torch.float32,
-    **block_kwargs,
-) -> list[GPTStage]:
+def build_chunks(config: GPTConfig, layout: ParallelLayout, virtual_stages: int, **stage_kwargs) -> list[GPTStage]:
     """This rank's v model chunks for interleaved 1F1B (split_virtual_stages), tensor-parallel over its TP group."""
-    p, r, v = layout.pp_size, layout.pp_rank, virtual_stages
-    bounds = split_virtual_stages(config.num_layers, p, v)[r]
-    return [
-        GPTStage(
-            config,
-            layout.tp_group,
-            first_layer=first,
-            last_layer=last,
-            is_first=first == 0,
-            is_last=last == config.num_layers,
-            sequence_parallel=sequence_parallel,
-            seed=seed,
-            device=device,
-            params_dtype=params_dtype,
-            **block_kwargs,
-        )
-        for first, last in bounds
-    ]
+    bounds = split_virtual_stages(config.num_layers, layout.pp_size, virtual_stages)[layout.pp_rank]
+    return _stages(config, layout, bounds, **stage_kwargs)

@@ -266,11 +266,11 @@ class ParallelLlamaBlock(torch.nn.Module):
         gradient_accumulation_fusion: bool = False,
         params_dtype=torch.float32,
         device=None,
-        rng=None,
+        rng: TensorParallelRNG | None = None,
         recompute: str = "none",
     ):
         super().__init__()
-        self.rng, self.recompute = rng, check_recompute_mode(recompute)
+        self.rng, self.recompute = rng or TensorParallelRNG(0, tp_group, device), check_recompute_mode(recompute)
         self.sequence_parallel = sequence_parallel and tp_group.size() > 1
         linear_kwargs = dict(
             tp_group=tp_group,
