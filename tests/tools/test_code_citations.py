@@ -1,7 +1,7 @@
 """Citations written in the reference's docstrings (pin_and_cite.core.code_citations): `check` verifies them at
 their file:line, refuses hand-typed upstream line numbers, and the reference pages render from them."""
 
-from pin_and_cite.core.code_citations import citations_in_text, hand_typed_lines
+from pin_and_cite.core.code_citations import citations_in_text, code_texts, hand_typed_lines
 from tests.tools.conftest import ROOT
 
 LAYERS = "up:pkg/core/layers.py"
@@ -90,4 +90,4 @@ def test_the_citation_form_is_found_inside_prose_and_backticks():
 
 
 def test_the_reference_carries_no_hand_typed_upstream_line_number():
-    assert hand_typed_lines(ROOT) == []
+    assert hand_typed_lines(code_texts(ROOT), ROOT) == []

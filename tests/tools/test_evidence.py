@@ -179,3 +179,13 @@ def test_the_page_shows_each_kind_of_evidence_and_refuses_an_unpinned_upstream(p
         "source in pins.toml (up)"
         in r.out
     )
+
+
+def test_an_edited_test_file_is_read_again(tmp_path):
+    """`mkdocs serve` renders again after an edit: the test's lines (its page's excerpt) follow the file."""
+    test_file = tmp_path / "tests" / "test_edited.py"
+    test_file.parent.mkdir()
+    test_file.write_text("def test_it():\n    assert True\n")
+    assert evidence_of(tmp_path, "tests/test_edited.py::test_it").lines == (1, 2)
+    test_file.write_text("import os\n\n\ndef test_it():\n    assert os.sep\n")
+    assert evidence_of(tmp_path, "tests/test_edited.py::test_it").lines == (4, 5)

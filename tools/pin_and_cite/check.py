@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pin_and_cite.core.citation import parse_spec
-from pin_and_cite.core.code_citations import code_citations, hand_typed_lines
+from pin_and_cite.core.code_citations import code_citations, code_texts, hand_typed_lines
 from pin_and_cite.core.defaults import default_ref, parse_key
 from pin_and_cite.core.errors import PinAndCiteError
 from pin_and_cite.core.locked import locked_default, locked_excerpt
@@ -76,7 +76,8 @@ def check(project: Project) -> Report:
     }
     problems, in_notes, malformed, broken = [], set(), 0, {key for key, why in verdicts.items() if why}
     written = written_calls(project.notes_dir, {"cite", "upstream", "verified_by", "default"}, resolver.parsed)
-    written += code_citations(project.root)  # the reference's docstrings cite upstream too
+    code = code_texts(project.root)
+    written += code_citations(code)  # the reference's docstrings cite upstream too
     claims = [call for call in written if call.function == "verified_by"]
     for call in (call for call in written if call.function != "verified_by"):
         where = call.where(project.root)
@@ -106,7 +107,7 @@ def check(project: Project) -> Report:
             "a hand-typed upstream line number, which nothing keeps true; cite the code "
             "as SOURCE:PATH::Qual.name instead",
         )
-        for where, what in hand_typed_lines(project.root)
+        for where, what in hand_typed_lines(code, project.root)
     ]
     problems += _render_problems(project, resolver, problems)
     problems += [Problem("citations.lock", what, why) for what, why in record_problems(project, resolver)]

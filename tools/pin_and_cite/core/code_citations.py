@@ -45,20 +45,23 @@ def _text_of(file: Path, root: Path) -> str:
         ) from None
 
 
-def code_citations(root: Path) -> list[Written]:
-    """Every upstream citation written in the project's code, as `upstream` calls at their file:line."""
+def code_texts(root: Path) -> dict[Path, str]:
+    """The project's code files and their text, read once for both scans below."""
+    return {file: _text_of(file, root) for file in code_files(root)}
+
+
+def code_citations(texts: dict[Path, str]) -> list[Written]:
+    """Every upstream citation written in the project's code (`code_texts`), as `upstream` calls at their
+    file:line."""
     return [
-        Written("upstream", spec, file, line)
-        for file in code_files(root)
-        for spec, line in citations_in_text(_text_of(file, root))
+        Written("upstream", spec, file, line) for file, text in texts.items() for spec, line in citations_in_text(text)
     ]
 
 
-def hand_typed_lines(root: Path) -> list[tuple[str, str]]:
-    """(file:line, what) of every hand-typed upstream line number in the project's code."""
+def hand_typed_lines(texts: dict[Path, str], root: Path) -> list[tuple[str, str]]:
+    """(file:line, what) of every hand-typed upstream line number in the project's code (`code_texts`)."""
     found = []
-    for file in code_files(root):
-        text = _text_of(file, root)
+    for file, text in texts.items():
         found += [
             (f"{file.relative_to(root)}:{_line_of(text, m.start())}", m[0]) for m in HAND_TYPED_LINE.finditer(text)
         ]

@@ -42,9 +42,16 @@ def _upstream_source(decorators: list[ast.expr]) -> str | None | bool:
     return False
 
 
-@functools.cache
 def _tests_in(path: Path) -> dict[str, Evidence] | str:
-    """Test name (or Class::name) -> its evidence; a string says why the file cannot be read as Python."""
+    """Test name (or Class::name) -> its evidence; a string says why the file cannot be read as Python. Cached
+    per file version: `mkdocs serve` renders again after a test file is edited, and its page must show the new
+    lines."""
+    stat = path.stat()
+    return _tests_in_version(path, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.cache
+def _tests_in_version(path: Path, _mtime_ns: int, _size: int) -> dict[str, Evidence] | str:
     try:
         tree = ast.parse(path.read_bytes().decode("utf-8"), filename=str(path))
     except UnicodeDecodeError:

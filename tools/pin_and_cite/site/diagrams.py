@@ -214,14 +214,14 @@ def chart_sent_per_group(trace: dict) -> str:
     """A horizontal xychart of the GiB one rank sends per step to each process group, per pipeline stage: the
     rows of scale_tables.scale_table (checked the same way) drawn, each bar's value in its label (mermaid's own
     data labels shrink with the bars, below a readable size)."""
-    stages = trace["setup"]["pp"]
+    stages, runs = trace["setup"]["pp"], [run for run, _ in scale_tables.checked_runs(trace)]
     bars = [
         (
             f"{name}, stage {scale_tables.stage_name(run['stage'], stages)}",
             scale_tables.sent_per_group(trace, run)[group] / 2**30,
         )
         for group, name in scale_tables.GROUPS.items()
-        for run, _ in scale_tables.checked_runs(trace)
+        for run in runs
     ]
     config = {"xyChart": {"width": 760, "height": 440}, "themeVariables": {"xyChart": {"plotColorPalette": "#1565c0"}}}
     title = f"GiB one rank sends per step, by process group and stage ({trace['name']})"
