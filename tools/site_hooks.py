@@ -8,6 +8,8 @@
      (pin_and_cite.site.render with this study's helpers), which leaves unchanged outputs untouched (mkdocs watches
      docs/, so rewriting a file on every build would trigger the next rebuild forever) and, on a bad template,
      stops the build with the template's file:line and leaves the previous pages as they were.
+`on_env` keeps the theme's compiled templates under the cache (mkdocs-material's templates would otherwise be
+compiled on every build; pin_and_cite.core.sandbox.CompiledTemplates, in a folder of their own).
 `on_serve` watches reading_notes/ as well, so saving a template re-renders and reloads the page.
 The project root is $PIN_AND_CITE_PROJECT when set (tests build scratch copies), else the folder of mkdocs.yml.
 """
@@ -21,6 +23,8 @@ import vendor_assets
 from mkdocs.exceptions import PluginError
 
 from pin_and_cite.core.errors import PinAndCiteError
+from pin_and_cite.core.sandbox import CompiledTemplates
+from pin_and_cite.core.store import default_cache_dir
 from pin_and_cite.site.study import render_site
 
 
@@ -41,6 +45,11 @@ def on_pre_build(config) -> None:
         render_site(project_root(config), docs_dir / "notes")
     except PinAndCiteError as e:
         raise PluginError(str(e)) from None
+
+
+def on_env(env, config, files):
+    env.bytecode_cache = CompiledTemplates(default_cache_dir(), folder="jinja-theme")
+    return env
 
 
 def on_serve(server, config, builder):

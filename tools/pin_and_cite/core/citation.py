@@ -5,9 +5,9 @@ Parsing is pure (no files touched) so a malformed spec is refused before any wor
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
-from pathlib import PurePosixPath
 
 from pin_and_cite.core.errors import PinAndCiteError
 
@@ -34,14 +34,14 @@ class Spec:
 
 def check_repo_path(path: str) -> str:
     """Refuse paths that could escape a repository or name git's own files."""
-    pure = PurePosixPath(path)
     if not path or path.startswith("/") or "\\" in path or re.match(r"[A-Za-z]:", path):
         raise PinAndCiteError(f"path {path!r} must be relative to the repository root, with '/' separators")
-    if any(part in ("..", ".", "") for part in path.split("/")) or ".git" in pure.parts:
+    if any(part in ("..", ".", "", ".git") for part in path.split("/")):
         raise PinAndCiteError(f"path {path!r} escapes the repository or names .git; give a plain relative path")
     return path
 
 
+@functools.cache  # pure, and the notes write the same specs many times over
 def parse_spec(text: str) -> Spec:
     match = _SPEC.fullmatch(text.strip())
     if not match:

@@ -18,13 +18,14 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 
 class CompiledTemplates(jinja2.FileSystemBytecodeCache):
-    """Templates compiled once and kept under the cache (`<cache>/jinja/<Jinja version>/`): compiling every
+    """Templates compiled once and kept under the cache (`<cache>/<folder>/<Jinja version>/`): compiling every
     note is a third of a `check`. Jinja keys each file by the template's path and checks the hash of its
     source, so an edited template is compiled again; a damaged or unwritable file costs a compile, never an
-    error."""
+    error. `folder` keeps environments apart: code compiled for the sandbox (the default, "jinja") is never
+    loaded into another environment, nor the reverse."""
 
-    def __init__(self, cache_root: Path):
-        folder = cache_root / "jinja" / jinja2.__version__
+    def __init__(self, cache_root: Path, folder: str = "jinja"):
+        folder = cache_root / folder / jinja2.__version__
         try:
             folder.mkdir(parents=True, exist_ok=True)
         except OSError:

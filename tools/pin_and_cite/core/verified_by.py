@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -83,15 +84,23 @@ def _tests_in_version(path: Path, _mtime_ns: int, _size: int) -> dict[str, Evide
     return found
 
 
+def _test_file(root: Path, path: str) -> Path | None:
+    """The file `path` names under root/tests, symlinks resolved, or None if it is not one there."""
+    if not path.startswith("tests/"):
+        return None
+    tests_dir = os.path.realpath(root / "tests")
+    file = os.path.realpath(root / path)
+    return Path(file) if file.startswith(tests_dir + os.sep) and os.path.isfile(file) else None
+
+
 def evidence_of(root: Path, node_id: str) -> Evidence | str:
     """The evidence of the test `node_id` (pytest's `tests/PATH.py::[Class::]name[params]`), or why it names
     no test in the project (one line)."""
     path, sep, name = node_id.partition("::")
     if not sep or not name:
         return f"{node_id!r} is not a pytest node id (tests/FILE.py::test_name)"
-    tests_dir = (root / "tests").resolve()
-    file = (root / path).resolve()
-    if not path.startswith("tests/") or not file.is_relative_to(tests_dir) or not file.is_file():
+    file = _test_file(root, path)
+    if file is None:
         return f"test file {path!r} does not exist under tests/"
     tests = _tests_in(file)
     if isinstance(tests, str):
