@@ -2,14 +2,17 @@
 OUT`
 and `torchrun --nproc-per-node 4 tools/trace_worker.py OUT pipeline`.
 
-Run by `tools/record-traces` (which writes reading_notes/traces/); rank 0 writes OUT/tp_block.json and
-OUT/fsdp_forward.json (2 ranks), or OUT/pipeline_gpipe.json, OUT/pipeline_1f1b.json and
+Run by `tools/record-traces` (which writes reading_notes/traces/); rank 0 writes OUT/tp_block.json,
+OUT/tp_block_llama.json and OUT/fsdp_forward.json (2 ranks), or OUT/pipeline_gpipe.json, OUT/pipeline_1f1b.json and
 OUT/pipeline_interleaved.json (4 ranks, `pipeline`).
 Everything in them is observed, not computed:
   * tp_block: one tensor-parallel transformer block (reference.tensor_parallel) at two hidden sizes. The
     CollectiveRecorder's events (op, module, phase, shape, bytes) of one forward+backward; the forward order of
     the block's leaf modules and of the aten ops run between them (attention, GELU), from module hooks and a
     dispatch mode; the forward FLOPs per rank from torch's FlopCounterMode.
+  * tp_block_llama: the same for the Llama/Qwen2 block (reference.tensor_parallel.transformer.ParallelLlamaBlock,
+    GPTConfig(style="llama") with TP_KV_HEADS key/value heads: one per rank), as the one layer of a middle
+    pipeline stage, which hands it the rotary positions.
   * fsdp_forward: the reference FSDP (one unit per block plus the root, forward and backward prefetch) in
     its second step, when forward prefetch knows the unit order: collectives and per-unit compute spans, each
     stamped with the FLOPs computed so far in the step (the recorder counts them; attention on the math
