@@ -1,8 +1,10 @@
-"""`tools/record-traces [--out DIR]`: re-record the runs the study site's diagrams and numbers come from.
+"""`tools/record-traces [--out DIR] [--only NAME ...]`: re-record the runs the study site's diagrams and numbers
+come from.
 
-Runs tools/trace_worker.py on two ranks under torchrun (CPU, gloo) and writes DIR/tp_block.json and
-DIR/fsdp_forward.json (default reading_notes/traces/, which is committed), then on four ranks (four
-pipeline stages) DIR/pipeline_gpipe.json, DIR/pipeline_1f1b.json and DIR/pipeline_interleaved.json.
+Runs tools/trace_worker.py on two ranks under torchrun (CPU, gloo) and writes DIR/tp_block.json,
+DIR/tp_block_llama.json and DIR/fsdp_forward.json (default reading_notes/traces/, which is committed), then
+on four ranks (four pipeline stages) DIR/pipeline_gpipe.json, DIR/pipeline_1f1b.json and
+DIR/pipeline_interleaved.json.
 tests/tools/test_traces.py runs the
 same worker and fails when a fresh run no longer matches the committed traces, so re-record after changing the
 reference and commit the result. Then, in one process each, `python -m reference.scale --json` traces a first,
@@ -10,7 +12,9 @@ middle and last stage rank of the layouts in SCALE (fake process group, 70B shap
 checked by tests/tools/test_scale_traces.py. Last, on two ranks, benchmarks/bench_activation_memory.py --json
 counts one block's activation bytes per configuration of Korthikanti et al.'s Table 2 into
 DIR/activation_memory.json, at the shape of the test worker that checks it
-(tests/reference/test_activation_memory.py). Exit status: 0 recorded, 1 a run failed (its output is printed).
+(tests/reference/test_activation_memory.py). `--only NAME ...` writes just those traces (and runs just the
+recordings that make them), leaving the others as they are. Exit status: 0 recorded, 1 a run failed (its
+output is printed), 2 a usage error (an unknown trace name).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Collection
 from pathlib import Path
 
 from pin_and_cite.core.atomic import atomic_write
@@ -29,6 +34,11 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tools" / "trace_worker.py"
 RANKS = 2
 PIPELINE_RANKS = 4  # trace_worker.PIPELINE_RANKS
+# each trace_worker.py launch: ranks, its `what` argument, and the traces it writes
+WORKER_RUNS = (
+    (RANKS, "tp_fsdp", ("tp_block", "tp_block_llama", "fsdp_forward")),
+    (PIPELINE_RANKS, "pipeline", ("pipeline_gpipe", "pipeline_1f1b", "pipeline_interleaved")),
+)
 # trace name -> python -m reference.scale arguments: 70B on TP 8 x PP 8 x DP 64 (1F1B, DDP in 25 MiB buckets),
 # plain TP and with sequence parallelism
 SCALE = {
@@ -66,10 +76,13 @@ def _run(cmd: list[str], what: str, timeout: float, **env: str) -> str:
     return proc.stdout
 
 
-def record(out: Path, timeout: float = 300) -> list[Path]:
-    """Run the worker into a scratch folder, then move each trace into `out`; the paths written."""
+def record(out: Path, timeout: float = 300, only: Collection[str] | None = None) -> list[Path]:
+    """Run the worker into a scratch folder, then move each trace (each of `only`) into `out`; the paths
+    written."""
     with tempfile.TemporaryDirectory(prefix="traces-") as scratch:
-        for ranks, what in ((RANKS, "tp_fsdp"), (PIPELINE_RANKS, "pipeline")):
+        for ranks, what, names in WORKER_RUNS:
+            if only is not None and not set(names) & set(only):
+                continue
             _run(
                 [
                     sys.executable,
@@ -89,16 +102,20 @@ def record(out: Path, timeout: float = 300) -> list[Path]:
         out.mkdir(parents=True, exist_ok=True)
         written = []
         for trace in sorted(Path(scratch).glob("*.json")):
+            if only is not None and trace.stem not in only:
+                continue
             shutil.move(str(trace), out / trace.name)  # within one filesystem: a rename
             written.append(out / trace.name)
         return written
 
 
-def record_scale(out: Path, timeout: float = 300) -> list[Path]:
-    """Write out/NAME.json for every scale trace in SCALE; the paths written."""
+def record_scale(out: Path, timeout: float = 300, only: Collection[str] | None = None) -> list[Path]:
+    """Write out/NAME.json for every scale trace in SCALE (each of `only`); the paths written."""
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for name, args in SCALE.items():
+        if only is not None and name not in only:
+            continue
         stdout = _run(
             [sys.executable, "-m", "reference.scale", *args, "--json"],
             f"reference.scale {' '.join(args)}",
@@ -113,8 +130,11 @@ def record_scale(out: Path, timeout: float = 300) -> list[Path]:
 ACTIVATION_MEMORY = ["--seq-length", "32", "--batch-size", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
 
 
-def record_activation_memory(out: Path, timeout: float = 300) -> list[Path]:
-    """Write out/activation_memory.json from the activation-memory benchmark on two ranks; the path written."""
+def record_activation_memory(out: Path, timeout: float = 300, only: Collection[str] | None = None) -> list[Path]:
+    """Write out/activation_memory.json from the activation-memory benchmark on two ranks (unless `only` leaves
+    it out); the paths written."""
+    if only is not None and "activation_memory" not in only:
+        return []
     stdout = _run(
         [
             sys.executable,
@@ -136,12 +156,19 @@ def record_activation_memory(out: Path, timeout: float = 300) -> list[Path]:
     return [out / "activation_memory.json"]
 
 
+TRACES = (*(name for _, _, names in WORKER_RUNS for name in names), *SCALE, "activation_memory")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="record-traces", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=ROOT / "reading_notes" / "traces", help="output folder")
+    parser.add_argument(
+        "--only", nargs="+", choices=TRACES, metavar="NAME", help=f"record only these traces: {', '.join(TRACES)}"
+    )
     args = parser.parse_args(argv)
     try:
-        for path in record(args.out) + record_scale(args.out) + record_activation_memory(args.out):
+        recorded = [step(args.out, only=args.only) for step in (record, record_scale, record_activation_memory)]
+        for path in sum(recorded, []):
             print(path)
     except (RuntimeError, subprocess.TimeoutExpired) as exc:
         print(f"record-traces: error: {exc}", file=sys.stderr)

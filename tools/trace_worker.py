@@ -2,14 +2,17 @@
 OUT`
 and `torchrun --nproc-per-node 4 tools/trace_worker.py OUT pipeline`.
 
-Run by `tools/record-traces` (which writes reading_notes/traces/); rank 0 writes OUT/tp_block.json and
-OUT/fsdp_forward.json (2 ranks), or OUT/pipeline_gpipe.json, OUT/pipeline_1f1b.json and
+Run by `tools/record-traces` (which writes reading_notes/traces/); rank 0 writes OUT/tp_block.json,
+OUT/tp_block_llama.json and OUT/fsdp_forward.json (2 ranks), or OUT/pipeline_gpipe.json, OUT/pipeline_1f1b.json and
 OUT/pipeline_interleaved.json (4 ranks, `pipeline`).
 Everything in them is observed, not computed:
   * tp_block: one tensor-parallel transformer block (reference.tensor_parallel) at two hidden sizes. The
     CollectiveRecorder's events (op, module, phase, shape, bytes) of one forward+backward; the forward order of
     the block's leaf modules and of the aten ops run between them (attention, GELU), from module hooks and a
     dispatch mode; the forward FLOPs per rank from torch's FlopCounterMode.
+  * tp_block_llama: the same for the Llama/Qwen2 block (reference.tensor_parallel.transformer.ParallelLlamaBlock,
+    GPTConfig(style="llama") with TP_KV_HEADS key/value heads: one per rank), as the one layer of a middle
+    pipeline stage, which hands it the rotary positions.
   * fsdp_forward: the reference FSDP (one unit per block plus the root, forward and backward prefetch) in
     its second step, when forward prefetch knows the unit order: collectives and per-unit compute spans, each
     stamped with the FLOPs computed so far in the step (the recorder counts them; attention on the math
@@ -40,7 +43,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from pin_and_cite.site.traces import EVENT_KEYS  # what the site's trace comparison reads
 from reference.distributed import distributed
 from reference.fsdp.units import shard_model
-from reference.gpt.model import GPTConfig, build_chunks, build_stage
+from reference.gpt.model import GPTConfig, GPTStage, build_chunks, build_stage
 from reference.gpt.train import data_parallel, train_step
 from reference.gpt.train import synthetic_batches as gpt_batches
 from reference.model import ModelConfig, build_model, next_token_loss, synthetic_batches
@@ -50,6 +53,7 @@ from reference.tensor_parallel.transformer import ParallelTransformer
 
 TP_SHAPE = dict(s=8, b=2, heads=4)
 TP_HIDDEN = (64, 128)  # two sizes: bytes grow like h, FLOPs like a*h^2 + c*h
+TP_KV_HEADS = {"gpt2": TP_SHAPE["heads"], "llama": 2}  # llama: grouped-query, one key/value head per TP rank
 FSDP_CONFIG = ModelConfig(vocab_size=128, hidden_size=32, num_attention_heads=4, num_layers=2, max_seq_length=64)
 FSDP_BATCH, FSDP_SEQ, SEED = 4, 16, 1234
 PIPELINE_RANKS, PIPELINE_M, PIPELINE_B = 4, 8, 2  # pp 4, 8 micro-batches of 2 sequences
@@ -102,21 +106,40 @@ class ForwardSteps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def tp_block(world: int) -> dict:
+def tp_block_model(style: str, h: int, tp_group) -> tuple[torch.nn.Module, object]:
+    """One block of `style` as `layers.0` of a module, and its forward from a [s, b, h] activation: "gpt2" a
+    ParallelTransformer, "llama" a middle pipeline stage (no embedding, no head) of the llama GPT, which
+    passes the block its rotary positions."""
+    if style == "gpt2":
+        model = ParallelTransformer(1, h, TP_SHAPE["heads"], tp_group=tp_group)
+        return model, model
+    config = GPTConfig(
+        hidden_size=h,
+        num_attention_heads=TP_SHAPE["heads"],
+        num_kv_heads=TP_KV_HEADS[style],
+        num_layers=1,
+        seq_length=TP_SHAPE["s"],
+        style=style,
+    )
+    stage = GPTStage(config, tp_group, first_layer=0, last_layer=1, is_first=False, is_last=False, seed=SEED)
+    return stage, lambda x: stage(x, None, None)
+
+
+def tp_block(world: int, style: str = "gpt2") -> dict:
     layout = build_layout(world)
     s, b, heads = TP_SHAPE["s"], TP_SHAPE["b"], TP_SHAPE["heads"]
     runs = []
     for h in TP_HIDDEN:
         torch.manual_seed(SEED)
-        model = ParallelTransformer(1, h, heads, tp_group=layout.tp_group)
+        model, forward = tp_block_model(style, h, layout.tp_group)
         x = torch.randn(s, b, h)
-        flops = counted_flops(lambda model=model, x=x: model(x).pow(2).mean().backward())  # forward + backward
+        flops = counted_flops(lambda forward=forward, x=x: forward(x).pow(2).mean().backward())  # forward + backward
         model.zero_grad(set_to_none=True)
         steps = ForwardSteps(model)
         recorder = CollectiveRecorder()
         recorder.watch(model)
         with recorder, steps:
-            model(x).pow(2).mean().backward()
+            forward(x).pow(2).mean().backward()
         events = [{k: e[k] for k in EVENT_KEYS} for e in recorder.to_dict()["events"]]
         runs.append({"h": h, "step_flops_per_rank": flops, "events": events, "forward_steps": steps.steps})
     return {
@@ -126,6 +149,8 @@ def tp_block(world: int) -> dict:
         "s": s,
         "b": b,
         "heads": heads,
+        "style": style,
+        "kv_heads": TP_KV_HEADS[style],
         "dtype": "float32",
         "dtype_size": 4,
         "runs": runs,
@@ -246,7 +271,11 @@ def main(out: Path, what: str = "tp_fsdp") -> None:
             traces = {f"pipeline_{schedule}": pipeline(schedule) for schedule in ("gpipe", "1f1b")}
             traces["pipeline_interleaved"] = pipeline("1f1b", INTERLEAVED_V)
         else:
-            traces = {"tp_block": tp_block(world), "fsdp_forward": fsdp_forward(world)}
+            traces = {
+                "tp_block": tp_block(world),
+                "tp_block_llama": tp_block(world, "llama"),
+                "fsdp_forward": fsdp_forward(world),
+            }
         if dist.get_rank() == 0:
             out.mkdir(parents=True, exist_ok=True)
             for name, trace in traces.items():

@@ -249,18 +249,20 @@ def test_every_page_loads_from_127_0_0_1_only_and_its_diagrams_render(every_page
 def test_synthesis_diagrams_drawn_from_recorded_runs_render_with_their_labels(every_page):
     report = every_page[0]["notes/synthesis"]
     diagrams = report["diagrams"]
-    assert diagrams["expected"] == 1 and not diagrams["syntaxError"]
-    (tp_block,), (fsdp_timeline,) = diagrams["svgTexts"], report["timelines"]
-    for label in (
+    assert diagrams["expected"] == 2 and not diagrams["syntaxError"]
+    (tp_block, tp_block_llama), (fsdp_timeline,) = diagrams["svgTexts"], report["timelines"]
+    both = (
         "qkv · ColumnParallelLinear",
         "proj · RowParallelLinear",
-        "GELU",
         "scaled dot-product attention",
         "all-reduce 1, forward: 4 KiB over intra-node NVLink ~600 GB/s",
         "all-reduce 2, forward",
         "backward: all-reduce of dX, 4 KiB",
-    ):
+    )
+    for label in (*both, "GELU", "ln1 · LayerNorm"):
         assert label in tp_block, label
+    for label in (*both, "rotary ×2", "SwiGLU", "ln1 · RMSNorm", "weight 64 × 64 per rank"):
+        assert label in tp_block_llama, label
     for label in (
         "forward compute",
         "backward compute",

@@ -8,6 +8,8 @@ committed trace's, timings aside, and the diagrams and numbers rendered from it 
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 import record_traces
@@ -17,7 +19,7 @@ from pin_and_cite.site.traces import forward_markers, load_trace, pipeline_slots
 from tests.tools.conftest import ROOT
 
 NOTES = ROOT / "reading_notes"
-NAMES = ["tp_block", "fsdp_forward", "pipeline_gpipe", "pipeline_1f1b", "pipeline_interleaved"]
+NAMES = ["tp_block", "tp_block_llama", "fsdp_forward", "pipeline_gpipe", "pipeline_1f1b", "pipeline_interleaved"]
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +44,7 @@ def drawn(notes):
     rates = dict(tflops=1, link_GBps=25)
     return (
         diagrams.diagram(tp, link="NVLink"),
+        diagrams.diagram(load_trace(notes, "tp_block_llama"), link="NVLink"),
         diagrams.diagram(fsdp, **rates),
         diagrams.diagram(gpipe, **rates),
         diagrams.diagram(one_f_one_b, **rates),
@@ -65,6 +68,71 @@ def test_tp_trace_records_two_allreduces_of_b_s_h_bytes_each_way():
             ("all_reduce", "layers.0.mlp.fc1", "backward", n),
             ("all_reduce", "layers.0.attention.qkv", "backward", n),
         ]
+
+
+def test_llama_trace_records_the_gpt2_blocks_collectives_with_kv_heads_split():
+    """The Llama/Qwen2 block issues exactly the GPT-2 block's collectives; its fused column layers hold each
+    rank's whole query groups ((heads + 2 kv_heads) / tp head rows) and [gate; up] (2 ffn / tp rows)."""
+    gpt2, llama = load_trace(NOTES, "tp_block"), load_trace(NOTES, "tp_block_llama")
+    assert (gpt2["style"], llama["style"]) == ("gpt2", "llama") and llama["kv_heads"] < llama["heads"]
+    assert llama["tp"] == 2 and llama["kv_heads"] % llama["tp"] == 0
+    for run, gpt2_run in zip(llama["runs"], gpt2["runs"], strict=True):
+        h = run["h"]
+        assert [(e["op"], e["module"], e["phase"], e["nbytes"]) for e in run["events"]] == [
+            (e["op"], e["module"], e["phase"], e["nbytes"]) for e in gpt2_run["events"]
+        ]
+        weights = {step["module"]: step["weight_shape"] for step in run["forward_steps"] if "module" in step}
+        head_dim, tp = h // llama["heads"], llama["tp"]
+        assert weights["layers.0.attention.qkv"] == [(llama["heads"] + 2 * llama["kv_heads"]) * head_dim // tp, h]
+        assert weights["layers.0.mlp.fc1"] == [2 * 4 * h // tp, h]
+        assert weights["layers.0.ln1"] == weights["layers.0.ln2"] == [h]
+
+
+def chart_parts(chart: str) -> tuple[dict, list, list]:
+    """A flowchart's node labels by id, its chain edges (from, to, label or None) and its dotted edges."""
+    nodes = dict(re.findall(r'\b(n\d+)\["([^"]*)"\]', chart))
+    chain = []
+    for line in chart.split("\n"):
+        if "-.->" in line:
+            continue
+        for a, arrow, b in re.findall(r'(\w+) (-->|==>\|"[^"]*"\|) (?=(\w+))', line):
+            chain.append((a, b, arrow[5:-2] if arrow.startswith("==>") else None))
+    dotted = re.findall(r'(\w+) -\.->\|"([^"]*)"\| (\w+)', chart)
+    return nodes, chain, dotted
+
+
+def test_llama_diagram_draws_the_recorded_block_in_order_with_its_collectives():
+    """Node by node, the flowchart is the trace: the block's leaf modules in recorded forward order (named
+    module · type), rotary and SwiGLU as the op groups between them, each forward all-reduce on the edge
+    leaving the module that issued it, each backward one dotted from that module back to its input."""
+    trace = load_trace(NOTES, "tp_block_llama")
+    run = trace["runs"][0]
+    nodes, chain, dotted = chart_parts(diagrams.diagram(trace, link="NVLink"))
+    path = [a for a, _, _ in chain] + [chain[-1][1]]
+    assert path[0] == "x" and path[-1] == "y" and sorted(path[1:-1]) == sorted(nodes)
+    labels = [nodes[n] for n in path[1:-1]]
+    modules = [s["module"] for s in run["forward_steps"] if s.get("module", "").startswith("layers.0.")]
+    types = [s["type"] for s in run["forward_steps"] if s.get("module", "").startswith("layers.0.")]
+    leaves = [(i, label.split(" · ")) for i, label in enumerate(labels) if " · " in label]
+    assert [parts[:2] for _, parts in leaves] == [[m.rsplit(".", 1)[1], t] for m, t in zip(modules, types)]
+    assert [label for label in labels if " · " not in label] == [
+        "rotary ×2, scaled dot-product attention",
+        "add",
+        "SwiGLU",
+        "add",
+    ]
+    node_of = {module: path[1 + i] for module, (i, _) in zip(modules, leaves, strict=True)}
+    forward = [e for e in run["events"] if e["phase"] == "forward"]
+    assert [(a, text) for a, _, text in chain if text] == [
+        (node_of[e["module"]], f"all-reduce {i}, forward: {diagrams.human_bytes(e['nbytes'])} over NVLink")
+        for i, e in enumerate(forward, start=1)
+    ]
+    backward = [e for e in run["events"] if e["phase"] == "backward"]
+    assert sorted(dotted) == sorted(
+        (node_of[e["module"]], f"backward: all-reduce of dX, {diagrams.human_bytes(e['nbytes'])}", before)
+        for e in backward
+        for before in [path[path.index(node_of[e["module"]]) - 1]]
+    )
 
 
 def test_fsdp_trace_prefetches_each_block_before_the_previous_unit_computes():
@@ -205,3 +273,30 @@ def test_mermaid_labels_are_escaped():
         == '"a #quot;b#quot; #lt;script#gt; #35;1 #96;x#96; #124; y#59; z"'
     )
     assert diagrams.gantt_text("blocks.0: 49 KiB #x") == "blocks.0  49 KiB  x"
+
+
+def test_record_traces_only_runs_the_launch_that_makes_the_named_trace_and_writes_just_it(tmp_path, monkeypatch):
+    """`--only tp_block_llama` starts the two-rank worker launch alone (no pipeline, scale or activation-memory
+    run) and leaves its other traces out of the output folder. The launch is stood in for: it writes the
+    traces its WORKER_RUNS entry names (the fresh-run fixture above checks a real launch writes exactly those)."""
+    launched = []
+
+    def fake_run(cmd, what, timeout, **env):
+        launched.append(what)
+        scratch, group = cmd[-2], cmd[-1]
+        for name in {w: names for _, w, names in record_traces.WORKER_RUNS}[group]:
+            Path(scratch, f"{name}.json").write_text("{}")
+        return ""
+
+    monkeypatch.setattr(record_traces, "_run", fake_run)
+    assert record_traces.main(["--out", str(tmp_path / "out"), "--only", "tp_block_llama"]) == 0
+    assert launched == ["trace worker (tp_fsdp, 2 ranks)"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["tp_block_llama.json"]
+
+
+def test_record_traces_only_refuses_an_unknown_trace_in_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        record_traces.main(["--only", "tp_block_gpt3"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and "argument --only: invalid choice: 'tp_block_gpt3'" in err[-1]
+    assert "'tp_block_llama'" in err[-1]

@@ -1,7 +1,8 @@
 """Diagrams generated from recorded runs (pin_and_cite.site.traces), never drawn by hand: mermaid, and SVG timelines.
 
-`diagram("tp_block", link=...)`: the tensor-parallel transformer block as the recorder saw it run: every leaf
-module and every group of aten ops between them, in forward order, grouped by parent module; the forward
+`diagram("tp_block", link=...)` (or "tp_block_llama", the Llama/Qwen2 block): the tensor-parallel transformer
+block as the recorder saw it run: every leaf module and every group of aten ops between them, in forward order,
+grouped by parent module, each named by the trace (op runs such as rotary's by OP_RUNS); the forward
 collectives on the edges leaving the module that issued them (with bytes and the stated link), the backward
 ones as dotted edges back to the module's input.
 
@@ -47,12 +48,18 @@ OP_NAMES = {
     "_scaled_dot_product_efficient_attention": "scaled dot-product attention",
     "scaled_dot_product_attention": "scaled dot-product attention",
     "gelu": "GELU",
+    "silu": "SiLU",
     "add": "add",
     "mul": "mul",
     "softmax": "softmax",
     "_softmax": "softmax",
     "dropout": "dropout",
     "native_dropout": "dropout",
+}
+# aten op runs that together do one named thing: read before OP_NAMES, so their ops are not named one by one.
+OP_RUNS = {
+    ("split", "mul", "neg", "cat", "mul", "add"): "rotary",  # x cos + rotate_half(x) sin (reference...rotary)
+    ("split", "silu", "mul"): "SwiGLU",  # silu(gate) * up on the fused [gate; up] output
 }
 MERMAID_ESCAPES = {
     "#": "#35;",
@@ -86,8 +93,22 @@ def mermaid_fence(body: list[str]) -> str:
     return "```mermaid\n" + "\n".join(body) + "\n```\n"
 
 
+def _op_names(ops: list[str]) -> list[str]:
+    """What `ops` do, in order: each run in OP_RUNS by its name, then each op OP_NAMES names."""
+    names, i = [], 0
+    while i < len(ops):
+        run = next((run for run in OP_RUNS if tuple(ops[i : i + len(run)]) == run), None)
+        if run is not None:
+            names.append(OP_RUNS[run])
+            i += len(run)
+        else:
+            names += [OP_NAMES[ops[i]]] if ops[i] in OP_NAMES else []
+            i += 1
+    return names
+
+
 def _ops_label(ops: list[str]) -> str | None:
-    counts = Counter(OP_NAMES[op] for op in ops if op in OP_NAMES)
+    counts = Counter(_op_names(ops))
     return ", ".join(f"{name} ×{n}" if n > 1 else name for name, n in counts.items()) or None
 
 

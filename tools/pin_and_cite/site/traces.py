@@ -21,7 +21,7 @@ from pin_and_cite.core.errors import PinAndCiteError
 TRACE_DIR = "traces"
 RECORD = "re-record with tools/record-traces"
 REQUIRED = {
-    "tp_block": ("world", "tp", "s", "b", "heads", "dtype_size", "runs"),
+    "tp_block": ("world", "tp", "s", "b", "heads", "kv_heads", "style", "dtype_size", "runs"),
     "fsdp_forward": (
         "world",
         "params",
