@@ -6,6 +6,7 @@ however it was started and whoever adopted it. It is named, then killed, so the 
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import time
@@ -24,6 +25,9 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.hookimpl(tryfirst=True)
 def pytest_sessionfinish(session: pytest.Session) -> None:
     token = os.environ[SESSION_VARIABLE]
+    # A GitPython Repo a test dropped ends its `git cat-file` helpers when it is finalized; reference cycles
+    # keep some alive until the collector runs, so run it before looking.
+    gc.collect()
     deadline = time.monotonic() + GRACE_S
     while (left := live_with_environment(SESSION_VARIABLE, token)) and time.monotonic() < deadline:
         time.sleep(0.1)
