@@ -13,9 +13,9 @@ from reference.activation_memory.counting import SavedTensorCounter
 from reference.activation_memory.llama_block import LlamaSetting
 from reference.activation_memory.paper import CONFIGURATIONS, FORMULAS, Setting, table2_bytes
 from reference.activation_memory.term_table import Row, whole
-from reference.gpt.model import GPTConfig
+from reference.gpt.model import GPTConfig, check_tensor_parallel
+from reference.parallel_state import divide
 from reference.tensor_parallel.random import TensorParallelRNG
-from reference.tensor_parallel.rotary import rotary_cos_sin
 from reference.tensor_parallel.transformer import ParallelLlamaBlock, ParallelTransformerBlock
 
 DROPOUT = 0.1  # the paper counts dropout masks: dropout on everywhere (the GPT-2 block; Llama has none)
@@ -50,8 +50,37 @@ def setting(model: str, configuration: str, shape: dict, t: int) -> Setting:
     return (LlamaSetting if model == "llama" else Setting).of(configuration, t=t, **shape)
 
 
-def build_block(x: Setting, tp_group: dist.ProcessGroup, device, dtype=torch.bfloat16) -> torch.nn.Module:
-    kwargs = dict(
+def model_config(x: Setting) -> GPTConfig:
+    """The GPTConfig of the block the setting describes; its checks and check_tensor_parallel refuse, in one
+    line, sizes a model could not be built or split with."""
+    if isinstance(x, LlamaSetting):
+        config = GPTConfig(
+            hidden_size=x.h,
+            num_attention_heads=x.a,
+            seq_length=x.s,
+            ffn_hidden_size=x.f,
+            style="llama",
+            num_kv_heads=x.k,
+        )
+    else:
+        config = GPTConfig(
+            hidden_size=x.h, num_attention_heads=x.a, seq_length=x.s, hidden_dropout=DROPOUT, attention_dropout=DROPOUT
+        )
+    check_tensor_parallel(config, x.t, x.sequence_parallel)
+    if x.sequence_parallel:  # the model pads a Llama sequence instead; one block's count takes whole shares
+        divide(x.s, x.t, "the sequence length", by="the tensor-parallel size (sequence parallel)")
+    return config
+
+
+def build_block(x: Setting, tp_group: dist.ProcessGroup, device, dtype=torch.bfloat16) -> tuple[torch.nn.Module, tuple]:
+    """The block, and its forward's arguments as a model passes them: this rank's [s, b, h] input ([s / t, b,
+    h] under sequence parallelism), needing a gradient as a layer's input does (the checkpoints save only
+    inputs that take part in autograd), and for the Llama block the fp32 rotary (cos, sin) of the sequence."""
+    config = model_config(x)
+    block = (ParallelLlamaBlock if config.style == "llama" else ParallelTransformerBlock)(
+        x.h,
+        x.a,
+        **config.block_kwargs(),
         tp_group=tp_group,
         sequence_parallel=x.sequence_parallel,
         params_dtype=dtype,
@@ -59,22 +88,8 @@ def build_block(x: Setting, tp_group: dist.ProcessGroup, device, dtype=torch.bfl
         rng=TensorParallelRNG(0, tp_group, device),  # as GPTModel passes one to each block
         recompute=x.recompute,
     )
-    if isinstance(x, LlamaSetting):
-        return ParallelLlamaBlock(
-            x.h, x.a, num_kv_heads=x.k, ffn_hidden_size=x.f, norm_eps=GPTConfig.norm_eps, **kwargs
-        )
-    return ParallelTransformerBlock(x.h, x.a, hidden_dropout=DROPOUT, attention_dropout=DROPOUT, **kwargs)
-
-
-def block_inputs(x: Setting, device, dtype=torch.bfloat16) -> tuple:
-    """This rank's [s, b, h] input ([s / t, b, h] under sequence parallelism), needing a gradient as a layer's
-    input does (the checkpoints save only inputs that take part in autograd); for the Llama block also the
-    rotary (cos, sin) of the whole sequence, fp32 as GPTConfig.rotary passes them."""
-    rows = x.s // x.split("sp")
-    layer_input = torch.randn(rows, x.b, x.h, device=device, dtype=dtype, requires_grad=True)
-    if isinstance(x, LlamaSetting):
-        return layer_input, rotary_cos_sin(x.s, x.d, GPTConfig.rope_theta, device)
-    return (layer_input,)
+    layer_input = torch.randn(x.s // x.split("sp"), x.b, x.h, device=device, dtype=dtype, requires_grad=True)
+    return block, (layer_input, *config.rotary(x.s, device))
 
 
 def count(
@@ -87,8 +102,7 @@ def count(
     if x.t != tp_group.size():
         raise ValueError(f"{configuration!r} runs without tensor parallelism: pass a group of size 1")
     formulas, rows = MODELS[model]
-    block = build_block(x, tp_group, device)
-    inputs = block_inputs(x, device)
+    block, inputs = build_block(x, tp_group, device)
     with SavedTensorCounter(block) as counter:
         block(*inputs)
     return Count(
