@@ -1,4 +1,5 @@
-"""`tools/record-traces [--out DIR]`: re-record the runs the study site's diagrams and numbers come from.
+"""`tools/record-traces [--out DIR] [--only PART]`: re-record the runs the study site's diagrams and numbers come
+from (all of them, or one PART: workers, scale or activation_memory).
 
 Runs tools/trace_worker.py on two ranks under torchrun (CPU, gloo) and writes DIR/tp_block.json and
 DIR/fsdp_forward.json (default reading_notes/traces/, which is committed), then on four ranks (four
@@ -8,8 +9,8 @@ same worker and fails when a fresh run no longer matches the committed traces, s
 reference and commit the result. Then, in one process each, `python -m reference.scale --json` traces a first,
 middle and last stage rank of the layouts in SCALE (fake process group, 70B shapes) into DIR/scale_*.json,
 checked by tests/tools/test_scale_traces.py. Last, on two ranks, benchmarks/bench_activation_memory.py --json
-counts one block's activation bytes per configuration of Korthikanti et al.'s Table 2 into
-DIR/activation_memory.json, at the shape of the test worker that checks it
+counts one block's activation bytes per configuration of Korthikanti et al.'s Table 2, the GPT-2 block and the
+Llama block, into DIR/activation_memory.json, at the shapes of the test worker that checks it
 (tests/reference/test_activation_memory.py). Exit status: 0 recorded, 1 a run failed (its output is printed).
 """
 
@@ -110,7 +111,10 @@ def record_scale(out: Path, timeout: float = 300) -> list[Path]:
     return written
 
 
-ACTIVATION_MEMORY = ["--seq-length", "32", "--batch-size", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
+ACTIVATION_MEMORY = [  # tests/reference/workers/activation_worker.py's COUNT_SHAPE and LLAMA_COUNT_SHAPE
+    *("--seq-length", "32", "--batch-size", "2", "--hidden-size", "64", "--num-attention-heads", "4"),
+    *("--num-kv-heads", "2", "--ffn-hidden-size", "160"),
+]
 
 
 def record_activation_memory(out: Path, timeout: float = 300) -> list[Path]:
@@ -136,13 +140,18 @@ def record_activation_memory(out: Path, timeout: float = 300) -> list[Path]:
     return [out / "activation_memory.json"]
 
 
+PARTS = {"workers": record, "scale": record_scale, "activation_memory": record_activation_memory}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="record-traces", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=ROOT / "reading_notes" / "traces", help="output folder")
+    parser.add_argument("--only", choices=PARTS, help="record only this part (default: all)")
     args = parser.parse_args(argv)
     try:
-        for path in record(args.out) + record_scale(args.out) + record_activation_memory(args.out):
-            print(path)
+        for part in [args.only] if args.only else PARTS:
+            for path in PARTS[part](args.out):
+                print(path)
     except (RuntimeError, subprocess.TimeoutExpired) as exc:
         print(f"record-traces: error: {exc}", file=sys.stderr)
         return 1
