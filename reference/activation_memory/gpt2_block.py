@@ -20,12 +20,11 @@ from __future__ import annotations
 
 from reference.activation_memory.counting import SavedTensor
 from reference.activation_memory.paper import TERMS, Setting, term_bytes, terms_for
-from reference.activation_memory.term_table import Row, Term, table, tally
+from reference.activation_memory.term_table import SAME, Row, Term, table, tally
 
 FP32_ATTENTION = "CPU SDPA math path computes bf16 attention in fp32: 4-byte copies instead of 2"
 NOISE_MASK_FP32 = "CPU dropout saves an fp32 noise tensor (4 bytes/element), not a 1-byte mask"
 NOISE_MASK_BF16 = "CPU dropout saves a bf16 noise tensor (2 bytes/element), not a 1-byte mask"
-SAME = "same"
 
 # key: (bytes per element of the reference over the paper's, reason); LayerNorm statistics have no paper term
 REFERENCE = {

@@ -29,9 +29,8 @@ import torch
 
 from reference.activation_memory.counting import SavedTensor
 from reference.activation_memory.paper import Setting, term_bytes
-from reference.activation_memory.term_table import Row, Term, table, tally
+from reference.activation_memory.term_table import SAME, Row, Term, table, tally
 
-SAME = "same"
 FORMULAS = {  # bytes per layer, the sum of terms(); d = h / a
     "no parallelism": "sbh(26 + 6k/a) + 8sb + 4asb + 8sbf + 8sd",
     "tensor parallel": "sbh(20 + (6 + 6k/a)/t) + 8sb + (4asb + 8sbf)/t + 8sd",

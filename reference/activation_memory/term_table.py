@@ -12,6 +12,8 @@ from typing import NamedTuple
 
 from reference.activation_memory.counting import SavedTensor
 
+SAME = "same"  # the reason of a term whose bytes are the paper's
+
 
 class Term(NamedTuple):
     key: str  # what the block's classifier calls it
