@@ -10,8 +10,8 @@ same worker and fails when a fresh run no longer matches the committed traces, s
 reference and commit the result. Then, in one process each, `python -m reference.scale --json` traces a first,
 middle and last stage rank of the layouts in SCALE (fake process group, 70B shapes) into DIR/scale_*.json,
 checked by tests/tools/test_scale_traces.py. Last, on two ranks, benchmarks/bench_activation_memory.py --json
-counts one block's activation bytes per configuration of Korthikanti et al.'s Table 2 into
-DIR/activation_memory.json, at the shape of the test worker that checks it
+counts one block's activation bytes per configuration of Korthikanti et al.'s Table 2, the GPT-2 block and the
+Llama block, into DIR/activation_memory.json, at the shapes of the test worker that checks it
 (tests/reference/test_activation_memory.py). `--only NAME ...` writes just those traces (and runs just the
 recordings that make them), leaving the others as they are. Exit status: 0 recorded, 1 a run failed (its
 output is printed), 2 a usage error (an unknown trace name).
@@ -127,7 +127,10 @@ def record_scale(out: Path, timeout: float = 300, only: Collection[str] | None =
     return written
 
 
-ACTIVATION_MEMORY = ["--seq-length", "32", "--batch-size", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
+ACTIVATION_MEMORY = [  # tests/reference/workers/activation_worker.py's COUNT_SHAPE and LLAMA_COUNT_SHAPE
+    *("--seq-length", "32", "--batch-size", "2", "--hidden-size", "64", "--num-attention-heads", "4"),
+    *("--num-kv-heads", "2", "--ffn-hidden-size", "160"),
+]
 
 
 def record_activation_memory(out: Path, timeout: float = 300, only: Collection[str] | None = None) -> list[Path]:

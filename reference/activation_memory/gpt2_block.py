@@ -18,16 +18,13 @@ is the paper's term byte for byte. A record that fits no row is an error: an une
 
 from __future__ import annotations
 
-import dataclasses
-from fractions import Fraction
-
 from reference.activation_memory.counting import SavedTensor
 from reference.activation_memory.paper import TERMS, Setting, term_bytes, terms_for
+from reference.activation_memory.term_table import SAME, Row, Term, table, tally
 
 FP32_ATTENTION = "CPU SDPA math path computes bf16 attention in fp32: 4-byte copies instead of 2"
 NOISE_MASK_FP32 = "CPU dropout saves an fp32 noise tensor (4 bytes/element), not a 1-byte mask"
 NOISE_MASK_BF16 = "CPU dropout saves a bf16 noise tensor (2 bytes/element), not a 1-byte mask"
-SAME = "same"
 
 # key: (bytes per element of the reference over the paper's, reason); LayerNorm statistics have no paper term
 REFERENCE = {
@@ -59,38 +56,25 @@ LINEAR_INPUTS = {
 }
 
 
-@dataclasses.dataclass(frozen=True)
-class Row:
-    term: str  # the paper's words for it
-    paper_bytes: int
-    expected_bytes: int  # the paper's bytes times the reference's bytes-per-element ratio
-    measured_bytes: int  # counted with the saved-tensor hooks
-    reason: str
-
-
 def classify(saved: list[SavedTensor], x: Setting) -> dict[str, int]:
     """Bytes per term key of the records of one block, by the module that saved them."""
-    out: dict[str, int] = {}
     attention_core = iter(["q_k", "q_k", "v"])
     attention_s2 = iter(["softmax_output", "attention_dropout_mask", "attention_dropout_output"])
-    for record in saved:
+
+    def key_of(record: SavedTensor) -> str | None:
         if record.module in ("ln1", "ln2"):
-            key = "layernorm_statistics" if record.shape[-1] == 1 else "layernorm_inputs"
-        elif record.module in LINEAR_INPUTS:
-            key = LINEAR_INPUTS[record.module]
-        elif record.module == "attention":
+            return "layernorm_statistics" if record.shape[-1] == 1 else "layernorm_inputs"
+        if record.module in LINEAR_INPUTS:
+            return LINEAR_INPUTS[record.module]
+        if record.module == "attention":
             if x.recompute == "selective":
-                key = "q_k_v"
-            else:
-                key = next(attention_s2 if record.shape[-2:] == (x.s, x.s) else attention_core, None)
-        elif record.module == "":
-            key = "layer_input" if x.recompute == "full" else "hidden_dropout_masks"
-        else:
-            key = None
-        if key is None:
-            raise ValueError(f"unexplained saved tensor {record}: no term of the paper or the reference fits it")
-        out[key] = out.get(key, 0) + record.nbytes
-    return out
+                return "q_k_v"
+            return next(attention_s2 if record.shape[-2:] == (x.s, x.s) else attention_core, None)
+        if record.module == "":
+            return "layer_input" if x.recompute == "full" else "hidden_dropout_masks"
+        return None
+
+    return tally(saved, key_of)
 
 
 def _layernorm_statistics_bytes(x: Setting) -> int:
@@ -99,29 +83,13 @@ def _layernorm_statistics_bytes(x: Setting) -> int:
 
 def rows(saved: list[SavedTensor], x: Setting) -> list[Row]:
     """The term table of one configuration: every paper term, then the reference's extra terms."""
-    measured = classify(saved, x)
-    table = []
+    terms = []
     for key in terms_for(x):
         ratio, reason = REFERENCE[key]
         paper = term_bytes(key, x)
-        table.append(Row(TERMS[key][0], whole(paper), whole(paper * ratio), measured.pop(key, 0), reason))
+        terms.append(Term(key, TERMS[key][0], paper, paper * ratio, reason))
     if x.recompute != "full":
         words, key = LAYERNORM_STATISTICS
-        table.append(
-            Row(
-                words,
-                0,
-                _layernorm_statistics_bytes(x),
-                measured.pop(key, 0),
-                "torch's LayerNorm keeps them for backward; bf16 on CPU",
-            )
-        )
-    if measured:
-        raise ValueError(f"saved tensors of terms the configuration should not have: {measured}")
-    return table
-
-
-def whole(value: Fraction) -> int:
-    if value.denominator != 1:
-        raise ValueError(f"{value} bytes is not whole: pick s, b, h, a divisible by t")
-    return int(value)
+        reason = "torch's LayerNorm keeps them for backward; bf16 on CPU"
+        terms.append(Term(key, words, 0, _layernorm_statistics_bytes(x), reason))
+    return table(terms, classify(saved, x))

@@ -1,18 +1,22 @@
-"""The bytes one reference GPT-2 block saves for backward (counted with saved_tensors_hooks, bf16, CPU) in
-each configuration of Korthikanti et al. 2022 Table 2, term by term, with the reason for every difference."""
+"""The bytes one reference block, GPT-2 or Llama, saves for backward (counted with saved_tensors_hooks, bf16,
+CPU) in each configuration of Korthikanti et al. 2022 Table 2, term by term, with the reason for every
+difference: from the paper's terms for GPT-2, from the closed form derived in llama_block.py for Llama."""
 
 import json
 
 import pytest
 import torch
 
-from reference.activation_memory.counting import SavedTensorCounter
+from reference.activation_memory.counting import SavedTensor, SavedTensorCounter
+from reference.activation_memory.llama_block import LlamaSetting, classify
 from reference.activation_memory.paper import CONFIGURATIONS
 from tests.launch import ROOT
 from tests.reference.activation_runs import activation_results, megatron_activation_counts
 
 S, B, H, A, T = 32, 2, 64, 4, 2  # the worker's COUNT_SHAPE, at world 2
 SBH, AS2B = S * B * H, A * S * S * B
+K, F = 2, 160  # the worker's LLAMA_COUNT_SHAPE: key/value heads, SwiGLU size
+SB, SD = S * B, S * H // A
 FP32_ATTENTION = "CPU SDPA math path computes bf16 attention in fp32: 4-byte copies instead of 2"
 
 
@@ -164,3 +168,103 @@ def test_the_committed_trace_the_scale_page_shows_is_this_run():
     trace = json.loads((ROOT / "reading_notes" / "traces" / "activation_memory.json").read_text())
     assert (trace["world"], trace["shape"]) == (T, {"s": S, "b": B, "h": H, "a": A})
     assert trace["configurations"] == activation_results(2)[0]["activation_memory"]
+    assert trace["llama"]["shape"] == {"s": S, "b": B, "h": H, "a": A, "k": K, "f": F}
+    assert trace["llama"]["configurations"] == activation_results(2)[0]["activation_memory_llama"]
+
+
+def _llama_counts(world: int = 2) -> dict[str, dict]:
+    return {c["configuration"]: c for c in activation_results(world)[0]["activation_memory_llama"]}
+
+
+def test_every_configuration_is_counted_for_the_llama_block_on_every_rank():
+    ranks = activation_results(2)
+    assert [c["configuration"] for c in ranks[0]["activation_memory_llama"]] == list(CONFIGURATIONS)
+    assert ranks[0]["activation_memory_llama"] == ranks[1]["activation_memory_llama"]
+    assert ranks[0]["activation_memory_llama"][1]["setting"] == {
+        "s": S, "b": B, "h": H, "a": A, "t": T, "sequence_parallel": False, "recompute": "none", "k": K, "f": F
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("configuration", list(CONFIGURATIONS))
+def test_every_byte_the_llama_block_keeps_is_in_a_term_of_its_closed_form(configuration):
+    count = _llama_counts()[configuration]
+    assert sum(r["measured_bytes"] for r in count["rows"]) == count["counted_bytes"]
+    for row in count["rows"]:
+        assert row["measured_bytes"] == row["expected_bytes"], row
+
+
+def test_the_llama_closed_forms():
+    """The forms llama_block.FORMULAS states, evaluated here by hand at s 32, b 2, h 64, a 4, k 2, f 160 (no
+    parallelism at t = 1, the others at t = 2)."""
+    rotary = 8 * SD  # cos and sin: four bf16 casts, or the two fp32 checkpoint inputs
+    assert {name: c["counted_bytes"] for name, c in _llama_counts().items()} == {
+        "no parallelism": SBH * (26 + 6 * K // A) + 8 * SB + 4 * A * SB + 8 * SB * F + rotary,
+        "tensor parallel": 20 * SBH + SBH * (6 + 6 * K // A) // T + 8 * SB + (4 * A * SB + 8 * SB * F) // T + rotary,
+        "tensor + sequence parallel": (SBH * (26 + 6 * K // A) + 8 * SB + 4 * A * SB + 8 * SB * F) // T + rotary,
+        "tensor + sequence parallel + selective recompute": (SBH * (24 + 4 * K // A) + 8 * SB + 8 * SB * F) // T
+        + rotary,
+        "full recompute": 2 * SBH + rotary,
+    }
+
+
+def test_the_llama_closed_form_at_t1_is_the_world_1_count():
+    """The world-2 launch counts "no parallelism" on a size-1 group: the same bytes as a world of one."""
+    assert _llama_counts(1)["no parallelism"] == _llama_counts()["no parallelism"]
+
+
+@pytest.mark.parametrize("configuration", list(CONFIGURATIONS))
+def test_the_llama_paper_column_is_table2_for_a_gpt2_layer_of_its_size(configuration):
+    """Every paper term is named by the Llama term that replaces it, so the column sums to Table 2."""
+    count = _llama_counts()[configuration]
+    assert (
+        sum(r["paper_bytes"] for r in count["rows"])
+        == count["table2_bytes"]
+        == _counts()[configuration]["table2_bytes"]
+    )
+
+
+def test_llama_no_parallelism_term_by_term():
+    """(term, the GPT-2 paper term's bytes, counted bytes): no s^2 term, fp32 RMSNorm copies, the whole QKV and
+    [gate; up] buffers behind their views, rotary casts."""
+    assert [(r["term"], r["paper_bytes"], r["measured_bytes"]) for r in _llama_counts()["no parallelism"]["rows"]] == [
+        ("RMSNorm inputs, fp32 copies, 2 x 4sbh", 4 * SBH, 8 * SBH),
+        ("RMSNorm normalized x / rms, fp32, 2 x 4sbh", 0, 8 * SBH),
+        ("RMSNorm 1 / rms, fp32, 2 x 4sb", 0, 8 * SB),
+        ("QKV projection input, 2sbh", 2 * SBH, 2 * SBH),
+        ("rotary cos and sin cast to bf16, for q and for k, 4 x 2sd", 0, 8 * SD),
+        ("rotated Q, 2sbh/t", 2 * SBH, 2 * SBH),
+        ("rotated K, k heads, 2sbh k/(at)", 2 * SBH, 2 * SBH * K // A),
+        ("V: the fused QKV output it is a view of, 2sbh(a + 2k)/(at)", 2 * SBH, 2 * SBH * (A + 2 * K) // A),
+        ("SDPA logsumexp, fp32, 4asb/t", 5 * AS2B, 4 * A * SB),
+        ("o-proj input (the attention output), 2sbh/t", 2 * SBH, 2 * SBH),
+        ("residual dropout masks: none", 2 * SBH, 0),
+        ("gate/up projection input, 2sbh", 2 * SBH, 2 * SBH),
+        ("SiLU input: the fused [gate; up] output, 4sbf/t", 8 * SBH, 4 * SB * F),
+        ("SiLU output, the product's first operand, 2sbf/t", 0, 2 * SB * F),
+        ("down projection input: the product, 2sbf/t", 8 * SBH, 2 * SB * F),
+    ]
+
+
+def test_llama_totals_shrink_with_each_configuration_and_full_keeps_the_checkpoint_inputs():
+    """TP splits heads and SwiGLU columns, SP the norms and column inputs, selective drops rotated Q and K and
+    the logsumexp (no s^2 tensor is left to drop); full keeps the layer input and the fp32 rotary tables."""
+    none, tp, sp, selective, full = (c["counted_bytes"] for c in _llama_counts().values())
+    assert none > tp > sp > selective > full
+    assert sp - selective == (2 * SBH + 2 * SBH * K // A + 4 * A * SB) // T
+    assert full == 2 * SBH + 2 * S * (H // A) * 4
+    assert [r["term"] for r in _llama_counts()["full recompute"]["rows"]] == [
+        "layer input, 2sbh",
+        "rotary cos and sin, fp32 checkpoint inputs, 2 x 4sd",
+    ]
+
+
+@pytest.mark.parametrize(
+    "record",
+    [
+        SavedTensor("mlp.act", "torch.bfloat16", (S, B, F), 2 * SB * F),  # a module the block has not
+        SavedTensor("", "torch.bfloat16", (S, B, H), 2 * SBH),  # a block-level save without full recompute
+    ],
+)
+def test_a_llama_record_no_term_fits_is_an_error(record):
+    with pytest.raises(ValueError, match="unexplained saved tensor"):
+        classify([record], LlamaSetting.of("no parallelism", S, B, H, A, 1, k=K, f=F))

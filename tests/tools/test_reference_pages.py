@@ -34,6 +34,8 @@ NO_PAGE = {
     "reference/activation_memory/counting.py": "counts saved tensors with saved_tensors_hooks; mirrors nothing",
     "reference/activation_memory/paper.py": "Korthikanti et al.'s Table 2; its page is the Scale note's section",
     "reference/activation_memory/gpt2_block.py": "the term table against the paper; shown on the Scale note",
+    "reference/activation_memory/llama_block.py": "the Llama block's closed form by term; shown on the Scale note",
+    "reference/activation_memory/term_table.py": "the Row and tally both blocks' term tables share; mirrors nothing",
     "reference/activation_memory/measure.py": "builds and counts each configuration for tests and the benchmark",
 }
 

@@ -4,8 +4,8 @@ At the launch's world size t (1 or 2): trains a two-block ParallelTransformer fo
 every recompute mode (and, at t > 1, with and without sequence parallelism), and records whether each mode's
 losses and gradients equal the no-recompute run's bit for bit; a control run recomputes the attention core
 without restoring the TP dropout stream, to show that restoring it is what makes them equal. On CPU it also
-counts the bytes one block saves for backward in every configuration of Korthikanti et al.'s Table 2 that the
-world allows (reference.activation_memory). Each rank writes OUTDIR/rank{r}.json.
+counts the bytes one block, GPT-2 and Llama, saves for backward in every configuration of Korthikanti et al.'s
+Table 2 that the world allows (reference.activation_memory). Each rank writes OUTDIR/rank{r}.json.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from reference.tensor_parallel.transformer import ParallelTransformer
 
 S, B, H, A, LAYERS, SEED, STEPS, DROPOUT = 8, 2, 16, 4, 2, 11, 2, 0.25
 COUNT_SHAPE = dict(s=32, b=2, h=64, a=4)  # s != h / a, so the s^2 tensors are told apart by shape
+LLAMA_COUNT_SHAPE = dict(COUNT_SHAPE, k=2, f=160)  # k < a (grouped-query), f not 4h: both show in the bytes
 
 
 def train(device, tp_group, sequence_parallel: bool, recompute: str, dtype) -> tuple[list[float], dict]:
@@ -86,14 +87,13 @@ def recompute_results(device, tp_group) -> dict:
     return results
 
 
-def memory_counts(device, world: int) -> list[dict]:
+def memory_counts(device, world: int, model: str, shape: dict) -> list[dict]:
     """Table 2's configurations that fit this world, counted on rank-local blocks."""
     single = [dist.new_group([r]) for r in range(world)][dist.get_rank()]  # every rank creates every group
     if world == 1:
-        return [count("no parallelism", **COUNT_SHAPE, tp_group=dist.group.WORLD, device=device).to_dict()]
-    return [
-        c.to_dict() for c in count_all(**COUNT_SHAPE, tp_groups={1: single, world: dist.group.WORLD}, device=device)
-    ]
+        return [count(model, "no parallelism", shape, tp_group=dist.group.WORLD, device=device).to_dict()]
+    groups = {1: single, world: dist.group.WORLD}
+    return [c.to_dict() for c in count_all(model, shape, tp_groups=groups, device=device)]
 
 
 def main() -> None:
@@ -102,7 +102,8 @@ def main() -> None:
         world, rank = dist.get_world_size(), dist.get_rank()
         result = {"recompute": recompute_results(device, dist.group.WORLD)}
         if device.type == "cpu":
-            result["activation_memory"] = memory_counts(device, world)
+            result["activation_memory"] = memory_counts(device, world, "gpt2", COUNT_SHAPE)
+            result["activation_memory_llama"] = memory_counts(device, world, "llama", LLAMA_COUNT_SHAPE)
         (out / f"rank{rank}.json").write_text(json.dumps(result, indent=1))
 
 

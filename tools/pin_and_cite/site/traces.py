@@ -34,7 +34,7 @@ REQUIRED = {
     ),
     "scale": ("setup", "world", "runs"),  # python -m reference.scale --json (pin_and_cite.site.scale_tables)
     "pipeline": ("schedule", "world", "pp", "m", "b", "s", "h", "dtype_size", "activation_shape", "stages"),
-    "activation_memory": ("world", "shape", "configurations"),  # benchmarks/bench_activation_memory.py --json
+    "activation_memory": ("world", "shape", "configurations", "llama"),  # benchmarks/bench_activation_memory.py --json
 }
 PIPELINE_STAGE_KEYS = (
     "pp_rank",
