@@ -27,7 +27,8 @@ import torch.distributed as dist
 
 from reference.distributed import distributed
 from reference.fsdp.units import shard_model, sharded_parameter_bytes
-from reference.model import ModelConfig, build_model, next_token_loss, synthetic_batches
+from reference.gpt.model import GPTConfig, UnshardedGPT
+from reference.gpt.train import split_batch, synthetic_batches
 from reference.recorder import CollectiveRecorder
 
 CONFIGS = [  # (label, implementation, backward_prefetch, forward_prefetch)
@@ -63,11 +64,11 @@ def max_over_ranks(value: float) -> float:
 
 def timed_steps(model, optimizer, batches, device) -> list[float]:
     times = []
-    for tokens in batches:
-        tokens = tokens.to(device)
+    for inputs, labels in batches:
+        inputs, labels = inputs.to(device), labels.to(device)
         dist.barrier()
         start = time.perf_counter()
-        next_token_loss(model(tokens), tokens).backward()
+        model(inputs, labels).backward()
         optimizer.step()
         optimizer.zero_grad()
         if device.type == "cuda":
@@ -111,16 +112,15 @@ def main() -> None:
 def _benchmark(args, device: torch.device) -> None:
     cuda = device.type == "cuda"
     rank, world = dist.get_rank(), dist.get_world_size()
-    config = ModelConfig(
+    config = GPTConfig(
         vocab_size=1024,
         hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads,
         num_layers=args.num_layers,
-        max_seq_length=args.seq_length,
+        seq_length=args.seq_length,
     )
-    initial = build_model(config, 0).to(device)
-    global_batches = synthetic_batches(config, args.steps, args.batch_size, args.seq_length, 0)
-    batches = [t.chunk(world)[rank] for t in global_batches]
+    initial = UnshardedGPT(config, 0, device)
+    batches = [split_batch(t, world, rank, 1)[0] for t in synthetic_batches(config, args.steps, args.batch_size, 0)]
     unsharded_bytes = sharded_parameter_bytes(initial)  # before sharding: every parameter, whole
 
     models = {"compute only": (copy.deepcopy(initial), None)}

@@ -13,11 +13,11 @@ Everything in them is observed, not computed:
   * tp_block_llama: the same for the Llama/Qwen2 block (reference.tensor_parallel.transformer.ParallelLlamaBlock,
     GPTConfig(style="llama") with TP_KV_HEADS key/value heads: one per rank), as the one layer of a middle
     pipeline stage, which hands it the rotary positions.
-  * fsdp_forward: the reference FSDP (one unit per block plus the root, forward and backward prefetch) in
-    its second step, when forward prefetch knows the unit order: collectives and per-unit compute spans, each
-    stamped with the FLOPs computed so far in the step (the recorder counts them; attention on the math
-    backend, which has a FLOP formula), the units' flat sizes, and the forward FLOPs per token of the
-    unsharded model.
+  * fsdp_forward: the reference FSDP on the small GPT (reference.gpt.model.UnshardedGPT, one unit per layer
+    plus the root, forward and backward prefetch) in its second step, when forward prefetch knows the unit
+    order: collectives and per-unit compute spans, each stamped with the FLOPs computed so far in the step (the
+    recorder counts them; attention on the math backend, which has a FLOP formula), the units' flat sizes, and
+    the forward FLOPs per token of the unsharded model.
   * pipeline_gpipe / pipeline_1f1b: one training step (reference.gpt.train.train_step) of the small GPT on 4
     pipeline stages (tp 1, dp 1) with PIPELINE_M micro-batches, per stage: the action order with each action's
     start, end and FLOPs (attention on the CPU flash kernel, which torch has no FLOP formula for, counts 0),
@@ -43,10 +43,9 @@ from torch.utils.flop_counter import FlopCounterMode
 from pin_and_cite.site.traces import EVENT_KEYS  # what the site's trace comparison reads
 from reference.distributed import distributed
 from reference.fsdp.units import shard_model
-from reference.gpt.model import GPTConfig, GPTStage, build_chunks, build_stage
-from reference.gpt.train import data_parallel, train_step
+from reference.gpt.model import GPTConfig, GPTStage, UnshardedGPT, build_chunks, build_stage
+from reference.gpt.train import data_parallel, split_batch, train_step
 from reference.gpt.train import synthetic_batches as gpt_batches
-from reference.model import ModelConfig, build_model, next_token_loss, synthetic_batches
 from reference.parallel_state import build_layout
 from reference.recorder import CollectiveRecorder
 from reference.tensor_parallel.transformer import ParallelTransformer
@@ -54,8 +53,8 @@ from reference.tensor_parallel.transformer import ParallelTransformer
 TP_SHAPE = dict(s=8, b=2, heads=4)
 TP_HIDDEN = (64, 128)  # two sizes: bytes grow like h, FLOPs like a*h^2 + c*h
 TP_KV_HEADS = {"gpt2": TP_SHAPE["heads"], "llama": 2}  # llama: grouped-query, one key/value head per TP rank
-FSDP_CONFIG = ModelConfig(vocab_size=128, hidden_size=32, num_attention_heads=4, num_layers=2, max_seq_length=64)
-FSDP_BATCH, FSDP_SEQ, SEED = 4, 16, 1234
+FSDP_CONFIG = GPTConfig(vocab_size=128, hidden_size=32, num_attention_heads=4, num_layers=2, seq_length=16)
+FSDP_BATCH, SEED = 4, 1234
 PIPELINE_RANKS, PIPELINE_M, PIPELINE_B = 4, 8, 2  # pp 4, 8 micro-batches of 2 sequences
 PIPELINE_CONFIG = GPTConfig(vocab_size=51, hidden_size=16, num_attention_heads=4, num_layers=4, seq_length=8)
 INTERLEAVED_V = 2
@@ -159,19 +158,19 @@ def tp_block(world: int, style: str = "gpt2") -> dict:
 
 def fsdp_forward(world: int) -> dict:
     rank = dist.get_rank()
-    model = build_model(FSDP_CONFIG, SEED)
+    model = UnshardedGPT(FSDP_CONFIG, SEED)
     params = sum(p.numel() for p in model.parameters())
-    tokens = synthetic_batches(FSDP_CONFIG, 1, FSDP_BATCH, FSDP_SEQ, SEED)[0]
+    tokens = gpt_batches(FSDP_CONFIG, 1, FSDP_BATCH, SEED)[0]
     with torch.no_grad():
-        flops = counted_flops(lambda: model(tokens))
+        flops = counted_flops(lambda: model(tokens[:, :-1], tokens[:, 1:]))
     model = shard_model(model, "reference", dist.group.WORLD, backward_prefetch="BACKWARD_PRE", forward_prefetch=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     recorder = CollectiveRecorder()
     with sdpa_kernel(SDPBackend.MATH), recorder:  # math attention: the recorder counts its FLOPs
-        for batch in synthetic_batches(FSDP_CONFIG, 2, FSDP_BATCH, FSDP_SEQ, SEED):
+        for batch in gpt_batches(FSDP_CONFIG, 2, FSDP_BATCH, SEED):
             recorder.clear()  # keep the second step: the first records the unit order, so it cannot prefetch
-            local = batch.chunk(world)[rank]
-            next_token_loss(model(local), local).backward()
+            ((inputs, labels),) = split_batch(batch, world, rank, 1)
+            model(inputs, labels).backward()
             optimizer.step()
             optimizer.zero_grad()
     record = recorder.to_dict()
@@ -187,8 +186,8 @@ def fsdp_forward(world: int) -> dict:
         "params": params,
         "dtype": "float32",
         "dtype_size": 4,
-        "tokens_per_rank": FSDP_BATCH * FSDP_SEQ // world,
-        "forward_flops_per_token": flops / (FSDP_BATCH * FSDP_SEQ),
+        "tokens_per_rank": FSDP_BATCH * FSDP_CONFIG.seq_length // world,
+        "forward_flops_per_token": flops / (FSDP_BATCH * FSDP_CONFIG.seq_length),
         "units": units,
         "events": [{**{k: e[k] for k in EVENT_KEYS}, "flops": e["flops"], **_times(e)} for e in record["events"]],
         "spans": [

@@ -1,8 +1,9 @@
-"""`torchrun --nproc-per-node N -m reference --fsdp`: train the small transformer with FSDP for a few steps.
+"""`torchrun --nproc-per-node N -m reference --fsdp`: train the small GPT with FSDP for a few steps.
 
-Each block is one unit and the root (embeddings, final norm, head) another, wrapped children-first as with
-FSDP1. `--use-torch-fsdp` swaps in torch.distributed.fsdp.FullyShardedDataParallel with the same options,
-so the printed schedules can be compared line by line. Every step prints its collectives in issue order
+The model is reference.gpt.model.UnshardedGPT (GPT-2 style): each of its layers is one unit and the root
+(embedding, final LayerNorm, output layer, loss) another, wrapped children-first as with FSDP1.
+`--use-torch-fsdp` swaps in torch.distributed.fsdp.FullyShardedDataParallel with the same options, so the
+printed schedules can be compared line by line. Every step prints its collectives in issue order
 (op, unit, phase, bytes) and the per-rank parameter memory; `--json` prints one JSON object per rank and
 step with the recorder's events and compute spans, and `--trace DIR` writes the last step's record to
 DIR/fsdp_trace.rank<r>.json, for scripts and the notes' timeline diagram.
@@ -21,7 +22,8 @@ import torch.distributed as dist
 from reference.distributed import LaunchError, distributed
 from reference.fsdp.tracing import torch_fsdp1_unit_scopes
 from reference.fsdp.units import shard_model, sharded_parameter_bytes
-from reference.model import ModelConfig, build_model, next_token_loss, synthetic_batches
+from reference.gpt.model import GPTConfig, UnshardedGPT
+from reference.gpt.train import split_batch, synthetic_batches
 from reference.recorder import CollectiveRecorder
 
 PREFETCH_CHOICES = {"pre": "BACKWARD_PRE", "post": "BACKWARD_POST", "none": None}
@@ -55,11 +57,11 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
 
 def run(args: argparse.Namespace) -> None:
     try:
-        config = ModelConfig(
+        config = GPTConfig(
             hidden_size=args.hidden_size,
             num_attention_heads=args.num_attention_heads,
             num_layers=args.num_layers,
-            max_seq_length=max(64, args.seq_length),
+            seq_length=args.seq_length,
         )
     except ValueError as error:
         sys.exit(f"reference: error: {error}")
@@ -70,14 +72,14 @@ def run(args: argparse.Namespace) -> None:
         sys.exit(f"reference: error: {error}")
 
 
-def _train(args: argparse.Namespace, config: ModelConfig, device: torch.device) -> None:
+def _train(args: argparse.Namespace, config: GPTConfig, device: torch.device) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.batch_size % world:
         sys.exit(
             f"reference: error: --batch-size {args.batch_size} is not divisible by the world size {world}; "
             "each rank trains on an equal slice of the global batch"
         )
-    model = build_model(config, args.seed).to(device)
+    model = UnshardedGPT(config, args.seed, device)
     total_bytes = sharded_parameter_bytes(model)
     model = shard_model(
         model,
@@ -93,11 +95,11 @@ def _train(args: argparse.Namespace, config: ModelConfig, device: torch.device) 
     shard_bytes = sharded_parameter_bytes(model)
     scopes = torch_fsdp1_unit_scopes(model) if args.use_torch_fsdp else contextlib.nullcontext()
     with CollectiveRecorder() as recorder, scopes:
-        batches = synthetic_batches(config, args.steps, args.batch_size, args.seq_length, args.seed)
+        batches = synthetic_batches(config, args.steps, args.batch_size, args.seed)
         for step, tokens in enumerate(batches):
             recorder.clear()
-            local = tokens.chunk(world)[rank].to(device)
-            loss = next_token_loss(model(local), local)
+            ((inputs, labels),) = split_batch(tokens.to(device), world, rank, 1)
+            loss = model(inputs, labels)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()

@@ -1,8 +1,9 @@
-"""Shard a model one FSDP unit per block, then the root, with the reference FSDP or either of torch's.
+"""Shard a model one FSDP unit per layer, then the root, with the reference FSDP or either of torch's.
 
 One wrapping shared by the FSDP demo, the trace recorder (tools/trace_worker.py), the FSDP tests and the
-FSDP benchmark, so that all of them compare the same units; blocks first, then the root, as torchtitan's
-`apply_fsdp` does with `fully_shard`. `sharded_parameter_bytes` is the per-rank parameter memory the demos
+FSDP benchmark, so that all of them compare the same units: each of `model.layers` (the transformer blocks
+of reference.gpt.model.UnshardedGPT) first, then the root (embedding, final norm, output layer), as
+torchtitan's `apply_fsdp` does with `fully_shard`. `sharded_parameter_bytes` is the per-rank parameter memory the demos
 print.
 """
 
@@ -27,7 +28,7 @@ def shard_model(
     reduce_dtype: torch.dtype | None = None,
     cpu_offload: bool = False,
 ) -> nn.Module:
-    """One unit per block, then the root: `implementation` is "reference", "fsdp1" or "fsdp2" (torch's
+    """One unit per layer, then the root: `implementation` is "reference", "fsdp1" or "fsdp2" (torch's
     `fully_shard`, which has no prefetch policy and offloads through its own policy object)."""
     device = next(model.parameters()).device
     if implementation == "fsdp2":
@@ -40,8 +41,8 @@ def shard_model(
             mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
             offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
         )
-        for block in model.blocks:
-            fully_shard(block, **options)
+        for layer in model.layers:
+            fully_shard(layer, **options)
         return fully_shard(model, **options)
     if implementation == "fsdp1":
         from torch.distributed import fsdp as torch_fsdp
@@ -67,8 +68,8 @@ def shard_model(
         )
     else:
         raise ValueError(f"unknown FSDP implementation {implementation!r}; expected reference, fsdp1 or fsdp2")
-    for index, block in enumerate(model.blocks):
-        model.blocks[index] = wrap_unit(block)
+    for index, layer in enumerate(model.layers):
+        model.layers[index] = wrap_unit(layer)
     return wrap_unit(model)
 
 

@@ -197,7 +197,8 @@ def _embedding_weight(rows: int, config: GPTConfig) -> torch.Tensor:
 
 
 class UnshardedGPT(torch.nn.Module):
-    """The whole model in plain PyTorch on one process: the oracle of every TP x PP x DP run."""
+    """The whole model in plain PyTorch on one process: the oracle of every TP x PP x DP run, and the model
+    the FSDP demo, tests, trace and benchmark shard, one unit per layer (reference/fsdp/units.py)."""
 
     def __init__(self, config: GPTConfig, seed: int, device=None):
         super().__init__()

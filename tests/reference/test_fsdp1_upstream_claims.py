@@ -1,8 +1,9 @@
 """What the FSDP close reading and its check-yourself answers claim, shown on PyTorch FSDP1 itself (torch 2.13.0).
 
-One launch of workers/fsdp1_upstream_worker.py (world 2, CPU/gloo) trains the test transformer under FSDP1
+One launch of workers/fsdp1_upstream_worker.py (world 2, CPU/gloo) trains the test GPT under FSDP1
 with the defaults and with each option the note discusses; see the worker's docstring for what it records.
-Units in forward order: root (embeddings, final norm, head; its forward encloses the blocks'), blocks.0-2.
+Units in forward order: root (embedding, final LayerNorm, output layer and loss; its forward encloses the
+layers'), layers.0-2.
 Prefetch claims are checked from step 1 on (step 0 records the forward order).
 """
 
@@ -16,9 +17,9 @@ from tests.launch import run_worker
 pytestmark = pytest.mark.upstream("pytorch")
 
 WORLD = 2
-BLOCKS = ["blocks.0", "blocks.1", "blocks.2"]
-FORWARD_PAIRS = list(zip(["root"] + BLOCKS[:-1], BLOCKS))  # (unit l, unit l+1)
-BACKWARD_PAIRS = [("root", "blocks.2"), ("blocks.2", "blocks.1"), ("blocks.1", "blocks.0")]  # (current, next)
+LAYERS = ["layers.0", "layers.1", "layers.2"]
+FORWARD_PAIRS = list(zip(["root"] + LAYERS[:-1], LAYERS))  # (unit l, unit l+1)
+BACKWARD_PAIRS = [("root", "layers.2"), ("layers.2", "layers.1"), ("layers.1", "layers.0")]  # (current, next)
 
 
 def results() -> list[dict]:
@@ -74,7 +75,7 @@ def test_default_gathers_each_unit_in_its_own_pre_forward_after_the_previous_com
         for current, following in FORWARD_PAIRS:
             gather = issued(step, "all_gather", following, "forward")
             assert inside(step, gather, f"{following} pre-forward")
-            if current != "root":  # the root's forward encloses the blocks'
+            if current != "root":  # the root's forward encloses the layers'
                 assert gather > step["spans"][f"{current} forward"][1]
 
 
@@ -146,18 +147,18 @@ def test_without_backward_prefetch_next_allgather_waits_for_current_reduce_scatt
 
 def test_root_rearms_forward_prefetch_flags_only_under_forward_prefetch():
     """`_root_pre_forward` sets every unit's pre-forward need (and clears `_prefetched`) only when
-    forward_prefetch is set; by the end of the root's pre-forward it has prefetched blocks.0."""
+    forward_prefetch is set; by the end of the root's pre-forward it has prefetched layers.0."""
     for step in steps("forward_prefetch"):
         units = mark(step, "root pre-forward")
-        assert all(units[b]["needs_pre_forward"] for b in BLOCKS)
-        assert [b for b in BLOCKS if units[b]["prefetched"]] == ["blocks.0"]
+        assert all(units[b]["needs_pre_forward"] for b in LAYERS)
+        assert [b for b in LAYERS if units[b]["prefetched"]] == ["layers.0"]
     for step in steps("default"):
         assert not any(unit["needs_pre_forward"] for unit in mark(step, "root pre-forward").values())
 
 
 def test_post_forward_arms_and_pre_backward_clears_the_pre_backward_need():
     for step in steps("default", first=0):
-        for unit in ["root"] + BLOCKS:
+        for unit in ["root"] + LAYERS:
             assert mark(step, f"{unit} post-forward")[unit]["needs_pre_backward"]
             assert not mark(step, f"{unit} pre-backward")[unit]["needs_pre_backward"]
 
@@ -200,7 +201,7 @@ def test_use_orig_params_exposes_original_names_as_shard_views():
     default exposes only each unit's flat parameter."""
     by_rank = [result["runs"]["use_orig_params"] for result in results()]
     names = [p[0] for p in by_rank[0]["outside_forward"]["parameters"]]
-    assert "blocks.0.attn.qkv.weight" in names and not any("flat_param" in n for n in names)
+    assert "layers.0.attention.qkv.weight" in names and not any("flat_param" in n for n in names)
     for run in by_rank:
         assert all(p[1] == "Parameter" and len(p[2]) == 1 for p in run["outside_forward"]["parameters"])
         assert any(p[2] == [0] for p in run["outside_forward"]["parameters"])
@@ -208,11 +209,11 @@ def test_use_orig_params_exposes_original_names_as_shard_views():
         assert any(len(p[2]) == 2 for p in run["in_forward"]["parameters"])
     sizes = [{p[0]: p[2][0] for p in run["outside_forward"]["parameters"]} for run in by_rank]
     full = {p[0]: p[2] for p in by_rank[0]["in_forward"]["parameters"]}
-    for name, shape in full.items():  # blocks.0's parameters: the ranks' parts add up to the original
+    for name, shape in full.items():  # layers.0's parameters: the ranks' parts add up to the original
         numel = shape[0] * (shape[1] if len(shape) > 1 else 1)
-        assert sum(part[f"blocks.0.{name}"] for part in sizes) == numel
+        assert sum(part[f"layers.0.{name}"] for part in sizes) == numel
     default = results()[0]["runs"]["default"]
-    flat_names = ["_flat_param"] + [f"{b}._flat_param" for b in BLOCKS]
+    flat_names = ["_flat_param"] + [f"{b}._flat_param" for b in LAYERS]
     assert [p[0] for p in default["outside_forward"]["parameters"]] == flat_names
     for unit, flat in by_rank[0]["units"].items():  # each original aligned inside the flat parameter: padding
         assert flat["numel"] > default["units"][unit]["numel"]

@@ -14,13 +14,13 @@ def errors() -> dict[str, str]:
 
 def test_parameter_shared_between_units_is_refused():
     assert errors()["shared_between_units"] == (
-        "parameter 'tok_emb.weight' is already flattened into another FSDP unit: a parameter shared between "
-        "units is not supported; wrap the modules sharing it in one unit"
+        "parameter 'embedding.word_embeddings.weight' is already flattened into another FSDP unit: "
+        "a parameter shared between units is not supported; wrap the modules sharing it in one unit"
     )
 
 
 def test_module_wrapped_twice_is_refused():
-    assert errors()["wrapped_twice"] == "Block is already wrapped by reference FSDP; wrap each module once"
+    assert errors()["wrapped_twice"] == "TransformerBlock is already wrapped by reference FSDP; wrap each module once"
     assert errors()["wrapper_wrapped"] == (
         "FullyShardedDataParallel is already wrapped by reference FSDP; wrap each module once"
     )

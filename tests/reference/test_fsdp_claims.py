@@ -2,8 +2,8 @@
 
 Times come from `CollectiveRecorder`: a collective's `start` is when it was issued; spans "<unit> forward"
 (the wrapped module's forward) and "<unit> backward" (pre-backward hook, after the unit's own all-gather
-landed, to post-backward hook) are recorded by `reference.fsdp.tracing`. Units: root (embeddings, final
-norm, head) and blocks.0-2. Steps 1 and 2 are checked (step 0 records the forward order). The timing claims
+landed, to post-backward hook) are recorded by `reference.fsdp.tracing`. Units: root (embedding, final
+norm, output layer) and layers.0-2. Steps 1 and 2 are checked (step 0 records the forward order). The timing claims
 also run on CUDA/NCCL (2 GPUs), where each all-gather runs on NCCL's stream and `Work.wait()` only makes the
 compute stream wait, so the prefetched all-gathers overlap compute on the GPU.
 """
@@ -15,9 +15,9 @@ import pytest
 from tests.reference.fsdp_runs import fsdp_results, issued, schedule, span
 from tests.reference.gpus import DEVICES
 
-BLOCKS = ["blocks.0", "blocks.1", "blocks.2"]
-FORWARD_PAIRS = list(zip(["root"] + BLOCKS[:-1], BLOCKS))  # (unit l, unit l+1)
-BACKWARD_PAIRS = [("blocks.2", "blocks.1"), ("blocks.1", "blocks.0")]  # (current, next in backward)
+LAYERS = ["layers.0", "layers.1", "layers.2"]
+FORWARD_PAIRS = list(zip(["root"] + LAYERS[:-1], LAYERS))  # (unit l, unit l+1)
+BACKWARD_PAIRS = [("layers.2", "layers.1"), ("layers.1", "layers.0")]  # (current, next in backward)
 
 
 def steps(config: str, device: str, world: int = 2):
@@ -49,7 +49,7 @@ def test_forward_prefetch_uses_execution_order_recorded_in_first_iteration(devic
 @pytest.mark.parametrize("device", DEVICES)
 def test_backward_pre_prefetch_issues_next_allgather_before_current_reduce_scatter(device):
     for step in steps("pre", device):
-        assert issued(step, "all_gather", "blocks.2", "backward") < span(step, "root backward")["start"]
+        assert issued(step, "all_gather", "layers.2", "backward") < span(step, "root backward")["start"]
         for current, following in BACKWARD_PAIRS:
             gathered = issued(step, "all_gather", following, "backward")
             assert gathered < issued(step, "reduce_scatter", current, "backward")
@@ -88,7 +88,7 @@ def test_unit_full_parameters_never_outlive_its_forward_or_backward(config, devi
     for result in fsdp_results(2, device):
         run = result["runs"][f"reference/{config}"]
         full = [u["full_bytes"] for u in run["units"]]
-        assert [u["name"] for u in run["units"]] == ["root"] + BLOCKS
+        assert [u["name"] for u in run["units"]] == ["root"] + LAYERS
         for step in run["steps"][1:]:
             samples = step["memory_samples"]
             assert samples[0] == [full[0], 0, 0, 0], "only the root is gathered before the first block"

@@ -45,4 +45,4 @@ def test_demo_json_reports_schedule_memory_and_matches_use_torch_fsdp(tmp_path):
             (e["op"], e["module"], e["phase"], e["nbytes"]) for e in b["events"]
         ]
         assert a["summary"]["all_gather"]["count"] == 5 and a["summary"]["reduce_scatter"]["count"] == 3
-        assert {s["name"] for s in a["spans"]} >= {"blocks.0 forward", "blocks.1 backward", "root backward"}
+        assert {s["name"] for s in a["spans"]} >= {"layers.0 forward", "layers.1 backward", "root backward"}

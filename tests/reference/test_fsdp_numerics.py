@@ -1,6 +1,6 @@
 """Reference FSDP trains like the unsharded model and like PyTorch's FSDP1 and FSDP2 (CPU/gloo; CUDA below).
 
-Every rank trains the odd-sized test transformer (every flat size needs padding) for three SGD steps from
+Every rank trains the odd-sized test GPT (every flat size needs padding) for three SGD steps from
 the same initial weights, on its 1/N slice of each global batch; the full parameters are gathered and
 compared with single-process training on the whole batch, and with torch 2.13's FSDP1
 (`FullyShardedDataParallel(use_orig_params=True)`, same wrapping, prefetch and mixed precision) and FSDP2

@@ -22,7 +22,7 @@ def test_allgather_and_reduce_scatter_order_per_unit_matches_fsdp1(world, config
         ours, theirs = result["runs"][f"reference/{config}"], result["runs"][f"fsdp1/{config}"]
         for step, (a, b) in enumerate(zip(ours["steps"], theirs["steps"], strict=True)):
             assert schedule(a) == schedule(b), f"{config} step {step} rank {result['rank']}"
-            assert {e[1] for e in schedule(a)} == {"root", "blocks.0", "blocks.1", "blocks.2"}
+            assert {e[1] for e in schedule(a)} == {"root", "layers.0", "layers.1", "layers.2"}
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -269,9 +269,9 @@ def test_synthesis_diagrams_drawn_from_recorded_runs_render_with_their_labels(ev
         "all-gather",
         "reduce-scatter",
         "root forward",
-        "blocks.0 forward",
-        "blocks.1 backward",
-        "AG blocks.1",
+        "layers.0 forward",
+        "layers.1 backward",
+        "AG layers.1",
         "RS root",
         "modeled at 1 TFLOP/s, 25 GB/s",
     ):

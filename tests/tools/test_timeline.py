@@ -31,14 +31,14 @@ def test_fsdp_spans_last_their_flops_and_collectives_their_ring_bytes_and_comput
     compute = {bar.label: bar for bar in bars if bar.row != "collectives"}
     gathers = [bar for bar in bars if bar.kind == "all-gather"]
     assert sorted(compute) == sorted(spans) and len(gathers) == 5 and len(bars) == 6 + 8
-    for name in ("blocks.0 forward", "blocks.1 forward"):  # leaf spans: exactly their FLOPs, no stall inside
+    for name in ("layers.0 forward", "layers.1 forward"):  # leaf spans: exactly their FLOPs, no stall inside
         span, bar = spans[name], compute[name]
         assert bar.end - bar.start == pytest.approx((span["flops_end"] - span["flops_start"]) / 1e12)
     for bar, event in zip(bars_of(bars, "collectives"), trace["events"]):  # both in the order of issue
         assert bar.end - bar.start == pytest.approx(sent_bytes(event["op"], event["nbytes"], 2) / 25e9)
     one_stream = bars_of(bars, "collectives")
     assert all(a.end <= b.start + 1e-18 for a, b in zip(one_stream, one_stream[1:]))  # one at a time
-    for unit in ("blocks.0", "blocks.1"):  # a unit computes only once its parameters are gathered
+    for unit in ("layers.0", "layers.1"):  # a unit computes only once its parameters are gathered
         gathered = next(b for b in gathers if b.label == f"AG {unit}")
         assert compute[f"{unit} forward"].start >= gathered.end
     # The forward all-gathers were issued before any FLOP (prefetch): the first starts at 0, back to back.

@@ -139,13 +139,13 @@ def test_fsdp_trace_prefetches_each_block_before_the_previous_unit_computes():
     trace = load_trace(NOTES, "fsdp_forward")
     assert forward_markers(trace) == [
         ("issue", "root"),
-        ("issue", "blocks.0"),
+        ("issue", "layers.0"),
         ("start", "root"),
-        ("issue", "blocks.1"),
-        ("start", "blocks.0"),
-        ("end", "blocks.0"),
-        ("start", "blocks.1"),
-        ("end", "blocks.1"),
+        ("issue", "layers.1"),
+        ("start", "layers.0"),
+        ("end", "layers.0"),
+        ("start", "layers.1"),
+        ("end", "layers.1"),
         ("end", "root"),
     ]
     gathered = [e["nbytes"] for e in trace["events"] if e["op"] == "all_gather" and e["phase"] == "forward"]
@@ -245,14 +245,14 @@ def test_a_trace_the_recorder_cannot_draw_is_a_one_line_error(tmp_path):
         run["events"] = [e for e in run["events"] if e["phase"] == "backward"]
     (tmp_path / "traces" / "tp_block.json").write_text(json.dumps(tp))
     fsdp = json.loads((NOTES / "traces" / "fsdp_forward.json").read_text())
-    fsdp["spans"] = [s for s in fsdp["spans"] if s["name"] != "blocks.1 forward"]
+    fsdp["spans"] = [s for s in fsdp["spans"] if s["name"] != "layers.1 forward"]
     (tmp_path / "traces" / "fsdp_forward.json").write_text(json.dumps(fsdp))
     cases = [
         ("tp_block", dict(link="NVLink"), "saw no tensor-parallel linear layer issuing the collectives"),
         (
             "fsdp_forward",
             dict(tflops=1, link_GBps=25),
-            "no forward all-gather or compute span recorded for unit(s) blocks.1",
+            "no forward all-gather or compute span recorded for unit(s) layers.1",
         ),
     ]
     for name, options, message in cases:
@@ -272,7 +272,7 @@ def test_mermaid_labels_are_escaped():
         diagrams.label('a "b" <script> #1 `x` | y; z')
         == '"a #quot;b#quot; #lt;script#gt; #35;1 #96;x#96; #124; y#59; z"'
     )
-    assert diagrams.gantt_text("blocks.0: 49 KiB #x") == "blocks.0  49 KiB  x"
+    assert diagrams.gantt_text("layers.0: 49 KiB #x") == "layers.0  49 KiB  x"
 
 
 def test_record_traces_only_runs_the_launch_that_makes_the_named_trace_and_writes_just_it(tmp_path, monkeypatch):

@@ -1,9 +1,10 @@
 """Worker for tests/reference/test_fsdp1_upstream_claims.py: `torchrun --nproc-per-node 2 ... OUTDIR`.
 
-Runs PyTorch FSDP1 itself (torch.distributed.fsdp.FullyShardedDataParallel, one unit per block, then the root)
-on CPU/gloo with its defaults and with each option the FSDP close reading discusses, three training steps per
-configuration, under one `CollectiveRecorder`. The only option every configuration sets is `device_id=cpu`:
-FSDP1 refuses a CPU module without it. Each rank writes OUTDIR/rank{r}.json with, per configuration and step:
+Runs PyTorch FSDP1 itself (torch.distributed.fsdp.FullyShardedDataParallel, one unit per layer of the test
+GPT, reference.gpt.model.UnshardedGPT, then the root) on CPU/gloo with its defaults and with each option the
+FSDP close reading discusses, three training steps per configuration, under one `CollectiveRecorder`. The only
+option every configuration sets is `device_id=cpu`: FSDP1 refuses a CPU module without it. Each rank writes
+OUTDIR/rank{r}.json with, per configuration and step:
   events  every all-gather and reduce-scatter (op, unit, phase, bytes, dtype, issue time), attributed to the
           unit whose flat parameter it moves (reference.fsdp.tracing.torch_fsdp1_unit_scopes);
   spans   "<unit> pre-forward" (the FSDP module's call up to its wrapped module's forward: FSDP1's root and
@@ -32,12 +33,14 @@ from torch.distributed.fsdp import BackwardPrefetch, MixedPrecision
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from reference.fsdp.tracing import clean_name, torch_fsdp1_unit_scopes
-from reference.model import ModelConfig, build_model, next_token_loss, synthetic_batches
+from reference.gpt.model import GPTConfig, UnshardedGPT
+from reference.gpt.train import split_batch, synthetic_batches
 from reference.recorder import CollectiveRecorder, current_phase
 from reference.torch_patches import fsdp1_rate_limiter_wrapped, fsdp1_runtime_wrapped
 
-CONFIG = ModelConfig(vocab_size=101, hidden_size=27, num_attention_heads=3, num_layers=3, max_seq_length=33)
-STEPS, BATCH, SEQ, SEED = 3, 4, 16, 7
+CONFIG = GPTConfig(vocab_size=101, hidden_size=27, num_attention_heads=3, num_layers=3, seq_length=16)
+STEPS, BATCH, SEED = 3, 4, 7
+LAYERS = [f"layers.{i}" for i in range(CONFIG.num_layers)]  # FSDP1's units below the root
 BF16 = torch.bfloat16
 CONFIGS = {  # name -> FSDP1 options besides device_id
     "default": {},
@@ -199,23 +202,23 @@ def parameter_table(module: nn.Module) -> list[list]:
 def run_config(options: dict, initial: nn.Module, recorder: CollectiveRecorder, rank: int, world: int):
     model = copy.deepcopy(initial)
     model.register_buffer("scale", torch.ones(()))  # a floating buffer for buffer_dtype (unused by forward)
-    model = wrap(model, [f"blocks.{i}" for i in range(CONFIG.num_layers)], **options)
+    model = wrap(model, LAYERS, **options)
     log = HookLog(model, recorder)
     seen: dict = {}
-    blocks0 = log.units["blocks.0"]._fsdp_wrapped_module
+    layer0 = log.units["layers.0"]._fsdp_wrapped_module
 
     def peek_in_forward(module, _args):  # the first step's views, after FSDP1's pre-forward
         seen.setdefault("in_forward", {"parameters": parameter_table(module), "buffer_dtype": str(model.scale.dtype)})
 
-    peek = blocks0.register_forward_pre_hook(peek_in_forward)
+    peek = layer0.register_forward_pre_hook(peek_in_forward)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     steps = []
     with log.installed(), torch_fsdp1_unit_scopes(model):
-        for tokens in synthetic_batches(CONFIG, STEPS, BATCH, SEQ, SEED):
-            local = tokens.chunk(world)[rank]
+        for tokens in synthetic_batches(CONFIG, STEPS, BATCH, SEED):
+            ((inputs, labels),) = split_batch(tokens, world, rank, 1)
             recorder.clear()
             log.clear()
-            next_token_loss(model(local), local).backward()
+            model(inputs, labels).backward()
             grad_dtypes = sorted({str(p.grad.dtype) for p in model.parameters() if p.grad is not None})
             optimizer.step()
             optimizer.zero_grad()
@@ -285,14 +288,10 @@ def memory(initial: nn.Module, rank: int, world: int) -> dict:
     result = {"params": sum(p.numel() for p in initial.parameters()), "units": 1 + CONFIG.num_layers}
     for kind in ("ddp", "fsdp"):
         model = copy.deepcopy(initial)
-        model = (
-            nn.parallel.DistributedDataParallel(model)
-            if kind == "ddp"
-            else wrap(model, [f"blocks.{i}" for i in range(CONFIG.num_layers)])
-        )
+        model = nn.parallel.DistributedDataParallel(model) if kind == "ddp" else wrap(model, LAYERS)
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-        tokens = next(iter(synthetic_batches(CONFIG, 1, BATCH, SEQ, SEED))).chunk(world)[rank]
-        next_token_loss(model(tokens), tokens).backward()
+        ((inputs, labels),) = split_batch(synthetic_batches(CONFIG, 1, BATCH, SEED)[0], world, rank, 1)
+        model(inputs, labels).backward()
         optimizer.step()
         result[kind] = adam_bytes(model, optimizer)
     return result
@@ -302,7 +301,7 @@ def results(device: torch.device) -> dict:
     """Every configuration's recorded steps, the unused-branch run and the memory figures (CPU)."""
     assert device.type == "cpu", "FSDP1 runs here with device_id=cpu"
     rank, world = dist.get_rank(), dist.get_world_size()
-    initial = build_model(CONFIG, SEED)
+    initial = UnshardedGPT(CONFIG, SEED)
     result: dict = {"rank": rank, "world": world, "runs": {}}
     with CollectiveRecorder() as recorder:
         for name, options in CONFIGS.items():

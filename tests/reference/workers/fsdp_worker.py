@@ -1,11 +1,11 @@
 """Worker for the FSDP tests: `torchrun ... fsdp_worker.py OUTDIR [crash]` (device: REFERENCE_TEST_DEVICE).
 
-Without `crash` it trains the test transformer for a few steps with the reference FSDP in every configuration the tests
-check, and with the oracles (single-process training from the same weights, PyTorch FSDP1 with the same
-wrapping and options, PyTorch FSDP2 `fully_shard`), under one `CollectiveRecorder`. Each rank writes what it
-observed to OUTDIR/rank{r}.json: parameter differences, the collective schedule of each step with unit
-attribution, compute spans, unsharded-memory samples, flat sizes and bad-input errors. The pytest modules
-assert on those files, so one launch serves many named tests.
+Without `crash` it trains the test GPT (reference.gpt.model.UnshardedGPT) for a few steps with the reference
+FSDP in every configuration the tests check, and with the oracles (single-process training from the same
+weights, PyTorch FSDP1 with the same wrapping and options, PyTorch FSDP2 `fully_shard`), under one
+`CollectiveRecorder`. Each rank writes what it observed to OUTDIR/rank{r}.json: parameter differences, the
+collective schedule of each step with unit attribution, compute spans, unsharded-memory samples, flat sizes
+and bad-input errors. The pytest modules assert on those files, so one launch serves many named tests.
 
 `crash` makes rank 1 raise in the middle of a step while the others wait in a collective.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import sys
 import time
 
@@ -27,12 +28,13 @@ from reference.distributed import distributed
 from reference.fsdp import FullyShardedDataParallel
 from reference.fsdp.tracing import torch_fsdp1_unit_scopes
 from reference.fsdp.units import shard_model
-from reference.model import ModelConfig, build_model, next_token_loss, synthetic_batches
+from reference.gpt.model import GPTConfig, UnshardedGPT
+from reference.gpt.train import split_batch, synthetic_batches
 from reference.recorder import CollectiveRecorder
 
 # Odd sizes on purpose: every unit's flat size is odd, so every world size > 1 needs padding.
-CONFIG = ModelConfig(vocab_size=101, hidden_size=27, num_attention_heads=3, num_layers=3, max_seq_length=33)
-STEPS, BATCH, SEQ, SEED, LR = 3, 4, 16, 7, 0.05
+CONFIG = GPTConfig(vocab_size=101, hidden_size=27, num_attention_heads=3, num_layers=3, seq_length=16)
+STEPS, BATCH, SEED, LR = 3, 4, 7, 0.05
 PREFETCH = {"pre": "BACKWARD_PRE", "post": "BACKWARD_POST", "none": None}
 BF16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
@@ -63,13 +65,13 @@ def train(
     """STEPS optimizer steps on this rank's slice of each global batch; the recorded schedule per step."""
     optimizer = optimizer_class(model.parameters(), lr=LR)
     steps = []
-    for tokens in synthetic_batches(CONFIG, STEPS, BATCH, SEQ, SEED):
-        local = tokens.chunk(world)[rank].to(device)
+    for tokens in synthetic_batches(CONFIG, STEPS, BATCH, SEED):
+        ((inputs, labels),) = split_batch(tokens.to(device), world, rank, 1)
         recorder.clear()
         sampler = UnshardedMemorySampler(sampler_handles) if sampler_handles else None
         if sampler:
             sampler.__enter__()
-        next_token_loss(model(local), local).backward()
+        model(inputs, labels).backward()
         if sampler:
             sampler.__exit__(None, None, None)
         optimizer.step()
@@ -105,7 +107,7 @@ def results(device: torch.device) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.group.WORLD
     result: dict = {"rank": rank, "world": world, "runs": {}, "diff": {}}
-    initial = build_model(CONFIG, SEED).to(device)
+    initial = UnshardedGPT(CONFIG, SEED, device)
     with CollectiveRecorder() as recorder:
         baseline = copy.deepcopy(initial)
         train(baseline, recorder, device, 1, 0)
@@ -190,18 +192,17 @@ def bad_input_errors(group) -> dict[str, str]:
             errors[case] = "no error"
 
     def shared_between_units():
-        model = build_model(CONFIG, SEED)
-        model.head.weight = model.tok_emb.weight  # tied embeddings, head wrapped in its own unit
-        model.head = FullyShardedDataParallel(model.head, group)
+        model = UnshardedGPT(dataclasses.replace(CONFIG, share_embeddings_and_output_weights=True), SEED)
+        model.output_layer = FullyShardedDataParallel(model.output_layer, group)  # the tied head in its own unit
         FullyShardedDataParallel(model, group)
 
     def wrapped_twice():
-        block = build_model(CONFIG, SEED).blocks[0]
+        block = UnshardedGPT(CONFIG, SEED).layers[0]
         FullyShardedDataParallel(block, group)
         FullyShardedDataParallel(block, group)
 
     def wrapper_wrapped():
-        FullyShardedDataParallel(FullyShardedDataParallel(build_model(CONFIG, SEED).blocks[0], group), group)
+        FullyShardedDataParallel(FullyShardedDataParallel(UnshardedGPT(CONFIG, SEED).layers[0], group), group)
 
     def integer_parameter():
         module = nn.Linear(3, 3)
@@ -224,7 +225,7 @@ def bad_input_errors(group) -> dict[str, str]:
 def run_crash(device: torch.device) -> None:
     """Rank 1 fails inside its second step's forward; rank 0 is then blocked in a collective."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = shard_model(build_model(CONFIG, SEED).to(device), "reference", dist.group.WORLD)
+    model = shard_model(UnshardedGPT(CONFIG, SEED, device), "reference", dist.group.WORLD)
     calls = []
 
     def crash_on_rank1(module, args):
@@ -232,10 +233,10 @@ def run_crash(device: torch.device) -> None:
         if rank == 1 and len(calls) == 2:
             raise RuntimeError("simulated rank crash: rank 1 failed in step 2")
 
-    model.blocks[1].register_forward_pre_hook(crash_on_rank1)
-    for tokens in synthetic_batches(CONFIG, STEPS, BATCH, SEQ, SEED):
-        local = tokens.chunk(world)[rank].to(device)
-        next_token_loss(model(local), local).backward()
+    model.layers[1].register_forward_pre_hook(crash_on_rank1)
+    for tokens in synthetic_batches(CONFIG, STEPS, BATCH, SEED):
+        ((inputs, labels),) = split_batch(tokens.to(device), world, rank, 1)
+        model(inputs, labels).backward()
     print(f"rank {rank} finished {time.time()}")
 
 

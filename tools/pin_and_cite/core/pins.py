@@ -1,15 +1,15 @@
 """reading_notes/pins.toml: the upstream sources, each at one full commit SHA.
 
-Edited by people and by `pin`; tomlkit keeps their comments and layout when `pin` rewrites a commit.
+Edited by people and by `pin`. Read with the standard library's tomllib; tomlkit (slower to import and to
+parse) is used only when `pin` rewrites a commit, to keep the file's comments and layout.
 """
 
 from __future__ import annotations
 
 import re
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-
-import tomlkit
 
 from pin_and_cite.core import schema
 from pin_and_cite.core.atomic import atomic_write
@@ -47,15 +47,16 @@ class Pins:
     def __init__(self, path: Path):
         self.path = path
         try:
-            self._doc = tomlkit.parse(path.read_bytes().decode("utf-8"))
+            self._text = path.read_bytes().decode("utf-8")
+            data = tomllib.loads(self._text)
         except FileNotFoundError:
             raise PinAndCiteError(f"{path} not found; create it with a [sources.NAME] table (url, commit)") from None
         except UnicodeDecodeError as exc:
             raise PinAndCiteError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-        except tomlkit.exceptions.TOMLKitError as exc:
+        except tomllib.TOMLDecodeError as exc:
             raise PinAndCiteError(f"{path} is not valid TOML: {exc}") from None
-        schema.check(self._doc.unwrap(), schema.PINS, f"{path}:", SHAPE)
-        self.sources = {name: self._source(name, table) for name, table in self._doc.get("sources", {}).items()}
+        schema.check(data, schema.PINS, f"{path}:", SHAPE)
+        self.sources = {name: self._source(name, table) for name, table in data.get("sources", {}).items()}
 
     def _source(self, name: str, table) -> Source:
         """The source of a table that fits schema.PINS (its name is checked here, by the citation grammar's rule)."""
@@ -85,7 +86,10 @@ class Pins:
 
     def with_commit(self, name: str, url: str, commit: str, tag: str | None) -> bytes:
         """Record a pin in memory and return the new pins.toml (comments and layout kept) without writing it."""
-        sources = self._doc.setdefault("sources", tomlkit.table(is_super_table=True))
+        import tomlkit
+
+        doc = tomlkit.parse(self._text)
+        sources = doc.setdefault("sources", tomlkit.table(is_super_table=True))
         table = sources.get(name)
         if table is None:
             table = tomlkit.table()
@@ -97,4 +101,5 @@ class Pins:
         elif "tag" in table:
             del table["tag"]
         self.sources[name] = self._source(name, table)
-        return tomlkit.dumps(self._doc).encode()
+        self._text = tomlkit.dumps(doc)
+        return self._text.encode()
