@@ -91,6 +91,7 @@ class Resolver:
         # texts) alive for the process, one per rebuild under `mkdocs serve`
         self.lines_of = functools.cache(self._lines_of)
         self.tree_of = functools.cache(self._tree_of)
+        self.resolve = functools.cache(self._resolve)  # check verifies a citation, then renders it
         self.parsed = ParseCache(project.cache_dir)  # what the trees yield, kept on disk by blob
 
     def definitions_of(self, source_name: str, path: str, blob: str) -> dict[str, list[tuple[int, int]]]:
@@ -140,7 +141,7 @@ class Resolver:
             return None
         return self.statements_of(excerpt.source.name, excerpt.spec.path, excerpt.blob)
 
-    def resolve(self, spec: Spec) -> tuple[Excerpt, str]:
+    def _resolve(self, spec: Spec) -> tuple[Excerpt, str]:
         """The excerpt and how its file's blob was learned."""
         source = self.project.pins.get(spec.source)
         blob, learned = self.blob_for(source, spec.path)
