@@ -96,7 +96,7 @@ def stage_state_from_master(stage: torch.nn.Module, master: dict[str, torch.Tens
     for module_name, module in stage.named_modules():
         for param_name, _param in module.named_parameters(recurse=False):
             name = f"{module_name}.{param_name}"
-            full = master[_master_name(stage, name)]
+            full = master[master_name(stage, name)]
             if isinstance(module, VocabParallelEmbedding) or (
                 isinstance(module, ColumnParallelLinear) and module.output_size > full.shape[0]
             ):
@@ -119,8 +119,9 @@ def load_hf_into_stage(stage: torch.nn.Module, hf_state: dict[str, torch.Tensor]
             param.copy_(state[name])
 
 
-def _master_name(stage: torch.nn.Module, name: str) -> str:
-    """A stage's parameter name -> the unsharded model's: global layer index, the head's inner layer dropped."""
+def master_name(stage: torch.nn.Module, name: str) -> str:
+    """A stage's (or chunk's) parameter name -> the unsharded model's: global layer index, the head's inner
+    layer dropped. The tests compare stages with the UnshardedGPT by it too."""
     if name.startswith("layers."):
         _, local, rest = name.split(".", 2)
         return f"layers.{stage.first_layer + int(local)}.{rest}"

@@ -20,16 +20,31 @@ import torch
 import torch.distributed as dist
 
 
-class PipelineP2P:
+class _FixedShapeP2P:
+    """What both transfer schemes share: the PP group, and the one activation shape, dtype and device every
+    receive buffer is allocated with (no shape is exchanged)."""
+
+    def __init__(self, pp_group: dist.ProcessGroup, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+        self.group, self.shape, self.dtype, self.device = pp_group, tuple(shape), dtype, device
+        self.rank, self.size = pp_group.rank(), pp_group.size()
+
+    def _peer(self, pp_rank: int) -> int:
+        """The global rank of stage `pp_rank` (taken round the ring)."""
+        return dist.get_global_rank(self.group, pp_rank % self.size)
+
+    def _buffer(self) -> torch.Tensor:
+        return torch.empty(self.shape, dtype=self.dtype, device=self.device)
+
+
+class PipelineP2P(_FixedShapeP2P):
     """The four transfers of one stage; at the pipeline's ends the missing neighbour's transfers are no-ops
     (receives return None)."""
 
     def __init__(self, pp_group: dist.ProcessGroup, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
-        self.group, self.shape, self.dtype, self.device = pp_group, tuple(shape), dtype, device
-        rank, size = pp_group.rank(), pp_group.size()
-        self.is_first, self.is_last, self.even = rank == 0, rank == size - 1, rank % 2 == 0
-        self.prev = None if self.is_first else dist.get_global_rank(pp_group, rank - 1)
-        self.next = None if self.is_last else dist.get_global_rank(pp_group, rank + 1)
+        super().__init__(pp_group, shape, dtype, device)
+        self.is_first, self.is_last, self.even = self.rank == 0, self.rank == self.size - 1, self.rank % 2 == 0
+        self.prev = None if self.is_first else self._peer(self.rank - 1)
+        self.next = None if self.is_last else self._peer(self.rank + 1)
 
     def _communicate(
         self,
@@ -67,9 +82,6 @@ class PipelineP2P:
             from_prev.requires_grad_()
         return from_prev, from_next
 
-    def _buffer(self) -> torch.Tensor:
-        return torch.empty(self.shape, dtype=self.dtype, device=self.device)
-
     def recv_forward(self) -> torch.Tensor | None:
         return self._communicate(recv_prev=True)[0]
 
@@ -94,7 +106,7 @@ class PipelineP2P:
         return self._communicate(send_prev=input_grad, recv_prev=True)[0]
 
 
-class RingP2P:
+class RingP2P(_FixedShapeP2P):
     """Transfers of one stage under interleaving, where the last stage's chunk c feeds the first stage's chunk
     c + 1, so the neighbours wrap round a ring. Sends are posted at once (isend) and waited in `wait_sends`;
     a receive blocks until its tensor is there. Any order of actions that respects the data dependencies then
@@ -109,10 +121,8 @@ class RingP2P:
     FORWARD, BACKWARD = 0, 1  # tags: activations go to next, their gradients to prev
 
     def __init__(self, pp_group: dist.ProcessGroup, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
-        self.group, self.shape, self.dtype, self.device = pp_group, tuple(shape), dtype, device
-        rank, size = pp_group.rank(), pp_group.size()
-        self.prev = dist.get_global_rank(pp_group, (rank - 1) % size)
-        self.next = dist.get_global_rank(pp_group, (rank + 1) % size)
+        super().__init__(pp_group, shape, dtype, device)
+        self.prev, self.next = self._peer(self.rank - 1), self._peer(self.rank + 1)
         self.pending: list[tuple[dist.Work, torch.Tensor]] = []  # the tensor stays alive until sent
 
     def _send(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
@@ -120,7 +130,7 @@ class RingP2P:
         self.pending.append((dist.isend(tensor, peer, group=self.group, tag=tag), tensor))
 
     def _recv(self, peer: int, tag: int) -> torch.Tensor:
-        buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        buffer = self._buffer()
         dist.irecv(buffer, peer, group=self.group, tag=tag).wait()
         return buffer
 

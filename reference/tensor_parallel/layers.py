@@ -68,25 +68,27 @@ def init_shard_from_master(
 
 
 class _ParallelLinear(torch.nn.Module):
-    """Parameters and checks shared by both layers; subclasses decide how the weight is split."""
+    """Parameters and checks shared by both layers, and the keyword arguments both take (`shared` in theirs):
+    init_method, bias, sequence_parallel, async_grad_allreduce, gradient_accumulation_fusion, params_dtype,
+    device. Subclasses decide how the weight is split."""
 
     def __init__(
         self,
         weight_shape,
         bias_size,
         *,
-        tp_group,
-        init_method,
-        bias,
-        sequence_parallel,
-        async_grad_allreduce,
-        gradient_accumulation_fusion,
-        params_dtype,
-        device,
-        partition_dim,
-        input_size,
-        output_size,
-        stride=1,
+        tp_group: dist.ProcessGroup,
+        init_method: Callable,
+        partition_dim: int,
+        input_size: int,
+        output_size: int,
+        stride: int = 1,
+        bias: bool = True,
+        sequence_parallel: bool = False,
+        async_grad_allreduce: bool = True,
+        gradient_accumulation_fusion: bool = False,
+        params_dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
     ):
         super().__init__()
         self.input_size, self.output_size, self.tp_group = input_size, output_size, tp_group
@@ -121,6 +123,7 @@ class ColumnParallelLinear(_ParallelLinear):
     stride: the output features are `stride` consecutive parts, each split 1/p (see shard_of).
     sequence_parallel: the input is split along the sequence (dim 0) and all-gathered inside the kernel;
     its gradient is reduce-scattered back instead of all-reduced.
+    `shared`: the keyword arguments of both layers (_ParallelLinear; init_method is required).
     """
 
     def __init__(
@@ -129,33 +132,21 @@ class ColumnParallelLinear(_ParallelLinear):
         output_size: int,
         *,
         tp_group: dist.ProcessGroup,
-        init_method: Callable,
-        bias: bool = True,
         gather_output: bool = False,
         skip_bias_add: bool = False,
-        sequence_parallel: bool = False,
-        async_grad_allreduce: bool = True,
-        gradient_accumulation_fusion: bool = False,
-        params_dtype: torch.dtype = torch.float32,
-        device: torch.device | str | None = None,
         stride: int = 1,
+        **shared,
     ):
         per_rank = divide(output_size, stride * tp_group.size(), "ColumnParallelLinear output_size") * stride
         super().__init__(
             (per_rank, input_size),
             per_rank,
             tp_group=tp_group,
-            init_method=init_method,
-            bias=bias,
-            sequence_parallel=sequence_parallel,
-            async_grad_allreduce=async_grad_allreduce,
-            gradient_accumulation_fusion=gradient_accumulation_fusion,
-            params_dtype=params_dtype,
-            device=device,
             partition_dim=0,
             input_size=input_size,
             output_size=output_size,
             stride=stride,
+            **shared,
         )
         self.output_size_per_partition = per_rank
         self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
@@ -186,7 +177,7 @@ class RowParallelLinear(_ParallelLinear):
 
     input_is_parallel: the input is already split along its last dim (the output of a column layer);
     otherwise it is split here. sequence_parallel: reduce-scatter the output along the sequence instead
-    of all-reducing it (requires input_is_parallel). skip_bias_add as in ColumnParallelLinear.
+    of all-reducing it (requires input_is_parallel). skip_bias_add and `shared` as in ColumnParallelLinear.
     """
 
     def __init__(
@@ -195,15 +186,10 @@ class RowParallelLinear(_ParallelLinear):
         output_size: int,
         *,
         tp_group: dist.ProcessGroup,
-        init_method: Callable,
-        bias: bool = True,
         input_is_parallel: bool = False,
         skip_bias_add: bool = False,
         sequence_parallel: bool = False,
-        async_grad_allreduce: bool = True,
-        gradient_accumulation_fusion: bool = False,
-        params_dtype: torch.dtype = torch.float32,
-        device: torch.device | str | None = None,
+        **shared,
     ):
         if sequence_parallel and not input_is_parallel:
             raise ParallelConfigError("RowParallelLinear: sequence_parallel requires input_is_parallel=True")
@@ -212,16 +198,11 @@ class RowParallelLinear(_ParallelLinear):
             (output_size, per_rank),
             output_size,
             tp_group=tp_group,
-            init_method=init_method,
-            bias=bias,
             sequence_parallel=sequence_parallel,
-            async_grad_allreduce=async_grad_allreduce,
-            gradient_accumulation_fusion=gradient_accumulation_fusion,
-            params_dtype=params_dtype,
-            device=device,
             partition_dim=1,
             input_size=input_size,
             output_size=output_size,
+            **shared,
         )
         self.input_size_per_partition = per_rank
         self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add

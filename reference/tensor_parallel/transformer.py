@@ -21,6 +21,7 @@ matching up columns), o and down row-parallel, RMSNorm under sequence parallelis
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 
 import torch
@@ -42,6 +43,15 @@ from reference.tensor_parallel.unsharded import (
     init_method_normal,
     swiglu,
 )
+
+
+def _recomputed(module: torch.nn.Module, enabled: bool, function: Callable, *args: torch.Tensor) -> torch.Tensor:
+    """function(*args); with `enabled`, in a training forward that autograd records, checkpointed on the module's
+    TP stream (reference.recompute): only `args` are kept, the rest runs again in backward. The one dispatch of
+    both recompute modes: selective (the attention core) and full (the whole block)."""
+    if enabled and module.training and torch.is_grad_enabled():
+        return checkpoint(function, module.rng, *args)
+    return function(*args)
 
 
 class ParallelAttention(torch.nn.Module):
@@ -67,9 +77,7 @@ class ParallelAttention(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         qkv, _ = self.qkv(x)
-        if self.selective_recompute and self.training and torch.is_grad_enabled():
-            return self.proj(checkpoint(self.core_attention, self.rng, qkv))
-        return self.proj(self.core_attention(qkv))
+        return self.proj(_recomputed(self, self.selective_recompute, self.core_attention, qkv))
 
     def core_attention(self, qkv: torch.Tensor) -> torch.Tensor:
         """QK^T, softmax, dropout, x V on this rank's heads: the region selective recomputation re-runs.
@@ -99,22 +107,25 @@ class ParallelMLP(torch.nn.Module):
         return self.fc2(F.gelu(hidden))
 
 
-class ParallelTransformerBlock(torch.nn.Module):
-    """Pre-LayerNorm block: x + attention(ln1(x)), then + mlp(ln2(x)), the row biases added in the
-    bias-dropout-add as Megatron does (hence skip_bias_add on the row layers). `recompute` (none, selective,
-    full; reference.recompute) picks what the block keeps for backward while training."""
+class ParallelBlock(torch.nn.Module):
+    """What the GPT-2 and the Llama block share: the TP stream, the recompute mode (none, selective, full;
+    reference.recompute), sequence parallelism, the keyword arguments every linear layer of the block takes,
+    and the layout norm1 -> attention -> norm2 -> MLP, the norms marked as seeing only local tokens under SP.
+    A block passes the factories of its norm, attention and MLP and writes `layer_forward`, the layer itself:
+    what full recompute checkpoints.
+
+    `rng` is the TP stream that dropout on split activations draws from and recomputation restores; without
+    one the block makes its own (seed 0)."""
 
     def __init__(
         self,
-        hidden_size: int,
-        num_attention_heads: int,
         *,
         tp_group: dist.ProcessGroup,
-        ffn_hidden_size: int | None = None,
+        norm: Callable[..., torch.nn.Module],
+        attention: Callable[[dict, TensorParallelRNG, bool], torch.nn.Module],
+        mlp: Callable[[dict], torch.nn.Module],
         init_method: Callable | None = None,
         sequence_parallel: bool = False,
-        hidden_dropout: float = 0.0,
-        attention_dropout: float = 0.0,
         async_grad_allreduce: bool = True,
         gradient_accumulation_fusion: bool = False,
         params_dtype=torch.float32,
@@ -125,7 +136,6 @@ class ParallelTransformerBlock(torch.nn.Module):
         super().__init__()
         self.recompute = check_recompute_mode(recompute)
         self.sequence_parallel = sequence_parallel and tp_group.size() > 1
-        self.hidden_dropout = hidden_dropout
         self.rng = rng or TensorParallelRNG(0, tp_group, device)
         linear_kwargs = dict(
             tp_group=tp_group,
@@ -136,19 +146,47 @@ class ParallelTransformerBlock(torch.nn.Module):
             params_dtype=params_dtype,
             device=device,
         )
-        self.ln1 = torch.nn.LayerNorm(hidden_size, dtype=params_dtype, device=device)
-        self.attention = ParallelAttention(
-            hidden_size,
-            num_attention_heads,
-            attention_dropout,
-            self.rng,
-            linear_kwargs,
-            selective_recompute=recompute == "selective",
-        )
-        self.ln2 = torch.nn.LayerNorm(hidden_size, dtype=params_dtype, device=device)
-        self.mlp = ParallelMLP(hidden_size, ffn_hidden_size or 4 * hidden_size, linear_kwargs)
+        self.ln1 = norm(dtype=params_dtype, device=device)
+        self.attention = attention(linear_kwargs, self.rng, recompute == "selective")
+        self.ln2 = norm(dtype=params_dtype, device=device)
+        self.mlp = mlp(linear_kwargs)
         for param in [*self.ln1.parameters(), *self.ln2.parameters()]:
             param.sequence_parallel = self.sequence_parallel  # replicated, but sees only local tokens under SP
+
+    def forward(self, x: torch.Tensor, *layer_inputs: torch.Tensor) -> torch.Tensor:
+        """layer_forward(x, *layer_inputs); with full recompute the whole layer runs again in backward
+        (reference.recompute), as
+        `megatron-lm:megatron/core/transformer/transformer_block.py::TransformerBlock._checkpointed_forward`
+        does."""
+        return _recomputed(self, self.recompute == "full", self.layer_forward, x, *layer_inputs)
+
+
+class ParallelTransformerBlock(ParallelBlock):
+    """Pre-LayerNorm block: x + attention(ln1(x)), then + mlp(ln2(x)), the row biases added in the
+    bias-dropout-add as Megatron does (hence skip_bias_add on the row layers). `shared`: ParallelBlock's
+    keyword arguments (init_method, sequence_parallel, params_dtype, device, rng, recompute, ...)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_attention_heads: int,
+        *,
+        tp_group: dist.ProcessGroup,
+        ffn_hidden_size: int | None = None,
+        hidden_dropout: float = 0.0,
+        attention_dropout: float = 0.0,
+        **shared,
+    ):
+        super().__init__(
+            tp_group=tp_group,
+            norm=functools.partial(torch.nn.LayerNorm, hidden_size),
+            attention=lambda linear_kwargs, rng, selective: ParallelAttention(
+                hidden_size, num_attention_heads, attention_dropout, rng, linear_kwargs, selective_recompute=selective
+            ),
+            mlp=lambda linear_kwargs: ParallelMLP(hidden_size, ffn_hidden_size or 4 * hidden_size, linear_kwargs),
+            **shared,
+        )
+        self.hidden_dropout = hidden_dropout
 
     def bias_dropout_add(self, out: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual + dropout(out + bias); under SP each rank holds other tokens, so it draws its own mask."""
@@ -156,17 +194,8 @@ class ParallelTransformerBlock(torch.nn.Module):
         with self.rng.fork() if split else contextlib.nullcontext():
             return residual + F.dropout(out + bias, self.hidden_dropout, self.training)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Mirrors `megatron-lm:megatron/core/transformer/transformer_layer.py::TransformerLayer.forward`; with
-        full recompute the whole layer runs again in backward (reference.recompute), as
-        `megatron-lm:megatron/core/transformer/transformer_block.py::TransformerBlock._checkpointed_forward`
-        does."""
-        if self.recompute == "full" and self.training and torch.is_grad_enabled():
-            return checkpoint(self.layer_forward, self.rng, x)
-        return self.layer_forward(x)
-
     def layer_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The layer itself: what full recompute checkpoints."""
+        """Mirrors `megatron-lm:megatron/core/transformer/transformer_layer.py::TransformerLayer.forward`."""
         out, bias = self.attention(self.ln1(x))
         x = self.bias_dropout_add(out, bias, x)
         out, bias = self.mlp(self.ln2(x))
@@ -218,9 +247,7 @@ class ParallelGroupedQueryAttention(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, None]:
         qkv, _ = self.qkv(x)
-        if self.selective_recompute and self.training and torch.is_grad_enabled():
-            return self.proj(checkpoint(self.core_attention, self.rng, qkv, *rotary))
-        return self.proj(self.core_attention(qkv, *rotary))
+        return self.proj(_recomputed(self, self.selective_recompute, self.core_attention, qkv, *rotary))
 
     def core_attention(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """The local query groups' attention: what selective recompute checkpoints (tensors in, tensor out)."""
@@ -245,11 +272,11 @@ class ParallelSwiGLUMLP(torch.nn.Module):
         return self.fc2(swiglu(hidden))
 
 
-class ParallelLlamaBlock(torch.nn.Module):
+class ParallelLlamaBlock(ParallelBlock):
     """Pre-RMSNorm block: x + attention(ln1(x), rotary), then + mlp(ln2(x)), no dropout. `rotary` is the
-    (cos, sin) of the whole sequence: attention runs on the gathered sequence even under SP. `recompute` (none,
-    selective, full; reference.recompute) as for ParallelTransformerBlock; `rng` is the TP stream the
-    recomputation restores (no dropout here, so it only keeps the two blocks' recomputation the same code)."""
+    (cos, sin) of the whole sequence: attention runs on the gathered sequence even under SP. `shared`:
+    ParallelBlock's keyword arguments, as for ParallelTransformerBlock (no dropout here, so the TP stream
+    only keeps the two blocks' recomputation the same code)."""
 
     def __init__(
         self,
@@ -260,45 +287,24 @@ class ParallelLlamaBlock(torch.nn.Module):
         num_kv_heads: int,
         ffn_hidden_size: int,
         norm_eps: float,
-        init_method: Callable | None = None,
-        sequence_parallel: bool = False,
-        async_grad_allreduce: bool = True,
-        gradient_accumulation_fusion: bool = False,
-        params_dtype=torch.float32,
-        device=None,
-        rng: TensorParallelRNG | None = None,
-        recompute: str = "none",
+        **shared,
     ):
-        super().__init__()
-        self.rng, self.recompute = rng or TensorParallelRNG(0, tp_group, device), check_recompute_mode(recompute)
-        self.sequence_parallel = sequence_parallel and tp_group.size() > 1
-        linear_kwargs = dict(
+        super().__init__(
             tp_group=tp_group,
-            init_method=init_method or init_method_normal(),
-            sequence_parallel=self.sequence_parallel,
-            async_grad_allreduce=async_grad_allreduce,
-            gradient_accumulation_fusion=gradient_accumulation_fusion,
-            params_dtype=params_dtype,
-            device=device,
+            norm=functools.partial(torch.nn.RMSNorm, hidden_size, eps=norm_eps),
+            attention=lambda linear_kwargs, rng, selective: ParallelGroupedQueryAttention(
+                hidden_size, num_attention_heads, num_kv_heads, linear_kwargs, rng, selective
+            ),
+            mlp=lambda linear_kwargs: ParallelSwiGLUMLP(hidden_size, ffn_hidden_size, linear_kwargs),
+            **shared,
         )
-        self.ln1 = torch.nn.RMSNorm(hidden_size, eps=norm_eps, dtype=params_dtype, device=device)
-        self.attention = ParallelGroupedQueryAttention(
-            hidden_size, num_attention_heads, num_kv_heads, linear_kwargs, rng, recompute == "selective"
-        )
-        self.ln2 = torch.nn.RMSNorm(hidden_size, eps=norm_eps, dtype=params_dtype, device=device)
-        self.mlp = ParallelSwiGLUMLP(hidden_size, ffn_hidden_size, linear_kwargs)
-        for param in [*self.ln1.parameters(), *self.ln2.parameters()]:
-            param.sequence_parallel = self.sequence_parallel  # replicated, but sees only local tokens under SP
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        if self.recompute == "full" and self.training and torch.is_grad_enabled():
-            return checkpoint(self.layer_forward, self.rng, x, *rotary)
-        return self.layer_forward(x, *rotary)
+        return super().forward(x, *rotary)
 
     def layer_forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """The layer itself: what full recompute checkpoints."""
-        rotary = (cos, sin)
-        out, _ = self.attention(self.ln1(x), rotary)
+        out, _ = self.attention(self.ln1(x), (cos, sin))
         x = x + out
         out, _ = self.mlp(self.ln2(x))
         return x + out

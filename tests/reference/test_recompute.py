@@ -7,9 +7,13 @@ import subprocess
 import sys
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from reference.parallel_state import ParallelConfigError
 from reference.recompute import check_mode
+from reference.tensor_parallel.rotary import rotary_cos_sin
+from reference.tensor_parallel.transformer import ParallelLlamaBlock
 from tests.launch import ROOT, torchrun
 from tests.reference.activation_runs import activation_results
 
@@ -45,6 +49,24 @@ def test_without_restoring_the_tp_dropout_stream_the_recomputed_masks_differ(wor
     for layout, modes in _layouts(world, device).items():
         control = modes["selective_without_tp_stream_replay"]
         assert not control["grads_equal"] and control["max_grad_diff"] > 1e-3, layout
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_a_llama_block_built_without_a_stream_recomputes_with_its_own(one_rank_gloo, mode):
+    """ParallelLlamaBlock without `rng` (as a user may build it) recomputes on the stream the block made for
+    itself, attention core included, and gives the gradients of no recomputation bit for bit."""
+
+    def gradients(recompute: str) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        block = ParallelLlamaBlock(
+            16, 4, tp_group=dist.group.WORLD, num_kv_heads=2, ffn_hidden_size=24, norm_eps=1e-5, recompute=recompute
+        )
+        x = torch.randn(6, 2, 16, requires_grad=True)
+        block(x, rotary_cos_sin(6, 4, 10000.0)).square().sum().backward()
+        return [x.grad, *(p.grad for p in block.parameters())]
+
+    expected = gradients("none")
+    assert all(torch.equal(a, b) for a, b in zip(gradients(mode), expected, strict=True))
 
 
 def test_an_unknown_mode_is_refused_with_the_choices():

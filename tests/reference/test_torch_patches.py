@@ -21,13 +21,6 @@ from tests.launch import ROOT
 OTHER = "2.14.0+cpu"
 
 
-@pytest.fixture
-def one_rank_gloo():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def test_written_for_the_installed_torch():
     assert torch.__version__.split("+")[0] == torch_patches.TORCH_VERSION
     torch_patches.require_pinned_torch()

@@ -8,6 +8,7 @@ them in one launch.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -18,6 +19,9 @@ import torch
 import torch.distributed as dist
 
 from reference.distributed import finish, init_distributed
+from reference.gpt.hf_weights import master_name
+from reference.gpt.model import GPTConfig, UnshardedGPT
+from reference.gpt.train import synthetic_batches
 
 
 def device_type() -> str:
@@ -58,6 +62,36 @@ def full_tensor(module_name: str, param_name: str, t: torch.Tensor, group) -> to
     if module_name.endswith(("proj", "fc2")) and param_name == "weight":  # row-parallel weight: dim 1
         return gather_dim(t, 1, group)
     return t  # replicated: LayerNorm, row bias
+
+
+@functools.cache
+def unsharded_gpt_training(config: GPTConfig, seed: int, steps: int, lr: float, global_batch: int):
+    """Losses and final weights of the single-process UnshardedGPT after `steps` SGD steps on the synthetic
+    batches: what every pipeline split of the same model, seed and data must reproduce (computed once a process;
+    the tensors are shared, read them only)."""
+    model = UnshardedGPT(config, seed)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for tokens in synthetic_batches(config, steps, global_batch, seed):
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, {name: p.detach() for name, p in model.named_parameters()}
+
+
+def full_stage_parameters(stage: torch.nn.Module, tp_group, vocab_size: int) -> dict[str, torch.Tensor]:
+    """Every parameter of a GPTStage (or model chunk) unsharded, on the CPU, under the UnshardedGPT's names."""
+    full = {}
+    for name, param in stage.named_parameters():
+        if "word_embeddings" in name or name.startswith("output_layer"):  # vocabulary rows, padded to V_p
+            tensor = gather_dim(param.detach(), 0, tp_group)[:vocab_size]
+        else:
+            module, pname = name.rsplit(".", 1)
+            tensor = full_tensor(module, pname, param.detach(), tp_group)
+        full[master_name(stage, name)] = tensor.cpu()
+    return full
 
 
 def assert_close(actual, expected, what: str, atol=1e-5, rtol=1e-4):

@@ -14,15 +14,11 @@ test_interleaved.py asserts on them.
 
 from __future__ import annotations
 
-import json
-import sys
-from pathlib import Path
-
 import torch
 import torch.distributed as dist
-from common import finish, full_tensor, gather_dim, init
+from common import full_stage_parameters, serve, unsharded_gpt_training
 
-from reference.gpt.model import GPTConfig, UnshardedGPT, build_chunks
+from reference.gpt.model import GPTConfig, build_chunks
 from reference.gpt.train import data_parallel, split_batch, synthetic_batches, train_step
 from reference.parallel_state import build_layout
 from reference.recorder import CollectiveRecorder
@@ -34,48 +30,22 @@ LAYOUTS = [(1, 4, 1, 2, 4), (1, 4, 1, 2, 8), (1, 2, 2, 2, 4), (1, 2, 2, 4, 2), (
 TORCH_M = (4, 8)
 
 
-def unsharded_run(global_batch: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    model = UnshardedGPT(CONFIG, SEED)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for tokens in synthetic_batches(CONFIG, STEPS, global_batch, SEED):
-        loss = model(tokens[:, :-1], tokens[:, 1:])
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses, {name: p.detach() for name, p in model.named_parameters()}
-
-
-def full_parameters(chunks, tp_group) -> dict[str, torch.Tensor]:
-    """Every chunk's parameters unsharded, under the UnshardedGPT's names."""
-    full = {}
-    for chunk in chunks:
-        for name, param in chunk.named_parameters():
-            if "word_embeddings" in name or name.startswith("output_layer"):  # vocabulary rows, padded
-                tensor = gather_dim(param.detach(), 0, tp_group)[: CONFIG.vocab_size]
-            else:
-                module, pname = name.rsplit(".", 1)
-                tensor = full_tensor(module, pname, param.detach(), tp_group)
-            if name.startswith("layers."):
-                _, index, rest = name.split(".", 2)
-                name = f"layers.{chunk.first_layer + int(index)}.{rest}"
-            full[name.replace("output_layer.output_layer.", "output_layer.")] = tensor.cpu()
-    return full
-
-
 def run(tp: int, pp: int, dp: int, v: int, m: int) -> dict:
     layout = build_layout(tp, pp, dp)
     chunks = build_chunks(CONFIG, layout, v, sequence_parallel=tp > 1, seed=SEED)
     model = [data_parallel(chunk, layout, bucket_size=4096) for chunk in chunks]
     optimizer = torch.optim.SGD([p for chunk in model for p in chunk.parameters()], lr=LR)
-    expected_losses, expected_weights = unsharded_run(dp * m)
+    expected_losses, expected_weights = unsharded_gpt_training(CONFIG, SEED, STEPS, LR, dp * m)
     losses, recorder = [], CollectiveRecorder()
     for tokens in synthetic_batches(CONFIG, STEPS, dp * m, SEED):
         recorder.clear()
         step = train_step(model, optimizer, tokens, layout, num_micro_batches=m, record=recorder)
         losses.append(step.loss)
-    weights = full_parameters(chunks, layout.tp_group)
+    weights = {
+        name: tensor
+        for chunk in chunks
+        for name, tensor in full_stage_parameters(chunk, layout.tp_group, CONFIG.vocab_size).items()
+    }
     result = step.pipeline
     dp_ranks = tuple(dist.get_process_group_ranks(layout.dp_group))
     reduces = [e.start for e in recorder.events if e.op == "all_reduce" and e.group_ranks == dp_ranks]
@@ -170,13 +140,14 @@ def torch_oracle(m: int) -> dict:
     }
 
 
-def main() -> None:
-    out = Path(sys.argv[1])
-    init()
+def results(_device: torch.device) -> dict:
+    """Every layout's run and torch's schedule on the same chunks (CPU only: see reference.pipeline.p2p.RingP2P)."""
     assert dist.get_world_size() == 4, "run on 4 ranks"
-    result = {"runs": [run(*layout) for layout in LAYOUTS], "torch": [torch_oracle(m) for m in TORCH_M]}
-    (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
-    finish()
+    return {"runs": [run(*layout) for layout in LAYOUTS], "torch": [torch_oracle(m) for m in TORCH_M]}
+
+
+def main() -> None:
+    serve(results)
 
 
 if __name__ == "__main__":

@@ -268,13 +268,13 @@ def run(
     return result
 
 
-def interleaved_actions(p: int, v: int, m: int) -> list[str]:
-    """This stage's order under forward_backward_pipelining_with_interleaving: v model chunks per stage (chunk c
-    of stage r is virtual stage c * p + r), picked by get_forward_backward_func from parallel_state."""
+def interleaved_config(p: int, v: int) -> TransformerConfig:
+    """Megatron's parallel state for p stages of v virtual stages each, and a config of one layer per virtual
+    stage (the setup of both interleaved runs below)."""
     parallel_state.initialize_model_parallel(
         pipeline_model_parallel_size=p, virtual_pipeline_model_parallel_size=v, create_gloo_process_groups=False
     )
-    config = TransformerConfig(
+    return TransformerConfig(
         num_layers=p * v,
         hidden_size=H,
         num_attention_heads=1,
@@ -282,6 +282,12 @@ def interleaved_actions(p: int, v: int, m: int) -> list[str]:
         virtual_pipeline_model_parallel_size=v,
         pipeline_dtype=torch.float32,
     )
+
+
+def interleaved_actions(p: int, v: int, m: int) -> list[str]:
+    """This stage's order under forward_backward_pipelining_with_interleaving: v model chunks per stage (chunk c
+    of stage r is virtual stage c * p + r), picked by get_forward_backward_func from parallel_state."""
+    config = interleaved_config(p, v)
     r = parallel_state.get_pipeline_model_parallel_rank()
     chunks = []
     for c in range(v):
@@ -312,17 +318,7 @@ def interleaved_actions(p: int, v: int, m: int) -> list[str]:
 def interleaved_refusal(p: int, v: int, m: int) -> str:
     """What forward_backward_pipelining_with_interleaving says when m is not a multiple of p (its default
     microbatch_group_size_per_vp_stage); it checks before any communication."""
-    parallel_state.initialize_model_parallel(
-        pipeline_model_parallel_size=p, virtual_pipeline_model_parallel_size=v, create_gloo_process_groups=False
-    )
-    config = TransformerConfig(
-        num_layers=p * v,
-        hidden_size=H,
-        num_attention_heads=1,
-        pipeline_model_parallel_size=p,
-        virtual_pipeline_model_parallel_size=v,
-        pipeline_dtype=torch.float32,
-    )
+    config = interleaved_config(p, v)
     chunks = [Stage(config, first=False, last=False) for _ in range(v)]
     try:
         with CudaLiteralToCpu():

@@ -8,13 +8,11 @@ start and end (the recorder and the schedule share perf_counter()). Each rank wr
 one entry per run, for the test to cross-check. Usage: pipeline_worker.py OUT (4 ranks).
 """
 
-import functools
-
 import torch
 import torch.distributed as dist
-from common import assert_close, full_tensor, gather_dim, serve
+from common import assert_close, full_stage_parameters, serve, unsharded_gpt_training
 
-from reference.gpt.model import GPTConfig, UnshardedGPT, build_stage, split_layers
+from reference.gpt.model import GPTConfig, build_stage, split_layers
 from reference.gpt.train import data_parallel, split_batch, synthetic_batches, train_step
 from reference.parallel_state import ParallelConfigError, build_layout
 from reference.pipeline.schedules import forward_backward
@@ -26,21 +24,6 @@ BUCKET_SIZE = 4096  # bytes: several DP buckets per stage, so their all-reduces 
 # (tp, pp, dp, sequence_parallel, micro-batches) on 4 ranks, micro-batch size 1; world 8 (tp2 pp2 dp2) is
 # covered by tests/reference/test_gpt_demo.py
 LAYOUTS = [(1, 4, 1, False, 6), (1, 4, 1, False, 2), (2, 2, 1, True, 4), (1, 2, 2, False, 3), (2, 1, 2, False, 2)]
-
-
-@functools.cache
-def unsharded_run(global_batch: int):
-    """Losses and final weights of the single-process model on the same batches."""
-    model = UnshardedGPT(CONFIG, SEED)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for tokens in synthetic_batches(CONFIG, STEPS, global_batch, SEED):
-        loss = model(tokens[:, :-1], tokens[:, 1:])
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses, {name: p.detach() for name, p in model.named_parameters()}
 
 
 def textbook(schedule: str, p: int, r: int, m: int) -> list[str]:
@@ -56,27 +39,13 @@ def textbook(schedule: str, p: int, r: int, m: int) -> list[str]:
     )
 
 
-def unsharded_name(stage, name: str) -> str:
-    if name.startswith("layers."):
-        _, index, rest = name.split(".", 2)
-        return f"layers.{stage.first_layer + int(index)}.{rest}"
-    return name.replace("output_layer.output_layer.", "output_layer.")
-
-
-def full_parameter(name: str, param: torch.Tensor, tp_group) -> torch.Tensor:
-    if "word_embeddings" in name or name.startswith("output_layer"):  # vocabulary rows, padded to V_p
-        return gather_dim(param.detach(), 0, tp_group)[: CONFIG.vocab_size]
-    module, pname = name.rsplit(".", 1)
-    return full_tensor(module, pname, param.detach(), tp_group)
-
-
 def run(device, tp, pp, dp, sp, m, schedule) -> dict:
     layout = build_layout(tp, pp, dp)
     what = f"tp{tp} pp{pp} dp{dp} sp={sp} m={m} {schedule}"
     stage = build_stage(CONFIG, layout, sequence_parallel=sp, seed=SEED, device=device)
     model = data_parallel(stage, layout, bucket_size=BUCKET_SIZE)  # several buckets: overlap in the 3D step
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    expected_losses, expected_weights = unsharded_run(dp * m)
+    expected_losses, expected_weights = unsharded_gpt_training(CONFIG, SEED, STEPS, LR, dp * m)
     losses, results = [], []
     recorder = CollectiveRecorder()
     for tokens in synthetic_batches(CONFIG, STEPS, dp * m, SEED):
@@ -88,9 +57,8 @@ def run(device, tp, pp, dp, sp, m, schedule) -> dict:
         results.append(step.pipeline)
     assert_close(torch.tensor(losses), torch.tensor(expected_losses), f"{what} losses", atol=2e-6, rtol=0)
     weight_diff = 0.0
-    for name, param in stage.named_parameters():
-        full = full_parameter(name, param, layout.tp_group).cpu()
-        expected = expected_weights[unsharded_name(stage, name)]
+    for name, full in full_stage_parameters(stage, layout.tp_group, CONFIG.vocab_size).items():
+        expected = expected_weights[name]
         assert_close(full, expected, f"{what} final {name}", atol=2e-6, rtol=1e-5)
         weight_diff = max(weight_diff, (full - expected).abs().max().item())
     r = layout.pp_rank

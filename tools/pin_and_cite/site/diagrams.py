@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Callable
 
 from pin_and_cite.site import scale_tables
 from pin_and_cite.site.modeled import (
@@ -38,7 +39,7 @@ from pin_and_cite.site.modeled import (
     pipeline_measured,
     pipeline_modeled,
 )
-from pin_and_cite.site.timeline import Panel, timeline
+from pin_and_cite.site.timeline import Bar, Panel, timeline
 from pin_and_cite.site.traces import RECORD, TraceError, events_where
 
 # aten ops that name what a group of ops does; layout ops (view, permute, ...) say nothing and are left out.
@@ -171,18 +172,30 @@ def tp_block(trace: dict, link: str, block: str = "layers.0") -> str:
     return mermaid_fence(body)
 
 
+def _modeled_beside_measured(
+    title: str,
+    colors: dict[str, str],
+    rates: Rates,
+    modeled: list[Bar],
+    measured: dict | None,
+    measured_bars: Callable[[dict], list[Bar]],
+) -> str:
+    """The `modeled` bars of a recorded step on the modeled time scale and, given the `measured` trace, its
+    own timeline (`measured_bars(measured)`) beside them, in the same colors: the one panel pair of every
+    timeline diagram."""
+    return timeline(
+        Panel(title, modeled, rates.axis, colors),
+        measured and Panel(f"{title}, measured", measured_bars(measured), f"measured ({measured['name']})", colors),
+    )
+
+
 def fsdp_forward(trace: dict, tflops: float, link_GBps: float, measured: dict | None = None) -> str:
     """The recorded FSDP step, forward and backward, on a modeled time scale (pin_and_cite.site.modeled); with
     `measured`, that trace's own timeline beside it."""
     check_collectives_recorded(trace)
     rates = Rates(tflops, link_GBps)
     title = f"FSDP step of one rank, world {trace['world']}, forward and backward"
-    modeled = Panel(title, fsdp_modeled(trace, rates), rates.axis, FSDP_COLORS)
-    return timeline(
-        modeled,
-        measured
-        and Panel(f"{title}, measured", fsdp_measured(measured), f"measured ({measured['name']})", FSDP_COLORS),
-    )
+    return _modeled_beside_measured(title, FSDP_COLORS, rates, fsdp_modeled(trace, rates), measured, fsdp_measured)
 
 
 def pipeline(trace: dict, tflops: float, link_GBps: float, measured: dict | None = None) -> str:
@@ -193,12 +206,8 @@ def pipeline(trace: dict, tflops: float, link_GBps: float, measured: dict | None
     if trace.get("virtual_stages", 1) > 1:
         name = f"Interleaved 1F1B ({trace['virtual_stages']} chunks per stage)"
     title = f"{name}, {trace['pp']} stages, {trace['m']} micro-batches"
-    modeled = Panel(title, pipeline_modeled(trace, rates), rates.axis, PIPELINE_COLORS)
-    return timeline(
-        modeled,
-        measured
-        and Panel(f"{title}, measured", pipeline_measured(measured), f"measured ({measured['name']})", PIPELINE_COLORS),
-    )
+    modeled = pipeline_modeled(trace, rates)
+    return _modeled_beside_measured(title, PIPELINE_COLORS, rates, modeled, measured, pipeline_measured)
 
 
 CHART_COLORS = (("#c62828", "red"), ("#1565c0", "blue"), ("#ef8f00", "amber"))  # one per line, in order
