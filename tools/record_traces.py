@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Collection
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from pin_and_cite.core.atomic import atomic_write
@@ -110,21 +111,25 @@ def record(out: Path, timeout: float = 300, only: Collection[str] | None = None)
 
 
 def record_scale(out: Path, timeout: float = 300, only: Collection[str] | None = None) -> list[Path]:
-    """Write out/NAME.json for every scale trace in SCALE (each of `only`); the paths written."""
+    """Write out/NAME.json for every scale trace in SCALE (each of `only`); the paths written. The layouts are
+    traced side by side, a single-threaded process each, so every core works."""
     out.mkdir(parents=True, exist_ok=True)
-    written = []
-    for name, args in SCALE.items():
-        if only is not None and name not in only:
-            continue
-        stdout = _run(
+    names = [name for name in SCALE if only is None or name in only]
+
+    def trace(name: str) -> str:
+        args = SCALE[name]
+        return _run(
             [sys.executable, "-m", "reference.scale", *args, "--json"],
             f"reference.scale {' '.join(args)}",
             timeout,
             PYTHONWARNINGS="ignore",
         )
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        traced = list(pool.map(trace, names))  # all finish (or fail) before anything is written
+    for name, stdout in zip(names, traced):
         atomic_write(out / f"{name}.json", stdout.encode())
-        written.append(out / f"{name}.json")
-    return written
+    return [out / f"{name}.json" for name in names]
 
 
 ACTIVATION_MEMORY = [  # tests/reference/workers/activation_worker.py's COUNT_SHAPE and LLAMA_COUNT_SHAPE
