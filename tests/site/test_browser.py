@@ -6,7 +6,8 @@ renders each mermaid diagram into a *closed* shadow root; an init script opens t
 SVG. From the same visit, at 1280x1000 as a reader sees it: every excerpt's line numbers and text against the
 installed upstream file, that 100 columns of code fit without scrolling, that each folded excerpt opens to
 the whole citation, the size of every chart's text, the side navigation's order, and every link (each
-"verified by" to its test's page). Screenshots go to build/site-screenshots/ to be looked at.
+"verified by" to its test's page). With SITE_SCREENSHOTS=1 each page is also saved, full length as a reader
+first sees it, to build/site-screenshots/ to be looked at (off by default: it is a third of these tests' time).
 
 Without /usr/bin/chromium these tests are skipped with a reason saying so (`pytest -ra` prints it); CI
 installs it with tools/ensure-browser.
@@ -221,6 +222,8 @@ def _rendered(page, site_dir: Path, url_path: str) -> dict:
 
 
 def _screenshot(page, name: str) -> None:
+    if not os.environ.get("SITE_SCREENSHOTS"):
+        return
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(SCREENSHOTS / f"{name}.png"), full_page=True)
 
