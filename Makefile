@@ -22,9 +22,11 @@ serve: setup
 	tools/pin-and-cite fetch
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve --dev-addr $(ADDR)
 
+# Two pytest-xdist workers: the reference tests (torchrun launches, shared per session) in one, the site tests
+# in one, the citation tool's tests spread over both (tests/conftest.py groups them).
 test: setup
 	tools/ensure-browser
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist loadgroup
 
 # ruff's lint and format check (configured in pyproject.toml); CI runs it before the tests.
 lint: setup

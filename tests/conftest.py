@@ -1,7 +1,14 @@
-"""Session-wide: the run fails if a process it started outlives it (a git daemon, a torchrun worker, a server).
+"""Session-wide: the run fails if a process it started outlives it (a git daemon, a torchrun worker, a server);
+and, under pytest-xdist (`make test` runs `-n auto --dist loadgroup`), tests that share state run in one worker.
 
-Every process the session starts inherits SESSION_VARIABLE (tests/processes.py), so one left running is found
-however it was started and whoever adopted it. It is named, then killed, so the next run starts clean.
+Every process a session starts inherits SESSION_VARIABLE (tests/processes.py), so one left running is found
+however it was started and whoever adopted it. It is named, then killed, so the next run starts clean. Under
+xdist each worker is such a session and checks its own processes; the controller starts none, collects what
+the workers found and fails the run naming them.
+
+Groups (xdist_group): the tests under tests/reference run in one worker, as their torchrun launches are shared
+per session (tests/launch.py) and each takes every core; the tests under tests/site in one, as they build into
+the repository's docs/. The tests under tests/tools are independent and spread over the workers.
 """
 
 from __future__ import annotations
@@ -10,20 +17,61 @@ import gc
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
 from tests.processes import SESSION_VARIABLE, live_with_environment, new_session_token
 
 GRACE_S = 5.0  # a process told to stop at the end of the last test may need a moment to exit
+GROUPED = ("reference", "site")  # tests/<folder>: one xdist worker each
+TESTS = Path(__file__).resolve().parent
+
+
+def _xdist_controller(config: pytest.Config) -> bool:
+    return config.pluginmanager.has_plugin("dsession")
+
+
+_LEAKED = pytest.StashKey[list]()  # the lines naming leaked processes, in the session that reports them
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    os.environ[SESSION_VARIABLE] = new_session_token()
+    config.stash[_LEAKED] = []
+    if not _xdist_controller(config):
+        os.environ[SESSION_VARIABLE] = new_session_token()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        path = Path(item.path)
+        if path.is_relative_to(TESTS) and (folder := path.relative_to(TESTS).parts[0]) in GROUPED:
+            item.add_marker(pytest.mark.xdist_group(folder))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    """A worker finished (xdist calls this in the controller): keep what its leak check found."""
+    node.config.stash[_LEAKED] += getattr(node, "workeroutput", {}).get("leaked", [])
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_sessionfinish(session: pytest.Session) -> None:
+    config = session.config
+    leaked = config.stash[_LEAKED] if _xdist_controller(config) else _kill_leaked()
+    if hasattr(config, "workeroutput"):  # an xdist worker: its controller reports them
+        config.workeroutput["leaked"] = leaked
+        return
+    if not leaked:
+        return
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    for line in leaked:
+        if reporter is not None:
+            reporter.write_line(line, red=True)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def _kill_leaked() -> list[str]:
+    """Kill every process this session started that still runs; a line naming each."""
     token = os.environ[SESSION_VARIABLE]
     # A GitPython Repo a test dropped ends its `git cat-file` helpers when it is finalized; reference cycles
     # keep some alive until the collector runs, so run it before looking.
@@ -31,18 +79,13 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     deadline = time.monotonic() + GRACE_S
     while (left := live_with_environment(SESSION_VARIABLE, token)) and time.monotonic() < deadline:
         time.sleep(0.1)
-    if not left:
-        return
-    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    lines = []
     for process in left:
-        if reporter is not None:
-            reporter.write_line(
-                f"leaked process: pid {process.pid}: {process.command} (still running after the "
-                "test session; killed now)",
-                red=True,
-            )
+        lines.append(
+            f"leaked process: pid {process.pid}: {process.command} (still running after the test session; killed now)"
+        )
         try:
             os.kill(process.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    return lines

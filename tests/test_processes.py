@@ -8,6 +8,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from tests.gitserver import GitDaemon
 from tests.launch import ROOT
 from tests.processes import live_in_group, live_processes
@@ -24,7 +26,9 @@ def test_git_daemon_stop_ends_its_whole_process_group(tmp_path):
         assert probe.connect_ex(("127.0.0.1", daemon.port)) != 0  # nothing listens any more
 
 
-def test_a_run_that_leaks_a_process_fails_naming_it(tmp_path):
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["one-process", "xdist"])
+def test_a_run_that_leaks_a_process_fails_naming_it(tmp_path, workers):
+    """Alone, or in an xdist worker (whose controller reports it), as `make test` runs."""
     (tmp_path / "test_leak.py").write_text(
         textwrap.dedent("""
         import subprocess
@@ -43,6 +47,7 @@ def test_a_run_that_leaks_a_process_fails_naming_it(tmp_path):
             "no:cacheprovider",
             "-p",
             "tests.conftest",
+            *workers,
             "--rootdir",
             str(tmp_path),
             str(tmp_path / "test_leak.py"),
