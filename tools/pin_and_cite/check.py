@@ -97,7 +97,7 @@ def check(project: Project) -> Report:
     missing = [
         Problem(c.where(project.root), c.argument, why)
         for c in claims
-        if (why := missing_test(project.root, c.argument))
+        if (why := missing_test(project.root, c.argument, resolver.parsed))
     ]
     problems += missing
     problems += [

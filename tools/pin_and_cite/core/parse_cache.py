@@ -25,7 +25,7 @@ Spans = dict[str, list[tuple[int, int]]]
 T = TypeVar("T")
 
 
-READERS = ("symbols.py", "highlights.py", "defaults.py", "notes.py", "parse_cache.py")  # in core/
+READERS = ("symbols.py", "highlights.py", "defaults.py", "notes.py", "verified_by.py", "parse_cache.py")  # core/
 
 
 def _readers_version() -> str:

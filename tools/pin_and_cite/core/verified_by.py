@@ -8,10 +8,15 @@ upstream implementation itself, SOURCE being the pins.toml name; any other test 
 from __future__ import annotations
 
 import ast
-import functools
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pin_and_cite.core.gitobj import blob_sha
+
+if TYPE_CHECKING:
+    from pin_and_cite.core.parse_cache import ParseCache
 
 UPSTREAM_MARK = "upstream"
 
@@ -43,18 +48,38 @@ def _upstream_source(decorators: list[ast.expr]) -> str | None | bool:
     return False
 
 
-def _tests_in(path: Path) -> dict[str, Evidence] | str:
+def _tests_in(path: Path, parsed: ParseCache | None) -> dict[str, Evidence] | str:
     """Test name (or Class::name) -> its evidence; a string says why the file cannot be read as Python. Cached
-    per file version: `mkdocs serve` renders again after a test file is edited, and its page must show the new
-    lines."""
+    per file version (`mkdocs serve` renders again after a test file is edited, and its page must show the new
+    lines), and, given a ParseCache, kept on disk by the file's blob SHA."""
     stat = path.stat()
-    return _tests_in_version(path, stat.st_mtime_ns, stat.st_size)
+    version = (path, stat.st_mtime_ns, stat.st_size)
+    if version not in _SEEN:
+        data = path.read_bytes()
+        _SEEN[version] = (
+            parsed.get(blob_sha(data), "tests", lambda: _as_json(_read_tests(path, data)), _from_json)
+            if parsed
+            else _read_tests(path, data)
+        )
+    return _SEEN[version]
 
 
-@functools.cache
-def _tests_in_version(path: Path, _mtime_ns: int, _size: int) -> dict[str, Evidence] | str:
+_SEEN: dict[tuple[Path, int, int], dict[str, Evidence] | str] = {}  # by (path, mtime, size): one per version
+
+
+def _as_json(found: dict[str, Evidence] | str):
+    return found if isinstance(found, str) else {name: [e.kind, e.source, list(e.lines)] for name, e in found.items()}
+
+
+def _from_json(value) -> dict[str, Evidence] | str:
+    if isinstance(value, str):
+        return value
+    return {str(name): Evidence(str(kind), source, (int(a), int(b))) for name, (kind, source, (a, b)) in value.items()}
+
+
+def _read_tests(path: Path, data: bytes) -> dict[str, Evidence] | str:
     try:
-        tree = ast.parse(path.read_bytes().decode("utf-8"), filename=str(path))
+        tree = ast.parse(data.decode("utf-8"), filename=str(path))
     except UnicodeDecodeError:
         return f"{path.name} is not UTF-8 text"
     except SyntaxError as exc:
@@ -93,23 +118,23 @@ def _test_file(root: Path, path: str) -> Path | None:
     return Path(file) if file.startswith(tests_dir + os.sep) and os.path.isfile(file) else None
 
 
-def evidence_of(root: Path, node_id: str) -> Evidence | str:
+def evidence_of(root: Path, node_id: str, parsed: ParseCache | None = None) -> Evidence | str:
     """The evidence of the test `node_id` (pytest's `tests/PATH.py::[Class::]name[params]`), or why it names
-    no test in the project (one line)."""
+    no test in the project (one line); `parsed`: where the test files' facts are kept."""
     path, sep, name = node_id.partition("::")
     if not sep or not name:
         return f"{node_id!r} is not a pytest node id (tests/FILE.py::test_name)"
     file = _test_file(root, path)
     if file is None:
         return f"test file {path!r} does not exist under tests/"
-    tests = _tests_in(file)
+    tests = _tests_in(file, parsed)
     if isinstance(tests, str):
         return f"{path}: {tests}"
     found = tests.get(name.split("[", 1)[0])
     return found or f"{path} has no test {name.split('[', 1)[0]}"
 
 
-def missing_test(root: Path, node_id: str) -> str | None:
+def missing_test(root: Path, node_id: str, parsed: ParseCache | None = None) -> str | None:
     """Why `node_id` names no test in the project, or None."""
-    found = evidence_of(root, node_id)
+    found = evidence_of(root, node_id, parsed)
     return found if isinstance(found, str) else None

@@ -117,11 +117,11 @@ def _prose_words(lines: list[tuple[int, str, bool]], section: _Section) -> int:
     return sum(words(line) for n, line, heading in lines if section.holds(n) and not heading)
 
 
-def _has_upstream_evidence(root: Path, calls, section: _Section) -> bool:
+def _has_upstream_evidence(root: Path, calls, section: _Section, parsed: ParseCache | None) -> bool:
     """A reference_only() in the section, or a verified_by() naming a test marked as running upstream."""
     inside = [c for c in calls if section.holds(c.line)]
     return any(c.function == "reference_only" for c in inside) or any(
-        getattr(evidence_of(root, c.argument), "kind", None) == "upstream"
+        getattr(evidence_of(root, c.argument, parsed), "kind", None) == "upstream"
         for c in inside
         if c.function == "verified_by"
     )
@@ -138,10 +138,10 @@ def check_note(template: Path, root: Path, parsed: ParseCache | None = None) -> 
     lines = prose_lines(text)
     calls = calls_in(template, CITING_CALLS | EVIDENCE_CALLS, parsed)
     last_line = len(text.split("\n"))
-    return sorted(rules(root, lines, calls, _sections(lines, last_line), last_line), key=lambda p: p.line)
+    return sorted(rules(root, lines, calls, _sections(lines, last_line), last_line, parsed), key=lambda p: p.line)
 
 
-def _questions(root: Path, lines, calls, sections: list[_Section], last_line: int) -> list[RuleProblem]:
+def _questions(root: Path, lines, calls, sections: list[_Section], last_line: int, _parsed) -> list[RuleProblem]:
     problems = []
     questions = [s for s in sections if s.title.startswith("### ")]
     for q in questions:
@@ -164,7 +164,9 @@ def _questions(root: Path, lines, calls, sections: list[_Section], last_line: in
     return problems
 
 
-def _close_reading(root: Path, lines, calls, sections: list[_Section], last_line: int) -> list[RuleProblem]:
+def _close_reading(
+    root: Path, lines, calls, sections: list[_Section], last_line: int, parsed: ParseCache | None
+) -> list[RuleProblem]:
     problems, total, over_at = [], 0, None
     for number, line, _ in lines:
         before, total = total, total + words(line)
@@ -211,7 +213,7 @@ def _close_reading(root: Path, lines, calls, sections: list[_Section], last_line
                     f"design choice {s.name!r} has {count} words of prose; write {CHOICE_WORDS[0]}-{CHOICE_WORDS[1]}",
                 )
             )
-        if not _has_upstream_evidence(root, calls, s):
+        if not _has_upstream_evidence(root, calls, s, parsed):
             problems.append(
                 RuleProblem(
                     s.line,

@@ -198,7 +198,7 @@ class Renderer:
     def verified_by(self, node_id: str) -> str:
         """The test and its kind of evidence (it runs the pinned upstream itself, or the reference only),
         linked to the page showing the test's source (pin_and_cite.site.evidence_pages)."""
-        found = evidence_of(self.project.root, node_id)
+        found = evidence_of(self.project.root, node_id, self.resolver.parsed)
         if isinstance(found, str):
             raise PinAndCiteError(f"verified_by: {found}")
         if found.kind == "upstream" and found.source not in self.project.pins.sources:
