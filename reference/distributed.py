@@ -6,6 +6,9 @@ successful run every rank waits for the others (barrier), then collects referenc
 the group (FSDP units and autograd hooks form such cycles), then destroys the group. Without the barrier
 and the collection, gloo sometimes aborts a rank at exit ("terminate called without an active exception")
 because a peer closed its sockets first. After an exception there is no barrier: a peer may be gone.
+A group the caller set up already is used and left to the caller: a test worker runs several demos on one
+group, because a second default group in the same process under torchrun finds the first one's gloo addresses
+in the launcher's store and cannot connect.
 """
 
 from __future__ import annotations
@@ -63,7 +66,11 @@ def finish(clean: bool = True) -> None:
 
 @contextlib.contextmanager
 def distributed(choice: str = "auto", timeout_s: float = 120) -> Iterator[torch.device]:
-    """init_distributed(...) on entry, finish() on exit (without the barrier if the body raised)."""
+    """init_distributed(...) on entry, finish() on exit (without the barrier if the body raised); with a
+    default group already set up, only this rank's device, and the group stays."""
+    if dist.is_initialized():
+        yield pick_device(choice)
+        return
     device = init_distributed(choice, timeout_s)
     try:
         yield device

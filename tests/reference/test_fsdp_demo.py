@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from tests.launch import torchrun
+from tests.reference.demo_runs import demo_outputs, json_lines
 
 FLAGS = (
     "--fsdp",
@@ -24,13 +24,9 @@ FLAGS = (
 )
 
 
-def demo_steps(*extra: str) -> list[dict]:
-    out = torchrun("-m", 2, "reference", *FLAGS, *extra, timeout=120)
-    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-
-
 def test_demo_json_reports_schedule_memory_and_matches_use_torch_fsdp(tmp_path):
-    ours, theirs = demo_steps("--trace", str(tmp_path)), demo_steps("--use-torch-fsdp")
+    runs = demo_outputs(2, [*FLAGS, "--trace", str(tmp_path)], [*FLAGS, "--use-torch-fsdp"], timeout=180)
+    ours, theirs = (json_lines(out) for out in runs)
     for rank in (0, 1):  # the trace file is the last step's record
         trace = json.loads((tmp_path / f"fsdp_trace.rank{rank}.json").read_text())
         last = next(s for s in ours if (s["rank"], s["step"]) == (rank, 1))

@@ -5,14 +5,16 @@ peak per stage."""
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from reference.__main__ import main
 from reference.gpt.model import GPTConfig, UnshardedGPT
 from reference.gpt.train import synthetic_batches
-from tests.launch import ROOT, torchrun
+from tests.launch import ROOT
+from tests.reference.demo_runs import demo_outputs, json_lines
+from tests.reference.refusals import refusal
 
 FLAGS = [
     "--tp",
@@ -37,14 +39,11 @@ FSDP_REFUSED = (
 )
 
 
-def _python_m_reference(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "reference", *args], cwd=ROOT, capture_output=True, text=True, timeout=60
-    )
-
-
 def test_help_explains_every_flag():
-    out = _python_m_reference("--help")
+    """The one end-to-end `python -m reference` of this file; the refusals below call main() in-process."""
+    out = subprocess.run(
+        [sys.executable, "-m", "reference", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0
     for flag in FLAGS:
         assert flag in out.stdout, flag
@@ -69,9 +68,9 @@ def test_help_explains_every_flag():
         ),
     ],
 )
-def test_bad_sizes_are_refused_with_one_line_before_starting(args, message):
-    out = _python_m_reference(*args)
-    assert out.returncode == 2 and out.stderr.strip() == f"reference: error: {message}", out.stderr
+def test_bad_sizes_are_refused_with_one_line_before_starting(args, message, capsys):
+    stderr = refusal(main, args, capsys)
+    assert stderr.strip() == f"reference: error: {message}", stderr
 
 
 def unsharded_losses() -> list[float]:
@@ -88,9 +87,9 @@ def unsharded_losses() -> list[float]:
     return losses
 
 
-def demo(*extra: str, pp: int = 2, batch_size: int = B, micro_batches: int = M) -> tuple[list[dict], dict]:
+def demo_args(*extra: str, pp: int = 2, batch_size: int = B, micro_batches: int = M) -> list[str]:
     """The demo at tp 2 x pp x dp 2 on the global batch B x M x 2 of unsharded_losses."""
-    args = [
+    return [
         "--tp",
         "2",
         "--pp",
@@ -118,41 +117,45 @@ def demo(*extra: str, pp: int = 2, batch_size: int = B, micro_batches: int = M) 
         "2",
         *extra,
     ]
-    lines = [
-        json.loads(line)
-        for line in torchrun("-m", 4 * pp, "reference", *args, timeout=180).splitlines()
-        if line.startswith("{")
-    ]
-    return [x for x in lines if "step" in x], next(x for x in lines if "pipeline" in x)
+
+
+def steps_and_pipeline(stdout: str) -> tuple[list[dict], dict | None]:
+    """The step records and the pipeline record (None without one) of the demo's --json output."""
+    lines = json_lines(stdout)
+    return [x for x in lines if "step" in x], next((x for x in lines if "pipeline" in x), None)
+
+
+THREE_D = [("gpipe", False), ("1f1b", True)]  # (schedule, sequence_parallel) of the tp 2 x pp 2 x dp 2 runs
 
 
 @pytest.fixture(scope="module")
 def three_d(tmp_path_factory):
-    """The tp 2 x pp 2 x dp 2 (replicate) runs, by (schedule, sequence_parallel), each launched once per module:
-    (steps, pipeline, trace directory)."""
-    runs = {}
-
-    def run(schedule: str, sequence_parallel: bool) -> tuple[list[dict], dict, Path]:
-        if (schedule, sequence_parallel) not in runs:
-            trace = tmp_path_factory.mktemp(f"trace-{schedule}")
-            runs[schedule, sequence_parallel] = (
-                *demo(
-                    "--schedule",
-                    schedule,
-                    "--trace",
-                    str(trace),
-                    *(["--sequence-parallel"] if sequence_parallel else []),
-                ),
-                trace,
-            )
-        return runs[schedule, sequence_parallel]
-
-    return run
+    """The tp 2 x pp 2 x dp 2 (replicate) runs, all in one world-8 launch: {(schedule, sequence_parallel):
+    (steps, pipeline, trace directory)}."""
+    traces = {run: tmp_path_factory.mktemp(f"trace-{run[0]}") for run in THREE_D}
+    runs = [
+        demo_args("--schedule", schedule, "--trace", str(trace), *(["--sequence-parallel"] if sp else []))
+        for (schedule, sp), trace in traces.items()
+    ]
+    outputs = demo_outputs(8, *runs, timeout=300)
+    return {run: (*steps_and_pipeline(out), traces[run]) for run, out in zip(THREE_D, outputs)}
 
 
-@pytest.mark.parametrize("schedule, sequence_parallel", [("gpipe", False), ("1f1b", True)])
+TP2_DP2 = {  # the tp 2 x pp 1 x dp 2 runs, all in one world-4 launch
+    "fsdp": demo_args("--dp-sharding", "fsdp", "--sequence-parallel", pp=1, batch_size=B * M, micro_batches=1),
+    "optimizer": demo_args("--dp-sharding", "optimizer", pp=1),
+}
+
+
+def tp2_dp2(name: str) -> list[dict]:
+    """The step records of one of the TP2_DP2 runs (the launch is shared by the session)."""
+    outputs = dict(zip(TP2_DP2, demo_outputs(4, *TP2_DP2.values(), timeout=240)))
+    return steps_and_pipeline(outputs[name])[0]
+
+
+@pytest.mark.parametrize("schedule, sequence_parallel", THREE_D)
 def test_tp2_pp2_dp2_demo_trains_like_the_unsharded_gpt(three_d, schedule, sequence_parallel):
-    steps, pipeline, trace_dir = three_d(schedule, sequence_parallel)
+    steps, pipeline, trace_dir = three_d[schedule, sequence_parallel]
     assert [s["step"] for s in steps] == [0, 1, 2]
     for got, expected in zip([s["loss"] for s in steps], unsharded_losses()):
         assert abs(got - expected) < 2e-6, (got, expected)
@@ -176,8 +179,8 @@ def test_tp2_pp2_dp2_demo_trains_like_the_unsharded_gpt(three_d, schedule, seque
 def test_fsdp_x_tp_demo_trains_like_replicate_and_unsharded(three_d):
     """2D at world 4: FSDP over DP x TP with sequence and loss parallelism, one micro-batch of B x M rows per
     replica; the replicate run is the 1f1b, sequence-parallel tp 2 x pp 2 x dp 2 one (same global batches)."""
-    fsdp, _ = demo("--dp-sharding", "fsdp", "--sequence-parallel", pp=1, batch_size=B * M, micro_batches=1)
-    replicate = three_d("1f1b", True)[0]
+    fsdp = tp2_dp2("fsdp")
+    replicate = three_d["1f1b", True][0]
     losses = {
         "fsdp": [s["loss"] for s in fsdp],
         "replicate": [s["loss"] for s in replicate],
@@ -201,7 +204,7 @@ def test_distributed_optimizer_demo_trains_like_the_unsharded_gpt():
     """tp 2 x dp 2 with --dp-sharding optimizer (ZeRO-1, SGD on fp32 slices): the unsharded losses; on the DP
     group one reduce-scatter of the gradients and one all-gather of the parameters per bucket and step, each
     of the whole fp32 buffer (what one all-reduce of it would be, twice: the ring sends (dp-1)/dp of each)."""
-    steps, _ = demo("--dp-sharding", "optimizer", pp=1)
+    steps = tp2_dp2("optimizer")
     for got, expected in zip([s["loss"] for s in steps], unsharded_losses()):
         assert abs(got - expected) < 2e-6, (got, expected)
     for step in steps:

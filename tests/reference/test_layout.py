@@ -1,5 +1,5 @@
 """The TP x PP x DP layout: the issue's 8-rank example, megatron-core's RankGenerator for many sizes and both
-orders, and the `python -m reference.layout` command (text, --json, refused sizes)."""
+orders, and the `python -m reference.layout` command (text and --json in-process, a refused size end to end)."""
 
 import json
 import subprocess
@@ -8,14 +8,9 @@ import sys
 import pytest
 from megatron.core.parallel_state import RankGenerator
 
+from reference.layout import main
 from reference.parallel_state import ParallelConfigError, groups, parallel_sizes, rank_grid
 from tests.launch import ROOT
-
-
-def layout_command(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "reference.layout", *args], cwd=ROOT, capture_output=True, text=True, timeout=60
-    )
 
 
 def test_eight_ranks_tp2_pp2_dp2_groups():
@@ -42,14 +37,26 @@ def test_sizes_must_multiply_to_the_world():
         parallel_sizes(8, 3)
 
 
-def test_layout_command_text_json_and_refusal():
-    text = layout_command("--tp", "2", "--pp", "2", "--dp", "2", "--rank", "5")
-    assert text.returncode == 0, text.stderr
-    assert "pp groups: [0,2] [1,3] [4,6] [5,7]" in text.stdout
-    assert "rank 5: tp 1, pp 0, dp 1" in text.stdout
-    data = json.loads(layout_command("--tp", "8", "--pp", "8", "--world", "4096", "--json").stdout)
+def test_layout_command_prints_text_and_json(capsys):
+    """main() in this process; test_layout_command_refuses_in_one_line runs the command itself."""
+    assert main(["--tp", "2", "--pp", "2", "--dp", "2", "--rank", "5"]) == 0
+    text = capsys.readouterr().out
+    assert "pp groups: [0,2] [1,3] [4,6] [5,7]" in text
+    assert "rank 5: tp 1, pp 0, dp 1" in text
+    assert main(["--tp", "8", "--pp", "8", "--world", "4096", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
     assert (data["dp"], len(data["tp_groups"]), len(data["dp_groups"])) == (64, 512, 64)
     assert data["dp_groups"][0] == list(range(0, 4096, 64))
-    refused = layout_command("--tp", "2", "--pp", "2", "--dp", "3", "--world", "8")
+
+
+def test_layout_command_refuses_in_one_line():
+    """The one end-to-end `python -m reference.layout` run."""
+    refused = subprocess.run(
+        [sys.executable, "-m", "reference.layout", "--tp", "2", "--pp", "2", "--dp", "3", "--world", "8"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert refused.returncode == 2 and refused.stdout == ""
     assert refused.stderr.strip() == "reference.layout: error: tp 2 x pp 2 x dp 3 = 12 ranks, but the world has 8"

@@ -3,15 +3,15 @@ the Llama/Qwen2 block in the demo. One-line refusals of sizes it cannot split, a
 is the unsharded llama model's, with its traffic per group and every rank's memory."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from reference.__main__ import main
 from reference.gpt.model import GPTConfig, UnshardedGPT
 from reference.gpt.train import synthetic_batches
-from tests.launch import ROOT, torchrun
+from tests.launch import torchrun
+from tests.reference.refusals import refusal
 
 # s = 7: TP 2 does not divide it, so sequence parallelism pads it to 8 and continues the rotary positions
 MODEL = dict(vocab_size=50, hidden_size=32, num_attention_heads=4, num_layers=2, seq_length=7)
@@ -20,12 +20,6 @@ KV_REFUSED = (
     "2 key/value heads cannot be split over tensor-parallel size 4: each rank needs a whole key/value "
     "head (Megatron replicates them instead; this reference does not), lower --tp"
 )
-
-
-def _python_m_reference(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "reference", *args], cwd=ROOT, capture_output=True, text=True, timeout=60
-    )
 
 
 @pytest.mark.parametrize(
@@ -72,15 +66,15 @@ def _python_m_reference(*args: str) -> subprocess.CompletedProcess:
         (["--num-kv-heads", "2"], "--num-kv-heads 2: needs --model llama and a positive count"),
     ],
 )
-def test_sizes_the_llama_block_cannot_split_are_refused_in_one_line(args, message):
-    out = _python_m_reference(*args)
-    assert out.returncode == 2 and out.stderr.strip() == f"reference: error: {message}", out.stderr
+def test_sizes_the_llama_block_cannot_split_are_refused_in_one_line(args, message, capsys):
+    stderr = refusal(main, args, capsys)
+    assert stderr.strip() == f"reference: error: {message}", stderr
 
 
-def test_an_unknown_model_name_is_refused_in_one_line():
-    out = _python_m_reference("--model", "qwen")
-    assert out.returncode == 2 and out.stderr.count("\n") == 1
-    assert "argument --model: invalid choice: 'qwen' (choose from 'gpt2', 'llama')" in out.stderr
+def test_an_unknown_model_name_is_refused_in_one_line(capsys):
+    stderr = refusal(main, ["--model", "qwen"], capsys)
+    assert stderr.count("\n") == 1
+    assert "argument --model: invalid choice: 'qwen' (choose from 'gpt2', 'llama')" in stderr
 
 
 def unsharded_losses() -> list[float]:
@@ -98,6 +92,7 @@ def unsharded_losses() -> list[float]:
 
 
 def test_llama_fsdp_tp_sp_demo_trains_like_the_unsharded_model_and_reports_traffic_and_memory():
+    """The real `torchrun -m reference` command end to end (the other demo tests share worker launches)."""
     args = [
         "--model",
         "llama",

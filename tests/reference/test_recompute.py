@@ -2,20 +2,19 @@
 recomputation bit for bit, because the recomputed dropout masks are the same; an unknown mode is one line."""
 
 import functools
-import json
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from reference.__main__ import main
 from reference.parallel_state import ParallelConfigError
 from reference.recompute import check_mode
 from reference.tensor_parallel.rotary import rotary_cos_sin
 from reference.tensor_parallel.transformer import ParallelLlamaBlock
-from tests.launch import ROOT, torchrun
 from tests.reference.activation_runs import activation_results
+from tests.reference.demo_runs import demo_outputs, json_lines
+from tests.reference.refusals import refusal
 
 RUNS = [
     pytest.param(1, "cpu", id="t1-cpu"),
@@ -75,21 +74,17 @@ def test_an_unknown_mode_is_refused_with_the_choices():
     assert str(error.value) == "unknown recompute mode 'partial'; choose one of none, selective, full"
 
 
-def test_the_demo_refuses_an_unknown_recompute_mode_in_one_line():
-    out = subprocess.run(
-        [sys.executable, "-m", "reference", "--recompute", "partial"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
-    assert "argument --recompute: invalid choice: 'partial'" in out.stderr
+def test_the_demo_refuses_an_unknown_recompute_mode_in_one_line(capsys):
+    stderr = refusal(main, ["--recompute", "partial"], capsys)
+    assert stderr.count("\n") == 1, stderr
+    assert "argument --recompute: invalid choice: 'partial'" in stderr
 
 
-@functools.cache
-def _demo_losses(recompute: str) -> list[float]:
-    args = [
+MODES = ("none", "selective", "full")
+
+
+def gpt_args(recompute: str) -> list[str]:
+    return [
         "--json",
         "--steps",
         "2",
@@ -106,21 +101,10 @@ def _demo_losses(recompute: str) -> list[float]:
         "--micro-batches",
         "2",
     ]
-    out = torchrun("-m", 1, "reference", *args, timeout=120)
-    return [json.loads(line)["loss"] for line in out.splitlines() if line.startswith('{"step"')]
 
 
-@pytest.mark.parametrize("mode", ["selective", "full"])
-def test_the_demo_trains_the_same_with_recomputation(mode):
-    """--recompute through the GPT stage and the pipeline step: the same losses as without, with dropout."""
-    losses = _demo_losses(mode)
-    assert len(losses) == 2 and losses == _demo_losses("none")
-
-
-@functools.cache
-def _llama_demo(recompute: str) -> tuple[list[float], int, list[int]]:
-    """(losses, peak activation bytes, FLOPs of each action) of the Llama/Qwen2 block's demo at world 1."""
-    args = [
+def llama_args(recompute: str) -> list[str]:
+    return [
         "--json",
         "--model",
         "llama",
@@ -139,11 +123,29 @@ def _llama_demo(recompute: str) -> tuple[list[float], int, list[int]]:
         "--micro-batches",
         "2",
     ]
-    lines = [
-        json.loads(line)
-        for line in torchrun("-m", 1, "reference", *args, timeout=120).splitlines()
-        if line.startswith("{")
-    ]
+
+
+@functools.cache
+def _demo_records() -> dict[tuple[str, str], list[dict]]:
+    """{(model, recompute mode): --json records} of every world-1 demo run of this file, from one launch."""
+    runs = {("gpt2", mode): gpt_args(mode) for mode in MODES} | {("llama", mode): llama_args(mode) for mode in MODES}
+    return {run: json_lines(out) for run, out in zip(runs, demo_outputs(1, *runs.values(), timeout=240))}
+
+
+def _demo_losses(recompute: str) -> list[float]:
+    return [record["loss"] for record in _demo_records()["gpt2", recompute] if "step" in record]
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_the_demo_trains_the_same_with_recomputation(mode):
+    """--recompute through the GPT stage and the pipeline step: the same losses as without, with dropout."""
+    losses = _demo_losses(mode)
+    assert len(losses) == 2 and losses == _demo_losses("none")
+
+
+def _llama_demo(recompute: str) -> tuple[list[float], int, list[int]]:
+    """(losses, peak activation bytes, FLOPs of each action) of the Llama/Qwen2 block's demo at world 1."""
+    lines = _demo_records()["llama", recompute]
     losses = [line["loss"] for line in lines if "step" in line]
     pipeline = [line["pipeline"][0] for line in lines if "pipeline" in line][-1]
     memory = [line["memory"][0] for line in lines if "memory" in line][-1]
