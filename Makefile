@@ -23,10 +23,10 @@ serve: setup
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve --dev-addr $(ADDR)
 
 # Two pytest-xdist workers: the reference tests (torchrun launches, shared per session) in one, the site tests
-# in one, the citation tool's tests spread over both (tests/conftest.py groups them).
+# in one, the citation tool's tests a module at a time over both (tests/conftest.py schedules them).
 test: setup
 	tools/ensure-browser
-	$(PY) -m pytest -n 2 --dist loadgroup
+	$(PY) -m pytest -n 2
 
 # ruff's lint and format check (configured in pyproject.toml); CI runs it before the tests.
 lint: setup

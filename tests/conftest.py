@@ -1,14 +1,15 @@
 """Session-wide: the run fails if a process it started outlives it (a git daemon, a torchrun worker, a server);
-and, under pytest-xdist (`make test` runs `-n auto --dist loadgroup`), tests that share state run in one worker.
+and, under pytest-xdist (`make test` runs `-n 2`), tests that share state run in one worker.
 
 Every process a session starts inherits SESSION_VARIABLE (tests/processes.py), so one left running is found
 however it was started and whoever adopted it. It is named, then killed, so the next run starts clean. Under
 xdist each worker is such a session and checks its own processes; the controller starts none, collects what
 the workers found and fails the run naming them.
 
-Groups (xdist_group): the tests under tests/reference run in one worker, as their torchrun launches are shared
-per session (tests/launch.py) and each takes every core; the tests under tests/site in one, as they build into
-the repository's docs/. The tests under tests/tools are independent and spread over the workers.
+Scheduling (pytest_xdist_make_scheduler): the tests under tests/reference run in one worker, as their
+torchrun launches are shared per session (tests/launch.py) and each takes every core; the tests under
+tests/site in one, as they build into the repository's docs/. Other tests go to the workers a module (or
+class) at a time, as `--dist loadscope` sends them.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ TESTS = Path(__file__).resolve().parent
 
 
 def _xdist_controller(config: pytest.Config) -> bool:
-    return config.pluginmanager.has_plugin("dsession")
+    """Is this the process that hands tests to xdist workers (`-n N`, N > 0)?"""
+    return bool(getattr(config.option, "numprocesses", None)) and not hasattr(config, "workerinput")
 
 
 _LEAKED = pytest.StashKey[list]()  # the lines naming leaked processes, in the session that reports them
@@ -41,11 +43,19 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ[SESSION_VARIABLE] = new_session_token()
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        path = Path(item.path)
-        if path.is_relative_to(TESTS) and (folder := path.relative_to(TESTS).parts[0]) in GROUPED:
-            item.add_marker(pytest.mark.xdist_group(folder))
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """xdist's load-by-scope scheduling, each GROUPED folder one scope: all its tests go to one worker."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFolder(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            parts = nodeid.split("/", 2)
+            if len(parts) == 3 and parts[0] == TESTS.name and parts[1] in GROUPED:
+                return "/".join(parts[:2])
+            return super()._split_scope(nodeid)
+
+    return ByFolder(config, log)
 
 
 @pytest.hookimpl(optionalhook=True)

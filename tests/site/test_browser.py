@@ -222,7 +222,7 @@ def _rendered(page, site_dir: Path, url_path: str) -> dict:
 
 
 def _screenshot(page, name: str) -> None:
-    if not os.environ.get("SITE_SCREENSHOTS"):
+    if os.environ.get("SITE_SCREENSHOTS") != "1":
         return
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(SCREENSHOTS / f"{name}.png"), full_page=True)

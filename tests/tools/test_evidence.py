@@ -7,6 +7,8 @@ any, fail `check` at the choice's heading.
 
 from __future__ import annotations
 
+from pin_and_cite.core.gitobj import blob_sha
+from pin_and_cite.core.parse_cache import ParseCache
 from pin_and_cite.core.verified_by import Evidence, evidence_of
 from pin_and_cite.site.note_rules import check_note
 from tests.tools.test_note_rules import note_text
@@ -62,14 +64,8 @@ def test_a_test_that_cannot_be_read_is_one_line_never_a_traceback(tmp_path):
     write_tests(tmp_path, "test_latin1.py", "")
     (tmp_path / "tests" / "test_latin1.py").write_bytes(b"# caf\xe9\ndef test_x():\n    pass\n")
     (tmp_path / "outside.py").write_text("def test_x():\n    pass\n")
-    assert (
-        evidence_of(tmp_path, "tests/test_broken.py::test_x") == "tests/test_broken.py: test_broken.py is "
-        "not valid Python (line 1)"
-    )
-    assert (
-        evidence_of(tmp_path, "tests/test_latin1.py::test_x") == "tests/test_latin1.py: test_latin1.py is "
-        "not UTF-8 text"
-    )
+    assert evidence_of(tmp_path, "tests/test_broken.py::test_x") == "tests/test_broken.py: not valid Python (line 1)"
+    assert evidence_of(tmp_path, "tests/test_latin1.py::test_x") == "tests/test_latin1.py: not UTF-8 text"
     assert (
         evidence_of(tmp_path, "tests/../outside.py::test_x") == "test file 'tests/../outside.py' does not "
         "exist under tests/"
@@ -78,6 +74,25 @@ def test_a_test_that_cannot_be_read_is_one_line_never_a_traceback(tmp_path):
         evidence_of(tmp_path, "tests/test_broken.py") == "'tests/test_broken.py' is not a pytest node id "
         "(tests/FILE.py::test_name)"
     )
+
+
+def test_a_marker_whose_source_is_not_a_string_names_no_source_and_is_kept_in_the_parse_cache(tmp_path):
+    """A contributor's `upstream(b"up")` (or 1j, ...) reads as a source of None, as a marker without one does,
+    and its evidence goes through the JSON parse cache like any other (once a traceback from json.dumps)."""
+    marks = "".join(f"@pytest.mark.upstream({arg})\ndef test_{i}():\n    pass\n\n\n" for i, arg in enumerate(BAD))
+    write_tests(tmp_path, "test_odd.py", "import pytest\n\n\n" + marks)
+    parsed = ParseCache(tmp_path / "cache")
+    for i in range(len(BAD)):
+        assert evidence_of(tmp_path, f"tests/test_odd.py::test_{i}", parsed) == Evidence("upstream", None)
+    assert (
+        ParseCache(tmp_path / "cache").get(
+            blob_sha((tmp_path / "tests" / "test_odd.py").read_bytes()), "tests", lambda: "recomputed", lambda v: v
+        )
+        != "recomputed"
+    )  # the entry was written, so a later run reads it instead
+
+
+BAD = ['b"up"', "1j", "...", "None", "2"]
 
 
 def test_a_choice_needs_an_upstream_test_or_a_reason_upstream_cannot_run(tmp_path):

@@ -104,9 +104,9 @@ class Statements:
         """What as_json() wrote, back into Statements over the same `lines`."""
 
         def places(pairs) -> dict[int, list[Place]]:
-            return {line: list(map(tuple, found)) for line, found in pairs}
+            return {int(line): [(int(block), int(index)) for block, index in found] for line, found in pairs}
 
-        units = list(map(Unit._make, data["units"]))
+        units = [Unit(int(first), int(last), str(kind)) for first, last, kind in data["units"]]
         return cls(lines, units, places(data["starts"]), places(data["ends"]))
 
     def problem(self, lines: Lines) -> str | None:

@@ -61,7 +61,7 @@ class ParseCache:
             found = decode(value)
             try:
                 atomic_write(path, json.dumps({"what": what, "value": value}).encode())
-            except OSError:
+            except (OSError, TypeError, ValueError):  # a full disk, or a value JSON cannot hold: it costs time
                 pass
         self._memo[(blob, what)] = found
         return found

@@ -44,7 +44,8 @@ def _upstream_source(decorators: list[ast.expr]) -> str | None | bool:
                 and target.value.attr == "mark"
             ):
                 args = call.args if call else []
-                return args[0].value if args and isinstance(args[0], ast.Constant) else None
+                source = args[0].value if args and isinstance(args[0], ast.Constant) else None
+                return source if isinstance(source, str) else None  # b"x", 1j, ...: names no source
     return False
 
 
@@ -74,16 +75,19 @@ def _as_json(found: dict[str, Evidence] | str):
 def _from_json(value) -> dict[str, Evidence] | str:
     if isinstance(value, str):
         return value
-    return {str(name): Evidence(str(kind), source, (int(a), int(b))) for name, (kind, source, (a, b)) in value.items()}
+    return {
+        str(name): Evidence(str(kind), None if source is None else str(source), (int(a), int(b)))
+        for name, (kind, source, (a, b)) in value.items()
+    }
 
 
 def _read_tests(path: Path, data: bytes) -> dict[str, Evidence] | str:
     try:
         tree = ast.parse(data.decode("utf-8"), filename=str(path))
     except UnicodeDecodeError:
-        return f"{path.name} is not UTF-8 text"
+        return "not UTF-8 text"  # no file name: the parse cache keeps this by content, for any file
     except SyntaxError as exc:
-        return f"{path.name} is not valid Python (line {exc.lineno})"
+        return f"not valid Python (line {exc.lineno})"
     module_marks = [
         node.value
         for node in tree.body
