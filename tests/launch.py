@@ -30,11 +30,16 @@ WORKERS = ROOT / "tests" / "reference" / "workers"
 # import per rank instead of one per worker. The first test that needs any of them pays for all of them; the
 # groups are kept small enough to finish within SHARED_TIMEOUT on two busy cores.
 SHARED = [
-    (1, "cpu", ("tp_vs_unsharded_worker.py", "fsdp_worker.py")),
+    (1, "cpu", ("tp_vs_unsharded_worker.py", "fsdp_worker.py", "qwen2_oracle_worker.py", "activation_worker.py")),
     (
         2,
         "cpu",
         (
+            "fsdp_worker.py",
+            "fsdp1_upstream_worker.py",
+            "qwen2_oracle_worker.py",
+            "qwen2_dtensor_worker.py",
+            "activation_worker.py",
             "tp_claims_worker.py",
             "tp_vs_unsharded_worker.py",
             "tp_vs_dtensor_worker.py",
@@ -43,16 +48,28 @@ SHARED = [
             "tp_vs_megatron_worker.py",
             "vocab_parallel_worker.py",
             "megatron_claims_worker.py",
+            "megatron_activation_worker.py",
+            "megatron_distopt_worker.py",
         ),
     ),
-    (2, "cpu", ("fsdp_worker.py", "fsdp1_upstream_worker.py")),
     (
         4,
         "cpu",
-        ("tp_claims_worker.py", "tp_vs_unsharded_worker.py", "tp_vs_megatron_worker.py", "vocab_parallel_worker.py"),
+        (
+            "tp_claims_worker.py",
+            "tp_vs_unsharded_worker.py",
+            "tp_vs_megatron_worker.py",
+            "vocab_parallel_worker.py",
+            "qwen2_oracle_worker.py",
+            "qwen2_dtensor_worker.py",
+        ),
     ),
-    (4, "cpu", ("fsdp_worker.py", "data_parallel_worker.py", "fsdp_tp_worker.py")),
-    (4, "cpu", ("pipeline_worker.py", "megatron_pipeline_worker.py")),
+    (4, "cpu", ("fsdp_worker.py", "data_parallel_worker.py", "fsdp_tp_worker.py", "distributed_optimizer_worker.py")),
+    (
+        4,
+        "cpu",
+        ("pipeline_worker.py", "megatron_pipeline_worker.py", "interleaved_worker.py", "tied_embeddings_worker.py"),
+    ),
 ]
 SHARED_TIMEOUT = 540  # s, under pytest-timeout's 600 for the test that starts the launch
 

@@ -11,7 +11,7 @@ from tests.launch import run_worker
 @functools.cache
 def activation_results(world: int, device: str = "cpu") -> list[dict]:
     """Every rank's JSON from one launch of the worker."""
-    return run_worker("activation_worker.py", world, device, device=device, timeout=300)
+    return run_worker("activation_worker.py", world, device=device, timeout=300)
 
 
 @functools.cache

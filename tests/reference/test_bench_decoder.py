@@ -5,36 +5,15 @@ where the reference's fused layers reduce once); with SP it sends more (Megatron
 their sequence-split input in backward for the weight gradient instead of keeping the gathered copy, which
 DTensor's autograd saves). Timings are printed by the benchmark, never asserted here."""
 
-import json
-
 import pytest
 
-from tests.launch import ROOT, torchrun
-
-PLANS = ROOT / "benchmarks" / "qwen2_dtensor.py"  # the HF side, from the DTensor engineer's branch (i-dtensor14)
-TINY = [
-    "--hidden-size",
-    "32",
-    "--num-attention-heads",
-    "4",
-    "--num-kv-heads",
-    "2",
-    "--seq-length",
-    "8",
-    "--vocab-size",
-    "64",
-    "--rounds",
-    "1",
-    "--json",
-]
+from tests.reference.bench_runs import bench_report
 
 
-@pytest.mark.skipif(not PLANS.is_file(), reason="needs benchmarks/qwen2_dtensor.py (branch i-dtensor14) merged")
-@pytest.mark.parametrize("sp", [[], ["--sequence-parallel"]], ids=["tp", "tp_sp"])
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp_sp"])
 def test_bench_decoder_reports_equal_losses_and_fewer_reference_bytes(sp):
-    out = torchrun(ROOT / "benchmarks" / "bench_decoder.py", 2, *TINY, *sp, timeout=180)
-    report = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
-    assert report["tp"] == 2 and report["sequence_parallel"] == bool(sp)
+    report = bench_report("decoder/tp_sp" if sp else "decoder/tp")
+    assert report["tp"] == 2 and report["sequence_parallel"] == sp
     assert report["losses"]["reference"] == pytest.approx(report["losses"]["hf"], abs=1e-5)
     ours, theirs = report["bytes_per_step"]["reference"], report["bytes_per_step"]["hf"]
     assert (ours > theirs) if sp else (0 < ours < theirs), report["bytes_per_step"]

@@ -1,16 +1,11 @@
 """benchmarks/bench_distopt.py does not rot: one tiny step at world 2 gives its JSON report, with equal losses
 and bytes per rank at their closed forms. Timings are printed by the benchmark, never asserted here."""
 
-import json
-
-from tests.launch import ROOT, torchrun
-
-TINY = ["--hidden-size", "16", "--num-layers", "1", "--seq-length", "4", "--batch-size", "1", "--steps", "1", "--json"]
+from tests.reference.bench_runs import bench_report
 
 
 def test_bench_distopt_reports_equal_losses_and_bytes_at_the_closed_forms():
-    out = torchrun(ROOT / "benchmarks" / "bench_distopt.py", 2, *TINY, timeout=120)
-    report = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
+    report = bench_report("distopt")
     assert report["world"] == 2 and report["max_loss_difference"] == 0.0
     assert set(report["variants"]) == {"ddp", "distopt", "distopt overlap"}
     for variant in report["variants"].values():

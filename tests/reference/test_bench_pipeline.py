@@ -4,34 +4,11 @@ interleaved variant's chunk-forwards in flight and every variant's replayed bubb
 printed by the benchmark, never
 asserted here."""
 
-import json
-
-from tests.launch import ROOT, torchrun
-
-TINY = [
-    "--hidden-size",
-    "16",
-    "--num-layers",
-    "4",
-    "--seq-length",
-    "8",
-    "--micro-batches",
-    "2",
-    "--micro-batch-size",
-    "1",
-    "--steps",
-    "1",
-    "--warmup",
-    "0",
-    "--virtual-stages",
-    "2",
-    "--json",
-]
+from tests.reference.bench_runs import bench_report
 
 
 def test_bench_pipeline_reports_equal_losses_and_the_1f1b_and_interleaved_memory_formulas():
-    out = torchrun(ROOT / "benchmarks" / "bench_pipeline.py", 2, *TINY, timeout=120)
-    report = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
+    report = bench_report("pipeline")
     assert report["layout"] == {"tp": 1, "pp": 2, "dp": 1} and report["virtual_stages"] == 2
     assert set(report["variants"]) == {"gpipe", "1f1b", "interleaved"}
     assert set(report["ratios"]) == {"1f1b/gpipe", "interleaved/1f1b"}

@@ -1,11 +1,12 @@
 """The Tensor Parallelism Knowledge Compilation's recipe on Hugging Face's own `Qwen2ForCausalLM` (transformers
 5.23.0, tiny config, random weights), run under torchrun with PyTorch DTensor at the pin.
 
-workers/qwen2_dtensor_worker.py launches once per (mode, device): `tp` at world 2 (the TP plan, the
-sequence-parallel plan, HF's shipped plan, the pitfalls' observations and fixes), `fsdp_tp` at world 4 (FSDP2 on
-a dp 2 x tp 2 mesh with checkpointed layers, fp32 and bf16 compute), `uneven` at world 2 (pitfall 2, which
-crashes). Every test asserts on one shared launch. The expected collective counts are data (PER_BLOCK,
-per_step); test_qwen2_reference_vs_dtensor.py compares the measured ones with the reference decoder's.
+workers/qwen2_dtensor_worker.py runs once per (mode, device), in its world's shared launch: `tp` at world 2 (the
+TP plan, the sequence-parallel plan, HF's shipped plan, the pitfalls' observations and fixes), `fsdp_tp` at world
+4 (FSDP2 on a dp 2 x tp 2 mesh with checkpointed layers, fp32 and bf16 compute); `uneven` at world 2 (pitfall 2,
+which crashes) is a launch of its own. Every test asserts on one shared launch. The expected collective counts
+are data (PER_BLOCK, per_step); test_qwen2_reference_vs_dtensor.py compares the measured ones with the
+reference decoder's.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def per_step(config: str, layers: int = LAYERS) -> dict:
 @functools.cache
 def results(mode: str, device: str = "cpu") -> list[dict]:
     world = 4 if mode == "fsdp_tp" else 2
-    return run_worker("qwen2_dtensor_worker.py", world, mode, device, device=device, timeout=420)
+    return run_worker("qwen2_dtensor_worker.py", world, device=device, timeout=420)
 
 
 @pytest.mark.upstream("pytorch")
@@ -159,7 +160,7 @@ def test_pitfall_positional_layouts_on_a_keyword_call_then_keyword_layouts(devic
 def test_pitfall_sequence_not_divisible_by_tp_aborts_the_job_under_sequence_parallelism():
     """7 tokens at TP 2: the embedding's reduce-scatter leaves 4 and 3 tokens, the next SequenceParallel takes
     its local tensor as an even shard, and the all-gather's sizes disagree; gloo aborts the job (on CPU)."""
-    output, _ = torchrun_failing(WORKER, 2, tempfile.mkdtemp(prefix="qwen2-uneven-"), "uneven", "cpu", timeout=240)
+    output, _ = torchrun_failing(WORKER, 2, tempfile.mkdtemp(prefix="qwen2-uneven-"), "uneven", timeout=240)
     assert "Received data size doesn't match expected size" in output
     assert "ran under SP" not in output
 

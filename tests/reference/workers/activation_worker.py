@@ -1,4 +1,5 @@
-"""Worker for the recomputation and activation-memory tests: `torchrun ... activation_worker.py OUTDIR DEVICE`.
+"""Worker for the recomputation and activation-memory tests: `torchrun ... activation_worker.py OUTDIR`
+(the device from REFERENCE_TEST_DEVICE; or in a shared launch, workers/shared_worker.py).
 
 At the launch's world size t (1 or 2): trains a two-block ParallelTransformer for two steps with dropout, in
 every recompute mode (and, at t > 1, with and without sequence parallelism), and records whether each mode's
@@ -10,16 +11,12 @@ Table 2 that the world allows (reference.activation_memory). Each rank writes OU
 
 from __future__ import annotations
 
-import json
-import sys
-from pathlib import Path
-
 import torch
 import torch.distributed as dist
+from common import serve
 
 import reference.recompute
 from reference.activation_memory.measure import count, count_all
-from reference.distributed import distributed
 from reference.recompute import RECOMPUTE_MODES
 from reference.tensor_parallel.transformer import ParallelTransformer
 
@@ -96,15 +93,18 @@ def memory_counts(device, world: int, model: str, shape: dict) -> list[dict]:
     return [c.to_dict() for c in count_all(model, shape, tp_groups=groups, device=device)]
 
 
+def results(device: torch.device) -> dict:
+    """The recompute comparisons at this world, and on CPU the activation-memory counts."""
+    world = dist.get_world_size()
+    result = {"recompute": recompute_results(device, dist.group.WORLD)}
+    if device.type == "cpu":
+        result["activation_memory"] = memory_counts(device, world, "gpt2", COUNT_SHAPE)
+        result["activation_memory_llama"] = memory_counts(device, world, "llama", LLAMA_COUNT_SHAPE)
+    return result
+
+
 def main() -> None:
-    out, device_type = Path(sys.argv[1]), sys.argv[2]
-    with distributed(device_type) as device:
-        world, rank = dist.get_world_size(), dist.get_rank()
-        result = {"recompute": recompute_results(device, dist.group.WORLD)}
-        if device.type == "cpu":
-            result["activation_memory"] = memory_counts(device, world, "gpt2", COUNT_SHAPE)
-            result["activation_memory_llama"] = memory_counts(device, world, "llama", LLAMA_COUNT_SHAPE)
-        (out / f"rank{rank}.json").write_text(json.dumps(result, indent=1))
+    serve(results)
 
 
 if __name__ == "__main__":

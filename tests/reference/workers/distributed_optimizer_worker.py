@@ -1,4 +1,5 @@
-"""Worker for test_distributed_optimizer.py: `torchrun --nproc-per-node 4 distributed_optimizer_worker.py OUTDIR`.
+"""Worker for test_distributed_optimizer.py: `torchrun --nproc-per-node 4 distributed_optimizer_worker.py OUTDIR`
+(or in a shared launch, workers/shared_worker.py).
 
 Trains the bf16 test transformer with Adam for a few steps over DP 4 (all ranks) and DP 2 (pairs [0,1], [2,3]):
 the oracle is the unsharded mixed precision optimizer (fp32 master weights, fp32 main_grad buckets all-reduced,
@@ -11,13 +12,9 @@ bad-input errors.
 
 from __future__ import annotations
 
-import json
-import sys
-from pathlib import Path
-
 import torch
 import torch.distributed as dist
-from common import finish, init
+from common import serve
 
 from reference.data_parallel import DistributedDataParallel, local_batch
 from reference.data_parallel.buckets import padded_numel
@@ -169,8 +166,8 @@ def bad_input(group) -> dict[str, str]:
     return errors
 
 
-def main(outdir: Path) -> None:
-    init()
+def results(_device: torch.device) -> dict:
+    """Every configuration at DP 4 and DP 2 with its differences from the oracle, and the bad-input errors (CPU)."""
     assert dist.get_world_size() == 4, "run on 4 ranks"
     halves, _ = dist.new_subgroups(2)
     result = {"rank": dist.get_rank(), "dp": {}}
@@ -185,10 +182,12 @@ def main(outdir: Path) -> None:
             }
         result["dp"][dp] = entry
     result["bad_input"] = bad_input(dist.group.WORLD)
-    (outdir / f"rank{result['rank']}.json").write_text(json.dumps(result))
-    print(f"rank {result['rank']}: distributed optimizer ok", flush=True)
-    finish()
+    return result
+
+
+def main() -> None:
+    serve(results)
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main()

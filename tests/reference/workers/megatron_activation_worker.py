@@ -2,7 +2,8 @@
 Column/RowParallelLinear, the unfused DotProductAttention; no Transformer Engine) saves for backward, with the
 same saved-tensor counter as the reference, without and with tensor parallelism (t = 2).
 
-Usage: `torchrun --nproc-per-node 2 megatron_activation_worker.py OUT_DIR` (CPU/gloo); writes OUT_DIR/rank<r>.json.
+Usage: `torchrun --nproc-per-node 2 megatron_activation_worker.py OUT_DIR` (CPU/gloo; or in a shared launch,
+workers/shared_worker.py); writes OUT_DIR/rank<r>.json.
 Runs on the CPU with three substitutions, none of which changes what is saved: torch.cuda.current_device()
 answers "cpu" (reference.torch_patches.cuda_calls_on_cpu), the causal mask is passed in (megatron would build
 its default one on "cuda"), and the CUDA RNG tracker's fork, which swaps CUDA generator states around
@@ -15,14 +16,10 @@ before it runs the region (megatron-lm:megatron/core/tensor_parallel/random.py::
 
 import contextlib
 import dataclasses
-import json
-import sys
 import warnings
-from pathlib import Path
 
 import torch
-import torch.distributed as dist
-from common import finish, init
+from common import serve
 
 from reference.activation_memory.counting import SavedTensorCounter
 from reference.torch_patches import cuda_calls_on_cpu
@@ -79,17 +76,23 @@ def count_layer(tp: int) -> dict:
         mpu.destroy_model_parallel()
 
 
-def main() -> None:
-    out_dir = Path(sys.argv[1])
-    init()
+def results(_device: torch.device) -> dict:
+    """{configuration: counts} of one TransformerLayer, with megatron's RNG tracker replaced by CpuRNGTracker
+    for the count only (the workers sharing the launch get megatron's back)."""
     cuda_calls_on_cpu()
     from megatron.core.tensor_parallel import random as megatron_random
 
+    saved = megatron_random._CUDA_RNG_STATE_TRACKER, megatron_random._CUDA_RNG_STATE_TRACKER_INITIALIZED
     megatron_random._CUDA_RNG_STATE_TRACKER = CpuRNGTracker()
     megatron_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
-    counts = {"no parallelism": count_layer(1), "tensor parallel": count_layer(2)}
-    (out_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps(counts, indent=1))
-    finish()
+    try:
+        return {"no parallelism": count_layer(1), "tensor parallel": count_layer(2)}
+    finally:
+        megatron_random._CUDA_RNG_STATE_TRACKER, megatron_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = saved
+
+
+def main() -> None:
+    serve(results)
 
 
 if __name__ == "__main__":

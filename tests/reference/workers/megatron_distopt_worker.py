@@ -1,5 +1,5 @@
 """Worker for test_distributed_optimizer.py's upstream tests: `torchrun --nproc-per-node 2 megatron_distopt_worker.py
-OUT`.
+OUT` (or in a shared launch, workers/shared_worker.py).
 
 Trains one bf16 MLP (16 -> 61 -> 16, odd sizes) for three Adam steps at DP 2 twice from the same seed and data:
 with megatron-core 0.16.1's own DistributedDataParallel (use_distributed_optimizer, grad_reduce_in_fp32) and
@@ -20,13 +20,9 @@ Without Transformer Engine or Apex megatron steps torch.optim.AdamW (weight_deca
 
 from __future__ import annotations
 
-import json
-import sys
-from pathlib import Path
-
 import torch
 import torch.distributed as dist
-from common import finish, init
+from common import serve
 from torch.overrides import TorchFunctionMode
 
 from reference.torch_patches import cuda_calls_on_cpu
@@ -191,14 +187,15 @@ def megatron_tied_embeddings() -> dict:
     return result
 
 
-def main(out: Path) -> None:
-    init()
+def results(_device: torch.device) -> dict:
+    """Both DP 2 runs and the PP 2 tied embeddings (CPU)."""
     assert dist.get_world_size() == 2, "run on 2 ranks"
-    result = {"megatron": megatron_run(), "reference": reference_run(), "tied": megatron_tied_embeddings()}
-    (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
-    print(f"rank {dist.get_rank()}: megatron distributed optimizer compared", flush=True)
-    finish()
+    return {"megatron": megatron_run(), "reference": reference_run(), "tied": megatron_tied_embeddings()}
+
+
+def main() -> None:
+    serve(results)
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main()

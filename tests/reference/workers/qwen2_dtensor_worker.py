@@ -1,10 +1,12 @@
 """HF `Qwen2ForCausalLM` under the document's DTensor plans (benchmarks/qwen2_dtensor.py) against the unsharded
-HF model, on CPU/gloo or CUDA/NCCL. Usage: OUT MODE DEVICE, MODE one of
+HF model, on CPU/gloo or CUDA/NCCL (REFERENCE_TEST_DEVICE). Usage: OUT [uneven]; results() runs what the world
+checks:
 
-- `tp` (world 2): the TP plan, the sequence-parallel plan, HF's own plan; the three pitfalls and their fixes,
+- world 2: the TP plan, the sequence-parallel plan, HF's own plan; the three pitfalls and their fixes,
   and what else the SP plan needs on HF Qwen2 (positions passed in, SDPA attention).
-- `fsdp_tp` (world 4 = dp 2 x tp 2): FSDP2 with checkpointed layers and the SP plan, fp32 and bf16 compute.
-- `uneven` (world 2): the SP plan on a sequence TP does not divide; expected to crash (pitfall 2).
+- world 4 (dp 2 x tp 2): FSDP2 with checkpointed layers and the SP plan, fp32 and bf16 compute.
+- `uneven` (world 2, its own launch): the SP plan on a sequence TP does not divide; expected to crash
+  (pitfall 2).
 
 Each rank writes OUT/rank{R}.json: loss and gradient differences, and the collectives `CommDebugMode` counted
 per decoder layer and per step, phase by phase.
@@ -13,14 +15,13 @@ per decoder layer and per step, phase by phase.
 from __future__ import annotations
 
 import copy
-import json
 import sys
 from collections import Counter
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from common import device_type, serve
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
@@ -228,14 +229,21 @@ def run_uneven(device: torch.device) -> None:
     print(f"rank {dist.get_rank()}: a {SEQ - 1}-token sequence ran under SP at TP {mesh.size()}", flush=True)
 
 
+def results(device: torch.device) -> dict:
+    """What this world checks: `tp` at world 2, `fsdp_tp` at world 4."""
+    modes = {2: run_tp, 4: run_fsdp_tp}
+    assert dist.get_world_size() in modes, "run on 2 or 4 ranks"
+    return {**modes[dist.get_world_size()](device), "rank": dist.get_rank()}
+
+
 def main() -> None:
-    out, mode, device_type = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
-    with distributed(device_type, timeout_s=30 if mode == "uneven" else 120) as device:
-        if mode == "uneven":
-            return run_uneven(device)
-        result = {"tp": run_tp, "fsdp_tp": run_fsdp_tp}[mode](device)
-        result["rank"] = dist.get_rank()
-        (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(result, indent=1))
+    """`OUT` serves results(); `OUT uneven` runs pitfall 2, whose crash its test expects (a short collective
+    timeout, so a survivor does not wait long)."""
+    if sys.argv[2:] == ["uneven"]:
+        with distributed(device_type(), timeout_s=30) as device:
+            run_uneven(device)
+    else:
+        serve(results)
 
 
 if __name__ == "__main__":

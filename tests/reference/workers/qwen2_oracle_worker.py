@@ -15,14 +15,11 @@ Each rank writes OUTDIR/rank{r}.json.
 from __future__ import annotations
 
 import dataclasses
-import json
-import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from common import finish, init
+from common import serve
 from transformers import Qwen2ForCausalLM
 
 from reference.fsdp import MixedPrecision
@@ -45,7 +42,7 @@ CONFIG = GPTConfig(
 )
 UNEVEN = dataclasses.replace(CONFIG, seq_length=11)  # not divisible by TP 2 (nor 4)
 B, SEED, STEPS, LR = 4, 1234, 2, 0.5
-DEVICE = torch.device("cpu")  # main() sets it: cuda under REFERENCE_TEST_DEVICE=cuda
+DEVICE = torch.device("cpu")  # results() sets it: cuda under REFERENCE_TEST_DEVICE=cuda
 
 
 def hf_model(config: GPTConfig) -> Qwen2ForCausalLM:
@@ -173,11 +170,11 @@ def tp_dp(
     return out
 
 
-def main() -> None:
+def results(device: torch.device) -> dict:
+    """What this world checks: W 1 and 2 the unsharded model and TP stages, W 4 TP x DP and TP x PP training."""
     global DEVICE
-    out = Path(sys.argv[1])
-    DEVICE = init()
-    world, rank = dist.get_world_size(), dist.get_rank()
+    DEVICE = device
+    world = dist.get_world_size()
     result: dict = {"world": world}
     if world in (1, 2):
         layout = build_layout(tp_size=world)
@@ -195,8 +192,11 @@ def main() -> None:
         result["fsdp_sp_bf16"] = tp_dp(layout, "fsdp", sp=True, bf16=True)
         pipeline = build_layout(tp_size=2, pp_size=world // 2)
         result["pp_sp_uneven"] = tp_dp(pipeline, "ddp", sp=True, config=UNEVEN, micro_batches=2)
-    (out / f"rank{rank}.json").write_text(json.dumps(result))
-    finish()
+    return result
+
+
+def main() -> None:
+    serve(results)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Worker for test_tied_embeddings.py: `torchrun --nproc-per-node 4 tied_embeddings_worker.py OUTDIR`.
+"""Worker for test_tied_embeddings.py: `torchrun --nproc-per-node 4 tied_embeddings_worker.py OUTDIR` (or in a
+shared launch, workers/shared_worker.py).
 
 Trains the small GPT with tied input and output embeddings (GPTConfig.share_embeddings_and_output_weights)
 for three SGD steps at PP 2 x DP 2 and at PP 2 x TP 2, next to the unsharded tied GPT on the same global
@@ -10,13 +11,9 @@ on the embedding group; and, as a negative control, PP 2 x DP 2 finalized withou
 
 from __future__ import annotations
 
-import json
-import sys
-from pathlib import Path
-
 import torch
 import torch.distributed as dist
-from common import finish, gather_dim, init
+from common import gather_dim, serve
 
 from reference.data_parallel import finalize_model_grads
 from reference.gpt.model import GPTConfig, UnshardedGPT, build_stage
@@ -98,19 +95,20 @@ def run(tp: int, pp: int, dp: int, sum_embedding_grads: bool = True) -> dict:
     }
 
 
-def main(outdir: Path) -> None:
-    init()
+def results(_device: torch.device) -> dict:
+    """Both tied layouts and the negative control (CPU)."""
     assert dist.get_world_size() == 4, "run on 4 ranks"
-    result = {
+    return {
         "rank": dist.get_rank(),
         "pp2_dp2": run(tp=1, pp=2, dp=2),
         "pp2_tp2": run(tp=2, pp=2, dp=1),
         "pp2_dp2/no_sum": run(tp=1, pp=2, dp=2, sum_embedding_grads=False),
     }
-    (outdir / f"rank{result['rank']}.json").write_text(json.dumps(result))
-    print(f"rank {result['rank']}: tied embeddings ok", flush=True)
-    finish()
+
+
+def main() -> None:
+    serve(results)
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main()
