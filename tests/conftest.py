@@ -8,8 +8,7 @@ the workers found and fails the run naming them.
 
 Scheduling (pytest_xdist_make_scheduler): the tests under tests/reference run in one worker, as their
 torchrun launches are shared per session (tests/launch.py) and each takes every core; the tests under
-tests/site in one, as they build into the repository's docs/. Other tests go to the workers a module (or
-class) at a time, as `--dist loadscope` sends them.
+tests/site in one, as they build into the repository's docs/. Other tests go to the workers a module at a time.
 """
 
 from __future__ import annotations
@@ -53,7 +52,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
             parts = nodeid.split("/", 2)
             if len(parts) == 3 and parts[0] == TESTS.name and parts[1] in GROUPED:
                 return "/".join(parts[:2])
-            return super()._split_scope(nodeid)
+            return nodeid.split("::", 1)[0]  # the module: its fixtures set up once (ids may hold "::")
 
     return ByFolder(config, log)
 
