@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +56,13 @@ class Upstream:
     v1: str  # commit SHAs
     v2: str
     files: dict  # path -> bytes at v1
+
+
+def interruptible() -> None:
+    """In a child about to run the tool: Ctrl-C (SIGINT) acts as from a terminal, whatever the test process
+    inherited (a process may start with SIGINT ignored or blocked, and its children inherit that)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def _write(repo: git.Repo, files: dict[str, bytes]) -> None:
@@ -145,6 +153,7 @@ class ProjectDir:
             stderr=subprocess.PIPE,
             text=True,
             start_new_session=True,
+            preexec_fn=interruptible,
             env={**os.environ, "PIN_AND_CITE_CACHE": str(self.cache)},
         )
 

@@ -12,7 +12,7 @@ import pytest
 from pin_and_cite.core.errors import PinAndCiteError
 from pin_and_cite.core.local_code import ours
 from pin_and_cite.core.parse_cache import ParseCache
-from tests.tools.conftest import CLI, ProjectDir
+from tests.tools.conftest import CLI, ProjectDir, interruptible
 
 
 def one_line(r, code: int) -> str:
@@ -96,6 +96,7 @@ def test_ctrl_c_while_the_libraries_load_is_one_line_and_exit_130(project, loadi
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "PIN_AND_CITE_CACHE": str(project.cache), "PYTHONPROFILEIMPORTTIME": "1"},
+        preexec_fn=interruptible,
     )
     for line in proc.stderr:
         if line.startswith("import time:") and line.rsplit("|", 1)[-1].strip() == loading:
