@@ -22,8 +22,8 @@ serve: setup
 	tools/pin-and-cite fetch
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve --dev-addr $(ADDR)
 
-# Two pytest-xdist workers: the reference tests (torchrun launches, shared per session) in one, the site tests
-# in one, the citation tool's tests a module at a time over both (tests/conftest.py schedules them).
+# Two pytest-xdist workers; the tests that read one session-cached torchrun launch, and the site tests, each
+# stay in one worker (tests/conftest.py::scope_of), the rest go a module at a time.
 test: setup
 	tools/ensure-browser
 	$(PY) -m pytest -n 2

@@ -6,9 +6,9 @@ however it was started and whoever adopted it. It is named, then killed, so the 
 xdist each worker is such a session and checks its own processes; the controller starts none, collects what
 the workers found and fails the run naming them.
 
-Scheduling (pytest_xdist_make_scheduler): the tests under tests/reference run in one worker, as their
-torchrun launches are shared per session (tests/launch.py) and each takes every core; the tests under
-tests/site in one, as they build into the repository's docs/. Other tests go to the workers a module at a time.
+Scheduling (pytest_xdist_make_scheduler, scope_of): tests that read one session-cached torchrun launch
+(tests/launch.py) run in one worker, as do the site tests (they build into the repository's docs/); other
+tests go to the workers a module at a time.
 """
 
 from __future__ import annotations
@@ -17,15 +17,12 @@ import gc
 import os
 import signal
 import time
-from pathlib import Path
 
 import pytest
 
 from tests.processes import SESSION_VARIABLE, live_with_environment, new_session_token
 
 GRACE_S = 5.0  # a process told to stop at the end of the last test may need a moment to exit
-GROUPED = ("reference", "site")  # tests/<folder>: one xdist worker each
-TESTS = Path(__file__).resolve().parent
 
 
 def _xdist_controller(config: pytest.Config) -> bool:
@@ -42,19 +39,41 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ[SESSION_VARIABLE] = new_session_token()
 
 
+def scope_of(nodeid: str) -> str:
+    """The unit xdist hands to one worker: tests that read one session-cached launch must share it. The
+    tests/reference files on the SHARED groups' launches (tests/launch.py) are one scope, the benchmark smoke
+    tests (one bench_worker launch) another, tests/site (it builds into docs/) a third; any other module,
+    including the demo and in-process tests of tests/reference (launches of their own), is its own scope."""
+    module = nodeid.split("::", 1)[0]  # parameter ids may hold "::"
+    if module.startswith("tests/site/"):
+        return "tests/site"
+    if module.startswith("tests/reference/test_bench_"):
+        return "tests/reference/test_bench_*"
+    if module.startswith("tests/reference/") and module.rsplit("/", 1)[1] not in OWN_LAUNCHES:
+        return "tests/reference"
+    return module
+
+
+OWN_LAUNCHES = {  # tests/reference modules that share no launch with another module
+    "test_gpt_demo.py",
+    "test_fsdp_demo.py",
+    "test_llama_demo.py",
+    "test_scale.py",
+    "test_tp_at_scale.py",
+    "test_layout.py",
+}
+
+
 @pytest.hookimpl(tryfirst=True, optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
-    """xdist's load-by-scope scheduling, each GROUPED folder one scope: all its tests go to one worker."""
+    """xdist's load-by-scope scheduling, by scope_of."""
     from xdist.scheduler import LoadScopeScheduling
 
-    class ByFolder(LoadScopeScheduling):
+    class ByLaunch(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            parts = nodeid.split("/", 2)
-            if len(parts) == 3 and parts[0] == TESTS.name and parts[1] in GROUPED:
-                return "/".join(parts[:2])
-            return nodeid.split("::", 1)[0]  # the module: its fixtures set up once (ids may hold "::")
+            return scope_of(nodeid)
 
-    return ByFolder(config, log)
+    return ByLaunch(config, log)
 
 
 @pytest.hookimpl(optionalhook=True)
