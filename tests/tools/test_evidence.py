@@ -70,6 +70,9 @@ def test_a_test_that_cannot_be_read_is_one_line_never_a_traceback(tmp_path):
         evidence_of(tmp_path, "tests/../outside.py::test_x") == "test file 'tests/../outside.py' does not "
         "exist under tests/"
     )
+    assert evidence_of(tmp_path, "tests/test_\0x.py::test_x") == (
+        "test file 'tests/test_\\x00x.py' does not exist under tests/"
+    )
     assert (
         evidence_of(tmp_path, "tests/test_broken.py") == "'tests/test_broken.py' is not a pytest node id "
         "(tests/FILE.py::test_name)"

@@ -115,7 +115,7 @@ def _read_tests(path: Path, data: bytes) -> dict[str, Evidence] | str:
 
 def _test_file(root: Path, path: str) -> Path | None:
     """The file `path` names under root/tests, symlinks resolved, or None if it is not one there."""
-    if not path.startswith("tests/"):
+    if not path.startswith("tests/") or "\0" in path:  # a NUL names no file (and os.path refuses it)
         return None
     tests_dir = os.path.realpath(root / "tests")
     file = os.path.realpath(root / path)
