@@ -77,6 +77,12 @@ def _run(cmd: list[str], what: str, timeout: float, **env: str) -> str:
     return proc.stdout
 
 
+def _torchrun(ranks: int, script: Path, *args: str, what: str, timeout: float) -> str:
+    """_run of `script` on `ranks` local ranks under torchrun (CPU, gloo)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+    return _run([*cmd, "--max-restarts=0", str(script), *args], what, timeout, TORCH_CPP_LOG_LEVEL="ERROR")
+
+
 def record(out: Path, timeout: float = 300, only: Collection[str] | None = None) -> list[Path]:
     """Run the worker into a scratch folder, then move each trace (each of `only`) into `out`; the paths
     written."""
@@ -84,22 +90,7 @@ def record(out: Path, timeout: float = 300, only: Collection[str] | None = None)
         for ranks, what, names in WORKER_RUNS:
             if only is not None and not set(names) & set(only):
                 continue
-            _run(
-                [
-                    sys.executable,
-                    "-m",
-                    "torch.distributed.run",
-                    "--standalone",
-                    f"--nproc-per-node={ranks}",
-                    "--max-restarts=0",
-                    str(WORKER),
-                    scratch,
-                    what,
-                ],
-                f"trace worker ({what}, {ranks} ranks)",
-                timeout,
-                TORCH_CPP_LOG_LEVEL="ERROR",
-            )
+            _torchrun(ranks, WORKER, scratch, what, what=f"trace worker ({what}, {ranks} ranks)", timeout=timeout)
         out.mkdir(parents=True, exist_ok=True)
         written = []
         for trace in sorted(Path(scratch).glob("*.json")):
@@ -143,22 +134,8 @@ def record_activation_memory(out: Path, timeout: float = 300, only: Collection[s
     it out); the paths written."""
     if only is not None and "activation_memory" not in only:
         return []
-    stdout = _run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node=2",
-            "--max-restarts=0",
-            str(ROOT / "benchmarks" / "bench_activation_memory.py"),
-            *ACTIVATION_MEMORY,
-            "--json",
-        ],
-        "bench_activation_memory --json",
-        timeout,
-        TORCH_CPP_LOG_LEVEL="ERROR",
-    )
+    script = ROOT / "benchmarks" / "bench_activation_memory.py"
+    stdout = _torchrun(2, script, *ACTIVATION_MEMORY, "--json", what="bench_activation_memory --json", timeout=timeout)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write(out / "activation_memory.json", stdout[stdout.index("{") :].encode())
     return [out / "activation_memory.json"]

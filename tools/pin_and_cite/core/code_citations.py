@@ -36,18 +36,19 @@ def code_files(root: Path) -> list[Path]:
     return sorted(p for folder in CODE_DIRS for p in (root / folder).rglob("*.py") if p.is_file())
 
 
-def _text_of(file: Path, root: Path) -> str:
+def utf8_text(data: bytes, what: str) -> str:
+    """`data` decoded, or PinAndCiteError naming `what` and the first byte that is not UTF-8."""
     try:
-        return file.read_bytes().decode("utf-8")
+        return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise PinAndCiteError(
-            f"{file.relative_to(root)} is not UTF-8 (byte {exc.object[exc.start]:#04x} at offset {exc.start})"
+            f"{what} is not UTF-8 (byte {exc.object[exc.start]:#04x} at offset {exc.start})"
         ) from None
 
 
 def code_texts(root: Path) -> dict[Path, str]:
     """The project's code files and their text, read once for both scans below."""
-    return {file: _text_of(file, root) for file in code_files(root)}
+    return {file: utf8_text(file.read_bytes(), str(file.relative_to(root))) for file in code_files(root)}
 
 
 def code_citations(texts: dict[Path, str]) -> list[Written]:

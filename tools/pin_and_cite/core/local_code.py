@@ -11,7 +11,7 @@ from pathlib import Path
 
 from pin_and_cite.core import symbols
 from pin_and_cite.core.citation import check_repo_path
-from pin_and_cite.core.code_citations import citations_in_text
+from pin_and_cite.core.code_citations import citations_in_text, utf8_text
 from pin_and_cite.core.errors import PinAndCiteError
 from pin_and_cite.core.parse_cache import ParseCache
 
@@ -26,12 +26,7 @@ def _read(root: Path, spec: str, call: str) -> tuple[str, str, bytes, str]:
     if not file.is_file():
         raise PinAndCiteError(f"{call}({spec!r}): {path} does not exist")
     data = file.read_bytes()
-    try:
-        return path, symbol, data, data.decode()
-    except UnicodeDecodeError as exc:
-        raise PinAndCiteError(
-            f"{call}({spec!r}): {path} is not UTF-8 (byte {exc.object[exc.start]:#04x} at offset {exc.start})"
-        ) from None
+    return path, symbol, data, utf8_text(data, f"{call}({spec!r}): {path}")
 
 
 def ours(root: Path, spec: str, parsed: ParseCache) -> str:

@@ -9,7 +9,7 @@ a <details> after it; notes.css hides the folded view while the whole one is ope
 from __future__ import annotations
 
 FOLD_OVER = 16  # an excerpt of more lines than this folds
-CONTEXT = 3  # lines shown on each side of the highlighted ones (or the first 2 * CONTEXT + 1 without)
+CONTEXT = 3  # lines shown on each side of the highlighted ones (or the first 3 * CONTEXT + 1 without)
 MIN_HIDDEN = 4  # folding that would hide fewer lines than this is not worth a click
 
 
