@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from reference.data_parallel.distributed_optimizer import DistributedOptimizer
+from reference.data_parallel.mixed_precision import model_chunks
 from reference.data_parallel.wrapper import DEFAULT_BUCKET_SIZE
 from reference.distributed import LaunchError, distributed
 from reference.fsdp.units import sharded_parameter_bytes
@@ -242,11 +243,12 @@ def _train(args, config: GPTConfig, device: torch.device) -> None:
             for chunk in chunks
         ]
         model = wrapped if len(wrapped) > 1 else wrapped[0]
-    params = [param for chunk in (model if isinstance(model, list) else [model]) for param in chunk.parameters()]
+    params = [param for chunk in model_chunks(model) for param in chunk.parameters()]
+    held = sum(p.numel() * p.element_size() for p in params)  # this rank's parameter bytes, every chunk
     param_bytes = None  # only rank 0 reports: only it builds the whole model, to count its bytes
     if rank == 0:
         param_bytes = {
-            "param_bytes_per_rank": sum(p.numel() * p.element_size() for p in params),
+            "param_bytes_per_rank": held,
             "param_bytes_unsharded": sharded_parameter_bytes(UnshardedGPT(config, args.seed)),
         }
     if args.dp_sharding == "optimizer":
@@ -275,7 +277,7 @@ def _train(args, config: GPTConfig, device: torch.device) -> None:
     dist.gather_object(
         {
             "rank": rank,
-            "param_bytes": sharded_parameter_bytes(model),
+            "param_bytes": held,
             "peak_activation_bytes": result.pipeline.peak_activation_bytes,
         },
         memory,

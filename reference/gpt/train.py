@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from reference.data_parallel import DistributedDataParallel, finalize_model_grads
 from reference.data_parallel.fsdp_tp import shard_tp_model
+from reference.data_parallel.mixed_precision import model_chunks
 from reference.data_parallel.wrapper import DEFAULT_BUCKET_SIZE
 from reference.fsdp import FullyShardedDataParallel
 from reference.gpt.model import GPTConfig, GPTStage
@@ -136,7 +137,7 @@ def train_step(
     Mirrors `megatron-lm:megatron/core/pipeline_parallel/schedules.py::get_forward_backward_func`.
     """
     device = device or torch.device("cpu")
-    chunks = model if isinstance(model, list) else [model]
+    chunks = model_chunks(model)
     if isinstance(model, FullyShardedDataParallel) and num_micro_batches > 1:
         raise ParallelConfigError(
             f"a fully_sharded stage trains one micro-batch per step, got {num_micro_batches}: "

@@ -3,18 +3,14 @@ results between the recomputation and the activation-memory tests."""
 
 from __future__ import annotations
 
-import functools
-
 from tests.launch import run_worker
 
 
-@functools.cache
 def activation_results(world: int, device: str = "cpu") -> list[dict]:
     """Every rank's JSON from one launch of the worker."""
     return run_worker("activation_worker.py", world, device=device, timeout=300)
 
 
-@functools.cache
 def megatron_activation_counts() -> dict:
     """Rank 0's counts of megatron-core's TransformerLayer (world 2, CPU/gloo), by configuration."""
     return run_worker("megatron_activation_worker.py", 2, timeout=300)[0]

@@ -9,8 +9,6 @@ overlapping the all-gathers with the next forward, with fp32 and with bf16 gradi
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 
 from tests.launch import run_worker
@@ -18,7 +16,6 @@ from tests.launch import run_worker
 DISTRIBUTED = ["distopt", "distopt/overlap_param_gather", "distopt/bf16_grads"]
 
 
-@functools.cache
 def results() -> list[dict]:
     return run_worker("distributed_optimizer_worker.py", 4, timeout=300)
 
@@ -139,7 +136,6 @@ def test_bad_input_is_refused_with_a_message():
     assert "reduce-scattered" in errors["unsharded_on_sharded_ddp"]
 
 
-@functools.cache
 def megatron_results() -> list[dict]:
     return run_worker("megatron_distopt_worker.py", 2, timeout=240)
 

@@ -5,16 +5,15 @@ interleaved schedule is compared in test_megatron_pipeline_upstream.py (same lau
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 
 from reference import __main__ as demo_cli
 from reference.pipeline.replay import idle_fraction
 from tests.launch import run_worker
+from tests.reference.demo_runs import demo_outputs, json_lines
+from tests.reference.refusals import refusal
 
 
-@functools.cache
 def ranks() -> list[dict]:
     """Every rank's results from one launch at world 4 (all layouts, the torch oracle)."""
     return run_worker("interleaved_worker.py", 4, timeout=420)
@@ -103,10 +102,8 @@ def test_torch_interleaved_1f1b_gives_the_same_losses_and_gradients():
 
 
 def refused(argv, capsys) -> str:
-    with pytest.raises(SystemExit) as exit_:
-        demo_cli.main(argv)
-    err = capsys.readouterr().err
-    assert exit_.value.code == 2 and err.count("\n") == 1, err
+    err = refusal(demo_cli.main, argv, capsys)
+    assert err.count("\n") == 1, err
     return err
 
 
@@ -137,3 +134,16 @@ def test_schedule_refuses_a_single_stage_with_virtual_stages():
 
     with pytest.raises(ParallelConfigError, match="need a pipeline of at least 2 stages"):
         check_interleaving(1, 2, 4)
+
+
+def test_the_demo_runs_interleaved_and_reports_every_chunks_parameters():
+    """`-m reference --pp 2 --virtual-stages 2`: each rank's parameters are its two chunks' (once a crash: the
+    memory report counted one model), and the ranks together hold the unsharded GPT's."""
+    argv = ["--pp", "2", "--virtual-stages", "2", "--num-layers", "4", "--micro-batches", "2", "--steps", "1"]
+    (out,) = demo_outputs(2, [*argv, "--hidden-size", "16", "--seq-length", "8", "--json"])
+    lines = json_lines(out)
+    step = next(x for x in lines if "step" in x)
+    memory = next(x for x in lines if "memory" in x)["memory"]
+    assert [m["param_bytes"] for m in memory][0] == step["param_bytes_per_rank"]
+    assert sum(m["param_bytes"] for m in memory) == step["param_bytes_unsharded"]
+    assert next(x for x in lines if "pipeline" in x)["pipeline"][0]["virtual_stages"] == 2

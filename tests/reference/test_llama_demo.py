@@ -2,8 +2,6 @@
 the Llama/Qwen2 block in the demo. One-line refusals of sizes it cannot split, and one world-4 run whose loss
 is the unsharded llama model's, with its traffic per group and every rank's memory."""
 
-import json
-
 import pytest
 import torch
 
@@ -11,6 +9,7 @@ from reference.__main__ import main
 from reference.gpt.model import GPTConfig, UnshardedGPT
 from reference.gpt.train import synthetic_batches
 from tests.launch import torchrun
+from tests.reference.demo_runs import json_lines
 from tests.reference.refusals import refusal
 
 # s = 7: TP 2 does not divide it, so sequence parallelism pads it to 8 and continues the rotary positions
@@ -121,11 +120,7 @@ def test_llama_fsdp_tp_sp_demo_trains_like_the_unsharded_model_and_reports_traff
         "--num-layers",
         "2",
     ]
-    lines = [
-        json.loads(line)
-        for line in torchrun("-m", 4, "reference", *args, timeout=240).splitlines()
-        if line.startswith("{")
-    ]
+    lines = json_lines(torchrun("-m", 4, "reference", *args, timeout=240))
     steps = [x for x in lines if "step" in x]
     assert [s["loss"] for s in steps] == pytest.approx(unsharded_losses(), abs=1e-5)
     groups = steps[-1]["collectives"]

@@ -11,16 +11,15 @@ reference decoder's.
 
 from __future__ import annotations
 
-import functools
 import tempfile
 from pathlib import Path
 
 import pytest
 
 from tests.launch import run_worker, torchrun_failing
+from tests.reference.gpus import DEVICES
 
 WORKER = Path(__file__).parent / "workers" / "qwen2_dtensor_worker.py"
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 LAYERS = 2  # tiny_config(): 2 decoder layers, hidden 32, 4 query heads, 2 KV heads, vocab 64
 FP32 = 2e-6  # observed: loss <= 4.8e-7, gradients <= 4.5e-8 (fp32 sums in another order)
 BF16_LOSS, BF16_GRAD = 5e-2, 5e-3  # bf16 compute, fp32 reduction: observed 2.2e-2 (loss ~4.2), 1.0e-3
@@ -59,7 +58,6 @@ def per_step(config: str, layers: int = LAYERS) -> dict:
     raise ValueError(config)
 
 
-@functools.cache
 def results(mode: str, device: str = "cpu") -> list[dict]:
     world = 4 if mode == "fsdp_tp" else 2
     return run_worker("qwen2_dtensor_worker.py", world, device=device, timeout=420)

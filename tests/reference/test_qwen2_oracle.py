@@ -9,18 +9,15 @@ The config: vocab 128, hidden 64, 4 query heads in 2 key/value groups, 2 layers,
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 
 from tests.launch import run_worker
+from tests.reference.gpus import DEVICES
 
 LAYERS = 2
 EXACT = 1e-6  # fp32, same math in a different order
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
-@functools.cache
 def results(world: int, device: str = "cpu") -> list[dict]:
     return run_worker("qwen2_oracle_worker.py", world, device=device, timeout=420)
 

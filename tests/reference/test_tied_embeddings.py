@@ -5,8 +5,6 @@ against the unsharded tied GPT, and once without the embedding-gradient all-redu
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 
 from tests.launch import run_worker
@@ -14,7 +12,6 @@ from tests.launch import run_worker
 FP32 = 1e-7  # observed <= 3e-8: the batch split changes the fp32 summation order
 
 
-@functools.cache
 def results() -> list[dict]:
     return run_worker("tied_embeddings_worker.py", 4, timeout=300)
 

@@ -15,9 +15,7 @@ import runpy
 import sys
 from pathlib import Path
 
-from common import init, write_results
-
-from reference.distributed import finish
+from common import serve
 
 BENCHMARKS = Path(__file__).resolve().parents[3] / "benchmarks"
 DECODER = ["--hidden-size", "32", "--num-attention-heads", "4", "--num-kv-heads", "2", "--seq-length", "8"]
@@ -62,9 +60,7 @@ def run(script: str, args: list[str]) -> str:
 
 def main() -> None:
     sys.path.insert(0, str(BENCHMARKS))  # as for a script in benchmarks/: bench_decoder imports qwen2_dtensor
-    init()
-    write_results(sys.argv[1], {name: run(script, args) for name, (script, args) in RUNS.items()})
-    finish()
+    serve(lambda _device: {name: run(script, args) for name, (script, args) in RUNS.items()})
 
 
 if __name__ == "__main__":

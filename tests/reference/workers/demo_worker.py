@@ -14,23 +14,25 @@ import io
 import json
 import sys
 
-from common import device_type, init, write_results
+from common import device_type, serve
 
 from reference.__main__ import main as demo_main
-from reference.distributed import finish
 
 
-def main() -> None:
-    runs = [json.loads(argv) for argv in sys.argv[2:]]
-    init()
+def run_all(runs: list[list[str]]) -> dict:
+    """This rank's stdout of each demo run, in order."""
     stdouts = []
     for argv in runs:
         captured = io.StringIO()
         with contextlib.redirect_stdout(captured):
             demo_main([*argv, "--device", device_type()])
         stdouts.append(captured.getvalue())
-    write_results(sys.argv[1], {"stdout": stdouts})
-    finish()
+    return {"stdout": stdouts}
+
+
+def main() -> None:
+    runs = [json.loads(argv) for argv in sys.argv[2:]]
+    serve(lambda _device: run_all(runs))
 
 
 if __name__ == "__main__":

@@ -23,22 +23,18 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from common import serve
-from torch.overrides import TorchFunctionMode
-
-from reference.torch_patches import cuda_calls_on_cpu
-
-cuda_calls_on_cpu()
-
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.transformer import TransformerConfig
+from torch.overrides import TorchFunctionMode
 
 from reference.data_parallel import DistributedDataParallel as ReferenceDDP
 from reference.data_parallel.distributed_optimizer import DistributedOptimizer, bytes_per_rank
 from reference.recorder import CollectiveRecorder
+from reference.torch_patches import cuda_calls_on_cpu
 
 H, FFN, B, STEPS, SEED, LR = 16, 61, 8, 3, 1234, 1e-3
 
@@ -190,6 +186,7 @@ def megatron_tied_embeddings() -> dict:
 def results(_device: torch.device) -> dict:
     """Both DP 2 runs and the PP 2 tied embeddings (CPU)."""
     assert dist.get_world_size() == 2, "run on 2 ranks"
+    cuda_calls_on_cpu()
     return {"megatron": megatron_run(), "reference": reference_run(), "tied": megatron_tied_embeddings()}
 
 
