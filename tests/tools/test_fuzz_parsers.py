@@ -126,6 +126,7 @@ def damaged_locks(draw) -> bytes:
 @given(st.one_of(st.binary(max_size=64), damaged_locks(), JSON.map(lambda v: json.dumps(v).encode())))
 @example(b"[]")
 @example(b"\xff\xfe")
+@example(b'{"version": 1, "files": {}, "citations": {"\\r": null}}')  # a key that once broke the line
 def test_the_lock_loader_answers_or_refuses_in_one_line(tmp_path, data):
     path = tmp_path / "citations.lock"
     path.write_bytes(data)

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import fastjsonschema
 
-from pin_and_cite.core.errors import PinAndCiteError
+from pin_and_cite.core.errors import PinAndCiteError, printable
 
 SHA = {"type": "string", "maxLength": 40, "pattern": "^[0-9a-f]{40}$", "description": "a full 40-hex SHA"}
 SHA_OR_NULL = {**SHA, "type": ["string", "null"], "description": "a full 40-hex SHA or null"}
@@ -123,12 +123,13 @@ def check(data, schema: dict, where: str, remedy: str) -> None:
     error = best_match(jsonschema.Draft202012Validator(schema).iter_errors(data))
     if error is None:
         return
-    field = error.json_path.removeprefix("$.").removeprefix("$") or "the top level"
+    # a key from the file (a "\r", a newline) must not break the one line: escape what is not printable
+    field = printable(error.json_path.removeprefix("$.").removeprefix("$")) or "the top level"
     described = error.schema.get("description") if isinstance(error.schema, dict) else None
     if described and error.validator not in ("required", "additionalProperties"):
         problem = f"{field} {_short(repr(error.instance))} is not {described}"
     else:
-        problem = f"{field}: {_short(error.message)}"
+        problem = f"{field}: {_short(printable(error.message))}"
     raise PinAndCiteError(f"{where} {problem}; {remedy}")
 
 
