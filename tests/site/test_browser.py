@@ -6,7 +6,7 @@ renders each mermaid diagram into a *closed* shadow root; an init script opens t
 SVG. From the same visit, at 1280x1000 as a reader sees it: every excerpt's line numbers and text against the
 installed upstream file, that 100 columns of code fit without scrolling, that each folded excerpt opens to
 the whole citation, the size of every chart's text, the side navigation's order, and every link (each
-"verified by" to its test's page). With SITE_SCREENSHOTS=1 each page is also saved, full length as a reader
+"verified by" to its test's section). With SITE_SCREENSHOTS=1 each page is also saved, full length as a reader
 first sees it, to build/site-screenshots/ to be looked at (off by default: it is a third of these tests' time).
 
 Without /usr/bin/chromium these tests are skipped with a reason saying so (`pytest -ra` prints it); CI
@@ -360,16 +360,18 @@ def test_every_verified_by_link_opens_a_page_holding_that_tests_source(every_pag
     links = {(link["href"], link["node"]) for report in every_page[0].values() for link in report["verified_by"]}
     assert len(links) >= 40
     for href, node in sorted(links):
-        with urllib.request.urlopen(href, timeout=10) as response:
+        page_url, anchor = urldefrag(href)
+        with urllib.request.urlopen(page_url, timeout=10) as response:
             html = response.read().decode()
-        text = unescape(re.sub(r"<[^>]+>", "", html))
+        section = html.split(f'id="{anchor}"', 1)[1].split("<h2", 1)[0]  # the test's section of its file's page
+        text = unescape(re.sub(r"<[^>]+>", "", section))
         evidence = evidence_of(ROOT, node)
         first, last = evidence.lines
         source = (ROOT / node.split("::")[0]).read_text().split("\n")[first - 1 : last]
         name = node.split("::")[-1].split("[")[0]
         assert f"def {name}(" in text and all(line.strip() in text for line in source), href
         assert ("upstream test" if evidence.kind == "upstream" else "reference test") in text, href
-        assert re.search(rf'href="#__codelineno-0-{first}">\s*{first}</a>', html), href  # as in the test file
+        assert re.search(rf'href="#__codelineno-\d+-{first}">\s*{first}</a>', section), href  # as in the test file
 
 
 def test_every_link_resolves(every_page, site_url):

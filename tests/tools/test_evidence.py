@@ -172,22 +172,30 @@ def test_the_page_shows_each_kind_of_evidence_and_refuses_an_unpinned_upstream(p
     notes = project.root / "docs" / "notes"
     page = (notes / "a.md").read_text().split("\n")
     assert page[:3] == [
-        "[**upstream test (up)** `tests/test_claims.py::test_runs_upstream`](tests/test_claims/test_runs_upstream.md)"
+        "[**upstream test (up)** `tests/test_claims.py::test_runs_upstream`](tests/test_claims.md#test_runs_upstream)"
         "{ .verified-by .evidence-upstream }",
-        "[**reference test** `tests/test_claims.py::test_runs_reference`](tests/test_claims/test_runs_reference.md)"
+        "[**reference test** `tests/test_claims.py::test_runs_reference`](tests/test_claims.md#test_runs_reference)"
         "{ .verified-by .evidence-reference }",
         '<span class="verified-by evidence-reference-only"><strong>reference only</strong> needs &lt;CUDA&gt;</span>',
     ]
-    # Each linked page shows the test's source (decorators included) numbered with its lines in the test file.
-    upstream = (notes / "tests" / "test_claims" / "test_runs_upstream.md").read_text()
+    # The test file's page shows each cited test's source (decorators included), in the file's order, numbered
+    # with its lines in the test file, under a heading the link names.
+    tests_page = (notes / "tests" / "test_claims.md").read_text()
+    assert tests_page.startswith("---\nsearch:\n  exclude: true\n---\n\n# `tests/test_claims.py`\n")
+    upstream, reference = tests_page.split("\n## ")[1:]
+    assert upstream.startswith("`test_runs_upstream` { #test_runs_upstream }\n")
     assert "**upstream test: it runs the pinned upstream implementation itself (up).**" in upstream
-    assert "`tests/test_claims.py` L6–L8" in upstream and "Cited by: [a](../../a.md)." in upstream
+    assert "L6–L8. Cited by: [a](../a.md)." in upstream
     assert upstream.endswith(
         '```python linenums="6"\n@pytest.mark.upstream("up")\ndef test_runs_upstream():\n    pass\n```\n'
     )
-    reference = (notes / "tests" / "test_claims" / "test_runs_reference.md").read_text()
+    assert reference.startswith("`test_runs_reference` { #test_runs_reference }\n")
     assert "**reference test: it runs this kit's reference implementation" in reference
     assert reference.endswith('```python linenums="11"\ndef test_runs_reference():\n    pass\n```\n')
+    # A page no longer cited goes, and its folder with it.
+    note.write_text("no evidence now\n")
+    assert project.run("render").code == 0
+    assert not (notes / "tests").exists()
     note.write_text("x\n{{ verified_by('tests/test_claims.py::test_marked_with_an_unpinned_source') }}\n")
     r = project.run("check")
     assert (

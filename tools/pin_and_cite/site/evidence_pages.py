@@ -1,7 +1,9 @@
-"""A page per test a note names with `verified_by()`: the test's source, numbered with its lines in the test
-file, with the kind of evidence it is and the pages that cite it. Generated at every build from the test file
-in the working tree (pin_and_cite.core.verified_by finds the test), never committed; the evidence line under a
-claim links here (pin_and_cite.site.render), so a reader sees what the test checks.
+"""A page per test file whose tests a note names with `verified_by()`: each cited test's source, numbered with
+its lines in the test file, with the kind of evidence it is and the pages that cite it, in the file's order.
+Generated at every build from the test file in the working tree (pin_and_cite.core.verified_by finds the test),
+never committed; the evidence line under a claim links to the test's section here (pin_and_cite.site.render),
+so a reader sees what the test checks next to the file's other cited tests. One page per file, not per test:
+ninety-odd pages cost about 0.4 s of theme rendering in every site build.
 """
 
 from __future__ import annotations
@@ -20,30 +22,51 @@ KINDS = {
 
 
 def page_of(node_id: str) -> str:
-    """tests/reference/test_x.py::Class::test_y[param] -> tests/reference/test_x/Class.test_y.md"""
-    path, _, name = node_id.partition("::")
-    return f"{FOLDER}/{path.removeprefix('tests/').removesuffix('.py')}/{name.split('[', 1)[0].replace('::', '.')}.md"
+    """tests/reference/test_x.py::Class::test_y[param] -> tests/reference/test_x.md"""
+    return f"{FOLDER}/{node_id.partition('::')[0].removeprefix('tests/').removesuffix('.py')}.md"
+
+
+def anchor_of(node_id: str) -> str:
+    """tests/reference/test_x.py::Class::test_y[param] -> Class.test_y: the test's section on its file's page
+    (every parameter of a test shows the same source)."""
+    return node_id.partition("::")[2].split("[", 1)[0].replace("::", ".")
 
 
 def link_from(page: str | None, node_id: str) -> str:
-    """The relative Markdown link from the rendered page `page` (a path under the notes folder) to the test's."""
-    return posixpath.relpath(page_of(node_id), posixpath.dirname(page or "x.md"))
+    """The relative Markdown link from the rendered page `page` (a path under the notes folder) to the test's
+    section."""
+    return f"{posixpath.relpath(page_of(node_id), posixpath.dirname(page or 'x.md'))}#{anchor_of(node_id)}"
 
 
-def evidence_page(root: Path, node_id: str, evidence: Evidence, cited_by: list[str]) -> str:
-    """The test's page: what kind of evidence it is, where it lives, who cites it, and its source. Left out of
-    the search index (front matter `search: exclude`): a source listing, found from the claim that cites it,
-    and indexing ninety of them took most of a site build."""
-    path = node_id.partition("::")[0]
-    first, last = evidence.lines
-    source = "".join(line + "\n" for line in (root / path).read_text().split("\n")[first - 1 : last])
-    fence, here = fence_for(source), page_of(node_id)
-    citing = ", ".join(
-        f"[{page.removesuffix('.md')}]({posixpath.relpath(page, posixpath.dirname(here))})" for page in cited_by
-    )
-    return (
-        "---\nsearch:\n  exclude: true\n---\n\n"
-        f"# `{node_id.partition('::')[2]}`\n\n**{KINDS[evidence.kind].format(source=evidence.source)}.**\n\n"
-        f"`{path}` L{first}–L{last}, as in the working tree this site was built from. Cited by: {citing}.\n\n"
-        f'{fence}python linenums="{first}"\n{source}{fence}\n'
-    )
+def evidence_pages(root: Path, cited: dict[str, tuple[Evidence, list[str]]]) -> dict[str, str]:
+    """Each test file's page (by path under the notes folder), from the cited tests: node id -> (evidence, the
+    pages citing it). Left out of the search index (front matter `search: exclude`): source listings, found
+    from the claims that cite them."""
+    sections: dict[str, dict[str, tuple[Evidence, list[str]]]] = {}
+    for node_id, (evidence, citing) in cited.items():
+        section = sections.setdefault(page_of(node_id), {}).setdefault(anchor_of(node_id), (evidence, []))
+        section[1].extend(page for page in citing if page not in section[1])
+    return {here: _file_page(root, here, tests) for here, tests in sections.items()}
+
+
+def _file_page(root: Path, here: str, tests: dict[str, tuple[Evidence, list[str]]]) -> str:
+    path = f"tests/{here.removeprefix(FOLDER + '/').removesuffix('.md')}.py"
+    lines = (root / path).read_text().split("\n")
+    parts = [
+        f"---\nsearch:\n  exclude: true\n---\n\n# `{path}`\n\n"
+        "The tests of this file that the notes cite, as in the working tree this site was built from.\n"
+    ]
+    for anchor, (evidence, cited_by) in sorted(tests.items(), key=lambda item: item[1][0].lines):
+        first, last = evidence.lines
+        source = "".join(line + "\n" for line in lines[first - 1 : last])
+        fence = fence_for(source)
+        citing = ", ".join(
+            f"[{page.removesuffix('.md')}]({posixpath.relpath(page, posixpath.dirname(here))})" for page in cited_by
+        )
+        parts.append(
+            f"\n## `{anchor.replace('.', '::')}` {{ #{anchor} }}\n\n"
+            f"**{KINDS[evidence.kind].format(source=evidence.source)}.**\n\n"
+            f"L{first}–L{last}. Cited by: {citing}.\n\n"
+            f'{fence}python linenums="{first}"\n{source}{fence}\n'
+        )
+    return "".join(parts)

@@ -75,10 +75,17 @@ class OutputFolder:
             if stale.is_symlink() or stale.is_file():
                 stale.unlink()
                 changed.append(stale)
+                self._remove_empty_folders(stale.parent)
         if set(pages) != self.owned or not self.manifest.exists():
             atomic_write(self.manifest, (json.dumps(sorted(pages), indent=1) + "\n").encode())
             self.owned = set(pages)
         return changed
+
+    def _remove_empty_folders(self, folder: Path) -> None:
+        """A removed page's folders go with it once empty (tests/x/ after tests/x/y.md), never the root."""
+        while folder != self.root and folder.is_relative_to(self.root) and not any(folder.iterdir()):
+            folder.rmdir()
+            folder = folder.parent
 
     def _refuse_outside(self, name: str) -> None:
         """Refuse a page whose folder resolves outside the output folder (a symlinked folder)."""

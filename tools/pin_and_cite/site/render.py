@@ -5,7 +5,7 @@ Templates see these globals: `cite(spec, highlight=)` (a verified excerpt with u
 written in the pinned source, pin_and_cite.core.defaults), `ours("reference/x.py::Name")` (lines of our own
 code), `mirrors("reference/x.py::Name")` (the upstream() links of the citations its docstring writes),
 `verified_by("tests/...::test")` (the test and the kind of evidence it is: upstream or reference,
-linked to a page with the test's source, pin_and_cite.site.evidence_pages) and
+linked to its section on its test file's page, pin_and_cite.site.evidence_pages) and
 `reference_only(reason)` (why no upstream test can run here), `pins` and `locked_files(source)`; and the
 helpers a site registers (`helpers`: for this study, pin_and_cite.site.study's traces, diagrams, estimates and
 scale tables), so that the renderer imports none of them.
@@ -41,7 +41,7 @@ from pin_and_cite.core.project import Project
 from pin_and_cite.core.resolve import Excerpt, Resolver
 from pin_and_cite.core.verified_by import Evidence, evidence_of
 from pin_and_cite.site.changes import change_pages
-from pin_and_cite.site.evidence_pages import evidence_page, link_from, page_of
+from pin_and_cite.site.evidence_pages import evidence_pages, link_from
 from pin_and_cite.site.folding import fold_window, folded_markdown
 from pin_and_cite.site.note_rules import check_note
 from pin_and_cite.site.output_folder import OutputFolder
@@ -197,7 +197,7 @@ class Renderer:
 
     def verified_by(self, node_id: str) -> str:
         """The test and its kind of evidence (it runs the pinned upstream itself, or the reference only),
-        linked to the page showing the test's source (pin_and_cite.site.evidence_pages)."""
+        linked to its section on the page of the test file (pin_and_cite.site.evidence_pages)."""
         found = evidence_of(self.project.root, node_id, self.resolver.parsed)
         if isinstance(found, str):
             raise PinAndCiteError(f"verified_by: {found}")
@@ -275,7 +275,7 @@ def pages(project: Project) -> list[tuple[Path, dict, str]]:
 
 def render_notes(root: Path, out_dir: Path, helpers: Helpers | None = None) -> list[Path]:
     """Render every note template into `out_dir` (NAME.md.j2 -> NAME.md), the source pages, the page of each
-    test a note cites (tests/) and the change pages, with the site's `helpers`; return the files that changed
+    test file whose tests a note cites (tests/) and the change pages, with the site's `helpers`; return the files that changed
     (stale pages render wrote, say of a replaced bump record, are removed: pin_and_cite.site.output_folder)."""
     project = Project(root)
     renderer = Renderer(project, helpers=helpers)
@@ -283,12 +283,7 @@ def render_notes(root: Path, out_dir: Path, helpers: Helpers | None = None) -> l
     for template, context, page in pages(project):
         renderer.page = page
         rendered[out_dir / page] = renderer.render(template, **context)
-    rendered.update(
-        {
-            out_dir / page_of(node_id): evidence_page(root, node_id, evidence, citing)
-            for node_id, (evidence, citing) in renderer.cited_tests.items()
-        }
-    )
+    rendered.update({out_dir / page: text for page, text in evidence_pages(root, renderer.cited_tests).items()})
     rendered.update(change_pages(project, renderer.resolver, out_dir))
     site_folder = out_dir.resolve() == (project.root / SITE_NOTES).resolve()
     written = OutputFolder(out_dir, adopt_legacy_pages=site_folder).write(
