@@ -275,8 +275,9 @@ def pages(project: Project) -> list[tuple[Path, dict, str]]:
 
 def render_notes(root: Path, out_dir: Path, helpers: Helpers | None = None) -> list[Path]:
     """Render every note template into `out_dir` (NAME.md.j2 -> NAME.md), the source pages, the page of each
-    test file whose tests a note cites (tests/) and the change pages, with the site's `helpers`; return the files that changed
-    (stale pages render wrote, say of a replaced bump record, are removed: pin_and_cite.site.output_folder)."""
+    test file whose tests a note cites (tests/) and the change pages, with the site's `helpers`; return the
+    files that changed (stale pages render wrote, say of a replaced bump record, are removed, with their
+    emptied folders: pin_and_cite.site.output_folder)."""
     project = Project(root)
     renderer = Renderer(project, helpers=helpers)
     rendered = {}
