@@ -7,13 +7,15 @@ A template opts in with YAML front matter (mkdocs reads the same front matter as
     `@pytest.mark.upstream`, pin_and_cite.core.verified_by), or reference_only("why upstream cannot run here");
   * a closing `## Connect the dots` section that prints at least one rendered value (`{{ ... }}`, numbers
     from a recorded trace, never typed by hand);
-  * at most MAX_WORDS words in all, headings included: every word a reader reads.
+  * at most MAX_WORDS words in all, headings included: every word of prose a reader reads.
 `rules: questions` (the "Check yourself" page): every `### ` section is a question whose answer has at most
 ANSWER_WORDS words of prose, cites upstream (cite() or upstream()) and names its evidence (verified_by() or
 reference_only()).
 Prose is what a reader reads as text: front matter, fenced blocks and Jinja statements and comments are not
 counted, the outputs of NOT_PROSE_CALLS are not counted (excerpts, diagrams, charts, evidence lines), and any
-other `{{ expression }}` counts as one word (a number, a rendered default).
+other `{{ expression }}` counts as one word (a number, a rendered default). So does an upstream() link, though
+it renders as path, lines, symbol and commit: it is a reference, read as a footnote marker is, not prose (a
+note whose every claim links its lines would otherwise spend a third of its words on file names).
 """
 
 from __future__ import annotations
