@@ -4,7 +4,8 @@ and, under pytest-xdist (`make test` runs `-n 2`), tests that share state run in
 Every process a session starts inherits SESSION_VARIABLE (tests/processes.py), so one left running is found
 however it was started and whoever adopted it. It is named, then killed, so the next run starts clean. Under
 xdist each worker is such a session and checks its own processes; the controller starts none, collects what
-the workers found and fails the run naming them.
+the workers found and fails the run naming them. A worker that crashed never checks: once the workers are
+gone, the controller kills and names what still runs from any of them (RUN_VARIABLE).
 
 Scheduling (pytest_xdist_make_scheduler, scope_of): tests that read one session-cached torchrun launch
 (tests/launch.py) run in one worker, as do the site tests (they build into the repository's docs/); other
@@ -20,7 +21,7 @@ import time
 
 import pytest
 
-from tests.processes import SESSION_VARIABLE, live_with_environment, new_session_token
+from tests.processes import RUN_VARIABLE, SESSION_VARIABLE, live_with_environment, new_session_token
 
 GRACE_S = 5.0  # a process told to stop at the end of the last test may need a moment to exit
 
@@ -35,7 +36,10 @@ _LEAKED = pytest.StashKey[list]()  # the lines naming leaked processes, in the s
 
 def pytest_configure(config: pytest.Config) -> None:
     config.stash[_LEAKED] = []
-    if not _xdist_controller(config):
+    if _xdist_controller(config):
+        os.environ[RUN_VARIABLE] = new_session_token()  # before xdist starts the workers, which inherit it
+        config.pluginmanager.register(_CrashedWorkers(), "crashed-workers")
+    else:
         os.environ[SESSION_VARIABLE] = new_session_token()
 
 
@@ -85,27 +89,42 @@ def pytest_testnodedown(node, error) -> None:
 @pytest.hookimpl(tryfirst=True)
 def pytest_sessionfinish(session: pytest.Session) -> None:
     config = session.config
-    leaked = config.stash[_LEAKED] if _xdist_controller(config) else _kill_leaked()
+    leaked = config.stash[_LEAKED] if _xdist_controller(config) else _kill_leaked(SESSION_VARIABLE)
     if hasattr(config, "workeroutput"):  # an xdist worker: its controller reports them
         config.workeroutput["leaked"] = leaked
         return
-    if not leaked:
-        return
-    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if leaked:
+        _report(session, leaked)
+
+
+class _CrashedWorkers:
+    """In the controller, after xdist has ended its workers (trylast: xdist's own session end stops them):
+    what any worker started still runs only if that worker never ran its own check, having crashed."""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        leaked = _kill_leaked(RUN_VARIABLE)
+        if leaked:
+            _report(session, leaked)
+
+
+def _report(session: pytest.Session, leaked: list[str]) -> None:
+    """Name each leaked process in red and fail the run."""
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     for line in leaked:
         if reporter is not None:
             reporter.write_line(line, red=True)
     session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
-def _kill_leaked() -> list[str]:
-    """Kill every process this session started that still runs; a line naming each."""
-    token = os.environ[SESSION_VARIABLE]
+def _kill_leaked(variable: str) -> list[str]:
+    """Kill every process started with this session's `variable` that still runs; a line naming each."""
+    token = os.environ[variable]
     # A GitPython Repo a test dropped ends its `git cat-file` helpers when it is finalized; reference cycles
     # keep some alive until the collector runs, so run it before looking.
     gc.collect()
     deadline = time.monotonic() + GRACE_S
-    while (left := live_with_environment(SESSION_VARIABLE, token)) and time.monotonic() < deadline:
+    while (left := live_with_environment(variable, token)) and time.monotonic() < deadline:
         time.sleep(0.1)
     lines = []
     for process in left:

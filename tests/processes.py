@@ -2,7 +2,8 @@
 
 A process that outlives its parent is re-parented to init, so "started by this test session" cannot be read
 from the process tree; it is read from the environment instead: the session sets SESSION_VARIABLE to a value
-of its own (tests/conftest.py), and every process it starts inherits it, however far down.
+of its own (tests/conftest.py), and every process it starts inherits it, however far down. Under xdist the
+controller sets RUN_VARIABLE as well, so what a crashed worker (no session end of its own) left is found too.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import uuid
 from pathlib import Path
 
 SESSION_VARIABLE = "REFERENCE_TEST_SESSION"
+RUN_VARIABLE = "REFERENCE_TEST_RUN"  # set by an xdist controller: its workers and all they start carry it
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,39 +26,57 @@ def test_git_daemon_stop_ends_its_whole_process_group(tmp_path):
         assert probe.connect_ex(("127.0.0.1", daemon.port)) != 0  # nothing listens any more
 
 
-@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["one-process", "xdist"])
-def test_a_run_that_leaks_a_process_fails_naming_it(tmp_path, workers):
-    """Alone, or in an xdist worker (whose controller reports it), as `make test` runs."""
-    (tmp_path / "test_leak.py").write_text(
-        textwrap.dedent("""
-        import subprocess
-
-        def test_starts_and_forgets():
-            subprocess.Popen(["sleep", "137"], start_new_session=True)
-    """)
-    )
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "-p",
-            "tests.conftest",
-            *workers,
-            "--rootdir",
-            str(tmp_path),
-            str(tmp_path / "test_leak.py"),
-        ],
+def _pytest(tmp_path, source: str, *options: str) -> subprocess.CompletedProcess:
+    """A pytest run of `source` (a test module) in its own folder, with this suite's session-end check."""
+    (tmp_path / "test_leak.py").write_text(textwrap.dedent(source))
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.conftest", *options]
+        + ["--rootdir", str(tmp_path), str(tmp_path / "test_leak.py")],
         cwd=tmp_path,
         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
         capture_output=True,
         text=True,
         timeout=120,
     )
-    assert run.returncode == 1, run.stdout + run.stderr
-    assert "1 passed" in run.stdout
-    assert "leaked process: pid " in run.stdout and ": sleep 137 (still running after the test session" in run.stdout
-    assert not [p for p in live_processes() if p.command == "sleep 137"]  # killed by the check
+
+
+def _named_and_killed(run: subprocess.CompletedProcess, command: str) -> None:
+    assert f": {command} (still running after the test session; killed now)" in run.stdout, run.stdout + run.stderr
+    assert not [p for p in live_processes() if p.command == command]  # killed by the check
+
+
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["one-process", "xdist"])
+def test_a_run_that_leaks_a_process_fails_naming_it(tmp_path, workers):
+    """Alone, or in an xdist worker (whose controller reports it), as `make test` runs."""
+    run = _pytest(
+        tmp_path,
+        """
+        import subprocess
+
+        def test_starts_and_forgets():
+            subprocess.Popen(["sleep", "137"], start_new_session=True)
+        """,
+        *workers,
+    )
+    assert run.returncode == 1 and "1 passed" in run.stdout, run.stdout + run.stderr
+    _named_and_killed(run, "sleep 137")
+
+
+def test_what_a_crashed_xdist_worker_started_is_found_by_the_controller(tmp_path):
+    """A worker killed mid-test (out of memory, say) never runs its own check; the controller's finds its child."""
+    run = _pytest(
+        tmp_path,
+        """
+        import os, signal, subprocess
+
+        def test_starts_then_dies():
+            subprocess.Popen(["sleep", "139"], start_new_session=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        """,
+        "-n",
+        "1",
+        "--max-worker-restart",
+        "0",
+    )
+    assert run.returncode == 1 and "crashed" in run.stdout, run.stdout + run.stderr
+    _named_and_killed(run, "sleep 139")
