@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from common import serve
+from common import max_diff, serve
 
 from reference.data_parallel import DistributedDataParallel, local_batch
 from reference.data_parallel.buckets import padded_numel
@@ -137,9 +137,7 @@ def compare(run: dict, oracle: dict, group) -> dict:
         padded = torch.cat([full, full.new_zeros(padded_numel(full.numel(), size) - full.numel())])
         slices.append(padded.chunk(size)[rank])
     return {
-        "params": max(
-            (run["params"][n].float() - oracle["params"][n].float()).abs().max().item() for n in oracle["params"]
-        ),
+        "params": max_diff(run["params"], oracle["params"]),
         "params_bitwise": all(torch.equal(run["params"][n], oracle["params"][n]) for n in oracle["params"]),
         "masters": max((a - b).abs().max().item() for a, b in zip(run["masters"], slices)),
         "losses": max(abs(a - b) for a, b in zip(run["losses"], oracle["losses"])),
