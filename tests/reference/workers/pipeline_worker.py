@@ -45,7 +45,7 @@ def run(device, tp, pp, dp, sp, m, schedule) -> dict:
     stage = build_stage(CONFIG, layout, sequence_parallel=sp, seed=SEED, device=device)
     model = data_parallel(stage, layout, bucket_size=BUCKET_SIZE)  # several buckets: overlap in the 3D step
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    expected_losses, expected_weights = unsharded_gpt_training(CONFIG, SEED, STEPS, LR, dp * m)
+    expected_losses, _, expected_weights = unsharded_gpt_training(CONFIG, SEED, STEPS, LR, dp * m)
     losses, results = [], []
     recorder = CollectiveRecorder()
     for tokens in synthetic_batches(CONFIG, STEPS, dp * m, SEED):
