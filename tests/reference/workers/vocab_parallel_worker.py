@@ -14,6 +14,7 @@ from common import assert_close, gather_dim, serve
 from megatron.core import parallel_state as mpu
 from megatron.core import tensor_parallel as megatron_tp
 from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron_state import megatron_parallel_state
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -398,17 +399,15 @@ class Checks:
 def results(device: torch.device) -> dict:
     if device.type == "cpu":
         cuda_calls_on_cpu()
-    mpu.initialize_model_parallel(tensor_model_parallel_size=dist.get_world_size(), create_gloo_process_groups=False)
-    checks = Checks(device)
-    found = {
-        "unsharded": checks.unsharded(),
-        "collectives": checks.megatron(),
-        "probe": checks.probes(),
-        "bad_input": checks.bad_input(),
-        "max_diff": checks.max_diff,
-    }
-    mpu.destroy_model_parallel()
-    return found
+    with megatron_parallel_state(tensor_model_parallel_size=dist.get_world_size()):
+        checks = Checks(device)
+        return {
+            "unsharded": checks.unsharded(),
+            "collectives": checks.megatron(),
+            "probe": checks.probes(),
+            "bad_input": checks.bad_input(),
+            "max_diff": checks.max_diff,
+        }
 
 
 def main() -> None:
