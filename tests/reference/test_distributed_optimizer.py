@@ -63,30 +63,20 @@ def test_bytes_per_rank_are_the_zero_paper_accounting(dp, n):
     """ZeRO (Rajbhandari et al. 2020), stage 1: 2Ψ bf16 parameters + 2Ψ bf16 gradients + 12Ψ/N optimizer
     (4 fp32 master + 4 + 4 Adam moments). Megatron with fp32 main gradients: 4Ψ of gradients, so 6Ψ + 12Ψ/N.
     Ψ is the padded bucket size (at most N - 1 elements per bucket more than the model)."""
-    for run in runs(dp, "distopt/bf16_grads"):
-        psi = run["padded_numel"]
-        assert run["bytes"] == {
-            "parameters": 2 * psi,
-            "gradients": 2 * psi,
-            "master_weights": 4 * psi // n,
-            "optimizer_states": 8 * psi // n,
-        }
-    for run in runs(dp, "distopt"):
-        psi = run["padded_numel"]
-        assert run["bytes"] == {
-            "parameters": 2 * psi,
-            "gradients": 4 * psi,
-            "master_weights": 4 * psi // n,
-            "optimizer_states": 8 * psi // n,
-        }
-    for run in runs(dp, "oracle"):  # unsharded: 2 + 4 + 12 bytes per parameter on every rank
-        psi = run["numel"]
-        assert run["bytes"] == {
-            "parameters": 2 * psi,
-            "gradients": 4 * psi,
-            "master_weights": 4 * psi,
-            "optimizer_states": 8 * psi,
-        }
+    accounting = [  # (configuration, what Ψ counts, gradient bytes per parameter, ranks sharing the optimizer)
+        ("distopt/bf16_grads", "padded_numel", 2, n),
+        ("distopt", "padded_numel", 4, n),
+        ("oracle", "numel", 4, 1),  # unsharded: 2 + 4 + 12 bytes per parameter on every rank
+    ]
+    for config, counted, gradient_bytes, shards in accounting:
+        for run in runs(dp, config):
+            psi = run[counted]
+            assert run["bytes"] == {
+                "parameters": 2 * psi,
+                "gradients": gradient_bytes * psi,
+                "master_weights": 4 * psi // shards,
+                "optimizer_states": 8 * psi // shards,
+            }, config
 
 
 @pytest.mark.parametrize("dp", ["dp2", "dp4"])

@@ -7,14 +7,13 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from reference.__main__ import main
 from reference.gpt.model import GPTConfig, UnshardedGPT
-from reference.gpt.train import synthetic_batches
 from tests.launch import ROOT
 from tests.reference.demo_runs import demo_outputs, json_lines
 from tests.reference.refusals import refusal
+from tests.reference.workers.common import unsharded_gpt_training
 
 FLAGS = [
     "--tp",
@@ -74,17 +73,7 @@ def test_bad_sizes_are_refused_with_one_line_before_starting(args, message, caps
 
 
 def unsharded_losses() -> list[float]:
-    config = GPTConfig(**MODEL)
-    model = UnshardedGPT(config, SEED)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for tokens in synthetic_batches(config, STEPS, B * M * 2, SEED):
-        loss = model(tokens[:, :-1], tokens[:, 1:])
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return unsharded_gpt_training(GPTConfig(**MODEL), SEED, STEPS, LR, B * M * 2).losses
 
 
 def demo_args(*extra: str, pp: int = 2, batch_size: int = B, micro_batches: int = M) -> list[str]:

@@ -3,14 +3,13 @@ the Llama/Qwen2 block in the demo. One-line refusals of sizes it cannot split, a
 is the unsharded llama model's, with its traffic per group and every rank's memory."""
 
 import pytest
-import torch
 
 from reference.__main__ import main
-from reference.gpt.model import GPTConfig, UnshardedGPT
-from reference.gpt.train import synthetic_batches
+from reference.gpt.model import GPTConfig
 from tests.launch import torchrun
 from tests.reference.demo_runs import json_lines
 from tests.reference.refusals import refusal
+from tests.reference.workers.common import unsharded_gpt_training
 
 # s = 7: TP 2 does not divide it, so sequence parallelism pads it to 8 and continues the rotary positions
 MODEL = dict(vocab_size=50, hidden_size=32, num_attention_heads=4, num_layers=2, seq_length=7)
@@ -78,16 +77,7 @@ def test_an_unknown_model_name_is_refused_in_one_line(capsys):
 
 def unsharded_losses() -> list[float]:
     config = GPTConfig(**MODEL, style="llama", num_kv_heads=2)
-    model = UnshardedGPT(config, SEED)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for tokens in synthetic_batches(config, STEPS, B * 2, SEED):
-        loss = model(tokens[:, :-1], tokens[:, 1:])
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return unsharded_gpt_training(config, SEED, STEPS, LR, B * 2).losses
 
 
 def test_llama_fsdp_tp_sp_demo_trains_like_the_unsharded_model_and_reports_traffic_and_memory():

@@ -79,6 +79,15 @@ def refused_in_one_line(error: PinAndCiteError) -> None:
     assert str(error) and "\n" not in str(error) and "\r" not in str(error), repr(str(error))
 
 
+def loads_or_refuses_in_one_line(loader, path, data: bytes) -> None:
+    """`loader(path)` of a file holding `data` answers, or raises a one-line PinAndCiteError."""
+    path.write_bytes(data)
+    try:
+        loader(path)
+    except PinAndCiteError as error:
+        refused_in_one_line(error)
+
+
 @FAST
 @given(CITATIONS)
 @example("up:pkg/mod.py#L1-L99999999999999999999")
@@ -128,12 +137,7 @@ def damaged_locks(draw) -> bytes:
 @example(b"\xff\xfe")
 @example(b'{"version": 1, "files": {}, "citations": {"\\r": null}}')  # a key that once broke the line
 def test_the_lock_loader_answers_or_refuses_in_one_line(tmp_path, data):
-    path = tmp_path / "citations.lock"
-    path.write_bytes(data)
-    try:
-        Lock(path)
-    except PinAndCiteError as error:
-        refused_in_one_line(error)
+    loads_or_refuses_in_one_line(Lock, tmp_path / "citations.lock", data)
 
 
 TOML_VALUE = st.one_of(
@@ -168,12 +172,7 @@ def pins_texts(draw) -> bytes:
 @example(b'sources = "x"\n')
 @example(b"\x80")
 def test_the_pins_loader_answers_or_refuses_in_one_line(tmp_path, data):
-    path = tmp_path / "pins.toml"
-    path.write_bytes(data)
-    try:
-        Pins(path)
-    except PinAndCiteError as error:
-        refused_in_one_line(error)
+    loads_or_refuses_in_one_line(Pins, tmp_path / "pins.toml", data)
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ import record_traces
 
 from pin_and_cite.site import diagrams, estimates
 from pin_and_cite.site.traces import forward_markers, load_trace, pipeline_slots, structure
+from tests.pipeline_orders import textbook
 from tests.tools.conftest import ROOT
 
 NOTES = ROOT / "reading_notes"
@@ -150,17 +151,6 @@ def test_fsdp_trace_prefetches_each_block_before_the_previous_unit_computes():
     ]
     gathered = [e["nbytes"] for e in trace["events"] if e["op"] == "all_gather" and e["phase"] == "forward"]
     assert gathered == [u["padded_numel"] * trace["dtype_size"] for u in trace["units"]]
-
-
-def textbook(schedule: str, p: int, r: int, m: int) -> list[str]:
-    if schedule == "gpipe":
-        return [f"F{i}" for i in range(m)] + [f"B{i}" for i in range(m)]
-    w = min(p - 1 - r, m)
-    return (
-        [f"F{i}" for i in range(w)]
-        + [a for i in range(m - w) for a in (f"F{w + i}", f"B{i}")]
-        + [f"B{i}" for i in range(m - w, m)]
-    )
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from common import serve
+from common import max_diff, serve
 
 import reference.recompute
 from reference.activation_memory.measure import count, count_all
@@ -58,7 +58,7 @@ def compare(reference_run, run) -> dict:
     return {
         "losses_equal": losses == losses0,
         "grads_equal": all(torch.equal(grads[n], grads0[n]) for n in grads0),
-        "max_grad_diff": max((grads[n].float() - grads0[n].float()).abs().max().item() for n in grads0),
+        "max_grad_diff": max_diff(grads, grads0),
     }
 
 

@@ -14,6 +14,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -64,21 +65,30 @@ def full_tensor(module_name: str, param_name: str, t: torch.Tensor, group) -> to
     return t  # replicated: LayerNorm, row bias
 
 
+class UnshardedRun(NamedTuple):
+    """What the single-process UnshardedGPT did: each step's loss, the gradients of step 1, the final weights."""
+
+    losses: list[float]
+    first_grads: dict[str, torch.Tensor]
+    weights: dict[str, torch.Tensor]
+
+
 @functools.cache
-def unsharded_gpt_training(config: GPTConfig, seed: int, steps: int, lr: float, global_batch: int):
-    """Losses and final weights of the single-process UnshardedGPT after `steps` SGD steps on the synthetic
-    batches: what every pipeline split of the same model, seed and data must reproduce (computed once a process;
-    the tensors are shared, read them only)."""
+def unsharded_gpt_training(config: GPTConfig, seed: int, steps: int, lr: float, global_batch: int) -> UnshardedRun:
+    """The single-process UnshardedGPT after `steps` SGD steps on the synthetic batches: what every sharded
+    run of the same model, seed and data must reproduce (computed once a process; the tensors are shared, read
+    them only). Parameters are named as `named_parameters` names them, so a tied output weight appears once."""
     model = UnshardedGPT(config, seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    losses = []
+    losses, first_grads = [], {}
     for tokens in synthetic_batches(config, steps, global_batch, seed):
         loss = model(tokens[:, :-1], tokens[:, 1:])
         loss.backward()
+        first_grads = first_grads or {name: p.grad.clone() for name, p in model.named_parameters()}
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return losses, {name: p.detach() for name, p in model.named_parameters()}
+    return UnshardedRun(losses, first_grads, {name: p.detach() for name, p in model.named_parameters()})
 
 
 def full_stage_parameters(stage: torch.nn.Module, tp_group, vocab_size: int) -> dict[str, torch.Tensor]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 
+import regression
 import torch
 import torch.distributed as dist
 from common import full_tensor, max_diff, serve
@@ -27,35 +28,7 @@ BUCKET = 4096  # bytes: the 2-layer model (26,240 bytes) splits into 7 buckets
 
 
 def batches(steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(5)
-    return [(torch.randn(S, B, H, generator=g), torch.randn(S, B, H, generator=g)) for _ in range(steps)]
-
-
-def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Mean over the local batch: the mean over DP ranks of equal slices is the global-batch mean."""
-    return ((out - target) ** 2).mean()
-
-
-def single_process() -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Losses, step-1 gradients and final parameters of the unsharded model on the whole batch."""
-    torch.manual_seed(SEED)
-    model = Transformer(LAYERS, H, HEADS, device=DEVICE)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    losses, first_grads = [], None
-    for x, target in batches():
-        loss = loss_fn(model(x), target)
-        loss.backward()
-        first_grads = first_grads or {n: p.grad.clone() for n, p in model.named_parameters()}
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses, first_grads, {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def mean_over(value: float, group) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, group=group)
-    return t.item() / group.size()
+    return regression.batches(steps, S, B, H)
 
 
 def train_ddp(
@@ -92,7 +65,7 @@ def train_ddp(
     for x, target in batches(steps):
         gradient_stamps.clear()
         with CollectiveRecorder() as rec:  # the step's own collectives: not the test's gathers below
-            loss = loss_fn(model(local_batch(x, group, dim=1)), local_batch(target, group, dim=1))
+            loss = regression.mse(model(local_batch(x, group, dim=1)), local_batch(target, group, dim=1))
             loss.backward()
             if implementation == "reference":
                 finalize_model_grads([model], tp_group)
@@ -112,7 +85,7 @@ def train_ddp(
         first_grads = first_grads or {n: full(n, p.grad, tp_group) for n, p in module.named_parameters()}
         optimizer.step()
         (optimizer if optimizer_zero_grad else model).zero_grad()
-        losses.append(mean_over(loss.item(), group))
+        losses.append(regression.mean_over(loss.item(), group))
     result = {
         "losses": losses,
         "steps": records,
@@ -143,9 +116,9 @@ def no_sync_run(group, micro_batches: int) -> dict:
             rec.clear()
             if i < micro_batches - 1:
                 with model.no_sync():
-                    (loss_fn(model(xm), tm) / micro_batches).backward()
+                    (regression.mse(model(xm), tm) / micro_batches).backward()
             else:
-                (loss_fn(model(xm), tm) / micro_batches).backward()
+                (regression.mse(model(xm), tm) / micro_batches).backward()
                 model.finish_grad_sync()
             per_micro.append(len(rec.events))
     return {
@@ -192,7 +165,7 @@ def results(device: torch.device) -> dict:
     assert device == DEVICE, "runs on the CPU"
     world, rank = dist.get_world_size(), dist.get_rank()
     assert world == 4, "run on 4 ranks"
-    losses, single_grads, single_params = single_process()
+    losses, single_grads, single_params = regression.single_process(LAYERS, H, HEADS, SEED, LR, batches())
     layout = build_layout(tp_size=2)  # TP [0,1] [2,3], DP [0,2] [1,3]
     halves, _ = dist.new_subgroups(2)  # plain DP=2: [0,1] and [2,3], two independent replicas groups
     world_group = dist.group.WORLD

@@ -12,9 +12,10 @@ bad-input errors.
 
 from __future__ import annotations
 
+import regression
 import torch
 import torch.distributed as dist
-from common import serve
+from common import max_diff, serve
 
 from reference.data_parallel import DistributedDataParallel, local_batch
 from reference.data_parallel.buckets import padded_numel
@@ -40,17 +41,6 @@ def adam(tensors: list[torch.Tensor]) -> torch.optim.Optimizer:
     return torch.optim.Adam(tensors, lr=LR)
 
 
-def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(5)
-    return [(torch.randn(S, B, H, generator=g), torch.randn(S, B, H, generator=g)) for _ in range(STEPS)]
-
-
-def mean_over(value: float, group) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, group=group)
-    return t.item() / group.size()
-
-
 def train(group, config: str) -> dict:
     use_distopt, overlap_param_gather, fp32_grads = CONFIGS[config]
     torch.manual_seed(SEED)
@@ -65,10 +55,10 @@ def train(group, config: str) -> dict:
     )
     optimizer = DistributedOptimizer(model, adam) if use_distopt else unsharded(model, adam)
     losses, steps, facts = [], [], {}
-    for x, target in batches():
+    for x, target in regression.batches(STEPS, S, B, H):
         with CollectiveRecorder() as rec:
             out = model(local_batch(x, group, dim=1).to(torch.bfloat16))
-            loss = ((out.float() - local_batch(target, group, dim=1)) ** 2).mean()
+            loss = regression.mse(out.float(), local_batch(target, group, dim=1))
             loss.backward()
             if not facts:
                 facts = {
@@ -94,7 +84,7 @@ def train(group, config: str) -> dict:
                 for e in rec.events
             ]
         )
-        losses.append(mean_over(loss.item(), group))
+        losses.append(regression.mean_over(loss.item(), group))
     model.finish_param_sync()
     params = {n: p.detach().clone() for n, p in module.named_parameters()}
     masters = flat_masters(model, optimizer, use_distopt)
@@ -137,9 +127,7 @@ def compare(run: dict, oracle: dict, group) -> dict:
         padded = torch.cat([full, full.new_zeros(padded_numel(full.numel(), size) - full.numel())])
         slices.append(padded.chunk(size)[rank])
     return {
-        "params": max(
-            (run["params"][n].float() - oracle["params"][n].float()).abs().max().item() for n in oracle["params"]
-        ),
+        "params": max_diff(run["params"], oracle["params"]),
         "params_bitwise": all(torch.equal(run["params"][n], oracle["params"][n]) for n in oracle["params"]),
         "masters": max((a - b).abs().max().item() for a, b in zip(run["masters"], slices)),
         "losses": max(abs(a - b) for a, b in zip(run["losses"], oracle["losses"])),

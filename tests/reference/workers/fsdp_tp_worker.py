@@ -9,6 +9,7 @@ local batch (its TP collectives) and the bad-input errors. Each rank writes OUTD
 
 from __future__ import annotations
 
+import regression
 import torch
 import torch.distributed as dist
 from common import dtensor_plan, full_tensor, max_diff, serve
@@ -30,26 +31,7 @@ DEVICE = torch.device("cpu")
 
 
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(5)
-    return [(torch.randn(S, B, H, generator=g), torch.randn(S, B, H, generator=g)) for _ in range(STEPS)]
-
-
-def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return ((out - target) ** 2).mean()
-
-
-def single_process() -> tuple[list[float], dict[str, torch.Tensor]]:
-    torch.manual_seed(SEED)
-    model = Transformer(LAYERS, H, HEADS, device=DEVICE)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for x, target in batches():
-        loss = loss_fn(model(x), target)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return regression.batches(STEPS, S, B, H)
 
 
 def events(rec: CollectiveRecorder) -> list[dict]:
@@ -66,9 +48,7 @@ def train(model, step_fn, layout) -> tuple[list[float], list[list[dict]]]:
         records.append(events(rec))
         optimizer.step()
         optimizer.zero_grad()
-        mean = torch.tensor([loss.item()], dtype=torch.float64)
-        dist.all_reduce(mean, group=layout.dp_group)
-        losses.append(mean.item() / layout.dp_size)
+        losses.append(regression.mean_over(loss.item(), layout.dp_group))
     return losses, records
 
 
@@ -79,7 +59,7 @@ def run_reference(layout, sp: bool) -> dict:
     )
 
     def step(x, target):
-        loss = loss_fn(model(x), target)
+        loss = regression.mse(model(x), target)
         loss.backward()
         # under SP: the TP sum of the partial LayerNorm / row-bias gradients, on FSDP's sharded gradients
         finalize_model_grads([model], layout.tp_group)
@@ -117,7 +97,7 @@ def run_fsdp2(mesh, layout, sp: bool) -> dict:
             out = DTensor.from_local(model(local), mesh["tp"], [Shard(0)]).full_tensor()
         else:
             out = model(x)
-        loss = loss_fn(out, target)
+        loss = regression.mse(out, target)
         loss.backward()
         return loss
 
@@ -135,7 +115,9 @@ def tp_only_step(layout, sp: bool) -> list[dict]:
     model = ParallelTransformer(LAYERS, H, HEADS, tp_group=layout.tp_group, sequence_parallel=sp, device=DEVICE)
     x, target = batches()[0]
     with CollectiveRecorder() as rec:
-        loss_fn(model(local_batch(x, layout.dp_group, dim=1)), local_batch(target, layout.dp_group, dim=1)).backward()
+        regression.mse(
+            model(local_batch(x, layout.dp_group, dim=1)), local_batch(target, layout.dp_group, dim=1)
+        ).backward()
     return events(rec)
 
 
@@ -173,7 +155,7 @@ def results(device: torch.device) -> dict:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))  # the same groups
     assert dist.get_process_group_ranks(mesh["tp"].get_group()) == dist.get_process_group_ranks(layout.tp_group)
     assert dist.get_process_group_ranks(mesh["dp"].get_group()) == dist.get_process_group_ranks(layout.dp_group)
-    single_losses, single_params = single_process()
+    single_losses, _, single_params = regression.single_process(LAYERS, H, HEADS, SEED, LR, batches())
     result = {
         "rank": rank,
         "dp_group": dist.get_process_group_ranks(layout.dp_group),

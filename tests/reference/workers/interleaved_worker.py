@@ -35,7 +35,7 @@ def run(tp: int, pp: int, dp: int, v: int, m: int) -> dict:
     chunks = build_chunks(CONFIG, layout, v, sequence_parallel=tp > 1, seed=SEED)
     model = [data_parallel(chunk, layout, bucket_size=4096) for chunk in chunks]
     optimizer = torch.optim.SGD([p for chunk in model for p in chunk.parameters()], lr=LR)
-    expected_losses, expected_weights = unsharded_gpt_training(CONFIG, SEED, STEPS, LR, dp * m)
+    expected_losses, _, expected_weights = unsharded_gpt_training(CONFIG, SEED, STEPS, LR, dp * m)
     losses, recorder = [], CollectiveRecorder()
     for tokens in synthetic_batches(CONFIG, STEPS, dp * m, SEED):
         recorder.clear()

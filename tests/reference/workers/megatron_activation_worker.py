@@ -36,13 +36,12 @@ class CpuRNGTracker:
 
 
 def count_layer(tp: int) -> dict:
-    from megatron.core import parallel_state as mpu
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
     from megatron.core.transformer.transformer_layer import TransformerLayer
+    from megatron_state import megatron_parallel_state
 
-    mpu.initialize_model_parallel(tensor_model_parallel_size=tp, create_gloo_process_groups=False)
-    try:
+    with megatron_parallel_state(tensor_model_parallel_size=tp):
         config = TransformerConfig(
             num_layers=1,
             hidden_size=H,
@@ -72,8 +71,6 @@ def count_layer(tp: int) -> dict:
             "saved": [dataclasses.asdict(s) for s in counter.saved],
             "attention_softmax_in_fp32": config.attention_softmax_in_fp32,
         }
-    finally:
-        mpu.destroy_model_parallel()
 
 
 def results(_device: torch.device) -> dict:

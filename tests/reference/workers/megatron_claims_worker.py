@@ -15,6 +15,7 @@ from common import serve
 from megatron.core import parallel_state as mpu
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.tensor_parallel import layers
+from megatron_state import megatron_parallel_state
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from reference.recorder import CollectiveRecorder, current_phase
@@ -292,18 +293,16 @@ def results(device: torch.device) -> dict:
     """Every case megatron ran on this rank (CPU only: its buffers are redirected there)."""
     assert device.type == "cpu", "megatron runs here with CPU initialization and CUDA calls redirected to the CPU"
     cuda_calls_on_cpu()
-    mpu.initialize_model_parallel(tensor_model_parallel_size=dist.get_world_size(), create_gloo_process_groups=False)
-    found = {
-        **layer_cases(),
-        "init": cpu_initialization(),
-        "fusion_without_apex": fusion_without_apex(),
-        "fusion_fp32": fusion_case(torch.float32),
-        "fusion_bf16": fusion_case(torch.bfloat16),
-        "fusion_ddp": fusion_case(torch.float32, ddp=True, two_micro_batches=False),
-        "fusion_megatron_fsdp": fusion_case(torch.float32, fsdp=True, two_micro_batches=False),
-    }
-    mpu.destroy_model_parallel()
-    return found
+    with megatron_parallel_state(tensor_model_parallel_size=dist.get_world_size()):
+        return {
+            **layer_cases(),
+            "init": cpu_initialization(),
+            "fusion_without_apex": fusion_without_apex(),
+            "fusion_fp32": fusion_case(torch.float32),
+            "fusion_bf16": fusion_case(torch.bfloat16),
+            "fusion_ddp": fusion_case(torch.float32, ddp=True, two_micro_batches=False),
+            "fusion_megatron_fsdp": fusion_case(torch.float32, fsdp=True, two_micro_batches=False),
+        }
 
 
 def main() -> None:

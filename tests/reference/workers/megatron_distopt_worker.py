@@ -29,6 +29,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.transformer import TransformerConfig
+from megatron_state import megatron_parallel_state
 from torch.overrides import TorchFunctionMode
 
 from reference.data_parallel import DistributedDataParallel as ReferenceDDP
@@ -83,46 +84,45 @@ def train(model, module, optimizer, zero_grad) -> dict:
 
 
 def megatron_run() -> dict:
-    parallel_state.initialize_model_parallel(create_gloo_process_groups=False)
-    module = mlp()
-    with CudaTypeNames():
-        config = TransformerConfig(
-            num_layers=1, hidden_size=H, num_attention_heads=1, bf16=True, params_dtype=torch.bfloat16
-        )
-        model = DistributedDataParallel(
-            config,
-            DistributedDataParallelConfig(
-                use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=True
-            ),
-            module,
-        )
-        optimizer = get_megatron_optimizer(
-            OptimizerConfig(
-                optimizer="adam", lr=LR, bf16=True, clip_grad=0.0, weight_decay=0.0, use_distributed_optimizer=True
-            ),
-            [model],
-            use_gloo_process_groups=False,
-        )
-        inner = optimizer.chained_optimizers[0] if hasattr(optimizer, "chained_optimizers") else optimizer
+    with megatron_parallel_state():
+        module = mlp()
+        with CudaTypeNames():
+            config = TransformerConfig(
+                num_layers=1, hidden_size=H, num_attention_heads=1, bf16=True, params_dtype=torch.bfloat16
+            )
+            model = DistributedDataParallel(
+                config,
+                DistributedDataParallelConfig(
+                    use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=True
+                ),
+                module,
+            )
+            optimizer = get_megatron_optimizer(
+                OptimizerConfig(
+                    optimizer="adam", lr=LR, bf16=True, clip_grad=0.0, weight_decay=0.0, use_distributed_optimizer=True
+                ),
+                [model],
+                use_gloo_process_groups=False,
+            )
+            inner = optimizer.chained_optimizers[0] if hasattr(optimizer, "chained_optimizers") else optimizer
 
-        def zero_grad():
-            model.zero_grad_buffer()
-            optimizer.zero_grad()
+            def zero_grad():
+                model.zero_grad_buffer()
+                optimizer.zero_grad()
 
-        result = train(model, module, optimizer, zero_grad)
-    buffer = model.buffers[0]
-    states = [t for state in inner.optimizer.state.values() for k, t in state.items() if k != "step"]
-    masters = [p for group in inner.shard_fp32_from_float16_groups for p in group]
-    result.update(
-        optimizer_class=type(inner).__name__,
-        inner_class=type(inner.optimizer).__name__,
-        numel_unpadded=sum(p.numel() for p in module.parameters()),
-        grad_buffer={"numel": buffer.grad_data.numel(), "dtype": str(buffer.grad_data.dtype)},
-        param_buffer={"numel": buffer.param_data.numel(), "dtype": str(buffer.param_data.dtype)},
-        master_bytes=sum(m.numel() * m.element_size() for m in masters),
-        state_bytes=sum(t.numel() * t.element_size() for t in states),
-    )
-    parallel_state.destroy_model_parallel()
+            result = train(model, module, optimizer, zero_grad)
+        buffer = model.buffers[0]
+        states = [t for state in inner.optimizer.state.values() for k, t in state.items() if k != "step"]
+        masters = [p for group in inner.shard_fp32_from_float16_groups for p in group]
+        result.update(
+            optimizer_class=type(inner).__name__,
+            inner_class=type(inner.optimizer).__name__,
+            numel_unpadded=sum(p.numel() for p in module.parameters()),
+            grad_buffer={"numel": buffer.grad_data.numel(), "dtype": str(buffer.grad_data.dtype)},
+            param_buffer={"numel": buffer.param_data.numel(), "dtype": str(buffer.param_data.dtype)},
+            master_bytes=sum(m.numel() * m.element_size() for m in masters),
+            state_bytes=sum(t.numel() * t.element_size() for t in states),
+        )
     return result
 
 
@@ -138,48 +138,47 @@ def reference_run() -> dict:
 
 
 def megatron_tied_embeddings() -> dict:
-    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2, create_gloo_process_groups=False)
-    torch.manual_seed(SEED)
-    with CudaTypeNames():
-        config = TransformerConfig(
-            num_layers=2,
-            hidden_size=H,
-            num_attention_heads=2,
-            use_cpu_initialization=True,
-            pipeline_dtype=torch.float32,
-            pipeline_model_parallel_size=2,
-        )
-        gpt = GPTModel(
-            config,
-            get_gpt_layer_local_spec(),
-            vocab_size=64,
-            max_sequence_length=8,
-            pre_process=parallel_state.is_pipeline_first_stage(),
-            post_process=parallel_state.is_pipeline_last_stage(),
-            share_embeddings_and_output_weights=True,
-        )
-        weight = gpt.shared_embedding_or_output_weight()
-        ends = [torch.empty_like(weight) for _ in range(2)]
-        dist.all_gather(ends, weight.detach())
-        model = DistributedDataParallel(config, DistributedDataParallelConfig(), gpt)
-        model.zero_grad_buffer()
-        weight.main_grad.fill_(dist.get_rank() + 1.0)
-        with CollectiveRecorder() as rec:
-            finalize_model_grads([model])
-    group = parallel_state.get_embedding_group()
-    result = {
-        "first": parallel_state.is_pipeline_first_stage(),
-        "embedding_group": dist.get_process_group_ranks(group),
-        "ends_equal_after_construction": torch.equal(ends[0], ends[1]),
-        "main_grad_after_finalize": sorted(set(weight.main_grad.flatten().tolist())),
-        "weight_bytes": weight.numel() * weight.element_size(),
-        "embedding_group_all_reduces": [
-            e.nbytes
-            for e in rec.events
-            if e.op == "all_reduce" and list(e.group_ranks) == dist.get_process_group_ranks(group)
-        ],
-    }
-    parallel_state.destroy_model_parallel()
+    with megatron_parallel_state(pipeline_model_parallel_size=2):
+        torch.manual_seed(SEED)
+        with CudaTypeNames():
+            config = TransformerConfig(
+                num_layers=2,
+                hidden_size=H,
+                num_attention_heads=2,
+                use_cpu_initialization=True,
+                pipeline_dtype=torch.float32,
+                pipeline_model_parallel_size=2,
+            )
+            gpt = GPTModel(
+                config,
+                get_gpt_layer_local_spec(),
+                vocab_size=64,
+                max_sequence_length=8,
+                pre_process=parallel_state.is_pipeline_first_stage(),
+                post_process=parallel_state.is_pipeline_last_stage(),
+                share_embeddings_and_output_weights=True,
+            )
+            weight = gpt.shared_embedding_or_output_weight()
+            ends = [torch.empty_like(weight) for _ in range(2)]
+            dist.all_gather(ends, weight.detach())
+            model = DistributedDataParallel(config, DistributedDataParallelConfig(), gpt)
+            model.zero_grad_buffer()
+            weight.main_grad.fill_(dist.get_rank() + 1.0)
+            with CollectiveRecorder() as rec:
+                finalize_model_grads([model])
+        group = parallel_state.get_embedding_group()
+        result = {
+            "first": parallel_state.is_pipeline_first_stage(),
+            "embedding_group": dist.get_process_group_ranks(group),
+            "ends_equal_after_construction": torch.equal(ends[0], ends[1]),
+            "main_grad_after_finalize": sorted(set(weight.main_grad.flatten().tolist())),
+            "weight_bytes": weight.numel() * weight.element_size(),
+            "embedding_group_all_reduces": [
+                e.nbytes
+                for e in rec.events
+                if e.op == "all_reduce" and list(e.group_ranks) == dist.get_process_group_ranks(group)
+            ],
+        }
     return result
 
 

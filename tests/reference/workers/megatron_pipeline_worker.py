@@ -29,6 +29,7 @@ from megatron.core.enums import ModelType
 from megatron.core.pipeline_parallel import schedules
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron_state import megatron_parallel_state
 from torch.overrides import TorchFunctionMode
 
 from reference.pipeline.schedules import forward_backward as reference_forward_backward
@@ -119,6 +120,21 @@ def forward_step_func(loss_kind, data_iterator, model):
     return output, functools.partial(loss_function, loss_kind, mb, batch["y"])
 
 
+def run_schedule(forward_backward, model, m: int, loss: str = "two") -> None:
+    """One call of a megatron schedule over m micro-batches of `loss` (one data iterator per model chunk when
+    `model` is a list of chunks), with the schedule's CUDA tensors sent to the CPU."""
+    data = [iter(micro_batches(m)) for _ in model] if isinstance(model, list) else iter(micro_batches(m))
+    with CudaLiteralToCpu():
+        forward_backward(
+            forward_step_func=functools.partial(forward_step_func, loss),
+            data_iterator=data,
+            model=model,
+            num_microbatches=m,
+            seq_length=S,
+            micro_batch_size=B,
+        )
+
+
 def logged_backward_step(original):
     """schedules.backward_step, logging which micro-batch it runs, what it starts from and its output's size."""
 
@@ -185,95 +201,87 @@ def run(
     (= start_grad_sync) only with align (its --align-grad-reduce). Without ddp, a no_sync_func that only logs.
     """
     BACKWARD_SLEEP["s"] = backward_sleep
-    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=pp, create_gloo_process_groups=False)
-    config = TransformerConfig(
-        num_layers=pp,
-        hidden_size=H,
-        num_attention_heads=1,
-        pipeline_model_parallel_size=pp,
-        pipeline_dtype=torch.float32,
-        **(config_kw or {}),
-    )
-    first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
-    model = Stage(config, first, last)
-    if ddp is not None:  # megatron's own DDP, wired as megatron/training/training.py wires it
-        model = DistributedDataParallel(config, DistributedDataParallelConfig(**ddp), model)
-        if ddp.get("overlap_grad_reduce"):
-            config.no_sync_func = logged_context("no_sync", model.no_sync)
-            if align:
+    with megatron_parallel_state(pipeline_model_parallel_size=pp):
+        config = TransformerConfig(
+            num_layers=pp,
+            hidden_size=H,
+            num_attention_heads=1,
+            pipeline_model_parallel_size=pp,
+            pipeline_dtype=torch.float32,
+            **(config_kw or {}),
+        )
+        first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
+        model = Stage(config, first, last)
+        if ddp is not None:  # megatron's own DDP, wired as megatron/training/training.py wires it
+            model = DistributedDataParallel(config, DistributedDataParallelConfig(**ddp), model)
+            if ddp.get("overlap_grad_reduce"):
+                config.no_sync_func = logged_context("no_sync", model.no_sync)
+                if align:
 
-                def grad_sync(params, start=model.start_grad_sync):
-                    log("grad_sync_func")
-                    start()
+                    def grad_sync(params, start=model.start_grad_sync):
+                        log("grad_sync_func")
+                        start()
 
-                config.grad_sync_func = grad_sync
-    else:
-        config.no_sync_func = logged_context("no_sync")
+                    config.grad_sync_func = grad_sync
+        else:
+            config.no_sync_func = logged_context("no_sync")
 
-    def finalize(*args, **kwargs):
-        log("finalize_enter", args[1] is not None and int(args[1]))
-        if ddp is not None:
-            finalize_model_grads(*args, **kwargs)
-        log("finalize_exit")
-
-    config.finalize_model_grads_func = finalize
-    patches = {"all_reduce": torch.distributed.all_reduce, "batch_isend_irecv": torch.distributed.batch_isend_irecv}
-    if unbatched_log:  # batched P2POps need the real isend/irecv (P2POp checks its op)
-        patches.update(isend=torch.distributed.isend, irecv=torch.distributed.irecv)
-    forward_backward = schedules.get_forward_backward_func()
-    assert forward_backward is schedules.forward_backward_pipelining_without_interleaving
-    original_backward_step = schedules.backward_step
-    for attr, fn in patches.items():
-        setattr(torch.distributed, attr, logged(fn, attr))
-    schedules.backward_step = logged_backward_step(original_backward_step)
-    try:
-        for _ in range(iterations):
-            EVENTS.clear()
+        def finalize(*args, **kwargs):
+            log("finalize_enter", args[1] is not None and int(args[1]))
             if ddp is not None:
-                model.zero_grad_buffer()
-            with CudaLiteralToCpu():
-                forward_backward(
-                    forward_step_func=functools.partial(forward_step_func, loss),
-                    data_iterator=iter(micro_batches(m)),
-                    model=model,
-                    num_microbatches=m,
-                    seq_length=S,
-                    micro_batch_size=B,
-                )
-    finally:
-        schedules.backward_step = original_backward_step
+                finalize_model_grads(*args, **kwargs)
+            log("finalize_exit")
+
+        config.finalize_model_grads_func = finalize
+        patches = {"all_reduce": torch.distributed.all_reduce, "batch_isend_irecv": torch.distributed.batch_isend_irecv}
+        if unbatched_log:  # batched P2POps need the real isend/irecv (P2POp checks its op)
+            patches.update(isend=torch.distributed.isend, irecv=torch.distributed.irecv)
+        forward_backward = schedules.get_forward_backward_func()
+        assert forward_backward is schedules.forward_backward_pipelining_without_interleaving
+        original_backward_step = schedules.backward_step
         for attr, fn in patches.items():
-            setattr(torch.distributed, attr, fn)
-    inner = model.module if ddp is not None else model
-    grads = [(p.main_grad if ddp is not None else p.grad).flatten().tolist() for p in inner.parameters()]
-    result = {
-        "name": name,
-        "pp": pp,
-        "m": m,
-        "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
-        "dp_size": parallel_state.get_data_parallel_world_size(),
-        "first": first,
-        "last": last,
-        "events": list(EVENTS),
-        "grads": grads,
-        "defaults": {
-            k: getattr(config, k)
-            for k in ("batch_p2p_comm", "batch_p2p_sync", "deallocate_pipeline_outputs", "calculate_per_token_loss")
-        },
-    }
-    if ddp is not None:
-        result["ddp_defaults"] = {k: getattr(model.ddp_config, k) for k in ("overlap_grad_reduce",)}
-        result["buckets"] = len(model.bucket_groups)
-    parallel_state.destroy_model_parallel()
+            setattr(torch.distributed, attr, logged(fn, attr))
+        schedules.backward_step = logged_backward_step(original_backward_step)
+        try:
+            for _ in range(iterations):
+                EVENTS.clear()
+                if ddp is not None:
+                    model.zero_grad_buffer()
+                run_schedule(forward_backward, model, m, loss)
+        finally:
+            schedules.backward_step = original_backward_step
+            for attr, fn in patches.items():
+                setattr(torch.distributed, attr, fn)
+        inner = model.module if ddp is not None else model
+        grads = [(p.main_grad if ddp is not None else p.grad).flatten().tolist() for p in inner.parameters()]
+        result = {
+            "name": name,
+            "pp": pp,
+            "m": m,
+            "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
+            "dp_size": parallel_state.get_data_parallel_world_size(),
+            "first": first,
+            "last": last,
+            "events": list(EVENTS),
+            "grads": grads,
+            "defaults": {
+                k: getattr(config, k)
+                for k in ("batch_p2p_comm", "batch_p2p_sync", "deallocate_pipeline_outputs", "calculate_per_token_loss")
+            },
+        }
+        if ddp is not None:
+            result["ddp_defaults"] = {k: getattr(model.ddp_config, k) for k in ("overlap_grad_reduce",)}
+            result["buckets"] = len(model.bucket_groups)
     return result
 
 
+def interleaved_state(p: int, v: int):
+    """Megatron's parallel state for p stages of v virtual stages each (both interleaved runs below)."""
+    return megatron_parallel_state(pipeline_model_parallel_size=p, virtual_pipeline_model_parallel_size=v)
+
+
 def interleaved_config(p: int, v: int) -> TransformerConfig:
-    """Megatron's parallel state for p stages of v virtual stages each, and a config of one layer per virtual
-    stage (the setup of both interleaved runs below)."""
-    parallel_state.initialize_model_parallel(
-        pipeline_model_parallel_size=p, virtual_pipeline_model_parallel_size=v, create_gloo_process_groups=False
-    )
+    """A config of one layer per virtual stage, p stages of v virtual stages each."""
     return TransformerConfig(
         num_layers=p * v,
         hidden_size=H,
@@ -287,75 +295,56 @@ def interleaved_config(p: int, v: int) -> TransformerConfig:
 def interleaved_actions(p: int, v: int, m: int) -> list[str]:
     """This stage's order under forward_backward_pipelining_with_interleaving: v model chunks per stage (chunk c
     of stage r is virtual stage c * p + r), picked by get_forward_backward_func from parallel_state."""
-    config = interleaved_config(p, v)
-    r = parallel_state.get_pipeline_model_parallel_rank()
-    chunks = []
-    for c in range(v):
-        chunk = Stage(config, first=r == 0 and c == 0, last=r == p - 1 and c == v - 1)
-        chunk.vp_stage = c
-        chunks.append(chunk)
-    forward_backward = schedules.get_forward_backward_func()
-    assert forward_backward is schedules.forward_backward_pipelining_with_interleaving
-    original_backward_step = schedules.backward_step
-    schedules.backward_step = logged_backward_step(original_backward_step)
-    EVENTS.clear()
-    try:
-        with CudaLiteralToCpu():
-            forward_backward(
-                forward_step_func=functools.partial(forward_step_func, "two"),
-                data_iterator=[iter(micro_batches(m)) for _ in range(v)],
-                model=chunks,
-                num_microbatches=m,
-                seq_length=S,
-                micro_batch_size=B,
-            )
-    finally:
-        schedules.backward_step = original_backward_step
-    parallel_state.destroy_model_parallel()
+    with interleaved_state(p, v):
+        config = interleaved_config(p, v)
+        r = parallel_state.get_pipeline_model_parallel_rank()
+        chunks = []
+        for c in range(v):
+            chunk = Stage(config, first=r == 0 and c == 0, last=r == p - 1 and c == v - 1)
+            chunk.vp_stage = c
+            chunks.append(chunk)
+        forward_backward = schedules.get_forward_backward_func()
+        assert forward_backward is schedules.forward_backward_pipelining_with_interleaving
+        original_backward_step = schedules.backward_step
+        schedules.backward_step = logged_backward_step(original_backward_step)
+        EVENTS.clear()
+        try:
+            run_schedule(forward_backward, chunks, m)
+        finally:
+            schedules.backward_step = original_backward_step
     return [e[0] for e in EVENTS if e[0][0] in "FB" and not e[0].endswith("_end")]
 
 
 def interleaved_refusal(p: int, v: int, m: int) -> str:
     """What forward_backward_pipelining_with_interleaving says when m is not a multiple of p (its default
     microbatch_group_size_per_vp_stage); it checks before any communication."""
-    config = interleaved_config(p, v)
-    chunks = [Stage(config, first=False, last=False) for _ in range(v)]
-    try:
-        with CudaLiteralToCpu():
-            schedules.forward_backward_pipelining_with_interleaving(
-                forward_step_func=functools.partial(forward_step_func, "two"),
-                data_iterator=[iter(micro_batches(m)) for _ in range(v)],
-                model=chunks,
-                num_microbatches=m,
-                seq_length=S,
-                micro_batch_size=B,
-            )
-    except (RuntimeError, ValueError) as error:
-        return f"{type(error).__name__}: {error}"
-    finally:
-        parallel_state.destroy_model_parallel()
+    with interleaved_state(p, v):
+        chunks = [Stage(interleaved_config(p, v), first=False, last=False) for _ in range(v)]
+        try:
+            run_schedule(schedules.forward_backward_pipelining_with_interleaving, chunks, m)
+        except (RuntimeError, ValueError) as error:
+            return f"{type(error).__name__}: {error}"
     return "accepted"
 
 
 def reference_actions(p: int, m: int, v: int = 1) -> list[str]:
     """The reference's 1F1B (reference.pipeline.schedules) on the same PP group: its action order; with v > 1
     model chunks per stage, its interleaved 1F1B."""
-    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=p, create_gloo_process_groups=False)
-    group, r = parallel_state.get_pipeline_model_parallel_group(), parallel_state.get_pipeline_model_parallel_rank()
+    with megatron_parallel_state(pipeline_model_parallel_size=p):
+        group, r = parallel_state.get_pipeline_model_parallel_group(), parallel_state.get_pipeline_model_parallel_rank()
 
-    def chunk(c: int):
-        layer = torch.nn.Linear(H, H)
+        def chunk(c: int):
+            layer = torch.nn.Linear(H, H)
 
-        def stage(hidden, x):
-            out = layer(x if r == 0 and c == 0 else hidden)
-            return out.pow(2).mean() if r == p - 1 and c == v - 1 else out
+            def stage(hidden, x):
+                out = layer(x if r == 0 and c == 0 else hidden)
+                return out.pow(2).mean() if r == p - 1 and c == v - 1 else out
 
-        return stage
+            return stage
 
-    batches = [(mb["x"],) for mb in micro_batches(m)]
-    stage = chunk(0) if v == 1 else [chunk(c) for c in range(v)]
-    result = reference_forward_backward("1f1b", stage, batches, pp_group=group, activation_shape=(S, B, H))
-    parallel_state.destroy_model_parallel()
+        batches = [(mb["x"],) for mb in micro_batches(m)]
+        stage = chunk(0) if v == 1 else [chunk(c) for c in range(v)]
+        result = reference_forward_backward("1f1b", stage, batches, pp_group=group, activation_shape=(S, B, H))
     return result.actions
 
 
@@ -372,22 +361,21 @@ def deallocated_output_rejects_plain_backward() -> str:
 
 def ddp_grad_dtypes() -> dict[str, str]:
     """The gradient buffer dtype of megatron's DDP around a bf16 stage, by default and with grad_reduce_in_fp32."""
-    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2, create_gloo_process_groups=False)
     dtypes = {}
-    for name, ddp in [("default", {}), ("grad_reduce_in_fp32", {"grad_reduce_in_fp32": True})]:
-        config = TransformerConfig(
-            num_layers=2,
-            hidden_size=H,
-            num_attention_heads=1,
-            pipeline_model_parallel_size=2,
-            pipeline_dtype=torch.bfloat16,
-            params_dtype=torch.bfloat16,
-            bf16=True,
-        )
-        stage = Stage(config, parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage())
-        model = DistributedDataParallel(config, DistributedDataParallelConfig(**ddp), stage.to(torch.bfloat16))
-        dtypes[name] = str(model.buffers[0].grad_dtype)
-    parallel_state.destroy_model_parallel()
+    with megatron_parallel_state(pipeline_model_parallel_size=2):
+        for name, ddp in [("default", {}), ("grad_reduce_in_fp32", {"grad_reduce_in_fp32": True})]:
+            config = TransformerConfig(
+                num_layers=2,
+                hidden_size=H,
+                num_attention_heads=1,
+                pipeline_model_parallel_size=2,
+                pipeline_dtype=torch.bfloat16,
+                params_dtype=torch.bfloat16,
+                bf16=True,
+            )
+            stage = Stage(config, parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage())
+            model = DistributedDataParallel(config, DistributedDataParallelConfig(**ddp), stage.to(torch.bfloat16))
+            dtypes[name] = str(model.buffers[0].grad_dtype)
     return dtypes
 
 

@@ -17,6 +17,7 @@ from reference.gpt.train import data_parallel, split_batch, synthetic_batches, t
 from reference.parallel_state import ParallelConfigError, build_layout
 from reference.pipeline.schedules import forward_backward
 from reference.recorder import CollectiveRecorder
+from tests.pipeline_orders import textbook
 
 CONFIG = GPTConfig(vocab_size=51, hidden_size=16, num_attention_heads=4, num_layers=4, seq_length=8)
 SEED, STEPS, LR = 1234, 3, 0.5
@@ -26,26 +27,13 @@ BUCKET_SIZE = 4096  # bytes: several DP buckets per stage, so their all-reduces 
 LAYOUTS = [(1, 4, 1, False, 6), (1, 4, 1, False, 2), (2, 2, 1, True, 4), (1, 2, 2, False, 3), (2, 1, 2, False, 2)]
 
 
-def textbook(schedule: str, p: int, r: int, m: int) -> list[str]:
-    if p == 1:
-        return [a for i in range(m) for a in (f"F{i}", f"B{i}")]
-    if schedule == "gpipe":
-        return [f"F{i}" for i in range(m)] + [f"B{i}" for i in range(m)]
-    w = min(p - 1 - r, m)
-    return (
-        [f"F{i}" for i in range(w)]
-        + [a for i in range(m - w) for a in (f"F{w + i}", f"B{i}")]
-        + [f"B{i}" for i in range(m - w, m)]
-    )
-
-
 def run(device, tp, pp, dp, sp, m, schedule) -> dict:
     layout = build_layout(tp, pp, dp)
     what = f"tp{tp} pp{pp} dp{dp} sp={sp} m={m} {schedule}"
     stage = build_stage(CONFIG, layout, sequence_parallel=sp, seed=SEED, device=device)
     model = data_parallel(stage, layout, bucket_size=BUCKET_SIZE)  # several buckets: overlap in the 3D step
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    expected_losses, expected_weights = unsharded_gpt_training(CONFIG, SEED, STEPS, LR, dp * m)
+    expected_losses, _, expected_weights = unsharded_gpt_training(CONFIG, SEED, STEPS, LR, dp * m)
     losses, results = [], []
     recorder = CollectiveRecorder()
     for tokens in synthetic_batches(CONFIG, STEPS, dp * m, SEED):

@@ -21,7 +21,7 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from common import device_type, serve
+from common import device_type, max_diff, serve
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
@@ -69,11 +69,6 @@ def partial_grads(model: torch.nn.Module) -> list[str]:
         for name, p in model.named_parameters()
         if isinstance(p.grad, DTensor) and any(pl.is_partial() for pl in p.grad.placements)
     )
-
-
-def max_diff(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> float:
-    assert ours.keys() == theirs.keys(), sorted(ours.keys() ^ theirs.keys())
-    return max((ours[n] - theirs[n]).abs().max().item() for n in ours)
 
 
 def counts(comm: CommDebugMode, fqn: str) -> dict[str, dict[str, int]]:

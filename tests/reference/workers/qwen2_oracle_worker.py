@@ -19,7 +19,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from common import serve
+from common import max_diff, serve
 from transformers import Qwen2ForCausalLM
 
 from reference.fsdp import MixedPrecision
@@ -72,11 +72,6 @@ def hf_step(model: Qwen2ForCausalLM, config: GPTConfig, tokens: torch.Tensor):
     return logits.detach(), loss.item(), grads
 
 
-def max_abs(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> float:
-    assert ours.keys() == theirs.keys(), sorted(ours.keys() ^ theirs.keys())
-    return max((ours[n].float() - theirs[n].float()).abs().max().item() for n in ours)
-
-
 def unsharded(config: GPTConfig) -> dict:
     hf = hf_model(config)
     tokens = tokens_of(config)[0].to(DEVICE)
@@ -89,7 +84,7 @@ def unsharded(config: GPTConfig) -> dict:
     return {
         "logits": (ours - logits).abs().max().item(),
         "loss": abs(our_loss.item() - loss),
-        "grads": max_abs({n: p.grad for n, p in ref.named_parameters()}, grads),
+        "grads": max_diff({n: p.grad for n, p in ref.named_parameters()}, grads),
         "hf_loss": loss,
     }
 
@@ -116,7 +111,7 @@ def tp_stage(config: GPTConfig, layout, sp: bool) -> dict:
     return {
         "logits": (our_logits - their_logits).abs().max().item(),
         "loss": abs(our_loss.item() - loss),
-        "grads": max_abs({n: p.grad for n, p in stage.named_parameters()}, expected),
+        "grads": max_diff({n: p.grad for n, p in stage.named_parameters()}, expected),
         "tp": tp,
         "events": [[e.op, e.module, e.phase, e.nbytes] for e in rec.events],
         "activation_bytes": stage.seq_length * B * config.hidden_size * 4,
@@ -166,7 +161,7 @@ def tp_dp(
     }
     if sharding == "ddp":
         expected = stage_state_from_master(stage, master_state_from_hf(config, hf.state_dict()))
-        out["params"] = max_abs({n: p.detach() for n, p in stage.named_parameters()}, expected)
+        out["params"] = max_diff({n: p.detach() for n, p in stage.named_parameters()}, expected)
     return out
 
 

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from common import gather_dim, serve
+from common import gather_dim, serve, unsharded_gpt_training
 
 from reference.data_parallel import finalize_model_grads
-from reference.gpt.model import GPTConfig, UnshardedGPT, build_stage
+from reference.gpt.model import GPTConfig, build_stage
 from reference.gpt.train import data_parallel, synthetic_batches, train_step
 from reference.parallel_state import build_layout
 from reference.pipeline.tied_embeddings import embedding_group, shared_weight, tie_across_stages
@@ -34,18 +34,11 @@ B, M, STEPS, SEED, LR = 2, 2, 3, 7, 0.5
 
 
 def unsharded(global_batch: int) -> dict:
-    model = UnshardedGPT(CONFIG, SEED)
-    assert model.output_layer.weight is model.embedding.word_embeddings.weight
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    losses, first_grad = [], None
-    for tokens in synthetic_batches(CONFIG, STEPS, global_batch, SEED):
-        loss = model(tokens[:, :-1], tokens[:, 1:])
-        loss.backward()
-        first_grad = first_grad if first_grad is not None else model.embedding.word_embeddings.weight.grad.clone()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return {"losses": losses, "grad": first_grad, "weight": model.embedding.word_embeddings.weight.detach().clone()}
+    run = unsharded_gpt_training(CONFIG, SEED, STEPS, LR, global_batch)
+    # named_parameters lists a shared Parameter once: under the embedding's name, the output layer's is the same
+    assert "output_layer.weight" not in run.weights, "the unsharded oracle's output weight is not tied"
+    name = "embedding.word_embeddings.weight"
+    return {"losses": run.losses, "grad": run.first_grads[name], "weight": run.weights[name]}
 
 
 def full_rows(t: torch.Tensor, layout) -> torch.Tensor:

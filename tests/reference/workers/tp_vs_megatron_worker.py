@@ -17,6 +17,7 @@ from common import assert_close, gather_dim, serve
 from megatron.core import parallel_state as mpu
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.tensor_parallel import layers as megatron_layers
+from megatron_state import megatron_parallel_state
 
 from reference.parallel_state import build_layout
 from reference.recorder import CollectiveRecorder
@@ -35,37 +36,35 @@ def layouts(device) -> list[dict]:
     found = []
     for (tp_size, pp_size), order in [(split, order) for split in splits for order in ("tp-pp-dp", "tp-dp-pp")]:
         grid = build_layout(tp_size, pp_size, order=order)
-        mpu.initialize_model_parallel(
+        with megatron_parallel_state(
             tensor_model_parallel_size=tp_size,
             pipeline_model_parallel_size=pp_size,
             order=order.replace("tp-", "tp-cp-ep-"),
-            create_gloo_process_groups=False,
-        )
-        groups = {
-            name: [dist.get_process_group_ranks(ours), dist.get_process_group_ranks(theirs)]
-            for name, ours, theirs in [
-                ("tp", grid.tp_group, mpu.get_tensor_model_parallel_group()),
-                ("dp", grid.dp_group, mpu.get_data_parallel_group()),
-                ("pp", grid.pp_group, mpu.get_pipeline_model_parallel_group()),
-            ]
-        }
-        total = torch.tensor([float(rank)], device=device)
-        dist.all_reduce(total, group=grid.tp_group)  # the TP group really is the run of consecutive ranks
-        found.append(
-            {
-                "order": order,
-                "tp": tp_size,
-                "pp": pp_size,
-                "groups": groups,
-                "describe": grid.describe(),
-                "ranks": [
-                    [grid.tp_rank, grid.dp_rank],
-                    [mpu.get_tensor_model_parallel_rank(), mpu.get_data_parallel_rank()],
-                ],
-                "tp_rank_sum": total.item(),
+        ):
+            groups = {
+                name: [dist.get_process_group_ranks(ours), dist.get_process_group_ranks(theirs)]
+                for name, ours, theirs in [
+                    ("tp", grid.tp_group, mpu.get_tensor_model_parallel_group()),
+                    ("dp", grid.dp_group, mpu.get_data_parallel_group()),
+                    ("pp", grid.pp_group, mpu.get_pipeline_model_parallel_group()),
+                ]
             }
-        )
-        mpu.destroy_model_parallel()
+            total = torch.tensor([float(rank)], device=device)
+            dist.all_reduce(total, group=grid.tp_group)  # the TP group really is the run of consecutive ranks
+            found.append(
+                {
+                    "order": order,
+                    "tp": tp_size,
+                    "pp": pp_size,
+                    "groups": groups,
+                    "describe": grid.describe(),
+                    "ranks": [
+                        [grid.tp_rank, grid.dp_rank],
+                        [mpu.get_tensor_model_parallel_rank(), mpu.get_data_parallel_rank()],
+                    ],
+                    "tp_rank_sum": total.item(),
+                }
+            )
     return found
 
 
@@ -190,11 +189,10 @@ def results(device: torch.device) -> dict:
         cuda_calls_on_cpu()
     world = dist.get_world_size()
     found = {"rank": dist.get_rank(), "layouts": layouts(device)}
-    mpu.initialize_model_parallel(tensor_model_parallel_size=world, create_gloo_process_groups=False)
-    tp = build_layout(tp_size=world).tp_group
-    found["layers"] = layers(tp, device)
-    found["shards_equal_megatron_master"] = shards_equal_megatron_master(tp, device)
-    mpu.destroy_model_parallel()
+    with megatron_parallel_state(tensor_model_parallel_size=world):
+        tp = build_layout(tp_size=world).tp_group
+        found["layers"] = layers(tp, device)
+        found["shards_equal_megatron_master"] = shards_equal_megatron_master(tp, device)
     return found
 
 

@@ -14,6 +14,7 @@ from common import assert_close, gather_dim, serve
 from megatron.core import parallel_state as mpu
 from megatron.core import tensor_parallel as megatron_tp
 from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron_state import megatron_parallel_state
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -95,6 +96,25 @@ class Checks:
         ids.view(-1)[:2] = torch.tensor([0, vocab - 1])  # both ends of the vocabulary, every time
         return ids.to(self.device)
 
+    def reference_layer(self, layer_class, *sizes, seed, sp=False):
+        """The reference's VocabParallelEmbedding or ParallelLMHead on this rank, drawn from `seed`: its shards
+        are rows of master_weight(vocab, seed) and megatron_layer's from the same seed."""
+        torch.manual_seed(seed)
+        return layer_class(
+            *sizes, tp_group=self.tp, init_method=init_method_normal(0.02), sequence_parallel=sp, device=self.device
+        )
+
+    def megatron_layer(self, layer_class, *sizes, seed, sp, **options):
+        """megatron-core's counterpart of a reference_layer, from the same seed."""
+        torch.manual_seed(seed)
+        return layer_class(
+            *sizes,
+            init_method=init_method_normal(0.02),
+            config=self.megatron_config(sp),
+            tp_group=mpu.get_tensor_model_parallel_group(),
+            **options,
+        ).to(self.device)
+
     def master_weight(self, vocab, seed):
         """What the unsharded model holds after the same seed: a [vocab, H] weight drawn by the init method."""
         torch.manual_seed(seed)
@@ -105,10 +125,7 @@ class Checks:
     # ---- 1. VocabParallelEmbedding == torch.nn.Embedding from the same master weight ------------------------
     def check_embedding(self, vocab, sp, seed=3):
         what = f"embedding V={vocab} sp={sp}"
-        torch.manual_seed(seed)
-        emb = VocabParallelEmbedding(
-            vocab, H, tp_group=self.tp, init_method=init_method_normal(0.02), sequence_parallel=sp, device=self.device
-        )
+        emb = self.reference_layer(VocabParallelEmbedding, vocab, H, seed=seed, sp=sp)
         ref = torch.nn.Embedding.from_pretrained(self.master_weight(vocab, seed), freeze=False)
         padded = pad_vocab_size(vocab, self.world)
         assert emb.weight.shape == (padded // self.world, H) and emb.padded_vocab_size == padded
@@ -157,10 +174,7 @@ class Checks:
     # ---- 3. ParallelLMHead (hidden -> loss) == unsharded Linear + cross_entropy: loss, dW, dhidden -------------
     def check_lm_head(self, vocab, sp, seed=7):
         what = f"lm_head V={vocab} sp={sp}"
-        torch.manual_seed(seed)
-        head = ParallelLMHead(
-            H, vocab, tp_group=self.tp, init_method=init_method_normal(0.02), sequence_parallel=sp, device=self.device
-        )
+        head = self.reference_layer(ParallelLMHead, H, vocab, seed=seed, sp=sp)
         weight = self.master_weight(vocab, seed).requires_grad_()
         hidden_full = torch.randn(S, B, H, generator=gen(seed + 1)).to(self.device).requires_grad_()
         labels = self.token_ids(vocab, (B, S), seed + 2)
@@ -217,24 +231,10 @@ class Checks:
         ids = self.token_ids(self.v_even, (B, S), seed + 1)
         weights = torch.randn(S, B, H, generator=gen(seed + 2)).to(self.device)
         weights = weights.chunk(self.world, 0)[self.rank] if sp else weights.transpose(0, 1)
-        torch.manual_seed(seed)
-        mine = VocabParallelEmbedding(
-            self.v_even,
-            H,
-            tp_group=self.tp,
-            init_method=init_method_normal(0.02),
-            sequence_parallel=sp,
-            device=self.device,
+        mine = self.reference_layer(VocabParallelEmbedding, self.v_even, H, seed=seed, sp=sp)
+        theirs = self.megatron_layer(
+            megatron_tp.VocabParallelEmbedding, self.v_even, H, seed=seed, sp=sp, reduce_scatter_embeddings=sp
         )
-        torch.manual_seed(seed)
-        theirs = megatron_tp.VocabParallelEmbedding(
-            self.v_even,
-            H,
-            init_method=init_method_normal(0.02),
-            reduce_scatter_embeddings=sp,
-            config=self.megatron_config(sp),
-            tp_group=mpu.get_tensor_model_parallel_group(),
-        ).to(self.device)
         assert torch.equal(mine.weight, theirs.weight), f"{what}: different shards from the same seed"
         assert (mine.vocab_start_index, mine.vocab_end_index) == (theirs.vocab_start_index, theirs.vocab_end_index)
         outs = []
@@ -256,26 +256,17 @@ class Checks:
         hidden_full = torch.randn(S, B, H, generator=gen(seed + 1)).to(self.device)
         hidden_in = hidden_full.chunk(self.world, 0)[self.rank] if sp else hidden_full
         labels = self.token_ids(self.v_even, (B, S), seed + 2)
-        torch.manual_seed(seed)
-        mine = ParallelLMHead(
+        mine = self.reference_layer(ParallelLMHead, H, self.v_even, seed=seed, sp=sp)
+        output_layer = self.megatron_layer(  # as GPTModel.output_layer with parallel_output=True
+            megatron_tp.ColumnParallelLinear,
             H,
             self.v_even,
-            tp_group=self.tp,
-            init_method=init_method_normal(0.02),
-            sequence_parallel=sp,
-            device=self.device,
-        )
-        torch.manual_seed(seed)
-        output_layer = megatron_tp.ColumnParallelLinear(  # as GPTModel.output_layer with parallel_output=True
-            H,
-            self.v_even,
-            config=self.megatron_config(sp),
-            init_method=init_method_normal(0.02),
+            seed=seed,
+            sp=sp,
             bias=False,
             skip_bias_add=False,
             gather_output=False,
-            tp_group=mpu.get_tensor_model_parallel_group(),
-        ).to(self.device)
+        )
         assert torch.equal(mine.output_layer.weight, output_layer.weight), f"{what}: different shards"
 
         def theirs(hidden):  # LanguageModule.compute_language_model_loss, unfused path
@@ -301,10 +292,7 @@ class Checks:
 
     def probe_lm_head(self, vocab, sp, seed=19):
         padded = pad_vocab_size(vocab, self.world)
-        torch.manual_seed(seed)
-        head = ParallelLMHead(
-            H, vocab, tp_group=self.tp, init_method=init_method_normal(0.02), sequence_parallel=sp, device=self.device
-        )
+        head = self.reference_layer(ParallelLMHead, H, vocab, seed=seed, sp=sp)
         hidden = torch.randn(S, B, H, generator=gen(seed + 1)).to(self.device)
         hidden = (hidden.chunk(self.world, 0)[self.rank] if sp else hidden).requires_grad_()
         labels = self.token_ids(vocab, (B, S), seed + 2)
@@ -364,11 +352,8 @@ class Checks:
 
     def bad_input(self) -> list[str]:
         """Section 6: one clear error, on every TP rank alike (no hang); the messages."""
-        torch.manual_seed(0)
-        head = ParallelLMHead(H, self.v_odd, tp_group=self.tp, init_method=init_method_normal(0.02), device=self.device)
-        emb = VocabParallelEmbedding(
-            self.v_odd, H, tp_group=self.tp, init_method=init_method_normal(0.02), device=self.device
-        )
+        head = self.reference_layer(ParallelLMHead, H, self.v_odd, seed=0)
+        emb = self.reference_layer(VocabParallelEmbedding, self.v_odd, H, seed=0)
         hidden = torch.randn(S, B, H, device=self.device)
         good = self.token_ids(self.v_odd, (B, S), 1)
         messages = []
@@ -398,17 +383,15 @@ class Checks:
 def results(device: torch.device) -> dict:
     if device.type == "cpu":
         cuda_calls_on_cpu()
-    mpu.initialize_model_parallel(tensor_model_parallel_size=dist.get_world_size(), create_gloo_process_groups=False)
-    checks = Checks(device)
-    found = {
-        "unsharded": checks.unsharded(),
-        "collectives": checks.megatron(),
-        "probe": checks.probes(),
-        "bad_input": checks.bad_input(),
-        "max_diff": checks.max_diff,
-    }
-    mpu.destroy_model_parallel()
-    return found
+    with megatron_parallel_state(tensor_model_parallel_size=dist.get_world_size()):
+        checks = Checks(device)
+        return {
+            "unsharded": checks.unsharded(),
+            "collectives": checks.megatron(),
+            "probe": checks.probes(),
+            "bad_input": checks.bad_input(),
+            "max_diff": checks.max_diff,
+        }
 
 
 def main() -> None:
