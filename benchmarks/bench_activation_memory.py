@@ -19,8 +19,6 @@ forward left allocated, the output excluded), both next to the paper's. The CUDA
 from __future__ import annotations
 
 import json
-import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -28,8 +26,7 @@ import torch.distributed as dist
 from reference.activation_memory.measure import MODELS, Count, build_block, count_all
 from reference.activation_memory.paper import Setting
 from reference.arguments import OneLineParser
-from reference.distributed import distributed
-from reference.parallel_state import ParallelConfigError
+from reference.distributed import distributed, one_line_errors
 
 
 def cuda_bytes(x: Setting, tp_group, device) -> tuple[int, int]:
@@ -93,12 +90,8 @@ def main() -> None:
         "llama": dict(shape, k=args.num_kv_heads, f=args.ffn_hidden_size or 4 * args.hidden_size),
     }
     models = list(MODELS) if args.model == "both" else [args.model]
-    try:
+    with one_line_errors("bench_activation_memory"):  # sizes the blocks cannot be split by, a failed launch
         run(args, shapes, models)
-    except ParallelConfigError as error:  # sizes the blocks cannot be split by
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"bench_activation_memory: error: {error}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
 
 
 def run(args, shapes: dict[str, dict], models: list[str]) -> None:

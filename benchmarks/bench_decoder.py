@@ -53,15 +53,7 @@ def parse_args():
 def main() -> None:
     args = parse_args()
     with distributed("cpu") as device:
-        config = GPTConfig(
-            style="llama",
-            vocab_size=args.vocab_size,
-            hidden_size=args.hidden_size,
-            num_attention_heads=args.num_attention_heads,
-            num_kv_heads=args.num_kv_heads,
-            num_layers=args.num_layers,
-            seq_length=args.seq_length,
-        )
+        config = GPTConfig.from_sizes(args, style="llama", num_kv_heads=args.num_kv_heads)
         world = dist.get_world_size()
         torch.manual_seed(0)
         hf = Qwen2ForCausalLM(qwen2_config(config, attn_implementation="sdpa"))

@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import time
 
 import torch
@@ -37,7 +35,7 @@ from reference.data_parallel import DistributedDataParallel
 from reference.data_parallel.buckets import padded_numel
 from reference.data_parallel.distributed_optimizer import DistributedOptimizer, bytes_per_rank
 from reference.data_parallel.mixed_precision import unsharded
-from reference.distributed import LaunchError, distributed
+from reference.distributed import distributed, one_line_errors
 from reference.parallel_state import ParallelConfigError
 from reference.recorder import CollectiveRecorder
 from reference.tensor_parallel.unsharded import Transformer
@@ -65,7 +63,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    try:
+    with one_line_errors("bench_distopt"):
         if min(args.steps, args.batch_size, args.bucket_size, args.hidden_size, args.num_layers) < 1:
             raise ParallelConfigError(
                 "--steps, --batch-size, --bucket-size, --hidden-size and --num-layers must be >= 1"
@@ -77,10 +75,6 @@ def main() -> None:
                     "ranks; run under torchrun --nproc-per-node N, N >= 2"
                 )
             _benchmark(args, device)
-    except (LaunchError, ParallelConfigError) as error:
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"bench_distopt: error: {error}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
 
 
 def _benchmark(args, device: torch.device) -> None:

@@ -36,16 +36,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-from reference.distributed import LaunchError, distributed
-from reference.gpt.model import GPTConfig, build_chunks, build_stage, split_layers
+from reference.distributed import distributed, one_line_errors
+from reference.gpt.model import GPTConfig, build_chunks, build_stage, check_virtual_pipeline, split_layers
 from reference.gpt.train import data_parallel, synthetic_batches, train_step
 from reference.parallel_state import ParallelConfigError, build_layout
 from reference.pipeline.replay import idle_fraction
@@ -96,7 +94,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    try:
+    with one_line_errors("bench_pipeline"):
         if (
             min(args.steps, args.micro_batches, args.micro_batch_size, args.bucket_size, args.virtual_stages) < 1
             or args.warmup < 0
@@ -105,19 +103,9 @@ def main() -> None:
                 "--steps, --micro-batches, --micro-batch-size, --bucket-size, --virtual-stages "
                 "must be >= 1 and --warmup >= 0"
             )
-        config = GPTConfig(
-            vocab_size=args.vocab_size,
-            hidden_size=args.hidden_size,
-            num_attention_heads=args.num_attention_heads,
-            num_layers=args.num_layers,
-            seq_length=args.seq_length,
-        )
+        config = GPTConfig.from_sizes(args)
         with distributed(args.device) as device:
             _benchmark(args, config, device)
-    except (LaunchError, ParallelConfigError) as error:
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"bench_pipeline: error: {error}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
 
 
 def _sizes(args, world: int) -> tuple[int, int, int | None]:
@@ -128,9 +116,15 @@ def _sizes(args, world: int) -> tuple[int, int, int | None]:
 
 
 def _interleaves(args, config: GPTConfig, p: int) -> bool:
-    """Whether the interleaved variant runs: V > 1 chunks per stage of a pipeline that megatron-core would accept."""
-    v = args.virtual_stages
-    return p > 1 and v > 1 and config.num_layers % (p * v) == 0 and args.micro_batches % p == 0
+    """Whether the interleaved variant runs: V > 1 chunks per stage of a pipeline that megatron-core would accept,
+    i.e. that check_virtual_pipeline does not refuse."""
+    if args.virtual_stages == 1:
+        return False
+    try:
+        check_virtual_pipeline(config.num_layers, p, args.virtual_stages, args.micro_batches)
+    except ParallelConfigError:
+        return False
+    return True
 
 
 def _benchmark(args, config: GPTConfig, device: torch.device) -> None:

@@ -9,6 +9,8 @@ because a peer closed its sockets first. After an exception there is no barrier:
 A group the caller set up already is used and left to the caller: a test worker runs several demos on one
 group, because a second default group in the same process under torchrun finds the first one's gloo addresses
 in the launcher's store and cannot connect.
+`with one_line_errors(PROG):` ends a refused launch or configuration as every demo and benchmark does: one line
+from rank 0, exit 2.
 """
 
 from __future__ import annotations
@@ -16,11 +18,14 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import sys
 from collections.abc import Iterator
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from reference.parallel_state import ParallelConfigError
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 
@@ -78,3 +83,16 @@ def distributed(choice: str = "auto", timeout_s: float = 120) -> Iterator[torch.
         finish(clean=False)
         raise
     finish()
+
+
+@contextlib.contextmanager
+def one_line_errors(prog: str) -> Iterator[None]:
+    """A launch or a configuration refused inside (LaunchError, ParallelConfigError) ends the program the way
+    every CLI of the kit refuses: `PROG: error: ...` on stderr, from rank 0 only (every rank would say the
+    same), exit 2, no traceback."""
+    try:
+        yield
+    except (LaunchError, ParallelConfigError) as error:
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"{prog}: error: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None

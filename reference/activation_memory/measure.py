@@ -16,7 +16,6 @@ from reference.activation_memory.term_table import Row, whole
 from reference.gpt.model import GPTConfig, check_tensor_parallel
 from reference.parallel_state import divide
 from reference.tensor_parallel.random import TensorParallelRNG
-from reference.tensor_parallel.transformer import ParallelLlamaBlock, ParallelTransformerBlock
 
 DROPOUT = 0.1  # the paper counts dropout masks: dropout on everywhere (the GPT-2 block; Llama has none)
 MODELS = {  # model: (its closed forms by configuration, its term table)
@@ -77,11 +76,8 @@ def build_block(x: Setting, tp_group: dist.ProcessGroup, device, dtype=torch.bfl
     h] under sequence parallelism), needing a gradient as a layer's input does (the checkpoints save only
     inputs that take part in autograd), and for the Llama block the fp32 rotary (cos, sin) of the sequence."""
     config = model_config(x)
-    block = (ParallelLlamaBlock if config.style == "llama" else ParallelTransformerBlock)(
-        x.h,
-        x.a,
-        **config.block_kwargs(),
-        tp_group=tp_group,
+    block = config.parallel_block(
+        tp_group,
         sequence_parallel=x.sequence_parallel,
         params_dtype=dtype,
         device=device,

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -36,7 +35,7 @@ import torch.distributed as dist
 from reference.data_parallel.distributed_optimizer import DistributedOptimizer
 from reference.data_parallel.mixed_precision import model_chunks
 from reference.data_parallel.wrapper import DEFAULT_BUCKET_SIZE
-from reference.distributed import LaunchError, distributed
+from reference.distributed import distributed, one_line_errors
 from reference.fsdp.units import sharded_parameter_bytes
 from reference.gpt.model import (
     STYLES,
@@ -45,12 +44,11 @@ from reference.gpt.model import (
     build_chunks,
     build_stage,
     check_tensor_parallel,
+    check_virtual_pipeline,
     split_layers,
-    split_virtual_stages,
 )
 from reference.gpt.train import data_parallel, fully_sharded, synthetic_batches, train_step
 from reference.parallel_state import ParallelConfigError, build_layout, parallel_sizes
-from reference.pipeline.interleaved import check_interleaving
 from reference.pipeline.schedules import SCHEDULES, peak_in_flight_formula
 from reference.recompute import RECOMPUTE_MODES
 from reference.recorder import CollectiveRecorder
@@ -172,12 +170,8 @@ def _config(args) -> GPTConfig:
     if args.num_kv_heads is not None and (args.model != "llama" or args.num_kv_heads < 1):
         raise ParallelConfigError(f"--num-kv-heads {args.num_kv_heads}: needs --model llama and a positive count")
     kv_heads = args.num_kv_heads or max(1, args.num_attention_heads // 2)
-    config = GPTConfig(
-        vocab_size=args.vocab_size,
-        hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        num_layers=args.num_layers,
-        seq_length=args.seq_length,
+    config = GPTConfig.from_sizes(
+        args,
         hidden_dropout=args.dropout,
         attention_dropout=args.dropout,
         style=args.model,
@@ -192,20 +186,15 @@ def _config(args) -> GPTConfig:
                 "--dp-sharding replicate or optimizer (interleaved 1F1B over DDP-wrapped "
                 "chunks)"
             )
-        split_virtual_stages(config.num_layers, args.pp, args.virtual_stages)
-        check_interleaving(args.pp, args.virtual_stages, args.micro_batches)
+        check_virtual_pipeline(config.num_layers, args.pp, args.virtual_stages, args.micro_batches)
     return config
 
 
 def run(args) -> None:
-    try:
+    with one_line_errors("reference"):
         config = _config(args)
         with distributed(args.device) as device:
             _train(args, config, device)
-    except (LaunchError, ParallelConfigError) as error:
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"reference: error: {error}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
 
 
 def _train(args, config: GPTConfig, device: torch.device) -> None:

@@ -42,6 +42,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from reference.parallel_state import ParallelConfigError, ParallelLayout, divide
+from reference.pipeline.interleaved import check_interleaving
 from reference.tensor_parallel.mappings import scatter_to_sequence_parallel_region
 from reference.tensor_parallel.random import TensorParallelRNG
 from reference.tensor_parallel.rotary import rotary_cos_sin
@@ -50,6 +51,7 @@ from reference.tensor_parallel.unsharded import LlamaBlock, TransformerBlock, in
 from reference.tensor_parallel.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 
 STYLES = ("gpt2", "llama")
+SIZES = ("vocab_size", "hidden_size", "num_attention_heads", "num_layers", "seq_length")  # GPTConfig.from_sizes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +72,12 @@ class GPTConfig:
     num_kv_heads: int | None = None  # "llama": key/value heads (query groups); default num_attention_heads
     rope_theta: float = 1_000_000.0  # "llama": rotary base (Qwen2.5's rope_theta)
     norm_eps: float = 1e-6  # "llama": RMSNorm epsilon (Qwen2's rms_norm_eps)
+
+    @classmethod
+    def from_sizes(cls, source, **fields) -> GPTConfig:
+        """The config of `source`'s sizes, its attributes named as SIZES (a CLI's parsed --vocab-size,
+        --hidden-size, --num-attention-heads, --num-layers and --seq-length, or a scale ModelShape), and `fields`."""
+        return cls(**{name: getattr(source, name) for name in SIZES}, **fields)
 
     @property
     def kv_heads(self) -> int:
@@ -123,13 +131,20 @@ class GPTConfig:
             attention_dropout=self.attention_dropout,
         )
 
+    def parallel_block(self, tp_group: dist.ProcessGroup, **kwargs) -> torch.nn.Module:
+        """One tensor-parallel block of this style (ParallelLlamaBlock or ParallelTransformerBlock); `kwargs`
+        (sequence_parallel, params_dtype, device, rng, recompute, ...) add to or override block_kwargs."""
+        block = ParallelLlamaBlock if self.style == "llama" else ParallelTransformerBlock
+        return block(self.hidden_size, self.num_attention_heads, tp_group=tp_group, **{**self.block_kwargs(), **kwargs})
+
     def final_norm(self, **kw) -> torch.nn.Module:
         if self.style == "llama":
             return torch.nn.RMSNorm(self.hidden_size, eps=self.norm_eps, **kw)
         return torch.nn.LayerNorm(self.hidden_size, **kw)
 
     def rotary(self, seq_length: int, device) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
-        """The extra block arguments: (cos, sin) of the whole sequence for "llama", none for "gpt2"."""
+        """The extra block arguments: (cos, sin) of the whole sequence for "llama" (built once, rotary_cos_sin
+        caches them), none for "gpt2"."""
         if self.style == "llama":
             return (rotary_cos_sin(seq_length, self.head_dim, self.rope_theta, device),)
         return ()
@@ -301,16 +316,13 @@ class GPTStage(torch.nn.Module):
                     self.embedding.position_embeddings = torch.nn.Embedding.from_pretrained(
                         _embedding_weight(config.seq_length, config).to(device, params_dtype), freeze=False
                     )
-        block = ParallelLlamaBlock if config.style == "llama" else ParallelTransformerBlock
-        block_kwargs = {**config.block_kwargs(), **block_kwargs, "rng": TensorParallelRNG(seed, tp_group, device)}
+        block_kwargs = {**block_kwargs, "rng": TensorParallelRNG(seed, tp_group, device)}
         self.layers = torch.nn.ModuleList()
         for i in range(first_layer, last_layer):
             with module_seed(seed, 1 + i):
                 self.layers.append(
-                    block(
-                        config.hidden_size,
-                        config.num_attention_heads,
-                        tp_group=tp_group,
+                    config.parallel_block(
+                        tp_group,
                         sequence_parallel=self.sequence_parallel,
                         params_dtype=params_dtype,
                         device=device,
@@ -428,6 +440,14 @@ def split_virtual_stages(num_layers: int, pp_size: int, virtual_stages: int) -> 
         )
     per_chunk = num_layers // (p * v)
     return [[((c * p + r) * per_chunk, (c * p + r + 1) * per_chunk) for c in range(v)] for r in range(p)]
+
+
+def check_virtual_pipeline(num_layers: int, pp_size: int, virtual_stages: int, micro_batches: int) -> None:
+    """megatron-core's refusals of an interleaved pipeline, each one line: layers that do not cut into pp x v
+    equal chunks (split_virtual_stages), fewer than 2 stages or micro-batches not a multiple of pp
+    (reference.pipeline.interleaved.check_interleaving)."""
+    split_virtual_stages(num_layers, pp_size, virtual_stages)
+    check_interleaving(pp_size, virtual_stages, micro_batches)
 
 
 def build_chunks(config: GPTConfig, layout: ParallelLayout, virtual_stages: int, **stage_kwargs) -> list[GPTStage]:

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from reference.gpt.model import split_layers
+from reference.gpt.model import split_layers, split_virtual_stages
 from reference.scale.shapes import ScaleSetup
 
 FP32 = 4
@@ -72,12 +72,14 @@ def stage_layers(setup: ScaleSetup, stage: int) -> int:
 
 def chunk_layers(setup: ScaleSetup, stage: int, chunk: int) -> tuple[int, bool, bool]:
     """(layers, holds the embedding, holds the head) of model chunk `chunk` of stage `stage` (chunk 0 of 1
-    without interleaving: the whole stage)."""
-    v, p = setup.virtual_stages, setup.pp
+    without interleaving: the whole stage): the layers build_stage and build_chunks give it, the embedding
+    with layer 0 and the head with the last layer."""
+    num_layers, p, v = setup.model.num_layers, setup.pp, setup.virtual_stages
     if v == 1:
-        return stage_layers(setup, stage), stage == 0, stage == p - 1
-    virtual = chunk * p + stage
-    return setup.model.num_layers // (p * v), virtual == 0, virtual == p * v - 1
+        first, last = split_layers(num_layers, p)[stage]
+    else:
+        first, last = split_virtual_stages(num_layers, p, v)[stage][chunk]
+    return last - first, first == 0, last == num_layers
 
 
 def stage_parameters(setup: ScaleSetup, stage: int, chunk: int = 0) -> list[int]:

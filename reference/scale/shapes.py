@@ -18,9 +18,8 @@ import dataclasses
 import torch
 
 from reference.data_parallel.wrapper import DEFAULT_BUCKET_SIZE
-from reference.gpt.model import GPTConfig, split_virtual_stages
+from reference.gpt.model import GPTConfig, check_virtual_pipeline
 from reference.parallel_state import ORDERS, ParallelConfigError, divide
-from reference.pipeline.interleaved import check_interleaving
 from reference.pipeline.schedules import SCHEDULES
 from reference.tensor_parallel.vocab_parallel import pad_vocab_size
 
@@ -41,14 +40,7 @@ class ModelShape:
 
     def gpt_config(self) -> GPTConfig:
         """The reference GPT of this shape (no dropout: a meta tensor has nothing to drop)."""
-        return GPTConfig(
-            vocab_size=self.vocab_size,
-            hidden_size=self.hidden_size,
-            num_attention_heads=self.num_attention_heads,
-            num_layers=self.num_layers,
-            seq_length=self.seq_length,
-            ffn_hidden_size=self.ffn_hidden_size,
-        )
+        return GPTConfig.from_sizes(self, ffn_hidden_size=self.ffn_hidden_size)
 
 
 MODELS = {
@@ -109,8 +101,7 @@ class ScaleSetup:
         if self.virtual_stages != 1:
             if self.schedule != "1f1b":
                 raise ParallelConfigError(f"{self.virtual_stages} virtual stages need the 1f1b schedule")
-            split_virtual_stages(m.num_layers, self.pp, self.virtual_stages)
-            check_interleaving(self.pp, self.virtual_stages, self.microbatches)
+            check_virtual_pipeline(m.num_layers, self.pp, self.virtual_stages, self.microbatches)
         if self.order not in ORDERS:
             raise ParallelConfigError(f"unknown order {self.order!r}; choose one of {', '.join(ORDERS)}")
 
