@@ -23,9 +23,9 @@ def rotary_cos_sin(seq_length: int, head_dim: int, theta: float, device=None) ->
     """cos and sin [s, d] of positions 0..s-1, computed in fp32 (the caller casts to the activation dtype).
 
     Built once per (length, size, base, device) and shared: the tables depend on the positions alone, so every
-    forward of every stage and of the unsharded model reuses them, as Megatron caches its tables
-    (megatron/core/models/common/embeddings/rotary_pos_embedding.py::RotaryEmbedding.forward is an lru_cache
-    of 32). Nobody may change them in place."""
+    forward of every stage and of the unsharded model reuses them, as Megatron caches its tables (an lru_cache
+    of 32 on `megatron-lm:megatron/core/models/common/embeddings/rotary_pos_embedding.py::RotaryEmbedding.forward`).
+    Nobody may change them in place."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
     angles = torch.outer(torch.arange(seq_length, dtype=torch.float32, device=device), inv_freq)
     angles = torch.cat((angles, angles), dim=-1)  # the same angle for x1[i] and x2[i]
