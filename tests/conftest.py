@@ -88,22 +88,25 @@ def pytest_testnodedown(node, error) -> None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_sessionfinish(session: pytest.Session) -> None:
+    """A session of its own, or an xdist worker (tryfirst: before xdist sends the worker's output home)."""
     config = session.config
-    leaked = config.stash[_LEAKED] if _xdist_controller(config) else _kill_leaked(SESSION_VARIABLE)
+    if _xdist_controller(config):
+        return  # _CrashedWorkers reports, once the workers are gone
+    leaked = _kill_leaked(SESSION_VARIABLE)
     if hasattr(config, "workeroutput"):  # an xdist worker: its controller reports them
         config.workeroutput["leaked"] = leaked
-        return
-    if leaked:
+    elif leaked:
         _report(session, leaked)
 
 
 class _CrashedWorkers:
     """In the controller, after xdist has ended its workers (trylast: xdist's own session end stops them):
-    what any worker started still runs only if that worker never ran its own check, having crashed."""
+    what the workers found, and what any worker started that still runs, which only a worker that crashed
+    (and so never ran its own check) can have left."""
 
     @pytest.hookimpl(trylast=True)
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
-        leaked = _kill_leaked(RUN_VARIABLE)
+        leaked = session.config.stash[_LEAKED] + _kill_leaked(RUN_VARIABLE)
         if leaked:
             _report(session, leaked)
 

@@ -3,6 +3,7 @@ check (tests/conftest.py) fails a run that leaves one behind, naming it."""
 
 from __future__ import annotations
 
+import re
 import socket
 import subprocess
 import sys
@@ -41,7 +42,8 @@ def _pytest(tmp_path, source: str, *options: str) -> subprocess.CompletedProcess
 
 
 def _named_and_killed(run: subprocess.CompletedProcess, command: str) -> None:
-    assert f": {command} (still running after the test session; killed now)" in run.stdout, run.stdout + run.stderr
+    line = rf"leaked process: pid \d+: {re.escape(command)} \(still running after the test session; killed now\)"
+    assert re.search(line, run.stdout), run.stdout + run.stderr
     assert not [p for p in live_processes() if p.command == command]  # killed by the check
 
 

@@ -207,6 +207,37 @@ def test_the_page_shows_each_kind_of_evidence_and_refuses_an_unpinned_upstream(p
     )
 
 
+def test_one_section_per_test_whatever_spelling_or_parameter_cites_it(project):
+    """Two spellings of one file and two parameters of one test: one page, one section each, every citer named."""
+    write_tests(project.root, text=TESTS.replace("[1])", "[1, 2])").replace('"nowhere"', '"up"'))
+    (project.root / "reading_notes" / "a.md.j2").write_text(
+        "{{ verified_by('tests/test_claims.py::test_marked_with_an_unpinned_source[1]') }}\n"
+        "{{ verified_by('tests/test_claims.py::TestUpstream::test_in_class') }}\n"
+    )
+    (project.root / "reading_notes" / "b.md.j2").write_text(
+        "{{ verified_by('tests/./test_claims.py::test_marked_with_an_unpinned_source[2]') }}\n"
+    )
+    r = project.run("render")
+    assert r.code == 0, r.err
+    notes = project.root / "docs" / "notes"
+    assert sorted(p.relative_to(notes).as_posix() for p in (notes / "tests").rglob("*.md")) == ["tests/test_claims.md"]
+    page = (notes / "tests" / "test_claims.md").read_text()
+    headings = [line for line in page.split("\n") if line.startswith("## ")]
+    assert headings == [
+        "## `test_marked_with_an_unpinned_source` { #test_marked_with_an_unpinned_source }",
+        "## `TestUpstream::test_in_class` { #TestUpstream.test_in_class }",
+    ]
+    assert "Cited by: [a](../a.md), [b](../b.md)." in page
+    assert (
+        (notes / "b.md")
+        .read_text()
+        .startswith(
+            "[**upstream test (up)** `tests/./test_claims.py::test_marked_with_an_unpinned_source[2]`]"
+            "(tests/test_claims.md#test_marked_with_an_unpinned_source)"
+        )
+    )
+
+
 def test_an_edited_test_file_is_read_again(tmp_path):
     """`mkdocs serve` renders again after an edit: the test's lines (its page's excerpt) follow the file."""
     test_file = tmp_path / "tests" / "test_edited.py"

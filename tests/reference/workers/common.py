@@ -78,17 +78,27 @@ def unsharded_gpt_training(config: GPTConfig, seed: int, steps: int, lr: float, 
     """The single-process UnshardedGPT after `steps` SGD steps on the synthetic batches: what every sharded
     run of the same model, seed and data must reproduce (computed once a process; the tensors are shared, read
     them only). Parameters are named as `named_parameters` names them, so a tied output weight appears once."""
-    model = UnshardedGPT(config, seed)
+    return sgd_steps(
+        UnshardedGPT(config, seed),
+        synthetic_batches(config, steps, global_batch, seed),
+        lambda model, tokens: model(tokens[:, :-1], tokens[:, 1:]),
+        lr,
+    )
+
+
+def sgd_steps(model: torch.nn.Module, batches, loss_of, lr: float) -> UnshardedRun:
+    """`model` trained in one process, an SGD step per batch (`loss_of(model, batch)`): the oracle a sharded
+    run of the same model and data must reproduce."""
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     losses, first_grads = [], {}
-    for tokens in synthetic_batches(config, steps, global_batch, seed):
-        loss = model(tokens[:, :-1], tokens[:, 1:])
+    for batch in batches:
+        loss = loss_of(model, batch)
         loss.backward()
         first_grads = first_grads or {name: p.grad.clone() for name, p in model.named_parameters()}
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return UnshardedRun(losses, first_grads, {name: p.detach() for name, p in model.named_parameters()})
+    return UnshardedRun(losses, first_grads, {name: p.detach().clone() for name, p in model.named_parameters()})
 
 
 def full_stage_parameters(stage: torch.nn.Module, tp_group, vocab_size: int) -> dict[str, torch.Tensor]:

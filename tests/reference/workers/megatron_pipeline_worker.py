@@ -319,7 +319,8 @@ def interleaved_refusal(p: int, v: int, m: int) -> str:
     """What forward_backward_pipelining_with_interleaving says when m is not a multiple of p (its default
     microbatch_group_size_per_vp_stage); it checks before any communication."""
     with interleaved_state(p, v):
-        chunks = [Stage(interleaved_config(p, v), first=False, last=False) for _ in range(v)]
+        config = interleaved_config(p, v)
+        chunks = [Stage(config, first=False, last=False) for _ in range(v)]
         try:
             run_schedule(schedules.forward_backward_pipelining_with_interleaving, chunks, m)
         except (RuntimeError, ValueError) as error:

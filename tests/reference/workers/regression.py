@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from common import UnshardedRun, sgd_steps
 
 from reference.tensor_parallel.unsharded import Transformer
 
@@ -32,18 +33,9 @@ def mean_over(value: float, group) -> float:
 
 def single_process(
     layers: int, h: int, heads: int, seed: int, lr: float, data: list[tuple[torch.Tensor, torch.Tensor]]
-) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+) -> UnshardedRun:
     """Losses, step-1 gradients and final parameters of the unsharded Transformer after an SGD step per batch
     of `data`, on the CPU."""
     torch.manual_seed(seed)
     model = Transformer(layers, h, heads, device=torch.device("cpu"))
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    losses, first_grads = [], {}
-    for x, target in data:
-        loss = mse(model(x), target)
-        loss.backward()
-        first_grads = first_grads or {n: p.grad.clone() for n, p in model.named_parameters()}
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses, first_grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return sgd_steps(model, data, lambda model, batch: mse(model(batch[0]), batch[1]), lr)

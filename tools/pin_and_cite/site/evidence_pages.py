@@ -21,42 +21,52 @@ KINDS = {
 }
 
 
+def file_of(node_id: str) -> str:
+    """tests/./reference/test_x.py::Class::test_y[param] -> tests/reference/test_x.py (one spelling per file)."""
+    return posixpath.normpath(node_id.partition("::")[0])
+
+
+def function_of(node_id: str) -> str:
+    """tests/reference/test_x.py::Class::test_y[param] -> Class::test_y (every parameter shows the same source)."""
+    return node_id.partition("::")[2].split("[", 1)[0]
+
+
 def page_of(node_id: str) -> str:
     """tests/reference/test_x.py::Class::test_y[param] -> tests/reference/test_x.md"""
-    return f"{FOLDER}/{node_id.partition('::')[0].removeprefix('tests/').removesuffix('.py')}.md"
+    return f"{FOLDER}/{file_of(node_id).removeprefix('tests/').removesuffix('.py')}.md"
 
 
-def anchor_of(node_id: str) -> str:
-    """tests/reference/test_x.py::Class::test_y[param] -> Class.test_y: the test's section on its file's page
-    (every parameter of a test shows the same source)."""
-    return node_id.partition("::")[2].split("[", 1)[0].replace("::", ".")
+def anchor_of(test_name: str) -> str:
+    """Class::test_y -> Class.test_y: the id of the test's section on its file's page."""
+    return test_name.replace("::", ".")
 
 
 def link_from(page: str | None, node_id: str) -> str:
     """The relative Markdown link from the rendered page `page` (a path under the notes folder) to the test's
     section."""
-    return f"{posixpath.relpath(page_of(node_id), posixpath.dirname(page or 'x.md'))}#{anchor_of(node_id)}"
+    here = posixpath.dirname(page or "x.md")
+    return f"{posixpath.relpath(page_of(node_id), here)}#{anchor_of(function_of(node_id))}"
 
 
 def evidence_pages(root: Path, cited: dict[str, tuple[Evidence, list[str]]]) -> dict[str, str]:
     """Each test file's page (by path under the notes folder), from the cited tests: node id -> (evidence, the
     pages citing it). Left out of the search index (front matter `search: exclude`): source listings, found
     from the claims that cite them."""
-    sections: dict[str, dict[str, tuple[Evidence, list[str]]]] = {}
+    files: dict[str, dict[str, tuple[Evidence, list[str]]]] = {}
     for node_id, (evidence, citing) in cited.items():
-        section = sections.setdefault(page_of(node_id), {}).setdefault(anchor_of(node_id), (evidence, []))
+        section = files.setdefault(file_of(node_id), {}).setdefault(function_of(node_id), (evidence, []))
         section[1].extend(page for page in citing if page not in section[1])
-    return {here: _file_page(root, here, tests) for here, tests in sections.items()}
+    return {page_of(path): _file_page(root, path, tests) for path, tests in files.items()}
 
 
-def _file_page(root: Path, here: str, tests: dict[str, tuple[Evidence, list[str]]]) -> str:
-    path = f"tests/{here.removeprefix(FOLDER + '/').removesuffix('.md')}.py"
+def _file_page(root: Path, path: str, tests: dict[str, tuple[Evidence, list[str]]]) -> str:
+    here = page_of(path)
     lines = (root / path).read_text().split("\n")
     parts = [
         f"---\nsearch:\n  exclude: true\n---\n\n# `{path}`\n\n"
         "The tests of this file that the notes cite, as in the working tree this site was built from.\n"
     ]
-    for anchor, (evidence, cited_by) in sorted(tests.items(), key=lambda item: item[1][0].lines):
+    for name, (evidence, cited_by) in sorted(tests.items(), key=lambda item: item[1][0].lines):
         first, last = evidence.lines
         source = "".join(line + "\n" for line in lines[first - 1 : last])
         fence = fence_for(source)
@@ -64,7 +74,7 @@ def _file_page(root: Path, here: str, tests: dict[str, tuple[Evidence, list[str]
             f"[{page.removesuffix('.md')}]({posixpath.relpath(page, posixpath.dirname(here))})" for page in cited_by
         )
         parts.append(
-            f"\n## `{anchor.replace('.', '::')}` {{ #{anchor} }}\n\n"
+            f"\n## `{name}` {{ #{anchor_of(name)} }}\n\n"
             f"**{KINDS[evidence.kind].format(source=evidence.source)}.**\n\n"
             f"L{first}–L{last}. Cited by: {citing}.\n\n"
             f'{fence}python linenums="{first}"\n{source}{fence}\n'

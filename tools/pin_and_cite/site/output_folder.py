@@ -82,8 +82,9 @@ class OutputFolder:
         return changed
 
     def _remove_empty_folders(self, folder: Path) -> None:
-        """A removed page's folders go with it once empty (tests/x/ after tests/x/y.md), never the root."""
-        while folder != self.root and folder.is_relative_to(self.root) and not any(folder.iterdir()):
+        """A removed page's folders go with it once empty (tests/x/ after tests/x/y.md); never the root, nor
+        a symlink to a folder (_refuse_outside lets one that stays inside the root be written through)."""
+        while folder != self.root and not folder.is_symlink() and not any(folder.iterdir()):
             folder.rmdir()
             folder = folder.parent
 
