@@ -193,14 +193,16 @@ def run(
     config_kw: dict | None = None,
     unbatched_log=False,
     backward_sleep: float = 0.0,
+    first_stage_backward_sleep: float | None = None,
 ):
     """One megatron forward_backward call per iteration; returns the last iteration's log and the grads.
 
     ddp: megatron's DistributedDataParallelConfig fields (the stage is wrapped in its DDP); its hooks are then
     set as megatron/training/training.py sets them: no_sync_func only with overlap_grad_reduce, grad_sync_func
     (= start_grad_sync) only with align (its --align-grad-reduce). Without ddp, a no_sync_func that only logs.
+    backward_sleep: how long each backward lasts at least (first_stage_backward_sleep on the first stage, when
+    given), so that events of different ranks are ordered by their times.
     """
-    BACKWARD_SLEEP["s"] = backward_sleep
     with megatron_parallel_state(pipeline_model_parallel_size=pp):
         config = TransformerConfig(
             num_layers=pp,
@@ -211,6 +213,7 @@ def run(
             **(config_kw or {}),
         )
         first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
+        BACKWARD_SLEEP["s"] = first_stage_backward_sleep if first and first_stage_backward_sleep else backward_sleep
         model = Stage(config, first, last)
         if ddp is not None:  # megatron's own DDP, wired as megatron/training/training.py wires it
             model = DistributedDataParallel(config, DistributedDataParallelConfig(**ddp), model)
@@ -411,6 +414,9 @@ def results(device: torch.device) -> dict:
             align=True,
             ddp={"overlap_grad_reduce": True, "bucket_size": H * H + H},
             backward_sleep=0.05,
+            # the later stage's all-reduce must be seen inside the first stage's drain even on a loaded
+            # machine (CI once ran this stage more than 50 ms late after it sent its last gradient)
+            first_stage_backward_sleep=0.5,
         ),
     ]
     result = {
