@@ -10,6 +10,9 @@
      stops the build with the template's file:line and leaves the previous pages as they were.
 `on_env` keeps the theme's compiled templates under the cache (mkdocs-material's templates would otherwise be
 compiled on every build; pin_and_cite.core.sandbox.CompiledTemplates, in a folder of their own).
+`on_post_page` drops the mermaid script from a page that has no diagram: material loads mermaid only for a page
+with diagrams (so no CDN request follows), and parsing its 3 MB took most of each other page's load. Every page
+is a full load (no `navigation.instant`; tests/site/test_build.py keeps it off), so none inherits another's.
 `on_serve` watches reading_notes/ as well, so saving a template re-renders and reloads the page.
 The project root is $PIN_AND_CITE_PROJECT when set (tests build scratch copies), else the folder of mkdocs.yml.
 """
@@ -17,6 +20,7 @@ The project root is $PIN_AND_CITE_PROJECT when set (tests build scratch copies),
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import vendor_assets
@@ -45,6 +49,13 @@ def on_pre_build(config) -> None:
         render_site(project_root(config), docs_dir / "notes")
     except PinAndCiteError as e:
         raise PluginError(str(e)) from None
+
+
+MERMAID_SCRIPT = re.compile(r'<script src="(?:\.\./)*assets/vendor/mermaid/mermaid\.min\.js"></script>\n?')
+
+
+def on_post_page(output: str, page, config) -> str:
+    return output if '<pre class="mermaid">' in output else MERMAID_SCRIPT.sub("", output, count=1)
 
 
 def on_env(env, config, files):

@@ -41,6 +41,9 @@ def test_config_keeps_material_off_its_cdns():
     assert config.theme["font"] is False, "web fonts would load from fonts.googleapis.com"
     assert config.repo_url is None, "material would fetch repository facts from api.github.com"
     assert "material/offline" not in config.plugins, "material's offline plugin adds an unpkg.com script"
+    assert "navigation.instant" not in config.theme["features"], (
+        "instant navigation would reach a page with diagrams from one whose mermaid script the site hook dropped"
+    )
     scripts = [str(script) for script in config.extra_javascript]
     assert {asset.dest for asset in vendor_assets.load_lock()} <= set(scripts), "vendored scripts must be loaded"
 
@@ -49,12 +52,15 @@ def test_built_site_serves_the_pinned_mermaid_before_material_needs_it(built_sit
     (mermaid,) = [a for a in vendor_assets.load_lock() if a.name == "mermaid"]
     served = (built_site / mermaid.dest).read_bytes()
     assert hashlib.sha512(served).hexdigest() == mermaid.file_sha512
-    html = (built_site / "index.html").read_text()
+    html = (built_site / "notes" / "synthesis" / "index.html").read_text()  # a page with diagrams
     scripts = re.findall(r'<script src="([^"]+)"', html)
-    assert scripts.index(mermaid.dest) > 0, scripts
+    assert scripts.index(f"../../{mermaid.dest}") > 0, scripts
     # A plain (not deferred, not module) script: it defines window.mermaid before DOMContentLoaded,
     # which is when material decides whether to fetch its CDN copy.
-    assert f'<script src="{mermaid.dest}"></script>' in html
+    assert f'<script src="../../{mermaid.dest}"></script>' in html
+    # A page without diagrams does not load it (material fetches mermaid only for a page that has some).
+    assert '<pre class="mermaid">' not in (home := (built_site / "index.html").read_text())
+    assert "mermaid.min.js" not in home
 
 
 @pytest.mark.parametrize("damage", ["missing", "altered"])
