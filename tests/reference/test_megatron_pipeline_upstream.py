@@ -287,13 +287,15 @@ def test_megatron_assigns_chunk_c_of_rank_r_the_layers_of_virtual_stage_c_p_plus
             for r in range(p)
         ]
         assert megatron == split_virtual_stages(layers, p, v), (layers, p, v)
-    config = TransformerConfig(
-        num_layers=6,
-        hidden_size=8,
-        num_attention_heads=1,
-        pipeline_dtype=torch.float32,
-        pipeline_model_parallel_size=2,
-        virtual_pipeline_model_parallel_size=2,
-    )
-    with pytest.raises(AssertionError):
-        get_num_layers_to_build(config, vp_stage=0, pp_rank=0)
+    # two assertions: the layers must split over p stages, then each stage's over v chunks
+    for p, v, message in [(4, 2, "divisible by pipeline_model_parallel_size"), (2, 2, "divisible by vp_size")]:
+        config = TransformerConfig(
+            num_layers=6,
+            hidden_size=8,
+            num_attention_heads=1,
+            pipeline_dtype=torch.float32,
+            pipeline_model_parallel_size=p,
+            virtual_pipeline_model_parallel_size=v,
+        )
+        with pytest.raises(AssertionError, match=message):
+            get_num_layers_to_build(config, vp_stage=0, pp_rank=0)
