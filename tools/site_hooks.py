@@ -19,6 +19,7 @@ The project root is $PIN_AND_CITE_PROJECT when set (tests build scratch copies),
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from pathlib import Path
@@ -51,11 +52,15 @@ def on_pre_build(config) -> None:
         raise PluginError(str(e)) from None
 
 
-MERMAID_SCRIPT = re.compile(r'<script src="(?:\.\./)*assets/vendor/mermaid/mermaid\.min\.js"></script>\n?')
+@functools.cache
+def _mermaid_script() -> re.Pattern:
+    """The script tag mkdocs writes for the vendored mermaid (its path from tools/vendor-assets.lock)."""
+    (dest,) = [asset.dest for asset in vendor_assets.load_lock() if asset.name == "mermaid"]
+    return re.compile(rf'<script src="(?:\.\./)*{re.escape(dest)}"></script>\n?')
 
 
 def on_post_page(output: str, page, config) -> str:
-    return output if '<pre class="mermaid">' in output else MERMAID_SCRIPT.sub("", output, count=1)
+    return output if '<pre class="mermaid">' in output else _mermaid_script().sub("", output, count=1)
 
 
 def on_env(env, config, files):
