@@ -10,6 +10,9 @@
      stops the build with the template's file:line and leaves the previous pages as they were.
 `on_env` keeps the theme's compiled templates under the cache (mkdocs-material's templates would otherwise be
 compiled on every build; pin_and_cite.core.sandbox.CompiledTemplates, in a folder of their own).
+`on_page_context`, around mkdocs-material's search plugin (which indexes `page.content` at the default
+priority), hands it the page without the highlighter's span tags (pin_and_cite.site.search_text: the same
+index, at a third of its cost) and gives the page its full HTML back before the theme renders it.
 `on_post_page` drops the mermaid script from a page that has no diagram: material loads mermaid only for a page
 with diagrams (so no CDN request follows), and parsing its 3 MB took most of each other page's load. Every page
 is a full load (no `navigation.instant`; tests/site/test_build.py keeps it off), so none inherits another's.
@@ -26,10 +29,12 @@ from pathlib import Path
 
 import vendor_assets
 from mkdocs.exceptions import PluginError
+from mkdocs.plugins import CombinedEvent, event_priority
 
 from pin_and_cite.core.errors import PinAndCiteError
 from pin_and_cite.core.sandbox import CompiledTemplates
 from pin_and_cite.core.store import default_cache_dir
+from pin_and_cite.site.search_text import without_code_spans
 from pin_and_cite.site.study import render_site
 
 
@@ -50,6 +55,27 @@ def on_pre_build(config) -> None:
         render_site(project_root(config), docs_dir / "notes")
     except PinAndCiteError as e:
         raise PluginError(str(e)) from None
+
+
+_full_html: dict[int, str] = {}  # id(page) -> page.content, while the search plugin reads the short form
+
+
+@event_priority(100)
+def _before_search(context, page, config, nav):
+    if "data-search-" not in page.content:  # material edits such attributes out of page.content: leave it so
+        _full_html[id(page)] = page.content
+        page.content = without_code_spans(page.content)
+    return context
+
+
+@event_priority(-100)
+def _after_search(context, page, config, nav):
+    if id(page) in _full_html:
+        page.content = _full_html.pop(id(page))
+    return context
+
+
+on_page_context = CombinedEvent(_before_search, _after_search)
 
 
 @functools.cache

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import shutil
 
 import pytest
+from material.plugins.search.plugin import Parser
 from mkdocs.commands.build import build
 from mkdocs.config import load_config
 from mkdocs.exceptions import Abort
 
+from pin_and_cite.site.search_text import without_code_spans
 from tests.site.conftest import ROOT, vendor_assets
 from tests.site.external_refs import external_refs
 
@@ -61,6 +64,33 @@ def test_built_site_serves_the_pinned_mermaid_before_material_needs_it(built_sit
     # A page without diagrams does not load it (material fetches mermaid only for a page that has some).
     assert '<pre class="mermaid">' not in (home := (built_site / "index.html").read_text())
     assert "mermaid.min.js" not in home
+
+
+def _index_sections(html: str) -> list[tuple[str, str, str | None]]:
+    """What mkdocs-material's search makes of a page's HTML: each section's title, text and anchor."""
+    parser = Parser()
+    parser.feed(html)
+    parser.close()
+    return [("".join(s.title), "".join(s.text), s.id) for s in parser.data]
+
+
+def test_search_reads_the_same_text_without_the_highlighters_spans(built_site):
+    """site_hooks hands material's search each page without the span tags inside <pre> blocks: on every page
+    material's own parser must index exactly what it indexes from the full HTML, and the page keeps its spans."""
+    article = re.compile(r'<article class="md-content__inner md-typeset">(.*?)</article>', re.S)
+    pages = sorted(built_site.rglob("index.html"))
+    shortened, highlighted = 0, 0
+    for page in pages:
+        (content,) = article.findall(page.read_text())
+        short = without_code_spans(content)
+        assert _index_sections(short) == _index_sections(content), page.relative_to(built_site)
+        shortened += short != content
+        highlighted += re.search(r'class="[^"]*\bhighlight', content) is not None  # Pygments' block or table
+    assert shortened == highlighted > 15, "every page with highlighted code is read without its spans"
+    note = (built_site / "notes" / "fsdp-prefetch" / "index.html").read_text()
+    assert '<span class="n">' in note, "the page itself must keep the highlighting"
+    index = json.loads((built_site / "search" / "search_index.json").read_text())
+    assert any("_pre_backward_hook" in doc["text"] for doc in index["docs"]), "code in excerpts stays searchable"
 
 
 @pytest.mark.parametrize("damage", ["missing", "altered"])
