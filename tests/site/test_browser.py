@@ -150,9 +150,11 @@ def _context(browser):
 
 OPEN_ANSWERS = "document.querySelectorAll('details:not(.excerpt-whole)').forEach(d => { d.open = true; })"
 OPEN_FOLDS = "document.querySelectorAll('details.excerpt-whole').forEach(d => { d.open = true; })"
-FOLD_NUMBERS = """fold => [...fold.querySelectorAll("div.highlight")].map(block => ({
-  shown: block.checkVisibility(),
-  numbers: block.querySelector("td.linenos").innerText.trim().split(/\\s+/)}))"""
+# Each folded excerpt's two views (the window, the whole), as shown, with the line numbers of each; its summary.
+FOLDS = """folds => folds.map(fold => ({
+  views: [...fold.querySelectorAll("div.highlight")].map(block => ({
+    shown: block.checkVisibility(), numbers: block.querySelector("td.linenos").innerText.trim().split(/\\s+/)})),
+  summary: fold.querySelector("summary").innerText}))"""
 
 
 @pytest.fixture
@@ -167,14 +169,15 @@ def visit(browser):
 def every_page(browser, site_url, diagram_site):
     """Each page but the negative control and the generated test pages (fetched by their own test), visited
     once: its diagrams, folds, excerpts, SVG text, evidence links and links; plus all requests."""
-    context, open_page, requested = _context(browser)
+    context, _, requested = _context(browser)
     pages = sorted(p.parent.relative_to(diagram_site).as_posix() for p in diagram_site.rglob("index.html"))
     reports = {}
+    page = context.new_page()  # one tab, as a reader follows links: each page is still a full load
     for path in pages:
         if path == "broken-diagram" or path.startswith("notes/tests/"):
             continue  # the negative control, checked on its own below; the test pages, by their own test
         url_path = "" if path == "." else f"{path}/"
-        page = open_page(site_url + url_path)
+        page.goto(site_url + url_path, wait_until="load")
         diagrams = _rendered(page, diagram_site, url_path)
         _screenshot(page, "home" if path == "." else path.replace("/", "-"))  # as a reader first sees it
         page.evaluate(OPEN_ANSWERS)  # excerpts inside collapsed answers are checked as a reader opens them
@@ -190,21 +193,20 @@ def every_page(browser, site_url, diagram_site):
         reports[path].update(excerpts=page.evaluate(EXCERPTS), links=page.evaluate(LINKS))
         if path == ".":
             reports[path]["home_order"] = page.evaluate(HOME_ORDER)
-        page.close()
     context.close()
     return reports, requested
 
 
 def _unfold(page) -> list[dict]:
     """Each folded excerpt: the line numbers it shows, then, after a click on its summary, what it shows."""
-    folds = []
-    for fold in page.locator(".excerpt-fold").all():
-        before = fold.evaluate(FOLD_NUMBERS)
-        fold.locator("summary").click()
-        folds.append(
-            {"before": before, "after": fold.evaluate(FOLD_NUMBERS), "summary": fold.locator("summary").inner_text()}
-        )
-    return folds
+    folds = page.locator(".excerpt-fold")
+    before = folds.evaluate_all(FOLDS)
+    for i in range(len(before)):
+        folds.nth(i).locator("summary").click()  # a real click, where a reader clicks
+    after = folds.evaluate_all(FOLDS)
+    return [
+        {"before": b["views"], "after": a["views"], "summary": a["summary"]} for b, a in zip(before, after, strict=True)
+    ]
 
 
 def _is_loopback(url: str) -> bool:
