@@ -4,14 +4,13 @@ come from.
 Runs tools/trace_worker.py on two ranks under torchrun (CPU, gloo) and writes DIR/tp_block.json,
 DIR/tp_block_llama.json and DIR/fsdp_forward.json (default reading_notes/traces/, which is committed), then
 on four ranks (four pipeline stages) DIR/pipeline_gpipe.json, DIR/pipeline_1f1b.json and
-DIR/pipeline_interleaved.json.
-tests/tools/test_traces.py runs the
-same worker and fails when a fresh run no longer matches the committed traces, so re-record after changing the
-reference and commit the result. Then, in one process each, `python -m reference.scale --json` traces a first,
-middle and last stage rank of the layouts in SCALE (fake process group, 70B shapes) into DIR/scale_*.json,
-checked by tests/tools/test_scale_traces.py. Last, on two ranks, benchmarks/bench_activation_memory.py --json
-counts one block's activation bytes per configuration of Korthikanti et al.'s Table 2, the GPT-2 block and the
-Llama block, into DIR/activation_memory.json, at the shapes of the test worker that checks it
+DIR/pipeline_interleaved.json. tests/tools/test_traces.py runs the same worker and fails when a fresh run no
+longer matches the committed traces, so re-record after changing the reference and commit the result. Then, in
+one process each, `python -m reference.scale --json` traces a first, middle and last stage rank of the layouts
+in SCALE (fake process group, 70B shapes) into DIR/scale_*.json, checked by tests/reference/test_scale.py (which
+traces the same setups in-process). Last, on two ranks, benchmarks/bench_activation_memory.py --json counts
+one block's activation bytes per configuration of Korthikanti et al.'s Table 2, the GPT-2 block and the Llama
+block, into DIR/activation_memory.json, at the shapes of the test worker that checks it
 (tests/reference/test_activation_memory.py). `--only NAME ...` writes just those traces (and runs just the
 recordings that make them), leaving the others as they are. Exit status: 0 recorded, 1 a run failed (its
 output is printed), 2 a usage error (an unknown trace name).

@@ -23,8 +23,8 @@ from reference.data_parallel.wrapper import DEFAULT_BUCKET_SIZE
 from reference.parallel_state import ORDERS, ParallelConfigError
 from reference.pipeline.schedules import SCHEDULES
 from reference.scale import formulas
-from reference.scale.shapes import MODELS, setup_for
-from reference.scale.simulate import default_ranks, document
+from reference.scale.shapes import MODELS, ScaleSetup, setup_for
+from reference.scale.simulate import default_ranks, document, step_of
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -101,24 +101,30 @@ def format_document(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def setup_from(args: argparse.Namespace) -> ScaleSetup:
+    """The setup these parsed arguments describe (tools/record_traces.py names its traces' arguments; the
+    tests trace the same setups in-process). ParallelConfigError for one that cannot exist."""
+    return setup_for(
+        args.model.lower(),
+        tp=args.tp,
+        pp=args.pp,
+        dp=args.dp,
+        microbatches=args.microbatches,
+        sp=args.sp,
+        schedule=args.schedule,
+        bucket_size=args.bucket_size or None,
+        order=args.order,
+        distributed_optimizer=args.distributed_optimizer,
+        virtual_stages=args.virtual_stages,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     refuse_large_world(parser, tp=args.tp, pp=args.pp, dp=args.dp)
     try:
-        setup = setup_for(
-            args.model.lower(),
-            tp=args.tp,
-            pp=args.pp,
-            dp=args.dp,
-            microbatches=args.microbatches,
-            sp=args.sp,
-            schedule=args.schedule,
-            bucket_size=args.bucket_size or None,
-            order=args.order,
-            distributed_optimizer=args.distributed_optimizer,
-            virtual_stages=args.virtual_stages,
-        )
+        setup = setup_from(args)
         ranks = args.rank or default_ranks(setup)
         outside = [r for r in ranks if not 0 <= r < setup.world]
         if outside:
@@ -126,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     except ParallelConfigError as error:
         print(f"reference.scale: error: {error}", file=sys.stderr)
         return 2
-    doc = document(setup, ranks)
+    doc = document(setup, [step_of(setup, rank) for rank in ranks])
     print(json.dumps(doc) if args.json else format_document(doc))
     return 0 if doc["agree"] else 1
 

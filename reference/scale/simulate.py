@@ -148,15 +148,31 @@ def default_ranks(setup: ScaleSetup) -> list[int]:
     return [int(grid[p, 0, 0]) for p in sorted({0, setup.pp // 2, setup.pp - 1})]
 
 
-def document(setup: ScaleSetup, ranks: list[int]) -> dict:
-    """The JSON a scale trace is stored as (reading_notes/traces/scale_*.json): setup, and per rank its rows
-    and, apart from them, the formulas' terms per (group, op): the site's tables read these instead of
+@dataclasses.dataclass(frozen=True)
+class RankStep:
+    """What one rank did in one training step: the collectives it issued, and the bytes it held after."""
+
+    rank: int
+    events: list[CollectiveEvent]
+    held: dict[str, int]
+
+
+def step_of(setup: ScaleSetup, rank: int) -> RankStep:
+    """trace_rank, keeping the bytes held too: what document() reports for `rank`."""
+    held: dict[str, int] = {}
+    events = trace_rank(setup, rank, held=held)
+    return RankStep(rank, events, held)
+
+
+def document(setup: ScaleSetup, steps: list[RankStep]) -> dict:
+    """The JSON a scale trace is stored as (reading_notes/traces/scale_*.json): setup, and per traced rank its
+    rows and, apart from them, the formulas' terms per (group, op): the site's tables read these instead of
     importing this package (the citation tool never imports torch)."""
     runs = []
-    for rank in ranks:
-        held: dict[str, int] = {}
+    for step in steps:
+        rank, held = step.rank, step.held
         stage = stage_of(setup, rank)
-        rows = summarize(setup, rank, trace_rank(setup, rank, held=held))
+        rows = summarize(setup, rank, step.events)
         runs.append(
             {
                 "rank": rank,

@@ -14,17 +14,20 @@ import json
 import time
 
 import pytest
+import record_traces  # tools/: the arguments of the committed scale traces
 
 from reference.parallel_state import ParallelConfigError, rank_grid
 from reference.scale import formulas
-from reference.scale.__main__ import main
+from reference.scale.__main__ import build_parser, main, setup_from
 from reference.scale.shapes import setup_for
-from reference.scale.simulate import default_ranks, simulate, stage_of, summarize, trace_rank
+from reference.scale.simulate import default_ranks, document, simulate, stage_of, step_of, summarize, trace_rank
+from tests.launch import ROOT
 
-M = 4  # micro-batches in the 70B tests (fewer than stages: 1F1B copes)
+M = 16  # micro-batches of the committed 70B traces (fewer than stages: the small layouts below)
 A = 1 * 4096 * 8192 * 2  # one bf16 activation [s, b, h] of the 70B shape, bytes
 L = 10  # layers per stage at PP 8
 H, F, S, VOCAB_ROWS = 8192, 28672, 4096, 128256 // 8
+TRACES = ROOT / "reading_notes" / "traces"
 
 
 def table(rows):
@@ -38,30 +41,46 @@ def assert_agrees(rows):
 
 @pytest.fixture(scope="module")
 def seventy_b():
-    """The 70B layout at TP 8 x PP 8 x DP 64, first / middle / last stage, without and with SP: the rows, the
-    events, the seconds each trace took."""
-    traced, events, seconds = {}, {}, {}
-    for sp in (False, True):
-        setup = setup_for("70b", tp=8, pp=8, dp=64, microbatches=M, sp=sp)
+    """The committed scale traces' setups (tools/record_traces.SCALE: 70B at TP 8 x PP 8 x DP 64, plain, with
+    SP, with the distributed optimizer), each traced here once on its first, middle and last stage: per trace
+    name, the setup, {stage: RankStep} and {stage: seconds the trace took}."""
+    runs = {}
+    for name, argv in record_traces.SCALE.items():
+        setup, steps, seconds = setup_from(build_parser().parse_args(argv)), {}, {}
         for rank in default_ranks(setup):
             start = time.perf_counter()
-            key = sp, stage_of(setup, rank)
-            events[key] = trace_rank(setup, rank)
-            traced[key] = summarize(setup, rank, events[key])
-            seconds[key] = time.perf_counter() - start
-    return traced, events, seconds
+            steps[stage_of(setup, rank)] = step_of(setup, rank)
+            seconds[stage_of(setup, rank)] = time.perf_counter() - start
+        runs[name] = setup, steps, seconds
+    return runs
+
+
+def rows_of(seventy_b, name: str, stage: int):
+    setup, steps, _ = seventy_b[name]
+    return summarize(setup, steps[stage].rank, steps[stage].events)
+
+
+def test_committed_scale_traces_match_a_fresh_run(seventy_b):
+    """reading_notes/traces/scale_*.json are what `python -m reference.scale ... --json` writes now (the
+    document of the same setups and ranks), formula terms included."""
+    assert sorted(seventy_b) == sorted(p.stem for p in TRACES.glob("scale_*.json"))
+    for name, (setup, steps, _) in seventy_b.items():
+        committed = json.loads((TRACES / f"{name}.json").read_text())
+        fresh = json.loads(json.dumps(document(setup, list(steps.values()))))
+        assert fresh == committed, f"reading_notes/traces/{name}.json is stale: re-record with tools/record-traces"
+        assert committed["agree"] and [run["stage"] for run in committed["runs"]] == [0, 4, 7]
 
 
 def test_70b_first_middle_last_stage_rows_equal_the_formulas(seventy_b):
-    traced, _, seconds = seventy_b
-    assert sorted(traced) == [(False, 0), (False, 4), (False, 7), (True, 0), (True, 4), (True, 7)]
-    for rows in traced.values():
-        assert_agrees(rows)
-    assert max(seconds.values()) < 30, f"a 70B rank took {max(seconds.values()):.1f} s to trace: {seconds}"
+    for name, (setup, steps, seconds) in seventy_b.items():
+        assert setup.microbatches == M and sorted(steps) == [0, 4, 7], name
+        for stage in steps:
+            assert_agrees(rows_of(seventy_b, name, stage))
+        assert max(seconds.values()) < 30, f"a 70B rank took {max(seconds.values()):.1f} s to trace: {seconds}"
 
 
 def test_70b_without_sp_in_numbers(seventy_b):
-    first, middle, last = (table(seventy_b[0][False, p]) for p in (0, 4, 7))
+    first, middle, last = (table(rows_of(seventy_b, "scale_70b", p)) for p in (0, 4, 7))
     loss = 3 * M * 4096 * 4  # max, target logit, sum-exp: fp32 per token
     assert middle[("tp", "all_reduce")] == (4 * M * L, 4 * M * L * A)
     assert first[("tp", "all_reduce")] == (4 * M * L + M, (4 * M * L + M) * A)
@@ -81,20 +100,21 @@ def test_70b_without_sp_in_numbers(seventy_b):
 
 def test_70b_ddp_buckets_in_order(seventy_b):
     """The middle stage's DP all-reduces, bucket by bucket, in the order backward fills them."""
-    sizes = [e.nbytes for e in seventy_b[1][False, 4] if e.module == "dp"]
+    middle = seventy_b["scale_70b"][1][4].events
+    sizes = [e.nbytes for e in middle if e.module == "dp"]
     fc2, fc1 = 2 * (H * F // 8 + H), 2 * (F * H // 8 + F // 8)
     attention = 2 * (2 * H + H * H // 8 + H + 3 * H * H // 8 + 3 * H // 8)
     ln = 2 * 2 * H
     assert sizes == [fc2, fc1, attention] + [ln + fc2, fc1, attention] * (L - 1) + [ln]
     assert all(
         e.op == "all_reduce" and e.dtype == "bfloat16" and e.phase == "backward"  # overlapped
-        for e in seventy_b[1][False, 4]
+        for e in middle
         if e.module == "dp"
     )
 
 
 def test_70b_with_sp_in_numbers(seventy_b):
-    first, middle, last = (table(seventy_b[0][True, p]) for p in (0, 4, 7))
+    first, middle, last = (table(rows_of(seventy_b, "scale_70b_sp", p)) for p in (0, 4, 7))
     assert middle[("tp", "all_gather")] == (6 * M * L, 6 * M * L * A)
     assert middle[("tp", "reduce_scatter")] == (4 * M * L, 4 * M * L * A)
     assert middle[("tp", "all_reduce")] == (1, 6 * H * L * 2)  # SP LayerNorm and bias grads, bf16
@@ -104,7 +124,7 @@ def test_70b_with_sp_in_numbers(seventy_b):
     assert first[("tp", "all_gather")] == (6 * M * L + M, (6 * M * L + M) * A)
     assert last[("tp", "all_gather")] == (6 * M * L + 2 * M, (6 * M * L + 2 * M) * A)
     assert last[("tp", "reduce_scatter")] == (4 * M * L + M, (4 * M * L + M) * A)
-    assert middle[("dp", "all_reduce")] == table(seventy_b[0][False, 4])[("dp", "all_reduce")]
+    assert middle[("dp", "all_reduce")] == table(rows_of(seventy_b, "scale_70b", 4))[("dp", "all_reduce")]
 
 
 def test_70b_distributed_optimizer_holds_the_zero_bytes_and_moves_the_all_reduce_bytes(seventy_b):
@@ -113,18 +133,18 @@ def test_70b_distributed_optimizer_holds_the_zero_bytes_and_moves_the_all_reduce
     in bf16 parameters and gradients, 12 / 64 bytes of fp32 master and Adam moments per parameter (no padding:
     every bucket is a multiple of 64 elements); the reduce-scatters and all-gathers are the DDP all-reduces'
     buckets, each as many bytes."""
-    setup = setup_for("70b", tp=8, pp=8, dp=64, microbatches=M, distributed_optimizer=True)
     params = 10 * (6 * H + (4 * H * H + 2 * H * F + 3 * H + F) // 8)
     assert params == 923_304_960
-    held = {}
-    rows = table(summarize(setup, 32, trace_rank(setup, 32, held=held)))
+    setup, steps, _ = seventy_b["scale_70b_distopt"]
+    assert setup.distributed_optimizer and steps[4].rank == 32
+    held, rows = steps[4].held, table(rows_of(seventy_b, "scale_70b_distopt", 4))
     assert held == {
         "parameters": 2 * params,
         "gradients": 2 * params,
         "master_weights": 4 * params // 64,
         "optimizer_states": 8 * params // 64,
     }
-    ddp = table(seventy_b[0][False, 4])[("dp", "all_reduce")]
+    ddp = table(rows_of(seventy_b, "scale_70b", 4))[("dp", "all_reduce")]
     assert rows[("dp", "reduce_scatter")] == rows[("dp", "all_gather")] == ddp
     assert ("dp", "all_reduce") not in rows
 

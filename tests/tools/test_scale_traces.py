@@ -1,31 +1,18 @@
-"""The committed scale traces (reading_notes/traces/scale_*.json) are what `python -m reference.scale` traces
-now, formula terms included, and the site's tables from them re-check each row against those recorded terms
-when rendered (a changed setup or formula is caught by the fresh run here)."""
+"""The site's tables and bar chart from the committed scale traces (reading_notes/traces/scale_*.json) re-check
+each row against the formula terms recorded with it when rendered. That the traces are what `python -m
+reference.scale` traces now, terms included, is tests/reference/test_scale.py's fresh run."""
 
 from __future__ import annotations
 
 import copy
-import json
 
 import pytest
-import record_traces
 
 from pin_and_cite.site import diagrams, scale_tables
 from pin_and_cite.site.traces import TraceError, load_trace
 from tests.tools.conftest import ROOT
 
 NOTES = ROOT / "reading_notes"
-
-
-def test_committed_scale_traces_match_a_fresh_run(tmp_path):
-    written = record_traces.record_scale(tmp_path, timeout=240)
-    assert sorted(p.stem for p in written) == sorted(record_traces.SCALE)
-    for path in written:
-        committed = json.loads((NOTES / "traces" / path.name).read_text())
-        assert json.loads(path.read_text()) == committed, (
-            f"reading_notes/traces/{path.name} is stale: re-record with tools/record-traces and commit it"
-        )
-        assert committed["agree"] and [run["stage"] for run in committed["runs"]] == [0, 4, 7]
 
 
 def test_table_shows_every_row_with_its_formula():

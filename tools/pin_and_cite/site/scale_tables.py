@@ -2,7 +2,7 @@
 step per process group and collective type, for a first, middle and last pipeline stage rank of a large job.
 
 The measured numbers and the formulas' terms both come from the trace: reference.scale.formulas computed the
-terms when the trace was recorded (tests/tools/test_scale_traces.py re-records and compares), so the site
+terms when the trace was recorded (tests/reference/test_scale.py traces afresh and compares), so the site
 never imports the reference or torch. A row that disagrees with its terms (a hand-edited or stale trace) stops
 the build with a one-line error instead of being shown.
 """
