@@ -193,3 +193,9 @@ def op_flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
 def dispatch_mode_stack() -> list:
     """The TorchDispatchModes active on this thread, innermost last (torch.utils._python_dispatch)."""
     return _get_current_dispatch_mode_stack()
+
+
+def live_process_groups() -> list[ProcessGroup]:
+    """Every process group torch holds, the default one included (distributed_c10d._world.pg_map): a group lives,
+    and with gloo keeps a thread polling its sockets, until destroy_process_group(group), whoever forgot it."""
+    return list(torch.distributed.distributed_c10d._world.pg_map)

@@ -8,11 +8,12 @@ them in one launch.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NamedTuple
 
@@ -23,6 +24,7 @@ from reference.distributed import finish, init_distributed
 from reference.gpt.hf_weights import master_name
 from reference.gpt.model import GPTConfig, UnshardedGPT
 from reference.gpt.train import synthetic_batches
+from reference.torch_patches import live_process_groups
 
 
 def device_type() -> str:
@@ -38,6 +40,21 @@ def init(timeout_s: int = 60) -> torch.device:
 def write_results(out: str | Path, results: dict) -> None:
     """This rank's results as OUT/rank{R}.json, the one way a worker reports to its test."""
     (Path(out) / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
+
+
+@contextlib.contextmanager
+def groups_of_the_block() -> Iterator[None]:
+    """Destroy, after the body, every process group it created (every rank enters and leaves it together; also
+    a decorator).
+    torch keeps a group until it is destroyed, and each gloo group keeps a thread waking every 10 ms to poll its
+    sockets: megatron's destroy_model_parallel only forgets its dozens of groups, and a launch that built and
+    forgot them config after config ran about 240 such threads a rank, a third of its CPU time in the kernel."""
+    before = set(live_process_groups())
+    yield  # not on an exception: that rank is going down, and a barrier here would only wait for the others
+    dist.barrier()  # every rank is done with the groups before any rank tears its end down
+    for group in live_process_groups():
+        if group not in before:
+            dist.destroy_process_group(group)
 
 
 def serve(results: Callable[[torch.device], dict]) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from common import full_stage_parameters, serve, unsharded_gpt_training
+from common import full_stage_parameters, groups_of_the_block, serve, unsharded_gpt_training
 
 from reference.gpt.model import GPTConfig, build_chunks
 from reference.gpt.train import data_parallel, split_batch, synthetic_batches, train_step
@@ -30,6 +30,7 @@ LAYOUTS = [(1, 4, 1, 2, 4), (1, 4, 1, 2, 8), (1, 2, 2, 2, 4), (1, 2, 2, 4, 2), (
 TORCH_M = (4, 8)
 
 
+@groups_of_the_block()  # each layout's groups go with it
 def run(tp: int, pp: int, dp: int, v: int, m: int) -> dict:
     layout = build_layout(tp, pp, dp)
     chunks = build_chunks(CONFIG, layout, v, sequence_parallel=tp > 1, seed=SEED)
@@ -87,6 +88,7 @@ class TorchChunk(torch.nn.Module):
         return out.reshape(1) if self.chunk.is_last else out
 
 
+@groups_of_the_block()
 def torch_oracle(m: int) -> dict:
     """torch's ScheduleInterleaved1F1B and the reference on the same chunks (pp 4, v 2), one step each."""
     from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B

@@ -10,7 +10,7 @@ one entry per run, for the test to cross-check. Usage: pipeline_worker.py OUT (4
 
 import torch
 import torch.distributed as dist
-from common import assert_close, full_stage_parameters, serve, unsharded_gpt_training
+from common import assert_close, full_stage_parameters, groups_of_the_block, serve, unsharded_gpt_training
 
 from reference.gpt.model import GPTConfig, build_stage, split_layers
 from reference.gpt.train import data_parallel, split_batch, synthetic_batches, train_step
@@ -27,6 +27,7 @@ BUCKET_SIZE = 4096  # bytes: several DP buckets per stage, so their all-reduces 
 LAYOUTS = [(1, 4, 1, False, 6), (1, 4, 1, False, 2), (2, 2, 1, True, 4), (1, 2, 2, False, 3), (2, 1, 2, False, 2)]
 
 
+@groups_of_the_block()  # each layout's groups go with it
 def run(device, tp, pp, dp, sp, m, schedule) -> dict:
     layout = build_layout(tp, pp, dp)
     what = f"tp{tp} pp{pp} dp{dp} sp={sp} m={m} {schedule}"

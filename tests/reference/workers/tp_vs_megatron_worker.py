@@ -13,7 +13,7 @@ import itertools
 
 import torch
 import torch.distributed as dist
-from common import assert_close, gather_dim, serve
+from common import assert_close, gather_dim, groups_of_the_block, serve
 from megatron.core import parallel_state as mpu
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.tensor_parallel import layers as megatron_layers
@@ -35,36 +35,37 @@ def layouts(device) -> list[dict]:
     splits = [(t, p) for t in (1, 2, 4) for p in (1, 2, 4) if t * p <= world and (t, p) != (1, 1)]
     found = []
     for (tp_size, pp_size), order in [(split, order) for split in splits for order in ("tp-pp-dp", "tp-dp-pp")]:
-        grid = build_layout(tp_size, pp_size, order=order)
-        with megatron_parallel_state(
-            tensor_model_parallel_size=tp_size,
-            pipeline_model_parallel_size=pp_size,
-            order=order.replace("tp-", "tp-cp-ep-"),
-        ):
-            groups = {
-                name: [dist.get_process_group_ranks(ours), dist.get_process_group_ranks(theirs)]
-                for name, ours, theirs in [
-                    ("tp", grid.tp_group, mpu.get_tensor_model_parallel_group()),
-                    ("dp", grid.dp_group, mpu.get_data_parallel_group()),
-                    ("pp", grid.pp_group, mpu.get_pipeline_model_parallel_group()),
-                ]
-            }
-            total = torch.tensor([float(rank)], device=device)
-            dist.all_reduce(total, group=grid.tp_group)  # the TP group really is the run of consecutive ranks
-            found.append(
-                {
-                    "order": order,
-                    "tp": tp_size,
-                    "pp": pp_size,
-                    "groups": groups,
-                    "describe": grid.describe(),
-                    "ranks": [
-                        [grid.tp_rank, grid.dp_rank],
-                        [mpu.get_tensor_model_parallel_rank(), mpu.get_data_parallel_rank()],
-                    ],
-                    "tp_rank_sum": total.item(),
+        with groups_of_the_block():  # each layout's groups, ours and megatron's, go with it
+            grid = build_layout(tp_size, pp_size, order=order)
+            with megatron_parallel_state(
+                tensor_model_parallel_size=tp_size,
+                pipeline_model_parallel_size=pp_size,
+                order=order.replace("tp-", "tp-cp-ep-"),
+            ):
+                groups = {
+                    name: [dist.get_process_group_ranks(ours), dist.get_process_group_ranks(theirs)]
+                    for name, ours, theirs in [
+                        ("tp", grid.tp_group, mpu.get_tensor_model_parallel_group()),
+                        ("dp", grid.dp_group, mpu.get_data_parallel_group()),
+                        ("pp", grid.pp_group, mpu.get_pipeline_model_parallel_group()),
+                    ]
                 }
-            )
+                total = torch.tensor([float(rank)], device=device)
+                dist.all_reduce(total, group=grid.tp_group)  # the TP group really is the run of consecutive ranks
+                found.append(
+                    {
+                        "order": order,
+                        "tp": tp_size,
+                        "pp": pp_size,
+                        "groups": groups,
+                        "describe": grid.describe(),
+                        "ranks": [
+                            [grid.tp_rank, grid.dp_rank],
+                            [mpu.get_tensor_model_parallel_rank(), mpu.get_data_parallel_rank()],
+                        ],
+                        "tp_rank_sum": total.item(),
+                    }
+                )
     return found
 
 
