@@ -66,6 +66,13 @@ class ParseCache:
         self._memo[(blob, what)] = found
         return found
 
+    def for_this_run(self, key: tuple, compute: Callable[[], T]) -> T:
+        """compute(), once per key for the life of this cache (one check, one build), in memory only: for facts
+        of the checkout that one run asks for many times and the next run must ask again."""
+        if ("run", key) not in self._memo:
+            self._memo[("run", key)] = compute()
+        return self._memo[("run", key)]
+
     def definitions(self, blob: str, parse: Callable[[], object]) -> Spans:
         """symbols.definitions_in of the tree `parse()` gives, for the file `blob`."""
         return self.get(

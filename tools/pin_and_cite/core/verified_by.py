@@ -128,7 +128,11 @@ def evidence_of(root: Path, node_id: str, parsed: ParseCache | None = None) -> E
     path, sep, name = node_id.partition("::")
     if not sep or not name:
         return f"{node_id!r} is not a pytest node id (tests/FILE.py::test_name)"
-    file = _test_file(root, path)
+    file = (
+        parsed.for_this_run(("test file", root, path), lambda: _test_file(root, path))
+        if parsed
+        else _test_file(root, path)
+    )
     if file is None:
         return f"test file {path!r} does not exist under tests/"
     tests = _tests_in(file, parsed)
