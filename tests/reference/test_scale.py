@@ -48,9 +48,9 @@ def seventy_b():
     for name, argv in record_traces.SCALE.items():
         setup, steps, seconds = setup_from(build_parser().parse_args(argv)), {}, {}
         for rank in default_ranks(setup):
-            start = time.perf_counter()
-            steps[stage_of(setup, rank)] = step_of(setup, rank)
-            seconds[stage_of(setup, rank)] = time.perf_counter() - start
+            start, stage = time.perf_counter(), stage_of(setup, rank)
+            steps[stage] = step_of(setup, rank)
+            seconds[stage] = time.perf_counter() - start
         runs[name] = setup, steps, seconds
     return runs
 

@@ -48,7 +48,7 @@ def groups_of_the_block() -> Iterator[None]:
     a decorator).
     torch keeps a group until it is destroyed, and each gloo group keeps a thread waking every 10 ms to poll its
     sockets: megatron's destroy_model_parallel only forgets its dozens of groups, and a launch that built and
-    forgot them config after config ran about 240 such threads a rank, a third of its CPU time in the kernel."""
+    forgot them config after config ran about 240 such threads a rank, half its CPU time in the kernel."""
     before = set(live_process_groups())
     yield  # not on an exception: that rank is going down, and a barrier here would only wait for the others
     dist.barrier()  # every rank is done with the groups before any rank tears its end down

@@ -1,9 +1,9 @@
 """megatron-core's global parallel state for the span of a `with` block, for the workers that run megatron.
 
 megatron's layers, optimizers and schedules read their process groups from `megatron.core.parallel_state`;
-each run sets it up for its own sizes and tears it down after, also when a check raises, so the next run (or
-the next worker of a shared launch, workers/shared_worker.py) starts from none: megatron's own groups
-forgotten, and torch's destroyed (common.groups_of_the_block).
+each run sets it up for its own sizes and tears it down after, so the next run (or the next worker of a shared
+launch, workers/shared_worker.py) starts from none: megatron's groups forgotten (also when a check raises), and
+torch's destroyed (common.groups_of_the_block; not after a raise, when the rank is going down).
 """
 
 import contextlib
