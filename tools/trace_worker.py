@@ -187,6 +187,9 @@ def fsdp_forward(world: int) -> dict:
         "dtype": "float32",
         "dtype_size": 4,
         "tokens_per_rank": FSDP_BATCH * FSDP_CONFIG.seq_length // world,
+        "s": FSDP_CONFIG.seq_length,  # a rank's block shape: calibrated rates are looked up by it
+        "b": FSDP_BATCH // world,
+        "h": FSDP_CONFIG.hidden_size,
         "forward_flops_per_token": flops / (FSDP_BATCH * FSDP_CONFIG.seq_length),
         "units": units,
         "events": [{**{k: e[k] for k in EVENT_KEYS}, "flops": e["flops"], **_times(e)} for e in record["events"]],

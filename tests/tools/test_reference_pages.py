@@ -36,6 +36,7 @@ NO_PAGE = {
     "reference/activation_memory/llama_block.py": "the Llama block's closed form by term; shown on the Scale note",
     "reference/activation_memory/term_table.py": "the Row and tally both blocks' term tables share; mirrors nothing",
     "reference/activation_memory/measure.py": "builds and counts each configuration for tests and the benchmark",
+    "reference/measure/calibrate.py": "times this device's ops for the modeled timelines; mirrors nothing upstream",
 }
 
 
