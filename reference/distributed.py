@@ -35,13 +35,20 @@ class LaunchError(RuntimeError):
 
 
 def pick_device(choice: str = "auto") -> torch.device:
-    """cuda:LOCAL_RANK for "cuda", or for "auto" when a GPU is visible; else cpu."""
+    """cuda:LOCAL_RANK for "cuda", or for "auto" when a GPU per local rank is visible; else cpu. NCCL takes one
+    rank per GPU, so more local ranks than GPUs is refused for "cuda" and runs on CPU for "auto"."""
     if choice not in DEVICE_CHOICES:
         raise LaunchError(f"unknown device {choice!r}; choose one of {', '.join(DEVICE_CHOICES)}")
-    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise LaunchError("--device cuda but no CUDA device is visible")
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    ranks, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", 1)), torch.cuda.device_count()
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise LaunchError("--device cuda but no CUDA device is visible")
+    if choice == "cuda" and ranks > gpus:
+        raise LaunchError(
+            f"--device cuda with {ranks} ranks on this node needs {ranks} GPUs (NCCL takes one rank per GPU), "
+            f"found {gpus}; launch at most {gpus} or use --device cpu"
+        )
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available() and ranks <= gpus):
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return torch.device("cpu")
 
 
