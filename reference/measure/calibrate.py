@@ -77,13 +77,13 @@ BLOCKS = {
 
 
 def grouped_attention(q, k, v):
-    """Causal attention with fewer key/value heads than query heads, as reference...GroupedQueryAttention runs it."""
+    """Causal attention with fewer key/value heads than query heads, as the Llama block runs it."""
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
 def block_ops(block: Block) -> list[tuple[str, Callable, list[list[int]]]]:
-    """(name, function, input shapes) of each op of `block` on one rank, in forward order; residual adds and
-    rotary are left out (elementwise, as the norms and activations that are measured)."""
+    """(name, function, input shapes) of each op of `block` on one rank, in forward order. Residual adds and
+    rotary are left out: elementwise, as the norms and activations are, which stand for them."""
     t, h, d = block.tp, block.h, block.h // block.heads
     tokens, heads, kv, f = block.s * block.b, block.heads // t, block.kv_heads // t, block.ffn // t
     attention = [[block.b, heads, block.s, d], [block.b, kv, block.s, d], [block.b, kv, block.s, d]]
@@ -196,6 +196,8 @@ def device_name(device: torch.device) -> str:
 def calibrate(device: torch.device, dtype_name: str, names: list[str], warmup: int, repeats: int) -> dict:
     """The calibration document: the device, torch and dtype, and each named block measured."""
     dtype, blocks = DTYPES[dtype_name], []
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # the events and the default stream are the current device's
     for name in names:
         begin = time.perf_counter()
         blocks.append(measure_block(BLOCKS[name], device, dtype, warmup, repeats))

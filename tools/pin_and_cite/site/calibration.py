@@ -1,12 +1,12 @@
 """Compute rates a device measured (`python -m reference.measure.calibrate`), for the modeled timelines:
 reading_notes/calibrations/NAME.json, drawn with `diagram(..., calibration="NAME", link_GBps=...)`.
 
-A file holds, per block shape, each op's FLOPs and median seconds, forward and backward, and the block's
-aggregate rate (its FLOPs over its seconds). A trace is re-timed at the aggregate rate of the block measured at
-the trace's own shapes: forward spans at the forward rate, backward spans at the backward rate. Aggregate, not
-per op: a span's FLOPs are one count over all the rank ran in it, not split by op, and the aggregate weights
-each op by its share of the block's FLOPs, as that count does (a first or last stage's embedding and head run
-at the block's rate). A trace whose shapes the file did not measure is an error, never a nearby rate.
+The file holds, per block shape, each op's FLOPs and median seconds, forward and backward, and the block's
+aggregate rate (its FLOPs over its seconds). A trace is re-timed at the aggregate rates of the block measured
+at its own shapes, forward spans at the forward rate, backward spans at the backward one. Aggregate, not per
+op: a span's FLOPs are one count over all the rank ran, not split by op, and the aggregate weights each op by
+its share of the FLOPs, as that count does (an edge stage's embedding and head run at the block's rate). A
+trace at shapes the file did not measure is an error, never a nearby rate.
 """
 
 from __future__ import annotations
