@@ -2,8 +2,8 @@
 
 Wrap children before their parent, as with torch.distributed.fsdp.FullyShardedDataParallel (the demo swaps
 the two with one flag): each wrap flattens the parameters of `module` that no already-wrapped child owns.
-The outermost unit to run forward becomes the root (`_runtime_utils.py::_lazy_init`, 112-143), which
-shares one execution order and one end-of-backward callback with every unit under it.
+The outermost unit to run forward becomes the root (`pytorch:torch/distributed/fsdp/_runtime_utils.py::_lazy_init`),
+which shares one execution order and one end-of-backward callback with every unit under it.
 
 Always behaves like upstream's `use_orig_params=True`: `named_parameters()` yields the original names
 (without the `_fsdp_wrapped_module.` prefix) and the original parameters, whose data is this rank's part of
@@ -99,8 +99,9 @@ class FullyShardedDataParallel(nn.Module):
             device = device_id or getattr(params[0][1], params[0][2]).device
             offload = bool(cpu_offload and cpu_offload.offload_params)
             self.handle = FlatParamHandle(params, self.process_group, torch.device(device), self.param_dtype, offload)
-            # Upstream hooks the flat parameter's AccumulateGrad node (`_register_post_backward_hook`,
-            # _runtime_utils.py 1416-1470); the post-accumulate-grad hook fires at the same point.
+            # Upstream hooks the flat parameter's AccumulateGrad node
+            # (`pytorch:torch/distributed/fsdp/_runtime_utils.py::_register_post_backward_hook`); the
+            # post-accumulate-grad hook fires at the same point.
             if self.handle.flat_param.requires_grad:  # a frozen unit is resharded by the final callback
                 self.handle.flat_param.register_post_accumulate_grad_hook(
                     functools.partial(runtime.post_backward_hook, self, self.handle)

@@ -1,27 +1,10 @@
 """`torchrun --nproc-per-node 8 -m reference --tp 2 --pp 2 --dp 2`: train the small GPT with TP x PP x DP.
 
-Prints the layout, then per step the global loss, rank 0's parameter bytes next to the unsharded model's,
-and rank 0's collectives grouped by the process group they ran on (tp, pp, dp) and by type (count and
-bytes, from the CollectiveRecorder), then for each pipeline stage the schedule it ran, its peak number of
-micro-batches in flight (as the schedule counted them and as autograd held them) and its bubble next to the
-formula (p - 1) / (m + p - 1), then every rank's memory: parameter bytes held and peak activation bytes.
-`--model llama` trains the Llama/Qwen2 block (reference.gpt.model's "llama" style) instead of GPT-2's.
-With --pp 1 --dp 1 this is the tensor-parallel demo. The loss does not depend on the layout, the schedule
-or the number of micro-batches: the same seed gives the same model and data everywhere (compare
-`--nproc-per-node 1` with 8).
-
-`--dp-sharding fsdp` (2D: `torchrun --nproc-per-node 4 -m reference --tp 2 --dp 2 --dp-sharding fsdp
---sequence-parallel`) shards the TP stage over the DP group with reference FSDP (reference.gpt.train.
-fully_sharded) instead of replicating it: the dp traffic becomes per-block all-gathers and reduce-scatters,
-and each rank holds about 1/(tp x dp) of the parameters. It needs --pp 1 and one micro-batch per step.
-
-`--dp-sharding optimizer` keeps the parameters and gradients replicated but shards the optimizer (Megatron's
-distributed optimizer, ZeRO-1: reference.data_parallel.distributed_optimizer): the dp traffic becomes a
-reduce-scatter per gradient bucket and an all-gather per parameter bucket. It needs dp > 1.
-
-`--virtual-stages v` (interleaved 1F1B: `torchrun --nproc-per-node 4 -m reference --pp 4 --virtual-stages 2
---num-layers 8 --micro-batches 8`) gives each stage v model chunks (reference.gpt.model.build_chunks): the
-layers must split into pp x v equal chunks and m must be a multiple of pp, as megatron-core requires.
+Prints the layout, then per step the global loss, rank 0's parameter bytes and its collectives per process
+group (tp, pp, dp), then each stage's schedule, in-flight peak and bubble against (p - 1) / (m + p - 1), then
+every rank's memory. `--model llama` trains the Llama/Qwen2 block; `--dp-sharding fsdp` (2D) or `optimizer`
+(ZeRO-1) shard over DP; `--virtual-stages v` interleaves. The loss does not depend on the layout: the same seed
+gives the same model and data everywhere. docs/reference-guide.md lists the demos and what each prints.
 """
 
 from __future__ import annotations

@@ -1,32 +1,13 @@
 """One 3D-parallel optimizer step: DP replicas take their rows, micro-batches go through the pipeline.
 
-    global batch [B, s + 1] tokens, identical on every rank
-      -> DP replica d takes rows [d B/dp, (d+1) B/dp)          (split_batch)
-      -> m micro-batches of b = B / (dp m) rows, inputs tokens[:, :-1], labels tokens[:, 1:]
-      -> forward_backward(schedule, ...) on this stage, loss of each micro-batch scaled by 1/m, every
-         backward but the last under the data-parallel wrapper's no_sync (gradients accumulate locally)
-      -> the last backward issues the DP bucket all-reduces as buckets fill (overlapped with backward);
-         finalize_model_grads waits for them and sums the sequence-parallel LayerNorm/bias grads over TP
-      -> optimizer step on this stage's parameters
-The gradient is then that of the global batch's mean token loss, whatever tp, pp, dp and m are, so every
-layout trains exactly like the unsharded model (up to fp32 summation order).
+Each DP replica takes its rows of the global batch and cuts them into m micro-batches; the schedule runs them
+with every backward but the last under the DDP wrapper's `no_sync`, `finalize_model_grads` waits for the
+reductions, and the optimizer steps. The gradient is the global batch's mean token loss, whatever tp, pp, dp
+and m are. With `fully_sharded` (FSDP over DP x TP) a step is one micro-batch at pp 1.
 
-Reported loss: the global batch's mean, on every rank. The last stage averages its micro-batch losses,
-all-reduces that over DP, and broadcasts it over the PP group from the last stage; these two small
-collectives run after the step and outside any recorder (they are reporting, not training).
-
-Sharded data parallelism (`fully_sharded`, FSDP over DP x TP): one micro-batch per step (the reference FSDP
-has no no_sync, so it cannot defer its reduce-scatters to the last of several micro-batches) and pp 1. The
-schedule then gets no_sync = a no-op context, and finalize_model_grads is only the TP sum of the
-sequence-parallel gradients on FSDP's sharded gradients (reference/data_parallel/fsdp_tp.py says why after
-the reduce-scatter).
-
-Counterparts: megatron/training/training.py::train (Megatron-LM, outside megatron-core), which hands the
-schedule `config.finalize_model_grads_func` and, only under --overlap-grad-reduce, `config.no_sync_func`, as
-done here with reference.data_parallel's finalize_model_grads and DistributedDataParallel.no_sync (the
-defaults of train_step's `finalize_grads` and `no_sync`). Under its default --align-grad-reduce it also sets
-`config.grad_sync_func`, so that stages after the first reduce after their last backward; this reference
-overlaps the last backward on every stage (Megatron-LM with --no-align-grad-reduce).
+Mirrors Megatron-LM's training loop, which hands
+`megatron-lm:megatron/core/pipeline_parallel/schedules.py::get_forward_backward_func`'s schedule the same two
+hooks (notes/reference/gpt.train.md: the batch's path, the reported loss, and where the overlap differs).
 """
 
 from __future__ import annotations

@@ -1,17 +1,14 @@
 """Column- and row-parallel linear layers, with Megatron-core's argument names and (output, bias) return.
 
-Y = X A + b with A of shape [input_size, output_size] (stored transposed, as nn.Linear and Megatron do):
-  * ColumnParallelLinear splits A by columns, A = [A_1 ... A_p]: rank i computes Y_i = X A_i, a slice of the
-    output features. Its input gradient is partial (dX = sum_i dY_i A_i^T), hence the all-reduce in backward.
-  * RowParallelLinear splits A by rows and X by its last dimension: rank i computes the partial sum X_i A_i,
-    and the full Y = sum_i X_i A_i needs an all-reduce (or, with sequence parallelism, a reduce-scatter) in
-    forward. The bias is added once, after the reduction.
-Column then row (MLP: h -> 4h -> h) needs no communication in between: the column output split is exactly
-the row input split.
+ColumnParallelLinear splits the weight by output features: each rank computes a slice of Y, and its input
+gradient is partial, hence the all-reduce in backward. RowParallelLinear splits it by input features: each rank
+computes a partial sum, reduced in forward, then adds the bias once. Column then row needs no communication
+in between. The process group is passed explicitly instead of read from a ModelParallelConfig.
 
-Counterparts: megatron/core/tensor_parallel/layers.py::ColumnParallelLinear, RowParallelLinear,
-_initialize_affine_weight_cpu. Megatron takes a ModelParallelConfig; here the few settings that matter are
-keyword arguments and the process group is passed explicitly.
+Mirrors `megatron-lm:megatron/core/tensor_parallel/layers.py::ColumnParallelLinear.forward`,
+`megatron-lm:megatron/core/tensor_parallel/layers.py::RowParallelLinear.forward` and
+`megatron-lm:megatron/core/tensor_parallel/layers.py::_initialize_affine_weight_cpu`
+(notes/reference/tensor_parallel.layers.md works the split out).
 """
 
 from __future__ import annotations
