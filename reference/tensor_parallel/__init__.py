@@ -12,5 +12,5 @@
   vocab_parallel.py vocabulary-split embedding and LM head + loss (padding V to a multiple of TP)
   unsharded.py      the same blocks in plain PyTorch: the oracle, and what DTensor parallelizes
 
-Process groups come from reference.parallel_state; reference.recorder records what goes over the wire.
+Process groups come from reference.parallel_state; reference.measure.recorder records what goes over the wire.
 """
