@@ -1,13 +1,11 @@
 """Pipeline schedules: in which order a stage runs the forwards (F) and backwards (B) of m micro-batches.
 
-  GPipe: F0 .. F(m-1), then B0 .. B(m-1). Every stage holds the activations of all m micro-batches.
-  1F1B:  warm-up of w = min(p - 1 - r, m) forwards on stage r, then one forward + one backward until the
-         forwards run out, then the remaining w backwards. Stage r holds at most min(p - r, m) micro-batches.
-  Interleaved 1F1B: v model chunks per stage (reference.pipeline.interleaved).
-Both idle for the bubble (p - 1) / (m + p - 1): 1F1B saves memory, not time. Data parallelism plugs in as
-Megatron's config.no_sync_func (entered before the first micro-batch, left before the last backward) and
-config.finalize_model_grads_func (run after the last backward). An optional observer wraps the whole schedule
-and each action (reference.measure.pipeline_meter times them); the schedules measure nothing.
+  GPipe: F0 .. F(m-1), then B0 .. B(m-1): every stage holds all m micro-batches.
+  1F1B:  w = min(p - 1 - r, m) warm-up forwards on stage r, then one forward + one backward, then w
+         backwards: stage r holds at most min(p - r, m). Interleaved: reference.pipeline.interleaved.
+Both idle for the bubble (p - 1) / (m + p - 1). Data parallelism plugs in as Megatron's config.no_sync_func
+(left before the last backward) and config.finalize_model_grads_func. An optional observer wraps the
+schedule and each action (reference.measure.pipeline_meter); the schedules measure nothing.
 
 Counterparts: megatron/core/pipeline_parallel/schedules.py::forward_backward_pipelining_without_interleaving,
 ::forward_backward_no_pipelining; torch/distributed/pipelining/schedules.py::ScheduleGPipe.
