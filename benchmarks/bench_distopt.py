@@ -36,8 +36,8 @@ from reference.data_parallel.buckets import padded_numel
 from reference.data_parallel.distributed_optimizer import DistributedOptimizer, bytes_per_rank
 from reference.data_parallel.mixed_precision import unsharded
 from reference.distributed import distributed, one_line_errors
+from reference.measure.recorder import CollectiveRecorder
 from reference.parallel_state import ParallelConfigError
-from reference.recorder import CollectiveRecorder
 from reference.tensor_parallel.unsharded import Transformer
 
 VARIANTS = {"ddp": (False, False), "distopt": (True, False), "distopt overlap": (True, True)}

@@ -43,8 +43,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from reference.distributed import distributed
+from reference.measure.recorder import CollectiveRecorder
 from reference.parallel_state import build_layout
-from reference.recorder import CollectiveRecorder
 from reference.tensor_parallel.transformer import ParallelTransformer
 from reference.tensor_parallel.unsharded import Transformer, init_method_normal
 

@@ -46,8 +46,10 @@ from reference.fsdp.units import shard_model
 from reference.gpt.model import GPTConfig, GPTStage, UnshardedGPT, build_chunks, build_stage
 from reference.gpt.train import data_parallel, split_batch, train_step
 from reference.gpt.train import synthetic_batches as gpt_batches
+from reference.measure.fsdp_tracing import unit_scopes
+from reference.measure.pipeline_meter import PipelineMeter
+from reference.measure.recorder import CollectiveRecorder
 from reference.parallel_state import build_layout
-from reference.recorder import CollectiveRecorder
 from reference.tensor_parallel.transformer import ParallelTransformer
 
 TP_SHAPE = dict(s=8, b=2, heads=4)
@@ -166,7 +168,7 @@ def fsdp_forward(world: int) -> dict:
     model = shard_model(model, "reference", dist.group.WORLD, backward_prefetch="BACKWARD_PRE", forward_prefetch=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     recorder = CollectiveRecorder()
-    with sdpa_kernel(SDPBackend.MATH), recorder:  # math attention: the recorder counts its FLOPs
+    with sdpa_kernel(SDPBackend.MATH), recorder, unit_scopes(model):  # math attention: its FLOPs are counted
         for batch in gpt_batches(FSDP_CONFIG, 2, FSDP_BATCH, SEED):
             recorder.clear()  # keep the second step: the first records the unit order, so it cannot prefetch
             ((inputs, labels),) = split_batch(batch, world, rank, 1)
@@ -220,11 +222,17 @@ def pipeline(schedule: str, virtual_stages: int = 1) -> dict:
     model = wrapped if virtual_stages > 1 else wrapped[0]
     optimizer = torch.optim.SGD([p for chunk in wrapped for p in chunk.parameters()], lr=0.1)
     tokens = gpt_batches(config, 1, PIPELINE_M * PIPELINE_B, SEED)[0]
-    recorder = CollectiveRecorder()
-    step = train_step(
-        model, optimizer, tokens, layout, num_micro_batches=PIPELINE_M, schedule=schedule, record=recorder
+    recorder, result = CollectiveRecorder(), PipelineMeter()
+    train_step(
+        model,
+        optimizer,
+        tokens,
+        layout,
+        num_micro_batches=PIPELINE_M,
+        schedule=schedule,
+        record=recorder,
+        observer=result,
     )
-    result = step.pipeline
     p2p = [{k: e[k] for k in EVENT_KEYS} for e in recorder.to_dict()["events"] if e["op"] in P2P_OPS]
     mine = {
         "pp_rank": result.pp_rank,

@@ -20,7 +20,6 @@ from torch.utils._pytree import tree_map
 
 from reference.fsdp.flat_param import FlatParamHandle, HandleTrainingState
 from reference.fsdp.prefetch import PrefetchMode, handle_to_prefetch
-from reference.fsdp.tracing import backward_start, record_backward_span, unit_scope
 
 if TYPE_CHECKING:
     from reference.fsdp.wrapper import FullyShardedDataParallel as Unit
@@ -29,8 +28,7 @@ if TYPE_CHECKING:
 
 def unshard(unit: Unit, handle: FlatParamHandle) -> None:
     """`_unshard`: issue the all-gather (no-op when the buffer is still allocated) without waiting."""
-    with unit_scope(handle.name):
-        handle.unshard()
+    handle.unshard()
 
 
 def prefetch(unit: Unit, current: FlatParamHandle, mode: PrefetchMode) -> None:
@@ -147,7 +145,6 @@ def pre_backward_hook(unit: Unit, handle: FlatParamHandle, grad: torch.Tensor) -
     prefetch(unit, handle, PrefetchMode.BACKWARD)
     handle.wait_unshard()
     handle.ran_pre_backward_hook = True
-    handle.backward_started = backward_start()
     return grad
 
 
@@ -158,7 +155,6 @@ def post_backward_hook(unit: Unit, handle: FlatParamHandle, flat_param: torch.nn
 
     Mirrors `pytorch:torch/distributed/fsdp/_runtime_utils.py::_post_backward_hook`.
     """
-    record_backward_span(handle.name, handle.backward_started)
     handle.training_state = HandleTrainingState.BACKWARD_POST
     unsharded_grad = flat_param.grad
     flat_param.grad = None
@@ -176,8 +172,7 @@ def reduce_grad(unit: Unit, handle: FlatParamHandle, unsharded_grad: torch.Tenso
     grad = unsharded_grad.to(unit.reduce_dtype or unsharded_grad.dtype)
     grad.div_(handle.world_size)
     sharded = torch.empty(handle.shard_numel, dtype=grad.dtype, device=grad.device)
-    with unit_scope(handle.name):
-        work = dist.reduce_scatter_single(sharded, grad, group=handle.process_group, async_op=True)
+    work = dist.reduce_scatter_single(sharded, grad, group=handle.process_group, async_op=True)
     unit.shared.pending_reductions.append((handle, work, sharded))
 
 

@@ -12,7 +12,6 @@ the shard, so an optimizer built from `model.parameters()` steps on shards only.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,7 +23,6 @@ from torch import nn
 from reference.fsdp import runtime
 from reference.fsdp.flat_param import FlatParamHandle
 from reference.fsdp.prefetch import BackwardPrefetch, ExecutionOrder
-from reference.fsdp.tracing import clean_name, forward_span
 
 
 @dataclass(frozen=True)
@@ -103,9 +101,7 @@ class FullyShardedDataParallel(nn.Module):
             # (`pytorch:torch/distributed/fsdp/_runtime_utils.py::_register_post_backward_hook`); the
             # post-accumulate-grad hook fires at the same point.
             if self.handle.flat_param.requires_grad:  # a frozen unit is resharded by the final callback
-                self.handle.flat_param.register_post_accumulate_grad_hook(
-                    functools.partial(runtime.post_backward_hook, self, self.handle)
-                )
+                self.handle.flat_param.register_post_accumulate_grad_hook(self._post_backward_hook)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.shared is None:
@@ -113,9 +109,13 @@ class FullyShardedDataParallel(nn.Module):
         if self.is_root:
             args, kwargs = runtime.root_pre_forward(self, args, kwargs)
         args, kwargs = runtime.pre_forward(self, args, kwargs)
-        with forward_span(self.handle.name if self.handle else type(self._fsdp_wrapped_module).__name__):
-            output = self._fsdp_wrapped_module(*args, **kwargs)
+        output = self._fsdp_wrapped_module(*args, **kwargs)
         return runtime.post_forward(self, output)
+
+    def _post_backward_hook(self, flat_param: nn.Parameter) -> None:
+        """runtime.post_backward_hook, looked up at each call (as FSDP1 calls its runtime through the module's
+        globals), so that an observer can wrap it (reference.measure.fsdp_tracing)."""
+        runtime.post_backward_hook(self, self.handle, flat_param)
 
     def _lazy_init(self) -> None:
         """This unit runs forward first, so it is the root of every unit inside it.
@@ -218,3 +218,8 @@ def _modules_outside_units(module: nn.Module, prefix: str) -> Iterator[tuple[str
     for name, child in module._modules.items():
         if child is not None and not isinstance(child, FullyShardedDataParallel):
             yield from _modules_outside_units(child, f"{prefix}{name}.")
+
+
+def clean_name(name: str) -> str:
+    """A module name without FSDP1's wrapper prefix (both wrappers use `_fsdp_wrapped_module`)."""
+    return name.replace("_fsdp_wrapped_module.", "").replace("_fsdp_wrapped_module", "")

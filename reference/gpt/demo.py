@@ -9,6 +9,7 @@ gives the same model and data everywhere. docs/reference-guide.md lists the demo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -31,10 +32,12 @@ from reference.gpt.model import (
     split_layers,
 )
 from reference.gpt.train import data_parallel, fully_sharded, synthetic_batches, train_step
+from reference.measure.fsdp_tracing import unit_scopes
+from reference.measure.pipeline_meter import PipelineMeter
+from reference.measure.recorder import CollectiveRecorder
 from reference.parallel_state import ParallelConfigError, build_layout, parallel_sizes
 from reference.pipeline.schedules import SCHEDULES, peak_in_flight_formula
 from reference.recompute import RECOMPUTE_MODES
-from reference.recorder import CollectiveRecorder
 
 
 def add_arguments(group) -> None:
@@ -227,22 +230,24 @@ def _train(args, config: GPTConfig, device: torch.device) -> None:
         optimizer = DistributedOptimizer(model, lambda tensors: torch.optim.SGD(tensors, lr=args.lr))
     else:
         optimizer = torch.optim.SGD(params, lr=args.lr)
-    global_batch = args.batch_size * args.micro_batches * layout.dp_size
-    for step, tokens in enumerate(synthetic_batches(config, args.steps, global_batch, args.seed)):
-        recorder.clear()
-        result = train_step(
-            model,
-            optimizer,
-            tokens,
-            layout,
-            num_micro_batches=args.micro_batches,
-            schedule=args.schedule,
-            device=device,
-            record=recorder,
-        )
-        _report_step(args, step, result, recorder, layout, param_bytes)
+    global_batch, meter = args.batch_size * args.micro_batches * layout.dp_size, PipelineMeter(device)
+    with unit_scopes(model) if args.dp_sharding == "fsdp" else contextlib.nullcontext():  # units in the trace
+        for step, tokens in enumerate(synthetic_batches(config, args.steps, global_batch, args.seed)):
+            recorder.clear()
+            loss = train_step(
+                model,
+                optimizer,
+                tokens,
+                layout,
+                num_micro_batches=args.micro_batches,
+                schedule=args.schedule,
+                device=device,
+                record=recorder,
+                observer=meter,
+            )
+            _report_step(args, step, loss, meter.total_s, recorder, layout, param_bytes)
     stages = [None] * dist.get_world_size() if rank == 0 else None  # only rank 0 reports
-    dist.gather_object(result.pipeline.to_dict(), stages, dst=0)
+    dist.gather_object(meter.to_dict(), stages, dst=0)
     if rank == 0:
         _report_pipeline(args, [stages[r] for r in layout.grid[:, 0, 0].tolist()])
     memory = [None] * dist.get_world_size() if rank == 0 else None
@@ -250,7 +255,7 @@ def _train(args, config: GPTConfig, device: torch.device) -> None:
         {
             "rank": rank,
             "param_bytes": held,
-            "peak_activation_bytes": result.pipeline.peak_activation_bytes,
+            "peak_activation_bytes": meter.peak_activation_bytes,
         },
         memory,
         dst=0,
@@ -262,17 +267,16 @@ def _train(args, config: GPTConfig, device: torch.device) -> None:
         (args.trace / f"gpt_trace.rank{rank}.json").write_text(recorder.to_json())
 
 
-def _report_step(args, step, result, recorder, layout, param_bytes: dict | None) -> None:
+def _report_step(args, step, loss: float, seconds: float, recorder, layout, param_bytes: dict | None) -> None:
     if dist.get_rank() != 0:
         return
     groups = recorder.summary_by_group(layout.group_kind, kinds=("tp", "pp", "dp"))
-    seconds = result.pipeline.total_s
     if args.json:
         print(
             json.dumps(
                 {
                     "step": step,
-                    "loss": result.loss,
+                    "loss": loss,
                     "seconds": seconds,
                     "layout": {"tp": layout.tp_size, "pp": layout.pp_size, "dp": layout.dp_size},
                     "dp_sharding": args.dp_sharding,
@@ -291,7 +295,7 @@ def _report_step(args, step, result, recorder, layout, param_bytes: dict | None)
 
     shard, total = param_bytes["param_bytes_per_rank"], param_bytes["param_bytes_unsharded"]
     print(
-        f"step {step}: loss {result.loss:.6f} ({seconds * 1e3:.1f} ms) | parameters on rank 0 {shard} B "
+        f"step {step}: loss {loss:.6f} ({seconds * 1e3:.1f} ms) | parameters on rank 0 {shard} B "
         f"(unsharded {total} B, ratio {shard / total:.3f}) | "
         + " | ".join(f"{name}: {fmt(ops)}" for name, ops in groups.items()),
         flush=True,

@@ -13,7 +13,6 @@ hooks (notes/reference/gpt.train.md: the batch's path, the reported loss, and wh
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 from collections.abc import Callable
 
@@ -27,7 +26,7 @@ from reference.data_parallel.wrapper import DEFAULT_BUCKET_SIZE
 from reference.fsdp import FullyShardedDataParallel
 from reference.gpt.model import GPTConfig, GPTStage
 from reference.parallel_state import ParallelConfigError, ParallelLayout
-from reference.pipeline.schedules import PipelineResult, forward_backward, loss_values
+from reference.pipeline.schedules import forward_backward, loss_values
 from reference.synthetic_data import random_token_batches
 
 
@@ -51,21 +50,16 @@ def split_batch(
     return [(chunk[:, :-1], chunk[:, 1:]) for chunk in mine.chunk(m)]
 
 
-def global_loss(result: PipelineResult, layout: ParallelLayout, device: torch.device) -> float:
-    """The global batch's mean loss on every rank (see the module docstring)."""
-    loss = torch.tensor(sum(result.losses) / len(result.losses) if result.losses else 0.0, device=device)
-    if result.pp_rank == result.pp_size - 1 and layout.dp_size > 1:
+def global_loss(losses: list[float], layout: ParallelLayout, device: torch.device) -> float:
+    """The global batch's mean loss on every rank, from the last stage's micro-batch `losses` (see the module
+    docstring)."""
+    loss = torch.tensor(sum(losses) / len(losses) if losses else 0.0, device=device)
+    if layout.pp_rank == layout.pp_size - 1 and layout.dp_size > 1:
         dist.all_reduce(loss, group=layout.dp_group)
         loss /= layout.dp_size
     if layout.pp_size > 1:
         dist.broadcast(loss, src=dist.get_global_rank(layout.pp_group, layout.pp_size - 1), group=layout.pp_group)
     return loss_values([loss])[0]
-
-
-@dataclasses.dataclass
-class StepResult:
-    loss: float  # the global batch's mean token loss (same on every rank)
-    pipeline: PipelineResult  # this stage's schedule record
 
 
 def data_parallel(
@@ -108,12 +102,14 @@ def train_step(
     record: contextlib.AbstractContextManager | None = None,
     no_sync: Callable[[], contextlib.AbstractContextManager] | None = None,
     finalize_grads: Callable[[], None] | None = None,
-) -> StepResult:
+    observer=None,
+) -> float:
     """One optimizer step on the global batch `tokens` [B, s + 1] for a stage wrapped by `data_parallel` or
     `fully_sharded`, or for a list of v > 1 model chunks each wrapped by `data_parallel` (interleaved 1F1B).
     `no_sync` defaults to the DDP wrappers' (all chunks at once; FSDP: nothing to defer, one micro-batch),
     `finalize_grads` to finalize_model_grads (either wrapper). `record` is a context (e.g. a CollectiveRecorder)
-    around the training work only: schedule, gradient finalization and optimizer step.
+    around the training work only: schedule, gradient finalization and optimizer step; `observer` goes to the
+    schedule (e.g. reference.measure.pipeline_meter.PipelineMeter). Returns the global batch's mean loss.
 
     Mirrors `megatron-lm:megatron/core/pipeline_parallel/schedules.py::get_forward_backward_func`.
     """
@@ -134,7 +130,7 @@ def train_step(
         (x.to(device), y.to(device)) for x, y in split_batch(tokens, layout.dp_size, layout.dp_rank, num_micro_batches)
     ]
     with record or contextlib.nullcontext():
-        result = forward_backward(
+        losses = forward_backward(
             schedule,
             model,
             micro_batches,
@@ -144,11 +140,12 @@ def train_step(
             finalize_grads=finalize_grads or (lambda: finalize_model_grads(chunks, layout.tp_group)),
             dtype=chunks[0].module.params_dtype,
             device=device,
+            observer=observer,
         )
         optimizer.step()
     for chunk in chunks:
         chunk.zero_grad()
-    return StepResult(loss=global_loss(result, layout, device), pipeline=result)
+    return global_loss(losses, layout, device)
 
 
 def _all_no_sync(chunks: list[DistributedDataParallel]) -> contextlib.ExitStack:

@@ -2,7 +2,7 @@
 
 The site re-times each recorded span from its FLOPs at a rate (tools/pin_and_cite/site/modeled.py). This
 measures such rates here: every op of one transformer block, forward and backward, at the shapes the notes'
-traces ran (tools/trace_worker.py) and at a 70B layer's per-rank shapes on TP 8 (reference/scale/shapes.py,
+traces ran (tools/trace_worker.py) and at a 70B layer's per-rank shapes on TP 8 (reference/measure/scale/shapes.py,
 as the scale traces lay it out). FLOPs are torch's own count (FlopCounterMode, on the meta device); time is
 the median of the repeats after warmup, by CUDA events on a GPU, by the clock on the CPU. The JSON file names
 the device, torch and dtype; copied to reading_notes/calibrations/NAME.json, a note draws a timeline at its
@@ -29,7 +29,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from reference.arguments import OneLineParser
-from reference.scale.shapes import MODELS
+from reference.measure.scale.shapes import MODELS
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SCALE_TP = 8  # tools/record_traces.SCALE: the 70B scale traces run TP 8

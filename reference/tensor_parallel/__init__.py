@@ -11,5 +11,5 @@
   vocab_parallel.py the vocabulary-split embedding and LM head
   unsharded.py      the same blocks in plain PyTorch: the oracle
 
-Process groups come from reference.parallel_state.
+Process groups come from reference.parallel_state; reference.measure.recorder records what goes over the wire.
 """

@@ -32,7 +32,7 @@ def vocab_range(per_partition_vocab_size: int, rank: int) -> tuple[int, int]:
 def check_ids(ids: torch.Tensor, vocab_size: int, what: str) -> None:
     """Raise a one-line ParallelConfigError unless every id is an integer in [0, vocab_size).
 
-    Ids on the meta device (reference.scale traces shapes without values) have only their dtype checked."""
+    Ids on the meta device (reference.measure.scale traces shapes without values) have only their dtype checked."""
     if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
         raise ParallelConfigError(f"{what} must be integer token ids, got dtype {ids.dtype}")
     if not ids.numel() or ids.device.type == "meta":

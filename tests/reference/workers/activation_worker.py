@@ -6,7 +6,7 @@ every recompute mode (and, at t > 1, with and without sequence parallelism), and
 losses and gradients equal the no-recompute run's bit for bit; a control run recomputes the attention core
 without restoring the TP dropout stream, to show that restoring it is what makes them equal. On CPU it also
 counts the bytes one block, GPT-2 and Llama, saves for backward in every configuration of Korthikanti et al.'s
-Table 2 that the world allows (reference.activation_memory). Each rank writes OUTDIR/rank{r}.json.
+Table 2 that the world allows (reference.measure.activation_memory). Each rank writes OUTDIR/rank{r}.json.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch.distributed as dist
 from common import max_diff, serve
 
 import reference.recompute
-from reference.activation_memory.measure import count, count_all
+from reference.measure.activation_memory.measure import count, count_all
 from reference.recompute import RECOMPUTE_MODES
 from reference.tensor_parallel.transformer import ParallelTransformer
 

@@ -17,8 +17,8 @@ import torch.distributed as dist
 from common import full_tensor, max_diff, serve
 
 from reference.data_parallel import DistributedDataParallel, finalize_model_grads, local_batch
+from reference.measure.recorder import CollectiveRecorder
 from reference.parallel_state import build_layout
-from reference.recorder import CollectiveRecorder
 from reference.tensor_parallel.transformer import ParallelTransformer
 from reference.tensor_parallel.unsharded import Transformer
 

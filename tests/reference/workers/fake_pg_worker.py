@@ -10,8 +10,8 @@ import torch.distributed as dist
 from common import write_results
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from reference.measure.recorder import CollectiveRecorder
 from reference.parallel_state import build_layout
-from reference.recorder import CollectiveRecorder
 from reference.tensor_parallel.transformer import ParallelTransformer
 
 

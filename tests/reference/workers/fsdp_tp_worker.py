@@ -20,8 +20,8 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from reference.data_parallel import finalize_model_grads, local_batch
 from reference.data_parallel.fsdp_tp import shard_tp_model
+from reference.measure.recorder import CollectiveRecorder
 from reference.parallel_state import ParallelConfigError, build_layout
-from reference.recorder import CollectiveRecorder
 from reference.tensor_parallel.transformer import ParallelTransformer
 from reference.tensor_parallel.unsharded import Transformer
 

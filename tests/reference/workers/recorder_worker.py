@@ -1,4 +1,4 @@
-"""reference.recorder on real collectives (gloo; NCCL on CUDA): what each check recorded, per rank, written
+"""reference.measure.recorder on real collectives (gloo; NCCL on CUDA): what each check recorded, per rank, written
 for test_recorder.py to compare with what it should have recorded."""
 
 import json
@@ -10,7 +10,7 @@ import torch.distributed._functional_collectives as funcol
 from common import serve
 from torch.utils.flop_counter import FlopCounterMode
 
-from reference.recorder import CollectiveRecorder
+from reference.measure.recorder import CollectiveRecorder
 
 
 class AllReduceGradInBackward(torch.autograd.Function):

@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 from common import assert_close, gather_dim, serve
 
+from reference.measure.recorder import CollectiveRecorder
 from reference.parallel_state import build_layout
-from reference.recorder import CollectiveRecorder
 from reference.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from reference.tensor_parallel.transformer import ParallelTransformer
 from reference.tensor_parallel.unsharded import Transformer, init_method_normal

@@ -12,8 +12,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import parallelize_module
 
+from reference.measure.recorder import CollectiveRecorder
 from reference.parallel_state import build_layout
-from reference.recorder import CollectiveRecorder
 from reference.tensor_parallel.layers import allreduce_sequence_parallel_grads
 from reference.tensor_parallel.transformer import ParallelTransformer
 from reference.tensor_parallel.unsharded import Transformer

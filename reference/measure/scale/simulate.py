@@ -10,8 +10,8 @@ send/recv/isend/irecv (not batch_isend_irecv, which needs a backend for the tens
 wrapped by reference.gpt.train.data_parallel (reduce-scattering under the distributed optimizer), its optimizer
 is Adam behind fp32 masters, whole (reference.data_parallel.mixed_precision.unsharded) or sliced over DP
 (reference.data_parallel.distributed_optimizer), and it is stepped by reference.gpt.train.train_step, the code
-`torchrun ... -m reference --tp ... --pp ... --dp ...` trains with. reference.recorder.CollectiveRecorder sees each
-collective of the step at the dispatcher with its real sizes; summarize() groups them by process group
+`torchrun ... -m reference --tp ... --pp ... --dp ...` trains with. reference.measure.recorder.CollectiveRecorder
+sees each collective of the step at the dispatcher with its real sizes; summarize() groups them by process group
 (tp/pp/dp) and collective type. The bytes the rank holds (distributed_optimizer.bytes_per_rank: meta tensors
 have sizes) are compared with formulas.memory.
 
@@ -32,10 +32,11 @@ from reference.data_parallel.distributed_optimizer import DistributedOptimizer, 
 from reference.data_parallel.mixed_precision import unsharded
 from reference.gpt.model import build_chunks, build_stage
 from reference.gpt.train import data_parallel, train_step
+from reference.measure.pipeline_meter import PipelineMeter
+from reference.measure.recorder import CollectiveEvent, CollectiveRecorder
+from reference.measure.scale import formulas
+from reference.measure.scale.shapes import ScaleSetup
 from reference.parallel_state import ParallelLayout, build_layout, rank_grid
-from reference.recorder import CollectiveEvent, CollectiveRecorder
-from reference.scale import formulas
-from reference.scale.shapes import ScaleSetup
 
 GROUPS = ("tp", "pp", "dp")
 
@@ -105,6 +106,7 @@ def trace_rank(setup: ScaleSetup, rank: int, device: str = "meta", held: dict | 
             schedule=setup.schedule,
             device=where,
             record=recorder,
+            observer=PipelineMeter(),  # its two PP barriers frame the bubble, as in every recorded pipeline run
         )
         if held is not None:
             held.update(bytes_per_rank(ddp, optimizer))

@@ -27,9 +27,9 @@ from fractions import Fraction
 
 import torch
 
-from reference.activation_memory.counting import SavedTensor
-from reference.activation_memory.paper import Setting, term_bytes
-from reference.activation_memory.term_table import SAME, Row, Term, table, tally
+from reference.measure.activation_memory.counting import SavedTensor
+from reference.measure.activation_memory.paper import Setting, term_bytes
+from reference.measure.activation_memory.term_table import SAME, Row, Term, table, tally
 
 FORMULAS = {  # bytes per layer, the sum of terms(); d = h / a
     "no parallelism": "sbh(26 + 6k/a) + 8sb + 4asb + 8sbf + 8sd",

@@ -18,9 +18,9 @@ is the paper's term byte for byte. A record that fits no row is an error: an une
 
 from __future__ import annotations
 
-from reference.activation_memory.counting import SavedTensor
-from reference.activation_memory.paper import TERMS, Setting, term_bytes, terms_for
-from reference.activation_memory.term_table import SAME, Row, Term, table, tally
+from reference.measure.activation_memory.counting import SavedTensor
+from reference.measure.activation_memory.paper import TERMS, Setting, term_bytes, terms_for
+from reference.measure.activation_memory.term_table import SAME, Row, Term, table, tally
 
 FP32_ATTENTION = "CPU SDPA math path computes bf16 attention in fp32: 4-byte copies instead of 2"
 NOISE_MASK_FP32 = "CPU dropout saves an fp32 noise tensor (4 bytes/element), not a 1-byte mask"

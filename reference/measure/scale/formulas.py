@@ -1,5 +1,5 @@
 """Closed-form bytes and counts of one training step's collectives, per group and collective type, for the
-rank at pipeline stage `stage` of a ScaleSetup. What reference.scale.simulate measures must equal these.
+rank at pipeline stage `stage` of a ScaleSetup. What reference.measure.scale.simulate measures must equal these.
 
 The step is reference.gpt.train.train_step: the schedule (GPipe or 1F1B: the same transfers in another
 order), then finalize_model_grads, then the optimizer step (no collective). Under interleaving (v model
@@ -9,7 +9,7 @@ chunk sends and receives as a stage of a p v-stage pipeline would, and each chun
 Symbols: m micro-batches, L layers on the stage (reference.gpt.model.split_layers: the first num_layers mod p
 stages take one more), t/p/d the TP/PP/DP sizes, b s h f the micro-batch, sequence, hidden and FFN sizes, V_p
 the padded vocabulary, e the bytes per element (bf16: 2). Bytes follow the recorder's convention
-(reference.recorder): the full tensor, i.e. an all-gather counts the gathered output and a reduce-scatter the
+(reference.measure.recorder): the full tensor, i.e. an all-gather counts the gathered output and a reduce-scatter the
 unreduced input. A = b s h e, one activation. Per micro-batch:
 
   TP, no SP: all-reduce A per block twice forward (attention out, fc2: the g regions) and twice backward
@@ -28,7 +28,7 @@ unreduced input. A = b s h e, one activation. Per micro-batch:
   PP: every stage but the last sends its output forward and receives its gradient back, every stage but the
       first receives its input and sends its input grad: A, or A / t under SP (Megatron sends the sequence
       shard: megatron/core/pipeline_parallel/schedules.py::get_tensor_shapes). Two barriers per step frame
-      the schedule to measure its bubble (reference.pipeline.schedules; Megatron has none). With v chunks,
+      the schedule to measure its bubble (reference.measure.pipeline_meter; Megatron has none). With v chunks,
       each of the m v chunk-forwards does the same except the model's first and last: m (v - 1) transfers
       each way on the first and last stage, m v on the others.
   DP, once per step: DistributedDataParallel all-reduces the gradients of the P parameters this rank holds,
@@ -50,7 +50,7 @@ from __future__ import annotations
 import dataclasses
 
 from reference.gpt.model import split_layers, split_virtual_stages
-from reference.scale.shapes import ScaleSetup
+from reference.measure.scale.shapes import ScaleSetup
 
 FP32 = 4
 
