@@ -181,48 +181,54 @@ class Block(torch.nn.Module):
             return residual + F.dropout(out, self.hidden_dropout, self.training)
 
 
-def TransformerBlock(
-    hidden_size: int,
-    num_attention_heads: int,
-    *,
-    ffn_hidden_size: int | None = None,
-    init_method: Callable | None = None,
-    hidden_dropout: float = 0.0,
-    attention_dropout: float = 0.0,
-    params_dtype=torch.float32,
-    device=None,
-) -> Block:
+class TransformerBlock(Block):
     """The GPT-2 block: LayerNorm, multi-head attention and a GELU MLP, all biased; dropout on each branch."""
-    init, kw = init_method or init_method_normal(), dict(dtype=params_dtype, device=device)
-    return Block(
-        partial(torch.nn.LayerNorm, hidden_size),
-        Attention(hidden_size, num_attention_heads, init, dropout=attention_dropout, **kw),
-        MLP(hidden_size, ffn_hidden_size or 4 * hidden_size, init, **kw),
-        hidden_dropout,
-        **kw,
-    )
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_attention_heads: int,
+        *,
+        ffn_hidden_size: int | None = None,
+        init_method: Callable | None = None,
+        hidden_dropout: float = 0.0,
+        attention_dropout: float = 0.0,
+        params_dtype=torch.float32,
+        device=None,
+    ):
+        init, kw = init_method or init_method_normal(), dict(dtype=params_dtype, device=device)
+        super().__init__(
+            partial(torch.nn.LayerNorm, hidden_size),
+            Attention(hidden_size, num_attention_heads, init, dropout=attention_dropout, **kw),
+            MLP(hidden_size, ffn_hidden_size or 4 * hidden_size, init, **kw),
+            hidden_dropout,
+            **kw,
+        )
 
 
-def LlamaBlock(
-    hidden_size: int,
-    num_attention_heads: int,
-    *,
-    num_kv_heads: int,
-    ffn_hidden_size: int,
-    norm_eps: float,
-    init_method: Callable | None = None,
-    params_dtype=torch.float32,
-    device=None,
-) -> Block:
+class LlamaBlock(Block):
     """The Llama/Qwen2 block: RMSNorm, grouped-query attention with rotary positions, SwiGLU; no dropout."""
-    init, kw = init_method or init_method_normal(), dict(dtype=params_dtype, device=device)
-    return Block(
-        partial(torch.nn.RMSNorm, hidden_size, eps=norm_eps),
-        Attention(hidden_size, num_attention_heads, init, num_kv_heads=num_kv_heads, qkv_only_bias=True, **kw),
-        MLP(hidden_size, ffn_hidden_size, init, gated=True, **kw),
-        0.0,
-        **kw,
-    )
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_attention_heads: int,
+        *,
+        num_kv_heads: int,
+        ffn_hidden_size: int,
+        norm_eps: float,
+        init_method: Callable | None = None,
+        params_dtype=torch.float32,
+        device=None,
+    ):
+        init, kw = init_method or init_method_normal(), dict(dtype=params_dtype, device=device)
+        super().__init__(
+            partial(torch.nn.RMSNorm, hidden_size, eps=norm_eps),
+            Attention(hidden_size, num_attention_heads, init, num_kv_heads=num_kv_heads, qkv_only_bias=True, **kw),
+            MLP(hidden_size, ffn_hidden_size, init, gated=True, **kw),
+            0.0,
+            **kw,
+        )
 
 
 class Transformer(torch.nn.Module):

@@ -1,7 +1,7 @@
 """Worker for the recomputation and activation-memory tests: `torchrun ... activation_worker.py OUTDIR`
 (the device from REFERENCE_TEST_DEVICE; or in a shared launch, workers/shared_worker.py).
 
-At the launch's world size t (1 or 2): trains a two-block ParallelTransformer for two steps with dropout, in
+At the launch's world size t (1 or 2): trains a two-block parallelized Transformer for two steps with dropout, in
 every recompute mode (and, at t > 1, with and without sequence parallelism), and records whether each mode's
 losses and gradients equal the no-recompute run's bit for bit; a control run recomputes the attention core
 without restoring the TP dropout stream, to show that restoring it is what makes them equal. On CPU it also
