@@ -85,6 +85,8 @@ def parallelize_block(
     `recompute`: "none", "selective" (the attention core) or "full" (the whole layer).
     """
     attention, mlp, tp = block.attention, block.mlp, tp_group.size()
+    if not isinstance(attention.qkv, torch.nn.Linear):
+        raise ParallelConfigError(f"{type(block).__name__} is already split over a TP group; parallelize it once")
     heads = attention.qkv.in_features // attention.head_dim
     split_query_groups(heads, heads // attention.queries_per_group, tp)
     sp = sequence_parallel and tp > 1  # as Megatron: off at TP=1

@@ -1,15 +1,14 @@
 """The transformer blocks in plain PyTorch, written once: no ranks, no process groups.
 
-Unchanged, they are the unsharded oracle (and what DTensor parallelizes); reference.tensor_parallel.parallelize
-swaps their linears for column/row-parallel ones, as picotron's apply_tensor_parallel does. Two styles: GPT-2
-(LayerNorm, GELU MLP, dropout) and Llama/Qwen2 (RMSNorm, SwiGLU MLP, rotary positions, grouped-query
-attention). Activations are [s, b, h]. The fused QKV is laid out group by group, [g, (q_1 .. q_{heads/g}, k,
-v), head_dim] (GPT-2: g = heads, one query each), so a contiguous split gives each rank whole groups, as
+Unchanged, they are the unsharded oracle; reference.tensor_parallel.parallelize swaps their linears for
+column/row-parallel ones, as picotron's apply_tensor_parallel does. Two styles: GPT-2 (LayerNorm, GELU MLP,
+dropout) and Llama/Qwen2 (RMSNorm, SwiGLU MLP, rotary positions, grouped-query attention). Activations are
+[s, b, h]. The fused QKV is laid out group by group, [g, (q_1 .. q_{heads/g}, k, v), head_dim] (GPT-2: g =
+heads), so a contiguous split gives each rank whole groups, as
 `megatron-lm:megatron/core/transformer/attention.py::SelfAttention.get_query_key_value_tensors` reads it.
 
-Each weight is drawn as an fp32 master from the global RNG, in Megatron's order, so a parallelized copy of
-the same seed holds slices of the same weights. `rng` (a dropout stream) and `recompute` stay None/"none"
-here; parallelize sets them.
+Each weight is an fp32 master drawn from the global RNG in Megatron's order, so a parallelized copy of the
+same seed holds slices of the same weights. `rng` and `recompute` stay off here; parallelize sets them.
 """
 
 from __future__ import annotations

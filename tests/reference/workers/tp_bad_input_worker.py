@@ -41,6 +41,7 @@ def results(device: torch.device) -> dict:
         "meta_input": lambda: column()(torch.ones(4, 2, 8, device="meta")),
         "last_dimension_6": lambda: column()(torch.ones(4, 2, 6, device=device)),
         "sequence_5": lambda: model(torch.ones(5, 1, 8, device=device)),
+        "split_twice": lambda: parallelize(model, tp),
     }
     errors = {name: error_of(make) for name, make in cases.items()}
     # the same model with padding by request runs and keeps the sequence length
