@@ -54,12 +54,20 @@ def _replaying(function: Callable, rng: TensorParallelRNG) -> Callable:
     return run
 
 
-def checkpoint(function: Callable, rng: TensorParallelRNG, *args: torch.Tensor) -> torch.Tensor:
+def checkpoint(function: Callable, rng: TensorParallelRNG | None, *args: torch.Tensor) -> torch.Tensor:
     """function(*args), keeping only `args` for backward and recomputing the rest there, with the same
-    dropout masks (default generators and the TP stream restored).
+    dropout masks (default generators and the TP stream, if any, restored).
 
     Mirrors `megatron-lm:megatron/core/tensor_parallel/random.py::checkpoint`.
     """
     return torch.utils.checkpoint.checkpoint(
-        _replaying(function, rng), *args, use_reentrant=True, preserve_rng_state=True
+        function if rng is None else _replaying(function, rng), *args, use_reentrant=True, preserve_rng_state=True
     )
+
+
+def recomputed(enabled: bool, rng: TensorParallelRNG | None, function: Callable, *args: torch.Tensor) -> torch.Tensor:
+    """function(*args); `enabled`, in a forward that autograd records, checkpointed: the one dispatch of both
+    modes, selective (the attention core) and full (the whole block)."""
+    if enabled and torch.is_grad_enabled():
+        return checkpoint(function, rng, *args)
+    return function(*args)

@@ -10,7 +10,7 @@ Everything in them is observed, not computed:
     CollectiveRecorder's events (op, module, phase, shape, bytes) of one forward+backward; the forward order of
     the block's leaf modules and of the aten ops run between them (attention, GELU), from module hooks and a
     dispatch mode; the forward FLOPs per rank from torch's FlopCounterMode.
-  * tp_block_llama: the same for the Llama/Qwen2 block (reference.tensor_parallel.transformer.ParallelLlamaBlock,
+  * tp_block_llama: the same for the Llama/Qwen2 block (reference.tensor_parallel.transformer.LlamaBlock,
     GPTConfig(style="llama") with TP_KV_HEADS key/value heads: one per rank), as the one layer of a middle
     pipeline stage, which hands it the rotary positions.
   * fsdp_forward: the reference FSDP on the small GPT (reference.gpt.model.UnshardedGPT, one unit per layer
@@ -50,7 +50,8 @@ from reference.measure.fsdp_tracing import unit_scopes
 from reference.measure.pipeline_meter import PipelineMeter
 from reference.measure.recorder import CollectiveRecorder
 from reference.parallel_state import build_layout
-from reference.tensor_parallel.transformer import ParallelTransformer
+from reference.tensor_parallel.parallelize import parallelize
+from reference.tensor_parallel.transformer import Transformer
 
 TP_SHAPE = dict(s=8, b=2, heads=4)
 TP_HIDDEN = (64, 128)  # two sizes: bytes grow like h, FLOPs like a*h^2 + c*h
@@ -109,10 +110,10 @@ class ForwardSteps(TorchDispatchMode):
 
 def tp_block_model(style: str, h: int, tp_group) -> tuple[torch.nn.Module, object]:
     """One block of `style` as `layers.0` of a module, and its forward from a [s, b, h] activation: "gpt2" a
-    ParallelTransformer, "llama" a middle pipeline stage (no embedding, no head) of the llama GPT, which
+    Transformer split by parallelize, "llama" a middle pipeline stage (no embedding, no head) of the llama GPT, which
     passes the block its rotary positions."""
     if style == "gpt2":
-        model = ParallelTransformer(1, h, TP_SHAPE["heads"], tp_group=tp_group)
+        model = parallelize(Transformer(1, h, TP_SHAPE["heads"]), tp_group)
         return model, model
     config = GPTConfig(
         hidden_size=h,

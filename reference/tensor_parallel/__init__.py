@@ -4,12 +4,12 @@
   mappings.py       the communication regions f, g, scatter/gather and the sequence-parallel pair
   linear_kernel.py  the matmul whose backward overlaps the dX collective with the dW GEMM
   layers.py         ColumnParallelLinear / RowParallelLinear
-  transformer.py    the GPT-2 and Llama/Qwen2 blocks built from them
+  transformer.py    the GPT-2 and Llama/Qwen2 blocks in plain PyTorch: the unsharded oracle
+  parallelize.py    parallelize(model, layout): swaps their linears for the parallel layers
   rotary.py         rotary position embeddings (as HF Qwen2)
   random.py         the per-TP-rank random stream for dropout
   cross_entropy.py  loss parallelism over vocabulary-split logits
   vocab_parallel.py the vocabulary-split embedding and LM head
-  unsharded.py      the same blocks in plain PyTorch: the oracle
 
-Process groups come from reference.parallel_state; reference.measure.recorder records what goes over the wire.
+Process groups come from reference.parallel_state.
 """

@@ -67,7 +67,8 @@ def init_shard_from_master(
 class _ParallelLinear(torch.nn.Module):
     """Parameters and checks shared by both layers, and the keyword arguments both take (`shared` in theirs):
     init_method, bias, sequence_parallel, async_grad_allreduce, gradient_accumulation_fusion, params_dtype,
-    device. Subclasses decide how the weight is split."""
+    device, return_bias (False: return the output alone, as the nn.Linear that parallelize replaces).
+    Subclasses decide how the weight is split."""
 
     def __init__(
         self,
@@ -86,9 +87,11 @@ class _ParallelLinear(torch.nn.Module):
         gradient_accumulation_fusion: bool = False,
         params_dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        return_bias: bool = True,
     ):
         super().__init__()
         self.input_size, self.output_size, self.tp_group = input_size, output_size, tp_group
+        self.return_bias = return_bias
         self.sequence_parallel = sequence_parallel and tp_group.size() > 1  # as Megatron: off at TP=1
         self.async_grad_allreduce = async_grad_allreduce
         self.gradient_accumulation_fusion = gradient_accumulation_fusion
@@ -101,6 +104,9 @@ class _ParallelLinear(torch.nn.Module):
             self.bias = torch.nn.Parameter(torch.zeros(bias_size, dtype=params_dtype, device=device))
         else:
             self.register_parameter("bias", None)
+
+    def _returned(self, output: torch.Tensor, bias: torch.Tensor | None):
+        return (output, bias) if self.return_bias else output
 
     def _check_input(self, x: torch.Tensor, expected_last: int) -> None:
         name = type(self).__name__
@@ -166,7 +172,7 @@ class ColumnParallelLinear(_ParallelLinear):
             if self.gather_output
             else output_parallel
         )
-        return output, (self.bias if self.skip_bias_add else None)
+        return self._returned(output, self.bias if self.skip_bias_add else None)
 
 
 class RowParallelLinear(_ParallelLinear):
@@ -229,8 +235,8 @@ class RowParallelLinear(_ParallelLinear):
         else:
             output = reduce_from_tensor_parallel_region(output_parallel, self.tp_group)
         if self.skip_bias_add or self.bias is None:
-            return output, (self.bias if self.skip_bias_add else None)
-        return output + self.bias, None
+            return self._returned(output, self.bias if self.skip_bias_add else None)
+        return self._returned(output + self.bias, None)
 
 
 def allreduce_sequence_parallel_grads(module: torch.nn.Module, group: dist.ProcessGroup) -> None:

@@ -22,8 +22,6 @@ REWRITTEN_ELSEWHERE = {
     "reference/measure/scale/formulas.py",
     "reference/measure/scale/simulate.py",
     "reference/measure/scale/shapes.py",
-    "reference/tensor_parallel/transformer.py",
-    "reference/tensor_parallel/unsharded.py",
 }
 
 

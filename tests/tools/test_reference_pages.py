@@ -17,7 +17,6 @@ NO_PAGE = {
     "reference/measure/replay.py": "replays recorded schedule orders for their bubble; mirrors nothing upstream",
     "reference/distributed.py": "process-group start and clean teardown for demos, benchmarks and workers",
     "reference/layout.py": "the command that prints a layout (parallel_state.py has the page)",
-    "reference/tensor_parallel/unsharded.py": "the unsharded twin the TP tests compare against",
     "reference/tensor_parallel/rotary.py": "rotary positions of the llama block; its oracle is HF Qwen2, not a pin",
     "reference/synthetic_data.py": "the random token batches every demo and test trains on; mirrors nothing",
     "reference/gpt/hf_weights.py": "maps HF Qwen2 weights onto the llama style; transformers is not a pinned source",

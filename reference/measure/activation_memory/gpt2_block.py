@@ -1,5 +1,6 @@
-"""What the reference GPT-2 block (reference.tensor_parallel.transformer.ParallelTransformerBlock) saves for
-backward, term by term against Korthikanti et al. 2022, with the reason for every byte that differs.
+"""What the reference GPT-2 block (reference.tensor_parallel.transformer.TransformerBlock, split by
+parallelize) saves for backward, term by term against Korthikanti et al. 2022, with the reason for every byte
+that differs.
 
 Measured on CPU with bf16 parameters and activations and dropout on. Where the bytes differ, the cause is one
 of four, each named in its row:

@@ -1,6 +1,6 @@
-"""What the reference Llama/Qwen2 block (reference.tensor_parallel.transformer.ParallelLlamaBlock) saves for
-backward, term by term: the closed form derived from the block, each term next to the GPT-2 term of
-Korthikanti et al. 2022 it replaces and the reason its bytes differ.
+"""What the reference Llama/Qwen2 block (reference.tensor_parallel.transformer.LlamaBlock, split by
+parallelize) saves for backward, term by term: the closed form derived from the block, each term next to the
+GPT-2 term of Korthikanti et al. 2022 it replaces and the reason its bytes differ.
 
 The paper has no table for this block. Sizes: s sequence, b micro-batch, h hidden, a query heads, k key/value
 heads, d = h / a head size, f SwiGLU hidden size (gate and up each), t tensor-parallel size. Measured on CPU

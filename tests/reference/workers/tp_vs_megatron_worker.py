@@ -22,7 +22,7 @@ from megatron_state import megatron_parallel_state
 from reference.measure.recorder import CollectiveRecorder
 from reference.parallel_state import build_layout
 from reference.tensor_parallel import layers as reference_layers
-from reference.tensor_parallel.unsharded import init_method_normal
+from reference.tensor_parallel.transformer import init_method_normal
 from reference.torch_patches import cuda_calls_on_cpu
 
 IN, OUT, B = 8, 16, 2
