@@ -2,8 +2,8 @@
 
 Rank r holds virtual stages r, p + r, ..., (v - 1) p + r. Its forwards follow one table, the same on every rank
 (micro-batches in groups of p, each group through every chunk); its backwards follow that table with the chunks
-reversed. Rank r runs w = min(2 (p - r - 1) + (v - 1) p, v m) warm-up forwards, then one forward and one
-backward, then w backwards; the bubble shrinks to (p - 1) / (v m) of the ideal time.
+reversed. Rank r runs w = min(2 (p - r - 1) + (v - 1) p, v m) warm-up forwards, then alternates, then drains;
+the bubble shrinks to (p - 1) / (v m) of the ideal time.
 
 Mirrors the order of actions per rank of
 `megatron-lm:megatron/core/pipeline_parallel/schedules.py::forward_backward_pipelining_with_interleaving`,
