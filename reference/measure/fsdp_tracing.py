@@ -6,8 +6,7 @@ recorded under the unit it moves (a prefetched all-gather under the unit it fetc
 it), by wrapping the runtime functions that issue them: the reference's `unshard` and `reduce_grad`, FSDP1's
 `_unshard` and `_reduce_grad`, so both compare line by line. For the reference each unit's compute is also
 recorded as spans "<unit> forward" and "<unit> backward", the latter from its pre-backward hook (its
-all-gather landed) to its post-backward hook (its gradient is complete). Nothing is recorded without a
-recorder.
+all-gather landed) to its post-backward hook (its gradient is complete).
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """Interleaved 1F1B: each of the p stages holds v model chunks, and every micro-batch goes round the ring v times.
 
-Rank r holds virtual stages r, p + r, ..., (v - 1) p + r (reference.gpt.model.build_chunks). Its forwards
-follow one table, the same on every rank (micro-batches in groups of p, each group through chunk 0, then
-chunk 1, ...); the k-th backward takes the k-th entry with the chunks reversed. Rank r runs
-w = min(2 (p - r - 1) + (v - 1) p, v m) warm-up forwards, then one forward and one backward, then w
-backwards; the bubble shrinks to (p - 1) / (v m) of the ideal time.
+Rank r holds virtual stages r, p + r, ..., (v - 1) p + r. Its forwards follow one table, the same on every rank
+(micro-batches in groups of p, each group through every chunk); its backwards follow that table with the chunks
+reversed. Rank r runs w = min(2 (p - r - 1) + (v - 1) p, v m) warm-up forwards, then alternates, then drains;
+the bubble shrinks to (p - 1) / (v m) of the ideal time.
 
-Counterpart: megatron/core/pipeline_parallel/schedules.py::forward_backward_pipelining_with_interleaving:
-its order of actions per rank, not its moment of each transfer (see reference.pipeline.p2p.RingP2P).
+Mirrors the order of actions per rank of
+`megatron-lm:megatron/core/pipeline_parallel/schedules.py::forward_backward_pipelining_with_interleaving`,
+not the moment of each transfer (reference.pipeline.p2p.RingP2P).
 """
 
 from __future__ import annotations
