@@ -36,7 +36,6 @@ SHARED = [
         "cpu",
         (
             "fsdp_worker.py",
-            "fsdp1_upstream_worker.py",
             "qwen2_oracle_worker.py",
             "qwen2_dtensor_worker.py",
             "activation_worker.py",
