@@ -45,7 +45,6 @@ SHARED = [
             "tp_bad_input_worker.py",
             "tp_vs_megatron_worker.py",
             "vocab_parallel_worker.py",
-            "megatron_claims_worker.py",
             "megatron_activation_worker.py",
             "megatron_distopt_worker.py",
         ),
