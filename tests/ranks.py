@@ -1,17 +1,16 @@
 """Tests whose body runs on every rank of a torchrun launch, as torchtitan's DTensorTestBase/@with_comms runs them.
 
-    @on_ranks(2, 4, devices=DEVICES)          # one test per world size and device: test_x[2ranks-cpu], ...
-    def test_all_reduce_sums(ranks):          # ranks: .rank, .world, .device, .group (tests/on_rank.Ranks)
+    @on_ranks(2, 4, devices=DEVICES)          # test_x[2ranks-cpu], test_x[4ranks-cpu], test_x[2ranks-cuda], ...
+    def test_x(ranks):                        # ranks: .rank, .world, .device, .group (tests/on_rank.Ranks)
         total = torch.ones(1, device=ranks.device)
         dist.all_reduce(total)
         assert total.item() == ranks.world
 
-The body runs on each rank (gloo on CPU, NCCL on CUDA) and asserts there: the test passes when every rank
-passed, fails with each failing rank's traceback and output, skips when a rank called pytest.skip, or when there
-are fewer GPUs than ranks. Other parameters come from pytest.mark.parametrize (JSON values).
-The first such test at a (world, device, timeout) launches once for all of them this session collected, in
-collection order; a test that fails or kills its launch is reported, and the rest run in a new launch.
-"""
+Each rank runs the body (gloo on CPU, NCCL on CUDA). The test passes when every rank passed, fails with each
+failing rank's traceback and output, skips when a rank skipped or there are fewer GPUs than ranks. Other
+arguments come from pytest.mark.parametrize. The first such test at a (world, device, timeout) launches once for
+all of them the session collected, in order; a failure or a dead launch is reported on its test, the rest
+relaunched."""
 
 from __future__ import annotations
 

@@ -3,16 +3,7 @@
 At world 2 on CPU/gloo, the first test to ask trains the test GPT (reference.gpt.model.UnshardedGPT, one FSDP1
 unit per layer, then the root) three steps with FSDP1's defaults and with each option the note discusses, under
 one CollectiveRecorder (`recorded()`, once a rank); each test asserts on what its rank recorded. The only option
-every configuration sets is device_id=cpu: FSDP1 refuses a CPU module without it. Per configuration and step:
-  events  every all-gather and reduce-scatter (op, unit, phase, bytes, dtype, issue time), attributed to the
-          unit whose flat parameter it moves (reference.measure.fsdp_tracing.torch_fsdp1_unit_scopes);
-  spans   "<unit> pre-forward" (the FSDP module's call up to its wrapped module's forward), "<unit> forward",
-          "<unit> post-forward", "<unit> pre-backward" and "<unit> post-backward" (FSDP1's `_pre_backward_hook` /
-          `_post_backward_hook` calls that run), "final callback" (`_post_backward_final_callback`);
-  marks   at the end of each span (and the start of the final callback), every unit's `_prefetched`,
-          `_needs_pre_forward_unshard`, `_needs_pre_backward_unshard` and whether its unsharded flat parameter
-          is allocated ("gathered");
-  waits   how many times `_unshard`'s rate limiter took a free event to synchronize.
+every configuration sets is device_id=cpu: FSDP1 refuses a CPU module without it.
 Units in forward order: root (embedding, final LayerNorm, output layer and loss; its forward encloses the
 layers'), layers.0-2. Prefetch claims are checked from step 1 on (step 0 records the forward order).
 """
@@ -96,7 +87,7 @@ def flags(handle) -> dict[str, bool]:
 
 
 class HookLog:
-    """Spans of FSDP1's hooks and the units' flags at their ends, for one model (see the module docstring)."""
+    """Spans of FSDP1's hooks and the units' flags at their ends, for one model (see run_config)."""
 
     def __init__(self, model: FSDP, recorder: CollectiveRecorder) -> None:
         self.units, self.recorder = units(model), recorder
@@ -205,6 +196,17 @@ def parameter_table(module: nn.Module) -> list[list]:
 
 
 def run_config(options: dict, initial: nn.Module, recorder: CollectiveRecorder, rank: int, world: int):
+    """One configuration's steps and its parameters' views; per step:
+    events  every all-gather and reduce-scatter (op, unit, phase, bytes, dtype, issue time), attributed to the
+            unit whose flat parameter it moves (reference.measure.fsdp_tracing.torch_fsdp1_unit_scopes);
+    spans   "<unit> pre-forward" (the FSDP module's call up to its wrapped module's forward), "<unit> forward",
+            "<unit> post-forward", "<unit> pre-backward" and "<unit> post-backward" (FSDP1's `_pre_backward_hook` /
+            `_post_backward_hook` calls that run), "final callback" (`_post_backward_final_callback`);
+    marks   at the end of each span (and the start of the final callback), every unit's `_prefetched`,
+            `_needs_pre_forward_unshard`, `_needs_pre_backward_unshard` and whether its unsharded flat parameter
+            is allocated ("gathered");
+    waits   how many times `_unshard`'s rate limiter took a free event to synchronize.
+    """
     model = copy.deepcopy(initial)
     model.register_buffer("scale", torch.ones(()))  # a floating buffer for buffer_dtype (unused by forward)
     model = wrap(model, LAYERS, **options)
