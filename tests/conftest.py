@@ -8,8 +8,8 @@ the workers found and fails the run naming them. A worker that crashed never che
 gone, the controller kills and names what still runs from any of them (RUN_VARIABLE).
 
 Scheduling (pytest_xdist_make_scheduler, scope_of): tests that read one session-cached torchrun launch
-(tests/launch.py) run in one worker, as do the site tests (they build into the repository's docs/); other
-tests go to the workers a module at a time.
+(tests/launch.py, and every @on_ranks test: tests/ranks.py) run in one worker, as do the site tests (they build
+into the repository's docs/); other tests go to the workers a module at a time.
 """
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ import time
 import pytest
 
 from tests.processes import RUN_VARIABLE, SESSION_VARIABLE, live_with_environment, new_session_token
+from tests.ranks import is_ranked
+
+pytest_plugins = ["pytester"]  # tests/test_ranks.py runs the harness in a pytest of its own
 
 GRACE_S = 5.0  # a process told to stop at the end of the last test may need a moment to exit
 
@@ -47,7 +50,10 @@ def scope_of(nodeid: str) -> str:
     """The unit xdist hands to one worker: tests that read one session-cached launch must share it. The
     tests/reference files on the SHARED groups' launches (tests/launch.py) are one scope, the benchmark smoke
     tests (one bench_worker launch) another, tests/site (it builds into docs/) a third; any other module,
-    including the demo and in-process tests of tests/reference (launches of their own), is its own scope."""
+    including the demo and in-process tests of tests/reference (launches of their own), is its own scope.
+    Every @on_ranks test is in one scope: a worker launches for all it collected (tests/ranks.py)."""
+    if is_ranked(nodeid):
+        return "@on_ranks"
     module = nodeid.split("::", 1)[0]  # parameter ids may hold "::"
     if module.startswith("tests/site/"):
         return "tests/site"

@@ -36,7 +36,6 @@ SHARED = [
         "cpu",
         (
             "fsdp_worker.py",
-            "fsdp1_upstream_worker.py",
             "qwen2_oracle_worker.py",
             "qwen2_dtensor_worker.py",
             "activation_worker.py",
@@ -44,10 +43,8 @@ SHARED = [
             "tp_vs_unsharded_worker.py",
             "tp_vs_dtensor_worker.py",
             "tp_bad_input_worker.py",
-            "recorder_worker.py",
             "tp_vs_megatron_worker.py",
             "vocab_parallel_worker.py",
-            "megatron_claims_worker.py",
             "megatron_activation_worker.py",
             "megatron_distopt_worker.py",
         ),

@@ -23,3 +23,5 @@ def test_scopes():
     assert scope_of("tests/reference/test_bench_decoder.py::t") == scope_of("tests/reference/test_bench_distopt.py::t")
     assert scope_of("tests/site/test_browser.py::t") == scope_of("tests/site/test_build.py::t") == "tests/site"
     assert scope_of("tests/tools/test_defaults.py::t[up:pkg/f.py::C-x]") == "tests/tools/test_defaults.py"
+    ranked = scope_of("tests/reference/test_recorder.py::test_a[2ranks-cpu]")  # @on_ranks tests: one scope
+    assert ranked == scope_of("tests/test_ranks.py::test_b[x-4ranks-cuda]") != "tests/reference"

@@ -1,0 +1,104 @@
+"""The rank side of tests/ranks.py: `torchrun tests/on_rank.py SPEC OUT` runs, on this rank, the bodies of the
+tests SPEC lists, in order, and writes OUT/{i}.rank{R}.json (outcome, traceback) and OUT/{i}.rank{R}.log (what
+the body printed) for the i-th.
+
+After each body the ranks exchange outcomes on a gloo group of the harness's own, so a rank still blocked in a
+collective (until the launch's group timeout) cannot be matched with another rank's next one. All passed: the
+groups the body made are destroyed and the next test starts. A failure: every rank stops, and tests/ranks.py
+launches again for the tests not yet run.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import importlib.util
+import json
+import os
+import sys
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+import torch
+import torch.distributed as dist
+from _pytest.assertion.rewrite import rewrite_asserts
+
+from reference.distributed import finish, init_distributed
+from reference.torch_patches import live_process_groups
+
+
+class Ranks(NamedTuple):
+    """What a test body gets: this rank, the world size, this rank's device and the default group."""
+
+    rank: int
+    world: int
+    device: torch.device
+    group: dist.ProcessGroup
+
+
+def load_body(path: str, module: str, name: str):
+    """The undecorated body of test `name` in the file at `path`, its asserts rewritten as pytest rewrites them."""
+    if module not in sys.modules:
+        spec = importlib.util.spec_from_file_location(module, path)
+        loaded = importlib.util.module_from_spec(spec)
+        source = Path(path).read_bytes()
+        tree = ast.parse(source)
+        rewrite_asserts(tree, source, path)
+        sys.modules[module] = loaded
+        exec(compile(tree, path, "exec"), loaded.__dict__)
+    return getattr(sys.modules[module], name).body
+
+
+@contextlib.contextmanager
+def output_to(log: Path):
+    """This process's stdout and stderr (file descriptors 1 and 2) appended to `log` for the block."""
+    sys.stdout.flush(), sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    with open(log, "ab") as f:
+        os.dup2(f.fileno(), 1), os.dup2(f.fileno(), 2)
+    try:
+        yield
+    finally:
+        sys.stdout.flush(), sys.stderr.flush()
+        for fd, old in zip((1, 2), saved):
+            os.dup2(old, fd)
+            os.close(old)
+
+
+def run(test: dict, ranks: Ranks, log: Path) -> dict:
+    with output_to(log):
+        try:
+            load_body(test["path"], test["module"], test["name"])(ranks, **test["params"])
+        except pytest.skip.Exception as skip:
+            return {"outcome": "skipped", "message": skip.msg}
+        except BaseException:  # noqa: B036 - an assertion, an error, a timed-out collective, a sys.exit
+            return {"outcome": "failed", "message": traceback.format_exc()}
+    return {"outcome": "passed", "message": ""}
+
+
+def main() -> None:
+    spec, out = json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2])
+    device = init_distributed(spec["device"], spec["timeout_s"])
+    ranks = Ranks(dist.get_rank(), dist.get_world_size(), device, dist.group.WORLD)
+    harness = dist.new_group(backend="gloo", timeout=timedelta(seconds=spec["launch_timeout_s"]))
+    for index, test in enumerate(spec["tests"]):
+        before = set(live_process_groups())
+        result = run(test, ranks, out / f"{index}.rank{ranks.rank}.log")
+        (out / f"{index}.rank{ranks.rank}.json").write_text(json.dumps(result))
+        outcomes = [None] * ranks.world
+        dist.all_gather_object(outcomes, result["outcome"], group=harness)
+        if "failed" in outcomes:  # the groups may hold unmatched collectives: leave without touching them
+            sys.stdout.flush(), sys.stderr.flush()
+            os._exit(0)
+        for group in live_process_groups():
+            if group not in before:
+                dist.destroy_process_group(group)
+    dist.destroy_process_group(harness)
+    finish()
+
+
+if __name__ == "__main__":
+    main()
