@@ -32,10 +32,10 @@ import functools
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch.autograd import Variable
 from torch.utils._pytree import tree_map
 
+from reference.distributed import reduce_scatter_single
 from reference.fsdp.flat_param import FlatParamHandle, HandleTrainingState
 from reference.fsdp.prefetch import PrefetchMode, handle_to_prefetch
 from reference.fsdp.tracing import backward_start, record_backward_span, unit_scope
@@ -195,7 +195,7 @@ def reduce_grad(unit: Unit, handle: FlatParamHandle, unsharded_grad: torch.Tenso
     grad.div_(handle.world_size)
     sharded = torch.empty(handle.shard_numel, dtype=grad.dtype, device=grad.device)
     with unit_scope(handle.name):
-        work = dist.reduce_scatter_single(sharded, grad, group=handle.process_group, async_op=True)
+        work = reduce_scatter_single(sharded, grad, group=handle.process_group, async_op=True)
     unit.shared.pending_reductions.append((handle, work, sharded))
 
 

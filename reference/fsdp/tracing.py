@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import torch
 
 from reference.recorder import CollectiveRecorder
-from reference.torch_patches import fsdp1_runtime_wrapped
+from reference.torch_patches import FSDP1_SCOPES, available, fsdp1_runtime_wrapped
 
 
 @contextlib.contextmanager
@@ -56,7 +56,11 @@ def torch_fsdp1_unit_scopes(model: torch.nn.Module) -> Iterator[None]:
     FSDP1 issues every all-gather from pytorch:torch/distributed/fsdp/_runtime_utils.py::_unshard and every
     reduce-scatter from `_reduce_grad`; wrapping those two for the duration
     (reference.torch_patches.fsdp1_runtime_wrapped) scopes each collective under the unit its handle belongs to.
+    Where the installed torch has no such functions, FSDP1 runs unscoped (one warning line).
     """
+    if not available(FSDP1_SCOPES):
+        yield
+        return
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     names = {

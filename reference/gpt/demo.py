@@ -282,7 +282,7 @@ def _train(args, config: GPTConfig, device: torch.device) -> None:
 def _report_step(args, step, result, recorder, layout, param_bytes: dict | None) -> None:
     if dist.get_rank() != 0:
         return
-    groups = recorder.summary_by_group(layout.group_kind, kinds=("tp", "pp", "dp"))
+    groups = recorder.summary_by_group(layout.group_kind, kinds=("tp", "pp", "dp")) if recorder.on else {}
     seconds = result.pipeline.total_s
     if args.json:
         print(
@@ -310,7 +310,7 @@ def _report_step(args, step, result, recorder, layout, param_bytes: dict | None)
     print(
         f"step {step}: loss {result.loss:.6f} ({seconds * 1e3:.1f} ms) | parameters on rank 0 {shard} B "
         f"(unsharded {total} B, ratio {shard / total:.3f}) | "
-        + " | ".join(f"{name}: {fmt(ops)}" for name, ops in groups.items()),
+        + (" | ".join(f"{name}: {fmt(ops)}" for name, ops in groups.items()) or "collectives not recorded"),
         flush=True,
     )
 
