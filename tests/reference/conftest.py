@@ -7,23 +7,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.launch import ROOT
-
-PINNED_TORCH = next(
-    line.removeprefix("torch==")
-    for line in (ROOT / "constraints.txt").read_text().splitlines()
-    if line.startswith("torch==")
-)
+from tests.launch import PINNED_TORCH, on_pinned_torch
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Tests that run torch's own FSDP1, DTensor or pipelining as the notes' evidence (upstream("pytorch")) skip
     on another torch: the notes cite the pinned torch's source, and another release may differ from it."""
-    installed = torch.__version__
-    if installed.split("+")[0] == PINNED_TORCH:
+    if on_pinned_torch():
         return
     skip = pytest.mark.skip(
-        reason=f"upstream evidence for the cited torch {PINNED_TORCH} (constraints.txt); torch {installed} is installed"
+        reason=f"upstream evidence of the cited torch {PINNED_TORCH} (constraints.txt); "
+        f"torch {torch.__version__} is installed"
     )
     for item in items:
         if any(mark.args[:1] == ("pytorch",) for mark in item.iter_markers("upstream")):
