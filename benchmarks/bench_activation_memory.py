@@ -7,7 +7,7 @@ One reference block per configuration: no parallelism, tensor parallel, + sequen
 recompute, full recompute, with t = the number of ranks; the GPT-2 block (dropout 0.1) and the Llama block
 (RMSNorm, rotary, grouped-query attention with --num-kv-heads, SwiGLU of --ffn-hidden-size, no dropout), or
 one of them with --model; bf16 parameters and activations.
-CPU: the bytes autograd keeps for backward, counted with saved-tensor hooks (reference.activation_memory), next
+CPU: the bytes autograd keeps for backward, counted with saved-tensor hooks (reference.measure.activation_memory), next
 to the closed form (GPT-2: the paper's; Llama: llama_block.FORMULAS, with Table 2 for a GPT-2 layer of the same
 s, b, h, a, t beside it), then with --terms the term table that explains every byte (--json: all of it as
 JSON, the trace the scale page renders: GPT-2 at the top level, Llama under "llama").
@@ -23,10 +23,10 @@ import json
 import torch
 import torch.distributed as dist
 
-from reference.activation_memory.measure import MODELS, Count, build_block, count_all
-from reference.activation_memory.paper import Setting
 from reference.arguments import OneLineParser
 from reference.distributed import distributed, one_line_errors
+from reference.measure.activation_memory.measure import MODELS, Count, build_block, count_all
+from reference.measure.activation_memory.paper import Setting
 
 
 def cuda_bytes(x: Setting, tp_group, device) -> tuple[int, int]:

@@ -31,8 +31,8 @@ from reference.distributed import distributed
 from reference.gpt.hf_weights import load_hf_into_stage, qwen2_config
 from reference.gpt.model import GPTConfig, build_stage
 from reference.gpt.train import synthetic_batches
+from reference.measure.recorder import CollectiveRecorder
 from reference.parallel_state import build_layout
-from reference.recorder import CollectiveRecorder
 
 
 def parse_args():

@@ -3,7 +3,7 @@ traffic per step and step time, side by side in one run.
 
     torchrun --nproc-per-node 4 benchmarks/bench_distopt.py [--hidden-size 128 --num-layers 4]
 
-Three copies of the same bf16 transformer (reference.tensor_parallel.unsharded, same seed) train with Adam on
+Three copies of the same bf16 transformer (reference.tensor_parallel.transformer, same seed) train with Adam on
 the same batches over the whole world as one DP group, interleaved step by step:
   * ddp              fp32 main_grad buckets all-reduced; fp32 masters and Adam states of every parameter on
                      every rank (reference.data_parallel.mixed_precision.unsharded)
@@ -36,9 +36,9 @@ from reference.data_parallel.buckets import padded_numel
 from reference.data_parallel.distributed_optimizer import DistributedOptimizer, bytes_per_rank
 from reference.data_parallel.mixed_precision import unsharded
 from reference.distributed import distributed, one_line_errors
+from reference.measure.recorder import CollectiveRecorder
 from reference.parallel_state import ParallelConfigError
-from reference.recorder import CollectiveRecorder
-from reference.tensor_parallel.unsharded import Transformer
+from reference.tensor_parallel.transformer import Transformer
 
 VARIANTS = {"ddp": (False, False), "distopt": (True, False), "distopt overlap": (True, True)}
 RING = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1}  # x (N-1)/N of the full buffer, per rank

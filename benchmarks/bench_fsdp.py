@@ -29,7 +29,7 @@ from reference.distributed import all_gather_single, distributed, reduce_scatter
 from reference.fsdp.units import shard_model, sharded_parameter_bytes
 from reference.gpt.model import GPTConfig, UnshardedGPT
 from reference.gpt.train import split_batch, synthetic_batches
-from reference.recorder import CollectiveRecorder
+from reference.measure.recorder import CollectiveRecorder
 
 CONFIGS = [  # (label, implementation, backward_prefetch, forward_prefetch)
     ("reference none", "reference", None, False),

@@ -18,7 +18,7 @@ Printed by rank 0 (`--json`: one object instead):
     of micro-batches in flight, as the schedule counts them and as autograd holds them (reference.pipeline.
     in_flight), and the 1F1B/GPipe ratio of the bytes against the formula min(p - r, m) / m; time: the
     measured bubble (median over steps) against (p - 1) / (m + p - 1), and per variant the "replayed"
-    bubble of the recorded orders under uniform costs (reference.pipeline.replay), which ranks sharing a
+    bubble of the recorded orders under uniform costs (reference.measure.replay), which ranks sharing a
     few CPU cores cannot disturb. The formula assumes equal stages;
     here the first stage also embeds and the last one computes the loss. Interleaved: its peak bytes and
     chunk-forwards in flight against min(2 (p - r - 1) + (V - 1) p + 1, V m), its bubble against
@@ -45,10 +45,11 @@ import torch.distributed as dist
 from reference.distributed import distributed, one_line_errors
 from reference.gpt.model import GPTConfig, build_chunks, build_stage, check_virtual_pipeline, split_layers
 from reference.gpt.train import data_parallel, synthetic_batches, train_step
+from reference.measure.pipeline_meter import PipelineMeter
+from reference.measure.recorder import CollectiveRecorder
+from reference.measure.replay import idle_fraction
 from reference.parallel_state import ParallelConfigError, build_layout
-from reference.pipeline.replay import idle_fraction
 from reference.pipeline.schedules import SCHEDULES, bubble_formula, peak_in_flight_formula
-from reference.recorder import CollectiveRecorder
 
 
 def parse_args() -> argparse.Namespace:
@@ -157,8 +158,8 @@ def _benchmark(args, config: GPTConfig, device: torch.device) -> None:
         dist.barrier()
         if cuda:
             torch.cuda.synchronize()
-        start = time.perf_counter()
-        result = train_step(
+        start, meter = time.perf_counter(), PipelineMeter(device)
+        loss = train_step(
             model,
             optimizers[label],
             tokens,
@@ -167,10 +168,11 @@ def _benchmark(args, config: GPTConfig, device: torch.device) -> None:
             schedule=schedule,
             device=device,
             record=record,
+            observer=meter,
         )
         if cuda:
             torch.cuda.synchronize()
-        return time.perf_counter() - start, result
+        return time.perf_counter() - start, loss, meter
 
     mine = {
         label: {
@@ -190,9 +192,9 @@ def _benchmark(args, config: GPTConfig, device: torch.device) -> None:
         for label, schedule, _ in variants:
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
-            seconds, result = step(label, schedule, tokens)
-            record, pipeline = mine[label], result.pipeline
-            record["losses"].append(result.loss)
+            seconds, loss, pipeline = step(label, schedule, tokens)
+            record = mine[label]
+            record["losses"].append(loss)
             record["actions"] = pipeline.actions
             record["peak_bytes"] = max(record["peak_bytes"], pipeline.peak_activation_bytes)
             record["peak_in_flight"] = max(record["peak_in_flight"], pipeline.peak_in_flight)
@@ -207,8 +209,8 @@ def _benchmark(args, config: GPTConfig, device: torch.device) -> None:
     dp_ranks = tuple(dist.get_process_group_ranks(layout.dp_group))
     for label, schedule, _ in variants:  # one more step, recorded: when were the DP all-reduces issued?
         recorder = CollectiveRecorder()
-        _, result = step(label, schedule, batches[-1], record=recorder)
-        mine[label]["losses"].append(result.loss)
+        _, loss, _ = step(label, schedule, batches[-1], record=recorder)
+        mine[label]["losses"].append(loss)
         dp = [e for e in recorder.events if e.op == "all_reduce" and e.group_ranks == dp_ranks and len(dp_ranks) > 1]
         mine[label]["dp_all_reduces"] = len(dp)
         mine[label]["dp_all_reduces_in_backward"] = sum(e.phase == "backward" for e in dp)

@@ -4,13 +4,13 @@
 
 All three run the same model at the same shapes on the same ranks, interleaved step by step so that
 machine noise hits them alike; the medians and ratios are printed by rank 0.
-  * reference: reference.tensor_parallel.transformer.ParallelTransformer; also "ref-sync" (flag
+  * reference: reference.tensor_parallel.transformer.Transformer split by parallelize; also "ref-sync" (flag
                async_grad_allreduce off: no overlap of the dX collective with the dW GEMM) and "ref-fusion"
                (gradient_accumulation_fusion on: dW accumulated into main_grad), to show each flag's effect
   * megatron:  the same block with its four linear layers swapped for megatron-core 0.16.1's
                ColumnParallelLinear / RowParallelLinear (same arguments, same (output, bias) convention),
                so the comparison isolates the parallel linear layers and their communication
-  * dtensor:   reference.tensor_parallel.unsharded.Transformer parallelized with DTensor's ColwiseParallel /
+  * dtensor:   reference.tensor_parallel.transformer.Transformer parallelized with DTensor's ColwiseParallel /
                RowwiseParallel (and SequenceParallel for LayerNorm with --sequence-parallel)
 Then one recorded step per implementation gives the bytes communicated per step, against the formula.
 """
@@ -43,10 +43,10 @@ from torch.distributed.tensor.parallel import (
 )
 
 from reference.distributed import distributed
+from reference.measure.recorder import CollectiveRecorder
 from reference.parallel_state import build_layout
-from reference.recorder import CollectiveRecorder
-from reference.tensor_parallel.transformer import ParallelTransformer
-from reference.tensor_parallel.unsharded import Transformer, init_method_normal
+from reference.tensor_parallel.parallelize import parallelize
+from reference.tensor_parallel.transformer import Transformer, init_method_normal
 
 
 def parse_args():
@@ -63,8 +63,9 @@ def parse_args():
     return parser.parse_args()
 
 
-def megatron_swap(model: ParallelTransformer, args, device) -> ParallelTransformer:
-    """Replace every reference linear layer by megatron-core's, built the same way (same seed order)."""
+def megatron_swap(model: Transformer, args, device) -> Transformer:
+    """Replace every reference linear layer by megatron-core's, built the same way (same seed order); each
+    returns its output alone (bias added), as the nn.Linear the block is written for."""
     config = ModelParallelConfig(
         tensor_model_parallel_size=dist.get_world_size(),
         sequence_parallel=args.sequence_parallel,
@@ -87,7 +88,8 @@ def megatron_swap(model: ParallelTransformer, args, device) -> ParallelTransform
             if name in ("qkv", "fc1"):
                 new = MegatronColumn(old.input_size, old.output_size, gather_output=False, **common)
             else:
-                new = MegatronRow(old.input_size, old.output_size, input_is_parallel=True, skip_bias_add=True, **common)
+                new = MegatronRow(old.input_size, old.output_size, input_is_parallel=True, **common)
+            new.register_forward_hook(lambda _module, _args, output: output[0])
             setattr(parent, name, new.to(device))
     return model
 
@@ -135,22 +137,17 @@ def _benchmark(args, device: torch.device) -> None:
     mesh = init_device_mesh(device.type, (world,))
     shape = dict(num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads)
     torch.manual_seed(0)
-    models = {
-        "reference": ParallelTransformer(
-            **shape, tp_group=layout.tp_group, sequence_parallel=args.sequence_parallel, device=device
-        )
-    }
+    sp = args.sequence_parallel
+    models = {"reference": parallelize(Transformer(**shape, device=device), layout, sequence_parallel=sp)}
     for variant, flags in (
         ("ref-sync", dict(async_grad_allreduce=False)),
         ("ref-fusion", dict(gradient_accumulation_fusion=True)),
     ):
         torch.manual_seed(0)
-        models[variant] = ParallelTransformer(
-            **shape, tp_group=layout.tp_group, sequence_parallel=args.sequence_parallel, device=device, **flags
-        )
+        models[variant] = parallelize(Transformer(**shape, device=device), layout, sequence_parallel=sp, **flags)
     torch.manual_seed(0)
     models["megatron"] = megatron_swap(
-        ParallelTransformer(**shape, tp_group=layout.tp_group, sequence_parallel=args.sequence_parallel, device=device),
+        parallelize(Transformer(**shape, device=device), layout, sequence_parallel=sp),
         args,
         device,
     )

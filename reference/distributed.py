@@ -1,16 +1,10 @@
 """Starting and stopping torch.distributed the same way in every demo, benchmark and test worker.
 
 `with distributed("auto") as device:` picks CUDA + NCCL when a GPU is visible (or is asked for), else CPU +
-gloo, and tears the process group down on the way out. The teardown is the part worth sharing: after a
-successful run every rank waits for the others (barrier), then collects reference cycles that still hold
-the group (FSDP units and autograd hooks form such cycles), then destroys the group. Without the barrier
-and the collection, gloo sometimes aborts a rank at exit ("terminate called without an active exception")
-because a peer closed its sockets first. After an exception there is no barrier: a peer may be gone.
-A group the caller set up already is used and left to the caller: a test worker runs several demos on one
-group, because a second default group in the same process under torchrun finds the first one's gloo addresses
-in the launcher's store and cannot connect.
-`with one_line_errors(PROG):` ends a refused launch or configuration as every demo and benchmark does: one line
-from rank 0, exit 2.
+gloo, and tears the process group down on the way out: a barrier, then a garbage collection of the cycles that
+still hold the group, then the destroy, since gloo otherwise sometimes aborts a rank whose peer closed first.
+A group the caller set up is used and left to the caller. `with one_line_errors(PROG):` ends a refused launch
+as every demo does: one line from rank 0, exit 2. docs/reference-guide.md says why each step is there.
 """
 
 from __future__ import annotations
@@ -40,13 +34,20 @@ class LaunchError(RuntimeError):
 
 
 def pick_device(choice: str = "auto") -> torch.device:
-    """cuda:LOCAL_RANK for "cuda", or for "auto" when a GPU is visible; else cpu."""
+    """cuda:LOCAL_RANK for "cuda", or for "auto" when a GPU per local rank is visible; else cpu. NCCL takes one
+    rank per GPU, so more local ranks than GPUs is refused for "cuda" and runs on CPU for "auto"."""
     if choice not in DEVICE_CHOICES:
         raise LaunchError(f"unknown device {choice!r}; choose one of {', '.join(DEVICE_CHOICES)}")
-    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise LaunchError("--device cuda but no CUDA device is visible")
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    ranks, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", 1)), torch.cuda.device_count()
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise LaunchError("--device cuda but no CUDA device is visible")
+    if choice == "cuda" and ranks > gpus:
+        raise LaunchError(
+            f"--device cuda with {ranks} ranks on this node needs {ranks} GPUs (NCCL takes one rank per GPU), "
+            f"found {gpus}; launch at most {gpus} or use --device cpu"
+        )
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available() and ranks <= gpus):
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return torch.device("cpu")
 
 

@@ -1,16 +1,13 @@
 """Which ranks talk to which: the world laid out as a TP x PP x DP grid, TP groups of consecutive ranks.
 
-Megatron-core builds its groups from an `order` string (megatron/core/parallel_state.py::
-initialize_model_parallel, `order`, and RankGenerator): the first name in it varies fastest over the ranks.
-It supports "tp-dp-pp" (its default, spelled "tp-cp-ep-dp-pp") and "tp-pp-dp". Here the default is
-"tp-pp-dp": TP groups are runs of consecutive ranks (one node, NVLink), then the pipeline stages, then the
-data-parallel replicas, so for 8 ranks at TP=2, PP=2, DP=2:
+The grid is built from an `order` string whose first name varies fastest over the ranks; the default here,
+"tp-pp-dp", makes TP groups runs of consecutive ranks (one node), then stages, then replicas ("tp-dp-pp" is
+Megatron's default). The grid is kept indexed [pp, dp, tp] (`rank_grid`), every group is a slice of it, and
+the groups are held by a small object passed to the layers explicitly.
 
-    TP [0,1] [2,3] [4,5] [6,7]    PP [0,2] [1,3] [4,6] [5,7]    DP [0,4] [1,5] [2,6] [3,7]
-
-Whatever the order, the grid is kept indexed [pp, dp, tp] (`rank_grid`), and every group is a slice of it:
-TP groups are grid[p, d, :], DP groups grid[p, :, t], PP groups grid[:, d, t]. The groups are held by a
-small object that is passed to the layers explicitly.
+Mirrors `megatron-lm:megatron/core/parallel_state.py::initialize_model_parallel` and
+`megatron-lm:megatron/core/parallel_state.py::RankGenerator` (notes/reference/parallel_state.md has an
+8-rank example; `python -m reference.layout` prints any).
 """
 
 from __future__ import annotations

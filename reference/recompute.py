@@ -1,20 +1,14 @@
 """Activation recomputation: keep a region's inputs instead of everything it saves, and run it again in backward.
 
-Three modes per transformer block, Megatron's `recompute_granularity`:
-  none       every op keeps what its backward needs;
-  selective  the attention core (QK^T, softmax, dropout, x V) keeps only its input, the fused QKV projection
-             (megatron-lm:megatron/core/transformer/attention.py::Attention._checkpointed_attention_forward);
-             the s^2-sized tensors, 5as^2b bytes per layer in Korthikanti et al. 2022, are rebuilt in backward;
-  full       the whole block keeps only its input, one checkpoint per block (Megatron's `recompute_method`
-             "uniform" with `recompute_num_layers=1`, megatron-lm:megatron/core/transformer/transformer_block.py::
-             TransformerBlock._checkpointed_forward).
+Per transformer block, Megatron's `recompute_granularity`: `none`; `selective`, the attention core (QK^T,
+softmax, dropout, x V) keeps only its input, as
+`megatron-lm:megatron/core/transformer/attention.py::Attention._checkpointed_attention_forward`; `full`, one
+checkpoint per block, as
+`megatron-lm:megatron/core/transformer/transformer_block.py::TransformerBlock._checkpointed_forward`.
 
-The checkpoint is the reentrant one, as Megatron's (megatron-lm:megatron/core/tensor_parallel/random.py::
-CheckpointFunction): forward runs under no_grad and `save_for_backward`s the inputs, so the saved-tensor hooks
-that count activation memory see exactly what the checkpoint keeps. Recomputing must draw the same dropout
-masks: torch's checkpoint restores the default CPU and CUDA generators, and `_replaying` restores the second,
-per-TP-rank stream (reference.tensor_parallel.random.TensorParallelRNG), which is what Megatron's version adds
-to torch's ("the states in the model parallel tracker are also properly tracked/set/reset").
+The checkpoint is the reentrant one, `megatron-lm:megatron/core/tensor_parallel/random.py::checkpoint`, and it
+replays the per-TP-rank dropout stream, so the gradients equal no recomputation's
+(notes/reference/recompute.md says what each mode keeps and why the replay matters).
 """
 
 from __future__ import annotations
@@ -60,12 +54,20 @@ def _replaying(function: Callable, rng: TensorParallelRNG) -> Callable:
     return run
 
 
-def checkpoint(function: Callable, rng: TensorParallelRNG, *args: torch.Tensor) -> torch.Tensor:
+def checkpoint(function: Callable, rng: TensorParallelRNG | None, *args: torch.Tensor) -> torch.Tensor:
     """function(*args), keeping only `args` for backward and recomputing the rest there, with the same
-    dropout masks (default generators and the TP stream restored).
+    dropout masks (default generators and the TP stream, if any, restored).
 
     Mirrors `megatron-lm:megatron/core/tensor_parallel/random.py::checkpoint`.
     """
     return torch.utils.checkpoint.checkpoint(
-        _replaying(function, rng), *args, use_reentrant=True, preserve_rng_state=True
+        function if rng is None else _replaying(function, rng), *args, use_reentrant=True, preserve_rng_state=True
     )
+
+
+def recomputed(enabled: bool, rng: TensorParallelRNG | None, function: Callable, *args: torch.Tensor) -> torch.Tensor:
+    """function(*args); `enabled`, in a forward that autograd records, checkpointed: the one dispatch of both
+    modes, selective (the attention core) and full (the whole block)."""
+    if enabled and torch.is_grad_enabled():
+        return checkpoint(function, rng, *args)
+    return function(*args)

@@ -31,8 +31,8 @@ def _require(condition: bool, what: str) -> None:
 
 
 # ---- probes ----------------------------------------------------------------------------------------------
-RECORDER = "the collective recorder (reference.recorder)"
-FSDP1_SCOPES = "FSDP1's unit scopes (reference.fsdp.tracing.torch_fsdp1_unit_scopes)"
+RECORDER = "the collective recorder (reference.measure.recorder)"
+FSDP1_SCOPES = "FSDP1's unit scopes (reference.measure.fsdp_tracing)"
 
 
 def _probe_recorder() -> None:

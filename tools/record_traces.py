@@ -6,7 +6,7 @@ DIR/tp_block_llama.json and DIR/fsdp_forward.json (default reading_notes/traces/
 on four ranks (four pipeline stages) DIR/pipeline_gpipe.json, DIR/pipeline_1f1b.json and
 DIR/pipeline_interleaved.json. tests/tools/test_traces.py runs the same worker and fails when a fresh run no
 longer matches the committed traces, so re-record after changing the reference and commit the result. Then, in
-one process each, `python -m reference.scale --json` traces a first, middle and last stage rank of the layouts
+one process each, `python -m reference.measure.scale --json` traces a first, middle and last stage rank of the layouts
 in SCALE (fake process group, 70B shapes) into DIR/scale_*.json, checked by tests/reference/test_scale.py (which
 traces the same setups in-process). Last, on two ranks, benchmarks/bench_activation_memory.py --json counts
 one block's activation bytes per configuration of Korthikanti et al.'s Table 2, the GPT-2 block and the Llama
@@ -39,7 +39,7 @@ WORKER_RUNS = (
     (RANKS, "tp_fsdp", ("tp_block", "tp_block_llama", "fsdp_forward")),
     (PIPELINE_RANKS, "pipeline", ("pipeline_gpipe", "pipeline_1f1b", "pipeline_interleaved")),
 )
-# trace name -> python -m reference.scale arguments: 70B on TP 8 x PP 8 x DP 64 (1F1B, DDP in 25 MiB buckets),
+# trace name -> python -m reference.measure.scale arguments: 70B on TP 8 x PP 8 x DP 64 (1F1B, DDP in 25 MiB buckets),
 # plain TP and with sequence parallelism
 SCALE = {
     "scale_70b": ["--model", "70b", "--tp", "8", "--pp", "8", "--dp", "64", "--microbatches", "16"],
@@ -109,8 +109,8 @@ def record_scale(out: Path, timeout: float = 300, only: Collection[str] | None =
     def trace(name: str) -> str:
         args = SCALE[name]
         return _run(
-            [sys.executable, "-m", "reference.scale", *args, "--json"],
-            f"reference.scale {' '.join(args)}",
+            [sys.executable, "-m", "reference.measure.scale", *args, "--json"],
+            f"reference.measure.scale {' '.join(args)}",
             timeout,
             PYTHONWARNINGS="ignore",
         )

@@ -10,7 +10,7 @@ Everything in them is observed, not computed:
     CollectiveRecorder's events (op, module, phase, shape, bytes) of one forward+backward; the forward order of
     the block's leaf modules and of the aten ops run between them (attention, GELU), from module hooks and a
     dispatch mode; the forward FLOPs per rank from torch's FlopCounterMode.
-  * tp_block_llama: the same for the Llama/Qwen2 block (reference.tensor_parallel.transformer.ParallelLlamaBlock,
+  * tp_block_llama: the same for the Llama/Qwen2 block (reference.tensor_parallel.transformer.LlamaBlock,
     GPTConfig(style="llama") with TP_KV_HEADS key/value heads: one per rank), as the one layer of a middle
     pipeline stage, which hands it the rotary positions.
   * fsdp_forward: the reference FSDP on the small GPT (reference.gpt.model.UnshardedGPT, one unit per layer
@@ -46,9 +46,12 @@ from reference.fsdp.units import shard_model
 from reference.gpt.model import GPTConfig, GPTStage, UnshardedGPT, build_chunks, build_stage
 from reference.gpt.train import data_parallel, split_batch, train_step
 from reference.gpt.train import synthetic_batches as gpt_batches
+from reference.measure.fsdp_tracing import unit_scopes
+from reference.measure.pipeline_meter import PipelineMeter
+from reference.measure.recorder import CollectiveRecorder
 from reference.parallel_state import build_layout
-from reference.recorder import CollectiveRecorder
-from reference.tensor_parallel.transformer import ParallelTransformer
+from reference.tensor_parallel.parallelize import parallelize
+from reference.tensor_parallel.transformer import Transformer
 
 TP_SHAPE = dict(s=8, b=2, heads=4)
 TP_HIDDEN = (64, 128)  # two sizes: bytes grow like h, FLOPs like a*h^2 + c*h
@@ -107,10 +110,10 @@ class ForwardSteps(TorchDispatchMode):
 
 def tp_block_model(style: str, h: int, tp_group) -> tuple[torch.nn.Module, object]:
     """One block of `style` as `layers.0` of a module, and its forward from a [s, b, h] activation: "gpt2" a
-    ParallelTransformer, "llama" a middle pipeline stage (no embedding, no head) of the llama GPT, which
+    Transformer split by parallelize, "llama" a middle pipeline stage (no embedding, no head) of the llama GPT, which
     passes the block its rotary positions."""
     if style == "gpt2":
-        model = ParallelTransformer(1, h, TP_SHAPE["heads"], tp_group=tp_group)
+        model = parallelize(Transformer(1, h, TP_SHAPE["heads"]), tp_group)
         return model, model
     config = GPTConfig(
         hidden_size=h,
@@ -166,7 +169,7 @@ def fsdp_forward(world: int) -> dict:
     model = shard_model(model, "reference", dist.group.WORLD, backward_prefetch="BACKWARD_PRE", forward_prefetch=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     recorder = CollectiveRecorder()
-    with sdpa_kernel(SDPBackend.MATH), recorder:  # math attention: the recorder counts its FLOPs
+    with sdpa_kernel(SDPBackend.MATH), recorder, unit_scopes(model):  # math attention: its FLOPs are counted
         for batch in gpt_batches(FSDP_CONFIG, 2, FSDP_BATCH, SEED):
             recorder.clear()  # keep the second step: the first records the unit order, so it cannot prefetch
             ((inputs, labels),) = split_batch(batch, world, rank, 1)
@@ -187,6 +190,9 @@ def fsdp_forward(world: int) -> dict:
         "dtype": "float32",
         "dtype_size": 4,
         "tokens_per_rank": FSDP_BATCH * FSDP_CONFIG.seq_length // world,
+        "s": FSDP_CONFIG.seq_length,  # a rank's block shape: calibrated rates are looked up by it
+        "b": FSDP_BATCH // world,
+        "h": FSDP_CONFIG.hidden_size,
         "forward_flops_per_token": flops / (FSDP_BATCH * FSDP_CONFIG.seq_length),
         "units": units,
         "events": [{**{k: e[k] for k in EVENT_KEYS}, "flops": e["flops"], **_times(e)} for e in record["events"]],
@@ -217,11 +223,17 @@ def pipeline(schedule: str, virtual_stages: int = 1) -> dict:
     model = wrapped if virtual_stages > 1 else wrapped[0]
     optimizer = torch.optim.SGD([p for chunk in wrapped for p in chunk.parameters()], lr=0.1)
     tokens = gpt_batches(config, 1, PIPELINE_M * PIPELINE_B, SEED)[0]
-    recorder = CollectiveRecorder()
-    step = train_step(
-        model, optimizer, tokens, layout, num_micro_batches=PIPELINE_M, schedule=schedule, record=recorder
+    recorder, result = CollectiveRecorder(), PipelineMeter()
+    train_step(
+        model,
+        optimizer,
+        tokens,
+        layout,
+        num_micro_batches=PIPELINE_M,
+        schedule=schedule,
+        record=recorder,
+        observer=result,
     )
-    result = step.pipeline
     p2p = [{k: e[k] for k in EVENT_KEYS} for e in recorder.to_dict()["events"] if e["op"] in P2P_OPS]
     mine = {
         "pp_rank": result.pp_rank,

@@ -1,33 +1,13 @@
 """Gradient buckets: the gradients of many parameters packed into one flat buffer, all-reduced in one call.
 
-One all-reduce per parameter would pay the collective's latency hundreds of times; one for the whole
-model could only start after the last gradient exists. Buckets of about `bucket_size` bytes are the middle
-ground, and they are filled in *reverse* parameter order because that is roughly the order backward
-produces gradients in: the bucket holding the last layers is complete first and can be on the wire while
-earlier layers are still differentiating.
+Buckets of about `bucket_size` bytes are filled in reverse parameter order, roughly the order backward produces
+gradients, so the last layers' bucket is on the wire while earlier layers still differentiate. Under mixed
+precision the buffer is an fp32 `main_grad`; under the distributed optimizer it is reduce-scattered.
 
-Counterparts:
-  * megatron/core/distributed/param_and_grad_buffer.py::_ParamAndGradBuffer (builds the buckets: parameters
-    in reverse order, a bucket closed once it holds at least `bucket_size` elements) and
-    ::_ParamAndGradBucketGroup.start_grad_sync / finish_grad_sync (issue, then wait the all-reduce;
-    `gradient_scaling_factor` = 1 / dp size applied to the bucket before it).
-  * torch/csrc/distributed/c10d/reducer.cpp::compute_bucket_assignment_by_size (same closing rule with a
-    byte limit, exposed as torch.distributed._compute_bucket_assignment_by_size) and Reducer's
-    `gradient_as_bucket_view=True` (each parameter's `.grad` is a view into its bucket, no copy).
-Here `bucket_size` is in bytes (torch's unit); a bucket also closes where the dtype changes (Megatron keeps
-one buffer per dtype), so one buffer never mixes dtypes.
-
-Mixed precision (`grad_dtype` wider than the parameters, e.g. bf16 parameters, fp32 gradients): the bucket's
-buffer is Megatron's `main_grad`, not `.grad` (which must have the parameter's dtype). Autograd writes a bf16
-`.grad`, the hook adds it into the fp32 `param.main_grad` view and drops it, as megatron's
-distributed_data_parallel.py::DistributedDataParallel._make_backward_post_hook does; micro-batches accumulate in
-fp32 and the buffer is reduced in fp32 (Megatron-LM's default for bf16, `grad_reduce_in_fp32=True`).
-
-Sharded (the distributed optimizer, reference.data_parallel.distributed_optimizer): the buffer is padded to a
-multiple of the DP size and *reduce-scattered* instead of all-reduced, in place: rank r keeps the mean of the
-r-th 1/dp of the bucket (`shard`), which is all its optimizer shard needs
-(param_and_grad_buffer.py::_ParamAndGradBucketGroup.start_grad_sync with use_distributed_optimizer; Megatron
-pads further, to a multiple of lcm(dp, 128) elements, for GPU memory alignment, which the CPU does not need).
+Mirrors `megatron-lm:megatron/core/distributed/param_and_grad_buffer.py::_ParamAndGradBuffer` and
+`megatron-lm:megatron/core/distributed/param_and_grad_buffer.py::_ParamAndGradBucketGroup.start_grad_sync`
+(torch's Reducer closes buckets by the same rule). The site's page on this module
+(notes/reference/data_parallel.buckets.md) gives the closing rule, the units and the padding.
 """
 
 from __future__ import annotations

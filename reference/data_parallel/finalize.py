@@ -1,18 +1,12 @@
 """After the last micro-batch's backward: every gradient reduction the optimizer step waits for, in one call.
 
-Counterpart: megatron/core/distributed/finalize_model_grads.py::finalize_model_grads, which the pipeline
-schedules call once per step (`config.finalize_model_grads_func`): first each model chunk's
-`finish_grad_sync()` (the DP all-reduce), then `_allreduce_non_tensor_model_parallel_grads` (the TP sum of
-sequence-parallel LayerNorm / row-bias gradients, reference.tensor_parallel.layers.
-allreduce_sequence_parallel_grads). The two reductions commute (both are sums over orthogonal groups), so the
-order is Megatron's, not a requirement. Then, with tied embeddings across pipeline stages, the sum of the two
-ends' gradients of the shared matrix over the embedding group (reference.pipeline.tied_embeddings, Megatron's
-`_allreduce_word_embedding_grads`), after the DP average: both sums commute, as Megatron orders them.
+First each model chunk's `finish_grad_sync()` (the DP all-reduce, or nothing left to wait for under FSDP), then
+the TP sum of the sequence-parallel LayerNorm and bias gradients, then, with tied embeddings, the sum of the
+shared matrix's two ends over the embedding group. The sums commute; the order is Megatron's.
 
-The same call finalizes a reference FSDP chunk (reference.data_parallel.fsdp_tp): its `finish_grad_sync()` has
-nothing to wait for (its own end-of-backward callback waited for the reduce-scatters), so only the TP sum
-remains, and FSDP x TP runs it on the sharded gradients (fsdp_tp says why that is right). Megatron's
-finalize_model_grads likewise serves DDP and its FSDP wrappers, which both expose `finish_grad_sync`.
+Mirrors `megatron-lm:megatron/core/distributed/finalize_model_grads.py::finalize_model_grads`, which the
+pipeline schedules call once per step. The site's page on this module (notes/reference/data_parallel.finalize.md)
+says why each reduction is there and how FSDP x TP uses the same call.
 """
 
 from __future__ import annotations

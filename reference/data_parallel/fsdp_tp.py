@@ -31,19 +31,21 @@ from torch import nn
 from reference.fsdp import FullyShardedDataParallel
 from reference.parallel_state import ParallelConfigError, ParallelLayout, groups
 from reference.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from reference.tensor_parallel.transformer import ParallelLlamaBlock, ParallelTransformerBlock
-
-TP_BLOCKS = (ParallelTransformerBlock, ParallelLlamaBlock)  # each becomes one FSDP unit
+from reference.tensor_parallel.transformer import Block
 
 
 def shard_tp_model(model: nn.Module, layout: ParallelLayout, **fsdp_kwargs) -> FullyShardedDataParallel:
-    """Wrap each TP block (ParallelTransformerBlock or ParallelLlamaBlock) of `model` (in place), then `model`,
+    """Wrap each TP block (a Block split by reference.tensor_parallel.parallelize) of `model` (in place), then `model`,
     in FSDP units on the DP group. `fsdp_kwargs` go to every FullyShardedDataParallel (prefetch, mixed
     precision, ...). A collective.
 
     Mirrors `pytorch:torch/distributed/fsdp/_fully_shard/_fsdp_param.py::FSDPParam._init_sharded_param`.
     """
-    blocks = [(name, m) for name, m in model.named_modules() if isinstance(m, TP_BLOCKS)]
+    blocks = [
+        (name, m)
+        for name, m in model.named_modules()
+        if isinstance(m, Block) and isinstance(m.attention.qkv, ColumnParallelLinear)
+    ]
     _check_consistent(model, blocks, layout)
     for name, block in blocks:
         parent_name, _, attr = name.rpartition(".")
@@ -78,8 +80,8 @@ def _local_problem(model: nn.Module, blocks: list[tuple[str, nn.Module]], layout
     """What is wrong with this rank's model, or None."""
     if not blocks:
         return (
-            f"{type(model).__name__} has no ParallelTransformerBlock or ParallelLlamaBlock to wrap; build it as "
-            "reference.tensor_parallel.transformer.ParallelTransformer(..., tp_group=layout.tp_group)"
+            f"{type(model).__name__} has no tensor-parallel block to wrap; split it first with "
+            "reference.tensor_parallel.parallelize.parallelize(model, layout)"
         )
     tp_ranks = dist.get_process_group_ranks(layout.tp_group)
     for prefix, module in model.named_modules():

@@ -1,18 +1,13 @@
 """Megatron's mixed precision optimizer: bf16 model parameters, fp32 master weights and optimizer states.
 
-The forward and backward run in bf16; the gradients are accumulated and reduced in fp32 `main_grad`
-(reference.data_parallel.buckets with `grad_dtype=torch.float32`). The optimizer never steps the bf16 tensors:
-it steps an fp32 master copy of each, from the fp32 gradient, and copies the result back, rounded to bf16.
-Small updates would otherwise vanish in bf16's 8-bit mantissa (an update below half an ulp of the weight
-rounds to nothing), and Adam's moments need fp32 range.
+Forward and backward run in bf16 and the gradients are reduced in fp32 `main_grad`; the optimizer steps an fp32
+master copy of each parameter and copies it back rounded to bf16, because small updates vanish in bf16's 8-bit
+mantissa. `MasterWeightOptimizer` serves whole parameters and the distributed optimizer's slices alike. No loss
+scaler: bf16 has fp32's exponent range.
 
-`MasterWeightOptimizer(pairs, make_optimizer)` steps any list of (model tensor, fp32 gradient) pairs: the
-whole parameters (`unsharded`, Megatron's Float16OptimizerWithFloat16Params) or this rank's slice of each
-bucket (reference.data_parallel.distributed_optimizer). An fp32 model tensor is its own master (Megatron's
-fp32 branch: no copy). Counterparts: megatron/core/optimizer/optimizer.py::Float16OptimizerWithFloat16Params
-(`main_param = param.detach().clone().float()`, `_copy_model_grads_to_main_grads`: `main_param.grad =
-model_param.main_grad.float()`, `_copy_main_params_to_model_params`) and ::MixedPrecisionOptimizer.step.
-No loss scaler: bf16 has fp32's exponent range, so Megatron runs bf16 with none (grad_scaler None).
+Mirrors `megatron-lm:megatron/core/optimizer/optimizer.py::Float16OptimizerWithFloat16Params` and
+`megatron-lm:megatron/core/optimizer/optimizer.py::MixedPrecisionOptimizer.step`
+(notes/reference/data_parallel.mixed_precision.md has the copies step by step).
 """
 
 from __future__ import annotations

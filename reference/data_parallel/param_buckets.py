@@ -1,23 +1,13 @@
 """Parameter buckets for the distributed optimizer: a bucket's parameters live in one flat buffer, and after the
 optimizer step each rank all-gathers the others' updated shards into it.
 
-The distributed optimizer (reference.data_parallel.distributed_optimizer) updates only this rank's 1/dp of each
-bucket, so the rest of the parameters must come from their owners before the next forward reads them. Laying
-the parameters out exactly like their gradient bucket (same order, same padded size) makes that one
-`all_gather_into_tensor` per bucket whose input is this rank's slice of the output, in place; every parameter
-is a view into the buffer (`param.data = view`), so the gathered values are the parameters, no copy.
+Laid out exactly like its gradient bucket, a buffer takes one in-place `all_gather_into_tensor` whose input is
+this rank's slice; every parameter is a view into it, so nothing is copied. With `overlap_param_gather` the
+next forward waits for each bucket in a pre-hook and issues the one it needs next.
 
-Overlap (`overlap_param_gather`): the step leaves the all-gathers pending; the next forward waits for each
-bucket in a pre-hook of the first module that uses one of its parameters and issues the bucket the forward
-needs next, so one all-gather is on the wire while the current module computes. Buckets are in reverse
-parameter order (the order backward fills them), so the forward needs them last to first.
-
-Counterparts: megatron/core/distributed/param_and_grad_buffer.py::_ParamAndGradBuffer (with
-use_distributed_optimizer every parameter is a view into `param_data`), ::_ParamAndGradBucketGroup.
-start_param_sync (all-gather into `bucket.param_data` from this rank's shard) and .finish_param_sync (wait, then
-dispatch `next_param_gather_bucket_group`), and distributed_data_parallel.py::DistributedDataParallel.
-_make_forward_pre_hook. Megatron issues the first all-gather in `zero_grad`; here it is issued at the end of the
-step, which is the same point of a training loop (step, then zero_grad, then the next forward).
+Mirrors `megatron-lm:megatron/core/distributed/param_and_grad_buffer.py::_ParamAndGradBucketGroup.start_param_sync`
+and `megatron-lm:megatron/core/distributed/distributed_data_parallel.py::DistributedDataParallel._make_forward_pre_hook`
+(notes/reference/data_parallel.param_buckets.md says where the first all-gather is issued, and why).
 """
 
 from __future__ import annotations

@@ -1,30 +1,13 @@
 """Data parallelism: every DP rank holds the same parameters, runs its own slice of the batch, and the
 gradients are averaged over the DP group before the optimizer step.
 
-`DistributedDataParallel(module, dp_group, bucket_size=..., overlap_grad_reduce=True)`:
-  * a post-accumulate-grad hook on every parameter marks it ready; with `overlap_grad_reduce` a bucket's
-    all-reduce is issued (async) as soon as its last gradient is, so communication runs under the rest of
-    backward; buckets are issued strictly in order, so every rank issues the same collectives in the same
-    order even if its hooks fire in a different one;
-  * `finish_grad_sync()` waits for them (issuing any not yet issued: all of them without overlap);
-  * `no_sync()` turns the hooks off: gradients keep accumulating in the buckets, nothing is sent. Gradient
-    accumulation runs every micro-batch but the last under it, then one `finish_grad_sync()`.
-  * `grad_dtype=torch.float32` around bf16 parameters: Megatron's mixed precision, gradients accumulated and
-    reduced in fp32 `param.main_grad` (reference.data_parallel.buckets); the optimizer keeps fp32 master
-    weights (reference.data_parallel.mixed_precision);
-  * `use_distributed_optimizer=True`: buckets are reduce-scattered, and every parameter becomes a view into a
-    flat per-bucket parameter buffer (`ParamBucket`) that the distributed optimizer all-gathers after its step
-    (reference.data_parallel.distributed_optimizer); with `overlap_param_gather` the all-gathers wait until
-    the next forward, each bucket's awaited by a forward pre-hook of the first module that uses it.
-With tensor parallelism the parameters are TP shards and `dp_group` is the layout's DP group: each TP rank
-averages its own shards with the ranks holding the same shards. Sequence-parallel LayerNorm gradients also
-need their TP all-reduce; see reference.data_parallel.finalize.
-
-Counterparts: megatron/core/distributed/distributed_data_parallel.py::DistributedDataParallel
-(`_make_backward_post_hook`, `no_sync`, `start_grad_sync`, `finish_grad_sync`, `zero_grad_buffer`,
-`broadcast_params`), whose buckets are param_and_grad_buffer.py::_ParamAndGradBucketGroup; and
-torch/nn/parallel/distributed.py::DistributedDataParallel (`no_sync`, `_sync_module_states` at construction,
-the C++ Reducer's in-order bucket launch `Reducer::mark_variable_ready` / `mark_bucket_ready`).
+`DistributedDataParallel(module, dp_group, bucket_size=..., overlap_grad_reduce=True)` issues each bucket's
+all-reduce as soon as its last gradient is ready, strictly in bucket order; `no_sync()` lets micro-batches
+accumulate without communication and `finish_grad_sync()` waits. With TP, `dp_group` holds the ranks with the
+same shards. Mirrors
+`megatron-lm:megatron/core/distributed/distributed_data_parallel.py::DistributedDataParallel._make_backward_post_hook`
+and `pytorch:torch/nn/parallel/distributed.py::DistributedDataParallel.no_sync`. The site's page on this module
+(notes/reference/data_parallel.wrapper.md) covers mixed precision and the distributed optimizer's options.
 """
 
 from __future__ import annotations

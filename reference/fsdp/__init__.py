@@ -2,9 +2,8 @@
 
 Files, one mechanism each: `flat_param.py` (flatten, shard, views), `prefetch.py` (execution order and
 which unit to all-gather early), `runtime.py` (forward/backward hooks), `wrapper.py` (the FSDP1-style
-module wrapper), `tracing.py` (unit attribution and compute spans in a `reference.recorder` run),
-`units.py` (one unit per layer, then the root, with the reference or torch's FSDP1/FSDP2), `demo.py`
-(`torchrun -m reference --fsdp`).
+module wrapper), `units.py` (one unit per layer, then the root, with the reference or torch's FSDP1/FSDP2), `demo.py`
+(`torchrun -m reference --fsdp`). Recording by unit is an observer: reference.measure.fsdp_tracing.
 """
 
 from reference.fsdp.prefetch import BackwardPrefetch

@@ -12,7 +12,6 @@ DIR/fsdp_trace.rank<r>.json, for scripts and the notes' timeline diagram.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 
@@ -20,11 +19,11 @@ import torch
 import torch.distributed as dist
 
 from reference.distributed import LaunchError, distributed
-from reference.fsdp.tracing import torch_fsdp1_unit_scopes
 from reference.fsdp.units import shard_model, sharded_parameter_bytes
 from reference.gpt.model import GPTConfig, UnshardedGPT
 from reference.gpt.train import split_batch, synthetic_batches
-from reference.recorder import CollectiveRecorder
+from reference.measure.fsdp_tracing import unit_scopes
+from reference.measure.recorder import CollectiveRecorder
 
 PREFETCH_CHOICES = {"pre": "BACKWARD_PRE", "post": "BACKWARD_POST", "none": None}
 
@@ -93,8 +92,7 @@ def _train(args: argparse.Namespace, config: GPTConfig, device: torch.device) ->
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
     shard_bytes = sharded_parameter_bytes(model)
-    scopes = torch_fsdp1_unit_scopes(model) if args.use_torch_fsdp else contextlib.nullcontext()
-    with CollectiveRecorder() as recorder, scopes:
+    with CollectiveRecorder() as recorder, unit_scopes(model):
         batches = synthetic_batches(config, args.steps, args.batch_size, args.seed)
         for step, tokens in enumerate(batches):
             recorder.clear()

@@ -117,7 +117,6 @@ class FlatParamHandle:
         self.ran_pre_backward_hook = False
         self.pre_forward_order_index: int | None = None
         self.post_forward_index: int | None = None
-        self.backward_started: dict = {}  # tracing.backward_start() at the pre-backward hook, for the recorded span
         self._use_sharded_views()
 
     def _flatten_and_shard(self) -> torch.Tensor:

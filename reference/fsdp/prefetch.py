@@ -1,21 +1,12 @@
 """Prefetch policy: which unit's all-gather to issue early, from the execution order FSDP recorded.
 
-Mirrors `pytorch:torch/distributed/fsdp/_exec_order_utils.py::_ExecOrderData` (torch 2.13.0:
-`pytorch:torch/distributed/fsdp/_exec_order_utils.py::_ExecOrderData.get_handle_to_backward_prefetch`,
-`pytorch:torch/distributed/fsdp/_exec_order_utils.py::_ExecOrderData.get_handle_to_forward_prefetch`,
-`pytorch:torch/distributed/fsdp/_exec_order_utils.py::_ExecOrderData.record_post_forward`,
-`pytorch:torch/distributed/fsdp/_exec_order_utils.py::_ExecOrderData.record_pre_forward`,
-`pytorch:torch/distributed/fsdp/_exec_order_utils.py::_ExecOrderData.next_iter`)
-and `pytorch:torch/distributed/fsdp/_runtime_utils.py::_get_handle_to_prefetch`, with a prefetch limit of 1 as
-upstream's default.
+Forward prefetches unit l+1 from unit l's pre-forward, from the second iteration on (the order is recorded on
+the first); backward prefetches the unit that ran forward just before, from the post-forward order of every
+iteration, before or after unit l's gradient computation. A unit already unsharded or prefetched is skipped.
 
-- Forward: the pre-forward order is recorded on the *first* iteration only, so the first iteration cannot
-  prefetch (the next unit is not known yet) and later iterations prefetch unit l+1 from unit l's pre-forward.
-- Backward: the post-forward order is recorded *every* iteration; reversed, it is the backward order, so
-  unit l prefetches the unit that ran forward just before it. BACKWARD_PRE asks from the pre-backward hook
-  (before unit l's gradient computation), BACKWARD_POST from the post-backward hook (after it).
-- A candidate is only prefetched if it still needs its unshard and is not already `prefetched`, so no
-  all-gather is issued twice and none is issued for a unit whose buffers are already in use.
+Mirrors `pytorch:torch/distributed/fsdp/_exec_order_utils.py::_ExecOrderData` and
+`pytorch:torch/distributed/fsdp/_runtime_utils.py::_get_handle_to_prefetch`, with upstream's default prefetch
+limit of 1 (notes/reference/fsdp.prefetch.md maps each method).
 """
 
 from __future__ import annotations

@@ -1,29 +1,11 @@
 """The FSDP runtime: free functions over a unit's state, run from its forward and from autograd hooks.
 
-Mirrors torch/distributed/fsdp/_runtime_utils.py (torch 2.13.0), function for function:
-
-    root_pre_forward       _root_pre_forward (504-606) + _root_cast_forward_input (610-626)
-    pre_forward            _pre_forward (348-407) + _pre_forward_unshard (411-434)
-    post_forward           _post_forward (438-482) + _post_forward_reshard (486-500)
-    pre_backward_hook      _pre_backward_hook (630-696)
-    post_backward_hook     _post_backward_hook (701-774) + _post_backward_reshard (793-807)
-    reduce_grad            _reduce_grad (831-886) + _accumulate_sharded_grad (906-928)
-    post_backward_final    _post_backward_final_callback (1084-1126) + _catch_all_reshard (1130-1164)
-    unshard / reshard      _unshard (277-306) / _reshard (310-330)
-    prefetch               _prefetch_handle (1208-1235)
-    register_pre_backward  _register_pre_backward_hooks (1370-1413)
-
-Ordering that differs on purpose, with the reason:
-- An unshard is issued asynchronously and waited *after* the prefetch that follows it is issued. Upstream
-  issues both on the unshard stream and only makes the compute stream wait, which is also non-blocking for
-  the CPU; on gloo there is no stream, so waiting before issuing the prefetch would serialize them. The
-  issue order of collectives is upstream's.
-- The reduce-scatter is issued asynchronously in the post-backward hook and waited in the final callback
-  (upstream runs it on the post-backward stream and syncs there too); on gloo this lets it overlap the
-  remaining backward compute.
-- Upstream all-gathers CPU tensors with the list form `dist.all_gather` (a "HACK" in
-  `pytorch:torch/distributed/fsdp/_flat_param.py::FlatParamHandle._all_gather_flat_param`); every device here uses
-  `all_gather_single`, which gloo supports in torch 2.13.
+Mirrors `pytorch:torch/distributed/fsdp/_runtime_utils.py::_root_pre_forward` and the functions around it
+(`pytorch:torch/distributed/fsdp/_runtime_utils.py::_pre_forward_unshard`,
+`pytorch:torch/distributed/fsdp/_runtime_utils.py::_post_backward_hook`, ...) function for function: each
+function here names its upstream twin. Two waits come later than upstream's on purpose (gloo has no streams to
+overlap on), and every device all-gathers with `all_gather_single`; the site's page on this module
+(notes/reference/fsdp.runtime.md) gives the table and the reasons.
 """
 
 from __future__ import annotations
@@ -38,7 +20,6 @@ from torch.utils._pytree import tree_map
 from reference.distributed import reduce_scatter_single
 from reference.fsdp.flat_param import FlatParamHandle, HandleTrainingState
 from reference.fsdp.prefetch import PrefetchMode, handle_to_prefetch
-from reference.fsdp.tracing import backward_start, record_backward_span, unit_scope
 
 if TYPE_CHECKING:
     from reference.fsdp.wrapper import FullyShardedDataParallel as Unit
@@ -47,8 +28,7 @@ if TYPE_CHECKING:
 
 def unshard(unit: Unit, handle: FlatParamHandle) -> None:
     """`_unshard`: issue the all-gather (no-op when the buffer is still allocated) without waiting."""
-    with unit_scope(handle.name):
-        handle.unshard()
+    handle.unshard()
 
 
 def prefetch(unit: Unit, current: FlatParamHandle, mode: PrefetchMode) -> None:
@@ -165,7 +145,6 @@ def pre_backward_hook(unit: Unit, handle: FlatParamHandle, grad: torch.Tensor) -
     prefetch(unit, handle, PrefetchMode.BACKWARD)
     handle.wait_unshard()
     handle.ran_pre_backward_hook = True
-    handle.backward_started = backward_start()
     return grad
 
 
@@ -176,7 +155,6 @@ def post_backward_hook(unit: Unit, handle: FlatParamHandle, flat_param: torch.nn
 
     Mirrors `pytorch:torch/distributed/fsdp/_runtime_utils.py::_post_backward_hook`.
     """
-    record_backward_span(handle.name, handle.backward_started)
     handle.training_state = HandleTrainingState.BACKWARD_POST
     unsharded_grad = flat_param.grad
     flat_param.grad = None
@@ -194,8 +172,7 @@ def reduce_grad(unit: Unit, handle: FlatParamHandle, unsharded_grad: torch.Tenso
     grad = unsharded_grad.to(unit.reduce_dtype or unsharded_grad.dtype)
     grad.div_(handle.world_size)
     sharded = torch.empty(handle.shard_numel, dtype=grad.dtype, device=grad.device)
-    with unit_scope(handle.name):
-        work = reduce_scatter_single(sharded, grad, group=handle.process_group, async_op=True)
+    work = reduce_scatter_single(sharded, grad, group=handle.process_group, async_op=True)
     unit.shared.pending_reductions.append((handle, work, sharded))
 
 

@@ -2,8 +2,8 @@
 
 Wrap children before their parent, as with torch.distributed.fsdp.FullyShardedDataParallel (the demo swaps
 the two with one flag): each wrap flattens the parameters of `module` that no already-wrapped child owns.
-The outermost unit to run forward becomes the root (`_runtime_utils.py::_lazy_init`, 112-143), which
-shares one execution order and one end-of-backward callback with every unit under it.
+The outermost unit to run forward becomes the root (`pytorch:torch/distributed/fsdp/_runtime_utils.py::_lazy_init`),
+which shares one execution order and one end-of-backward callback with every unit under it.
 
 Always behaves like upstream's `use_orig_params=True`: `named_parameters()` yields the original names
 (without the `_fsdp_wrapped_module.` prefix) and the original parameters, whose data is this rank's part of
@@ -12,7 +12,6 @@ the shard, so an optimizer built from `model.parameters()` steps on shards only.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +24,6 @@ from reference.distributed import all_gather_single
 from reference.fsdp import runtime
 from reference.fsdp.flat_param import FlatParamHandle
 from reference.fsdp.prefetch import BackwardPrefetch, ExecutionOrder
-from reference.fsdp.tracing import clean_name, forward_span
 
 
 @dataclass(frozen=True)
@@ -100,12 +98,11 @@ class FullyShardedDataParallel(nn.Module):
             device = device_id or getattr(params[0][1], params[0][2]).device
             offload = bool(cpu_offload and cpu_offload.offload_params)
             self.handle = FlatParamHandle(params, self.process_group, torch.device(device), self.param_dtype, offload)
-            # Upstream hooks the flat parameter's AccumulateGrad node (`_register_post_backward_hook`,
-            # _runtime_utils.py 1416-1470); the post-accumulate-grad hook fires at the same point.
+            # Upstream hooks the flat parameter's AccumulateGrad node
+            # (`pytorch:torch/distributed/fsdp/_runtime_utils.py::_register_post_backward_hook`); the
+            # post-accumulate-grad hook fires at the same point.
             if self.handle.flat_param.requires_grad:  # a frozen unit is resharded by the final callback
-                self.handle.flat_param.register_post_accumulate_grad_hook(
-                    functools.partial(runtime.post_backward_hook, self, self.handle)
-                )
+                self.handle.flat_param.register_post_accumulate_grad_hook(self._post_backward_hook)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.shared is None:
@@ -113,9 +110,13 @@ class FullyShardedDataParallel(nn.Module):
         if self.is_root:
             args, kwargs = runtime.root_pre_forward(self, args, kwargs)
         args, kwargs = runtime.pre_forward(self, args, kwargs)
-        with forward_span(self.handle.name if self.handle else type(self._fsdp_wrapped_module).__name__):
-            output = self._fsdp_wrapped_module(*args, **kwargs)
+        output = self._fsdp_wrapped_module(*args, **kwargs)
         return runtime.post_forward(self, output)
+
+    def _post_backward_hook(self, flat_param: nn.Parameter) -> None:
+        """runtime.post_backward_hook, looked up at each call (as FSDP1 calls its runtime through the module's
+        globals), so that an observer can wrap it (reference.measure.fsdp_tracing)."""
+        runtime.post_backward_hook(self, self.handle, flat_param)
 
     def _lazy_init(self) -> None:
         """This unit runs forward first, so it is the root of every unit inside it.
@@ -216,3 +217,8 @@ def _modules_outside_units(module: nn.Module, prefix: str) -> Iterator[tuple[str
     for name, child in module._modules.items():
         if child is not None and not isinstance(child, FullyShardedDataParallel):
             yield from _modules_outside_units(child, f"{prefix}{name}.")
+
+
+def clean_name(name: str) -> str:
+    """A module name without FSDP1's wrapper prefix (both wrappers use `_fsdp_wrapped_module`)."""
+    return name.replace("_fsdp_wrapped_module.", "").replace("_fsdp_wrapped_module", "")

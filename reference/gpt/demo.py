@@ -1,31 +1,15 @@
 """`torchrun --nproc-per-node 8 -m reference --tp 2 --pp 2 --dp 2`: train the small GPT with TP x PP x DP.
 
-Prints the layout, then per step the global loss, rank 0's parameter bytes next to the unsharded model's,
-and rank 0's collectives grouped by the process group they ran on (tp, pp, dp) and by type (count and
-bytes, from the CollectiveRecorder), then for each pipeline stage the schedule it ran, its peak number of
-micro-batches in flight (as the schedule counted them and as autograd held them) and its bubble next to the
-formula (p - 1) / (m + p - 1), then every rank's memory: parameter bytes held and peak activation bytes.
-`--model llama` trains the Llama/Qwen2 block (reference.gpt.model's "llama" style) instead of GPT-2's.
-With --pp 1 --dp 1 this is the tensor-parallel demo. The loss does not depend on the layout, the schedule
-or the number of micro-batches: the same seed gives the same model and data everywhere (compare
-`--nproc-per-node 1` with 8).
-
-`--dp-sharding fsdp` (2D: `torchrun --nproc-per-node 4 -m reference --tp 2 --dp 2 --dp-sharding fsdp
---sequence-parallel`) shards the TP stage over the DP group with reference FSDP (reference.gpt.train.
-fully_sharded) instead of replicating it: the dp traffic becomes per-block all-gathers and reduce-scatters,
-and each rank holds about 1/(tp x dp) of the parameters. It needs --pp 1 and one micro-batch per step.
-
-`--dp-sharding optimizer` keeps the parameters and gradients replicated but shards the optimizer (Megatron's
-distributed optimizer, ZeRO-1: reference.data_parallel.distributed_optimizer): the dp traffic becomes a
-reduce-scatter per gradient bucket and an all-gather per parameter bucket. It needs dp > 1.
-
-`--virtual-stages v` (interleaved 1F1B: `torchrun --nproc-per-node 4 -m reference --pp 4 --virtual-stages 2
---num-layers 8 --micro-batches 8`) gives each stage v model chunks (reference.gpt.model.build_chunks): the
-layers must split into pp x v equal chunks and m must be a multiple of pp, as megatron-core requires.
+Prints the layout, then per step the global loss, rank 0's parameter bytes and its collectives per process
+group (tp, pp, dp), then each stage's schedule, in-flight peak and bubble against (p - 1) / (m + p - 1), then
+every rank's memory. `--model llama` trains the Llama/Qwen2 block; `--dp-sharding fsdp` (2D) or `optimizer`
+(ZeRO-1) shard over DP; `--virtual-stages v` interleaves. The loss does not depend on the layout: the same seed
+gives the same model and data everywhere. docs/reference-guide.md lists the demos and what each prints.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -48,10 +32,12 @@ from reference.gpt.model import (
     split_layers,
 )
 from reference.gpt.train import data_parallel, fully_sharded, synthetic_batches, train_step
+from reference.measure.fsdp_tracing import unit_scopes
+from reference.measure.pipeline_meter import PipelineMeter
+from reference.measure.recorder import CollectiveRecorder
 from reference.parallel_state import ParallelConfigError, build_layout, parallel_sizes
 from reference.pipeline.schedules import SCHEDULES, peak_in_flight_formula
 from reference.recompute import RECOMPUTE_MODES
-from reference.recorder import CollectiveRecorder
 
 
 def add_arguments(group) -> None:
@@ -244,22 +230,24 @@ def _train(args, config: GPTConfig, device: torch.device) -> None:
         optimizer = DistributedOptimizer(model, lambda tensors: torch.optim.SGD(tensors, lr=args.lr))
     else:
         optimizer = torch.optim.SGD(params, lr=args.lr)
-    global_batch = args.batch_size * args.micro_batches * layout.dp_size
-    for step, tokens in enumerate(synthetic_batches(config, args.steps, global_batch, args.seed)):
-        recorder.clear()
-        result = train_step(
-            model,
-            optimizer,
-            tokens,
-            layout,
-            num_micro_batches=args.micro_batches,
-            schedule=args.schedule,
-            device=device,
-            record=recorder,
-        )
-        _report_step(args, step, result, recorder, layout, param_bytes)
+    global_batch, meter = args.batch_size * args.micro_batches * layout.dp_size, PipelineMeter(device)
+    with unit_scopes(model) if args.dp_sharding == "fsdp" else contextlib.nullcontext():  # units in the trace
+        for step, tokens in enumerate(synthetic_batches(config, args.steps, global_batch, args.seed)):
+            recorder.clear()
+            loss = train_step(
+                model,
+                optimizer,
+                tokens,
+                layout,
+                num_micro_batches=args.micro_batches,
+                schedule=args.schedule,
+                device=device,
+                record=recorder,
+                observer=meter,
+            )
+            _report_step(args, step, loss, meter.total_s, recorder, layout, param_bytes)
     stages = [None] * dist.get_world_size() if rank == 0 else None  # only rank 0 reports
-    dist.gather_object(result.pipeline.to_dict(), stages, dst=0)
+    dist.gather_object(meter.to_dict(), stages, dst=0)
     if rank == 0:
         _report_pipeline(args, [stages[r] for r in layout.grid[:, 0, 0].tolist()])
     memory = [None] * dist.get_world_size() if rank == 0 else None
@@ -267,7 +255,7 @@ def _train(args, config: GPTConfig, device: torch.device) -> None:
         {
             "rank": rank,
             "param_bytes": held,
-            "peak_activation_bytes": result.pipeline.peak_activation_bytes,
+            "peak_activation_bytes": meter.peak_activation_bytes,
         },
         memory,
         dst=0,
@@ -279,17 +267,16 @@ def _train(args, config: GPTConfig, device: torch.device) -> None:
         (args.trace / f"gpt_trace.rank{rank}.json").write_text(recorder.to_json())
 
 
-def _report_step(args, step, result, recorder, layout, param_bytes: dict | None) -> None:
+def _report_step(args, step, loss: float, seconds: float, recorder, layout, param_bytes: dict | None) -> None:
     if dist.get_rank() != 0:
         return
     groups = recorder.summary_by_group(layout.group_kind, kinds=("tp", "pp", "dp")) if recorder.on else {}
-    seconds = result.pipeline.total_s
     if args.json:
         print(
             json.dumps(
                 {
                     "step": step,
-                    "loss": result.loss,
+                    "loss": loss,
                     "seconds": seconds,
                     "layout": {"tp": layout.tp_size, "pp": layout.pp_size, "dp": layout.dp_size},
                     "dp_sharding": args.dp_sharding,
@@ -308,7 +295,7 @@ def _report_step(args, step, result, recorder, layout, param_bytes: dict | None)
 
     shard, total = param_bytes["param_bytes_per_rank"], param_bytes["param_bytes_unsharded"]
     print(
-        f"step {step}: loss {result.loss:.6f} ({seconds * 1e3:.1f} ms) | parameters on rank 0 {shard} B "
+        f"step {step}: loss {loss:.6f} ({seconds * 1e3:.1f} ms) | parameters on rank 0 {shard} B "
         f"(unsharded {total} B, ratio {shard / total:.3f}) | "
         + (" | ".join(f"{name}: {fmt(ops)}" for name, ops in groups.items()) or "collectives not recorded"),
         flush=True,

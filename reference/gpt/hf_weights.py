@@ -1,24 +1,11 @@
 """Hugging Face Qwen2 <-> the "llama" style of reference.gpt.model: the config and the parameter-name mapping.
 
 The oracle of the llama block is transformers' own `Qwen2ForCausalLM`. `qwen2_config(config)` builds the
-matching `Qwen2Config` (transformers is imported only there: it is a test and benchmark dependency), and
+matching `Qwen2Config` (transformers is imported only there: a test and benchmark dependency);
 `master_state_from_hf(config, hf_state)` turns its state dict (weights, or gradients: the mapping is a pure
-rearrangement) into the unsharded reference's names and layouts:
-
-| Hugging Face (`model.` prefix dropped)        | reference (UnshardedGPT)             | layout                   |
-|-----------------------------------------------|--------------------------------------|--------------------------|
-| embed_tokens.weight                           | embedding.word_embeddings.weight     | same                     |
-| layers.i.input_layernorm.weight               | layers.i.ln1.weight                  | same                     |
-| layers.i.self_attn.{q,k,v}_proj.{weight,bias} | layers.i.attention.qkv.{weight,bias} | per group: q heads, k, v |
-| layers.i.self_attn.o_proj.weight              | layers.i.attention.proj.weight       | same                     |
-| layers.i.post_attention_layernorm.weight      | layers.i.ln2.weight                  | same                     |
-| layers.i.mlp.{gate,up}_proj.weight            | layers.i.mlp.fc1.weight              | [gate; up]               |
-| layers.i.mlp.down_proj.weight                 | layers.i.mlp.fc2.weight              | same                     |
-| norm.weight                                   | final_layernorm.weight               | same                     |
-| lm_head.weight                                | output_layer.weight                  | same                     |
-
-`stage_state_from_master(stage, master)` then cuts this TP rank's slices for a GPTStage (the TP layers'
-splits, the vocabulary padded to a multiple of TP), so one HF model loads into any TP x PP split.
+rearrangement) into the unsharded reference's names and layouts, q/k/v fused per group and [gate; up] stacked;
+`stage_state_from_master(stage, master)` cuts this TP rank's slices, so one HF model loads into any TP x PP
+split. docs/reference-guide.md has the name table.
 """
 
 from __future__ import annotations

@@ -44,10 +44,10 @@ import torch.nn.functional as F
 from reference.parallel_state import ParallelConfigError, ParallelLayout, divide
 from reference.pipeline.interleaved import check_interleaving
 from reference.tensor_parallel.mappings import scatter_to_sequence_parallel_region
+from reference.tensor_parallel.parallelize import parallelize_block, split_query_groups
 from reference.tensor_parallel.random import TensorParallelRNG
 from reference.tensor_parallel.rotary import rotary_cos_sin
-from reference.tensor_parallel.transformer import ParallelLlamaBlock, ParallelTransformerBlock, split_query_groups
-from reference.tensor_parallel.unsharded import LlamaBlock, TransformerBlock, init_method_normal
+from reference.tensor_parallel.transformer import Block, LlamaBlock, TransformerBlock, init_method_normal
 from reference.tensor_parallel.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 
 STYLES = ("gpt2", "llama")
@@ -131,22 +131,30 @@ class GPTConfig:
             attention_dropout=self.attention_dropout,
         )
 
-    def parallel_block(self, tp_group: dist.ProcessGroup, **kwargs) -> torch.nn.Module:
-        """One tensor-parallel block of this style (ParallelLlamaBlock or ParallelTransformerBlock); `kwargs`
-        (sequence_parallel, params_dtype, device, rng, recompute, ...) add to or override block_kwargs."""
-        block = ParallelLlamaBlock if self.style == "llama" else ParallelTransformerBlock
-        return block(self.hidden_size, self.num_attention_heads, tp_group=tp_group, **{**self.block_kwargs(), **kwargs})
+    def block(self, params_dtype: torch.dtype = torch.float32, device=None) -> Block:
+        """One plain block of this style (reference.tensor_parallel.transformer)."""
+        make = LlamaBlock if self.style == "llama" else TransformerBlock
+        return make(
+            self.hidden_size, self.num_attention_heads, params_dtype=params_dtype, device=device, **self.block_kwargs()
+        )
+
+    def parallel_block(
+        self, tp_group: dist.ProcessGroup, *, params_dtype: torch.dtype = torch.float32, device=None, **options
+    ) -> Block:
+        """One block of this style split over `tp_group`; `options` (sequence_parallel, rng, recompute, ...) go
+        to reference.tensor_parallel.parallelize.parallelize_block."""
+        return parallelize_block(self.block(params_dtype, device), tp_group, **options)
 
     def final_norm(self, **kw) -> torch.nn.Module:
         if self.style == "llama":
             return torch.nn.RMSNorm(self.hidden_size, eps=self.norm_eps, **kw)
         return torch.nn.LayerNorm(self.hidden_size, **kw)
 
-    def rotary(self, seq_length: int, device) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
-        """The extra block arguments: (cos, sin) of the whole sequence for "llama" (built once, rotary_cos_sin
+    def rotary(self, seq_length: int, device) -> tuple[torch.Tensor, ...]:
+        """The extra block arguments: cos, sin of the whole sequence for "llama" (built once, rotary_cos_sin
         caches them), none for "gpt2"."""
         if self.style == "llama":
-            return (rotary_cos_sin(seq_length, self.head_dim, self.rope_theta, device),)
+            return rotary_cos_sin(seq_length, self.head_dim, self.rope_theta, device)
         return ()
 
 
@@ -228,11 +236,10 @@ class UnshardedGPT(torch.nn.Module):
                 self.embedding.position_embeddings = torch.nn.Embedding.from_pretrained(
                     _embedding_weight(config.seq_length, config), freeze=False
                 )
-        block = LlamaBlock if config.style == "llama" else TransformerBlock
         self.layers = torch.nn.ModuleList()
         for i in range(config.num_layers):
             with module_seed(seed, 1 + i):
-                self.layers.append(block(h, config.num_attention_heads, device="cpu", **config.block_kwargs()))
+                self.layers.append(config.block(device="cpu"))
         with module_seed(seed, 1 + config.num_layers):
             self.final_layernorm = config.final_norm()
             self.output_layer = torch.nn.utils.skip_init(torch.nn.Linear, h, config.vocab_size, bias=False)
@@ -268,7 +275,7 @@ class GPTStage(torch.nn.Module):
     take `hidden` from the previous stage, [s, b, h] ([s / tp, b, h] under sequence parallelism, s padded to a
     multiple of tp for "llama"). The last stage returns the micro-batch's mean token loss over its real labels
     (a scalar, equal on every TP rank), the others the hidden state to send on. `block_kwargs` go to every
-    block (ParallelTransformerBlock or ParallelLlamaBlock, e.g. async_grad_allreduce).
+    block (reference.tensor_parallel.parallelize.parallelize_block, e.g. async_grad_allreduce).
     `params_dtype` is every parameter's dtype (the weights are drawn in fp32 and rounded, as in Megatron).
 
     Mirrors `megatron-lm:megatron/core/models/gpt/gpt_model.py::GPTModel`.

@@ -1,38 +1,18 @@
 """One 3D-parallel optimizer step: DP replicas take their rows, micro-batches go through the pipeline.
 
-    global batch [B, s + 1] tokens, identical on every rank
-      -> DP replica d takes rows [d B/dp, (d+1) B/dp)          (split_batch)
-      -> m micro-batches of b = B / (dp m) rows, inputs tokens[:, :-1], labels tokens[:, 1:]
-      -> forward_backward(schedule, ...) on this stage, loss of each micro-batch scaled by 1/m, every
-         backward but the last under the data-parallel wrapper's no_sync (gradients accumulate locally)
-      -> the last backward issues the DP bucket all-reduces as buckets fill (overlapped with backward);
-         finalize_model_grads waits for them and sums the sequence-parallel LayerNorm/bias grads over TP
-      -> optimizer step on this stage's parameters
-The gradient is then that of the global batch's mean token loss, whatever tp, pp, dp and m are, so every
-layout trains exactly like the unsharded model (up to fp32 summation order).
+Each DP replica takes its rows of the global batch and cuts them into m micro-batches; the schedule runs them
+with every backward but the last under the DDP wrapper's `no_sync`, `finalize_model_grads` waits for the
+reductions, and the optimizer steps. The gradient is the global batch's mean token loss, whatever tp, pp, dp
+and m are. With `fully_sharded` (FSDP over DP x TP) a step is one micro-batch at pp 1.
 
-Reported loss: the global batch's mean, on every rank. The last stage averages its micro-batch losses,
-all-reduces that over DP, and broadcasts it over the PP group from the last stage; these two small
-collectives run after the step and outside any recorder (they are reporting, not training).
-
-Sharded data parallelism (`fully_sharded`, FSDP over DP x TP): one micro-batch per step (the reference FSDP
-has no no_sync, so it cannot defer its reduce-scatters to the last of several micro-batches) and pp 1. The
-schedule then gets no_sync = a no-op context, and finalize_model_grads is only the TP sum of the
-sequence-parallel gradients on FSDP's sharded gradients (reference/data_parallel/fsdp_tp.py says why after
-the reduce-scatter).
-
-Counterparts: megatron/training/training.py::train (Megatron-LM, outside megatron-core), which hands the
-schedule `config.finalize_model_grads_func` and, only under --overlap-grad-reduce, `config.no_sync_func`, as
-done here with reference.data_parallel's finalize_model_grads and DistributedDataParallel.no_sync (the
-defaults of train_step's `finalize_grads` and `no_sync`). Under its default --align-grad-reduce it also sets
-`config.grad_sync_func`, so that stages after the first reduce after their last backward; this reference
-overlaps the last backward on every stage (Megatron-LM with --no-align-grad-reduce).
+Mirrors Megatron-LM's training loop, which hands
+`megatron-lm:megatron/core/pipeline_parallel/schedules.py::get_forward_backward_func`'s schedule the same two
+hooks (notes/reference/gpt.train.md: the batch's path, the reported loss, and where the overlap differs).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 from collections.abc import Callable
 
@@ -46,7 +26,7 @@ from reference.data_parallel.wrapper import DEFAULT_BUCKET_SIZE
 from reference.fsdp import FullyShardedDataParallel
 from reference.gpt.model import GPTConfig, GPTStage
 from reference.parallel_state import ParallelConfigError, ParallelLayout
-from reference.pipeline.schedules import PipelineResult, forward_backward, loss_values
+from reference.pipeline.schedules import forward_backward, loss_values
 from reference.synthetic_data import random_token_batches
 
 
@@ -70,21 +50,16 @@ def split_batch(
     return [(chunk[:, :-1], chunk[:, 1:]) for chunk in mine.chunk(m)]
 
 
-def global_loss(result: PipelineResult, layout: ParallelLayout, device: torch.device) -> float:
-    """The global batch's mean loss on every rank (see the module docstring)."""
-    loss = torch.tensor(sum(result.losses) / len(result.losses) if result.losses else 0.0, device=device)
-    if result.pp_rank == result.pp_size - 1 and layout.dp_size > 1:
+def global_loss(losses: list[float], layout: ParallelLayout, device: torch.device) -> float:
+    """The global batch's mean loss on every rank, from the last stage's micro-batch `losses` (see the module
+    docstring)."""
+    loss = torch.tensor(sum(losses) / len(losses) if losses else 0.0, device=device)
+    if layout.pp_rank == layout.pp_size - 1 and layout.dp_size > 1:
         dist.all_reduce(loss, group=layout.dp_group)
         loss /= layout.dp_size
     if layout.pp_size > 1:
         dist.broadcast(loss, src=dist.get_global_rank(layout.pp_group, layout.pp_size - 1), group=layout.pp_group)
     return loss_values([loss])[0]
-
-
-@dataclasses.dataclass
-class StepResult:
-    loss: float  # the global batch's mean token loss (same on every rank)
-    pipeline: PipelineResult  # this stage's schedule record
 
 
 def data_parallel(
@@ -127,12 +102,14 @@ def train_step(
     record: contextlib.AbstractContextManager | None = None,
     no_sync: Callable[[], contextlib.AbstractContextManager] | None = None,
     finalize_grads: Callable[[], None] | None = None,
-) -> StepResult:
+    observer=None,
+) -> float:
     """One optimizer step on the global batch `tokens` [B, s + 1] for a stage wrapped by `data_parallel` or
     `fully_sharded`, or for a list of v > 1 model chunks each wrapped by `data_parallel` (interleaved 1F1B).
     `no_sync` defaults to the DDP wrappers' (all chunks at once; FSDP: nothing to defer, one micro-batch),
     `finalize_grads` to finalize_model_grads (either wrapper). `record` is a context (e.g. a CollectiveRecorder)
-    around the training work only: schedule, gradient finalization and optimizer step.
+    around the training work only: schedule, gradient finalization and optimizer step; `observer` goes to the
+    schedule (e.g. reference.measure.pipeline_meter.PipelineMeter). Returns the global batch's mean loss.
 
     Mirrors `megatron-lm:megatron/core/pipeline_parallel/schedules.py::get_forward_backward_func`.
     """
@@ -153,7 +130,7 @@ def train_step(
         (x.to(device), y.to(device)) for x, y in split_batch(tokens, layout.dp_size, layout.dp_rank, num_micro_batches)
     ]
     with record or contextlib.nullcontext():
-        result = forward_backward(
+        losses = forward_backward(
             schedule,
             model,
             micro_batches,
@@ -163,11 +140,12 @@ def train_step(
             finalize_grads=finalize_grads or (lambda: finalize_model_grads(chunks, layout.tp_group)),
             dtype=chunks[0].module.params_dtype,
             device=device,
+            observer=observer,
         )
         optimizer.step()
     for chunk in chunks:
         chunk.zero_grad()
-    return StepResult(loss=global_loss(result, layout, device), pipeline=result)
+    return global_loss(losses, layout, device)
 
 
 def _all_no_sync(chunks: list[DistributedDataParallel]) -> contextlib.ExitStack:

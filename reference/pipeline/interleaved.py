@@ -1,24 +1,13 @@
 """Interleaved 1F1B: each of the p stages holds v model chunks, and every micro-batch goes round the ring v times.
 
-The model's layers are cut into p * v virtual stages; rank r holds virtual stages r, p + r, ..., (v - 1) p + r
-(its chunks 0 .. v-1; reference.gpt.model.build_chunks). A rank's forwards follow one table, the same on every
-rank: micro-batches in groups of p, each group through chunk 0, then chunk 1, ... (v = 2, p = 2, m = 4:
-(0,0) (1,0) (0,1) (1,1) (2,0) (3,0) (2,1) (3,1) as (micro-batch, chunk)). The k-th backward takes the k-th
-entry of that table with the chunks reversed (chunk v - 1 - c), since gradients travel the ring backwards.
-Rank r runs w = min(2 (p - r - 1) + (v - 1) p, v m) forwards of warm-up, then one forward and one backward
-until the forwards run out, then the remaining w backwards. It therefore holds at most min(w + 1, v m)
-chunk-forwards, each with the activations of L / (p v) layers; and, chunks being v times shorter, the bubble
-of p - 1 chunk-steps at each end costs (p - 1) / (v m) of the ideal time instead of (p - 1) / m (Narayanan et
-al. 2021, section 2.2). The table only lines up with the ring when m is a multiple of p.
+Rank r holds virtual stages r, p + r, ..., (v - 1) p + r. Its forwards follow one table, the same on every rank
+(micro-batches in groups of p, each group through every chunk); its backwards follow that table with the chunks
+reversed. Rank r runs w = min(2 (p - r - 1) + (v - 1) p, v m) warm-up forwards, then alternates, then drains;
+the bubble shrinks to (p - 1) / (v m) of the ideal time.
 
-Gradient sync as megatron-core without grad_sync_func: all chunks under no_sync, lifted during the backward of
-each chunk's last micro-batch only (so each chunk reduces its gradients in its own last backward).
-
-Counterpart: megatron/core/pipeline_parallel/schedules.py::forward_backward_pipelining_with_interleaving, with
-::get_pp_rank_microbatches (warm-up count), ::get_schedule_table (the table, microbatch_group_size_per_vp_stage
-left at its default p). Megatron exchanges in matched send/receive rounds shifted by one step per stage; this
-reference posts each send at once and blocks only on receives (reference.pipeline.p2p.RingP2P): the order of
-actions per rank is megatron's, the moment a transfer happens is not.
+Mirrors the order of actions per rank of
+`megatron-lm:megatron/core/pipeline_parallel/schedules.py::forward_backward_pipelining_with_interleaving`,
+not the moment of each transfer (reference.pipeline.p2p.RingP2P).
 """
 
 from __future__ import annotations

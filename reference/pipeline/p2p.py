@@ -1,17 +1,13 @@
 """Point-to-point transfers between adjacent pipeline stages: activations forward, their gradients backward.
 
-Shapes and dtype are known in advance (every micro-batch has the same [s, b, h], or [s / tp, b, h] under
-sequence parallelism), so the receiver allocates its buffer and no shape is exchanged, as Megatron does when
-`variable_seq_lengths` is off. Each call is one round of isend/irecv with one neighbour, waited before
-returning. Within a round even and odd stages issue their operations in opposite orders (Megatron's
-`_p2p_ops`), so a pair's send always meets the peer's receive first: with NCCL, whose send to a peer
-cannot finish before the peer posts the matching receive, the combined send-forward/recv-backward of the
-1F1B steady state would otherwise deadlock against the neighbour's send-backward/recv-forward.
+Every micro-batch has the same shape and dtype, so the receiver allocates its buffer and no shape is exchanged.
+Each call is one round of isend/irecv with one neighbour, even and odd stages issuing in opposite orders so that
+the 1F1B steady state's combined send-forward/receive-backward cannot deadlock under NCCL. `RingP2P` carries the
+interleaved schedule's transfers round a ring.
 
-Counterpart: megatron/core/pipeline_parallel/p2p_communication.py::P2PCommunicator (recv_forward,
-send_forward, recv_backward, send_backward, send_forward_recv_backward, send_backward_recv_forward) and
-::_p2p_ops. Megatron pairs the two directions on different communicators when the PP group has two ranks,
-to overlap them; here one group carries both.
+Mirrors
+`megatron-lm:megatron/core/pipeline_parallel/p2p_communication.py::P2PCommunicator.send_forward_recv_backward`
+and its siblings, ordered as `megatron-lm:megatron/core/pipeline_parallel/p2p_communication.py::_p2p_ops`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
-"""One stage's forward and backward steps, timed and measured, and the data-parallel sync switch around them.
+"""One stage's forward and backward steps, and the data-parallel sync switch around them.
 
 Shared by every schedule (reference.pipeline.schedules, reference.pipeline.interleaved): a schedule decides the
-order; these run each action, name it, time it and count what it keeps alive.
+order; these run each action and name it. An optional observer (reference.measure.pipeline_meter) wraps each
+action in `observer.action(name)`; the steps themselves measure nothing.
 
 Counterparts: megatron/core/pipeline_parallel/schedules.py::forward_step and ::backward_step, and the
 disable_grad_sync / enable_grad_sync closures of its schedule functions.
@@ -10,13 +11,9 @@ disable_grad_sync / enable_grad_sync closures of its schedule functions.
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable, Sequence
 
 import torch
-
-from reference.pipeline.in_flight import InFlightActivations
-from reference.recorder import CollectiveRecorder
 
 
 class GradSync:
@@ -37,60 +34,28 @@ class GradSync:
 
 
 class Steps:
-    """forward_step / backward_step of one stage's model chunks (one, or v under interleaving), timed, counted
-    and measured. Actions are named F<i>/B<i>, or F<c>.<i>/B<c>.<i> for chunk c of several (as megatron-core's
-    vp_stage numbers them)."""
+    """forward_step / backward_step of one stage's model chunks (one, or v under interleaving). Actions are
+    named F<i>/B<i>, or F<c>.<i>/B<c>.<i> for chunk c of several (as megatron-core's vp_stage numbers them)."""
 
-    def __init__(
-        self, chunks: Sequence[torch.nn.Module], micro_batches: Sequence[tuple], is_last: bool, device: torch.device
-    ):
-        self.chunks, self.micro_batches, self.is_last_rank = chunks, micro_batches, is_last
-        self.cuda = device if device.type == "cuda" else None
-        self.meter = InFlightActivations()
-        self.actions: list[str] = []
-        self.spans: list[tuple[float, float]] = []
-        self.flops: list[int] = []
-        self.losses: list[torch.Tensor] = []  # detached, read once at the end (loss_values)
-        self.in_flight = self.peak_in_flight = 0
+    def __init__(self, chunks: Sequence[torch.nn.Module], micro_batches: Sequence[tuple], is_last: bool, observer=None):
+        self.chunks, self.micro_batches, self.is_last_rank, self.observer = chunks, micro_batches, is_last, observer
+        self.losses: list[torch.Tensor] = []  # detached, read once at the end (schedules.loss_values)
 
-    def _name(self, kind: str, i: int, chunk: int) -> str:
-        return f"{kind}{i}" if len(self.chunks) == 1 else f"{kind}{chunk}.{i}"
-
-    def _timed(self, name: str, fn, *args):
-        recorder = (CollectiveRecorder.active() or [None])[-1]
-        start, flops = time.perf_counter(), recorder.flops if recorder else 0
-        out = fn(*args)
-        if self.cuda is not None:  # the action is done when its kernels are, not when they are queued
-            torch.cuda.synchronize(self.cuda)
-        self.actions.append(name)
-        self.spans.append((start, time.perf_counter()))
-        self.flops.append(recorder.flops - flops if recorder else 0)
-        return out
+    def _action(self, kind: str, i: int, chunk: int) -> contextlib.AbstractContextManager:
+        name = f"{kind}{i}" if len(self.chunks) == 1 else f"{kind}{chunk}.{i}"
+        return contextlib.nullcontext() if self.observer is None else self.observer.action(name)
 
     def forward(self, i: int, input_tensor: torch.Tensor | None, chunk: int = 0) -> torch.Tensor:
         """Mirrors `megatron-lm:megatron/core/pipeline_parallel/schedules.py::forward_step`."""
-        is_last = self.is_last_rank and chunk == len(self.chunks) - 1
-
-        def run():
-            with self.meter.forward((chunk, i)):
-                output = self.chunks[chunk](input_tensor, *self.micro_batches[i])
-            if is_last:  # the loss: keep it, scale it for the mean over micro-batches
+        with self._action("F", i, chunk):
+            output = self.chunks[chunk](input_tensor, *self.micro_batches[i])
+            if self.is_last_rank and chunk == len(self.chunks) - 1:  # the loss: keep it, scale it for the mean
                 self.losses.append(output.detach())
                 output = output / len(self.micro_batches)
-            return output
-
-        output = self._timed(self._name("F", i, chunk), run)
-        self.in_flight += 1
-        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
         return output
 
     def backward(self, i: int, input_tensor, output, output_grad, chunk: int = 0) -> torch.Tensor | None:
         """Mirrors `megatron-lm:megatron/core/pipeline_parallel/schedules.py::backward_step`."""
-
-        def run():
+        with self._action("B", i, chunk):
             torch.autograd.backward(output, grad_tensors=output_grad)  # output_grad None: output is the loss
-            return None if input_tensor is None else input_tensor.grad
-
-        input_grad = self._timed(self._name("B", i, chunk), run)
-        self.in_flight -= 1
-        return input_grad
+        return None if input_tensor is None else input_tensor.grad

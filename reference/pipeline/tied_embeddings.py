@@ -1,22 +1,14 @@
 """Tied input and output embeddings across pipeline stages (Megatron's `share_embeddings_and_output_weights`).
 
-A GPT may use one matrix both to embed tokens (first stage) and to produce logits (last stage). On one stage
-the two layers share the Parameter (reference.gpt.model.GPTStage does that). Across stages each end holds its
-own copy, and two things keep the copies one matrix:
-  1. at construction the last stage zeroes its copy and the embedding group, the first- and last-stage ranks
-     of the same DP and TP coordinates, all-reduces it: the sum is the first stage's weights
-     (`tie_across_stages`);
-  2. every step, after the DP reduction, the embedding group all-reduces the two copies' gradients: each end
-     computed only its own use's share, and the sum is the tied weight's gradient
-     (`allreduce_word_embedding_grads`, called by reference.data_parallel.finalize_model_grads).
-Both copies then take the same optimizer step and stay equal. Under TP both ends split the (padded)
-vocabulary rows in the same order, so TP rank t of the first stage pairs with TP rank t of the last.
+The first stage embeds tokens and the last produces logits with one matrix, each end holding a copy. At
+construction the last stage zeroes its copy and the embedding group (the first- and last-stage ranks of one DP
+and TP coordinate) all-reduces it; every step, after the DP reduction, the group sums the two copies' gradients,
+so both take the same step.
 
-Counterparts: megatron/core/models/common/language_module/language_module.py::LanguageModule.
-setup_embeddings_and_output_layer (fill_(0), then all_reduce over embd_group), megatron/core/parallel_state.py
-::initialize_model_parallel (the embedding group: first and last rank of each pipeline group), and
-megatron/core/distributed/finalize_model_grads.py::_allreduce_word_embedding_grads (main_grad all-reduced
-over embd_group).
+Mirrors
+`megatron-lm:megatron/core/models/common/language_module/language_module.py::LanguageModule.setup_embeddings_and_output_layer`
+and `megatron-lm:megatron/core/distributed/finalize_model_grads.py::_allreduce_word_embedding_grads`, over the
+embedding group of `megatron-lm:megatron/core/parallel_state.py::initialize_model_parallel`.
 """
 
 from __future__ import annotations

@@ -1,33 +1,13 @@
 """Loss parallelism: cross-entropy over logits split on the vocabulary, never gathering them.
 
-Rank i holds the logit columns [start_i, end_i) of every token. For one token with logits z and target t,
+Each piece of loss = log(sum_v exp(z_v - m)) - (z_t - m), m = max_v z_v, is a reduction over the vocabulary,
+so it is a local reduction over this rank's columns and an all-reduce of one number per token ([s, b], not
+[s, b, V]): the max, the target logit, the sum of exponentials. Backward needs no communication.
 
-    loss = log(sum_v exp(z_v)) - z_t = log(sum_v exp(z_v - m)) - (z_t - m),    m = max_v z_v
-
-and each piece is a reduction over the vocabulary, so each is a local reduction over this rank's columns
-followed by an all-reduce over the TP group, of one number per token ([s, b], not [s, b, V]):
-
-    1. m      = all-reduce MAX of the local maxima              (for exp to stay finite)
-    2. z_t - m: the one rank whose columns hold t reads it, the others contribute 0 -> all-reduce SUM
-    3. sum_v exp(z_v - m): local sums -> all-reduce SUM
-
-The gradient dloss/dz_v = softmax(z)_v - [v == t] needs only this rank's columns of the softmax (kept from
-forward) and whether t is local: backward has no communication at all.
-
-Counterparts: megatron/core/tensor_parallel/cross_entropy.py::_VocabParallelCrossEntropy (forward, backward),
-VocabParallelCrossEntropy (its helper steps), vocab_parallel_cross_entropy (the entry point), and
-megatron/core/tensor_parallel/utils.py::VocabUtility for the column range of a rank. The three all-reduces
-are issued in the same order on the same [s, b] float32 tensors, so the recorded collective sequences agree.
-
-Differences from Megatron, each deliberate:
-  * Padded vocabularies (see vocab_parallel.pad_vocab_size): given `vocab_size`, the columns at or past it
-    are excluded from the max and the softmax (probability exactly 0, gradient exactly 0), so the loss is the
-    unpadded model's. Megatron treats pad columns as real logits: they take probability mass and train.
-  * A target outside [0, vocab_size) raises ParallelConfigError. Megatron silently reads logit 0 for it.
-    (The check costs one host sync per call, reading the ids' min and max together; targets are equal on
-    every TP rank, so every rank raises, none hangs.)
-  * The input logits are not modified. Megatron subtracts the max in place to save one logits-sized buffer.
-  * No label smoothing.
+Mirrors `megatron-lm:megatron/core/tensor_parallel/cross_entropy.py::_VocabParallelCrossEntropy`, with the same
+three all-reduces in the same order; unlike it, pad columns are left out of the softmax, a target out of range
+is refused, and the logits are not modified in place. The site's page on this module
+(notes/reference/tensor_parallel.cross_entropy.md) derives it and lists each difference with its reason.
 """
 
 from __future__ import annotations
@@ -52,7 +32,7 @@ def vocab_range(per_partition_vocab_size: int, rank: int) -> tuple[int, int]:
 def check_ids(ids: torch.Tensor, vocab_size: int, what: str) -> None:
     """Raise a one-line ParallelConfigError unless every id is an integer in [0, vocab_size).
 
-    Ids on the meta device (reference.scale traces shapes without values) have only their dtype checked."""
+    Ids on the meta device (reference.measure.scale traces shapes without values) have only their dtype checked."""
     if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
         raise ParallelConfigError(f"{what} must be integer token ids, got dtype {ids.dtype}")
     if not ids.numel() or ids.device.type == "meta":

@@ -1,17 +1,14 @@
 """Column- and row-parallel linear layers, with Megatron-core's argument names and (output, bias) return.
 
-Y = X A + b with A of shape [input_size, output_size] (stored transposed, as nn.Linear and Megatron do):
-  * ColumnParallelLinear splits A by columns, A = [A_1 ... A_p]: rank i computes Y_i = X A_i, a slice of the
-    output features. Its input gradient is partial (dX = sum_i dY_i A_i^T), hence the all-reduce in backward.
-  * RowParallelLinear splits A by rows and X by its last dimension: rank i computes the partial sum X_i A_i,
-    and the full Y = sum_i X_i A_i needs an all-reduce (or, with sequence parallelism, a reduce-scatter) in
-    forward. The bias is added once, after the reduction.
-Column then row (MLP: h -> 4h -> h) needs no communication in between: the column output split is exactly
-the row input split.
+ColumnParallelLinear splits the weight by output features: each rank computes a slice of Y, and its input
+gradient is partial, hence the all-reduce in backward. RowParallelLinear splits it by input features: each rank
+computes a partial sum, reduced in forward, then adds the bias once. Column then row needs no communication
+in between. The process group is passed explicitly instead of read from a ModelParallelConfig.
 
-Counterparts: megatron/core/tensor_parallel/layers.py::ColumnParallelLinear, RowParallelLinear,
-_initialize_affine_weight_cpu. Megatron takes a ModelParallelConfig; here the few settings that matter are
-keyword arguments and the process group is passed explicitly.
+Mirrors `megatron-lm:megatron/core/tensor_parallel/layers.py::ColumnParallelLinear.forward`,
+`megatron-lm:megatron/core/tensor_parallel/layers.py::RowParallelLinear.forward` and
+`megatron-lm:megatron/core/tensor_parallel/layers.py::_initialize_affine_weight_cpu`
+(notes/reference/tensor_parallel.layers.md works the split out).
 """
 
 from __future__ import annotations
@@ -70,7 +67,8 @@ def init_shard_from_master(
 class _ParallelLinear(torch.nn.Module):
     """Parameters and checks shared by both layers, and the keyword arguments both take (`shared` in theirs):
     init_method, bias, sequence_parallel, async_grad_allreduce, gradient_accumulation_fusion, params_dtype,
-    device. Subclasses decide how the weight is split."""
+    device, return_bias (False: return the output alone, as the nn.Linear that parallelize replaces).
+    Subclasses decide how the weight is split."""
 
     def __init__(
         self,
@@ -89,9 +87,11 @@ class _ParallelLinear(torch.nn.Module):
         gradient_accumulation_fusion: bool = False,
         params_dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        return_bias: bool = True,
     ):
         super().__init__()
         self.input_size, self.output_size, self.tp_group = input_size, output_size, tp_group
+        self.return_bias = return_bias
         self.sequence_parallel = sequence_parallel and tp_group.size() > 1  # as Megatron: off at TP=1
         self.async_grad_allreduce = async_grad_allreduce
         self.gradient_accumulation_fusion = gradient_accumulation_fusion
@@ -104,6 +104,9 @@ class _ParallelLinear(torch.nn.Module):
             self.bias = torch.nn.Parameter(torch.zeros(bias_size, dtype=params_dtype, device=device))
         else:
             self.register_parameter("bias", None)
+
+    def _returned(self, output: torch.Tensor, bias: torch.Tensor | None):
+        return (output, bias) if self.return_bias else output
 
     def _check_input(self, x: torch.Tensor, expected_last: int) -> None:
         name = type(self).__name__
@@ -169,7 +172,7 @@ class ColumnParallelLinear(_ParallelLinear):
             if self.gather_output
             else output_parallel
         )
-        return output, (self.bias if self.skip_bias_add else None)
+        return self._returned(output, self.bias if self.skip_bias_add else None)
 
 
 class RowParallelLinear(_ParallelLinear):
@@ -232,8 +235,8 @@ class RowParallelLinear(_ParallelLinear):
         else:
             output = reduce_from_tensor_parallel_region(output_parallel, self.tp_group)
         if self.skip_bias_add or self.bias is None:
-            return output, (self.bias if self.skip_bias_add else None)
-        return output + self.bias, None
+            return self._returned(output, self.bias if self.skip_bias_add else None)
+        return self._returned(output + self.bias, None)
 
 
 def allreduce_sequence_parallel_grads(module: torch.nn.Module, group: dist.ProcessGroup) -> None:

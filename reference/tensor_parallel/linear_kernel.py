@@ -1,23 +1,13 @@
 """The kernel under both parallel linear layers: a matmul whose backward overlaps communication with compute.
 
-Counterpart: megatron/core/tensor_parallel/layers.py::LinearWithGradAccumulationAndAsyncCommunication
-(and linear_with_grad_accumulation_and_async_allreduce). Two ideas, each behind one flag:
+Two ideas, each behind one flag. `async_grad_allreduce`: backward computes dX first, issues its all-reduce (or
+reduce-scatter) without waiting and computes dW while the bytes are on the wire. `gradient_accumulation_fusion`:
+dW is accumulated straight into an fp32 `weight.main_grad`. With sequence parallelism the gathered input is not
+saved; backward gathers it again, overlapped with the dX GEMM.
 
-* async_grad_allreduce: the input gradient dX = dY W is needed by the previous layer, the weight gradient
-  dW = dY^T X only by the optimizer. So backward computes dX first, *issues* its all-reduce (or, with
-  sequence parallelism, its reduce-scatter) without waiting, computes dW while the bytes are on the wire,
-  and waits only before returning. Off: the collective is waited right away and dW starts after it; the
-  collectives and the numbers are identical, only the overlap (visible in the recorder's start/end times)
-  is gone. Megatron always overlaps; its CUDA_DEVICE_MAX_CONNECTIONS=1 requirement is what makes the issue
-  order the execution order on a GPU.
-* gradient_accumulation_fusion: dW is accumulated straight into a persistent fp32 `weight.main_grad`
-  buffer by one GEMM-with-accumulate (Megatron: fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32),
-  instead of materializing dW and letting autograd add it to `.grad`. Over micro-batches, main_grad holds
-  the sum; the optimizer reads main_grad. Off: dW is returned to autograd as usual.
-
-With sequence parallelism the layer's input arrives split along the sequence. Forward all-gathers it; the
-gathered copy is *not* saved for backward (that would cost the memory SP saves), backward all-gathers it
-again, overlapped with the dX GEMM, exactly as Megatron does.
+Mirrors `megatron-lm:megatron/core/tensor_parallel/layers.py::linear_with_grad_accumulation_and_async_allreduce`
+and `megatron-lm:megatron/core/tensor_parallel/layers.py::LinearWithGradAccumulationAndAsyncCommunication.backward`
+(notes/reference/tensor_parallel.linear_kernel.md: what each flag changes, and what turning it off keeps).
 """
 
 from __future__ import annotations

@@ -1,21 +1,13 @@
 """The communication regions of tensor parallelism: one autograd Function per region, one public function each.
 
-A region is a pair (what forward does, what backward does) that keeps activations and their gradients
-consistent when a tensor crosses between "replicated on every TP rank" and "split across TP ranks".
-The Megatron-LM paper (Shoeybi et al. 2019, section 3, figure 3) names the first two:
+A region pairs what forward does with what backward does as a tensor crosses between replicated and split over
+TP. The Megatron-LM paper's f (`copy_to_tensor_parallel_region`: identity forward, all-reduce backward) opens a
+block and its conjugate g (`reduce_from_tensor_parallel_region`) closes it; the sequence-parallel regions split
+that all-reduce into an all-gather and a reduce-scatter.
 
-    f = copy_to_tensor_parallel_region:    forward identity,   backward all-reduce
-    g = reduce_from_tensor_parallel_region: forward all-reduce, backward identity
-
-f and g are conjugate: f opens the MLP / attention block (each rank uses the full input, so each rank's
-input gradient is partial and must be summed), g closes it (each rank's output is partial and must be
-summed; its gradient is already complete everywhere). The sequence-parallel regions (Korthikanti et al.
-2022) split that all-reduce into its two halves, all-gather and reduce-scatter, on the sequence dimension.
-
-Counterparts, all in megatron/core/tensor_parallel/mappings.py: _CopyToModelParallelRegion,
-_ReduceFromModelParallelRegion, _ScatterToModelParallelRegion, _GatherFromModelParallelRegion,
-_ScatterToSequenceParallelRegion, _GatherFromSequenceParallelRegion, _ReduceScatterToSequenceParallelRegion,
-and their public functions (copy_to_tensor_model_parallel_region, ...).
+Mirrors `megatron-lm:megatron/core/tensor_parallel/mappings.py::_CopyToModelParallelRegion`,
+`megatron-lm:megatron/core/tensor_parallel/mappings.py::_ReduceFromModelParallelRegion` and the other regions
+of that file, each named on its Function here (notes/reference/tensor_parallel.mappings.md maps them all).
 """
 
 from __future__ import annotations

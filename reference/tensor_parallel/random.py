@@ -31,7 +31,7 @@ class TensorParallelRNG:
     def __init__(self, seed: int, tp_group: dist.ProcessGroup, device: torch.device | str | None = None):
         """Mirrors `megatron-lm:megatron/core/tensor_parallel/random.py::model_parallel_cuda_manual_seed`."""
         device = torch.device(device or "cpu")
-        # Only CUDA has generators of its own; every other device (CPU, and meta for reference.scale, whose
+        # Only CUDA has generators of its own; every other device (CPU, and meta for reference.measure.scale, whose
         # tensors hold no values to drop) draws from the CPU default generator.
         self.device = device if device.type == "cuda" else torch.device("cpu")
         generator = torch.Generator(device=self.device)

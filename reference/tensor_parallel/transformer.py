@@ -1,356 +1,245 @@
-"""The transformer block, tensor-parallel: attention heads and MLP columns split across the TP group.
+"""The transformer blocks in plain PyTorch, written once: no ranks, no process groups.
 
-Per block and per direction, without sequence parallelism, exactly two all-reduces of a [s, b, h] tensor:
-  forward:  attention output projection (row, g), MLP fc2 (row, g)
-  backward: QKV input gradient (column, f),        MLP fc1 input gradient (column, f)
-With sequence_parallel the activations outside attention/MLP (LayerNorm, dropout, residual) are split along
-the sequence, and each all-reduce becomes its two halves: an all-gather before the column layer and a
-reduce-scatter after the row layer (Korthikanti et al. 2022; megatron/core/transformer/ with
-config.sequence_parallel). Backward additionally re-gathers each column layer's input (see linear_kernel).
+Unchanged, they are the unsharded oracle; reference.tensor_parallel.parallelize swaps their linears for
+column/row-parallel ones, as picotron's apply_tensor_parallel does. Two styles: GPT-2 (LayerNorm, GELU MLP,
+dropout) and Llama/Qwen2 (RMSNorm, SwiGLU MLP, rotary positions, grouped-query attention). Activations are
+[s, b, h]. The fused QKV is laid out group by group, [g, (q_1 .. q_{heads/g}, k, v), head_dim] (GPT-2: g =
+heads), so a contiguous split gives each rank whole groups, as
+`megatron-lm:megatron/core/transformer/attention.py::SelfAttention.get_query_key_value_tensors` reads it.
 
-Parameters are named and initialized exactly as in reference.tensor_parallel.unsharded, so after the same
-seed each rank holds its slice of the unsharded model's weights. Dropout on split activations (attention
-heads; the residual stream under SP) draws from a per-rank stream (reference.tensor_parallel.random).
-
-ParallelLlamaBlock is the Llama/Qwen2 block (unsharded.LlamaBlock) split the same way, with the same
-collectives: QKV column-parallel with whole query groups (a key/value head and its query heads) per rank,
-SwiGLU's fused [gate; up] column-parallel with stride 2 (each rank holds its gate columns next to the
-matching up columns), o and down row-parallel, RMSNorm under sequence parallelism like LayerNorm.
+Each weight is an fp32 master drawn from the global RNG in Megatron's order, so a parallelized copy of the
+same seed holds slices of the same weights. `rng` and `recompute` stay off here; parallelize sets them.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable
+from functools import partial
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
-from reference.parallel_state import ParallelConfigError, divide
-from reference.recompute import check_mode as check_recompute_mode
-from reference.recompute import checkpoint
-from reference.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from reference.tensor_parallel.mappings import (
-    gather_from_sequence_parallel_region,
-    scatter_to_sequence_parallel_region,
-)
-from reference.tensor_parallel.random import TensorParallelRNG
-from reference.tensor_parallel.unsharded import (
-    causal_self_attention,
-    grouped_query_attention,
-    init_method_normal,
-    swiglu,
-)
+from reference.parallel_state import divide
+from reference.recompute import recomputed
+from reference.tensor_parallel.rotary import apply_rotary
 
 
-def _recomputed(module: torch.nn.Module, enabled: bool, function: Callable, *args: torch.Tensor) -> torch.Tensor:
-    """function(*args); with `enabled`, in a training forward that autograd records, checkpointed on the module's
-    TP stream (reference.recompute): only `args` are kept, the rest runs again in backward. The one dispatch of
-    both recompute modes: selective (the attention core) and full (the whole block)."""
-    if enabled and module.training and torch.is_grad_enabled():
-        return checkpoint(function, module.rng, *args)
-    return function(*args)
+def init_method_normal(std: float = 0.02) -> Callable[[torch.Tensor], torch.Tensor]:
+    """N(0, std) in place (megatron/core/utils.py::init_method_normal)."""
+    return partial(torch.nn.init.normal_, mean=0.0, std=std)
 
 
-class ParallelAttention(torch.nn.Module):
-    """QKV column-parallel (each rank gets num_attention_heads / p whole heads), attention on the local
-    heads, output projection row-parallel. Returns (output, bias) with the bias not yet added.
-    With `selective_recompute` the attention core keeps only its input for backward (reference.recompute).
+def _linear(
+    in_features: int, out_features: int, init_method: Callable, dtype, device, bias: bool = True
+) -> torch.nn.Linear:
+    """nn.Linear whose weight is an fp32 master drawn by `init_method` (no default init drawing from the RNG),
+    zero bias, as Megatron initializes its layers."""
+    device = torch.get_default_device() if device is None else device  # skip_init would leave None on meta
+    layer = torch.nn.utils.skip_init(torch.nn.Linear, in_features, out_features, bias=bias, dtype=dtype, device=device)
+    with torch.no_grad():
+        master = torch.empty(out_features, in_features, dtype=torch.float32)
+        init_method(master)
+        layer.weight.copy_(master)
+        if bias:
+            layer.bias.zero_()
+    return layer
+
+
+def _on(rng, draws: bool):
+    """Run on `rng`'s stream when it is set and the block draws random numbers, else on the default one."""
+    return rng.fork() if rng is not None and draws else contextlib.nullcontext()
+
+
+def causal_self_attention(qkv: torch.Tensor, head_dim: int, dropout_p: float) -> torch.Tensor:
+    """[s, b, heads * 3 * head_dim] fused projections -> [s, b, heads * head_dim] causal attention output (GPT-2).
+
+    The head count is read from the shape, so the same code runs on all heads or on one rank's share.
+    """
+    s, b = qkv.shape[:2]
+    q, k, v = qkv.view(s, b, -1, 3, head_dim).permute(3, 1, 2, 0, 4).unbind(0)  # each [b, heads, s, d]
+    context = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+    return context.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
+def grouped_query_attention(
+    qkv: torch.Tensor, head_dim: int, queries_per_group: int, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """[s, b, groups * (queries_per_group + 2) * head_dim] fused projections -> [s, b, heads * head_dim]:
+    rotary positions on q and k, then causal attention, each key/value head serving its group's query heads
+    (Llama/Qwen2). The group count is read from the shape: all groups, or one rank's share.
+    """
+    s, b = qkv.shape[:2]
+    grouped = qkv.view(s, b, -1, queries_per_group + 2, head_dim)  # [s, b, g, heads/g + 2, d]
+    q, k, v = grouped[:, :, :, :-2], grouped[:, :, :, -2:-1], grouped[:, :, :, -1:]
+    q, k, v = (t.flatten(2, 3).permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads or g, s, d]
+    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    context = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    return context.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
+class Attention(torch.nn.Module):
+    """Fused QKV, attention per head (grouped when num_kv_heads < heads, rotary when given), output projection.
+    GPT-2: all biased, dropout on the probabilities. Llama/Qwen2 (`qkv_only_bias`): q/k/v biased, proj not.
 
     Mirrors `megatron-lm:megatron/core/transformer/attention.py::SelfAttention`.
     """
 
     def __init__(
-        self, hidden_size, num_attention_heads, attention_dropout, rng, linear_kwargs, selective_recompute: bool = False
+        self,
+        hidden_size,
+        num_attention_heads,
+        init_method,
+        *,
+        num_kv_heads=None,
+        dropout=0.0,
+        qkv_only_bias=False,
+        **kw,
     ):
         super().__init__()
-        self.rng, self.selective_recompute = rng, selective_recompute
-        divide(num_attention_heads, linear_kwargs["tp_group"].size(), "num_attention_heads")
+        groups = num_kv_heads or num_attention_heads
         self.head_dim = divide(hidden_size, num_attention_heads, "hidden_size", by="num_attention_heads")
-        self.attention_dropout = attention_dropout
-        self.qkv = ColumnParallelLinear(hidden_size, 3 * hidden_size, **linear_kwargs)
-        self.proj = RowParallelLinear(
-            hidden_size, hidden_size, input_is_parallel=True, skip_bias_add=True, **linear_kwargs
-        )
+        self.queries_per_group = num_attention_heads // groups
+        self.attention_dropout = dropout
+        self.qkv = _linear(hidden_size, (num_attention_heads + 2 * groups) * self.head_dim, init_method, **kw)
+        heads_size = num_attention_heads * self.head_dim
+        self.proj = _linear(heads_size, hidden_size, init_method, bias=not qkv_only_bias, **kw)
+        self.rng, self.recompute = None, False  # set by parallelize: head-split dropout stream, selective recompute
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        qkv, _ = self.qkv(x)
-        return self.proj(_recomputed(self, self.selective_recompute, self.core_attention, qkv))
+    def forward(self, x: torch.Tensor, *rotary: torch.Tensor) -> torch.Tensor:
+        selective = self.recompute and self.training
+        return self.proj(recomputed(selective, self.rng, self.core_attention, self.qkv(x), *rotary))
 
-    def core_attention(self, qkv: torch.Tensor) -> torch.Tensor:
-        """QK^T, softmax, dropout, x V on this rank's heads: the region selective recomputation re-runs.
+    def core_attention(self, qkv: torch.Tensor, *rotary: torch.Tensor) -> torch.Tensor:
+        """QK^T, softmax, dropout, x V on the heads this module holds: the region selective recompute re-runs.
 
         Mirrors `megatron-lm:megatron/core/transformer/attention.py::Attention._checkpointed_attention_forward`.
         """
+        if rotary:  # Llama/Qwen2: no dropout
+            return grouped_query_attention(qkv, self.head_dim, self.queries_per_group, *rotary)
         p = self.attention_dropout if self.training else 0.0
-        with self.rng.fork() if p > 0 else contextlib.nullcontext():  # this rank's heads: its own masks
+        with _on(self.rng, p > 0):  # each rank's heads draw their own masks
             return causal_self_attention(qkv, self.head_dim, p)
 
 
-class ParallelMLP(torch.nn.Module):
-    """fc1 column-parallel -> GELU on the local columns -> fc2 row-parallel. Returns (output, bias).
+def swiglu(fc1_output: torch.Tensor) -> torch.Tensor:
+    """[..., 2 f] = (gate, up) -> silu(gate) * up [..., f] (Shazeer 2020; Megatron's glu with F.silu)."""
+    gate, up = fc1_output.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class MLP(torch.nn.Module):
+    """fc1 -> GELU -> fc2 (GPT-2, biased), or fc1 = [gate; up] -> silu(gate) * up -> fc2 (`gated`: SwiGLU,
+    no biases).
 
     Mirrors `megatron-lm:megatron/core/transformer/mlp.py::MLP.forward`.
     """
 
-    def __init__(self, hidden_size, ffn_hidden_size, linear_kwargs):
+    def __init__(self, hidden_size, ffn_hidden_size, init_method, *, gated=False, **kw):
         super().__init__()
-        self.fc1 = ColumnParallelLinear(hidden_size, ffn_hidden_size, **linear_kwargs)
-        self.fc2 = RowParallelLinear(
-            ffn_hidden_size, hidden_size, input_is_parallel=True, skip_bias_add=True, **linear_kwargs
-        )
+        self.gated = gated
+        self.fc1 = _linear(hidden_size, (1 + gated) * ffn_hidden_size, init_method, bias=not gated, **kw)
+        self.fc2 = _linear(ffn_hidden_size, hidden_size, init_method, bias=not gated, **kw)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, _ = self.fc1(x)
-        return self.fc2(F.gelu(hidden))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.fc1(x)
+        return self.fc2(swiglu(hidden) if self.gated else F.gelu(hidden))
 
 
-class ParallelBlock(torch.nn.Module):
-    """What the GPT-2 and the Llama block share: the TP stream, the recompute mode (none, selective, full;
-    reference.recompute), sequence parallelism, the keyword arguments every linear layer of the block takes,
-    and the layout norm1 -> attention -> norm2 -> MLP, the norms marked as seeing only local tokens under SP.
-    A block passes the factories of its norm, attention and MLP and writes `layer_forward`, the layer itself:
-    what full recompute checkpoints.
+class Block(torch.nn.Module):
+    """Pre-norm block: x + drop(attention(ln1(x))), then + drop(mlp(ln2(x))); `*rotary` passes Llama's (cos, sin).
 
-    `rng` is the TP stream that dropout on split activations draws from and recomputation restores; without
-    one the block makes its own (seed 0)."""
+    `recompute` "full" re-runs the whole layer in backward (reference.recompute). `rng` is the dropout stream
+    of activations split over ranks, and `sequence_parallel` says the residual stream is: both set by
+    parallelize."""
 
-    def __init__(
-        self,
-        *,
-        tp_group: dist.ProcessGroup,
-        norm: Callable[..., torch.nn.Module],
-        attention: Callable[[dict, TensorParallelRNG, bool], torch.nn.Module],
-        mlp: Callable[[dict], torch.nn.Module],
-        init_method: Callable | None = None,
-        sequence_parallel: bool = False,
-        async_grad_allreduce: bool = True,
-        gradient_accumulation_fusion: bool = False,
-        params_dtype=torch.float32,
-        device=None,
-        rng: TensorParallelRNG | None = None,
-        recompute: str = "none",
-    ):
+    def __init__(self, norm: Callable, attention: Attention, mlp: MLP, hidden_dropout: float, dtype, device):
         super().__init__()
-        self.recompute = check_recompute_mode(recompute)
-        self.sequence_parallel = sequence_parallel and tp_group.size() > 1
-        self.rng = rng or TensorParallelRNG(0, tp_group, device)
-        linear_kwargs = dict(
-            tp_group=tp_group,
-            init_method=init_method or init_method_normal(),
-            sequence_parallel=self.sequence_parallel,
-            async_grad_allreduce=async_grad_allreduce,
-            gradient_accumulation_fusion=gradient_accumulation_fusion,
-            params_dtype=params_dtype,
-            device=device,
-        )
-        self.ln1 = norm(dtype=params_dtype, device=device)
-        self.attention = attention(linear_kwargs, self.rng, recompute == "selective")
-        self.ln2 = norm(dtype=params_dtype, device=device)
-        self.mlp = mlp(linear_kwargs)
-        for param in [*self.ln1.parameters(), *self.ln2.parameters()]:
-            param.sequence_parallel = self.sequence_parallel  # replicated, but sees only local tokens under SP
+        self.ln1, self.attention = norm(dtype=dtype, device=device), attention
+        self.ln2, self.mlp = norm(dtype=dtype, device=device), mlp
+        self.hidden_dropout = hidden_dropout
+        self.rng, self.recompute, self.sequence_parallel = None, "none", False
 
-    def forward(self, x: torch.Tensor, *layer_inputs: torch.Tensor) -> torch.Tensor:
-        """layer_forward(x, *layer_inputs); with full recompute the whole layer runs again in backward
-        (reference.recompute), as
+    def forward(self, x: torch.Tensor, *rotary: torch.Tensor) -> torch.Tensor:
+        """layer_forward, under full recompute re-run in backward, as
         `megatron-lm:megatron/core/transformer/transformer_block.py::TransformerBlock._checkpointed_forward`
         does."""
-        return _recomputed(self, self.recompute == "full", self.layer_forward, x, *layer_inputs)
+        full = self.recompute == "full" and self.training
+        return recomputed(full, self.rng, self.layer_forward, x, *rotary)
+
+    def layer_forward(self, x: torch.Tensor, *rotary: torch.Tensor) -> torch.Tensor:
+        """Mirrors `megatron-lm:megatron/core/transformer/transformer_layer.py::TransformerLayer.forward`."""
+        x = self.dropout_add(self.attention(self.ln1(x), *rotary), x)
+        return self.dropout_add(self.mlp(self.ln2(x)), x)
+
+    def dropout_add(self, out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + dropout(out); under sequence parallelism each rank holds other tokens: its own masks."""
+        if not self.hidden_dropout:
+            return residual + out
+        with _on(self.rng, self.sequence_parallel and self.training):
+            return residual + F.dropout(out, self.hidden_dropout, self.training)
 
 
-class ParallelTransformerBlock(ParallelBlock):
-    """Pre-LayerNorm block: x + attention(ln1(x)), then + mlp(ln2(x)), the row biases added in the
-    bias-dropout-add as Megatron does (hence skip_bias_add on the row layers). `shared`: ParallelBlock's
-    keyword arguments (init_method, sequence_parallel, params_dtype, device, rng, recompute, ...)."""
+class TransformerBlock(Block):
+    """The GPT-2 block: LayerNorm, multi-head attention and a GELU MLP, all biased; dropout on each branch."""
 
     def __init__(
         self,
         hidden_size: int,
         num_attention_heads: int,
         *,
-        tp_group: dist.ProcessGroup,
         ffn_hidden_size: int | None = None,
+        init_method: Callable | None = None,
         hidden_dropout: float = 0.0,
         attention_dropout: float = 0.0,
-        **shared,
+        params_dtype=torch.float32,
+        device=None,
     ):
+        init, kw = init_method or init_method_normal(), dict(dtype=params_dtype, device=device)
         super().__init__(
-            tp_group=tp_group,
-            norm=functools.partial(torch.nn.LayerNorm, hidden_size),
-            attention=lambda linear_kwargs, rng, selective: ParallelAttention(
-                hidden_size, num_attention_heads, attention_dropout, rng, linear_kwargs, selective_recompute=selective
-            ),
-            mlp=lambda linear_kwargs: ParallelMLP(hidden_size, ffn_hidden_size or 4 * hidden_size, linear_kwargs),
-            **shared,
-        )
-        self.hidden_dropout = hidden_dropout
-
-    def bias_dropout_add(self, out: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """residual + dropout(out + bias); under SP each rank holds other tokens, so it draws its own mask."""
-        split = self.sequence_parallel and self.training and self.hidden_dropout > 0
-        with self.rng.fork() if split else contextlib.nullcontext():
-            return residual + F.dropout(out + bias, self.hidden_dropout, self.training)
-
-    def layer_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Mirrors `megatron-lm:megatron/core/transformer/transformer_layer.py::TransformerLayer.forward`."""
-        out, bias = self.attention(self.ln1(x))
-        x = self.bias_dropout_add(out, bias, x)
-        out, bias = self.mlp(self.ln2(x))
-        return self.bias_dropout_add(out, bias, x)
-
-
-def split_query_groups(num_attention_heads: int, num_kv_heads: int, tp_size: int) -> int:
-    """Query groups (key/value heads) per TP rank; refuses a TP size that does not divide both head counts.
-
-    Megatron-core splits the groups when the TP size divides them and, with fewer key/value heads than TP
-    ranks, replicates them: each rank computes one whole group's k/v and keeps its share of the query heads
-    (`num_query_groups < world_size` in Attention.__init__). The reference refuses that case instead:
-    replicated k/v weights would be TP-replicated parameters whose gradients need their own sum over the
-    ranks sharing a head, a second mechanism this block does not need to show the split. A TP size dividing
-    neither is refused by Megatron too (its `divide` asserts).
-
-    Mirrors `megatron-lm:megatron/core/transformer/attention.py::Attention.__init__`.
-    """
-    divide(num_attention_heads, tp_size, "num_attention_heads", by="the tensor-parallel size")
-    if num_kv_heads < tp_size:
-        raise ParallelConfigError(
-            f"{num_kv_heads} key/value heads cannot be split over tensor-parallel size {tp_size}: each rank needs "
-            f"a whole key/value head (Megatron replicates them instead; this reference does not), lower --tp"
-        )
-    return divide(num_kv_heads, tp_size, "num_kv_heads (key/value heads)", by="the tensor-parallel size")
-
-
-class ParallelGroupedQueryAttention(torch.nn.Module):
-    """QKV column-parallel (each rank gets num_kv_heads / p whole query groups, with their q/k/v biases),
-    rotary + grouped-query attention on the local groups (`core_attention`, tensors in and out: the seam
-    selective recompute checkpoints), output projection row-parallel without bias. Returns (output, None).
-
-    Mirrors `megatron-lm:megatron/core/transformer/attention.py::SelfAttention.get_query_key_value_tensors`.
-    """
-
-    def __init__(
-        self, hidden_size, num_attention_heads, num_kv_heads, linear_kwargs, rng=None, selective_recompute: bool = False
-    ):
-        super().__init__()
-        self.rng, self.selective_recompute = rng, selective_recompute
-        tp = linear_kwargs["tp_group"].size()
-        self.local_query_groups = split_query_groups(num_attention_heads, num_kv_heads, tp)
-        self.head_dim = divide(hidden_size, num_attention_heads, "hidden_size", by="num_attention_heads")
-        qkv_size = (num_attention_heads + 2 * num_kv_heads) * self.head_dim
-        self.qkv = ColumnParallelLinear(hidden_size, qkv_size, **linear_kwargs)
-        self.proj = RowParallelLinear(
-            num_attention_heads * self.head_dim, hidden_size, bias=False, input_is_parallel=True, **linear_kwargs
+            partial(torch.nn.LayerNorm, hidden_size),
+            Attention(hidden_size, num_attention_heads, init, dropout=attention_dropout, **kw),
+            MLP(hidden_size, ffn_hidden_size or 4 * hidden_size, init, **kw),
+            hidden_dropout,
+            **kw,
         )
 
-    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, None]:
-        qkv, _ = self.qkv(x)
-        return self.proj(_recomputed(self, self.selective_recompute, self.core_attention, qkv, *rotary))
 
-    def core_attention(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """The local query groups' attention: what selective recompute checkpoints (tensors in, tensor out)."""
-        return grouped_query_attention(qkv, self.head_dim, self.local_query_groups, cos, sin)
-
-
-class ParallelSwiGLUMLP(torch.nn.Module):
-    """fc1 [gate; up] column-parallel with stride 2 -> silu(gate) * up on the local columns -> fc2
-    row-parallel (no biases). Returns (output, None). Megatron's MLP passes stride 2 to its fc1 under
-    gated_linear_unit for the same reason.
-
-    Mirrors `megatron-lm:megatron/core/transformer/mlp.py::MLP.__init__`.
-    """
-
-    def __init__(self, hidden_size, ffn_hidden_size, linear_kwargs):
-        super().__init__()
-        self.fc1 = ColumnParallelLinear(hidden_size, 2 * ffn_hidden_size, bias=False, stride=2, **linear_kwargs)
-        self.fc2 = RowParallelLinear(ffn_hidden_size, hidden_size, bias=False, input_is_parallel=True, **linear_kwargs)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
-        hidden, _ = self.fc1(x)
-        return self.fc2(swiglu(hidden))
-
-
-class ParallelLlamaBlock(ParallelBlock):
-    """Pre-RMSNorm block: x + attention(ln1(x), rotary), then + mlp(ln2(x)), no dropout. `rotary` is the
-    (cos, sin) of the whole sequence: attention runs on the gathered sequence even under SP. `shared`:
-    ParallelBlock's keyword arguments, as for ParallelTransformerBlock (no dropout here, so the TP stream
-    only keeps the two blocks' recomputation the same code)."""
+class LlamaBlock(Block):
+    """The Llama/Qwen2 block: RMSNorm, grouped-query attention with rotary positions, SwiGLU; no dropout."""
 
     def __init__(
         self,
         hidden_size: int,
         num_attention_heads: int,
         *,
-        tp_group: dist.ProcessGroup,
         num_kv_heads: int,
         ffn_hidden_size: int,
         norm_eps: float,
-        **shared,
+        init_method: Callable | None = None,
+        params_dtype=torch.float32,
+        device=None,
     ):
+        init, kw = init_method or init_method_normal(), dict(dtype=params_dtype, device=device)
         super().__init__(
-            tp_group=tp_group,
-            norm=functools.partial(torch.nn.RMSNorm, hidden_size, eps=norm_eps),
-            attention=lambda linear_kwargs, rng, selective: ParallelGroupedQueryAttention(
-                hidden_size, num_attention_heads, num_kv_heads, linear_kwargs, rng, selective
-            ),
-            mlp=lambda linear_kwargs: ParallelSwiGLUMLP(hidden_size, ffn_hidden_size, linear_kwargs),
-            **shared,
+            partial(torch.nn.RMSNorm, hidden_size, eps=norm_eps),
+            Attention(hidden_size, num_attention_heads, init, num_kv_heads=num_kv_heads, qkv_only_bias=True, **kw),
+            MLP(hidden_size, ffn_hidden_size, init, gated=True, **kw),
+            0.0,
+            **kw,
         )
 
-    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        return super().forward(x, *rotary)
 
-    def layer_forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """The layer itself: what full recompute checkpoints."""
-        out, _ = self.attention(self.ln1(x), (cos, sin))
-        x = x + out
-        out, _ = self.mlp(self.ln2(x))
-        return x + out
+class Transformer(torch.nn.Module):
+    """A stack of GPT-2 blocks taking and returning [s, b, h] (no embedding or head: fed hidden states)."""
 
-
-class ParallelTransformer(torch.nn.Module):
-    """A stack of blocks taking and returning full [s, b, h] activations, replicated on the TP group.
-
-    With sequence parallelism the input is split along the sequence on entry and gathered on exit. A
-    sequence length that the TP size does not divide is an error, or, with pad_sequence=True, is padded with
-    zeros at the end (causal attention keeps real tokens blind to the padding) and trimmed on exit.
-    """
-
-    def __init__(
-        self,
-        num_layers: int,
-        hidden_size: int,
-        num_attention_heads: int,
-        *,
-        tp_group: dist.ProcessGroup,
-        pad_sequence: bool = False,
-        dropout_seed: int = 0,
-        **block_kwargs,
-    ):
+    def __init__(self, num_layers: int, hidden_size: int, num_attention_heads: int, **block_kwargs):
         super().__init__()
-        self.tp_group, self.pad_sequence = tp_group, pad_sequence
-        rng = TensorParallelRNG(dropout_seed, tp_group, block_kwargs.get("device"))
         self.layers = torch.nn.ModuleList(
-            ParallelTransformerBlock(hidden_size, num_attention_heads, tp_group=tp_group, rng=rng, **block_kwargs)
-            for _ in range(num_layers)
+            TransformerBlock(hidden_size, num_attention_heads, **block_kwargs) for _ in range(num_layers)
         )
-        self.sequence_parallel = bool(self.layers) and self.layers[0].sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        seq_length, tp = x.shape[0], self.tp_group.size()
-        if self.sequence_parallel:
-            if seq_length % tp:
-                if not self.pad_sequence:
-                    raise ParallelConfigError(
-                        f"sequence length {seq_length} is not divisible by the tensor-parallel size {tp}, "
-                        "which sequence parallelism splits it by; pad it or pass pad_sequence=True"
-                    )
-                x = F.pad(x, (0, 0, 0, 0, 0, tp - seq_length % tp))
-            x = scatter_to_sequence_parallel_region(x, self.tp_group)
         for layer in self.layers:
             x = layer(x)
-        if self.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, self.tp_group, tensor_parallel_output_grad=False)
-        return x[:seq_length]
+        return x

@@ -1,31 +1,13 @@
 """The two ends of a language model split on the vocabulary: the input embedding and the output head + loss.
 
-A vocabulary of V entries is padded up to V_p, a multiple of the TP size, and TP rank i holds the rows
-[i V_p/p, (i+1) V_p/p) of the embedding table and the same rows of the output layer's weight:
+The vocabulary V is padded to V_p, a multiple of the TP size, and TP rank i holds rows [i V_p/p, (i+1) V_p/p)
+of the embedding and of the output layer. The embedding zeroes the tokens another rank holds and sums over TP;
+the head keeps its logit columns local for the loss-parallel cross-entropy, so no rank holds [s, b, V].
 
-  * VocabParallelEmbedding: every rank looks up every token; a token whose id another rank holds reads row 0
-    and has its output zeroed, so exactly one rank contributes each token's vector. Summing over TP (the g
-    region: all-reduce; or with sequence parallelism a reduce-scatter onto sequence slices) gives the lookup.
-    Backward needs no communication: the gradient of the rows this rank holds is local.
-  * ParallelLMHead: the output layer is a ColumnParallelLinear over V_p with gather_output=False, so rank i
-    computes the logit columns it holds, [s, b, V_p/p], and vocab_parallel_cross_entropy reduces them with
-    three all-reduces of [s, b] numbers. No rank ever holds [s, b, V] logits.
-
-Padding. Megatron-LM pads the vocabulary in its training script (Megatron-LM
-megatron/training/tokenizer/tokenizer.py::_vocab_size_with_padding, outside megatron-core) and from then on
-treats the pad ids as ordinary vocabulary entries: their embedding rows and output rows are initialized at
-random and their logits take part in the softmax, so they take some probability mass and are trained. Here
-the padding is invisible to the model's function: the pad rows are initialized to zero after drawing exactly
-the unpadded model's master weight from the RNG (same seed -> same real rows as an unpadded nn.Embedding or
-nn.Linear), no token may use a pad id (ParallelConfigError), and the cross-entropy excludes the pad logit
-columns from the softmax. So the loss and every real gradient equal the unpadded model's, and the pad rows'
-gradients are exactly zero.
-
-Counterparts: megatron/core/tensor_parallel/layers.py::VocabParallelEmbedding,
-megatron/core/tensor_parallel/utils.py::VocabUtility, the output layer of
-megatron/core/models/gpt/gpt_model.py::GPTModel.__init__ (`self.output_layer = ColumnParallelLinear(...,
-bias=False, gather_output=not parallel_output)`) and
-megatron/core/models/common/language_module/language_module.py::LanguageModule.compute_language_model_loss.
+Mirrors `megatron-lm:megatron/core/tensor_parallel/layers.py::VocabParallelEmbedding` and
+`megatron-lm:megatron/core/models/common/language_module/language_module.py::LanguageModule.compute_language_model_loss`.
+Unlike Megatron, the padding is invisible: pad rows start at zero and pad logits stay out of the softmax
+(notes/reference/tensor_parallel.vocab_parallel.md says how and why).
 """
 
 from __future__ import annotations

@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from reference.activation_memory.counting import SavedTensor, SavedTensorCounter
-from reference.activation_memory.llama_block import LlamaSetting, classify
-from reference.activation_memory.paper import CONFIGURATIONS
+from reference.measure.activation_memory.counting import SavedTensor, SavedTensorCounter
+from reference.measure.activation_memory.llama_block import LlamaSetting, classify
+from reference.measure.activation_memory.paper import CONFIGURATIONS
 from tests.launch import ROOT
 from tests.reference.activation_runs import activation_results, megatron_activation_counts
 

@@ -5,7 +5,7 @@ import pytest
 
 from reference import __main__ as demo_cli
 from reference import layout
-from reference.scale import __main__ as scale_cli
+from reference.measure.scale import __main__ as scale_cli
 
 WORLD_WHY = "at most 1,048,576 (more than any job run so far; the groups list every rank)"
 
@@ -30,18 +30,18 @@ def refused(main, argv, capsys) -> str:
         (
             scale_cli.main,
             ["--dp", "1000000000"],
-            f"python -m reference.scale: error: argument --dp: {WORLD_WHY}, got 1,000,000,000",
+            f"python -m reference.measure.scale: error: argument --dp: {WORLD_WHY}, got 1,000,000,000",
         ),
         (
             scale_cli.main,
             ["--tp", "8", "--pp", "8", "--dp", "65536"],
-            "python -m reference.scale: error: tp 8 x pp 8 x dp 65536 = 4,194,304 ranks",
+            "python -m reference.measure.scale: error: tp 8 x pp 8 x dp 65536 = 4,194,304 ranks",
         ),
         (
             scale_cli.main,
             ["--microbatches", "1000000"],
-            "python -m reference.scale: error: argument --microbatches: at most 256 (the trace walks every micro-batch "
-            "of the schedule, about 0.3 s each per traced rank), got 1,000,000",
+            "python -m reference.measure.scale: error: argument --microbatches: at most 256 "
+            "(the trace walks every micro-batch of the schedule, about 0.3 s each per traced rank), got 1,000,000",
         ),
         (demo_cli.main, ["--lr", "nan"], "argument --lr: expected a positive, finite learning rate, got 'nan'"),
         (demo_cli.main, ["--lr", "inf"], "argument --lr: expected a positive, finite learning rate, got 'inf'"),

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from reference.distributed import distributed
+from reference.distributed import LaunchError, distributed, pick_device
 
 
 def test_a_group_set_up_by_the_caller_is_used_and_left_in_place(one_rank_gloo):
@@ -20,3 +20,23 @@ def test_a_failing_run_on_the_callers_group_leaves_it_in_place_too(one_rank_gloo
         raise RuntimeError("failed on purpose")
     assert dist.is_initialized()
     dist.barrier()  # still usable
+
+
+@pytest.mark.parametrize("gpus", [0, 1, 2])
+def test_ranks_get_a_gpu_each_or_auto_runs_on_cpu_and_cuda_is_refused_in_one_line(monkeypatch, gpus):
+    """NCCL takes one rank per GPU: two local ranks on one GPU would share it and fail inside NCCL."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert pick_device("auto") == (torch.device("cuda", 1) if gpus == 2 else torch.device("cpu"))
+    assert pick_device("cpu") == torch.device("cpu")
+    if gpus == 2:
+        assert pick_device("cuda") == torch.device("cuda", 1)
+        return
+    problem = "no CUDA device is visible" if gpus == 0 else r"with 2 ranks on this node needs 2 GPUs \(NCCL takes"
+    with pytest.raises(LaunchError, match=problem):
+        pick_device("cuda")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert pick_device("auto") == (torch.device("cuda", 0) if gpus else torch.device("cpu"))  # world 1: the GPU

@@ -2,7 +2,7 @@
 
 Times come from `CollectiveRecorder`: a collective's `start` is when it was issued; spans "<unit> forward"
 (the wrapped module's forward) and "<unit> backward" (pre-backward hook, after the unit's own all-gather
-landed, to post-backward hook) are recorded by `reference.fsdp.tracing`. Units: root (embedding, final
+landed, to post-backward hook) are recorded by `reference.measure.fsdp_tracing`. Units: root (embedding, final
 norm, output layer) and layers.0-2. Steps 1 and 2 are checked (step 0 records the forward order). The timing claims
 also run on CUDA/NCCL (2 GPUs), where each all-gather runs on NCCL's stream and `Work.wait()` only makes the
 compute stream wait, so the prefetched all-gathers overlap compute on the GPU.

@@ -1,7 +1,7 @@
 """The recorded collective schedule of the reference FSDP is FSDP1's, unit by unit, for every policy.
 
-Both runs are recorded by `reference.recorder.CollectiveRecorder`; FSDP1's collectives are attributed to
-units by `reference.fsdp.tracing.torch_fsdp1_unit_scopes`. Compared per step: op, unit, phase, bytes and
+Both runs are recorded by `reference.measure.recorder.CollectiveRecorder`; FSDP1's collectives are attributed to
+units by `reference.measure.fsdp_tracing.torch_fsdp1_unit_scopes`. Compared per step: op, unit, phase, bytes and
 dtype of every collective in issue order, so prefetch decisions, the root's kept parameters and the
 16-byte alignment padding (flat sizes) must all agree.
 """

@@ -97,10 +97,8 @@ def test_sequence_parallel_grads_are_summed_over_tp_on_the_sharded_gradients():
 def test_bad_input_gets_one_line_errors_on_every_rank():
     for result in results():
         assert result["bad_input"] == {
-            "unsharded_model": "shard_tp_model: rank 0: Transformer has no ParallelTransformerBlock or "
-            "ParallelLlamaBlock to wrap; "
-            "build it as reference.tensor_parallel.transformer.ParallelTransformer(..., "
-            "tp_group=layout.tp_group)",
+            "unsharded_model": "shard_tp_model: rank 0: Transformer has no tensor-parallel block to wrap; "
+            "split it first with reference.tensor_parallel.parallelize.parallelize(model, layout)",
             "full_weight": "shard_tp_model: rank 0: layers.0.attention.qkv.weight has shape [36, 12], expected "
             "[18, 12]: a TP-sharded layer must hold this rank's 1/2 slice, not the full weight",
             "uneven_plain_parameter": "shard_tp_model: parameter shapes differ between ranks 0 and 1 of TP group "

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from reference import __main__ as demo_cli
-from reference.pipeline.replay import idle_fraction
+from reference.measure.replay import idle_fraction
 from tests.launch import run_worker
 from tests.reference.demo_runs import demo_outputs, json_lines
 from tests.reference.refusals import refusal

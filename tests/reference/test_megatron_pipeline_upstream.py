@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from reference.pipeline.replay import idle_fraction
+from reference.measure.replay import idle_fraction
 from tests.launch import run_worker
 
 pytestmark = pytest.mark.upstream("megatron-lm")

@@ -10,8 +10,9 @@ import torch.distributed as dist
 from reference.__main__ import main
 from reference.parallel_state import ParallelConfigError
 from reference.recompute import check_mode
+from reference.tensor_parallel.parallelize import parallelize_block
 from reference.tensor_parallel.rotary import rotary_cos_sin
-from reference.tensor_parallel.transformer import ParallelLlamaBlock
+from reference.tensor_parallel.transformer import LlamaBlock
 from tests.reference.activation_runs import activation_results
 from tests.reference.demo_runs import demo_outputs, json_lines
 from tests.reference.refusals import refusal
@@ -52,16 +53,15 @@ def test_without_restoring_the_tp_dropout_stream_the_recomputed_masks_differ(wor
 
 @pytest.mark.parametrize("mode", ["selective", "full"])
 def test_a_llama_block_built_without_a_stream_recomputes_with_its_own(one_rank_gloo, mode):
-    """ParallelLlamaBlock without `rng` (as a user may build it) recomputes on the stream the block made for
-    itself, attention core included, and gives the gradients of no recomputation bit for bit."""
+    """A Llama block split without `rng` (as a user may split it) recomputes on the stream parallelize_block
+    made for it, attention core included, and gives the gradients of no recomputation bit for bit."""
 
     def gradients(recompute: str) -> list[torch.Tensor]:
         torch.manual_seed(0)
-        block = ParallelLlamaBlock(
-            16, 4, tp_group=dist.group.WORLD, num_kv_heads=2, ffn_hidden_size=24, norm_eps=1e-5, recompute=recompute
-        )
+        block = LlamaBlock(16, 4, num_kv_heads=2, ffn_hidden_size=24, norm_eps=1e-5)
+        parallelize_block(block, dist.group.WORLD, recompute=recompute)
         x = torch.randn(6, 2, 16, requires_grad=True)
-        block(x, rotary_cos_sin(6, 4, 10000.0)).square().sum().backward()
+        block(x, *rotary_cos_sin(6, 4, 10000.0)).square().sum().backward()
         return [x.grad, *(p.grad for p in block.parameters())]
 
     expected = gradients("none")

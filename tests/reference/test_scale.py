@@ -1,6 +1,6 @@
 """Scale by simulation: one process traces one rank of a large TP x PP x DP job (fake process group, meta
 weights) running reference.gpt.train.train_step, and every (group, collective type) row must equal the closed
-forms of reference.scale.formulas.
+forms of reference.measure.scale.formulas.
 
 The 70B rows are also checked against numbers written out here from the sizes (not from formulas.py), the
 meta-device trace against the same step on real tensors, GPipe against 1F1B (same transfers, other order),
@@ -16,11 +16,11 @@ import time
 import pytest
 import record_traces  # tools/: the arguments of the committed scale traces
 
+from reference.measure.scale import formulas
+from reference.measure.scale.__main__ import build_parser, main, setup_from
+from reference.measure.scale.shapes import setup_for
+from reference.measure.scale.simulate import default_ranks, document, simulate, stage_of, step_of, summarize, trace_rank
 from reference.parallel_state import ParallelConfigError, rank_grid
-from reference.scale import formulas
-from reference.scale.__main__ import build_parser, main, setup_from
-from reference.scale.shapes import setup_for
-from reference.scale.simulate import default_ranks, document, simulate, stage_of, step_of, summarize, trace_rank
 from tests.launch import ROOT
 
 M = 16  # micro-batches of the committed 70B traces (fewer than stages: the small layouts below)
@@ -61,7 +61,7 @@ def rows_of(seventy_b, name: str, stage: int):
 
 
 def test_committed_scale_traces_match_a_fresh_run(seventy_b):
-    """reading_notes/traces/scale_*.json are what `python -m reference.scale ... --json` writes now (the
+    """reading_notes/traces/scale_*.json are what `python -m reference.measure.scale ... --json` writes now (the
     document of the same setups and ranks), formula terms included."""
     assert sorted(seventy_b) == sorted(p.stem for p in TRACES.glob("scale_*.json"))
     for name, (setup, steps, _) in seventy_b.items():

@@ -16,8 +16,8 @@ from torch.distributed.fsdp._limiter_utils import _FreeEventQueue
 from torch.utils import flop_counter
 
 from reference import torch_patches
-from reference.fsdp.tracing import torch_fsdp1_unit_scopes
-from reference.recorder import CollectiveRecorder
+from reference.measure.fsdp_tracing import torch_fsdp1_unit_scopes
+from reference.measure.recorder import CollectiveRecorder
 from tests.gitserver import free_port
 from tests.launch import ROOT
 
@@ -60,7 +60,7 @@ def test_a_missing_api_turns_the_recorder_off_with_one_warning_line(monkeypatch,
     assert not first.on and not second.on
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(
-        "reference: warning: the collective recorder (reference.recorder) is off: torch "
+        "reference: warning: the collective recorder (reference.measure.recorder) is off: torch "
     ), err
     model = torch.nn.Linear(2, 2)
     assert first.watch(model) == []
@@ -84,7 +84,7 @@ def test_fsdp1_scopes_turn_off_without_the_functions_they_wrap(monkeypatch, prob
     with torch_fsdp1_unit_scopes(torch.nn.Linear(2, 2)):
         assert _runtime_utils._unshard is unshard
     assert capsys.readouterr().err == (
-        "reference: warning: FSDP1's unit scopes (reference.fsdp.tracing.torch_fsdp1_unit_scopes) is off: torch "
+        "reference: warning: FSDP1's unit scopes (reference.measure.fsdp_tracing) is off: torch "
         f"{torch.__version__} has no fsdp._runtime_utils._reduce_grad to wrap\n"
     )
 
@@ -181,7 +181,8 @@ def test_a_demo_runs_on_a_torch_without_the_recorders_apis(demo):
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stderr == (
-        f"reference: warning: the collective recorder (reference.recorder) is off: torch {OTHER} has no Work.unbox\n"
+        "reference: warning: the collective recorder (reference.measure.recorder) is off: "
+        f"torch {OTHER} has no Work.unbox\n"
     )
     steps = [line for line in run.stdout.splitlines() if line.startswith("step ")]
     assert len(steps) == 2, run.stdout

@@ -17,6 +17,7 @@ ERRORS = {
     "meta_input": "input on meta but weight on",
     "last_dimension_6": "input last dimension 6, expected 8",
     "sequence_5": "sequence length 5 is not divisible by the tensor-parallel size 2",
+    "split_twice": "TransformerBlock is already split over a TP group; parallelize it once",
 }
 
 

@@ -52,6 +52,26 @@ def test_a_hand_typed_upstream_line_number_is_reported(project):
     assert "reference/layers.py:1: L88: a hand-typed" in r.out
 
 
+def test_a_hand_typed_upstream_line_range_is_reported_and_a_shape_is_not(project):
+    _reference(
+        project,
+        '"""Mirrors _runtime_utils.py, function for function:\n\n'
+        "    root_pre_forward   _root_pre_forward (504-606) + _root_cast_forward_input (610-626)\n"
+        "    lazy_init          `_lazy_init`, 112-143; the hook at _runtime_utils.py 1416-1470\n"
+        "    not lines          (2-3), (16-32), Llama-2/3-70B, ranks 0-3, tp_size 2-8, descending (606-504)\n"
+        '"""\n',
+    )
+    r = project.run("check", "--json")
+    assert r.code == 1
+    assert [(p["where"], p["cite"]) for p in r.json()["problems"]] == [
+        ("reference/layers.py:3", "504-606"),
+        ("reference/layers.py:3", "610-626"),
+        ("reference/layers.py:4", "112-143"),
+        ("reference/layers.py:4", "1416-1470"),
+    ]
+    assert r.json()["problems"][0]["message"].startswith("a hand-typed upstream line number, which nothing keeps true")
+
+
 def test_the_reference_page_renders_what_the_docstring_cites(project):
     assert project.run("cite", f"{LAYERS}::ColumnParallel", f"{LAYERS}::ColumnParallel.forward").code == 0
     _reference(project, OURS.format(cite=f"{LAYERS}::ColumnParallel`\nand `{LAYERS}::ColumnParallel.forward"))

@@ -1,6 +1,6 @@
 """The site's tables and bar chart from the committed scale traces (reading_notes/traces/scale_*.json) re-check
 each row against the formula terms recorded with it when rendered. That the traces are what `python -m
-reference.scale` traces now, terms included, is tests/reference/test_scale.py's fresh run."""
+reference.measure.scale` traces now, terms included, is tests/reference/test_scale.py's fresh run."""
 
 from __future__ import annotations
 
@@ -50,9 +50,13 @@ def test_sent_bytes_follow_ring_algorithms():
     [
         (
             lambda t: t["runs"][1]["rows"][0].update(bytes=1),
-            "rank 32 tp all_reduce recorded 640 x / 1 B but reference.scale.formulas gives 640 x / 42949672960 B",
+            "rank 32 tp all_reduce recorded 640 x / 1 B but reference.measure.scale.formulas "
+            "gives 640 x / 42949672960 B",
         ),
-        (lambda t: t["runs"][0]["rows"].pop(), "rank 0 recorded no dp all_reduce, which reference.scale.formulas"),
+        (
+            lambda t: t["runs"][0]["rows"].pop(),
+            "rank 0 recorded no dp all_reduce, which reference.measure.scale.formulas",
+        ),
         (lambda t: t["runs"][0]["formulas"][0]["terms"][0].update(count=1), "recorded 656 x"),
         (lambda t: t["runs"][2].pop("formulas"), "rank 56 lacks the formulas' terms"),
     ],
@@ -76,6 +80,8 @@ def test_memory_table_shows_ddp_against_the_distributed_optimizer_and_refuses_a_
     tampered["runs"][1]["memory"]["measured"]["optimizer_states"] += 1
     with pytest.raises(TraceError) as error:
         scale_tables.memory_table(ddp, tampered)
-    assert "rank 32 holds 115413121 B of optimizer_states but reference.scale.formulas gives 115413120 B" in str(
-        error.value
-    ) and "\n" not in str(error.value)
+    assert (
+        "rank 32 holds 115413121 B of optimizer_states but reference.measure.scale.formulas gives 115413120 B"
+        in str(error.value)
+        and "\n" not in str(error.value)
+    )

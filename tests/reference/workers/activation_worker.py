@@ -1,12 +1,12 @@
 """Worker for the recomputation and activation-memory tests: `torchrun ... activation_worker.py OUTDIR`
 (the device from REFERENCE_TEST_DEVICE; or in a shared launch, workers/shared_worker.py).
 
-At the launch's world size t (1 or 2): trains a two-block ParallelTransformer for two steps with dropout, in
+At the launch's world size t (1 or 2): trains a two-block parallelized Transformer for two steps with dropout, in
 every recompute mode (and, at t > 1, with and without sequence parallelism), and records whether each mode's
 losses and gradients equal the no-recompute run's bit for bit; a control run recomputes the attention core
 without restoring the TP dropout stream, to show that restoring it is what makes them equal. On CPU it also
 counts the bytes one block, GPT-2 and Llama, saves for backward in every configuration of Korthikanti et al.'s
-Table 2 that the world allows (reference.activation_memory). Each rank writes OUTDIR/rank{r}.json.
+Table 2 that the world allows (reference.measure.activation_memory). Each rank writes OUTDIR/rank{r}.json.
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ import torch.distributed as dist
 from common import max_diff, serve
 
 import reference.recompute
-from reference.activation_memory.measure import count, count_all
+from reference.measure.activation_memory.measure import count, count_all
 from reference.recompute import RECOMPUTE_MODES
-from reference.tensor_parallel.transformer import ParallelTransformer
+from reference.tensor_parallel.parallelize import parallelize
+from reference.tensor_parallel.transformer import Transformer
 
 S, B, H, A, LAYERS, SEED, STEPS, DROPOUT = 8, 2, 16, 4, 2, 11, 2, 0.25
 COUNT_SHAPE = dict(s=32, b=2, h=64, a=4)  # s != h / a, so the s^2 tensors are told apart by shape
@@ -28,18 +29,12 @@ LLAMA_COUNT_SHAPE = dict(COUNT_SHAPE, k=2, f=160)  # k < a (grouped-query), f no
 def train(device, tp_group, sequence_parallel: bool, recompute: str, dtype) -> tuple[list[float], dict]:
     """Losses and this rank's parameter and input gradients after STEPS forward-backward passes."""
     torch.manual_seed(SEED)
-    model = ParallelTransformer(
-        LAYERS,
-        H,
-        A,
-        tp_group=tp_group,
+    model = parallelize(
+        Transformer(LAYERS, H, A, hidden_dropout=DROPOUT, attention_dropout=DROPOUT, params_dtype=dtype, device=device),
+        tp_group,
         dropout_seed=SEED,
-        hidden_dropout=DROPOUT,
-        attention_dropout=DROPOUT,
         sequence_parallel=sequence_parallel,
         recompute=recompute,
-        params_dtype=dtype,
-        device=device,
     )
     losses, grads = [], {}
     for step in range(STEPS):

@@ -17,10 +17,10 @@ import torch.distributed as dist
 from common import full_tensor, max_diff, serve
 
 from reference.data_parallel import DistributedDataParallel, finalize_model_grads, local_batch
+from reference.measure.recorder import CollectiveRecorder
 from reference.parallel_state import build_layout
-from reference.recorder import CollectiveRecorder
-from reference.tensor_parallel.transformer import ParallelTransformer
-from reference.tensor_parallel.unsharded import Transformer
+from reference.tensor_parallel.parallelize import parallelize
+from reference.tensor_parallel.transformer import Transformer
 
 H, HEADS, LAYERS, S, B, STEPS, SEED, LR = 16, 4, 2, 8, 8, 3, 1234, 0.1
 DEVICE = torch.device("cpu")
@@ -48,8 +48,8 @@ def train_ddp(
     if tp_group is None:
         module = Transformer(LAYERS, H, HEADS, device=DEVICE)
     else:
-        module = ParallelTransformer(
-            LAYERS, H, HEADS, tp_group=tp_group, sequence_parallel=sequence_parallel, device=DEVICE
+        module = parallelize(
+            Transformer(LAYERS, H, HEADS, device=DEVICE), tp_group, sequence_parallel=sequence_parallel
         )
     gradient_stamps: list[float] = []
     for param in module.parameters():  # registered before DDP's hooks, so they fire first on each parameter
@@ -145,7 +145,7 @@ def bad_input(group, tp_group) -> dict[str, str]:
         lambda: DistributedDataParallel(Transformer(1, H, HEADS, device=DEVICE), group, bucket_size=-5),
     )
     capture("batch_not_divisible", lambda: local_batch(torch.zeros(6, 2), group))
-    fused = ParallelTransformer(1, H, HEADS, tp_group=tp_group, gradient_accumulation_fusion=True, device=DEVICE)
+    fused = parallelize(Transformer(1, H, HEADS, device=DEVICE), tp_group, gradient_accumulation_fusion=True)
     capture("main_grad", lambda: DistributedDataParallel(fused, group))
     twice = DistributedDataParallel(Transformer(1, H, HEADS, device=DEVICE), group, bucket_size=None)
     x = torch.randn(S, 2, H)

@@ -21,8 +21,8 @@ from reference.data_parallel import DistributedDataParallel, local_batch
 from reference.data_parallel.buckets import padded_numel
 from reference.data_parallel.distributed_optimizer import DistributedOptimizer, bytes_per_rank
 from reference.data_parallel.mixed_precision import unsharded
-from reference.recorder import CollectiveRecorder
-from reference.tensor_parallel.unsharded import Transformer
+from reference.measure.recorder import CollectiveRecorder
+from reference.tensor_parallel.transformer import Transformer
 
 H, HEADS, LAYERS, S, B, STEPS, SEED, LR = 16, 4, 2, 8, 8, 3, 1234, 1e-3
 FFN = 61  # an odd MLP width: buckets of odd sizes, so the slices need padding at DP 2 and 4

@@ -10,13 +10,14 @@ import torch.distributed as dist
 from common import write_results
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from reference.measure.recorder import CollectiveRecorder
 from reference.parallel_state import build_layout
-from reference.recorder import CollectiveRecorder
-from reference.tensor_parallel.transformer import ParallelTransformer
+from reference.tensor_parallel.parallelize import parallelize
+from reference.tensor_parallel.transformer import Transformer
 
 
 def step(layout, tp: int, sp: bool) -> dict:
-    model = ParallelTransformer(1, 8 * tp, tp, tp_group=layout.tp_group, sequence_parallel=sp)
+    model = parallelize(Transformer(1, 8 * tp, tp), layout, sequence_parallel=sp)
     x = torch.randn(2 * tp, 3, 8 * tp)  # s = 2 tp, b = 3, h = 8 tp
     with CollectiveRecorder() as rec:
         rec.watch(model)

@@ -6,7 +6,7 @@ FSDP close reading discusses, three training steps per configuration, under one 
 option every configuration sets is `device_id=cpu`: FSDP1 refuses a CPU module without it. Each rank writes
 OUTDIR/rank{r}.json with, per configuration and step:
   events  every all-gather and reduce-scatter (op, unit, phase, bytes, dtype, issue time), attributed to the
-          unit whose flat parameter it moves (reference.fsdp.tracing.torch_fsdp1_unit_scopes);
+          unit whose flat parameter it moves (reference.measure.fsdp_tracing.torch_fsdp1_unit_scopes);
   spans   "<unit> pre-forward" (the FSDP module's call up to its wrapped module's forward: FSDP1's root and
           unit pre-forward), "<unit> forward" (the wrapped module's forward), "<unit> post-forward",
           "<unit> pre-backward" and "<unit> post-backward" (FSDP1's `_pre_backward_hook` / `_post_backward_hook`
@@ -32,10 +32,11 @@ from torch import nn
 from torch.distributed.fsdp import BackwardPrefetch, MixedPrecision
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-from reference.fsdp.tracing import clean_name, torch_fsdp1_unit_scopes
+from reference.fsdp.wrapper import clean_name
 from reference.gpt.model import GPTConfig, UnshardedGPT
 from reference.gpt.train import split_batch, synthetic_batches
-from reference.recorder import CollectiveRecorder, current_phase
+from reference.measure.fsdp_tracing import torch_fsdp1_unit_scopes
+from reference.measure.recorder import CollectiveRecorder, current_phase
 from reference.torch_patches import fsdp1_rate_limiter_wrapped, fsdp1_runtime_wrapped
 
 CONFIG = GPTConfig(vocab_size=101, hidden_size=27, num_attention_heads=3, num_layers=3, seq_length=16)

@@ -20,10 +20,10 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from reference.data_parallel import finalize_model_grads, local_batch
 from reference.data_parallel.fsdp_tp import shard_tp_model
+from reference.measure.recorder import CollectiveRecorder
 from reference.parallel_state import ParallelConfigError, build_layout
-from reference.recorder import CollectiveRecorder
-from reference.tensor_parallel.transformer import ParallelTransformer
-from reference.tensor_parallel.unsharded import Transformer
+from reference.tensor_parallel.parallelize import parallelize
+from reference.tensor_parallel.transformer import Transformer
 
 # hidden 12: qkv's bias shard (18 floats) is not a multiple of 16 bytes, so the flat layout has alignment padding
 H, HEADS, LAYERS, S, B, STEPS, SEED, LR = 12, 2, 2, 8, 4, 3, 1234, 0.1
@@ -55,7 +55,7 @@ def train(model, step_fn, layout) -> tuple[list[float], list[list[dict]]]:
 def run_reference(layout, sp: bool) -> dict:
     torch.manual_seed(SEED)
     model = shard_tp_model(
-        ParallelTransformer(LAYERS, H, HEADS, tp_group=layout.tp_group, sequence_parallel=sp, device=DEVICE), layout
+        parallelize(Transformer(LAYERS, H, HEADS, device=DEVICE), layout, sequence_parallel=sp), layout
     )
 
     def step(x, target):
@@ -112,7 +112,7 @@ def run_fsdp2(mesh, layout, sp: bool) -> dict:
 def tp_only_step(layout, sp: bool) -> list[dict]:
     """One forward + backward of the TP-only model on the same local batch: its TP collectives."""
     torch.manual_seed(SEED)
-    model = ParallelTransformer(LAYERS, H, HEADS, tp_group=layout.tp_group, sequence_parallel=sp, device=DEVICE)
+    model = parallelize(Transformer(LAYERS, H, HEADS, device=DEVICE), layout, sequence_parallel=sp)
     x, target = batches()[0]
     with CollectiveRecorder() as rec:
         regression.mse(
@@ -131,12 +131,12 @@ def bad_input(layout) -> dict[str, str]:
             errors[key] = str(error)
 
     def full_weight():
-        model = ParallelTransformer(1, H, HEADS, tp_group=layout.tp_group, device=DEVICE)
+        model = parallelize(Transformer(1, H, HEADS, device=DEVICE), layout)
         model.layers[0].attention.qkv.weight = torch.nn.Parameter(torch.zeros(3 * H, H))
         return model
 
     def uneven_plain_parameter():  # not TP-aware, and shaped differently on the two TP ranks
-        model = ParallelTransformer(1, H, HEADS, tp_group=layout.tp_group, device=DEVICE)
+        model = parallelize(Transformer(1, H, HEADS, device=DEVICE), layout)
         model.layers[0].register_parameter("extra", torch.nn.Parameter(torch.zeros(3 + 2 * layout.tp_rank)))
         return model
 

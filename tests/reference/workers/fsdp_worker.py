@@ -12,7 +12,6 @@ and bad-input errors. The pytest modules assert on those files, so one launch se
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import sys
@@ -26,11 +25,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from reference.distributed import distributed
 from reference.fsdp import FullyShardedDataParallel
-from reference.fsdp.tracing import torch_fsdp1_unit_scopes
 from reference.fsdp.units import shard_model
 from reference.gpt.model import GPTConfig, UnshardedGPT
 from reference.gpt.train import split_batch, synthetic_batches
-from reference.recorder import CollectiveRecorder
+from reference.measure.fsdp_tracing import unit_scopes
+from reference.measure.recorder import CollectiveRecorder
 
 # Odd sizes on purpose: every unit's flat size is odd, so every world size > 1 needs padding.
 CONFIG = GPTConfig(vocab_size=101, hidden_size=27, num_attention_heads=3, num_layers=3, seq_length=16)
@@ -116,8 +115,7 @@ def results(device: torch.device) -> dict:
         def run(name: str, implementation: str, **options) -> dict:
             model = shard_model(copy.deepcopy(initial), implementation, group, **options)
             handles = model.handles() if implementation == "reference" else None
-            scopes = torch_fsdp1_unit_scopes(model) if implementation == "fsdp1" else contextlib.nullcontext()
-            with scopes:
+            with unit_scopes(model):
                 steps = train(model, recorder, device, world, rank, sampler_handles=handles)
             final = full_parameters(model, implementation)
             result["runs"][name] = {"steps": steps}
@@ -243,7 +241,7 @@ def run_crash(device: torch.device) -> None:
 def _fsdp1_handles(model):
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 
-    from reference.fsdp.tracing import clean_name
+    from reference.fsdp.wrapper import clean_name
 
     return {clean_name(n) or "root": m._handle for n, m in model.named_modules() if isinstance(m, FSDP1) and m._handle}
 

@@ -20,8 +20,9 @@ from common import full_stage_parameters, groups_of_the_block, serve, unsharded_
 
 from reference.gpt.model import GPTConfig, build_chunks
 from reference.gpt.train import data_parallel, split_batch, synthetic_batches, train_step
+from reference.measure.pipeline_meter import PipelineMeter
+from reference.measure.recorder import CollectiveRecorder
 from reference.parallel_state import build_layout
-from reference.recorder import CollectiveRecorder
 
 CONFIG = GPTConfig(vocab_size=51, hidden_size=16, num_attention_heads=4, num_layers=8, seq_length=8)
 SEED, STEPS, LR = 1234, 2, 0.5
@@ -37,17 +38,17 @@ def run(tp: int, pp: int, dp: int, v: int, m: int) -> dict:
     model = [data_parallel(chunk, layout, bucket_size=4096) for chunk in chunks]
     optimizer = torch.optim.SGD([p for chunk in model for p in chunk.parameters()], lr=LR)
     expected_losses, _, expected_weights = unsharded_gpt_training(CONFIG, SEED, STEPS, LR, dp * m)
-    losses, recorder = [], CollectiveRecorder()
+    losses, recorder, result = [], CollectiveRecorder(), PipelineMeter()
     for tokens in synthetic_batches(CONFIG, STEPS, dp * m, SEED):
         recorder.clear()
-        step = train_step(model, optimizer, tokens, layout, num_micro_batches=m, record=recorder)
-        losses.append(step.loss)
+        losses.append(
+            train_step(model, optimizer, tokens, layout, num_micro_batches=m, record=recorder, observer=result)
+        )
     weights = {
         name: tensor
         for chunk in chunks
         for name, tensor in full_stage_parameters(chunk, layout.tp_group, CONFIG.vocab_size).items()
     }
-    result = step.pipeline
     dp_ranks = tuple(dist.get_process_group_ranks(layout.dp_group))
     reduces = [e.start for e in recorder.events if e.op == "all_reduce" and e.group_ranks == dp_ranks]
     last_backwards = {
@@ -99,12 +100,14 @@ def torch_oracle(m: int) -> dict:
     layout, v = build_layout(1, 4, 1), 2
     tokens = synthetic_batches(CONFIG, 1, m, SEED)[0]
     ours = build_chunks(CONFIG, layout, v, seed=SEED)
-    result = forward_backward(
+    result = PipelineMeter()
+    our_losses = forward_backward(
         "1f1b",
         ours,
         split_batch(tokens, 1, 0, m),
         pp_group=layout.pp_group,
         activation_shape=ours[0].activation_shape(1),
+        observer=result,
     )
     theirs = build_chunks(CONFIG, layout, v, seed=SEED)
     stages = [
@@ -136,7 +139,7 @@ def torch_oracle(m: int) -> dict:
         "pp_rank": layout.pp_rank,
         "actions": result.actions,
         "torch_actions": plan,
-        "losses": result.losses,
+        "losses": our_losses,
         "torch_losses": [loss.item() for loss in losses],
         "max_grad_diff": grad_diff,
     }

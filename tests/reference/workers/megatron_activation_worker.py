@@ -21,7 +21,7 @@ import warnings
 import torch
 from common import serve
 
-from reference.activation_memory.counting import SavedTensorCounter
+from reference.measure.activation_memory.counting import SavedTensorCounter
 from reference.torch_patches import cuda_calls_on_cpu
 
 warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")

@@ -18,7 +18,7 @@ from megatron.core.tensor_parallel import layers
 from megatron_state import megatron_parallel_state
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from reference.recorder import CollectiveRecorder, current_phase
+from reference.measure.recorder import CollectiveRecorder, current_phase
 from reference.torch_patches import cuda_calls_on_cpu
 
 IN, OUT, S, B = 12, 20, 4, 3  # GEMM outputs differ in shape: dX [S*B, IN], dW [OUT/p, IN] or [OUT, IN/p]

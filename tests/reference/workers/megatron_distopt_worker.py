@@ -34,7 +34,7 @@ from torch.overrides import TorchFunctionMode
 
 from reference.data_parallel import DistributedDataParallel as ReferenceDDP
 from reference.data_parallel.distributed_optimizer import DistributedOptimizer, bytes_per_rank
-from reference.recorder import CollectiveRecorder
+from reference.measure.recorder import CollectiveRecorder
 from reference.torch_patches import cuda_calls_on_cpu
 
 H, FFN, B, STEPS, SEED, LR = 16, 61, 8, 3, 1234, 1e-3

@@ -32,6 +32,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_state import megatron_parallel_state
 from torch.overrides import TorchFunctionMode
 
+from reference.measure.pipeline_meter import PipelineMeter
 from reference.pipeline.schedules import forward_backward as reference_forward_backward
 from reference.torch_patches import cuda_calls_on_cpu
 
@@ -348,8 +349,9 @@ def reference_actions(p: int, m: int, v: int = 1) -> list[str]:
 
         batches = [(mb["x"],) for mb in micro_batches(m)]
         stage = chunk(0) if v == 1 else [chunk(c) for c in range(v)]
-        result = reference_forward_backward("1f1b", stage, batches, pp_group=group, activation_shape=(S, B, H))
-    return result.actions
+        meter = PipelineMeter()
+        reference_forward_backward("1f1b", stage, batches, pp_group=group, activation_shape=(S, B, H), observer=meter)
+    return meter.actions
 
 
 def deallocated_output_rejects_plain_backward() -> str:

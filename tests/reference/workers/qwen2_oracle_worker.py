@@ -26,8 +26,8 @@ from reference.fsdp import MixedPrecision
 from reference.gpt.hf_weights import load_hf_into_stage, master_state_from_hf, qwen2_config, stage_state_from_master
 from reference.gpt.model import GPTConfig, UnshardedGPT, build_stage
 from reference.gpt.train import data_parallel, fully_sharded, synthetic_batches, train_step
+from reference.measure.recorder import CollectiveRecorder
 from reference.parallel_state import build_layout
-from reference.recorder import CollectiveRecorder
 from reference.tensor_parallel.layers import allreduce_sequence_parallel_grads
 
 CONFIG = GPTConfig(
@@ -148,9 +148,7 @@ def tp_dp(
     for tokens in batches:
         rec = CollectiveRecorder()
         losses.append(
-            train_step(
-                model, optimizer, tokens, layout, num_micro_batches=micro_batches, device=DEVICE, record=rec
-            ).loss
+            train_step(model, optimizer, tokens, layout, num_micro_batches=micro_batches, device=DEVICE, record=rec)
         )
         dp_events = [(e.op, e.dtype) for e in rec.events if e.group_ranks == dp_ranks]
     out = {

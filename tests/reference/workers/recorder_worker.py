@@ -1,4 +1,4 @@
-"""reference.recorder on real collectives (gloo; NCCL on CUDA): what each check recorded, per rank, written
+"""reference.measure.recorder on real collectives (gloo; NCCL on CUDA): what each check recorded, per rank, written
 for test_recorder.py to compare with what it should have recorded."""
 
 import json
@@ -11,7 +11,7 @@ from common import serve
 from torch.utils.flop_counter import FlopCounterMode
 
 from reference.distributed import all_gather_single, reduce_scatter_single
-from reference.recorder import CollectiveRecorder
+from reference.measure.recorder import CollectiveRecorder
 
 
 class AllReduceGradInBackward(torch.autograd.Function):

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from common import UnshardedRun, sgd_steps
 
-from reference.tensor_parallel.unsharded import Transformer
+from reference.tensor_parallel.transformer import Transformer
 
 
 def batches(steps: int, s: int, b: int, h: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -18,9 +18,9 @@ from common import gather_dim, serve, unsharded_gpt_training
 from reference.data_parallel import finalize_model_grads
 from reference.gpt.model import GPTConfig, build_stage
 from reference.gpt.train import data_parallel, synthetic_batches, train_step
+from reference.measure.recorder import CollectiveRecorder
 from reference.parallel_state import build_layout
 from reference.pipeline.tied_embeddings import embedding_group, shared_weight, tie_across_stages
-from reference.recorder import CollectiveRecorder
 
 CONFIG = GPTConfig(
     vocab_size=51,
@@ -63,10 +63,9 @@ def run(tp: int, pp: int, dp: int, sum_embedding_grads: bool = True) -> dict:
     group_ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else None
     for tokens in synthetic_batches(CONFIG, STEPS, B * M * dp, SEED):
         recorder = CollectiveRecorder()
-        result = train_step(
-            model, optimizer, tokens, layout, num_micro_batches=M, record=recorder, finalize_grads=finalize
+        losses.append(
+            train_step(model, optimizer, tokens, layout, num_micro_batches=M, record=recorder, finalize_grads=finalize)
         )
-        losses.append(result.loss)
         events.append([e.nbytes for e in recorder.events if e.op == "all_reduce" and e.group_ranks == group_ranks])
     final = full_rows(weight, layout)
     other = final.clone()  # the other end's copy, through the embedding group

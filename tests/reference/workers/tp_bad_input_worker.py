@@ -7,8 +7,8 @@ from common import serve
 
 from reference.parallel_state import ParallelConfigError, build_layout
 from reference.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from reference.tensor_parallel.transformer import ParallelTransformer
-from reference.tensor_parallel.unsharded import init_method_normal
+from reference.tensor_parallel.parallelize import parallelize
+from reference.tensor_parallel.transformer import Transformer, init_method_normal
 
 
 def error_of(make) -> str | None:
@@ -27,11 +27,11 @@ def results(device: torch.device) -> dict:
     def column(**kw):
         return ColumnParallelLinear(8, 8, tp_group=tp, init_method=init_method_normal(), device=device, **kw)
 
-    model = ParallelTransformer(1, 8, 2, tp_group=tp, sequence_parallel=True, device=device)
+    model = parallelize(Transformer(1, 8, 2, device=device), tp, sequence_parallel=True)
     cases = {
         "tp_3": lambda: build_layout(tp_size=3),
-        "heads_3": lambda: ParallelTransformer(1, 12, 3, tp_group=tp),
-        "hidden_18": lambda: ParallelTransformer(1, 18, 4, tp_group=tp),
+        "heads_3": lambda: parallelize(Transformer(1, 12, 3), tp),
+        "hidden_18": lambda: parallelize(Transformer(1, 18, 4), tp),
         "column_output_7": lambda: ColumnParallelLinear(8, 7, tp_group=tp, init_method=init_method_normal()),
         "row_input_7": lambda: RowParallelLinear(7, 8, tp_group=tp, init_method=init_method_normal()),
         "row_sp_input_not_parallel": lambda: RowParallelLinear(
@@ -41,10 +41,11 @@ def results(device: torch.device) -> dict:
         "meta_input": lambda: column()(torch.ones(4, 2, 8, device="meta")),
         "last_dimension_6": lambda: column()(torch.ones(4, 2, 6, device=device)),
         "sequence_5": lambda: model(torch.ones(5, 1, 8, device=device)),
+        "split_twice": lambda: parallelize(model, tp),
     }
     errors = {name: error_of(make) for name, make in cases.items()}
     # the same model with padding by request runs and keeps the sequence length
-    padded = ParallelTransformer(1, 8, 2, tp_group=tp, sequence_parallel=True, pad_sequence=True, device=device)
+    padded = parallelize(Transformer(1, 8, 2, device=device), tp, sequence_parallel=True, pad_sequence=True)
     return {
         "errors": errors,
         "padded_output_shape": list(padded(torch.ones(5, 1, 8, device=device)).shape),

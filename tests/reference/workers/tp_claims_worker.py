@@ -10,18 +10,18 @@ import torch
 import torch.distributed as dist
 from common import assert_close, gather_dim, serve
 
+from reference.measure.recorder import CollectiveRecorder
 from reference.parallel_state import build_layout
-from reference.recorder import CollectiveRecorder
 from reference.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from reference.tensor_parallel.transformer import ParallelTransformer
-from reference.tensor_parallel.unsharded import Transformer, init_method_normal
+from reference.tensor_parallel.parallelize import parallelize
+from reference.tensor_parallel.transformer import Transformer, init_method_normal
 
 B, S, H, HEADS = 2, 8, 16, 4
 
 
 def record_step(tp, device, **kwargs) -> dict:
     torch.manual_seed(0)
-    model = ParallelTransformer(1, H, HEADS, tp_group=tp, device=device, **kwargs)
+    model = parallelize(Transformer(1, H, HEADS, device=device), tp, **kwargs)
     x = torch.randn(S, B, H, device=device, requires_grad=True)
     with CollectiveRecorder() as rec:
         rec.watch(model)
@@ -81,7 +81,7 @@ def check_grad_accumulation_fusion(tp, device) -> dict:
     """Two micro-batches accumulate into weight.main_grad (equal to the plain model's grad); weight.grad is
     never materialized."""
     torch.manual_seed(2)
-    model = ParallelTransformer(1, H, HEADS, tp_group=tp, gradient_accumulation_fusion=True, device=device)
+    model = parallelize(Transformer(1, H, HEADS, device=device), tp, gradient_accumulation_fusion=True)
     torch.manual_seed(2)
     plain = Transformer(1, H, HEADS, device=device)
     for _micro_batch in range(2):
@@ -102,16 +102,11 @@ def check_dropout_streams(tp, device) -> dict:
     set_state = torch.cuda.set_rng_state if device.type == "cuda" else torch.set_rng_state
     for sp in (False, True):
         torch.manual_seed(3)
-        model = ParallelTransformer(
-            1,
-            H,
-            HEADS,
-            tp_group=tp,
+        model = parallelize(
+            Transformer(1, H, HEADS, hidden_dropout=0.3, attention_dropout=0.3, device=device),
+            tp,
             sequence_parallel=sp,
-            hidden_dropout=0.3,
-            attention_dropout=0.3,
             dropout_seed=9,
-            device=device,
         )
         x = torch.randn(S, B, H, device=device)
         out = model(x).detach()

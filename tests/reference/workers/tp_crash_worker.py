@@ -5,13 +5,14 @@ import torch.distributed as dist
 from common import init
 
 from reference.parallel_state import build_layout
-from reference.tensor_parallel.transformer import ParallelTransformer
+from reference.tensor_parallel.parallelize import parallelize
+from reference.tensor_parallel.transformer import Transformer
 
 
 def main() -> None:
     device = init(timeout_s=30)
     tp = build_layout(tp_size=dist.get_world_size()).tp_group
-    model = ParallelTransformer(2, 16, 4, tp_group=tp, device=device)
+    model = parallelize(Transformer(2, 16, 4, device=device), tp)
     for step in range(3):
         loss = model(torch.randn(8, 2, 16, device=device)).square().sum()
         if step == 1 and dist.get_rank() == 1:

@@ -12,11 +12,11 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import parallelize_module
 
+from reference.measure.recorder import CollectiveRecorder
 from reference.parallel_state import build_layout
-from reference.recorder import CollectiveRecorder
 from reference.tensor_parallel.layers import allreduce_sequence_parallel_grads
-from reference.tensor_parallel.transformer import ParallelTransformer
-from reference.tensor_parallel.unsharded import Transformer
+from reference.tensor_parallel.parallelize import parallelize
+from reference.tensor_parallel.transformer import Transformer
 
 H, HEADS, LAYERS, S, B = 16, 4, 2, 8, 2
 
@@ -57,7 +57,7 @@ def run_dtensor(mesh, sp: bool, x: torch.Tensor):
 
 def run_reference(layout, sp: bool, x: torch.Tensor):
     torch.manual_seed(1234)
-    model = ParallelTransformer(LAYERS, H, HEADS, tp_group=layout.tp_group, sequence_parallel=sp, device=x.device)
+    model = parallelize(Transformer(LAYERS, H, HEADS, device=x.device), layout, sequence_parallel=sp)
     x = x.clone().requires_grad_()
     with CollectiveRecorder() as rec, CommDebugMode() as comm:
         out = model(x)

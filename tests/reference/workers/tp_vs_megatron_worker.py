@@ -19,10 +19,10 @@ from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.tensor_parallel import layers as megatron_layers
 from megatron_state import megatron_parallel_state
 
+from reference.measure.recorder import CollectiveRecorder
 from reference.parallel_state import build_layout
-from reference.recorder import CollectiveRecorder
 from reference.tensor_parallel import layers as reference_layers
-from reference.tensor_parallel.unsharded import init_method_normal
+from reference.tensor_parallel.transformer import init_method_normal
 from reference.torch_patches import cuda_calls_on_cpu
 
 IN, OUT, B = 8, 16, 2

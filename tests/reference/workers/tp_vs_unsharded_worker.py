@@ -11,8 +11,8 @@ from common import assert_close, full_tensor, serve
 
 from reference.parallel_state import build_layout
 from reference.tensor_parallel.layers import allreduce_sequence_parallel_grads
-from reference.tensor_parallel.transformer import ParallelTransformer
-from reference.tensor_parallel.unsharded import Transformer
+from reference.tensor_parallel.parallelize import parallelize
+from reference.tensor_parallel.transformer import Transformer
 
 H, HEADS, LAYERS, B = 16, 4, 2, 2
 
@@ -23,16 +23,13 @@ def params_by_name(model):
 
 def compare_models(tp, device, sp, overlap, fusion, seq, pad) -> str:
     torch.manual_seed(1234)
-    ref = ParallelTransformer(
-        LAYERS,
-        H,
-        HEADS,
-        tp_group=tp,
+    ref = parallelize(
+        Transformer(LAYERS, H, HEADS, device=device),
+        tp,
         sequence_parallel=sp,
         async_grad_allreduce=overlap,
         gradient_accumulation_fusion=fusion,
         pad_sequence=pad,
-        device=device,
     )
     torch.manual_seed(1234)
     plain = Transformer(LAYERS, H, HEADS, device=device)

@@ -18,10 +18,10 @@ from megatron_state import megatron_parallel_state
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from reference.measure.recorder import CollectiveRecorder
 from reference.parallel_state import ParallelConfigError, build_layout
-from reference.recorder import CollectiveRecorder
 from reference.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from reference.tensor_parallel.unsharded import init_method_normal
+from reference.tensor_parallel.transformer import init_method_normal
 from reference.tensor_parallel.vocab_parallel import ParallelLMHead, VocabParallelEmbedding, pad_vocab_size
 from reference.torch_patches import cuda_calls_on_cpu
 

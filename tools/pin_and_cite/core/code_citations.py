@@ -5,9 +5,13 @@ code it mirrors as `SOURCE:PATH::Qual.name` (for example
 `check` verifies each one against the lock like a citation in a note, at the file:line where it is written;
 `bump` carries it in the lock: a symbol citation names no line, so when upstream code moves only the lock
 changes, and when a symbol is renamed or moved to another file `check` names the docstring still citing the
-old name. A hand-typed upstream line number (`line 1385`, `lines 1239-1291`, `L88`) is what this replaces,
-and `check` refuses one, since nothing could keep it true. The reference pages render their "mirrors" column
-from the same docstrings (pin_and_cite.core.local_code.mirrored), so the citation has one home.
+old name. A hand-typed upstream line number (`line 1385`, `lines 1239-1291`, `L88`) or range is what this
+replaces, and `check` refuses one, since nothing could keep it true. A bare range counts where it can only be
+lines: ascending, and either in parentheses with three digits or more a side (`(504-606)`; upstream files run
+to thousands of lines, while a shape or count in parentheses, `(2-3)`, is small), or right after an upstream
+name, a `.py` file or a snake_case symbol (`_lazy_init`, 112-143`, `_runtime_utils.py 1416-1470`). The
+reference pages render their "mirrors" column from the same docstrings (pin_and_cite.core.local_code.mirrored),
+so the citation has one home.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ CODE_DIRS = ("reference",)  # the folders of the project whose Python files cite
 CODE_CITATION = re.compile(r"(?<![\w/.:-])([A-Za-z][\w-]*:(?:[\w.-]+/)*[\w.-]+\.pyi?::[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)")
 # "line 12", "lines 12", "L123" as words; the leading [lL] lets the regex engine skip to candidate letters
 HAND_TYPED_LINE = re.compile(r"[lL](?:(?<=\bl)ines? \d+|(?<=\bL)\d{2,})\b")
+# "(504-606)", or "12-34" after a file or snake_case name ("_unshard (277-306)", "x.py 1416-1470"); ascending
+HAND_TYPED_RANGE = re.compile(r"\((\d{3,})[-–](\d{3,})\)|(?:\.py|_\w*)`?,? \(?(\d{2,})[-–](\d{2,})\b")
 
 
 def _line_of(text: str, offset: int) -> int:
@@ -67,10 +73,16 @@ def code_citations(texts: dict[Path, str]) -> list[Written]:
 
 
 def hand_typed_lines(texts: dict[Path, str], root: Path) -> list[tuple[str, str]]:
-    """(file:line, what) of every hand-typed upstream line number in the project's code (`code_texts`)."""
+    """(file:line, what) of every hand-typed upstream line number or range in the project's code (`code_texts`),
+    in file order."""
     found = []
     for file, text in texts.items():
-        found += [
-            (f"{file.relative_to(root)}:{_line_of(text, m.start())}", m[0]) for m in HAND_TYPED_LINE.finditer(text)
-        ]
+        where = f"{file.relative_to(root)}:"
+        lines = [(m.start(), m[0]) for m in HAND_TYPED_LINE.finditer(text)]
+        for m in HAND_TYPED_RANGE.finditer(text):
+            group = 1 if m[1] else 3  # in parentheses, or after a name
+            first, last = m[group], m[group + 1]
+            if int(first) < int(last):
+                lines.append((m.start(group), f"{first}-{last}"))
+        found += [(where + str(_line_of(text, start)), what) for start, what in sorted(lines)]
     return found

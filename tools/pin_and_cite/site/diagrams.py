@@ -9,8 +9,10 @@ ones as dotted edges back to the module's input.
 `diagram("fsdp_forward", tflops=, link_GBps=)` and `diagram("pipeline_1f1b" | "pipeline_gpipe", tflops=,
 link_GBps=)`: timelines of a recorded step, FSDP forward and backward (a row per unit and one for the
 collectives) or a pipeline (a row per stage), drawn to a time scale modeled from the recorded FLOPs and bytes
-at the stated rates (pin_and_cite.site.modeled) as inline SVG with a legend (pin_and_cite.site.timeline); with
-`measured="TRACE"` (a trace a device recorded of the same step), its own timeline beside the modeled one.
+at the stated rates (pin_and_cite.site.modeled) as inline SVG with a legend (pin_and_cite.site.timeline);
+`calibration="NAME"` instead of `tflops=` takes the FLOP rates a device measured at the trace's shapes
+(pin_and_cite.site.calibration); with `measured="TRACE"` (a trace a device recorded of the same step), its own
+timeline beside the modeled one.
 
 `chart_training_memory(limit)`: a mermaid xychart of per-rank training states
 (pin_and_cite.site.estimates.sharding_limit) against model size: DDP, FSDP over the stated group, and one GPU's
@@ -29,6 +31,7 @@ from collections import Counter
 from collections.abc import Callable
 
 from pin_and_cite.site import scale_tables
+from pin_and_cite.site.calibration import trace_rates
 from pin_and_cite.site.modeled import (
     FSDP_COLORS,
     PIPELINE_COLORS,
@@ -189,19 +192,23 @@ def _modeled_beside_measured(
     )
 
 
-def fsdp_forward(trace: dict, tflops: float, link_GBps: float, measured: dict | None = None) -> str:
-    """The recorded FSDP step, forward and backward, on a modeled time scale (pin_and_cite.site.modeled); with
-    `measured`, that trace's own timeline beside it."""
+def fsdp_forward(
+    trace: dict, link_GBps: float, tflops: float | None = None, calibration: dict | None = None, measured=None
+) -> str:
+    """The recorded FSDP step, forward and backward, on a modeled time scale (pin_and_cite.site.modeled) at the
+    stated `tflops` or a `calibration`'s rates; with `measured`, that trace's own timeline beside it."""
     check_collectives_recorded(trace)
-    rates = Rates(tflops, link_GBps)
+    rates = trace_rates(trace, link_GBps, tflops, calibration)
     title = f"FSDP step of one rank, world {trace['world']}, forward and backward"
     return _modeled_beside_measured(title, FSDP_COLORS, rates, fsdp_modeled(trace, rates), measured, fsdp_measured)
 
 
-def pipeline(trace: dict, tflops: float, link_GBps: float, measured: dict | None = None) -> str:
-    """The recorded pipeline step, a row per stage, on a modeled time scale; with `measured`, that trace's own
-    timeline beside it."""
-    rates = Rates(tflops, link_GBps)
+def pipeline(
+    trace: dict, link_GBps: float, tflops: float | None = None, calibration: dict | None = None, measured=None
+) -> str:
+    """The recorded pipeline step, a row per stage, on a modeled time scale (as fsdp_forward); with `measured`,
+    that trace's own timeline beside it."""
+    rates = trace_rates(trace, link_GBps, tflops, calibration)
     name = {"gpipe": "GPipe", "1f1b": "1F1B"}.get(trace["schedule"], trace["schedule"])
     if trace.get("virtual_stages", 1) > 1:
         name = f"Interleaved 1F1B ({trace['virtual_stages']} chunks per stage)"

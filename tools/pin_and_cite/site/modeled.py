@@ -4,7 +4,8 @@ each collective's and message's time from its recorded bytes at a stated link ba
 Times of the CPU/gloo runs say nothing about a GPU; FLOPs, bytes and order are what the reference did, so the
 step is re-timed as a GPU at `Rates` would run it, keeping every dependency the recording shows:
   * FSDP (`fsdp_modeled`): one compute stream and one collective stream. Walking the recorded collectives and
-    compute spans in recorded order, compute advances by the FLOPs recorded between two points; a collective
+    compute spans in recorded order, compute advances by the FLOPs recorded between two points (at the rate of
+    the later point's phase, where forward and backward rates differ); a collective
     is issued at that compute time and runs when the collective stream is free, for the bytes a rank sends
     on a ring (scale_tables.sent_bytes); a unit's compute starts no earlier than its all-gather's end.
   * pipelines (`pipeline_modeled`): each stage runs its actions in the recorded order, each action its
@@ -34,26 +35,27 @@ COLLECTIVE_ROW = "collectives"
 
 @dataclass(frozen=True)
 class Rates:
-    tflops: float  # dense FLOP rate of one GPU, TFLOP/s
+    tflops: float  # dense FLOP rate of one GPU, TFLOP/s (forward, and backward unless backward_tflops says)
     link_GBps: float  # what one rank sends per second, GB/s
+    backward_tflops: float | None = None
+    measured_on: str | None = None  # "device, torch, dtype" that measured them (pin_and_cite.site.calibration)
 
     def __post_init__(self):
-        if not (
-            isinstance(self.tflops, (int, float))
-            and isinstance(self.link_GBps, (int, float))
-            and self.tflops > 0
-            and self.link_GBps > 0
-        ):
+        rates = (self.tflops, self.link_GBps, self.backward_tflops or self.tflops)
+        if not all(isinstance(rate, (int, float)) and rate > 0 for rate in rates):
             raise TraceError(
                 f"a modeled timeline needs positive tflops and link_GBps, not {self.tflops!r} and {self.link_GBps!r}"
             )
 
     @property
     def axis(self) -> str:
-        return f"modeled at {self.tflops:g} TFLOP/s, {self.link_GBps:g} GB/s"
+        if self.measured_on is None:
+            return f"modeled at {self.tflops:g} TFLOP/s, {self.link_GBps:g} GB/s"
+        return f"modeled at the rates of {self.measured_on}, {self.link_GBps:g} GB/s"
 
-    def compute(self, flops: float) -> float:
-        return flops / (self.tflops * 1e12)
+    def compute(self, flops: float, phase: str = "forward") -> float:
+        rate = self.backward_tflops if phase == "backward" and self.backward_tflops else self.tflops
+        return flops / (rate * 1e12)
 
     def transfer(self, nbytes: float) -> float:
         return nbytes / (self.link_GBps * 1e9)
@@ -104,7 +106,7 @@ def fsdp_modeled(trace: dict, rates: Rates) -> list[Bar]:
     started: dict[int, float] = {}
     bars = []
     for _, flops, what, item in _stamped(trace):
-        clock += rates.compute(max(0, flops - flops_done))
+        clock += rates.compute(max(0, flops - flops_done), item["phase"])
         flops_done = max(flops_done, flops)
         if what == "issue":
             start = max(clock, stream_free)
@@ -148,7 +150,7 @@ def pipeline_modeled(trace: dict, rates: Rates) -> list[Bar]:
         message *= size
     placed = pipeline_schedule(
         trace,
-        lambda r, i, action: rates.compute(stages[r]["action_flops"][i]),
+        lambda r, i, action: rates.compute(stages[r]["action_flops"][i], "backward" if action[0] == "B" else "forward"),
         lambda r, action: rates.transfer(message),
     )
     return [

@@ -1,7 +1,7 @@
-"""Tables of a scale trace (reading_notes/traces/scale_*.json, `python -m reference.scale --json`): bytes per
+"""Tables of a scale trace (reading_notes/traces/scale_*.json, `python -m reference.measure.scale --json`): bytes per
 step per process group and collective type, for a first, middle and last pipeline stage rank of a large job.
 
-The measured numbers and the formulas' terms both come from the trace: reference.scale.formulas computed the
+The measured numbers and the formulas' terms both come from the trace: reference.measure.scale.formulas computed the
 terms when the trace was recorded (tests/reference/test_scale.py traces afresh and compares), so the site
 never imports the reference or torch. A row that disagrees with its terms (a hand-edited or stale trace) stops
 the build with a one-line error instead of being shown.
@@ -38,7 +38,7 @@ def stage_name(stage: int, stages: int) -> str:
 
 
 def human(nbytes: int) -> str:
-    """Bytes for a table: 2 decimals of the largest binary unit (as `python -m reference.scale` prints them)."""
+    """Bytes for a table: 2 decimals of the largest binary unit (as `python -m reference.measure.scale` prints them)."""
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if nbytes >= size:
             return f"{nbytes / size:,.2f} {unit}"
@@ -64,7 +64,7 @@ def checked_runs(trace: dict) -> list[tuple[dict, list[tuple[dict, list[dict]]]]
                 count, nbytes = totals(terms)
                 raise TraceError(
                     f"trace {trace['name']}: rank {run['rank']} {row['group']} {row['op']} recorded "
-                    f"{row['count']} x / {row['bytes']} B but reference.scale.formulas gives "
+                    f"{row['count']} x / {row['bytes']} B but reference.measure.scale.formulas gives "
                     f"{count} x / {nbytes} B; {RECORD}"
                 )
             rows.append((row, terms))
@@ -72,7 +72,7 @@ def checked_runs(trace: dict) -> list[tuple[dict, list[tuple[dict, list[dict]]]]
             group, op = next(iter(predicted))
             raise TraceError(
                 f"trace {trace['name']}: rank {run['rank']} recorded no {group} {op}, which "
-                f"reference.scale.formulas predicts; {RECORD}"
+                f"reference.measure.scale.formulas predicts; {RECORD}"
             )
         runs.append((run, rows))
     return runs
@@ -117,7 +117,7 @@ HELD = {
 
 
 def checked_memory(trace: dict, run: dict) -> dict[str, int]:
-    """The bytes a traced rank holds, each re-checked against reference.scale.formulas.memory as recorded."""
+    """The bytes a traced rank holds, each re-checked against reference.measure.scale.formulas.memory as recorded."""
     memory = run.get("memory")
     if memory is None:
         raise TraceError(f"trace {trace['name']}: rank {run['rank']} lacks the bytes it holds; {RECORD}")
@@ -125,7 +125,7 @@ def checked_memory(trace: dict, run: dict) -> dict[str, int]:
         if memory["formula"].get(what) != nbytes:
             raise TraceError(
                 f"trace {trace['name']}: rank {run['rank']} holds {nbytes} B of {what} but "
-                f"reference.scale.formulas gives {memory['formula'].get(what)} B; {RECORD}"
+                f"reference.measure.scale.formulas gives {memory['formula'].get(what)} B; {RECORD}"
             )
     return memory["measured"]
 

@@ -1,6 +1,7 @@
 """The study site: the helpers this kit's notes use, registered with the renderer (which imports none of them).
 
-`trace(name)` with `diagram(name, ...)`, `tp_crossover(...)` and `pipeline_memory(...)` (recorded runs,
+`trace(name)` with `diagram(name, ...)` (a timeline at a device's measured rates with `calibration="NAME"`,
+pin_and_cite.site.calibration), `tp_crossover(...)` and `pipeline_memory(...)` (recorded runs,
 pin_and_cite.site.traces), `sharding_limit(...)` with `chart_training_memory(...)` (per-rank training memory from
 formulas, pin_and_cite.site.estimates), `scale_table(trace)`, `memory_table(trace, trace)`, `sent_per_group(trace,
 run)` and `human(bytes)` (the Scale page, pin_and_cite.site.scale_tables) with `chart_sent_per_group(trace)` (its
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from pin_and_cite.core.project import Project
 from pin_and_cite.site import diagrams, estimates, scale_tables
+from pin_and_cite.site.calibration import load_calibration
 from pin_and_cite.site.render import render_notes
 from pin_and_cite.site.traces import load_trace
 
@@ -23,9 +25,12 @@ def helpers(project: Project) -> dict:
     def trace(name: str) -> dict:
         return load_trace(project.notes_dir, name)
 
-    def diagram(name: str, measured: str | None = None, **options) -> str:
-        """The diagram of trace `name`; a timeline also draws the `measured` trace of the same step beside it."""
+    def diagram(name: str, measured: str | None = None, calibration: str | None = None, **options) -> str:
+        """The diagram of trace `name`; a timeline also draws the `measured` trace of the same step beside it, and
+        takes its FLOP rates from reading_notes/calibrations/`calibration`.json when named."""
         extra = {"measured": trace(measured)} if measured else {}
+        if calibration:
+            extra["calibration"] = load_calibration(project.notes_dir, calibration)
         return diagrams.diagram(trace(name), **options, **extra)
 
     return {

@@ -1,6 +1,6 @@
 """Recorded runs of the reference implementation, as the notes read them: reading_notes/traces/NAME.json.
 
-`tools/record-traces` writes them (tools/trace_worker.py under torchrun, with reference.recorder's
+`tools/record-traces` writes them (tools/trace_worker.py under torchrun, with reference.measure.recorder's
 CollectiveRecorder). A note reads one with `trace("tp_block")`; `diagram()` and the connect-the-dots numbers
 are computed from it, never typed. A trace that is missing, malformed, or lacks what a reader asks of it is a
 one-line error naming the file and saying how to re-record it.
@@ -27,12 +27,15 @@ REQUIRED = {
         "params",
         "dtype_size",
         "tokens_per_rank",
+        "s",
+        "b",
+        "h",
         "forward_flops_per_token",
         "units",
         "events",
         "spans",
     ),
-    "scale": ("setup", "world", "runs"),  # python -m reference.scale --json (pin_and_cite.site.scale_tables)
+    "scale": ("setup", "world", "runs"),  # python -m reference.measure.scale --json (pin_and_cite.site.scale_tables)
     "pipeline": ("schedule", "world", "pp", "m", "b", "s", "h", "dtype_size", "activation_shape", "stages"),
     "activation_memory": ("world", "shape", "configurations", "llama"),  # benchmarks/bench_activation_memory.py --json
 }

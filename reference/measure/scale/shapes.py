@@ -1,14 +1,10 @@
 """What a scale trace simulates: a model shape, a TP x PP x DP layout and the step's settings, checked once.
 
 The 70B preset has Llama-2/3-70B's sizes (80 layers, h 8192, 64 heads, FFN 28672, vocabulary 128256, here at
-sequence 4096, micro-batch 1, bf16) on the reference GPT (reference.gpt.model.GPTStage): one fused QKV with as
-many key/value heads as query heads, a plain GELU MLP, learned position embeddings. Llama's grouped-query
-attention (8 KV heads: a smaller QKV weight), SwiGLU MLP (three FFN matrices) and rotary positions (no
-position table) are not modelled; none changes an activation collective, all change the parameter count and
-so the data-parallel gradient bytes. Embedding and output weights are untied, as in Llama, so there is no
-first-to-last-stage embedding all-reduce. The vocabulary is padded to a multiple of tp only, as
-reference.tensor_parallel.vocab_parallel does (Megatron-LM pads to a multiple of 128 tp).
-The "small" preset is for tests; its vocabulary (1001) needs padding at every TP size above 1.
+sequence 4096, micro-batch 1, bf16) on the reference GPT block: full key/value heads, a GELU MLP, learned
+positions and untied embeddings. The Scale note says what that leaves out of a real Llama-70B (the activation
+collectives are the same; the parameters, so the DP bytes, are not). The "small" preset is for tests; its
+vocabulary (1001) needs padding at every TP size above 1.
 """
 
 from __future__ import annotations

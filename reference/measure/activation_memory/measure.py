@@ -8,12 +8,12 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from reference.activation_memory import gpt2_block, llama_block
-from reference.activation_memory.counting import SavedTensorCounter
-from reference.activation_memory.llama_block import LlamaSetting
-from reference.activation_memory.paper import CONFIGURATIONS, FORMULAS, Setting, table2_bytes
-from reference.activation_memory.term_table import Row, whole
 from reference.gpt.model import GPTConfig, check_tensor_parallel
+from reference.measure.activation_memory import gpt2_block, llama_block
+from reference.measure.activation_memory.counting import SavedTensorCounter
+from reference.measure.activation_memory.llama_block import LlamaSetting
+from reference.measure.activation_memory.paper import CONFIGURATIONS, FORMULAS, Setting, table2_bytes
+from reference.measure.activation_memory.term_table import Row, whole
 from reference.parallel_state import divide
 from reference.tensor_parallel.random import TensorParallelRNG
 

@@ -1,40 +1,12 @@
 """Record every collective a process issues: what, on which ranks, how many bytes, when, from where.
 
 `CollectiveRecorder` is a `TorchDispatchMode`. Every `torch.distributed` call, whatever name it was bound
-under (megatron binds `all_gather_into_tensor` at import time; torch 2.13 adds `all_gather_single`), ends in
-one of the dispatcher ops `c10d.*` (eager, returns a `Work`) or `_c10d_functional*.*` (functional
-collectives used by DTensor), so intercepting those ops sees the reference and every oracle alike. It is the
-same interception point as torch's `CommDebugMode` (torch/distributed/tensor/debug/_comm_mode.py), which only
-counts; this one also records sizes, groups, phase, module and times.
-
-Conventions (the notes' byte formulas are checked against these):
-  * `nbytes` is the logical payload: the bytes of the *full* tensor the collective is about.
-    all_reduce / broadcast / reduce / send / recv / all_to_all: the bytes of the tensor(s) passed in.
-    all_gather: the bytes of the gathered output (group size x the local shard).
-    reduce_scatter: the bytes of the unreduced full input (group size x the local output).
-    gather / scatter: group size x the per-rank piece. Coalesced ops sum over their tensors.
-  * `shape` is the shape of that full tensor (of the first one for coalesced ops; `num_tensors` says how many).
-  * `phase` is "backward" when the autograd engine is running (`current_graph_task_id() != -1`; every
-    private torch API used here is named in reference.torch_patches).
-  * `module` is the innermost scope active when the op was issued. Scopes come from `rec.scope(name)` and from
-    `rec.watch(model)` (forward hooks that push each submodule's qualified name). Backward runs outside those
-    Python scopes, so each forward scope also remembers the range of autograd sequence numbers of the graph
-    nodes created inside it; in backward the op is attributed to the innermost forward scope that created the
-    autograd node currently executing (`current_autograd_node()`). When that node accumulates a
-    watched parameter's gradient (hooks on AccumulateGrad, e.g. FSDP1's post-backward reduce-scatter), the op
-    goes to the module owning the parameter. Ops issued from no node (autograd's final callbacks, e.g. FSDP2's
-    last reduce-scatters) have module "" unless a scope is open. A scope opened during backward itself
-    (e.g. `with rec.scope("unit0"):` inside a hook) takes precedence over all of these.
-  * `flops` (of an event) and `flops_start` / `flops_end` (of a span) count the FLOPs this process had computed
-    under the recorder at that moment, by torch's FLOP formulas (reference.torch_patches.op_flops, what
-    FlopCounterMode counts): a span's compute is `flops_end - flops_start`, deterministic where times are
-    not, so a timeline can be modeled at a stated FLOP rate (pin_and_cite.site.timeline).
-  * `start` / `end` are `time.perf_counter()` seconds. `start` is when the op was issued. For c10d ops `end` is
-    when the caller's `Work.wait()` returned (the recorder wraps `Work.wait` while active, through
-    reference.torch_patches.work_wait_observed; synchronous calls wait inside torch.distributed), or, if the
-    work is never waited in Python, when its future completed.
-    Functional collectives have no `Work`: `end` is when the op returned, or when `wait_tensor` ran under the
-    recorder. `async_op` is the flag the caller passed (True for functional collectives).
+under, ends in a dispatcher op `c10d.*` (eager, returns a `Work`) or `_c10d_functional*.*` (functional
+collectives, as DTensor uses), so intercepting those ops sees the reference and every oracle alike: the
+interception point of torch's `CommDebugMode`, which only counts. This one also records sizes, groups,
+phase, module, times and the FLOPs computed so far (torch's FLOP formulas, reference.torch_patches.op_flops).
+Each field's convention (`nbytes` is the full tensor's payload, `module` the innermost scope, forward or
+backward) is on the site's page for this module (reading_notes/reference/measure.recorder.md.j2).
 """
 
 from __future__ import annotations

@@ -1,26 +1,18 @@
-"""What the reference GPT-2 block (reference.tensor_parallel.transformer.ParallelTransformerBlock) saves for
-backward, term by term against Korthikanti et al. 2022, with the reason for every byte that differs.
+"""What the reference GPT-2 block saves for backward, term by term against Korthikanti et al. 2022, with the
+reason for every byte that differs.
 
-Measured on CPU with bf16 parameters and activations and dropout on. Where the bytes differ, the cause is one
-of four, each named in its row:
-  * fp32 attention: on CPU, F.scaled_dot_product_attention takes its "math" path for bf16 with dropout and
-    computes in fp32 (opmath): Q, K, V, the softmax output and the dropout output are 4-byte copies;
-  * dropout noise: on CPU, dropout multiplies by a noise tensor of the input's dtype (bf16 for the residual
-    branches, fp32 inside attention) and saves it; the paper counts a 1-byte mask (CUDA's fused dropout
-    saves a bool mask);
-  * LayerNorm statistics: each LayerNorm saves a mean and a reciprocal standard deviation per token
-    (2 x sb in the activation dtype on CPU); the paper leaves these O(sb) terms out;
-  * nothing saved for the residual additions and bias adds: an addition's backward needs no input (the
-    paper counts nothing for them either).
-Everything else (LayerNorm inputs, the four linear layers' inputs, the GeLU input, the checkpoints' inputs)
-is the paper's term byte for byte. A record that fits no row is an error: an unexplained difference.
+Measured on CPU with bf16 parameters and activations and dropout on. Each difference has one of four causes,
+named in its row: attention computed in fp32 on CPU's math path, dropout saving a noise tensor where the paper
+counts a 1-byte mask, LayerNorm's per-token statistics (which the paper leaves out), and residual and bias
+additions saving nothing. Everything else is the paper's term byte for byte; a record that fits no row is an
+error, an unexplained difference. The Scale note shows the table and explains each cause.
 """
 
 from __future__ import annotations
 
-from reference.activation_memory.counting import SavedTensor
-from reference.activation_memory.paper import TERMS, Setting, term_bytes, terms_for
-from reference.activation_memory.term_table import SAME, Row, Term, table, tally
+from reference.measure.activation_memory.counting import SavedTensor
+from reference.measure.activation_memory.paper import TERMS, Setting, term_bytes, terms_for
+from reference.measure.activation_memory.term_table import SAME, Row, Term, table, tally
 
 FP32_ATTENTION = "CPU SDPA math path computes bf16 attention in fp32: 4-byte copies instead of 2"
 NOISE_MASK_FP32 = "CPU dropout saves an fp32 noise tensor (4 bytes/element), not a 1-byte mask"

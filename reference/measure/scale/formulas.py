@@ -1,48 +1,12 @@
-"""Closed-form bytes and counts of one training step's collectives, per group and collective type, for the
-rank at pipeline stage `stage` of a ScaleSetup. What reference.scale.simulate measures must equal these.
+"""Closed-form bytes and counts of one training step's collectives, per process group and collective type, and
+the bytes a rank holds (`memory`), for the rank at pipeline stage `stage` of a ScaleSetup.
 
-The step is reference.gpt.train.train_step: the schedule (GPipe or 1F1B: the same transfers in another
-order), then finalize_model_grads, then the optimizer step (no collective). Under interleaving (v model
-chunks per stage, virtual stage c p + r for chunk c of stage r) the TP traffic per layer is unchanged, each
-chunk sends and receives as a stage of a p v-stage pipeline would, and each chunk is a DDP of its own.
-
-Symbols: m micro-batches, L layers on the stage (reference.gpt.model.split_layers: the first num_layers mod p
-stages take one more), t/p/d the TP/PP/DP sizes, b s h f the micro-batch, sequence, hidden and FFN sizes, V_p
-the padded vocabulary, e the bytes per element (bf16: 2). Bytes follow the recorder's convention
-(reference.recorder): the full tensor, i.e. an all-gather counts the gathered output and a reduce-scatter the
-unreduced input. A = b s h e, one activation. Per micro-batch:
-
-  TP, no SP: all-reduce A per block twice forward (attention out, fc2: the g regions) and twice backward
-      (fc1 and QKV input grads: the f regions); the vocab-parallel embedding all-reduces its output (A);
-      the LM head's column layer all-reduces its input grad (A); the loss all-reduces max, target logit and
-      exp-sum, one fp32 number per token each (3 x 4 b s).
-  TP, SP: each block's all-reduces become all-gathers and reduce-scatters of A: forward 2 + 2, backward
-      4 all-gathers (2 input re-gathers for the weight grads, 2 grads of the reduce-scatters) + 2
-      reduce-scatters. The first stage still all-reduces the embedding (the position embedding is added to
-      the full sequence) and then splits it, an all-gather of its gradient in backward, as Megatron's
-      LanguageModelEmbedding with learned positions. The LM head all-gathers its input forward and backward
-      and reduce-scatters its input grad. Once per step, the grads of the replicated LayerNorm weights and
-      row biases (6 h per block, 2 h for the final LayerNorm) are all-reduced over TP in one flat tensor
-      (reference.data_parallel.finalize_model_grads, as megatron/core/distributed/finalize_model_grads.py::
-      _allreduce_non_tensor_model_parallel_grads).
-  PP: every stage but the last sends its output forward and receives its gradient back, every stage but the
-      first receives its input and sends its input grad: A, or A / t under SP (Megatron sends the sequence
-      shard: megatron/core/pipeline_parallel/schedules.py::get_tensor_shapes). Two barriers per step frame
-      the schedule to measure its bubble (reference.pipeline.schedules; Megatron has none). With v chunks,
-      each of the m v chunk-forwards does the same except the model's first and last: m (v - 1) transfers
-      each way on the first and last stage, m v on the others.
-  DP, once per step: DistributedDataParallel all-reduces the gradients of the P parameters this rank holds,
-      in the parameters' dtype (e P), in buckets filled in reverse parameter order and closed at
-      >= bucket_size bytes (reference.data_parallel.buckets.bucket_layout), per chunk under interleaving.
-      Megatron-LM with bf16 reduces fp32 main grads instead (4 P; --accumulate-allreduce-grads-in-fp32).
-      With the distributed optimizer each bucket is padded to a multiple of d elements (P' in all) and
-      reduce-scattered (e P'), and after the step the parameter buckets are all-gathered (e P'): the same
-      count of each, twice the all-reduce's bytes by this convention, the same bytes on a ring's wire.
-
-Bytes per rank (`memory`): parameters e P and gradients e P (e P' with the distributed optimizer); the
-optimizer is Adam behind fp32 master weights (reference.data_parallel.mixed_precision; none when the model is
-fp32): masters 4 P and moments 8 P on every DP rank, or 4 P'/d and 8 P'/d with the distributed optimizer: the
-ZeRO paper's 2 + 2 + 12/N bytes per parameter at e = 2.
+What reference.measure.scale.simulate records must equal these, row by row. The step is
+reference.gpt.train.train_step; bytes follow the recorder's convention (an all-gather counts its output, a
+reduce-scatter its input). Per micro-batch, TP moves one activation A = b s h e per region, PP one A (A / t under
+sequence parallelism) across each stage boundary, and DP the gradients once per step, in buckets. The Scale
+note derives every term, and names the upstream code each follows, such as
+`megatron-lm:megatron/core/distributed/finalize_model_grads.py::_allreduce_non_tensor_model_parallel_grads`.
 """
 
 from __future__ import annotations
@@ -50,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 from reference.gpt.model import split_layers, split_virtual_stages
-from reference.scale.shapes import ScaleSetup
+from reference.measure.scale.shapes import ScaleSetup
 
 FP32 = 4
 

@@ -7,5 +7,5 @@ against closed forms. Read in this order:
   simulate.py   the fake world; one rank's stage (reference.gpt.model.build_stage on the meta device), its
                 DDP wrapper and one reference.gpt.train.train_step under the recorder; the per-group summary
                 next to the formulas
-  __main__.py   `python -m reference.scale --tp 8 --pp 8 --dp 64 --model 70b`
+  __main__.py   `python -m reference.measure.scale --tp 8 --pp 8 --dp 64 --model 70b`
 """

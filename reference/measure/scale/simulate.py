@@ -1,23 +1,12 @@
 """Trace one training step of one rank of a large job, in one process, in seconds.
 
 The process joins a world of tp x pp x dp ranks through torch's `fake` process-group backend
-(torch/testing/_internal/distributed/fake_pg.py::FakeStore): every collective returns at once without
-communicating. The rank builds only its own pipeline stage with reference.gpt.model.build_stage (or its v model
-chunks with build_chunks, under interleaving), on the meta
-device: weights and activations have shapes and dtypes but no storage, and the fake backend accepts meta
-tensors in all_reduce, all_gather / reduce_scatter (eager and functional), broadcast, barrier and
-send/recv/isend/irecv (not batch_isend_irecv, which needs a backend for the tensors' device). The stage is
-wrapped by reference.gpt.train.data_parallel (reduce-scattering under the distributed optimizer), its optimizer
-is Adam behind fp32 masters, whole (reference.data_parallel.mixed_precision.unsharded) or sliced over DP
-(reference.data_parallel.distributed_optimizer), and it is stepped by reference.gpt.train.train_step, the code
-`torchrun ... -m reference --tp ... --pp ... --dp ...` trains with. reference.recorder.CollectiveRecorder sees each
-collective of the step at the dispatcher with its real sizes; summarize() groups them by process group
-(tp/pp/dp) and collective type. The bytes the rank holds (distributed_optimizer.bytes_per_rank: meta tensors
-have sizes) are compared with formulas.memory.
-
-Not recorded, because they are not per-step training traffic: DistributedDataParallel's broadcast of the
-parameters over DP at construction (one per bucket, once per run), and train_step's reported loss, a scalar
-all-reduced over DP on the last stage and broadcast over PP (outside its `record` context).
+(`pytorch:torch/testing/_internal/distributed/fake_pg.py::FakeStore`): every collective returns at once. It
+builds only its own pipeline stage (or v chunks) on the meta device, shapes without storage, wraps it as
+`torchrun ... -m reference` does (data parallel; Adam behind fp32 masters, whole or distributed) and runs
+reference.gpt.train.train_step under a CollectiveRecorder. summarize() groups the collectives by process group
+and type; the bytes the rank holds are compared with formulas.memory. The Scale note says what the fake backend
+takes and what is left out of the trace.
 """
 
 from __future__ import annotations
@@ -32,10 +21,11 @@ from reference.data_parallel.distributed_optimizer import DistributedOptimizer, 
 from reference.data_parallel.mixed_precision import unsharded
 from reference.gpt.model import build_chunks, build_stage
 from reference.gpt.train import data_parallel, train_step
+from reference.measure.pipeline_meter import PipelineMeter
+from reference.measure.recorder import CollectiveEvent, CollectiveRecorder
+from reference.measure.scale import formulas
+from reference.measure.scale.shapes import ScaleSetup
 from reference.parallel_state import ParallelLayout, build_layout, rank_grid
-from reference.recorder import CollectiveEvent, CollectiveRecorder
-from reference.scale import formulas
-from reference.scale.shapes import ScaleSetup
 
 GROUPS = ("tp", "pp", "dp")
 
@@ -105,6 +95,7 @@ def trace_rank(setup: ScaleSetup, rank: int, device: str = "meta", held: dict | 
             schedule=setup.schedule,
             device=where,
             record=recorder,
+            observer=PipelineMeter(),  # its two PP barriers frame the bubble, as in every recorded pipeline run
         )
         if held is not None:
             held.update(bytes_per_rank(ddp, optimizer))

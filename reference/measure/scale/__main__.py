@@ -1,4 +1,4 @@
-"""`python -m reference.scale --tp 8 --pp 8 --dp 64 --model 70b [--rank R] [--sp] [--distributed-optimizer]
+"""`python -m reference.measure.scale --tp 8 --pp 8 --dp 64 --model 70b [--rank R] [--sp] [--distributed-optimizer]
 [--json]`: trace one training step of one rank (or a first, middle and last stage rank) of a large job with the
 fake process group, and print the bytes per group and collective type, and the bytes the rank holds, next to
 the closed-form formula. Exit 0 when every row agrees, 1 when one does not, 2 for a setup that cannot exist."""
@@ -20,16 +20,16 @@ from reference.arguments import (
     world_size,
 )
 from reference.data_parallel.wrapper import DEFAULT_BUCKET_SIZE
+from reference.measure.scale import formulas
+from reference.measure.scale.shapes import MODELS, ScaleSetup, setup_for
+from reference.measure.scale.simulate import default_ranks, document, step_of
 from reference.parallel_state import ORDERS, ParallelConfigError
 from reference.pipeline.schedules import SCHEDULES
-from reference.scale import formulas
-from reference.scale.shapes import MODELS, ScaleSetup, setup_for
-from reference.scale.simulate import default_ranks, document, step_of
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
-        prog="python -m reference.scale",
+        prog="python -m reference.measure.scale",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description=__doc__.split("\n\n")[0] + f" At most {MAX_WORLD:,} ranks ({WORLD_WHY}) and "
         f"{MAX_MICROBATCHES} micro-batches ({MICROBATCHES_WHY}).",
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         if outside:
             raise ParallelConfigError(f"--rank {outside[0]} is outside the world of {setup.world} ranks")
     except ParallelConfigError as error:
-        print(f"reference.scale: error: {error}", file=sys.stderr)
+        print(f"reference.measure.scale: error: {error}", file=sys.stderr)
         return 2
     doc = document(setup, [step_of(setup, rank) for rank in ranks])
     print(json.dumps(doc) if args.json else format_document(doc))

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable
 from fractions import Fraction
 from typing import NamedTuple
 
-from reference.activation_memory.counting import SavedTensor
+from reference.measure.activation_memory.counting import SavedTensor
 
 SAME = "same"  # the reason of a term whose bytes are the paper's
 

@@ -1,23 +1,11 @@
-"""What the reference Llama/Qwen2 block (reference.tensor_parallel.transformer.ParallelLlamaBlock) saves for
-backward, term by term: the closed form derived from the block, each term next to the GPT-2 term of
-Korthikanti et al. 2022 it replaces and the reason its bytes differ.
+"""What the reference Llama/Qwen2 block saves for backward, term by term: the closed form derived from the block,
+each term next to the GPT-2 term of Korthikanti et al. 2022 it replaces and the reason its bytes differ.
 
 The paper has no table for this block. Sizes: s sequence, b micro-batch, h hidden, a query heads, k key/value
-heads, d = h / a head size, f SwiGLU hidden size (gate and up each), t tensor-parallel size. Measured on CPU
-with bf16 parameters and activations, the rotary tables passed as GPTConfig.rotary gives them (fp32, [s, d]).
-What differs from the GPT-2 block, and why:
-  * RMSNorm: on CPU torch's rms_norm upcasts the bf16 input and keeps two fp32 [s, b, h] tensors (the upcast
-    input and the normalized x / rms, for the weight's gradient) and the fp32 1/rms per token;
-  * rotary: apply_rotary casts the fp32 cos and sin to bf16 on each of its two calls (q, k), and the products
-    keep the four casts ([s, d], the whole sequence on every rank);
-  * grouped-query attention: K holds k heads, not a; V is a view into the fused QKV output, so keeping V keeps
-    that whole buffer (Q, K and V before rotary);
-  * SDPA without dropout takes CPU's flash kernel: it keeps the rotated Q and K, V, its output (the o-proj's
-    input, one storage) and an fp32 logsumexp per query and head, never an s x s tensor;
-  * SwiGLU: SiLU keeps its input, a view of the fused [gate; up] output (the whole buffer, up included), the
-    product keeps silu(gate), the down projection keeps the product;
-  * no dropout anywhere: none of the paper's dropout masks.
-Under recompute the checkpoints keep their tensor inputs as given: the fp32 rotary tables too.
+heads, d = h / a head size, f SwiGLU hidden size (gate and up each), t tensor-parallel size. Measured on CPU with
+bf16 parameters and activations. The differences come from RMSNorm's fp32 copies, the rotary tables' casts,
+grouped-query attention's fused QKV buffer, CPU's flash attention kernel, SwiGLU's views of its fused buffer and
+the absence of dropout; the Scale note explains each.
 """
 
 from __future__ import annotations
@@ -27,9 +15,9 @@ from fractions import Fraction
 
 import torch
 
-from reference.activation_memory.counting import SavedTensor
-from reference.activation_memory.paper import Setting, term_bytes
-from reference.activation_memory.term_table import SAME, Row, Term, table, tally
+from reference.measure.activation_memory.counting import SavedTensor
+from reference.measure.activation_memory.paper import Setting, term_bytes
+from reference.measure.activation_memory.term_table import SAME, Row, Term, table, tally
 
 FORMULAS = {  # bytes per layer, the sum of terms(); d = h / a
     "no parallelism": "sbh(26 + 6k/a) + 8sb + 4asb + 8sbf + 8sd",

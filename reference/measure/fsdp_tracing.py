@@ -1,0 +1,144 @@
+"""Attribute FSDP's collectives and compute to units in every active `CollectiveRecorder`: an observer.
+
+`with unit_scopes(model):` around a step of a model sharded by the reference FSDP or by PyTorch's FSDP1 (an
+FSDP2 model needs nothing: the recorder's `watch` scopes it). Every all-gather and reduce-scatter is then
+recorded under the unit it moves (a prefetched all-gather under the unit it fetches, not the one that issued
+it), by wrapping the runtime functions that issue them: the reference's `unshard` and `reduce_grad`, FSDP1's
+`_unshard` and `_reduce_grad`, so both compare line by line. For the reference each unit's compute is also
+recorded as spans "<unit> forward" and "<unit> backward", the latter from its pre-backward hook (its
+all-gather landed) to its post-backward hook (its gradient is complete).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from reference.fsdp import FullyShardedDataParallel, runtime
+from reference.fsdp.wrapper import clean_name
+from reference.measure.recorder import CollectiveRecorder
+from reference.torch_patches import FSDP1_SCOPES, available, fsdp1_runtime_wrapped
+
+
+@contextlib.contextmanager
+def unit_scope(unit_name: str) -> Iterator[None]:
+    """Collectives issued inside are recorded with `module == unit_name`."""
+    with contextlib.ExitStack() as stack:
+        for recorder in CollectiveRecorder.active():
+            stack.enter_context(recorder.scope(unit_name))
+        yield
+
+
+@contextlib.contextmanager
+def unit_scopes(model: torch.nn.Module) -> Iterator[None]:
+    """Scope the collectives (and, for the reference FSDP, the compute) of `model`'s units while inside."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+
+    modules = list(model.modules())
+    if any(isinstance(m, FullyShardedDataParallel) for m in modules):
+        with reference_fsdp_unit_scopes(model):
+            yield
+    elif any(isinstance(m, FSDP1) for m in modules):
+        with torch_fsdp1_unit_scopes(model):
+            yield
+    else:
+        yield
+
+
+@contextlib.contextmanager
+def reference_fsdp_unit_scopes(model: torch.nn.Module) -> Iterator[None]:
+    """The reference FSDP's units: scopes from reference.fsdp.runtime's functions (called through its module
+    globals, so replacing them reaches every call) and compute spans from hooks on each unit's module."""
+    started: dict[int, dict[int, tuple[float, int]]] = {}  # id(handle) -> {id(recorder): recorder.mark()}
+
+    def in_unit_scope(original, unit, handle, *args):
+        with unit_scope(handle.name):
+            return original(unit, handle, *args)
+
+    def pre_backward_hook(original, unit, handle, grad):
+        ran = handle.ran_pre_backward_hook
+        grad = original(unit, handle, grad)
+        if not ran:  # this call re-gathered the unit: its backward compute starts now
+            started[id(handle)] = {id(recorder): recorder.mark() for recorder in CollectiveRecorder.active()}
+        return grad
+
+    def post_backward_hook(original, unit, handle, flat_param):
+        begun = started.pop(id(handle), {})
+        for recorder in CollectiveRecorder.active():
+            if id(recorder) in begun:
+                (start, flops), (end, flops_end) = begun[id(recorder)], recorder.mark()
+                recorder.add_span(f"{handle.name} backward", "backward", start, end, flops, flops_end)
+        return original(unit, handle, flat_param)
+
+    with contextlib.ExitStack() as stack:
+        for name, around in (
+            ("unshard", in_unit_scope),
+            ("reduce_grad", in_unit_scope),
+            ("pre_backward_hook", pre_backward_hook),
+            ("post_backward_hook", post_backward_hook),
+        ):
+            stack.enter_context(_replaced(runtime, name, around))
+        for unit in model.modules():
+            if isinstance(unit, FullyShardedDataParallel):
+                handles = _forward_span_hooks(unit)
+                stack.callback(lambda handles=handles: [h.remove() for h in handles])
+        yield
+
+
+def _forward_span_hooks(unit: FullyShardedDataParallel) -> list:
+    """A "<unit> forward" span around the wrapped module's forward (after the unit's all-gather landed)."""
+    spans: list[contextlib.ExitStack] = []
+
+    def open_span(_module, _args):
+        name = unit.handle.name if unit.handle else type(unit.module).__name__
+        stack = contextlib.ExitStack()
+        for recorder in CollectiveRecorder.active():
+            stack.enter_context(recorder.span(f"{name} forward"))
+        spans.append(stack)
+
+    def close_span(_module, _args, _output):
+        spans.pop().close()
+
+    return [
+        unit.module.register_forward_pre_hook(open_span),
+        unit.module.register_forward_hook(close_span, always_call=True),
+    ]
+
+
+@contextlib.contextmanager
+def torch_fsdp1_unit_scopes(model: torch.nn.Module) -> Iterator[None]:
+    """PyTorch FSDP1's units, through `pytorch:torch/distributed/fsdp/_runtime_utils.py::_unshard` and
+    `_reduce_grad` (reference.torch_patches.fsdp1_runtime_wrapped); unscoped, with one warning line, where the
+    installed torch has no such functions."""
+    if not available(FSDP1_SCOPES):
+        yield
+        return
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+
+    names = {
+        id(unit._handle): clean_name(name) or "root"
+        for name, unit in model.named_modules()
+        if isinstance(unit, FSDP1) and unit._handle is not None
+    }
+
+    def in_unit_scope(original, state, handle, *args):
+        with unit_scope(names.get(id(handle), "?")):
+            return original(state, handle, *args)
+
+    with fsdp1_runtime_wrapped(_unshard=in_unit_scope, _reduce_grad=in_unit_scope):
+        yield
+
+
+@contextlib.contextmanager
+def _replaced(owner: Any, name: str, around: Callable[..., Any]) -> Iterator[None]:
+    """`owner.name` becomes `around(original, *args)` while inside."""
+    original = getattr(owner, name)
+    setattr(owner, name, functools.wraps(original)(lambda *args: around(original, *args)))
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
