@@ -1,26 +1,13 @@
 """2D parallelism: tensor parallelism inside the TP group (a node), FSDP across the DP group (between nodes).
 
-`shard_tp_model(model, layout)` wraps every TP block (GPT-2 or Llama style) of a TP-sharded model in a reference FSDP
-unit on `layout.dp_group`, and the model itself in the root unit. Each TP rank flattens *its own shards* of the
-block (its heads, its MLP columns, the replicated LayerNorms), and FSDP splits that flat buffer 1/dp over the
-ranks holding the same TP slices: the DP group is orthogonal to the TP group, so FSDP needs no change, only
-every TP rank of a block must build the same flat layout (same shapes), which `shard_tp_model` checks. On a
-GPT stage (reference.gpt.train.fully_sharded) the blocks are its `.layers`, and the root unit holds the
-embedding, final LayerNorm and vocab-parallel head. Per block and step: an all-gather of the TP-local flat
-buffer before forward and again before backward, a reduce-scatter of its gradient after backward, all on the
-DP group; the TP collectives are the TP-only model's, on activations of the local batch.
+`shard_tp_model(model, layout)` wraps every TP block of a TP-sharded model in a reference FSDP unit on
+`layout.dp_group`, and the model itself in the root unit. Each TP rank flattens its own shards of a block and
+FSDP splits that flat buffer 1/dp over the ranks holding the same TP slices; the DP group is orthogonal to the
+TP group, so FSDP needs no change. Under sequence parallelism the TP sum of the replicated parameters' gradients
+runs after the reduce-scatter, on the shards (reference.data_parallel.finalize).
 
-Sequence parallelism: LayerNorm weights and row-parallel biases are replicated on the TP group but see only
-this rank's tokens, so their gradients need a TP sum (reference.tensor_parallel.layers.
-allreduce_sequence_parallel_grads). With FSDP the place for it is *after* the reduce-scatter, on the sharded
-gradients: TP peers share their DP coordinate and their flat layout, so their shards hold the same slices of
-the same parameters, and a sum commutes with FSDP's average. Call
-`finalize_model_grads([model], layout.tp_group)` (reference.data_parallel.finalize) after backward, before the
-optimizer step: it sends 1/dp of the bytes it would send before the reduce-scatter.
-
-Counterparts: torchtitan's parallelize_llama (`apply_tp`, then `apply_fsdp` with `fully_shard` on the mesh's
-"dp" dimension) and torch/distributed/fsdp/_fully_shard/_fsdp_param.py (FSDP2 sharding a TP DTensor
-parameter's local tensor on dim 0: "2D"), which the tests compare against.
+Counterpart: torchtitan's parallelize_llama (TP, then `fully_shard` on the "dp" mesh dimension), and
+`pytorch:torch/distributed/fsdp/_fully_shard/_fsdp_param.py::FSDPParam`, which the tests compare against.
 """
 
 from __future__ import annotations
