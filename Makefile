@@ -3,7 +3,7 @@ PY      := .venv/bin/python
 STAMP   := .venv/.installed
 ADDR    ?= 127.0.0.1:8000
 
-.PHONY: setup serve test lint bench clean
+.PHONY: setup serve test test-torch lint bench clean
 
 setup: $(STAMP)
 
@@ -28,6 +28,21 @@ test: setup
 	tools/ensure-browser
 	$(PY) -m pytest -n 2
 
+# The reference's tests on another torch (not run in CI): `make test-torch TORCH=2.11.0` installs that torch
+# from PyPI (on Linux a CUDA build, several GB; it runs on CPU) and the project's test extras, constrained as
+# CI's except for torch, into its own .venv-torch-$(TORCH), then runs tests/reference there. Tests that run
+# torch's own FSDP/DTensor/pipelining as upstream evidence skip: the citations are of the pinned torch.
+TORCH_VENV := .venv-torch-$(TORCH)
+test-torch:
+	@test -n "$(TORCH)" || { echo "make: error: name the torch to test, e.g. make test-torch TORCH=2.11.0"; exit 2; }
+	test -f $(TORCH_VENV)/.installed || { \
+	  python3 -m venv $(TORCH_VENV) && \
+	  grep -v '^torch==' constraints.txt > $(TORCH_VENV)/constraints.txt && \
+	  $(TORCH_VENV)/bin/python -m pip install -q torch==$(TORCH) && \
+	  $(TORCH_VENV)/bin/python -m pip install -q -c $(TORCH_VENV)/constraints.txt -e '.[test]' && \
+	  touch $(TORCH_VENV)/.installed; }
+	$(TORCH_VENV)/bin/python -m pytest tests/reference -p no:xdist $(PYTEST_ARGS)
+
 # ruff's lint and format check (configured in pyproject.toml); CI runs it before the tests.
 lint: setup
 	$(PY) -m ruff check .
@@ -38,4 +53,4 @@ bench: setup
 	$(PY) benchmarks/relocate_accuracy.py
 
 clean:
-	rm -rf .venv site
+	rm -rf .venv .venv-torch-* site

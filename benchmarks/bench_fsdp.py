@@ -25,7 +25,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from reference.distributed import distributed
+from reference.distributed import all_gather_single, distributed, reduce_scatter_single
 from reference.fsdp.units import shard_model, sharded_parameter_bytes
 from reference.gpt.model import GPTConfig, UnshardedGPT
 from reference.gpt.train import split_batch, synthetic_batches
@@ -94,9 +94,9 @@ def communication_time(events, device, repeats: int = 9) -> float:
         start = time.perf_counter()
         for op, shard, full in buffers:
             if op == "all_gather":
-                dist.all_gather_single(full, shard)
+                all_gather_single(full, shard)
             else:  # reduce-scatter of a float buffer the same size
-                dist.reduce_scatter_single(shard.view(torch.float32), full.view(torch.float32))
+                reduce_scatter_single(shard.view(torch.float32), full.view(torch.float32))
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)

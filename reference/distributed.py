@@ -23,6 +23,11 @@ from reference.parallel_state import ParallelConfigError
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 
+# The flat-tensor collectives by their torch 2.13 names; torch 2.13 deprecates the names older torch has,
+# all_gather_into_tensor and reduce_scatter_tensor, so each is looked up by feature, not by version.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 class LaunchError(RuntimeError):
     """The process was not started the way torch.distributed needs (no torchrun, no GPU for --device cuda)."""

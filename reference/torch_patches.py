@@ -1,48 +1,102 @@
 """Every patch of torch internals the reference, its tests and its benchmarks make, and every private torch API
-they call: written for one torch version, checked against the installed one.
+they call, named once.
 
-Private names and call paths change between torch releases without notice, so each patch below first checks
-that the installed torch is TORCH_VERSION (the version constraints.txt pins) and raises TorchVersionError
-otherwise: one line, and a LaunchError, so the demos, benchmarks and test workers, which already print a
-LaunchError as one line, refuse a different torch the same way. The private-API accessors at the end do not
-check on every call (the recorder calls them per collective); the recorder checks once, on entry, through
-`work_wait_observed`.
+Private names change between torch releases without notice, so an observer that needs them asks first:
+`available(RECORDER)` runs a probe that checks the names exist and behave as the observer uses them (as
+torchtitan's check_if_feature_in_pytorch does), not the version string. When a probe fails, the observer turns
+off with one warning line and the training runs unobserved; the mechanisms call none of this. A patch applied
+without its probe raises MissingTorchFeature, one line.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch._C._distributed_c10d import ProcessGroup, Work
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-from torch.utils.flop_counter import flop_registry
-
-from reference.distributed import LaunchError
-
-TORCH_VERSION = "2.13.0"
+from torch.distributed import ProcessGroup, Work
 
 
-class TorchVersionError(LaunchError):
-    """The installed torch is not the version these patches were written for."""
+class MissingTorchFeature(RuntimeError):
+    """A private torch API a patch or an observer needs is absent from the installed torch, or behaves otherwise."""
 
 
-def require_pinned_torch() -> None:
-    """Raise TorchVersionError (one line) unless the installed torch is TORCH_VERSION (any local build tag)."""
-    installed = str(torch.__version__)
-    if installed.split("+")[0] != TORCH_VERSION:
-        raise TorchVersionError(
-            f"reference/torch_patches.py is written for torch {TORCH_VERSION}, but torch "
-            f"{installed} is installed; install torch=={TORCH_VERSION} (constraints.txt)"
-        )
+def _require(condition: bool, what: str) -> None:
+    if not condition:
+        raise MissingTorchFeature(f"torch {torch.__version__} {what}")
+
+
+# ---- probes ----------------------------------------------------------------------------------------------
+RECORDER = "the collective recorder (reference.measure.recorder)"
+FSDP1_SCOPES = "FSDP1's unit scopes (reference.measure.fsdp_tracing)"
+
+
+def _probe_recorder() -> None:
+    """Every private API CollectiveRecorder calls exists, and autograd numbers and names its nodes as the
+    recorder reads them: outside backward no graph task runs; inside, the node running is the one the forward
+    created, with the sequence number handed out then."""
+    from torch.utils import flop_counter
+
+    _require(callable(Work.__dict__.get("wait")), "has no Work.wait to observe")
+    c10d, autograd = torch._C._distributed_c10d, torch._C._autograd
+    for owner, name in [
+        (Work, "unbox"),
+        (ProcessGroup, "unbox"),
+        (c10d, "_resolve_process_group"),
+        (torch._C, "_current_graph_task_id"),
+        (torch._C, "_current_autograd_node"),
+        (autograd, "_get_sequence_nr"),
+    ]:
+        _require(callable(getattr(owner, name, None)), f"has no {owner.__name__}.{name}")
+    _require(isinstance(getattr(flop_counter, "flop_registry", None), dict), "has no flop_counter.flop_registry")
+    a = torch.ones(2, 3)
+    _require(op_flops(torch.ops.aten.mm.default, (a, a.T), {}, a @ a.T) == 2 * 2 * 3 * 2, "counts mm FLOPs otherwise")
+    with torch.inference_mode(False), torch.enable_grad():
+        x = torch.ones(2, requires_grad=True)
+        lo = autograd_sequence_nr()
+        y = x * 2
+        hi = autograd_sequence_nr()
+        seen = []
+        y.register_hook(lambda grad: seen.append((current_graph_task_id(), node_sequence_nr(current_autograd_node()))))
+        outside = current_graph_task_id()
+        y.sum().backward()
+    _require(outside == -1 and len(seen) == 1, "reports a graph task outside backward")
+    task, seq = seen[0]
+    _require(task != -1 and lo <= seq < hi, "numbers the autograd node running in backward otherwise")
+
+
+def _probe_fsdp1_scopes() -> None:
+    """FSDP1 issues its all-gathers and reduce-scatters from these module functions, wrapped by name."""
+    from torch.distributed.fsdp import _runtime_utils
+
+    for name in ("_unshard", "_reduce_grad"):
+        _require(callable(getattr(_runtime_utils, name, None)), f"has no fsdp._runtime_utils.{name} to wrap")
+
+
+_PROBES = {RECORDER: _probe_recorder, FSDP1_SCOPES: _probe_fsdp1_scopes}
+
+
+@functools.cache
+def available(feature: str) -> bool:
+    """Does `feature`'s probe pass on the installed torch? Probed once per process; when not, rank 0 says so in
+    one warning line on stderr, and the caller runs without the feature."""
+    try:
+        _PROBES[feature]()
+    except Exception as error:  # a probe's own failure, or whatever a changed API raised instead
+        if int(os.environ.get("RANK", 0)) == 0:
+            why = error if isinstance(error, MissingTorchFeature) else f"torch {torch.__version__}: {error!r}"
+            print(f"reference: warning: {feature} is off: {str(why).splitlines()[0]}", file=sys.stderr, flush=True)
+        return False
+    return True
 
 
 # ---- patches ---------------------------------------------------------------------------------------------
-_WAIT_DESCRIPTOR = Work.__dict__["wait"]  # restored as is: pybind11 binds `self` through this descriptor
-_original_wait = Work.wait
+_WAIT_DESCRIPTOR = Work.__dict__.get("wait")  # restored as is: pybind11 binds `self` through this descriptor
+_original_wait = getattr(Work, "wait", None)
 _wait_observers: list[Callable[[Work], None]] = []
 
 
@@ -64,7 +118,7 @@ def work_wait_observed(after_wait: Callable[[Work], None]) -> Iterator[None]:
     reference, megatron, FSDP) are seen. Nested uses share one wrapper; the binding is restored as it was when
     the last one exits.
     """
-    require_pinned_torch()
+    _require(callable(Work.__dict__.get("wait")), "has no Work.wait to observe")
     if not _wait_observers:
         Work.wait = _observed_wait
     _wait_observers.append(after_wait)
@@ -103,13 +157,11 @@ def fsdp1_runtime_wrapped(**arounds: Callable[..., Any]) -> Iterator[None]:
     each forward), so replacing the module attribute reaches every call made inside the block.
     e.g. `fsdp1_runtime_wrapped(_unshard=lambda original, state, handle, *a: original(state, handle, *a))`.
     """
-    require_pinned_torch()
     from torch.distributed.fsdp import _runtime_utils
 
     with contextlib.ExitStack() as stack:
         for name, around in arounds.items():
-            if not callable(getattr(_runtime_utils, name, None)):
-                raise TorchVersionError(f"torch {torch.__version__} has no _runtime_utils.{name} to wrap")
+            _require(callable(getattr(_runtime_utils, name, None)), f"has no fsdp._runtime_utils.{name} to wrap")
             stack.enter_context(_replaced(_runtime_utils, name, around))
         yield
 
@@ -122,9 +174,9 @@ def fsdp1_rate_limiter_wrapped(around: Callable[..., Any]) -> Iterator[None]:
     there: pytorch:torch/distributed/fsdp/_limiter_utils.py::_FreeEventQueue.dequeue_if_needed returns the
     event it synchronizes on, or None.
     """
-    require_pinned_torch()
     from torch.distributed.fsdp._limiter_utils import _FreeEventQueue
 
+    _require(callable(getattr(_FreeEventQueue, "dequeue_if_needed", None)), "has no _FreeEventQueue.dequeue_if_needed")
     with _replaced(_FreeEventQueue, "dequeue_if_needed", around):
         yield
 
@@ -141,7 +193,6 @@ def cuda_calls_on_cpu() -> None:
     pytorch:torch/cuda/__init__.py::synchronize on the `torch.cuda` module, where megatron looks them up at each
     call.
     """
-    require_pinned_torch()
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *args, **kwargs: None
 
@@ -186,13 +237,10 @@ def unbox_process_group(value: Any) -> ProcessGroup:
 def op_flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
     """FLOPs of one aten op by torch's own formulas, the ones FlopCounterMode counts with
     (torch.utils.flop_counter.flop_registry); 0 for an op without one (CPU flash attention has none in 2.13)."""
+    from torch.utils.flop_counter import flop_registry
+
     formula = flop_registry.get(func.overloadpacket)
     return int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
-
-
-def dispatch_mode_stack() -> list:
-    """The TorchDispatchModes active on this thread, innermost last (torch.utils._python_dispatch)."""
-    return _get_current_dispatch_mode_stack()
 
 
 def live_process_groups() -> list[ProcessGroup]:

@@ -70,6 +70,21 @@ SHARED = [
 ]
 SHARED_TIMEOUT = 540  # s, under pytest-timeout's 600 for the test that starts the launch
 
+# The torch the notes cite (constraints.txt). Off it, the tests that run torch's own code as upstream evidence
+# skip (tests/reference/conftest.py), and the shared launches leave out these workers, which run only that.
+PINNED_TORCH = next(
+    line.removeprefix("torch==")
+    for line in (ROOT / "constraints.txt").read_text().splitlines()
+    if line.startswith("torch==")
+)
+UPSTREAM_TORCH_WORKERS = ("fsdp1_upstream_worker.py", "qwen2_dtensor_worker.py")
+
+
+def on_pinned_torch() -> bool:
+    import torch
+
+    return torch.__version__.split("+")[0] == PINNED_TORCH
+
 
 def run_worker(worker: str, world: int, *args: str, device: str = "cpu", timeout: float = 300) -> list[dict]:
     """Every rank's results from the one launch of tests/reference/workers/`worker` with these arguments.
@@ -80,7 +95,11 @@ def run_worker(worker: str, world: int, *args: str, device: str = "cpu", timeout
     """
     if device == "cuda":
         require_gpus(world)
-    shared = [members for w, d, members in SHARED if (w, d) == (world, device) and worker in members]
+    shared = [
+        [m for m in members if on_pinned_torch() or m not in UPSTREAM_TORCH_WORKERS]
+        for w, d, members in SHARED
+        if (w, d) == (world, device) and worker in members
+    ]
     if shared and not args:
         names = tuple(Path(name).stem for name in shared[0])
         results, failure = _launch("shared_worker.py", world, names, device, SHARED_TIMEOUT)

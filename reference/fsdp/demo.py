@@ -135,4 +135,4 @@ def _report(args, record: dict) -> None:
         for e in record["events"]
     ]
     summary = ", ".join(f"{op} x{v['count']} {v['bytes']} B" for op, v in record["summary"].items())
-    print("\n".join(lines + [f"  total: {summary}"]), flush=True)
+    print("\n".join(lines + [f"  total: {summary or 'none recorded'}"]), flush=True)

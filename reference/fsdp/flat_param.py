@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from reference.distributed import all_gather_single
+
 
 class HandleTrainingState(Enum):
     """Per-handle state machine, as `_flat_param.py::HandleTrainingState`: prefetch reads it.
@@ -149,7 +151,7 @@ class FlatParamHandle:
         if not self.is_unsharded():
             self._full_param_padded.untyped_storage().resize_(self.padded_numel * self._full_param_padded.itemsize)
             shard = self._local_shard.to(self.compute_device, self.param_dtype, non_blocking=True)
-            self._unshard_work = dist.all_gather_single(
+            self._unshard_work = all_gather_single(
                 self._full_param_padded, shard, group=self.process_group, async_op=True
             )
         self.flat_param.data = self._full_param_padded

@@ -14,10 +14,10 @@ import functools
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch.autograd import Variable
 from torch.utils._pytree import tree_map
 
+from reference.distributed import reduce_scatter_single
 from reference.fsdp.flat_param import FlatParamHandle, HandleTrainingState
 from reference.fsdp.prefetch import PrefetchMode, handle_to_prefetch
 
@@ -172,7 +172,7 @@ def reduce_grad(unit: Unit, handle: FlatParamHandle, unsharded_grad: torch.Tenso
     grad = unsharded_grad.to(unit.reduce_dtype or unsharded_grad.dtype)
     grad.div_(handle.world_size)
     sharded = torch.empty(handle.shard_numel, dtype=grad.dtype, device=grad.device)
-    work = dist.reduce_scatter_single(sharded, grad, group=handle.process_group, async_op=True)
+    work = reduce_scatter_single(sharded, grad, group=handle.process_group, async_op=True)
     unit.shared.pending_reductions.append((handle, work, sharded))
 
 

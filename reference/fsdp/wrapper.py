@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from reference.distributed import all_gather_single
 from reference.fsdp import runtime
 from reference.fsdp.flat_param import FlatParamHandle
 from reference.fsdp.prefetch import BackwardPrefetch, ExecutionOrder
@@ -162,9 +163,7 @@ class FullyShardedDataParallel(nn.Module):
         full = {}
         for handle in self.handles():
             gathered = torch.empty(handle.padded_numel, dtype=handle.flat_param.dtype, device=handle.compute_device)
-            dist.all_gather_single(
-                gathered, handle.flat_param.data.to(handle.compute_device), group=handle.process_group
-            )
+            all_gather_single(gathered, handle.flat_param.data.to(handle.compute_device), group=handle.process_group)
             for info in handle.infos:
                 name = f"{handle.name}.{info.fqn}" if handle.name != "root" else info.fqn
                 full[name] = gathered[info.offset : info.offset + info.numel].view(info.shape).cpu()

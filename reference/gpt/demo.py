@@ -270,7 +270,7 @@ def _train(args, config: GPTConfig, device: torch.device) -> None:
 def _report_step(args, step, loss: float, seconds: float, recorder, layout, param_bytes: dict | None) -> None:
     if dist.get_rank() != 0:
         return
-    groups = recorder.summary_by_group(layout.group_kind, kinds=("tp", "pp", "dp"))
+    groups = recorder.summary_by_group(layout.group_kind, kinds=("tp", "pp", "dp")) if recorder.on else {}
     if args.json:
         print(
             json.dumps(
@@ -297,7 +297,7 @@ def _report_step(args, step, loss: float, seconds: float, recorder, layout, para
     print(
         f"step {step}: loss {loss:.6f} ({seconds * 1e3:.1f} ms) | parameters on rank 0 {shard} B "
         f"(unsharded {total} B, ratio {shard / total:.3f}) | "
-        + " | ".join(f"{name}: {fmt(ops)}" for name, ops in groups.items()),
+        + (" | ".join(f"{name}: {fmt(ops)}" for name, ops in groups.items()) or "collectives not recorded"),
         flush=True,
     )
 

@@ -21,7 +21,7 @@ import torch
 from reference.fsdp import FullyShardedDataParallel, runtime
 from reference.fsdp.wrapper import clean_name
 from reference.measure.recorder import CollectiveRecorder
-from reference.torch_patches import fsdp1_runtime_wrapped
+from reference.torch_patches import FSDP1_SCOPES, available, fsdp1_runtime_wrapped
 
 
 @contextlib.contextmanager
@@ -112,7 +112,11 @@ def _forward_span_hooks(unit: FullyShardedDataParallel) -> list:
 @contextlib.contextmanager
 def torch_fsdp1_unit_scopes(model: torch.nn.Module) -> Iterator[None]:
     """PyTorch FSDP1's units, through `pytorch:torch/distributed/fsdp/_runtime_utils.py::_unshard` and
-    `_reduce_grad` (reference.torch_patches.fsdp1_runtime_wrapped)."""
+    `_reduce_grad` (reference.torch_patches.fsdp1_runtime_wrapped); unscoped, with one warning line, where the
+    installed torch has no such functions."""
+    if not available(FSDP1_SCOPES):
+        yield
+        return
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 
     names = {

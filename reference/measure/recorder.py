@@ -112,8 +112,12 @@ def _tensors(value) -> list[torch.Tensor]:
     return []
 
 
+_RECORDING: list[CollectiveRecorder] = []  # the recorders inside their `with`, innermost last
+
+
 class CollectiveRecorder(TorchDispatchMode):
     """`with CollectiveRecorder() as rec: ...` then read `rec.events`, `rec.spans`, `rec.summary()`.
+    Off (`rec.on` False: it records nothing) where the installed torch fails its probe.
 
     Mirrors `pytorch:torch/distributed/tensor/debug/_comm_mode.py::CommDebugMode`.
     """
@@ -131,6 +135,7 @@ class CollectiveRecorder(TorchDispatchMode):
         self._lock = threading.Lock()
         self._wait_patches: list = []  # one per __enter__ (reference.torch_patches.work_wait_observed)
         self.flops = 0  # FLOPs of every op run under the recorder so far
+        self.on = torch_patches.available(torch_patches.RECORDER)
 
     # ---- scopes and spans ----------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -168,12 +173,12 @@ class CollectiveRecorder(TorchDispatchMode):
     @staticmethod
     def active() -> list[CollectiveRecorder]:
         """The recorders currently recording, innermost last (code that labels its work for any of them)."""
-        return [mode for mode in torch_patches.dispatch_mode_stack() if isinstance(mode, CollectiveRecorder)]
+        return list(_RECORDING)
 
     def watch(self, model: torch.nn.Module, prefix: str = "") -> list:
         """Scope every submodule's forward under its qualified name; returns the hook handles."""
         handles = []
-        for name, module in model.named_modules(prefix=prefix):
+        for name, module in model.named_modules(prefix=prefix) if self.on else ():
             for param in module.parameters(recurse=False):
                 self._param_owner[id(param)] = name
             if not name:
@@ -214,12 +219,18 @@ class CollectiveRecorder(TorchDispatchMode):
 
     # ---- interception --------------------------------------------------------------------------------
     def __enter__(self):
+        if not self.on:
+            return self
         waits = torch_patches.work_wait_observed(lambda work: self._finish(id(work), from_wait=True))
-        waits.__enter__()  # first: on another torch version this raises before the mode is pushed
+        waits.__enter__()
         self._wait_patches.append(waits)
+        _RECORDING.append(self)
         return super().__enter__()
 
     def __exit__(self, *exc):
+        if not self.on:
+            return False
+        _RECORDING.remove(self)  # the same recorder entered twice is listed twice: this removes one
         self._wait_patches.pop().__exit__(None, None, None)
         return super().__exit__(*exc)
 

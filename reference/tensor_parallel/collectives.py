@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from reference.distributed import all_gather_single, reduce_scatter_single
 from reference.parallel_state import ParallelConfigError
 
 
@@ -86,7 +87,7 @@ def issue_gather_first_dim(
     if size == 1:
         return x, None
     out = torch.empty((x.shape[0] * size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    return out, dist.all_gather_single(out, x.contiguous(), group=group, async_op=async_op)
+    return out, all_gather_single(out, x.contiguous(), group=group, async_op=async_op)
 
 
 def reduce_scatter_first_dim(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -106,7 +107,7 @@ def issue_reduce_scatter_first_dim(
         return x, None
     _check_divisible(x.shape[0], group, "first (sequence) dimension")
     out = torch.empty((x.shape[0] // size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    return out, dist.reduce_scatter_single(out, x.contiguous(), group=group, async_op=async_op)
+    return out, reduce_scatter_single(out, x.contiguous(), group=group, async_op=async_op)
 
 
 def wait(work: dist.Work | None) -> None:

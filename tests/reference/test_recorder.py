@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.utils.flop_counter import FlopCounterMode
 
+from reference.distributed import all_gather_single, reduce_scatter_single
 from reference.measure.recorder import CollectiveRecorder
 from tests.ranks import on_ranks
 from tests.reference.gpus import DEVICES
@@ -66,10 +67,10 @@ def test_eager_ops_are_recorded_with_group_shape_bytes_dtype_phase(ranks):
         dist.all_reduce(x.clone())
         out = torch.empty(4 * WORLD, 3)
         dist.all_gather_into_tensor(out, x)
-        dist.all_gather_single(out, x)
+        all_gather_single(out, x)  # dist.all_gather_single where torch has it (2.13 on)
         shard = torch.empty(4 // WORLD, 3)
         dist.reduce_scatter_tensor(shard, x)
-        dist.reduce_scatter_single(shard, x)
+        reduce_scatter_single(shard, x)
         dist.all_gather([torch.empty(4, 3) for _ in range(WORLD)], x)
         dist.broadcast(x.clone(), 0)
         dist.all_reduce(x.to(torch.bfloat16))

@@ -17,6 +17,8 @@ from pathlib import Path
 
 from common import serve
 
+from tests.launch import on_pinned_torch
+
 BENCHMARKS = Path(__file__).resolve().parents[3] / "benchmarks"
 DECODER = ["--hidden-size", "32", "--num-attention-heads", "4", "--num-kv-heads", "2", "--seq-length", "8"]
 DECODER += ["--vocab-size", "64", "--rounds", "1", "--json"]
@@ -60,7 +62,10 @@ def run(script: str, args: list[str]) -> str:
 
 def main() -> None:
     sys.path.insert(0, str(BENCHMARKS))  # as for a script in benchmarks/: bench_decoder imports qwen2_dtensor
-    serve(lambda _device: {name: run(script, args) for name, (script, args) in RUNS.items()})
+    # bench_decoder runs HF Qwen2 under torch's own DTensor plan, upstream evidence of the pinned torch only
+    # (test_bench_decoder skips elsewhere; on torch 2.11 DTensor refuses the plan's attention reshape)
+    runs = {name: entry for name, entry in RUNS.items() if on_pinned_torch() or not name.startswith("decoder/")}
+    serve(lambda _device: {name: run(script, args) for name, (script, args) in runs.items()})
 
 
 if __name__ == "__main__":
