@@ -5,7 +5,7 @@ the body printed) for the i-th.
 After each body the ranks exchange outcomes on a gloo group of the harness's own, so a rank still blocked in a
 collective (until the launch's group timeout) cannot be matched with another rank's next one. All passed: the
 groups the body made are destroyed and the next test starts. A failure: every rank stops, and tests/ranks.py
-launches again for the tests not yet run.
+launches again for the tests not yet run; so it does when the launch has run its budget (no test starts after it).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import importlib.util
 import json
 import os
 import sys
+import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -79,12 +80,22 @@ def run(test: dict, ranks: Ranks, log: Path) -> dict:
     return {"outcome": "passed", "message": ""}
 
 
+def out_of_budget(started: float, budget_s: float, world: int, harness: dist.ProcessGroup) -> bool:
+    """Has this launch run `budget_s` already? Rank 0's clock decides for every rank, so all stop together."""
+    verdict = [time.monotonic() - started > budget_s] if dist.get_rank() == 0 else [None]
+    dist.broadcast_object_list(verdict, src=0, group=harness)
+    return verdict[0]
+
+
 def main() -> None:
     spec, out = json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2])
     device = init_distributed(spec["device"], spec["timeout_s"])
     ranks = Ranks(dist.get_rank(), dist.get_world_size(), device, dist.group.WORLD)
     harness = dist.new_group(backend="gloo", timeout=timedelta(seconds=spec["launch_timeout_s"]))
+    started = time.monotonic()
     for index, test in enumerate(spec["tests"]):
+        if index and out_of_budget(started, spec["budget_s"], ranks.world, harness):
+            break  # a clean end: tests/ranks.py launches again for the tests not yet run
         before = set(live_process_groups())
         result = run(test, ranks, out / f"{index}.rank{ranks.rank}.log")
         (out / f"{index}.rank{ranks.rank}.json").write_text(json.dumps(result))

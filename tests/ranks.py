@@ -26,6 +26,7 @@ import pytest
 from tests.launch import ROOT, require_gpus, torchrun
 
 LAUNCH_TIMEOUT_S = 540  # a launch's whole run: under pytest-timeout's 600 s for the test that starts it
+LAUNCH_BUDGET_S = 240  # no test starts in a launch after this; the rest go to the next launch (one test's room left)
 _RESULTS = pytest.StashKey[dict]()  # nodeid -> every rank's result, for this session
 _ID = re.compile(r"\[(.+-)?\d+ranks-(cpu|cuda)(-.+)?\]$")
 
@@ -97,7 +98,13 @@ def _launch(items: list[pytest.Item], world: int, device: str, timeout_s: float)
         }
         for i in items
     ]
-    spec = {"device": device, "timeout_s": timeout_s, "launch_timeout_s": LAUNCH_TIMEOUT_S, "tests": tests}
+    spec = {
+        "device": device,
+        "timeout_s": timeout_s,
+        "launch_timeout_s": LAUNCH_TIMEOUT_S,
+        "budget_s": LAUNCH_BUDGET_S,
+        "tests": tests,
+    }
     with tempfile.TemporaryDirectory(prefix=f"ranks-{world}-{device}-") as out:
         (Path(out) / "spec.json").write_text(json.dumps(spec))
         died = None

@@ -96,3 +96,29 @@ def section(out: str, test: str) -> str:
     """The failure report of `test` in pytest's output."""
     start = out.index(f"_ {test} _") + len(test) + 2
     return out[start:][: re.search(r"\n(_{5}|={5,} \w)", out[start:]).start()]
+
+
+BUDGET_CASES = """
+import os
+
+from tests.ranks import on_ranks
+
+
+@on_ranks(2)
+@pytest.mark.parametrize("index", [0, 1, 2])
+def test_records_its_launch(ranks, index):
+    with open(os.path.join(os.environ["LAUNCHES"], f"{index}.rank{ranks.rank}"), "w") as f:
+        f.write(str(os.getpid()))
+"""
+
+
+def test_a_launch_past_its_budget_starts_no_more_tests(pytester, monkeypatch, tmp_path):
+    """With no budget, each test gets a launch of its own (no test starts after the budget), and all pass."""
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    monkeypatch.setenv("LAUNCHES", str(tmp_path))
+    pytester.makepyfile(test_budget="import pytest\n" + BUDGET_CASES)
+    pytester.makeconftest("import tests.ranks\n\ntests.ranks.LAUNCH_BUDGET_S = 0\n")
+    result = pytester.runpytest_subprocess("-p", "no:xdist", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=3)
+    pids = {(tmp_path / f"{index}.rank0").read_text() for index in range(3)}
+    assert len(pids) == 3, "each test ran in a launch of its own"
