@@ -42,7 +42,6 @@ SHARED = [
             "tp_claims_worker.py",
             "tp_vs_unsharded_worker.py",
             "tp_vs_dtensor_worker.py",
-            "tp_bad_input_worker.py",
             "tp_vs_megatron_worker.py",
             "vocab_parallel_worker.py",
             "megatron_activation_worker.py",
