@@ -40,7 +40,6 @@ SHARED = [
             "qwen2_dtensor_worker.py",
             "activation_worker.py",
             "tp_claims_worker.py",
-            "tp_vs_dtensor_worker.py",
             "tp_vs_megatron_worker.py",
             "vocab_parallel_worker.py",
             "megatron_activation_worker.py",
