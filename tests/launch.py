@@ -40,7 +40,6 @@ SHARED = [
             "qwen2_dtensor_worker.py",
             "activation_worker.py",
             "tp_claims_worker.py",
-            "tp_vs_megatron_worker.py",
             "vocab_parallel_worker.py",
             "megatron_activation_worker.py",
             "megatron_distopt_worker.py",
@@ -51,7 +50,6 @@ SHARED = [
         "cpu",
         (
             "tp_claims_worker.py",
-            "tp_vs_megatron_worker.py",
             "vocab_parallel_worker.py",
             "qwen2_oracle_worker.py",
             "qwen2_dtensor_worker.py",
