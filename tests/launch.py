@@ -39,7 +39,6 @@ SHARED = [
             "qwen2_oracle_worker.py",
             "qwen2_dtensor_worker.py",
             "activation_worker.py",
-            "tp_claims_worker.py",
             "vocab_parallel_worker.py",
             "megatron_activation_worker.py",
             "megatron_distopt_worker.py",
@@ -49,7 +48,6 @@ SHARED = [
         4,
         "cpu",
         (
-            "tp_claims_worker.py",
             "vocab_parallel_worker.py",
             "qwen2_oracle_worker.py",
             "qwen2_dtensor_worker.py",
