@@ -39,7 +39,6 @@ SHARED = [
             "qwen2_oracle_worker.py",
             "qwen2_dtensor_worker.py",
             "activation_worker.py",
-            "vocab_parallel_worker.py",
             "megatron_activation_worker.py",
             "megatron_distopt_worker.py",
         ),
@@ -48,7 +47,6 @@ SHARED = [
         4,
         "cpu",
         (
-            "vocab_parallel_worker.py",
             "qwen2_oracle_worker.py",
             "qwen2_dtensor_worker.py",
         ),
