@@ -1,18 +1,15 @@
 """Vocab-parallel embedding and loss parallelism at TP = world (2 and 4 ranks, and 2 GPUs):
 
-* VocabParallelEmbedding equals torch.nn.Embedding from the same master weight (output, weight grad), with
-  and without sequence parallelism, for vocabularies TP divides and does not divide (padded);
-* vocab_parallel_cross_entropy equals F.cross_entropy on the full logits (loss, grad wrt the logits), and
-  ParallelLMHead (hidden -> loss) equals an unsharded Linear + cross_entropy (loss, dW, dhidden); padding
-  columns do not change the loss and get zero gradient;
-* against megatron-core 0.16.1: the same numbers and the identical recorded collective sequence;
-* no rank ever allocates full logits: every tensor produced in forward + backward of head + loss is recorded
-  (a TorchDispatchMode), none has the (padded) vocabulary as a dimension and the largest has at most
-  tokens * V_p / tp elements; the same probe does see [tokens, V] logits in the unsharded computation;
-* bad input: token or target ids outside the vocabulary (pad ids included) raise a one-line error.
-
-megatron-core runs with use_cpu_initialization=True; on CPU its sequence-parallel paths' allocations on
-torch.cuda.current_device() are redirected to the CPU.
+* VocabParallelEmbedding equals nn.Embedding from the same master weight, with and without sequence
+  parallelism, for vocabularies TP divides and pads;
+* vocab_parallel_cross_entropy equals F.cross_entropy on the full logits, ParallelLMHead an unsharded Linear +
+  cross_entropy (loss, dW, dhidden); padding columns change nothing and get zero gradient;
+* megatron-core 0.16.1 gives the same numbers and collective sequence (on CPU, its
+  torch.cuda.current_device() allocations are redirected there);
+* no rank allocates full logits: of every tensor forward and backward produce (a TorchDispatchMode), none has
+  the padded vocabulary as a dimension and the largest holds at most tokens * V_p / tp elements, while the
+  unsharded computation shows [tokens, V];
+* ids outside the vocabulary (pad ids included) raise a one-line error.
 """
 
 import functools
