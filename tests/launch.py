@@ -30,7 +30,7 @@ WORKERS = ROOT / "tests" / "reference" / "workers"
 # import per rank instead of one per worker. The first test that needs any of them pays for all of them; the
 # groups are kept small enough to finish within SHARED_TIMEOUT on two busy cores.
 SHARED = [
-    (1, "cpu", ("tp_vs_unsharded_worker.py", "fsdp_worker.py", "qwen2_oracle_worker.py", "activation_worker.py")),
+    (1, "cpu", ("fsdp_worker.py", "qwen2_oracle_worker.py", "activation_worker.py")),
     (
         2,
         "cpu",
@@ -39,12 +39,6 @@ SHARED = [
             "qwen2_oracle_worker.py",
             "qwen2_dtensor_worker.py",
             "activation_worker.py",
-            "tp_claims_worker.py",
-            "tp_vs_unsharded_worker.py",
-            "tp_vs_dtensor_worker.py",
-            "tp_bad_input_worker.py",
-            "tp_vs_megatron_worker.py",
-            "vocab_parallel_worker.py",
             "megatron_activation_worker.py",
             "megatron_distopt_worker.py",
         ),
@@ -53,10 +47,6 @@ SHARED = [
         4,
         "cpu",
         (
-            "tp_claims_worker.py",
-            "tp_vs_unsharded_worker.py",
-            "tp_vs_megatron_worker.py",
-            "vocab_parallel_worker.py",
             "qwen2_oracle_worker.py",
             "qwen2_dtensor_worker.py",
         ),

@@ -1,11 +1,20 @@
-"""Bad input to the TP reference: one clear line naming the problem, a non-zero exit, never a hang."""
+"""Bad input to the TP reference: one clear line naming the problem, a non-zero exit, never a hang.
+
+The configuration errors run on both ranks of a world-2 launch and assert there; the demo's refusal and a
+rank's crash are torchrun launches of their own (the crash must end its job)."""
 
 import pytest
+import torch
 
-from tests.launch import ROOT, WORKERS, run_worker, torchrun, torchrun_failing
+from reference.parallel_state import ParallelConfigError, build_layout
+from reference.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from reference.tensor_parallel.parallelize import parallelize
+from reference.tensor_parallel.transformer import Transformer, init_method_normal
+from tests.launch import ROOT, WORKERS, torchrun, torchrun_failing
+from tests.ranks import on_ranks
 from tests.reference.gpus import DEVICES
 
-# Each case of the worker and what its one-line ParallelConfigError must say.
+# Each case and what its one-line ParallelConfigError must say.
 ERRORS = {
     "tp_3": "the world size (2) is not divisible by tp 3 x pp 1 (3)",
     "heads_3": "num_attention_heads (3) is not divisible by the tensor-parallel size (2)",
@@ -21,19 +30,46 @@ ERRORS = {
 }
 
 
-@pytest.mark.parametrize("device", DEVICES)
+def make(case: str, device: torch.device):
+    """What raises `case`'s error, at TP 2 on `device`."""
+    tp = build_layout(tp_size=2).tp_group
+
+    def column(**kw):
+        return ColumnParallelLinear(8, 8, tp_group=tp, init_method=init_method_normal(), device=device, **kw)
+
+    def model():
+        return parallelize(Transformer(1, 8, 2, device=device), tp, sequence_parallel=True)
+
+    return {
+        "tp_3": lambda: build_layout(tp_size=3),
+        "heads_3": lambda: parallelize(Transformer(1, 12, 3), tp),
+        "hidden_18": lambda: parallelize(Transformer(1, 18, 4), tp),
+        "column_output_7": lambda: ColumnParallelLinear(8, 7, tp_group=tp, init_method=init_method_normal()),
+        "row_input_7": lambda: RowParallelLinear(7, 8, tp_group=tp, init_method=init_method_normal()),
+        "row_sp_input_not_parallel": lambda: RowParallelLinear(
+            8, 8, tp_group=tp, init_method=init_method_normal(), sequence_parallel=True
+        ),
+        "float64_input": lambda: column()(torch.ones(4, 2, 8, dtype=torch.float64, device=device)),
+        "meta_input": lambda: column()(torch.ones(4, 2, 8, device="meta")),
+        "last_dimension_6": lambda: column()(torch.ones(4, 2, 6, device=device)),
+        "sequence_5": lambda: model()(torch.ones(5, 1, 8, device=device)),
+        "split_twice": lambda: parallelize(model(), tp),
+    }[case]
+
+
+@on_ranks(2, devices=DEVICES)
 @pytest.mark.parametrize("case", ERRORS)
-def test_bad_configurations_raise_one_line_errors(case, device):
-    for result in run_worker("tp_bad_input_worker.py", 2, device=device, timeout=120):
-        error = result["errors"][case]
-        assert error is not None, f"{case}: no ParallelConfigError containing {ERRORS[case]!r} on rank {result['rank']}"
-        assert ERRORS[case] in error and "\n" not in error, error
+def test_bad_configurations_raise_one_line_errors(ranks, case):
+    with pytest.raises(ParallelConfigError) as error:
+        make(case, ranks.device)()
+    assert ERRORS[case] in str(error.value) and "\n" not in str(error.value), f"{case} on rank {ranks.rank}"
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_sequence_padding_by_request_runs_and_keeps_the_length(device):
-    for result in run_worker("tp_bad_input_worker.py", 2, device=device, timeout=120):
-        assert result["padded_output_shape"] == [5, 1, 8]
+@on_ranks(2, devices=DEVICES)
+def test_sequence_padding_by_request_runs_and_keeps_the_length(ranks):
+    tp = build_layout(tp_size=2).tp_group
+    padded = parallelize(Transformer(1, 8, 2, device=ranks.device), tp, sequence_parallel=True, pad_sequence=True)
+    assert padded(torch.ones(5, 1, 8, device=ranks.device)).shape == (5, 1, 8)
 
 
 def test_demo_refuses_world_not_divisible_by_tp_with_one_line_error():
