@@ -30,13 +30,12 @@ WORKERS = ROOT / "tests" / "reference" / "workers"
 # import per rank instead of one per worker. The first test that needs any of them pays for all of them; the
 # groups are kept small enough to finish within SHARED_TIMEOUT on two busy cores.
 SHARED = [
-    (1, "cpu", ("tp_vs_unsharded_worker.py", "fsdp_worker.py", "qwen2_oracle_worker.py", "activation_worker.py")),
+    (1, "cpu", ("tp_vs_unsharded_worker.py", "fsdp_worker.py", "activation_worker.py")),
     (
         2,
         "cpu",
         (
             "fsdp_worker.py",
-            "qwen2_oracle_worker.py",
             "qwen2_dtensor_worker.py",
             "activation_worker.py",
             "tp_claims_worker.py",
@@ -57,7 +56,6 @@ SHARED = [
             "tp_vs_unsharded_worker.py",
             "tp_vs_megatron_worker.py",
             "vocab_parallel_worker.py",
-            "qwen2_oracle_worker.py",
             "qwen2_dtensor_worker.py",
         ),
     ),
