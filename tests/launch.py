@@ -30,21 +30,19 @@ WORKERS = ROOT / "tests" / "reference" / "workers"
 # import per rank instead of one per worker. The first test that needs any of them pays for all of them; the
 # groups are kept small enough to finish within SHARED_TIMEOUT on two busy cores.
 SHARED = [
-    (1, "cpu", ("tp_vs_unsharded_worker.py", "fsdp_worker.py", "activation_worker.py")),
+    (1, "cpu", ("tp_vs_unsharded_worker.py", "fsdp_worker.py")),
     (
         2,
         "cpu",
         (
             "fsdp_worker.py",
             "qwen2_dtensor_worker.py",
-            "activation_worker.py",
             "tp_claims_worker.py",
             "tp_vs_unsharded_worker.py",
             "tp_vs_dtensor_worker.py",
             "tp_bad_input_worker.py",
             "tp_vs_megatron_worker.py",
             "vocab_parallel_worker.py",
-            "megatron_activation_worker.py",
             "megatron_distopt_worker.py",
         ),
     ),
