@@ -36,7 +36,6 @@ SHARED = [
         "cpu",
         (
             "fsdp_worker.py",
-            "qwen2_dtensor_worker.py",
             "tp_claims_worker.py",
             "tp_vs_unsharded_worker.py",
             "tp_vs_dtensor_worker.py",
@@ -54,7 +53,6 @@ SHARED = [
             "tp_vs_unsharded_worker.py",
             "tp_vs_megatron_worker.py",
             "vocab_parallel_worker.py",
-            "qwen2_dtensor_worker.py",
         ),
     ),
     (4, "cpu", ("fsdp_worker.py", "data_parallel_worker.py", "fsdp_tp_worker.py", "distributed_optimizer_worker.py")),
