@@ -30,25 +30,13 @@ WORKERS = ROOT / "tests" / "reference" / "workers"
 # import per rank instead of one per worker. The first test that needs any of them pays for all of them; the
 # groups are kept small enough to finish within SHARED_TIMEOUT on two busy cores.
 SHARED = [
-    (1, "cpu", ("fsdp_worker.py", "qwen2_oracle_worker.py", "activation_worker.py")),
+    (1, "cpu", ("fsdp_worker.py",)),
     (
         2,
         "cpu",
         (
             "fsdp_worker.py",
-            "qwen2_oracle_worker.py",
-            "qwen2_dtensor_worker.py",
-            "activation_worker.py",
-            "megatron_activation_worker.py",
             "megatron_distopt_worker.py",
-        ),
-    ),
-    (
-        4,
-        "cpu",
-        (
-            "qwen2_oracle_worker.py",
-            "qwen2_dtensor_worker.py",
         ),
     ),
     (4, "cpu", ("fsdp_worker.py", "data_parallel_worker.py", "fsdp_tp_worker.py", "distributed_optimizer_worker.py")),
@@ -61,13 +49,12 @@ SHARED = [
 SHARED_TIMEOUT = 540  # s, under pytest-timeout's 600 for the test that starts the launch
 
 # The torch the notes cite (constraints.txt). Off it, the tests that run torch's own code as upstream evidence
-# skip (tests/reference/conftest.py), and the shared launches leave out these workers, which run only that.
+# skip (tests/reference/conftest.py).
 PINNED_TORCH = next(
     line.removeprefix("torch==")
     for line in (ROOT / "constraints.txt").read_text().splitlines()
     if line.startswith("torch==")
 )
-UPSTREAM_TORCH_WORKERS = ("fsdp1_upstream_worker.py", "qwen2_dtensor_worker.py")
 
 
 def on_pinned_torch() -> bool:
@@ -85,11 +72,7 @@ def run_worker(worker: str, world: int, *args: str, device: str = "cpu", timeout
     """
     if device == "cuda":
         require_gpus(world)
-    shared = [
-        [m for m in members if on_pinned_torch() or m not in UPSTREAM_TORCH_WORKERS]
-        for w, d, members in SHARED
-        if (w, d) == (world, device) and worker in members
-    ]
+    shared = [members for w, d, members in SHARED if (w, d) == (world, device) and worker in members]
     if shared and not args:
         names = tuple(Path(name).stem for name in shared[0])
         results, failure = _launch("shared_worker.py", world, names, device, SHARED_TIMEOUT)

@@ -122,7 +122,7 @@ def record_scale(out: Path, timeout: float = 300, only: Collection[str] | None =
     return [out / f"{name}.json" for name in names]
 
 
-ACTIVATION_MEMORY = [  # tests/reference/workers/activation_worker.py's COUNT_SHAPE and LLAMA_COUNT_SHAPE
+ACTIVATION_MEMORY = [  # tests/reference/test_activation_memory.py's COUNT_SHAPE and LLAMA_COUNT_SHAPE
     *("--seq-length", "32", "--batch-size", "2", "--hidden-size", "64", "--num-attention-heads", "4"),
     *("--num-kv-heads", "2", "--ffn-hidden-size", "160"),
 ]

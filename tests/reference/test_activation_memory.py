@@ -1,54 +1,92 @@
 """The bytes one reference block, GPT-2 or Llama, saves for backward (counted with saved_tensors_hooks, bf16,
 CPU) in each configuration of Korthikanti et al. 2022 Table 2, term by term, with the reason for every
-difference: from the paper's terms for GPT-2, from the closed form derived in llama_block.py for Llama."""
+difference: from the paper's terms for GPT-2, from the closed form derived in llama_block.py for Llama. At world
+2 the first test to ask counts both blocks (`counts()`, once a rank) and megatron-core's own TransformerLayer
+(`megatron_counts()`); each test asserts on its rank's counts."""
 
+import contextlib
+import dataclasses
+import functools
 import json
 
 import pytest
 import torch
+import torch.distributed as dist
 
+from reference.measure.activation_memory import measure
 from reference.measure.activation_memory.counting import SavedTensor, SavedTensorCounter
 from reference.measure.activation_memory.llama_block import LlamaSetting, classify
 from reference.measure.activation_memory.paper import CONFIGURATIONS
+from reference.torch_patches import cuda_calls_on_cpu
 from tests.launch import ROOT
-from tests.reference.activation_runs import activation_results, megatron_activation_counts
+from tests.ranks import on_ranks
 
-S, B, H, A, T = 32, 2, 64, 4, 2  # the worker's COUNT_SHAPE, at world 2
+S, B, H, A, T = 32, 2, 64, 4, 2  # COUNT_SHAPE, at world 2
 SBH, AS2B = S * B * H, A * S * S * B
-K, F = 2, 160  # the worker's LLAMA_COUNT_SHAPE: key/value heads, SwiGLU size
+K, F = 2, 160  # LLAMA_COUNT_SHAPE: key/value heads, SwiGLU size
 SB, SD = S * B, S * H // A
+COUNT_SHAPE = dict(s=S, b=B, h=H, a=A)  # s != h / a, so the s^2 tensors are told apart by shape
+LLAMA_COUNT_SHAPE = dict(COUNT_SHAPE, k=K, f=F)  # k < a (grouped-query), f not 4h: both show in the bytes
 FP32_ATTENTION = "CPU SDPA math path computes bf16 attention in fp32: 4-byte copies instead of 2"
+TRACE = ROOT / "reading_notes" / "traces" / "activation_memory.json"
+
+
+def memory_counts(model: str, shape: dict) -> list[dict]:
+    """Table 2's configurations that fit this world, counted on rank-local blocks."""
+    world, device = dist.get_world_size(), torch.device("cpu")
+    if world == 1:
+        return [measure.count(model, "no parallelism", shape, tp_group=dist.group.WORLD, device=device).to_dict()]
+    single = [dist.new_group([r]) for r in range(world)][dist.get_rank()]  # every rank creates every group
+    groups = {1: single, world: dist.group.WORLD}
+    return [c.to_dict() for c in measure.count_all(model, shape, tp_groups=groups, device=device)]
+
+
+@functools.cache
+def counts(model: str = "gpt2") -> list[dict]:
+    """This rank's count of every configuration this world allows, for the GPT-2 or the Llama block."""
+    return memory_counts(model, COUNT_SHAPE if model == "gpt2" else LLAMA_COUNT_SHAPE)
 
 
 def _counts() -> dict[str, dict]:
-    return {c["configuration"]: c for c in activation_results(2)[0]["activation_memory"]}
+    return {c["configuration"]: c for c in counts()}
 
 
 def _table(configuration: str) -> list[tuple]:
     return [(r["term"], r["paper_bytes"], r["measured_bytes"], r["reason"]) for r in _counts()[configuration]["rows"]]
 
 
-def test_every_configuration_of_table2_is_counted_on_every_rank():
-    ranks = activation_results(2)
-    assert [c["configuration"] for c in ranks[0]["activation_memory"]] == list(CONFIGURATIONS)
-    assert ranks[0]["activation_memory"] == ranks[1]["activation_memory"]  # same shapes on both TP ranks
+def every_rank(value):
+    """Every rank's `value`, in rank order."""
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
 
 
+@on_ranks(2)
+def test_every_configuration_of_table2_is_counted_on_every_rank(ranks):
+    assert [c["configuration"] for c in counts()] == list(CONFIGURATIONS)
+    first, second = every_rank(counts())
+    assert first == second  # same shapes on both TP ranks
+
+
+@on_ranks(2)
 @pytest.mark.parametrize("configuration", list(CONFIGURATIONS))
-def test_the_paper_column_sums_to_table2(configuration):
+def test_the_paper_column_sums_to_table2(ranks, configuration):
     count = _counts()[configuration]
     assert sum(r["paper_bytes"] for r in count["rows"]) == count["table2_bytes"]
 
 
+@on_ranks(2)
 @pytest.mark.parametrize("configuration", list(CONFIGURATIONS))
-def test_every_counted_byte_is_in_a_row_and_every_row_is_explained(configuration):
+def test_every_counted_byte_is_in_a_row_and_every_row_is_explained(ranks, configuration):
     count = _counts()[configuration]
     assert sum(r["measured_bytes"] for r in count["rows"]) == count["counted_bytes"]
     for row in count["rows"]:
         assert row["measured_bytes"] == row["expected_bytes"], row
 
 
-def test_table2_closed_forms():
+@on_ranks(2)
+def test_table2_closed_forms(ranks):
     """sbh(34 + 5as/h); sbh(10 + 24/t + 5as/(ht)); sbh(34/t + 5as/(ht)); sbh(34/t); 2sbh, for s 32, b 2,
     h 64, a 4, t 2."""
     assert {name: c["table2_bytes"] for name, c in _counts().items()} == {
@@ -60,7 +98,8 @@ def test_table2_closed_forms():
     }
 
 
-def test_no_parallelism_term_by_term():
+@on_ranks(2)
+def test_no_parallelism_term_by_term(ranks):
     """(paper term, paper bytes, counted bytes, reason): the reference keeps 90,624 bytes more than the
     paper's 180,224, all of it fp32 attention, dropout noise instead of 1-byte masks and LayerNorm stats."""
     noise_fp32 = "CPU dropout saves an fp32 noise tensor (4 bytes/element), not a 1-byte mask"
@@ -88,14 +127,16 @@ def test_no_parallelism_term_by_term():
     assert _counts()["no parallelism"]["counted_bytes"] - _counts()["no parallelism"]["table2_bytes"] == 90_624
 
 
-def test_sequence_parallelism_splits_the_ten_replicated_sbh():
+@on_ranks(2)
+def test_sequence_parallelism_splits_the_ten_replicated_sbh(ranks):
     """TP leaves LayerNorm inputs, the column layers' inputs and the dropout masks (the paper's 10sbh; the
     reference's 12sbh with bf16 noise, plus the LayerNorm statistics) whole on every rank; SP splits them."""
     tp, sp = (_counts()[c]["counted_bytes"] for c in ("tensor parallel", "tensor + sequence parallel"))
     assert tp - sp == (12 * SBH + 8 * S * B) // T
 
 
-def test_selective_recompute_drops_exactly_the_attention_core():
+@on_ranks(2)
+def test_selective_recompute_drops_exactly_the_attention_core(ranks):
     """Selective keeps the fused QKV output (bf16, 6sbh/t) for the core, instead of fp32 Q, K^T, V (12sbh/t)
     and the three s^2 tensors (12as^2b/t in fp32; the paper's 5as^2b/t)."""
     sp, selective = (
@@ -105,7 +146,8 @@ def test_selective_recompute_drops_exactly_the_attention_core():
     assert sp - selective == (12 * SBH + 12 * AS2B - 6 * SBH) // T
 
 
-def test_full_recompute_keeps_only_the_layer_input():
+@on_ranks(2)
+def test_full_recompute_keeps_only_the_layer_input(ranks):
     count = _counts()["full recompute"]
     assert count["counted_bytes"] == count["table2_bytes"] == 2 * SBH
     assert [r["reason"] for r in count["rows"]] == ["same: the checkpoint keeps the block's input"]
@@ -128,6 +170,76 @@ def test_the_counter_counts_a_storage_once_in_its_dtype_and_skips_parameters():
     assert counter.total_bytes == 96
 
 
+class CpuRNGTracker:
+    """Stands in for megatron's CudaRNGStatesTracker: dropout draws from the default CPU generator."""
+
+    def fork(self, name: str = "model-parallel-rng"):
+        return contextlib.nullcontext()
+
+
+def megatron_count(tp: int) -> dict:
+    """What one megatron-core TransformerLayer (local spec) saves for backward at tensor-parallel size `tp`."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, create_gloo_process_groups=False)
+    try:  # the groups it made are destroyed after the test that ran it (tests/on_rank.py)
+        config = TransformerConfig(
+            num_layers=1,
+            hidden_size=H,
+            num_attention_heads=A,
+            hidden_dropout=0.1,
+            attention_dropout=0.1,
+            params_dtype=torch.bfloat16,
+            bf16=True,
+            tensor_model_parallel_size=tp,
+            use_cpu_initialization=True,
+            gradient_accumulation_fusion=False,
+            bias_dropout_fusion=False,
+            masked_softmax_fusion=False,
+            bias_activation_fusion=False,
+            apply_rope_fusion=False,
+            persist_layer_norm=False,
+        )
+        layer = TransformerLayer(config, get_gpt_layer_local_spec().submodules, layer_number=1)
+        layer.train()
+        x = torch.randn(S, B, H, dtype=torch.bfloat16, requires_grad=True)
+        causal = torch.triu(torch.ones(1, 1, S, S, dtype=torch.bool), diagonal=1)  # True: masked out
+        with SavedTensorCounter(layer) as counter:
+            layer(x, attention_mask=causal)
+        return {"counted_bytes": counter.total_bytes, "saved": [dataclasses.asdict(s) for s in counter.saved]}
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@functools.cache
+def megatron_counts() -> dict:
+    """{configuration: count} of megatron-core 0.16.1's own TransformerLayer (the local GPT spec: torch LayerNorm,
+    its Column/RowParallelLinear, the unfused DotProductAttention; no Transformer Engine), with the reference's
+    counter, without and with tensor parallelism (t = 2), on this rank.
+
+    On the CPU with three substitutions, none of which changes what is saved: torch.cuda.current_device()
+    answers "cpu" (reference.torch_patches.cuda_calls_on_cpu), the causal mask is passed in (megatron would build
+    its default one on "cuda"), and the CUDA RNG tracker's fork is a no-op (CpuRNGTracker, for the count only:
+    a CPU-only torch has no CUDA generator; the masks' values are not counted). Sequence parallelism is not run:
+    the local spec's LayerNorm is torch's, which refuses it
+    (megatron-lm:megatron/core/transformer/torch_norm.py::WrappedTorchNorm.__new__); nor is recomputation:
+    megatron's CheckpointFunction saves all CUDA generator states before it runs the region
+    (megatron-lm:megatron/core/tensor_parallel/random.py::CheckpointFunction.forward)."""
+    cuda_calls_on_cpu()
+    from megatron.core.tensor_parallel import random as megatron_random
+
+    saved = megatron_random._CUDA_RNG_STATE_TRACKER, megatron_random._CUDA_RNG_STATE_TRACKER_INITIALIZED
+    megatron_random._CUDA_RNG_STATE_TRACKER = CpuRNGTracker()
+    megatron_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    try:
+        return {"no parallelism": megatron_count(1), "tensor parallel": megatron_count(T)}
+    finally:
+        megatron_random._CUDA_RNG_STATE_TRACKER, megatron_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = saved
+
+
 def _megatron_extras(t: int) -> dict[str, int]:
     """What megatron-core's layer keeps beyond the paper's terms, on CPU in bf16 (t: tensor-parallel size)."""
     return {
@@ -139,61 +251,63 @@ def _megatron_extras(t: int) -> dict[str, int]:
     }
 
 
+@on_ranks(2)
 @pytest.mark.upstream("megatron-lm")
 @pytest.mark.parametrize("configuration, t", [("no parallelism", 1), ("tensor parallel", T)])
-def test_megatron_transformer_layer_keeps_the_paper_terms_plus_named_extras(configuration, t):
+def test_megatron_transformer_layer_keeps_the_paper_terms_plus_named_extras(ranks, configuration, t):
     """megatron-core 0.16.1's TransformerLayer (local spec) counted with the same hooks: Table 2 plus the
     extras named here, to the byte."""
-    counted = megatron_activation_counts()[configuration]["counted_bytes"]
+    counted = megatron_counts()[configuration]["counted_bytes"]
     assert counted == _counts()[configuration]["table2_bytes"] + sum(_megatron_extras(t).values())
 
 
+@on_ranks(2)
 @pytest.mark.upstream("megatron-lm")
 @pytest.mark.parametrize("configuration, t", [("no parallelism", 1), ("tensor parallel", T)])
-def test_megatron_keeps_q_k_v_as_one_bf16_buffer_the_papers_6sbh(configuration, t):
+def test_megatron_keeps_q_k_v_as_one_bf16_buffer_the_papers_6sbh(ranks, configuration, t):
     """Its unfused attention saves views of the fused QKV output: the paper's 6sbh/t exactly, where the
     reference's CPU SDPA keeps fp32 copies (12sbh/t)."""
-    core = [
-        s
-        for s in megatron_activation_counts()[configuration]["saved"]
-        if s["module"] == "self_attention.core_attention"
-    ]
+    core = [s for s in megatron_counts()[configuration]["saved"] if s["module"] == "self_attention.core_attention"]
     assert (core[0]["dtype"], core[0]["nbytes"]) == ("torch.bfloat16", 6 * SBH // t)
     assert (core[1]["dtype"], core[1]["nbytes"]) == ("torch.bfloat16", 2 * AS2B // t)  # dropout output for x V
 
 
-def test_the_committed_trace_the_scale_page_shows_is_this_run():
+@on_ranks(2)
+def test_the_committed_trace_the_scale_page_shows_is_this_run(ranks):
     """reading_notes/traces/activation_memory.json (tools/record-traces, the benchmark's --json at this
     shape) holds the counts a fresh run gives: re-record it after changing the block or the counting."""
-    trace = json.loads((ROOT / "reading_notes" / "traces" / "activation_memory.json").read_text())
+    trace = json.loads(TRACE.read_text())
     assert (trace["world"], trace["shape"]) == (T, {"s": S, "b": B, "h": H, "a": A})
-    assert trace["configurations"] == activation_results(2)[0]["activation_memory"]
+    assert trace["configurations"] == json.loads(json.dumps(counts()))
     assert trace["llama"]["shape"] == {"s": S, "b": B, "h": H, "a": A, "k": K, "f": F}
-    assert trace["llama"]["configurations"] == activation_results(2)[0]["activation_memory_llama"]
+    assert trace["llama"]["configurations"] == json.loads(json.dumps(counts("llama")))
 
 
-def _llama_counts(world: int = 2) -> dict[str, dict]:
-    return {c["configuration"]: c for c in activation_results(world)[0]["activation_memory_llama"]}
+def _llama_counts() -> dict[str, dict]:
+    return {c["configuration"]: c for c in counts("llama")}
 
 
-def test_every_configuration_is_counted_for_the_llama_block_on_every_rank():
-    ranks = activation_results(2)
-    assert [c["configuration"] for c in ranks[0]["activation_memory_llama"]] == list(CONFIGURATIONS)
-    assert ranks[0]["activation_memory_llama"] == ranks[1]["activation_memory_llama"]
-    assert ranks[0]["activation_memory_llama"][1]["setting"] == {
+@on_ranks(2)
+def test_every_configuration_is_counted_for_the_llama_block_on_every_rank(ranks):
+    assert [c["configuration"] for c in counts("llama")] == list(CONFIGURATIONS)
+    first, second = every_rank(counts("llama"))
+    assert first == second
+    assert counts("llama")[1]["setting"] == {
         "s": S, "b": B, "h": H, "a": A, "t": T, "sequence_parallel": False, "recompute": "none", "k": K, "f": F
     }  # fmt: skip
 
 
+@on_ranks(2)
 @pytest.mark.parametrize("configuration", list(CONFIGURATIONS))
-def test_every_byte_the_llama_block_keeps_is_in_a_term_of_its_closed_form(configuration):
+def test_every_byte_the_llama_block_keeps_is_in_a_term_of_its_closed_form(ranks, configuration):
     count = _llama_counts()[configuration]
     assert sum(r["measured_bytes"] for r in count["rows"]) == count["counted_bytes"]
     for row in count["rows"]:
         assert row["measured_bytes"] == row["expected_bytes"], row
 
 
-def test_the_llama_closed_forms():
+@on_ranks(2)
+def test_the_llama_closed_forms(ranks):
     """The forms llama_block.FORMULAS states, evaluated here by hand at s 32, b 2, h 64, a 4, k 2, f 160 (no
     parallelism at t = 1, the others at t = 2)."""
     rotary = 8 * SD  # cos and sin: four bf16 casts, or the two fp32 checkpoint inputs
@@ -207,13 +321,17 @@ def test_the_llama_closed_forms():
     }
 
 
-def test_the_llama_closed_form_at_t1_is_the_world_1_count():
-    """The world-2 launch counts "no parallelism" on a size-1 group: the same bytes as a world of one."""
-    assert _llama_counts(1)["no parallelism"] == _llama_counts()["no parallelism"]
+@on_ranks(1)
+def test_the_llama_closed_form_at_t1_is_the_world_1_count(ranks):
+    """The world-2 run counts "no parallelism" on a size-1 group (the committed trace holds it, as
+    test_the_committed_trace_the_scale_page_shows_is_this_run checks): the same bytes as a world of one."""
+    (alone,) = json.loads(json.dumps(counts("llama")))
+    assert alone == json.loads(TRACE.read_text())["llama"]["configurations"][0]
 
 
+@on_ranks(2)
 @pytest.mark.parametrize("configuration", list(CONFIGURATIONS))
-def test_the_llama_paper_column_is_table2_for_a_gpt2_layer_of_its_size(configuration):
+def test_the_llama_paper_column_is_table2_for_a_gpt2_layer_of_its_size(ranks, configuration):
     """Every paper term is named by the Llama term that replaces it, so the column sums to Table 2."""
     count = _llama_counts()[configuration]
     assert (
@@ -223,7 +341,8 @@ def test_the_llama_paper_column_is_table2_for_a_gpt2_layer_of_its_size(configura
     )
 
 
-def test_llama_no_parallelism_term_by_term():
+@on_ranks(2)
+def test_llama_no_parallelism_term_by_term(ranks):
     """(term, the GPT-2 paper term's bytes, counted bytes): no s^2 term, fp32 RMSNorm copies, the whole QKV and
     [gate; up] buffers behind their views, rotary casts."""
     assert [(r["term"], r["paper_bytes"], r["measured_bytes"]) for r in _llama_counts()["no parallelism"]["rows"]] == [
@@ -245,7 +364,8 @@ def test_llama_no_parallelism_term_by_term():
     ]
 
 
-def test_llama_totals_shrink_with_each_configuration_and_full_keeps_the_checkpoint_inputs():
+@on_ranks(2)
+def test_llama_totals_shrink_with_each_configuration_and_full_keeps_the_checkpoint_inputs(ranks):
     """TP splits heads and SwiGLU columns, SP the norms and column inputs, selective drops rotated Q and K and
     the logsumexp (no s^2 tensor is left to drop); full keeps the layer input and the fp32 rotary tables."""
     none, tp, sp, selective, full = (c["counted_bytes"] for c in _llama_counts().values())

@@ -7,46 +7,91 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import reference.recompute
 from reference.__main__ import main
 from reference.parallel_state import ParallelConfigError
-from reference.recompute import check_mode
-from reference.tensor_parallel.parallelize import parallelize_block
+from reference.recompute import RECOMPUTE_MODES, check_mode
+from reference.tensor_parallel.parallelize import parallelize, parallelize_block
 from reference.tensor_parallel.rotary import rotary_cos_sin
-from reference.tensor_parallel.transformer import LlamaBlock
-from tests.reference.activation_runs import activation_results
+from reference.tensor_parallel.transformer import LlamaBlock, Transformer
+from tests.ranks import on_ranks
 from tests.reference.demo_runs import demo_outputs, json_lines
+from tests.reference.gpus import DEVICES
 from tests.reference.refusals import refusal
+from tests.reference.workers.common import max_diff
 
-RUNS = [
-    pytest.param(1, "cpu", id="t1-cpu"),
-    pytest.param(2, "cpu", id="t2-cpu"),
-    pytest.param(1, "cuda", id="t1-cuda", marks=pytest.mark.cuda),
-]
+S, B, H, A, LAYERS, SEED, STEPS, DROPOUT = 8, 2, 16, 4, 2, 11, 2, 0.25
 
 
-def _layouts(world: int, device: str) -> dict:
-    """{layout: {mode: comparison}} of every rank, keyed by rank too."""
+def train(device, tp_group, sequence_parallel: bool, recompute: str, dtype) -> tuple[list[float], dict]:
+    """Losses and this rank's parameter and input gradients after STEPS forward-backward passes of a two-block
+    parallelized Transformer with dropout."""
+    torch.manual_seed(SEED)
+    model = parallelize(
+        Transformer(LAYERS, H, A, hidden_dropout=DROPOUT, attention_dropout=DROPOUT, params_dtype=dtype, device=device),
+        tp_group,
+        dropout_seed=SEED,
+        sequence_parallel=sequence_parallel,
+        recompute=recompute,
+    )
+    losses, grads = [], {}
+    for step in range(STEPS):
+        x = torch.randn(S, B, H, device=device, dtype=dtype, requires_grad=True)
+        weights = torch.randn(S, B, H, device=device, dtype=dtype)
+        loss = (model(x) * weights).sum()
+        loss.backward()
+        losses.append(loss.item())
+        grads[f"step{step}.input"] = x.grad
+    grads.update({name: p.grad for name, p in model.named_parameters()})
+    return losses, grads
+
+
+def compare(reference_run, run) -> dict:
+    (losses0, grads0), (losses, grads) = reference_run, run
     return {
-        f"rank{r}.{layout}": modes
-        for r, result in enumerate(activation_results(world, device))
-        for layout, modes in result["recompute"].items()
+        "losses_equal": losses == losses0,
+        "grads_equal": all(torch.equal(grads[n], grads0[n]) for n in grads0),
+        "max_grad_diff": max_diff(grads, grads0),
     }
 
 
-@pytest.mark.parametrize("world, device", RUNS)
+@functools.cache
+def layouts(device: torch.device) -> dict:
+    """{layout: {mode or control: comparison with recompute "none"}} at t = the world size, fp32 and bf16 (and at
+    t > 1 with and without SP). The control recomputes the attention core without restoring the TP dropout
+    stream, to show that restoring it is what makes the gradients equal."""
+    results, tp_group = {}, dist.group.WORLD
+    for dtype in (torch.float32, torch.bfloat16):
+        for sp in [False, True] if tp_group.size() > 1 else [False]:
+            name = f"t{tp_group.size()}{'_sp' if sp else ''}_{str(dtype).removeprefix('torch.')}"
+            baseline = train(device, tp_group, sp, "none", dtype)
+            results[name] = {
+                mode: compare(baseline, train(device, tp_group, sp, mode, dtype)) for mode in RECOMPUTE_MODES[1:]
+            }
+            replaying = reference.recompute._replaying
+            reference.recompute._replaying = lambda function, rng: function  # the control: no TP stream replay
+            try:
+                results[name]["selective_without_tp_stream_replay"] = compare(
+                    baseline, train(device, tp_group, sp, "selective", dtype)
+                )
+            finally:
+                reference.recompute._replaying = replaying
+    return results
+
+
+@on_ranks(1, 2, devices=DEVICES)
 @pytest.mark.parametrize("mode", ["selective", "full"])
-def test_recomputation_gives_the_losses_and_gradients_of_none_bit_for_bit(world, device, mode):
-    layouts = _layouts(world, device)
-    assert len(layouts) == world * (2 if world == 1 else 4)  # fp32 and bf16; at t 2 also with SP
-    for layout, modes in layouts.items():
+def test_recomputation_gives_the_losses_and_gradients_of_none_bit_for_bit(ranks, mode):
+    assert len(layouts(ranks.device)) == (2 if ranks.world == 1 else 4)  # fp32 and bf16; at t 2 also with SP
+    for layout, modes in layouts(ranks.device).items():
         assert modes[mode] == {"losses_equal": True, "grads_equal": True, "max_grad_diff": 0.0}, layout
 
 
-@pytest.mark.parametrize("world, device", RUNS)
-def test_without_restoring_the_tp_dropout_stream_the_recomputed_masks_differ(world, device):
+@on_ranks(1, 2, devices=DEVICES)
+def test_without_restoring_the_tp_dropout_stream_the_recomputed_masks_differ(ranks):
     """The control: recomputing the attention core from wherever the per-TP-rank stream has moved on to draws
     other attention-dropout masks, so restoring that stream is what makes the gradients equal."""
-    for layout, modes in _layouts(world, device).items():
+    for layout, modes in layouts(ranks.device).items():
         control = modes["selective_without_tp_stream_replay"]
         assert not control["grads_equal"] and control["max_grad_diff"] > 1e-3, layout
 

@@ -1,41 +1,50 @@
-"""Collective sizes and groups at scale, traced by one process posing as a rank of a large job (torch's
-`fake` process-group backend): what the notes' formulas predict for TP=8 inside a 64-rank world."""
+"""Collective sizes and groups at scale, traced by this process posing as a rank of a large job (torch's `fake`
+process-group backend: no communication, as reference.measure.scale.simulate uses it): what the notes'
+formulas predict for TP=8 inside a 64-rank world."""
 
 import functools
-import json
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from tests.launch import ROOT, WORKERS
+from reference.measure.recorder import CollectiveRecorder
+from reference.parallel_state import build_layout
+from reference.tensor_parallel.parallelize import parallelize
+from reference.tensor_parallel.transformer import Transformer
+
+
+def step(layout, tp: int, sp: bool) -> list[dict]:
+    """The collectives of one forward-backward of a TP = `tp` transformer, with or without SP."""
+    model = parallelize(Transformer(1, 8 * tp, tp), layout, sequence_parallel=sp)
+    x = torch.randn(2 * tp, 3, 8 * tp)  # s = 2 tp, b = 3, h = 8 tp
+    with CollectiveRecorder() as rec:
+        rec.watch(model)
+        model(x).sum().backward()
+    return rec.to_dict()["events"]
 
 
 @functools.cache
 def trace(rank: int, world: int, tp: int) -> dict:
-    """Both steps (tp, sp) recorded by one process posing as `rank`."""
-    with tempfile.TemporaryDirectory(prefix="fake-pg-") as out:
-        subprocess.run(
-            [sys.executable, str(WORKERS / "fake_pg_worker.py"), out, str(rank), str(world), str(tp)],
-            cwd=ROOT,
-            env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
-            capture_output=True,
-            timeout=120,
-            check=True,
-        )
-        return json.loads((Path(out) / f"rank{rank}.json").read_text())
+    """This rank's TP rank and both steps' collectives (tp, sp), recorded posing as `rank` of `world`."""
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        layout = build_layout(tp)
+        return {"tp_rank": layout.tp_rank, "tp": step(layout, tp, sp=False), "sp": step(layout, tp, sp=True)}
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
 def test_collective_bytes_and_groups_at_scale_with_fake_process_group(sp):
     tp, world, rank = 8, 64, 19
-    result = trace(rank, world, tp)["sp" if sp else "tp"]
+    result = trace(rank, world, tp)
     assert result["tp_rank"] == rank % tp
+    events = result["sp" if sp else "tp"]
     n = (2 * tp) * 3 * (8 * tp) * 4  # s * b * h * fp32, independent of the TP size
-    block = [e for e in result["events"] if e["module"].startswith("layers.0")]
-    assert {tuple(e["group_ranks"]) for e in result["events"]} == {tuple(range(16, 24))}
+    block = [e for e in events if e["module"].startswith("layers.0")]
+    assert {tuple(e["group_ranks"]) for e in events} == {tuple(range(16, 24))}
     assert {e["nbytes"] for e in block} == {n}
     per_phase = {phase: sorted(e["op"] for e in block if e["phase"] == phase) for phase in ("forward", "backward")}
     if sp:

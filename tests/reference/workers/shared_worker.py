@@ -1,4 +1,4 @@
-"""Several workers in one launch: `shared_worker.py OUT WORKER...` (module names, e.g. tp_claims_worker).
+"""Several workers in one launch: `shared_worker.py OUT WORKER...` (module names, e.g. fsdp_worker).
 
 Each named worker's `results(device)` runs in turn on the same process group, in the order given, the groups it
 made destroyed after it (common.groups_of_the_block), and each rank writes {worker: its results} to
