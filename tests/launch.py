@@ -30,12 +30,11 @@ WORKERS = ROOT / "tests" / "reference" / "workers"
 # import per rank instead of one per worker. The first test that needs any of them pays for all of them; the
 # groups are kept small enough to finish within SHARED_TIMEOUT on two busy cores.
 SHARED = [
-    (1, "cpu", ("tp_vs_unsharded_worker.py", "fsdp_worker.py", "qwen2_oracle_worker.py", "activation_worker.py")),
+    (1, "cpu", ("tp_vs_unsharded_worker.py", "qwen2_oracle_worker.py", "activation_worker.py")),
     (
         2,
         "cpu",
         (
-            "fsdp_worker.py",
             "qwen2_oracle_worker.py",
             "qwen2_dtensor_worker.py",
             "activation_worker.py",
@@ -61,7 +60,7 @@ SHARED = [
             "qwen2_dtensor_worker.py",
         ),
     ),
-    (4, "cpu", ("fsdp_worker.py", "data_parallel_worker.py", "fsdp_tp_worker.py", "distributed_optimizer_worker.py")),
+    (4, "cpu", ("data_parallel_worker.py", "fsdp_tp_worker.py", "distributed_optimizer_worker.py")),
     (
         4,
         "cpu",
