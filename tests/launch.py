@@ -60,7 +60,7 @@ SHARED = [
             "qwen2_dtensor_worker.py",
         ),
     ),
-    (4, "cpu", ("data_parallel_worker.py", "fsdp_tp_worker.py", "distributed_optimizer_worker.py")),
+    (4, "cpu", ("fsdp_tp_worker.py", "distributed_optimizer_worker.py")),
     (
         4,
         "cpu",

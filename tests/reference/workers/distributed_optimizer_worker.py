@@ -12,7 +12,6 @@ bad-input errors.
 
 from __future__ import annotations
 
-import regression
 import torch
 import torch.distributed as dist
 from common import max_diff, serve
@@ -23,6 +22,7 @@ from reference.data_parallel.distributed_optimizer import DistributedOptimizer, 
 from reference.data_parallel.mixed_precision import unsharded
 from reference.measure.recorder import CollectiveRecorder
 from reference.tensor_parallel.transformer import Transformer
+from tests.reference import regression
 
 H, HEADS, LAYERS, S, B, STEPS, SEED, LR = 16, 4, 2, 8, 8, 3, 1234, 1e-3
 FFN = 61  # an odd MLP width: buckets of odd sizes, so the slices need padding at DP 2 and 4

@@ -9,7 +9,6 @@ local batch (its TP collectives) and the bad-input errors. Each rank writes OUTD
 
 from __future__ import annotations
 
-import regression
 import torch
 import torch.distributed as dist
 from common import dtensor_plan, full_tensor, max_diff, serve
@@ -24,6 +23,7 @@ from reference.measure.recorder import CollectiveRecorder
 from reference.parallel_state import ParallelConfigError, build_layout
 from reference.tensor_parallel.parallelize import parallelize
 from reference.tensor_parallel.transformer import Transformer
+from tests.reference import regression
 
 # hidden 12: qkv's bias shard (18 floats) is not a multiple of 16 bytes, so the flat layout has alignment padding
 H, HEADS, LAYERS, S, B, STEPS, SEED, LR = 12, 2, 2, 8, 4, 3, 1234, 0.1
