@@ -45,7 +45,6 @@ SHARED = [
             "tp_vs_megatron_worker.py",
             "vocab_parallel_worker.py",
             "megatron_activation_worker.py",
-            "megatron_distopt_worker.py",
         ),
     ),
     (
@@ -60,7 +59,7 @@ SHARED = [
             "qwen2_dtensor_worker.py",
         ),
     ),
-    (4, "cpu", ("fsdp_tp_worker.py", "distributed_optimizer_worker.py")),
+    (4, "cpu", ("fsdp_tp_worker.py",)),
     (
         4,
         "cpu",
