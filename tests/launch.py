@@ -59,7 +59,6 @@ SHARED = [
             "qwen2_dtensor_worker.py",
         ),
     ),
-    (4, "cpu", ("fsdp_tp_worker.py",)),
     (
         4,
         "cpu",
