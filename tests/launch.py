@@ -30,16 +30,6 @@ WORKERS = ROOT / "tests" / "reference" / "workers"
 # import per rank instead of one per worker. The first test that needs any of them pays for all of them; the
 # groups are kept small enough to finish within SHARED_TIMEOUT on two busy cores.
 SHARED = [
-    (1, "cpu", ("fsdp_worker.py",)),
-    (
-        2,
-        "cpu",
-        (
-            "fsdp_worker.py",
-            "megatron_distopt_worker.py",
-        ),
-    ),
-    (4, "cpu", ("fsdp_worker.py", "data_parallel_worker.py", "fsdp_tp_worker.py", "distributed_optimizer_worker.py")),
     (
         4,
         "cpu",

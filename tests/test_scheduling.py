@@ -8,7 +8,7 @@ from pathlib import Path
 from tests.conftest import OWN_LAUNCHES, scope_of
 
 REFERENCE = Path(__file__).resolve().parent / "reference"
-SHARED_READERS = re.compile(r"\b(run_worker|fsdp_runs)\b")  # tests/launch.py SHARED launches
+SHARED_READERS = re.compile(r"\brun_worker\b")  # tests/launch.py SHARED launches
 
 
 def test_a_reference_module_outside_the_shared_scope_reads_no_shared_launch():

@@ -1,4 +1,4 @@
-"""The regression task the data-parallel workers train the reference Transformer on, and its oracle.
+"""The regression task the data-parallel tests train the reference Transformer on, and its oracle.
 
 Random [s, b, h] inputs and targets (the same on every rank), the mean squared error, and the single-process
 model trained on the whole global batch: what DDP, FSDP x TP and the distributed optimizer must reproduce.
@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from common import UnshardedRun, sgd_steps
 
 from reference.tensor_parallel.transformer import Transformer
+from tests.reference.workers.common import UnshardedRun, sgd_steps
 
 
 def batches(steps: int, s: int, b: int, h: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
