@@ -24,7 +24,8 @@ from transformers import Qwen2ForCausalLM
 
 from reference.fsdp import MixedPrecision
 from reference.gpt.hf_weights import load_hf_into_stage, master_state_from_hf, qwen2_config, stage_state_from_master
-from reference.gpt.model import GPTConfig, UnshardedGPT, build_stage
+from reference.gpt.model import GPTConfig, UnshardedGPT
+from reference.gpt.parallelize import build_stage
 from reference.gpt.train import data_parallel, fully_sharded, synthetic_batches, train_step
 from reference.measure.recorder import CollectiveRecorder
 from reference.parallel_state import build_layout
