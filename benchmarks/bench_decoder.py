@@ -68,7 +68,7 @@ def main() -> None:
         positions = torch.arange(config.seq_length).expand(args.batch_size, -1)
 
         def reference_step() -> float:
-            loss = stage(None, inputs, labels)
+            loss = stage(inputs, labels)
             loss.backward()
             stage.zero_grad()
             return loss.item()

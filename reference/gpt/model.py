@@ -162,12 +162,6 @@ def _embedding_weight(rows: int, config: GPTConfig) -> torch.Tensor:
     return master
 
 
-def _embedding_weight(rows: int, config: GPTConfig) -> torch.Tensor:
-    master = torch.empty(rows, config.hidden_size)
-    init_method_normal(config.init_std)(master)
-    return master
-
-
 def _from_pretrained(weight: torch.Tensor, dtype, device) -> torch.nn.Embedding:
     return torch.nn.Embedding.from_pretrained(weight.to(device, dtype), freeze=False)
 

@@ -105,7 +105,7 @@ def tp_stage(config: GPTConfig, layout, sp: bool) -> dict:
     rec = CollectiveRecorder()
     rec.watch(stage)
     with rec:
-        our_loss = stage(None, tokens[:, :-1], tokens[:, 1:])
+        our_loss = stage(tokens[:, :-1], tokens[:, 1:])
         our_loss.backward()
     allreduce_sequence_parallel_grads(stage, layout.tp_group)
     expected = stage_state_from_master(stage, grads)
