@@ -57,7 +57,7 @@ def _grouped_qkv(config: GPTConfig, q: torch.Tensor, k: torch.Tensor, v: torch.T
 
 
 def master_state_from_hf(config: GPTConfig, hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A Qwen2ForCausalLM state dict (or its gradients, by the same names) -> the UnshardedGPT's (table above)."""
+    """A Qwen2ForCausalLM state dict (or its gradients, by the same names) -> the whole GPT's (table above)."""
     hf = {name.removeprefix("model."): t for name, t in hf_state.items()}
     master = {
         "embedding.word_embeddings.weight": hf["embed_tokens.weight"],
@@ -108,7 +108,7 @@ def load_hf_into_stage(stage: torch.nn.Module, hf_state: dict[str, torch.Tensor]
 
 def master_name(stage: torch.nn.Module, name: str) -> str:
     """A stage's (or chunk's) parameter name -> the unsharded model's: global layer index, the head's inner
-    layer dropped. The tests compare stages with the UnshardedGPT by it too."""
+    layer dropped. The tests compare stages with the whole GPT by it too."""
     if name.startswith("layers."):
         _, local, rest = name.split(".", 2)
         return f"layers.{stage.first_layer + int(local)}.{rest}"

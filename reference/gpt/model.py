@@ -277,7 +277,7 @@ class GPT(torch.nn.Module):
         return self.output_layer(self.final_layernorm(hidden), labels).mean()
 
 
-UnshardedGPT = GPT  # the oracle's name in the FSDP code and tests: a whole GPT with nothing applied
+UnshardedGPT = GPT  # the name the tests and benchmarks give the oracle: a whole GPT with nothing applied
 
 
 def split_virtual_stages(num_layers: int, pp_size: int, virtual_stages: int) -> list[list[tuple[int, int]]]:
