@@ -7,7 +7,7 @@ Both hold the same weights (the HF model's, loaded into the reference's "llama" 
 reference.gpt.hf_weights) on the same ranks, and run interleaved step by step so that machine noise hits
 them alike; rank 0 prints the medians, the bytes each sent per step (one recorded step each, by the
 CollectiveRecorder) and the ratios reference / HF, plus the two losses (equal up to fp32 order).
-  * reference: reference.gpt.model's GPTStage, style "llama", TP over the whole world (vocab-parallel
+  * reference: reference.gpt.parallelize's build_stage, style "llama", TP over the whole world (vocab-parallel
                embedding and head, Megatron's cross-entropy), optionally sequence-parallel
   * hf:        the document's DTensor plan (benchmarks/qwen2_dtensor.py::document_plan: q/k/v and gate/up
                colwise, o and down rowwise, embedding rowwise, head colwise kept as a DTensor for
@@ -29,7 +29,8 @@ from transformers import Qwen2ForCausalLM
 
 from reference.distributed import distributed
 from reference.gpt.hf_weights import load_hf_into_stage, qwen2_config
-from reference.gpt.model import GPTConfig, build_stage
+from reference.gpt.model import GPTConfig
+from reference.gpt.parallelize import build_stage
 from reference.gpt.train import synthetic_batches
 from reference.measure.recorder import CollectiveRecorder
 from reference.parallel_state import build_layout
@@ -67,7 +68,7 @@ def main() -> None:
         positions = torch.arange(config.seq_length).expand(args.batch_size, -1)
 
         def reference_step() -> float:
-            loss = stage(None, inputs, labels)
+            loss = stage(inputs, labels)
             loss.backward()
             stage.zero_grad()
             return loss.item()

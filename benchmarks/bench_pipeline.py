@@ -43,7 +43,8 @@ import torch
 import torch.distributed as dist
 
 from reference.distributed import distributed, one_line_errors
-from reference.gpt.model import GPTConfig, build_chunks, build_stage, check_virtual_pipeline, split_layers
+from reference.gpt.model import GPTConfig, split_layers
+from reference.gpt.parallelize import build_chunks, build_stage, check_virtual_pipeline
 from reference.gpt.train import data_parallel, synthetic_batches, train_step
 from reference.measure.pipeline_meter import PipelineMeter
 from reference.measure.recorder import CollectiveRecorder

@@ -43,7 +43,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from pin_and_cite.site.traces import EVENT_KEYS  # what the site's trace comparison reads
 from reference.distributed import distributed
 from reference.fsdp.units import shard_model
-from reference.gpt.model import GPTConfig, GPTStage, UnshardedGPT, build_chunks, build_stage
+from reference.gpt.model import GPT, GPTConfig, UnshardedGPT
+from reference.gpt.parallelize import build_chunks, build_stage, parallelize_gpt
 from reference.gpt.train import data_parallel, split_batch, train_step
 from reference.gpt.train import synthetic_batches as gpt_batches
 from reference.measure.fsdp_tracing import unit_scopes
@@ -119,12 +120,12 @@ def tp_block_model(style: str, h: int, tp_group) -> tuple[torch.nn.Module, objec
         hidden_size=h,
         num_attention_heads=TP_SHAPE["heads"],
         num_kv_heads=TP_KV_HEADS[style],
-        num_layers=1,
+        num_layers=3,
         seq_length=TP_SHAPE["s"],
         style=style,
     )
-    stage = GPTStage(config, tp_group, first_layer=0, last_layer=1, is_first=False, is_last=False, seed=SEED)
-    return stage, lambda x: stage(x, None, None)
+    stage = parallelize_gpt(GPT(config, SEED, layers=(1, 2)), tp_group, seed=SEED)
+    return stage, lambda x: stage(None, None, hidden=x)
 
 
 def tp_block(world: int, style: str = "gpt2") -> dict:

@@ -1,6 +1,6 @@
 """`torchrun --nproc-per-node N -m reference --fsdp`: train the small GPT with FSDP for a few steps.
 
-The model is reference.gpt.model.UnshardedGPT (GPT-2 style): each of its layers is one unit and the root
+The model is reference.gpt.model.GPT (GPT-2 style): each of its layers is one unit and the root
 (embedding, final LayerNorm, output layer, loss) another, wrapped children-first as with FSDP1.
 `--use-torch-fsdp` swaps in torch.distributed.fsdp.FullyShardedDataParallel with the same options, so the
 printed schedules can be compared line by line. Every step prints its collectives in issue order
@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from reference.distributed import LaunchError, distributed
 from reference.fsdp.units import shard_model, sharded_parameter_bytes
-from reference.gpt.model import GPTConfig, UnshardedGPT
+from reference.gpt.model import GPT, GPTConfig
 from reference.gpt.train import split_batch, synthetic_batches
 from reference.measure.fsdp_tracing import unit_scopes
 from reference.measure.recorder import CollectiveRecorder
@@ -78,7 +78,7 @@ def _train(args: argparse.Namespace, config: GPTConfig, device: torch.device) ->
             f"reference: error: --batch-size {args.batch_size} is not divisible by the world size {world}; "
             "each rank trains on an equal slice of the global batch"
         )
-    model = UnshardedGPT(config, args.seed, device)
+    model = GPT(config, args.seed, device)
     total_bytes = sharded_parameter_bytes(model)
     model = shard_model(
         model,

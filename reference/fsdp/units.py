@@ -2,7 +2,7 @@
 
 One wrapping shared by the FSDP demo, the trace recorder (tools/trace_worker.py), the FSDP tests and the
 FSDP benchmark, so that all of them compare the same units: each of `model.layers` (the transformer blocks
-of reference.gpt.model.UnshardedGPT) first, then the root (embedding, final norm, output layer), as
+of reference.gpt.model.GPT) first, then the root (embedding, final norm, output layer), as
 torchtitan's `apply_fsdp` does with `fully_shard`. `sharded_parameter_bytes` is the per-rank parameter memory the demos
 print.
 """

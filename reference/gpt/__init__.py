@@ -1,9 +1,9 @@
-"""A small decoder (GPT-2 or Llama/Qwen2 style) split into pipeline stages, and its TP x PP x DP training
-step. Read in this order:
+"""A small decoder (GPT-2 or Llama/Qwen2 style), its pipeline stages and its TP x PP x DP training step.
+Read in this order:
 
-  model.py  GPTConfig (style "gpt2" | "llama"), the unsharded model (also the one the FSDP runs shard, a
-            unit per layer: reference/fsdp/units.py), GPTStage (embedding / blocks / head of one stage),
-            split_layers
+  model.py  GPTConfig (style "gpt2" | "llama"); GPT in plain PyTorch, whole (the oracle, also the model the
+            FSDP runs shard: reference/fsdp/units.py) or one stage's layers; split_layers
+  parallelize.py  parallelize_gpt splits a GPT over TP; build_stage / build_chunks: this rank's stage or chunks
   hf_weights.py  a Hugging Face Qwen2ForCausalLM's weights onto the "llama" style (the oracle's mapping)
   train.py  one optimizer step: DP rows, micro-batches through the pipeline, gradient finalization, SGD;
             the stage replicated over DP (data_parallel) or sharded by FSDP x TP (fully_sharded)

@@ -21,16 +21,8 @@ from reference.data_parallel.mixed_precision import model_chunks
 from reference.data_parallel.wrapper import DEFAULT_BUCKET_SIZE
 from reference.distributed import distributed, one_line_errors
 from reference.fsdp.units import sharded_parameter_bytes
-from reference.gpt.model import (
-    STYLES,
-    GPTConfig,
-    UnshardedGPT,
-    build_chunks,
-    build_stage,
-    check_tensor_parallel,
-    check_virtual_pipeline,
-    split_layers,
-)
+from reference.gpt.model import GPT, STYLES, GPTConfig, split_layers
+from reference.gpt.parallelize import build_chunks, build_stage, check_tensor_parallel, check_virtual_pipeline
 from reference.gpt.train import data_parallel, fully_sharded, synthetic_batches, train_step
 from reference.measure.fsdp_tracing import unit_scopes
 from reference.measure.pipeline_meter import PipelineMeter
@@ -224,7 +216,7 @@ def _train(args, config: GPTConfig, device: torch.device) -> None:
     if rank == 0:
         param_bytes = {
             "param_bytes_per_rank": held,
-            "param_bytes_unsharded": sharded_parameter_bytes(UnshardedGPT(config, args.seed)),
+            "param_bytes_unsharded": sharded_parameter_bytes(GPT(config, args.seed)),
         }
     if args.dp_sharding == "optimizer":
         optimizer = DistributedOptimizer(model, lambda tensors: torch.optim.SGD(tensors, lr=args.lr))

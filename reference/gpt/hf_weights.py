@@ -57,7 +57,7 @@ def _grouped_qkv(config: GPTConfig, q: torch.Tensor, k: torch.Tensor, v: torch.T
 
 
 def master_state_from_hf(config: GPTConfig, hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A Qwen2ForCausalLM state dict (or its gradients, by the same names) -> the UnshardedGPT's (table above)."""
+    """A Qwen2ForCausalLM state dict (or its gradients, by the same names) -> the whole GPT's (table above)."""
     hf = {name.removeprefix("model."): t for name, t in hf_state.items()}
     master = {
         "embedding.word_embeddings.weight": hf["embed_tokens.weight"],
@@ -78,7 +78,7 @@ def master_state_from_hf(config: GPTConfig, hf_state: dict[str, torch.Tensor]) -
 
 
 def stage_state_from_master(stage: torch.nn.Module, master: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """This TP rank's tensors for every parameter of a GPTStage, by the stage's own names."""
+    """This TP rank's tensors for every parameter of a parallelized GPT stage, by the stage's own names."""
     out = {}
     for module_name, module in stage.named_modules():
         for param_name, _param in module.named_parameters(recurse=False):
@@ -99,7 +99,7 @@ def stage_state_from_master(stage: torch.nn.Module, master: dict[str, torch.Tens
 
 
 def load_hf_into_stage(stage: torch.nn.Module, hf_state: dict[str, torch.Tensor]) -> None:
-    """Copy a Qwen2ForCausalLM state dict into a GPTStage (any TP rank, any stage of the split)."""
+    """Copy a Qwen2ForCausalLM state dict into a parallelized GPT stage (any TP rank, any stage of the split)."""
     state = stage_state_from_master(stage, master_state_from_hf(stage.config, hf_state))
     with torch.no_grad():
         for name, param in stage.named_parameters():
@@ -108,7 +108,7 @@ def load_hf_into_stage(stage: torch.nn.Module, hf_state: dict[str, torch.Tensor]
 
 def master_name(stage: torch.nn.Module, name: str) -> str:
     """A stage's (or chunk's) parameter name -> the unsharded model's: global layer index, the head's inner
-    layer dropped. The tests compare stages with the UnshardedGPT by it too."""
+    layer dropped. The tests compare stages with the whole GPT by it too."""
     if name.startswith("layers."):
         _, local, rest = name.split(".", 2)
         return f"layers.{stage.first_layer + int(local)}.{rest}"

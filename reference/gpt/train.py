@@ -24,7 +24,7 @@ from reference.data_parallel.fsdp_tp import shard_tp_model
 from reference.data_parallel.mixed_precision import model_chunks
 from reference.data_parallel.wrapper import DEFAULT_BUCKET_SIZE
 from reference.fsdp import FullyShardedDataParallel
-from reference.gpt.model import GPTConfig, GPTStage
+from reference.gpt.model import GPT, GPTConfig
 from reference.parallel_state import ParallelConfigError, ParallelLayout
 from reference.pipeline.schedules import forward_backward, loss_values
 from reference.synthetic_data import random_token_batches
@@ -63,7 +63,7 @@ def global_loss(losses: list[float], layout: ParallelLayout, device: torch.devic
 
 
 def data_parallel(
-    stage: GPTStage,
+    stage: GPT,
     layout: ParallelLayout,
     *,
     bucket_size: int | None = DEFAULT_BUCKET_SIZE,
@@ -81,7 +81,7 @@ def data_parallel(
     )
 
 
-def fully_sharded(stage: GPTStage, layout: ParallelLayout, **fsdp_kwargs) -> FullyShardedDataParallel:
+def fully_sharded(stage: GPT, layout: ParallelLayout, **fsdp_kwargs) -> FullyShardedDataParallel:
     """The stage sharded by reference FSDP over the layout's DP group, TP inside (one unit per block, the
     embedding and head in the root unit). train_step trains it with one micro-batch per step. `fsdp_kwargs`
     go to every unit, e.g. mixed_precision=MixedPrecision(param_dtype=torch.bfloat16,

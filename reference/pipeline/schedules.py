@@ -130,9 +130,9 @@ def forward_backward(
     """Run forward and backward of every micro-batch on this stage with `schedule` ("gpipe" or "1f1b"); return
     the micro-batch losses (before the 1/m scaling) on the last stage, else [].
 
-    stage(hidden, *micro_batch) is called per micro-batch (hidden: None on the first stage, else received);
+    stage(*micro_batch, hidden=hidden) is called per micro-batch (hidden: None on the first stage, else received);
     on the last stage it returns the micro-batch's scalar loss. activation_shape: what goes between stages.
-    `stage` may be a list of v model chunks (reference.gpt.model.build_chunks): v > 1 runs interleaved 1F1B,
+    `stage` may be a list of v model chunks (reference.gpt.parallelize.build_chunks): v > 1 runs interleaved 1F1B,
     and `no_sync` must then silence every chunk's gradient reduction. `observer`, if given, wraps the whole
     schedule in `observer.schedule(schedule, pp_group, v, m)` and each action in `observer.action(name)`.
     """

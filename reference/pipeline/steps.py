@@ -48,7 +48,7 @@ class Steps:
     def forward(self, i: int, input_tensor: torch.Tensor | None, chunk: int = 0) -> torch.Tensor:
         """Mirrors `megatron-lm:megatron/core/pipeline_parallel/schedules.py::forward_step`."""
         with self._action("F", i, chunk):
-            output = self.chunks[chunk](input_tensor, *self.micro_batches[i])
+            output = self.chunks[chunk](*self.micro_batches[i], hidden=input_tensor)
             if self.is_last_rank and chunk == len(self.chunks) - 1:  # the loss: keep it, scale it for the mean
                 self.losses.append(output.detach())
                 output = output / len(self.micro_batches)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from reference.parallel_state import ParallelLayout
 
 if TYPE_CHECKING:  # reference.gpt imports the pipeline; a type is all this file needs from it
-    from reference.gpt.model import GPTStage
+    from reference.gpt.model import GPT
 
 
 def embedding_group(layout: ParallelLayout) -> dist.ProcessGroup | None:
@@ -39,7 +39,7 @@ def embedding_group(layout: ParallelLayout) -> dist.ProcessGroup | None:
     return mine
 
 
-def shared_weight(stage: GPTStage) -> torch.nn.Parameter | None:
+def shared_weight(stage: GPT) -> torch.nn.Parameter | None:
     """The copy of the tied matrix this stage holds: the word embedding (first stage) or the output layer's
     weight (last stage); None on a middle stage."""
     if stage.is_first:
@@ -50,7 +50,7 @@ def shared_weight(stage: GPTStage) -> torch.nn.Parameter | None:
 
 
 @torch.no_grad()
-def tie_across_stages(stage: GPTStage, group: dist.ProcessGroup | None) -> None:
+def tie_across_stages(stage: GPT, group: dist.ProcessGroup | None) -> None:
     """Make the last stage's output weight a copy of the first stage's word embedding (zero it, all-reduce).
 
     Mirrors

@@ -9,12 +9,6 @@ from tests.launch import ROOT
 
 MOST_WORDS = 130  # "about 120 words": a few over is a sentence's wrap, not a second essay
 
-# Modules other work is rewriting (issue 22: the blocks and range slices), each shortening its own
-# docstring there. Empty this set once those land; a module listed here that fits the limit fails below.
-REWRITTEN_ELSEWHERE = {
-    "reference/gpt/model.py",
-}
-
 
 def docstring_words() -> dict[str, int]:
     """Words in each reference module's docstring (0 when it has none), as `str.split` counts them."""
@@ -28,10 +22,5 @@ def docstring_words() -> dict[str, int]:
 def test_every_module_docstring_is_at_most_about_120_words():
     words = docstring_words()
     assert len(words) >= 50 and max(words.values()) > 0  # the walk found the reference and its docstrings
-    too_long = {path: n for path, n in words.items() if n > MOST_WORDS and path not in REWRITTEN_ELSEWHERE}
+    too_long = {path: n for path, n in words.items() if n > MOST_WORDS}
     assert too_long == {}, "say what the module is and mirrors; move the depth to its page on the site"
-
-
-def test_the_exemptions_are_still_needed():
-    words = docstring_words()
-    assert {path: words.get(path) for path in REWRITTEN_ELSEWHERE if words.get(path, 0) <= MOST_WORDS} == {}

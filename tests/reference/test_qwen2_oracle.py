@@ -25,7 +25,8 @@ from transformers import Qwen2ForCausalLM
 
 from reference.fsdp import MixedPrecision
 from reference.gpt.hf_weights import load_hf_into_stage, master_state_from_hf, qwen2_config, stage_state_from_master
-from reference.gpt.model import GPTConfig, UnshardedGPT, build_stage
+from reference.gpt.model import GPTConfig, UnshardedGPT
+from reference.gpt.parallelize import build_stage
 from reference.gpt.train import data_parallel, fully_sharded, synthetic_batches, train_step
 from reference.measure.recorder import CollectiveRecorder
 from reference.parallel_state import build_layout
@@ -102,7 +103,7 @@ def tp_stage(config: GPTConfig, layout, sp: bool, device: torch.device) -> dict:
     rec = CollectiveRecorder()
     rec.watch(stage)
     with rec:
-        our_loss = stage(None, tokens[:, :-1], tokens[:, 1:])
+        our_loss = stage(tokens[:, :-1], tokens[:, 1:])
         our_loss.backward()
     allreduce_sequence_parallel_grads(stage, layout.tp_group)
     expected = stage_state_from_master(stage, grads)

@@ -8,13 +8,15 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from reference.gpt.model import GPTConfig, check_tensor_parallel
+from reference.gpt.model import GPTConfig
+from reference.gpt.parallelize import check_tensor_parallel
 from reference.measure.activation_memory import gpt2_block, llama_block
 from reference.measure.activation_memory.counting import SavedTensorCounter
 from reference.measure.activation_memory.llama_block import LlamaSetting
 from reference.measure.activation_memory.paper import CONFIGURATIONS, FORMULAS, Setting, table2_bytes
 from reference.measure.activation_memory.term_table import Row, whole
 from reference.parallel_state import divide
+from reference.tensor_parallel.parallelize import parallelize_block
 from reference.tensor_parallel.random import TensorParallelRNG
 
 DROPOUT = 0.1  # the paper counts dropout masks: dropout on everywhere (the GPT-2 block; Llama has none)
@@ -76,11 +78,10 @@ def build_block(x: Setting, tp_group: dist.ProcessGroup, device, dtype=torch.bfl
     h] under sequence parallelism), needing a gradient as a layer's input does (the checkpoints save only
     inputs that take part in autograd), and for the Llama block the fp32 rotary (cos, sin) of the sequence."""
     config = model_config(x)
-    block = config.parallel_block(
+    block = parallelize_block(
+        config.block(dtype, device),
         tp_group,
         sequence_parallel=x.sequence_parallel,
-        params_dtype=dtype,
-        device=device,
         rng=TensorParallelRNG(0, tp_group, device),  # as GPTModel passes one to each block
         recompute=x.recompute,
     )

@@ -4,7 +4,7 @@ against closed forms. Read in this order:
 
   shapes.py     the model presets (70B-shaped) and the setup, validated once
   formulas.py   closed-form count and bytes per group (tp/pp/dp) and collective type, for a pipeline stage
-  simulate.py   the fake world; one rank's stage (reference.gpt.model.build_stage on the meta device), its
+  simulate.py   the fake world; one rank's stage (reference.gpt.parallelize.build_stage on the meta device), its
                 DDP wrapper and one reference.gpt.train.train_step under the recorder; the per-group summary
                 next to the formulas
   __main__.py   `python -m reference.measure.scale --tp 8 --pp 8 --dp 64 --model 70b`

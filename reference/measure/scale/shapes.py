@@ -14,7 +14,8 @@ import dataclasses
 import torch
 
 from reference.data_parallel.wrapper import DEFAULT_BUCKET_SIZE
-from reference.gpt.model import GPTConfig, check_virtual_pipeline
+from reference.gpt.model import GPTConfig
+from reference.gpt.parallelize import check_virtual_pipeline
 from reference.parallel_state import ORDERS, ParallelConfigError, divide
 from reference.pipeline.schedules import SCHEDULES
 from reference.tensor_parallel.vocab_parallel import pad_vocab_size
@@ -53,8 +54,8 @@ class ScaleSetup:
     traffic per step, in another order). bucket_size: the DDP gradient bucket size in bytes (None: one
     bucket), reference.data_parallel.DistributedDataParallel's. distributed_optimizer: ZeRO-1
     (reference.data_parallel.distributed_optimizer) instead of every DP rank stepping every parameter.
-    virtual_stages: model chunks per stage (v > 1: interleaved 1F1B, reference.gpt.model.build_chunks; each chunk its
-    own DDP).
+    virtual_stages: model chunks per stage (v > 1: interleaved 1F1B, reference.gpt.parallelize.build_chunks;
+    each chunk its own DDP).
     """
 
     model: ModelShape

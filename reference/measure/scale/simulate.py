@@ -19,7 +19,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from reference.data_parallel.distributed_optimizer import DistributedOptimizer, bytes_per_rank
 from reference.data_parallel.mixed_precision import unsharded
-from reference.gpt.model import build_chunks, build_stage
+from reference.gpt.parallelize import build_chunks, build_stage
 from reference.gpt.train import data_parallel, train_step
 from reference.measure.pipeline_meter import PipelineMeter
 from reference.measure.recorder import CollectiveEvent, CollectiveRecorder

@@ -119,7 +119,8 @@ def sgd_steps(model: torch.nn.Module, batches, loss_of, lr: float) -> UnshardedR
 
 
 def full_stage_parameters(stage: torch.nn.Module, tp_group, vocab_size: int) -> dict[str, torch.Tensor]:
-    """Every parameter of a GPTStage (or model chunk) unsharded, on the CPU, under the UnshardedGPT's names."""
+    """Every parameter of a parallelized GPT stage (or model chunk) unsharded, on the CPU, under the whole
+    GPT's names."""
     full = {}
     for name, param in stage.named_parameters():
         if "word_embeddings" in name or name.startswith("output_layer"):  # vocabulary rows, padded to V_p

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 from common import full_stage_parameters, groups_of_the_block, serve, unsharded_gpt_training
 
-from reference.gpt.model import GPTConfig, build_chunks
+from reference.gpt.model import GPTConfig
+from reference.gpt.parallelize import build_chunks
 from reference.gpt.train import data_parallel, split_batch, synthetic_batches, train_step
 from reference.measure.pipeline_meter import PipelineMeter
 from reference.measure.recorder import CollectiveRecorder
@@ -85,7 +86,7 @@ class TorchChunk(torch.nn.Module):
         self.chunk = chunk
 
     def forward(self, x, labels):
-        out = self.chunk(None, x, labels) if self.chunk.is_first else self.chunk(x, None, labels)
+        out = self.chunk(x, labels) if self.chunk.is_first else self.chunk(None, labels, hidden=x)
         return out.reshape(1) if self.chunk.is_last else out
 
 

@@ -341,7 +341,7 @@ def reference_actions(p: int, m: int, v: int = 1) -> list[str]:
         def chunk(c: int):
             layer = torch.nn.Linear(H, H)
 
-            def stage(hidden, x):
+            def stage(x, hidden=None):
                 out = layer(x if r == 0 and c == 0 else hidden)
                 return out.pow(2).mean() if r == p - 1 and c == v - 1 else out
 

@@ -4,7 +4,8 @@ import torch
 import torch.distributed as dist
 from common import init
 
-from reference.gpt.model import GPTConfig, build_stage
+from reference.gpt.model import GPTConfig
+from reference.gpt.parallelize import build_stage
 from reference.gpt.train import data_parallel, synthetic_batches, train_step
 from reference.parallel_state import build_layout
 

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 from common import assert_close, full_stage_parameters, groups_of_the_block, serve, unsharded_gpt_training
 
-from reference.gpt.model import GPTConfig, build_stage, split_layers
+from reference.gpt.model import GPTConfig, split_layers
+from reference.gpt.parallelize import build_stage
 from reference.gpt.train import data_parallel, split_batch, synthetic_batches, train_step
 from reference.measure.pipeline_meter import PipelineMeter
 from reference.measure.recorder import CollectiveRecorder

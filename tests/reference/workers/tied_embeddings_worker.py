@@ -16,7 +16,8 @@ import torch.distributed as dist
 from common import gather_dim, serve, unsharded_gpt_training
 
 from reference.data_parallel import finalize_model_grads
-from reference.gpt.model import GPTConfig, build_stage
+from reference.gpt.model import GPTConfig
+from reference.gpt.parallelize import build_stage
 from reference.gpt.train import data_parallel, synthetic_batches, train_step
 from reference.measure.recorder import CollectiveRecorder
 from reference.parallel_state import build_layout
