@@ -1,7 +1,7 @@
 """Activation bytes per transformer layer against Korthikanti et al. 2022 Table 2, per configuration, in one run.
 
     torchrun --nproc-per-node 2 benchmarks/bench_activation_memory.py [--seq-length 256 --hidden-size 512 ...]
-    torchrun --nproc-per-node 1 benchmarks/bench_activation_memory.py --device cuda
+    torchrun --nproc-per-node 1 benchmarks/bench_activation_memory.py        # on the GPU when one is visible
 
 One reference block per configuration: no parallelism, tensor parallel, + sequence parallel, + selective
 recompute, full recompute, with t = the number of ranks; the GPT-2 block (dropout 0.1) and the Llama block
@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from reference.arguments import OneLineParser
-from reference.distributed import distributed, one_line_errors
+from reference.distributed import DEVICE_CHOICES, distributed, one_line_errors
 from reference.measure.activation_memory.measure import MODELS, Count, build_block, count_all
 from reference.measure.activation_memory.paper import Setting
 
@@ -66,7 +66,7 @@ def print_counts(model: str, counts: list[Count], measured, terms: bool) -> None
             print(f"  {r.term:<60} {r.paper_bytes:>10,} {r.measured_bytes:>10,}  {r.reason}")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = OneLineParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", choices=[*MODELS, "both"], default="both")
     parser.add_argument("--seq-length", type=int, default=256)
@@ -75,7 +75,12 @@ def main() -> None:
     parser.add_argument("--num-attention-heads", type=int, default=8)
     parser.add_argument("--num-kv-heads", type=int, default=4, help="Llama: key/value heads (default 4)")
     parser.add_argument("--ffn-hidden-size", type=int, help="Llama: SwiGLU size (default 4 x hidden size)")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument(
+        "--device",
+        choices=DEVICE_CHOICES,
+        default="auto",
+        help="auto: one GPU per rank when there are enough (the CUDA columns), else CPU (the term tables)",
+    )
     parser.add_argument("--terms", action="store_true", help="print each configuration's term table (CPU)")
     parser.add_argument(
         "--json",
@@ -83,7 +88,7 @@ def main() -> None:
         help="print the counts as one JSON object instead (tools/record-traces records it as "
         "reading_notes/traces/activation_memory.json, which the scale page shows)",
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     shape = dict(s=args.seq_length, b=args.batch_size, h=args.hidden_size, a=args.num_attention_heads)
     shapes = {
         "gpt2": shape,

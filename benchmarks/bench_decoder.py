@@ -27,7 +27,7 @@ from qwen2_dtensor import document_plan, loss_and_backward
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import Qwen2ForCausalLM
 
-from reference.distributed import distributed
+from reference.distributed import DEVICE_CHOICES, distributed, one_line_errors
 from reference.gpt.hf_weights import load_hf_into_stage, qwen2_config
 from reference.gpt.model import GPTConfig
 from reference.gpt.parallelize import build_stage
@@ -36,7 +36,7 @@ from reference.measure.recorder import CollectiveRecorder
 from reference.parallel_state import build_layout
 
 
-def parse_args():
+def parse_args(argv: list[str] | None = None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seq-length", type=int, default=128)
@@ -48,24 +48,30 @@ def parse_args():
     parser.add_argument("--rounds", type=int, default=20, help="rounds; each times one step of both, in turn")
     parser.add_argument("--sequence-parallel", action="store_true")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    return parser.parse_args()
+    parser.add_argument(
+        "--device",
+        choices=DEVICE_CHOICES,
+        default="auto",
+        help="auto: one GPU per rank when there are enough (NCCL), else CPU (gloo); cuda refuses fewer GPUs than ranks",
+    )
+    return parser.parse_args(argv)
 
 
-def main() -> None:
-    args = parse_args()
-    with distributed("cpu") as device:
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    with one_line_errors("bench_decoder"), distributed(args.device) as device:
         config = GPTConfig.from_sizes(args, style="llama", num_kv_heads=args.num_kv_heads)
         world = dist.get_world_size()
         torch.manual_seed(0)
-        hf = Qwen2ForCausalLM(qwen2_config(config, attn_implementation="sdpa"))
+        hf = Qwen2ForCausalLM(qwen2_config(config, attn_implementation="sdpa")).to(device)
         stage = build_stage(
             config, build_layout(tp_size=world), sequence_parallel=args.sequence_parallel, device=device
         )
         load_hf_into_stage(stage, hf.state_dict())
-        document_plan(hf, init_device_mesh("cpu", (world,)), args.sequence_parallel)
-        tokens = synthetic_batches(config, 1, args.batch_size, 0)[0]
+        document_plan(hf, init_device_mesh(device.type, (world,)), args.sequence_parallel)
+        tokens = synthetic_batches(config, 1, args.batch_size, 0)[0].to(device)
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
-        positions = torch.arange(config.seq_length).expand(args.batch_size, -1)
+        positions = torch.arange(config.seq_length, device=device).expand(args.batch_size, -1)
 
         def reference_step() -> float:
             loss = stage(inputs, labels)
@@ -95,22 +101,22 @@ def main() -> None:
             return
         report = {
             "tp": world,
+            "device": device.type,
             "sequence_parallel": args.sequence_parallel,
             "losses": losses,
             "median_s": {n: statistics.median(t) for n, t in times.items()},
             "bytes_per_step": nbytes,
         }
-        report["ratios"] = {
-            "time reference/hf": report["median_s"]["reference"] / report["median_s"]["hf"],
-            "bytes reference/hf": nbytes["reference"] / nbytes["hf"],
-        }
+        report["ratios"] = {"time reference/hf": report["median_s"]["reference"] / report["median_s"]["hf"]}
+        if nbytes["hf"]:  # TP 1 (one rank, e.g. one GPU) sends nothing
+            report["ratios"]["bytes reference/hf"] = nbytes["reference"] / nbytes["hf"]
         if args.json:
             print(json.dumps(report), flush=True)
             return
         print(
             f"TP {world}{' + SP' if args.sequence_parallel else ''}, b {args.batch_size} s {args.seq_length} "
             f"h {args.hidden_size}, {args.num_attention_heads} heads / {args.num_kv_heads} KV heads, "
-            f"{args.num_layers} layers, {args.rounds} rounds"
+            f"{args.num_layers} layers, {args.rounds} rounds, on {device.type}"
         )
         for name in steps:
             print(

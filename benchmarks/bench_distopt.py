@@ -35,7 +35,7 @@ from reference.data_parallel import DistributedDataParallel
 from reference.data_parallel.buckets import padded_numel
 from reference.data_parallel.distributed_optimizer import DistributedOptimizer, bytes_per_rank
 from reference.data_parallel.mixed_precision import unsharded
-from reference.distributed import distributed, one_line_errors
+from reference.distributed import DEVICE_CHOICES, distributed, one_line_errors
 from reference.measure.recorder import CollectiveRecorder
 from reference.parallel_state import ParallelConfigError
 from reference.tensor_parallel.transformer import Transformer
@@ -44,7 +44,7 @@ VARIANTS = {"ddp": (False, False), "distopt": (True, False), "distopt overlap": 
 RING = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1}  # x (N-1)/N of the full buffer, per rank
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
@@ -58,17 +58,23 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--json", action="store_true", help="print one JSON object (rank 0) instead of tables")
-    return parser.parse_args()
+    parser.add_argument(
+        "--device",
+        choices=DEVICE_CHOICES,
+        default="auto",
+        help="auto: one GPU per rank when there are enough (NCCL), else CPU (gloo); cuda refuses fewer GPUs than ranks",
+    )
+    return parser.parse_args(argv)
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     with one_line_errors("bench_distopt"):
         if min(args.steps, args.batch_size, args.bucket_size, args.hidden_size, args.num_layers) < 1:
             raise ParallelConfigError(
                 "--steps, --batch-size, --bucket-size, --hidden-size and --num-layers must be >= 1"
             )
-        with distributed("cpu") as device:
+        with distributed(args.device) as device:
             if dist.get_world_size() < 2:
                 raise ParallelConfigError(
                     "the distributed optimizer needs a data-parallel group of at least 2 "
@@ -97,7 +103,7 @@ def _benchmark(args, device: torch.device) -> None:
         optimizers[label] = DistributedOptimizer(models[label], make) if sharded else unsharded(models[label], make)
     generator = torch.Generator().manual_seed(args.seed + 1)
     batches = [
-        torch.randn(args.seq_length, args.batch_size * n, args.hidden_size, generator=generator)
+        torch.randn(args.seq_length, args.batch_size * n, args.hidden_size, generator=generator).to(device)
         for _ in range(args.steps + 1)
     ]
 
@@ -138,6 +144,7 @@ def _benchmark(args, device: torch.device) -> None:
     padded = sum(padded_numel(bucket.numel, n) for bucket in models["ddp"].buckets)
     report = {
         "world": n,
+        "device": device.type,
         "psi": psi,
         "psi_padded": padded,
         "max_loss_difference": max(abs(a - b) for label in VARIANTS for a, b in zip(losses[label], losses["ddp"])),
@@ -158,7 +165,7 @@ def _benchmark(args, device: torch.device) -> None:
         print(json.dumps(report), flush=True)
         return
     print(
-        f"DP {n}, Ψ = {psi:,} parameters ({padded:,} padded to a multiple of {n} per bucket); "
+        f"DP {n} on {device.type}, Ψ = {psi:,} parameters ({padded:,} padded to a multiple of {n} per bucket); "
         f"largest loss difference from ddp: {report['max_loss_difference']}"
     )
     print(

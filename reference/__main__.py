@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 
 from reference.arguments import OneLineParser, learning_rate, output_dir
+from reference.distributed import DTYPES
 from reference.fsdp import demo as fsdp_demo
 from reference.gpt import demo as gpt_demo
 
@@ -44,6 +45,15 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "cpu", "cuda"],
         default="auto",
         help="auto picks cuda+nccl when a GPU is visible, else cpu+gloo",
+    )
+    common.add_argument(
+        "--dtype",
+        choices=["auto", *DTYPES],
+        default="auto",
+        help="auto: bf16 on CUDA, as Megatron trains, fp32 on CPU, where the tests compare exactly with the "
+        "unsharded model. bf16 keeps fp32 where Megatron does: gradients reduced in fp32 main grads and an "
+        "fp32 master copy stepped by the optimizer (default demo; with --dp-sharding fsdp, and in the FSDP "
+        "demo, as --mixed-precision: bf16 compute over fp32 shards, fp32 reduce-scatter)",
     )
     common.add_argument("--json", action="store_true", help="print one JSON object per step instead of text")
     common.add_argument(

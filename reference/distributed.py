@@ -22,6 +22,7 @@ import torch.distributed as dist
 from reference.parallel_state import ParallelConfigError
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 # The flat-tensor collectives by their torch 2.13 names; torch 2.13 deprecates the names older torch has,
 # all_gather_into_tensor and reduce_scatter_tensor, so each is looked up by feature, not by version.
@@ -51,6 +52,14 @@ def pick_device(choice: str = "auto") -> torch.device:
     return torch.device("cpu")
 
 
+def pick_dtype(choice: str, device: torch.device) -> torch.dtype:
+    """The training dtype: "auto" is bf16 on CUDA, as Megatron trains, and fp32 on CPU, where the tests compare
+    exactly with the unsharded model."""
+    if choice == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[choice]
+
+
 def init_distributed(choice: str = "auto", timeout_s: float = 120) -> torch.device:
     """Initialize the default process group from torchrun's environment; returns this rank's device."""
     if "RANK" not in os.environ:
@@ -78,9 +87,10 @@ def finish(clean: bool = True) -> None:
 @contextlib.contextmanager
 def distributed(choice: str = "auto", timeout_s: float = 120) -> Iterator[torch.device]:
     """init_distributed(...) on entry, finish() on exit (without the barrier if the body raised); with a
-    default group already set up, only this rank's device, and the group stays."""
+    default group already set up, only this rank's device (the CPU for "auto" on a gloo group), and the group
+    stays."""
     if dist.is_initialized():
-        yield pick_device(choice)
+        yield torch.device("cpu") if choice == "auto" and dist.get_backend() == "gloo" else pick_device(choice)
         return
     device = init_distributed(choice, timeout_s)
     try:

@@ -18,7 +18,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from reference.distributed import LaunchError, distributed
+from reference.distributed import LaunchError, distributed, pick_dtype
 from reference.fsdp.units import shard_model, sharded_parameter_bytes
 from reference.gpt.model import GPT, GPTConfig
 from reference.gpt.train import split_batch, synthetic_batches
@@ -44,7 +44,8 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--mixed-precision",
         action="store_true",
-        help="bf16 parameters and compute, fp32 gradient reduction and fp32 shards",
+        help="bf16 parameters and compute, fp32 gradient reduction and fp32 shards: what --dtype bf16 "
+        "(and auto on CUDA) gives this demo",
     )
     group.add_argument("--cpu-offload", action="store_true", help="keep the shards on the CPU between uses")
     group.add_argument(
@@ -78,6 +79,7 @@ def _train(args: argparse.Namespace, config: GPTConfig, device: torch.device) ->
             f"reference: error: --batch-size {args.batch_size} is not divisible by the world size {world}; "
             "each rank trains on an equal slice of the global batch"
         )
+    mixed = args.mixed_precision or pick_dtype(args.dtype, device) == torch.bfloat16
     model = GPT(config, args.seed, device)
     total_bytes = sharded_parameter_bytes(model)
     model = shard_model(
@@ -86,8 +88,8 @@ def _train(args: argparse.Namespace, config: GPTConfig, device: torch.device) ->
         dist.group.WORLD,
         backward_prefetch=PREFETCH_CHOICES[args.backward_prefetch],
         forward_prefetch=args.forward_prefetch,
-        param_dtype=torch.bfloat16 if args.mixed_precision else None,
-        reduce_dtype=torch.float32 if args.mixed_precision else None,
+        param_dtype=torch.bfloat16 if mixed else None,
+        reduce_dtype=torch.float32 if mixed else None,
         cpu_offload=args.cpu_offload,
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
@@ -103,6 +105,7 @@ def _train(args: argparse.Namespace, config: GPTConfig, device: torch.device) ->
             optimizer.zero_grad()
             record = {
                 "step": step,
+                "dtype": "bf16" if mixed else "fp32",
                 "loss": loss.item(),
                 "param_bytes_per_rank": shard_bytes,
                 "param_bytes_unsharded": total_bytes,
@@ -127,7 +130,7 @@ def _report(args, record: dict) -> None:
         return
     shard, total = record["param_bytes_per_rank"], record["param_bytes_unsharded"]
     lines = [
-        f"step {record['step']}  loss {record['loss']:.4f}  parameters on this rank {shard} B "
+        f"step {record['step']}  loss {record['loss']:.4f} ({record['dtype']})  parameters on this rank {shard} B "
         f"(unsharded {total} B, ratio {shard / total:.3f})"
     ]
     lines += [

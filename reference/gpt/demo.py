@@ -17,10 +17,11 @@ import torch
 import torch.distributed as dist
 
 from reference.data_parallel.distributed_optimizer import DistributedOptimizer
-from reference.data_parallel.mixed_precision import model_chunks
+from reference.data_parallel.mixed_precision import model_chunks, unsharded
 from reference.data_parallel.wrapper import DEFAULT_BUCKET_SIZE
-from reference.distributed import distributed, one_line_errors
+from reference.distributed import distributed, one_line_errors, pick_dtype
 from reference.fsdp.units import sharded_parameter_bytes
+from reference.fsdp.wrapper import MixedPrecision
 from reference.gpt.model import GPT, STYLES, GPTConfig, split_layers
 from reference.gpt.parallelize import build_chunks, build_stage, check_tensor_parallel, check_virtual_pipeline
 from reference.gpt.train import data_parallel, fully_sharded, synthetic_batches, train_step
@@ -179,9 +180,13 @@ def _train(args, config: GPTConfig, device: torch.device) -> None:
     layout = build_layout(args.tp, args.pp, args.dp)
     torch.manual_seed(args.seed)  # dropout on replicated activations draws from here: the same masks every run
     rank, text = dist.get_rank(), not args.json
+    bf16 = pick_dtype(args.dtype, device) == torch.bfloat16
+    fsdp = args.dp_sharding == "fsdp"  # bf16 as FSDP's MixedPrecision: bf16 compute over fp32 shards
     if rank == 0 and text:
         print(layout.describe(), flush=True)
+        print(f"dtype: {_precision(bf16, fsdp)}", flush=True)
     kwargs = dict(
+        params_dtype=torch.bfloat16 if bf16 and not fsdp else torch.float32,
         sequence_parallel=args.sequence_parallel,
         seed=args.seed,
         device=device,
@@ -196,8 +201,9 @@ def _train(args, config: GPTConfig, device: torch.device) -> None:
     recorder = CollectiveRecorder()
     for c, chunk in enumerate(chunks):
         recorder.watch(chunk, prefix=f"chunk{c}" if len(chunks) > 1 else "")
-    if args.dp_sharding == "fsdp":
-        model = fully_sharded(chunks[0], layout)
+    if fsdp:
+        precision = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+        model = fully_sharded(chunks[0], layout, mixed_precision=precision)
     else:
         wrapped = [
             data_parallel(
@@ -206,6 +212,7 @@ def _train(args, config: GPTConfig, device: torch.device) -> None:
                 bucket_size=args.bucket_size,
                 overlap_grad_reduce=not args.no_overlap_grad_reduce,
                 use_distributed_optimizer=args.dp_sharding == "optimizer",
+                grad_dtype=torch.float32 if bf16 else None,  # bf16 parameters: Megatron's fp32 main grads
             )
             for chunk in chunks
         ]
@@ -216,12 +223,13 @@ def _train(args, config: GPTConfig, device: torch.device) -> None:
     if rank == 0:
         param_bytes = {
             "param_bytes_per_rank": held,
-            "param_bytes_unsharded": sharded_parameter_bytes(GPT(config, args.seed)),
+            "param_bytes_unsharded": sharded_parameter_bytes(GPT(config, args.seed, params_dtype=params[0].dtype)),
         }
-    if args.dp_sharding == "optimizer":
-        optimizer = DistributedOptimizer(model, lambda tensors: torch.optim.SGD(tensors, lr=args.lr))
-    else:
-        optimizer = torch.optim.SGD(params, lr=args.lr)
+    sgd = lambda tensors: torch.optim.SGD(tensors, lr=args.lr)
+    if fsdp:
+        optimizer = sgd(params)  # the shards are fp32: FSDP's own master weights
+    else:  # fp32 masters of bf16 parameters (the fp32 ones step in place), as Megatron's optimizers
+        optimizer = (DistributedOptimizer if args.dp_sharding == "optimizer" else unsharded)(model, sgd)
     global_batch, meter = args.batch_size * args.micro_batches * layout.dp_size, PipelineMeter(device)
     with unit_scopes(model) if args.dp_sharding == "fsdp" else contextlib.nullcontext():  # units in the trace
         for step, tokens in enumerate(synthetic_batches(config, args.steps, global_batch, args.seed)):
@@ -237,7 +245,7 @@ def _train(args, config: GPTConfig, device: torch.device) -> None:
                 record=recorder,
                 observer=meter,
             )
-            _report_step(args, step, loss, meter.total_s, recorder, layout, param_bytes)
+            _report_step(args, step, loss, meter.total_s, recorder, layout, param_bytes, bf16)
     stages = [None] * dist.get_world_size() if rank == 0 else None  # only rank 0 reports
     dist.gather_object(meter.to_dict(), stages, dst=0)
     if rank == 0:
@@ -259,7 +267,7 @@ def _train(args, config: GPTConfig, device: torch.device) -> None:
         (args.trace / f"gpt_trace.rank{rank}.json").write_text(recorder.to_json())
 
 
-def _report_step(args, step, loss: float, seconds: float, recorder, layout, param_bytes: dict | None) -> None:
+def _report_step(args, step, loss: float, seconds: float, recorder, layout, param_bytes: dict | None, bf16) -> None:
     if dist.get_rank() != 0:
         return
     groups = recorder.summary_by_group(layout.group_kind, kinds=("tp", "pp", "dp")) if recorder.on else {}
@@ -268,6 +276,7 @@ def _report_step(args, step, loss: float, seconds: float, recorder, layout, para
             json.dumps(
                 {
                     "step": step,
+                    "dtype": "bf16" if bf16 else "fp32",
                     "loss": loss,
                     "seconds": seconds,
                     "layout": {"tp": layout.tp_size, "pp": layout.pp_size, "dp": layout.dp_size},
@@ -292,6 +301,14 @@ def _report_step(args, step, loss: float, seconds: float, recorder, layout, para
         + (" | ".join(f"{name}: {fmt(ops)}" for name, ops in groups.items()) or "collectives not recorded"),
         flush=True,
     )
+
+
+def _precision(bf16: bool, fsdp: bool) -> str:
+    if not bf16:
+        return "fp32 parameters, gradients and optimizer"
+    if fsdp:
+        return "bf16 compute over fp32 shards, gradients reduce-scattered in fp32 (FSDP's MixedPrecision)"
+    return "bf16 parameters and compute, fp32 main grads and fp32 master weights (Megatron's mixed precision)"
 
 
 def _report_memory(args, ranks: list[dict]) -> None:

@@ -69,15 +69,18 @@ def data_parallel(
     bucket_size: int | None = DEFAULT_BUCKET_SIZE,
     overlap_grad_reduce: bool = True,
     use_distributed_optimizer: bool = False,
+    grad_dtype: torch.dtype | None = None,
 ) -> DistributedDataParallel:
     """The stage wrapped for gradient averaging over the layout's DP group (bucketed, optionally overlapped;
-    reduce-scattered for reference.data_parallel.distributed_optimizer.DistributedOptimizer)."""
+    reduce-scattered for reference.data_parallel.distributed_optimizer.DistributedOptimizer; in `grad_dtype`,
+    default the parameters', e.g. fp32 main grads for bf16 parameters)."""
     return DistributedDataParallel(
         stage,
         layout.dp_group,
         bucket_size=bucket_size,
         overlap_grad_reduce=overlap_grad_reduce,
         use_distributed_optimizer=use_distributed_optimizer,
+        grad_dtype=grad_dtype,
     )
 
 

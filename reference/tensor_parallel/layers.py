@@ -248,7 +248,8 @@ def allreduce_sequence_parallel_grads(module: torch.nn.Module, group: dist.Proce
 
     Mirrors `megatron-lm:megatron/core/distributed/finalize_model_grads.py::_allreduce_non_tensor_model_parallel_grads`.
     """
-    grads = [p.grad for p in module.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    grads = [getattr(p, "main_grad", p.grad) for p in module.parameters() if getattr(p, "sequence_parallel", False)]
+    grads = [g for g in grads if g is not None]  # main_grad: the DP wrapper's fp32 view, as Megatron reduces
     if grads and group.size() > 1:
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=group)

@@ -7,6 +7,7 @@ difference: from the paper's terms for GPT-2, from the closed form derived in ll
 import contextlib
 import dataclasses
 import functools
+import io
 import json
 
 import pytest
@@ -20,6 +21,7 @@ from reference.measure.activation_memory.paper import CONFIGURATIONS
 from reference.torch_patches import cuda_calls_on_cpu
 from tests.launch import ROOT
 from tests.ranks import on_ranks
+from tests.reference.gpus import DEVICES
 
 S, B, H, A, T = 32, 2, 64, 4, 2  # COUNT_SHAPE, at world 2
 SBH, AS2B = S * B * H, A * S * S * B
@@ -388,3 +390,21 @@ def test_llama_totals_shrink_with_each_configuration_and_full_keeps_the_checkpoi
 def test_a_llama_record_no_term_fits_is_an_error(record):
     with pytest.raises(ValueError, match="unexplained saved tensor"):
         classify([record], LlamaSetting.of("no parallelism", S, B, H, A, 1, k=K, f=F))
+
+
+@on_ranks(1, devices=DEVICES[1:])
+def test_the_benchmark_on_one_gpu_adds_the_allocators_bytes_to_every_configuration(ranks):
+    """benchmarks/bench_activation_memory.py at t = 1 on the GPU: beside each count, what the forward left
+    allocated (at most the peak), and full recompute leaves less than keeping everything."""
+    from benchmarks import bench_activation_memory
+
+    out = io.StringIO()
+    argv = ["--seq-length", str(S), "--batch-size", str(B), "--hidden-size", str(H), "--num-attention-heads", str(A)]
+    with contextlib.redirect_stdout(out):
+        bench_activation_memory.main([*argv, "--num-kv-heads", str(K), "--ffn-hidden-size", str(F), "--json"])
+    report = json.loads(out.getvalue())
+    assert report["device"] == "cuda" and report["world"] == 1
+    for model in (report, report["llama"]):
+        allocated = {c["configuration"]: c["cuda_allocated_bytes"] for c in model["configurations"]}
+        assert all(0 < c["cuda_allocated_bytes"] <= c["cuda_peak_bytes"] for c in model["configurations"])
+        assert allocated["full recompute"] < allocated["no parallelism"], allocated

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from reference.distributed import LaunchError, distributed, pick_device
+from reference.distributed import LaunchError, distributed, pick_device, pick_dtype
 
 
 def test_a_group_set_up_by_the_caller_is_used_and_left_in_place(one_rank_gloo):
@@ -40,3 +40,11 @@ def test_ranks_get_a_gpu_each_or_auto_runs_on_cpu_and_cuda_is_refused_in_one_lin
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     monkeypatch.setenv("LOCAL_RANK", "0")
     assert pick_device("auto") == (torch.device("cuda", 0) if gpus else torch.device("cpu"))  # world 1: the GPU
+
+
+@pytest.mark.parametrize("device, dtype", [("cuda", torch.bfloat16), ("cpu", torch.float32)])
+def test_auto_dtype_is_bf16_on_cuda_as_megatron_trains_and_fp32_on_cpu(device, dtype):
+    """A device is only a name here: no GPU is needed to resolve what a demo on one would train in."""
+    assert pick_dtype("auto", torch.device(device)) == dtype
+    assert pick_dtype("bf16", torch.device(device)) == torch.bfloat16
+    assert pick_dtype("fp32", torch.device(device)) == torch.float32

@@ -47,10 +47,13 @@ def test_parameters_equal_fsdp2(ranks):
     assert result["diff"]["reference/bf16/fsdp2"] <= FP32_TOLERANCE
 
 
-@on_ranks(2, devices=DEVICES[1:])
+@on_ranks(1, 2, devices=DEVICES[1:])
 def test_cuda_nccl_matches_fsdp1_and_single_process(ranks):
+    """At world 1 (one GPU) against the single process only: FSDP1 at world 1 does not shard (NO_SHARD)."""
     result = fsdp_results(ranks.device)
-    for config in FP32_CONFIGS:
+    configs = FP32_CONFIGS if ranks.world > 1 else ["pre", "pre+fwd"]
+    for config in configs:
         assert result["diff"][f"reference/{config}/single"] <= 1e-5
-        assert result["diff"][f"reference/{config}/fsdp1"] <= 1e-6
-    assert result["diff"]["reference/bf16/fsdp1"] <= 1e-3
+    assert result["diff"]["reference/bf16/single"] <= 1e-3  # as against FSDP1: CUDA bf16 kernels sum in other orders
+    for config in configs + ["bf16"] if ranks.world > 1 else []:
+        assert result["diff"][f"reference/{config}/fsdp1"] <= (1e-3 if config == "bf16" else 1e-6)

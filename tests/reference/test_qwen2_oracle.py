@@ -178,11 +178,12 @@ def results(device: torch.device) -> dict:
     return result
 
 
-@on_ranks(1)
+@on_ranks(1, devices=DEVICES)
 @pytest.mark.parametrize("config", ["unsharded", "unsharded_uneven"])
 def test_unsharded_llama_equals_hf_qwen2_logits_loss_and_gradients(ranks, config):
+    tolerance = EXACT if ranks.device.type == "cpu" else 1e-5  # CUDA's fp32 attention kernels sum in other orders
     r = results(ranks.device)[config]
-    assert r["logits"] < EXACT and r["loss"] < EXACT and r["grads"] < EXACT, r
+    assert r["logits"] < tolerance and r["loss"] < tolerance and r["grads"] < tolerance, r
 
 
 @on_ranks(1, 2, devices=DEVICES)

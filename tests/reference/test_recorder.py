@@ -48,7 +48,7 @@ def two_units() -> torch.nn.Sequential:
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
 
 
-@on_ranks(WORLD, devices=DEVICES)
+@on_ranks(1, WORLD, devices=DEVICES)
 def test_collectives_still_work_after_the_recorder_exits(ranks):
     with ranks.device, CollectiveRecorder():
         pass
@@ -56,33 +56,34 @@ def test_collectives_still_work_after_the_recorder_exits(ranks):
         dist.all_reduce(torch.ones(1), async_op=True).wait()
         total = torch.ones(1)
         dist.all_reduce(total)
-    assert total.item() == float(WORLD)
+    assert total.item() == float(ranks.world)
 
 
-@on_ranks(WORLD, devices=DEVICES)
+@on_ranks(1, WORLD, devices=DEVICES)  # world 1: the one-GPU form
 def test_eager_ops_are_recorded_with_group_shape_bytes_dtype_phase(ranks):
-    full = 4 * WORLD * 3 * 4
+    world, everyone = ranks.world, tuple(range(ranks.world))
+    full = 4 * world * 3 * 4
     with ranks.device, CollectiveRecorder() as rec:
         x = torch.arange(12, dtype=torch.float32).view(4, 3)
         dist.all_reduce(x.clone())
-        out = torch.empty(4 * WORLD, 3)
+        out = torch.empty(4 * world, 3)
         dist.all_gather_into_tensor(out, x)
         all_gather_single(out, x)  # dist.all_gather_single where torch has it (2.13 on)
-        shard = torch.empty(4 // WORLD, 3)
+        shard = torch.empty(4 // world, 3)
         dist.reduce_scatter_tensor(shard, x)
         reduce_scatter_single(shard, x)
-        dist.all_gather([torch.empty(4, 3) for _ in range(WORLD)], x)
+        dist.all_gather([torch.empty(4, 3) for _ in range(world)], x)
         dist.broadcast(x.clone(), 0)
         dist.all_reduce(x.to(torch.bfloat16))
     assert [[e.op, e.group_ranks, e.shape, e.nbytes, e.dtype, e.phase, e.async_op] for e in rec.events] == [
-        ["all_reduce", EVERYONE, (4, 3), 48, "float32", "forward", False],
-        ["all_gather", EVERYONE, (4 * WORLD, 3), full, "float32", "forward", False],
-        ["all_gather", EVERYONE, (4 * WORLD, 3), full, "float32", "forward", False],
-        ["reduce_scatter", EVERYONE, (4, 3), 48, "float32", "forward", False],
-        ["reduce_scatter", EVERYONE, (4, 3), 48, "float32", "forward", False],
-        ["all_gather", EVERYONE, (4 * WORLD, 3), full, "float32", "forward", False],
-        ["broadcast", EVERYONE, (4, 3), 48, "float32", "forward", False],
-        ["all_reduce", EVERYONE, (4, 3), 24, "bfloat16", "forward", False],
+        ["all_reduce", everyone, (4, 3), 48, "float32", "forward", False],
+        ["all_gather", everyone, (4 * world, 3), full, "float32", "forward", False],
+        ["all_gather", everyone, (4 * world, 3), full, "float32", "forward", False],
+        ["reduce_scatter", everyone, (4, 3), 48, "float32", "forward", False],
+        ["reduce_scatter", everyone, (4, 3), 48, "float32", "forward", False],
+        ["all_gather", everyone, (4 * world, 3), full, "float32", "forward", False],
+        ["broadcast", everyone, (4, 3), 48, "float32", "forward", False],
+        ["all_reduce", everyone, (4, 3), 24, "bfloat16", "forward", False],
     ]
     assert all(e.end is not None and e.end >= e.start for e in rec.events)
     assert rec.summary() == {
