@@ -26,18 +26,6 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKERS = ROOT / "tests" / "reference" / "workers"
 
 
-# Workers that run in one launch (workers/shared_worker.py) at a world and device: one torch and megatron-core
-# import per rank instead of one per worker. The first test that needs any of them pays for all of them; the
-# groups are kept small enough to finish within SHARED_TIMEOUT on two busy cores.
-SHARED = [
-    (
-        4,
-        "cpu",
-        ("pipeline_worker.py", "megatron_pipeline_worker.py", "interleaved_worker.py", "tied_embeddings_worker.py"),
-    ),
-]
-SHARED_TIMEOUT = 540  # s, under pytest-timeout's 600 for the test that starts the launch
-
 # The torch the notes cite (constraints.txt). Off it, the tests that run torch's own code as upstream evidence
 # skip (tests/reference/conftest.py).
 PINNED_TORCH = next(
@@ -62,13 +50,7 @@ def run_worker(worker: str, world: int, *args: str, device: str = "cpu", timeout
     """
     if device == "cuda":
         require_gpus(world)
-    shared = [members for w, d, members in SHARED if (w, d) == (world, device) and worker in members]
-    if shared and not args:
-        names = tuple(Path(name).stem for name in shared[0])
-        results, failure = _launch("shared_worker.py", world, names, device, SHARED_TIMEOUT)
-        results = [result[Path(worker).stem] for result in results]
-    else:
-        results, failure = _launch(worker, world, args, device, timeout)
+    results, failure = _launch(worker, world, args, device, timeout)
     if failure:
         pytest.fail(failure, pytrace=False)
     return results
