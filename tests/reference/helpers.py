@@ -178,9 +178,9 @@ def demo_output(argv: list[str]) -> str:
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
-def bench_output(script: str, args: list[str]) -> str:
-    """Rank 0's stdout of `python benchmarks/SCRIPT ARGS` (runpy, as `__main__`), run in this process on the
-    group it finds set up, on every rank."""
+def bench_report(script: str, args: list[str]) -> dict:
+    """The JSON report (`--json`) that `python benchmarks/SCRIPT ARGS` prints, run in this process (runpy, as
+    `__main__`) on the group it finds set up and leaves (reference.distributed.distributed), on every rank."""
     argv, path = sys.argv, sys.path
     sys.argv, sys.path = [str(BENCHMARKS / script), *args], [str(BENCHMARKS), *sys.path]  # as for a script there
     try:
@@ -188,7 +188,7 @@ def bench_output(script: str, args: list[str]) -> str:
             runpy.run_path(sys.argv[0], run_name="__main__")
     finally:
         sys.argv, sys.path = argv, path
-    return rank0(captured.getvalue())
+    return json_lines("".join(every_rank(captured.getvalue())))[0]
 
 
 @contextlib.contextmanager
