@@ -112,7 +112,7 @@ def assert_close(actual, expected, what: str, atol=1e-5, rtol=1e-4):
 
 def dtensor_plan(sp: bool) -> dict:
     """PyTorch's own TP plan for one plain TransformerBlock (parallelize_module), with or without SP: the
-    DTensor counterpart of the reference block the TP and FSDP x TP workers compare against."""
+    DTensor counterpart of the reference block the TP and FSDP x TP tests compare against."""
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 

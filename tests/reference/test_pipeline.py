@@ -21,7 +21,7 @@ from reference.measure.pipeline_meter import PipelineMeter
 from reference.measure.recorder import CollectiveRecorder
 from reference.parallel_state import ParallelConfigError, build_layout
 from reference.pipeline.schedules import forward_backward
-from tests.launch import WORKERS, torchrun_failing
+from tests.launch import CRASHES, torchrun_failing
 from tests.pipeline_orders import textbook
 from tests.ranks import on_ranks
 from tests.reference.gpus import DEVICES
@@ -211,6 +211,6 @@ def test_dp_allreduces_start_only_in_the_last_backward_and_overlap_it(ranks):
 
 
 def test_rank_failing_mid_pipeline_ends_the_run_in_bounded_time():
-    message, _ = torchrun_failing(WORKERS / "pipeline_crash_worker.py", 2)
+    message, _ = torchrun_failing(CRASHES / "pipeline_crash.py", 2)
     assert "simulated crash of stage 1" in message
     assert "unreachable on rank 0" not in message
