@@ -7,9 +7,9 @@ xdist each worker is such a session and checks its own processes; the controller
 the workers found and fails the run naming them. A worker that crashed never checks: once the workers are
 gone, the controller kills and names what still runs from any of them (RUN_VARIABLE).
 
-Scheduling (pytest_xdist_make_scheduler, scope_of): tests that read one session-cached torchrun launch
-(tests/launch.py, and every @on_ranks test: tests/ranks.py) run in one worker, as do the site tests (they build
-into the repository's docs/); other tests go to the workers a module at a time.
+Scheduling (pytest_xdist_make_scheduler, scope_of): the @on_ranks tests run in one worker (they share launches:
+tests/ranks.py), as do the site tests (they build into the repository's docs/); other tests go to the workers a
+module at a time.
 """
 
 from __future__ import annotations
@@ -47,31 +47,12 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def scope_of(nodeid: str) -> str:
-    """The unit xdist hands to one worker: tests that read one session-cached launch must share it. The
-    tests/reference files on the SHARED groups' launches (tests/launch.py) are one scope, the benchmark smoke
-    tests (one bench_worker launch) another, tests/site (it builds into docs/) a third; any other module,
-    including the demo and in-process tests of tests/reference (launches of their own), is its own scope.
-    Every @on_ranks test is in one scope: a worker launches for all it collected (tests/ranks.py)."""
+    """The unit xdist hands to one worker: every @on_ranks test (a worker launches for all it collected), the
+    site tests (they build into docs/), or else the test's module."""
     if is_ranked(nodeid):
         return "@on_ranks"
     module = nodeid.split("::", 1)[0]  # parameter ids may hold "::"
-    if module.startswith("tests/site/"):
-        return "tests/site"
-    if module.startswith("tests/reference/test_bench_"):
-        return "tests/reference/test_bench_*"
-    if module.startswith("tests/reference/") and module.rsplit("/", 1)[1] not in OWN_LAUNCHES:
-        return "tests/reference"
-    return module
-
-
-OWN_LAUNCHES = {  # tests/reference modules that share no launch with another module
-    "test_gpt_demo.py",
-    "test_fsdp_demo.py",
-    "test_llama_demo.py",
-    "test_scale.py",
-    "test_tp_at_scale.py",
-    "test_layout.py",
-}
+    return "tests/site" if module.startswith("tests/site/") else module
 
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)

@@ -1,17 +1,13 @@
-"""Launch a worker script under torchrun from pytest: bounded in time, failing with every rank's output.
+"""Launch a script under torchrun from pytest: bounded in time, failing with every rank's output.
 
-The worker protocol (tests/reference/workers/): a worker's `main()` takes an output folder as its first
-argument and writes each rank's results to OUT/rank{R}.json; `run_worker` launches it once per (worker, world,
-arguments, device) for the whole session and returns those results, so many small named tests assert on one
-launch. A rank whose own check fails exits non-zero and torchrun tears the others down.
-Each rank writes to its own log file (torchrun `--redirects`), so lines of different ranks never
-interleave; a failure shows torchrun's own output, then each rank's, in rank order.
+tests/ranks.py launches tests/on_rank.py this way for the @on_ranks tests; a test that must see a job end
+(a script in tests/reference/crashes/, the real `torchrun -m reference` command) calls `torchrun` or
+`torchrun_failing` itself. Each rank writes to its own log file (torchrun `--redirects`), so lines of different
+ranks never interleave; a failure shows torchrun's own output, then each rank's, in rank order.
 """
 
 from __future__ import annotations
 
-import functools
-import json
 import os
 import signal
 import subprocess
@@ -23,20 +19,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKERS = ROOT / "tests" / "reference" / "workers"
+CRASHES = ROOT / "tests" / "reference" / "crashes"  # scripts in which a rank fails on purpose
 
-
-# Workers that run in one launch (workers/shared_worker.py) at a world and device: one torch and megatron-core
-# import per rank instead of one per worker. The first test that needs any of them pays for all of them; the
-# groups are kept small enough to finish within SHARED_TIMEOUT on two busy cores.
-SHARED = [
-    (
-        4,
-        "cpu",
-        ("pipeline_worker.py", "megatron_pipeline_worker.py", "interleaved_worker.py", "tied_embeddings_worker.py"),
-    ),
-]
-SHARED_TIMEOUT = 540  # s, under pytest-timeout's 600 for the test that starts the launch
 
 # The torch the notes cite (constraints.txt). Off it, the tests that run torch's own code as upstream evidence
 # skip (tests/reference/conftest.py).
@@ -53,44 +37,11 @@ def on_pinned_torch() -> bool:
     return torch.__version__.split("+")[0] == PINNED_TORCH
 
 
-def run_worker(worker: str, world: int, *args: str, device: str = "cpu", timeout: float = 300) -> list[dict]:
-    """Every rank's results from the one launch of tests/reference/workers/`worker` with these arguments.
-
-    The device reaches the worker as REFERENCE_TEST_DEVICE (workers/common.init); "cuda" needs one GPU per
-    rank and skips without them. A worker in SHARED at this world and device runs in its group's launch
-    (under SHARED_TIMEOUT). A failed launch is remembered too, so the tests sharing it fail at once.
-    """
-    if device == "cuda":
-        require_gpus(world)
-    shared = [members for w, d, members in SHARED if (w, d) == (world, device) and worker in members]
-    if shared and not args:
-        names = tuple(Path(name).stem for name in shared[0])
-        results, failure = _launch("shared_worker.py", world, names, device, SHARED_TIMEOUT)
-        results = [result[Path(worker).stem] for result in results]
-    else:
-        results, failure = _launch(worker, world, args, device, timeout)
-    if failure:
-        pytest.fail(failure, pytrace=False)
-    return results
-
-
 def require_gpus(count: int) -> None:
     import torch
 
     if torch.cuda.device_count() < count:
         pytest.skip(f"needs {count} CUDA device(s), found {torch.cuda.device_count()}")
-
-
-@functools.cache
-def _launch(
-    worker: str, world: int, args: tuple[str, ...], device: str, timeout: float
-) -> tuple[list[dict], str | None]:
-    with tempfile.TemporaryDirectory(prefix=f"{Path(worker).stem}-w{world}-{device}-") as out:
-        try:
-            torchrun(WORKERS / worker, world, out, *args, timeout=timeout, env={"REFERENCE_TEST_DEVICE": device})
-        except pytest.fail.Exception as failure:
-            return [], str(failure)
-        return [json.loads((Path(out) / f"rank{rank}.json").read_text()) for rank in range(world)], None
 
 
 def torchrun(script: str | Path, nproc: int, *args: str, timeout: float = 300, env: dict | None = None) -> str:
@@ -144,7 +95,7 @@ def torchrun(script: str | Path, nproc: int, *args: str, timeout: float = 300, e
 
 
 def torchrun_failing(script: str | Path, nproc: int, *args: str, timeout: float = 90) -> tuple[str, float]:
-    """Run a worker in which a rank fails on purpose; return every rank's output and the seconds it took.
+    """Run a script in which a rank fails on purpose; return every rank's output and the seconds it took.
 
     Fails the test if the run succeeded or hung: a crashed rank must end the whole job (torchrun tears the
     peers down), never leave a survivor blocked in a collective until `timeout`.

@@ -1,5 +1,5 @@
 """The action order the textbook gives each pipeline stage, written out apart from any implementation: the
-oracle of both the live pipeline runs (tests/reference/workers/pipeline_worker.py) and the recorded ones
+oracle of both the live pipeline runs (tests/reference/test_pipeline.py) and the recorded ones
 (tests/tools/test_traces.py)."""
 
 

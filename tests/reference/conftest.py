@@ -1,5 +1,5 @@
-"""Fixtures of the in-process reference tests (the torchrun ones launch workers instead), and the skip of torch's
-upstream evidence on any torch but the pinned one."""
+"""Fixtures of the in-process reference tests (the distributed ones run on ranks: tests/ranks.py), and the skip
+of torch's upstream evidence on any torch but the pinned one."""
 
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ from reference.gpt.model import GPTConfig, UnshardedGPT
 from reference.gpt.train import split_batch, synthetic_batches
 from reference.measure.fsdp_tracing import unit_scopes
 from reference.measure.recorder import CollectiveRecorder
-from tests.reference.workers.common import max_diff
+from tests.reference.helpers import max_diff
 
 # Odd sizes on purpose: every unit's flat size is odd, so every world size > 1 needs padding.
 CONFIG = GPTConfig(vocab_size=101, hidden_size=27, num_attention_heads=3, num_layers=3, seq_length=16)

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from reference.tensor_parallel.transformer import Transformer
-from tests.reference.workers.common import UnshardedRun, sgd_steps
+from tests.reference.helpers import UnshardedRun, sgd_steps
 
 
 def batches(steps: int, s: int, b: int, h: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

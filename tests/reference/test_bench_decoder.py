@@ -7,13 +7,18 @@ DTensor's autograd saves). Timings are printed by the benchmark, never asserted 
 
 import pytest
 
-from tests.reference.bench_runs import bench_report
+from tests.ranks import on_ranks
+from tests.reference.helpers import bench_report
+
+ARGS = ["--hidden-size", "32", "--num-attention-heads", "4", "--num-kv-heads", "2", "--seq-length", "8"]
+ARGS += ["--vocab-size", "64", "--rounds", "1", "--json"]  # tiny sizes: the test checks the report
 
 
+@on_ranks(2)
 @pytest.mark.upstream("pytorch")  # the comparison runs torch's DTensor plan on HF Qwen2
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp_sp"])
-def test_bench_decoder_reports_equal_losses_and_fewer_reference_bytes(sp):
-    report = bench_report("decoder/tp_sp" if sp else "decoder/tp")
+def test_bench_decoder_reports_equal_losses_and_fewer_reference_bytes(ranks, sp):
+    report = bench_report("bench_decoder.py", [*ARGS, *(["--sequence-parallel"] if sp else [])])
     assert report["tp"] == 2 and report["sequence_parallel"] == sp
     assert report["losses"]["reference"] == pytest.approx(report["losses"]["hf"], abs=1e-5)
     ours, theirs = report["bytes_per_step"]["reference"], report["bytes_per_step"]["hf"]

@@ -1,11 +1,16 @@
 """benchmarks/bench_distopt.py does not rot: one tiny step at world 2 gives its JSON report, with equal losses
 and bytes per rank at their closed forms. Timings are printed by the benchmark, never asserted here."""
 
-from tests.reference.bench_runs import bench_report
+from tests.ranks import on_ranks
+from tests.reference.helpers import bench_report
+
+ARGS = ["--hidden-size", "16", "--num-layers", "1", "--seq-length", "4", "--batch-size", "1", "--steps", "1"]
+ARGS += ["--json"]  # tiny sizes: the test checks the report
 
 
-def test_bench_distopt_reports_equal_losses_and_bytes_at_the_closed_forms():
-    report = bench_report("distopt")
+@on_ranks(2)
+def test_bench_distopt_reports_equal_losses_and_bytes_at_the_closed_forms(ranks):
+    report = bench_report("bench_distopt.py", ARGS)
     assert report["world"] == 2 and report["max_loss_difference"] == 0.0
     assert set(report["variants"]) == {"ddp", "distopt", "distopt overlap"}
     for variant in report["variants"].values():

@@ -1,14 +1,30 @@
 """benchmarks/bench_pipeline.py does not rot: one tiny step at world 2 (pp 2) gives its JSON report, with
 every variant's loss equal, 1F1B's measured activation peak at the formula's fraction of GPipe's, and the
 interleaved variant's chunk-forwards in flight and every variant's replayed bubble at their formulas. Timings are
-printed by the benchmark, never
-asserted here."""
+printed by the benchmark, never asserted here."""
 
-from tests.reference.bench_runs import bench_report
+from tests.ranks import on_ranks
+from tests.reference.helpers import bench_report
+
+ARGS = ["--hidden-size", "16", "--num-layers", "4", "--seq-length", "8", "--micro-batches", "2"]
+ARGS += [  # tiny sizes: the test checks the report
+    "--micro-batch-size",
+    "1",
+    "--steps",
+    "1",
+    "--warmup",
+    "0",
+    "--virtual-stages",
+    "2",
+    "--json",
+    "--device",
+    "cpu",
+]
 
 
-def test_bench_pipeline_reports_equal_losses_and_the_1f1b_and_interleaved_memory_formulas():
-    report = bench_report("pipeline")
+@on_ranks(2)
+def test_bench_pipeline_reports_equal_losses_and_the_1f1b_and_interleaved_memory_formulas(ranks):
+    report = bench_report("bench_pipeline.py", ARGS)
     assert report["layout"] == {"tp": 1, "pp": 2, "dp": 1} and report["virtual_stages"] == 2
     assert set(report["variants"]) == {"gpipe", "1f1b", "interleaved"}
     assert set(report["ratios"]) == {"1f1b/gpipe", "interleaved/1f1b"}

@@ -23,7 +23,7 @@ from reference.tensor_parallel.parallelize import parallelize
 from reference.tensor_parallel.transformer import Transformer
 from tests.ranks import on_ranks
 from tests.reference import regression
-from tests.reference.workers.common import full_tensor, max_diff
+from tests.reference.helpers import full_tensor, max_diff
 
 H, HEADS, LAYERS, S, B, STEPS, SEED, LR = 16, 4, 2, 8, 8, 3, 1234, 0.1
 DEVICE = torch.device("cpu")

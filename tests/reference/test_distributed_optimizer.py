@@ -36,7 +36,7 @@ from reference.tensor_parallel.transformer import Transformer
 from reference.torch_patches import cuda_calls_on_cpu
 from tests.ranks import on_ranks
 from tests.reference import regression
-from tests.reference.workers.common import max_diff
+from tests.reference.helpers import max_diff
 
 H, HEADS, LAYERS, S, B, STEPS, SEED, LR = 16, 4, 2, 8, 8, 3, 1234, 1e-3
 FFN = 61  # an odd MLP width: buckets of odd sizes, so the slices need padding at DP 2 and 4

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tests.launch import WORKERS, torchrun_failing
+from tests.launch import CRASHES, torchrun_failing
 from tests.ranks import on_ranks
 from tests.reference.fsdp_runs import fsdp_results
 
@@ -64,7 +64,7 @@ def test_flat_size_not_divisible_by_world_is_padded(ranks):
 
 
 def test_rank_crash_mid_step_fails_fast_with_clear_error():
-    message, elapsed = torchrun_failing(WORKERS / "fsdp_crash_worker.py", 2)
+    message, elapsed = torchrun_failing(CRASHES / "fsdp_crash.py", 2)
     assert "RuntimeError: simulated rank crash: rank 1 failed in step 2" in message
     assert "exited 1" in message
     assert "finished" not in message

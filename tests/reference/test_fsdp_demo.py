@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 
-from tests.reference.demo_runs import demo_outputs, json_lines
+from tests.ranks import on_ranks
+from tests.reference.helpers import demo_output, json_lines, shared_tmp_dir
 
 FLAGS = (
     "--fsdp",
@@ -24,13 +25,16 @@ FLAGS = (
 )
 
 
-def test_demo_json_reports_schedule_memory_and_matches_use_torch_fsdp(tmp_path):
-    runs = demo_outputs(2, [*FLAGS, "--trace", str(tmp_path)], [*FLAGS, "--use-torch-fsdp"], timeout=180)
-    ours, theirs = (json_lines(out) for out in runs)
-    for rank in (0, 1):  # the trace file is the last step's record
-        trace = json.loads((tmp_path / f"fsdp_trace.rank{rank}.json").read_text())
-        last = next(s for s in ours if (s["rank"], s["step"]) == (rank, 1))
-        assert trace["events"] == last["events"] and trace["spans"] == last["spans"]
+@on_ranks(2)
+def test_demo_json_reports_schedule_memory_and_matches_use_torch_fsdp(ranks):
+    """Both demo runs on the two ranks; every rank asserts on rank 0's output."""
+    with shared_tmp_dir() as trace_dir:
+        ours = json_lines(demo_output([*FLAGS, "--trace", str(trace_dir)]))
+        for rank in (0, 1):  # the trace file is the last step's record
+            trace = json.loads((trace_dir / f"fsdp_trace.rank{rank}.json").read_text())
+            last = next(s for s in ours if (s["rank"], s["step"]) == (rank, 1))
+            assert trace["events"] == last["events"] and trace["spans"] == last["spans"]
+    theirs = json_lines(demo_output([*FLAGS, "--use-torch-fsdp"]))
     assert sorted((s["rank"], s["step"]) for s in ours) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     for a, b in zip(
         sorted(ours, key=lambda s: (s["rank"], s["step"])), sorted(theirs, key=lambda s: (s["rank"], s["step"]))

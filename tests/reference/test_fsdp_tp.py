@@ -26,7 +26,7 @@ from reference.tensor_parallel.parallelize import parallelize
 from reference.tensor_parallel.transformer import Transformer
 from tests.ranks import on_ranks
 from tests.reference import regression
-from tests.reference.workers.common import dtensor_plan, full_tensor, max_diff
+from tests.reference.helpers import dtensor_plan, full_tensor, max_diff
 
 # hidden 12: qkv's bias shard (18 floats) is not a multiple of 16 bytes, so the flat layout has alignment padding
 H, HEADS, LAYERS, S, B, STEPS, SEED, LR = 12, 2, 2, 8, 4, 3, 1234, 0.1

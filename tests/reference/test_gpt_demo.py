@@ -2,6 +2,7 @@
 unsharded GPT's, traffic per process group, parameter bytes per rank, and the schedule's measured in-flight
 peak per stage."""
 
+import functools
 import json
 import subprocess
 import sys
@@ -11,9 +12,9 @@ import pytest
 from reference.__main__ import main
 from reference.gpt.model import GPTConfig, UnshardedGPT
 from tests.launch import ROOT
-from tests.reference.demo_runs import demo_outputs, json_lines
+from tests.ranks import on_ranks
+from tests.reference.helpers import demo_output, json_lines, shared_tmp_dir, unsharded_gpt_training
 from tests.reference.refusals import refusal
-from tests.reference.workers.common import unsharded_gpt_training
 
 FLAGS = [
     "--tp",
@@ -117,34 +118,39 @@ def steps_and_pipeline(stdout: str) -> tuple[list[dict], dict | None]:
 THREE_D = [("gpipe", False), ("1f1b", True)]  # (schedule, sequence_parallel) of the tp 2 x pp 2 x dp 2 runs
 
 
-@pytest.fixture(scope="module")
-def three_d(tmp_path_factory):
-    """The tp 2 x pp 2 x dp 2 (replicate) runs, all in one world-8 launch: {(schedule, sequence_parallel):
-    (steps, pipeline, trace directory)}."""
-    traces = {run: tmp_path_factory.mktemp(f"trace-{run[0]}") for run in THREE_D}
-    runs = [
-        demo_args("--schedule", schedule, "--trace", str(trace), *(["--sequence-parallel"] if sp else []))
-        for (schedule, sp), trace in traces.items()
-    ]
-    outputs = demo_outputs(8, *runs, timeout=300)
-    return {run: (*steps_and_pipeline(out), traces[run]) for run, out in zip(THREE_D, outputs)}
+@functools.cache
+def three_d() -> dict:
+    """The tp 2 x pp 2 x dp 2 (replicate) runs at world 8, once a rank: {(schedule, sequence_parallel): (steps,
+    pipeline, the ops rank 0's trace file records)}."""
+    found = {}
+    for schedule, sp in THREE_D:
+        with shared_tmp_dir() as trace:
+            argv = demo_args("--schedule", schedule, "--trace", str(trace), *(["--sequence-parallel"] if sp else []))
+            steps, pipeline = steps_and_pipeline(demo_output(argv))
+            events = json.loads((trace / "gpt_trace.rank0.json").read_text())["events"]
+        found[schedule, sp] = steps, pipeline, {e["op"] for e in events}
+    return found
 
 
-TP2_DP2 = {  # the tp 2 x pp 1 x dp 2 runs, all in one world-4 launch
+TP2_DP2 = {  # the tp 2 x pp 1 x dp 2 runs at world 4: FSDP x TP, its replicated twin, the distributed optimizer
     "fsdp": demo_args("--dp-sharding", "fsdp", "--sequence-parallel", pp=1, batch_size=B * M, micro_batches=1),
+    "replicate": demo_args(
+        "--dp-sharding", "replicate", "--sequence-parallel", pp=1, batch_size=B * M, micro_batches=1
+    ),
     "optimizer": demo_args("--dp-sharding", "optimizer", pp=1),
 }
 
 
+@functools.cache
 def tp2_dp2(name: str) -> list[dict]:
-    """The step records of one of the TP2_DP2 runs (the launch is shared by the session)."""
-    outputs = dict(zip(TP2_DP2, demo_outputs(4, *TP2_DP2.values(), timeout=240)))
-    return steps_and_pipeline(outputs[name])[0]
+    """The step records of one of the TP2_DP2 runs (once a rank)."""
+    return steps_and_pipeline(demo_output(TP2_DP2[name]))[0]
 
 
+@on_ranks(8)
 @pytest.mark.parametrize("schedule, sequence_parallel", THREE_D)
-def test_tp2_pp2_dp2_demo_trains_like_the_unsharded_gpt(three_d, schedule, sequence_parallel):
-    steps, pipeline, trace_dir = three_d[schedule, sequence_parallel]
+def test_tp2_pp2_dp2_demo_trains_like_the_unsharded_gpt(ranks, schedule, sequence_parallel):
+    steps, pipeline, traced_ops = three_d()[schedule, sequence_parallel]
     assert [s["step"] for s in steps] == [0, 1, 2]
     for got, expected in zip([s["loss"] for s in steps], unsharded_losses()):
         assert abs(got - expected) < 2e-6, (got, expected)
@@ -161,15 +167,15 @@ def test_tp2_pp2_dp2_demo_trains_like_the_unsharded_gpt(three_d, schedule, seque
         assert groups["tp"] == {"all_reduce": {"count": 5 * M, "bytes": 5 * M * s * b * h * 4}}
     peaks = [(p["pp_rank"], p["peak_in_flight"], p["peak_in_flight_measured"]) for p in pipeline["pipeline"]]
     assert peaks == ([(0, M, M), (1, M, M)] if schedule == "gpipe" else [(0, 2, 2), (1, 1, 1)])
-    trace = json.loads((trace_dir / "gpt_trace.rank0.json").read_text())
-    assert {e["op"] for e in trace["events"]} >= {"send", "recv", "all_reduce"}
+    assert traced_ops >= {"send", "recv", "all_reduce"}
 
 
-def test_fsdp_x_tp_demo_trains_like_replicate_and_unsharded(three_d):
+@on_ranks(4)
+def test_fsdp_x_tp_demo_trains_like_replicate_and_unsharded(ranks):
     """2D at world 4: FSDP over DP x TP with sequence and loss parallelism, one micro-batch of B x M rows per
-    replica; the replicate run is the 1f1b, sequence-parallel tp 2 x pp 2 x dp 2 one (same global batches)."""
+    replica; the replicate run is the same tp 2 x dp 2 with --dp-sharding replicate (same global batches)."""
     fsdp = tp2_dp2("fsdp")
-    replicate = three_d["1f1b", True][0]
+    replicate = tp2_dp2("replicate")
     losses = {
         "fsdp": [s["loss"] for s in fsdp],
         "replicate": [s["loss"] for s in replicate],
@@ -189,7 +195,8 @@ def test_fsdp_x_tp_demo_trains_like_replicate_and_unsharded(three_d):
     assert abs(fsdp[0]["param_bytes_per_rank"] / unsharded - 1 / 4) < 0.02  # + replicated LayerNorms, positions
 
 
-def test_distributed_optimizer_demo_trains_like_the_unsharded_gpt():
+@on_ranks(4)
+def test_distributed_optimizer_demo_trains_like_the_unsharded_gpt(ranks):
     """tp 2 x dp 2 with --dp-sharding optimizer (ZeRO-1, SGD on fp32 slices): the unsharded losses; on the DP
     group one reduce-scatter of the gradients and one all-gather of the parameters per bucket and step, each
     of the whole fp32 buffer (what one all-reduce of it would be, twice: the ring sends (dp-1)/dp of each)."""

@@ -7,9 +7,8 @@ import pytest
 from reference.__main__ import main
 from reference.gpt.model import GPTConfig
 from tests.launch import torchrun
-from tests.reference.demo_runs import json_lines
+from tests.reference.helpers import json_lines, unsharded_gpt_training
 from tests.reference.refusals import refusal
-from tests.reference.workers.common import unsharded_gpt_training
 
 # s = 7: TP 2 does not divide it, so sequence parallelism pads it to 8 and continues the rotary positions
 MODEL = dict(vocab_size=50, hidden_size=32, num_attention_heads=4, num_layers=2, seq_length=7)

@@ -1,6 +1,6 @@
 """The close reading of Megatron-LM's 1F1B schedule, checked on megatron-core 0.16.1 itself (CPU/gloo, 4 ranks).
 
-One launch of workers/megatron_pipeline_worker.py runs `forward_backward_pipelining_without_interleaving` (picked
+Every rank of a 4-rank launch runs (`logs()`, once a rank) `forward_backward_pipelining_without_interleaving` (picked
 by `get_forward_backward_func`) at pp 4 and at pp 2 x dp 2 with megatron's own DistributedDataParallel, and logs
 per rank the forwards, backwards, p2p calls, config hooks and DP all-reduces, in order and on one clock.
 What CPU/gloo cannot show: that a batch_isend_irecv is one NCCL group (gloo runs its ops one by one), the
@@ -10,22 +10,449 @@ torch.cuda.synchronize() of batch_p2p_sync (a no-op here), and CUDA-stream concu
 
 from __future__ import annotations
 
-import pytest
+import contextlib
+import functools
+import time
 
+import pytest
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.enums import ModelType
+from megatron.core.pipeline_parallel import schedules
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from torch.overrides import TorchFunctionMode
+
+from reference.measure.pipeline_meter import PipelineMeter
 from reference.measure.replay import idle_fraction
-from tests.launch import run_worker
+from reference.pipeline.schedules import forward_backward as reference_forward_backward
+from reference.torch_patches import cuda_calls_on_cpu
+from tests.ranks import on_ranks
+from tests.reference.helpers import every_rank, groups_of_the_block
 
 pytestmark = pytest.mark.upstream("megatron-lm")
 
 
-def ranks() -> list[dict]:
-    """Every rank's log from one launch (shared by the tests of this module)."""
-    return run_worker("megatron_pipeline_worker.py", 4, timeout=240)
+S, B, H = 4, 2, 8  # what goes between stages: (seq, micro-batch, hidden), megatron's tensor_shapes
+EVENTS: list = []  # the current run's log: [name, details..., perf_counter()] (one clock for all ranks)
+BACKWARD_SLEEP = {"s": 0.0}  # makes each backward last long enough to order events across ranks by time
+
+
+def log(*fields):
+    EVENTS.append([*fields, time.perf_counter()])
+
+
+class CudaLiteralToCpu(TorchFunctionMode):
+    """torch.zeros(..., device="cuda") in the schedule (its token counter) lands on the CPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if str(kwargs.get("device", "")).startswith("cuda"):
+            kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
+
+
+class Marker(torch.autograd.Function):
+    """Identity whose backward logs `name`: the backward has reached this point of the stage."""
+
+    @staticmethod
+    def forward(ctx, x, name):
+        ctx.name = name
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        log(ctx.name)
+        time.sleep(BACKWARD_SLEEP["s"])
+        return grad, None
+
+
+class Stage(MegatronModule):
+    """Two Linear+tanh layers; the first stage reads the micro-batch, the others the received activation."""
+
+    def __init__(self, config: TransformerConfig, first: bool, last: bool):
+        super().__init__(config)
+        self.model_type = ModelType.encoder_or_decoder
+        # what finalize_model_grads asks of a stage (no embedding shared between the first and last stages)
+        self.pre_process, self.post_process, self.share_embeddings_and_output_weights = first, last, False
+        self.first, self.input_tensor = first, None
+        torch.manual_seed(100 + parallel_state.get_pipeline_model_parallel_rank())
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(H, H) for _ in range(2)])
+
+    def set_input_tensor(self, tensors):
+        self.input_tensor = tensors[0] if isinstance(tensors, list) else tensors
+
+    def forward(self, x):
+        h = x if self.first else self.input_tensor
+        h = torch.tanh(self.layers[0](h))
+        h = Marker.apply(h, "bwd_layer1_done")  # its backward runs after layer 1's backward, before layer 0's
+        return torch.tanh(self.layers[1](h))
+
+
+def micro_batches(m: int):
+    g = torch.Generator().manual_seed(7)
+    return [{"mb": i, "x": torch.randn(S, B, H, generator=g), "y": torch.randn(S, B, H, generator=g)} for i in range(m)]
+
+
+def loss_function(kind: str, mb: int, target, output):
+    """The three forms megatron accepts: (loss, reported) or (loss, num_tokens, reported)."""
+    per_token = ((output - target) ** 2).mean(dim=-1)
+    if kind == "two":
+        loss = per_token.mean()
+        loss.microbatch = mb
+        log("loss", mb, loss.item())
+        return loss, {"loss": loss.detach().clone()}
+    loss, tokens = per_token.sum(), torch.tensor(per_token.numel(), dtype=torch.int)
+    loss.microbatch = mb
+    log("loss", mb, loss.item(), int(tokens))
+    return loss, tokens, {"loss": loss.detach().clone()}
+
+
+def forward_step_func(loss_kind, data_iterator, model):
+    batch = next(data_iterator)
+    chunk = getattr(model, "vp_stage", None)
+    mb = batch["mb"] if chunk is None else f"{chunk}.{batch['mb']}"  # interleaved: F<chunk>.<micro-batch>
+    log(f"F{mb}")
+    output = model(batch["x"])
+    output.microbatch = mb
+    return output, functools.partial(loss_function, loss_kind, mb, batch["y"])
+
+
+def run_schedule(forward_backward, model, m: int, loss: str = "two") -> None:
+    """One call of a megatron schedule over m micro-batches of `loss` (one data iterator per model chunk when
+    `model` is a list of chunks), with the schedule's CUDA tensors sent to the CPU."""
+    data = [iter(micro_batches(m)) for _ in model] if isinstance(model, list) else iter(micro_batches(m))
+    with CudaLiteralToCpu():
+        forward_backward(
+            forward_step_func=functools.partial(forward_step_func, loss),
+            data_iterator=data,
+            model=model,
+            num_microbatches=m,
+            seq_length=S,
+            micro_batch_size=B,
+        )
+
+
+def logged_backward_step(original):
+    """schedules.backward_step, logging which micro-batch it runs, what it starts from and its output's size."""
+
+    def backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, config):
+        out = output_tensor[0] if isinstance(output_tensor, list) else output_tensor
+        grad = output_tensor_grad[0] if isinstance(output_tensor_grad, list) else output_tensor_grad
+        mb = getattr(out, "microbatch", None)
+        log(f"B{mb}", out.numel(), out.item() if grad is None else None)
+        result = original(input_tensor, output_tensor, output_tensor_grad, model_type, config)
+        log(f"B{mb}_end")
+        return result
+
+    return backward_step
+
+
+def logged(fn, name):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if name == "all_reduce":
+            group = kwargs.get("group")
+            log(
+                "all_reduce",
+                dist.get_process_group_ranks(group) if group else None,
+                args[0].numel(),
+                bool(kwargs.get("async_op")),
+            )
+        elif name == "batch_isend_irecv":
+            log("batch", [[op.op.__name__, op.peer] for op in args[0]])
+        else:
+            log(name, kwargs.get("dst", kwargs.get("src")))
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def logged_context(name, inner=contextlib.nullcontext):
+    @contextlib.contextmanager
+    def context():
+        log(f"{name}_enter")
+        with inner():
+            yield
+        log(f"{name}_exit")
+
+    return context
+
+
+def run(
+    name: str,
+    *,
+    pp: int,
+    m: int,
+    loss: str = "two",
+    iterations: int = 1,
+    ddp: dict | None = None,
+    align: bool = False,
+    config_kw: dict | None = None,
+    unbatched_log=False,
+    backward_sleep: float = 0.0,
+    first_stage_backward_sleep: float | None = None,
+):
+    """One megatron forward_backward call per iteration; returns the last iteration's log and the grads.
+
+    ddp: megatron's DistributedDataParallelConfig fields (the stage is wrapped in its DDP); its hooks are then
+    set as megatron/training/training.py sets them: no_sync_func only with overlap_grad_reduce, grad_sync_func
+    (= start_grad_sync) only with align (its --align-grad-reduce). Without ddp, a no_sync_func that only logs.
+    backward_sleep: how long each backward lasts at least (first_stage_backward_sleep on the first stage, when
+    given), so that events of different ranks are ordered by their times.
+    """
+    with megatron_parallel_state(pipeline_model_parallel_size=pp):
+        config = TransformerConfig(
+            num_layers=pp,
+            hidden_size=H,
+            num_attention_heads=1,
+            pipeline_model_parallel_size=pp,
+            pipeline_dtype=torch.float32,
+            **(config_kw or {}),
+        )
+        first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
+        BACKWARD_SLEEP["s"] = first_stage_backward_sleep if first and first_stage_backward_sleep else backward_sleep
+        model = Stage(config, first, last)
+        if ddp is not None:  # megatron's own DDP, wired as megatron/training/training.py wires it
+            model = DistributedDataParallel(config, DistributedDataParallelConfig(**ddp), model)
+            if ddp.get("overlap_grad_reduce"):
+                config.no_sync_func = logged_context("no_sync", model.no_sync)
+                if align:
+
+                    def grad_sync(params, start=model.start_grad_sync):
+                        log("grad_sync_func")
+                        start()
+
+                    config.grad_sync_func = grad_sync
+        else:
+            config.no_sync_func = logged_context("no_sync")
+
+        def finalize(*args, **kwargs):
+            log("finalize_enter", args[1] is not None and int(args[1]))
+            if ddp is not None:
+                finalize_model_grads(*args, **kwargs)
+            log("finalize_exit")
+
+        config.finalize_model_grads_func = finalize
+        patches = {"all_reduce": torch.distributed.all_reduce, "batch_isend_irecv": torch.distributed.batch_isend_irecv}
+        if unbatched_log:  # batched P2POps need the real isend/irecv (P2POp checks its op)
+            patches.update(isend=torch.distributed.isend, irecv=torch.distributed.irecv)
+        forward_backward = schedules.get_forward_backward_func()
+        assert forward_backward is schedules.forward_backward_pipelining_without_interleaving
+        original_backward_step = schedules.backward_step
+        for attr, fn in patches.items():
+            setattr(torch.distributed, attr, logged(fn, attr))
+        schedules.backward_step = logged_backward_step(original_backward_step)
+        try:
+            for _ in range(iterations):
+                EVENTS.clear()
+                if ddp is not None:
+                    model.zero_grad_buffer()
+                run_schedule(forward_backward, model, m, loss)
+        finally:
+            schedules.backward_step = original_backward_step
+            for attr, fn in patches.items():
+                setattr(torch.distributed, attr, fn)
+        inner = model.module if ddp is not None else model
+        grads = [(p.main_grad if ddp is not None else p.grad).flatten().tolist() for p in inner.parameters()]
+        result = {
+            "name": name,
+            "pp": pp,
+            "m": m,
+            "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
+            "dp_size": parallel_state.get_data_parallel_world_size(),
+            "first": first,
+            "last": last,
+            "events": list(EVENTS),
+            "grads": grads,
+            "defaults": {
+                k: getattr(config, k)
+                for k in ("batch_p2p_comm", "batch_p2p_sync", "deallocate_pipeline_outputs", "calculate_per_token_loss")
+            },
+        }
+        if ddp is not None:
+            result["ddp_defaults"] = {k: getattr(model.ddp_config, k) for k in ("overlap_grad_reduce",)}
+            result["buckets"] = len(model.bucket_groups)
+    return result
+
+
+def interleaved_state(p: int, v: int):
+    """Megatron's parallel state for p stages of v virtual stages each (both interleaved runs below)."""
+    return megatron_parallel_state(pipeline_model_parallel_size=p, virtual_pipeline_model_parallel_size=v)
+
+
+def interleaved_config(p: int, v: int) -> TransformerConfig:
+    """A config of one layer per virtual stage, p stages of v virtual stages each."""
+    return TransformerConfig(
+        num_layers=p * v,
+        hidden_size=H,
+        num_attention_heads=1,
+        pipeline_model_parallel_size=p,
+        virtual_pipeline_model_parallel_size=v,
+        pipeline_dtype=torch.float32,
+    )
+
+
+def interleaved_actions(p: int, v: int, m: int) -> list[str]:
+    """This stage's order under forward_backward_pipelining_with_interleaving: v model chunks per stage (chunk c
+    of stage r is virtual stage c * p + r), picked by get_forward_backward_func from parallel_state."""
+    with interleaved_state(p, v):
+        config = interleaved_config(p, v)
+        r = parallel_state.get_pipeline_model_parallel_rank()
+        chunks = []
+        for c in range(v):
+            chunk = Stage(config, first=r == 0 and c == 0, last=r == p - 1 and c == v - 1)
+            chunk.vp_stage = c
+            chunks.append(chunk)
+        forward_backward = schedules.get_forward_backward_func()
+        assert forward_backward is schedules.forward_backward_pipelining_with_interleaving
+        original_backward_step = schedules.backward_step
+        schedules.backward_step = logged_backward_step(original_backward_step)
+        EVENTS.clear()
+        try:
+            run_schedule(forward_backward, chunks, m)
+        finally:
+            schedules.backward_step = original_backward_step
+    return [e[0] for e in EVENTS if e[0][0] in "FB" and not e[0].endswith("_end")]
+
+
+def interleaved_refusal(p: int, v: int, m: int) -> str:
+    """What forward_backward_pipelining_with_interleaving says when m is not a multiple of p (its default
+    microbatch_group_size_per_vp_stage); it checks before any communication."""
+    with interleaved_state(p, v):
+        config = interleaved_config(p, v)
+        chunks = [Stage(config, first=False, last=False) for _ in range(v)]
+        try:
+            run_schedule(schedules.forward_backward_pipelining_with_interleaving, chunks, m)
+        except (RuntimeError, ValueError) as error:
+            return f"{type(error).__name__}: {error}"
+    return "accepted"
+
+
+def reference_actions(p: int, m: int, v: int = 1) -> list[str]:
+    """The reference's 1F1B (reference.pipeline.schedules) on the same PP group: its action order; with v > 1
+    model chunks per stage, its interleaved 1F1B."""
+    with megatron_parallel_state(pipeline_model_parallel_size=p):
+        group, r = parallel_state.get_pipeline_model_parallel_group(), parallel_state.get_pipeline_model_parallel_rank()
+
+        def chunk(c: int):
+            layer = torch.nn.Linear(H, H)
+
+            def stage(x, hidden=None):
+                out = layer(x if r == 0 and c == 0 else hidden)
+                return out.pow(2).mean() if r == p - 1 and c == v - 1 else out
+
+            return stage
+
+        batches = [(mb["x"],) for mb in micro_batches(m)]
+        stage = chunk(0) if v == 1 else [chunk(c) for c in range(v)]
+        meter = PipelineMeter()
+        reference_forward_backward("1f1b", stage, batches, pp_group=group, activation_shape=(S, B, H), observer=meter)
+    return meter.actions
+
+
+def deallocated_output_rejects_plain_backward() -> str:
+    """What torch.autograd.backward says about an output whose .data deallocate_output_tensor shrank."""
+    out = torch.tanh(torch.nn.Linear(H, H)(torch.randn(S, B, H)))
+    schedules.deallocate_output_tensor(out, deallocate_pipeline_outputs=True)
+    try:
+        torch.autograd.backward(out, grad_tensors=torch.ones(S, B, H))
+    except RuntimeError as error:
+        return str(error).splitlines()[0]
+    return "accepted"
+
+
+def ddp_grad_dtypes() -> dict[str, str]:
+    """The gradient buffer dtype of megatron's DDP around a bf16 stage, by default and with grad_reduce_in_fp32."""
+    dtypes = {}
+    with megatron_parallel_state(pipeline_model_parallel_size=2):
+        for name, ddp in [("default", {}), ("grad_reduce_in_fp32", {"grad_reduce_in_fp32": True})]:
+            config = TransformerConfig(
+                num_layers=2,
+                hidden_size=H,
+                num_attention_heads=1,
+                pipeline_model_parallel_size=2,
+                pipeline_dtype=torch.bfloat16,
+                params_dtype=torch.bfloat16,
+                bf16=True,
+            )
+            stage = Stage(config, parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage())
+            model = DistributedDataParallel(config, DistributedDataParallelConfig(**ddp), stage.to(torch.bfloat16))
+            dtypes[name] = str(model.buffers[0].grad_dtype)
+    return dtypes
+
+
+@contextlib.contextmanager
+def megatron_parallel_state(**sizes):
+    """megatron's `initialize_model_parallel(**sizes)` for the body (without its gloo groups, unused here), then
+    `destroy_model_parallel()` and every group it made destroyed: megatron only forgets them."""
+    with groups_of_the_block():
+        parallel_state.initialize_model_parallel(**sizes, create_gloo_process_groups=False)
+        try:
+            yield
+        finally:
+            parallel_state.destroy_model_parallel()
+
+
+@functools.cache
+def logs() -> list[dict]:
+    """Every run's event log and the schedules' action orders, on every rank (computed once a rank)."""
+    cuda_calls_on_cpu()
+    runs = [
+        run("defaults_m6", pp=4, m=6),
+        run("defaults_m2", pp=4, m=2),
+        run("unbatched_m6", pp=4, m=6, config_kw={"batch_p2p_comm": False}, unbatched_log=True),
+        run("deallocate_m6", pp=4, m=6, config_kw={"deallocate_pipeline_outputs": True}),
+        run("three_output_m6", pp=4, m=6, loss="three"),
+        # megatron's DDP and finalize_model_grads, so that the per-token division of the gradients happens
+        run("per_token_m6", pp=4, m=6, loss="three", config_kw={"calculate_per_token_loss": True}, ddp={}),
+        # pp 2 x dp 2; a bucket per layer where megatron buckets at all (the first stage); the second iteration
+        # is the one logged (in the first, megatron's overlapping DDP learns which grads fill each bucket)
+        run("ddp_defaults", pp=2, m=4, iterations=2, ddp={}, backward_sleep=0.05),
+        run(
+            "ddp_overlap",
+            pp=2,
+            m=4,
+            iterations=2,
+            ddp={"overlap_grad_reduce": True, "bucket_size": H * H + H},
+            backward_sleep=0.05,
+        ),
+        run(
+            "ddp_overlap_align",
+            pp=2,
+            m=4,
+            iterations=2,
+            align=True,
+            ddp={"overlap_grad_reduce": True, "bucket_size": H * H + H},
+            backward_sleep=0.05,
+            # the later stage's all-reduce must be seen inside the first stage's drain even on a loaded
+            # machine (CI once ran this stage more than 50 ms late after it sent its last gradient)
+            first_stage_backward_sleep=0.5,
+        ),
+    ]
+    result = {
+        "runs": {r["name"]: r for r in runs},
+        "reference_actions": {"m6": reference_actions(4, 6), "m2": reference_actions(4, 2)},
+        "deallocated_plain_backward": deallocated_output_rejects_plain_backward(),
+        "bf16_grad_dtypes": ddp_grad_dtypes(),
+        "interleaved_v2_m8": interleaved_actions(4, 2, 8),
+        "interleaved_v2_m4": interleaved_actions(4, 2, 4),
+        "interleaved_v3_m4": interleaved_actions(4, 3, 4),
+        "reference_interleaved": {f"v{v}_m{m}": reference_actions(4, m, v) for v, m in ((2, 8), (2, 4), (3, 4))},
+        "interleaved_m6_refused": interleaved_refusal(4, 2, 6),
+        "defaults_m8": [
+            e[0] for e in run("defaults_m8", pp=4, m=8)["events"] if e[0][0] in "FB" and not e[0].endswith("_end")
+        ],
+        "with_virtual_stages": schedules.get_forward_backward_func(pp_size=4, vp_size=2).__name__,
+    }
+    return every_rank(result)
 
 
 def runs(name: str) -> list[dict]:
     """The run `name` on every rank, in pipeline-rank order (ties: global rank)."""
-    return sorted((r["runs"][name] for r in ranks()), key=lambda run: run["pp_rank"])
+    return sorted((r["runs"][name] for r in logs()), key=lambda run: run["pp_rank"])
 
 
 def names(run: dict) -> list[str]:
@@ -41,8 +468,9 @@ def backward_indices(run: dict) -> list[int]:
     return [i for i, n in enumerate(names(run)) if n[0] == "B" and not n.endswith("_end")]
 
 
+@on_ranks(4)
 @pytest.mark.parametrize("name", ["defaults_m6", "defaults_m2"])
-def test_stage_r_runs_min_p_minus_r_minus_1_warmup_forwards_then_alternates(name):
+def test_stage_r_runs_min_p_minus_r_minus_1_warmup_forwards_then_alternates(ranks, name):
     """Warm-up forwards are the ones followed by a send alone (send_forward); steady-state forwards are followed
     by send_forward_recv_backward. Stage r then holds at most min(p - r, m) micro-batches."""
     for run in runs(name):
@@ -65,16 +493,18 @@ def test_stage_r_runs_min_p_minus_r_minus_1_warmup_forwards_then_alternates(name
         assert max(held) == min(p - r, m), (r, order)
 
 
+@on_ranks(4)
 @pytest.mark.parametrize("m", [6, 2])
-def test_megatron_1f1b_order_is_the_reference_schedule_and_idles_p_minus_1_over_m_plus_p_minus_1(m):
+def test_megatron_1f1b_order_is_the_reference_schedule_and_idles_p_minus_1_over_m_plus_p_minus_1(ranks, m):
     orders = [actions(run) for run in runs(f"defaults_m{m}")]
-    by_pp_rank = sorted(ranks(), key=lambda r: r["runs"]["defaults_m6"]["pp_rank"])
+    by_pp_rank = sorted(logs(), key=lambda r: r["runs"]["defaults_m6"]["pp_rank"])
     assert orders == [r["reference_actions"][f"m{m}"] for r in by_pp_rank]
     p = len(orders)
     assert idle_fraction(orders) == pytest.approx((p - 1) / (m + p - 1))
 
 
-def test_by_default_each_p2p_round_is_one_batch_isend_irecv():
+@on_ranks(4)
+def test_by_default_each_p2p_round_is_one_batch_isend_irecv(ranks):
     for run in runs("defaults_m6"):
         assert run["defaults"]["batch_p2p_comm"] is True and run["defaults"]["batch_p2p_sync"] is True
         events, r = run["events"], run["pp_rank"]
@@ -92,7 +522,8 @@ def test_by_default_each_p2p_round_is_one_batch_isend_irecv():
             assert [op for op, _ in ops] == ["isend", "irecv"] and ops[0][1] == ops[1][1], ops
 
 
-def test_unbatched_rounds_send_to_next_before_receiving_and_receive_from_previous_before_sending():
+@on_ranks(4)
+def test_unbatched_rounds_send_to_next_before_receiving_and_receive_from_previous_before_sending(ranks):
     """batch_p2p_comm=False: _p2p_ops' even/odd branches give 1F1B's rounds the same order on every stage."""
     for run in runs("unbatched_m6"):
         assert "batch" not in names(run)
@@ -109,8 +540,9 @@ def test_unbatched_rounds_send_to_next_before_receiving_and_receive_from_previou
         assert {first[1] for first, _ in rounds} == {r - 1, r + 1} - {-1, run["pp"]}
 
 
+@on_ranks(4)
 @pytest.mark.parametrize("name", ["defaults_m6", "defaults_m2"])
-def test_no_sync_is_entered_before_the_first_micro_batch_and_left_just_before_the_last_backward(name):
+def test_no_sync_is_entered_before_the_first_micro_batch_and_left_just_before_the_last_backward(ranks, name):
     for run in runs(name):
         order = names(run)
         assert order[0] == "no_sync_enter", order
@@ -127,7 +559,8 @@ def dp_all_reduces(run: dict) -> list[tuple[int, list]]:
     return [(i, e) for i, e in enumerate(run["events"]) if e[0] == "all_reduce" and len(e[1]) == run["dp_size"]]
 
 
-def test_default_megatron_ddp_reduces_once_synchronously_after_the_last_backward():
+@on_ranks(4)
+def test_default_megatron_ddp_reduces_once_synchronously_after_the_last_backward(ranks):
     """overlap_grad_reduce=False: backward only accumulates; finalize_model_grads issues one blocking
     all-reduce of the whole (unbucketed) gradient buffer on every stage, after all backwards."""
     for run in runs("ddp_defaults"):
@@ -145,7 +578,8 @@ def last_backward_span(run: dict) -> tuple[int, int]:
     return start, order.index(order[start] + "_end", start)
 
 
-def test_overlap_grad_reduce_issues_bucket_all_reduces_while_the_last_backward_runs():
+@on_ranks(4)
+def test_overlap_grad_reduce_issues_bucket_all_reduces_while_the_last_backward_runs(ranks):
     """overlap_grad_reduce=True, no grad_sync_func: every stage leaves no_sync before its last backward and
     its buckets' asynchronous all-reduces start inside it; the first stage's first bucket before its first
     layer's backward. Only the first stage is bucketed (one bucket on the others)."""
@@ -158,7 +592,8 @@ def test_overlap_grad_reduce_issues_bucket_all_reduces_while_the_last_backward_r
             assert reduces[0][0] < layer_boundary < reduces[1][0], names(run)[start : end + 1]
 
 
-def test_with_grad_sync_func_only_the_first_stage_reduces_in_its_last_backward_the_others_in_the_bubble():
+@on_ranks(4)
+def test_with_grad_sync_func_only_the_first_stage_reduces_in_its_last_backward_the_others_in_the_bubble(ranks):
     """grad_sync_func = start_grad_sync (megatron training under overlap_grad_reduce and its default
     align_grad_reduce): later stages keep no_sync through their last backward and issue their all-reduce
     after it, while the first stage is still draining the pipeline."""
@@ -179,7 +614,8 @@ def test_with_grad_sync_func_only_the_first_stage_reduces_in_its_last_backward_t
             assert run["events"][end][-1] < issued < stage0["events"][last_backward_span(stage0)[1]][-1]
 
 
-def test_each_loss_is_divided_by_num_microbatches_before_backward():
+@on_ranks(4)
+def test_each_loss_is_divided_by_num_microbatches_before_backward(ranks):
     """Two outputs: loss / m (x the context-parallel size, 1 here). Three: loss / num_tokens / m, unless
     calculate_per_token_loss, where backward starts from the sum and megatron's finalize_model_grads divides the
     gradients by the global token count."""
@@ -205,7 +641,8 @@ def test_each_loss_is_divided_by_num_microbatches_before_backward():
         assert flat[0] == pytest.approx(flat[1], rel=1e-5, abs=1e-7)
 
 
-def test_deallocate_pipeline_outputs_is_off_by_default_and_shrinks_sent_outputs_to_one_element():
+@on_ranks(4)
+def test_deallocate_pipeline_outputs_is_off_by_default_and_shrinks_sent_outputs_to_one_element(ranks):
     defaults, deallocated = runs("defaults_m6"), runs("deallocate_m6")
     for plain, freed in zip(defaults, deallocated):
         assert plain["defaults"]["deallocate_pipeline_outputs"] is False
@@ -213,13 +650,14 @@ def test_deallocate_pipeline_outputs_is_off_by_default_and_shrinks_sent_outputs_
         freed_sizes = {e[1] for e in freed["events"] if e[0][0] == "B" and not e[0].endswith("_end")}
         assert freed_sizes == {1} and sizes == ({1} if plain["last"] else {4 * 2 * 8}), (sizes, freed_sizes)
         assert freed["grads"] == plain["grads"]  # custom_backward gives the same gradients
-    assert "Mismatch in shape" in ranks()[0]["deallocated_plain_backward"]
+    assert "Mismatch in shape" in logs()[0]["deallocated_plain_backward"]
 
 
-def test_the_interleaved_schedule_picked_for_virtual_stages_idles_v_times_less():
+@on_ranks(4)
+def test_the_interleaved_schedule_picked_for_virtual_stages_idles_v_times_less(ranks):
     """get_forward_backward_func picks forward_backward_pipelining_with_interleaving when virtual stages are set;
     its recorded order at p 4, v 2 chunks, m 8 idles (p - 1)/(v m + p - 1), against (p - 1)/(m + p - 1)."""
-    by_pp_rank = sorted(ranks(), key=lambda r: r["runs"]["defaults_m6"]["pp_rank"])
+    by_pp_rank = sorted(logs(), key=lambda r: r["runs"]["defaults_m6"]["pp_rank"])
     assert by_pp_rank[0]["with_virtual_stages"] == "forward_backward_pipelining_with_interleaving"
     p, v, m = 4, 2, 8
     interleaved = idle_fraction([r["interleaved_v2_m8"] for r in by_pp_rank], chunks=v)
@@ -227,18 +665,20 @@ def test_the_interleaved_schedule_picked_for_virtual_stages_idles_v_times_less()
     assert interleaved == pytest.approx((p - 1) / (v * m + p - 1)) and plain == pytest.approx((p - 1) / (m + p - 1))
 
 
-def test_megatron_ddp_buckets_only_the_first_stage_and_reduces_in_the_parameters_dtype():
+@on_ranks(4)
+def test_megatron_ddp_buckets_only_the_first_stage_and_reduces_in_the_parameters_dtype(ranks):
     for run in runs("ddp_overlap"):  # a bucket per layer asked for: granted on the first stage only
         assert run["buckets"] == (2 if run["first"] else 1), run["buckets"]
-    for rank in ranks():
+    for rank in logs():
         assert rank["bf16_grad_dtypes"] == {"default": "torch.bfloat16", "grad_reduce_in_fp32": "torch.float32"}
 
 
+@on_ranks(4)
 @pytest.mark.parametrize("v, m", [(2, 8), (2, 4), (3, 4)])
-def test_megatron_interleaved_order_is_the_reference_interleaved_1f1b(v, m):
+def test_megatron_interleaved_order_is_the_reference_interleaved_1f1b(ranks, v, m):
     """forward_backward_pipelining_with_interleaving at p 4 (v chunks; m 4 puts every forward of rank 0 in the
     warm-up) runs on each rank the order reference.pipeline.interleaved runs on the same PP group."""
-    by_pp_rank = sorted(ranks(), key=lambda r: r["runs"]["defaults_m6"]["pp_rank"])
+    by_pp_rank = sorted(logs(), key=lambda r: r["runs"]["defaults_m6"]["pp_rank"])
     megatron = [r[f"interleaved_v{v}_m{m}"] for r in by_pp_rank]
     assert megatron == [r["reference_interleaved"][f"v{v}_m{m}"] for r in by_pp_rank]
     p = len(megatron)
@@ -247,9 +687,10 @@ def test_megatron_interleaved_order_is_the_reference_interleaved_1f1b(v, m):
         assert next((i for i, a in enumerate(order) if a[0] == "B"), len(order)) == min(warmup + 1, v * m)
 
 
-def test_megatron_refuses_interleaving_when_m_is_not_a_multiple_of_p():
+@on_ranks(4)
+def test_megatron_refuses_interleaving_when_m_is_not_a_multiple_of_p(ranks):
     """Its default microbatch_group_size_per_vp_stage is p; m 6 at p 4 leaves a last group of 2 < p."""
-    for rank in ranks():
+    for rank in logs():
         assert rank["interleaved_m6_refused"].startswith("RuntimeError: The remainder of M"), rank[
             "interleaved_m6_refused"
         ]

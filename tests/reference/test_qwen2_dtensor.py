@@ -29,7 +29,7 @@ from reference.distributed import distributed
 from tests.launch import torchrun_failing
 from tests.ranks import on_ranks
 from tests.reference.gpus import DEVICES
-from tests.reference.workers.common import max_diff
+from tests.reference.helpers import max_diff
 
 pytestmark = pytest.mark.upstream("pytorch")
 

@@ -33,7 +33,7 @@ from reference.parallel_state import build_layout
 from reference.tensor_parallel.layers import allreduce_sequence_parallel_grads
 from tests.ranks import on_ranks
 from tests.reference.gpus import DEVICES
-from tests.reference.workers.common import max_diff
+from tests.reference.helpers import max_diff
 
 CONFIG = GPTConfig(
     style="llama",

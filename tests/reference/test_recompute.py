@@ -15,10 +15,9 @@ from reference.tensor_parallel.parallelize import parallelize, parallelize_block
 from reference.tensor_parallel.rotary import rotary_cos_sin
 from reference.tensor_parallel.transformer import LlamaBlock, Transformer
 from tests.ranks import on_ranks
-from tests.reference.demo_runs import demo_outputs, json_lines
 from tests.reference.gpus import DEVICES
+from tests.reference.helpers import demo_output, json_lines, max_diff
 from tests.reference.refusals import refusal
-from tests.reference.workers.common import max_diff
 
 S, B, H, A, LAYERS, SEED, STEPS, DROPOUT = 8, 2, 16, 4, 2, 11, 2, 0.25
 
@@ -172,17 +171,18 @@ def llama_args(recompute: str) -> list[str]:
 
 @functools.cache
 def _demo_records() -> dict[tuple[str, str], list[dict]]:
-    """{(model, recompute mode): --json records} of every world-1 demo run of this file, from one launch."""
+    """{(model, recompute mode): --json records} of every world-1 demo run of this file (once a rank)."""
     runs = {("gpt2", mode): gpt_args(mode) for mode in MODES} | {("llama", mode): llama_args(mode) for mode in MODES}
-    return {run: json_lines(out) for run, out in zip(runs, demo_outputs(1, *runs.values(), timeout=240))}
+    return {run: json_lines(demo_output(argv)) for run, argv in runs.items()}
 
 
 def _demo_losses(recompute: str) -> list[float]:
     return [record["loss"] for record in _demo_records()["gpt2", recompute] if "step" in record]
 
 
+@on_ranks(1)
 @pytest.mark.parametrize("mode", ["selective", "full"])
-def test_the_demo_trains_the_same_with_recomputation(mode):
+def test_the_demo_trains_the_same_with_recomputation(ranks, mode):
     """--recompute through the GPT stage and the pipeline step: the same losses as without, with dropout."""
     losses = _demo_losses(mode)
     assert len(losses) == 2 and losses == _demo_losses("none")
@@ -197,7 +197,8 @@ def _llama_demo(recompute: str) -> tuple[list[float], int, list[int]]:
     return losses, memory["peak_activation_bytes"], pipeline["action_flops"]
 
 
-def test_the_llama_block_recomputes_too():
+@on_ranks(1)
+def test_the_llama_block_recomputes_too(ranks):
     """The modern block takes the same modes: the same losses, fewer activation bytes kept (full keeps only the
     block inputs), and under full recompute a backward that does the forward's linear-layer FLOPs again (the
     recorder counts matmuls of the linear layers, so selective recompute of the attention core adds none)."""

@@ -10,7 +10,7 @@ from reference.parallel_state import ParallelConfigError, build_layout
 from reference.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from reference.tensor_parallel.parallelize import parallelize
 from reference.tensor_parallel.transformer import Transformer, init_method_normal
-from tests.launch import ROOT, WORKERS, torchrun, torchrun_failing
+from tests.launch import CRASHES, ROOT, torchrun, torchrun_failing
 from tests.ranks import on_ranks
 from tests.reference.gpus import DEVICES
 
@@ -93,6 +93,6 @@ def test_demo_refuses_world_not_divisible_by_tp_with_one_line_error():
 
 
 def test_rank_crash_mid_step_ends_the_run_in_bounded_time():
-    message, _ = torchrun_failing(WORKERS / "tp_crash_worker.py", 2)
+    message, _ = torchrun_failing(CRASHES / "tp_crash.py", 2)
     assert "simulated crash of rank 1" in message
     assert "unreachable on rank 0" not in message

@@ -17,7 +17,7 @@ from reference.tensor_parallel.parallelize import parallelize
 from reference.tensor_parallel.transformer import Transformer, init_method_normal
 from tests.ranks import on_ranks
 from tests.reference.gpus import DEVICES
-from tests.reference.workers.common import assert_close, gather_dim
+from tests.reference.helpers import assert_close, gather_dim
 
 B, S, H, HEADS = 2, 8, 16, 4
 

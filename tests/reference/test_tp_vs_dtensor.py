@@ -19,7 +19,7 @@ from reference.tensor_parallel.parallelize import parallelize
 from reference.tensor_parallel.transformer import Transformer
 from tests.ranks import on_ranks
 from tests.reference.gpus import DEVICES
-from tests.reference.workers.common import assert_close, dtensor_plan, full_tensor
+from tests.reference.helpers import assert_close, dtensor_plan, full_tensor
 
 H, HEADS, LAYERS, S, B = 16, 4, 2, 8, 2
 

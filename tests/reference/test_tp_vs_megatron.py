@@ -26,7 +26,7 @@ from reference.tensor_parallel.transformer import init_method_normal
 from reference.torch_patches import cuda_calls_on_cpu
 from tests.ranks import on_ranks
 from tests.reference.gpus import DEVICES
-from tests.reference.workers.common import assert_close, gather_dim, groups_of_the_block
+from tests.reference.helpers import assert_close, gather_dim, groups_of_the_block
 
 # (bias, skip_bias_add) pairs x gather_output / input_is_parallel x sequence_parallel, as layers() loops:
 COLUMN_CASES, ROW_CASES = 3 * 2 * 2, 3 * 2 * 2 - 3  # a row layer's sequence parallelism needs a parallel input

@@ -15,7 +15,7 @@ from reference.tensor_parallel.parallelize import parallelize
 from reference.tensor_parallel.transformer import Transformer
 from tests.ranks import on_ranks
 from tests.reference.gpus import DEVICES
-from tests.reference.workers.common import assert_close, full_tensor
+from tests.reference.helpers import assert_close, full_tensor
 
 H, HEADS, LAYERS, B = 16, 4, 2, 2
 

@@ -33,7 +33,7 @@ from reference.tensor_parallel.vocab_parallel import ParallelLMHead, VocabParall
 from reference.torch_patches import cuda_calls_on_cpu
 from tests.ranks import on_ranks
 from tests.reference.gpus import DEVICES
-from tests.reference.workers.common import assert_close, gather_dim
+from tests.reference.helpers import assert_close, gather_dim
 
 S, B, H = 8, 2, 8  # 16 tokens; H < tokens so a logits shard is the largest tensor of the head
 V_TINY = 5  # at TP=4 padded to 8: the last rank holds only padding

@@ -1,45 +1,28 @@
-"""Helpers shared by the worker scripts: process-group setup, the results file, re-assembly of sharded tensors.
-
-The worker protocol (tests/launch.run_worker): `main()` under `if __name__ == "__main__"`, the output folder as
-first argument, each rank's results written by `write_results` for the pytest side to assert on. Most workers
-define `results(device) -> dict` and `main()` calls `serve(results)`, so shared_worker.py can run several of
-them in one launch.
-"""
+"""Test-side helpers of the distributed reference tests: re-assembly of sharded tensors, the single-process GPT
+oracle, comparisons, the process groups a block made destroyed after it."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import io
 import json
-import os
+import runpy
+import shutil
 import sys
-from collections.abc import Callable, Iterator
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from reference.distributed import finish, init_distributed
+from reference.__main__ import main as demo_main
 from reference.gpt.hf_weights import master_name
 from reference.gpt.model import GPTConfig, UnshardedGPT
 from reference.gpt.train import synthetic_batches
 from reference.torch_patches import live_process_groups
-
-
-def device_type() -> str:
-    """The device the test launched this worker for (REFERENCE_TEST_DEVICE, set by run_worker): cpu or cuda."""
-    return "cuda" if os.environ.get("REFERENCE_TEST_DEVICE") == "cuda" else "cpu"
-
-
-def init(timeout_s: int = 60) -> torch.device:
-    """gloo on CPU, or nccl on CUDA when REFERENCE_TEST_DEVICE=cuda; returns the device."""
-    return init_distributed(device_type(), timeout_s)
-
-
-def write_results(out: str | Path, results: dict) -> None:
-    """This rank's results as OUT/rank{R}.json, the one way a worker reports to its test."""
-    (Path(out) / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
 
 
 @contextlib.contextmanager
@@ -55,15 +38,6 @@ def groups_of_the_block() -> Iterator[None]:
     for group in live_process_groups():
         if group not in before:
             dist.destroy_process_group(group)
-
-
-def serve(results: Callable[[torch.device], dict]) -> None:
-    """A worker's main: set up the process group, write this rank's `results(device)` to the output folder
-    given as first argument, tear the group down."""
-    out = Path(sys.argv[1])
-    device = init()
-    write_results(out, results(device))
-    finish()
 
 
 def gather_dim(t: torch.Tensor, dim: int, group) -> torch.Tensor:
@@ -138,7 +112,7 @@ def assert_close(actual, expected, what: str, atol=1e-5, rtol=1e-4):
 
 def dtensor_plan(sp: bool) -> dict:
     """PyTorch's own TP plan for one plain TransformerBlock (parallelize_module), with or without SP: the
-    DTensor counterpart of the reference block the TP and FSDP x TP workers compare against."""
+    DTensor counterpart of the reference block the TP and FSDP x TP tests compare against."""
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
@@ -163,3 +137,72 @@ def max_diff(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> 
     """Largest absolute difference over same-named tensors (compared in fp32); the names must match."""
     assert ours.keys() == theirs.keys(), f"parameter names differ: {sorted(ours.keys() ^ theirs.keys())}"
     return max((ours[n].float() - theirs[n].float()).abs().max().item() for n in ours)
+
+
+def every_rank(result):
+    """`result` of every rank of the default group, in rank order (for claims that compare ranks)."""
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, result)
+    return gathered
+
+
+def rank0(value):
+    """Rank 0's `value`, on every rank."""
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+@contextlib.contextmanager
+def captured_stdout() -> Iterator[io.StringIO]:
+    """What the block prints, kept; printed after all if the block raises (into the rank's log of the test)."""
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(captured):
+            yield captured
+    except BaseException:
+        print(captured.getvalue(), end="")
+        raise
+
+
+def demo_output(argv: list[str]) -> str:
+    """Rank 0's stdout of `torchrun -m reference ARGV`, run in this process on the default group (the demo runs
+    on the group it finds set up and leaves it), on every rank. `--device` is the group's, so `auto` cannot pick
+    CUDA for a gloo group on a machine with a GPU."""
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    with captured_stdout() as captured:
+        demo_main([*argv, "--device", device])
+    return rank0(captured.getvalue())
+
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def bench_report(script: str, args: list[str]) -> dict:
+    """The JSON report (`--json`) that `python benchmarks/SCRIPT ARGS` prints, run in this process (runpy, as
+    `__main__`) on the group it finds set up and leaves (reference.distributed.distributed), on every rank."""
+    argv, path = sys.argv, sys.path
+    sys.argv, sys.path = [str(BENCHMARKS / script), *args], [str(BENCHMARKS), *sys.path]  # as for a script there
+    try:
+        with captured_stdout() as captured:
+            runpy.run_path(sys.argv[0], run_name="__main__")
+    finally:
+        sys.argv, sys.path = argv, path
+    return json_lines("".join(every_rank(captured.getvalue())))[0]
+
+
+@contextlib.contextmanager
+def shared_tmp_dir() -> Iterator[Path]:
+    """A temporary directory every rank of the default group writes into (made and removed by rank 0)."""
+    path = Path(rank0(tempfile.mkdtemp(prefix="ranks-") if dist.get_rank() == 0 else None))
+    try:
+        yield path
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(path)
+
+
+def json_lines(stdout: str) -> list[dict]:
+    """The demo's (or a benchmark's) --json records: the lines of its output that are JSON objects."""
+    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]

@@ -2,15 +2,15 @@
 
 import torch
 import torch.distributed as dist
-from common import init
 
+from reference.distributed import init_distributed
 from reference.parallel_state import build_layout
 from reference.tensor_parallel.parallelize import parallelize
 from reference.tensor_parallel.transformer import Transformer
 
 
 def main() -> None:
-    device = init(timeout_s=30)
+    device = init_distributed("cpu", 30)
     tp = build_layout(tp_size=dist.get_world_size()).tp_group
     model = parallelize(Transformer(2, 16, 4, device=device), tp)
     for step in range(3):

@@ -2,8 +2,8 @@
 
 import torch
 import torch.distributed as dist
-from common import init
 
+from reference.distributed import init_distributed
 from reference.gpt.model import GPTConfig
 from reference.gpt.parallelize import build_stage
 from reference.gpt.train import data_parallel, synthetic_batches, train_step
@@ -11,7 +11,7 @@ from reference.parallel_state import build_layout
 
 
 def main() -> None:
-    device = init(timeout_s=30)
+    device = init_distributed("cpu", 30)
     config = GPTConfig(vocab_size=32, hidden_size=16, num_attention_heads=4, num_layers=2, seq_length=8)
     layout = build_layout(1, 2, 1)
     stage = build_stage(config, layout, device=device)

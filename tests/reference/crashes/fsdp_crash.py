@@ -3,8 +3,8 @@
 import time
 
 import torch.distributed as dist
-from common import init
 
+from reference.distributed import init_distributed
 from reference.fsdp.units import shard_model
 from reference.gpt.model import UnshardedGPT
 from reference.gpt.train import split_batch, synthetic_batches
@@ -13,7 +13,7 @@ from tests.reference.fsdp_runs import BATCH, CONFIG, SEED, STEPS
 
 def main() -> None:
     """Rank 1 fails inside its second step's forward; rank 0 is then blocked in a collective."""
-    device = init(timeout_s=15)
+    device = init_distributed("cpu", 15)
     rank, world = dist.get_rank(), dist.get_world_size()
     model = shard_model(UnshardedGPT(CONFIG, SEED, device), "reference", dist.group.WORLD)
     calls = []
