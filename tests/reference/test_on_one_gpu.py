@@ -6,22 +6,18 @@ beside a GPU, and a benchmark's `--device cuda` without a GPU is one line and ex
 
 from __future__ import annotations
 
-import contextlib
 import importlib
-import io
 
 import pytest
 import torch
 
-from reference import __main__ as demo_cli
 from reference.distributed import distributed
 from reference.gpt.model import GPTConfig
 from tests.launch import ROOT
 from tests.ranks import on_ranks
-from tests.reference.demo_runs import json_lines
 from tests.reference.gpus import DEVICES
+from tests.reference.helpers import demo_output, json_lines, unsharded_gpt_training
 from tests.reference.refusals import refusal
-from tests.reference.workers.common import unsharded_gpt_training
 
 SIZES = dict(vocab_size=64, hidden_size=32, num_attention_heads=4, num_layers=2, seq_length=8)
 STEPS, SEED, LR, BATCH, MICRO = 3, 7, 0.5, 2, 2
@@ -31,11 +27,8 @@ TOLERANCE = {"fp32": 1e-6, "bf16": 1e-3}
 
 
 def demo(*argv: str) -> list[dict]:
-    """The demo's --json records on this rank (only rank 0 prints; world 1 here)."""
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        demo_cli.main([*argv, "--json", "--steps", str(STEPS), "--seed", str(SEED), "--lr", str(LR)])
-    return json_lines(out.getvalue())
+    """The demo's --json records (world 1 here), on the launch's device."""
+    return json_lines(demo_output([*argv, "--json", "--steps", str(STEPS), "--seed", str(SEED), "--lr", str(LR)]))
 
 
 def expected_dtype(dtype: str, device: torch.device) -> str:
