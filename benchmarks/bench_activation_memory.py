@@ -23,8 +23,8 @@ import json
 import torch
 import torch.distributed as dist
 
-from reference.arguments import OneLineParser
-from reference.distributed import DEVICE_CHOICES, distributed, one_line_errors
+from reference.arguments import OneLineParser, add_device_argument
+from reference.distributed import distributed, one_line_errors
 from reference.measure.activation_memory.measure import MODELS, Count, build_block, count_all
 from reference.measure.activation_memory.paper import Setting
 
@@ -75,11 +75,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-attention-heads", type=int, default=8)
     parser.add_argument("--num-kv-heads", type=int, default=4, help="Llama: key/value heads (default 4)")
     parser.add_argument("--ffn-hidden-size", type=int, help="Llama: SwiGLU size (default 4 x hidden size)")
-    parser.add_argument(
-        "--device",
-        choices=DEVICE_CHOICES,
-        default="auto",
-        help="auto: one GPU per rank when there are enough (the CUDA columns), else CPU (the term tables)",
+    add_device_argument(
+        parser, "auto: one GPU per rank when there are enough (the CUDA columns), else CPU (the term tables)"
     )
     parser.add_argument("--terms", action="store_true", help="print each configuration's term table (CPU)")
     parser.add_argument(

@@ -27,7 +27,8 @@ from qwen2_dtensor import document_plan, loss_and_backward
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import Qwen2ForCausalLM
 
-from reference.distributed import DEVICE_CHOICES, distributed, one_line_errors
+from reference.arguments import add_device_argument
+from reference.distributed import distributed, one_line_errors
 from reference.gpt.hf_weights import load_hf_into_stage, qwen2_config
 from reference.gpt.model import GPTConfig
 from reference.gpt.parallelize import build_stage
@@ -48,12 +49,7 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--rounds", type=int, default=20, help="rounds; each times one step of both, in turn")
     parser.add_argument("--sequence-parallel", action="store_true")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    parser.add_argument(
-        "--device",
-        choices=DEVICE_CHOICES,
-        default="auto",
-        help="auto: one GPU per rank when there are enough (NCCL), else CPU (gloo); cuda refuses fewer GPUs than ranks",
-    )
+    add_device_argument(parser)
     return parser.parse_args(argv)
 
 

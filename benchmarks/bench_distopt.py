@@ -31,11 +31,12 @@ import time
 import torch
 import torch.distributed as dist
 
+from reference.arguments import add_device_argument
 from reference.data_parallel import DistributedDataParallel
 from reference.data_parallel.buckets import padded_numel
 from reference.data_parallel.distributed_optimizer import DistributedOptimizer, bytes_per_rank
 from reference.data_parallel.mixed_precision import unsharded
-from reference.distributed import DEVICE_CHOICES, distributed, one_line_errors
+from reference.distributed import distributed, one_line_errors
 from reference.measure.recorder import CollectiveRecorder
 from reference.parallel_state import ParallelConfigError
 from reference.tensor_parallel.transformer import Transformer
@@ -58,12 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--json", action="store_true", help="print one JSON object (rank 0) instead of tables")
-    parser.add_argument(
-        "--device",
-        choices=DEVICE_CHOICES,
-        default="auto",
-        help="auto: one GPU per rank when there are enough (NCCL), else CPU (gloo); cuda refuses fewer GPUs than ranks",
-    )
+    add_device_argument(parser)
     return parser.parse_args(argv)
 
 

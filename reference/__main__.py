@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from reference.arguments import OneLineParser, learning_rate, output_dir
+from reference.arguments import OneLineParser, add_device_argument, learning_rate, output_dir
 from reference.distributed import DTYPES
 from reference.fsdp import demo as fsdp_demo
 from reference.gpt import demo as gpt_demo
@@ -40,12 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--num-layers", type=int, default=2, help="transformer blocks")
     common.add_argument("--seed", type=int, default=1234, help="seed for weights and data (same on every rank)")
     common.add_argument("--lr", type=learning_rate, default=1e-2, help="SGD learning rate (positive, finite)")
-    common.add_argument(
-        "--device",
-        choices=["auto", "cpu", "cuda"],
-        default="auto",
-        help="auto picks cuda+nccl when a GPU is visible, else cpu+gloo",
-    )
+    add_device_argument(common)
     common.add_argument(
         "--dtype",
         choices=["auto", *DTYPES],

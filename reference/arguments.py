@@ -8,6 +8,7 @@ import math
 import sys
 from pathlib import Path
 
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
 MAX_WORLD = 2**20  # ranks; more than any job run so far, and each command holds a list per rank
 MAX_MICROBATCHES = 256  # the scale trace runs every micro-batch through the schedule
 MICROBATCHES_WHY = "the trace walks every micro-batch of the schedule, about 0.3 s each per traced rank"
@@ -69,3 +70,14 @@ def output_dir(text: str) -> Path:
     except OSError as exc:
         raise argparse.ArgumentTypeError(f"cannot create directory {text!r}: {exc.strerror}") from None
     return path
+
+
+def add_device_argument(parser: argparse.ArgumentParser, help: str | None = None) -> None:
+    """`--device auto|cpu|cuda`, as every reference command takes it (reference.distributed.pick_device)."""
+    parser.add_argument(
+        "--device",
+        choices=DEVICE_CHOICES,
+        default="auto",
+        help=help
+        or "auto: one GPU per rank when there are enough (NCCL), else CPU (gloo); cuda refuses fewer GPUs than ranks",
+    )

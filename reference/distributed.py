@@ -19,9 +19,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from reference.arguments import DEVICE_CHOICES
 from reference.parallel_state import ParallelConfigError
 
-DEVICE_CHOICES = ("auto", "cpu", "cuda")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 # The flat-tensor collectives by their torch 2.13 names; torch 2.13 deprecates the names older torch has,
