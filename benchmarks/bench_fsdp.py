@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from reference.distributed import all_gather_single, distributed, reduce_scatter_single
 from reference.fsdp.units import shard_model, sharded_parameter_bytes
-from reference.gpt.model import GPTConfig, UnshardedGPT
+from reference.gpt.model import GPT, GPTConfig
 from reference.gpt.train import split_batch, synthetic_batches
 from reference.measure.recorder import CollectiveRecorder
 
@@ -119,7 +119,7 @@ def _benchmark(args, device: torch.device) -> None:
         num_layers=args.num_layers,
         seq_length=args.seq_length,
     )
-    initial = UnshardedGPT(config, 0, device)
+    initial = GPT(config, 0, device)
     batches = [split_batch(t, world, rank, 1)[0] for t in synthetic_batches(config, args.steps, args.batch_size, 0)]
     unsharded_bytes = sharded_parameter_bytes(initial)  # before sharding: every parameter, whole
 

@@ -13,7 +13,7 @@ Everything in them is observed, not computed:
   * tp_block_llama: the same for the Llama/Qwen2 block (reference.tensor_parallel.transformer.LlamaBlock,
     GPTConfig(style="llama") with TP_KV_HEADS key/value heads: one per rank), as the one layer of a middle
     pipeline stage, which hands it the rotary positions.
-  * fsdp_forward: the reference FSDP on the small GPT (reference.gpt.model.UnshardedGPT, one unit per layer
+  * fsdp_forward: the reference FSDP on the small GPT (reference.gpt.model.GPT, one unit per layer
     plus the root, forward and backward prefetch) in its second step, when forward prefetch knows the unit
     order: collectives and per-unit compute spans, each stamped with the FLOPs computed so far in the step (the
     recorder counts them; attention on the math backend, which has a FLOP formula), the units' flat sizes, and
@@ -43,7 +43,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from pin_and_cite.site.traces import EVENT_KEYS  # what the site's trace comparison reads
 from reference.distributed import distributed
 from reference.fsdp.units import shard_model
-from reference.gpt.model import GPT, GPTConfig, UnshardedGPT
+from reference.gpt.model import GPT, GPTConfig
 from reference.gpt.parallelize import build_chunks, build_stage, parallelize_gpt
 from reference.gpt.train import data_parallel, split_batch, train_step
 from reference.gpt.train import synthetic_batches as gpt_batches
@@ -162,7 +162,7 @@ def tp_block(world: int, style: str = "gpt2") -> dict:
 
 def fsdp_forward(world: int) -> dict:
     rank = dist.get_rank()
-    model = UnshardedGPT(FSDP_CONFIG, SEED)
+    model = GPT(FSDP_CONFIG, SEED)
     params = sum(p.numel() for p in model.parameters())
     tokens = gpt_batches(FSDP_CONFIG, 1, FSDP_BATCH, SEED)[0]
     with torch.no_grad():

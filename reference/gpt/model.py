@@ -277,9 +277,6 @@ class GPT(torch.nn.Module):
         return self.output_layer(self.final_layernorm(hidden), labels).mean()
 
 
-UnshardedGPT = GPT  # the name the tests and benchmarks give the oracle: a whole GPT with nothing applied
-
-
 def split_virtual_stages(num_layers: int, pp_size: int, virtual_stages: int) -> list[list[tuple[int, int]]]:
     """[first, last) layers of each chunk of each stage for interleaved 1F1B: the layers cut into p * v equal
     virtual stages, chunk c of PP rank r being virtual stage c * p + r (megatron/core/transformer/

@@ -1,6 +1,6 @@
 """The reference FSDP's recorded runs every FSDP test reads (`fsdp_results`, computed once a rank per device).
 
-Each rank trains the test GPT (reference.gpt.model.UnshardedGPT) a few steps with the reference FSDP in every
+Each rank trains the test GPT (reference.gpt.model.GPT) a few steps with the reference FSDP in every
 configuration the tests check, and with the oracles (single-process training from the same weights, PyTorch
 FSDP1 with the same wrapping and options, PyTorch FSDP2 `fully_shard`), under one `CollectiveRecorder`. What
 the rank observed: parameter differences, each step's collective schedule with unit attribution, compute
@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from reference.fsdp import FullyShardedDataParallel
 from reference.fsdp.units import shard_model
 from reference.fsdp.wrapper import clean_name
-from reference.gpt.model import GPTConfig, UnshardedGPT
+from reference.gpt.model import GPT, GPTConfig
 from reference.gpt.train import split_batch, synthetic_batches
 from reference.measure.fsdp_tracing import unit_scopes
 from reference.measure.recorder import CollectiveRecorder
@@ -103,7 +103,7 @@ def fsdp_results(device: torch.device) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.group.WORLD
     result: dict = {"rank": rank, "world": world, "runs": {}, "diff": {}}
-    initial = UnshardedGPT(CONFIG, SEED, device)
+    initial = GPT(CONFIG, SEED, device)
     with CollectiveRecorder() as recorder:
         baseline = copy.deepcopy(initial)
         train(baseline, recorder, device, 1, 0)
@@ -187,17 +187,17 @@ def bad_input_errors(group) -> dict[str, str]:
             errors[case] = "no error"
 
     def shared_between_units():
-        model = UnshardedGPT(dataclasses.replace(CONFIG, share_embeddings_and_output_weights=True), SEED)
+        model = GPT(dataclasses.replace(CONFIG, share_embeddings_and_output_weights=True), SEED)
         model.output_layer = FullyShardedDataParallel(model.output_layer, group)  # the tied head in its own unit
         FullyShardedDataParallel(model, group)
 
     def wrapped_twice():
-        block = UnshardedGPT(CONFIG, SEED).layers[0]
+        block = GPT(CONFIG, SEED).layers[0]
         FullyShardedDataParallel(block, group)
         FullyShardedDataParallel(block, group)
 
     def wrapper_wrapped():
-        FullyShardedDataParallel(FullyShardedDataParallel(UnshardedGPT(CONFIG, SEED).layers[0], group), group)
+        FullyShardedDataParallel(FullyShardedDataParallel(GPT(CONFIG, SEED).layers[0], group), group)
 
     def integer_parameter():
         module = nn.Linear(3, 3)

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from reference.__main__ import main as demo_main
 from reference.gpt.hf_weights import master_name
-from reference.gpt.model import GPTConfig, UnshardedGPT
+from reference.gpt.model import GPT, GPTConfig
 from reference.gpt.train import synthetic_batches
 from reference.torch_patches import live_process_groups
 
@@ -57,7 +57,7 @@ def full_tensor(module_name: str, param_name: str, t: torch.Tensor, group) -> to
 
 
 class UnshardedRun(NamedTuple):
-    """What the single-process UnshardedGPT did: each step's loss, the gradients of step 1, the final weights."""
+    """What the single-process GPT did: each step's loss, the gradients of step 1, the final weights."""
 
     losses: list[float]
     first_grads: dict[str, torch.Tensor]
@@ -66,11 +66,11 @@ class UnshardedRun(NamedTuple):
 
 @functools.cache
 def unsharded_gpt_training(config: GPTConfig, seed: int, steps: int, lr: float, global_batch: int) -> UnshardedRun:
-    """The single-process UnshardedGPT after `steps` SGD steps on the synthetic batches: what every sharded
+    """The single-process GPT after `steps` SGD steps on the synthetic batches: what every sharded
     run of the same model, seed and data must reproduce (computed once a process; the tensors are shared, read
     them only). Parameters are named as `named_parameters` names them, so a tied output weight appears once."""
     return sgd_steps(
-        UnshardedGPT(config, seed),
+        GPT(config, seed),
         synthetic_batches(config, steps, global_batch, seed),
         lambda model, tokens: model(tokens[:, :-1], tokens[:, 1:]),
         lr,

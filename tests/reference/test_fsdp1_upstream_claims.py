@@ -1,6 +1,6 @@
 """What the FSDP close reading and its check-yourself answers claim, shown on PyTorch FSDP1 itself (torch 2.13.0).
 
-At world 2 on CPU/gloo, the first test to ask trains the test GPT (reference.gpt.model.UnshardedGPT, one FSDP1
+At world 2 on CPU/gloo, the first test to ask trains the test GPT (reference.gpt.model.GPT, one FSDP1
 unit per layer, then the root) three steps with FSDP1's defaults and with each option the note discusses, under
 one CollectiveRecorder (`recorded()`, once a rank); each test asserts on what its rank recorded. The only option
 every configuration sets is device_id=cpu: FSDP1 refuses a CPU module without it.
@@ -24,7 +24,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from pin_and_cite.site.estimates import training_memory
 from reference.fsdp.wrapper import clean_name
-from reference.gpt.model import GPTConfig, UnshardedGPT
+from reference.gpt.model import GPT, GPTConfig
 from reference.gpt.train import split_batch, synthetic_batches
 from reference.measure.fsdp_tracing import torch_fsdp1_unit_scopes
 from reference.measure.recorder import CollectiveRecorder, current_phase
@@ -308,7 +308,7 @@ def memory(initial: nn.Module, rank: int, world: int) -> dict:
 def recorded() -> dict:
     """This rank's recorded steps of every configuration, the unused-branch run and the memory figures."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    initial = UnshardedGPT(CONFIG, SEED)
+    initial = GPT(CONFIG, SEED)
     result: dict = {"runs": {}}
     with CollectiveRecorder() as recorder:
         for name, options in CONFIGS.items():

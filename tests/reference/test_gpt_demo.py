@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from reference.__main__ import main
-from reference.gpt.model import GPTConfig, UnshardedGPT
+from reference.gpt.model import GPT, GPTConfig
 from tests.launch import ROOT
 from tests.ranks import on_ranks
 from tests.reference.helpers import demo_output, json_lines, shared_tmp_dir, unsharded_gpt_training
@@ -190,7 +190,7 @@ def test_fsdp_x_tp_demo_trains_like_replicate_and_unsharded(ranks):
             "all_gather": 1 + 2 * layers,
             "reduce_scatter": 1 + layers,
         }, dp
-    unsharded = sum(p.numel() * 4 for p in UnshardedGPT(GPTConfig(**MODEL), SEED).parameters())
+    unsharded = sum(p.numel() * 4 for p in GPT(GPTConfig(**MODEL), SEED).parameters())
     assert fsdp[0]["param_bytes_unsharded"] == unsharded
     assert abs(fsdp[0]["param_bytes_per_rank"] / unsharded - 1 / 4) < 0.02  # + replicated LayerNorms, positions
 

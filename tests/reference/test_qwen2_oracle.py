@@ -25,7 +25,7 @@ from transformers import Qwen2ForCausalLM
 
 from reference.fsdp import MixedPrecision
 from reference.gpt.hf_weights import load_hf_into_stage, master_state_from_hf, qwen2_config, stage_state_from_master
-from reference.gpt.model import GPTConfig, UnshardedGPT
+from reference.gpt.model import GPT, GPTConfig
 from reference.gpt.parallelize import build_stage
 from reference.gpt.train import data_parallel, fully_sharded, synthetic_batches, train_step
 from reference.measure.recorder import CollectiveRecorder
@@ -77,7 +77,7 @@ def unsharded(config: GPTConfig, device: torch.device) -> dict:
     hf = hf_model(config, device)
     tokens = synthetic_batches(config, 1, B, SEED)[0].to(device)
     logits, loss, grads = hf_step(hf, config, tokens)
-    ref = UnshardedGPT(config, SEED, device=device)
+    ref = GPT(config, SEED, device=device)
     ref.load_state_dict(master_state_from_hf(config, hf.state_dict()))
     ours = ref.logits(tokens[:, :-1]).transpose(0, 1)
     our_loss = ref(tokens[:, :-1], tokens[:, 1:])

@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 from reference.distributed import init_distributed
 from reference.fsdp.units import shard_model
-from reference.gpt.model import UnshardedGPT
+from reference.gpt.model import GPT
 from reference.gpt.train import split_batch, synthetic_batches
 from tests.reference.fsdp_runs import BATCH, CONFIG, SEED, STEPS
 
@@ -15,7 +15,7 @@ def main() -> None:
     """Rank 1 fails inside its second step's forward; rank 0 is then blocked in a collective."""
     device = init_distributed("cpu", 15)
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = shard_model(UnshardedGPT(CONFIG, SEED, device), "reference", dist.group.WORLD)
+    model = shard_model(GPT(CONFIG, SEED, device), "reference", dist.group.WORLD)
     calls = []
 
     def crash_on_rank1(module, args):
