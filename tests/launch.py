@@ -41,7 +41,7 @@ def require_gpus(count: int) -> None:
     import torch
 
     if torch.cuda.device_count() < count:
-        pytest.skip(f"needs {count} CUDA device(s), found {torch.cuda.device_count()}")
+        pytest.skip(f"needs {count} CUDA device(s), one per rank, found {torch.cuda.device_count()}")
 
 
 def torchrun(script: str | Path, nproc: int, *args: str, timeout: float = 300, env: dict | None = None) -> str:

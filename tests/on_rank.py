@@ -69,14 +69,18 @@ def output_to(log: Path):
             os.close(old)
 
 
-def run(test: dict, ranks: Ranks, log: Path) -> dict:
+def run(test: dict, ranks: Ranks, log: Path, timeout_s: float) -> dict:
     with output_to(log):
         try:
             load_body(test["path"], test["module"], test["name"])(ranks, **test["params"])
         except pytest.skip.Exception as skip:
             return {"outcome": "skipped", "message": skip.msg}
-        except BaseException:  # noqa: B036 - an assertion, an error, a timed-out collective, a sys.exit
-            return {"outcome": "failed", "message": traceback.format_exc()}
+        except BaseException as error:  # noqa: B036 - an assertion, an error, a timed-out collective, a sys.exit
+            timed_out = "Timed out" in str(error)  # gloo's words; NCCL's watchdog says "Timeout"
+            hint = (
+                f"\n(a peer never joined this collective within @on_ranks(timeout_s={timeout_s}))" if timed_out else ""
+            )
+            return {"outcome": "failed", "message": traceback.format_exc() + hint}
     return {"outcome": "passed", "message": ""}
 
 
@@ -97,7 +101,7 @@ def main() -> None:
         if index and out_of_budget(started, spec["budget_s"], ranks.world, harness):
             break  # a clean end: tests/ranks.py launches again for the tests not yet run
         before = set(live_process_groups())
-        result = run(test, ranks, out / f"{index}.rank{ranks.rank}.log")
+        result = run(test, ranks, out / f"{index}.rank{ranks.rank}.log", spec["timeout_s"])
         (out / f"{index}.rank{ranks.rank}.json").write_text(json.dumps(result))
         outcomes = [None] * ranks.world
         dist.all_gather_object(outcomes, result["outcome"], group=harness)

@@ -87,8 +87,9 @@ def test_pass_fail_skip_crash_and_hang_are_reported_per_test(pytester, monkeypat
     assert "PASSED test_cases.py::test_passes_after_a_crash[2ranks-cpu]" in out
     hang = section(out, "test_hangs[2ranks-cpu]")
     assert "=== rank 0 failed ===" in hang and "=== rank 1" not in hang and "timed out" not in hang
+    assert "a peer never joined this collective within @on_ranks(timeout_s=3)" in hang
     if not gpus:
-        assert re.search(r"SKIPPED .*needs 2 CUDA device\(s\), found \d", out)
+        assert re.search(r"SKIPPED .*needs 2 CUDA device\(s\), one per rank, found \d", out)
     assert elapsed < 240, f"the harness took {elapsed:.0f} s"
 
 
