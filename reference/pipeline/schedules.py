@@ -7,8 +7,10 @@ Both idle for the bubble (p - 1) / (m + p - 1). Data parallelism plugs in as Meg
 (left before the last backward) and config.finalize_model_grads_func. An optional observer wraps the
 schedule and each action (reference.measure.pipeline_meter); the schedules measure nothing.
 
-Counterparts: megatron/core/pipeline_parallel/schedules.py::forward_backward_pipelining_without_interleaving,
-::forward_backward_no_pipelining; torch/distributed/pipelining/schedules.py::ScheduleGPipe.
+Counterparts:
+`megatron-lm:megatron/core/pipeline_parallel/schedules.py::forward_backward_pipelining_without_interleaving`,
+`megatron-lm:megatron/core/pipeline_parallel/schedules.py::forward_backward_no_pipelining` and
+`pytorch:torch/distributed/pipelining/schedules.py::ScheduleGPipe`.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Shared by every schedule (reference.pipeline.schedules, reference.pipeline.inter
 order; these run each action and name it. An optional observer (reference.measure.pipeline_meter) wraps each
 action in `observer.action(name)`; the steps themselves measure nothing.
 
-Counterparts: megatron/core/pipeline_parallel/schedules.py::forward_step and ::backward_step, and the
+Counterparts: Megatron's forward_step and backward_step (cited on the methods below), and the
 disable_grad_sync / enable_grad_sync closures of its schedule functions.
 """
 
