@@ -42,6 +42,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from reference.arguments import add_device_argument
 from reference.distributed import distributed, one_line_errors
 from reference.gpt.model import GPTConfig, split_layers
 from reference.gpt.parallelize import build_chunks, build_stage, check_virtual_pipeline
@@ -87,7 +88,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per variant first")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--lr", type=float, default=1e-2)
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    add_device_argument(parser)
     parser.add_argument(
         "--json", action="store_true", help="print one JSON object on one line (rank 0) instead of tables"
     )

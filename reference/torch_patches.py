@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from torch.distributed import ProcessGroup, Work
+from torch.utils import flop_counter
 
 
 class MissingTorchFeature(RuntimeError):
@@ -131,7 +132,7 @@ def work_wait_observed(after_wait: Callable[[Work], None]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _replaced(owner: Any, name: str, around: Callable[..., Any]) -> Iterator[None]:
+def replaced(owner: Any, name: str, around: Callable[..., Any]) -> Iterator[None]:
     """`owner.name` becomes `lambda *a, **k: around(original, *a, **k)` while inside."""
     original = getattr(owner, name)
 
@@ -162,7 +163,7 @@ def fsdp1_runtime_wrapped(**arounds: Callable[..., Any]) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         for name, around in arounds.items():
             _require(callable(getattr(_runtime_utils, name, None)), f"has no fsdp._runtime_utils.{name} to wrap")
-            stack.enter_context(_replaced(_runtime_utils, name, around))
+            stack.enter_context(replaced(_runtime_utils, name, around))
         yield
 
 
@@ -177,7 +178,7 @@ def fsdp1_rate_limiter_wrapped(around: Callable[..., Any]) -> Iterator[None]:
     from torch.distributed.fsdp._limiter_utils import _FreeEventQueue
 
     _require(callable(getattr(_FreeEventQueue, "dequeue_if_needed", None)), "has no _FreeEventQueue.dequeue_if_needed")
-    with _replaced(_FreeEventQueue, "dequeue_if_needed", around):
+    with replaced(_FreeEventQueue, "dequeue_if_needed", around):
         yield
 
 
@@ -237,9 +238,7 @@ def unbox_process_group(value: Any) -> ProcessGroup:
 def op_flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
     """FLOPs of one aten op by torch's own formulas, the ones FlopCounterMode counts with
     (torch.utils.flop_counter.flop_registry); 0 for an op without one (CPU flash attention has none in 2.13)."""
-    from torch.utils.flop_counter import flop_registry
-
-    formula = flop_registry.get(func.overloadpacket)
+    formula = flop_counter.flop_registry.get(func.overloadpacket)
     return int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
 
 

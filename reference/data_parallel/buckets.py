@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from reference.distributed import reduce_scatter_single
+
 
 def bucket_layout(params: list[torch.Tensor], bucket_size: int | None) -> list[list[int]]:
     """Indices into `params` of each bucket, in reduction order: walk the parameters from last to first,
@@ -134,7 +136,7 @@ class GradBucket:
         if self.group.size() > 1:  # a replica of one: its gradient is already the mean
             self.grad_data.mul_(1.0 / self.group.size())
             if self.sharded:  # in place, as Megatron: the output is this rank's view of the input
-                self.work = dist.reduce_scatter_tensor(self.shard, self.grad_data, group=self.group, async_op=async_op)
+                self.work = reduce_scatter_single(self.shard, self.grad_data, group=self.group, async_op=async_op)
             else:
                 self.work = dist.all_reduce(self.grad_data, group=self.group, async_op=async_op)
         self.started = True

@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from reference.distributed import all_gather_single
+
 
 class ParamBucket:
     """One bucket's parameters as views into a flat buffer of `numel` elements (padded like its gradients)."""
@@ -59,7 +61,7 @@ class ParamBucket:
         `megatron-lm:megatron/core/distributed/param_and_grad_buffer.py::_ParamAndGradBucketGroup.start_param_sync`.
         """
         if self.pending and self.work is None:
-            self.work = dist.all_gather_into_tensor(self.param_data, self.shard, group=self.group, async_op=True)
+            self.work = all_gather_single(self.param_data, self.shard, group=self.group, async_op=True)
 
     def finish_param_sync(self) -> None:
         """Wait for this bucket's all-gather (issuing it if nothing did), then issue the next one.

@@ -12,16 +12,14 @@ all-gather landed) to its post-backward hook (its gradient is complete).
 from __future__ import annotations
 
 import contextlib
-import functools
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
 
 import torch
 
 from reference.fsdp import FullyShardedDataParallel, runtime
 from reference.fsdp.wrapper import clean_name
 from reference.measure.recorder import CollectiveRecorder
-from reference.torch_patches import FSDP1_SCOPES, available, fsdp1_runtime_wrapped
+from reference.torch_patches import FSDP1_SCOPES, available, fsdp1_runtime_wrapped, replaced
 
 
 @contextlib.contextmanager
@@ -81,7 +79,7 @@ def reference_fsdp_unit_scopes(model: torch.nn.Module) -> Iterator[None]:
             ("pre_backward_hook", pre_backward_hook),
             ("post_backward_hook", post_backward_hook),
         ):
-            stack.enter_context(_replaced(runtime, name, around))
+            stack.enter_context(replaced(runtime, name, around))
         for unit in model.modules():
             if isinstance(unit, FullyShardedDataParallel):
                 handles = _forward_span_hooks(unit)
@@ -131,14 +129,3 @@ def torch_fsdp1_unit_scopes(model: torch.nn.Module) -> Iterator[None]:
 
     with fsdp1_runtime_wrapped(_unshard=in_unit_scope, _reduce_grad=in_unit_scope):
         yield
-
-
-@contextlib.contextmanager
-def _replaced(owner: Any, name: str, around: Callable[..., Any]) -> Iterator[None]:
-    """`owner.name` becomes `around(original, *args)` while inside."""
-    original = getattr(owner, name)
-    setattr(owner, name, functools.wraps(original)(lambda *args: around(original, *args)))
-    try:
-        yield
-    finally:
-        setattr(owner, name, original)

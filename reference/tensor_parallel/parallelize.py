@@ -138,7 +138,6 @@ def parallelize(
     sequence_parallel: bool = False,
     pad_sequence: bool = False,
     dropout_seed: int = 0,
-    rng: TensorParallelRNG | None = None,
     **block_options,
 ) -> torch.nn.Module:
     """Split every block of `model.layers` over the layout's TP group (or the group given), in place.
@@ -146,11 +145,11 @@ def parallelize(
     With sequence parallelism, a stack fed full [s, b, h] activations (reference.tensor_parallel.transformer.
     Transformer) splits them on entry and gathers them on exit; `pad_sequence` pads a sequence the TP size
     does not divide, and trims it on exit (causal attention keeps real tokens blind to the pad). The blocks
-    share one TP stream, `rng` or one seeded `dropout_seed`. `block_options`: parallelize_block's.
+    share one TP stream, seeded with `dropout_seed`. `block_options`: parallelize_block's.
     """
     tp_group = layout.tp_group if isinstance(layout, ParallelLayout) else layout
     device = next(model.parameters()).device
-    rng = rng or TensorParallelRNG(dropout_seed, tp_group, device)
+    rng = TensorParallelRNG(dropout_seed, tp_group, device)
     for block in model.layers:
         parallelize_block(block, tp_group, rng=rng, sequence_parallel=sequence_parallel, **block_options)
     if sequence_parallel and tp_group.size() > 1:
