@@ -12,7 +12,6 @@ CUDA calls redirected (reference.torch_patches.cuda_calls_on_cpu, CudaTypeNames)
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import pytest
@@ -36,7 +35,7 @@ from reference.tensor_parallel.transformer import Transformer
 from reference.torch_patches import cuda_calls_on_cpu
 from tests.ranks import on_ranks
 from tests.reference import regression
-from tests.reference.helpers import max_diff
+from tests.reference.helpers import max_diff, megatron_parallel_state
 
 H, HEADS, LAYERS, S, B, STEPS, SEED, LR = 16, 4, 2, 8, 8, 3, 1234, 1e-3
 FFN = 61  # an odd MLP width: buckets of odd sizes, so the slices need padding at DP 2 and 4
@@ -301,17 +300,6 @@ def test_bad_input_is_refused_with_a_message(ranks):
     assert "use_distributed_optimizer=True" in errors["distopt_on_plain_ddp"]
     assert "needs use_distributed_optimizer=True" in errors["overlap_param_gather_without_distopt"]
     assert "reduce-scattered" in errors["unsharded_on_sharded_ddp"]
-
-
-@contextlib.contextmanager
-def megatron_parallel_state(**sizes):
-    """megatron's `initialize_model_parallel(**sizes)` for the body (without its gloo groups), then
-    `destroy_model_parallel()`; the groups it made are destroyed after the test (tests/on_rank.py)."""
-    parallel_state.initialize_model_parallel(**sizes, create_gloo_process_groups=False)
-    try:
-        yield
-    finally:
-        parallel_state.destroy_model_parallel()
 
 
 class CudaTypeNames(TorchFunctionMode):

@@ -30,7 +30,7 @@ from reference.measure.replay import idle_fraction
 from reference.pipeline.schedules import forward_backward as reference_forward_backward
 from reference.torch_patches import cuda_calls_on_cpu
 from tests.ranks import on_ranks
-from tests.reference.helpers import every_rank, groups_of_the_block
+from tests.reference.helpers import every_rank, megatron_parallel_state
 
 pytestmark = pytest.mark.upstream("megatron-lm")
 
@@ -382,18 +382,6 @@ def ddp_grad_dtypes() -> dict[str, str]:
             model = DistributedDataParallel(config, DistributedDataParallelConfig(**ddp), stage.to(torch.bfloat16))
             dtypes[name] = str(model.buffers[0].grad_dtype)
     return dtypes
-
-
-@contextlib.contextmanager
-def megatron_parallel_state(**sizes):
-    """megatron's `initialize_model_parallel(**sizes)` for the body (without its gloo groups, unused here), then
-    `destroy_model_parallel()` and every group it made destroyed: megatron only forgets them."""
-    with groups_of_the_block():
-        parallel_state.initialize_model_parallel(**sizes, create_gloo_process_groups=False)
-        try:
-            yield
-        finally:
-            parallel_state.destroy_model_parallel()
 
 
 @functools.cache
