@@ -22,7 +22,7 @@ from reference.torch_patches import cuda_calls_on_cpu
 from tests.launch import ROOT
 from tests.ranks import on_ranks
 from tests.reference.gpus import DEVICES
-from tests.reference.helpers import megatron_parallel_state
+from tests.reference.helpers import every_rank, megatron_parallel_state
 
 S, B, H, A, T = 32, 2, 64, 4, 2  # COUNT_SHAPE, at world 2
 SBH, AS2B = S * B * H, A * S * S * B
@@ -56,13 +56,6 @@ def _counts() -> dict[str, dict]:
 
 def _table(configuration: str) -> list[tuple]:
     return [(r["term"], r["paper_bytes"], r["measured_bytes"], r["reason"]) for r in _counts()[configuration]["rows"]]
-
-
-def every_rank(value):
-    """Every rank's `value`, in rank order."""
-    values = [None] * dist.get_world_size()
-    dist.all_gather_object(values, value)
-    return values
 
 
 @on_ranks(2)

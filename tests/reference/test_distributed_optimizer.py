@@ -35,7 +35,7 @@ from reference.tensor_parallel.transformer import Transformer
 from reference.torch_patches import cuda_calls_on_cpu
 from tests.ranks import on_ranks
 from tests.reference import regression
-from tests.reference.helpers import max_diff, megatron_parallel_state
+from tests.reference.helpers import every_rank, max_diff, megatron_parallel_state
 
 H, HEADS, LAYERS, S, B, STEPS, SEED, LR = 16, 4, 2, 8, 8, 3, 1234, 1e-3
 FFN = 61  # an odd MLP width: buckets of odd sizes, so the slices need padding at DP 2 and 4
@@ -451,13 +451,6 @@ def megatron_results() -> dict:
     """This rank's view of both DP 2 runs and the PP 2 tied embeddings (CPU; computed once a rank)."""
     cuda_calls_on_cpu()
     return {"megatron": megatron_run(), "reference": reference_run(), "tied": megatron_tied_embeddings()}
-
-
-def every_rank(result: dict) -> list[dict]:
-    """`result` of every rank, in rank order."""
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, result)
-    return gathered
 
 
 @on_ranks(2)

@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from reference.measure.recorder import CollectiveRecorder, current_phase
 from reference.torch_patches import cuda_calls_on_cpu
 from tests.ranks import on_ranks
-from tests.reference.helpers import megatron_parallel_state
+from tests.reference.helpers import every_rank, megatron_parallel_state
 
 pytestmark = pytest.mark.upstream("megatron-lm")
 
@@ -313,9 +313,7 @@ def records() -> list[dict]:
             "fusion_ddp": fusion_case(torch.float32, ddp=True, two_micro_batches=False),
             "fusion_megatron_fsdp": fusion_case(torch.float32, fsdp=True, two_micro_batches=False),
         }
-    everyone = [None] * WORLD
-    dist.all_gather_object(everyone, mine)
-    return everyone
+    return every_rank(mine)
 
 
 def cases(name: str) -> list[dict]:
