@@ -17,13 +17,6 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
-from megatron.core.distributed import DistributedDataParallel as MegatronDDP
-from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
-from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-from megatron.core.transformer import TransformerConfig
 from torch.overrides import TorchFunctionMode
 
 from reference.data_parallel import DistributedDataParallel, local_batch
@@ -348,6 +341,11 @@ def train_mlp(model, module, optimizer, zero_grad) -> dict:
 
 
 def megatron_run() -> dict:
+    from megatron.core.distributed import DistributedDataParallel as MegatronDDP
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer import TransformerConfig
+
     with megatron_parallel_state():
         module = mlp()
         with CudaTypeNames():
@@ -402,6 +400,13 @@ def reference_run() -> dict:
 
 
 def megatron_tied_embeddings() -> dict:
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel as MegatronDDP
+    from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
     with megatron_parallel_state(pipeline_model_parallel_size=2):
         torch.manual_seed(SEED)
         with CudaTypeNames():

@@ -688,9 +688,7 @@ def test_megatron_refuses_interleaving_when_m_is_not_a_multiple_of_p(ranks):
 def test_megatron_assigns_chunk_c_of_rank_r_the_layers_of_virtual_stage_c_p_plus_r():
     """get_transformer_layer_offset / get_num_layers_to_build (in-process, no ranks needed) give the split of
     reference.gpt.model.split_virtual_stages, and refuse layer counts that p x v does not divide."""
-    import torch
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
-    from megatron.core.transformer.transformer_config import TransformerConfig
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     from reference.gpt.model import split_virtual_stages
