@@ -40,6 +40,21 @@ def groups_of_the_block() -> Iterator[None]:
             dist.destroy_process_group(group)
 
 
+@contextlib.contextmanager
+def megatron_parallel_state(**sizes) -> Iterator[None]:
+    """megatron's `initialize_model_parallel(**sizes)` for the body (without its gloo groups), then
+    `destroy_model_parallel()` and every group it made destroyed: megatron only forgets them (every rank enters
+    and leaves it together)."""
+    from megatron.core import parallel_state
+
+    with groups_of_the_block():
+        parallel_state.initialize_model_parallel(**sizes, create_gloo_process_groups=False)
+        try:
+            yield
+        finally:
+            parallel_state.destroy_model_parallel()
+
+
 def gather_dim(t: torch.Tensor, dim: int, group) -> torch.Tensor:
     """Concatenate every rank's `t` along `dim` (test-side re-assembly, independent of the reference)."""
     parts = [torch.empty_like(t) for _ in range(group.size())]

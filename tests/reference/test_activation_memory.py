@@ -22,6 +22,7 @@ from reference.torch_patches import cuda_calls_on_cpu
 from tests.launch import ROOT
 from tests.ranks import on_ranks
 from tests.reference.gpus import DEVICES
+from tests.reference.helpers import every_rank, megatron_parallel_state
 
 S, B, H, A, T = 32, 2, 64, 4, 2  # COUNT_SHAPE, at world 2
 SBH, AS2B = S * B * H, A * S * S * B
@@ -55,13 +56,6 @@ def _counts() -> dict[str, dict]:
 
 def _table(configuration: str) -> list[tuple]:
     return [(r["term"], r["paper_bytes"], r["measured_bytes"], r["reason"]) for r in _counts()[configuration]["rows"]]
-
-
-def every_rank(value):
-    """Every rank's `value`, in rank order."""
-    values = [None] * dist.get_world_size()
-    dist.all_gather_object(values, value)
-    return values
 
 
 @on_ranks(2)
@@ -181,13 +175,11 @@ class CpuRNGTracker:
 
 def megatron_count(tp: int) -> dict:
     """What one megatron-core TransformerLayer (local spec) saves for backward at tensor-parallel size `tp`."""
-    from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, create_gloo_process_groups=False)
-    try:  # the groups it made are destroyed after the test that ran it (tests/on_rank.py)
+    with megatron_parallel_state(tensor_model_parallel_size=tp):
         config = TransformerConfig(
             num_layers=1,
             hidden_size=H,
@@ -212,8 +204,6 @@ def megatron_count(tp: int) -> dict:
         with SavedTensorCounter(layer) as counter:
             layer(x, attention_mask=causal)
         return {"counted_bytes": counter.total_bytes, "saved": [dataclasses.asdict(s) for s in counter.saved]}
-    finally:
-        parallel_state.destroy_model_parallel()
 
 
 @functools.cache

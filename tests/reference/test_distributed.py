@@ -1,5 +1,5 @@
-"""reference.distributed.distributed on a process group the caller set up: used, and left to the caller (the
-demo worker runs several demos on one group; a second default group under torchrun cannot connect)."""
+"""reference.distributed.distributed on a process group the caller set up: used, and left to the caller (an
+@on_ranks launch runs several demo tests on one group; a second default group under torchrun cannot connect)."""
 
 import pytest
 import torch

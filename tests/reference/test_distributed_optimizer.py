@@ -12,19 +12,11 @@ CUDA calls redirected (reference.torch_patches.cuda_calls_on_cpu, CudaTypeNames)
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import pytest
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
-from megatron.core.distributed import DistributedDataParallel as MegatronDDP
-from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
-from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-from megatron.core.transformer import TransformerConfig
 from torch.overrides import TorchFunctionMode
 
 from reference.data_parallel import DistributedDataParallel, local_batch
@@ -36,7 +28,7 @@ from reference.tensor_parallel.transformer import Transformer
 from reference.torch_patches import cuda_calls_on_cpu
 from tests.ranks import on_ranks
 from tests.reference import regression
-from tests.reference.helpers import max_diff
+from tests.reference.helpers import every_rank, max_diff, megatron_parallel_state
 
 H, HEADS, LAYERS, S, B, STEPS, SEED, LR = 16, 4, 2, 8, 8, 3, 1234, 1e-3
 FFN = 61  # an odd MLP width: buckets of odd sizes, so the slices need padding at DP 2 and 4
@@ -303,17 +295,6 @@ def test_bad_input_is_refused_with_a_message(ranks):
     assert "reduce-scattered" in errors["unsharded_on_sharded_ddp"]
 
 
-@contextlib.contextmanager
-def megatron_parallel_state(**sizes):
-    """megatron's `initialize_model_parallel(**sizes)` for the body (without its gloo groups), then
-    `destroy_model_parallel()`; the groups it made are destroyed after the test (tests/on_rank.py)."""
-    parallel_state.initialize_model_parallel(**sizes, create_gloo_process_groups=False)
-    try:
-        yield
-    finally:
-        parallel_state.destroy_model_parallel()
-
-
 class CudaTypeNames(TorchFunctionMode):
     """A CPU tensor's `.type()` answers with the CUDA name, `.cuda()` leaves it where it is, and `device="cuda"`
     literals land on the CPU: megatron's optimizers pick the fp32-master path by that name
@@ -360,6 +341,11 @@ def train_mlp(model, module, optimizer, zero_grad) -> dict:
 
 
 def megatron_run() -> dict:
+    from megatron.core.distributed import DistributedDataParallel as MegatronDDP
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer import TransformerConfig
+
     with megatron_parallel_state():
         module = mlp()
         with CudaTypeNames():
@@ -414,6 +400,13 @@ def reference_run() -> dict:
 
 
 def megatron_tied_embeddings() -> dict:
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel as MegatronDDP
+    from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
     with megatron_parallel_state(pipeline_model_parallel_size=2):
         torch.manual_seed(SEED)
         with CudaTypeNames():
@@ -463,13 +456,6 @@ def megatron_results() -> dict:
     """This rank's view of both DP 2 runs and the PP 2 tied embeddings (CPU; computed once a rank)."""
     cuda_calls_on_cpu()
     return {"megatron": megatron_run(), "reference": reference_run(), "tied": megatron_tied_embeddings()}
-
-
-def every_rank(result: dict) -> list[dict]:
-    """`result` of every rank, in rank order."""
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, result)
-    return gathered
 
 
 @on_ranks(2)

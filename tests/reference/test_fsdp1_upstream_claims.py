@@ -30,6 +30,7 @@ from reference.measure.fsdp_tracing import torch_fsdp1_unit_scopes
 from reference.measure.recorder import CollectiveRecorder, current_phase
 from reference.torch_patches import fsdp1_rate_limiter_wrapped, fsdp1_runtime_wrapped
 from tests.ranks import on_ranks
+from tests.reference.helpers import every_rank
 
 pytestmark = pytest.mark.upstream("pytorch")
 
@@ -508,8 +509,7 @@ def test_use_orig_params_exposes_original_names_as_shard_views(ranks):
     Parameter holding this rank's part of the shard, size 0 where the rank holds none; inside forward the
     module sees plain tensors of the original shapes, each aligned inside the flat parameter (padding). The
     default exposes only each unit's flat parameter."""
-    by_rank = [None] * WORLD
-    dist.all_gather_object(by_rank, recorded()["runs"]["use_orig_params"])
+    by_rank = every_rank(recorded()["runs"]["use_orig_params"])
     names = [p[0] for p in by_rank[0]["outside_forward"]["parameters"]]
     assert "layers.0.attention.qkv.weight" in names and not any("flat_param" in n for n in names)
     for run in by_rank:

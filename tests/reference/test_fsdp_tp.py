@@ -26,7 +26,7 @@ from reference.tensor_parallel.parallelize import parallelize
 from reference.tensor_parallel.transformer import Transformer
 from tests.ranks import on_ranks
 from tests.reference import regression
-from tests.reference.helpers import dtensor_plan, full_tensor, max_diff
+from tests.reference.helpers import dtensor_plan, every_rank, full_tensor, max_diff
 
 # hidden 12: qkv's bias shard (18 floats) is not a multiple of 16 bytes, so the flat layout has alignment padding
 H, HEADS, LAYERS, S, B, STEPS, SEED, LR = 12, 2, 2, 8, 4, 3, 1234, 0.1
@@ -263,8 +263,7 @@ def test_sequence_parallel_grads_are_summed_over_tp_on_the_sharded_gradients(ran
         assert (last["op"], last["group"], last["phase"]) == ("all_reduce", result["tp_group"], "forward")
         mine.add(last["nbytes"])
     assert len(mine) == 1, "the same bytes every step"
-    everyone = [None] * ranks.world
-    dist.all_gather_object(everyone, mine.pop())
+    everyone = every_rank(mine.pop())
     sent = dict(enumerate(everyone))
     assert sent == {0: 2 * 5 * 12 * 4, 1: 2 * 5 * 12 * 4, 2: 2 * 1 * 12 * 4, 3: 2 * 1 * 12 * 4}
     assert sent[0] + sent[2] == 2 * 6 * 12 * 4  # over the DP group: every SP gradient once

@@ -80,7 +80,7 @@ def unsharded_losses() -> list[float]:
 
 
 def test_llama_fsdp_tp_sp_demo_trains_like_the_unsharded_model_and_reports_traffic_and_memory():
-    """The real `torchrun -m reference` command end to end (the other demo tests share worker launches)."""
+    """The real `torchrun -m reference` command end to end (the other demo tests share @on_ranks launches)."""
     args = [
         "--model",
         "llama",

@@ -30,7 +30,7 @@ from reference.measure.replay import idle_fraction
 from reference.pipeline.schedules import forward_backward as reference_forward_backward
 from reference.torch_patches import cuda_calls_on_cpu
 from tests.ranks import on_ranks
-from tests.reference.helpers import every_rank, groups_of_the_block
+from tests.reference.helpers import every_rank, megatron_parallel_state
 
 pytestmark = pytest.mark.upstream("megatron-lm")
 
@@ -384,18 +384,6 @@ def ddp_grad_dtypes() -> dict[str, str]:
     return dtypes
 
 
-@contextlib.contextmanager
-def megatron_parallel_state(**sizes):
-    """megatron's `initialize_model_parallel(**sizes)` for the body (without its gloo groups, unused here), then
-    `destroy_model_parallel()` and every group it made destroyed: megatron only forgets them."""
-    with groups_of_the_block():
-        parallel_state.initialize_model_parallel(**sizes, create_gloo_process_groups=False)
-        try:
-            yield
-        finally:
-            parallel_state.destroy_model_parallel()
-
-
 @functools.cache
 def logs() -> list[dict]:
     """Every run's event log and the schedules' action orders, on every rank (computed once a rank)."""
@@ -700,9 +688,7 @@ def test_megatron_refuses_interleaving_when_m_is_not_a_multiple_of_p(ranks):
 def test_megatron_assigns_chunk_c_of_rank_r_the_layers_of_virtual_stage_c_p_plus_r():
     """get_transformer_layer_offset / get_num_layers_to_build (in-process, no ranks needed) give the split of
     reference.gpt.model.split_virtual_stages, and refuse layer counts that p x v does not divide."""
-    import torch
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
-    from megatron.core.transformer.transformer_config import TransformerConfig
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     from reference.gpt.model import split_virtual_stages

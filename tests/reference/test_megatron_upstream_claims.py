@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from reference.measure.recorder import CollectiveRecorder, current_phase
 from reference.torch_patches import cuda_calls_on_cpu
 from tests.ranks import on_ranks
+from tests.reference.helpers import every_rank, megatron_parallel_state
 
 pytestmark = pytest.mark.upstream("megatron-lm")
 
@@ -302,8 +303,7 @@ def records() -> list[dict]:
     """Every case megatron ran, on every rank (computed once a rank, then gathered): CPU only, its CUDA calls
     redirected there."""
     cuda_calls_on_cpu()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=WORLD, create_gloo_process_groups=False)
-    try:  # the groups it made are destroyed after the test that ran it (tests/on_rank.py)
+    with megatron_parallel_state(tensor_model_parallel_size=WORLD):
         mine = {
             **layer_cases(),
             "init": cpu_initialization(),
@@ -313,11 +313,7 @@ def records() -> list[dict]:
             "fusion_ddp": fusion_case(torch.float32, ddp=True, two_micro_batches=False),
             "fusion_megatron_fsdp": fusion_case(torch.float32, fsdp=True, two_micro_batches=False),
         }
-    finally:
-        parallel_state.destroy_model_parallel()
-    everyone = [None] * WORLD
-    dist.all_gather_object(everyone, mine)
-    return everyone
+    return every_rank(mine)
 
 
 def cases(name: str) -> list[dict]:

@@ -68,7 +68,7 @@ def test_fsdp_demo_on_one_rank_follows_the_fp32_model_in_its_dtype(ranks, dtype)
 
 @on_ranks(1, timeout_s=120)
 def test_auto_on_a_gloo_group_is_the_cpu_even_beside_a_gpu(ranks):
-    """A worker that set up gloo runs the demos and benchmarks it calls on the CPU, GPU or not."""
+    """A rank that set up gloo runs the demos and benchmarks it calls on the CPU, GPU or not."""
     with distributed("auto") as device:
         assert device == torch.device("cpu")
 

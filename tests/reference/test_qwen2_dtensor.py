@@ -1,7 +1,7 @@
 """The Tensor Parallelism Knowledge Compilation's recipe on Hugging Face's own `Qwen2ForCausalLM` (transformers
 5.23.0, tiny config, random weights; benchmarks/qwen2_dtensor.py) with PyTorch DTensor at the pin, against the
-unsharded HF model. The first test at a world runs what it checks, once a rank: at 2 (`tp_runs()`) the TP plan,
-the sequence-parallel plan, HF's shipped plan, the pitfalls' observations and fixes; at 4 (`fsdp_tp_runs()`)
+unsharded HF model. The first test at a world runs what it checks, once a rank: at 2 (`run_tp()`) the TP plan,
+the sequence-parallel plan, HF's shipped plan, the pitfalls' observations and fixes; at 4 (`run_fsdp_tp()`)
 FSDP2 on a dp 2 x tp 2 mesh with checkpointed layers, fp32 and bf16 compute. Pitfall 2, which crashes, is a
 launch of its own (this file run as a script). Each run keeps loss and gradient differences and the collectives
 `CommDebugMode` counted per decoder layer and per step; the expected counts are data (PER_BLOCK, per_step),

@@ -9,7 +9,6 @@ megatron-core runs with use_cpu_initialization=True; on CPU the buffers its gath
 sequence-parallel paths allocate on torch.cuda.current_device() are redirected to the CPU.
 """
 
-import contextlib
 import functools
 import itertools
 
@@ -26,7 +25,7 @@ from reference.tensor_parallel.transformer import init_method_normal
 from reference.torch_patches import cuda_calls_on_cpu
 from tests.ranks import on_ranks
 from tests.reference.gpus import DEVICES
-from tests.reference.helpers import assert_close, gather_dim, groups_of_the_block
+from tests.reference.helpers import assert_close, gather_dim, groups_of_the_block, megatron_parallel_state
 
 # (bias, skip_bias_add) pairs x gather_output / input_is_parallel x sequence_parallel, as layers() loops:
 COLUMN_CASES, ROW_CASES = 3 * 2 * 2, 3 * 2 * 2 - 3  # a row layer's sequence parallelism needs a parallel input
@@ -43,7 +42,7 @@ def layouts(device) -> list[dict]:
     for (tp_size, pp_size), order in [(split, order) for split in splits for order in ("tp-pp-dp", "tp-dp-pp")]:
         with groups_of_the_block():  # each layout's groups, ours and megatron's, go with it
             grid = build_layout(tp_size, pp_size, order=order)
-            with megatron_state(
+            with megatron_parallel_state(
                 tensor_model_parallel_size=tp_size,
                 pipeline_model_parallel_size=pp_size,
                 order=order.replace("tp-", "tp-cp-ep-"),
@@ -190,16 +189,6 @@ def shards_equal_megatron_master(tp, device) -> bool:
     return torch.equal(gather_dim(ours.weight.detach().cpu(), 0, tp), master)
 
 
-@contextlib.contextmanager
-def megatron_state(**sizes):
-    """megatron's global parallel state for the block (without its extra gloo groups), forgotten after it."""
-    mpu.initialize_model_parallel(**sizes, create_gloo_process_groups=False)
-    try:
-        yield
-    finally:
-        mpu.destroy_model_parallel()
-
-
 @functools.cache
 def results(device: torch.device) -> dict:
     """The layouts, then the layers at TP = world: computed once a rank (every comparison asserted on the way)."""
@@ -207,7 +196,7 @@ def results(device: torch.device) -> dict:
         cuda_calls_on_cpu()
     world = dist.get_world_size()
     found = {"rank": dist.get_rank(), "layouts": layouts(device)}
-    with megatron_state(tensor_model_parallel_size=world):
+    with megatron_parallel_state(tensor_model_parallel_size=world):
         tp = build_layout(tp_size=world).tp_group
         found["layers"] = layers(tp, device)
         found["shards_equal_megatron_master"] = shards_equal_megatron_master(tp, device)

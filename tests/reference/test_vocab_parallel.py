@@ -33,7 +33,7 @@ from reference.tensor_parallel.vocab_parallel import ParallelLMHead, VocabParall
 from reference.torch_patches import cuda_calls_on_cpu
 from tests.ranks import on_ranks
 from tests.reference.gpus import DEVICES
-from tests.reference.helpers import assert_close, gather_dim
+from tests.reference.helpers import assert_close, every_rank, gather_dim, megatron_parallel_state
 
 S, B, H = 8, 2, 8  # 16 tokens; H < tokens so a logits shard is the largest tensor of the head
 V_TINY = 5  # at TP=4 padded to 8: the last rank holds only padding
@@ -391,8 +391,7 @@ def results(device: torch.device) -> dict:
     tensor): what was compared, the collectives, the allocation probe's figures, the bad-input messages."""
     if device.type == "cpu":
         cuda_calls_on_cpu()
-    mpu.initialize_model_parallel(tensor_model_parallel_size=dist.get_world_size(), create_gloo_process_groups=False)
-    try:  # the groups it made are destroyed after the test that ran it (tests/on_rank.py)
+    with megatron_parallel_state(tensor_model_parallel_size=dist.get_world_size()):
         checks = Checks(device)
         return {
             "unsharded": checks.unsharded(),
@@ -400,8 +399,6 @@ def results(device: torch.device) -> dict:
             "probe": checks.probes(),
             "bad_input": checks.bad_input(),
         }
-    finally:
-        mpu.destroy_model_parallel()
 
 
 @on_ranks(2, 4, devices=DEVICES)
@@ -449,8 +446,7 @@ def test_no_rank_allocates_full_logits(ranks):
 def test_bad_input_raises_one_line_errors(ranks):
     mine = results(ranks.device)["bad_input"]  # each message checked in results(): one line, naming the problem
     assert len(mine) == 3 * 2 + 4
-    everyone = [None] * ranks.world
-    dist.all_gather_object(everyone, mine)
+    everyone = every_rank(mine)
     assert all(messages == everyone[0] for messages in everyone), "ranks disagree"
 
 
