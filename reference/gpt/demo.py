@@ -333,8 +333,8 @@ def _report_pipeline(args, stages: list[dict]) -> None:
     p, m, v = len(stages), args.micro_batches, args.virtual_stages
     name = f"interleaved 1f1b, {v} chunks per stage" if v > 1 else args.schedule
     print(
-        f"pipeline: {name if p > 1 else 'no pipelining (pp 1)'}, pp {p}, {m} micro-batches "
-        f"(last step, one rank per stage)",
+        f"pipeline: {name if p > 1 else 'no pipelining'}, pp {p}, {m} micro-batches "
+        f"(last step, one rank per stage; bubble by wall clock: ranks sharing CPU cores push it above the formula)",
         flush=True,
     )
     unit, formula = ("chunk-forwards", "(p-1)/(v m+p-1)") if v > 1 else ("micro-batches", "(p-1)/(m+p-1)")
