@@ -18,6 +18,7 @@ Then one recorded step per implementation gives the bytes communicated per step,
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 
@@ -60,6 +61,7 @@ def parse_args():
         "--rounds", type=int, default=30, help="rounds; each times one step of every implementation, in turn"
     )
     parser.add_argument("--sequence-parallel", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
     return parser.parse_args()
 
 
@@ -83,6 +85,7 @@ def megatron_swap(model: Transformer, args, device) -> Transformer:
                 config=config,
                 init_method=init_method_normal(),
                 bias=True,
+                skip_bias_add=False,  # add the bias inside, as nn.Linear does (megatron's Row requires saying so)
                 tp_group=mpu.get_tensor_model_parallel_group(),
             )
             if name in ("qkv", "fc1"):
@@ -178,33 +181,49 @@ def _benchmark(args, device: torch.device) -> None:
     if rank != 0:
         return
     n = args.batch_size * args.seq_length * args.hidden_size * x.element_size()
+    layers = args.num_layers
+    median = {name: statistics.median(t) for name, t in times.items()}
+    best = {name: min(t) for name, t in times.items()}  # the least disturbed step: steadier on a busy machine
+    sent = {name: sum(v["bytes"] for v in summary.values()) for name, summary in traffic.items()}
+    if args.sequence_parallel:
+        formula_n = 10 * layers + 1
+        expected = (
+            f"per layer 2 all-gather + 2 reduce-scatter forward, 4 all-gather + 2 reduce-scatter backward, "
+            f"each N; plus the entry/exit gather: {formula_n}N = {formula_n * n} B"
+        )
+    else:
+        formula_n = 4 * layers
+        expected = f"4 all-reduces of N per layer (2 forward, 2 backward): {formula_n}N = {formula_n * n} B"
+    if args.json:
+        report = {
+            "tp": world,
+            "device": device.type,
+            "sequence_parallel": args.sequence_parallel,
+            "median_ms": {name: t * 1e3 for name, t in median.items()},
+            "bytes_per_step": sent,
+            "formula_bytes": formula_n * n,
+            "ratios": {
+                f"time reference/{other}": median["reference"] / median[other] for other in ("megatron", "dtensor")
+            },
+        }
+        print(json.dumps(report))
+        return
     print(
         f"TP={world} on {device.type} ({'nccl' if cuda else 'gloo'}), b={args.batch_size} s={args.seq_length} "
         f"h={args.hidden_size} heads={args.num_attention_heads} layers={args.num_layers} "
         f"sequence_parallel={args.sequence_parallel}; median of {args.rounds} interleaved steps each"
     )
-    median = {name: statistics.median(t) for name, t in times.items()}
     for name in models:
         print(f"  {name:10s} fwd+bwd {median[name] * 1e3:8.2f} ms/step  (min {min(times[name]) * 1e3:.2f})")
-    best = {name: min(t) for name, t in times.items()}  # the least disturbed step: steadier on a busy machine
     for label, stat in (("median", median), ("min", best)):
         print(
             f"  by {label:6s}: reference / megatron = {stat['reference'] / stat['megatron']:.3f}   "
             f"reference / dtensor = {stat['reference'] / stat['dtensor']:.3f}"
         )
-    layers = args.num_layers
-    if args.sequence_parallel:
-        expected = (
-            f"per layer 2 all-gather + 2 reduce-scatter forward, 4 all-gather + 2 reduce-scatter backward, "
-            f"each N; plus the entry/exit gather: {10 * layers + 1}N = {(10 * layers + 1) * n} B"
-        )
-    else:
-        expected = f"4 all-reduces of N per layer (2 forward, 2 backward): {4 * layers}N = {4 * layers * n} B"
     print(f"  bytes per step, N = b*s*h*{x.element_size()} = {n} B; formula: {expected}")
     for name, summary in traffic.items():
-        total = sum(v["bytes"] for v in summary.values())
         ops = ", ".join(f"{op} x{v['count']}" for op, v in summary.items())
-        print(f"  {name:10s} {total:10d} B  ({ops})")
+        print(f"  {name:10s} {sent[name]:10d} B  ({ops})")
 
 
 if __name__ == "__main__":

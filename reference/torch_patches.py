@@ -239,7 +239,23 @@ def op_flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
     """FLOPs of one aten op by torch's own formulas, the ones FlopCounterMode counts with
     (torch.utils.flop_counter.flop_registry); 0 for an op without one (CPU flash attention has none in 2.13)."""
     formula = flop_counter.flop_registry.get(func.overloadpacket)
-    return int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
+    if formula is None:
+        return 0
+    if "scaled_dot_product" in func.overloadpacket.__name__:
+        args = _as_many_heads(args)
+    return int(formula(*args, **kwargs, out_val=out))
+
+
+def _as_many_heads(args: tuple) -> tuple:
+    """torch's attention formulas before 2.13 assert that key and value have the query's heads; grouped-query
+    attention (a CUDA kernel taking fewer key/value heads) does the matmuls of them repeated, so count it so."""
+    heads = max((a.shape[1] for a in args if isinstance(a, torch.Tensor) and a.dim() == 4), default=0)
+    return tuple(
+        torch.empty((a.shape[0], heads, *a.shape[2:]), device="meta")
+        if isinstance(a, torch.Tensor) and a.dim() == 4 and a.shape[1] < heads
+        else a
+        for a in args
+    )
 
 
 def live_process_groups() -> list[ProcessGroup]:

@@ -44,8 +44,11 @@ def require_gpus(count: int) -> None:
         pytest.skip(f"needs {count} CUDA device(s), one per rank, found {torch.cuda.device_count()}")
 
 
-def torchrun(script: str | Path, nproc: int, *args: str, timeout: float = 300, env: dict | None = None) -> str:
-    """Run `script` on `nproc` local ranks (gloo on CPU unless the script picks NCCL); return its output.
+def torchrun(
+    script: str | Path, nproc: int, *args: str, timeout: float = 300, env: dict | None = None, module: bool = False
+) -> str:
+    """Run `script` (a module name with module=True) on `nproc` local ranks (gloo on CPU unless the script picks
+    NCCL); return its output.
 
     The whole process group is killed on timeout, so a hung collective fails the test instead of the suite.
     """
@@ -59,6 +62,7 @@ def torchrun(script: str | Path, nproc: int, *args: str, timeout: float = 300, e
             "--max-restarts=0",
             f"--log-dir={logs}",
             "--redirects=3",
+            *(["-m"] if module else []),
             str(script),
             *args,
         ]

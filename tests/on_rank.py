@@ -1,4 +1,4 @@
-"""The rank side of tests/ranks.py: `torchrun tests/on_rank.py SPEC OUT` runs, on this rank, the bodies of the
+"""The rank side of tests/ranks.py: `torchrun -m tests.on_rank SPEC OUT` runs, on this rank, the bodies of the
 tests SPEC lists, in order, and writes OUT/{i}.rank{R}.json (outcome, traceback) and OUT/{i}.rank{R}.log (what
 the body printed) for the i-th.
 

@@ -113,7 +113,8 @@ def _launch(items: list[pytest.Item], world: int, device: str, timeout_s: float)
         died = None
         try:
             env = {"PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tools"), os.environ.get("PYTHONPATH", "")])}
-            torchrun(ROOT / "tests" / "on_rank.py", world, f"{out}/spec.json", out, timeout=LAUNCH_TIMEOUT_S, env=env)
+            # As a module: run as a script, tests/ would lead sys.path and tests/reference shadow reference/.
+            torchrun("tests.on_rank", world, f"{out}/spec.json", out, timeout=LAUNCH_TIMEOUT_S, env=env, module=True)
         except pytest.fail.Exception as failure:
             died = str(failure)
         found = {}

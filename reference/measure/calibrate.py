@@ -274,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_device(parser: argparse.ArgumentParser, text: str | None) -> torch.device:
     if text is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        text = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         device = torch.device(text)
     except RuntimeError:
@@ -285,6 +285,8 @@ def parse_device(parser: argparse.ArgumentParser, text: str | None) -> torch.dev
         parser.error(f"--device {text!r}: no CUDA device is visible to torch {torch.__version__}")
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
         parser.error(f"--device {text!r}: only {torch.cuda.device_count()} CUDA device(s) are visible")
+    if device.type == "cuda" and device.index is None:  # torch.cuda.set_device needs an index
+        device = torch.device("cuda", torch.cuda.current_device())
     return device
 
 

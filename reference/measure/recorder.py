@@ -256,6 +256,9 @@ class CollectiveRecorder(TorchDispatchMode):
         self.events.append(event)
         if name.startswith("c10d::"):
             work = torch_patches.unbox_work(out[-1] if isinstance(out, tuple) else out)
+            if work is None:  # done already (NCCL on a group of one returns no Work)
+                event.end = time.perf_counter()
+                return out
             work_id = id(work)  # unique while pending: the entry keeps the Work alive
             with self._lock:
                 self._pending[work_id] = (work, event)

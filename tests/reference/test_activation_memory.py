@@ -396,5 +396,7 @@ def test_the_benchmark_on_one_gpu_adds_the_allocators_bytes_to_every_configurati
     assert report["device"] == "cuda" and report["world"] == 1
     for model in (report, report["llama"]):
         allocated = {c["configuration"]: c["cuda_allocated_bytes"] for c in model["configurations"]}
-        assert all(0 < c["cuda_allocated_bytes"] <= c["cuda_peak_bytes"] for c in model["configurations"])
+        assert all(0 <= c["cuda_allocated_bytes"] <= c["cuda_peak_bytes"] for c in model["configurations"])
+        # Full recompute keeps only the block's input, allocated before the forward: the allocator adds nothing
+        # (0 B on an H200, 2.11), while the rest keep tens of kB.
         assert allocated["full recompute"] < allocated["no parallelism"], allocated

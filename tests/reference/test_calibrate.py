@@ -85,8 +85,11 @@ def test_the_command_measures_every_op_of_the_traces_blocks_and_the_site_draws_f
 
 def test_with_a_gpu_visible_cuda_and_bf16_are_the_defaults_and_cuda_events_time_each_run(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     parser = calibrate.build_parser()
-    assert calibrate.parse_device(parser, None) == torch.device("cuda")
+    # With an index: torch.cuda.set_device refuses a bare "cuda" on torch 2.11 (as it did on an H200).
+    assert calibrate.parse_device(parser, None) == torch.device("cuda", 0)
     clock, log = [0.0], []
 
     class Event:  # a CUDA event on a device whose kernels take what `work` adds to the clock

@@ -190,3 +190,12 @@ def test_a_demo_runs_on_a_torch_without_the_recorders_apis(demo):
         assert run.stdout.count("  total: none recorded\n") == 2, run.stdout
     else:
         assert all(line.endswith("collectives not recorded") for line in steps), run.stdout
+
+
+def test_grouped_query_attention_flops_count_as_with_the_key_value_heads_repeated():
+    """CUDA's attention kernels take Llama's fewer key/value heads; torch's formula before 2.13 asserts equal
+    heads (the recorder failed so on an H200 with 2.11), so op_flops counts them as repeated, the kernel's work."""
+    q, kv = torch.randn(2, 4, 8, 16), torch.randn(2, 2, 8, 16)
+    forward = torch.ops.aten._scaled_dot_product_efficient_attention.default
+    grouped = torch_patches.op_flops(forward, (q, kv, kv, None, False), {}, None)
+    assert grouped == torch_patches.op_flops(forward, (q, q, q, None, False), {}, None) == 2 * 2 * (2 * 4 * 8 * 8 * 16)

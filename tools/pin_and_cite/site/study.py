@@ -1,11 +1,12 @@
 """The study site: the helpers this kit's notes use, registered with the renderer (which imports none of them).
 
-`trace(name)` with `diagram(name, ...)` (a timeline at a device's measured rates with `calibration="NAME"`,
-pin_and_cite.site.calibration), `tp_crossover(...)` and `pipeline_memory(...)` (recorded runs,
-pin_and_cite.site.traces), `sharding_limit(...)` with `chart_training_memory(...)` (per-rank training memory from
-formulas, pin_and_cite.site.estimates), `scale_table(trace)`, `memory_table(trace, trace)`, `sent_per_group(trace,
-run)` and `human(bytes)` (the Scale page, pin_and_cite.site.scale_tables) with `chart_sent_per_group(trace)` (its
-bar charts, diagrams). `render_site` is what `render` and the mkdocs hook run.
+`trace(name)` with `diagram(name, ...)` (a timeline at a device's measured rates with `calibration="NAME"`;
+`calibration(NAME)` is the file itself, pin_and_cite.site.calibration), `tp_crossover(...)` and
+`pipeline_memory(...)` (recorded runs, pin_and_cite.site.traces), `sharding_limit(...)` with
+`chart_training_memory(...)` (per-rank training memory from formulas, pin_and_cite.site.estimates),
+`scale_table(trace)`, `memory_table(trace, trace)`, `sent_per_group(trace, run)` and `human(bytes)` (the Scale
+page, pin_and_cite.site.scale_tables) with `chart_sent_per_group(trace)` (its bar charts, diagrams).
+`render_site` is what `render` and the mkdocs hook run.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ def helpers(project: Project) -> dict:
 
     return {
         "trace": trace,
+        "calibration": lambda name: load_calibration(project.notes_dir, name),
         "diagram": diagram,
         "tp_crossover": estimates.tp_crossover,
         "pipeline_memory": estimates.pipeline_memory,
