@@ -726,3 +726,26 @@ def test_megatron_assigns_chunk_c_of_rank_r_the_layers_of_virtual_stage_c_p_plus
         )
         with pytest.raises(AssertionError, match=message):
             get_num_layers_to_build(config, vp_stage=0, pp_rank=0)
+
+
+def test_layer_counts_that_p_times_v_does_not_divide_build_off_the_default_even_split():
+    """The divisibility by p x v is the default even split's: sizing the first and last stages by hand, or
+    counting the embedding as a layer, builds 10 and 7 layers at p 2, v 2 (in-process, no ranks needed)."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+    for layers, layout, chunks in [
+        (10, {"num_layers_in_first_pipeline_stage": 4, "num_layers_in_last_pipeline_stage": 6}, [[2, 2], [3, 3]]),
+        (7, {"account_for_embedding_in_pipeline_split": True}, [[1, 2], [2, 2]]),
+    ]:
+        assert layers % 4 != 0
+        config = TransformerConfig(
+            num_layers=layers,
+            hidden_size=8,
+            num_attention_heads=1,
+            pipeline_dtype=torch.float32,
+            pipeline_model_parallel_size=2,
+            virtual_pipeline_model_parallel_size=2,
+            **layout,
+        )
+        built = [[get_num_layers_to_build(config, vp_stage=c, pp_rank=r) for c in range(2)] for r in range(2)]
+        assert built == chunks and sum(map(sum, built)) == layers
