@@ -347,6 +347,38 @@ def test_pitfall_positional_layouts_on_a_keyword_call_then_keyword_layouts(ranks
     assert runs["sp"]["loss_diff"] <= FP32  # the fix: input_kwarg_layouts={"hidden_states": Shard(1)}
 
 
+@on_ranks(2)
+def test_keyword_layouts_need_their_desired_layouts_and_no_positional_ones(ranks):
+    """The fix to pitfall 1, part by part, on a module called as HF calls self_attn(hidden_states=...):
+    input_kwarg_layouts alone fails the constructor's assertion; with positional input_layouts too, the keyword
+    hook still checks the (empty) positional inputs against them; with its desired layouts and input_layouts
+    left None, the keyword input arrives gathered, Replicate."""
+
+    class Attention(torch.nn.Module):
+        def forward(self, hidden_states):
+            return hidden_states
+
+    mesh = init_device_mesh(torch.device(ranks.device).type, (ranks.world,))
+    shard = {"hidden_states": Shard(1)}
+    gathered = {"hidden_states": Replicate()}
+    with pytest.raises(AssertionError, match="input_kwarg_layouts and desired_input_kwarg_layouts should have same"):
+        PrepareModuleInput(input_kwarg_layouts=shard)
+    x = torch.arange(2.0 * ranks.world * 3, device=ranks.device).reshape(2, ranks.world, 3)
+    local = x[:, ranks.rank : ranks.rank + 1]
+    both = PrepareModuleInput(
+        input_layouts=(Shard(1),),
+        desired_input_layouts=(Replicate(),),
+        input_kwarg_layouts=shard,
+        desired_input_kwarg_layouts=gathered,
+    )
+    with pytest.raises(ValueError, match="module inputs and input_layouts should have same length!"):
+        parallelize_module(Attention(), mesh, both)(hidden_states=local)
+    keyword = PrepareModuleInput(input_kwarg_layouts=shard, desired_input_kwarg_layouts=gathered)
+    out = parallelize_module(Attention(), mesh, keyword)(hidden_states=local)
+    assert isinstance(out, DTensor) and out.placements == (Replicate(),)
+    assert torch.equal(out.to_local(), x)
+
+
 def test_pitfall_sequence_not_divisible_by_tp_aborts_the_job_under_sequence_parallelism():
     """7 tokens at TP 2: the embedding's reduce-scatter leaves 4 and 3 tokens, the next SequenceParallel takes
     its local tensor as an even shard, and the all-gather's sizes disagree; gloo aborts the job (on CPU)."""
