@@ -422,6 +422,27 @@ def test_row_sequence_parallel_reduce_scatters_what_it_would_all_reduce(ranks):
         assert collectives(sp, "backward") == [("all_gather", row_bytes, False)]
 
 
+def ring_bytes(case: dict) -> float:
+    """Bytes one rank sends for a case's collectives by ring algorithms: (N-1)/N of the whole tensor for an
+    all-gather or a reduce-scatter, twice that for an all-reduce."""
+    sends = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}
+    return sum(sends[op] * nbytes for op, nbytes, _ in collectives(case)) * (WORLD - 1) / WORLD
+
+
+@on_ranks(WORLD)
+def test_sequence_parallel_adds_one_all_gather_per_column_layer_a_quarter_more_tp_bytes_per_block(ranks):
+    """Each replaced all-reduce costs the same (the row layer); the column layer's backward re-gather of its
+    input is one all-gather more. A block's two column and two row layers, on activations of one size, move
+    3 + 3 + 2 + 2 units under sequence parallelism against 2 + 2 + 2 + 2 without: 25% more."""
+    for record in records():
+        assert ring_bytes(record["row_sp"]) == ring_bytes(record["row"])
+        extra = ring_bytes(record["column_sp"]) - ring_bytes(record["column"])
+        assert extra == ACTIVATION_BYTES * (WORLD - 1) / WORLD  # one all-gather of the column layer's input
+        column = ring_bytes(record["column_sp"]) / ring_bytes(record["column"])
+        row = ring_bytes(record["row_sp"]) / ring_bytes(record["row"])
+        assert (2 * column + 2 * row) / 4 == 1.25
+
+
 def column_expected(rank: int, with_bias: bool) -> torch.Tensor:
     case = cases("column")[rank]
     shard = tensor(case["master"]).chunk(WORLD, 0)[rank]
