@@ -340,7 +340,7 @@ def train_mlp(model, module, optimizer, zero_grad) -> dict:
     }
 
 
-def megatron_run() -> dict:
+def megatron_run(grad_reduce_in_fp32: bool = True) -> dict:
     from megatron.core.distributed import DistributedDataParallel as MegatronDDP
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -355,7 +355,7 @@ def megatron_run() -> dict:
             model = MegatronDDP(
                 config,
                 DistributedDataParallelConfig(
-                    use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=True
+                    use_distributed_optimizer=True, grad_reduce_in_fp32=grad_reduce_in_fp32, overlap_grad_reduce=True
                 ),
                 module,
             )
@@ -376,6 +376,8 @@ def megatron_run() -> dict:
         buffer = model.buffers[0]
         states = [t for state in inner.optimizer.state.values() for k, t in state.items() if k != "step"]
         masters = [p for group in inner.shard_fp32_from_float16_groups for p in group]
+        main_grads = [m.grad for m in masters]  # what the last step stepped on, kept until the next zero_grad
+        in_buffer = buffer.grad_data.untyped_storage().data_ptr()
         result.update(
             optimizer_class=type(inner).__name__,
             inner_class=type(inner.optimizer).__name__,
@@ -384,6 +386,9 @@ def megatron_run() -> dict:
             param_buffer={"numel": buffer.param_data.numel(), "dtype": str(buffer.param_data.dtype)},
             master_bytes=sum(m.numel() * m.element_size() for m in masters),
             state_bytes=sum(t.numel() * t.element_size() for t in states),
+            main_grad_dtypes=sorted({str(g.dtype) for g in main_grads}),
+            main_grad_bytes=sum(g.numel() * g.element_size() for g in main_grads),
+            main_grads_in_buffer=[g.untyped_storage().data_ptr() == in_buffer for g in main_grads],
         )
     return result
 
@@ -455,7 +460,12 @@ def megatron_tied_embeddings() -> dict:
 def megatron_results() -> dict:
     """This rank's view of both DP 2 runs and the PP 2 tied embeddings (CPU; computed once a rank)."""
     cuda_calls_on_cpu()
-    return {"megatron": megatron_run(), "reference": reference_run(), "tied": megatron_tied_embeddings()}
+    return {
+        "megatron": megatron_run(),
+        "megatron_bf16_grads": megatron_run(grad_reduce_in_fp32=False),
+        "reference": reference_run(),
+        "tied": megatron_tied_embeddings(),
+    }
 
 
 @on_ranks(2)
@@ -497,6 +507,24 @@ def test_megatron_holds_fp32_main_grads_and_a_twelve_byte_optimizer_share(ranks)
             "master_weights": 2 * padded,
             "optimizer_states": 4 * padded,
         }
+
+
+@on_ranks(2)
+@pytest.mark.upstream("megatron-lm")
+def test_megatron_with_bf16_grads_steps_on_an_fp32_copy_of_its_gradient_shard(ranks):
+    """grad_reduce_in_fp32=False (megatron-core's default): the gradient buffer is bf16 (2 bytes per element on
+    every rank), but the step casts this rank's slice to a new fp32 tensor per master (4 bytes per element of the
+    slice), so the distributed optimizer holds 2 + 2 + (4 + 4 + 8)/d bytes per parameter, its doc's 4 + 16/d.
+    With fp32 gradients the masters step on views of the fp32 buffer: 2 + 4 + 12/d, no copy."""
+    results = every_rank(megatron_results())
+    for result in results:
+        bf16, fp32 = result["megatron_bf16_grads"], result["megatron"]
+        assert bf16["grad_buffer"]["dtype"] == "torch.bfloat16" and bf16["main_grad_dtypes"] == ["torch.float32"]
+        assert not any(bf16["main_grads_in_buffer"]) and bf16["main_grad_bytes"] == bf16["master_bytes"]
+        assert bf16["state_bytes"] == 2 * bf16["master_bytes"]
+        assert fp32["main_grad_dtypes"] == ["torch.float32"] and all(fp32["main_grads_in_buffer"])
+    numel = results[0]["megatron_bf16_grads"]["numel_unpadded"]
+    assert sum(r["megatron_bf16_grads"]["main_grad_bytes"] for r in results) == 4 * numel
 
 
 @on_ranks(2)
