@@ -212,14 +212,17 @@ def test_estimates_follow_from_the_measured_numbers():
 
 def test_memory_chart_is_drawn_from_the_formulas():
     """DDP holds 16 bytes per parameter on each rank, FSDP 1/world of it: a 16 GB GPU is full at 1B parameters
-    under DDP and at 8B over 8 ranks; the chart's lines are those per-rank sizes and the GPU's flat line."""
+    under DDP and at 8B over 8 ranks; the chart's lines are those per-rank sizes and the GPU's flat line, and
+    the legend says what the FSDP line leaves out (the gathered units)."""
     limit = estimates.sharding_limit(gpu_GB=16, world=8)
     assert (limit.ddp_max_billions, limit.fsdp_max_billions) == (1.0, 8.0)
     assert limit.billions == [0.25, 0.5, 1.0, 2.0, 4.0, 8.0]
     assert limit.ddp_GB == [16 * b for b in limit.billions] and limit.fsdp_GB == [2 * b for b in limit.billions]
     chart = diagrams.chart_training_memory(limit)
     assert chart.startswith("```mermaid\n%%{init: ") and "\nxychart-beta\n" in chart
-    assert "red: DDP (every rank holds all 16 B per parameter) · " in chart and "blue: FSDP over 8 ranks" in chart
+    assert "red: DDP (every rank holds all 16 B per parameter) · " in chart
+    # the FSDP line is the shards alone: the units gathered at the moment come on top, parameters and gradients
+    assert "blue: FSDP over 8 ranks (16/8 B per parameter, plus about two units' gathered parameters and" in chart
     assert '  x-axis "parameters" ["0.25B", "0.5B", "1B", "2B", "4B", "8B"]' in chart
     assert [line for line in chart.split("\n") if line.startswith("  line")] == [
         "  line [4, 8, 16, 32, 64, 128]",

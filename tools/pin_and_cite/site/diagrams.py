@@ -222,7 +222,8 @@ CHART_COLORS = (("#c62828", "red"), ("#1565c0", "blue"), ("#ef8f00", "amber"))  
 
 def chart_training_memory(limit) -> str:
     """xychart-beta lines in three distinct colors, with a legend under the chart (mermaid draws none for
-    line charts): DDP's bytes per rank, FSDP's over `world` ranks, and one GPU's memory."""
+    line charts): DDP's bytes per rank, FSDP's over `world` ranks (the shards alone: the legend says so, since
+    the units gathered at the moment come on top), and one GPU's memory."""
     sizes = ", ".join(f'"{b:g}B"' for b in limit.billions)
     palette = ", ".join(color for color, _ in CHART_COLORS)
     top = max(limit.ddp_GB)
@@ -238,7 +239,8 @@ def chart_training_memory(limit) -> str:
     ]
     names = [
         f"DDP (every rank holds all {limit.bytes_per_param} B per parameter)",
-        f"FSDP over {limit.world} ranks",
+        f"FSDP over {limit.world} ranks ({limit.bytes_per_param}/{limit.world} B per parameter, plus about two units'"
+        " gathered parameters and gradients, not drawn)",
         f"one {limit.gpu_GB:g} GB GPU (activations aside)",
     ]
     legend = " · ".join(
