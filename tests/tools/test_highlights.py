@@ -312,3 +312,42 @@ def test_every_shipped_highlight_is_whole_statements(tmp_path, monkeypatch):
             except PinAndCiteError as exc:
                 problems.append(f"{call.where(ROOT)}: {exc}")
     assert problems == []
+
+
+def highlighted(tmp_path, monkeypatch, note: str, path: str) -> list[str]:
+    """The highlighted text of each citation of `path` in the shipped note `note`, from the installed wheels."""
+    monkeypatch.setenv("PIN_AND_CITE_CACHE", str(tmp_path))
+    project = Project(ROOT)
+    resolver = Resolver(project, allow_remote=False)
+    texts = []
+    for call in written_calls(project.notes_dir, {"cite"}):
+        if call.file.name == note and call.highlight and f":{path}" in call.argument:
+            excerpt = locked_excerpt(project, resolver, str(parse_spec(call.argument)))
+            first, last = checked_highlight(
+                call.argument, call.highlight, excerpt.lines, resolver.statements_in(excerpt)
+            )
+            lines = excerpt.text.splitlines()[first - excerpt.lines[0] : last - excerpt.lines[0] + 1]
+            texts.append("\n".join(lines))
+    return texts
+
+
+def test_the_dtensor_tables_all_gather_row_highlights_megatrons_forward_gather(tmp_path, monkeypatch):
+    """The row says Shard(1) -> Replicate is an all-gather: the highlight is the region's forward, which gathers,
+    not its backward, which reduce-scatters."""
+    [text] = highlighted(tmp_path, monkeypatch, "dtensor-tp.md.j2", "megatron/core/tensor_parallel/mappings.py")
+    assert "def forward(" in text and "return _gather_along_first_dim(" in text
+    assert "_reduce_scatter" not in text
+
+
+def test_the_1f1b_unbatched_round_highlights_both_parity_branches(tmp_path, monkeypatch):
+    """The prose says both ends of a round agree: an even rank's first call (send to the next stage) is met by
+    the odd neighbour's first call (receive from the previous); both branches are highlighted (the note's other
+    highlight of this file, batch_isend_irecv's, holds no isend or irecv)."""
+    texts = highlighted(
+        tmp_path, monkeypatch, "megatron-pipeline-1f1b.md.j2", "megatron/core/pipeline_parallel/p2p_communication.py"
+    )
+    calls = [[line.strip() for line in text.splitlines() if "torch.distributed.i" in line] for text in texts]
+    assert [c for c in calls if c] == [
+        ["send_next_req = torch.distributed.isend(", "recv_prev_req = torch.distributed.irecv("],  # even ranks
+        ["recv_prev_req = torch.distributed.irecv(", "send_next_req = torch.distributed.isend("],  # odd ranks
+    ]
