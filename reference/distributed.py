@@ -5,12 +5,15 @@ gloo, and tears the process group down on the way out: a barrier, then a garbage
 still hold the group, then the destroy, since gloo otherwise sometimes aborts a rank whose peer closed first.
 A group the caller set up is used and left to the caller. `with one_line_errors(PROG):` ends a refused launch
 as every demo does: one line from rank 0, exit 2. docs/reference-guide.md says why each step is there.
+While the group lives, reference.heartbeat ends the job when a rank stops answering for the timeout
+(REFERENCE_TIMEOUT_S overrides the caller's).
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import math
 import os
 import sys
 from collections.abc import Iterator
@@ -20,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from reference.arguments import DEVICE_CHOICES
+from reference.heartbeat import Heartbeat
 from reference.parallel_state import ParallelConfigError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -28,6 +32,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # all_gather_into_tensor and reduce_scatter_tensor, so each is looked up by feature, not by version.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+TIMEOUT_ENV = "REFERENCE_TIMEOUT_S"
+_heartbeat: Heartbeat | None = None  # the one of the group init_distributed made; finish() stops it
 
 
 class LaunchError(RuntimeError):
@@ -61,9 +67,12 @@ def pick_dtype(choice: str, device: torch.device) -> torch.dtype:
 
 
 def init_distributed(choice: str = "auto", timeout_s: float = 120) -> torch.device:
-    """Initialize the default process group from torchrun's environment; returns this rank's device."""
+    """Initialize the default process group from torchrun's environment and start this rank's heartbeat;
+    returns this rank's device. $REFERENCE_TIMEOUT_S, when set, replaces `timeout_s`."""
+    global _heartbeat
     if "RANK" not in os.environ:
         raise LaunchError("run under torchrun, e.g. torchrun --nproc-per-node 2 -m reference")
+    timeout_s = timeout_from_env(timeout_s)
     device = pick_device(choice)
     timeout = timedelta(seconds=timeout_s)
     if device.type == "cuda":
@@ -71,15 +80,36 @@ def init_distributed(choice: str = "auto", timeout_s: float = 120) -> torch.devi
         dist.init_process_group("nccl", timeout=timeout, device_id=device)
     else:
         dist.init_process_group("gloo", timeout=timeout)
+    if dist.get_world_size() > 1:
+        _heartbeat = Heartbeat(timeout_s)
+        _heartbeat.start()
     return device
+
+
+def timeout_from_env(default_s: float) -> float:
+    """$REFERENCE_TIMEOUT_S as seconds (positive, finite), else `default_s`."""
+    text = os.environ.get(TIMEOUT_ENV)
+    if text is None:
+        return default_s
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (0 < value < math.inf):
+        raise LaunchError(f"{TIMEOUT_ENV}={text!r}: expected a positive, finite number of seconds")
+    return value
 
 
 def finish(clean: bool = True) -> None:
     """Destroy the default group; when `clean` (no exception in flight) wait for every peer first."""
+    global _heartbeat
     if not dist.is_initialized():
         return
     if clean:
         dist.barrier()
+    if _heartbeat is not None:
+        _heartbeat.stop()
+        _heartbeat = None
     gc.collect()
     dist.destroy_process_group()
 

@@ -98,7 +98,9 @@ def torchrun(
     return out
 
 
-def torchrun_failing(script: str | Path, nproc: int, *args: str, timeout: float = 90) -> tuple[str, float]:
+def torchrun_failing(
+    script: str | Path, nproc: int, *args: str, timeout: float = 90, env: dict | None = None
+) -> tuple[str, float]:
     """Run a script in which a rank fails on purpose; return every rank's output and the seconds it took.
 
     Fails the test if the run succeeded or hung: a crashed rank must end the whole job (torchrun tears the
@@ -106,7 +108,7 @@ def torchrun_failing(script: str | Path, nproc: int, *args: str, timeout: float 
     """
     start = time.monotonic()
     with pytest.raises(pytest.fail.Exception) as failure:
-        torchrun(script, nproc, *args, timeout=timeout)
+        torchrun(script, nproc, *args, timeout=timeout, env=env)
     message, elapsed = str(failure.value), time.monotonic() - start
     assert "timed out" not in message, message[-2000:]
     return message, elapsed

@@ -1,0 +1,65 @@
+"""A stopped rank ends the job, in one line naming it, within the timeout (reference.heartbeat).
+
+A real torchrun job: rank 1 SIGSTOPs itself mid-step, so its sockets stay open and rank 0 waits in a
+collective; before the heartbeat rank 0 waited out the TP group's own timeout (torch's 30 min default)."""
+
+import re
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from reference.distributed import TIMEOUT_ENV, LaunchError, timeout_from_env
+from reference.heartbeat import Heartbeat
+from tests.launch import CRASHES, torchrun_failing
+from tests.ranks import on_ranks
+
+TIMEOUT_S = 4
+# torchrun SIGTERMs the other ranks when one fails; a stopped rank cannot act on it, so torchrun SIGKILLs it
+# after a grace period fixed at 30 s (torch.distributed.elastic's close() as its monitor calls it).
+TORCHRUN_GRACE_S = 30
+SLACK_S = 6  # the heartbeat's interval (timeout / 10) twice, torchrun's polling, a loaded machine
+
+
+def test_a_stopped_rank_ends_the_job_within_the_timeout_naming_the_rank():
+    limit = TIMEOUT_S + TORCHRUN_GRACE_S + SLACK_S
+    message, _ = torchrun_failing(
+        CRASHES / "hung_rank.py", 2, timeout=limit + 15, env={"REFERENCE_TIMEOUT_S": str(TIMEOUT_S)}
+    )
+    ended = time.time()
+    stopped = float(re.search(r"rank 1 stops at (\S+)", message).group(1))
+    line = rf"^rank 1 has not answered for {TIMEOUT_S} s \(stopped or hung\): ending this job$"
+    assert re.search(line, message, re.M), message[-2000:]
+    assert TIMEOUT_S + TORCHRUN_GRACE_S <= ended - stopped <= limit, message[-2000:]
+    assert "unreachable on rank 0" not in message
+
+
+@on_ranks(2, timeout_s=2)
+def test_ranks_busy_past_the_timeout_but_alive_are_not_ended_and_the_heartbeat_stops_with_its_group(ranks):
+    """The heartbeat runs while the group lives; it answers from its own thread, so a rank busy in an op that
+    releases the GIL (a sleep, a long kernel) for longer than the timeout is not taken for a hung one."""
+    assert [t.name for t in threading.enumerate()].count("reference-heartbeat") == 1
+    time.sleep(3 * 2)
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    assert total.item() == 2
+    extra = Heartbeat(timeout_s=2)
+    extra.start()
+    extra.stop()
+    assert not extra.thread.is_alive()
+    assert [t.name for t in threading.enumerate()].count("reference-heartbeat") == 1
+
+
+@pytest.mark.parametrize("text", ["0", "-3", "nan", "inf", "ten"])
+def test_a_timeout_from_the_environment_that_is_not_a_positive_number_is_refused_in_one_line(monkeypatch, text):
+    monkeypatch.setenv(TIMEOUT_ENV, text)
+    with pytest.raises(LaunchError, match=rf"^{TIMEOUT_ENV}='{text}': expected a positive, finite number"):
+        timeout_from_env(120)
+
+
+def test_the_timeout_from_the_environment_replaces_the_callers(monkeypatch):
+    assert timeout_from_env(120) == 120
+    monkeypatch.setenv(TIMEOUT_ENV, "7.5")
+    assert timeout_from_env(120) == 7.5
