@@ -5,7 +5,7 @@ from __future__ import annotations
 import shutil
 
 from pin_and_cite.site.note_rules import check_note, prose_lines, words
-from tests.tools.conftest import ROOT
+from tests.tools.conftest import FREE_FORM, ROOT
 
 CITE = "{{ cite('up:pkg/core/layers.py#L9-L10') }}"
 EVIDENCE = "{{ verified_by('tests/test_claims.py::test_runs_upstream') }}"
@@ -21,7 +21,6 @@ def test_runs_reference():
     pass
 """
 LAYERS_LINES = "up:pkg/core/layers.py#L9-L10"
-FREE_FORM = "---\nrules: none\n---\n"  # a page with no structure rules: its citations and calls still checked
 
 
 def note_text(
