@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import re
 import shlex
+import shutil
 
-from tests.tools.conftest import ROOT
+from tests.tools.conftest import ROOT, ProjectDir
 from tests.tools.test_note_rules import write_claims
 
 PAGE = ROOT / "docs" / "adding-a-note.md"
@@ -33,7 +34,7 @@ def test_the_skeleton_fails_check_exactly_where_the_author_must_write(project):
         f"reading_notes/{name}.md.j2:1: note rules: 0 cited design choice(s) ('### ' sections with cite()); "
         "a close reading needs at least 5",
         *(
-            f"reading_notes/{name}.md.j2:{line}: note rules: design choice 'Choice {i}: name it in a few words' "
+            f"reading_notes/{name}.md.j2:{line}: note rules: design choice 'Choice {i}' "
             "cites no upstream lines; add cite(...)"
             for i, line in enumerate(headings, 1)
         ),
@@ -45,7 +46,7 @@ def test_the_skeleton_fails_check_exactly_where_the_author_must_write(project):
     assert project.run("cite", "up:pkg/core/layers.py#L9-L10").code == 0
     write_claims(project.root)
     filled = re.sub(
-        r"\{# 50-80 words.*?#\}",
+        r"\{# Rename the heading.*?#\}",
         lambda _: (
             " ".join(["word"] * 51)
             + "\n{{ cite('up:pkg/core/layers.py#L9-L10') }}\n"
@@ -58,7 +59,7 @@ def test_the_skeleton_fails_check_exactly_where_the_author_must_write(project):
     r = project.run("check")
     assert r.code == 0, r.out
     assert project.run("render").code == 0
-    assert (project.root / "docs" / "notes" / f"{name}.md").read_text().count("word word") == 5
+    assert (project.root / "docs" / "notes" / f"{name}.md").read_text().count(" ".join(["word"] * 51)) == 5
 
 
 def test_a_taken_or_unsafe_name_is_refused_and_nothing_is_written(project):
@@ -78,3 +79,16 @@ def test_a_taken_or_unsafe_name_is_refused_and_nothing_is_written(project):
     assert sorted(p.name for p in notes.iterdir()) == ["mine.md.j2", "pins.toml"]  # no temporary file left
     r = project.run("new-note", "--help")
     assert r.code == 0 and "Refuses a name already taken" in r.out and "mkdocs.yml nav" in r.out
+
+
+def test_the_page_cites_a_new_file_offline_from_the_pinned_wheel(tmp_path):
+    """The page's `cite --trust-distribution`, as written, in a copy of this project's notes: no network."""
+    project = ProjectDir(tmp_path / "project", tmp_path / "cache")
+    shutil.copytree(ROOT / "reading_notes", project.root / "reading_notes", dirs_exist_ok=True)
+    args = page_command("cite")
+    spec = next(arg for arg in args if ":" in arg)
+    r = project.run(*args, "--json")
+    assert r.code == 0, r.err
+    lock = __import__("json").loads(project.lock_path.read_text())
+    path = spec.split(":", 1)[1].split("::", 1)[0]
+    assert lock["files"][f"pytorch:{path}"]["resolved_from"].startswith("distribution torch")

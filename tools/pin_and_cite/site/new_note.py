@@ -18,9 +18,10 @@ from pin_and_cite.site.note_rules import MIN_CHOICES
 
 NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,63}")
 CHOICE = """\
-### Choice {n}: name it in a few words
+### Choice {n}
 
-{{# 50-80 words: what upstream does here and why. Cite the lines, lock them first:
+{{# Rename the heading (a few words: headings count toward the 300). Then 50-80 words: what upstream
+   does here and why. Cite the lines, lock them first:
       tools/pin-and-cite cite SOURCE:PATH::Qual.name    (or SOURCE:PATH#La-Lb)
    then show them:  {{{{ cite("SOURCE:PATH::Qual.name", highlight="Lx-Ly") }}}}
    Name the evidence: {{{{ verified_by("tests/reference/test_x.py::test_y") }}}} for a test marked
@@ -40,7 +41,8 @@ rules: close-reading
 {choices}
 ## Connect the dots
 
-{{# A number from a recorded run, never typed: {{{{ trace("tp_block").events | length }}}} collectives. #}}
+{{# A number from a recorded run (reading_notes/traces/, tools/record-traces), never typed:
+   {{{{ trace("tp_block").world }}}} ranks; the study's helpers turn traces into estimates (docs/pin-and-cite.md). #}}
 """
 
 
