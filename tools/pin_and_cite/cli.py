@@ -97,10 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
         f"(more than 0, at most {MAX_TIMEOUT}; default 60)",
     )
     network.add_argument("--json", action="store_true", help="print machine-readable JSON on stdout")
-    common = argparse.ArgumentParser(add_help=False, parents=[network])
-    common.add_argument(
+    located = argparse.ArgumentParser(add_help=False)
+    located.add_argument(
         "--project", type=Path, help="project root (default: nearest parent with reading_notes/pins.toml)"
     )
+    common = argparse.ArgumentParser(add_help=False, parents=[network, located])
     common.add_argument(
         "--url",
         dest="urls",
@@ -193,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     noter = verbs.add_parser(
         "new-note",
-        parents=[common],
+        parents=[located],
         help="start a close reading from a skeleton",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Write reading_notes/NAME.md.j2: `rules: close-reading` front matter, the title, five\n"
@@ -207,6 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     noter.add_argument("name", metavar="NAME", help="file name without .md.j2: lowercase letters, digits, '-'")
     noter.add_argument("--title", required=True, help="the note's title, its '# ' heading")
+    noter.add_argument("--json", action="store_true", help="print machine-readable JSON on stdout")
+    noter.set_defaults(timeout=60.0, urls=[])  # it contacts no remote
 
     bumper = verbs.add_parser(
         "bump",
