@@ -214,3 +214,20 @@ def test_a_page_per_pinned_source_lists_its_locked_files_and_blobs(project, upst
     for key, entry in lock["files"].items():
         assert f"| `{key.split(':', 1)[1]}` | `{entry['blob']}` | {entry['size']} | git tree | 1 |" in page
     assert not (project.root / "docs" / "notes" / "_source.md").exists()
+
+
+def test_render_and_check_refuse_a_free_text_reason_on_any_page(project):
+    """reference_only() on a page with no structure rules still takes its reason from the fixed list."""
+    path = project.root / "reading_notes" / "free.md.j2"
+    path.write_text(FREE_FORM + "# Free\n\n{{ reference_only('draft: later') }}\n")
+    expected = (
+        "reference_only('draft: later'): the reason must be one of "
+        "APEX, Transformer Engine, CUDA-only, NCCL-only, multi-node"
+    )
+    r = project.run("render")
+    assert r.code == 2 and r.err == f"pin-and-cite: error: reading_notes/free.md.j2:6: {expected}\n"
+    r = project.run("check")
+    assert r.code == 1 and f"reading_notes/free.md.j2:6: render: {expected}\n" in r.out
+    path.write_text(FREE_FORM + "# Free\n\n{{ reference_only('multi-node', 'needs <two hosts>') }}\n")
+    assert project.run("render").code == 0
+    assert "multi-node: needs &lt;two hosts&gt;" in (project.root / "docs" / "notes" / "free.md").read_text()
