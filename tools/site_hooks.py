@@ -61,7 +61,10 @@ def on_pre_build(config) -> None:
 
 
 def _title_and_description(docs_dir: Path, path: str) -> tuple[str, str]:
-    """A page's title (its front matter's, else its first `# ` heading) and its front matter's description."""
+    """A page's title (its front matter's, else its first `# ` heading) and its front matter's description; a
+    page `nav` names but docs/ lacks (mkdocs warns of it) is listed by its path."""
+    if not (docs_dir / path).is_file():
+        return path, ""
     text, meta = get_data((docs_dir / path).read_text(encoding="utf-8"))
     heading = next((line[2:].strip() for line in text.split("\n") if line.startswith("# ")), path)
     return str(meta.get("title") or heading), " ".join(str(meta.get("description", "")).split())
