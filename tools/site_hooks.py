@@ -16,6 +16,7 @@ index, at a third of its cost) and gives the page its full HTML back before the 
 `on_post_page` drops the mermaid script from a page that has no diagram: material loads mermaid only for a page
 with diagrams (so no CDN request follows), and parsing its 3 MB took most of each other page's load. Every page
 is a full load (no `navigation.instant`; tests/site/test_build.py keeps it off), so none inherits another's.
+`on_page_markdown` writes the home page's reading order from `nav` (pin_and_cite.site.reading_order).
 `on_serve` watches reading_notes/ as well, so saving a template re-renders and reloads the page.
 The project root is $PIN_AND_CITE_PROJECT when set (tests build scratch copies), else the folder of mkdocs.yml.
 """
@@ -30,10 +31,12 @@ from pathlib import Path
 import vendor_assets
 from mkdocs.exceptions import PluginError
 from mkdocs.plugins import CombinedEvent, event_priority
+from mkdocs.utils.meta import get_data
 
 from pin_and_cite.core.errors import PinAndCiteError
 from pin_and_cite.core.sandbox import CompiledTemplates
 from pin_and_cite.core.store import default_cache_dir
+from pin_and_cite.site.reading_order import MARKER, reading_order
 from pin_and_cite.site.search_text import without_code_spans
 from pin_and_cite.site.study import render_site
 
@@ -55,6 +58,23 @@ def on_pre_build(config) -> None:
         render_site(project_root(config), docs_dir / "notes")
     except PinAndCiteError as e:
         raise PluginError(str(e)) from None
+
+
+def _title_and_description(docs_dir: Path, path: str) -> tuple[str, str]:
+    """A page's title (its front matter's, else its first `# ` heading) and its front matter's description; a
+    page `nav` names but docs/ lacks (mkdocs warns of it) is listed by its path."""
+    if not (docs_dir / path).is_file():
+        return path, ""
+    text, meta = get_data((docs_dir / path).read_text(encoding="utf-8"))
+    heading = next((line[2:].strip() for line in text.split("\n") if line.startswith("# ")), path)
+    return str(meta.get("title") or heading), " ".join(str(meta.get("description", "")).split())
+
+
+def on_page_markdown(markdown: str, page, config, files) -> str:
+    if page.file.src_uri != "index.md" or MARKER not in markdown:
+        return markdown
+    docs_dir = Path(config.docs_dir)
+    return markdown.replace(MARKER, reading_order(config.nav, lambda path: _title_and_description(docs_dir, path)))
 
 
 _full_html: dict[int, str] = {}  # id(page) -> page.content, while the search plugin reads the short form

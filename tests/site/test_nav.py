@@ -15,38 +15,52 @@ from mkdocs.config import load_config
 from mkdocs.exceptions import Abort
 
 from pin_and_cite.core.project import Project
+from pin_and_cite.site.reading_order import MARKER, nav_pages, reading_order
 from pin_and_cite.site.render import pages
 from tests.site.conftest import ROOT
 
-READING_ORDER = "## What to read, in order"
+
+def mkdocs_nav() -> list:
+    return load_config(config_file=str(ROOT / "mkdocs.yml")).nav
 
 
-def nav_pages(nav) -> list[str]:
-    """The page paths of a mkdocs `nav`, depth first, in order."""
-    found = []
-    for item in nav:
-        value = next(iter(item.values())) if isinstance(item, dict) else item
-        found += nav_pages(value) if isinstance(value, list) else [value]
-    return found
+def listed(markdown: str) -> tuple[list[str], list[str]]:
+    """The numbers of a generated reading order's items, and the pages it links, in order."""
+    return re.findall(r"^(\d+)\. ", markdown, re.M), re.findall(r"\]\(([^)#]+\.md)\)", markdown)
 
 
-def home_reading_order() -> list[str]:
-    """The pages the home page's "What to read, in order" links to, first mention of each, in order."""
-    text = (ROOT / "docs" / "index.md").read_text()
-    section = text.split(READING_ORDER, 1)[1].split("\n## ", 1)[0]
-    return list(dict.fromkeys(re.findall(r"\]\(([^)#]+\.md)\)", section)))
+def test_the_home_page_lists_every_page_in_the_nav_order_numbered_by_the_build():
+    assert MARKER in (ROOT / "docs" / "index.md").read_text()  # the list is the hook's, never hand-kept
+    nav = mkdocs_nav()
+    numbers, links = listed(reading_order(nav, lambda path: (path, "")))
+    assert links == nav_pages(nav)[1:] and links[0] == "notes/megatron-tp-layers.md"
+    assert numbers == [str(n) for n in range(1, len(numbers) + 1)]
+    assert nav.index({"Notes": nav[1]["Notes"]}) == 1 and len(numbers) < len(links)  # a section is one item
+    # A note given a slot in nav takes it on the home page; the later items move down with no edit.
+    notes = nav[1]["Notes"]
+    notes.insert(notes.index("notes/fsdp-prefetch.md") + 1, "notes/fsdp2-sharding.md")
+    after = reading_order(nav, lambda path: (path, ""))
+    assert "3. **[notes/fsdp2-sharding.md](notes/fsdp2-sharding.md)**\n" in after
+    assert "4. **[notes/megatron-pipeline-1f1b.md](notes/megatron-pipeline-1f1b.md)**\n" in after
 
 
-def test_home_page_lists_the_notes_in_the_nav_order():
-    nav = nav_pages(load_config(config_file=str(ROOT / "mkdocs.yml")).nav)
-    home = home_reading_order()
-    assert len(home) >= 10 and home[0] == "notes/megatron-tp-layers.md"
-    assert [page for page in nav if page in home] == home
-    assert nav.index("notes/fsdp-prefetch.md") < nav.index("notes/megatron-pipeline-1f1b.md")
+def test_the_built_home_page_shows_each_note_with_its_title_and_description(built_site):
+    home = (built_site / "index.html").read_text()
+    order = home.split('id="what-to-read-in-order"', 1)[1].split("</ol>", 1)[0]
+    items = re.findall(r"<li>(.*?)</li>", order, re.S)
+    assert items[0].startswith(
+        '<strong><a href="notes/megatron-tp-layers/">Megatron-LM tensor-parallel linears</a></strong>: a close'
+    )
+    assert "where the all-reduces really are" in items[0]
+    hrefs = [re.search(r'href="([^"]+)"', item)[1] for item in items]
+    urls = [page.removesuffix(".md") + "/" for page in nav_pages(mkdocs_nav())[1:]]
+    nav = [url.removesuffix("index/") for url in urls]  # mkdocs serves a folder's index.md as the folder
+    assert hrefs == [page for page in nav if page in hrefs]  # a section's first link stands for it
+    assert MARKER not in home
 
 
 def test_every_rendered_note_has_a_slot_in_the_nav():
-    nav = set(nav_pages(load_config(config_file=str(ROOT / "mkdocs.yml")).nav))
+    nav = set(nav_pages(mkdocs_nav()))
     rendered = {f"notes/{page}" for _, _, page in pages(Project(ROOT))}
     assert {"notes/scale.md", "notes/sources/pytorch.md", "notes/reference/fsdp.runtime.md"} <= rendered
     assert sorted(rendered - nav) == []

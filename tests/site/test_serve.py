@@ -36,7 +36,7 @@ def test_editing_a_note_template_rebuilds_the_served_site(vendored_docs, tmp_pat
         ROOT / "reading_notes", tmp_path / "reading_notes", ignore=shutil.ignore_patterns("*.md.j2")
     )  # pins and lock, no notes
     template = tmp_path / "reading_notes" / "note.md.j2"
-    template.write_text("# A note\n")
+    template.write_text("---\nrules: none\n---\n# A note\n")
     proc = subprocess.Popen(
         [sys.executable, "-m", "mkdocs", "serve", "--dev-addr", f"127.0.0.1:{free_port()}"],
         cwd=tmp_path,
@@ -50,11 +50,11 @@ def test_editing_a_note_template_rebuilds_the_served_site(vendored_docs, tmp_pat
     try:
         _wait_for(lines, "Watching paths for changes: 'docs', 'mkdocs.yml', 'reading_notes'")
         _wait_for(lines, "Serving on http://127.0.0.1:")
-        template.write_text("# A note, edited\n")
+        template.write_text("---\nrules: none\n---\n# A note, edited\n")
         _wait_for(lines, "Detected file changes")
         _wait_for(lines, "Building documentation")
         _wait_for(lines, "Documentation built")
-        assert (tmp_path / "docs" / "notes" / "note.md").read_text() == "# A note, edited\n"
+        assert (tmp_path / "docs" / "notes" / "note.md").read_text() == "---\nrules: none\n---\n# A note, edited\n"
     finally:
         proc.terminate()
         proc.wait(timeout=10)

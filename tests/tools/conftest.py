@@ -18,6 +18,7 @@ from tests.tools.synthetic import BASE, HEADER, edited
 
 ROOT = Path(__file__).resolve().parents[2]
 CLI = ROOT / "tools" / "pin-and-cite"
+FREE_FORM = "---\nrules: none\n---\n"  # a page that keeps no structure rules (site/note_rules.py)
 
 LAYERS_PY = '''\
 """A stand-in for an upstream module with decorated methods."""

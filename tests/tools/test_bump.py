@@ -6,8 +6,9 @@ import json
 import pytest
 
 MOD = "up:pkg/mod.py"
+FREE_FORM = "---\r\nrules: none\r\n---\r\n"  # the page keeps no structure rules (note_rules)
 TEMPLATE = (
-    "{# cite('" + MOD + "#L12-L14') in a comment is not a call #}\r\n"
+    FREE_FORM + "{# cite('" + MOD + "#L12-L14') in a comment is not a call #}\r\n"
     "# Layers\r\n"
     "\r\n"
     "The constructor {{ cite('" + MOD + "#L12-L14') }} and, quoted twice,\r\n"
@@ -16,7 +17,7 @@ TEMPLATE = (
     "{{ cite('up:docs/notes.txt#L2') }} {{ cite('" + MOD + "::helper') }} {{ cite('" + MOD + "#L25-L28') }}\r\n"
 )
 AFTER = (
-    "{# cite('" + MOD + "#L12-L14') in a comment is not a call #}\r\n"
+    FREE_FORM + "{# cite('" + MOD + "#L12-L14') in a comment is not a call #}\r\n"
     "# Layers\r\n"
     "\r\n"
     "The constructor {{ cite('" + MOD + "#L15-L17') }} and, quoted twice,\r\n"
@@ -74,7 +75,7 @@ def test_bump_rewrites_only_the_line_numbers_and_moves_pin_and_lock(project, his
     assert r.code == 1
     assert (
         r.out.splitlines()[0]
-        == f"reading_notes/layers.md.j2:7: {MOD}::helper: not in the lock; run `tools/pin-and-cite cite` on it"
+        == f"reading_notes/layers.md.j2:10: {MOD}::helper: not in the lock; run `tools/pin-and-cite cite` on it"
     )
     assert r.out.rstrip().endswith("5 citation(s) ok, 1 broken")
 
@@ -88,7 +89,7 @@ def test_review_report_shows_where_and_the_old_and_new_excerpts(project, history
     block = out[out.index(f"changed: {MOD}#L17-L19") :].split("\n\n")[0].splitlines()
     assert block == [
         f"changed: {MOD}#L17-L19 -> {MOD}#L20-L22",
-        "  cited at reading_notes/layers.md.j2:5",
+        "  cited at reading_notes/layers.md.j2:8",
         f"  --- pkg/mod.py#L17-L19 @ {history.c1[:12]}",
         f"  +++ pkg/mod.py#L20-L22 @ {history.c2[:12]}",
         "  @@ -17,3 +20,3 @@",
@@ -121,15 +122,15 @@ def test_unknown_ref_writes_nothing(project, noted):
 def test_deleted_code_is_left_as_written_reported_and_unlocked(project, history):
     project.write_pins(up={"url": history.url, "commit": history.c1})
     note = project.root / "reading_notes" / "gone.md.j2"
-    note.write_text("Was: {{ cite('up:pkg/mod.py#L31-L32') }}\n")
+    note.write_text(FREE_FORM + "Was: {{ cite('up:pkg/mod.py#L31-L32') }}\n")
     assert project.run("cite", "up:pkg/mod.py#L31-L32").code == 0
     r = project.run("bump", "up", "--ref", history.c2)
     assert r.code == 0, r.err
-    assert note.read_text() == "Was: {{ cite('up:pkg/mod.py#L31-L32') }}\n"
+    assert note.read_bytes().decode() == FREE_FORM + "Was: {{ cite('up:pkg/mod.py#L31-L32') }}\n"
     assert r.out.splitlines()[1] == "1 citation(s): 0 unchanged, 0 moved, 0 changed, 1 deleted"
     assert r.out.split("\n\n")[1].splitlines() == [
         "deleted: up:pkg/mod.py#L31-L32 -> left as written: fix the note (`check` fails until then)",
-        "  cited at reading_notes/gone.md.j2:1",
+        "  cited at reading_notes/gone.md.j2:4",
         f"  --- pkg/mod.py#L31-L32 @ {history.c1[:12]}",
         f"  +++ pkg/mod.py (no counterpart) @ {history.c2[:12]}",
         "  @@ -31,2 +0,0 @@",

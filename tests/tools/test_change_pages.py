@@ -11,18 +11,18 @@ import pytest
 
 from pin_and_cite.core.gitobj import blob_sha
 from pin_and_cite.site.changes import page_name
-from tests.tools.conftest import ProjectDir, _write
+from tests.tools.conftest import FREE_FORM, ProjectDir, _write
 from tests.tools.synthetic import BASE, HEADER, edited
 
 MOD = "up:pkg/mod.py"
 KEEP = "pkg/keep.py"
 # At A, in BASE: traced 5-6, Column.__init__ 12-14, forward's body 17-19, helper 25-28, other 31-32.
 NOTE = (
-    "# Layers\n\n{{ cite('" + MOD + "#L5-L6') }}\n{{ cite('" + MOD + "#L12-L14') }}\n"
+    FREE_FORM + "# Layers\n\n{{ cite('" + MOD + "#L5-L6') }}\n{{ cite('" + MOD + "#L12-L14') }}\n"
     "{{ cite('" + MOD + "#L17-L19') }}\n{{ cite('" + MOD + "::helper') }}\n"
     "{{ cite('up:" + KEEP + "#L1-L2') }}\n{{ cite('" + MOD + "#L31-L32') }}\n"
 )
-OTHER_NOTE = "# Also\n\n{{ cite('" + MOD + "#L17-L19') }}\n"
+OTHER_NOTE = FREE_FORM + "# Also\n\n{{ cite('" + MOD + "#L17-L19') }}\n"
 WEB = "https://example.com/up"  # the pinned url, for permalinks; every fetch goes to the daemon (--url)
 
 
@@ -97,7 +97,7 @@ def test_bump_records_changed_and_deleted_regions_by_hash_lines_and_blob_only(bu
         [20, 22],
         f"{MOD}#L20-L22",
     )
-    assert changed["cited_at"] == ["reading_notes/layers.md.j2:5", "reading_notes/more/also.md.j2:3"]
+    assert changed["cited_at"] == ["reading_notes/layers.md.j2:8", "reading_notes/more/also.md.j2:6"]
     assert changed["old_text_sha256"] == _sha256(BASE.split("\n")[16:19])
     deleted = changes[f"{MOD}#L31-L32"]
     assert (
@@ -107,7 +107,7 @@ def test_bump_records_changed_and_deleted_regions_by_hash_lines_and_blob_only(bu
         deleted["new_text_sha256"],
         deleted["new_cite"],
         deleted["cited_at"],
-    ) == ("deleted", [31, 32], None, None, None, ["reading_notes/layers.md.j2:8"])
+    ) == ("deleted", [31, 32], None, None, None, ["reading_notes/layers.md.j2:11"])
     committed = "".join(p.read_text() for p in (bumped.root / "reading_notes").rglob("*") if p.is_file())
     upstream_lines = {line.strip() for text in texts.values() for line in text.split("\n") if len(line.strip()) > 5}
     assert len(upstream_lines) > 15
@@ -136,8 +136,8 @@ def test_render_writes_a_page_per_changed_or_deleted_region_and_an_index(bumped,
     changed = found[CHANGED_PAGE]
     assert changed.startswith("# changed: pkg/mod.py L17–L19\n")
     assert (
-        "- **Cited by:** [`reading_notes/layers.md.j2:5`](../layers.md), "
-        "[`reading_notes/more/also.md.j2:3`](../more/also.md)\n"
+        "- **Cited by:** [`reading_notes/layers.md.j2:8`](../layers.md), "
+        "[`reading_notes/more/also.md.j2:6`](../more/also.md)\n"
     ) in changed
     assert (
         f"- **Old pin:** [L17–L19 @ `{a}`]({WEB}/blob/{commits['A']}/pkg/mod.py#L17-L19)\n"
@@ -161,7 +161,7 @@ def test_render_writes_a_page_per_changed_or_deleted_region_and_an_index(bumped,
     )
     deleted = found[DELETED_PAGE]
     assert deleted.startswith("# deleted: pkg/mod.py L31–L32\n")
-    assert "- **Cited by:** [`reading_notes/layers.md.j2:8`](../layers.md)\n" in deleted
+    assert "- **Cited by:** [`reading_notes/layers.md.j2:11`](../layers.md)\n" in deleted
     assert f"- **New pin:** no counterpart @ `{b}` (`B`)\n" in deleted
     assert deleted.endswith(
         "```diff\n"
@@ -182,8 +182,8 @@ def test_render_writes_a_page_per_changed_or_deleted_region_and_an_index(bumped,
     rows = [line for line in index.splitlines() if line.startswith("| [")]
     assert rows == [
         f"| [`{MOD}#L17-L19`]({CHANGED_PAGE}) | changed | "
-        "`reading_notes/layers.md.j2:5`, `reading_notes/more/also.md.j2:3` |",
-        f"| [`{MOD}#L31-L32`]({DELETED_PAGE}) | deleted | `reading_notes/layers.md.j2:8` |",
+        "`reading_notes/layers.md.j2:8`, `reading_notes/more/also.md.j2:6` |",
+        f"| [`{MOD}#L31-L32`]({DELETED_PAGE}) | deleted | `reading_notes/layers.md.j2:11` |",
     ]
     assert bumped.run("render", "--json").json() == {"changed": []}  # unchanged pages are not rewritten
 

@@ -2,6 +2,8 @@
 
 import json
 
+from tests.tools.conftest import FREE_FORM
+
 LAYERS = "up:pkg/core/layers.py"
 
 
@@ -58,15 +60,15 @@ def test_check_names_note_file_and_line_of_each_broken_citation(project):
     assert project.run("cite", f"{LAYERS}#L9-L10").code == 0
     note = project.root / "reading_notes" / "layers.md.j2"
     note.write_text(
-        "# Layers\n\nThe class:\n{{ cite('" + LAYERS + "#L9-L10') }}\n\n{{ cite('" + LAYERS + "#L1-L3') }}\n"
+        FREE_FORM + f"# Layers\n\nThe class:\n{{{{ cite('{LAYERS}#L9-L10') }}}}\n\n{{{{ cite('{LAYERS}#L1-L3') }}}}\n"
     )
     lock = json.loads(project.lock_path.read_text())
     lock["citations"][f"{LAYERS}#L9-L10"]["text_sha256"] = "0" * 64  # the lock claims other text
     project.lock_path.write_text(json.dumps(lock))
     r = project.run("check")
     assert r.code == 1
-    assert f"reading_notes/layers.md.j2:4: {LAYERS}#L9-L10: cited text differs from the lock's hash" in r.out
-    assert f"reading_notes/layers.md.j2:6: {LAYERS}#L1-L3: not in the lock" in r.out
+    assert f"reading_notes/layers.md.j2:7: {LAYERS}#L9-L10: cited text differs from the lock's hash" in r.out
+    assert f"reading_notes/layers.md.j2:9: {LAYERS}#L1-L3: not in the lock" in r.out
     assert r.out.rstrip().endswith("0 citation(s) ok, 2 broken")
 
 
@@ -98,8 +100,8 @@ def test_cli_help_teaches_the_citation_forms():
 
 
 def test_check_counts_no_citation_ok_when_the_only_template_is_broken(project):
-    (project.root / "reading_notes" / "broken.md.j2").write_text("# Broken\n\n{{ no_such_helper() }}\n")
+    (project.root / "reading_notes" / "broken.md.j2").write_text(FREE_FORM + "# Broken\n\n{{ no_such_helper() }}\n")
     r = project.run("check")
     assert r.code == 1
-    assert "reading_notes/broken.md.j2:3" in r.out
+    assert "reading_notes/broken.md.j2:6" in r.out
     assert r.out.rstrip().endswith("0 citation(s) ok, 1 broken"), r.out

@@ -12,7 +12,7 @@ import pytest
 from pin_and_cite.core.errors import PinAndCiteError
 from pin_and_cite.core.local_code import ours
 from pin_and_cite.core.parse_cache import ParseCache
-from tests.tools.conftest import CLI, ProjectDir, interruptible
+from tests.tools.conftest import CLI, FREE_FORM, ProjectDir, interruptible
 
 
 def one_line(r, code: int) -> str:
@@ -39,10 +39,10 @@ def test_ours_on_a_file_python_cannot_read_is_one_clear_error(tmp_path, content,
 
 
 def test_a_template_that_includes_itself_is_one_line(project):
-    (project.root / "reading_notes" / "loop.md.j2").write_text('# Loop\n\n{% include "loop.md.j2" %}\n')
+    (project.root / "reading_notes" / "loop.md.j2").write_text(FREE_FORM + '# Loop\n\n{% include "loop.md.j2" %}\n')
     err = one_line(project.run("render", "--out", "out"), 2)
     assert err == (
-        "pin-and-cite: error: reading_notes/loop.md.j2:3: templates include or extend each other without end\n"
+        "pin-and-cite: error: reading_notes/loop.md.j2:6: templates include or extend each other without end\n"
     )
 
 
@@ -139,7 +139,7 @@ def test_a_full_disk_during_cite_bump_or_render_is_one_line_and_leaves_the_files
     project = ProjectDir(tiny_disk / "project", tmp_path / "cache")
     project.write_pins(up={"url": history.url, "commit": history.c1})
     note = project.root / "reading_notes" / "mod.md.j2"
-    note.write_text("# Mod\n\n{{ cite('up:pkg/mod.py#L12-L14') }}\n")
+    note.write_text(FREE_FORM + "# Mod\n\n{{ cite('up:pkg/mod.py#L12-L14') }}\n")
     assert project.run("cite", "up:pkg/mod.py#L12-L14").code == 0
     fill(tiny_disk)
     before = files_of(tiny_disk)

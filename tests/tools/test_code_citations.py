@@ -2,7 +2,7 @@
 their file:line, refuses hand-typed upstream line numbers, and the reference pages render from them."""
 
 from pin_and_cite.core.code_citations import citations_in_text, code_texts, hand_typed_lines
-from tests.tools.conftest import ROOT
+from tests.tools.conftest import FREE_FORM, ROOT
 
 LAYERS = "up:pkg/core/layers.py"
 OURS = '''"""Our column-parallel layer."""
@@ -76,9 +76,10 @@ def test_the_reference_page_renders_what_the_docstring_cites(project):
     assert project.run("cite", f"{LAYERS}::ColumnParallel", f"{LAYERS}::ColumnParallel.forward").code == 0
     _reference(project, OURS.format(cite=f"{LAYERS}::ColumnParallel`\nand `{LAYERS}::ColumnParallel.forward"))
     notes = project.root / "reading_notes"
-    (notes / "page.md.j2").write_text('{{ mirrors("reference/layers.py::Column") }}\n')
+    (notes / "page.md.j2").write_text(FREE_FORM + '{{ mirrors("reference/layers.py::Column") }}\n')
     (notes / "by_hand.md.j2").write_text(
-        f'{{{{ upstream("{LAYERS}::ColumnParallel") }}}}, {{{{ upstream("{LAYERS}::ColumnParallel.forward") }}}}\n'
+        FREE_FORM
+        + f'{{{{ upstream("{LAYERS}::ColumnParallel") }}}}, {{{{ upstream("{LAYERS}::ColumnParallel.forward") }}}}\n'
     )
     assert project.run("render", "--out", str(project.root / "out")).code == 0
     page = (project.root / "out" / "page.md").read_text()
@@ -88,11 +89,13 @@ def test_the_reference_page_renders_what_the_docstring_cites(project):
 
 def test_mirrors_of_a_docstring_citing_nothing_fails_the_render(project):
     _reference(project, OURS.format(cite="nothing upstream"))
-    (project.root / "reading_notes" / "page.md.j2").write_text('\n{{ mirrors("reference/layers.py::Column") }}\n')
+    (project.root / "reading_notes" / "page.md.j2").write_text(
+        FREE_FORM + '\n{{ mirrors("reference/layers.py::Column") }}\n'
+    )
     r = project.run("check")
     assert r.code == 1
     assert (
-        "reading_notes/page.md.j2:2: render: mirrors('reference/layers.py::Column'): the docstring of Column "
+        "reading_notes/page.md.j2:5: render: mirrors('reference/layers.py::Column'): the docstring of Column "
         "cites no upstream code (SOURCE:PATH::Qual.name)"
     ) in r.out
 

@@ -12,7 +12,7 @@ import json
 import git
 import pytest
 
-from tests.tools.conftest import _write
+from tests.tools.conftest import FREE_FORM, _write
 
 V1 = '''\
 from dataclasses import dataclass, field
@@ -61,7 +61,7 @@ def pinned(project, flipped):
 
 
 def note(project, text):
-    (project.root / "reading_notes" / "n.md.j2").write_text(text)
+    (project.root / "reading_notes" / "n.md.j2").write_text(FREE_FORM + text)
 
 
 def test_cite_default_locks_what_the_source_writes(pinned):
@@ -106,7 +106,7 @@ def test_a_note_renders_the_default_and_check_proves_it(pinned):
     note(pinned, "FSDP prefetches forward only with {{ default('" + WRAPPER + "', 'forward_prefetch') }}.\n")
     assert pinned.run("render").code == 0
     page = (pinned.root / "docs" / "notes" / "n.md").read_text()
-    assert page == "FSDP prefetches forward only with `forward_prefetch=False`.\n"
+    assert page == FREE_FORM + "FSDP prefetches forward only with `forward_prefetch=False`.\n"
     assert pinned.run("check").code == 0
 
     lock = json.loads(pinned.lock_path.read_text())
@@ -115,7 +115,7 @@ def test_a_note_renders_the_default_and_check_proves_it(pinned):
     r = pinned.run("check")
     assert (
         r.code == 1
-        and f"reading_notes/n.md.j2:1: {WRAPPER}(forward_prefetch): the default is now "
+        and f"reading_notes/n.md.j2:4: {WRAPPER}(forward_prefetch): the default is now "
         "forward_prefetch=False at L5; the lock says forward_prefetch=True at L5"
         in r.out
     )
@@ -124,10 +124,10 @@ def test_a_note_renders_the_default_and_check_proves_it(pinned):
     r = pinned.run("check")
     assert r.code == 1
     assert (
-        f"reading_notes/n.md.j2:1: {WRAPPER}(limit_all_gathers): not in the lock; run `tools/pin-and-cite "
+        f"reading_notes/n.md.j2:4: {WRAPPER}(limit_all_gathers): not in the lock; run `tools/pin-and-cite "
         f"cite --default limit_all_gathers {WRAPPER}` on it" in r.out
     )
-    assert f"reading_notes/n.md.j2:2: {WRAPPER}: default() takes two literal strings" in r.out
+    assert f"reading_notes/n.md.j2:5: {WRAPPER}: default() takes two literal strings" in r.out
 
 
 def test_bump_reports_a_changed_default_and_drops_a_vanished_one(pinned, flipped):

@@ -11,7 +11,7 @@ from pin_and_cite.core.gitobj import blob_sha
 from pin_and_cite.core.parse_cache import ParseCache
 from pin_and_cite.core.verified_by import Evidence, evidence_of
 from pin_and_cite.site.note_rules import check_note
-from tests.tools.test_note_rules import note_text
+from tests.tools.test_note_rules import FREE_FORM, note_text
 
 TESTS = """\
 import pytest
@@ -107,12 +107,10 @@ def test_a_choice_needs_an_upstream_test_or_a_reason_upstream_cannot_run(tmp_pat
         return [(p.line, p.message) for p in check_note(path, tmp_path)]
 
     assert problems("{{ verified_by('tests/test_claims.py::test_runs_upstream') }}") == []
-    assert problems("{{ reference_only('the fused kernel is CUDA-only') }}") == []
-    for weak in (
-        "{{ verified_by('tests/test_claims.py::test_runs_reference') }}",
-        "",
-        "{{ verified_by('tests/test_claims.py::test_gone') }}",
-    ):
+    reference = "{{ verified_by('tests/test_claims.py::test_runs_reference') }}"
+    assert problems("{{ reference_only('CUDA-only', 'the fused kernel') }}" + reference) == []
+    assert problems("")[0] == (6, "design choice 'Choice 0' names no test: add verified_by(...)")
+    for weak in (reference, "{{ verified_by('tests/test_claims.py::test_gone') }}"):
         found = problems(weak)
         assert len(found) == 5 and found[0] == (
             6,
@@ -150,8 +148,9 @@ def test_each_question_is_answered_briefly_with_a_citation_and_evidence(tmp_path
         (6, "the answer to 'What does it do?' has 81 words of prose; keep it to 80")
     ]
     assert problems(evidence="") == [
-        (6, "the answer to 'What does it do?' names no evidence: add verified_by(...) or reference_only(...)")
+        (6, "the answer to 'What does it do?' names no test: add verified_by('tests/...::test_...')")
     ]
+    assert problems(evidence="{{ reference_only('CUDA-only') }}") == problems(evidence="")
     path.write_text("---\nrules: questions\n---\n# Check yourself\n\nNothing yet.\n")
     assert [(p.line, p.message) for p in check_note(path, tmp_path)] == [
         (1, "no questions: each '### ' heading is a question, answered below it")
@@ -163,20 +162,22 @@ def test_the_page_shows_each_kind_of_evidence_and_refuses_an_unpinned_upstream(p
     assert project.run("cite", "up:pkg/core/layers.py#L9-L10").code == 0
     note = project.root / "reading_notes" / "a.md.j2"
     note.write_text(
-        "{{ verified_by('tests/test_claims.py::test_runs_upstream') }}\n"
+        FREE_FORM + "{{ verified_by('tests/test_claims.py::test_runs_upstream') }}\n"
         "{{ verified_by('tests/test_claims.py::test_runs_reference') }}\n"
-        "{{ reference_only('needs <CUDA>') }}\n"
+        "{{ reference_only('CUDA-only', 'needs <CUDA>') }}\n"
     )
     r = project.run("render")
     assert r.code == 0, r.err
     notes = project.root / "docs" / "notes"
     page = (notes / "a.md").read_text().split("\n")
-    assert page[:3] == [
+    assert page[:6] == [
+        *FREE_FORM.split("\n")[:3],
         "[**upstream test (up)** `tests/test_claims.py::test_runs_upstream`](tests/test_claims.md#test_runs_upstream)"
         "{ .verified-by .evidence-upstream }",
         "[**reference test** `tests/test_claims.py::test_runs_reference`](tests/test_claims.md#test_runs_reference)"
         "{ .verified-by .evidence-reference }",
-        '<span class="verified-by evidence-reference-only"><strong>reference only</strong> needs &lt;CUDA&gt;</span>',
+        '<span class="verified-by evidence-reference-only"><strong>reference only</strong> '
+        "CUDA-only: needs &lt;CUDA&gt;</span>",
     ]
     # The test file's page shows each cited test's source (decorators included), in the file's order, numbered
     # with its lines in the test file, under a heading the link names.
@@ -193,14 +194,14 @@ def test_the_page_shows_each_kind_of_evidence_and_refuses_an_unpinned_upstream(p
     assert "**reference test: it runs this kit's reference implementation" in reference
     assert reference.endswith('```python linenums="11"\ndef test_runs_reference():\n    pass\n```\n')
     # A page no longer cited goes, and its folder with it.
-    note.write_text("no evidence now\n")
+    note.write_text(FREE_FORM + "no evidence now\n")
     assert project.run("render").code == 0
     assert not (notes / "tests").exists()
-    note.write_text("x\n{{ verified_by('tests/test_claims.py::test_marked_with_an_unpinned_source') }}\n")
+    note.write_text(FREE_FORM + "x\n{{ verified_by('tests/test_claims.py::test_marked_with_an_unpinned_source') }}\n")
     r = project.run("check")
     assert (
         r.code == 1
-        and "reading_notes/a.md.j2:2: render: verified_by: tests/test_claims.py::"
+        and "reading_notes/a.md.j2:5: render: verified_by: tests/test_claims.py::"
         "test_marked_with_an_unpinned_source is marked upstream('nowhere'), which is not a "
         "source in pins.toml (up)"
         in r.out
@@ -211,11 +212,11 @@ def test_one_section_per_test_whatever_spelling_or_parameter_cites_it(project):
     """Two spellings of one file and two parameters of one test: one page, one section each, every citer named."""
     write_tests(project.root, text=TESTS.replace("[1])", "[1, 2])").replace('"nowhere"', '"up"'))
     (project.root / "reading_notes" / "a.md.j2").write_text(
-        "{{ verified_by('tests/test_claims.py::test_marked_with_an_unpinned_source[1]') }}\n"
+        FREE_FORM + "{{ verified_by('tests/test_claims.py::test_marked_with_an_unpinned_source[1]') }}\n"
         "{{ verified_by('tests/test_claims.py::TestUpstream::test_in_class') }}\n"
     )
     (project.root / "reading_notes" / "b.md.j2").write_text(
-        "{{ verified_by('tests/./test_claims.py::test_marked_with_an_unpinned_source[2]') }}\n"
+        FREE_FORM + "{{ verified_by('tests/./test_claims.py::test_marked_with_an_unpinned_source[2]') }}\n"
     )
     r = project.run("render")
     assert r.code == 0, r.err
@@ -232,7 +233,7 @@ def test_one_section_per_test_whatever_spelling_or_parameter_cites_it(project):
         (notes / "b.md")
         .read_text()
         .startswith(
-            "[**upstream test (up)** `tests/./test_claims.py::test_marked_with_an_unpinned_source[2]`]"
+            FREE_FORM + "[**upstream test (up)** `tests/./test_claims.py::test_marked_with_an_unpinned_source[2]`]"
             "(tests/test_claims.md#test_marked_with_an_unpinned_source)"
         )
     )

@@ -13,7 +13,7 @@ from pin_and_cite.core.locked import locked_excerpt
 from pin_and_cite.core.notes import calls_in, rewrite_arguments, written_calls
 from pin_and_cite.core.project import Project
 from pin_and_cite.core.resolve import Resolver
-from tests.tools.conftest import ROOT, _write
+from tests.tools.conftest import FREE_FORM, ROOT, _write
 
 MOD = "up:pkg/ops.py"
 V1 = '''\
@@ -48,7 +48,7 @@ V2 = V1.replace("import functools\n", "import functools\nimport operator\n\n\nde
     "y = y * 3", "y = y * 4"
 )
 NOTE = (
-    "# Ops\n\n"
+    FREE_FORM + "# Ops\n\n"
     "{{ cite('" + MOD + "#L5-L13', highlight='L7-L10') }}\r\n"  # the multi-line call: moves
     '{{ cite("' + MOD + '::Layer.backward", highlight = "L24") }}\n'  # in a symbol that moves
     "{{ cite('" + MOD + "::Layer.forward', highlight='L20-L20') }}\n"  # its code changes
@@ -56,7 +56,7 @@ NOTE = (
     "{{ cite('" + MOD + "#L5-L13') }}\n"
 )  # no highlight: untouched
 AFTER = (
-    "# Ops\n\n"
+    FREE_FORM + "# Ops\n\n"
     "{{ cite('" + MOD + "#L10-L18', highlight='L12-L15') }}\r\n"
     '{{ cite("' + MOD + '::Layer.backward", highlight = "L29") }}\n'
     "{{ cite('" + MOD + "::Layer.forward', highlight='L25-L25') }}\n"
@@ -92,7 +92,7 @@ def noted(project, ops):
 
 
 def render_error(project, text: str) -> str:
-    (project.root / "reading_notes" / "a.md.j2").write_text(text)
+    (project.root / "reading_notes" / "a.md.j2").write_text(FREE_FORM + text)
     r = project.run("render")
     assert r.code == 2 and r.err.count("\n") == 1, r.err
     return r.err.removeprefix("pin-and-cite: error: ").rstrip("\n")
@@ -104,19 +104,19 @@ def test_a_highlight_that_cuts_a_statement_is_a_one_line_error_naming_the_line(p
     assert project.run("cite", f"{MOD}#L5-L13", "up:docs/notes.txt#L1-L3").code == 0
     cite = "{{ cite('" + MOD + "#L5-L13', highlight='%s') }}\n"
     assert render_error(project, "x\n" + cite % "L7-L8") == (
-        f"reading_notes/a.md.j2:2: {MOD}#L5-L13: highlight L7-L8 must end on a statement's last line, and L8 is "
+        f"reading_notes/a.md.j2:5: {MOD}#L5-L13: highlight L7-L8 must end on a statement's last line, and L8 is "
         'in the statement at L7-L10; use highlight="L7-L10"'
     )
     assert render_error(project, cite % "L6-L10") == (
-        f"reading_notes/a.md.j2:1: {MOD}#L5-L13: highlight L6-L10 must start on a statement's first line, and L6 "
+        f"reading_notes/a.md.j2:4: {MOD}#L5-L13: highlight L6-L10 must start on a statement's first line, and L6 "
         'is a comment line; use highlight="L7-L10" or highlight="L5-L13"'
     )
     assert render_error(project, cite % "L12-L13") == (
-        f"reading_notes/a.md.j2:1: {MOD}#L5-L13: highlight L12-L13 cuts the statement at L11-L12 in half (it "
+        f"reading_notes/a.md.j2:4: {MOD}#L5-L13: highlight L12-L13 cuts the statement at L11-L12 in half (it "
         'begins before L12); use highlight="L11-L13" or highlight="L13-L13"'
     )
     good = cite % "L11-L12" + cite % "L7-L10" + "{{ cite('up:docs/notes.txt#L1-L3', highlight='L2-L3') }}\n"
-    (project.root / "reading_notes" / "a.md.j2").write_text(good)  # not Python: only the range is checked
+    (project.root / "reading_notes" / "a.md.j2").write_text(FREE_FORM + good)  # not Python: only the range is checked
     assert project.run("render").code == 0
     assert project.run("check").code == 0
     md = (project.root / "docs" / "notes" / "a.md").read_text()
@@ -200,11 +200,11 @@ def test_check_reports_a_highlight_that_cuts_a_statement(project, ops):
     project.write_pins(up={"url": url, "commit": commits["v1"]})
     assert project.run("cite", f"{MOD}::Layer.forward").code == 0
     note = project.root / "reading_notes" / "a.md.j2"
-    note.write_text("{{ cite('" + MOD + "::Layer.forward', highlight='L19-L21') }}\n")
+    note.write_text(FREE_FORM + "{{ cite('" + MOD + "::Layer.forward', highlight='L19-L21') }}\n")
     r = project.run("check")
     assert r.code == 1
     assert r.out.splitlines()[0] == (
-        f"reading_notes/a.md.j2:1: render: {MOD}::Layer.forward: highlight L19-L21 must start on a statement's "
+        f"reading_notes/a.md.j2:4: render: {MOD}::Layer.forward: highlight L19-L21 must start on a statement's "
         'first line, and L19 is a comment line; use highlight="L18-L21" or highlight="L20-L21"'
     )
 
@@ -218,14 +218,14 @@ def test_bump_carries_each_highlight_with_its_citation(project, ops, noted):
         (h["where"], h["highlight"]): (h["status"], h["new_highlight"], h["review"]) for h in r.json()["highlights"]
     }
     assert highlights == {
-        ("reading_notes/ops.md.j2:3", "L7-L10"): ("moved", "L12-L15", None),
-        ("reading_notes/ops.md.j2:4", "L24"): ("moved", "L29", None),
-        ("reading_notes/ops.md.j2:5", "L20-L20"): (
+        ("reading_notes/ops.md.j2:6", "L7-L10"): ("moved", "L12-L15", None),
+        ("reading_notes/ops.md.j2:7", "L24"): ("moved", "L29", None),
+        ("reading_notes/ops.md.j2:8", "L20-L20"): (
             "changed",
             "L25-L25",
             "the highlighted code changed; set to the nearest whole statements inside the citation",
         ),
-        ("reading_notes/ops.md.j2:6", "L18-L18"): ("moved", "L23-L23", None),
+        ("reading_notes/ops.md.j2:9", "L18-L18"): ("moved", "L23-L23", None),
     }
     assert project.run("check").code == 0
     assert project.run("render").code == 0
@@ -245,7 +245,7 @@ def test_review_report_counts_highlights_and_names_each_to_review(project, ops, 
     lines = r.out.splitlines()
     assert lines[2] == "4 highlight(s): 3 carried, 1 to review"
     assert lines[-1] == (
-        f'highlight changed: reading_notes/ops.md.j2:5: {MOD}::Layer.forward highlight="L20-L20" '
+        f'highlight changed: reading_notes/ops.md.j2:8: {MOD}::Layer.forward highlight="L20-L20" '
         '-> highlight="L25-L25": the highlighted code changed; set to the nearest whole statements '
         "inside the citation"
     )
@@ -263,14 +263,14 @@ def test_a_highlight_whose_code_is_gone_is_left_as_written_and_reported(project,
     url, commits = ops
     project.write_pins(up={"url": url, "commit": commits["v1"]})
     note = project.root / "reading_notes" / "gone.md.j2"
-    note.write_text("{{ cite('" + MOD + "#L16-L21', highlight='L20-L20') }}\n")
+    note.write_text(FREE_FORM + "{{ cite('" + MOD + "#L16-L21', highlight='L20-L20') }}\n")
     assert project.run("cite", f"{MOD}#L16-L21").code == 0
     r = project.run("bump", "up", "--ref", "v3", "--json")
     assert r.code == 0, r.err
     (h,) = r.json()["highlights"]
     assert (h["status"], h["new_highlight"]) == ("deleted", "L20-L20")
     assert h["review"] == "the highlighted code has no counterpart; left as written"
-    assert note.read_text() == "{{ cite('" + MOD + "#L16-L19', highlight='L20-L20') }}\n"
+    assert note.read_text() == FREE_FORM + "{{ cite('" + MOD + "#L16-L19', highlight='L20-L20') }}\n"
     r = project.run("check")  # a highlight left where nothing is: check says so
     assert r.code == 1 and "highlight L20-L20 lies outside the cited L16-L19" in r.out
 

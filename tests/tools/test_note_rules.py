@@ -1,14 +1,25 @@
-"""Close-reading notes keep their rules; `render` and `check` stop on a broken note with its file:line."""
+"""Notes keep the rules they declare; `render` and `check` stop on a broken note with its file:line."""
 
 from __future__ import annotations
 
 import shutil
 
 from pin_and_cite.site.note_rules import check_note, prose_lines, words
-from tests.tools.conftest import ROOT
+from tests.tools.conftest import FREE_FORM, ROOT
 
 CITE = "{{ cite('up:pkg/core/layers.py#L9-L10') }}"
-EVIDENCE = "{{ reference_only('the kernel needs CUDA') }}"
+EVIDENCE = "{{ verified_by('tests/test_claims.py::test_runs_upstream') }}"
+CLAIMS = """import pytest
+
+
+@pytest.mark.upstream("up")
+def test_runs_upstream():
+    pass
+
+
+def test_runs_reference():
+    pass
+"""
 LAYERS_LINES = "up:pkg/core/layers.py#L9-L10"
 
 
@@ -29,7 +40,14 @@ def note_text(
     return "\n".join(lines) + "\n"
 
 
+def write_claims(root) -> None:
+    """The tests a note's verified_by() names: one running upstream, one the reference."""
+    (root / "tests").mkdir(exist_ok=True)
+    (root / "tests" / "test_claims.py").write_text(CLAIMS)
+
+
 def problems(tmp_path, text: str) -> list[tuple[int, str]]:
+    write_claims(tmp_path)
     path = tmp_path / "note.md.j2"
     path.write_text(text)
     return [(p.line, p.message) for p in check_note(path, tmp_path)]
@@ -84,12 +102,60 @@ def test_each_rule_is_reported_at_its_heading(tmp_path):
     assert last == [(connect_line + 3, "the note must end with its 'Connect the dots' section")]
 
 
-def test_notes_without_the_front_matter_are_free_form(tmp_path):
-    assert problems(tmp_path, note_text(choices=1, connect=None).replace("rules: close-reading", "title: x")) == []
+def test_a_page_declares_its_rules_and_none_is_written_not_implied(tmp_path):
+    """Finding 12: a close reading whose `rules:` line was dropped kept no rules at all."""
+    expected = "open the page with '---', 'rules: KIND', '---'; KIND is close-reading or questions or none"
+    dropped = note_text(choices=1, connect=None).replace("rules: close-reading", "title: x")
+    assert problems(tmp_path, dropped) == [(1, f"no 'rules:' front matter: {expected}")]
+    assert problems(tmp_path, "# A page\n\nprose\n") == [(1, f"no 'rules:' front matter: {expected}")]
+    assert problems(tmp_path, "---\nrules: close reading\n---\n") == [
+        (1, f"'rules: close reading' is not a kind of page: {expected}")
+    ]
+    assert problems(tmp_path, "---\nrules: none\n---\n# A page\n\nprose\n") == []
+
+
+def test_every_design_choice_names_a_test(tmp_path):
+    """Finding 12: five choices each saying reference_only("draft: ...") with no test at all passed."""
+    drafts = problems(tmp_path, note_text(evidence="{{ reference_only('draft: later') }}"))
+    heading_lines = [n for n, line in enumerate(note_text().split("\n"), 1) if line.startswith("### ")]
+    assert [(n, m) for n, m in drafts if "names no test" in m] == [
+        (line, f"design choice 'Choice {i}' names no test: add verified_by(...)")
+        for i, line in enumerate(heading_lines)
+    ]
+    assert [n for n, m in drafts if m.startswith("reference_only('draft: later'): the reason must be one of")] == [
+        line + 5 for line in heading_lines
+    ]
+    reason_only = problems(tmp_path, note_text(evidence="{{ reference_only('APEX', 'the fused kernel') }}"))
+    assert len(reason_only) == 5 and all("names no test" in m for _, m in reason_only)
+
+
+def test_reference_only_gives_a_reason_from_the_fixed_list_and_still_names_a_reference_test(tmp_path):
+    reference = "{{ verified_by('tests/test_claims.py::test_runs_reference') }}"
+    assert (
+        problems(tmp_path, note_text(evidence="{{ reference_only('CUDA-only', 'pins host memory') }}" + reference))
+        == []
+    )
+    assert problems(tmp_path, note_text(evidence="{{ reference_only('APEX') }}" + reference)) == []
+    free_text = problems(tmp_path, note_text(evidence="{{ reference_only('the kernel needs CUDA') }}" + reference))
+    assert free_text[0] == (
+        11,
+        "reference_only('the kernel needs CUDA'): the reason must be one of "
+        "APEX, Transformer Engine, CUDA-only, NCCL-only, multi-node",
+    )
+    assert len(free_text) == 5
+    upstream_only = problems(tmp_path, note_text(evidence="{{ reference_only('APEX') }}" + EVIDENCE))
+    assert upstream_only == []  # an upstream test is the stronger evidence: the reason is then extra
+    without_reference = problems(tmp_path, note_text(evidence="{{ reference_only('APEX') }}{{ verified_by('x') }}"))
+    assert without_reference[0] == (
+        6,
+        "design choice 'Choice 0' is reference only but names no reference test: "
+        "add verified_by(...) for the test of reference/ that shows it",
+    )
 
 
 def test_render_and_check_stop_on_a_broken_note_and_keep_the_previous_page(project):
     assert project.run("cite", LAYERS_LINES).code == 0
+    write_claims(project.root)
     path = project.root / "reading_notes" / "n.md.j2"
     path.write_text(note_text())
     assert project.run("render").code == 0, project.run("render").err
@@ -109,19 +175,21 @@ def test_render_and_check_stop_on_a_broken_note_and_keep_the_previous_page(proje
 
 def test_a_diagram_without_a_recorded_trace_stops_render_and_check(project):
     path = project.root / "reading_notes" / "d.md.j2"
-    path.write_text("# Diagrams\n\ntext\n{{ diagram('tp_block', link='NVLink') }}\n")
+    path.write_text(FREE_FORM + "# Diagrams\n\ntext\n{{ diagram('tp_block', link='NVLink') }}\n")
     r = project.run("render")
     assert r.code == 2 and r.err.count("\n") == 1
     assert (
-        "reading_notes/d.md.j2:4: no recorded trace 'tp_block' (reading_notes/traces/tp_block.json is missing" in r.err
+        "reading_notes/d.md.j2:7: no recorded trace 'tp_block' (reading_notes/traces/tp_block.json is missing" in r.err
     )
     (project.root / "reading_notes" / "traces").mkdir()
     shutil.copy(ROOT / "reading_notes" / "traces" / "tp_block.json", project.root / "reading_notes" / "traces")
     assert project.run("render").code == 0
     assert "```mermaid\nflowchart TB\n" in (project.root / "docs" / "notes" / "d.md").read_text()
-    path.write_text("# Diagrams\n\n{{ diagram('tp_block') }}\n")  # a generator argument missing: still one line
+    path.write_text(
+        FREE_FORM + "# Diagrams\n\n{{ diagram('tp_block') }}\n"
+    )  # a generator argument missing: still one line
     r = project.run("check")
-    assert r.code == 1 and "reading_notes/d.md.j2:3: render: TypeError: " in r.out and "'link'" in r.out
+    assert r.code == 1 and "reading_notes/d.md.j2:6: render: TypeError: " in r.out and "'link'" in r.out
 
 
 def test_megatron_sha_is_generated_from_the_pin_and_checked(project, upstream):
@@ -146,3 +214,20 @@ def test_a_page_per_pinned_source_lists_its_locked_files_and_blobs(project, upst
     for key, entry in lock["files"].items():
         assert f"| `{key.split(':', 1)[1]}` | `{entry['blob']}` | {entry['size']} | git tree | 1 |" in page
     assert not (project.root / "docs" / "notes" / "_source.md").exists()
+
+
+def test_render_and_check_refuse_a_free_text_reason_on_any_page(project):
+    """reference_only() on a page with no structure rules still takes its reason from the fixed list."""
+    path = project.root / "reading_notes" / "free.md.j2"
+    path.write_text(FREE_FORM + "# Free\n\n{{ reference_only('draft: later') }}\n")
+    expected = (
+        "reference_only('draft: later'): the reason must be one of "
+        "APEX, Transformer Engine, CUDA-only, NCCL-only, multi-node"
+    )
+    r = project.run("render")
+    assert r.code == 2 and r.err == f"pin-and-cite: error: reading_notes/free.md.j2:6: {expected}\n"
+    r = project.run("check")
+    assert r.code == 1 and f"reading_notes/free.md.j2:6: render: {expected}\n" in r.out
+    path.write_text(FREE_FORM + "# Free\n\n{{ reference_only('multi-node', 'needs <two hosts>') }}\n")
+    assert project.run("render").code == 0
+    assert "multi-node: needs &lt;two hosts&gt;" in (project.root / "docs" / "notes" / "free.md").read_text()

@@ -6,10 +6,11 @@ import json
 
 from pin_and_cite.core.gitobj import blob_sha
 from pin_and_cite.core.parse_cache import ParseCache
+from tests.tools.conftest import FREE_FORM
 
 LAYERS = "up:pkg/core/layers.py"
 NOTE = (
-    "# Layers\n\n{{ cite('" + LAYERS + "::ColumnParallel', highlight='L12-L15') }}\n\n"
+    FREE_FORM + "# Layers\n\n{{ cite('" + LAYERS + "::ColumnParallel', highlight='L12-L15') }}\n\n"
     "{{ upstream('" + LAYERS + "::ColumnParallel.backward') }}\n"
 )
 

@@ -20,7 +20,7 @@ import pytest
 
 from pin_and_cite.site.changes import page_name
 from tests.gitserver import ByteCountingProxy
-from tests.tools.conftest import CLI, serve_history
+from tests.tools.conftest import CLI, FREE_FORM, serve_history
 
 DDP_METHODS = '''\
     def forward(self, *inputs, **kwargs):
@@ -313,7 +313,7 @@ def noted_moves(project, moves):
         "up:dist/grad_buffer.py::GradBuffer.reset",
     ]
     note = project.root / "reading_notes" / "dp.md.j2"
-    note.write_text("".join(f"- {{{{ cite('{spec}') }}}}\n" for spec in specs))
+    note.write_text(FREE_FORM + "".join(f"- {{{{ cite('{spec}') }}}}\n" for spec in specs))
     r = project.run("cite", *specs)
     assert r.code == 0, r.err
     return note
@@ -330,7 +330,7 @@ def test_bump_rewrites_the_path_in_the_note_and_the_lock_and_check_passes(projec
         f"up:dist/param_and_grad_buffer.py#L{init[0]}-L{init[1]}",
         "up:dist/param_and_grad_buffer.py::GradBuffer.reset",
     ]
-    assert noted_moves.read_text() == "".join(f"- {{{{ cite('{spec}') }}}}\n" for spec in new_specs)
+    assert noted_moves.read_text() == FREE_FORM + "".join(f"- {{{{ cite('{spec}') }}}}\n" for spec in new_specs)
     assert [c["new_cite"] for c in r.json()["citations"]] == new_specs
     lock = json.loads(project.lock_path.read_text())
     assert sorted(lock["citations"]) == sorted(new_specs)
@@ -359,7 +359,7 @@ def test_a_citation_that_cannot_be_relocated_makes_bump_write_nothing(project, m
     assert r.code == 2
     assert r.err == (
         f"pin-and-cite: error: cannot bump up: 1 citation(s) cannot be relocated, e.g. "
-        f"reading_notes/dp.md.j2:5: up:dist/broken.py::f: dist/broken.py is not valid Python at "
+        f"reading_notes/dp.md.j2:8: up:dist/broken.py::f: dist/broken.py is not valid Python at "
         f"{moves.c2[:12]}; cite it by line range\n"
     )
     assert {p: p.read_bytes() for p in (project.root / "reading_notes").rglob("*") if p.is_file()} == before

@@ -2,12 +2,14 @@
 
 import os
 
+from tests.tools.conftest import FREE_FORM
+
 LAYERS = "up:pkg/core/layers.py"
 
 
 def note(project, name, text):
     path = project.root / "reading_notes" / name
-    path.write_text(text)
+    path.write_text(FREE_FORM + text)
     return path
 
 
@@ -62,15 +64,15 @@ def test_failures_name_file_and_line_and_keep_previous_output(project):
     cases = [
         (
             "x\n\n{{ cite('" + LAYERS + "#L1-L2') }}\n",
-            "reading_notes/a.md.j2:3: up:pkg/core/layers.py#L1-L2 is not in the lock",
+            "reading_notes/a.md.j2:6: up:pkg/core/layers.py#L1-L2 is not in the lock",
         ),
-        ("x\n{% if %}\n", "reading_notes/a.md.j2:2: "),
+        ("x\n{% if %}\n", "reading_notes/a.md.j2:5: "),
         (
             "x\n\n\n{{ verified_by('tests/tools/test_render.py::test_nope') }}\n",
-            "reading_notes/a.md.j2:4: verified_by: test file 'tests/tools/test_render.py' does not exist under tests/",
+            "reading_notes/a.md.j2:7: verified_by: test file 'tests/tools/test_render.py' does not exist under tests/",
         ),
         ("{{ cite('" + LAYERS + "#L9-L10', highlight='L1-L2') }}\n", "highlight L1-L2 lies outside the cited L9-L10"),
-        ("{{ undefined_thing }}\n", "reading_notes/a.md.j2:1: 'undefined_thing' is undefined"),
+        ("{{ undefined_thing }}\n", "reading_notes/a.md.j2:4: 'undefined_thing' is undefined"),
     ]
     for text, message in cases:
         note(project, "a.md.j2", text)
@@ -91,7 +93,7 @@ def test_check_fails_when_a_named_test_does_not_exist(project):
     r = project.run("check")
     assert r.code == 1
     assert (
-        "reading_notes/claims.md.j2:3: tests/test_claims.py::test_gone: tests/test_claims.py has no test test_gone"
+        "reading_notes/claims.md.j2:6: tests/test_claims.py::test_gone: tests/test_claims.py has no test test_gone"
         in r.out
     )
     assert "test_real" not in r.out
@@ -105,7 +107,7 @@ def test_an_excerpt_with_blank_first_or_last_lines_names_the_range_to_cite(proje
         r = project.run("render")
         assert r.code == 2 and r.err.count("\n") == 1
         assert (
-            f"reading_notes/a.md.j2:2: {spec} starts or ends with a blank line, which the page cannot number "
+            f"reading_notes/a.md.j2:5: {spec} starts or ends with a blank line, which the page cannot number "
             f"correctly; cite {better}" in r.err
         )
 

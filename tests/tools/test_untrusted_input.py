@@ -17,7 +17,7 @@ import pytest
 
 from pin_and_cite.core.errors import PinAndCiteError
 from pin_and_cite.core.store import Store
-from tests.tools.conftest import CLI, Run
+from tests.tools.conftest import CLI, FREE_FORM, Run
 
 LAYERS = "up:pkg/core/layers.py"
 CITE = f"{LAYERS}#L9-L10"
@@ -224,7 +224,9 @@ def test_tampered_pins_are_one_line(project, pins):
 @pytest.mark.parametrize("verb", ["render", "check"])
 def test_a_template_cannot_run_code(project, tmp_path, payload, verb):
     marker = tmp_path / "pwned"
-    (project.root / "reading_notes" / "evil.md.j2").write_text("# Evil\n\n" + payload.replace("MARKER", str(marker)))
+    (project.root / "reading_notes" / "evil.md.j2").write_text(
+        FREE_FORM + "# Evil\n\n" + payload.replace("MARKER", str(marker))
+    )
     r = run(project, verb)
     assert r.code != 0 and "Traceback" not in r.err, (r.out, r.err)
     assert "unsafe" in r.err + r.out or "undefined" in r.err + r.out
@@ -237,7 +239,9 @@ def test_a_template_cannot_change_what_check_compares(project):
         **{"megatron-lm": {"url": "git://127.0.0.1:9/m.git", "commit": "a" * 40, "sha_file": "megatron-sha.txt"}}
     )
     (project.root / "reading_notes" / "megatron-sha.txt").write_text("b" * 40 + "\n")
-    (project.root / "reading_notes" / "quiet.md.j2").write_text("{{ pins.clear() }}{{ pins.pop('megatron-lm') }}\n")
+    (project.root / "reading_notes" / "quiet.md.j2").write_text(
+        FREE_FORM + "{{ pins.clear() }}{{ pins.pop('megatron-lm') }}\n"
+    )
     r = run(project, "check")
     assert r.code == 1 and "megatron-sha.txt says" in r.out, (r.out, r.err)
 
@@ -247,7 +251,7 @@ def test_a_template_cannot_change_what_check_compares(project):
 
 def _note(project):
     locked(project)
-    (project.root / "reading_notes" / "a.md.j2").write_text("{{ cite('" + CITE + "') }}\n")
+    (project.root / "reading_notes" / "a.md.j2").write_text(FREE_FORM + "{{ cite('" + CITE + "') }}\n")
 
 
 def test_render_into_a_folder_with_other_markdown_is_refused(project):
@@ -284,7 +288,7 @@ def test_the_site_folder_of_a_render_before_the_manifest_is_taken_over_but_never
 
 def test_render_removes_the_pages_it_wrote_and_nothing_else(project, tmp_path):
     _note(project)
-    (project.root / "reading_notes" / "b.md.j2").write_text("b\n")
+    (project.root / "reading_notes" / "b.md.j2").write_text(FREE_FORM + "b\n")
     assert run(project, "render").code == 0
     out = project.root / "docs" / "notes"
     assert (out / "b.md").is_file()
@@ -306,7 +310,7 @@ def test_render_never_writes_through_a_symlinked_folder(project, tmp_path):
     out = project.root / "docs" / "notes"
     out.mkdir(parents=True)
     (out / "sources").symlink_to(elsewhere)
-    (project.root / "reading_notes" / "_source.md.j2").write_text("# {{ source.name }}\n")
+    (project.root / "reading_notes" / "_source.md.j2").write_text(FREE_FORM + "# {{ source.name }}\n")
     err = one_error_line(run(project, "render"))
     assert "outside" in err and "sources" in err
     assert list(elsewhere.iterdir()) == []
@@ -362,7 +366,9 @@ def test_an_error_naming_a_spoofed_path_stays_one_line(project):
 
 
 def test_check_escapes_citations_it_reports(project):
-    (project.root / "reading_notes" / "a.md.j2").write_text("{{ cite('up:pkg/\u202eok\\n0 broken.py#L1-L2') }}\n")
+    (project.root / "reading_notes" / "a.md.j2").write_text(
+        FREE_FORM + "{{ cite('up:pkg/\u202eok\\n0 broken.py#L1-L2') }}\n"
+    )
     r = run(project, "check")
     assert r.code == 1, r.err
     problems = r.out.splitlines()[:-1]

@@ -21,6 +21,7 @@ from pin_and_cite.core.resolve import Resolver
 from pin_and_cite.core.store import Store, default_cache_dir
 from pin_and_cite.relocation import bump, journal, review
 from pin_and_cite.relocation.reanchor import relocate_texts
+from pin_and_cite.site.new_note import new_note
 from pin_and_cite.site.render import SITE_NOTES
 from pin_and_cite.site.study import render_site
 
@@ -96,10 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
         f"(more than 0, at most {MAX_TIMEOUT}; default 60)",
     )
     network.add_argument("--json", action="store_true", help="print machine-readable JSON on stdout")
-    common = argparse.ArgumentParser(add_help=False, parents=[network])
-    common.add_argument(
+    located = argparse.ArgumentParser(add_help=False)
+    located.add_argument(
         "--project", type=Path, help="project root (default: nearest parent with reading_notes/pins.toml)"
     )
+    common = argparse.ArgumentParser(add_help=False, parents=[network, located])
     common.add_argument(
         "--url",
         dest="urls",
@@ -189,6 +191,25 @@ def build_parser() -> argparse.ArgumentParser:
         "sandbox.",
     )
     render.add_argument("--out", type=Path, default=Path(SITE_NOTES), help="output folder, relative to the project")
+
+    noter = verbs.add_parser(
+        "new-note",
+        parents=[located],
+        help="start a close reading from a skeleton",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Write reading_notes/NAME.md.j2: `rules: close-reading` front matter, the title, five\n"
+        "'### ' design choices and '## Connect the dots', with what to write in each as Jinja comments.\n"
+        "Then `check` lists what is left to fill, each at its file:line, until the note keeps its rules.\n"
+        "Refuses a name already taken; writes the file whole or not at all.",
+        epilog="next steps (docs/adding-a-note.md):\n"
+        "  tools/pin-and-cite cite SOURCE:PATH::Qual.name   lock the lines a choice cites, then cite() them\n"
+        "  tools/pin-and-cite check                         what is still missing, one line each\n"
+        "  mkdocs.yml nav                                   give notes/NAME.md its slot in the reading order",
+    )
+    noter.add_argument("name", metavar="NAME", help="file name without .md.j2: lowercase letters, digits, '-'")
+    noter.add_argument("--title", required=True, help="the note's title, its '# ' heading")
+    noter.add_argument("--json", action="store_true", help="print machine-readable JSON on stdout")
+    noter.set_defaults(timeout=60.0, urls=[])  # it contacts no remote
 
     bumper = verbs.add_parser(
         "bump",
@@ -342,6 +363,15 @@ def cmd_cite_default(project: Project, args) -> int:
     return 0
 
 
+def cmd_new_note(project: Project, args) -> int:
+    path = new_note(project.notes_dir, args.name, args.title)
+    shown = path.relative_to(project.root).as_posix()
+    print(
+        json.dumps({"written": shown}) if args.json else f"wrote {shown}; `tools/pin-and-cite check` lists what to fill"
+    )
+    return 0
+
+
 def cmd_check(project: Project, args) -> int:
     report = check(project)
     if args.json:
@@ -420,6 +450,7 @@ COMMANDS = {
     "check": cmd_check,
     "render": cmd_render,
     "bump": cmd_bump,
+    "new-note": cmd_new_note,
 }
 WRITERS = {"pin", "cite", "bump"}
 STANDALONE = {"relocate": cmd_relocate}  # verbs that need no project

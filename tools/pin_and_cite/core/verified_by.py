@@ -3,6 +3,8 @@
 The test also says which kind of evidence it is, read from its source by AST (never imported): a test marked
 `@pytest.mark.upstream("SOURCE")` (on the function, its class, or a module-level `pytestmark`) runs the pinned
 upstream implementation itself, SOURCE being the pins.toml name; any other test exercises the reference only.
+A claim no upstream test can show says why with `reference_only(REASON, "detail")`, REASON from a fixed list:
+free text would let "draft: later" stand in for evidence.
 """
 
 from __future__ import annotations
@@ -19,6 +21,15 @@ if TYPE_CHECKING:
     from pin_and_cite.core.parse_cache import ParseCache
 
 UPSTREAM_MARK = "upstream"
+# Why upstream cannot run on a CPU-only machine with gloo; a new kind of reason is a change to this tool, reviewed.
+REFERENCE_ONLY_REASONS = ("APEX", "Transformer Engine", "CUDA-only", "NCCL-only", "multi-node")
+
+
+def reference_only_problem(reason: object) -> str | None:
+    """Why `reason` is not one reference_only() accepts, or None."""
+    if reason in REFERENCE_ONLY_REASONS:
+        return None
+    return f"reference_only({reason!r}): the reason must be one of {', '.join(REFERENCE_ONLY_REASONS)}"
 
 
 @dataclass(frozen=True)

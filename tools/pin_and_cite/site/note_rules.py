@@ -1,16 +1,18 @@
 """The rules a note keeps, checked on the template itself so each problem has a file:line.
 
-A template opts in with YAML front matter (mkdocs reads the same front matter as page metadata).
+Every template declares its rules in YAML front matter (mkdocs reads it as page metadata), one of RULES:
+a note that drops the line must not slip out of its rules unseen, so `rules: none` is written, not implied.
 `rules: close-reading` (the lab brief's rules for a close reading):
   * at least MIN_CHOICES design choices: `### ` sections, each citing upstream lines with cite(), CHOICE_WORDS
-    words of prose long, and naming its evidence: a verified_by() test that runs upstream itself (marked
-    `@pytest.mark.upstream`, pin_and_cite.core.verified_by), or reference_only("why upstream cannot run here");
+    words of prose long, naming at least one test with verified_by(), and upstream evidence: a test that runs
+    upstream itself (marked `@pytest.mark.upstream`, pin_and_cite.core.verified_by), or
+    reference_only(REASON, "detail") with REASON from a fixed list and a reference test beside it;
   * a closing `## Connect the dots` section that prints at least one rendered value (`{{ ... }}`, numbers
     from a recorded trace, never typed by hand);
   * at most MAX_WORDS words in all, headings included: every word of prose a reader reads.
 `rules: questions` (the "Check yourself" page): every `### ` section is a question whose answer has at most
-ANSWER_WORDS words of prose, cites upstream (cite() or upstream()) and names its evidence (verified_by() or
-reference_only()).
+ANSWER_WORDS words of prose, cites upstream (cite() or upstream()) and names a test (verified_by()); a
+reference_only() there too gives a reason from the fixed list.
 Prose is what a reader reads as text: front matter, fenced blocks and Jinja statements and comments are not
 counted, the outputs of NOT_PROSE_CALLS are not counted (excerpts, diagrams, charts, evidence lines), and any
 other `{{ expression }}` counts as one word (a number, a rendered default). So does an upstream() link, though
@@ -26,7 +28,7 @@ from pathlib import Path
 
 from pin_and_cite.core.notes import calls_in
 from pin_and_cite.core.parse_cache import ParseCache
-from pin_and_cite.core.verified_by import evidence_of
+from pin_and_cite.core.verified_by import evidence_of, reference_only_problem
 
 MAX_WORDS = 300
 MIN_CHOICES = 5
@@ -39,6 +41,7 @@ EVIDENCE_CALLS = {"verified_by", "reference_only"}
 _JINJA_BLOCK = re.compile(r"\{#.*?#\}|\{%.*?%\}", re.S)
 _EXPRESSION = re.compile(r"\{\{(.*?)\}\}", re.S)
 _WORD = re.compile(r"\S*[A-Za-z0-9]\S*")
+RULES = ("close-reading", "questions", "none")
 VALUE = "{{value}}"  # what a printed expression becomes: one word, and never text a template can hold
 
 
@@ -119,28 +122,40 @@ def _prose_words(lines: list[tuple[int, str, bool]], section: _Section) -> int:
     return sum(words(line) for n, line, heading in lines if section.holds(n) and not heading)
 
 
-def _has_upstream_evidence(root: Path, calls, section: _Section, parsed: ParseCache | None) -> bool:
-    """A reference_only() in the section, or a verified_by() naming a test marked as running upstream."""
-    inside = [c for c in calls if section.holds(c.line)]
-    return any(c.function == "reference_only" for c in inside) or any(
-        getattr(evidence_of(root, c.argument, parsed), "kind", None) == "upstream"
-        for c in inside
-        if c.function == "verified_by"
-    )
+def _kinds_of_tests(root: Path, calls, section: _Section, parsed: ParseCache | None) -> set[str | None]:
+    """The kind of evidence ("upstream", "reference"; None for a test that does not exist, which check reports
+    on its own) of each test the section names with verified_by()."""
+    return {
+        getattr(evidence_of(root, c.argument, parsed), "kind", None)
+        for c in calls
+        if c.function == "verified_by" and section.holds(c.line)
+    }
+
+
+def _reason_problems(calls) -> list[RuleProblem]:
+    return [
+        RuleProblem(c.line, problem)
+        for c in calls
+        if c.function == "reference_only" and (problem := reference_only_problem(c.argument))
+    ]
 
 
 def check_note(template: Path, root: Path, parsed: ParseCache | None = None) -> list[RuleProblem]:
-    """Every rule the template's front matter opts into, broken (`root`: the project, whose tests the evidence
+    """Every rule the template's front matter declares, broken (`root`: the project, whose tests the evidence
     names; `parsed`: where the template's calls are kept, pin_and_cite.core.notes.calls_in)."""
     text = template.read_text()
-    meta, _ = front_matter(text)
-    rules = {"close-reading": _close_reading, "questions": _questions}.get(meta.get("rules", ""))
+    declared = front_matter(text)[0].get("rules")
+    if declared not in RULES:
+        what = "no 'rules:' front matter" if declared is None else f"'rules: {declared}' is not a kind of page"
+        return [RuleProblem(1, f"{what}: open the page with '---', 'rules: KIND', '---'; KIND is {' or '.join(RULES)}")]
+    rules = {"close-reading": _close_reading, "questions": _questions, "none": None}[declared]
     if rules is None:
         return []
     lines = prose_lines(text)
     calls = calls_in(template, CITING_CALLS | EVIDENCE_CALLS, parsed)
     last_line = len(text.split("\n"))
-    return sorted(rules(root, lines, calls, _sections(lines, last_line), last_line, parsed), key=lambda p: p.line)
+    problems = rules(root, lines, calls, _sections(lines, last_line), last_line, parsed) + _reason_problems(calls)
+    return sorted(problems, key=lambda p: p.line)
 
 
 def _questions(root: Path, lines, calls, sections: list[_Section], last_line: int, _parsed) -> list[RuleProblem]:
@@ -155,11 +170,9 @@ def _questions(root: Path, lines, calls, sections: list[_Section], last_line: in
         found = {c.function for c in calls if q.holds(c.line)}
         if not found & CITING_CALLS:
             problems.append(RuleProblem(q.line, f"the answer to {q.name!r} cites no upstream lines; add cite(...)"))
-        if not found & EVIDENCE_CALLS:
+        if "verified_by" not in found:
             problems.append(
-                RuleProblem(
-                    q.line, f"the answer to {q.name!r} names no evidence: add verified_by(...) or reference_only(...)"
-                )
+                RuleProblem(q.line, f"the answer to {q.name!r} names no test: add verified_by('tests/...::test_...')")
             )
     if not questions:
         problems.append(RuleProblem(1, "no questions: each '### ' heading is a question, answered below it"))
@@ -215,15 +228,7 @@ def _close_reading(
                     f"design choice {s.name!r} has {count} words of prose; write {CHOICE_WORDS[0]}-{CHOICE_WORDS[1]}",
                 )
             )
-        if not _has_upstream_evidence(root, calls, s, parsed):
-            problems.append(
-                RuleProblem(
-                    s.line,
-                    f"design choice {s.name!r} has no upstream evidence: name a test "
-                    f"marked @pytest.mark.upstream(SOURCE) with verified_by(...), or say "
-                    f"why upstream cannot run here with reference_only(...)",
-                )
-            )
+        problems += _evidence_problems(s, _kinds_of_tests(root, calls, s, parsed), calls)
     if choices < MIN_CHOICES:
         problems.append(
             RuleProblem(
@@ -233,3 +238,30 @@ def _close_reading(
             )
         )
     return problems
+
+
+def _evidence_problems(choice: _Section, kinds: set[str | None], calls) -> list[RuleProblem]:
+    """A design choice names a test, and upstream evidence: an upstream test, or reference_only() beside a
+    reference test (the reason says why upstream cannot run; the reference test still shows the claim)."""
+    if not kinds:
+        return [RuleProblem(choice.line, f"design choice {choice.name!r} names no test: add verified_by(...)")]
+    if "upstream" in kinds:
+        return []
+    if not any(c.function == "reference_only" and choice.holds(c.line) for c in calls):
+        return [
+            RuleProblem(
+                choice.line,
+                f"design choice {choice.name!r} has no upstream evidence: name a test "
+                f"marked @pytest.mark.upstream(SOURCE) with verified_by(...), or say "
+                f"why upstream cannot run here with reference_only(...)",
+            )
+        ]
+    if "reference" not in kinds:
+        return [
+            RuleProblem(
+                choice.line,
+                f"design choice {choice.name!r} is reference only but names no reference test: "
+                f"add verified_by(...) for the test of reference/ that shows it",
+            )
+        ]
+    return []

@@ -6,9 +6,9 @@ written in the pinned source, pin_and_cite.core.defaults), `ours("reference/x.py
 code), `mirrors("reference/x.py::Name")` (the upstream() links of the citations its docstring writes),
 `verified_by("tests/...::test")` (the test and the kind of evidence it is: upstream or reference,
 linked to its section on its test file's page, pin_and_cite.site.evidence_pages) and
-`reference_only(reason)` (why no upstream test can run here), `pins` and `locked_files(source)`; and the
-helpers a site registers (`helpers`: for this study, pin_and_cite.site.study's traces, diagrams, estimates and
-scale tables), so that the renderer imports none of them.
+`reference_only(REASON, detail)` (why no upstream test can run here, REASON from a fixed list), `pins` and
+`locked_files(source)`; and the helpers a site registers (`helpers`: for this study,
+pin_and_cite.site.study's traces, diagrams, estimates and scale tables), so that the renderer imports none of them.
 Close-reading notes are checked against pin_and_cite.site.note_rules before they are rendered. A template whose
 name starts with `_` is a partial: `_source.md.j2` is rendered once per pinned source into sources/NAME.md.
 The pages of what the latest bump of each source changed go to changes/ (pin_and_cite.site.changes).
@@ -39,7 +39,7 @@ from pin_and_cite.core.notes import note_templates
 from pin_and_cite.core.pinned_sha import write_pinned_sha
 from pin_and_cite.core.project import Project
 from pin_and_cite.core.resolve import Excerpt, Resolver
-from pin_and_cite.core.verified_by import Evidence, evidence_of
+from pin_and_cite.core.verified_by import Evidence, evidence_of, reference_only_problem
 from pin_and_cite.site.changes import change_pages
 from pin_and_cite.site.evidence_pages import evidence_pages, link_from
 from pin_and_cite.site.folding import fold_window, folded_markdown
@@ -213,11 +213,13 @@ class Renderer:
         return evidence_link(found.kind, label, node_id, link_from(self.page, node_id))
 
     @staticmethod
-    def reference_only(reason: str) -> str:
-        """A claim no upstream test can show here (a CUDA-only kernel, say): the reader sees why."""
-        if not isinstance(reason, str) or not reason.strip():
-            raise PinAndCiteError("reference_only() needs the reason upstream cannot run here")
-        return evidence_line("reference-only", "reference only", html.escape(reason.strip()))
+    def reference_only(reason: str, detail: str = "") -> str:
+        """A claim no upstream test can show here, for a reason from the fixed list (APEX, CUDA-only, ...)."""
+        problem = reference_only_problem(reason)
+        if problem or not isinstance(detail, str):
+            raise PinAndCiteError(problem or "reference_only(REASON, DETAIL): DETAIL is a string")
+        shown = f"{reason}: {detail.strip()}" if detail.strip() else reason
+        return evidence_line("reference-only", "reference only", html.escape(shown))
 
     def rule_problems(self, template: Path) -> list:
         """check_note(template), once per template for this renderer (a page per source reuses it)."""
