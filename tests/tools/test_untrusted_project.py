@@ -265,10 +265,13 @@ def test_render_takes_over_the_pages_of_its_own_interrupted_run(project, tmp_pat
     assert (out / "a.md").read_text() == "edited after the interruption\n" and (out / "z.md").exists()
 
 
+RENDERS = 4
+
+
 def test_concurrent_renders_into_a_new_folder_all_succeed(project, tmp_path):
     _note(project)
-    for name in "bcdefgh":
-        (project.root / "reading_notes" / f"{name}.md.j2").write_text(f"page {name}\n")
+    for n in range(200):  # pages written while another run looks for foreign ones
+        (project.root / "reading_notes" / f"p{n:03}.md.j2").write_text(f"page {n}\n")
     for attempt in range(3):
         out = tmp_path / f"out{attempt}"
         procs = [
@@ -279,7 +282,7 @@ def test_concurrent_renders_into_a_new_folder_all_succeed(project, tmp_path):
                 text=True,
                 env={**os.environ, "PIN_AND_CITE_CACHE": str(project.cache)},
             )
-            for _ in range(4)
+            for _ in range(RENDERS)
         ]
         results = [(p.wait(timeout=120), p.communicate()[1]) for p in procs]
-        assert [code for code, _ in results] == [0] * 4, results
+        assert [code for code, _ in results] == [0] * RENDERS, results

@@ -74,7 +74,7 @@ def recover(directory: Path) -> str | None:
             raise ValueError(f"more than {MAX_JOURNAL_BYTES} bytes")
         record = json.loads(data)
         state = record["state"]
-        entries = [_inside(directory, *entry) for entry in record["files"]]
+        entries = [_inside(directory, entry) for entry in record["files"]]
     except (ValueError, KeyError, TypeError) as exc:
         raise PinAndCiteError(f"{journal} is not a pin-and-cite journal ({exc}); inspect it, then remove it") from None
     if state == "committed":
@@ -139,10 +139,13 @@ def _unlink_regular(path: Path) -> None:
     path.unlink(missing_ok=True)
 
 
-def _inside(directory: Path, tmp: str, target: str, sha: str) -> Entry:
-    """A journal entry as paths, refused unless both stay inside `directory`, `tmp` is `target`'s staged
-    name, and neither is anything but a regular file (a journal committed to a branch must not move or
-    remove anything else, nor swap a symlink or a FIFO in)."""
+def _inside(directory: Path, entry) -> Entry:
+    """A journal entry ([staged, target, SHA-256]) as paths, refused unless both stay inside `directory`,
+    the first is the target's staged name, and neither is anything but a regular file (a journal committed to
+    a branch must not move or remove anything else, nor swap a symlink or a FIFO in)."""
+    if not (isinstance(entry, list) and len(entry) == 3 and all(isinstance(part, str) for part in entry)):
+        raise ValueError(f"entry {str(entry)[:200]} is not [staged file, target, SHA-256]")
+    tmp, target, sha = entry
     tmp_path, target_path = directory / tmp, directory / target
     root = directory.resolve()
     match = _STAGED.fullmatch(tmp_path.name)
