@@ -53,7 +53,10 @@ files:
   docs/notes/changes/            a page per citation the latest bump changed or deleted, and an index
   reading_notes/traces/*.json    recorded runs the diagrams and numbers come from (tools/record-traces)
   reading_notes/megatron-sha.txt the pinned Megatron-LM commit, written by render, verified by check
-  cache                          $PIN_AND_CITE_CACHE, else the user cache dir: blobs by SHA, partial repos
+  reading_notes/.pin-and-cite.lock
+                                 the write lock that pin, cite, bump and render hold (git ignores it)
+  cache                          $PIN_AND_CITE_CACHE (absolute, outside the project and the current
+                                 checkout), else the user cache dir: blobs by SHA, partial repos
 """
 
 
