@@ -156,6 +156,13 @@ def test_the_write_lock_is_ignored_by_git():
     assert proc.returncode == 0
 
 
+def test_a_folder_planted_as_the_write_lock_is_one_line(project):
+    _note(project)
+    (project.root / "reading_notes" / ".pin-and-cite.lock").unlink()
+    (project.root / "reading_notes" / ".pin-and-cite.lock").mkdir()
+    assert ".pin-and-cite.lock is a folder" in one_error_line(run(project, "cite", CITE))
+
+
 def test_a_roll_forward_with_a_staged_file_gone_fails_loudly(project):
     _note(project)
     notes = project.root / "reading_notes"
@@ -221,6 +228,13 @@ def test_render_never_writes_through_a_symlinked_output_folder(project, tmp_path
         (project.root / link).symlink_to(outside)
     assert "is a symlink" in one_error_line(run(project, *args))
     assert list(outside.iterdir()) == []
+
+
+def test_render_into_what_is_not_a_folder_is_one_line(project, tmp_path):
+    _note(project)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    assert "is not a folder" in one_error_line(run(project, "render", "--out", str(fifo)))
 
 
 @pytest.mark.parametrize("link", ["reference", "reference/x.py"])

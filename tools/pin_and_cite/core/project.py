@@ -50,7 +50,10 @@ def write_lock(root: Path) -> filelock.FileLock:
     caches still take turns, and a journal is only recovered by a run holding it."""
     notes_dir = root / NOTES_DIR
     refuse_special_files(notes_dir)  # before the lock file is opened (and truncated) through a planted symlink
-    return filelock.FileLock(str(notes_dir / WRITE_LOCK))
+    lock = notes_dir / WRITE_LOCK
+    if lock.is_dir():
+        raise PinAndCiteError(f"{lock} is a folder; remove it (it is the file runs that write the project lock)")
+    return filelock.FileLock(str(lock))
 
 
 @dataclass

@@ -130,8 +130,9 @@ def refuse_symlinked(out: Path, project_root: Path) -> None:
 @contextlib.contextmanager
 def _locked_folder(root: Path):
     """An exclusive lock on the folder itself (flock on its descriptor: no lock file to plant or leave behind)."""
-    if root.is_symlink():
-        raise PinAndCiteError(f"{root} is a symlink; render writes only into a plain folder")
+    if root.is_symlink() or (root.exists() and not root.is_dir()):
+        kind = "a symlink" if root.is_symlink() else "not a folder"
+        raise PinAndCiteError(f"{root} is {kind}; render writes only into a plain folder")
     root.mkdir(parents=True, exist_ok=True)
     try:
         fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
