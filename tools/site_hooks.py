@@ -8,8 +8,6 @@
      (pin_and_cite.site.render with this study's helpers), which leaves unchanged outputs untouched (mkdocs watches
      docs/, so rewriting a file on every build would trigger the next rebuild forever) and, on a bad template,
      stops the build with the template's file:line and leaves the previous pages as they were.
-`on_env` keeps the theme's compiled templates under the cache (mkdocs-material's templates would otherwise be
-compiled on every build; pin_and_cite.core.sandbox.CompiledTemplates, in a folder of their own).
 `on_page_context`, around mkdocs-material's search plugin (which indexes `page.content` at the default
 priority), hands it the page without the highlighter's span tags (pin_and_cite.site.search_text: the same
 index, at a third of its cost) and gives the page its full HTML back before the theme renders it.
@@ -34,8 +32,6 @@ from mkdocs.plugins import CombinedEvent, event_priority
 from mkdocs.utils.meta import get_data
 
 from pin_and_cite.core.errors import PinAndCiteError
-from pin_and_cite.core.sandbox import CompiledTemplates
-from pin_and_cite.core.store import default_cache_dir
 from pin_and_cite.site.reading_order import MARKER, reading_order
 from pin_and_cite.site.search_text import without_code_spans
 from pin_and_cite.site.study import render_site
@@ -107,11 +103,6 @@ def _mermaid_script() -> re.Pattern:
 
 def on_post_page(output: str, page, config) -> str:
     return output if '<pre class="mermaid">' in output else _mermaid_script().sub("", output, count=1)
-
-
-def on_env(env, config, files):
-    env.bytecode_cache = CompiledTemplates(default_cache_dir(), folder="jinja-theme")
-    return env
 
 
 def on_serve(server, config, builder):

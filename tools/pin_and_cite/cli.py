@@ -15,13 +15,13 @@ from pin_and_cite.core.defaults import default_ref
 from pin_and_cite.core.errors import LOCAL_IO, PinAndCiteError, printable
 from pin_and_cite.core.fetch import Fetched, fetch_all
 from pin_and_cite.core.gitobj import is_full_sha
-from pin_and_cite.core.project import NOTES_DIR, Project, find_root
+from pin_and_cite.core.project import NOTES_DIR, Project, find_root, write_lock
 from pin_and_cite.core.remote import check_url
 from pin_and_cite.core.resolve import Resolver
-from pin_and_cite.core.store import Store, default_cache_dir
 from pin_and_cite.relocation import bump, journal, review
 from pin_and_cite.relocation.reanchor import relocate_texts
 from pin_and_cite.site.new_note import new_note
+from pin_and_cite.site.output_folder import refuse_symlinked
 from pin_and_cite.site.render import SITE_NOTES
 from pin_and_cite.site.study import render_site
 
@@ -54,7 +54,10 @@ files:
   docs/notes/changes/            a page per citation the latest bump changed or deleted, and an index
   reading_notes/traces/*.json    recorded runs the diagrams and numbers come from (tools/record-traces)
   reading_notes/megatron-sha.txt the pinned Megatron-LM commit, written by render, verified by check
-  cache                          $PIN_AND_CITE_CACHE, else the user cache dir: blobs by SHA, partial repos
+  reading_notes/.pin-and-cite.lock
+                                 the write lock that pin, cite, bump and render hold (git ignores it)
+  cache                          $PIN_AND_CITE_CACHE (absolute, outside the project and the current
+                                 checkout), else the user cache dir: blobs by SHA, partial repos
 """
 
 
@@ -258,6 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_render(project: Project, args) -> int:
+    refuse_symlinked((project.root / args.out).absolute(), project.root.absolute())
     changed = render_site(project.root, project.root / args.out)
     names = [str(p.relative_to(project.root) if p.is_relative_to(project.root) else p) for p in changed]
     print(
@@ -452,7 +456,7 @@ COMMANDS = {
     "bump": cmd_bump,
     "new-note": cmd_new_note,
 }
-WRITERS = {"pin", "cite", "bump"}
+WRITERS = {"pin", "cite", "bump", "render", "new-note"}  # verbs that write the project
 STANDALONE = {"relocate": cmd_relocate}  # verbs that need no project
 
 
@@ -462,12 +466,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.verb in STANDALONE:
             return STANDALONE[args.verb](args)
         root = args.project or find_root(Path.cwd())
-        project_lock = Store(default_cache_dir()).lock(f"project {root.resolve()}")
-        if recovered := journal.recover(root / NOTES_DIR, project_lock):  # a bump killed mid-write
-            print(f"pin-and-cite: {recovered}", file=sys.stderr)
-        if args.verb not in WRITERS:
-            return COMMANDS[args.verb](Project(root, timeout=args.timeout, url_overrides=dict(args.urls)), args)
-        with project_lock:  # pins and lock read under it
+        if args.verb not in WRITERS:  # read-only: never recovers a journal, never takes the write lock
+            project = Project(root, timeout=args.timeout, url_overrides=dict(args.urls))
+            if journal.pending(project.notes_dir):
+                raise PinAndCiteError(
+                    f"{project.notes_dir} holds an interrupted write ({journal.NAME}); run `tools/pin-and-cite "
+                    f"render` to finish or undo it, then {args.verb} again"
+                )
+            return COMMANDS[args.verb](project, args)
+        with write_lock(root):  # pins and lock read under it
+            if recovered := journal.recover(root / NOTES_DIR):  # a bump killed mid-write
+                print(f"pin-and-cite: {recovered}", file=sys.stderr)
             return COMMANDS[args.verb](Project(root, timeout=args.timeout, url_overrides=dict(args.urls)), args)
     except PinAndCiteError as exc:
         print(f"pin-and-cite: error: {printable(str(exc))}", file=sys.stderr)

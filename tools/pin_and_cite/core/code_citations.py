@@ -21,6 +21,7 @@ from pathlib import Path
 
 from pin_and_cite.core.errors import PinAndCiteError
 from pin_and_cite.core.notes import Written
+from pin_and_cite.core.regular_file import MAX_CODE_BYTES, read_in_project
 
 CODE_DIRS = ("reference",)  # the folders of the project whose Python files cite upstream
 CODE_CITATION = re.compile(r"(?<![\w/.:-])([A-Za-z][\w-]*:(?:[\w.-]+/)*[\w.-]+\.pyi?::[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)")
@@ -46,6 +47,9 @@ def citations_in_text(text: str) -> list[tuple[str, int]]:
 
 
 def code_files(root: Path) -> list[Path]:
+    for folder in CODE_DIRS:
+        if (root / folder).is_symlink():  # `reference -> /` would walk the machine
+            raise PinAndCiteError(f"{root / folder} is a symlink; the project's code is read from plain files only")
     return sorted(p for folder in CODE_DIRS for p in (root / folder).rglob("*.py") if p.is_file())
 
 
@@ -61,7 +65,10 @@ def utf8_text(data: bytes, what: str) -> str:
 
 def code_texts(root: Path) -> dict[Path, str]:
     """The project's code files and their text, read once for both scans below."""
-    return {file: utf8_text(file.read_bytes(), str(file.relative_to(root))) for file in code_files(root)}
+    return {
+        file: utf8_text(read_in_project(root, file, MAX_CODE_BYTES), str(file.relative_to(root)))
+        for file in code_files(root)
+    }
 
 
 def code_citations(texts: dict[Path, str]) -> list[Written]:

@@ -14,6 +14,7 @@ from pin_and_cite.core.citation import check_repo_path
 from pin_and_cite.core.code_citations import citations_in_text, utf8_text
 from pin_and_cite.core.errors import PinAndCiteError
 from pin_and_cite.core.parse_cache import ParseCache
+from pin_and_cite.core.regular_file import MAX_CODE_BYTES, read_in_project
 
 
 def _read(root: Path, spec: str, call: str) -> tuple[str, str, bytes, str]:
@@ -25,7 +26,7 @@ def _read(root: Path, spec: str, call: str) -> tuple[str, str, bytes, str]:
         raise PinAndCiteError(f"{call}({spec!r}): expected PATH::Name, e.g. reference/fsdp/runtime.py::pre_forward")
     if not file.is_file():
         raise PinAndCiteError(f"{call}({spec!r}): {path} does not exist")
-    data = file.read_bytes()
+    data = read_in_project(root, file, MAX_CODE_BYTES)
     return path, symbol, data, utf8_text(data, f"{call}({spec!r}): {path}")
 
 

@@ -16,6 +16,7 @@ from pin_and_cite.core.atomic import atomic_write
 from pin_and_cite.core.citation import SOURCE_NAME
 from pin_and_cite.core.errors import PinAndCiteError
 
+SHA_FILE = re.compile(r"[a-z0-9][a-z0-9._-]*-sha\.txt")  # never pins.toml, the lock, a template or a trace
 SHAPE = "each [sources.NAME] table takes url and commit (a full SHA), and optionally tag, distribution and sha_file"
 
 
@@ -26,7 +27,7 @@ class Source:
     commit: str
     tag: str | None = None
     distribution: str | None = None  # "name==version" of a wheel that may carry byte-identical files
-    sha_file: str | None = None  # a file in the notes folder that render keeps holding the commit
+    sha_file: str | None = None  # reading_notes/NAME-sha.txt, which render keeps holding the commit (SHA_FILE)
 
     @property
     def distribution_name(self) -> str | None:
@@ -57,12 +58,20 @@ class Pins:
             raise PinAndCiteError(f"{path} is not valid TOML: {exc}") from None
         schema.check(data, schema.PINS, f"{path}:", SHAPE)
         self.sources = {name: self._source(name, table) for name, table in data.get("sources", {}).items()}
+        sha_files = [source.sha_file for source in self.sources.values() if source.sha_file]
+        if len(sha_files) != len(set(sha_files)):
+            raise PinAndCiteError(f"{path.name}: two sources name the same sha_file; give each its own")
 
     def _source(self, name: str, table) -> Source:
         """The source of a table that fits schema.PINS (its name is checked here, by the citation grammar's rule)."""
         if not SOURCE_NAME.fullmatch(name):
             raise PinAndCiteError(
                 f"{self.path.name} [sources.{name}]: source names are lowercase letters, digits, '.', '_' and '-'"
+            )
+        if "sha_file" in table and not SHA_FILE.fullmatch(str(table["sha_file"])):
+            raise PinAndCiteError(
+                f"{self.path.name} [sources.{name}] sha_file: {str(table['sha_file'])[:80]!r} is not a NAME-sha.txt "
+                "file name (lowercase letters, digits, '.', '_', '-'); render writes it in reading_notes/"
             )
         return Source(
             name,

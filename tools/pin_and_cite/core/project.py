@@ -7,13 +7,16 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import filelock
+
 from pin_and_cite.core.errors import PinAndCiteError
 from pin_and_cite.core.lock import Lock
 from pin_and_cite.core.pins import Pins, Source
 from pin_and_cite.core.remote import Remote, check_url
-from pin_and_cite.core.store import Store, default_cache_dir
+from pin_and_cite.core.store import Store, default_cache_dir, refuse_cache_inside
 
 NOTES_DIR = "reading_notes"
+WRITE_LOCK = ".pin-and-cite.lock"  # in NOTES_DIR, ignored by git
 
 
 def find_root(start: Path) -> Path:
@@ -30,13 +33,27 @@ def find_root(start: Path) -> Path:
 
 def refuse_special_files(notes_dir: Path) -> None:
     """reading_notes/ must hold plain files and folders only: a symlink committed on a branch would make `check`
-    read outside the project (a key, /dev/zero, a FIFO) through a template, a trace, the pins or the lock."""
+    read outside the project (a key, /dev/zero, a FIFO) through a template, a trace, the pins or the lock, and
+    reading_notes/ itself a symlink would lead all of them out."""
+    if notes_dir.is_symlink():
+        raise PinAndCiteError(f"{notes_dir} is a symlink; {NOTES_DIR}/ must be a plain folder of the project")
     for folder, dirs, files in os.walk(notes_dir):
         for path in (Path(folder) / name for name in dirs + files):
             mode = path.lstat().st_mode
             if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
                 kind = "a symlink" if stat.S_ISLNK(mode) else "not a regular file"
                 raise PinAndCiteError(f"{path} is {kind}; {NOTES_DIR}/ must hold plain files and folders only")
+
+
+def write_lock(root: Path) -> filelock.FileLock:
+    """The lock every run that writes the project holds, in the project itself: two runs with different
+    caches still take turns, and a journal is only recovered by a run holding it."""
+    notes_dir = root / NOTES_DIR
+    refuse_special_files(notes_dir)  # before the lock file is opened (and truncated) through a planted symlink
+    lock = notes_dir / WRITE_LOCK
+    if lock.is_dir():
+        raise PinAndCiteError(f"{lock} is a folder; remove it (it is the file runs that write the project lock)")
+    return filelock.FileLock(str(lock))
 
 
 @dataclass
@@ -48,6 +65,7 @@ class Project:
 
     def __post_init__(self):
         self.notes_dir = self.root / NOTES_DIR
+        refuse_cache_inside(self.cache_dir, self.root, "the project")
         refuse_special_files(self.notes_dir)
         self.pins = Pins(self.notes_dir / "pins.toml")
         self.lock = Lock(self.notes_dir / "citations.lock")

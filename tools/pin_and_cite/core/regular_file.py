@@ -10,6 +10,8 @@ from pathlib import Path
 
 from pin_and_cite.core.errors import PinAndCiteError
 
+MAX_CODE_BYTES = 8 << 20  # a Python file of the project larger than this is not code anyone reads
+
 KINDS = (
     (stat.S_ISDIR, "a directory"),
     (stat.S_ISFIFO, "a FIFO"),
@@ -40,3 +42,19 @@ def read_regular(path: Path, limit: int) -> bytes | None:
         raise NotRegularFile(f"{path} is {kind}, not a regular file")
     with os.fdopen(fd, "rb") as file:
         return file.read(limit + 1)
+
+
+def read_in_project(root: Path, path: Path, limit: int) -> bytes:
+    """The bytes of `path`, a regular file under `root` reached through no symlink (a branch's `reference -> /`
+    or `reference/x.py -> ~/.ssh/id_rsa` would otherwise be read as the project's code); at most `limit`."""
+    for folder in [path, *path.parents]:
+        if folder == root:
+            break
+        if folder.is_symlink():
+            raise PinAndCiteError(f"{folder} is a symlink; the project's code is read from plain files only")
+    data = read_regular(path, limit)
+    if data is None:
+        raise PinAndCiteError(f"{path} does not exist")
+    if len(data) > limit:
+        raise PinAndCiteError(f"{path} is larger than {limit} bytes")
+    return data

@@ -25,11 +25,21 @@ MAX_BLOB_BYTES = 100 << 20  # GitHub refuses files over 100 MiB: the bound when 
 
 def default_cache_dir() -> Path:
     """$PIN_AND_CITE_CACHE (a directory, or a new one in an existing directory: a typo must not grow a tree
-    of folders somewhere), else the user cache directory."""
+    of folders somewhere), absolute and outside the git checkout the run starts in; else the user cache
+    directory."""
     configured = os.environ.get("PIN_AND_CITE_CACHE")
     if not configured:
         return Path(platformdirs.user_cache_dir("pin-and-cite"))
     path = Path(configured)
+    if not path.is_absolute():
+        raise PinAndCiteError(
+            f"PIN_AND_CITE_CACHE={configured!r} is relative, so it would name a folder of the checkout a run "
+            "starts in; give an absolute path outside any checkout"
+        )
+    cwd = Path.cwd()
+    checkout = next((folder for folder in [cwd, *cwd.parents] if (folder / ".git").exists()), None)
+    if checkout is not None:
+        refuse_cache_inside(path, checkout, "the checkout of the current directory")
     if path.exists() and not path.is_dir():
         raise PinAndCiteError(f"PIN_AND_CITE_CACHE={configured!r} is not a directory; point it at one")
     if not path.exists() and not path.parent.is_dir():
@@ -38,6 +48,15 @@ def default_cache_dir() -> Path:
             f"or point the variable at an existing directory"
         )
     return path
+
+
+def refuse_cache_inside(cache: Path, folder: Path, what: str) -> None:
+    """A cache inside a checkout holds what the checkout's branch planted (partial repositories whose git config
+    runs commands, entries a reader trusts to be the owner's): refuse it."""
+    if cache.resolve().is_relative_to(folder.resolve()):
+        raise PinAndCiteError(
+            f"cache {cache} is inside {what} ({folder}); point PIN_AND_CITE_CACHE at a directory outside it"
+        )
 
 
 class Store:

@@ -1,30 +1,35 @@
 """Several files replaced as one step, even across a SIGKILL or a power cut, the way a database commits.
 
-`write_all` first records in a journal (in the directory that holds the files) the staged name of every
-file, then stages them all, then marks the journal committed, and only then renames them into place. A run
-that dies before the commit mark is rolled back by `recover` (the staged files are removed); one that dies
-after it is rolled forward (the remaining renames are done). The journal itself is replaced by rename, so it
-is either absent or whole. `recover` runs when the next pin-and-cite verb opens the project, under the
-project lock, so it never races a live writer.
+`write_all` first records in a journal (in the directory that holds the files) the staged name and SHA-256 of
+every file, then stages them all, then marks the journal committed, and only then renames them into place. A
+run that dies before the commit mark is rolled back by `recover` (the staged files are removed); one that dies
+after it is rolled forward (the remaining renames are done; a staged file that is gone must have reached its
+target, by its hash, or the roll forward stops loudly). Only a verb that writes the project recovers, holding
+the project's write lock (pin_and_cite.core.project.write_lock); read-only verbs refuse while `pending`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import secrets
 import signal
+import stat
 from pathlib import Path
-
-import filelock
 
 from pin_and_cite.core.atomic import no_interrupts, stage, sync_directory
 from pin_and_cite.core.errors import PinAndCiteError
+from pin_and_cite.core.regular_file import read_regular
 
 NAME = ".pin-and-cite-journal.json"
+MAX_JOURNAL_BYTES = 1 << 20  # a journal names a few files: more is not one of ours
 KILL_AT_RENAME = "PIN_AND_CITE_TEST_KILL_AT_RENAME"  # tests: SIGKILL this process just before rename N (0-based)
 _STAGED = re.compile(r"\.(.+)\.[0-9a-f]{8}\.tmp")  # the staged name of `name`: .name.XXXXXXXX.tmp
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+Entry = tuple[Path, Path, str]  # staged file, target, SHA-256 of the staged bytes
 
 
 def write_all(files: dict[Path, bytes], directory: Path) -> None:
@@ -32,45 +37,51 @@ def write_all(files: dict[Path, bytes], directory: Path) -> None:
     (disk full, Ctrl-C) leaves every file as it was."""
     journal = directory / NAME
     tag = secrets.token_hex(4)
-    pairs = [(target.with_name(f".{target.name}.{tag}.tmp"), target) for target in files]
+    entries = [
+        (target.with_name(f".{target.name}.{tag}.tmp"), target, hashlib.sha256(data).hexdigest())
+        for target, data in files.items()
+    ]
     renames = _Renames()
     try:
-        _save(journal, "staging", pairs, directory, renames)
-        for tmp, target in pairs:
+        _save(journal, "staging", entries, directory, renames)
+        for tmp, target, _ in entries:
             stage(tmp, target, files[target])
-        _save(journal, "committed", pairs, directory, renames)  # the commit point
+        _save(journal, "committed", entries, directory, renames)  # the commit point
     except BaseException:
-        _roll_back(journal, pairs)
+        _roll_back(journal, entries)
         raise
     with no_interrupts():  # Ctrl-C cannot land between two renames
-        _roll_forward(journal, pairs, renames)
+        _roll_forward(journal, entries, renames)
 
 
-def recover(directory: Path, lock: filelock.BaseFileLock) -> str | None:
+def pending(directory: Path) -> bool:
+    """Whether `directory` holds a journal (or half of one), without opening it."""
+    return any(os.path.lexists(directory / name) for name in (NAME, f"{NAME}.tmp"))
+
+
+def recover(directory: Path) -> str | None:
     """Finish or undo a `write_all` in `directory` that was killed; say which, or None when there was none.
-    `lock` is the one writers hold, so a live write is never taken for a dead one."""
+    The caller holds the project's write lock, so a live write is never taken for a dead one."""
     journal = directory / NAME
-    if not journal.exists() and not journal.with_name(f"{NAME}.tmp").exists():
+    if not pending(directory):
         return None
-    with lock:
-        return _recover(directory, journal)
-
-
-def _recover(directory: Path, journal: Path) -> str | None:
     try:
-        record = json.loads(journal.read_bytes())
+        data = read_regular(journal, MAX_JOURNAL_BYTES)
+        if data is None:  # killed while writing the journal: nothing staged yet
+            _unlink_regular(journal.with_name(f"{NAME}.tmp"))
+            return None
+        if len(data) > MAX_JOURNAL_BYTES:
+            raise ValueError(f"more than {MAX_JOURNAL_BYTES} bytes")
+        record = json.loads(data)
         state = record["state"]
-        pairs = [_inside(directory, tmp, target) for tmp, target in record["files"]]
-    except FileNotFoundError:  # killed while writing the journal: nothing staged yet
-        journal.with_name(f"{NAME}.tmp").unlink(missing_ok=True)
-        return None
+        entries = [_inside(directory, entry) for entry in record["files"]]
     except (ValueError, KeyError, TypeError) as exc:
         raise PinAndCiteError(f"{journal} is not a pin-and-cite journal ({exc}); inspect it, then remove it") from None
     if state == "committed":
-        _roll_forward(journal, pairs, _Renames())
-        return f"completed an interrupted write of {len(pairs)} file(s) in {directory}"
-    _roll_back(journal, pairs)
-    return f"rolled back an interrupted write of {len(pairs)} file(s) in {directory}"
+        _roll_forward(journal, entries, _Renames())
+        return f"completed an interrupted write of {len(entries)} file(s) in {directory}"
+    _roll_back(journal, entries)
+    return f"rolled back an interrupted write of {len(entries)} file(s) in {directory}"
 
 
 class _Renames:
@@ -87,31 +98,54 @@ class _Renames:
         os.replace(src, dst)
 
 
-def _save(journal: Path, state: str, pairs: list[tuple[Path, Path]], directory: Path, rename: _Renames) -> None:
+def _save(journal: Path, state: str, entries: list[Entry], directory: Path, rename: _Renames) -> None:
     tmp = journal.with_name(f"{NAME}.tmp")
-    files = [[str(p.relative_to(directory)) for p in pair] for pair in pairs]
+    files = [[str(staged.relative_to(directory)), str(to.relative_to(directory)), sha] for staged, to, sha in entries]
     stage(tmp, journal, json.dumps({"state": state, "files": files}).encode())
     rename(tmp, journal)
     sync_directory(directory)
 
 
-def _roll_forward(journal: Path, pairs: list[tuple[Path, Path]], rename: _Renames) -> None:
-    for tmp, target in pairs:
-        if tmp.exists():  # else renamed before the interruption
+def _roll_forward(journal: Path, entries: list[Entry], rename: _Renames) -> None:
+    for tmp, target, sha in entries:
+        if _is_regular(tmp):
             rename(tmp, target)
-    for directory in {target.parent for _, target in pairs}:
+        elif not (_is_regular(target) and hashlib.sha256(target.read_bytes()).hexdigest() == sha):
+            raise PinAndCiteError(
+                f"{tmp} is gone and {target} does not hold what the journal {journal} staged (another process "
+                "disturbed the write); restore reading_notes/ from git, remove the journal, and run the verb again"
+            )
+    for directory in {target.parent for _, target, _ in entries}:
         sync_directory(directory)
     journal.unlink()
 
 
-def _roll_back(journal: Path, pairs: list[tuple[Path, Path]]) -> None:
-    for tmp in [tmp for tmp, _ in pairs] + [journal.with_name(f"{NAME}.tmp"), journal]:
-        tmp.unlink(missing_ok=True)
+def _roll_back(journal: Path, entries: list[Entry]) -> None:
+    for tmp in [tmp for tmp, _, _ in entries] + [journal.with_name(f"{NAME}.tmp"), journal]:
+        _unlink_regular(tmp)
 
 
-def _inside(directory: Path, tmp: str, target: str) -> tuple[Path, Path]:
-    """A journal entry as paths, refused unless both stay inside `directory` and `tmp` is `target`'s staged
-    name (a journal committed to a branch must not move or remove anything else)."""
+def _is_regular(path: Path) -> bool:
+    try:
+        return stat.S_ISREG(path.lstat().st_mode)
+    except FileNotFoundError:
+        return False
+
+
+def _unlink_regular(path: Path) -> None:
+    """Remove a staged file or the journal; anything else planted under its name is refused, never removed."""
+    if os.path.lexists(path) and not _is_regular(path):
+        raise PinAndCiteError(f"{path} is not a regular file; inspect it, then remove it")
+    path.unlink(missing_ok=True)
+
+
+def _inside(directory: Path, entry) -> Entry:
+    """A journal entry ([staged, target, SHA-256]) as paths, refused unless both stay inside `directory`,
+    the first is the target's staged name, and neither is anything but a regular file (a journal committed to
+    a branch must not move or remove anything else, nor swap a symlink or a FIFO in)."""
+    if not (isinstance(entry, list) and len(entry) == 3 and all(isinstance(part, str) for part in entry)):
+        raise ValueError(f"entry {str(entry)[:200]} is not [staged file, target, SHA-256]")
+    tmp, target, sha = entry
     tmp_path, target_path = directory / tmp, directory / target
     root = directory.resolve()
     match = _STAGED.fullmatch(tmp_path.name)
@@ -121,6 +155,10 @@ def _inside(directory: Path, tmp: str, target: str) -> tuple[Path, Path]:
         or tmp_path.parent != target_path.parent
         or not target_path.resolve().is_relative_to(root)
         or ".." in Path(target).parts
+        or not _SHA256.fullmatch(sha)
     ):
         raise ValueError(f"entry {tmp!r} -> {target!r} is not a staged file of the project")
-    return tmp_path, target_path
+    for path in (tmp_path, target_path):
+        if os.path.lexists(path) and not _is_regular(path):
+            raise ValueError(f"{path.name} is not a regular file")
+    return tmp_path, target_path, sha

@@ -6,13 +6,15 @@ not write (README.md when DIR is the project, someone's own page, a file committ
 before anything is written; a page that already says exactly what render would write is taken as its own
 (an older render's output). The project's own site folder (docs/notes, build output git ignores) rendered by a
 version without the manifest also holds render's pages at the paths render writes: there, and only while no
-manifest exists yet, those are taken as its own too. Nothing is written or removed outside DIR: a page whose folder is a
-symlink
-leading elsewhere is refused, and existing pages are read as regular files only.
+manifest exists yet, those are taken as its own too. Nothing is written or removed outside DIR: DIR itself a
+symlink, or a page whose folder is one leading elsewhere, is refused, and existing pages are read as regular
+files only. Renders into one DIR take turns, and a killed render's pages are listed before they are written.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 from pathlib import Path, PurePosixPath
@@ -29,8 +31,7 @@ class OutputFolder:
     def __init__(self, root: Path, adopt_legacy_pages: bool = False):
         self.root = root
         self.manifest = root / MANIFEST
-        self.adopt_legacy_pages = adopt_legacy_pages and not self.manifest.exists()
-        self.owned = self._load_manifest()
+        self.adopt_legacy_pages = adopt_legacy_pages
 
     def _load_manifest(self) -> set[str]:
         try:
@@ -48,38 +49,50 @@ class OutputFolder:
     def write(self, pages: dict[str, str]) -> list[Path]:
         """Make the folder hold exactly `pages` (relative path -> Markdown) among the pages render owns:
         write those whose text differs, remove owned pages no longer made, then record the new set. The
-        files written or removed are returned."""
-        for name in set(pages) | self.owned:
+        files written or removed are returned. Renders into one folder take turns (a lock on the folder
+        itself), and the manifest lists every page before it is written, so a killed render's pages are
+        render's own to the next one."""
+        with _locked_folder(self.root):
+            return self._write(pages)
+
+    def _write(self, pages: dict[str, str]) -> list[Path]:
+        adopt_legacy_pages = self.adopt_legacy_pages and not self.manifest.exists()
+        owned = self._load_manifest()
+        for name in set(pages) | owned:
             self._refuse_outside(name)
         same = {
             name for name, text in pages.items() if read_regular(self.root / name, len(text.encode())) == text.encode()
         }
         legacy = (
             {name for name in pages if (self.root / name).is_file() and not (self.root / name).is_symlink()}
-            if self.adopt_legacy_pages
+            if adopt_legacy_pages
             else set()
         )  # an older render of the site folder, before the manifest
-        foreign = sorted(self._markdown() - self.owned - same - legacy)
+        foreign = sorted(self._markdown() - owned - same - legacy)
         if foreign:
             shown = ", ".join(foreign[:SHOWN]) + (f" and {len(foreign) - SHOWN} more" if len(foreign) > SHOWN else "")
             raise PinAndCiteError(
                 f"{self.root} holds Markdown that render did not write ({shown}); render into "
                 "a folder of its own, or move those files away"
             )
+        if not set(pages) <= owned:  # claimed before written
+            self._record(owned | set(pages))
         changed = []
         for name in sorted(set(pages) - same):
             atomic_write(self.root / name, pages[name].encode())
             changed.append(self.root / name)
-        for name in sorted(self.owned - set(pages)):
+        for name in sorted(owned - set(pages)):
             stale = self.root / name
             if stale.is_symlink() or stale.is_file():
                 stale.unlink()
                 changed.append(stale)
                 self._remove_empty_folders(stale.parent)
-        if set(pages) != self.owned or not self.manifest.exists():
-            atomic_write(self.manifest, (json.dumps(sorted(pages), indent=1) + "\n").encode())
-            self.owned = set(pages)
+        if set(pages) != owned or not self.manifest.exists():
+            self._record(set(pages))
         return changed
+
+    def _record(self, names: set[str]) -> None:
+        atomic_write(self.manifest, (json.dumps(sorted(names), indent=1) + "\n").encode())
 
     def _remove_empty_folders(self, folder: Path) -> None:
         """A removed page's folders go with it once empty (tests/x/ after tests/x/y.md); never the root, nor
@@ -100,6 +113,36 @@ class OutputFolder:
         for folder, _, files in os.walk(self.root):
             found |= {(Path(folder) / f).relative_to(self.root).as_posix() for f in files if f.endswith(".md")}
         return found
+
+
+def refuse_symlinked(out: Path, project_root: Path) -> None:
+    """`render --out DIR` must not be a symlink, nor lead out of the project through one when DIR is inside it
+    (docs/notes with docs/ a symlink): render writes only where the folder named is."""
+    inside = out.is_relative_to(project_root)
+    folders = [out, *out.parents] if inside else [out]
+    for folder in folders:
+        if inside and folder == project_root:
+            break
+        if folder.is_symlink():
+            raise PinAndCiteError(f"{folder} is a symlink; render writes only into a plain folder")
+
+
+@contextlib.contextmanager
+def _locked_folder(root: Path):
+    """An exclusive lock on the folder itself (flock on its descriptor: no lock file to plant or leave behind)."""
+    if root.is_symlink() or (root.exists() and not root.is_dir()):
+        kind = "a symlink" if root.is_symlink() else "not a folder"
+        raise PinAndCiteError(f"{root} is {kind}; render writes only into a plain folder")
+    root.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise PinAndCiteError(f"{root} is not a plain folder ({exc.strerror}); render writes only into one") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def _is_page(name: str) -> bool:

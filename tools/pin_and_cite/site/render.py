@@ -121,9 +121,7 @@ class Renderer:
         self._rules: dict[Path, list] = {}
         self.page: str | None = None  # the page being rendered, for relative links
         self.cited_tests: dict[str, tuple[Evidence, list[str]]] = {}  # node id -> evidence, citing pages
-        self.env = sandbox.environment(
-            jinja2.FileSystemLoader(project.notes_dir), sandbox.CompiledTemplates(project.cache_dir)
-        )
+        self.env = sandbox.environment(jinja2.FileSystemLoader(project.notes_dir))
         self.env.globals.update(
             cite=self.cite,
             upstream=self.upstream,
