@@ -5,6 +5,9 @@ import json
 
 import pytest
 
+from tests.tools.conftest import serve_history
+from tests.tools.synthetic import BASE
+
 MOD = "up:pkg/mod.py"
 TEMPLATE = (
     "{# cite('" + MOD + "#L12-L14') in a comment is not a call #}\r\n"
@@ -183,3 +186,47 @@ def test_bump_carries_docstring_citations_and_check_names_one_whose_symbol_was_r
         f"reference/mod.py:6: {MOD}::helper: not in the lock; run `tools/pin-and-cite cite` on it",
         "1 citation(s) ok, 1 broken",
     ]
+
+
+@pytest.fixture
+def deleted(project, daemon, tmp_path):
+    """A note citing `other` (pkg/mod.py#L31-L32), bumped c1 -> c2, where `other` is deleted and lines 31-32 hold
+    unrelated code: re-locking the same span would put that code under the prose about `other`."""
+    gone = BASE.replace("def other(a):\n    return a\n", "NAMES = ('x', 'y')\nSIZES = {}\n")
+    history = serve_history(
+        daemon,
+        tmp_path / "work",
+        f"deleted-{tmp_path.name}",
+        [{"pkg/mod.py": BASE.encode()}, {"pkg/mod.py": gone.encode()}],
+    )
+    project.write_pins(up={"url": history.url, "commit": history.c1, "tag": "c1"})
+    note = project.root / "reading_notes" / "gone.md.j2"
+    note.write_text("`other` returns its argument: {{ cite('up:pkg/mod.py#L31-L32') }}\n")
+    assert project.run("cite", "up:pkg/mod.py#L31-L32").code == 0
+    r = project.run("bump", "up", "--ref", "c2")
+    assert r.code == 0, r.err
+    assert r.out.splitlines()[1] == "1 citation(s): 0 unchanged, 0 moved, 0 changed, 1 deleted"
+    return note
+
+
+def test_check_names_a_citation_the_bump_deleted_and_says_to_rewrite_the_claim(project, deleted):
+    r = project.run("check")
+    assert r.code == 1
+    assert r.out.splitlines()[0] == (
+        "reading_notes/gone.md.j2:1: up:pkg/mod.py#L31-L32: deleted by the bump to c2: rewrite the claim, then cite"
+    )
+
+
+def test_cite_refuses_to_relock_a_span_the_last_bump_deleted_until_told_the_claim_was_rewritten(project, deleted):
+    before = project.lock_path.read_bytes()
+    r = project.run("cite", "up:pkg/mod.py#L31-L32")
+    assert r.code == 2 and r.err.count("\n") == 1
+    assert r.err == (
+        "pin-and-cite: error: up:pkg/mod.py#L31-L32: the bump to c2 deleted the code it cited, so the prose "
+        "around it describes code that is gone: rewrite the claim, then `cite --rewritten` it\n"
+    )
+    assert project.lock_path.read_bytes() == before
+    assert project.run("cite", "--no-lock", "up:pkg/mod.py#L31-L32").code == 0  # reading is still allowed
+    deleted.write_text("The lines that followed it: {{ cite('up:pkg/mod.py#L31-L32') }}\n")
+    assert project.run("cite", "--rewritten", "up:pkg/mod.py#L31-L32").code == 0
+    assert project.run("check").code == 0

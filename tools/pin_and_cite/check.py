@@ -89,7 +89,12 @@ def check(project: Project) -> Report:
             continue
         in_notes.add(key)
         how = f"cite --default {call.more[0]} {call.argument}" if call.function == "default" else "cite"
-        why = verdicts.get(key, f"not in the lock; run `tools/pin-and-cite {how}` on it")
+        if key in verdicts:
+            why = verdicts[key]
+        elif bump := project.lock.deleted_by_bump(key):
+            why = f"deleted by the bump to {bump}: rewrite the claim, then cite"
+        else:
+            why = f"not in the lock; run `tools/pin-and-cite {how}` on it"
         if why:
             problems.append(Problem(where, key, why))
             broken.add(key)

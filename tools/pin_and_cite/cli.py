@@ -160,6 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
         "a function's signature or a dataclass field), for the notes' default(CITATION, PARAM)",
     )
     cite.add_argument(
+        "--rewritten",
+        action="store_true",
+        help="lock a span the source's last bump deleted: the note's claim was rewritten for the code there now",
+    )
+    cite.add_argument(
         "--trust-distribution",
         action="store_true",
         help="learn a new file's blob SHA from the installed distribution named in pins.toml instead "
@@ -292,6 +297,12 @@ def cmd_cite(project: Project, args) -> int:
     if args.default:
         return cmd_cite_default(project, args)
     specs = [parse_spec(text) for text in args.specs]  # refuse any malformed spec before work
+    for spec in [] if args.no_lock or args.rewritten else specs:
+        if bump := project.lock.deleted_by_bump(str(spec)):
+            raise PinAndCiteError(
+                f"{spec}: the bump to {bump} deleted the code it cited, so the prose around it describes code "
+                "that is gone: rewrite the claim, then `cite --rewritten` it"
+            )
     resolver = Resolver(project, trust_distribution=args.trust_distribution)
     excerpts = []
     for spec in specs:

@@ -156,6 +156,15 @@ class Lock:
             }
         return (json.dumps(data, indent=2, sort_keys=True) + "\n").encode()
 
+    def deleted_by_bump(self, key: str) -> str | None:
+        """The tag (else commit) of the latest bump of `key`'s source when it deleted the code `key` cites: the
+        same lines at the new pin hold other code, so re-locking them would put it under prose about the old."""
+        record = self.bumps.get(key.split(":", 1)[0])
+        change = record.changes.get(key) if record else None
+        if change is None or change.status != "deleted":
+            return None
+        return record.tag or record.new_commit[:12]
+
     def blobs(self) -> list[tuple[str, str, str]]:
         """(source, path, blob) of every file that `fetch` must make available: each locked file, then each
         blob a bump record names that is not among them."""
