@@ -6,12 +6,14 @@ that each recorded bump's excerpts still hash as its record says (pin_and_cite.s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pin_and_cite.core.citation import parse_spec
 from pin_and_cite.core.code_citations import code_citations, code_texts, hand_typed_lines
 from pin_and_cite.core.defaults import default_ref, parse_key
 from pin_and_cite.core.errors import PinAndCiteError
+from pin_and_cite.core.highlights import checked_highlight
 from pin_and_cite.core.locked import locked_default, locked_excerpt
 from pin_and_cite.core.notes import TEMPLATE_GLOB, written_calls
 from pin_and_cite.core.pinned_sha import stale_sha
@@ -75,6 +77,7 @@ def check(project: Project) -> Report:
         key: _verdict(lambda k: locked_default(project, resolver, parse_key(k)), key) for key in project.lock.defaults
     }
     problems, in_notes, malformed, broken = [], set(), 0, {key for key, why in verdicts.items() if why}
+    reported = set()  # (key, highlight) of the bad highlights found
     written = written_calls(project.notes_dir, {"cite", "upstream", "verified_by", "default"}, resolver.parsed)
     code = code_texts(project.root)
     written += code_citations(code)  # the reference's docstrings cite upstream too
@@ -98,6 +101,9 @@ def check(project: Project) -> Report:
         if why:
             problems.append(Problem(where, key, why))
             broken.add(key)
+        elif call.highlight and (why := _verdict(_check_highlight, project, resolver, key, call.highlight)):
+            problems.append(Problem(where, "render", why))
+            reported.add((key, call.highlight))
     problems += [Problem("citations.lock", key, why) for key, why in verdicts.items() if why and key not in in_notes]
     missing = [
         Problem(c.where(project.root), c.argument, why)
@@ -114,31 +120,51 @@ def check(project: Project) -> Report:
         )
         for where, what in hand_typed_lines(code, project.root)
     ]
-    problems += _render_problems(project, resolver, problems)
+    problems += _render_problems(project, resolver, problems, broken | reported)
     problems += [Problem("citations.lock", what, why) for what, why in record_problems(project, resolver)]
     problems += [Problem(f"reading_notes/{sha_file}", "pins.toml", why) for sha_file, why in stale_sha(project)]
     checked = len(verdicts.keys() | in_notes) + malformed + len(claims)
     return Report(checked, checked - len(broken) - malformed - len(missing), problems)
 
 
-def _render_problems(project: Project, resolver: Resolver, found: list[Problem]) -> list[Problem]:
-    """The note rules of every template, then, in memory, the render of each page nothing else was reported
-    for: traces, diagrams, Jinja errors."""
+def _check_highlight(project: Project, resolver: Resolver, key: str, highlight: str) -> None:
+    """Refuse a highlight as render would: checked here for every call, since a render stops at its first."""
+    excerpt = locked_excerpt(project, resolver, key)
+    checked_highlight(str(excerpt.spec), highlight, excerpt.lines, resolver.statements_in(excerpt))
+
+
+def _past_reported(show, function: str, reported: set) -> Callable[..., str]:
+    """The renderer's global `show` (cite, upstream or default), rendering nothing for a citation, default or
+    highlight already reported, so that the render goes on to the rest of the page."""
+
+    def shown(argument: str, *more: str, highlight: str | None = None) -> str:
+        key = str(default_ref(argument, *more)) if function == "default" else str(parse_spec(argument))
+        if key in reported or (key, highlight) in reported:
+            return ""
+        return show(argument, *more, highlight=highlight) if highlight else show(argument, *more)
+
+    return shown
+
+
+def _render_problems(project: Project, resolver: Resolver, found: list[Problem], reported: set) -> list[Problem]:
+    """The note rules of every template, then, in memory, the render of every page, whatever else was found
+    (so one run reports everything): its first error (traces, diagrams, Jinja) unless that line already has
+    a problem reported."""
     renderer, problems = Renderer(project, resolver, helpers), []
+    for name in ("cite", "upstream", "default"):
+        renderer.env.globals[name] = _past_reported(renderer.env.globals[name], name, reported)
     for template in sorted(project.notes_dir.glob(TEMPLATE_GLOB)):
         problems += [
             Problem(f"{template.relative_to(project.root)}:{p.line}", "note rules", p.message)
             for p in renderer.rule_problems(template)
         ]
-    skip = {p.where.rsplit(":", 1)[0] for p in found + problems}
+    reported = {p.where for p in found + problems}
     for template, context, _ in pages(project):
-        where = str(template.relative_to(project.root))
-        if where in skip:
-            continue
         try:
-            renderer.render(template, **context)
+            renderer.render(template, rules=False, **context)
         except PinAndCiteError as exc:
             where_line, _, message = str(exc).partition(": ")
-            problems.append(Problem(where_line, "render", message))
-            skip.add(where)  # one problem per template, not one per source page
+            if where_line not in reported:  # one problem per line, not one per source page
+                problems.append(Problem(where_line, "render", message))
+                reported.add(where_line)
     return problems
