@@ -83,7 +83,7 @@ def test_bump_rewrites_only_the_line_numbers_and_moves_pin_and_lock(project, his
 
 
 def test_review_report_shows_where_and_the_old_and_new_excerpts(project, history, noted):
-    r = project.run("bump", "up", "--ref", "c2", "--dry-run")
+    r = project.run("bump", "up", "--ref", "c2", "--dry-run", "--diff")
     assert r.code == 0, r.err
     out = r.out
     assert out.splitlines()[0] == f"up: {history.c1[:12]} -> {history.c2[:12]} (c2)  [dry run: nothing written]"
@@ -103,7 +103,25 @@ def test_review_report_shows_where_and_the_old_and_new_excerpts(project, history
     assert f"changed: {MOD}::helper -> left as written: fix the note (`check` fails until then)" in out
     assert "  note: helper is gone; combine looks like it renamed" in out
     assert "  -def helper(a, b):\n  +def combine(a, b):" in out
-    assert "moved" not in out.split("\n", 2)[2]  # moved/unchanged need no review
+    assert "\nmoved: " not in out and "\nunchanged: " not in out  # moved/unchanged have no diff to review
+
+
+def test_report_opens_with_one_line_per_citation_and_shows_diffs_only_with_diff(project, history, noted):
+    r = project.run("bump", "up", "--ref", "c2", "--dry-run")
+    assert r.code == 0, r.err
+    assert r.out.split("\n\n")[1].splitlines() == [
+        f"changed   {MOD}#L17-L19 -> L20-L22  reading_notes/layers.md.j2:5",
+        f"changed   {MOD}#L25-L28 -> L28-L31  reading_notes/layers.md.j2:7",
+        f"changed   {MOD}::helper (L25-L28) -> L28-L31, left as written  reading_notes/layers.md.j2:7",
+        f"moved     {MOD}#L12-L14 -> L15-L17  reading_notes/layers.md.j2:4,6",
+        f"moved     {MOD}::Column.backward (L21-L22) -> L24-L25  reading_notes/layers.md.j2:6",
+        "unchanged up:docs/notes.txt#L2-L2 -> L2-L2  reading_notes/layers.md.j2:7",
+    ]
+    hint = "old vs new excerpts of the changed and deleted: add --diff"
+    assert "@@" not in r.out and r.out.split("\n\n")[0].splitlines()[-1] == hint
+    with_diff = project.run("bump", "up", "--ref", "c2", "--dry-run", "--diff").out
+    assert with_diff.startswith(r.out.replace(hint + "\n", ""))
+    assert with_diff.count("@@ -") == 3
 
 
 def test_dry_run_writes_nothing(project, noted):
@@ -126,11 +144,11 @@ def test_deleted_code_is_left_as_written_reported_and_unlocked(project, history)
     note = project.root / "reading_notes" / "gone.md.j2"
     note.write_text("Was: {{ cite('up:pkg/mod.py#L31-L32') }}\n")
     assert project.run("cite", "up:pkg/mod.py#L31-L32").code == 0
-    r = project.run("bump", "up", "--ref", history.c2)
+    r = project.run("bump", "up", "--ref", history.c2, "--diff")
     assert r.code == 0, r.err
     assert note.read_text() == "Was: {{ cite('up:pkg/mod.py#L31-L32') }}\n"
     assert r.out.splitlines()[1] == "1 citation(s): 0 unchanged, 0 moved, 0 changed, 1 deleted"
-    assert r.out.split("\n\n")[1].splitlines() == [
+    assert r.out.split("\n\n")[2].splitlines() == [
         "deleted: up:pkg/mod.py#L31-L32 -> left as written: fix the note (`check` fails until then)",
         "  cited at reading_notes/gone.md.j2:1",
         f"  --- pkg/mod.py#L31-L32 @ {history.c1[:12]}",
@@ -155,7 +173,7 @@ def test_citations_only_in_the_lock_are_carried_too(project, history):
     r = project.run("bump", "up", "--ref", "c2")
     assert r.code == 0, r.err
     assert sorted(json.loads(project.lock_path.read_text())["citations"]) == [f"{MOD}#L15-L17", f"{MOD}#L20-L22"]
-    assert "  cited at citations.lock" in r.out
+    assert f"changed   {MOD}#L17-L19 -> L20-L22  citations.lock" in r.out.splitlines()
     assert project.run("check").code == 0
 
 

@@ -201,9 +201,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="move a pin to a new commit and carry every citation along",
         description="Resolve REF, relocate every citation of source NAME (note templates and lock) to it, "
         "rewrite the line numbers in the templates in place, highlight= ones included (nothing "
-        "else changes), update pins.toml and the lock, and print a review report: counts per status "
-        "and, for each changed or deleted citation, where it is cited and its old vs new excerpt as "
-        "a diff; then the highlights carried, and one line per highlight a person should review. "
+        "else changes), update pins.toml and the lock, and print a review report: counts per status, "
+        "one line per citation (status, old -> new lines, where it is cited), one per changed default "
+        "and per highlight a person should review; with --diff, the old vs new excerpt of each "
+        "changed or deleted citation. "
         "The lock also records the bump (replacing the source's previous record), so `render` "
         "can show the same diffs on the site. A REF naming the pinned commit changes nothing (so a "
         "repeated bump keeps the record); two bumps of one project take turns. "
@@ -212,6 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
     bumper.add_argument("source", metavar="NAME", help="source name in pins.toml")
     bumper.add_argument("--ref", required=True, help="tag, branch or full 40-hex commit SHA to move to")
     bumper.add_argument("--dry-run", action="store_true", help="report what would change; write nothing")
+    bumper.add_argument(
+        "--diff", action="store_true", help="end the report with the old vs new excerpt of each changed or deleted"
+    )
 
     relocate = verbs.add_parser(
         "relocate",
@@ -389,7 +393,7 @@ def cmd_bump(project: Project, args) -> int:
     if args.json:
         print(json.dumps(review.json_report(planned, project.root, args.dry_run), indent=2))
     else:
-        print(_printable_lines(review.text_report(planned, project.root, args.dry_run)))
+        print(_printable_lines(review.text_report(planned, project.root, args.dry_run, args.diff)))
     return 0
 
 
