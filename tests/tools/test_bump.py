@@ -3,6 +3,7 @@ report, --dry-run and failures writing nothing."""
 
 import json
 
+import git
 import pytest
 
 from tests.tools.conftest import serve_history
@@ -248,3 +249,71 @@ def test_cite_refuses_to_relock_a_span_the_last_bump_deleted_until_told_the_clai
     deleted.write_text("The lines that followed it: {{ cite('up:pkg/mod.py#L31-L32') }}\n")
     assert project.run("cite", "--rewritten", "up:pkg/mod.py#L31-L32").code == 0
     assert project.run("check").code == 0
+
+
+@pytest.fixture
+def released(project, daemon, tmp_path):
+    """A source whose release tags name its wheel's version (core_v0.1.0 -> megatron-core==0.1.0), pinned at
+    core_v0.1.0 with constraints.txt pinning that wheel, one citation locked; c2 is also tagged core_v0.2.0."""
+    moved = "# header\n" + BASE
+    history = serve_history(
+        daemon,
+        tmp_path / "work",
+        f"released-{tmp_path.name}",
+        [{"pkg/mod.py": BASE.encode()}, {"pkg/mod.py": moved.encode()}],
+    )
+    served = git.Repo(daemon.base / f"released-{tmp_path.name}.git")
+    served.create_tag("core_v0.1.0", ref=history.c1)
+    served.create_tag("core_v0.2.0", ref=history.c2)
+    project.write_pins(
+        up={"url": history.url, "commit": history.c1, "tag": "core_v0.1.0", "distribution": "megatron-core==0.1.0"}
+    )
+    (project.root / "constraints.txt").write_text("numpy==2.0\nmegatron-core==0.1.0\ntorch==2.13.0\n")
+    assert project.run("cite", f"{MOD}#L12-L14").code == 0
+    assert project.run("check").code == 0
+    return history
+
+
+def test_bump_to_a_release_tag_moves_the_distribution_and_the_constraint_with_it(project, released):
+    r = project.run("bump", "up", "--ref", "core_v0.2.0")
+    assert r.code == 0, r.err
+    assert "distribution: megatron-core==0.1.0 -> megatron-core==0.2.0" in r.out.splitlines()
+    assert 'distribution = "megatron-core==0.2.0"' in project.pins_path.read_text()
+    assert (project.root / "constraints.txt").read_text() == "numpy==2.0\nmegatron-core==0.2.0\ntorch==2.13.0\n"
+    assert project.run("check").code == 0
+
+
+def test_a_bump_no_release_matches_leaves_the_distribution_and_check_says_the_tests_run_another_version(
+    project, released
+):
+    r = project.run("bump", "up", "--ref", "c2")
+    assert r.code == 0, r.err
+    assert (
+        "distribution: megatron-core==0.1.0 left as it was: c2 names no release; `check` fails until "
+        "bump --distribution names the one of the new pin" in r.out.splitlines()
+    )
+    assert (project.root / "constraints.txt").read_text() == "numpy==2.0\nmegatron-core==0.1.0\ntorch==2.13.0\n"
+    r = project.run("check")
+    assert r.code == 1
+    assert r.out.splitlines()[0] == (
+        "reading_notes/pins.toml: up: the upstream tests run megatron-core==0.1.0 but the notes cite "
+        f"{released.c2[:12]} (c2), which is not that release; bump with --distribution NAME==VERSION "
+        "(or none)"
+    )
+
+
+def test_bump_distribution_names_the_release_of_a_pin_no_rule_can_map(project, released):
+    r = project.run("bump", "up", "--ref", released.c2, "--distribution", "megatron-core==0.2.0")
+    assert r.code == 0, r.err
+    assert (project.root / "constraints.txt").read_text() == "numpy==2.0\nmegatron-core==0.2.0\ntorch==2.13.0\n"
+    assert project.run("check").code == 0
+
+
+def test_check_fails_when_constraints_pin_another_version_than_the_cited_release(project, released):
+    (project.root / "constraints.txt").write_text("megatron-core==0.3.0\n")
+    r = project.run("check")
+    assert r.code == 1
+    assert r.out.splitlines()[0] == (
+        "constraints.txt: up: the upstream tests run megatron-core==0.3.0 but the notes cite "
+        "megatron-core==0.1.0 (pins.toml); make them agree"
+    )

@@ -18,6 +18,7 @@ from pin_and_cite.core.locked import locked_default, locked_excerpt
 from pin_and_cite.core.notes import TEMPLATE_GLOB, written_calls
 from pin_and_cite.core.pinned_sha import stale_sha
 from pin_and_cite.core.project import Project
+from pin_and_cite.core.release import stale_distributions
 from pin_and_cite.core.resolve import Resolver
 from pin_and_cite.core.verified_by import missing_test
 from pin_and_cite.site.changes import record_problems
@@ -123,6 +124,7 @@ def check(project: Project) -> Report:
     problems += _render_problems(project, resolver, problems, broken | reported)
     problems += [Problem("citations.lock", what, why) for what, why in record_problems(project, resolver)]
     problems += [Problem(f"reading_notes/{sha_file}", "pins.toml", why) for sha_file, why in stale_sha(project)]
+    problems += [Problem(*found) for found in stale_distributions(project)]
     checked = len(verdicts.keys() | in_notes) + malformed + len(claims)
     return Report(checked, checked - len(broken) - malformed - len(missing), problems)
 

@@ -214,6 +214,11 @@ def build_parser() -> argparse.ArgumentParser:
     bumper.add_argument("--ref", required=True, help="tag, branch or full 40-hex commit SHA to move to")
     bumper.add_argument("--dry-run", action="store_true", help="report what would change; write nothing")
     bumper.add_argument(
+        "--distribution",
+        metavar="NAME==VERSION",
+        help="the wheel of the new pin's release (or none), when REF is no release tag ending in its version",
+    )
+    bumper.add_argument(
         "--diff", action="store_true", help="end the report with the old vs new excerpt of each changed or deleted"
     )
 
@@ -370,7 +375,7 @@ def cmd_check(project: Project, args) -> int:
 
 def cmd_bump(project: Project, args) -> int:
     try:
-        planned = bump.plan(project, args.source, args.ref)
+        planned = bump.plan(project, args.source, args.ref, args.distribution)
     except bump.AlreadyPinned as done:
         print(
             json.dumps(

@@ -86,6 +86,7 @@ class BumpRecord:
     files: dict[str, RecordedFile]  # path -> its blobs at both commits, for every recorded change
     changes: dict[str, RecordedChange]
     defaults: dict[str, RecordedDefault] = field(default_factory=dict)
+    distribution: str | None = None  # the wheel `NAME==VERSION` this bump set as the new pin's release
 
 
 def _bump_record(data: dict) -> BumpRecord:
@@ -103,6 +104,7 @@ def _bump_record(data: dict) -> BumpRecord:
         {k: RecordedFile(**v) for k, v in data["files"].items()},
         changes,
         {k: RecordedDefault(**v) for k, v in data.get("defaults", {}).items()},
+        data.get("distribution"),
     )
 
 
@@ -151,7 +153,7 @@ class Lock:
             data["defaults"] = {k: asdict(v) for k, v in sorted(self.defaults.items())}
         if self.bumps:
             data["bumps"] = {
-                k: {key: val for key, val in asdict(v).items() if key != "defaults" or val}
+                k: {key: val for key, val in asdict(v).items() if key not in ("defaults", "distribution") or val}
                 for k, v in self.bumps.items()
             }
         return (json.dumps(data, indent=2, sort_keys=True) + "\n").encode()

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pin_and_cite.core.lock import REVIEWED, STATUSES
+from pin_and_cite.core.release import pinned_version
 from pin_and_cite.relocation.bump import Bump
 from pin_and_cite.relocation.carried import Carried
 
@@ -110,8 +111,16 @@ def text_report(bump: Bump, root: Path, dry_run: bool, diff: bool = False) -> st
     if highlights:
         flagged = sum(1 for h in highlights if h.review)
         out.append(f"{len(highlights)} highlight(s): {len(highlights) - flagged} carried, {flagged} to review")
-    written = sorted(str(p.relative_to(root)) for p in bump.writes)
+    written = sorted(str(p.relative_to(root)) for p in {**bump.writes, **bump.constraints})
     out.append(("would write: " if dry_run else "wrote: ") + ", ".join(written))
+    old, new = bump.distribution
+    if old != new:
+        out.append(f"distribution: {old or 'none'} -> {new or 'none'}")
+    elif pinned_version(old):
+        out.append(
+            f"distribution: {old} left as it was: {bump.tag or bump.new[:12]} names no release; `check` fails "
+            "until bump --distribution names the one of the new pin"
+        )
     reviewed = [c for c in bump.citations if c.answer.status in REVIEWED]
     if reviewed and not diff:
         out.append(DIFF_HINT)
@@ -161,7 +170,8 @@ def json_report(bump: Bump, root: Path, dry_run: bool) -> dict:
         "tag": bump.tag,
         "dry_run": dry_run,
         "counts": bump.record.counts,
-        "written": [] if dry_run else sorted(str(p.relative_to(root)) for p in bump.writes),
+        "written": [] if dry_run else sorted(str(p.relative_to(root)) for p in {**bump.writes, **bump.constraints}),
+        "distribution": {"old": bump.distribution[0], "new": bump.distribution[1]},
         "citations": [
             {
                 **c.answer.as_json(str(c.spec), c.spec.path),
