@@ -45,10 +45,11 @@ class OutputFolder:
             )
         return set(listed)
 
-    def write(self, pages: dict[str, str]) -> list[Path]:
+    def write(self, pages: dict[str, str], remove_stale: bool = True) -> list[Path]:
         """Make the folder hold exactly `pages` (relative path -> Markdown) among the pages render owns:
-        write those whose text differs, remove owned pages no longer made, then record the new set. The
-        files written or removed are returned."""
+        write those whose text differs, remove owned pages no longer made (unless not `remove_stale`: a render
+        that could not make every page keeps the others as they were), then record the new set. The files
+        written or removed are returned."""
         for name in set(pages) | self.owned:
             self._refuse_outside(name)
         same = {
@@ -70,6 +71,8 @@ class OutputFolder:
         for name in sorted(set(pages) - same):
             atomic_write(self.root / name, pages[name].encode())
             changed.append(self.root / name)
+        if not remove_stale:
+            pages = {**{name: None for name in self.owned}, **pages}  # listed, neither written nor removed
         for name in sorted(self.owned - set(pages)):
             stale = self.root / name
             if stale.is_symlink() or stale.is_file():
