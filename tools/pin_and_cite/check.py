@@ -70,15 +70,15 @@ def written_key(call) -> str:
 
 
 def check(project: Project) -> Report:
-    """Verify every locked citation, every citation written in the notes (placed at its file:line), and that
-    every test a note names with verified_by() exists."""
+    """Verify every locked citation, every citation and highlight written in the notes (placed at its
+    file:line), and that every test a note names with verified_by() exists: every problem, in one run."""
     resolver = Resolver(project, allow_remote=False)
     verdicts = {key: verify_locked(project, resolver, key) for key in project.lock.citations}
     verdicts |= {
         key: _verdict(lambda k: locked_default(project, resolver, parse_key(k)), key) for key in project.lock.defaults
     }
     problems, in_notes, malformed, broken = [], set(), 0, {key for key, why in verdicts.items() if why}
-    reported = set()  # (key, highlight) of the bad highlights found
+    bad_highlights = set()  # (key, highlight) of each one reported
     written = written_calls(project.notes_dir, {"cite", "upstream", "verified_by", "default"}, resolver.parsed)
     code = code_texts(project.root)
     written += code_citations(code)  # the reference's docstrings cite upstream too
@@ -104,7 +104,7 @@ def check(project: Project) -> Report:
             broken.add(key)
         elif call.highlight and (why := _verdict(_check_highlight, project, resolver, key, call.highlight)):
             problems.append(Problem(where, "render", why))
-            reported.add((key, call.highlight))
+            bad_highlights.add((key, call.highlight))
     problems += [Problem("citations.lock", key, why) for key, why in verdicts.items() if why and key not in in_notes]
     missing = [
         Problem(c.where(project.root), c.argument, why)
@@ -121,7 +121,7 @@ def check(project: Project) -> Report:
         )
         for where, what in hand_typed_lines(code, project.root)
     ]
-    problems += _render_problems(project, resolver, problems, broken | reported)
+    problems += _render_problems(project, resolver, problems, broken | bad_highlights)
     problems += [Problem("citations.lock", what, why) for what, why in record_problems(project, resolver)]
     problems += [Problem(f"reading_notes/{sha_file}", "pins.toml", why) for sha_file, why in stale_sha(project)]
     problems += [Problem(*found) for found in stale_distributions(project)]
