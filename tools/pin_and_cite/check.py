@@ -148,13 +148,13 @@ def _past_reported(show, function: str, reported: set) -> Callable[..., str]:
     return shown
 
 
-def _render_problems(project: Project, resolver: Resolver, found: list[Problem], reported: set) -> list[Problem]:
+def _render_problems(project: Project, resolver: Resolver, found: list[Problem], skipped: set) -> list[Problem]:
     """The note rules of every template, then, in memory, the render of every page, whatever else was found
-    (so one run reports everything): its first error (traces, diagrams, Jinja) unless that line already has
-    a problem reported."""
+    (so one run reports everything), rendering nothing for the `skipped` citations and highlights: its first
+    error (traces, diagrams, Jinja) unless that line already has a problem reported."""
     renderer, problems = Renderer(project, resolver, helpers), []
     for name in ("cite", "upstream", "default"):
-        renderer.env.globals[name] = _past_reported(renderer.env.globals[name], name, reported)
+        renderer.env.globals[name] = _past_reported(renderer.env.globals[name], name, skipped)
     for template in sorted(project.notes_dir.glob(TEMPLATE_GLOB)):
         problems += [
             Problem(f"{template.relative_to(project.root)}:{p.line}", "note rules", p.message)
