@@ -3,7 +3,11 @@ report, --dry-run and failures writing nothing."""
 
 import json
 
+import git
 import pytest
+
+from tests.tools.conftest import FREE_FORM, serve_history
+from tests.tools.synthetic import BASE
 
 MOD = "up:pkg/mod.py"
 FREE_FORM = "---\r\nrules: none\r\n---\r\n"  # the page keeps no structure rules (note_rules)
@@ -81,7 +85,7 @@ def test_bump_rewrites_only_the_line_numbers_and_moves_pin_and_lock(project, his
 
 
 def test_review_report_shows_where_and_the_old_and_new_excerpts(project, history, noted):
-    r = project.run("bump", "up", "--ref", "c2", "--dry-run")
+    r = project.run("bump", "up", "--ref", "c2", "--dry-run", "--diff")
     assert r.code == 0, r.err
     out = r.out
     assert out.splitlines()[0] == f"up: {history.c1[:12]} -> {history.c2[:12]} (c2)  [dry run: nothing written]"
@@ -101,7 +105,25 @@ def test_review_report_shows_where_and_the_old_and_new_excerpts(project, history
     assert f"changed: {MOD}::helper -> left as written: fix the note (`check` fails until then)" in out
     assert "  note: helper is gone; combine looks like it renamed" in out
     assert "  -def helper(a, b):\n  +def combine(a, b):" in out
-    assert "moved" not in out.split("\n", 2)[2]  # moved/unchanged need no review
+    assert "\nmoved: " not in out and "\nunchanged: " not in out  # moved/unchanged have no diff to review
+
+
+def test_report_opens_with_one_line_per_citation_and_shows_diffs_only_with_diff(project, history, noted):
+    r = project.run("bump", "up", "--ref", "c2", "--dry-run")
+    assert r.code == 0, r.err
+    assert r.out.split("\n\n")[1].splitlines() == [
+        f"changed   {MOD}#L17-L19 -> L20-L22  reading_notes/layers.md.j2:8",
+        f"changed   {MOD}#L25-L28 -> L28-L31  reading_notes/layers.md.j2:10",
+        f"changed   {MOD}::helper (L25-L28) -> L28-L31, left as written  reading_notes/layers.md.j2:10",
+        f"moved     {MOD}#L12-L14 -> L15-L17  reading_notes/layers.md.j2:7,9",
+        f"moved     {MOD}::Column.backward (L21-L22) -> L24-L25  reading_notes/layers.md.j2:9",
+        "unchanged up:docs/notes.txt#L2-L2 -> L2-L2  reading_notes/layers.md.j2:10",
+    ]
+    hint = "old vs new excerpts of the changed and deleted: add --diff"
+    assert "@@" not in r.out and r.out.split("\n\n")[0].splitlines()[-1] == hint
+    with_diff = project.run("bump", "up", "--ref", "c2", "--dry-run", "--diff").out
+    assert with_diff.startswith(r.out.replace(hint + "\n", ""))
+    assert with_diff.count("@@ -") == 3
 
 
 def test_dry_run_writes_nothing(project, noted):
@@ -124,11 +146,11 @@ def test_deleted_code_is_left_as_written_reported_and_unlocked(project, history)
     note = project.root / "reading_notes" / "gone.md.j2"
     note.write_text(FREE_FORM + "Was: {{ cite('up:pkg/mod.py#L31-L32') }}\n")
     assert project.run("cite", "up:pkg/mod.py#L31-L32").code == 0
-    r = project.run("bump", "up", "--ref", history.c2)
+    r = project.run("bump", "up", "--ref", history.c2, "--diff")
     assert r.code == 0, r.err
     assert note.read_bytes().decode() == FREE_FORM + "Was: {{ cite('up:pkg/mod.py#L31-L32') }}\n"
     assert r.out.splitlines()[1] == "1 citation(s): 0 unchanged, 0 moved, 0 changed, 1 deleted"
-    assert r.out.split("\n\n")[1].splitlines() == [
+    assert r.out.split("\n\n")[2].splitlines() == [
         "deleted: up:pkg/mod.py#L31-L32 -> left as written: fix the note (`check` fails until then)",
         "  cited at reading_notes/gone.md.j2:4",
         f"  --- pkg/mod.py#L31-L32 @ {history.c1[:12]}",
@@ -153,7 +175,7 @@ def test_citations_only_in_the_lock_are_carried_too(project, history):
     r = project.run("bump", "up", "--ref", "c2")
     assert r.code == 0, r.err
     assert sorted(json.loads(project.lock_path.read_text())["citations"]) == [f"{MOD}#L15-L17", f"{MOD}#L20-L22"]
-    assert "  cited at citations.lock" in r.out
+    assert f"changed   {MOD}#L17-L19 -> L20-L22  citations.lock" in r.out.splitlines()
     assert project.run("check").code == 0
 
 
@@ -184,3 +206,115 @@ def test_bump_carries_docstring_citations_and_check_names_one_whose_symbol_was_r
         f"reference/mod.py:6: {MOD}::helper: not in the lock; run `tools/pin-and-cite cite` on it",
         "1 citation(s) ok, 1 broken",
     ]
+
+
+@pytest.fixture
+def deleted(project, daemon, tmp_path):
+    """A note citing `other` (pkg/mod.py#L31-L32), bumped c1 -> c2, where `other` is deleted and lines 31-32 hold
+    unrelated code: re-locking the same span would put that code under the prose about `other`."""
+    gone = BASE.replace("def other(a):\n    return a\n", "NAMES = ('x', 'y')\nSIZES = {}\n")
+    history = serve_history(
+        daemon,
+        tmp_path / "work",
+        f"deleted-{tmp_path.name}",
+        [{"pkg/mod.py": BASE.encode()}, {"pkg/mod.py": gone.encode()}],
+    )
+    project.write_pins(up={"url": history.url, "commit": history.c1, "tag": "c1"})
+    note = project.root / "reading_notes" / "gone.md.j2"
+    note.write_text(FREE_FORM + "`other` returns its argument: {{ cite('up:pkg/mod.py#L31-L32') }}\n")
+    assert project.run("cite", "up:pkg/mod.py#L31-L32").code == 0
+    r = project.run("bump", "up", "--ref", "c2")
+    assert r.code == 0, r.err
+    assert r.out.splitlines()[1] == "1 citation(s): 0 unchanged, 0 moved, 0 changed, 1 deleted"
+    return note
+
+
+def test_check_names_a_citation_the_bump_deleted_and_says_to_rewrite_the_claim(project, deleted):
+    r = project.run("check")
+    assert r.code == 1
+    assert r.out.splitlines()[0] == (
+        "reading_notes/gone.md.j2:4: up:pkg/mod.py#L31-L32: deleted by the bump to c2: rewrite the claim, then cite"
+    )
+
+
+def test_cite_refuses_to_relock_a_span_the_last_bump_deleted_until_told_the_claim_was_rewritten(project, deleted):
+    before = project.lock_path.read_bytes()
+    r = project.run("cite", "up:pkg/mod.py#L31-L32")
+    assert r.code == 2 and r.err.count("\n") == 1
+    assert r.err == (
+        "pin-and-cite: error: up:pkg/mod.py#L31-L32: the bump to c2 deleted the code it cited, so the prose "
+        "around it describes code that is gone: rewrite the claim, then `cite --rewritten` it\n"
+    )
+    assert project.lock_path.read_bytes() == before
+    assert project.run("cite", "--no-lock", "up:pkg/mod.py#L31-L32").code == 0  # reading is still allowed
+    deleted.write_text(FREE_FORM + "The lines that followed it: {{ cite('up:pkg/mod.py#L31-L32') }}\n")
+    assert project.run("cite", "--rewritten", "up:pkg/mod.py#L31-L32").code == 0
+    assert project.run("check").code == 0
+
+
+@pytest.fixture
+def released(project, daemon, tmp_path):
+    """A source whose release tags name its wheel's version (core_v0.1.0 -> megatron-core==0.1.0), pinned at
+    core_v0.1.0 with constraints.txt pinning that wheel, one citation locked; c2 is also tagged core_v0.2.0."""
+    moved = "# header\n" + BASE
+    history = serve_history(
+        daemon,
+        tmp_path / "work",
+        f"released-{tmp_path.name}",
+        [{"pkg/mod.py": BASE.encode()}, {"pkg/mod.py": moved.encode()}],
+    )
+    served = git.Repo(daemon.base / f"released-{tmp_path.name}.git")
+    served.create_tag("core_v0.1.0", ref=history.c1)
+    served.create_tag("core_v0.2.0", ref=history.c2)
+    project.write_pins(
+        up={"url": history.url, "commit": history.c1, "tag": "core_v0.1.0", "distribution": "megatron-core==0.1.0"}
+    )
+    (project.root / "constraints.txt").write_text("numpy==2.0\nmegatron-core==0.1.0\ntorch==2.13.0\n")
+    assert project.run("cite", f"{MOD}#L12-L14").code == 0
+    assert project.run("check").code == 0
+    return history
+
+
+def test_bump_to_a_release_tag_moves_the_distribution_and_the_constraint_with_it(project, released):
+    r = project.run("bump", "up", "--ref", "core_v0.2.0")
+    assert r.code == 0, r.err
+    assert "distribution: megatron-core==0.1.0 -> megatron-core==0.2.0" in r.out.splitlines()
+    assert 'distribution = "megatron-core==0.2.0"' in project.pins_path.read_text()
+    assert (project.root / "constraints.txt").read_text() == "numpy==2.0\nmegatron-core==0.2.0\ntorch==2.13.0\n"
+    assert project.run("check").code == 0
+
+
+def test_a_bump_no_release_matches_leaves_the_distribution_and_check_says_the_tests_run_another_version(
+    project, released
+):
+    r = project.run("bump", "up", "--ref", "c2")
+    assert r.code == 0, r.err
+    assert (
+        "distribution: megatron-core==0.1.0 left as it was: c2 names no release; `check` fails until "
+        "bump --distribution names the one of the new pin" in r.out.splitlines()
+    )
+    assert (project.root / "constraints.txt").read_text() == "numpy==2.0\nmegatron-core==0.1.0\ntorch==2.13.0\n"
+    r = project.run("check")
+    assert r.code == 1
+    assert r.out.splitlines()[0] == (
+        "reading_notes/pins.toml: up: the upstream tests run megatron-core==0.1.0 but the notes cite "
+        f"{released.c2[:12]} (c2), which is not that release; bump with --distribution NAME==VERSION "
+        "(or none)"
+    )
+
+
+def test_bump_distribution_names_the_release_of_a_pin_no_rule_can_map(project, released):
+    r = project.run("bump", "up", "--ref", released.c2, "--distribution", "megatron-core==0.2.0")
+    assert r.code == 0, r.err
+    assert (project.root / "constraints.txt").read_text() == "numpy==2.0\nmegatron-core==0.2.0\ntorch==2.13.0\n"
+    assert project.run("check").code == 0
+
+
+def test_check_fails_when_constraints_pin_another_version_than_the_cited_release(project, released):
+    (project.root / "constraints.txt").write_text("megatron-core==0.3.0\n")
+    r = project.run("check")
+    assert r.code == 1
+    assert r.out.splitlines()[0] == (
+        "constraints.txt: up: the upstream tests run megatron-core==0.3.0 but the notes cite "
+        "megatron-core==0.1.0 (pins.toml); make them agree"
+    )

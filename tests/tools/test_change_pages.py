@@ -250,3 +250,30 @@ def test_without_a_bump_the_index_says_none_is_recorded(project):
     assert project.run("render").code == 0
     assert pages(project) == {"index.md": pages(project)["index.md"]}
     assert pages(project)["index.md"].startswith("# Changes between pins\n\nNo bump is recorded in ")
+
+
+def test_render_writes_the_change_pages_while_a_bump_left_a_note_broken_and_refuses_only_that_note(tmp_path, abc):
+    """Before a person fixes the deleted citation: render exits 2 naming it, keeps the note's previous page,
+    and writes the change pages (the review the fix needs) and the notes that do render."""
+    url, commits, _ = abc
+    project = ProjectDir(tmp_path / "project", tmp_path / "cache")
+    project.write_pins(up={"url": WEB + ".git", "commit": commits["A"], "tag": "A"})
+    notes = project.root / "reading_notes"
+    (notes / "layers.md.j2").write_text(NOTE)
+    (notes / "also.md.j2").write_text(OTHER_NOTE)
+    specs = [f"{MOD}#L5-L6", f"{MOD}#L12-L14", f"{MOD}#L17-L19", f"{MOD}::helper", f"up:{KEEP}#L1-L2", f"{MOD}#L31-L32"]
+    assert project.run("cite", *specs, "--url", f"up={url}").code == 0
+    assert project.run("render").code == 0
+    out = project.root / "docs" / "notes"
+    before = (out / "layers.md").read_text()
+    assert project.run("bump", "up", "--ref", "B", "--url", f"up={url}").code == 0
+    r = project.run("render")
+    assert r.code == 2 and r.err.count("\n") == 1
+    assert r.err == (
+        f"pin-and-cite: error: reading_notes/layers.md.j2:11: {MOD}#L31-L32 was deleted by the bump to B: rewrite "
+        "the claim, then cite; that page was left as it was, the others rendered\n"
+    )
+    assert (out / "layers.md").read_text() == before
+    assert "L20-L22" in (out / "also.md").read_text()  # the other note renders at the new pin
+    assert (out / "changes" / page_name(f"{MOD}#L31-L32")).read_text().startswith("# deleted: pkg/mod.py L31–L32\n")
+    assert "| deleted |" in (out / "changes" / "index.md").read_text()

@@ -42,7 +42,8 @@ def test_a_template_that_includes_itself_is_one_line(project):
     (project.root / "reading_notes" / "loop.md.j2").write_text(FREE_FORM + '# Loop\n\n{% include "loop.md.j2" %}\n')
     err = one_line(project.run("render", "--out", "out"), 2)
     assert err == (
-        "pin-and-cite: error: reading_notes/loop.md.j2:6: templates include or extend each other without end\n"
+        "pin-and-cite: error: reading_notes/loop.md.j2:6: templates include or extend each other without end; "
+        "that page was left as it was, the others rendered\n"
     )
 
 

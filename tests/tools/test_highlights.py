@@ -209,6 +209,34 @@ def test_check_reports_a_highlight_that_cuts_a_statement(project, ops):
     )
 
 
+def test_check_reports_every_problem_in_one_run_rules_highlights_and_renders_alike(project, ops):
+    """A note breaking its rules, with two bad highlights and a diagram without a trace: one `check` names all
+    four, not the highlights only once the rules pass."""
+    url, commits = ops
+    project.write_pins(up={"url": url, "commit": commits["v1"]})
+    assert project.run("cite", f"{MOD}::Layer.forward", f"{MOD}#L5-L13").code == 0
+    (project.root / "reading_notes" / "a.md.j2").write_text(
+        "---\nrules: close-reading\n---\n# A\n\n"
+        "{{ cite('" + MOD + "::Layer.forward', highlight='L19-L21') }}\n"
+        "{{ cite('" + MOD + "#L5-L13', highlight='L8-L9') }}\n"
+        "{{ diagram('tp_block', link='NVLink') }}\n"
+    )
+    r = project.run("check")
+    assert r.code == 1
+    problems = sorted(r.out.splitlines()[:-1], key=lambda p: int(p.split(":")[1]))
+    assert [p.split(": ")[0] for p in problems] == [
+        "reading_notes/a.md.j2:1",  # note rules: too few design choices
+        "reading_notes/a.md.j2:6",
+        "reading_notes/a.md.j2:7",
+        "reading_notes/a.md.j2:8",
+        "reading_notes/a.md.j2:9",  # note rules: no "Connect the dots"
+    ], r.out
+    assert r.out.splitlines()[-1] == "2 citation(s) ok, 5 broken"
+    assert "highlight L19-L21 must start on a statement's first line" in problems[1]
+    assert "highlight L8-L9 must" in problems[2]
+    assert "no recorded trace 'tp_block'" in problems[3]
+
+
 def test_bump_carries_each_highlight_with_its_citation(project, ops, noted):
     url, commits = ops
     r = project.run("bump", "up", "--ref", "v2", "--json")

@@ -6,16 +6,19 @@ that each recorded bump's excerpts still hash as its record says (pin_and_cite.s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pin_and_cite.core.citation import parse_spec
 from pin_and_cite.core.code_citations import code_citations, code_texts, hand_typed_lines
 from pin_and_cite.core.defaults import default_ref, parse_key
 from pin_and_cite.core.errors import PinAndCiteError
+from pin_and_cite.core.highlights import checked_highlight
 from pin_and_cite.core.locked import locked_default, locked_excerpt
 from pin_and_cite.core.notes import TEMPLATE_GLOB, written_calls
 from pin_and_cite.core.pinned_sha import stale_sha
 from pin_and_cite.core.project import Project
+from pin_and_cite.core.release import stale_distributions
 from pin_and_cite.core.resolve import Resolver
 from pin_and_cite.core.verified_by import missing_test
 from pin_and_cite.site.changes import record_problems
@@ -67,14 +70,15 @@ def written_key(call) -> str:
 
 
 def check(project: Project) -> Report:
-    """Verify every locked citation, every citation written in the notes (placed at its file:line), and that
-    every test a note names with verified_by() exists."""
+    """Verify every locked citation, every citation and highlight written in the notes (placed at its
+    file:line), and that every test a note names with verified_by() exists: every problem, in one run."""
     resolver = Resolver(project, allow_remote=False)
     verdicts = {key: verify_locked(project, resolver, key) for key in project.lock.citations}
     verdicts |= {
         key: _verdict(lambda k: locked_default(project, resolver, parse_key(k)), key) for key in project.lock.defaults
     }
     problems, in_notes, malformed, broken = [], set(), 0, {key for key, why in verdicts.items() if why}
+    bad_highlights = set()  # (key, highlight) of each one reported
     written = written_calls(project.notes_dir, {"cite", "upstream", "verified_by", "default"}, resolver.parsed)
     code = code_texts(project.root)
     written += code_citations(code)  # the reference's docstrings cite upstream too
@@ -89,10 +93,18 @@ def check(project: Project) -> Report:
             continue
         in_notes.add(key)
         how = f"cite --default {call.more[0]} {call.argument}" if call.function == "default" else "cite"
-        why = verdicts.get(key, f"not in the lock; run `tools/pin-and-cite {how}` on it")
+        if key in verdicts:
+            why = verdicts[key]
+        elif bump := project.lock.deleted_by_bump(key):
+            why = f"deleted by the bump to {bump}: rewrite the claim, then cite"
+        else:
+            why = f"not in the lock; run `tools/pin-and-cite {how}` on it"
         if why:
             problems.append(Problem(where, key, why))
             broken.add(key)
+        elif call.highlight and (why := _verdict(_check_highlight, project, resolver, key, call.highlight)):
+            problems.append(Problem(where, "render", why))
+            bad_highlights.add((key, call.highlight))
     problems += [Problem("citations.lock", key, why) for key, why in verdicts.items() if why and key not in in_notes]
     missing = [
         Problem(c.where(project.root), c.argument, why)
@@ -109,31 +121,52 @@ def check(project: Project) -> Report:
         )
         for where, what in hand_typed_lines(code, project.root)
     ]
-    problems += _render_problems(project, resolver, problems)
+    problems += _render_problems(project, resolver, problems, broken | bad_highlights)
     problems += [Problem("citations.lock", what, why) for what, why in record_problems(project, resolver)]
     problems += [Problem(f"reading_notes/{sha_file}", "pins.toml", why) for sha_file, why in stale_sha(project)]
+    problems += [Problem(*found) for found in stale_distributions(project)]
     checked = len(verdicts.keys() | in_notes) + malformed + len(claims)
     return Report(checked, checked - len(broken) - malformed - len(missing), problems)
 
 
-def _render_problems(project: Project, resolver: Resolver, found: list[Problem]) -> list[Problem]:
-    """The note rules of every template, then, in memory, the render of each page nothing else was reported
-    for: traces, diagrams, Jinja errors."""
+def _check_highlight(project: Project, resolver: Resolver, key: str, highlight: str) -> None:
+    """Refuse a highlight as render would: checked here for every call, since a render stops at its first."""
+    excerpt = locked_excerpt(project, resolver, key)
+    checked_highlight(str(excerpt.spec), highlight, excerpt.lines, resolver.statements_in(excerpt))
+
+
+def _past_reported(show, function: str, reported: set) -> Callable[..., str]:
+    """The renderer's global `show` (cite, upstream or default), rendering nothing for a citation, default or
+    highlight already reported, so that the render goes on to the rest of the page."""
+
+    def shown(argument: str, *more: str, highlight: str | None = None) -> str:
+        key = str(default_ref(argument, *more)) if function == "default" else str(parse_spec(argument))
+        if key in reported or (key, highlight) in reported:
+            return ""
+        return show(argument, *more, highlight=highlight) if highlight else show(argument, *more)
+
+    return shown
+
+
+def _render_problems(project: Project, resolver: Resolver, found: list[Problem], skipped: set) -> list[Problem]:
+    """The note rules of every template, then, in memory, the render of every page, whatever else was found
+    (so one run reports everything), rendering nothing for the `skipped` citations and highlights: its first
+    error (traces, diagrams, Jinja) unless that line already has a problem reported."""
     renderer, problems = Renderer(project, resolver, helpers), []
+    for name in ("cite", "upstream", "default"):
+        renderer.env.globals[name] = _past_reported(renderer.env.globals[name], name, skipped)
     for template in sorted(project.notes_dir.glob(TEMPLATE_GLOB)):
         problems += [
             Problem(f"{template.relative_to(project.root)}:{p.line}", "note rules", p.message)
             for p in renderer.rule_problems(template)
         ]
-    skip = {p.where.rsplit(":", 1)[0] for p in found + problems}
+    reported = {p.where for p in found + problems}
     for template, context, _ in pages(project):
-        where = str(template.relative_to(project.root))
-        if where in skip:
-            continue
         try:
-            renderer.render(template, **context)
+            renderer.render(template, rules=False, **context)
         except PinAndCiteError as exc:
             where_line, _, message = str(exc).partition(": ")
-            problems.append(Problem(where_line, "render", message))
-            skip.add(where)  # one problem per template, not one per source page
+            if where_line not in reported:  # one problem per line, not one per source page
+                problems.append(Problem(where_line, "render", message))
+                reported.add(where_line)
     return problems

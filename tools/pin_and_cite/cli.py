@@ -165,6 +165,11 @@ def build_parser() -> argparse.ArgumentParser:
         "a function's signature or a dataclass field), for the notes' default(CITATION, PARAM)",
     )
     cite.add_argument(
+        "--rewritten",
+        action="store_true",
+        help="lock a span the source's last bump deleted: the note's claim was rewritten for the code there now",
+    )
+    cite.add_argument(
         "--trust-distribution",
         action="store_true",
         help="learn a new file's blob SHA from the installed distribution named in pins.toml instead "
@@ -220,9 +225,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="move a pin to a new commit and carry every citation along",
         description="Resolve REF, relocate every citation of source NAME (note templates and lock) to it, "
         "rewrite the line numbers in the templates in place, highlight= ones included (nothing "
-        "else changes), update pins.toml and the lock, and print a review report: counts per status "
-        "and, for each changed or deleted citation, where it is cited and its old vs new excerpt as "
-        "a diff; then the highlights carried, and one line per highlight a person should review. "
+        "else changes), update pins.toml and the lock, and print a review report: counts per status, "
+        "one line per citation (status, old -> new lines, where it is cited), one per changed default "
+        "and per highlight a person should review; with --diff, the old vs new excerpt of each "
+        "changed or deleted citation. "
         "The lock also records the bump (replacing the source's previous record), so `render` "
         "can show the same diffs on the site. A REF naming the pinned commit changes nothing (so a "
         "repeated bump keeps the record); two bumps of one project take turns. "
@@ -231,6 +237,14 @@ def build_parser() -> argparse.ArgumentParser:
     bumper.add_argument("source", metavar="NAME", help="source name in pins.toml")
     bumper.add_argument("--ref", required=True, help="tag, branch or full 40-hex commit SHA to move to")
     bumper.add_argument("--dry-run", action="store_true", help="report what would change; write nothing")
+    bumper.add_argument(
+        "--distribution",
+        metavar="NAME==VERSION",
+        help="the wheel of the new pin's release (or none), when REF is no release tag ending in its version",
+    )
+    bumper.add_argument(
+        "--diff", action="store_true", help="end the report with the old vs new excerpt of each changed or deleted"
+    )
 
     relocate = verbs.add_parser(
         "relocate",
@@ -317,6 +331,12 @@ def cmd_cite(project: Project, args) -> int:
     if args.default:
         return cmd_cite_default(project, args)
     specs = [parse_spec(text) for text in args.specs]  # refuse any malformed spec before work
+    for spec in [] if args.no_lock or args.rewritten else specs:
+        if bump := project.lock.deleted_by_bump(str(spec)):
+            raise PinAndCiteError(
+                f"{spec}: the bump to {bump} deleted the code it cited, so the prose around it describes code "
+                "that is gone: rewrite the claim, then `cite --rewritten` it"
+            )
     resolver = Resolver(project, trust_distribution=args.trust_distribution)
     excerpts = []
     for spec in specs:
@@ -389,7 +409,7 @@ def cmd_check(project: Project, args) -> int:
 
 def cmd_bump(project: Project, args) -> int:
     try:
-        planned = bump.plan(project, args.source, args.ref)
+        planned = bump.plan(project, args.source, args.ref, args.distribution)
     except bump.AlreadyPinned as done:
         print(
             json.dumps(
@@ -412,7 +432,7 @@ def cmd_bump(project: Project, args) -> int:
     if args.json:
         print(json.dumps(review.json_report(planned, project.root, args.dry_run), indent=2))
     else:
-        print(_printable_lines(review.text_report(planned, project.root, args.dry_run)))
+        print(_printable_lines(review.text_report(planned, project.root, args.dry_run, args.diff)))
     return 0
 
 

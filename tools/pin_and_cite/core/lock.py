@@ -86,6 +86,7 @@ class BumpRecord:
     files: dict[str, RecordedFile]  # path -> its blobs at both commits, for every recorded change
     changes: dict[str, RecordedChange]
     defaults: dict[str, RecordedDefault] = field(default_factory=dict)
+    distribution: str | None = None  # the wheel `NAME==VERSION` this bump set as the new pin's release
 
 
 def _bump_record(data: dict) -> BumpRecord:
@@ -103,6 +104,7 @@ def _bump_record(data: dict) -> BumpRecord:
         {k: RecordedFile(**v) for k, v in data["files"].items()},
         changes,
         {k: RecordedDefault(**v) for k, v in data.get("defaults", {}).items()},
+        data.get("distribution"),
     )
 
 
@@ -151,10 +153,19 @@ class Lock:
             data["defaults"] = {k: asdict(v) for k, v in sorted(self.defaults.items())}
         if self.bumps:
             data["bumps"] = {
-                k: {key: val for key, val in asdict(v).items() if key != "defaults" or val}
+                k: {key: val for key, val in asdict(v).items() if key not in ("defaults", "distribution") or val}
                 for k, v in self.bumps.items()
             }
         return (json.dumps(data, indent=2, sort_keys=True) + "\n").encode()
+
+    def deleted_by_bump(self, key: str) -> str | None:
+        """The tag (else commit) of the latest bump of `key`'s source when it deleted the code `key` cites: the
+        same lines at the new pin hold other code, so re-locking them would put it under prose about the old."""
+        record = self.bumps.get(key.split(":", 1)[0])
+        change = record.changes.get(key) if record else None
+        if change is None or change.status != "deleted":
+            return None
+        return record.tag or record.new_commit[:12]
 
     def blobs(self) -> list[tuple[str, str, str]]:
         """(source, path, blob) of every file that `fetch` must make available: each locked file, then each

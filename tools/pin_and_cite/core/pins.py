@@ -112,3 +112,17 @@ class Pins:
         self.sources[name] = self._source(name, table)
         self._text = tomlkit.dumps(doc)
         return self._text.encode()
+
+    def with_distribution(self, name: str, distribution: str | None) -> bytes:
+        """Set (None: remove) a source's distribution in memory and return the new pins.toml, unwritten."""
+        import tomlkit
+
+        doc = tomlkit.parse(self._text)
+        table = doc["sources"][name]
+        if distribution:
+            table["distribution"] = distribution
+        elif "distribution" in table:
+            del table["distribution"]
+        self.sources[name] = self._source(name, table)
+        self._text = tomlkit.dumps(doc)
+        return self._text.encode()

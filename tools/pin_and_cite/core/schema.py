@@ -71,6 +71,7 @@ BUMP_RECORD = _record(
     files=_map_of(RECORDED_FILE),
     changes=_map_of(RECORDED_CHANGE),
     defaults=_map_of(RECORDED_DEFAULT),
+    distribution={"type": "string"},
 )
 PARAMETER_DEFAULT = _record(["value", "line"], value={"type": "string"}, line={"type": "integer", "minimum": 1})
 

@@ -15,6 +15,9 @@ The lock also gets the source's bump record (lock.BumpRecord, replacing the one 
 changed or deleted citation its old and new lines, text hashes and where the notes cite it, and the blobs of
 its file at both commits, so the site can show the same diffs later (pin_and_cite.site.changes).
 
+The source's wheel follows the pin (pin_and_cite.core.release): a release tag moves pins.toml's `distribution`
+and constraints.txt's line with it; `--distribution` names it for a pin no tag maps.
+
 Locked parameter defaults (pin_and_cite.core.defaults) are read again at the new commit: the lock follows the new
 text, and every default whose text changed, or that is gone, is recorded and reported, since the prose around
 it may now be wrong. A default that is gone leaves the lock, so `check` fails on its note until a person fixes it.
@@ -28,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pin_and_cite.core import symbols
+from pin_and_cite.core.atomic import atomic_write
 from pin_and_cite.core.citation import Spec, parse_spec
 from pin_and_cite.core.code_citations import code_citations, code_texts
 from pin_and_cite.core.defaults import DefaultRef, parse_key
@@ -45,6 +49,7 @@ from pin_and_cite.core.lock import (
 )
 from pin_and_cite.core.notes import rewrite_arguments, written_calls
 from pin_and_cite.core.project import Project
+from pin_and_cite.core.release import CONSTRAINTS, pinned_version, released, with_constraint
 from pin_and_cite.core.resolve import Resolver, cited_text, text_sha256
 from pin_and_cite.relocation import bump_highlights
 from pin_and_cite.relocation.carried import Carried
@@ -69,7 +74,9 @@ class Bump:
     tag: str | None
     citations: list[Carried]
     record: BumpRecord
-    writes: dict[Path, bytes]
+    writes: dict[Path, bytes]  # in the notes folder: written together (journal.write_all)
+    distribution: tuple[str | None, str | None]  # the source's wheel before and after
+    constraints: dict[Path, bytes]  # constraints.txt pinning the new wheel, written right after
 
 
 def _citations_of(project: Project, name: str) -> dict[str, Carried]:
@@ -102,8 +109,22 @@ def _new_argument(argument: str, old: Spec, new: Spec) -> str:
     return re.sub(r"#L\d+(?:-L\d+)?(?=\s*$)", anchor, argument)
 
 
-def plan(project: Project, name: str, ref: str) -> Bump:
+def _new_distribution(source, tag: str | None, asked: str | None) -> str | None:
+    """The wheel of the new pin: `asked` (`none`: no wheel), else the release the new tag names
+    (pin_and_cite.core.release), else the old one, left for `check` to refuse."""
+    if asked is None:
+        return released(source.distribution, tag) or source.distribution
+    if asked == "none":
+        return None
+    if pinned_version(asked) is None:
+        raise PinAndCiteError(f"--distribution takes NAME==VERSION or none, not {asked!r}")
+    return asked
+
+
+def plan(project: Project, name: str, ref: str, distribution: str | None = None) -> Bump:
     source = project.pins.get(name)
+    if distribution is not None:
+        _new_distribution(source, None, distribution)  # refuse a malformed one before any work
     remote = project.remote(source)
     new = remote.resolve_ref(ref)
     old = source.commit
@@ -144,6 +165,9 @@ def plan(project: Project, name: str, ref: str) -> Bump:
 
     tag = None if is_full_sha(ref) else ref
     pins_bytes = project.pins.with_commit(name, source.url, new, tag)  # from here on, resolving means at `new`
+    wheel = _new_distribution(source, tag, distribution)
+    if wheel != source.distribution:
+        pins_bytes = project.pins.with_distribution(name, wheel)
     resolver = Resolver(project)
     for table in (project.lock.citations, project.lock.files):
         for key in [k for k in table if k.startswith(f"{name}:")]:
@@ -160,6 +184,7 @@ def plan(project: Project, name: str, ref: str) -> Bump:
     blobs.update({(new, path): blob for path, blob in relocated.elsewhere.blobs.items()})
     record = project.lock.bumps[name] = _record(project.root, carried, old, new, tag, blobs)
     record.defaults = changed_defaults
+    record.distribution = wheel if wheel != source.distribution or distribution else None
     return Bump(
         name,
         old,
@@ -168,7 +193,19 @@ def plan(project: Project, name: str, ref: str) -> Bump:
         carried,
         record,
         {project.pins.path: pins_bytes, **_templates(carried), project.lock.path: project.lock.dumps()},
+        (source.distribution, wheel),
+        _constraints(project, source.distribution, wheel),
     )
+
+
+def _constraints(project: Project, old: str | None, new: str | None) -> dict[Path, bytes]:
+    """constraints.txt (when present) pinning the new wheel where it pinned the old one."""
+    path = project.root / CONSTRAINTS
+    if not (old and new and old != new and pinned_version(old) and path.is_file()):
+        return {}
+    text = path.read_text()
+    changed = with_constraint(text, old, new)
+    return {path: changed.encode()} if changed != text else {}
 
 
 def _carry(c: Carried, resolver: Resolver, relocated: Relocated, old: str) -> None:
@@ -250,4 +287,8 @@ def _templates(carried: list[Carried]) -> dict[Path, bytes]:
 
 
 def apply(bump: Bump, notes_dir: Path) -> None:
+    """The notes folder's files together; then constraints.txt, outside it, atomically (killed in between,
+    `check` says the constraint and pins.toml name different wheels)."""
     write_all(bump.writes, notes_dir)
+    for path, data in bump.constraints.items():
+        atomic_write(path, data)

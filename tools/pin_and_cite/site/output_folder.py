@@ -46,16 +46,17 @@ class OutputFolder:
             )
         return set(listed)
 
-    def write(self, pages: dict[str, str]) -> list[Path]:
+    def write(self, pages: dict[str, str], remove_stale: bool = True) -> list[Path]:
         """Make the folder hold exactly `pages` (relative path -> Markdown) among the pages render owns:
-        write those whose text differs, remove owned pages no longer made, then record the new set. The
-        files written or removed are returned. Renders into one folder take turns (a lock on the folder
-        itself), and the manifest lists every page before it is written, so a killed render's pages are
-        render's own to the next one."""
+        write those whose text differs, remove owned pages no longer made (unless not `remove_stale`: a render
+        that could not make every page keeps the others as they were), then record the new set. The files
+        written or removed are returned. Renders into one folder take turns (a lock on the folder itself), and
+        the manifest lists every page before it is written, so a killed render's pages are render's own to the
+        next one."""
         with _locked_folder(self.root):
-            return self._write(pages)
+            return self._write(pages, remove_stale)
 
-    def _write(self, pages: dict[str, str]) -> list[Path]:
+    def _write(self, pages: dict[str, str], remove_stale: bool) -> list[Path]:
         adopt_legacy_pages = self.adopt_legacy_pages and not self.manifest.exists()
         owned = self._load_manifest()
         for name in set(pages) | owned:
@@ -81,6 +82,8 @@ class OutputFolder:
         for name in sorted(set(pages) - same):
             atomic_write(self.root / name, pages[name].encode())
             changed.append(self.root / name)
+        if not remove_stale:
+            pages = {**dict.fromkeys(owned), **pages}  # listed, neither written nor removed
         for name in sorted(owned - set(pages)):
             stale = self.root / name
             if stale.is_symlink() or stale.is_file():

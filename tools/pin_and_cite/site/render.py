@@ -138,6 +138,8 @@ class Renderer:
 
     def excerpt(self, spec_text: str) -> Excerpt:
         key = str(parse_spec(spec_text))
+        if key not in self.project.lock.citations and (bump := self.project.lock.deleted_by_bump(key)):
+            raise PinAndCiteError(f"{key} was deleted by the bump to {bump}: rewrite the claim, then cite")
         if key not in self.project.lock.citations:
             raise PinAndCiteError(f"{key} is not in the lock; run `tools/pin-and-cite cite` on it")
         try:
@@ -225,9 +227,10 @@ class Renderer:
             self._rules[template] = check_note(template, self.project.root, self.resolver.parsed)
         return self._rules[template]
 
-    def render(self, template: Path, **context) -> str:
+    def render(self, template: Path, rules: bool = True, **context) -> str:
+        """The page; refused when the note breaks its rules, unless `rules` is False (check reports them)."""
         name = template.relative_to(self.project.notes_dir).as_posix()
-        problems = self.rule_problems(template)
+        problems = self.rule_problems(template) if rules else []
         if problems:
             raise PinAndCiteError(f"{self._where(template, problems[0].line)}: {problems[0].message}")
         try:
@@ -277,17 +280,26 @@ def render_notes(root: Path, out_dir: Path, helpers: Helpers | None = None) -> l
     """Render every note template into `out_dir` (NAME.md.j2 -> NAME.md), the source pages, the page of each
     test file whose tests a note cites (tests/) and the change pages, with the site's `helpers`; return the
     files that changed (stale pages render wrote, say of a replaced bump record, are removed, with their
-    emptied folders: pin_and_cite.site.output_folder)."""
+    emptied folders: pin_and_cite.site.output_folder). A page that does not render (a note a bump broke) is
+    refused and left as it was, and nothing is removed, but every other page is written, so the change pages
+    that say what to fix are there to read; then the first refusal is raised."""
     project = Project(root)
     renderer = Renderer(project, helpers=helpers)
-    rendered = {}
+    rendered, broken = {}, []
     for template, context, page in pages(project):
         renderer.page = page
-        rendered[out_dir / page] = renderer.render(template, **context)
+        try:
+            rendered[out_dir / page] = renderer.render(template, **context)
+        except PinAndCiteError as exc:  # its page stays as it was; the others, change pages first, still render
+            broken.append(str(exc))
     rendered.update({out_dir / page: text for page, text in evidence_pages(root, renderer.cited_tests).items()})
     rendered.update(change_pages(project, renderer.resolver, out_dir))
     site_folder = out_dir.resolve() == (project.root / SITE_NOTES).resolve()
     written = OutputFolder(out_dir, adopt_legacy_pages=site_folder).write(
-        {path.relative_to(out_dir).as_posix(): text for path, text in rendered.items()}
+        {path.relative_to(out_dir).as_posix(): text for path, text in rendered.items()}, remove_stale=not broken
     )
-    return write_pinned_sha(project) + written
+    written = write_pinned_sha(project) + written
+    if broken:
+        more = f" (and {len(broken) - 1} more page(s))" if len(broken) > 1 else ""
+        raise PinAndCiteError(f"{broken[0]}{more}; that page was left as it was, the others rendered")
+    return written
