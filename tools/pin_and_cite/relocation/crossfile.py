@@ -10,9 +10,10 @@ In these rings only files with the cited file's suffix whose blob differs betwee
 (code that moved went into a file that changed), and a directory whose tree is the same at both commits is never
 opened, as `git diff` walks two trees. Trees are fetched one request per level, a ring's candidate blobs in one.
   4. Code gone from its file that no changed file holds may have had a second copy all along, in a file the
-     commit left unchanged. Every tree of the new commit is listed (no blob read), and at most KEPT_FILES such
-     files per cited file are read, in this order: the cited file's name elsewhere, modules that an import
-     naming the cited definition points at (in the cited file and the changed files), then the nearest.
+     commit left unchanged. Every tree of the new commit is listed (no blob read); of the unchanged files, only
+     these are read: the modules that an import of the cited definition's name points at (in the cited file
+     and the changed files), and the files of the cited file's name, then the nearest to it: at most
+     KEPT_FILES of each per cited file, so what is read does not grow with the tree.
      Only identical text (`moved` when once and under the same name) or the same name (`changed`) answers here.
 
 What answers, in a ring:
@@ -206,6 +207,7 @@ class CrossFile:
         self.files: dict[str, NewFile] = {}  # every candidate fetched, by path: bump reads the new text here
         self.blobs: dict[str, str] = {}  # their blob ids at the new commit
         self.renames: dict[tuple[str, tuple[str, ...]], FilePair | None] = {}  # one diff per renamed file
+        self.near_unchanged: dict[str, list[str]] = {}  # cited path -> the unchanged files of its name or nearest
 
     def follow(
         self, specs: list[Spec], answers: list[Relocation], pairs: dict[str, FilePair | str]
@@ -312,36 +314,29 @@ class CrossFile:
         return found
 
     def _kept_candidates(self, lost: Lost, unchanged: dict[str, str]) -> list[str]:
-        """At most KEPT_FILES of the unchanged files: the cited file's name first, then files an import of the
-        cited definition's name points at, then the nearest by directory."""
-        cited = lost.spec.path
-        modules = self._importing(lost)
-        return sorted(
-            unchanged,
-            key=lambda path: (
-                posixpath.basename(path) != posixpath.basename(cited),
-                not any(_module_of(path) == m or _module_of(path).endswith("." + m) for m in modules),
-                _distance(cited, path),
-                path,
-            ),
-        )[:KEPT_FILES]
-
-    def _importing(self, lost: Lost) -> set[str]:
-        """Modules from which the cited file (at either commit) or a changed file imports the cited definition's
-        top-level name: where callers now find it."""
+        """The unchanged files to read for one citation: those an import of its definition's name points at, and
+        those of the cited file's name or nearest it; at most KEPT_FILES of each."""
         name = (lost.spec.symbol or lost.pair.enclosing("old", lost.span) or "").split(".")[0]
-        if not name or not lost.spec.path.endswith(".py"):
-            return set()
+        cited = lost.spec.path
+        modules = self._importing(name, lost.pair) if name and cited.endswith(".py") else set()
+        imported = [p for p in unchanged if any(_module_of(p) == m or _module_of(p).endswith("." + m) for m in modules)]
+        if cited not in self.near_unchanged:
+            self.near_unchanged[cited] = sorted(
+                unchanged, key=lambda p: (posixpath.basename(p) != posixpath.basename(cited), _distance(cited, p), p)
+            )[:KEPT_FILES]
+        return list(dict.fromkeys(imported[:KEPT_FILES] + self.near_unchanged[cited]))
+
+    def _importing(self, name: str, pair: FilePair) -> set[str]:
+        """Modules from which the cited file (at either commit) or a changed file imports `name`: where its
+        callers now find it."""
         named = re.compile(rf"\b{re.escape(name)}\b")
-        texts = [(lost.spec.path, lost.pair.old_raw), (lost.spec.path, lost.pair.new_raw)]
-        texts += [(f.path, f.raw) for f in self.files.values() if f.path.endswith(".py")]
-        return {
-            _absolute(module, path)
-            for path, raw in texts
-            if name in "\n".join(raw)
-            for module, names in IMPORT.findall("\n".join(raw))
-            if named.search(names)
-        }
+        imports = _imports(pair.path, pair.old_raw) + _imports(pair.path, pair.new_raw) + self._changed_imports
+        return {module for module, names in imports if named.search(names)}
+
+    @functools.cached_property
+    def _changed_imports(self) -> list[tuple[str, str]]:
+        """(module, imported names) of every `from` import in the changed Python files read so far."""
+        return [found for f in list(self.files.values()) if f.path.endswith(".py") for found in _imports(f.path, f.raw)]
 
     def _kept_answer(self, lost: Lost, files: list[NewFile]) -> Relocation | None:
         """Identical text once, under the cited name (the symbol's, or the definition enclosing the range):
@@ -526,6 +521,11 @@ def _lost(index: int, spec: Spec, answer: Relocation, pair: FilePair | str | Non
 def _enclosing(f: NewFile, span: Span) -> str | None:
     unique = {name: spans for name, spans in f.definitions.items() if len(spans) == 1}
     return symbols.enclosing(unique, (span[0] + 1, span[1]))
+
+
+def _imports(path: str, raw: Sequence[str]) -> list[tuple[str, str]]:
+    """(absolute module, imported names) of each `from` import in a Python file's text."""
+    return [(_absolute(module, path), names) for module, names in IMPORT.findall("\n".join(raw))]
 
 
 def _module_of(path: str) -> str:
