@@ -22,7 +22,7 @@ here from the texts, independently of the engine: the cited lines (trailing whit
   nowhere                          -> edited or gone: correct = changed or deleted (flagged).
 Silent wrong pointer: an unchanged/moved answer whose lines at its path do not hold exactly the cited text.
 Time: wall and CPU seconds of one `relocate` process per set (same-file, cross-file), CPU being steadier on a
-shared machine.
+shared machine. Reads: the blobs (and KiB) the runs put in their cache, against the new commit's files.
 
     .venv/bin/python benchmarks/relocate_crossfile.py [--seeds 5] [--megatron] [--cli tools/pin-and-cite]
     .venv/bin/python benchmarks/relocate_crossfile.py --mirror /work/.mirror/NVIDIA+Megatron-LM/repo
@@ -356,6 +356,10 @@ def score(history: History, cli: str, work: Path) -> tuple[Counter, dict[str, fl
     if history.only_lost:
         cases, truths = zip(*[(c, t) for c, t in zip(cases, truths) if t[0] != "same-file"]) or ((), ())
     tally, seconds = Counter(), {}
+    tally["files at new"], tally["KiB at new"] = (
+        len(history.new),
+        sum(len(t.encode()) for t in history.new.values()) // 1024,
+    )
     for kind in ("same-file", "cross-file"):
         picked = [(c, t) for c, t in zip(cases, truths) if (t[0] == "same-file") == (kind == "same-file")]
         if not picked:
@@ -371,6 +375,8 @@ def score(history: History, cli: str, work: Path) -> tuple[Counter, dict[str, fl
         )
         seconds[kind] = time.perf_counter() - started
         seconds[f"{kind} cpu"] = _children_cpu() - cpu
+        stored = [f.stat().st_size for f in (work / "cache" / "blobs").rglob("*") if f.is_file()]
+        tally["blobs read"], tally["KiB read"] = len(stored), sum(stored) // 1024  # by both runs so far
         if proc.returncode not in (0, 1):
             raise SystemExit(f"relocate failed: {proc.stderr}")
         for ((_cite, path, span), (category, where)), answer in zip(picked, json.loads(proc.stdout)):
@@ -428,7 +434,9 @@ def main() -> None:
         f"an unchanged file): found {total['kept found']}, missed {kept - total['kept found']} of {kept}; flagged "
         f"{total['flagged']} of {total['ambiguous'] + total['edited or gone'] + total['duplicated']}, silent wrong "
         f"pointers {total['silent wrong pointers']}, same-file {total['same-file relocated']} of "
-        f"{total['same-file']}; time: " + ", ".join(f"{k} {v:.2f}s" for k, v in total_seconds.items())
+        f"{total['same-file']}; read {total['blobs read']} blobs ({total['KiB read']} KiB) of {total['files at new']} "
+        f"files ({total['KiB at new']} KiB) at the new commits; time: "
+        + ", ".join(f"{k} {v:.2f}s" for k, v in total_seconds.items())
     )
 
 
