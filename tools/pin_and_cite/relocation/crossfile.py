@@ -12,8 +12,8 @@ opened, as `git diff` walks two trees. Trees are fetched one request per level, 
   4. Code gone from its file that no changed file holds may have had a second copy all along, in a file the
      commit left unchanged. Every tree of the new commit is listed (no blob read); of the unchanged files, only
      these are read: the modules that an import of the cited definition's name points at (in the cited file
-     and the changed files), and the files of the cited file's name, then the nearest to it: at most
-     KEPT_FILES of each per cited file, so what is read does not grow with the tree.
+     and the changed files), at most KEPT_FILES per name, and the KEPT_FILES of the cited file's name, then
+     nearest to it, per cited file: what is read does not grow with the tree.
      Only identical text (`moved` when once and under the same name) or the same name (`changed`) answers here.
 
 What answers, in a ring:
@@ -315,7 +315,7 @@ class CrossFile:
 
     def _kept_candidates(self, lost: Lost, unchanged: dict[str, str]) -> list[str]:
         """The unchanged files to read for one citation: those an import of its definition's name points at, and
-        those of the cited file's name or nearest it; at most KEPT_FILES of each."""
+        those of the cited file's name, then nearest to it; at most KEPT_FILES of each."""
         name = (lost.spec.symbol or lost.pair.enclosing("old", lost.span) or "").split(".")[0]
         cited = lost.spec.path
         modules = self._importing(name, lost.pair) if name and cited.endswith(".py") else set()
