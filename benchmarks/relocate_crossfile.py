@@ -5,21 +5,27 @@ Histories (each two commits of a throwaway repository under the cache, never in 
               four DistributedDataParallel methods moved with identical text into a new data_parallel_base.py,
               grad_buffer.py renamed param_and_grad_buffer.py and edited, functions moved into a sibling and
               into a far directory, one moved and edited, one copied into two files, some deleted, and churn
-              in unrelated files;
-  --megatron  megatron-core 0.9.0 and 0.10.0 from PyPI (`pip download --no-deps`, cached outside the project).
+              in unrelated files; and code whose other copy already lived in a file the commit left UNCHANGED
+              (a deleted legacy/fused_ops.py whose functions live on in fusions/fused_ops.py, as Megatron's
+              legacy fused_bias_gelu.py; two utils functions kept in datasets/ files, one of them imported);
+  --megatron  megatron-core 0.9.0 and 0.10.0 from PyPI (`pip download --no-deps`, cached outside the project);
+  --mirror DIR  a Megatron-LM clone as it is, for each pair of adjacent tags of --tags; cited: every unique
+              definition (and body) of megatron/**/*.py that is gone from its file at the newer tag.
 
 Citations: every uniquely named definition of the cited files at the old commit, and its body as a range
 (synthetic: the five files the moves touch; megatron: megatron/core/distributed/*.py). Ground truth is computed
 here from the texts, independently of the engine: the cited lines (trailing whitespace stripped) found
   once in the same file            -> same-file: correct = unchanged/moved there;
-  not in the same file, once elsewhere -> moved away: correct = unchanged/moved at that path and lines;
+  not in the same file, once elsewhere -> moved away: correct = unchanged/moved at that path and lines
+                                       (kept elsewhere, when that file is the same at both commits);
   not in the same file, several times elsewhere -> ambiguous: correct = changed (never moved);
   nowhere                          -> edited or gone: correct = changed or deleted (flagged).
 Silent wrong pointer: an unchanged/moved answer whose lines at its path do not hold exactly the cited text.
 Time: wall and CPU seconds of one `relocate` process per set (same-file, cross-file), CPU being steadier on a
-shared machine.
+shared machine. Reads: the blobs (and KiB) the runs put in their cache, against the new commit's files.
 
     .venv/bin/python benchmarks/relocate_crossfile.py [--seeds 5] [--megatron] [--cli tools/pin-and-cite]
+    .venv/bin/python benchmarks/relocate_crossfile.py --mirror /work/.mirror/NVIDIA+Megatron-LM/repo
 
 `--cli` runs another checkout's CLI on the same citations (to compare times with the engine before this change).
 """
@@ -28,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import json
 import os
 import random
@@ -37,6 +44,7 @@ import tempfile
 import time
 import zipfile
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 from relocate_accuracy import CACHE, wheel  # the same PyPI wheel cache (benchmarks/ is on the path)
@@ -140,7 +148,31 @@ def synthetic(seed: int) -> tuple[dict[str, str], dict[str, str], list[str]]:
         "core/transformer/copy_b.py": w.module({copied: utils[copied]}),
         **{path: w.module({**fns, **w.functions(f"churn_{i}", 2)}) for i, (path, fns) in enumerate(noise.items())},
     }
-    return old, new, cited
+    kept_old, kept_new = kept_elsewhere(seed, old["core/utils.py"], new["core/utils.py"])
+    old.update(kept_old)
+    new.update(kept_new)
+    return old, new, [*cited, "core/legacy/fused_ops.py"]
+
+
+def kept_elsewhere(seed: int, utils_old: str, utils_new: str) -> tuple[dict[str, str], dict[str, str]]:
+    """Code that already lived in a second file, the same at both commits, whose cited copy goes: a legacy
+    file deleted (its twin has the same name), and two utils functions (one imported from its survivor)."""
+    w = Writer(random.Random(10_000 + seed))
+    gelu = f'class FusedGelu:\n    """{w.word()}."""\n\n' + "\n".join(w.methods(["forward", "backward"]).values())
+    fused = {**w.functions("fused", 3), "FusedGelu": gelu}
+    kept = {name: w.function(name) for name in ("storage_client", "s3_download")}
+    unchanged = {
+        "core/fusions/fused_ops.py": w.module(fused),
+        "core/datasets/object_storage.py": w.module({"storage_client": kept["storage_client"]}),
+        "core/datasets/s3_utils.py": w.module({"s3_download": kept["s3_download"]}),
+    }
+    old = {
+        **unchanged,
+        "core/legacy/fused_ops.py": w.module({k: fused[k] for k in ("fused_0", "fused_1", "FusedGelu")}),
+        "core/utils.py": utils_old + "\n\n" + "\n\n".join(kept.values()),
+    }
+    new = {**unchanged, "core/utils.py": "from core.datasets.object_storage import storage_client\n" + utils_new}
+    return old, new
 
 
 # -- megatron-core from PyPI ---------------------------------------------------------------------------
@@ -159,6 +191,55 @@ def wheel_files(version: str) -> dict[str, str]:
 def megatron() -> tuple[dict[str, str], dict[str, str], list[str]]:
     old, new = wheel_files("0.9.0"), wheel_files("0.10.0")
     return old, new, sorted(p for p in old if p.startswith("megatron/core/distributed/"))
+
+
+# -- a Megatron-LM clone as it is ---------------------------------------------------------------------
+
+
+def python_files(repo: Path, ref: str) -> dict[str, tuple[str, str]]:
+    """path -> (blob, text) of every *.py regular file of `ref`, read in one `git cat-file --batch`."""
+    listing = subprocess.run(["git", "-C", str(repo), "ls-tree", "-r", ref], check=True, capture_output=True, text=True)
+    blobs = {}
+    for line in listing.stdout.splitlines():
+        meta, path = line.split("\t", 1)
+        mode, kind, oid = meta.split()
+        if kind == "blob" and mode.startswith("100") and path.endswith(".py"):
+            blobs[path] = oid
+    batch = subprocess.run(
+        ["git", "-C", str(repo), "cat-file", "--batch"],
+        input="".join(f"{o}\n" for o in blobs.values()).encode(),
+        check=True,
+        capture_output=True,
+    ).stdout
+    texts, at = {}, 0
+    while at < len(batch):
+        header_end = batch.index(b"\n", at)
+        oid, _, size = batch[at:header_end].decode().split()
+        texts[oid] = batch[header_end + 1 : header_end + 1 + int(size)].decode("utf-8", "replace")
+        at = header_end + 1 + int(size) + 1
+    return {path: (oid, texts[oid]) for path, oid in blobs.items()}
+
+
+def mirror(repo: Path, old_ref: str, new_ref: str) -> History:
+    """Every unique definition of megatron/**/*.py gone from its file between two tags, answered from the clone."""
+    old, new = python_files(repo, old_ref), python_files(repo, new_ref)
+    cited = []
+    for path, (oid, text) in sorted(old.items()):
+        if path.startswith("megatron/") and new.get(path, (None,))[0] != oid:
+            try:
+                ast.parse(text)
+            except SyntaxError:
+                continue
+            cited.append(path)
+    return History(
+        repo,
+        (old_ref, new_ref),
+        {p: t for p, (_, t) in old.items()},
+        {p: t for p, (_, t) in new.items()},
+        {p for p, (oid, _) in new.items() if old.get(p, (None,))[0] == oid},
+        cited,
+        only_lost=True,
+    )
 
 
 # -- the repository and the citations ------------------------------------------------------------------
@@ -213,24 +294,29 @@ def norm(block: list[str]) -> list[str]:
     return [line.rstrip() for line in block]
 
 
-def occurrences(block: list[str], text_lines: list[str]) -> list[int]:
-    n = len(block)
-    return [
-        i + 1 for i in range(len(text_lines) - n + 1) if text_lines[i] == block[0] and text_lines[i : i + n] == block
-    ]
+def line_index(new_lines: dict[str, list[str]]) -> dict[str, list[tuple[str, int]]]:
+    """Line text -> every (path, 0-based line) holding it: where a block can start, without a scan per citation."""
+    index: dict[str, list[tuple[str, int]]] = {}
+    for path, text in new_lines.items():
+        for i, line in enumerate(text):
+            index.setdefault(line, []).append((path, i))
+    return index
 
 
-def truth(old: dict, new_lines: dict, path: str, span: tuple[int, int]) -> tuple[str, tuple | None]:
-    block = norm(lines(old[path])[span[0] - 1 : span[1]])
-    same = occurrences(block, new_lines.get(path, []))
+def truth(history: History, index: dict, path: str, span: tuple[int, int]) -> tuple[str, tuple | None]:
+    block = norm(lines(history.old[path])[span[0] - 1 : span[1]])
+    found = [
+        (p, i + 1) for p, i in index.get(block[0], []) if history.new_lines[p][i : i + len(block)] == block
+    ]  # 1-based starts
+    same = [s for p, s in found if p == path]
     if len(same) == 1:
         return "same-file", (path, same[0], same[0] + len(block) - 1)
     if same:
         return "duplicated", None
-    elsewhere = [(p, s) for p, text in new_lines.items() if p != path for s in occurrences(block, text)]
+    elsewhere = [(p, s) for p, s in found if p != path]
     if len(elsewhere) == 1:
         p, s = elsewhere[0]
-        return "moved away", (p, s, s + len(block) - 1)
+        return ("kept elsewhere" if p in history.unchanged else "moved away"), (p, s, s + len(block) - 1)
     return ("ambiguous", None) if elsewhere else ("edited or gone", None)
 
 
@@ -240,20 +326,48 @@ def _children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def score(old: dict, new: dict, cited: list[str], cli: str, work: Path) -> tuple[Counter, dict[str, float]]:
-    repo = work / "repo"
-    commit_history(repo, old, new)
-    cases = citations(old, cited)
-    new_lines = {p: norm(lines(t)) for p, t in new.items()}
-    truths = [truth(old, new_lines, path, span) for _, path, span in cases]
+@dataclass
+class History:
+    """Two commits of a repository and what the ground truth reads of them."""
+
+    repo: Path
+    refs: tuple[str, str]
+    old: dict[str, str]  # path -> text at the old commit (at least the cited files)
+    new: dict[str, str]  # path -> text at the new commit (every file an answer may point into)
+    unchanged: set[str]  # paths whose text is the same at both commits
+    cited: list[str]
+    only_lost: bool = False  # cite only what is gone from its file (the same-file engine is scored elsewhere)
+
+    @functools.cached_property
+    def new_lines(self) -> dict[str, list[str]]:
+        return {p: norm(lines(t)) for p, t in self.new.items()}
+
+
+def built(old: dict[str, str], new: dict[str, str], cited: list[str], work: Path) -> History:
+    """A two-commit repository of these files, under `work`."""
+    commit_history(work / "repo", old, new)
+    return History(work / "repo", ("old", "new"), old, new, {p for p in new if old.get(p) == new[p]}, cited)
+
+
+def score(history: History, cli: str, work: Path) -> tuple[Counter, dict[str, float]]:
+    index = line_index(history.new_lines)
+    cases = citations(history.old, history.cited)
+    truths = [truth(history, index, path, span) for _, path, span in cases]
+    if history.only_lost:
+        cases, truths = zip(*[(c, t) for c, t in zip(cases, truths) if t[0] != "same-file"]) or ((), ())
     tally, seconds = Counter(), {}
+    tally["files at new"], tally["KiB at new"] = (
+        len(history.new),
+        sum(len(t.encode()) for t in history.new.values()) // 1024,
+    )
     for kind in ("same-file", "cross-file"):
         picked = [(c, t) for c, t in zip(cases, truths) if (t[0] == "same-file") == (kind == "same-file")]
         if not picked:
             continue
         started, cpu = time.perf_counter(), _children_cpu()
         proc = subprocess.run(
-            [cli, "relocate", "--source", str(repo), "--from", "old", "--to", "new", "--json", "-"],
+            [cli, "relocate", "--source", str(history.repo), "--from", history.refs[0], "--to", history.refs[1]]
+            + ["--json", "-"],
             input="".join(c[0] + "\n" for c, _ in picked),
             capture_output=True,
             text=True,
@@ -261,6 +375,8 @@ def score(old: dict, new: dict, cited: list[str], cli: str, work: Path) -> tuple
         )
         seconds[kind] = time.perf_counter() - started
         seconds[f"{kind} cpu"] = _children_cpu() - cpu
+        stored = [f.stat().st_size for f in (work / "cache" / "blobs").rglob("*") if f.is_file()]
+        tally["blobs read"], tally["KiB read"] = len(stored), sum(stored) // 1024  # by both runs so far
         if proc.returncode not in (0, 1):
             raise SystemExit(f"relocate failed: {proc.stderr}")
         for ((_cite, path, span), (category, where)), answer in zip(picked, json.loads(proc.stdout)):
@@ -269,10 +385,12 @@ def score(old: dict, new: dict, cited: list[str], cli: str, work: Path) -> tuple
             tally[category] += 1
             tally[f"{category}: {status}"] += 1
             if status in ("unchanged", "moved"):
-                text = new_lines.get(at, [])[answer_lines[0] - 1 : answer_lines[1]]
-                tally["silent wrong pointers"] += text != norm(lines(old[path])[span[0] - 1 : span[1]])
+                text = history.new_lines.get(at, [])[answer_lines[0] - 1 : answer_lines[1]]
+                tally["silent wrong pointers"] += text != norm(lines(history.old[path])[span[0] - 1 : span[1]])
             if where is not None and status in ("unchanged", "moved") and (at, *answer_lines) == where:
-                tally["relocated" if category == "moved away" else "same-file relocated"] += 1
+                tally[
+                    {"same-file": "same-file relocated", "kept elsewhere": "kept found"}.get(category, "relocated")
+                ] += 1
             if category in ("ambiguous", "edited or gone", "duplicated") and status in ("changed", "deleted"):
                 tally["flagged"] += 1
             tally["answered in another file"] += at != path and status != "deleted"
@@ -283,17 +401,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, default=5, help="synthetic histories to build (default 5)")
     parser.add_argument("--megatron", action="store_true", help="megatron-core 0.9.0 -> 0.10.0 instead")
+    parser.add_argument("--mirror", type=Path, help="a Megatron-LM clone: score each pair of adjacent --tags")
+    parser.add_argument("--tags", default="core_v0.16.1,core_v0.17.0,core_v0.18.0,core_v0.19.0")
     parser.add_argument("--cli", default=str(ROOT / "tools" / "pin-and-cite"), help="the pin-and-cite to run")
     args = parser.parse_args()
-    histories = (
-        [("megatron-core 0.9.0 -> 0.10.0", megatron())]
-        if args.megatron
-        else [(f"synthetic seed {seed}", synthetic(seed)) for seed in range(args.seeds)]
-    )
+    if args.mirror:
+        tags = args.tags.split(",")
+        histories = [(f"{a} -> {b}", lambda _, a=a, b=b: mirror(args.mirror, a, b)) for a, b in zip(tags, tags[1:])]
+    elif args.megatron:
+        histories = [("megatron-core 0.9.0 -> 0.10.0", lambda work: built(*megatron(), work))]
+    else:
+        histories = [
+            (f"synthetic seed {seed}", lambda work, seed=seed: built(*synthetic(seed), work))
+            for seed in range(args.seeds)
+        ]
     total, total_seconds = Counter(), Counter()
-    for name, (old, new, cited) in histories:
+    for name, history in histories:
         with tempfile.TemporaryDirectory(dir=CACHE.mkdir(parents=True, exist_ok=True) or CACHE) as work:
-            tally, seconds = score(old, new, cited, args.cli, Path(work))
+            work = Path(work)
+            tally, seconds = score(history(work), args.cli, work)
         total.update(tally)
         total_seconds.update(seconds)
         print(
@@ -302,11 +428,15 @@ def main() -> None:
             + "; "
             + ", ".join(f"{k} {v:.2f}s" for k, v in seconds.items())
         )
+    kept = total["kept elsewhere"]
     print(
-        f"all: relocated {total['relocated']} of {total['moved away']} moved away, flagged {total['flagged']} of "
-        f"{total['ambiguous'] + total['edited or gone'] + total['duplicated']}, silent wrong pointers "
-        f"{total['silent wrong pointers']}, same-file {total['same-file relocated']} of "
-        f"{total['same-file']}; time: " + ", ".join(f"{k} {v:.2f}s" for k, v in total_seconds.items())
+        f"all: relocated {total['relocated']} of {total['moved away']} moved away; kept elsewhere (the other copy in "
+        f"an unchanged file): found {total['kept found']}, missed {kept - total['kept found']} of {kept}; flagged "
+        f"{total['flagged']} of {total['ambiguous'] + total['edited or gone'] + total['duplicated']}, silent wrong "
+        f"pointers {total['silent wrong pointers']}, same-file {total['same-file relocated']} of "
+        f"{total['same-file']}; read {total['blobs read']} blobs ({total['KiB read']} KiB) of {total['files at new']} "
+        f"files ({total['KiB at new']} KiB) at the new commits; time: "
+        + ", ".join(f"{k} {v:.2f}s" for k, v in total_seconds.items())
     )
 
 

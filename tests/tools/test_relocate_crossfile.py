@@ -389,3 +389,137 @@ def test_text_output_names_the_new_file_and_name(moves, tmp_path):
         f"moved     dist/ddp.py::DDP.forward -> dist/base.py#L{FORWARD_NEW[0]}-L{FORWARD_NEW[1]} (BaseDP.forward)",
         "deleted   dist/helpers.py::gone -> -",
     ]
+
+
+# -- code whose other copy lives in a file the commit did not change (ring 4) --------------------------------
+
+GELU = '''\
+class GeLUFunction:
+    """Bias and GeLU in one kernel."""
+
+    def forward(ctx, x, bias):
+        y = x + bias
+        return y * 0.5 * (1.0 + y)
+'''
+S3_CLIENT = '''\
+class S3Client:
+    """The calls the dataset makes on an object store."""
+
+    def download_file(self, bucket, key, path):
+        raise NotImplementedError
+'''
+TEARDOWN = "    def teardown(self):\n        self.pool.close()\n        self.pool = None\n"
+TWICE = "def twice(x):\n    doubled = x * 2\n    tripled = x * 3\n    return doubled + tripled\n"
+INDEXED_OLD = '"""Indexed datasets."""\n\n\n' + S3_CLIENT + "\n\nclass Loader:\n" + TEARDOWN + "\n\n" + TWICE
+INDEXED_NEW = '"""Indexed datasets."""\nfrom storage.object_storage_utils import S3Client\n\n\nX = 1\n'
+FILLERS = 40  # unchanged files nearer to the cited one than the survivor: more than crossfile.KEPT_FILES
+
+
+@pytest.fixture(scope="module")
+def kept(daemon, tmp_path_factory):
+    """c1 -> c2: legacy/fused_bias_gelu.py goes (its class lives on in core/fusions/fused_bias_gelu.py); S3Client,
+    Loader and twice go from core/datasets/indexed_dataset.py: S3Client lives on, imported by the new text, in
+    storage/object_storage_utils.py (farther than FILLERS unchanged files in core/datasets/fillers/),
+    Loader.teardown's text as Writer.teardown in core/datasets/writer.py, twice in two files beside it. No file
+    holding a survivor changes."""
+    unchanged = {
+        "core/fusions/fused_bias_gelu.py": '"""Fused."""\n\n\n' + GELU,
+        "storage/object_storage_utils.py": '"""Object storage."""\n\n\n' + S3_CLIENT,
+        "core/datasets/writer.py": "class Writer:\n" + TEARDOWN,
+        "core/datasets/twice_a.py": TWICE,
+        "core/datasets/twice_b.py": "# b\n" + TWICE,
+        **{f"core/datasets/fillers/filler_{i:02}.py": f"def filler_{i}():\n    return {i}\n" for i in range(FILLERS)},
+    }
+    c1 = {**unchanged, "legacy/fused_bias_gelu.py": GELU, "core/datasets/indexed_dataset.py": INDEXED_OLD}
+    c2 = {"legacy/fused_bias_gelu.py": None, "core/datasets/indexed_dataset.py": INDEXED_NEW}
+    return serve_history(
+        daemon,
+        tmp_path_factory.mktemp("kept-work"),
+        "kept",
+        [{k: v.encode() for k, v in c1.items()}, {k: v.encode() if v else None for k, v in c2.items()}],
+    )
+
+
+def test_code_kept_in_an_unchanged_file_is_moved_there_when_identical_and_under_its_name(kept, tmp_path):
+    gelu = lines_of('"""Fused."""\n\n\n' + GELU, "class GeLUFunction:", 6)
+    s3 = lines_of('"""Object storage."""\n\n\n' + S3_CLIENT, "class S3Client:", 5)
+    body = lines_of(INDEXED_OLD, "    def download_file(self, bucket, key, path):", 2)
+    assert answers(
+        kept.url,
+        tmp_path,
+        "legacy/fused_bias_gelu.py::GeLUFunction",
+        "legacy/fused_bias_gelu.py#L4-L6",
+        "core/datasets/indexed_dataset.py::S3Client",
+        f"core/datasets/indexed_dataset.py#L{body[0]}-L{body[1]}",
+    ) == {
+        "legacy/fused_bias_gelu.py::GeLUFunction": ("moved", "core/fusions/fused_bias_gelu.py", gelu, None),
+        "legacy/fused_bias_gelu.py#L4-L6": ("moved", "core/fusions/fused_bias_gelu.py", [gelu[0] + 3, gelu[1]], None),
+        "core/datasets/indexed_dataset.py::S3Client": ("moved", "storage/object_storage_utils.py", s3, None),
+        f"core/datasets/indexed_dataset.py#L{body[0]}-L{body[1]}": (
+            "moved",
+            "storage/object_storage_utils.py",
+            [s3[0] + 3, s3[1]],
+            None,
+        ),
+    }
+
+
+def test_identical_text_in_unchanged_files_under_another_name_or_twice_is_changed_never_moved(kept, tmp_path):
+    found = relocate(
+        kept.url,
+        "core/datasets/indexed_dataset.py::Loader.teardown",
+        "core/datasets/indexed_dataset.py::twice",
+        cache=tmp_path,
+    )
+    assert [(a["status"], a["path"], a["lines"], a.get("symbol"), a["reason"]) for a in found] == [
+        (
+            "changed",
+            "core/datasets/writer.py",
+            [2, 4],
+            "Writer.teardown",
+            "identical text as Writer.teardown in files this commit did not change (core/datasets/writer.py); "
+            "check this is the one meant",
+        ),
+        (
+            "changed",
+            "core/datasets/twice_a.py",
+            [1, 4],
+            None,
+            "2 identical copies in files this commit did not change "
+            "(core/datasets/twice_a.py, core/datasets/twice_b.py); check this is the one meant",
+        ),
+    ]
+
+
+def test_the_unchanged_files_read_are_bounded_and_the_imported_one_comes_first(kept, tmp_path):
+    """40 unchanged files lie nearer than S3Client's survivor; the import in the new text names it, and no more
+    than KEPT_FILES nearest unchanged files (of 45) are read besides it."""
+    from pin_and_cite.relocation.crossfile import KEPT_FILES
+
+    found = relocate(kept.url, "core/datasets/indexed_dataset.py::S3Client", cache=tmp_path)
+    assert (found[0]["status"], found[0]["path"]) == ("moved", "storage/object_storage_utils.py")
+    [git_dir] = [p for p in (tmp_path / "git").iterdir() if p.suffix != ".lock"]
+    listing = git.Repo(git_dir).git.execute(["git", "cat-file", "--batch-all-objects", "--batch-check"])
+    blobs = {line.split()[0] for line in listing.splitlines() if line.split()[1] == "blob"}
+    work = git.Repo(kept.work)
+    cited = {work.git.rev_parse(f"{c}:core/datasets/indexed_dataset.py") for c in ("c1", "c2")}
+    assert len(blobs - cited) == KEPT_FILES + 1  # the nearest, and the one imported
+    assert KEPT_FILES < FILLERS
+
+
+def test_bump_follows_code_kept_in_an_unchanged_file_and_check_passes(project, kept):
+    project.write_pins(up={"url": kept.url, "commit": kept.c1, "tag": "c1"})
+    note = project.root / "reading_notes" / "kept.md.j2"
+    note.write_text("- {{ cite('up:legacy/fused_bias_gelu.py::GeLUFunction') }}\n")
+    assert project.run("cite", "up:legacy/fused_bias_gelu.py::GeLUFunction").code == 0
+    r = project.run("bump", "up", "--ref", "c2", "--json")
+    assert r.code == 0, r.err
+    assert note.read_text() == "- {{ cite('up:core/fusions/fused_bias_gelu.py::GeLUFunction') }}\n"
+    assert json.loads(project.lock_path.read_text())["bumps"]["up"]["counts"] == {
+        "unchanged": 0,
+        "moved": 1,
+        "changed": 0,
+        "deleted": 0,
+    }
+    check = project.run("check")
+    assert check.code == 0, check.out + check.err

@@ -6,9 +6,15 @@ name is gone from their file (its rename guess stands unless the name or the ide
 
 Where to look, nearest first; each citation stops at the first ring that answers it:
   1. the cited file's directory,  2. its parent, the parent's subdirectories and its own,  3. the rest of the tree.
-Only files with the cited file's suffix whose blob differs between the two commits are candidates (code that
-moved went into a file that changed), and a directory whose tree is the same at both commits is never opened,
-as `git diff` walks two trees. Trees are fetched one request per level, a ring's candidate blobs in one request.
+In these rings only files with the cited file's suffix whose blob differs between the two commits are candidates
+(code that moved went into a file that changed), and a directory whose tree is the same at both commits is never
+opened, as `git diff` walks two trees. Trees are fetched one request per level, a ring's candidate blobs in one.
+  4. Code gone from its file that no changed file holds may have had a second copy all along, in a file the
+     commit left unchanged. Every tree of the new commit is listed (no blob read); of the unchanged files, only
+     these are read: the modules that an import of the cited definition's name points at (in the cited file
+     and the changed files), at most KEPT_FILES per name, and the KEPT_FILES of the cited file's name, then
+     nearest to it, per cited file: what is read does not grow with the tree.
+     Only identical text (`moved` when once and under the same name) or the same name (`changed`) answers here.
 
 What answers, in a ring:
   - a renamed file: when the cited path is gone, the added file sharing the most lines with it (at least half
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import posixpath
+import re
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -51,6 +58,8 @@ from pin_and_cite.relocation.textmatch import (
 RENAME_SHARE = 0.5  # a renamed file keeps at least this share of the larger side's lines (git: -M50%)
 MIN_FUZZY_LINES = 3  # shorter blocks are too common to be recognized by likeness alone
 HIT_SHARE = 0.5  # a file is searched for a similar block only if it has this share of its lines
+KEPT_FILES = 32  # unchanged files read per cited file in ring 4: a bound on bytes whatever the tree's size
+IMPORT = re.compile(r"^\s*from\s+(\.*[\w.]*)\s+import\s+(\([^)]*\)|[^\n]*)", re.MULTILINE)
 
 
 @dataclass
@@ -151,14 +160,29 @@ class TwoTrees:
         listing = self.listing.get((self.new, posixpath.dirname(path))) or {}
         return listing.get(posixpath.basename(path), (None, None))[1] == "file"
 
-    def whole_tree(self) -> list[str]:
-        """Every directory of the new commit under a tree that changed, walked one level per request."""
+    def whole_tree(self, changed_only: bool = True) -> list[str]:
+        """Every directory of the new commit (under a tree that changed, unless not `changed_only`), walked one
+        level per request."""
         found, frontier = [""], [""]
         while frontier:
             self.read(set(frontier))
-            frontier = [sub for d in frontier for sub in self.changed_subdirs(d)]
+            frontier = [sub for d in frontier for sub in (self.changed_subdirs(d) if changed_only else self.subdirs(d))]
             found += frontier
         return found
+
+    def subdirs(self, directory: str) -> list[str]:
+        new = self.listing.get((self.new, directory)) or {}
+        return [posixpath.join(directory, name) for name, (_, kind) in sorted(new.items()) if kind == "tree"]
+
+    def unchanged_files(self, directory: str, suffix: str) -> dict[str, str]:
+        """path -> blob of the regular files with `suffix` that are the same at both commits."""
+        new = self.listing.get((self.new, directory)) or {}
+        old = self.listing.get((self.old, directory)) or {}
+        return {
+            posixpath.join(directory, name): oid
+            for name, (oid, kind) in sorted(new.items())
+            if kind == "file" and name.endswith(suffix) and old.get(name) == (oid, kind)
+        }
 
 
 def _prefixes(directory: str) -> list[str]:
@@ -183,6 +207,7 @@ class CrossFile:
         self.files: dict[str, NewFile] = {}  # every candidate fetched, by path: bump reads the new text here
         self.blobs: dict[str, str] = {}  # their blob ids at the new commit
         self.renames: dict[tuple[str, tuple[str, ...]], FilePair | None] = {}  # one diff per renamed file
+        self.near_unchanged: dict[str, list[str]] = {}  # cited path -> the unchanged files of its name or nearest
 
     def follow(
         self, specs: list[Spec], answers: list[Relocation], pairs: dict[str, FilePair | str]
@@ -217,7 +242,8 @@ class CrossFile:
                 else:
                     answers[lost.index] = found
             pending = still
-        answers.update({lost.index: self._not_found(lost) for lost in pending})
+        kept = self._ring_4(pending)  # only citations of the whole-tree ring are still pending here
+        answers.update({lost.index: kept.get(lost.index) or self._not_found(lost) for lost in pending})
         return [answers[i] for i in range(len(specs))]
 
     # -- where to look --------------------------------------------------------------------------------
@@ -240,13 +266,20 @@ class CrossFile:
     def _whole_tree(self) -> list[str]:
         return self.trees.whole_tree()
 
+    @functools.cached_property
+    def _all_dirs(self) -> list[str]:
+        return self.trees.whole_tree(changed_only=False)
+
     def _fetch(self, wanted: set[tuple[str, str]]) -> dict[tuple[str, str], list[NewFile]]:
         """The changed files of each (directory, suffix), fetched in one request for all of them."""
         self.trees.read({d for d, _ in wanted})
         listed = {key: self.trees.changed_files(*key) for key in wanted}
-        blobs = {
-            path: (oid, added) for files in listed.values() for path, oid, added in files if path not in self.files
-        }
+        self._load({path: (oid, added) for files in listed.values() for path, oid, added in files})
+        return {key: [self.files[p] for p, _, _ in files if p in self.files] for key, files in listed.items()}
+
+    def _load(self, blobs: dict[str, tuple[str, bool]]) -> None:
+        """Read these files (path -> (blob, added)) at the new commit into `files`, in one request."""
+        blobs = {path: found for path, found in blobs.items() if path not in self.files}
         data = fetch_files(
             self.remote,
             self.store,
@@ -260,7 +293,74 @@ class CrossFile:
             except PinAndCiteError:
                 continue  # not text: nothing can have moved there
             self.files[path], self.blobs[path] = NewFile(path, raw, added), oid
-        return {key: [self.files[p] for p, _, _ in files if p in self.files] for key, files in listed.items()}
+
+    # -- ring 4: files the commit left unchanged ------------------------------------------------------
+
+    def _ring_4(self, pending: list[Lost]) -> dict[int, Relocation]:
+        """Answers for code gone from its file whose other copy lives in a file this commit did not change."""
+        if not pending:
+            return {}
+        unchanged = {  # suffix -> path -> blob
+            suffix: {path: oid for d in self._all_dirs for path, oid in self.trees.unchanged_files(d, suffix).items()}
+            for suffix in {_suffix(lost.spec.path) for lost in pending}
+        }
+        chosen = {lost.spec.path: self._kept_candidates(lost, unchanged[_suffix(lost.spec.path)]) for lost in pending}
+        self._load({path: (unchanged[_suffix(c)][path], False) for c, paths in chosen.items() for path in paths})
+        found = {}
+        for lost in pending:
+            answer = self._kept_answer(lost, [self.files[p] for p in chosen[lost.spec.path] if p in self.files])
+            if answer is not None:
+                found[lost.index] = answer
+        return found
+
+    def _kept_candidates(self, lost: Lost, unchanged: dict[str, str]) -> list[str]:
+        """The unchanged files to read for one citation: those an import of its definition's name points at, and
+        those of the cited file's name, then nearest to it; at most KEPT_FILES of each."""
+        name = (lost.spec.symbol or lost.pair.enclosing("old", lost.span) or "").split(".")[0]
+        cited = lost.spec.path
+        modules = self._importing(name, lost.pair) if name and cited.endswith(".py") else set()
+        imported = [p for p in unchanged if any(_module_of(p) == m or _module_of(p).endswith("." + m) for m in modules)]
+        if cited not in self.near_unchanged:
+            self.near_unchanged[cited] = sorted(
+                unchanged, key=lambda p: (posixpath.basename(p) != posixpath.basename(cited), _distance(cited, p), p)
+            )[:KEPT_FILES]
+        return list(dict.fromkeys(imported[:KEPT_FILES] + self.near_unchanged[cited]))
+
+    def _importing(self, name: str, pair: FilePair) -> set[str]:
+        """Modules from which the cited file (at either commit) or a changed file imports `name`: where its
+        callers now find it."""
+        named = re.compile(rf"\b{re.escape(name)}\b")
+        imports = _imports(pair.path, pair.old_raw) + _imports(pair.path, pair.new_raw) + self._changed_imports
+        return {module for module, names in imports if named.search(names)}
+
+    @functools.cached_property
+    def _changed_imports(self) -> list[tuple[str, str]]:
+        """(module, imported names) of every `from` import in the changed Python files read so far."""
+        return [found for f in list(self.files.values()) if f.path.endswith(".py") for found in _imports(f.path, f.raw)]
+
+    def _kept_answer(self, lost: Lost, files: list[NewFile]) -> Relocation | None:
+        """Identical text once, under the cited name (the symbol's, or the definition enclosing the range):
+        `moved`; identical text otherwise: `changed`, named for review; else the same name: `changed`."""
+        copies = self._copies(lost, files)
+        name = lost.spec.symbol or lost.pair.enclosing("old", lost.span)
+        if copies:
+            f, span, found_name = copies[0]
+            where = ", ".join(sorted({c[0].path for c in copies}))
+            named = found_name if lost.spec.symbol else _enclosing(f, span)
+            if len(copies) == 1 and named == name:
+                return _located("moved", f, span, lost, found_name)
+            what = (
+                f"{len(copies)} identical copies" if len(copies) > 1 else f"identical text as {named or 'module code'}"
+            )
+            return _located(
+                "changed",
+                f,
+                span,
+                lost,
+                found_name,
+                f"{what} in files this commit did not change ({where}); check this is the one meant",
+            )
+        return self._same_name(lost, files)
 
     # -- what answers ---------------------------------------------------------------------------------
 
@@ -416,6 +516,39 @@ def _lost(index: int, spec: Spec, answer: Relocation, pair: FilePair | str | Non
     if answer.status != "deleted":
         return None
     return Lost(index, spec, pair, (spec.lines[0] - 1, spec.lines[1]), answer)
+
+
+def _enclosing(f: NewFile, span: Span) -> str | None:
+    unique = {name: spans for name, spans in f.definitions.items() if len(spans) == 1}
+    return symbols.enclosing(unique, (span[0] + 1, span[1]))
+
+
+def _imports(path: str, raw: Sequence[str]) -> list[tuple[str, str]]:
+    """(absolute module, imported names) of each `from` import in a Python file's text."""
+    return [(_absolute(module, path), names) for module, names in IMPORT.findall("\n".join(raw))]
+
+
+def _module_of(path: str) -> str:
+    """The dotted module a Python path is imported as (from the tree's root)."""
+    dotted = posixpath.splitext(path)[0].replace("/", ".")
+    return dotted.removesuffix(".__init__")
+
+
+def _absolute(module: str, importer: str) -> str:
+    """A `from` import's module, relative ones resolved against the importing file's package."""
+    dots = len(module) - len(module.lstrip("."))
+    if not dots:
+        return module
+    package = posixpath.dirname(importer).split("/")
+    package = package[: len(package) - (dots - 1)] if dots > 1 else package
+    return ".".join([p for p in package if p] + ([module[dots:]] if module[dots:] else []))
+
+
+def _distance(cited: str, path: str) -> int:
+    """Steps between two files' directories in the tree."""
+    a, b = posixpath.dirname(cited).split("/"), posixpath.dirname(path).split("/")
+    common = len(posixpath.commonprefix([a, b]))
+    return len(a) + len(b) - 2 * common
 
 
 def _renamed_file(old: Sequence[str], files: list[NewFile]) -> NewFile | None:
