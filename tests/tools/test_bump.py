@@ -6,7 +6,7 @@ import json
 import git
 import pytest
 
-from tests.tools.conftest import FREE_FORM, serve_history
+from tests.tools.conftest import serve_history
 from tests.tools.synthetic import BASE
 
 MOD = "up:pkg/mod.py"
