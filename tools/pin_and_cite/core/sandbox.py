@@ -14,7 +14,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2 import nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
+
+MAX_SIZE = 1 << 20  # characters (or items) one `*` or `+` may make: a page is far smaller
+MAX_POWER_BITS = 1 << 16  # bits one `**` of integers may make (9**(9**9) would take hours)
+MAX_STEPS = 1_000_000  # calls and loop turns one page may take; the site's 42 pages take about 10,000 in all
 
 
 class CompiledTemplates(jinja2.FileSystemBytecodeCache):
@@ -45,15 +50,79 @@ class CompiledTemplates(jinja2.FileSystemBytecodeCache):
             pass
 
 
+class BoundedEnvironment(ImmutableSandboxedEnvironment):
+    """The sandbox, bounded in CPU and memory by the two kinds of hook Jinja gives it. Operators: `**`, `*`
+    and `+` run through call_binop, which refuses a result larger than MAX_POWER_BITS or MAX_SIZE (the first
+    two before it is computed: one C call that takes hours or 10 GB cannot be stopped halfway). Steps: every
+    call (the environment's `call`) and every loop turn (each loop's iterable wrapped as the template is
+    compiled) spends one of the page's MAX_STEPS, so an exponential macro or nested loops end in one line."""
+
+    intercepted_binops = frozenset({"**", "*", "+"})
+    steps_left = MAX_STEPS
+
+    def call_binop(self, context, operator, left, right):
+        if operator == "**" and _is_int(left) and _is_int(right) and right > 0:
+            if abs(left).bit_length() * right > MAX_POWER_BITS:
+                raise SecurityError(f"{left!r} ** {right!r} is too large (over {MAX_POWER_BITS} bits)")
+        if operator == "*":
+            sized, times = (left, right) if _is_int(right) else (right, left)
+            if _is_int(times) and isinstance(sized, (str, list, tuple)) and _weight(sized) * times > MAX_SIZE:
+                raise SecurityError(f"a {type(sized).__name__} repeated {times!r} times is too large (over {MAX_SIZE})")
+        result = super().call_binop(context, operator, left, right)
+        if isinstance(result, (str, list, tuple)) and _weight(result) > MAX_SIZE:
+            raise SecurityError(f"the result of {operator} is too large (over {MAX_SIZE})")
+        return result
+
+    def call(__self, __context, __obj, *args, **kwargs):
+        __self.step()
+        return super().call(__context, __obj, *args, **kwargs)
+
+    def step(self) -> None:
+        self.steps_left -= 1
+        if self.steps_left < 0:
+            raise SecurityError(f"the page takes more than {MAX_STEPS} calls and loop turns")
+
+    def counted(self, iterable):
+        for item in iterable:
+            self.step()
+            yield item
+
+    def _generate(self, source: nodes.Template, name, filename, defer_init=False):
+        for loop in source.find_all(nodes.For):
+            loop.iter = nodes.Call(nodes.EnvironmentAttribute("counted"), [loop.iter], [], None, None)
+        return super()._generate(source, name, filename, defer_init)
+
+
+class BoundedTemplate(jinja2.Template):
+    """A page: each render (not each include, which runs inside it) starts with MAX_STEPS."""
+
+    def render(self, *args, **kwargs) -> str:
+        self.environment.steps_left = MAX_STEPS
+        return super().render(*args, **kwargs)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _weight(value: str | list | tuple) -> int:
+    """What `value` costs to hold or print: its length, plus the length of each string or sequence in it
+    (`[s] * n` is as large as `s * n` once joined)."""
+    if isinstance(value, str):
+        return len(value)
+    return len(value) + sum(len(item) for item in value if isinstance(item, (str, list, tuple)))
+
+
 def environment(
     loader: jinja2.BaseLoader | None = None, compiled: CompiledTemplates | None = None
-) -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
+) -> BoundedEnvironment:
+    env = BoundedEnvironment(
         loader=loader,
         undefined=jinja2.StrictUndefined,
         keep_trailing_newline=True,
         autoescape=False,
         bytecode_cache=compiled,
     )
+    env.template_class = BoundedTemplate
     env.globals.clear()
     return env
