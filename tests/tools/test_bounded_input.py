@@ -25,6 +25,9 @@ from tests.tools.test_untrusted_input import CITE, locked, one_error_line, run, 
         pytest.param("{{ [1, 2] * 10**10 }}", "too large", id="repeat-list"),
         pytest.param('{% set s = "a" * 900000 %}{{ s + s + s }}', "too large", id="add"),
         pytest.param(
+            "{% set x = 2**10000 %}" + "{% set x = x * x %}" * 30 + "{{ x > 0 }}", "too large", id="square-integers"
+        ),
+        pytest.param(
             "{% macro m(n) %}{% if n %}{{ m(n - 1) }}{{ m(n - 1) }}{% endif %}{% endmacro %}{{ m(60) }}",
             "more than",
             id="exponential-macro",

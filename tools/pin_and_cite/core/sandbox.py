@@ -18,7 +18,7 @@ from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
 MAX_SIZE = 1 << 20  # characters (or items) one `*` or `+` may make: a page is far smaller
-MAX_POWER_BITS = 1 << 16  # bits one `**` of integers may make (9**(9**9) would take hours)
+MAX_POWER_BITS = 1 << 16  # bits one `**` or `*` of integers may make (9**(9**9) would take hours)
 MAX_STEPS = 100_000  # calls and loop turns one page may take; the site's 42 pages take 647 in all, 108 at most
 
 
@@ -64,6 +64,9 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
         if operator == "**" and _is_int(left) and _is_int(right) and right > 0:
             if abs(left).bit_length() * right > MAX_POWER_BITS:
                 raise SecurityError(f"{left!r} ** {right!r} is too large (over {MAX_POWER_BITS} bits)")
+        if operator == "*" and _is_int(left) and _is_int(right):
+            if abs(left).bit_length() + abs(right).bit_length() > MAX_POWER_BITS:
+                raise SecurityError(f"a product of integers is too large (over {MAX_POWER_BITS} bits)")
         if operator == "*":
             sized, times = (left, right) if _is_int(right) else (right, left)
             if _is_int(times) and isinstance(sized, (str, list, tuple)) and _weight(sized) * times > MAX_SIZE:
