@@ -29,14 +29,23 @@ from tests.tools.test_untrusted_input import CITE, locked, one_error_line, run, 
         ),
         pytest.param(
             "{% macro m(n) %}{% if n %}{{ m(n - 1) }}{{ m(n - 1) }}{% endif %}{% endmacro %}{{ m(60) }}",
-            "more than",
+            "calls and loop turns",
             id="exponential-macro",
+        ),
+        pytest.param('{{ "a"|center(2000000000) }}', "needs more than", id="filter-sized-by-argument"),
+        pytest.param('{{ "%2000000000d"|format(1) }}', "needs more than", id="format-width"),
+        pytest.param('{% set s = "a" * 1000000 %}{{ s|replace("a", s) }}', "needs more than", id="replace"),
+        pytest.param('{% set s = "a" * 1000000 %}' + "{% set s = s ~ s %}" * 12, "needs more than", id="concat"),
+        pytest.param(
+            '{% set s = "ab" * 400000 %}{% for a in s %}{{ s|list|length }}{% endfor %}',
+            "s of CPU",
+            id="work-in-each-loop-turn",
         ),
     ],
 )
 def test_a_template_that_would_not_end_or_fill_memory_is_one_line(project, payload, refusal):
     (project.root / "reading_notes" / "evil.md.j2").write_text("# Evil\n\n" + payload + "\n")
-    err = one_error_line(run(project, "render", timeout=20))
+    err = one_error_line(run(project, "render", timeout=60))
     assert "reading_notes/evil.md.j2:3: " in err and refusal in err, err
 
 

@@ -11,6 +11,10 @@ for a sandboxed environment, so the folder is this environment's alone.
 
 from __future__ import annotations
 
+import contextlib
+import resource
+import signal
+import threading
 from pathlib import Path
 
 import jinja2
@@ -19,6 +23,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
 MAX_SIZE = 1 << 20  # characters (or items) one `*` or `+` may make: a page is far smaller
 MAX_POWER_BITS = 1 << 16  # bits one `**` or `*` of integers may make (9**(9**9) would take hours)
+MAX_MEMORY = 1 << 30  # bytes of address space one page may add: a page is kilobytes
+MAX_SECONDS = 5  # CPU seconds one page may take: the site's pages take milliseconds
 MAX_STEPS = 100_000  # calls and loop turns one page may take; the site's 42 pages take 647 in all, 108 at most
 
 
@@ -97,11 +103,48 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
 
 
 class BoundedTemplate(jinja2.Template):
-    """A page: each render (not each include, which runs inside it) starts with MAX_STEPS."""
+    """A page: each render (not each include, which runs inside it) starts with MAX_STEPS, and runs under
+    process limits (_limits) that catch what no hook sees: a filter or method sized by its argument
+    (`center(10**9)`, `"%2000000000d"|format`, `s|replace("a", s)`), `~` doubling a string, a filter's
+    work in each of many loop turns."""
 
     def render(self, *args, **kwargs) -> str:
         self.environment.steps_left = MAX_STEPS
-        return super().render(*args, **kwargs)
+        try:
+            with _limits():
+                return super().render(*args, **kwargs)
+        except MemoryError as exc:
+            where = exc.__traceback__  # the template's frames, for the line the error names
+            raise SecurityError(f"the page needs more than {MAX_MEMORY >> 20} MiB").with_traceback(where) from None
+
+
+@contextlib.contextmanager
+def _limits():
+    """For the render: at most MAX_MEMORY more address space (RLIMIT_AS, so an allocation past it is a
+    MemoryError, not the machine's memory) and MAX_SECONDS of CPU (SIGPROF, where signals can be had: the
+    main thread). Both are put back as they were after."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    try:
+        in_use = int(Path("/proc/self/statm").read_text().split()[0]) * resource.getpagesize()
+        cap = min(limit for limit in (soft, hard, in_use + MAX_MEMORY) if limit != resource.RLIM_INFINITY)
+        resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+    except (OSError, ValueError):  # no /proc (macOS), or a limit the system will not set: CPU only
+        pass
+    timed = threading.current_thread() is threading.main_thread()
+    if timed:
+        handler = signal.signal(signal.SIGPROF, _out_of_time)
+        timer = signal.setitimer(signal.ITIMER_PROF, MAX_SECONDS)
+    try:
+        yield
+    finally:
+        if timed:
+            signal.setitimer(signal.ITIMER_PROF, *timer)
+            signal.signal(signal.SIGPROF, handler)
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+def _out_of_time(signum, frame):
+    raise SecurityError(f"the page takes more than {MAX_SECONDS} s of CPU")
 
 
 def _is_int(value) -> bool:
