@@ -21,11 +21,10 @@ from tests.tools.test_untrusted_input import CITE, locked, one_error_line, run, 
     "payload, refusal",
     [
         pytest.param("{{ 9**(9**9) }}", "too large", id="power"),
-        pytest.param('{{ "a" * 10**10 }}', "too large", id="repeat-string"),
-        pytest.param("{{ [1, 2] * 10**10 }}", "too large", id="repeat-list"),
-        pytest.param('{% set s = "a" * 900000 %}{{ s + s + s }}', "too large", id="add"),
+        pytest.param('{{ "a" * 10**10 }}', "needs more than", id="repeat-string"),
+        pytest.param("{{ [1, 2] * 10**10 }}", "needs more than", id="repeat-list"),
         pytest.param(
-            "{% set x = 2**10000 %}" + "{% set x = x * x %}" * 30 + "{{ x > 0 }}", "too large", id="square-integers"
+            "{% set x = 2**10000 %}" + "{% set x = x * -x %}" * 30 + "{{ x > 0 }}", "too large", id="square-integers"
         ),
         pytest.param(
             "{% macro m(n) %}{% if n %}{{ m(n - 1) }}{{ m(n - 1) }}{% endif %}{% endmacro %}{{ m(60) }}",
@@ -50,9 +49,12 @@ def test_a_template_that_would_not_end_or_fill_memory_is_one_line(project, paylo
 
 
 def test_a_bounded_template_still_renders_its_numbers(project):
-    (project.root / "reading_notes" / "fine.md.j2").write_text("{{ 2**10 }} {{ 'ab' * 3 }} {{ [1] + [2] }}\n")
+    (project.root / "reading_notes" / "fine.md.j2").write_text(
+        "{{ 2**10 }} {{ 2**-1 }} {{ 2.5**2 }} {{ 'ab' * 3 }} {{ 3 * 'ab' }} {{ -4 * 5 }} {{ [1] + [2] }}\n"
+    )
     assert run(project, "render").code == 0
-    assert (project.root / "docs" / "notes" / "fine.md").read_text() == "1024 ababab [1, 2]\n"
+    page = (project.root / "docs" / "notes" / "fine.md").read_text()
+    assert page == "1024 0.5 6.25 ababab ababab -20 [1, 2]\n"
 
 
 # -- blobs from a remote, files from an installed distribution ------------------------------------------------
