@@ -182,3 +182,12 @@ def test_a_huge_file_in_the_notes_folder_is_refused_before_it_is_read(project):
     (project.root / "reading_notes" / "big.md.j2").write_text("# Big\n\n" + "word " * (4 << 20) + "\n")
     err = one_error_line(run(project, "check"))
     assert "big.md.j2" in err and "larger than 16 MiB" in err, err
+
+
+def test_a_locked_size_over_the_blob_bound_is_refused(project):
+    """The lock's size bounds every read of its blob, so a lock cannot lift the bound by claiming 1.5 GB."""
+    lock = locked(project)
+    lock["files"]["up:pkg/core/layers.py"]["size"] = 1_500_000_000
+    write_lock(project, lock)
+    err = one_error_line(run(project, "fetch"))
+    assert "citations.lock" in err and "size" in err, err

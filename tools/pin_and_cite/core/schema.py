@@ -17,6 +17,7 @@ from collections.abc import Callable
 import fastjsonschema
 
 from pin_and_cite.core.errors import PinAndCiteError, printable
+from pin_and_cite.core.store import MAX_BLOB_BYTES
 
 SHA = {"type": "string", "maxLength": 40, "pattern": "^[0-9a-f]{40}$", "description": "a full 40-hex SHA"}
 SHA_OR_NULL = {**SHA, "type": ["string", "null"], "description": "a full 40-hex SHA or null"}
@@ -47,7 +48,7 @@ LOCKED_FILE = _record(
     ["commit", "blob", "size", "resolved_from"],
     commit=SHA,
     blob=SHA,
-    size={"type": "integer", "minimum": 0},
+    size={"type": "integer", "minimum": 0, "maximum": MAX_BLOB_BYTES},  # it bounds every read of the blob
     resolved_from=NAME,
 )
 LOCKED_CITATION = _record(["lines", "text_sha256"], lines=LINES, text_sha256=TEXT_SHA256, symbol=TEXT)
