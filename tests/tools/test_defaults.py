@@ -159,3 +159,21 @@ def test_bump_reports_a_changed_default_and_drops_a_vanished_one(pinned, flipped
     index = (pinned.root / "docs" / "notes" / "changes" / "index.md").read_text()
     assert f"| `{WRAPPER}(forward_prefetch)` | `False` | `True` |" in index
     assert f"| `{WRAPPER}(limit_all_gathers)` | `True` | gone |" in index
+
+
+def test_a_default_holding_backticks_renders_as_text_never_as_html(project, daemon, tmp_path):
+    """The default's text is upstream's: backticks in it must not end the code span it is shown in."""
+    import markdown
+
+    from tests.tools.conftest import serve_history
+
+    source = 'def f(a="`<script>alert(1)</script>`", b="``x``"):\n    return a\n'
+    served = serve_history(daemon, tmp_path / "ticks", "ticks", [{"pkg/f.py": source.encode()}, {"README": b"c2\n"}])
+    project.write_pins(up={"url": served.url, "commit": served.c1})
+    assert project.run("cite", "--default", "a", "--default", "b", "up:pkg/f.py::f").code == 0
+    note(project, "{{ default('up:pkg/f.py::f', 'a') }} and {{ default('up:pkg/f.py::f', 'b') }}\n")
+    assert project.run("render").code == 0
+    html = markdown.markdown((project.root / "docs" / "notes" / "n.md").read_text())
+    assert "<script>" not in html
+    assert '<code>a="`&lt;script&gt;alert(1)&lt;/script&gt;`"</code>' in html
+    assert '<code>b="``x``"</code>' in html

@@ -293,3 +293,32 @@ def test_record_traces_only_refuses_an_unknown_trace_in_one_line(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_.value.code == 2 and "argument --only: invalid choice: 'tp_block_gpt3'" in err[-1]
     assert "'tp_block_llama'" in err[-1]
+
+
+def test_a_pipeline_of_thousands_of_stages_is_placed_in_linear_time():
+    """Each action waits on one action of a neighbouring stage: placing them must not rescan every stage per
+    action (12,000 stages once took 268 s)."""
+    import time
+
+    p = 4000
+    trace = {"name": "wide", "stages": [{"actions": ["F0", "B0"]} for _ in range(p)]}
+    started = time.perf_counter()
+    slots = pipeline_slots(trace)
+    assert time.perf_counter() - started < 5
+    assert slots[p - 1] == [("F0", p - 1, p), ("B0", p, p + 2)]
+    assert slots[0] == [("F0", 0, 1), ("B0", 3 * p - 2, 3 * p)]
+
+
+@pytest.mark.parametrize(
+    "text, refusal",
+    [
+        pytest.param("[" * 100_000 + "]" * 100_000, "nested", id="nested"),
+        pytest.param('{"kind": "pipeline", "pad": "' + "x" * (17 << 20) + '"}', "larger than", id="huge"),
+    ],
+)
+def test_a_trace_too_deep_or_too_large_is_a_one_line_error(tmp_path, text, refusal):
+    (tmp_path / "traces").mkdir()
+    (tmp_path / "traces" / "evil.json").write_text(text)
+    with pytest.raises(diagrams.TraceError, match=refusal) as caught:
+        load_trace(tmp_path, "evil")
+    assert "\n" not in str(caught.value) and "evil.json" in str(caught.value)

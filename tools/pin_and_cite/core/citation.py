@@ -15,6 +15,7 @@ SOURCE_NAME = re.compile(r"[a-z0-9][a-z0-9._-]*")
 _LOCATION = r"(?P<path>[^#]+?)(?:#L(?P<start>\d+)(?:-L(?P<end>\d+))?|::(?P<symbol>.+))"
 _SPEC = re.compile(r"(?P<source>[^:]+):" + _LOCATION)
 _LOCATION_ONLY = re.compile(_LOCATION)
+MAX_PATH, MAX_NAME = 1024, 255  # bytes: within what every file system takes (PATH_MAX, NAME_MAX)
 _QUALNAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 
@@ -33,7 +34,12 @@ class Spec:
 
 
 def check_repo_path(path: str) -> str:
-    """Refuse paths that could escape a repository or name git's own files."""
+    """Refuse paths that could escape a repository, name git's own files, or be too long to open (an OSError
+    then, which would end the whole run)."""
+    if len(path.encode()) > MAX_PATH or any(len(part.encode()) > MAX_NAME for part in path.split("/")):
+        raise PinAndCiteError(
+            f"path {path[:60]!r}... is too long (over {MAX_PATH} bytes, or a name over {MAX_NAME}); no repository's is"
+        )
     if not path or path.startswith("/") or "\\" in path or re.match(r"[A-Za-z]:", path):
         raise PinAndCiteError(f"path {path!r} must be relative to the repository root, with '/' separators")
     if any(part in ("..", ".", "", ".git") for part in path.split("/")):

@@ -16,6 +16,8 @@ from pin_and_cite.core.errors import SourceUnavailable
 from pin_and_cite.core.gitobj import blob_sha
 from pin_and_cite.core.lock import file_key
 from pin_and_cite.core.project import Project
+from pin_and_cite.core.regular_file import NotRegularFile, read_regular
+from pin_and_cite.core.store import MAX_BLOB_BYTES
 
 
 @dataclass
@@ -28,7 +30,9 @@ class Fetched:
 
 
 def from_distribution(project: Project, source_name: str, path: str, blob: str) -> tuple[bytes, str] | str:
-    """The installed file's bytes and origin if it hashes to `blob`; else a reason it was not used."""
+    """The installed file's bytes and origin if it hashes to `blob`; else a reason it was not used. The file is
+    read no further than the lock says the blob holds (a wheel's 434 MB `.so` named with `size: 10` is read
+    for 11 bytes)."""
     source = project.pins.get(source_name)
     if not source.distribution_name:
         return ""
@@ -36,8 +40,12 @@ def from_distribution(project: Project, source_name: str, path: str, blob: str) 
     if hit is None:
         return ""
     version, file = hit
-    data = file.read_bytes()
-    if blob_sha(data) != blob:
+    size = locked_size(project, source_name, path, blob)
+    try:
+        data = read_regular(file, MAX_BLOB_BYTES if size is None else size)
+    except NotRegularFile as exc:
+        return f"installed {source.distribution_name} {version}: {exc} (not used)"
+    if data is None or blob_sha(data) != blob:
         return f"installed {source.distribution_name} {version} has other bytes for {path} (not used)"
     return data, f"distribution {source.distribution_name} {version}"
 
@@ -71,8 +79,11 @@ def fetch_all(project: Project, report: Callable[[Fetched, int, int], None]) -> 
             source = project.pins.get(source_name)
             remote = project.remote(source)
             with remote.lock:
+                sizes = {blob: locked_size(project, source_name, path, blob) for path, blob, _ in wanted}
                 data = remote.fetch_blobs(
-                    [blob for _, blob, _ in wanted], f"fetching {len(wanted)} file(s) of {source_name}"
+                    [blob for _, blob, _ in wanted],
+                    f"fetching {len(wanted)} file(s) of {source_name}",
+                    {blob: size for blob, size in sizes.items() if size is not None},
                 )
                 for path, blob, note in wanted:
                     project.store.put(blob, data[blob])
@@ -94,6 +105,7 @@ def load_blob(project: Project, source_name: str, path: str, blob: str, allow_re
         raise SourceUnavailable(f"{source_name}:{path} (blob {blob[:12]}) is not fetched; run `pin-and-cite fetch`")
     remote = project.remote(project.pins.get(source_name))
     with remote.lock:
-        data = remote.fetch_blobs([blob], f"fetching {path}")[blob]
+        size = locked_size(project, source_name, path, blob)
+        data = remote.fetch_blobs([blob], f"fetching {path}", {blob: size} if size is not None else None)[blob]
     project.store.put(blob, data)
     return data

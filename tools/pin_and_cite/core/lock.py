@@ -15,9 +15,12 @@ from pathlib import Path
 
 from pin_and_cite.core import schema
 from pin_and_cite.core.atomic import atomic_write
+from pin_and_cite.core.bounded import parse, read_file
+from pin_and_cite.core.citation import SOURCE_NAME, check_repo_path
 from pin_and_cite.core.errors import PinAndCiteError
 
 VERSION = 1  # schema.LOCK accepts this version only
+MAX_BYTES = 16 << 20  # the project's lock holds 66 KB
 
 
 @dataclass
@@ -108,6 +111,20 @@ def _bump_record(data: dict) -> BumpRecord:
     )
 
 
+def _check_keys(data: dict) -> None:
+    """Keys that name files to read are checked as strictly as the paths of citations: a key the schema lets
+    through as any string (`torch:../../../bin/torchrun`) must not name a file outside the repository, which
+    an installed distribution's RECORD can list. (Citation and default keys are parsed where they are used.)"""
+    for key in data["files"]:
+        source, _, path = key.partition(":")
+        if not SOURCE_NAME.fullmatch(source):
+            raise PinAndCiteError(f"files key {key[:80]!r} does not start with a source name")
+        check_repo_path(path)
+    for record in data.get("bumps", {}).values():
+        for path in record["files"]:
+            check_repo_path(path)
+
+
 def file_key(source: str, path: str) -> str:
     return f"{source}:{path}"
 
@@ -125,10 +142,14 @@ class Lock:
     def _load(self) -> None:
         """Read the lock, refusing anything that does not fit schema.LOCK before a field is used."""
         try:
-            data = json.loads(self.path.read_bytes())
+            data = parse(json.loads, read_file(self.path, MAX_BYTES, str(self.path)), str(self.path))
         except ValueError as exc:  # also UnicodeDecodeError
             raise PinAndCiteError(f"{self.path} is not a valid lock ({exc}); restore it from git") from None
         schema.check(data, schema.LOCK, f"{self.path} is not a valid lock:", "restore it from git")
+        try:
+            _check_keys(data)
+        except PinAndCiteError as exc:
+            raise PinAndCiteError(f"{self.path} is not a valid lock: {exc}; restore it from git") from None
         self.files = {k: LockedFile(**v) for k, v in data["files"].items()}
         self.citations = {
             k: LockedCitation(tuple(v["lines"]), v["text_sha256"], v.get("symbol"))

@@ -13,10 +13,12 @@ from pathlib import Path
 
 from pin_and_cite.core import schema
 from pin_and_cite.core.atomic import atomic_write
+from pin_and_cite.core.bounded import parse, read_file
 from pin_and_cite.core.citation import SOURCE_NAME
 from pin_and_cite.core.errors import PinAndCiteError
 
 SHA_FILE = re.compile(r"[a-z0-9][a-z0-9._-]*-sha\.txt")  # never pins.toml, the lock, a template or a trace
+MAX_BYTES = 1 << 20  # the project's pins.toml holds 881 bytes
 SHAPE = "each [sources.NAME] table takes url and commit (a full SHA), and optionally tag, distribution and sha_file"
 
 
@@ -47,11 +49,12 @@ class Source:
 class Pins:
     def __init__(self, path: Path):
         self.path = path
+        raw = read_file(path, MAX_BYTES, str(path))
+        if raw is None:
+            raise PinAndCiteError(f"{path} not found; create it with a [sources.NAME] table (url, commit)")
         try:
-            self._text = path.read_bytes().decode("utf-8")
-            data = tomllib.loads(self._text)
-        except FileNotFoundError:
-            raise PinAndCiteError(f"{path} not found; create it with a [sources.NAME] table (url, commit)") from None
+            self._text = raw.decode("utf-8")
+            data = parse(tomllib.loads, self._text, str(path))
         except UnicodeDecodeError as exc:
             raise PinAndCiteError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
         except tomllib.TOMLDecodeError as exc:

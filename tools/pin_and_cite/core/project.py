@@ -17,6 +17,7 @@ from pin_and_cite.core.store import Store, default_cache_dir, refuse_cache_insid
 
 NOTES_DIR = "reading_notes"
 WRITE_LOCK = ".pin-and-cite.lock"  # in NOTES_DIR, ignored by git
+MAX_NOTES_FILE = 16 << 20  # bytes; the largest file in reading_notes/ (the lock) holds 66 KB
 
 
 def find_root(start: Path) -> Path:
@@ -34,15 +35,18 @@ def find_root(start: Path) -> Path:
 def refuse_special_files(notes_dir: Path) -> None:
     """reading_notes/ must hold plain files and folders only: a symlink committed on a branch would make `check`
     read outside the project (a key, /dev/zero, a FIFO) through a template, a trace, the pins or the lock, and
-    reading_notes/ itself a symlink would lead all of them out."""
+    reading_notes/ itself a symlink would lead all of them out. And no file over MAX_NOTES_FILE: a 50 MB
+    template once cost a `check` 21 s and 350 MB."""
     if notes_dir.is_symlink():
         raise PinAndCiteError(f"{notes_dir} is a symlink; {NOTES_DIR}/ must be a plain folder of the project")
     for folder, dirs, files in os.walk(notes_dir):
         for path in (Path(folder) / name for name in dirs + files):
-            mode = path.lstat().st_mode
-            if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
-                kind = "a symlink" if stat.S_ISLNK(mode) else "not a regular file"
+            info = path.lstat()
+            if not (stat.S_ISREG(info.st_mode) or stat.S_ISDIR(info.st_mode)):
+                kind = "a symlink" if stat.S_ISLNK(info.st_mode) else "not a regular file"
                 raise PinAndCiteError(f"{path} is {kind}; {NOTES_DIR}/ must hold plain files and folders only")
+            if info.st_size > MAX_NOTES_FILE:
+                raise PinAndCiteError(f"{path} is larger than {MAX_NOTES_FILE >> 20} MiB; no file of ours is")
 
 
 def write_lock(root: Path) -> filelock.FileLock:

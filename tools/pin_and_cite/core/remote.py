@@ -24,6 +24,7 @@ import filelock
 
 from pin_and_cite.core.errors import PinAndCiteError, SourceUnavailable
 from pin_and_cite.core.gitobj import blob_sha, is_full_sha
+from pin_and_cite.core.store import MAX_BLOB_BYTES
 
 if TYPE_CHECKING:
     import git
@@ -151,7 +152,15 @@ class Remote:
     def has(self, oid: str) -> bool:
         return self.repo.odb.has_object(bytes.fromhex(oid))
 
-    def read(self, oid: str) -> bytes:
+    def read(self, oid: str, limit: int = MAX_BLOB_BYTES) -> bytes:
+        """An object's bytes, refused unread when it is larger than `limit`: a small repository can hold a
+        1.5 GB blob of zeros (packs compress), which would otherwise be read whole into memory."""
+        size = self.repo.odb.info(bytes.fromhex(oid)).size
+        if size > limit:
+            raise SourceUnavailable(
+                f"{self.url}: object {oid[:12]} is {size} bytes, more than the {limit} bytes allowed "
+                f"(the lock's size for it, else {MAX_BLOB_BYTES >> 20} MiB)"
+            )
         return self.repo.odb.stream(bytes.fromhex(oid)).read()
 
     def _missing(self, oids: list[str]) -> list[str]:
@@ -211,12 +220,13 @@ class Remote:
                 if absent:
                     raise SourceUnavailable(f"{self.url} did not send {len(absent)} object(s), e.g. {absent[0][:12]}")
 
-    def fetch_blobs(self, oids: list[str], what: str) -> dict[str, bytes]:
-        """Fetch these blobs in one request; return their bytes, each proven by its git hash."""
+    def fetch_blobs(self, oids: list[str], what: str, sizes: dict[str, int] | None = None) -> dict[str, bytes]:
+        """Fetch these blobs in one request; return their bytes, each proven by its git hash and read no
+        further than its size in `sizes` (the lock's), else MAX_BLOB_BYTES."""
         self.fetch_objects(oids, what)
         found = {}
         for oid in oids:
-            data = self.read(oid)
+            data = self.read(oid, (sizes or {}).get(oid, MAX_BLOB_BYTES))
             if blob_sha(data) != oid:
                 raise SourceUnavailable(f"{self.url} sent bytes that do not hash to {oid}")
             found[oid] = data

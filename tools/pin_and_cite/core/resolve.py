@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pin_and_cite.core import symbols
+from pin_and_cite.core.bounded import read_file
 from pin_and_cite.core.citation import Spec
 from pin_and_cite.core.defaults import DefaultRef, FoundDefault, read_default
 from pin_and_cite.core.distribution import installed_file
@@ -19,6 +20,7 @@ from pin_and_cite.core.lock import LockedCitation, LockedDefault, LockedFile, fi
 from pin_and_cite.core.parse_cache import ParseCache
 from pin_and_cite.core.pins import Source
 from pin_and_cite.core.project import Project
+from pin_and_cite.core.store import MAX_BLOB_BYTES
 
 
 def cited_text(lines: Sequence[str]) -> str:
@@ -119,7 +121,8 @@ class Resolver:
                 raise PinAndCiteError(
                     f"{path} is not in installed {source.distribution or 'distribution (none pinned)'}"
                 )
-            return blob_sha(hit[1].read_bytes()), f"distribution {source.distribution_name} {hit[0]}"
+            data = read_file(hit[1], MAX_BLOB_BYTES, str(hit[1]))
+            return blob_sha(data or b""), f"distribution {source.distribution_name} {hit[0]}"
         if not self.allow_remote:
             raise PinAndCiteError(f"{source.name}:{path} is not in the lock; cite it once with network to lock it")
         blob = self.project.remote(source).blob_ids(source.commit, [path])[path]

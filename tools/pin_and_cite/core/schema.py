@@ -17,6 +17,7 @@ from collections.abc import Callable
 import fastjsonschema
 
 from pin_and_cite.core.errors import PinAndCiteError, printable
+from pin_and_cite.core.store import MAX_BLOB_BYTES
 
 SHA = {"type": "string", "maxLength": 40, "pattern": "^[0-9a-f]{40}$", "description": "a full 40-hex SHA"}
 SHA_OR_NULL = {**SHA, "type": ["string", "null"], "description": "a full 40-hex SHA or null"}
@@ -30,7 +31,9 @@ LINES = {
     "description": "[first, last], line numbers from 1",
 }
 LINES_OR_NULL = {"anyOf": [LINES, {"type": "null"}], "description": "[first, last] or null"}
-STRING_OR_NULL = {"type": ["string", "null"]}
+TEXT = {"type": "string", "maxLength": 4096}  # every string: a 50 MB url once went into every permalink
+TEXT_OR_NULL = {**TEXT, "type": ["string", "null"]}
+NAME = {"type": "string", "maxLength": 256}
 
 
 def _record(required: list[str], **properties) -> dict:
@@ -38,17 +41,17 @@ def _record(required: list[str], **properties) -> dict:
 
 
 def _map_of(value: dict) -> dict:
-    return {"type": "object", "additionalProperties": value}
+    return {"type": "object", "propertyNames": TEXT, "additionalProperties": value}
 
 
 LOCKED_FILE = _record(
     ["commit", "blob", "size", "resolved_from"],
     commit=SHA,
     blob=SHA,
-    size={"type": "integer", "minimum": 0},
-    resolved_from={"type": "string"},
+    size={"type": "integer", "minimum": 0, "maximum": MAX_BLOB_BYTES},  # it bounds every read of the blob
+    resolved_from=NAME,
 )
-LOCKED_CITATION = _record(["lines", "text_sha256"], lines=LINES, text_sha256=TEXT_SHA256, symbol={"type": "string"})
+LOCKED_CITATION = _record(["lines", "text_sha256"], lines=LINES, text_sha256=TEXT_SHA256, symbol=TEXT)
 RECORDED_FILE = _record(["old_blob", "new_blob"], old_blob=SHA_OR_NULL, new_blob=SHA_OR_NULL)
 RECORDED_CHANGE = _record(
     ["status", "old_lines", "old_text_sha256", "new_lines", "new_text_sha256", "new_cite", "cited_at"],
@@ -57,23 +60,23 @@ RECORDED_CHANGE = _record(
     old_text_sha256=TEXT_SHA256,
     new_lines=LINES_OR_NULL,
     new_text_sha256=TEXT_SHA256_OR_NULL,
-    new_cite=STRING_OR_NULL,
-    cited_at={"type": "array", "items": {"type": "string"}},
-    new_path=STRING_OR_NULL,
+    new_cite=TEXT_OR_NULL,
+    cited_at={"type": "array", "items": TEXT},
+    new_path=TEXT_OR_NULL,
 )
-RECORDED_DEFAULT = _record(["old_value", "new_value"], old_value={"type": "string"}, new_value=STRING_OR_NULL)
+RECORDED_DEFAULT = _record(["old_value", "new_value"], old_value=TEXT, new_value=TEXT_OR_NULL)
 BUMP_RECORD = _record(
     ["old_commit", "new_commit", "counts", "files", "changes"],
     old_commit=SHA,
     new_commit=SHA,
-    tag=STRING_OR_NULL,
+    tag=TEXT_OR_NULL,
     counts=_map_of({"type": "integer", "minimum": 0}),
     files=_map_of(RECORDED_FILE),
     changes=_map_of(RECORDED_CHANGE),
     defaults=_map_of(RECORDED_DEFAULT),
     distribution={"type": "string"},
 )
-PARAMETER_DEFAULT = _record(["value", "line"], value={"type": "string"}, line={"type": "integer", "minimum": 1})
+PARAMETER_DEFAULT = _record(["value", "line"], value=TEXT, line={"type": "integer", "minimum": 1})
 
 LOCK = _record(
     ["version", "files", "citations"],
@@ -86,12 +89,13 @@ LOCK = _record(
 
 SOURCE = _record(
     ["url", "commit"],
-    url={"type": "string"},
+    url={"type": "string", "maxLength": 2048},
     commit=SHA,
-    tag={"type": "string"},
-    distribution={"type": "string"},
+    tag=NAME,
+    distribution=NAME,
     sha_file={
         "type": "string",
+        "maxLength": 256,
         "pattern": "^[A-Za-z0-9][A-Za-z0-9._-]*$",
         "description": "a file name in the notes folder",
     },

@@ -14,10 +14,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from pin_and_cite.core.bounded import parse, read_file
 from pin_and_cite.core.errors import PinAndCiteError
 from pin_and_cite.core.schema import check
 from pin_and_cite.site.modeled import Rates
-from pin_and_cite.site.traces import RECORD, TraceError
+from pin_and_cite.site.traces import MAX_BYTES, RECORD, TraceError
 
 CALIBRATION_DIR = "calibrations"
 MEASURE = "measure one with python -m reference.measure.calibrate"
@@ -84,7 +85,7 @@ def load_calibration(notes_dir: Path, name: str) -> dict:
         known = ", ".join(sorted(p.stem for p in path.parent.glob("*.json"))) or "none"
         raise PinAndCiteError(f"no calibration {name!r} ({where} is missing; calibrations: {known}); {MEASURE}")
     try:
-        data = json.loads(path.read_text())
+        data = parse(json.loads, read_file(path, MAX_BYTES, where), where)
     except ValueError as exc:
         raise PinAndCiteError(f"{where} is not valid JSON ({exc}); {MEASURE}") from None
     check(data, CALIBRATION, where, MEASURE)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from pin_and_cite.core.citation import parse_spec
 from pin_and_cite.core.errors import PinAndCiteError
-from pin_and_cite.core.fences import fence_for
+from pin_and_cite.core.fences import code_span, fence_for
 from pin_and_cite.core.lock import REVIEWED, STATUSES, BumpRecord, RecordedChange, RecordedFile
 from pin_and_cite.core.notes import note_templates
 from pin_and_cite.core.project import Project
@@ -214,8 +214,8 @@ def _index(project: Project, entries: dict[str, list[tuple[str, RecordedChange, 
                 "| --- | --- | --- |",
             ]
             out += [
-                f"| `{key}` | `{change.old_value}` | "
-                + (f"`{change.new_value}` |" if change.new_value is not None else "gone |")
+                f"| `{key}` | {code_span(change.old_value)} | "
+                + (f"{code_span(change.new_value)} |" if change.new_value is not None else "gone |")
                 for key, change in sorted(record.defaults.items())
             ] + [""]
         if not entries[source]:

@@ -31,7 +31,7 @@ from pin_and_cite.core import sandbox, symbols
 from pin_and_cite.core.citation import parse_spec
 from pin_and_cite.core.defaults import default_ref
 from pin_and_cite.core.errors import PinAndCiteError
-from pin_and_cite.core.fences import fence_for
+from pin_and_cite.core.fences import code_span, fence_for
 from pin_and_cite.core.highlights import Statements, checked_highlight
 from pin_and_cite.core.local_code import mirrored, ours
 from pin_and_cite.core.locked import locked_default, locked_excerpt
@@ -175,7 +175,7 @@ class Renderer:
             found, excerpt = locked_default(self.project, self.resolver, ref)
         except PinAndCiteError as exc:
             raise PinAndCiteError(f"{ref}: {exc}") from None
-        shown = f"`{param}={' '.join(found.value.split())}`"
+        shown = code_span(f"{param}={found.value}")
         link = excerpt.source.permalink(excerpt.spec.path, (found.line, found.line))
         return f"[{shown}]({link})" if link else shown
 

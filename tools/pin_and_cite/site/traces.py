@@ -14,11 +14,14 @@ pipeline trace: each stage's action order, in-flight peaks and activation bytes,
 from __future__ import annotations
 
 import json
+from collections import deque
 from pathlib import Path
 
+from pin_and_cite.core.bounded import parse, read_file
 from pin_and_cite.core.errors import PinAndCiteError
 
 TRACE_DIR = "traces"
+MAX_BYTES = 16 << 20  # the largest recorded trace holds 68 KB
 RECORD = "re-record with tools/record-traces"
 REQUIRED = {
     "tp_block": ("world", "tp", "s", "b", "heads", "kv_heads", "style", "dtype_size", "runs"),
@@ -72,7 +75,7 @@ def load_trace(notes_dir: Path, name: str) -> dict:
         known = ", ".join(sorted(p.stem for p in path.parent.glob("*.json"))) or "none"
         raise TraceError(f"no recorded trace {name!r} ({where} is missing; traces: {known}); {RECORD}")
     try:
-        data = json.loads(path.read_text())
+        data = parse(json.loads, read_file(path, MAX_BYTES, where, TraceError), where, TraceError)
     except ValueError as exc:
         raise TraceError(f"{where} is not valid JSON ({exc}); {RECORD}") from None
     kind = data.get("kind") if isinstance(data, dict) else None
@@ -120,36 +123,36 @@ def pipeline_schedule(trace: dict, duration, transfer=lambda r, action: 0) -> li
     p, done = len(stages), {}
     placed: list[list[tuple[str, float, float]]] = [[] for _ in stages]
     last_virtual = p * trace.get("virtual_stages", 1) - 1
-    while sum(map(len, placed)) < sum(map(len, stages)):
-        progress = False
-        for r, actions in enumerate(stages):
-            while len(placed[r]) < len(actions):
-                action = actions[len(placed[r])]
-                kind, (chunk, _, micro_batch) = action[0], action[1:].rpartition(".")
-                if kind not in SLOTS or not micro_batch.isdigit() or not (chunk or "0").isdigit():
-                    raise TraceError(
-                        f"trace {trace['name']}: stage {r} ran {action!r}, not F<i>, B<i>, F<c>.<i> "
-                        f"or B<c>.<i>; {RECORD}"
-                    )
-                virtual = int(chunk or 0) * p + r
-                peer = virtual - 1 if kind == "F" else virtual + 1
-                ready = [placed[r][-1][2] if placed[r] else 0]
-                if kind == "B" and (virtual, "F", micro_batch) not in done:
-                    break  # a backward needs its own forward first: recorded out of order, it never runs
-                if 0 <= peer <= last_virtual:
-                    if (peer, kind, micro_batch) not in done:
-                        break
-                    ready.append(done[peer, kind, micro_batch] + transfer(peer % p, action))
-                start = max(ready)
-                end = start + duration(r, len(placed[r]), action)
-                placed[r].append((action, start, end))
-                done[virtual, kind, micro_batch] = end
-                progress = True
-        if not progress:
-            raise TraceError(
-                f"trace {trace['name']}: the recorded action orders wait on each other (no stage can "
-                f"run its next action); {RECORD}"
-            )
+    waiting = deque(range(p))  # stages that may run their next action: all at first, then a neighbour's
+    while waiting:
+        r = waiting.popleft()
+        actions = stages[r]
+        while len(placed[r]) < len(actions):
+            action = actions[len(placed[r])]
+            kind, (chunk, _, micro_batch) = action[0], action[1:].rpartition(".")
+            if kind not in SLOTS or not micro_batch.isdigit() or not (chunk or "0").isdigit():
+                raise TraceError(
+                    f"trace {trace['name']}: stage {r} ran {action!r}, not F<i>, B<i>, F<c>.<i> or B<c>.<i>; {RECORD}"
+                )
+            virtual = int(chunk or 0) * p + r
+            peer = virtual - 1 if kind == "F" else virtual + 1
+            ready = [placed[r][-1][2] if placed[r] else 0]
+            if kind == "B" and (virtual, "F", micro_batch) not in done:
+                break  # a backward needs its own forward first: recorded out of order, it never runs
+            if 0 <= peer <= last_virtual:
+                if (peer, kind, micro_batch) not in done:
+                    break
+                ready.append(done[peer, kind, micro_batch] + transfer(peer % p, action))
+            start = max(ready)
+            end = start + duration(r, len(placed[r]), action)
+            placed[r].append((action, start, end))
+            done[virtual, kind, micro_batch] = end
+            waiting.extend({(r - 1) % p, (r + 1) % p})  # only a neighbour can have waited on this action
+    if any(len(done_r) < len(actions) for done_r, actions in zip(placed, stages)):
+        raise TraceError(
+            f"trace {trace['name']}: the recorded action orders wait on each other (no stage can "
+            f"run its next action); {RECORD}"
+        )
     return placed
 
 
