@@ -7,7 +7,8 @@
   2. The reading-note templates are rendered into `<docs_dir>/notes/` by `pin_and_cite.site.study.render_site`
      (pin_and_cite.site.render with this study's helpers), which leaves unchanged outputs untouched (mkdocs watches
      docs/, so rewriting a file on every build would trigger the next rebuild forever) and, on a bad template,
-     stops the build with the template's file:line and leaves the previous pages as they were.
+     stops `mkdocs build` with the template's file:line and leaves the previous page as it was; under `mkdocs
+     serve` that line is logged and the site goes on serving (after a `bump`, the change pages say what to fix).
 `on_page_context`, around mkdocs-material's search plugin (which indexes `page.content` at the default
 priority), hands it the page without the highlighter's span tags (pin_and_cite.site.search_text: the same
 index, at a third of its cost) and gives the page its full HTML back before the theme renders it.
@@ -22,6 +23,7 @@ The project root is $PIN_AND_CITE_PROJECT when set (tests build scratch copies),
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import re
 from pathlib import Path
@@ -42,6 +44,15 @@ def project_root(config) -> Path:
     return Path(os.environ.get("PIN_AND_CITE_PROJECT") or Path(config.config_file_path).resolve().parent)
 
 
+_serving = False  # `mkdocs serve`, not `build`: a broken note is logged and the site keeps serving
+log = logging.getLogger("mkdocs.hooks.pin_and_cite")
+
+
+def on_startup(command: str, dirty: bool) -> None:
+    global _serving
+    _serving = command == "serve"
+
+
 def on_pre_build(config) -> None:
     docs_dir = Path(config.docs_dir)
     try:
@@ -53,7 +64,9 @@ def on_pre_build(config) -> None:
     try:
         render_site(project_root(config), docs_dir / "notes")
     except PinAndCiteError as e:
-        raise PluginError(str(e)) from None
+        if not _serving:
+            raise PluginError(str(e)) from None
+        log.error(str(e))  # render wrote the other pages; the broken one stays as it was until mended
 
 
 def _title_and_description(docs_dir: Path, path: str) -> tuple[str, str]:

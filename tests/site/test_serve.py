@@ -1,4 +1,5 @@
-"""`mkdocs serve` with the site's hooks: editing a reading-note template triggers a rebuild (live reload)."""
+"""`mkdocs serve` with the site's hooks: editing a reading-note template triggers a rebuild (live reload), and a
+note that breaks (say after a `bump`) is one error line while the site goes on serving its previous page."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 
 from tests.gitserver import free_port
 from tests.site.conftest import ROOT, mkdocs_env
@@ -37,8 +39,9 @@ def test_editing_a_note_template_rebuilds_the_served_site(vendored_docs, tmp_pat
     )  # pins and lock, no notes
     template = tmp_path / "reading_notes" / "note.md.j2"
     template.write_text("---\nrules: none\n---\n# A note\n")
+    port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mkdocs", "serve", "--dev-addr", f"127.0.0.1:{free_port()}"],
+        [sys.executable, "-m", "mkdocs", "serve", "--dev-addr", f"127.0.0.1:{port}"],
         cwd=tmp_path,
         env=mkdocs_env(),
         stdout=subprocess.PIPE,
@@ -55,6 +58,16 @@ def test_editing_a_note_template_rebuilds_the_served_site(vendored_docs, tmp_pat
         _wait_for(lines, "Building documentation")
         _wait_for(lines, "Documentation built")
         assert (tmp_path / "docs" / "notes" / "note.md").read_text() == "---\nrules: none\n---\n# A note, edited\n"
+
+        template.write_text("---\nrules: none\n---\n# A note, broken\n{% if %}\n")
+        _wait_for(lines, "Detected file changes")
+        _wait_for(lines, "reading_notes/note.md.j2:5: ")  # the one line naming the template's line
+        _wait_for(lines, "Documentation built")  # and the site is built around it, its page as it was
+        page = urllib.request.urlopen(f"http://127.0.0.1:{port}/notes/note/", timeout=10).read().decode()
+        assert "A note, edited" in page and "broken" not in page
+        template.write_text("---\nrules: none\n---\n# A note, mended\n")
+        _wait_for(lines, "Documentation built")
+        assert (tmp_path / "docs" / "notes" / "note.md").read_text() == "---\nrules: none\n---\n# A note, mended\n"
     finally:
         proc.terminate()
         proc.wait(timeout=10)

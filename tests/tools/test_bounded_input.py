@@ -12,6 +12,7 @@ import json
 
 import pytest
 
+from tests.tools.conftest import FREE_FORM
 from tests.tools.test_untrusted_input import CITE, locked, one_error_line, run, write_lock
 
 # -- templates: bounded in CPU and memory ------------------------------------------------------------------
@@ -43,18 +44,18 @@ from tests.tools.test_untrusted_input import CITE, locked, one_error_line, run, 
     ],
 )
 def test_a_template_that_would_not_end_or_fill_memory_is_one_line(project, payload, refusal):
-    (project.root / "reading_notes" / "evil.md.j2").write_text("# Evil\n\n" + payload + "\n")
+    (project.root / "reading_notes" / "evil.md.j2").write_text(FREE_FORM + "# Evil\n\n" + payload + "\n")
     err = one_error_line(run(project, "render", timeout=60))
-    assert "reading_notes/evil.md.j2:3: " in err and refusal in err, err
+    assert "reading_notes/evil.md.j2:6: " in err and refusal in err, err
 
 
 def test_a_bounded_template_still_renders_its_numbers(project):
     (project.root / "reading_notes" / "fine.md.j2").write_text(
-        "{{ 2**10 }} {{ 2**-1 }} {{ 2.5**2 }} {{ 'ab' * 3 }} {{ 3 * 'ab' }} {{ -4 * 5 }} {{ [1] + [2] }}\n"
+        FREE_FORM + "{{ 2**10 }} {{ 2**-1 }} {{ 2.5**2 }} {{ 'ab' * 3 }} {{ 3 * 'ab' }} {{ -4 * 5 }} {{ [1] + [2] }}\n"
     )
     assert run(project, "render").code == 0
     page = (project.root / "docs" / "notes" / "fine.md").read_text()
-    assert page == "1024 0.5 6.25 ababab ababab -20 [1, 2]\n"
+    assert page == FREE_FORM + "1024 0.5 6.25 ababab ababab -20 [1, 2]\n"
 
 
 # -- blobs from a remote, files from an installed distribution ------------------------------------------------
@@ -169,17 +170,21 @@ def test_deeply_nested_pins_are_one_line(project):
 
 def test_a_path_too_long_for_the_file_system_is_one_problem_and_the_rest_is_checked(project):
     assert project.run("cite", CITE).code == 0
-    (project.root / "reading_notes" / "a.md.j2").write_text('{{ ours("reference/' + "a" * 6000 + '.py::X") }}\n')
-    (project.root / "reading_notes" / "b.md.j2").write_text("{{ cite('" + CITE + "') }}\n{{ undefined_name }}\n")
+    (project.root / "reading_notes" / "a.md.j2").write_text(
+        FREE_FORM + '{{ ours("reference/' + "a" * 6000 + '.py::X") }}\n'
+    )
+    (project.root / "reading_notes" / "b.md.j2").write_text(
+        FREE_FORM + "{{ cite('" + CITE + "') }}\n{{ undefined_name }}\n"
+    )
     r = run(project, "check")
     assert r.code == 1 and r.err == "", (r.code, r.out, r.err)
-    assert "reading_notes/a.md.j2:1" in r.out and "too long" in r.out
-    assert "reading_notes/b.md.j2:2" in r.out  # the next template was rendered too
+    assert "reading_notes/a.md.j2:4" in r.out and "too long" in r.out
+    assert "reading_notes/b.md.j2:5" in r.out  # the next template was rendered too
 
 
 def test_a_huge_file_in_the_notes_folder_is_refused_before_it_is_read(project):
     """A 50 MB template once took a `check` 21 s and 350 MB; no file of ours in reading_notes/ is near 16 MiB."""
-    (project.root / "reading_notes" / "big.md.j2").write_text("# Big\n\n" + "word " * (4 << 20) + "\n")
+    (project.root / "reading_notes" / "big.md.j2").write_text(FREE_FORM + "# Big\n\n" + "word " * (4 << 20) + "\n")
     err = one_error_line(run(project, "check"))
     assert "big.md.j2" in err and "larger than 16 MiB" in err, err
 

@@ -16,6 +16,7 @@ NO_PAGE = {
     "reference/arguments.py": "the CLIs' argument checks; mirrors nothing upstream",
     "reference/measure/replay.py": "replays recorded schedule orders for their bubble; mirrors nothing upstream",
     "reference/distributed.py": "process-group start and clean teardown for demos, benchmarks and workers",
+    "reference/heartbeat.py": "ends a job whose rank stopped answering; mirrors nothing upstream",
     "reference/layout.py": "the command that prints a layout (parallel_state.py has the page)",
     "reference/tensor_parallel/rotary.py": "rotary positions of the llama block; its oracle is HF Qwen2, not a pin",
     "reference/synthetic_data.py": "the random token batches every demo and test trains on; mirrors nothing",

@@ -510,11 +510,11 @@ def test_the_unchanged_files_read_are_bounded_and_the_imported_one_comes_first(k
 def test_bump_follows_code_kept_in_an_unchanged_file_and_check_passes(project, kept):
     project.write_pins(up={"url": kept.url, "commit": kept.c1, "tag": "c1"})
     note = project.root / "reading_notes" / "kept.md.j2"
-    note.write_text("- {{ cite('up:legacy/fused_bias_gelu.py::GeLUFunction') }}\n")
+    note.write_text(FREE_FORM + "- {{ cite('up:legacy/fused_bias_gelu.py::GeLUFunction') }}\n")
     assert project.run("cite", "up:legacy/fused_bias_gelu.py::GeLUFunction").code == 0
     r = project.run("bump", "up", "--ref", "c2", "--json")
     assert r.code == 0, r.err
-    assert note.read_text() == "- {{ cite('up:core/fusions/fused_bias_gelu.py::GeLUFunction') }}\n"
+    assert note.read_text() == FREE_FORM + "- {{ cite('up:core/fusions/fused_bias_gelu.py::GeLUFunction') }}\n"
     assert json.loads(project.lock_path.read_text())["bumps"]["up"]["counts"] == {
         "unchanged": 0,
         "moved": 1,

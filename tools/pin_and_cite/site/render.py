@@ -281,8 +281,9 @@ def render_notes(root: Path, out_dir: Path, helpers: Helpers | None = None) -> l
     test file whose tests a note cites (tests/) and the change pages, with the site's `helpers`; return the
     files that changed (stale pages render wrote, say of a replaced bump record, are removed, with their
     emptied folders: pin_and_cite.site.output_folder). A page that does not render (a note a bump broke) is
-    refused and left as it was, and nothing is removed, but every other page is written, so the change pages
-    that say what to fix are there to read; then the first refusal is raised."""
+    refused and left as it was, as are the test pages (which list the notes citing each test) and nothing is
+    removed, but every other page is written, so the change pages that say what to fix are there to read; then
+    the first refusal is raised."""
     project = Project(root)
     renderer = Renderer(project, helpers=helpers)
     rendered, broken = {}, []
@@ -292,7 +293,8 @@ def render_notes(root: Path, out_dir: Path, helpers: Helpers | None = None) -> l
             rendered[out_dir / page] = renderer.render(template, **context)
         except PinAndCiteError as exc:  # its page stays as it was; the others, change pages first, still render
             broken.append(str(exc))
-    rendered.update({out_dir / page: text for page, text in evidence_pages(root, renderer.cited_tests).items()})
+    if not broken:  # a refused note's tests are unknown: the test pages stay as they were
+        rendered.update({out_dir / page: text for page, text in evidence_pages(root, renderer.cited_tests).items()})
     rendered.update(change_pages(project, renderer.resolver, out_dir))
     site_folder = out_dir.resolve() == (project.root / SITE_NOTES).resolve()
     written = OutputFolder(out_dir, adopt_legacy_pages=site_folder).write(
