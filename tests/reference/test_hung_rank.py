@@ -20,14 +20,14 @@ TIMEOUT_S = 4
 # torchrun SIGTERMs the other ranks when one fails; a stopped rank cannot act on it, so torchrun SIGKILLs it
 # after a grace period fixed at 30 s (torch.distributed.elastic's close() as its monitor calls it).
 TORCHRUN_GRACE_S = 30
-SLACK_S = 6  # the heartbeat's interval (timeout / 10) twice, torchrun's polling, a loaded machine
+SLACK_S = 10  # the heartbeat's interval (timeout / 10) twice, torchrun's polling, a loaded machine
 
 
 def test_a_stopped_rank_ends_the_job_within_the_timeout_naming_the_rank():
     limit = TIMEOUT_S + TORCHRUN_GRACE_S + SLACK_S
     message, _ = torchrun_failing(
-        CRASHES / "hung_rank.py", 2, timeout=limit + 15, env={"REFERENCE_TIMEOUT_S": str(TIMEOUT_S)}
-    )
+        CRASHES / "hung_rank.py", 2, timeout=limit + 60, env={"REFERENCE_TIMEOUT_S": str(TIMEOUT_S)}
+    )  # the launch's own timeout counts the start too: imports take a while on a loaded machine
     ended = time.time()
     stopped = float(re.search(r"rank 1 stops at (\S+)", message).group(1))
     line = rf"^rank 1 has not answered for {TIMEOUT_S} s \(stopped or hung\): ending this job$"

@@ -76,7 +76,6 @@ def test_70b_first_middle_last_stage_rows_equal_the_formulas(seventy_b):
         assert setup.microbatches == M and sorted(steps) == [0, 4, 7], name
         for stage in steps:
             assert_agrees(rows_of(seventy_b, name, stage))
-        assert max(seconds.values()) < 30, f"a 70B rank took {max(seconds.values()):.1f} s to trace: {seconds}"
 
 
 def test_70b_without_sp_in_numbers(seventy_b):
