@@ -588,7 +588,7 @@ def last_backward_span(run: dict) -> tuple[int, int]:
 def test_overlap_grad_reduce_issues_bucket_all_reduces_while_the_last_backward_runs(ranks):
     """overlap_grad_reduce=True, no grad_sync_func: every stage leaves no_sync before its last backward and
     its buckets' asynchronous all-reduces start inside it; the first stage's first bucket before its first
-    layer's backward. Only the first stage is bucketed (one bucket on the others)."""
+    layer's backward. Only the first stage is bucketed (the others: one bucket per gradient buffer, one here)."""
     for run in runs("ddp_overlap"):
         start, end = last_backward_span(run)
         reduces = dp_all_reduces(run)
@@ -622,9 +622,9 @@ def test_with_grad_sync_func_only_the_first_stage_reduces_in_its_last_backward_t
 
 @on_ranks(4)
 def test_each_loss_is_divided_by_num_microbatches_before_backward(ranks):
-    """Two outputs: loss / m (x the context-parallel size, 1 here). Three: loss / num_tokens / m, unless
-    calculate_per_token_loss, where backward starts from the sum and megatron's finalize_model_grads divides the
-    gradients by the global token count."""
+    """Two outputs: loss x cp / m (cp = 1 here; cp > 1 in the forward_step test above). Three: loss / num_tokens /
+    m, unless calculate_per_token_loss, where backward starts from the sum and megatron's finalize_model_grads
+    divides the gradients by the global token count."""
     for name, divide in [
         ("defaults_m6", lambda loss, tokens, m: loss / m),
         ("three_output_m6", lambda loss, tokens, m: loss / tokens / m),
