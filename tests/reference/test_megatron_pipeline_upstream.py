@@ -384,6 +384,23 @@ def ddp_grad_dtypes() -> dict[str, str]:
     return dtypes
 
 
+def buckets_of_a_two_dtype_stage() -> dict[str, int]:
+    """Megatron's DDP around a stage with one bf16 and one fp32 layer, a bucket per layer asked for: its gradient
+    buffers (one per dtype) and bucket groups, on this rank's stage of pp 2."""
+    with megatron_parallel_state(pipeline_model_parallel_size=2):
+        config = TransformerConfig(
+            num_layers=2,
+            hidden_size=H,
+            num_attention_heads=1,
+            pipeline_model_parallel_size=2,
+            pipeline_dtype=torch.float32,
+        )
+        stage = Stage(config, parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage())
+        stage.layers[0].to(torch.bfloat16)
+        model = DistributedDataParallel(config, DistributedDataParallelConfig(bucket_size=H * H + H), stage)
+        return {"buffers": len(model.buffers), "buckets": len(model.bucket_groups)}
+
+
 @functools.cache
 def logs() -> list[dict]:
     """Every run's event log and the schedules' action orders, on every rank (computed once a rank)."""
@@ -425,6 +442,7 @@ def logs() -> list[dict]:
         "reference_actions": {"m6": reference_actions(4, 6), "m2": reference_actions(4, 2)},
         "deallocated_plain_backward": deallocated_output_rejects_plain_backward(),
         "bf16_grad_dtypes": ddp_grad_dtypes(),
+        "two_dtype_buckets": buckets_of_a_two_dtype_stage(),
         "interleaved_v2_m8": interleaved_actions(4, 2, 8),
         "interleaved_v2_m4": interleaved_actions(4, 2, 4),
         "interleaved_v3_m4": interleaved_actions(4, 3, 4),
@@ -570,7 +588,7 @@ def last_backward_span(run: dict) -> tuple[int, int]:
 def test_overlap_grad_reduce_issues_bucket_all_reduces_while_the_last_backward_runs(ranks):
     """overlap_grad_reduce=True, no grad_sync_func: every stage leaves no_sync before its last backward and
     its buckets' asynchronous all-reduces start inside it; the first stage's first bucket before its first
-    layer's backward. Only the first stage is bucketed (one bucket on the others)."""
+    layer's backward. Only the first stage is bucketed (the others: one bucket per gradient buffer, one here)."""
     for run in runs("ddp_overlap"):
         start, end = last_backward_span(run)
         reduces = dp_all_reduces(run)
@@ -604,9 +622,9 @@ def test_with_grad_sync_func_only_the_first_stage_reduces_in_its_last_backward_t
 
 @on_ranks(4)
 def test_each_loss_is_divided_by_num_microbatches_before_backward(ranks):
-    """Two outputs: loss / m (x the context-parallel size, 1 here). Three: loss / num_tokens / m, unless
-    calculate_per_token_loss, where backward starts from the sum and megatron's finalize_model_grads divides the
-    gradients by the global token count."""
+    """Two outputs: loss x cp / m (cp = 1 here; cp > 1 in the forward_step test above). Three: loss / num_tokens /
+    m, unless calculate_per_token_loss, where backward starts from the sum and megatron's finalize_model_grads
+    divides the gradients by the global token count."""
     for name, divide in [
         ("defaults_m6", lambda loss, tokens, m: loss / m),
         ("three_output_m6", lambda loss, tokens, m: loss / tokens / m),
@@ -627,6 +645,36 @@ def test_each_loss_is_divided_by_num_microbatches_before_backward(ranks):
         # finalize_model_grads divided the summed gradients by the 48 tokens: the same as / 8 / m here
         flat = [[x for grad in run["grads"] for x in grad] for run in (per_token, per_micro_batch)]
         assert flat[0] == pytest.approx(flat[1], rel=1e-5, abs=1e-7)
+
+
+class LastStage(torch.nn.Module):
+    """A last stage of one Linear on the activation the schedule hands it (set_input_tensor)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(8)
+        self.linear, self.input_tensor = torch.nn.Linear(H, H), None
+
+    def set_input_tensor(self, tensors):
+        self.input_tensor = tensors[0]
+
+    def forward(self):
+        return self.linear(self.input_tensor)
+
+
+def test_a_two_output_loss_is_multiplied_by_the_context_parallel_size_and_divided_by_m():
+    """The full schedule above runs at cp = 1; here its own forward_step runs the last stage at cp = 1, 2 and 4
+    (the 1F1B schedule passes pg_collection.cp.size()), to tell "times cp, over m" from "over m times cp"."""
+    config = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=1)
+    model, x, m = LastStage(), torch.randn(S, B, H, generator=torch.Generator().manual_seed(9)), 4
+
+    def step(data_iterator, model):
+        return model(), lambda output: (output.pow(2).mean(), {"loss": output.pow(2).mean().detach()})
+
+    for cp in (1, 2, 4):
+        store = []
+        loss, _ = schedules.forward_step(step, None, model, m, x, store, config, cp_group_size=cp, is_last_stage=True)
+        assert loss.item() == pytest.approx(store[0]["loss"].item() * cp / m, rel=1e-6), cp
 
 
 @on_ranks(4)
@@ -659,6 +707,9 @@ def test_megatron_ddp_buckets_only_the_first_stage_and_reduces_in_the_parameters
         assert run["buckets"] == (2 if run["first"] else 1), run["buckets"]
     for rank in logs():
         assert rank["bf16_grad_dtypes"] == {"default": "torch.bfloat16", "grad_reduce_in_fp32": "torch.float32"}
+    for rank in logs():  # a later stage: not one bucket in all, one per gradient buffer (per dtype)
+        if not rank["runs"]["ddp_overlap"]["first"]:
+            assert rank["two_dtype_buckets"] == {"buffers": 2, "buckets": 2}, rank["two_dtype_buckets"]
 
 
 @on_ranks(4)

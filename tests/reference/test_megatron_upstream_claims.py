@@ -298,6 +298,34 @@ def fusion_case(main_grad_dtype, fsdp=False, ddp=False, two_micro_batches=True):
     }
 
 
+def block_ring_bytes(sequence_parallel: bool) -> float:
+    """Bytes one rank sends by ring for a transformer block's four TP layers at hidden size IN, in the order a
+    block runs them: column h -> 3h (QKV), row h -> h (projection), column h -> 4h (fc1), row 4h -> h (fc2)."""
+    tp = parallel_state.get_tensor_model_parallel_group()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    h, total = IN, 0.0
+    for kind, size_in, size_out in [("column", h, 3 * h), ("row", h, h), ("column", h, 4 * h), ("row", 4 * h, h)]:
+        cfg = config(sequence_parallel=sequence_parallel)
+        torch.manual_seed(7)
+        if kind == "column":
+            layer = layers.ColumnParallelLinear(size_in, size_out, config=cfg, init_method=init_method, tp_group=tp)
+            x = torch.randn(S, B, size_in).chunk(world, dim=0)[rank] if sequence_parallel else torch.randn(S, B, h)
+        else:
+            layer = layers.RowParallelLinear(
+                size_in,
+                size_out,
+                config=cfg,
+                init_method=init_method,
+                tp_group=tp,
+                bias=True,
+                input_is_parallel=True,
+                skip_bias_add=False,
+            )
+            x = torch.randn(S, B, size_in).chunk(world, dim=-1)[rank]
+        total += ring_bytes(run_case(layer, x, tp))
+    return total
+
+
 @functools.cache
 def records() -> list[dict]:
     """Every case megatron ran, on every rank (computed once a rank, then gathered): CPU only, its CUDA calls
@@ -312,6 +340,7 @@ def records() -> list[dict]:
             "fusion_bf16": fusion_case(torch.bfloat16),
             "fusion_ddp": fusion_case(torch.float32, ddp=True, two_micro_batches=False),
             "fusion_megatron_fsdp": fusion_case(torch.float32, fsdp=True, two_micro_batches=False),
+            "block_bytes": {sp: block_ring_bytes(sp) for sp in (False, True)},
         }
     return every_rank(mine)
 
@@ -432,15 +461,15 @@ def ring_bytes(case: dict) -> float:
 @on_ranks(WORLD)
 def test_sequence_parallel_adds_one_all_gather_per_column_layer_a_quarter_more_tp_bytes_per_block(ranks):
     """Each replaced all-reduce costs the same (the row layer); the column layer's backward re-gather of its
-    input is one all-gather more. A block's two column and two row layers, on activations of one size, move
-    3 + 3 + 2 + 2 units under sequence parallelism against 2 + 2 + 2 + 2 without: 25% more."""
+    input is one all-gather more. Summed over a real block's four layers (QKV, projection, fc1, fc2), whose
+    collectives all carry [s, b, h]: 3 + 2 + 3 + 2 units under sequence parallelism against 2 + 2 + 2 + 2."""
     for record in records():
         assert ring_bytes(record["row_sp"]) == ring_bytes(record["row"])
         extra = ring_bytes(record["column_sp"]) - ring_bytes(record["column"])
         assert extra == ACTIVATION_BYTES * (WORLD - 1) / WORLD  # one all-gather of the column layer's input
-        column = ring_bytes(record["column_sp"]) / ring_bytes(record["column"])
-        row = ring_bytes(record["row_sp"]) / ring_bytes(record["row"])
-        assert (2 * column + 2 * row) / 4 == 1.25
+        block = record["block_bytes"]
+        assert block[False] == 8 * ACTIVATION_BYTES * (WORLD - 1) / WORLD
+        assert block[True] / block[False] == 1.25
 
 
 def column_expected(rank: int, with_bias: bool) -> torch.Tensor:

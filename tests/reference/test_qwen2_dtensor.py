@@ -352,7 +352,8 @@ def test_keyword_layouts_need_their_desired_layouts_and_no_positional_ones(ranks
     """The fix to pitfall 1, part by part, on a module called as HF calls self_attn(hidden_states=...):
     input_kwarg_layouts alone fails the constructor's assertion; with positional input_layouts too, the keyword
     hook still checks the (empty) positional inputs against them; with its desired layouts and input_layouts
-    left None, the keyword input arrives gathered, Replicate."""
+    left None, the keyword input arrives gathered, Replicate. The constructor compares only the two dicts'
+    lengths, and only when input_kwarg_layouts is given: desired layouts alone, or for another keyword, pass it."""
 
     class Attention(torch.nn.Module):
         def forward(self, hidden_states):
@@ -377,6 +378,10 @@ def test_keyword_layouts_need_their_desired_layouts_and_no_positional_ones(ranks
     out = parallelize_module(Attention(), mesh, keyword)(hidden_states=local)
     assert isinstance(out, DTensor) and out.placements == (Replicate(),)
     assert torch.equal(out.to_local(), x)
+    desired_only = PrepareModuleInput(desired_input_kwarg_layouts=gathered)  # accepted, then ignored
+    out = parallelize_module(Attention(), mesh, desired_only)(hidden_states=local)
+    assert not isinstance(out, DTensor) and torch.equal(out, local)
+    PrepareModuleInput(input_kwarg_layouts=shard, desired_input_kwarg_layouts={"position_ids": Replicate()})
 
 
 def test_pitfall_sequence_not_divisible_by_tp_aborts_the_job_under_sequence_parallelism():
