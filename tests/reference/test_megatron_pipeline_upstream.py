@@ -800,3 +800,41 @@ def test_layer_counts_that_p_times_v_does_not_divide_build_off_the_default_even_
         )
         built = [[get_num_layers_to_build(config, vp_stage=c, pp_rank=r) for c in range(2)] for r in range(2)]
         assert built == chunks and sum(map(sum, built)) == layers
+
+
+def peak_held(order: list[str]) -> int:
+    """The most forwards whose backward has not run yet: what the stage keeps in input_tensors/output_tensors."""
+    held, peak = 0, 0
+    for action in order:
+        held += 1 if action[0] == "F" else -1
+        peak = max(peak, held)
+    return peak
+
+
+@on_ranks(4)
+def test_at_p4_m8_stage_0_holds_4_micro_batches_under_1f1b_and_11_half_stage_chunks_interleaved(ranks):
+    """Memory in flight, from megatron's recorded orders at p 4, m 8: 1F1B keeps min(p - r, m) whole-stage
+    forwards; interleaving (v 2) keeps its warm-up plus one chunk-forward of half a stage each, so rank 0 holds
+    5.5 stages' worth against 4, and every rank holds more than under 1F1B."""
+    by_pp_rank = sorted(logs(), key=lambda r: r["runs"]["defaults_m6"]["pp_rank"])
+    p, v, m = 4, 2, 8
+    plain = [peak_held(r["defaults_m8"]) for r in by_pp_rank]
+    interleaved = [peak_held(r["interleaved_v2_m8"]) for r in by_pp_rank]
+    assert plain == [min(p - r, m) for r in range(p)] == [4, 3, 2, 1]
+    assert interleaved == [min(2 * (p - r - 1) + (v - 1) * p + 1, v * m) for r in range(p)] == [11, 9, 7, 5]
+    assert all(chunks / v > whole for chunks, whole in zip(interleaved, plain))
+
+
+@on_ranks(4)
+@pytest.mark.parametrize("v, m", [(2, 8), (3, 4)])
+def test_megatron_interleaved_first_backward_is_micro_batch_0_on_the_last_chunk(ranks, v, m):
+    """The backward table mirrors the chunks: on every rank the first backward is micro-batch 0's on chunk
+    v - 1 (its last virtual stage), preceded at p 4, v 2, m 8 on rank 0 by F0.0-F0.3, F1.0-F1.3, F0.4-F0.6."""
+    by_pp_rank = sorted(logs(), key=lambda r: r["runs"]["defaults_m6"]["pp_rank"])
+    orders = [r[f"interleaved_v{v}_m{m}"] for r in by_pp_rank]
+    for order in orders:
+        assert next(a for a in order if a[0] == "B") == f"B{v - 1}.0", order
+    if (v, m) == (2, 8):
+        first = orders[0]
+        leading = first[: first.index("B1.0")]
+        assert leading == [f"F0.{i}" for i in range(4)] + [f"F1.{i}" for i in range(4)] + ["F0.4", "F0.5", "F0.6"]

@@ -10,6 +10,7 @@ the claims compare every rank's runs (gathered).
 import functools
 from types import SimpleNamespace
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleGPipe, _ComputationType
@@ -19,6 +20,7 @@ from reference.gpt.parallelize import build_stage
 from reference.gpt.train import data_parallel, split_batch, synthetic_batches, train_step
 from reference.measure.pipeline_meter import PipelineMeter
 from reference.measure.recorder import CollectiveRecorder
+from reference.measure.replay import idle_fraction
 from reference.parallel_state import ParallelConfigError, build_layout
 from reference.pipeline.schedules import forward_backward
 from tests.launch import CRASHES, torchrun_failing
@@ -214,3 +216,14 @@ def test_rank_failing_mid_pipeline_ends_the_run_in_bounded_time():
     message, _ = torchrun_failing(CRASHES / "pipeline_crash.py", 2)
     assert "simulated crash of stage 1" in message
     assert "unreachable on rank 0" not in message
+
+
+@pytest.mark.upstream("pytorch")
+@pytest.mark.parametrize("p, m", [(4, 8), (4, 6), (2, 4)])
+def test_torch_gpipe_plan_idles_p_minus_1_over_m_plus_p_minus_1_as_1f1b_does(p, m):
+    """GPipe's bubble is 1F1B's: torch's ScheduleGPipe plan (every forward, then every backward), replayed with
+    uniform costs, idles (p - 1)/(m + p - 1), the fraction megatron's 1F1B order idles
+    (test_megatron_pipeline_upstream.py); 1F1B reorders to hold fewer micro-batches, not to idle less."""
+    orders = [torch_order("gpipe", p, stage, m) for stage in range(p)]
+    assert all(order[:m] == [f"F{i}" for i in range(m)] for order in orders), orders
+    assert idle_fraction(orders) == pytest.approx((p - 1) / (m + p - 1))
