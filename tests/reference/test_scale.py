@@ -348,7 +348,7 @@ def test_interleaving_bad_setups_are_refused_in_one_line(capsys):
 
 
 def test_progress_goes_to_stderr_a_line_per_traced_rank(capsys):
-    """A 70B trace runs ~15 s per rank: a line before each rank says what is being traced (it printed nothing
+    """A 70B trace runs 15-30 s per rank: a line before each rank says what is being traced (it printed nothing
     for 40-45 s, issue #24), and the --json stdout stays one document."""
     argv = ["--model", "small", "--tp", "2", "--pp", "2", "--dp", "2", "--micro-batches", "2", "--json"]
     assert main(argv) == 0

@@ -134,7 +134,7 @@ def setup_from(args: argparse.Namespace) -> ScaleSetup:
 
 
 def traced_with_progress(setup: ScaleSetup, ranks: list[int]) -> list[RankStep]:
-    """step_of each rank, with a line on stderr before each: a 70B rank takes ~15 s to trace, and stdout holds
+    """step_of each rank, with a line on stderr before each: a 70B rank takes 15-30 s to trace, and stdout holds
     only the result (one JSON document with --json)."""
     start, steps = time.perf_counter(), []
     for i, rank in enumerate(ranks, 1):
