@@ -23,7 +23,7 @@ import json
 import torch
 import torch.distributed as dist
 
-from reference.arguments import OneLineParser, add_device_argument
+from reference.arguments import OneLineParser, add_device_argument, add_flag
 from reference.distributed import distributed, one_line_errors
 from reference.measure.activation_memory.measure import MODELS, Count, build_block, count_all
 from reference.measure.activation_memory.paper import Setting
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = OneLineParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", choices=[*MODELS, "both"], default="both")
     parser.add_argument("--seq-length", type=int, default=256)
-    parser.add_argument("--batch-size", type=int, default=2)
+    add_flag(parser, "--micro-batch-size", "--batch-size", dest="batch_size", type=int, default=2)
     parser.add_argument("--hidden-size", type=int, default=512)
     parser.add_argument("--num-attention-heads", type=int, default=8)
     parser.add_argument("--num-kv-heads", type=int, default=4, help="Llama: key/value heads (default 4)")

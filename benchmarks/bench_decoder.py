@@ -27,7 +27,7 @@ from qwen2_dtensor import document_plan, loss_and_backward
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import Qwen2ForCausalLM
 
-from reference.arguments import add_device_argument
+from reference.arguments import add_device_argument, add_flag
 from reference.distributed import distributed, one_line_errors
 from reference.gpt.hf_weights import load_hf_into_stage, qwen2_config
 from reference.gpt.model import GPTConfig
@@ -39,7 +39,7 @@ from reference.parallel_state import build_layout
 
 def parse_args(argv: list[str] | None = None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch-size", type=int, default=4)
+    add_flag(parser, "--micro-batch-size", "--batch-size", dest="batch_size", type=int, default=4)
     parser.add_argument("--seq-length", type=int, default=128)
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--num-attention-heads", type=int, default=8)

@@ -31,7 +31,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from reference.arguments import add_device_argument
+from reference.arguments import add_device_argument, add_flag
 from reference.data_parallel import DistributedDataParallel
 from reference.data_parallel.buckets import padded_numel
 from reference.data_parallel.distributed_optimizer import DistributedOptimizer, bytes_per_rank
@@ -53,7 +53,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-attention-heads", type=int, default=4)
     parser.add_argument("--num-layers", type=int, default=4)
     parser.add_argument("--seq-length", type=int, default=32)
-    parser.add_argument("--batch-size", type=int, default=4, help="sequences per rank and step")
+    add_flag(
+        parser,
+        "--micro-batch-size",
+        "--batch-size",
+        dest="batch_size",
+        type=int,
+        default=4,
+        help="sequences per rank and step",
+    )
     parser.add_argument("--bucket-size", type=int, default=2**19, metavar="BYTES", help="gradient bucket size")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per variant (interleaved)")
     parser.add_argument("--seed", type=int, default=1234)
@@ -68,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     with one_line_errors("bench_distopt"):
         if min(args.steps, args.batch_size, args.bucket_size, args.hidden_size, args.num_layers) < 1:
             raise ParallelConfigError(
-                "--steps, --batch-size, --bucket-size, --hidden-size and --num-layers must be >= 1"
+                "--steps, --micro-batch-size, --bucket-size, --hidden-size and --num-layers must be >= 1"
             )
         with distributed(args.device) as device:
             if dist.get_world_size() < 2:

@@ -1,6 +1,6 @@
 """Wall times of the citation tool on the shipped notes, side by side in one run: `tools/pin-and-cite check`,
 `mkdocs build` (which renders every note first), and the import time of the tool (`import pin_and_cite.cli`),
-each the median (and the best) of --repeat runs in fresh processes, as wall time and as CPU time (after one unmeasured
+each the median (and the best) of --rounds runs in fresh processes, as wall time and as CPU time (after one unmeasured
 `check`, which fills the parse and compiled-template caches as any first run after an edit does). Also counts
 the torch modules `check` imported (`python -X importtime`): the citation tool never imports torch, so a count
 above 0 fails the run. And a fixed pure-Python loop (ten million additions) timed the same way: the shared
@@ -8,7 +8,7 @@ machines this runs on change speed by up to half as much again within minutes (C
 time), so the commands run in interleaved rounds, each round measuring every one, and the loop says how fast
 the machine was; compare runs by their loops.
 
-    .venv/bin/python benchmarks/bench_tools.py [--repeat N] [--json]
+    .venv/bin/python benchmarks/bench_tools.py [--rounds N] [--json]
 
 `mkdocs build` needs the self-hosted assets: run tools/vendor-assets once.
 """
@@ -25,6 +25,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from reference.arguments import add_flag
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = ROOT / ".venv" / "bin" / "python"
@@ -88,8 +90,11 @@ def measure(repeat: int) -> dict[str, float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
+    add_flag(
+        parser,
+        "--rounds",
         "--repeat",
+        dest="repeat",
         type=int,
         default=3,
         help="rounds, each running every command once (the median and the best are shown)",

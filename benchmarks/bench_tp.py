@@ -25,6 +25,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from reference.arguments import add_flag
 from reference.torch_patches import cuda_calls_on_cpu
 
 if not torch.cuda.is_available():  # megatron allocates some buffers on torch.cuda.current_device()
@@ -52,7 +53,7 @@ from reference.tensor_parallel.transformer import Transformer, init_method_norma
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch-size", type=int, default=4)
+    add_flag(parser, "--micro-batch-size", "--batch-size", dest="batch_size", type=int, default=4)
     parser.add_argument("--seq-length", type=int, default=128)
     parser.add_argument("--hidden-size", type=int, default=512)
     parser.add_argument("--num-attention-heads", type=int, default=8)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from reference.arguments import OneLineParser, add_device_argument, learning_rate, output_dir
+from reference.arguments import OneLineParser, add_device_argument, add_flag, learning_rate, output_dir
 from reference.distributed import DTYPES
 from reference.fsdp import demo as fsdp_demo
 from reference.gpt import demo as gpt_demo
@@ -28,11 +28,15 @@ def build_parser() -> argparse.ArgumentParser:
     common = parser.add_argument_group("model and data (both demos)")
     common.add_argument("--fsdp", action="store_true", help="run the FSDP demo instead of TP x PP x DP")
     common.add_argument("--steps", type=int, default=3, help="optimizer steps to run")
-    common.add_argument(
+    add_flag(
+        common,
+        "--micro-batch-size",
         "--batch-size",
+        dest="batch_size",
         type=int,
         default=2,
-        help="micro-batch size b (default demo: the global batch is b x micro-batches x dp)",
+        help="micro-batch size b: the global batch is b x micro-batches x dp (FSDP demo: b is the global batch, "
+        "split over the ranks)",
     )
     common.add_argument("--seq-length", type=int, default=16, help="sequence length s")
     common.add_argument("--hidden-size", type=int, default=64, help="hidden size h")

@@ -72,6 +72,16 @@ def output_dir(text: str) -> Path:
     return path
 
 
+def add_flag(parser, spelling: str, *old_spellings: str, **kwargs) -> argparse.Action:
+    """`parser.add_argument(spelling, **kwargs)`, still accepting each old spelling but leaving it out of --help,
+    so that every CLI of the kit shows one spelling per concept (Megatron-LM's, where it has one)."""
+    action = parser.add_argument(spelling, **kwargs)
+    hidden = {**kwargs, "dest": action.dest, "default": argparse.SUPPRESS, "help": argparse.SUPPRESS}
+    for old in old_spellings:
+        parser.add_argument(old, **hidden)
+    return action
+
+
 def add_device_argument(parser: argparse.ArgumentParser, help: str | None = None) -> None:
     """`--device auto|cpu|cuda`, as every reference command takes it (reference.distributed.pick_device)."""
     parser.add_argument(

@@ -42,8 +42,20 @@ WORKER_RUNS = (
 # trace name -> python -m reference.measure.scale arguments: 70B on TP 8 x PP 8 x DP 64 (1F1B, DDP in 25 MiB buckets),
 # plain TP and with sequence parallelism
 SCALE = {
-    "scale_70b": ["--model", "70b", "--tp", "8", "--pp", "8", "--dp", "64", "--microbatches", "16"],
-    "scale_70b_sp": ["--model", "70b", "--tp", "8", "--pp", "8", "--dp", "64", "--microbatches", "16", "--sp"],
+    "scale_70b": ["--model", "70b", "--tp", "8", "--pp", "8", "--dp", "64", "--micro-batches", "16"],
+    "scale_70b_sp": [
+        "--model",
+        "70b",
+        "--tp",
+        "8",
+        "--pp",
+        "8",
+        "--dp",
+        "64",
+        "--micro-batches",
+        "16",
+        "--sequence-parallel",
+    ],
     "scale_70b_distopt": [
         "--model",
         "70b",
@@ -53,9 +65,10 @@ SCALE = {
         "8",
         "--dp",
         "64",
-        "--microbatches",
+        "--micro-batches",
         "16",
-        "--distributed-optimizer",
+        "--dp-sharding",
+        "optimizer",
     ],
 }
 

@@ -76,7 +76,7 @@ def _train(args: argparse.Namespace, config: GPTConfig, device: torch.device) ->
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.batch_size % world:
         sys.exit(
-            f"reference: error: --batch-size {args.batch_size} is not divisible by the world size {world}; "
+            f"reference: error: --micro-batch-size {args.batch_size} is not divisible by the world size {world}; "
             "each rank trains on an equal slice of the global batch"
         )
     mixed = args.mixed_precision or pick_dtype(args.dtype, device) == torch.bfloat16

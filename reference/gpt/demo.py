@@ -145,7 +145,7 @@ def _config(args) -> GPTConfig:
                 "--dp-sharding replicate"
             )
     if min(args.steps, args.batch_size, args.micro_batches, args.bucket_size) < 1:
-        raise ParallelConfigError("--steps, --batch-size, --micro-batches and --bucket-size must be >= 1")
+        raise ParallelConfigError("--steps, --micro-batch-size, --micro-batches and --bucket-size must be >= 1")
     if args.num_kv_heads is not None and (args.model != "llama" or args.num_kv_heads < 1):
         raise ParallelConfigError(f"--num-kv-heads {args.num_kv_heads}: needs --model llama and a positive count")
     kv_heads = args.num_kv_heads or max(1, args.num_attention_heads // 2)

@@ -56,7 +56,7 @@ def test_help_explains_every_flag():
             ["--pp", "4", "--num-layers", "2"],
             "4 pipeline stages need at least 4 transformer layers, the model has 2; lower --pp or raise --num-layers",
         ),
-        (["--micro-batches", "0"], "--steps, --batch-size, --micro-batches and --bucket-size must be >= 1"),
+        (["--micro-batches", "0"], "--steps, --micro-batch-size, --micro-batches and --bucket-size must be >= 1"),
         (["--hidden-size", "10"], "hidden_size (10) is not divisible by num_attention_heads (4)"),
         (["--tp", "2", "--pp", "2", "--dp-sharding", "fsdp"], FSDP_REFUSED.format(pp=2, m=1)),
         (["--tp", "2", "--dp-sharding", "fsdp", "--micro-batches", "2"], FSDP_REFUSED.format(pp=1, m=2)),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import time
 
 import pytest
@@ -343,3 +344,18 @@ def test_interleaving_bad_setups_are_refused_in_one_line(capsys):
         assert main(argv) == 2
         err = capsys.readouterr().err.strip()
         assert message in err and "\n" not in err
+
+
+def test_progress_goes_to_stderr_a_line_per_traced_rank(capsys):
+    """A 70B trace runs 15-30 s per rank: a line before each rank says what is being traced (it printed nothing
+    for 40-45 s, issue #24), and the --json stdout stays one document."""
+    argv = ["--model", "small", "--tp", "2", "--pp", "2", "--dp", "2", "--micro-batches", "2", "--json"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["agree"]
+    *tracing, done = captured.err.splitlines()
+    assert tracing == [
+        "reference.measure.scale: tracing rank 0 (pipeline stage 0 of 2), 1 of 2 ...",
+        "reference.measure.scale: tracing rank 2 (pipeline stage 1 of 2), 2 of 2 ...",
+    ]
+    assert re.fullmatch(r"reference\.measure\.scale: traced 2 ranks in \d+\.\d s", done), done

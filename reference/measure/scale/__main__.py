@@ -1,13 +1,15 @@
-"""`python -m reference.measure.scale --tp 8 --pp 8 --dp 64 --model 70b [--rank R] [--sp] [--distributed-optimizer]
-[--json]`: trace one training step of one rank (or a first, middle and last stage rank) of a large job with the
-fake process group, and print the bytes per group and collective type, and the bytes the rank holds, next to
-the closed-form formula. Exit 0 when every row agrees, 1 when one does not, 2 for a setup that cannot exist."""
+"""`python -m reference.measure.scale --tp 8 --pp 8 --dp 64 --model 70b [--rank R] [--sequence-parallel]
+[--dp-sharding optimizer] [--json]`: trace one training step of one rank (or a first, middle and last stage
+rank) of a large job with the fake process group, and print the bytes per group and collective type, and the
+bytes the rank holds, next to the closed-form formula. Exit 0 when every row agrees, 1 when one does not, 2 for
+a setup that cannot exist."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import time
 
 from reference.arguments import (
     MAX_MICROBATCHES,
@@ -15,6 +17,7 @@ from reference.arguments import (
     MICROBATCHES_WHY,
     WORLD_WHY,
     OneLineParser,
+    add_flag,
     microbatches,
     refuse_large_world,
     world_size,
@@ -22,7 +25,7 @@ from reference.arguments import (
 from reference.data_parallel.wrapper import DEFAULT_BUCKET_SIZE
 from reference.measure.scale import formulas
 from reference.measure.scale.shapes import MODELS, ScaleSetup, setup_for
-from reference.measure.scale.simulate import default_ranks, document, step_of
+from reference.measure.scale.simulate import RankStep, default_ranks, document, stage_of, step_of
 from reference.parallel_state import ORDERS, ParallelConfigError
 from reference.pipeline.schedules import SCHEDULES
 
@@ -38,8 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tp", type=world_size, default=8, help="tensor-parallel size")
     parser.add_argument("--pp", type=world_size, default=8, help="pipeline-parallel size")
     parser.add_argument("--dp", type=world_size, default=64, help="data-parallel size")
-    parser.add_argument("--microbatches", type=microbatches, default=16, help="micro-batches per step (m)")
-    parser.add_argument("--sp", action="store_true", help="sequence parallelism")
+    add_flag(
+        parser, "--micro-batches", "--microbatches", type=microbatches, default=16, help="micro-batches per step (m)"
+    )
+    add_flag(parser, "--sequence-parallel", "--sp", action="store_true", help="sequence parallelism")
     parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule")
     parser.add_argument(
         "--virtual-stages",
@@ -56,10 +61,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="DDP gradient bucket size (0: one bucket)",
     )
     parser.add_argument(
+        "--dp-sharding",
+        choices=["replicate", "optimizer"],
+        default="replicate",
+        help="optimizer: the distributed optimizer shards fp32 masters and Adam states over DP (ZeRO-1), "
+        "reduce-scatters the gradients and all-gathers the parameters; needs dp > 1",
+    )
+    parser.add_argument(  # the old spelling, hidden: one spelling per concept across the CLIs
         "--distributed-optimizer",
-        action="store_true",
-        help="shard fp32 masters and Adam states over DP (ZeRO-1): reduce-scatter the gradients, "
-        "all-gather the parameters; needs dp > 1",
+        dest="dp_sharding",
+        action="store_const",
+        const="optimizer",
+        default=argparse.SUPPRESS,
+        help=argparse.SUPPRESS,
     )
     parser.add_argument("--order", choices=ORDERS, default="tp-pp-dp", help="rank order (megatron's `order`)")
     parser.add_argument(
@@ -109,14 +123,29 @@ def setup_from(args: argparse.Namespace) -> ScaleSetup:
         tp=args.tp,
         pp=args.pp,
         dp=args.dp,
-        microbatches=args.microbatches,
-        sp=args.sp,
+        microbatches=args.micro_batches,
+        sp=args.sequence_parallel,
         schedule=args.schedule,
         bucket_size=args.bucket_size or None,
         order=args.order,
-        distributed_optimizer=args.distributed_optimizer,
+        distributed_optimizer=args.dp_sharding == "optimizer",
         virtual_stages=args.virtual_stages,
     )
+
+
+def traced_with_progress(setup: ScaleSetup, ranks: list[int]) -> list[RankStep]:
+    """step_of each rank, with a line on stderr before each: a 70B rank takes 15-30 s to trace, and stdout holds
+    only the result (one JSON document with --json)."""
+    start, steps = time.perf_counter(), []
+    for i, rank in enumerate(ranks, 1):
+        say(f"tracing rank {rank} (pipeline stage {stage_of(setup, rank)} of {setup.pp}), {i} of {len(ranks)} ...")
+        steps.append(step_of(setup, rank))
+    say(f"traced {len(ranks)} rank{'s' * (len(ranks) != 1)} in {time.perf_counter() - start:.1f} s")
+    return steps
+
+
+def say(line: str) -> None:
+    print(f"reference.measure.scale: {line}", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     except ParallelConfigError as error:
         print(f"reference.measure.scale: error: {error}", file=sys.stderr)
         return 2
-    doc = document(setup, [step_of(setup, rank) for rank in ranks])
+    doc = document(setup, traced_with_progress(setup, ranks))
     print(json.dumps(doc) if args.json else format_document(doc))
     return 0 if doc["agree"] else 1
 

@@ -90,8 +90,8 @@ class ScaleSetup:
         if self.distributed_optimizer and self.dp == 1:
             raise ParallelConfigError(
                 "the distributed optimizer shards the optimizer state over the data-parallel "
-                "group, but dp is 1: nothing to shard; raise --dp or drop "
-                "--distributed-optimizer"
+                "group, but dp is 1: nothing to shard; raise --dp or use "
+                "--dp-sharding replicate"
             )
         if self.bucket_size is not None and self.bucket_size < 1:
             raise ParallelConfigError(f"bucket size {self.bucket_size} must be a positive number of bytes")
