@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import time
 
 import pytest
 import record_traces  # tools/: the arguments of the committed scale traces
@@ -44,20 +43,16 @@ def assert_agrees(rows):
 def seventy_b():
     """The committed scale traces' setups (tools/record_traces.SCALE: 70B at TP 8 x PP 8 x DP 64, plain, with
     SP, with the distributed optimizer), each traced here once on its first, middle and last stage: per trace
-    name, the setup, {stage: RankStep} and {stage: seconds the trace took}."""
+    name, the setup and {stage: RankStep}."""
     runs = {}
     for name, argv in record_traces.SCALE.items():
-        setup, steps, seconds = setup_from(build_parser().parse_args(argv)), {}, {}
-        for rank in default_ranks(setup):
-            start, stage = time.perf_counter(), stage_of(setup, rank)
-            steps[stage] = step_of(setup, rank)
-            seconds[stage] = time.perf_counter() - start
-        runs[name] = setup, steps, seconds
+        setup = setup_from(build_parser().parse_args(argv))
+        runs[name] = setup, {stage_of(setup, rank): step_of(setup, rank) for rank in default_ranks(setup)}
     return runs
 
 
 def rows_of(seventy_b, name: str, stage: int):
-    setup, steps, _ = seventy_b[name]
+    setup, steps = seventy_b[name]
     return summarize(setup, steps[stage].rank, steps[stage].events)
 
 
@@ -65,7 +60,7 @@ def test_committed_scale_traces_match_a_fresh_run(seventy_b):
     """reading_notes/traces/scale_*.json are what `python -m reference.measure.scale ... --json` writes now (the
     document of the same setups and ranks), formula terms included."""
     assert sorted(seventy_b) == sorted(p.stem for p in TRACES.glob("scale_*.json"))
-    for name, (setup, steps, _) in seventy_b.items():
+    for name, (setup, steps) in seventy_b.items():
         committed = json.loads((TRACES / f"{name}.json").read_text())
         fresh = json.loads(json.dumps(document(setup, list(steps.values()))))
         assert fresh == committed, f"reading_notes/traces/{name}.json is stale: re-record with tools/record-traces"
@@ -73,7 +68,7 @@ def test_committed_scale_traces_match_a_fresh_run(seventy_b):
 
 
 def test_70b_first_middle_last_stage_rows_equal_the_formulas(seventy_b):
-    for name, (setup, steps, seconds) in seventy_b.items():
+    for name, (setup, steps) in seventy_b.items():
         assert setup.microbatches == M and sorted(steps) == [0, 4, 7], name
         for stage in steps:
             assert_agrees(rows_of(seventy_b, name, stage))
@@ -135,7 +130,7 @@ def test_70b_distributed_optimizer_holds_the_zero_bytes_and_moves_the_all_reduce
     buckets, each as many bytes."""
     params = 10 * (6 * H + (4 * H * H + 2 * H * F + 3 * H + F) // 8)
     assert params == 923_304_960
-    setup, steps, _ = seventy_b["scale_70b_distopt"]
+    setup, steps = seventy_b["scale_70b_distopt"]
     assert setup.distributed_optimizer and steps[4].rank == 32
     held, rows = steps[4].held, table(rows_of(seventy_b, "scale_70b_distopt", 4))
     assert held == {
