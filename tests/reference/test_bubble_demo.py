@@ -1,0 +1,52 @@
+"""The pipeline demo's bubble: the recorded schedule replayed in modeled time (each action's recorded FLOPs at a
+stated rate) equals (p - 1) / (v m + p - 1) on every stage when the stages do equal work; the wall-clock figure
+is printed beside it, labeled, with the reason it differs on a shared CPU."""
+
+import functools
+import re
+
+import pytest
+
+from tests.ranks import on_ranks
+from tests.reference.helpers import demo_output, json_lines
+
+P, M = 4, 8
+# a vocabulary of 8 against a hidden size of 32: the last stage's LM head adds ~2 % to its FLOPs, so the stages
+# are nearly equal, as the formula assumes (test_replay.py covers unequal ones)
+SMALL = ["--pp", str(P), "--micro-batches", str(M), "--steps", "1", "--batch-size", "1", "--seq-length", "8"]
+SMALL += ["--hidden-size", "32", "--num-attention-heads", "4", "--vocab-size", "8"]
+
+
+@functools.cache
+def demo(v: int, json: bool) -> str:
+    """Rank 0's output of the 1F1B demo at pp 4, m 8 with v model chunks per stage (once a rank)."""
+    return demo_output([*SMALL, "--num-layers", str(P * v), "--virtual-stages", str(v), *(["--json"] if json else [])])
+
+
+@on_ranks(4)
+@pytest.mark.parametrize("v", [1, 2])
+def test_the_modeled_bubble_equals_the_formula_on_every_stage(ranks, v):
+    (record,) = [line for line in json_lines(demo(v, json=True)) if "pipeline" in line]
+    formula = (P - 1) / (v * M + P - 1)
+    stages = record["pipeline"]
+    assert [s["pp_rank"] for s in stages] == list(range(P))
+    for stage in stages:
+        assert stage["bubble_formula"] == pytest.approx(formula)
+        assert abs(stage["modeled_bubble"] - formula) < 0.03, (stage["pp_rank"], stage["modeled_bubble"], formula)
+        assert 0 <= stage["wall_clock_bubble"] < 1
+    # the last stage also runs the LM head: the most work, so the least idle
+    assert stages[-1]["modeled_bubble"] == min(s["modeled_bubble"] for s in stages)
+    assert record["modeled_tflops"] > 0 and record["modeled_step_s"] > 0
+
+
+@on_ranks(4)
+def test_the_text_output_says_which_bubble_is_modeled_and_which_is_wall_clock(ranks):
+    """Each stage's line shows the modeled bubble (deterministic: the same as the --json run's) and, labeled, this
+    run's wall-clock one; the header says how each was obtained."""
+    text = demo(1, json=False)
+    (record,) = [line for line in json_lines(demo(1, json=True)) if "pipeline" in line]
+    assert "TFLOP/s" in text and "formula (p-1)/(m+p-1) = 0.27, for stages of equal FLOPs" in text, text
+    assert re.search(r"wall clock: this run's, 4 ranks on \d+ CPU cores", text), text
+    for stage in record["pipeline"]:
+        line = rf"bubble {stage['modeled_bubble']:.2f} modeled \(wall clock 0\.\d\d\)"
+        assert re.search(line, text), (line, text)
