@@ -29,7 +29,7 @@ from reference.gpt.train import data_parallel, fully_sharded, synthetic_batches,
 from reference.measure.fsdp_tracing import unit_scopes
 from reference.measure.pipeline_meter import PipelineMeter
 from reference.measure.recorder import CollectiveRecorder
-from reference.measure.replay import idle_fractions, replay
+from reference.measure.replay import idle_fractions, replay, uniform_costs
 from reference.parallel_state import ParallelConfigError, build_layout, parallel_sizes
 from reference.pipeline.schedules import SCHEDULES, peak_in_flight_formula
 from reference.recompute import RECOMPUTE_MODES
@@ -330,16 +330,20 @@ def _report_memory(args, ranks: list[dict]) -> None:
         )
 
 
-def _modeled_step(stages: list[dict], chunks: int) -> float | None:
-    """Sets each stage's modeled_bubble: its idle fraction when the recorded orders are replayed, each action
-    taking its recorded FLOPs at MODELED_TFLOPS, transfers free. Returns the modeled step's seconds; None, and
-    no bubble, when no FLOPs were recorded (the recorder is off on a torch it cannot hook)."""
+def _replayed(stages: list[dict], chunks: int) -> float | None:
+    """Sets each stage's idle fraction when the recorded orders are replayed with transfers free: with equal
+    stages (equal_stages_bubble, the schedule's own) and at each action's recorded FLOPs at MODELED_TFLOPS
+    (modeled_bubble). Returns the modeled step's seconds; None, and no modeled_bubble, when no FLOPs were
+    recorded (the recorder is off on a torch it cannot hook)."""
+    orders = [s["actions"] for s in stages]
+    for s, idle in zip(stages, idle_fractions(replay(orders, uniform_costs(orders, chunks), chunks))):
+        s["equal_stages_bubble"] = idle
     if not all(sum(s["action_flops"]) for s in stages):
         for s in stages:
             s["modeled_bubble"] = None
         return None
     seconds = [[flops / (MODELED_TFLOPS * 1e12) for flops in s["action_flops"]] for s in stages]
-    spans = replay([s["actions"] for s in stages], seconds, chunks)
+    spans = replay(orders, seconds, chunks)
     for s, idle in zip(stages, idle_fractions(spans)):
         s["modeled_bubble"] = idle
     return max(end for stage in spans for _, end in stage)
@@ -359,7 +363,7 @@ def _wall_clock(device: torch.device) -> str:
 
 def _report_pipeline(args, stages: list[dict], device: torch.device) -> None:
     p, m, v = len(stages), args.micro_batches, args.virtual_stages
-    step = _modeled_step(stages, v)
+    step = _replayed(stages, v)
     if args.json:
         print(json.dumps({"pipeline": stages, "modeled_tflops": MODELED_TFLOPS, "modeled_step_s": step}), flush=True)
         return
@@ -368,23 +372,25 @@ def _report_pipeline(args, stages: list[dict], device: torch.device) -> None:
     print(
         f"pipeline: {name if p > 1 else 'no pipelining'}, pp {p}, {m} micro-batches (last step, one rank per "
         "stage); bubble: the fraction of the step a stage idles",
-        f"\n  modeled: the recorded order replayed, each action's recorded FLOPs at {MODELED_TFLOPS:g} TFLOP/s, "
-        f"transfers free: {step * 1e6:.2f} us a step"
+        "\n  with equal stages: the recorded orders replayed, a forward costing 1 and a backward 2, transfers "
+        f"free: the schedule's own; formula {formula} = {stages[0]['bubble_formula']:.2f}",
+        f"\n  at its FLOPs: the same replay, each action its recorded FLOPs at {MODELED_TFLOPS:g} TFLOP/s: "
+        f"{step * 1e6:.2f} us a step"
+        + ("; the stages differ (the last also runs the LM head and loss)" if p > 1 else "")
         if step is not None
-        else "\n  modeled: not available, no FLOPs were recorded (the collective recorder is off)",
-        f"\n  formula {formula} = {stages[0]['bubble_formula']:.2f}"
-        + (", for stages of equal FLOPs (here the last stage also runs the LM head and loss)" if p > 1 else ""),
+        else "\n  at its FLOPs: not available, no FLOPs were recorded (the collective recorder is off)",
         f"\n  wall clock: {_wall_clock(device)}",
         sep="",
         flush=True,
     )
     for s in stages:
         expected = peak_in_flight_formula(args.schedule, p, s["pp_rank"], m, v)
-        modeled = "not modeled" if s["modeled_bubble"] is None else f"{s['modeled_bubble']:.2f} modeled"
+        modeled = "not modeled" if s["modeled_bubble"] is None else f"{s['modeled_bubble']:.2f}"
         print(
             f"  stage {s['pp_rank']}: {' '.join(s['actions'])}\n"
             f"    peak in flight {s['peak_in_flight']} {unit} (autograd held {s['peak_in_flight_measured']},"
-            f" {s['peak_activation_bytes']} B; expected {expected}), bubble {modeled} (wall clock "
-            f"{s['wall_clock_bubble']:.2f}), {sum(s['action_flops']) / m / 1e6:.1f} MFLOP per micro-batch",
+            f" {s['peak_activation_bytes']} B; expected {expected}), {sum(s['action_flops']) / m / 1e6:.1f} MFLOP "
+            f"per micro-batch; bubble {s['equal_stages_bubble']:.2f} with equal stages, {modeled} at its FLOPs, "
+            f"wall clock {s['wall_clock_bubble']:.2f}",
             flush=True,
         )

@@ -2,7 +2,7 @@
 
 Wall-clock bubbles of ranks sharing a few CPU cores are noise; the order each stage ran and the FLOPs of each
 action are not. Replaying the orders with only their data dependencies (transfers free), each action costing
-its recorded FLOPs at a stated rate (the demo, reference/gpt/demo.py) or a uniform cost (`idle_fraction`:
+its recorded FLOPs at a stated rate or a uniform cost (reference/gpt/demo.py prints both; `idle_fraction`:
 tests/reference/test_interleaved.py, test_megatron_pipeline_upstream.py, benchmarks/bench_pipeline.py), gives
 each stage's idle fraction to compare with (p - 1) / (v m + p - 1), which assumes equal stages.
 """
@@ -50,8 +50,11 @@ def idle_fractions(spans: list[list[tuple[float, float]]]) -> list[float]:
     return [1 - sum(end - start for start, end in stage) / step for stage in spans]
 
 
+def uniform_costs(orders: list[list[str]], chunks: int = 1, forward: float = 1.0, backward: float = 2.0):
+    """Every stage equal: each forward `forward`, each backward `backward`, a chunk's action 1/chunks of those."""
+    return [[(forward if a[0] == "F" else backward) / chunks for a in order] for order in orders]
+
+
 def idle_fraction(orders: list[list[str]], chunks: int = 1, forward: float = 1.0, backward: float = 2.0) -> float:
-    """The idle fraction under uniform costs (a chunk's action 1/chunks of a whole stage's): the same on every
-    stage, since every stage computes as long."""
-    costs = [[(forward if a[0] == "F" else backward) / chunks for a in order] for order in orders]
-    return idle_fractions(replay(orders, costs, chunks))[0]
+    """The idle fraction under uniform costs: the same on every stage, since every stage computes as long."""
+    return idle_fractions(replay(orders, uniform_costs(orders, chunks, forward, backward), chunks))[0]
