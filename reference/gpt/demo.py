@@ -1,8 +1,8 @@
 """`torchrun --nproc-per-node 8 -m reference --tp 2 --pp 2 --dp 2`: train the small GPT with TP x PP x DP.
 
 Prints the layout, then per step the global loss, rank 0's parameter bytes and its collectives per process
-group (tp, pp, dp), then each stage's schedule, in-flight peak and bubble (the recorded order replayed at its
-recorded FLOPs, beside the wall clock) against (p - 1) / (v m + p - 1), then every rank's memory. `--model
+group (tp, pp, dp), then each stage's schedule, in-flight peak and bubble (the recorded orders replayed with
+equal stages and at their recorded FLOPs, and the wall clock's), then every rank's memory. `--model
 llama` trains the Llama/Qwen2 block; `--dp-sharding fsdp` (2D) or `optimizer` (ZeRO-1) shard over DP;
 `--virtual-stages v` interleaves. The loss does not depend on the layout: the same seed gives the same model
 and data everywhere. docs/reference-guide.md lists the demos and what each prints.
@@ -355,9 +355,10 @@ def _wall_clock(device: torch.device) -> str:
         return "this run's, each action ended by a CUDA synchronize; transfers and launches count as idle"
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    shared = ", which they take turns on" if ranks > cores else ""
     return (
-        f"this run's, {ranks} ranks on {cores} CPU cores: they take turns on the cores, and sends, receives "
-        "and Python between these small actions count as idle"
+        f"this run's, {ranks} rank{'s' if ranks > 1 else ''} on {cores} CPU cores{shared}; sends, receives and "
+        "Python between these small actions count as idle"
     )
 
 
@@ -369,28 +370,32 @@ def _report_pipeline(args, stages: list[dict], device: torch.device) -> None:
         return
     name = f"interleaved 1f1b, {v} chunks per stage" if v > 1 else args.schedule
     unit, formula = ("chunk-forwards", "(p-1)/(v m+p-1)") if v > 1 else ("micro-batches", "(p-1)/(m+p-1)")
-    print(
+    at_flops = (
+        "not available, no FLOPs were recorded (the collective recorder is off)"
+        if step is None
+        else f"the same replay, each action its recorded FLOPs at {MODELED_TFLOPS:g} TFLOP/s: {step * 1e6:.2f} us a "
+        "step" + ("; the stages differ (the last also runs the LM head and loss)" if p > 1 else "")
+    )
+    header = [
         f"pipeline: {name if p > 1 else 'no pipelining'}, pp {p}, {m} micro-batches (last step, one rank per "
         "stage); bubble: the fraction of the step a stage idles",
-        "\n  with equal stages: the recorded orders replayed, a forward costing 1 and a backward 2, transfers "
-        f"free: the schedule's own; formula {formula} = {stages[0]['bubble_formula']:.2f}",
-        f"\n  at its FLOPs: the same replay, each action its recorded FLOPs at {MODELED_TFLOPS:g} TFLOP/s: "
-        f"{step * 1e6:.2f} us a step"
-        + ("; the stages differ (the last also runs the LM head and loss)" if p > 1 else "")
-        if step is not None
-        else "\n  at its FLOPs: not available, no FLOPs were recorded (the collective recorder is off)",
-        f"\n  wall clock: {_wall_clock(device)}",
-        sep="",
-        flush=True,
-    )
+        "  with equal stages: the recorded orders replayed, a forward costing 1 and a backward 2, transfers free: "
+        f"the schedule's own; formula {formula} = {stages[0]['bubble_formula']:.2f}",
+        f"  at its FLOPs: {at_flops}",
+        f"  wall clock: {_wall_clock(device)}",
+    ]
+    print("\n".join(header), flush=True)
     for s in stages:
         expected = peak_in_flight_formula(args.schedule, p, s["pp_rank"], m, v)
-        modeled = "not modeled" if s["modeled_bubble"] is None else f"{s['modeled_bubble']:.2f}"
+        modeled, flops = (
+            ("not modeled", "")
+            if step is None
+            else (f"{s['modeled_bubble']:.2f}", f", {sum(s['action_flops']) / m / 1e6:.1f} MFLOP per micro-batch")
+        )
         print(
             f"  stage {s['pp_rank']}: {' '.join(s['actions'])}\n"
             f"    peak in flight {s['peak_in_flight']} {unit} (autograd held {s['peak_in_flight_measured']},"
-            f" {s['peak_activation_bytes']} B; expected {expected}), {sum(s['action_flops']) / m / 1e6:.1f} MFLOP "
-            f"per micro-batch; bubble {s['equal_stages_bubble']:.2f} with equal stages, {modeled} at its FLOPs, "
-            f"wall clock {s['wall_clock_bubble']:.2f}",
+            f" {s['peak_activation_bytes']} B; expected {expected}){flops}; bubble {s['equal_stages_bubble']:.2f} "
+            f"with equal stages, {modeled} at its FLOPs, wall clock {s['wall_clock_bubble']:.2f}",
             flush=True,
         )

@@ -6,7 +6,9 @@ import functools
 import re
 
 import pytest
+from torch.utils import flop_counter
 
+from reference import torch_patches
 from tests.ranks import on_ranks
 from tests.reference.helpers import demo_output, json_lines
 
@@ -54,3 +56,21 @@ def test_the_text_output_says_which_bubble_is_modeled_and_which_is_wall_clock(ra
     for stage in record["pipeline"]:
         line = rf"bubble 0.27 with equal stages, {stage['modeled_bubble']:.2f} at its FLOPs, wall clock 0\.\d\d$"
         assert re.search(line, text, re.MULTILINE), (line, text)
+
+
+@on_ranks(1)
+def test_without_recorded_flops_the_bubble_is_said_not_modeled(ranks):
+    """On a torch whose FLOP formulas the recorder cannot reach, it is off (one warning line): no FLOPs, so the
+    demo says the bubble is not modeled rather than dividing by a zero-length step."""
+    registry = flop_counter.flop_registry
+    del flop_counter.flop_registry
+    torch_patches.available.cache_clear()  # probed once per process: forget its answers around the test
+    try:
+        out = demo_output(["--steps", "1", "--micro-batches", "2", "--num-layers", "1", "--hidden-size", "16"])
+    finally:
+        flop_counter.flop_registry = registry
+        torch_patches.available.cache_clear()
+    assert "at its FLOPs: not available, no FLOPs were recorded (the collective recorder is off)" in out, out
+    assert re.search(
+        r"expected 1\); bubble 0.00 with equal stages, not modeled at its FLOPs, wall clock 0\.\d\d$", out, re.M
+    )
