@@ -206,7 +206,7 @@ def _benchmark(args, config: GPTConfig, device: torch.device) -> None:
             if index >= args.warmup:
                 record["times"].append(seconds)
                 record["tails"].append(seconds - pipeline.total_s)
-                record["bubbles"].append(pipeline.bubble)
+                record["bubbles"].append(pipeline.wall_clock_bubble)
 
     dp_ranks = tuple(dist.get_process_group_ranks(layout.dp_group))
     for label, schedule, _ in variants:  # one more step, recorded: when were the DP all-reduces issued?

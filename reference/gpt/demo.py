@@ -1,10 +1,11 @@
 """`torchrun --nproc-per-node 8 -m reference --tp 2 --pp 2 --dp 2`: train the small GPT with TP x PP x DP.
 
 Prints the layout, then per step the global loss, rank 0's parameter bytes and its collectives per process
-group (tp, pp, dp), then each stage's schedule, in-flight peak and bubble against (p - 1) / (m + p - 1), then
-every rank's memory. `--model llama` trains the Llama/Qwen2 block; `--dp-sharding fsdp` (2D) or `optimizer`
-(ZeRO-1) shard over DP; `--virtual-stages v` interleaves. The loss does not depend on the layout: the same seed
-gives the same model and data everywhere. docs/reference-guide.md lists the demos and what each prints.
+group (tp, pp, dp), then each stage's schedule, in-flight peak and bubble (the recorded orders replayed with
+equal stages and at their recorded FLOPs, and the wall clock's), then every rank's memory. `--model
+llama` trains the Llama/Qwen2 block; `--dp-sharding fsdp` (2D) or `optimizer` (ZeRO-1) shard over DP;
+`--virtual-stages v` interleaves. The loss does not depend on the layout: the same seed gives the same model
+and data everywhere. docs/reference-guide.md lists the demos and what each prints.
 """
 
 from __future__ import annotations
@@ -28,9 +29,12 @@ from reference.gpt.train import data_parallel, fully_sharded, synthetic_batches,
 from reference.measure.fsdp_tracing import unit_scopes
 from reference.measure.pipeline_meter import PipelineMeter
 from reference.measure.recorder import CollectiveRecorder
+from reference.measure.replay import idle_fractions, replay, uniform_costs
 from reference.parallel_state import ParallelConfigError, build_layout, parallel_sizes
 from reference.pipeline.schedules import SCHEDULES, peak_in_flight_formula
 from reference.recompute import RECOMPUTE_MODES
+
+MODELED_TFLOPS = 100.0  # the modeled timeline's FLOP rate: a GPU's dense rate, in order of magnitude
 
 
 def add_arguments(group) -> None:
@@ -249,7 +253,7 @@ def _train(args, config: GPTConfig, device: torch.device) -> None:
     stages = [None] * dist.get_world_size() if rank == 0 else None  # only rank 0 reports
     dist.gather_object(meter.to_dict(), stages, dst=0)
     if rank == 0:
-        _report_pipeline(args, [stages[r] for r in layout.grid[:, 0, 0].tolist()])
+        _report_pipeline(args, [stages[r] for r in layout.grid[:, 0, 0].tolist()], device)
     memory = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object(
         {
@@ -278,7 +282,7 @@ def _report_step(args, step, loss: float, seconds: float, recorder, layout, para
                     "step": step,
                     "dtype": "bf16" if bf16 else "fp32",
                     "loss": loss,
-                    "seconds": seconds,
+                    "wall_clock_s": seconds,
                     "layout": {"tp": layout.tp_size, "pp": layout.pp_size, "dp": layout.dp_size},
                     "dp_sharding": args.dp_sharding,
                     "schedule": args.schedule,
@@ -296,7 +300,7 @@ def _report_step(args, step, loss: float, seconds: float, recorder, layout, para
 
     shard, total = param_bytes["param_bytes_per_rank"], param_bytes["param_bytes_unsharded"]
     print(
-        f"step {step}: loss {loss:.6f} ({seconds * 1e3:.1f} ms) | parameters on rank 0 {shard} B "
+        f"step {step}: loss {loss:.6f} ({seconds * 1e3:.1f} ms wall clock) | parameters on rank 0 {shard} B "
         f"(unsharded {total} B, ratio {shard / total:.3f}) | "
         + (" | ".join(f"{name}: {fmt(ops)}" for name, ops in groups.items()) or "collectives not recorded"),
         flush=True,
@@ -326,24 +330,72 @@ def _report_memory(args, ranks: list[dict]) -> None:
         )
 
 
-def _report_pipeline(args, stages: list[dict]) -> None:
-    if args.json:
-        print(json.dumps({"pipeline": stages}), flush=True)
-        return
-    p, m, v = len(stages), args.micro_batches, args.virtual_stages
-    name = f"interleaved 1f1b, {v} chunks per stage" if v > 1 else args.schedule
-    print(
-        f"pipeline: {name if p > 1 else 'no pipelining'}, pp {p}, {m} micro-batches "
-        f"(last step, one rank per stage; bubble by wall clock: ranks sharing CPU cores push it above the formula)",
-        flush=True,
+def _replayed(stages: list[dict], chunks: int) -> float | None:
+    """Sets each stage's idle fraction when the recorded orders are replayed with transfers free: with equal
+    stages (equal_stages_bubble, the schedule's own) and at each action's recorded FLOPs at MODELED_TFLOPS
+    (modeled_bubble). Returns the modeled step's seconds; None, and no modeled_bubble, when no FLOPs were
+    recorded (the recorder is off on a torch it cannot hook)."""
+    orders = [s["actions"] for s in stages]
+    for s, idle in zip(stages, idle_fractions(replay(orders, uniform_costs(orders, chunks), chunks))):
+        s["equal_stages_bubble"] = idle
+    if not all(sum(s["action_flops"]) for s in stages):
+        for s in stages:
+            s["modeled_bubble"] = None
+        return None
+    seconds = [[flops / (MODELED_TFLOPS * 1e12) for flops in s["action_flops"]] for s in stages]
+    spans = replay(orders, seconds, chunks)
+    for s, idle in zip(stages, idle_fractions(spans)):
+        s["modeled_bubble"] = idle
+    return max(end for stage in spans for _, end in stage)
+
+
+def _wall_clock(device: torch.device) -> str:
+    """What the wall-clock bubble measured, and why it is not the schedule's."""
+    if device.type == "cuda":
+        return "this run's, each action ended by a CUDA synchronize; transfers and launches count as idle"
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    shared = ", which they take turns on" if ranks > cores else ""
+    return (
+        f"this run's, {ranks} rank{'s' if ranks > 1 else ''} on {cores} CPU cores{shared}; sends, receives and "
+        "Python between these small actions count as idle"
     )
+
+
+def _report_pipeline(args, stages: list[dict], device: torch.device) -> None:
+    p, m, v = len(stages), args.micro_batches, args.virtual_stages
+    step = _replayed(stages, v)
+    if args.json:
+        print(json.dumps({"pipeline": stages, "modeled_tflops": MODELED_TFLOPS, "modeled_step_s": step}), flush=True)
+        return
+    name = f"interleaved 1f1b, {v} chunks per stage" if v > 1 else args.schedule
     unit, formula = ("chunk-forwards", "(p-1)/(v m+p-1)") if v > 1 else ("micro-batches", "(p-1)/(m+p-1)")
+    at_flops = (
+        "not available, no FLOPs were recorded (the collective recorder is off)"
+        if step is None
+        else f"the same replay, each action its recorded FLOPs at {MODELED_TFLOPS:g} TFLOP/s: {step * 1e6:.2f} us a "
+        "step" + ("; the stages differ (the last also runs the LM head and loss)" if p > 1 else "")
+    )
+    header = [
+        f"pipeline: {name if p > 1 else 'no pipelining'}, pp {p}, {m} micro-batches (last step, one rank per "
+        "stage); bubble: the fraction of the step a stage idles",
+        "  with equal stages: the recorded orders replayed, a forward costing 1 and a backward 2, transfers free: "
+        f"the schedule's own; formula {formula} = {stages[0]['bubble_formula']:.2f}",
+        f"  at its FLOPs: {at_flops}",
+        f"  wall clock: {_wall_clock(device)}",
+    ]
+    print("\n".join(header), flush=True)
     for s in stages:
         expected = peak_in_flight_formula(args.schedule, p, s["pp_rank"], m, v)
+        modeled, flops = (
+            ("not modeled", "")
+            if step is None
+            else (f"{s['modeled_bubble']:.2f}", f", {sum(s['action_flops']) / m / 1e6:.1f} MFLOP per micro-batch")
+        )
         print(
             f"  stage {s['pp_rank']}: {' '.join(s['actions'])}\n"
             f"    peak in flight {s['peak_in_flight']} {unit} (autograd held {s['peak_in_flight_measured']},"
-            f" {s['peak_activation_bytes']} B; expected {expected}), bubble {s['bubble']:.2f} "
-            f"(formula {formula} = {s['bubble_formula']:.2f})",
+            f" {s['peak_activation_bytes']} B; expected {expected}){flops}; bubble {s['equal_stages_bubble']:.2f} "
+            f"with equal stages, {modeled} at its FLOPs, wall clock {s['wall_clock_bubble']:.2f}",
             flush=True,
         )

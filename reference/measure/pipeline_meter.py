@@ -5,8 +5,8 @@ observer=meter)`), then read the meter. Per action (F<i>/B<i>, as reference.pipe
 start and end (perf_counter(), the recorder's clock; on CUDA after a synchronize, since an action is done when
 its kernels are), its FLOPs as the innermost active CollectiveRecorder counts them, and the micro-batches in
 flight, as the order implies and as autograd keeps them (in_flight.py). Around the schedule, a barrier of the
-PP group at each end gives every stage one common interval, whose idle fraction is its bubble (Megatron has
-no such barriers).
+PP group at each end gives every stage one common interval, whose idle fraction is its wall-clock bubble
+(Megatron has no such barriers); replay.py gives the schedule's own bubble, in modeled time.
 """
 
 from __future__ import annotations
@@ -85,7 +85,8 @@ class PipelineMeter:
         return sum(end - start for start, end in self.action_spans)
 
     @property
-    def bubble(self) -> float:
+    def wall_clock_bubble(self) -> float:
+        """On shared CPU cores, waits for a core and for messages count too: replay.py models the schedule's own."""
         return 1.0 - self.busy_s / self.total_s if self.total_s > 0 else 0.0
 
     @property
@@ -97,6 +98,6 @@ class PipelineMeter:
             "schedule": self.schedule_name,
             **{f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _NOT_IN_DICT},
             "busy_s": self.busy_s,
-            "bubble": self.bubble,
+            "wall_clock_bubble": self.wall_clock_bubble,
             "bubble_formula": self.bubble_formula,
         }

@@ -1,19 +1,22 @@
-"""Replay recorded pipeline action orders with uniform costs: the bubble a schedule's order has on uniform hardware.
+"""Replay recorded pipeline action orders at given costs: the bubble a schedule's order has on modeled hardware.
 
-Wall-clock bubbles of ranks sharing a few CPU cores are noise; the order each stage ran is not. Replaying the
-orders with only their data dependencies and fixed costs gives the idle fraction to compare with a closed form
-(tests/reference/test_interleaved.py, test_megatron_pipeline_upstream.py, benchmarks/bench_pipeline.py).
+Wall-clock bubbles of ranks sharing a few CPU cores are noise; the order each stage ran and the FLOPs of each
+action are not. Replaying the orders with only their data dependencies (transfers free), each action costing
+its recorded FLOPs at a stated rate or a uniform cost (reference/gpt/demo.py prints both; `idle_fraction`:
+tests/reference/test_interleaved.py, test_megatron_pipeline_upstream.py, benchmarks/bench_pipeline.py), gives
+each stage's idle fraction to compare with (p - 1) / (v m + p - 1), which assumes equal stages.
 """
 
 from __future__ import annotations
 
 
-def idle_fraction(orders: list[list[str]], chunks: int = 1, forward: float = 1.0, backward: float = 2.0) -> float:
-    """Replay each stage's recorded order with uniform costs and only the data dependencies, and return the idle
-    fraction of the step. Actions are F<i>/B<i>, or F<c>.<i>/B<c>.<i> for model chunk c of `chunks` per stage
-    (virtual stage c * p + r, costing 1/chunks of a whole stage): F_i after F_i on the virtual stage before,
-    B_i after F_i here and B_i on the virtual stage after."""
+def replay(orders: list[list[str]], costs: list[list[float]], chunks: int = 1) -> list[list[tuple[float, float]]]:
+    """Each stage's actions as (start, end), each as early as the stage's previous action and its inputs allow.
+    Actions are F<i>/B<i>, or F<c>.<i>/B<c>.<i> for model chunk c of `chunks` per stage (virtual stage c p + r):
+    F_i after F_i on the virtual stage before, B_i after F_i here and B_i on the virtual stage after;
+    orders[r][k] takes costs[r][k]."""
     p, done, clock, position = len(orders), {}, [0.0] * len(orders), [0] * len(orders)
+    spans: list[list[tuple[float, float]]] = [[] for _ in orders]
 
     def parse(action: str, r: int) -> tuple[str, int, int]:
         chunk, _, mb = action[1:].rpartition(".")
@@ -32,10 +35,26 @@ def idle_fraction(orders: list[list[str]], chunks: int = 1, forward: float = 1.0
             action = parse(orders[r][position[r]], r)
             if all(need in done for need in needs(*action)):
                 start = max([clock[r]] + [done[need] for need in needs(*action)])
-                clock[r] = done[action] = start + (forward if action[0] == "F" else backward) / chunks
+                clock[r] = done[action] = start + costs[r][position[r]]
+                spans[r].append((start, clock[r]))
                 position[r] += 1
                 progressed = True
         if not progressed:
             raise ValueError(f"the orders wait on each other (no stage can run its next action): {orders}")
-    busy = sum(forward if a[0] == "F" else backward for a in orders[0]) / chunks
-    return 1 - busy / max(clock)
+    return spans
+
+
+def idle_fractions(spans: list[list[tuple[float, float]]]) -> list[float]:
+    """Each stage's idle fraction of a replayed step: 1 - the time it computed / the whole step's."""
+    step = max(end for stage in spans for _, end in stage)
+    return [1 - sum(end - start for start, end in stage) / step for stage in spans]
+
+
+def uniform_costs(orders: list[list[str]], chunks: int = 1, forward: float = 1.0, backward: float = 2.0):
+    """Every stage equal: each forward `forward`, each backward `backward`, a chunk's action 1/chunks of those."""
+    return [[(forward if a[0] == "F" else backward) / chunks for a in order] for order in orders]
+
+
+def idle_fraction(orders: list[list[str]], chunks: int = 1, forward: float = 1.0, backward: float = 2.0) -> float:
+    """The idle fraction under uniform costs: the same on every stage, since every stage computes as long."""
+    return idle_fractions(replay(orders, uniform_costs(orders, chunks, forward, backward), chunks))[0]

@@ -94,7 +94,7 @@ def run(device, tp, pp, dp, sp, m, schedule) -> dict:
         "actions": last.actions,
         "peak": last.peak_in_flight_measured,
         "peak_activation_bytes": last.peak_activation_bytes,
-        "bubble": last.bubble,
+        "wall_clock_bubble": last.wall_clock_bubble,
         "bubble_formula": last.bubble_formula,
         "dp_allreduces": len(dp_starts) if dp > 1 else 0,
         "dp_allreduces_before_last_backward": sum(t < last_backward[0] for t in dp_starts) if dp > 1 else 0,
