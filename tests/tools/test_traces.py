@@ -153,6 +153,21 @@ def test_fsdp_trace_prefetches_each_block_before_the_previous_unit_computes():
     assert gathered == [u["padded_numel"] * trace["dtype_size"] for u in trace["units"]]
 
 
+def test_fsdp_trace_reduce_scatters_each_unit_from_its_own_hook_after_the_last_backward_flop():
+    """What the synthesis page says of the recorded step: each reduce-scatter moves the unit whose backward span
+    (pre- to post-backward hook) ended just before it, and all came after the last backward FLOP."""
+    trace = load_trace(NOTES, "fsdp_forward")
+    last_flop = max(s["flops_end"] for s in trace["spans"])
+    ends = {s["name"].removesuffix(" backward"): s["end"] for s in trace["spans"] if s["phase"] == "backward"}
+    scatters = [e for e in trace["events"] if e["op"] == "reduce_scatter"]
+    assert sorted(e["module"] for e in scatters) == sorted(u["name"] for u in trace["units"])
+    for e in scatters:
+        assert e["flops"] == last_flop
+        assert ends[e["module"]] <= e["start"] and not [
+            u for u, end in ends.items() if ends[e["module"]] < end <= e["start"]
+        ]
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_pipeline_trace_records_the_schedule_its_peaks_and_b_s_h_e_per_message(schedule):
     trace = load_trace(NOTES, f"pipeline_{schedule}")
