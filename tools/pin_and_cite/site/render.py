@@ -182,7 +182,8 @@ class Renderer:
         for anchor, found in self.our_code.items():
             fence = fence_for(found.text)
             out.append(
-                f'<a id="{anchor}"></a>\n**{code_span(found.symbol)}**, {found.path} L{found.first}–L{found.last}\n\n'
+                f'<p class="our-code" id="{anchor}" data-path="{html.escape(found.path)}"><code>'
+                f"{html.escape(found.symbol)}</code>, {html.escape(found.path)} L{found.first}–L{found.last}</p>\n\n"
                 f'{fence}python linenums="{found.first}"\n{found.text}{fence}\n'
             )
         return "\n".join(out)
