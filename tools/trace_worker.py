@@ -23,13 +23,12 @@ Everything in them is observed, not computed:
     start, end and FLOPs (attention on the CPU flash kernel, which torch has no FLOP formula for, counts 0),
     the peak of micro-batches in flight (as the schedule counts them and as autograd keeps
     them), the peak activation bytes, and every point-to-point send and receive the recorder saw.
-  * pipeline_interleaved: the same for interleaved 1F1B, 2 model chunks per stage, on the same GPT with twice
-    the layers (INTERLEAVED_CONFIG), so that a chunk holds one layer as a 1F1B stage does above.
+  * pipeline_interleaved: the same for interleaved 1F1B, INTERLEAVED_V model chunks per stage, on the same
+    GPT: a 1F1B stage holds two layers, an interleaved chunk one, so the notes compare equal work.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -60,9 +59,11 @@ TP_KV_HEADS = {"gpt2": TP_SHAPE["heads"], "llama": 2}  # llama: grouped-query, o
 FSDP_CONFIG = GPTConfig(vocab_size=128, hidden_size=32, num_attention_heads=4, num_layers=2, seq_length=16)
 FSDP_BATCH, SEED = 4, 1234
 PIPELINE_RANKS, PIPELINE_M, PIPELINE_B = 4, 8, 2  # pp 4, 8 micro-batches of 2 sequences
-PIPELINE_CONFIG = GPTConfig(vocab_size=51, hidden_size=16, num_attention_heads=4, num_layers=4, seq_length=8)
 INTERLEAVED_V = 2
-INTERLEAVED_CONFIG = dataclasses.replace(PIPELINE_CONFIG, num_layers=PIPELINE_CONFIG.num_layers * INTERLEAVED_V)
+# one model for every schedule, so the timelines set side by side do the same work: p * v layers
+PIPELINE_CONFIG = GPTConfig(
+    vocab_size=51, hidden_size=16, num_attention_heads=4, num_layers=PIPELINE_RANKS * INTERLEAVED_V, seq_length=8
+)
 P2P_OPS = ("send", "recv")
 
 
@@ -214,16 +215,15 @@ def pipeline(schedule: str, virtual_stages: int = 1) -> dict:
     """One train_step on PIPELINE_RANKS stages (v model chunks each: interleaved); every stage's record,
     gathered on rank 0."""
     layout = build_layout(1, PIPELINE_RANKS, 1)
-    config = INTERLEAVED_CONFIG if virtual_stages > 1 else PIPELINE_CONFIG
     chunks = (
-        build_chunks(config, layout, virtual_stages, seed=SEED)
+        build_chunks(PIPELINE_CONFIG, layout, virtual_stages, seed=SEED)
         if virtual_stages > 1
-        else [build_stage(config, layout, seed=SEED)]
+        else [build_stage(PIPELINE_CONFIG, layout, seed=SEED)]
     )
     wrapped = [data_parallel(chunk, layout) for chunk in chunks]
     model = wrapped if virtual_stages > 1 else wrapped[0]
     optimizer = torch.optim.SGD([p for chunk in wrapped for p in chunk.parameters()], lr=0.1)
-    tokens = gpt_batches(config, 1, PIPELINE_M * PIPELINE_B, SEED)[0]
+    tokens = gpt_batches(PIPELINE_CONFIG, 1, PIPELINE_M * PIPELINE_B, SEED)[0]
     recorder, result = CollectiveRecorder(), PipelineMeter()
     train_step(
         model,
@@ -252,7 +252,7 @@ def pipeline(schedule: str, virtual_stages: int = 1) -> dict:
     }
     stages = [None] * dist.get_world_size()
     dist.all_gather_object(stages, mine)
-    c = config
+    c = PIPELINE_CONFIG
     return {
         "kind": "pipeline",
         "schedule": schedule,

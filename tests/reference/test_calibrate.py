@@ -64,15 +64,16 @@ def test_the_command_measures_every_op_of_the_traces_blocks_and_the_site_draws_f
             assert block[phase]["flops"] == sum(op["flops"] for op in ops)
             assert block[phase]["seconds"] == pytest.approx(sum(op["seconds"] for op in ops))
     # The blocks are the traces' own: a FSDP layer unit's forward span counted exactly the "fsdp" block's FLOPs,
-    # and a middle pipeline stage's forward the "pipeline" block's but attention (the CPU flash kernel counts 0).
+    # and a middle pipeline stage's forward the "pipeline" block's but attention (the CPU flash kernel counts 0)
+    # once per layer it holds.
     fsdp, pipeline = load_trace(NOTES, "fsdp_forward"), load_trace(NOTES, "pipeline_1f1b")
     span = next(s for s in fsdp["spans"] if s["name"] == "layers.0 forward")
     assert span["flops_end"] - span["flops_start"] == blocks["fsdp"]["forward"]["flops"]
     attention = next(op for op in blocks["pipeline"]["ops"] if op["op"] == "attention")
     stage = pipeline["stages"][1]
-    assert (
-        stage["action_flops"][stage["actions"].index("F0")]
-        == blocks["pipeline"]["forward"]["flops"] - attention["flops"]
+    layers_per_stage = pipeline["layers"] // pipeline["pp"]
+    assert stage["action_flops"][stage["actions"].index("F0")] == layers_per_stage * (
+        blocks["pipeline"]["forward"]["flops"] - attention["flops"]
     )
     # The site reads the file as it is written (schema-checked) and labels the timeline with its device.
     assert load_calibration(tmp_path, "here") == document

@@ -60,16 +60,18 @@ DIAGRAM_REPORT = """() => ({
     .filter(svg => svg).map(svg => svg.textContent),
   syntaxError: document.body.textContent.includes("Syntax error"),
 })"""
-# Each excerpt: the permalink in its caption (a folded excerpt's caption precedes its fold), the line numbers
+# Each excerpt: the permalink in its caption (a folded excerpt's caption precedes its fold), or the path of our
+# own file a reference page shows (its "our-code" caption), the line numbers
 # shown, the text of each code line; and, where it is shown, how many columns of its monospace fit unscrolled.
 EXCERPTS = """() => [...document.querySelectorAll("article div.highlight")].map(block => {
   const before = (block.closest(".excerpt-fold") || block).previousElementSibling;
   const caption = before && before.querySelector("a[href*='/blob/']");
+  const ours = before && before.classList.contains("our-code") ? before.dataset.path : null;
   const code = block.querySelector("pre > code"), style = getComputedStyle(code);
   const ruler = document.createElement("canvas").getContext("2d");
   ruler.font = `${style.fontSize} ${style.fontFamily}`;
   const inner = code.clientWidth - parseFloat(style.paddingLeft) - parseFloat(style.paddingRight);
-  return {permalink: caption ? caption.href : null, shown: block.checkVisibility(),
+  return {permalink: caption ? caption.href : null, ours, shown: block.checkVisibility(),
           columns: inner / ruler.measureText("0".repeat(100)).width * 100,
           scrolls: code.scrollWidth > code.clientWidth,
           numbers: block.querySelector("td.linenos") ? block.querySelector("td.linenos").innerText.trim().split(/\\s+/)
@@ -256,7 +258,7 @@ def test_synthesis_diagrams_drawn_from_recorded_runs_render_with_their_labels(ev
     report = every_page[0]["notes/synthesis"]
     diagrams = report["diagrams"]
     assert diagrams["expected"] == 2 and not diagrams["syntaxError"]
-    (tp_block, tp_block_llama), (fsdp_timeline,) = diagrams["svgTexts"], report["timelines"]
+    (tp_block, tp_block_llama), (fsdp_timeline, _calibrated) = diagrams["svgTexts"], report["timelines"]
     both = (
         "qkv · ColumnParallelLinear",
         "proj · RowParallelLinear",
@@ -277,8 +279,9 @@ def test_synthesis_diagrams_drawn_from_recorded_runs_render_with_their_labels(ev
         "root forward",
         "layers.0 forward",
         "layers.1 backward",
-        "AG layers.1",
+        "AG layers.1",  # a collective's tooltip names its unit, and it sits on that unit's row
         "RS root",
+        "until layers.0 started; its post-backward hook fired later",
         "modeled at 1 TFLOP/s, 25 GB/s",
     ):
         assert label in fsdp_timeline, label
@@ -293,11 +296,18 @@ def test_pipeline_timelines_drawn_from_recorded_steps_render_a_row_per_stage(eve
 
 
 def test_excerpts_show_upstream_line_numbers_and_text(every_page):
-    """Each excerpt, as the browser shows it, against the installed upstream file (byte-identical to the pin)."""
+    """Each excerpt, as the browser shows it, against the installed upstream file (byte-identical to the pin);
+    each block of our own code on a reference page against our file."""
     pins = Pins(ROOT / "reading_notes" / "pins.toml").sources
-    checked = {}
+    checked, checked_ours = {}, set()
     for path, report in every_page[0].items():
         for excerpt in report["excerpts"]:
+            if excerpt["ours"]:  # a reference page's own code (render.OUR_CODE): our file's lines and numbers
+                numbers = [int(n) for n in excerpt["numbers"]]
+                ours = (ROOT / excerpt["ours"]).read_text().split("\n")
+                assert excerpt["lines"] == ours[numbers[0] - 1 : numbers[-1]], (path, excerpt["ours"], numbers[0])
+                checked_ours.add(excerpt["ours"])
+                continue
             if excerpt["permalink"] is None:  # a plain code block of a hand-written page (architecture)
                 assert not path.startswith("notes/"), (path, excerpt["lines"][:2])  # every note block cites
                 continue
@@ -314,6 +324,7 @@ def test_excerpts_show_upstream_line_numbers_and_text(every_page):
     assert checked["megatron/core/tensor_parallel/layers.py#L920"] == "920"  # a block citing L920 shows 920
     assert checked["torch/distributed/fsdp/_runtime_utils.py#L411"] == "411"
     assert len(checked) >= 20
+    assert "reference/data_parallel/buckets.py" in checked_ours and len(checked_ours) >= 20
 
 
 def test_100_columns_of_code_fit_every_excerpt_without_scrolling(every_page):

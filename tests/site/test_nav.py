@@ -77,3 +77,22 @@ def test_a_note_missing_from_the_nav_fails_the_strict_build(vendored_docs, tmp_p
         build(config)
     omitted = " ".join(r.getMessage() for r in caplog.records if r.levelname == "WARNING")
     assert "notes/fsdp-prefetch.md" in omitted and "notes/reference/fsdp.runtime.md" in omitted
+
+
+MENU_CHARS = 24  # one line of the side menu at 1280 px ("distributed_optimizer.py", seen in a screenshot)
+
+
+def test_reference_module_entries_differ_within_what_the_side_menu_shows():
+    """Finding: seven entries showed as the same 'reference/data_parallel...'. Each entry's label (its nav label,
+    else its page's title) names the file first, so its first line tells them apart."""
+    notes = mkdocs_nav()[1]["Notes"]
+    section = next(i["Reference modules"] for i in notes if isinstance(i, dict) and "Reference modules" in i)
+
+    def shown(item) -> str:
+        if isinstance(item, dict):
+            return next(iter(item))
+        template = ROOT / "reading_notes" / (item.removeprefix("notes/") + ".j2")
+        return next(line[2:] for line in template.read_text().split("\n") if line.startswith("# "))
+
+    labels = [shown(item)[:MENU_CHARS] for item in section]
+    assert len(labels) > 20 and len(set(labels)) == len(labels), sorted(labels)

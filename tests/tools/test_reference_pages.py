@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from pin_and_cite.core.errors import PinAndCiteError
@@ -71,3 +73,28 @@ def test_ours_points_at_the_definition_and_refuses_a_stale_name(tmp_path):
         ours(ROOT, "reference/fsdp/runtime.py::renamed", parsed)
     with pytest.raises(PinAndCiteError, match="does not exist"):
         ours(ROOT, "reference/gone.py::x", parsed)
+
+
+def test_a_reference_page_links_each_mapped_definition_to_its_code_shown_on_the_page():
+    """Finding: reference pages showed a mapping table but neither the reference code nor a link to it. Each
+    `ours()` in the table links to an anchor on the page, where the definition is shown with our file's line
+    numbers, so the reader sees the reference beside the upstream lines it mirrors."""
+    from pin_and_cite.core.project import Project
+    from pin_and_cite.site.render import Renderer
+
+    project = Project(ROOT)
+    page = Renderer(project).render(project.notes_dir / "reference" / "data_parallel.buckets.md.j2")
+    source = (ROOT / "reference/data_parallel/buckets.py").read_text().split("\n")
+    links = re.findall(r"\| \[`([\w.]+)` \(reference/data_parallel/buckets\.py L(\d+)–L(\d+)\)\]\(#([\w-]+)\) \|", page)
+    assert [name for name, *_ in links] == [
+        "bucket_layout",
+        "GradBucket.start_grad_sync",
+        "GradBucket.finish_grad_sync",
+    ]
+    for _, first, last, anchor in links:
+        assert page.count(f'id="{anchor}"') == 1
+        shown = page.split(f'id="{anchor}"', 1)[1]
+        fence = re.search(r'\n(`{3,})python linenums="(\d+)"\n', shown)
+        assert fence and fence[2] == first
+        code = shown[fence.end() :].split(f"\n{fence[1]}\n", 1)[0]
+        assert code.split("\n") == source[int(first) - 1 : int(last)]

@@ -153,6 +153,21 @@ def test_fsdp_trace_prefetches_each_block_before_the_previous_unit_computes():
     assert gathered == [u["padded_numel"] * trace["dtype_size"] for u in trace["units"]]
 
 
+def test_fsdp_trace_reduce_scatters_each_unit_from_its_own_hook_after_the_last_backward_flop():
+    """What the synthesis page says of the recorded step: each reduce-scatter moves the unit whose backward span
+    (pre- to post-backward hook) ended just before it, and all came after the last backward FLOP."""
+    trace = load_trace(NOTES, "fsdp_forward")
+    last_flop = max(s["flops_end"] for s in trace["spans"])
+    ends = {s["name"].removesuffix(" backward"): s["end"] for s in trace["spans"] if s["phase"] == "backward"}
+    scatters = [e for e in trace["events"] if e["op"] == "reduce_scatter"]
+    assert sorted(e["module"] for e in scatters) == sorted(u["name"] for u in trace["units"])
+    for e in scatters:
+        assert e["flops"] == last_flop
+        assert ends[e["module"]] <= e["start"] and not [
+            u for u, end in ends.items() if ends[e["module"]] < end <= e["start"]
+        ]
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_pipeline_trace_records_the_schedule_its_peaks_and_b_s_h_e_per_message(schedule):
     trace = load_trace(NOTES, f"pipeline_{schedule}")
@@ -216,19 +231,32 @@ def test_memory_chart_is_drawn_from_the_formulas():
     the legend says what the FSDP line leaves out (the gathered units)."""
     limit = estimates.sharding_limit(gpu_GB=16, world=8)
     assert (limit.ddp_max_billions, limit.fsdp_max_billions) == (1.0, 8.0)
-    assert limit.billions == [0.25, 0.5, 1.0, 2.0, 4.0, 8.0]
+    assert limit.billions == [0, 1, 2, 3, 4, 5, 6, 7, 8]
     assert limit.ddp_GB == [16 * b for b in limit.billions] and limit.fsdp_GB == [2 * b for b in limit.billions]
     chart = diagrams.chart_training_memory(limit)
     assert chart.startswith("```mermaid\n%%{init: ") and "\nxychart-beta\n" in chart
     assert "red: DDP (every rank holds all 16 B per parameter) · " in chart
     # the FSDP line is the shards alone: the units gathered at the moment come on top, parameters and gradients
     assert "blue: FSDP over 8 ranks (16/8 B per parameter, plus about two units' gathered parameters and" in chart
-    assert '  x-axis "parameters" ["0.25B", "0.5B", "1B", "2B", "4B", "8B"]' in chart
+    assert '  x-axis "parameters, billions (linear: equal steps)" ["0B", "1B", "2B", "3B", "4B", "5B", "6B"' in chart
     assert [line for line in chart.split("\n") if line.startswith("  line")] == [
-        "  line [4, 8, 16, 32, 64, 128]",
-        "  line [0.5, 1, 2, 4, 8, 16]",
-        "  line [16, 16, 16, 16, 16, 16]",
+        "  line [0, 16, 32, 48, 64, 80, 96, 112, 128]",
+        "  line [0, 2, 4, 6, 8, 10, 12, 14, 16]",
+        "  line [16, 16, 16, 16, 16, 16, 16, 16, 16]",
     ]
+
+
+def test_memory_chart_spaces_model_sizes_linearly_so_a_linear_formula_draws_straight():
+    """Finding: 0.25B, 0.5B ... 8B were spaced evenly on the x axis, so 16 B per parameter looked exponential.
+    The categories step by equal amounts and the axis says linear: equal distances are equal parameters."""
+    chart = diagrams.chart_training_memory(estimates.sharding_limit(gpu_GB=16, world=8))
+    (axis,) = [line for line in chart.split("\n") if line.startswith("  x-axis")]
+    assert "linear" in axis
+    sizes = [float(x) for x in re.findall(r'"([\d.]+)B"', axis)]
+    steps = {round(b - a, 9) for a, b in zip(sizes, sizes[1:])}
+    assert len(sizes) >= 5 and len(steps) == 1 and sizes[0] == 0
+    ddp = [float(v) for v in re.findall(r"[\d.]+", chart.split("\n  line [")[1].split("]")[0])]
+    assert len({round(b - a, 6) for a, b in zip(ddp, ddp[1:])}) == 1  # a straight line
 
 
 def test_a_trace_the_recorder_cannot_draw_is_a_one_line_error(tmp_path):

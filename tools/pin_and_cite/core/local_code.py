@@ -1,5 +1,5 @@
-"""`ours("reference/x.py::Name")`: where a definition lives in this repository, and `mirrors(...)`: the upstream
-code its docstring cites, for the reference pages.
+"""`ours("reference/x.py::Name")`: where a definition lives in this repository (`definition` gives its lines too,
+for the reference pages to show the code), and `mirrors(...)`: the upstream code its docstring cites.
 
 Resolved with the same AST reader as upstream symbols, so a renamed or moved function fails the render
 with the template's file:line instead of leaving a stale mapping.
@@ -7,6 +7,7 @@ with the template's file:line instead of leaving a stale mapping.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from pin_and_cite.core import symbols
@@ -30,10 +31,26 @@ def _read(root: Path, spec: str, call: str) -> tuple[str, str, bytes, str]:
     return path, symbol, data, utf8_text(data, f"{call}({spec!r}): {path}")
 
 
-def ours(root: Path, spec: str, parsed: ParseCache) -> str:
+@dataclass(frozen=True)
+class Definition:
+    path: str
+    symbol: str
+    first: int  # 1-based, inclusive
+    last: int
+    text: str  # lines first..last, each ending in a newline
+
+    def __str__(self) -> str:
+        return f"`{self.symbol}` ({self.path} L{self.first}–L{self.last})"
+
+
+def definition(root: Path, spec: str, parsed: ParseCache) -> Definition:
     path, symbol, data, text = _read(root, spec, "ours")
     first, last = symbols.resolve(parsed.definitions_in_text(data, text, path), symbol, path)
-    return f"`{symbol}` ({path} L{first}–L{last})"
+    return Definition(path, symbol, first, last, "".join(line + "\n" for line in text.split("\n")[first - 1 : last]))
+
+
+def ours(root: Path, spec: str, parsed: ParseCache) -> str:
+    return str(definition(root, spec, parsed))
 
 
 def mirrored(root: Path, spec: str, parsed: ParseCache) -> list[str]:

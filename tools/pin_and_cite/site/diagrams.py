@@ -7,16 +7,18 @@ collectives on the edges leaving the module that issued them (with bytes and the
 ones as dotted edges back to the module's input.
 
 `diagram("fsdp_forward", tflops=, link_GBps=)` and `diagram("pipeline_1f1b" | "pipeline_gpipe", tflops=,
-link_GBps=)`: timelines of a recorded step, FSDP forward and backward (a row per unit and one for the
-collectives) or a pipeline (a row per stage), drawn to a time scale modeled from the recorded FLOPs and bytes
+link_GBps=)`: timelines of a recorded step, FSDP forward and backward (a row per unit, its collectives on it)
+or a pipeline (a row per stage, blocks numbered by micro-batch; `same_scale_as=` another schedule's trace of
+the same model puts both on one axis), drawn to a time scale modeled from the recorded FLOPs and bytes
 at the stated rates (pin_and_cite.site.modeled) as inline SVG with a legend (pin_and_cite.site.timeline);
 `calibration="NAME"` instead of `tflops=` takes the FLOP rates a device measured at the trace's shapes
 (pin_and_cite.site.calibration); with `measured="TRACE"` (a trace a device recorded of the same step), its own
 timeline beside the modeled one.
 
 `chart_training_memory(limit)`: a mermaid xychart of per-rank training states
-(pin_and_cite.site.estimates.sharding_limit) against model size: DDP, FSDP over the stated group, and one GPU's
-memory as a flat line; drawn from the formulas, not from a trace.
+(pin_and_cite.site.estimates.sharding_limit) against model size in equal steps (mermaid spaces categories
+evenly, so only equal steps make the axis linear): DDP, FSDP over the stated group, and one GPU's memory as a
+flat line; drawn from the formulas, not from a trace.
 
 `chart_sent_per_group(trace)`: a horizontal mermaid bar chart of a scale trace: the bytes one rank sends per step
 to each process group, per stage, from the same checked rows as the Scale page's tables.
@@ -34,13 +36,14 @@ from pin_and_cite.site import scale_tables
 from pin_and_cite.site.calibration import trace_rates
 from pin_and_cite.site.modeled import (
     FSDP_COLORS,
-    PIPELINE_COLORS,
     Rates,
     check_collectives_recorded,
     fsdp_measured,
     fsdp_modeled,
+    pipeline_colors,
     pipeline_measured,
     pipeline_modeled,
+    pipeline_note,
 )
 from pin_and_cite.site.timeline import Bar, Panel, timeline
 from pin_and_cite.site.traces import RECORD, TraceError, events_where
@@ -182,13 +185,16 @@ def _modeled_beside_measured(
     modeled: list[Bar],
     measured: dict | None,
     measured_bars: Callable[[dict], list[Bar]],
+    note: str = "",
+    span: float | None = None,
 ) -> str:
-    """The `modeled` bars of a recorded step on the modeled time scale and, given the `measured` trace, its
-    own timeline (`measured_bars(measured)`) beside them, in the same colors: the one panel pair of every
-    timeline diagram."""
+    """The `modeled` bars of a recorded step on the modeled time scale (covering at least `span` seconds) and,
+    given the `measured` trace, its own timeline (`measured_bars(measured)`) beside them, in the same colors
+    and with the same `note`: the one panel pair of every timeline diagram."""
     return timeline(
-        Panel(title, modeled, rates.axis, colors),
-        measured and Panel(f"{title}, measured", measured_bars(measured), f"measured ({measured['name']})", colors),
+        Panel(title, modeled, rates.axis, colors, note, span),
+        measured
+        and Panel(f"{title}, measured", measured_bars(measured), f"measured ({measured['name']})", colors, note),
     )
 
 
@@ -203,18 +209,40 @@ def fsdp_forward(
     return _modeled_beside_measured(title, FSDP_COLORS, rates, fsdp_modeled(trace, rates), measured, fsdp_measured)
 
 
+SAME_MODEL = ("pp", "m", "b", "s", "h", "layers")  # what two pipeline traces drawn on one scale must share
+
+
 def pipeline(
-    trace: dict, link_GBps: float, tflops: float | None = None, calibration: dict | None = None, measured=None
+    trace: dict,
+    link_GBps: float,
+    tflops: float | None = None,
+    calibration: dict | None = None,
+    measured=None,
+    same_scale_as: dict | None = None,
 ) -> str:
-    """The recorded pipeline step, a row per stage, on a modeled time scale (as fsdp_forward); with `measured`,
-    that trace's own timeline beside it."""
+    """The recorded pipeline step, a row per stage, each block numbered by its micro-batch, on a modeled time
+    scale (as fsdp_forward); with `measured`, that trace's own timeline beside it. With `same_scale_as`, a
+    step of the same model under another schedule, the axis covers both, so the longer step draws longer."""
     rates = trace_rates(trace, link_GBps, tflops, calibration)
+    span = None
+    if same_scale_as is not None:
+        differ = [key for key in SAME_MODEL if trace.get(key) != same_scale_as.get(key)]
+        if differ:
+            raise TraceError(
+                f"traces {trace['name']} and {same_scale_as['name']} ran different models ("
+                + ", ".join(f"{key} {trace.get(key)} vs {same_scale_as.get(key)}" for key in differ)
+                + f"), so one time scale would compare unequal work; {RECORD}"
+            )
+        span = max(bar.end for bar in pipeline_modeled(same_scale_as, rates))
     name = {"gpipe": "GPipe", "1f1b": "1F1B"}.get(trace["schedule"], trace["schedule"])
     if trace.get("virtual_stages", 1) > 1:
         name = f"Interleaved 1F1B ({trace['virtual_stages']} chunks per stage)"
     title = f"{name}, {trace['pp']} stages, {trace['m']} micro-batches"
+    if trace.get("layers"):
+        title += f", {trace['layers']} layers"
     modeled = pipeline_modeled(trace, rates)
-    return _modeled_beside_measured(title, PIPELINE_COLORS, rates, modeled, measured, pipeline_measured)
+    colors, note = pipeline_colors(trace), pipeline_note(trace)
+    return _modeled_beside_measured(title, colors, rates, modeled, measured, pipeline_measured, note, span)
 
 
 CHART_COLORS = (("#c62828", "red"), ("#1565c0", "blue"), ("#ef8f00", "amber"))  # one per line, in order
@@ -231,7 +259,7 @@ def chart_training_memory(limit) -> str:
         '%%{init: {"themeVariables": {"xyChart": {"plotColorPalette": "' + palette + '"}}}}%%',
         "xychart-beta",
         f'  title "{gantt_text(f"Per-rank training memory, {limit.bytes_per_param} B per parameter")}"',
-        f'  x-axis "parameters" [{sizes}]',
+        f'  x-axis "parameters, billions (linear: equal steps)" [{sizes}]',
         f'  y-axis "GB per rank" 0 --> {top:g}',
         f"  line [{', '.join(f'{v:g}' for v in limit.ddp_GB)}]",
         f"  line [{', '.join(f'{v:g}' for v in limit.fsdp_GB)}]",

@@ -90,7 +90,7 @@ class ShardingLimit:
     bytes_per_param: int  # sum of TRAINING_BYTES
     ddp_max_billions: float  # largest model (billions of parameters) whose training states fit one GPU under DDP
     fsdp_max_billions: float  # the same, sharded over `world` ranks
-    billions: list[float]  # model sizes to chart: doublings from a quarter of the DDP limit to the FSDP one
+    billions: list[float]  # model sizes to chart: 0 to the FSDP limit in steps of the DDP one, evenly spaced
     ddp_GB: list[float]  # per-rank training states at each size
     fsdp_GB: list[float]
 
@@ -100,9 +100,7 @@ def sharding_limit(*, gpu_GB: float, world: int) -> ShardingLimit:
     times more under FSDP (decimal GB; activations, buffers and the gathered unit need the rest)."""
     per_param = sum(TRAINING_BYTES.values())
     ddp_max, fsdp_max = gpu_GB / per_param, gpu_GB * world / per_param
-    billions = [ddp_max / 4]
-    while billions[-1] * 2 <= fsdp_max * (1 + 1e-9):
-        billions.append(billions[-1] * 2)
+    billions = [round(k * ddp_max, 6) for k in range(world + 1)]  # equal steps: a categorical axis stays linear
 
     def per_rank_GB(sharded: bool) -> list[float]:
         return [round(training_memory(b * 1e9, world=world, sharded=sharded).total / 1e9, 2) for b in billions]

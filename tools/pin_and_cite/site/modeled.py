@@ -7,7 +7,10 @@ step is re-timed as a GPU at `Rates` would run it, keeping every dependency the 
     compute spans in recorded order, compute advances by the FLOPs recorded between two points (at the rate of
     the later point's phase, where forward and backward rates differ); a collective
     is issued at that compute time and runs when the collective stream is free, for the bytes a rank sends
-    on a ring (scale_tables.sent_bytes); a unit's compute starts no earlier than its all-gather's end.
+    on a ring (scale_tables.sent_bytes); a unit's compute starts no earlier than its all-gather's end. A
+    backward span runs to the unit's post-backward hook, which autograd may fire after other units computed:
+    its bar ends where a unit it does not hold (by the nesting of the forward spans) starts. Every bar sits on
+    its unit's row, collectives too.
   * pipelines (`pipeline_modeled`): each stage runs its actions in the recorded order, each action its
     recorded FLOPs, a forward after the previous stage's forward of that micro-batch and its activation's
     transfer, a backward after the next stage's backward and the gradient's transfer (traces.pipeline_schedule).
@@ -28,9 +31,13 @@ FSDP_COLORS = {
     "all-gather": "#2e7d32",
     "reduce-scatter": "#ef6c00",
 }
-PIPELINE_COLORS = {"forward (F micro-batch)": "#1565c0", "backward (B micro-batch)": "#6a1b9a"}
+# a shade per model chunk (one for 1F1B and GPipe); the demo and the traces name an action F<c>.<i> (chunk c,
+# micro-batch i; reference.pipeline.steps), or F<i> without chunks
+CHUNK_SHADES = {
+    "forward": ("#1565c0", "#00838f", "#283593", "#2e7d32"),
+    "backward": ("#6a1b9a", "#ad1457", "#4e342e", "#c62828"),
+}
 COLLECTIVES = {"all_gather": ("all-gather", "AG"), "reduce_scatter": ("reduce-scatter", "RS")}
-COLLECTIVE_ROW = "collectives"
 
 
 @dataclass(frozen=True)
@@ -74,36 +81,48 @@ def _stamped(trace: dict) -> list[tuple[float, int, str, dict]]:
     return sorted(points, key=lambda p: (p[0], p[1]))
 
 
-def _compute_bar(span: dict, start: float, end: float) -> Bar:
+def _compute_bar(span: dict, start: float, end: float, ended_by: tuple[str, int] | None = None) -> Bar:
+    """`ended_by`: (the unit whose start ended this compute, FLOPs done then), where the span ran on to a later
+    post-backward hook."""
     unit, phase = span["name"].rsplit(" ", 1)
-    return Bar(
-        unit,
-        f"{phase} compute",
-        f"{unit} {phase}",
-        start,
-        end,
-        f"{span['flops_end'] - span['flops_start']:,} FLOPs (with the units it holds)",
-    )
+    if ended_by is None:
+        detail = f"{span['flops_end'] - span['flops_start']:,} FLOPs (with the units it holds)"
+    else:
+        detail = (
+            f"{ended_by[1] - span['flops_start']:,} FLOPs, until {ended_by[0]} started; its post-backward hook "
+            f"fired later, {span['flops_end']:,} FLOPs into the step"
+        )
+    return Bar(unit, f"{phase} compute", f"{unit} {phase}", start, end, detail)
 
 
 def _collective_bar(trace: dict, event: dict, start: float, end: float) -> Bar:
     kind, short = COLLECTIVES[event["op"]]
     return Bar(
-        COLLECTIVE_ROW,
+        event["module"],
         kind,
         f"{short} {event['module']}",
         start,
         end,
-        f"{event['phase']}, {event['nbytes']:,} B gathered or reduced, "
+        f"{kind} of {event['module']}, {event['phase']}, {event['nbytes']:,} B gathered or reduced, "
         f"{sent_bytes(event['op'], event['nbytes'], trace['world']):,} B sent by a rank",
+        short=short,
     )
+
+
+def _holds(trace: dict) -> set[tuple[str, str]]:
+    """(outer, inner) units whose recorded forward spans nest: the root holds the layers."""
+    forward = {s["name"].rsplit(" ", 1)[0]: (s["start"], s["end"]) for s in trace["spans"] if s["phase"] == "forward"}
+    return {
+        (a, b) for a, (a0, a1) in forward.items() for b, (b0, b1) in forward.items() if a != b and a0 <= b0 <= b1 <= a1
+    }
 
 
 def fsdp_modeled(trace: dict, rates: Rates) -> list[Bar]:
     """The FSDP step's compute spans and collectives, re-timed (see the module docstring)."""
     clock = flops_done = stream_free = 0.0
     gathered: dict[str, float] = {}  # unit -> modeled end of its latest all-gather
-    started: dict[int, float] = {}
+    started: dict[int, tuple[float, dict]] = {}  # open spans: id -> (modeled start, span)
+    holds = _holds(trace)
     bars = []
     for _, flops, what, item in _stamped(trace):
         clock += rates.compute(max(0, flops - flops_done), item["phase"])
@@ -115,10 +134,15 @@ def fsdp_modeled(trace: dict, rates: Rates) -> list[Bar]:
                 gathered[item["module"]] = stream_free
             bars.append(_collective_bar(trace, item, start, stream_free))
         elif what == "start":
-            clock = max(clock, gathered.get(item["name"].rsplit(" ", 1)[0], 0.0))
-            started[id(item)] = clock
-        else:
-            bars.append(_compute_bar(item, started[id(item)], clock))
+            unit = item["name"].rsplit(" ", 1)[0]
+            for key, (begun, span) in list(started.items()):  # one compute stream: theirs ended here
+                if (span["name"].rsplit(" ", 1)[0], unit) not in holds:
+                    bars.append(_compute_bar(span, begun, clock, (unit, flops)))
+                    del started[key]
+            clock = max(clock, gathered.get(unit, 0.0))
+            started[id(item)] = (clock, item)
+        elif id(item) in started:
+            bars.append(_compute_bar(item, started.pop(id(item))[0], clock))
     return bars
 
 
@@ -132,9 +156,28 @@ def fsdp_measured(trace: dict) -> list[Bar]:
     ]
 
 
+def pipeline_colors(trace: dict) -> dict[str, str]:
+    """Legend entry -> colour: forward and backward, per model chunk under interleaving."""
+    chunks = trace.get("virtual_stages", 1)
+    if chunks > len(CHUNK_SHADES["forward"]):
+        raise TraceError(f"trace {trace['name']}: {chunks} chunks per stage, more than the timeline has colours for")
+    if chunks == 1:
+        return {phase: shades[0] for phase, shades in CHUNK_SHADES.items()}
+    return {f"{phase}, chunk {c}": shades[c] for phase, shades in CHUNK_SHADES.items() for c in range(chunks)}
+
+
+def pipeline_note(trace: dict) -> str:
+    """How to read a block: its number is the micro-batch; the demo's name for it."""
+    if trace.get("virtual_stages", 1) > 1:
+        return "Number: the micro-batch. The demo prints F<c>.<i>: F1.0 = forward of chunk 1, micro-batch 0."
+    return "Number: the micro-batch. The demo prints F<i> and B<i>: F0 = forward of micro-batch 0."
+
+
 def _pipeline_bar(r: int, action: str, start: float, end: float, flops: int) -> Bar:
-    kind = next(k for k in PIPELINE_COLORS if k.startswith("forward" if action[0] == "F" else "backward"))
-    return Bar(f"stage {r}", kind, action, start, end, f"{flops:,} FLOPs")
+    phase = "forward" if action[0] == "F" else "backward"
+    chunk, _, micro_batch = action[1:].rpartition(".")
+    kind = f"{phase}, chunk {chunk}" if chunk else phase
+    return Bar(f"stage {r}", kind, action, start, end, f"{flops:,} FLOPs", short=micro_batch)
 
 
 def pipeline_modeled(trace: dict, rates: Rates) -> list[Bar]:

@@ -3,7 +3,8 @@
 Templates see these globals: `cite(spec, highlight=)` (a verified excerpt with upstream line numbers),
 `upstream(spec)` (the same citation as a permalink only), `default(spec, param)` (a parameter's default as
 written in the pinned source, pin_and_cite.core.defaults), `ours("reference/x.py::Name")` (lines of our own
-code), `mirrors("reference/x.py::Name")` (the upstream() links of the citations its docstring writes),
+code, linked to that code, which the page shows at its end under OUR_CODE), `mirrors("reference/x.py::Name")`
+(the upstream() links of the citations its docstring writes),
 `verified_by("tests/...::test")` (the test and the kind of evidence it is: upstream or reference,
 linked to its section on its test file's page, pin_and_cite.site.evidence_pages) and
 `reference_only(REASON, detail)` (why no upstream test can run here, REASON from a fixed list), `pins` and
@@ -33,7 +34,7 @@ from pin_and_cite.core.defaults import default_ref
 from pin_and_cite.core.errors import PinAndCiteError
 from pin_and_cite.core.fences import code_span, fence_for
 from pin_and_cite.core.highlights import Statements, checked_highlight
-from pin_and_cite.core.local_code import mirrored, ours
+from pin_and_cite.core.local_code import Definition, definition, mirrored
 from pin_and_cite.core.locked import locked_default, locked_excerpt
 from pin_and_cite.core.notes import note_templates
 from pin_and_cite.core.pinned_sha import write_pinned_sha
@@ -47,6 +48,7 @@ from pin_and_cite.site.note_rules import check_note
 from pin_and_cite.site.output_folder import OutputFolder
 
 SOURCE_PAGE = "_source.md.j2"
+OUR_CODE = "The reference code"  # the section ours() links into
 SITE_NOTES = "docs/notes"  # where the site (mkdocs hook) and `render` by default put the pages
 TEMPLATE_MISTAKES = (TypeError, ValueError, LookupError, AttributeError, ArithmeticError)
 LANGUAGES = {".py": "python", ".pyi": "python", ".h": "cpp", ".cpp": "cpp", ".md": "markdown", ".toml": "toml"}
@@ -121,6 +123,7 @@ class Renderer:
         self._rules: dict[Path, list] = {}
         self.page: str | None = None  # the page being rendered, for relative links
         self.cited_tests: dict[str, tuple[Evidence, list[str]]] = {}  # node id -> evidence, citing pages
+        self.our_code: dict[str, Definition] = {}  # anchor -> definition ours() linked, on the page being rendered
         self.env = sandbox.environment(jinja2.FileSystemLoader(project.notes_dir))
         self.env.globals.update(
             cite=self.cite,
@@ -129,7 +132,7 @@ class Renderer:
             verified_by=self.verified_by,
             reference_only=self.reference_only,
             pins=project.pins.sources,
-            ours=lambda spec: ours(project.root, spec, self.resolver.parsed),
+            ours=self.ours,
             mirrors=self.mirrors,
             locked_files=self.locked_files,
         )
@@ -163,6 +166,27 @@ class Renderer:
     def upstream(self, spec_text: str) -> str:
         excerpt = self.excerpt(spec_text)
         return excerpt_link(excerpt, self.inside(excerpt))
+
+    def ours(self, spec: str) -> str:
+        """Where our definition lives, linked to its code, which render() appends to the page."""
+        found = definition(self.project.root, spec, self.resolver.parsed)
+        anchor = "code-" + "".join(ch if ch.isalnum() else "-" for ch in f"{found.path}-{found.symbol}").lower()
+        self.our_code[anchor] = found
+        return f"[{found}](#{anchor})"
+
+    def _our_code_section(self) -> str:
+        """Each definition ours() linked on this page, with our file's line numbers."""
+        if not self.our_code:
+            return ""
+        out = [f"\n## {OUR_CODE}\n"]
+        for anchor, found in self.our_code.items():
+            fence = fence_for(found.text)
+            out.append(
+                f'<p class="our-code" id="{anchor}" data-path="{html.escape(found.path)}"><code>'
+                f"{html.escape(found.symbol)}</code>, {html.escape(found.path)} L{found.first}–L{found.last}</p>\n\n"
+                f'{fence}python linenums="{found.first}"\n{found.text}{fence}\n'
+            )
+        return "\n".join(out)
 
     def mirrors(self, ours_spec: str) -> str:
         """The upstream() links of the citations in the docstring of our `reference/x.py::Name`."""
@@ -233,8 +257,9 @@ class Renderer:
         problems = self.rule_problems(template) if rules else []
         if problems:
             raise PinAndCiteError(f"{self._where(template, problems[0].line)}: {problems[0].message}")
+        self.our_code = {}
         try:
-            return self.env.get_template(name).render(**context)
+            return self.env.get_template(name).render(**context) + self._our_code_section()
         except jinja2.TemplateSyntaxError as exc:
             raise PinAndCiteError(f"{self._where(template, exc.lineno)}: {exc.message}") from None
         except (PinAndCiteError, jinja2.TemplateError) as exc:

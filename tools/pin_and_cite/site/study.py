@@ -26,10 +26,19 @@ def helpers(project: Project) -> dict:
     def trace(name: str) -> dict:
         return load_trace(project.notes_dir, name)
 
-    def diagram(name: str, measured: str | None = None, calibration: str | None = None, **options) -> str:
-        """The diagram of trace `name`; a timeline also draws the `measured` trace of the same step beside it, and
-        takes its FLOP rates from reading_notes/calibrations/`calibration`.json when named."""
+    def diagram(
+        name: str,
+        measured: str | None = None,
+        calibration: str | None = None,
+        same_scale_as: str | None = None,
+        **options,
+    ) -> str:
+        """The diagram of trace `name`; a timeline also draws the `measured` trace of the same step beside it,
+        takes its FLOP rates from reading_notes/calibrations/`calibration`.json when named, and shares its time
+        axis with the trace `same_scale_as` (a pipeline of the same model)."""
         extra = {"measured": trace(measured)} if measured else {}
+        if same_scale_as:
+            extra["same_scale_as"] = trace(same_scale_as)
         if calibration:
             extra["calibration"] = load_calibration(project.notes_dir, calibration)
         return diagrams.diagram(trace(name), **options, **extra)

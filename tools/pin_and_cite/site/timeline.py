@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 
 FONT_PX = 14  # body text (the browser test requires at least 11 px)
+SMALL_PX = 11  # a label inside a bar too narrow for body text (a micro-batch number in an interleaved chunk)
 WIDTH, ROW, BAR = 800, 30, 20  # the SVG is drawn at its size, never scaled (content is 832 px wide at 1280)
 CHAR_PX = 7.6  # an estimate of a character's width, to decide whether a label fits its bar
 UNITS = ((1e-6, "ns", 1e9), (1e-3, "µs", 1e6), (1.0, "ms", 1e3), (math.inf, "s", 1.0))
@@ -22,10 +23,11 @@ UNITS = ((1e-6, "ns", 1e9), (1e-3, "µs", 1e6), (1.0, "ms", 1e3), (math.inf, "s"
 class Bar:
     row: str  # the row it is drawn on, rows in order of first appearance
     kind: str  # its legend entry, which gives its colour
-    label: str  # written inside the bar when it fits; always in its tooltip
+    label: str  # its name in the tooltip, and inside the bar when it fits and `short` is empty
     start: float  # seconds
     end: float
     detail: str = ""  # more for the tooltip (bytes, FLOPs)
+    short: str = ""  # written inside the bar instead of `label`, where the row already says the rest
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,8 @@ class Panel:
     bars: list[Bar]
     axis: str  # what the time axis is: "modeled at 100 TFLOP/s, 50 GB/s", "measured on ..."
     colors: dict[str, str]  # kind -> colour, in legend order
+    note: str = ""  # a line under the legend: how to read the labels
+    span: float | None = None  # seconds the axis covers at least: panels compared on one scale
 
 
 def _unit(seconds: float) -> tuple[str, float]:
@@ -48,17 +52,29 @@ def _step(span: float) -> float:
 
 
 def _text(
-    x: float, y: float, text: str, anchor: str = "start", weight: str = "normal", fill: str = "currentColor"
+    x: float,
+    y: float,
+    text: str,
+    anchor: str = "start",
+    weight: str = "normal",
+    fill: str = "currentColor",
+    size: int = FONT_PX,
 ) -> str:
     return (
-        f'<text x="{x:.1f}" y="{y:.1f}" font-size="{FONT_PX}" text-anchor="{anchor}" font-weight="{weight}" '
+        f'<text x="{x:.1f}" y="{y:.1f}" font-size="{size}" text-anchor="{anchor}" font-weight="{weight}" '
         f'fill="{fill}">{html.escape(text)}</text>'
     )
 
 
+def _fitting_size(text: str, width: float) -> int | None:
+    """FONT_PX if `text` fits a bar `width` px wide with room around it, else SMALL_PX if it fits at all."""
+    sizes = ((FONT_PX, 6), (SMALL_PX, 2))  # (px, margin): a narrow bar's digit may nearly touch its edges
+    return next((px for px, margin in sizes if len(text) * CHAR_PX * px / FONT_PX + margin <= width), None)
+
+
 def panel_svg(panel: Panel) -> str:
     rows = list(dict.fromkeys(bar.row for bar in panel.bars))
-    end = max(bar.end for bar in panel.bars) or 1e-9
+    end = max(max(bar.end for bar in panel.bars), panel.span or 0) or 1e-9
     unit, scale = _unit(end)
     step = _step(end * scale)
     ticks = [i * step for i in range(int(end * scale / step) + 2)]
@@ -67,7 +83,8 @@ def panel_svg(panel: Panel) -> str:
     top = 2 * ROW
     x = lambda seconds: left + seconds * scale / ticks[-1] * plot
     legend_y = top + len(rows) * ROW + 2.4 * ROW
-    height = legend_y + ROW * (1 + len(panel.colors) // 3)
+    legend_rows = (len(panel.colors) + 2) // 3
+    height = legend_y + ROW * (legend_rows + bool(panel.note)) - ROW / 2
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height:.0f}" role="img" '
         f'class="timeline-svg" aria-label="{html.escape(panel.title)}">',
@@ -91,14 +108,17 @@ def panel_svg(panel: Panel) -> str:
             f'fill="{panel.colors[bar.kind]}" stroke="#fff" stroke-width="1">'
             f"<title>{html.escape(tip)}</title></rect>"
         )
-        if len(bar.label) * CHAR_PX + 6 <= x1 - x0:
-            out.append(_text((x0 + x1) / 2, y + BAR / 2 + FONT_PX / 3, bar.label, "middle", fill="#fff"))
+        inside = bar.short or bar.label
+        if size := _fitting_size(inside, x1 - x0):
+            out.append(_text((x0 + x1) / 2, y + BAR / 2 + size / 3, inside, "middle", fill="#fff", size=size))
     for i, (kind, color) in enumerate(panel.colors.items()):
         lx, ly = 8 + (i % 3) * (WIDTH / 3), legend_y + (i // 3) * ROW
         out.append(
             f'<rect x="{lx:.1f}" y="{ly - FONT_PX + 2:.1f}" width="{FONT_PX}" height="{FONT_PX}" fill="{color}"/>'
         )
         out.append(_text(lx + FONT_PX + 6, ly, kind))
+    if panel.note:
+        out.append(_text(8, legend_y + legend_rows * ROW, panel.note))
     return "\n".join(out + ["</svg>"])
 
 
