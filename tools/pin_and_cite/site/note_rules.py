@@ -33,11 +33,11 @@ from pathlib import Path
 
 from pin_and_cite.core.bounded import read_file
 from pin_and_cite.core.errors import PinAndCiteError
-from pin_and_cite.core.notes import calls_in
+from pin_and_cite.core.notes import calls_in, note_templates
 from pin_and_cite.core.parse_cache import ParseCache
 from pin_and_cite.core.project import NOTES_DIR
 from pin_and_cite.core.verified_by import evidence_of, reference_only_problem
-from pin_and_cite.site.run_it import read_recording, run_it_blocks
+from pin_and_cite.site.run_it import RunIt, read_recording, run_it_blocks
 
 MAX_WORDS = 300
 MIN_CHOICES = 5
@@ -341,7 +341,7 @@ def _walkthrough(template: Path, root: Path, text: str) -> list[RuleProblem]:
     return sorted(problems, key=lambda p: p.line)
 
 
-def _run_it_problems(root: Path, block) -> list[RuleProblem]:
+def _run_it_problems(root: Path, block: RunIt) -> list[RuleProblem]:
     """A Run it block has commands, shows its recorded output, and the recording is of these commands."""
     if not block.commands:
         return [RuleProblem(block.line, "the Run it block holds no command")]
@@ -360,3 +360,14 @@ def _run_it_problems(root: Path, block) -> list[RuleProblem]:
             )
         ]
     return []
+
+
+def walkthrough_runs(notes_dir: Path) -> list[tuple[Path, RunIt]]:
+    """Every Run it block of every walkthrough (`rules: walkthrough`), with its template: what tools/record-runs
+    records and tests/site/test_run_it.py runs again."""
+    return [
+        (template, block)
+        for template in note_templates(notes_dir)
+        if front_matter(text := template.read_text())[0].get("rules") == "walkthrough"
+        for block in run_it_blocks(text)
+    ]
