@@ -56,7 +56,7 @@ def test_the_page_shows_the_output_without_the_commands_in_a_fence_it_cannot_clo
     (tmp_path / "runs" / "first.txt").write_text("$ echo \"first ```\"\n$ printf 'two\\n'\nfirst ```\ntwo\n")
     assert read_recording(tmp_path, "first") == (('echo "first ```"', "printf 'two\\n'"), "first ```\ntwo\n")
     shown = run_output(tmp_path, "first")
-    assert shown.endswith("````text\nfirst ```\ntwo\n````\n") and "$ " not in shown
+    assert shown.endswith("````{ .text .run-output }\nfirst ```\ntwo\n````\n") and "$ " not in shown
 
 
 def walkthrough_project(tmp_path, monkeypatch, second: str):

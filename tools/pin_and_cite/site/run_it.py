@@ -77,7 +77,8 @@ def run_output(notes_dir: Path, name: str) -> str:
     """The recorded output, as the page shows it under its Run it block."""
     _, output = read_recording(notes_dir, name)
     fence = "````" if "```" in output else "```"
-    return f"Expected output (stdout; timings differ on your machine):\n\n{fence}text\n{output.rstrip()}\n{fence}\n"
+    shown = f"{fence}{{ .text .run-output }}\n{output.rstrip()}\n{fence}\n"  # wrapped, not cut (notes.css)
+    return f"Expected output (stdout; timings differ on your machine):\n\n{shown}"
 
 
 def plain_shell_env() -> dict[str, str]:
