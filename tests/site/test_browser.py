@@ -63,7 +63,8 @@ DIAGRAM_REPORT = """() => ({
 # Each excerpt: the permalink in its caption (a folded excerpt's caption precedes its fold), or the path of our
 # own file a reference page shows (its "our-code" caption), the line numbers
 # shown, the text of each code line; and, where it is shown, how many columns of its monospace fit unscrolled.
-EXCERPTS = """() => [...document.querySelectorAll("article div.highlight")].map(block => {
+# Code blocks but a walkthrough's Run it commands and their recorded output (pin_and_cite.site.run_it).
+EXCERPTS = """() => [...document.querySelectorAll("article div.highlight:not(.run-it):not(.run-output)")].map(block => {
   const before = (block.closest(".excerpt-fold") || block).previousElementSibling;
   const caption = before && before.querySelector("a[href*='/blob/']");
   const ours = before && before.classList.contains("our-code") ? before.dataset.path : null;
@@ -79,6 +80,9 @@ EXCERPTS = """() => [...document.querySelectorAll("article div.highlight")].map(
           lines: [...block.querySelectorAll("td.code code > span")].map(s => s.textContent.replace(/\\n$/, ""))};
 })"""
 LINKS = """() => [...document.querySelectorAll("a[href]")].map(a => a.href)"""
+# Each Run it output block: does any of its lines run past the right edge (sideways scrolling)?
+RUN_OUTPUTS = """() => [...document.querySelectorAll("article div.run-output pre > code")].map(
+  code => code.scrollWidth > code.clientWidth)"""
 VERIFIED_BY = """() => [...document.querySelectorAll("article a.verified-by")].map(a => ({
   href: a.href, node: a.querySelector("code").textContent}))"""
 # The font size, in screen pixels, of every text of every SVG in the article: inline ones and mermaid's.
@@ -192,7 +196,9 @@ def every_page(browser, site_url, diagram_site):
             "side_nav": page.evaluate(SIDE_NAV),
         }
         page.evaluate(OPEN_FOLDS)
-        reports[path].update(excerpts=page.evaluate(EXCERPTS), links=page.evaluate(LINKS))
+        reports[path].update(
+            excerpts=page.evaluate(EXCERPTS), links=page.evaluate(LINKS), run_outputs=page.evaluate(RUN_OUTPUTS)
+        )
         if path == ".":
             reports[path]["home_order"] = page.evaluate(HOME_ORDER)
     context.close()
@@ -343,6 +349,14 @@ def test_100_columns_of_code_fit_every_excerpt_without_scrolling(every_page):
     assert short and [(path, e["permalink"]) for path, e in short if e["scrolls"]] == []
 
 
+def test_run_it_output_wraps_so_the_numbers_at_line_ends_show_at_1280_px(every_page):
+    """Issue 24: the step line's `tp: all_reduce x52 (329216 B)`, the number the walkthrough explains, sat past
+    the right edge of its output block, reachable only by scrolling sideways."""
+    outputs = {path: report["run_outputs"] for path, report in every_page[0].items() if report["run_outputs"]}
+    assert len(outputs.get("notes/walkthrough-tp", [])) >= 4  # the Run it block and one per exercise
+    assert {path: scrolls for path, scrolls in outputs.items() if any(scrolls)} == {}
+
+
 def test_every_folded_excerpt_expands_on_click_to_the_whole_citation_with_upstream_numbers(every_page):
     folds = [(path, fold) for path, report in every_page[0].items() for fold in report["folds"]]
     assert len(folds) >= 10 and any(path == "notes/megatron-tp-layers" for path, _ in folds)
@@ -366,7 +380,7 @@ def test_side_navigation_lists_the_notes_in_the_home_pages_order(every_page, sit
     home = every_page[0]["."]
     order = [url.removeprefix(site_url) for url in home["home_order"]]
     nav = list(dict.fromkeys(url.removeprefix(site_url) for url in home["side_nav"]))
-    assert len(order) >= 10 and order[0] == "notes/megatron-tp-layers/"
+    assert len(order) >= 10 and order[:2] == ["notes/walkthrough-tp/", "notes/megatron-tp-layers/"]
     assert [page for page in nav if page in order] == list(dict.fromkeys(order))
 
 

@@ -33,15 +33,15 @@ def test_the_home_page_lists_every_page_in_the_nav_order_numbered_by_the_build()
     assert MARKER in (ROOT / "docs" / "index.md").read_text()  # the list is the hook's, never hand-kept
     nav = mkdocs_nav()
     numbers, links = listed(reading_order(nav, lambda path: (path, "")))
-    assert links == nav_pages(nav)[1:] and links[0] == "notes/megatron-tp-layers.md"
+    assert links == nav_pages(nav)[1:] and links[:2] == ["notes/walkthrough-tp.md", "notes/megatron-tp-layers.md"]
     assert numbers == [str(n) for n in range(1, len(numbers) + 1)]
     assert nav.index({"Notes": nav[1]["Notes"]}) == 1 and len(numbers) < len(links)  # a section is one item
     # A note given a slot in nav takes it on the home page; the later items move down with no edit.
     notes = nav[1]["Notes"]
     notes.insert(notes.index("notes/fsdp-prefetch.md") + 1, "notes/fsdp2-sharding.md")
     after = reading_order(nav, lambda path: (path, ""))
-    assert "3. **[notes/fsdp2-sharding.md](notes/fsdp2-sharding.md)**\n" in after
-    assert "4. **[notes/megatron-pipeline-1f1b.md](notes/megatron-pipeline-1f1b.md)**\n" in after
+    assert "4. **[notes/fsdp2-sharding.md](notes/fsdp2-sharding.md)**\n" in after
+    assert "5. **[notes/megatron-pipeline-1f1b.md](notes/megatron-pipeline-1f1b.md)**\n" in after
 
 
 def test_the_built_home_page_shows_each_note_with_its_title_and_description(built_site):
@@ -49,9 +49,12 @@ def test_the_built_home_page_shows_each_note_with_its_title_and_description(buil
     order = home.split('id="what-to-read-in-order"', 1)[1].split("</ol>", 1)[0]
     items = re.findall(r"<li>(.*?)</li>", order, re.S)
     assert items[0].startswith(
+        '<strong><a href="notes/walkthrough-tp/">Tensor and sequence parallelism, walked through</a></strong>: start'
+    )
+    assert items[1].startswith(
         '<strong><a href="notes/megatron-tp-layers/">Megatron-LM tensor-parallel linears</a></strong>: a close'
     )
-    assert "where the all-reduces really are" in items[0]
+    assert "where the all-reduces really are" in items[1]
     hrefs = [re.search(r'href="([^"]+)"', item)[1] for item in items]
     urls = [page.removesuffix(".md") + "/" for page in nav_pages(mkdocs_nav())[1:]]
     nav = [url.removesuffix("index/") for url in urls]  # mkdocs serves a folder's index.md as the folder

@@ -104,7 +104,9 @@ def test_each_rule_is_reported_at_its_heading(tmp_path):
 
 def test_a_page_declares_its_rules_and_none_is_written_not_implied(tmp_path):
     """Finding 12: a close reading whose `rules:` line was dropped kept no rules at all."""
-    expected = "open the page with '---', 'rules: KIND', '---'; KIND is close-reading or questions or none"
+    expected = (
+        "open the page with '---', 'rules: KIND', '---'; KIND is close-reading or questions or walkthrough or none"
+    )
     dropped = note_text(choices=1, connect=None).replace("rules: close-reading", "title: x")
     assert problems(tmp_path, dropped) == [(1, f"no 'rules:' front matter: {expected}")]
     assert problems(tmp_path, "# A page\n\nprose\n") == [(1, f"no 'rules:' front matter: {expected}")]
@@ -234,3 +236,89 @@ def test_render_and_check_refuse_a_free_text_reason_on_any_page(project):
     path.write_text(FREE_FORM + "# Free\n\n{{ reference_only('multi-node', 'needs <two hosts>') }}\n")
     assert project.run("render").code == 0
     assert "multi-node: needs &lt;two hosts&gt;" in (project.root / "docs" / "notes" / "free.md").read_text()
+
+
+RUN_IT = "``` { .shell .run-it }\n.venv/bin/torchrun --nproc-per-node 2 -m reference --tp 2\n```\n"
+SHOWN = '{{ run_output("tp-2") }}\n'
+LINKS = "[close reading](tp.md), [reference](reference/layers.md), [questions](check-yourself.md)\n"
+
+
+def walkthrough_text(
+    notation: str = '!!! note "Notation"\n    h: hidden size\n',
+    run_it: str = RUN_IT + "\n" + SHOWN,
+    exercises: int = 3,
+    answer: str = '<details markdown="1"><summary>Answer</summary>\n\nSix.\n\n</details>\n',
+    links: str = LINKS,
+) -> str:
+    parts = ["---\nrules: walkthrough\n---\n# Tensor parallelism, walked through\n", notation, "## Run it\n", run_it]
+    parts.append("## Predict, then run\n")
+    parts += [f"### Exercise {i}\n\nChange --tp.\n\n{answer}" for i in range(exercises)]
+    return "\n".join(parts + ["## Where next\n", links])
+
+
+def walkthrough_problems(tmp_path, text: str, recorded: str | None = "$ " + RUN_IT.split("\n")[1] + "\nstep 0\n"):
+    notes = tmp_path / "reading_notes"
+    (notes / "reference").mkdir(parents=True, exist_ok=True)
+    (notes / "tp.md.j2").write_text("---\nrules: close-reading\n---\n")
+    (notes / "reference" / "layers.md.j2").write_text("---\nrules: none\n---\n")
+    (notes / "check-yourself.md.j2").write_text("---\nrules: questions\n---\n")
+    (notes / "runs").mkdir(exist_ok=True)
+    (notes / "runs" / "tp-2.txt").unlink(missing_ok=True)
+    if recorded is not None:
+        (notes / "runs" / "tp-2.txt").write_text(recorded)
+    path = notes / "walkthrough.md.j2"
+    path.write_text(text)
+    return [(p.line, p.message) for p in check_note(path, tmp_path)]
+
+
+def test_a_walkthrough_within_its_rules_passes(tmp_path):
+    assert walkthrough_problems(tmp_path, walkthrough_text()) == []
+
+
+def test_a_walkthrough_needs_a_notation_box_a_run_it_block_exercises_and_links(tmp_path):
+    """Issue 24: a walkthrough page had no rules, so a page without notation, Run it, exercises or links passed."""
+    bare = walkthrough_problems(tmp_path, walkthrough_text(notation="", run_it="", exercises=0, links=""))
+    assert bare == [
+        (1, "no notation box: add '!!! note \"Notation\"' defining every symbol the page uses"),
+        (1, "no Run it block: add a fenced block with 'run-it' in its info string"),
+        (1, "links to no close reading of the topic: link it with [title](page.md)"),
+        (1, "links to no reference module page of the topic: link it with [title](page.md)"),
+        (1, "links to no Check-yourself page of the topic: link it with [title](page.md)"),
+        (10, "0 exercise(s) ('### ' sections); write 3 or more"),
+    ]
+
+
+def test_each_exercise_hides_its_answer_and_there_are_three(tmp_path):
+    text = walkthrough_text(exercises=2, answer="The answer is six, in plain sight.\n")
+    heading = text.split("\n").index("## Predict, then run") + 1
+    first, second = (text.split("\n").index(f"### Exercise {i}") + 1 for i in (0, 1))
+    found = walkthrough_problems(tmp_path, text)
+    assert found == [
+        (heading, "2 exercise(s) ('### ' sections); write 3 or more"),
+        (first, "exercise 'Exercise 0' has no collapsed answer: add <details>"),
+        (second, "exercise 'Exercise 1' has no collapsed answer: add <details>"),
+    ]
+
+
+def test_a_link_outside_the_notes_or_to_a_missing_page_counts_for_nothing(tmp_path):
+    text = walkthrough_text(links="[a](../../outside.md), [b](gone.md), [questions](check-yourself.md)\n")
+    assert [m for _, m in walkthrough_problems(tmp_path, text)] == [
+        "links to no close reading of the topic: link it with [title](page.md)",
+        "links to no reference module page of the topic: link it with [title](page.md)",
+    ]
+
+
+def test_a_run_it_block_shows_the_recording_of_its_own_commands(tmp_path):
+    """Issue 24: the page's output must come from a recording of the commands as written: a block without
+    run_output(), a missing recording and a recording of other commands are each caught by check, offline."""
+    line = walkthrough_text().split("\n").index("``` { .shell .run-it }") + 1
+    unshown = walkthrough_problems(tmp_path, walkthrough_text(run_it=RUN_IT))
+    assert unshown == [(line, "the Run it block shows no output: follow it with {{ run_output('NAME') }}")]
+    missing = walkthrough_problems(tmp_path, walkthrough_text(), recorded=None)
+    assert missing == [(line, "no recorded run 'tp-2' (runs/tp-2.txt is missing): run tools/record-runs")]
+    stale = walkthrough_problems(tmp_path, walkthrough_text(), recorded="$ .venv/bin/torchrun -m reference\nx\n")
+    assert stale == [
+        (line, "runs/tp-2.txt recorded other commands than the block's: re-record it with tools/record-runs")
+    ]
+    empty = walkthrough_problems(tmp_path, walkthrough_text(run_it="``` { .shell .run-it }\n```\n\n" + SHOWN))
+    assert empty == [(line, "the Run it block holds no command")]

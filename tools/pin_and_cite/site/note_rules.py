@@ -13,6 +13,11 @@ a note that drops the line must not slip out of its rules unseen, so `rules: non
 `rules: questions` (the "Check yourself" page): every `### ` section is a question whose answer has at most
 ANSWER_WORDS words of prose, cites upstream (cite() or upstream()) and names a test (verified_by()); a
 reference_only() there too gives a reason from the fixed list.
+`rules: walkthrough` (a page that teaches a topic before its close reading): a notation box (an admonition
+titled "Notation"), at least one Run it block showing its recorded output (pin_and_cite.site.run_it; the
+recording holds the block's commands as written), a `## Predict, then run` section of at least MIN_EXERCISES
+`### ` exercises each with a collapsed answer (`<details>`), and links to a close reading, a reference module
+page and the Check-yourself questions.
 Prose is what a reader reads as text: front matter, fenced blocks and Jinja statements and comments are not
 counted, the outputs of NOT_PROSE_CALLS are not counted (excerpts, diagrams, charts, evidence lines), and any
 other `{{ expression }}` counts as one word (a number, a rendered default). So does an upstream() link, though
@@ -26,9 +31,13 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from pin_and_cite.core.notes import calls_in
+from pin_and_cite.core.bounded import read_file
+from pin_and_cite.core.errors import PinAndCiteError
+from pin_and_cite.core.notes import calls_in, note_templates
 from pin_and_cite.core.parse_cache import ParseCache
+from pin_and_cite.core.project import NOTES_DIR
 from pin_and_cite.core.verified_by import evidence_of, reference_only_problem
+from pin_and_cite.site.run_it import RunIt, read_recording, run_it_blocks
 
 MAX_WORDS = 300
 MIN_CHOICES = 5
@@ -41,7 +50,12 @@ EVIDENCE_CALLS = {"verified_by", "reference_only"}
 _JINJA_BLOCK = re.compile(r"\{#.*?#\}|\{%.*?%\}", re.S)
 _EXPRESSION = re.compile(r"\{\{(.*?)\}\}", re.S)
 _WORD = re.compile(r"\S*[A-Za-z0-9]\S*")
-RULES = ("close-reading", "questions", "none")
+RULES = ("close-reading", "questions", "walkthrough", "none")
+MIN_EXERCISES = 3
+MAX_NOTE_BYTES = 1 << 20
+EXERCISES_HEADING = "## predict, then run"
+_NOTATION_BOX = re.compile(r'(?:!!!|\?\?\?\+?)\s+[\w-]+\s+"Notation"')
+_LINK_TARGET = re.compile(r"\]\(([^)#\s]+\.md)(?:#[^)]*)?\)")
 VALUE = "{{value}}"  # what a printed expression becomes: one word, and never text a template can hold
 
 
@@ -148,7 +162,9 @@ def check_note(template: Path, root: Path, parsed: ParseCache | None = None) -> 
     if declared not in RULES:
         what = "no 'rules:' front matter" if declared is None else f"'rules: {declared}' is not a kind of page"
         return [RuleProblem(1, f"{what}: open the page with '---', 'rules: KIND', '---'; KIND is {' or '.join(RULES)}")]
-    rules = {"close-reading": _close_reading, "questions": _questions, "none": None}[declared]
+    rules = {"close-reading": _close_reading, "questions": _questions, "none": None}.get(declared)
+    if declared == "walkthrough":
+        return _walkthrough(template, root, text)
     if rules is None:
         return []
     lines = prose_lines(text)
@@ -265,3 +281,93 @@ def _evidence_problems(choice: _Section, kinds: set[str | None], calls) -> list[
             )
         ]
     return []
+
+
+def _linked_kinds(template: Path, root: Path, text: str) -> set[str]:
+    """What the page links to: "close-reading" and "questions" (by the linked note's rules), "reference"
+    (a page under reference/)."""
+    kinds, notes = set(), (root / NOTES_DIR).resolve()
+    for target in _LINK_TARGET.findall(text):
+        linked = (template.parent / f"{target}.j2").resolve()
+        page = read_file(linked, MAX_NOTE_BYTES, target) if linked.is_relative_to(notes) else None
+        if page is None:
+            continue
+        if linked.parent == notes / "reference":
+            kinds.add("reference")
+        kinds.add(front_matter(page.decode("utf-8", errors="replace"))[0].get("rules", ""))
+    return kinds
+
+
+def _walkthrough(template: Path, root: Path, text: str) -> list[RuleProblem]:
+    lines = text.split("\n")
+    problems = []
+    if not any(_NOTATION_BOX.match(line.strip()) for line in lines):
+        problems.append(
+            RuleProblem(1, "no notation box: add '!!! note \"Notation\"' defining every symbol the page uses")
+        )
+    blocks = run_it_blocks(text)
+    if not blocks:
+        problems.append(RuleProblem(1, "no Run it block: add a fenced block with 'run-it' in its info string"))
+    for block in blocks:
+        problems += _run_it_problems(root, block)
+    prose = prose_lines(text)
+    sections = _sections(prose, len(lines))
+    exercises = [s for s in sections if s.title.lower() == EXERCISES_HEADING]
+    if not exercises:
+        problems.append(RuleProblem(1, f"no '## Predict, then run' section of {MIN_EXERCISES} exercises or more"))
+    else:
+        start = exercises[0].line
+        end = min([s.line for s in sections if s.title.startswith("## ") and s.line > start], default=len(lines) + 1)
+        own = [s for s in sections if start < s.line < end and s.title.startswith("### ")]
+        for exercise in own:
+            if not any("<details" in line for line in lines[exercise.line : exercise.end - 1]):
+                problems.append(
+                    RuleProblem(exercise.line, f"exercise {exercise.name!r} has no collapsed answer: add <details>")
+                )
+        if len(own) < MIN_EXERCISES:
+            problems.append(
+                RuleProblem(
+                    exercises[0].line, f"{len(own)} exercise(s) ('### ' sections); write {MIN_EXERCISES} or more"
+                )
+            )
+    linked = _linked_kinds(template, root, text)
+    for kind, what in (
+        ("close-reading", "close reading"),
+        ("reference", "reference module page"),
+        ("questions", "Check-yourself page"),
+    ):
+        if kind not in linked:
+            problems.append(RuleProblem(1, f"links to no {what} of the topic: link it with [title](page.md)"))
+    return sorted(problems, key=lambda p: p.line)
+
+
+def _run_it_problems(root: Path, block: RunIt) -> list[RuleProblem]:
+    """A Run it block has commands, shows its recorded output, and the recording is of these commands."""
+    if not block.commands:
+        return [RuleProblem(block.line, "the Run it block holds no command")]
+    if block.recording is None:
+        return [RuleProblem(block.line, "the Run it block shows no output: follow it with {{ run_output('NAME') }}")]
+    try:
+        recorded, _ = read_recording(root / NOTES_DIR, block.recording)
+    except PinAndCiteError as exc:
+        return [RuleProblem(block.line, str(exc))]
+    if recorded != block.commands:
+        return [
+            RuleProblem(
+                block.line,
+                f"runs/{block.recording}.txt recorded other commands than the block's: re-record it "
+                f"with tools/record-runs",
+            )
+        ]
+    return []
+
+
+def walkthrough_runs(notes_dir: Path) -> list[tuple[Path, RunIt]]:
+    """Every Run it block of every walkthrough (`rules: walkthrough`), with its template: what tools/record-runs
+    records and tests/site/test_run_it.py runs again."""
+    return [
+        (template, block)
+        for template in note_templates(notes_dir)
+        if front_matter(text := template.read_text())[0].get("rules") == "walkthrough"
+        for block in run_it_blocks(text)
+    ]

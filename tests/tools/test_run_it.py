@@ -1,0 +1,84 @@
+"""Run it blocks: found in a template as written, run as a reader runs them, recorded all or nothing."""
+
+from __future__ import annotations
+
+import pytest
+import record_runs  # tools/record_runs.py (tools/ is on sys.path via pytest's pythonpath)
+
+from pin_and_cite.core.errors import PinAndCiteError
+from pin_and_cite.site.run_it import RunIt, read_recording, run_block, run_it_blocks, run_output
+
+TEMPLATE = """---
+rules: walkthrough
+---
+```shell
+echo not a run-it block
+```
+
+~~~{ .shell .run-it }
+echo "first ```"
+printf 'two\\n'
+~~~
+
+{{ run_output("first") }}
+
+````{ .shell .run-it }
+false
+````
+Some prose, not the output.
+"""
+
+
+def test_blocks_are_found_with_their_commands_and_the_recording_shown_after_them():
+    assert run_it_blocks(TEMPLATE) == [
+        RunIt(8, ('echo "first ```"', "printf 'two\\n'"), "first"),
+        RunIt(15, ("false",), None),
+    ]
+
+
+def test_a_block_runs_from_the_root_as_written_without_the_venv(tmp_path, monkeypatch):
+    monkeypatch.setenv("VIRTUAL_ENV", str(tmp_path / ".venv"))
+    monkeypatch.setenv("PATH", f"{tmp_path / '.venv' / 'bin'}:/usr/bin:/bin")
+    block = RunIt(3, ("pwd", 'echo "venv=${VIRTUAL_ENV:-none}"', 'echo "$PATH"'), "x")
+    assert run_block(tmp_path, block, 10) == f"{tmp_path}\nvenv=none\n/usr/bin:/bin\n"
+
+
+def test_a_failing_command_stops_the_block_with_one_line(tmp_path):
+    block = RunIt(7, ("echo before", "ls /no/such/path", "echo after"), "x")
+    with pytest.raises(PinAndCiteError) as failed:
+        run_block(tmp_path, block, 10)
+    message = str(failed.value)
+    assert message.startswith("the Run it block at line 7 exited 2: ls: ") and "\n" not in message
+
+
+def test_the_page_shows_the_output_without_the_commands_in_a_fence_it_cannot_close(tmp_path):
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "first.txt").write_text("$ echo \"first ```\"\n$ printf 'two\\n'\nfirst ```\ntwo\n")
+    assert read_recording(tmp_path, "first") == (('echo "first ```"', "printf 'two\\n'"), "first ```\ntwo\n")
+    shown = run_output(tmp_path, "first")
+    assert shown.endswith("````{ .text .run-output }\nfirst ```\ntwo\n````\n") and "$ " not in shown
+
+
+def walkthrough_project(tmp_path, monkeypatch, second: str):
+    notes = tmp_path / "reading_notes"
+    notes.mkdir(exist_ok=True)
+    block = '```{ .shell .run-it }\n%s\n```\n\n{{ run_output("%s") }}\n'
+    (notes / "w.md.j2").write_text(
+        "---\nrules: walkthrough\n---\n" + block % ("echo one", "one") + block % (second, "two")
+    )
+    monkeypatch.setattr(record_runs, "ROOT", tmp_path)
+    monkeypatch.setattr(record_runs, "NOTES", notes)
+    return notes / "runs"
+
+
+def test_record_runs_writes_every_recording_or_none(tmp_path, monkeypatch, capsys):
+    runs = walkthrough_project(tmp_path, monkeypatch, second="echo two; exit 3")
+    assert record_runs.main([]) == 1
+    assert not runs.exists()  # the first block ran fine, but nothing is half-recorded
+    assert capsys.readouterr().err == "record-runs: error: the Run it block at line 9 exited 3: (no stderr)\n"
+    runs = walkthrough_project(tmp_path, monkeypatch, second="echo two")
+    assert record_runs.main(["two"]) == 0 and sorted(p.name for p in runs.iterdir()) == ["two.txt"]
+    assert (runs / "two.txt").read_text() == "$ echo two\ntwo\n"
+    with pytest.raises(SystemExit) as usage:
+        record_runs.main(["three"])
+    assert usage.value.code == 2 and "no Run it block records three" in capsys.readouterr().err
