@@ -1,5 +1,6 @@
-"""`torchrun -m reference --fsdp`: per-step collective schedule and per-rank parameter memory, and the
-`--use-torch-fsdp` swap printing the same schedule from PyTorch's FSDP1."""
+"""`torchrun -m reference --fsdp`: per-step collective schedule, the last step's compute and collectives in issue
+order (where each prefetch option moves the all-gathers), per-rank parameter memory, and the `--use-torch-fsdp`
+swap printing the same schedule from PyTorch's FSDP1."""
 
 from __future__ import annotations
 
@@ -44,5 +45,92 @@ def test_demo_json_reports_schedule_memory_and_matches_use_torch_fsdp(ranks):
         assert [(e["op"], e["module"], e["phase"], e["nbytes"]) for e in a["events"]] == [
             (e["op"], e["module"], e["phase"], e["nbytes"]) for e in b["events"]
         ]
+        assert collectives(a) == collectives(b)  # the same all-gathers prefetched, in the same places
         assert a["summary"]["all_gather"]["count"] == 5 and a["summary"]["reduce_scatter"]["count"] == 3
         assert {s["name"] for s in a["spans"]} >= {"layers.0 forward", "layers.1 backward", "root backward"}
+
+
+SMALL = ("--fsdp", "--json", "--steps", "2", "--num-layers", "2", "--hidden-size", "32", "--batch-size", "4")
+UNITS = ("root", "layers.0", "layers.1")  # forward order: the root encloses the layers (embedding before, loss after)
+
+
+def forward_theory(prefetching: bool) -> list[tuple]:
+    """Without forward prefetch each unit's all-gather is issued just before its own compute; with it, the next
+    unit's is issued (by the current unit's pre-forward) before the current unit computes."""
+    root, *layers = UNITS
+    order = [("all_gather", root, False)] + [("all_gather", layers[0], True)] * prefetching + [("compute", root, None)]
+    for layer, following in zip(layers, [*layers[1:], None]):
+        if not prefetching:
+            order.append(("all_gather", layer, False))
+        elif following:
+            order.append(("all_gather", following, True))
+        order.append(("compute", layer, None))
+    return [*order, ("compute ends", root, None)]
+
+
+def backward_theory(mode: str) -> list[tuple]:
+    """Backward runs the layers in reverse; the root, still unsharded, computes first (output layer, final norm)
+    and last (embedding). BACKWARD_PRE issues the next unit's all-gather before the current unit's gradient
+    computation, BACKWARD_POST after it (before the reduce-scatter), none only when the unit itself needs it."""
+    root, *layers = UNITS
+    backward = layers[::-1]
+    order = [("all_gather", backward[0], True)] * (mode == "pre") + [("compute", root, None)]
+    for index, (layer, following) in enumerate(zip(backward, [*backward[1:], None])):
+        if mode == "none" or (mode == "post" and index == 0):
+            order.append(("all_gather", layer, False))
+        if mode == "pre" and following:
+            order.append(("all_gather", following, True))
+        order.append(("compute", layer, None))
+        if mode == "post" and following:
+            order.append(("all_gather", following, True))
+        order.append(("reduce_scatter", layer, False))
+    return [*order, ("compute ends", root, None), ("reduce_scatter", root, False)]
+
+
+def issued(record: dict, phase: str) -> list[tuple]:
+    return [(e["op"], e["unit"], e.get("prefetch")) for e in record["issue_order"] if e["phase"] == phase]
+
+
+def collectives(record: dict) -> list[tuple]:
+    """The issue order's collectives with their prefetch marks (FSDP1 has no compute spans to compare)."""
+    return [(e["phase"], e["op"], e["unit"], e["prefetch"]) for e in record["issue_order"] if "prefetch" in e]
+
+
+@on_ranks(2)
+def test_issue_order_shows_where_each_prefetch_option_issues_the_all_gathers(ranks):
+    """--json's issue order (compute and collectives interleaved), both ranks, both steps: forward prefetch moves
+    the next unit's all-gather before the current unit's compute from the second step on (the first records the
+    order), and each backward prefetch option moves it where the theory says, on every step."""
+    for flags, prefetching, mode in (
+        (["--backward-prefetch", "none"], False, "none"),
+        (["--backward-prefetch", "pre"], False, "pre"),
+        (["--backward-prefetch", "post"], False, "post"),
+        (["--backward-prefetch", "none", "--forward-prefetch"], True, None),
+    ):
+        records = json_lines(demo_output([*SMALL, *flags]))
+        assert sorted((r["rank"], r["step"]) for r in records) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+        for record in records:
+            assert issued(record, "forward") == forward_theory(prefetching and record["step"] > 0), (flags, record)
+            if mode:
+                assert issued(record, "backward") == backward_theory(mode), (flags, record)
+            in_order = sorted(record["events"], key=lambda e: e["start"])  # the same collectives as recorded
+            assert [(e["op"], e["unit"], e["nbytes"]) for e in record["issue_order"] if "prefetch" in e] == [
+                (e["op"], e["module"], e["nbytes"]) for e in in_order
+            ]
+
+
+@on_ranks(2)
+def test_with_forward_prefetch_backward_post_prefetches_nothing_as_in_fsdp1(ranks):
+    """Forward prefetch builds unit l+1's parameter views before unit l's forward ops, so autograd reaches unit
+    l+1's gradient accumulation only after unit l's backward has begun (and all-gathered): BACKWARD_POST then
+    finds nothing left to prefetch. PyTorch's FSDP1 marks the same all-gathers as prefetches, step by step."""
+    flags = [*SMALL, "--forward-prefetch", "--backward-prefetch", "post"]
+    ours, theirs = json_lines(demo_output(flags)), json_lines(demo_output([*flags, "--use-torch-fsdp"]))
+    order = lambda records: [collectives(r) for r in sorted(records, key=lambda r: (r["rank"], r["step"]))]
+    assert order(ours) == order(theirs)
+    last = next(r for r in ours if r["step"] == 1)
+    assert [e for e in collectives(last) if e[0] == "backward" and e[3]] == []
+    assert [e for e in collectives(last) if e[0] == "forward" and e[3]] == [
+        ("forward", "all_gather", "layers.0", True),
+        ("forward", "all_gather", "layers.1", True),
+    ]
