@@ -133,7 +133,10 @@ def _report(args, record: dict, last: bool) -> None:
         f"(unsharded {total} B, ratio {shard / total:.3f})"
     ]
     if last:
-        lines.append("  compute and collectives in the order rank 0 issued them:")
+        lines += [
+            "  compute and collectives in the order rank 0 issued them (a unit computes until the next line, the",
+            "  root around the layers until its 'compute ends'; prefetch: issued early, from another unit's hook):",
+        ]
         lines += [f"  {e['phase']:8} {_issued(e)}" for e in record["issue_order"]]
     summary = ", ".join(f"{op} x{v['count']} {v['bytes']} B" for op, v in record["summary"].items())
     print("\n".join(lines + [f"  total: {summary or 'none recorded'}"]), flush=True)

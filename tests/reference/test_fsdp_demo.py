@@ -120,6 +120,20 @@ def test_issue_order_shows_where_each_prefetch_option_issues_the_all_gathers(ran
 
 
 @on_ranks(2)
+def test_the_printed_last_step_lists_the_issue_order(ranks):
+    """Without --json, rank 0 prints the last step's issue order, line for line, prefetches marked."""
+    flags = [*SMALL, "--forward-prefetch"]
+    last = next(r for r in json_lines(demo_output(flags)) if (r["rank"], r["step"]) == (0, 1))
+    printed = demo_output([f for f in flags if f != "--json"]).split("issued them")[1].splitlines()[2:]
+    shown = [line.split()[:3] + ["prefetch"] * line.endswith("prefetch") for line in printed if "total:" not in line]
+    expected = [
+        [e["phase"], *e["op"].split(), e["unit"]][:3] + ["prefetch"] * bool(e.get("prefetch"))
+        for e in last["issue_order"]
+    ]
+    assert shown == expected and ["forward", "all_gather", "layers.1", "prefetch"] in shown
+
+
+@on_ranks(2)
 def test_with_forward_prefetch_backward_post_prefetches_nothing_as_in_fsdp1(ranks):
     """Forward prefetch builds unit l+1's parameter views before unit l's forward ops, so autograd reaches unit
     l+1's gradient accumulation only after unit l's backward has begun (and all-gathered): BACKWARD_POST then
