@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.ranks import on_ranks
 from tests.reference.helpers import demo_output, json_lines, shared_tmp_dir
 
@@ -45,7 +47,7 @@ def test_demo_json_reports_schedule_memory_and_matches_use_torch_fsdp(ranks):
         assert [(e["op"], e["module"], e["phase"], e["nbytes"]) for e in a["events"]] == [
             (e["op"], e["module"], e["phase"], e["nbytes"]) for e in b["events"]
         ]
-        assert collectives(a) == collectives(b)  # the same all-gathers prefetched, in the same places
+        assert in_issue_order([a]) == in_issue_order([b])  # compute and collectives, prefetches in the same places
         assert a["summary"]["all_gather"]["count"] == 5 and a["summary"]["reduce_scatter"]["count"] == 3
         assert {s["name"] for s in a["spans"]} >= {"layers.0 forward", "layers.1 backward", "root backward"}
 
@@ -91,23 +93,26 @@ def issued(record: dict, phase: str) -> list[tuple]:
     return [(e["op"], e["unit"], e.get("prefetch")) for e in record["issue_order"] if e["phase"] == phase]
 
 
-def collectives(record: dict) -> list[tuple]:
-    """The issue order's collectives with their prefetch marks (FSDP1 has no compute spans to compare)."""
-    return [(e["phase"], e["op"], e["unit"], e["prefetch"]) for e in record["issue_order"] if "prefetch" in e]
+def in_issue_order(records: list[dict]) -> list[list[tuple]]:
+    """Each rank's and step's issue order: compute and collectives, with their prefetch marks."""
+    by_step = sorted(records, key=lambda r: (r["rank"], r["step"]))
+    return [[(e["phase"], e["op"], e["unit"], e.get("prefetch")) for e in r["issue_order"]] for r in by_step]
 
 
 @on_ranks(2)
-def test_issue_order_shows_where_each_prefetch_option_issues_the_all_gathers(ranks):
-    """--json's issue order (compute and collectives interleaved), both ranks, both steps: forward prefetch moves
-    the next unit's all-gather before the current unit's compute from the second step on (the first records the
-    order), and each backward prefetch option moves it where the theory says, on every step."""
+@pytest.mark.parametrize("implementation", [[], ["--use-torch-fsdp"]], ids=["reference", "fsdp1"])
+def test_issue_order_shows_where_each_prefetch_option_issues_the_all_gathers(ranks, implementation):
+    """--json's issue order (compute and collectives interleaved), both ranks, both steps, of the reference and
+    of PyTorch's FSDP1: forward prefetch moves the next unit's all-gather before the current unit's compute from
+    the second step on (the first records the order), and each backward prefetch option moves it where the
+    theory says, on every step."""
     for flags, prefetching, mode in (
         (["--backward-prefetch", "none"], False, "none"),
         (["--backward-prefetch", "pre"], False, "pre"),
         (["--backward-prefetch", "post"], False, "post"),
         (["--backward-prefetch", "none", "--forward-prefetch"], True, None),
     ):
-        records = json_lines(demo_output([*SMALL, *flags]))
+        records = json_lines(demo_output([*SMALL, *flags, *implementation]))
         assert sorted((r["rank"], r["step"]) for r in records) == [(0, 0), (0, 1), (1, 0), (1, 1)]
         for record in records:
             assert issued(record, "forward") == forward_theory(prefetching and record["step"] > 0), (flags, record)
@@ -135,16 +140,17 @@ def test_the_printed_last_step_lists_the_issue_order(ranks):
 
 @on_ranks(2)
 def test_with_forward_prefetch_backward_post_prefetches_nothing_as_in_fsdp1(ranks):
-    """Forward prefetch builds unit l+1's parameter views before unit l's forward ops, so autograd reaches unit
-    l+1's gradient accumulation only after unit l's backward has begun (and all-gathered): BACKWARD_POST then
-    finds nothing left to prefetch. PyTorch's FSDP1 marks the same all-gathers as prefetches, step by step."""
+    """Forward prefetch builds unit l+1's parameter views before unit l's forward ops, and autograd runs the
+    ready node created last first, so unit l+1's gradient accumulation (its post-backward hook) comes after unit
+    l's backward has begun, all-gather included: BACKWARD_POST finds nothing left to prefetch, and both layers'
+    reduce-scatters wait for the last layer's backward. PyTorch's FSDP1 does the same, entry for entry."""
     flags = [*SMALL, "--forward-prefetch", "--backward-prefetch", "post"]
     ours, theirs = json_lines(demo_output(flags)), json_lines(demo_output([*flags, "--use-torch-fsdp"]))
-    order = lambda records: [collectives(r) for r in sorted(records, key=lambda r: (r["rank"], r["step"]))]
-    assert order(ours) == order(theirs)
-    last = next(r for r in ours if r["step"] == 1)
-    assert [e for e in collectives(last) if e[0] == "backward" and e[3]] == []
-    assert [e for e in collectives(last) if e[0] == "forward" and e[3]] == [
-        ("forward", "all_gather", "layers.0", True),
-        ("forward", "all_gather", "layers.1", True),
+    assert in_issue_order(ours) == in_issue_order(theirs)
+    last = in_issue_order(ours)[1]  # rank 0, step 1
+    assert [(unit, early) for phase, op, unit, early in last if phase == "backward" and op == "all_gather"] == [
+        ("layers.1", False),
+        ("layers.0", False),
     ]
+    backward = [(op, unit) for phase, op, unit, _ in last if phase == "backward"]
+    assert backward.index(("reduce_scatter", "layers.1")) > backward.index(("compute", "layers.0"))
