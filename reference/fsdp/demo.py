@@ -132,7 +132,7 @@ def _report(args, record: dict, last: bool) -> None:
         f"step {record['step']}  loss {record['loss']:.4f} ({record['dtype']})  parameters on this rank {shard} B "
         f"(unsharded {total} B, ratio {shard / total:.3f})"
     ]
-    if last:
+    if last and record["issue_order"]:  # empty where the recorder is off
         lines += [
             "  compute and collectives in the order rank 0 issued them (a unit computes until the next line, the",
             "  root around the layers until its 'compute ends'; prefetch: issued early, from another unit's hook):",
