@@ -71,10 +71,11 @@ def _probe_recorder() -> None:
 
 
 def _probe_fsdp1_scopes() -> None:
-    """FSDP1 issues its all-gathers and reduce-scatters from these module functions, wrapped by name."""
+    """FSDP1 issues its all-gathers and reduce-scatters from these module functions (prefetches through
+    `_prefetch_handle`) and runs its backward hooks from the last two, wrapped by name."""
     from torch.distributed.fsdp import _runtime_utils
 
-    for name in ("_unshard", "_reduce_grad"):
+    for name in ("_unshard", "_reduce_grad", "_prefetch_handle", "_pre_backward_hook", "_post_backward_hook"):
         _require(callable(getattr(_runtime_utils, name, None)), f"has no fsdp._runtime_utils.{name} to wrap")
 
 

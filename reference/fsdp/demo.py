@@ -1,13 +1,11 @@
 """`torchrun --nproc-per-node N -m reference --fsdp`: train the small GPT with FSDP for a few steps.
 
-The model is reference.gpt.model.GPT (GPT-2 style): each of its layers is one unit and the root
-(embedding, final LayerNorm, output layer, loss) another, wrapped children-first as with FSDP1.
-`--use-torch-fsdp` swaps in torch.distributed.fsdp.FullyShardedDataParallel with the same options, so the
-printed schedules can be compared line by line. Every step prints its collectives in issue order
-(op, unit, phase, bytes) and the per-rank parameter memory; `--json` prints one JSON object per rank and
-step with the recorder's events and compute spans, and `--trace DIR` writes the last step's record to
-DIR/fsdp_trace.rank<r>.json, for scripts and the notes' timeline diagram.
-"""
+The model is reference.gpt.model.GPT: each layer is one unit and the root (embedding, final LayerNorm, output
+layer, loss) another, wrapped children-first as with FSDP1; `--use-torch-fsdp` swaps in PyTorch's FSDP1 with
+the same options. Each step prints its loss, traffic and per-rank parameter memory; the last also its compute
+and collectives in issue order, all-gathers that another unit prefetched marked, so the prefetch flags show
+where they move them. `--json` prints one object per rank and step (the recorder's events and spans, and that
+`issue_order`); `--trace DIR` writes the last step's to DIR/fsdp_trace.rank<r>.json for the timeline diagram."""
 
 from __future__ import annotations
 
@@ -22,7 +20,7 @@ from reference.distributed import LaunchError, distributed, pick_dtype
 from reference.fsdp.units import shard_model, sharded_parameter_bytes
 from reference.gpt.model import GPT, GPTConfig
 from reference.gpt.train import split_batch, synthetic_batches
-from reference.measure.fsdp_tracing import unit_scopes
+from reference.measure.fsdp_tracing import issue_order, unit_scopes
 from reference.measure.recorder import CollectiveRecorder
 
 PREFETCH_CHOICES = {"pre": "BACKWARD_PRE", "post": "BACKWARD_POST", "none": None}
@@ -94,7 +92,7 @@ def _train(args: argparse.Namespace, config: GPTConfig, device: torch.device) ->
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
     shard_bytes = sharded_parameter_bytes(model)
-    with CollectiveRecorder() as recorder, unit_scopes(model):
+    with CollectiveRecorder() as recorder, unit_scopes(model) as prefetches:
         batches = synthetic_batches(config, args.steps, args.batch_size, args.seed)
         for step, tokens in enumerate(batches):
             recorder.clear()
@@ -110,15 +108,16 @@ def _train(args: argparse.Namespace, config: GPTConfig, device: torch.device) ->
                 "param_bytes_per_rank": shard_bytes,
                 "param_bytes_unsharded": total_bytes,
                 **recorder.to_dict(),
+                "issue_order": issue_order(recorder, prefetches),
             }
-            _report(args, record)
+            _report(args, record, last=step == args.steps - 1)
         trace_dir = args.trace
         if trace_dir is not None:
             trace_dir.mkdir(parents=True, exist_ok=True)
             (trace_dir / f"fsdp_trace.rank{rank}.json").write_text(json.dumps(record))
 
 
-def _report(args, record: dict) -> None:
+def _report(args, record: dict, last: bool) -> None:
     """Rank 0 prints; with --json it gathers every rank's record first (after this step's recording)."""
     if args.json:
         records = [None] * dist.get_world_size() if record["rank"] == 0 else None
@@ -133,9 +132,20 @@ def _report(args, record: dict) -> None:
         f"step {record['step']}  loss {record['loss']:.4f} ({record['dtype']})  parameters on this rank {shard} B "
         f"(unsharded {total} B, ratio {shard / total:.3f})"
     ]
-    lines += [
-        f"  {e['phase']:8} {e['op']:14} {e['module'] or '?':10} {e['nbytes']:>9} B  {e['dtype']}"
-        for e in record["events"]
-    ]
+    if last and record["issue_order"]:  # empty where the recorder is off
+        lines += [
+            "  compute and collectives in the order rank 0 issued them (a unit computes until the next line, the",
+            "  root around the layers until its 'compute ends'; prefetch: issued early, from another unit's hook):",
+        ]
+        lines += [f"  {e['phase']:8} {_issued(e)}" for e in record["issue_order"]]
     summary = ", ".join(f"{op} x{v['count']} {v['bytes']} B" for op, v in record["summary"].items())
     print("\n".join(lines + [f"  total: {summary or 'none recorded'}"]), flush=True)
+
+
+def _issued(entry: dict) -> str:
+    """One line of the issue order: a unit's compute (which runs until the next line, or, for a unit around
+    others, until its "compute ends" line) or a collective, marked when another unit prefetched it."""
+    if entry["op"] in ("compute", "compute ends"):
+        return f"{entry['op']:14} {entry['unit']}"
+    early = "  prefetch" if entry["prefetch"] else ""
+    return f"{entry['op']:14} {entry['unit'] or '?':10} {entry['nbytes']:>9} B  {entry['dtype']}{early}"

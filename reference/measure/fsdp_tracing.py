@@ -1,18 +1,18 @@
 """Attribute FSDP's collectives and compute to units in every active `CollectiveRecorder`: an observer.
 
-`with unit_scopes(model):` around a step of a model sharded by the reference FSDP or by PyTorch's FSDP1 (an
-FSDP2 model needs nothing: the recorder's `watch` scopes it). Every all-gather and reduce-scatter is then
-recorded under the unit it moves (a prefetched all-gather under the unit it fetches, not the one that issued
-it), by wrapping the runtime functions that issue them: the reference's `unshard` and `reduce_grad`, FSDP1's
-`_unshard` and `_reduce_grad`, so both compare line by line. For the reference each unit's compute is also
-recorded as spans "<unit> forward" and "<unit> backward", the latter from its pre-backward hook (its
-all-gather landed) to its post-backward hook (its gradient is complete).
-"""
+`with unit_scopes(model) as prefetches:` around a step of a model sharded by the reference FSDP or PyTorch's
+FSDP1 (FSDP2 needs nothing: the recorder's `watch` scopes it). Each all-gather and reduce-scatter is recorded
+under the unit it moves, by wrapping the runtime functions that issue them (the reference's `unshard` and
+`reduce_grad`, FSDP1's `_unshard` and `_reduce_grad`), so both compare line by line; `prefetches` notes those a
+unit issued for another. Each unit's compute is recorded as spans "<unit> forward" and "<unit> backward"
+(pre-backward hook to post-backward hook), and `issue_order` interleaves them with the collectives."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+import weakref
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -31,27 +31,65 @@ def unit_scope(unit_name: str) -> Iterator[None]:
         yield
 
 
+class Prefetches:
+    """The recorded all-gathers one unit issued for another (FSDP's prefetch): the recorder knows what was
+    issued, only the runtime's prefetch call knows on whose behalf. Held weakly, as the recorder clears them."""
+
+    def __init__(self) -> None:
+        self._events: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id(event) -> event
+
+    def around(self, original, *args):
+        """Wraps the runtime's prefetch function: what the recorders record inside it is a prefetch."""
+        before = [(recorder, len(recorder.events)) for recorder in CollectiveRecorder.active()]
+        result = original(*args)
+        for recorder, count in before:
+            self._events.update((id(event), event) for event in recorder.events[count:])
+        return result
+
+    def flags(self, recorder: CollectiveRecorder) -> list[bool]:
+        """For each of `recorder.events`: was it a prefetch?"""
+        return [id(event) in self._events for event in recorder.events]
+
+
+def issue_order(recorder: CollectiveRecorder, prefetches: Prefetches) -> list[dict]:
+    """The step's collectives and compute spans in the order this rank started them, e.g. all_gather root,
+    all_gather layers.0 (prefetch), compute root, ... A unit's compute runs until the next entry, except a span
+    that encloses other units' (the root: embedding before them, output layer and loss after), whose end is an
+    entry "compute ends"."""
+    timed = []
+    for event, early in zip(recorder.events, prefetches.flags(recorder)):
+        entry = {"phase": event.phase, "op": event.op, "unit": event.module, "nbytes": event.nbytes}
+        timed.append((event.start, {**entry, "dtype": event.dtype, "prefetch": early}))
+    for span in recorder.spans:
+        unit = span.name.removesuffix(f" {span.phase}")
+        timed.append((span.start, {"phase": span.phase, "op": "compute", "unit": unit}))
+        if any(o is not span and span.start <= o.start and o.end <= span.end for o in recorder.spans):
+            timed.append((span.end, {"phase": span.phase, "op": "compute ends", "unit": unit}))
+    return [entry for _, entry in sorted(timed, key=lambda pair: pair[0])]
+
+
 @contextlib.contextmanager
-def unit_scopes(model: torch.nn.Module) -> Iterator[None]:
-    """Scope the collectives (and, for the reference FSDP, the compute) of `model`'s units while inside."""
+def unit_scopes(model: torch.nn.Module) -> Iterator[Prefetches]:
+    """Scope the collectives (and, for the reference FSDP, the compute) of `model`'s units while inside, and
+    note which all-gathers were prefetches."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 
     modules = list(model.modules())
     if any(isinstance(m, FullyShardedDataParallel) for m in modules):
-        with reference_fsdp_unit_scopes(model):
-            yield
+        with reference_fsdp_unit_scopes(model) as prefetches:
+            yield prefetches
     elif any(isinstance(m, FSDP1) for m in modules):
-        with torch_fsdp1_unit_scopes(model):
-            yield
+        with torch_fsdp1_unit_scopes(model) as prefetches:
+            yield prefetches
     else:
-        yield
+        yield Prefetches()
 
 
 @contextlib.contextmanager
-def reference_fsdp_unit_scopes(model: torch.nn.Module) -> Iterator[None]:
+def reference_fsdp_unit_scopes(model: torch.nn.Module) -> Iterator[Prefetches]:
     """The reference FSDP's units: scopes from reference.fsdp.runtime's functions (called through its module
     globals, so replacing them reaches every call) and compute spans from hooks on each unit's module."""
-    started: dict[int, dict[int, tuple[float, int]]] = {}  # id(handle) -> {id(recorder): recorder.mark()}
+    prefetches, backward = Prefetches(), _BackwardSpans()
 
     def in_unit_scope(original, unit, handle, *args):
         with unit_scope(handle.name):
@@ -60,16 +98,12 @@ def reference_fsdp_unit_scopes(model: torch.nn.Module) -> Iterator[None]:
     def pre_backward_hook(original, unit, handle, grad):
         ran = handle.ran_pre_backward_hook
         grad = original(unit, handle, grad)
-        if not ran:  # this call re-gathered the unit: its backward compute starts now
-            started[id(handle)] = {id(recorder): recorder.mark() for recorder in CollectiveRecorder.active()}
+        if not ran:
+            backward.begin(handle)
         return grad
 
     def post_backward_hook(original, unit, handle, flat_param):
-        begun = started.pop(id(handle), {})
-        for recorder in CollectiveRecorder.active():
-            if id(recorder) in begun:
-                (start, flops), (end, flops_end) = begun[id(recorder)], recorder.mark()
-                recorder.add_span(f"{handle.name} backward", "backward", start, end, flops, flops_end)
+        backward.end(handle, handle.name)
         return original(unit, handle, flat_param)
 
     with contextlib.ExitStack() as stack:
@@ -78,54 +112,100 @@ def reference_fsdp_unit_scopes(model: torch.nn.Module) -> Iterator[None]:
             ("reduce_grad", in_unit_scope),
             ("pre_backward_hook", pre_backward_hook),
             ("post_backward_hook", post_backward_hook),
+            ("prefetch", prefetches.around),
         ):
             stack.enter_context(replaced(runtime, name, around))
         for unit in model.modules():
             if isinstance(unit, FullyShardedDataParallel):
-                handles = _forward_span_hooks(unit)
-                stack.callback(lambda handles=handles: [h.remove() for h in handles])
-        yield
+                stack.enter_context(_forward_span(unit.module, functools.partial(_unit_name, unit)))
+        yield prefetches
 
 
-def _forward_span_hooks(unit: FullyShardedDataParallel) -> list:
-    """A "<unit> forward" span around the wrapped module's forward (after the unit's all-gather landed)."""
+def _unit_name(unit: FullyShardedDataParallel) -> str:
+    """A reference unit's name, known from its root's first forward (`_lazy_init`)."""
+    return unit.handle.name if unit.handle else type(unit.module).__name__
+
+
+class _BackwardSpans:
+    """ "<unit> backward" spans: from the pre-backward hook that re-gathered the unit (its gradient computation
+    starts) to its post-backward hook (its gradient is complete), in every active recorder."""
+
+    def __init__(self) -> None:
+        self._started: dict[int, dict[int, tuple[float, int]]] = {}  # id(handle) -> {id(recorder): mark()}
+
+    def begin(self, handle) -> None:
+        self._started[id(handle)] = {id(recorder): recorder.mark() for recorder in CollectiveRecorder.active()}
+
+    def end(self, handle, name: str) -> None:
+        begun = self._started.pop(id(handle), {})
+        for recorder in CollectiveRecorder.active():
+            if id(recorder) in begun:
+                (start, flops), (end, flops_end) = begun[id(recorder)], recorder.mark()
+                recorder.add_span(f"{name} backward", "backward", start, end, flops, flops_end)
+
+
+@contextlib.contextmanager
+def _forward_span(module: torch.nn.Module, name: Callable[[], str]) -> Iterator[None]:
+    """A "<name()> forward" span around a unit's wrapped module's forward (after its all-gather landed)."""
     spans: list[contextlib.ExitStack] = []
 
     def open_span(_module, _args):
-        name = unit.handle.name if unit.handle else type(unit.module).__name__
         stack = contextlib.ExitStack()
         for recorder in CollectiveRecorder.active():
-            stack.enter_context(recorder.span(f"{name} forward"))
+            stack.enter_context(recorder.span(f"{name()} forward"))
         spans.append(stack)
 
     def close_span(_module, _args, _output):
         spans.pop().close()
 
-    return [
-        unit.module.register_forward_pre_hook(open_span),
-        unit.module.register_forward_hook(close_span, always_call=True),
-    ]
+    hooks = [module.register_forward_pre_hook(open_span), module.register_forward_hook(close_span, always_call=True)]
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 @contextlib.contextmanager
-def torch_fsdp1_unit_scopes(model: torch.nn.Module) -> Iterator[None]:
-    """PyTorch FSDP1's units, through `pytorch:torch/distributed/fsdp/_runtime_utils.py::_unshard` and
-    `_reduce_grad` (reference.torch_patches.fsdp1_runtime_wrapped); unscoped, with one warning line, where the
+def torch_fsdp1_unit_scopes(model: torch.nn.Module) -> Iterator[Prefetches]:
+    """PyTorch FSDP1's units and compute spans, as the reference's, through
+    `pytorch:torch/distributed/fsdp/_runtime_utils.py::_unshard`, `_reduce_grad`, `_prefetch_handle` and the
+    backward hooks (reference.torch_patches.fsdp1_runtime_wrapped); unscoped, with one warning line, where the
     installed torch has no such functions."""
+    prefetches, backward = Prefetches(), _BackwardSpans()
     if not available(FSDP1_SCOPES):
-        yield
+        yield prefetches
         return
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 
-    names = {
-        id(unit._handle): clean_name(name) or "root"
-        for name, unit in model.named_modules()
-        if isinstance(unit, FSDP1) and unit._handle is not None
-    }
+    units = {clean_name(name) or "root": unit for name, unit in model.named_modules() if isinstance(unit, FSDP1)}
+    names = {id(unit._handle): name for name, unit in units.items() if unit._handle is not None}
 
     def in_unit_scope(original, state, handle, *args):
         with unit_scope(names.get(id(handle), "?")):
             return original(state, handle, *args)
 
-    with fsdp1_runtime_wrapped(_unshard=in_unit_scope, _reduce_grad=in_unit_scope):
-        yield
+    def pre_backward_hook(original, state, module, handle, grad, *unused):
+        ran = bool(handle and getattr(handle, "_ran_pre_backward_hook", False))
+        grad = original(state, module, handle, grad, *unused)
+        if handle and not ran:
+            backward.begin(handle)
+        return grad
+
+    def post_backward_hook(original, state, handle, *args):
+        backward.end(handle, names.get(id(handle), "?"))
+        return original(state, handle, *args)
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(
+            fsdp1_runtime_wrapped(
+                _unshard=in_unit_scope,
+                _reduce_grad=in_unit_scope,
+                _prefetch_handle=prefetches.around,
+                _pre_backward_hook=pre_backward_hook,
+                _post_backward_hook=post_backward_hook,
+            )
+        )
+        for name, unit in units.items():
+            stack.enter_context(_forward_span(unit.module, functools.partial(str, name)))
+        yield prefetches
