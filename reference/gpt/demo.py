@@ -368,16 +368,20 @@ def _report_pipeline(args, stages: list[dict], device: torch.device) -> None:
     if args.json:
         print(json.dumps({"pipeline": stages, "modeled_tflops": MODELED_TFLOPS, "modeled_step_s": step}), flush=True)
         return
+    if p == 1:  # no stages to wait on each other: nothing idles
+        print(f"pipeline: none (pp 1); {m} micro-batches accumulated per step", flush=True)
+        print(f"  last step: {' '.join(stages[0]['actions'])}", flush=True)
+        return
     name = f"interleaved 1f1b, {v} chunks per stage" if v > 1 else args.schedule
     unit, formula = ("chunk-forwards", "(p-1)/(v m+p-1)") if v > 1 else ("micro-batches", "(p-1)/(m+p-1)")
     at_flops = (
         "not available, no FLOPs were recorded (the collective recorder is off)"
         if step is None
         else f"the same replay, each action its recorded FLOPs at {MODELED_TFLOPS:g} TFLOP/s: {step * 1e6:.2f} us a "
-        "step" + ("; the stages differ (the last also runs the LM head and loss)" if p > 1 else "")
+        "step; the stages differ (the last also runs the LM head and loss)"
     )
     header = [
-        f"pipeline: {name if p > 1 else 'no pipelining'}, pp {p}, {m} micro-batches (last step, one rank per "
+        f"pipeline: {name}, pp {p}, {m} micro-batches (last step, one rank per "
         "stage); bubble: the fraction of the step a stage idles",
         "  with equal stages: the recorded orders replayed, a forward costing 1 and a backward 2, transfers free: "
         f"the schedule's own; formula {formula} = {stages[0]['bubble_formula']:.2f}",
