@@ -35,8 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
         dest="batch_size",
         type=int,
         default=2,
-        help="micro-batch size b: the global batch is b x micro-batches x dp (FSDP demo: b is the global batch, "
-        "split over the ranks)",
+        help="micro-batch size b, samples per rank per micro-batch: the global batch is b x micro-batches x dp "
+        "(FSDP demo: b x the world size)",
     )
     common.add_argument("--seq-length", type=int, default=16, help="sequence length s")
     common.add_argument("--hidden-size", type=int, default=64, help="hidden size h")

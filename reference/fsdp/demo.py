@@ -72,11 +72,6 @@ def run(args: argparse.Namespace) -> None:
 
 def _train(args: argparse.Namespace, config: GPTConfig, device: torch.device) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
-    if args.batch_size % world:
-        sys.exit(
-            f"reference: error: --micro-batch-size {args.batch_size} is not divisible by the world size {world}; "
-            "each rank trains on an equal slice of the global batch"
-        )
     mixed = args.mixed_precision or pick_dtype(args.dtype, device) == torch.bfloat16
     model = GPT(config, args.seed, device)
     total_bytes = sharded_parameter_bytes(model)
@@ -93,7 +88,8 @@ def _train(args: argparse.Namespace, config: GPTConfig, device: torch.device) ->
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
     shard_bytes = sharded_parameter_bytes(model)
     with CollectiveRecorder() as recorder, unit_scopes(model) as prefetches:
-        batches = synthetic_batches(config, args.steps, args.batch_size, args.seed)
+        # Each rank trains on --micro-batch-size samples of a global batch of that times the world size.
+        batches = synthetic_batches(config, args.steps, args.batch_size * world, args.seed)
         for step, tokens in enumerate(batches):
             recorder.clear()
             ((inputs, labels),) = split_batch(tokens.to(device), world, rank, 1)
