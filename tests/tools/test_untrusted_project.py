@@ -300,3 +300,23 @@ def test_concurrent_renders_into_a_new_folder_all_succeed(project, tmp_path):
         ]
         results = [(p.wait(timeout=120), p.communicate()[1]) for p in procs]
         assert [code for code, _ in results] == [0] * RENDERS, results
+
+
+@pytest.mark.parametrize("link", ["tests", "file"])
+def test_verified_by_never_reads_a_test_file_through_a_symlink(project, tmp_path, link):
+    """A branch's `tests/test_x.py -> ~/.ssh/id_rsa` (or `tests -> /`) named in verified_by(): check read it and
+    the site showed it on the test's evidence page."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "test_x.py").write_text("def test_secret():\n    pass\n")
+    _note(project, "{{ verified_by('tests/test_x.py::test_secret') }}\n")
+    if link == "tests":
+        (project.root / "tests").symlink_to(outside)
+    else:
+        (project.root / "tests").mkdir()
+        (project.root / "tests" / "test_x.py").symlink_to(outside / "test_x.py")
+    for verb in ("check", "render"):
+        r = run(project, verb)
+        assert r.code != 0 and "Traceback" not in r.err, (r.out, r.err)
+        assert "is a symlink; tests are read from plain files only" in r.err + r.out
+    assert not (project.root / "docs" / "notes" / "tests").exists()

@@ -10,7 +10,6 @@ free text would let "draft: later" stand in for evidence.
 from __future__ import annotations
 
 import ast
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -124,13 +123,16 @@ def _read_tests(path: Path, data: bytes) -> dict[str, Evidence] | str:
     return found
 
 
-def _test_file(root: Path, path: str) -> Path | None:
-    """The file `path` names under root/tests, symlinks resolved, or None if it is not one there."""
-    if not path.startswith("tests/") or "\0" in path:  # a NUL names no file (and os.path refuses it)
-        return None
-    tests_dir = os.path.realpath(root / "tests")
-    file = os.path.realpath(root / path)
-    return Path(file) if file.startswith(tests_dir + os.sep) and os.path.isfile(file) else None
+def _test_file(root: Path, path: str) -> Path | str:
+    """The file `path` names under root/tests, or why it is not one there. Never through a symlink: a
+    branch's `tests/x.py -> ~/.ssh/id_rsa` would be read by `check` and shown on the site."""
+    if not path.startswith("tests/") or "\0" in path or ".." in path.split("/"):  # a NUL names no file
+        return f"test file {path!r} does not exist under tests/"
+    file = root / path
+    linked = next((p for p in [file, *file.parents] if p != root and p.is_relative_to(root) and p.is_symlink()), None)
+    if linked is not None:
+        return f"test file {path!r}: {linked.relative_to(root)} is a symlink; tests are read from plain files only"
+    return file if file.is_file() else f"test file {path!r} does not exist under tests/"
 
 
 def evidence_of(root: Path, node_id: str, parsed: ParseCache | None = None) -> Evidence | str:
@@ -144,8 +146,8 @@ def evidence_of(root: Path, node_id: str, parsed: ParseCache | None = None) -> E
         if parsed
         else _test_file(root, path)
     )
-    if file is None:
-        return f"test file {path!r} does not exist under tests/"
+    if isinstance(file, str):
+        return file
     tests = _tests_in(file, parsed)
     if isinstance(tests, str):
         return f"{path}: {tests}"
