@@ -34,6 +34,7 @@ def skeleton(title: str) -> str:
     choices = "\n".join(CHOICE.format(n=n) for n in range(1, MIN_CHOICES + 1))
     return f"""---
 rules: close-reading
+description: ""  # one line beside the title in the home page's reading order
 ---
 {{# A close reading: tools/pin_and_cite/site/note_rules.py holds its rules, docs/adding-a-note.md the steps. #}}
 # {title}
