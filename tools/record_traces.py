@@ -40,36 +40,12 @@ WORKER_RUNS = (
     (PIPELINE_RANKS, "pipeline", ("pipeline_gpipe", "pipeline_1f1b", "pipeline_interleaved")),
 )
 # trace name -> python -m reference.measure.scale arguments: 70B on TP 8 x PP 8 x DP 64 (1F1B, DDP in 25 MiB buckets),
-# plain TP and with sequence parallelism
+# plain TP, with sequence parallelism, and with the distributed optimizer
+SCALE_70B = ["--model", "70b", "--tp", "8", "--pp", "8", "--dp", "64", "--micro-batches", "16"]
 SCALE = {
-    "scale_70b": ["--model", "70b", "--tp", "8", "--pp", "8", "--dp", "64", "--micro-batches", "16"],
-    "scale_70b_sp": [
-        "--model",
-        "70b",
-        "--tp",
-        "8",
-        "--pp",
-        "8",
-        "--dp",
-        "64",
-        "--micro-batches",
-        "16",
-        "--sequence-parallel",
-    ],
-    "scale_70b_distopt": [
-        "--model",
-        "70b",
-        "--tp",
-        "8",
-        "--pp",
-        "8",
-        "--dp",
-        "64",
-        "--micro-batches",
-        "16",
-        "--dp-sharding",
-        "optimizer",
-    ],
+    "scale_70b": SCALE_70B,
+    "scale_70b_sp": [*SCALE_70B, "--sequence-parallel"],
+    "scale_70b_distopt": [*SCALE_70B, "--dp-sharding", "optimizer"],
 }
 
 
