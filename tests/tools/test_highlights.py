@@ -361,12 +361,19 @@ def highlighted(tmp_path, monkeypatch, note: str, path: str) -> list[str]:
     return texts
 
 
-def test_the_dtensor_tables_all_gather_row_highlights_megatrons_forward_gather(tmp_path, monkeypatch):
-    """The row says Shard(1) -> Replicate is an all-gather: the highlight is the region's forward, which gathers,
-    not its backward, which reduce-scatters."""
-    [text] = highlighted(tmp_path, monkeypatch, "dtensor-tp.md.j2", "megatron/core/tensor_parallel/mappings.py")
-    assert "def forward(" in text and "return _gather_along_first_dim(" in text
-    assert "_reduce_scatter" not in text
+def test_the_dtensor_tables_all_gather_row_shows_megatrons_forward_gather(tmp_path, monkeypatch):
+    """The row says Shard(1) -> Replicate is an all-gather: its excerpt is the column kernel's forward gather of
+    the sequence-split input (what Megatron's SP column layer runs), not a backward reduce-scatter."""
+    monkeypatch.setenv("PIN_AND_CITE_CACHE", str(tmp_path))
+    project = Project(ROOT)
+    resolver = Resolver(project, allow_remote=False)
+    [row] = [
+        line for line in (project.notes_dir / "dtensor-tp.md.j2").read_text().splitlines() if "| Shard(1) → Rep" in line
+    ]
+    spec = row.split('upstream("', 1)[1].split('")', 1)[0]
+    text = locked_excerpt(project, resolver, str(parse_spec(spec))).text
+    assert "if sequence_parallel:" in text and "dist_all_gather_func(" in text
+    assert "reduce_scatter" not in text
 
 
 def test_the_1f1b_unbatched_round_highlights_both_parity_branches(tmp_path, monkeypatch):
