@@ -80,7 +80,7 @@ def init_distributed(choice: str = "auto", timeout_s: float = 120) -> torch.devi
         dist.init_process_group("nccl", timeout=timeout, device_id=device)
     else:
         dist.init_process_group("gloo", timeout=timeout)
-    if dist.get_world_size() > 1:
+    if dist.get_world_size() > 1 and Heartbeat.possible():
         _heartbeat = Heartbeat(timeout_s)
         _heartbeat.start()
     return device

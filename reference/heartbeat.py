@@ -17,6 +17,8 @@ import time
 import torch.distributed as dist
 
 EXIT_HUNG_PEER = 1
+# torch's accessor of the rendezvous store is private, so it is looked up by feature: without it, no heartbeat.
+_default_store = getattr(dist.distributed_c10d, "_get_default_store", None)
 
 
 class Heartbeat:
@@ -28,9 +30,13 @@ class Heartbeat:
         self.interval_s = min(timeout_s / 10, 5.0)
         self.rank, world = dist.get_rank(), dist.get_world_size()
         self.peer = (self.rank + 1) % world
-        self.store = dist.distributed_c10d._get_default_store()
+        self.store = _default_store()
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, name="reference-heartbeat", daemon=True)
+
+    @staticmethod
+    def possible() -> bool:
+        return _default_store is not None
 
     @staticmethod
     def _key(rank: int) -> str:

@@ -40,8 +40,6 @@ def _probe_recorder() -> None:
     """Every private API CollectiveRecorder calls exists, and autograd numbers and names its nodes as the
     recorder reads them: outside backward no graph task runs; inside, the node running is the one the forward
     created, with the sequence number handed out then."""
-    from torch.utils import flop_counter
-
     _require(callable(Work.__dict__.get("wait")), "has no Work.wait to observe")
     c10d, autograd = torch._C._distributed_c10d, torch._C._autograd
     for owner, name in [

@@ -97,6 +97,7 @@ def _train(args: argparse.Namespace, config: GPTConfig, device: torch.device) ->
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
+            last = step == args.steps - 1
             record = {
                 "step": step,
                 "dtype": "bf16" if mixed else "fp32",
@@ -104,9 +105,9 @@ def _train(args: argparse.Namespace, config: GPTConfig, device: torch.device) ->
                 "param_bytes_per_rank": shard_bytes,
                 "param_bytes_unsharded": total_bytes,
                 **recorder.to_dict(),
-                "issue_order": issue_order(recorder, prefetches),
-            }
-            _report(args, record, last=step == args.steps - 1)
+                **({"issue_order": issue_order(recorder, prefetches)} if args.json or last else {}),
+            }  # the text output lists the issue order of the last step only
+            _report(args, record, last=last)
         trace_dir = args.trace
         if trace_dir is not None:
             trace_dir.mkdir(parents=True, exist_ok=True)

@@ -10,9 +10,9 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import tempfile
 from pathlib import Path
 
+from pin_and_cite.core.atomic import stage
 from pin_and_cite.core.errors import PinAndCiteError
 from pin_and_cite.site.note_rules import MIN_CHOICES
 
@@ -55,10 +55,9 @@ def new_note(notes_dir: Path, name: str, title: str) -> Path:
     if not title or "{" in title or "}" in title:
         raise PinAndCiteError(f"--title {title!r}: give a title without '{{' or '}}' (the note is a Jinja template)")
     path = notes_dir / f"{name}.md.j2"
-    fd, tmp = tempfile.mkstemp(dir=notes_dir, prefix=f".{name}.", suffix=".tmp")
+    tmp = notes_dir / f".{name}.{os.getpid()}.tmp"
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            out.write(skeleton(title))
+        stage(tmp, path, skeleton(title).encode())
         os.link(tmp, path)  # atomic, and never replaces a note already there
     except FileExistsError:
         raise PinAndCiteError(f"reading_notes/{name}.md.j2 already exists; choose another name") from None
