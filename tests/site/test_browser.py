@@ -500,7 +500,7 @@ def test_check_yourself_answers_are_collapsed_until_opened(visit, site_url):
     open_page, _ = visit
     page = open_page(site_url + "notes/check-yourself/")
     answers = page.locator("details:not(.excerpt-whole)")  # not the folded excerpts inside them
-    assert answers.count() >= 16  # the brief's two stop questions and fourteen candidates
+    assert answers.count() >= 16  # two questions to answer first and fourteen on the close readings
     assert page.evaluate("[...document.querySelectorAll('details')].every(d => !d.open)")
     first = answers.first
     assert not first.locator(".verified-by").first.is_visible()
@@ -508,3 +508,40 @@ def test_check_yourself_answers_are_collapsed_until_opened(visit, site_url):
     assert first.evaluate("d => d.open")
     assert first.locator(".verified-by").first.is_visible()
     assert first.locator("div.highlight td.linenos").first.is_visible()
+
+
+# Each code block of a test page: does a line run past its right edge (sideways scrolling)?
+CODE_SCROLLS = """() => [...document.querySelectorAll("article div.highlight pre > code")].map(
+  code => code.scrollWidth > code.clientWidth)"""
+
+
+def test_test_pages_show_every_line_whole_and_link_the_helpers_that_run_upstream(visit, site_url, diagram_site):
+    """Issue 24: the pages of cited tests cut lines past 100 columns (ruff allows 120), and showed only the test,
+    not the function of its file that builds and runs upstream (megatron's `cases` -> `records` -> `column`)."""
+    open_page, _ = visit
+    pages = sorted(
+        p.parent.relative_to(diagram_site).as_posix() for p in (diagram_site / "notes" / "tests").rglob("index.html")
+    )
+    assert len(pages) >= 10
+    for path in pages:
+        page = open_page(f"{site_url}{path}/")
+        assert not any(page.evaluate(CODE_SCROLLS)), path
+        page.close()
+    page = open_page(site_url + "notes/tests/reference/test_megatron_upstream_claims/")
+    test = page.locator("#test_column_defaults_allreduce_dx_async_between_dx_and_dw_gemms")
+    assert test.is_visible()
+    page.locator("article a[href='#calls.cases']").first.click()
+    helper = page.locator("[id='calls.cases']")
+    expect(helper).to_be_in_viewport()
+    code = helper.locator("xpath=following::div[contains(@class,'highlight')][1]")
+    assert "def cases(" in code.inner_text()
+    assert page.locator("[id='calls.column']").count() == 1  # reached through cases -> records -> layer_cases
+
+
+def test_each_note_links_the_previous_and_next_page_in_the_reading_order(visit, site_url):
+    """Issue 24: a reader at the end of a page had no link on to the next one."""
+    open_page, _ = visit
+    page = open_page(site_url + "notes/megatron-tp-layers/")
+    previous, following = page.locator("a.md-footer__link--prev"), page.locator("a.md-footer__link--next")
+    assert previous.get_attribute("href").rstrip("/").endswith("walkthrough-tp")
+    assert following.is_visible() and "Previous" in previous.inner_text() and "Next" in following.inner_text()

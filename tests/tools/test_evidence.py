@@ -182,7 +182,9 @@ def test_the_page_shows_each_kind_of_evidence_and_refuses_an_unpinned_upstream(p
     # The test file's page shows each cited test's source (decorators included), in the file's order, numbered
     # with its lines in the test file, under a heading the link names.
     tests_page = (notes / "tests" / "test_claims.md").read_text()
-    assert tests_page.startswith("---\nsearch:\n  exclude: true\n---\n\n# `tests/test_claims.py`\n")
+    assert tests_page.startswith(
+        "---\nsearch:\n  exclude: true\nhide:\n  - navigation\n  - toc\n---\n\n# `tests/test_claims.py`\n"
+    )
     upstream, reference = tests_page.split("\n## ")[1:]
     assert upstream.startswith("`test_runs_upstream` { #test_runs_upstream }\n")
     assert "**upstream test: it runs the pinned upstream implementation itself (up).**" in upstream
@@ -247,3 +249,46 @@ def test_an_edited_test_file_is_read_again(tmp_path):
     assert evidence_of(tmp_path, "tests/test_edited.py::test_it").lines == (1, 2)
     test_file.write_text("import os\n\n\ndef test_it():\n    assert os.sep\n")
     assert evidence_of(tmp_path, "tests/test_edited.py::test_it").lines == (4, 5)
+
+
+HELPED = """\
+import pytest
+
+
+def run_upstream():
+    return build()
+
+
+def build():
+    return 1
+
+
+def unused():
+    pass
+
+
+@pytest.mark.upstream("up")
+def test_runs_upstream():
+    assert run_upstream() == 1
+"""
+
+
+def test_a_test_page_links_the_files_functions_the_test_reaches(project):
+    """The function that runs upstream is shown and linked from the test, and its own callees from it, in file
+    order; a function no cited test reaches is not shown."""
+    write_tests(project.root, text=HELPED)
+    (project.root / "reading_notes" / "a.md.j2").write_text(
+        FREE_FORM + "{{ verified_by('tests/test_claims.py::test_runs_upstream') }}\n"
+    )
+    assert project.run("render").code == 0
+    page = (project.root / "docs" / "notes" / "tests" / "test_claims.md").read_text()
+    assert "hide:\n  - navigation\n  - toc\n" in page  # the code gets the page's width: 120-column lines fit
+    test = page.split("## `test_runs_upstream`", 1)[1].split("\n## ", 1)[0]
+    assert "Cited by: [a](../a.md). Calls: [`run_upstream`](#calls.run_upstream).\n" in test
+    helpers = page.split("\n## What the tests call\n", 1)[1]
+    assert [line for line in helpers.split("\n") if line.startswith("### ")] == [
+        "### `run_upstream` { #calls.run_upstream }",
+        "### `build` { #calls.build }",
+    ]
+    assert "L4–L5. Calls: [`build`](#calls.build).\n" in helpers
+    assert '```python linenums="8"\ndef build():\n    return 1\n```' in helpers
