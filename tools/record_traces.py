@@ -8,7 +8,9 @@ DIR/pipeline_interleaved.json. tests/tools/test_traces.py runs the same worker a
 longer matches the committed traces, so re-record after changing the reference and commit the result. Then, in
 one process each, `python -m reference.measure.scale --json` traces a first, middle and last stage rank of the layouts
 in SCALE (fake process group, 70B shapes) into DIR/scale_*.json, checked by tests/reference/test_scale.py (which
-traces the same setups in-process). Last, on two ranks, benchmarks/bench_activation_memory.py --json counts
+traces the same setups in-process), and `python -m reference.measure.scale.grid` writes the same closed forms over a
+grid of layouts into DIR/layout_grid.json (the Scale page's calculator; tests/reference/test_scale_grid.py). Last,
+on two ranks, benchmarks/bench_activation_memory.py --json counts
 one block's activation bytes per configuration of Korthikanti et al.'s Table 2, the GPT-2 block and the Llama
 block, into DIR/activation_memory.json, at the shapes of the test worker that checks it
 (tests/reference/test_activation_memory.py). `--only NAME ...` writes just those traces (and runs just the
@@ -111,6 +113,16 @@ def record_scale(out: Path, timeout: float = 300, only: Collection[str] | None =
     return [out / f"{name}.json" for name in names]
 
 
+def record_layout_grid(out: Path, timeout: float = 300, only: Collection[str] | None = None) -> list[Path]:
+    """Write out/layout_grid.json, the formulas over the calculator's layouts (unless `only` leaves it out)."""
+    if only is not None and "layout_grid" not in only:
+        return []
+    stdout = _run([sys.executable, "-m", "reference.measure.scale.grid"], "reference.measure.scale.grid", timeout)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write(out / "layout_grid.json", stdout.encode())
+    return [out / "layout_grid.json"]
+
+
 ACTIVATION_MEMORY = [  # tests/reference/test_activation_memory.py's COUNT_SHAPE and LLAMA_COUNT_SHAPE
     *("--seq-length", "32", "--batch-size", "2", "--hidden-size", "64", "--num-attention-heads", "4"),
     *("--num-kv-heads", "2", "--ffn-hidden-size", "160"),
@@ -130,7 +142,7 @@ def record_activation_memory(out: Path, timeout: float = 300, only: Collection[s
     return [out / "activation_memory.json"]
 
 
-TRACES = (*(name for _, _, names in WORKER_RUNS for name in names), *SCALE, "activation_memory")
+TRACES = (*(name for _, _, names in WORKER_RUNS for name in names), *SCALE, "layout_grid", "activation_memory")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,7 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     try:
-        recorded = [step(args.out, only=args.only) for step in (record, record_scale, record_activation_memory)]
+        recorded = [
+            step(args.out, only=args.only)
+            for step in (record, record_scale, record_layout_grid, record_activation_memory)
+        ]
         for path in sum(recorded, []):
             print(path)
     except (RuntimeError, subprocess.TimeoutExpired) as exc:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import http.server
 import importlib.util
+import json
 import os
 import re
 import threading
@@ -31,6 +32,7 @@ from playwright.sync_api import expect, sync_playwright
 
 from pin_and_cite.core.pins import Pins
 from pin_and_cite.core.verified_by import evidence_of
+from pin_and_cite.site.scale_tables import human
 from tests.site.conftest import GOOD_LABELS, ROOT
 
 pytestmark = pytest.mark.browser
@@ -545,3 +547,83 @@ def test_each_note_links_the_previous_and_next_page_in_the_reading_order(visit, 
     previous, following = page.locator("a.md-footer__link--prev"), page.locator("a.md-footer__link--next")
     assert previous.get_attribute("href").rstrip("/").endswith("walkthrough-tp")
     assert following.is_visible() and "Previous" in previous.inner_text() and "Next" in following.inner_text()
+
+
+# The Scale page's calculator: layouts to set, each with what makes it worth a look.
+CALCULATOR_LAYOUTS = [
+    # two stages, every switch on; 80,560 B of masters is 80.625 KiB: a tie, which Python rounds to even
+    dict(model="small", tp=2, pp=2, dp=4, microbatches=4, sp=1, distributed_optimizer=1),
+    dict(model="70b", tp=4, pp=4, dp=8, microbatches=32, sp=0, distributed_optimizer=0),  # first, middle, last
+    dict(model="70b", tp=1, pp=1, dp=1, microbatches=1, sp=1, distributed_optimizer=0),  # one stage, no groups
+]
+CALCULATOR_HELD = ("parameters", "gradients", "master_weights", "optimizer_states")
+
+
+def _set_layout(page, layout: dict) -> None:
+    """Set the calculator's controls as a reader does: pick each option, tick or untick each box."""
+    calculator = page.locator(".scale-calculator")
+    for name, value in layout.items():
+        control = calculator.locator(f"[name={name}]")
+        if name in ("sp", "distributed_optimizer"):
+            control.set_checked(bool(value))
+        else:
+            control.select_option(str(value))
+
+
+def test_scale_calculator_shows_the_reference_numbers_for_the_layout_set(visit, site_url):
+    """Set in Chromium, the calculator shows, per traced stage, the bytes held, the bytes per group and the
+    bubble that reference.measure.scale.grid.lookup gives for the layout (tests/reference/test_scale_grid.py:
+    the closed forms of reference.measure.scale.formulas, and the CLI's traced runs), in
+    reference.measure.scale.formulas.human's units, and the command that traces it; a layout the reference
+    refuses shows its refusal."""
+    from reference.measure.scale import grid  # imports torch: only here
+
+    doc = json.loads((ROOT / "reading_notes" / "traces" / "layout_grid.json").read_text())
+    open_page, requested = visit
+    page = open_page(f"{site_url}notes/scale/")
+    calculator = page.locator(".scale-calculator")
+    for layout in CALCULATOR_LAYOUTS:
+        _set_layout(page, layout)
+        found = grid.lookup(doc, layout)
+        shown = calculator.locator("thead th").all_inner_texts()[1:]
+        assert shown == [
+            f"stage {s['stage']} ({_where(s['stage'], layout['pp'])}), rank {s['rank']}" for s in found["stages"]
+        ], layout
+        for s in found["stages"]:
+            cells = {
+                row: calculator.locator(f'td[data-stage="{s["stage"]}"][data-row="{row}"]')
+                for row in (*CALCULATOR_HELD, "total", "tp", "pp", "dp")
+            }
+            for what in CALCULATOR_HELD:
+                assert cells[what].locator(".scale-calculator__bytes").inner_text() == human(s["held"][what])
+            total = sum(s["held"].values())
+            assert cells["total"].locator(".scale-calculator__bytes").inner_text() == human(total)
+            for group in ("tp", "pp", "dp"):
+                rows = [r for r in s["rows"] if r[0] == group]
+                text = cells[group].inner_text().split("\n")
+                if rows:
+                    assert text == [human(sum(r[3] for r in rows)), ", ".join(f"{r[2]} × {r[1]}" for r in rows)]
+                else:
+                    assert text == ["—"] and layout[group] == 1, (layout, group)
+        bubble = calculator.locator(".scale-calculator__bubble")
+        assert float(bubble.get_attribute("data-value")) == found["bubble"]
+        assert bubble.inner_text() == f"{100 * found['bubble']:.1f} %"
+        assert calculator.locator(".scale-calculator__command").inner_text() == (
+            f".venv/bin/python -m reference.measure.scale --model {layout['model']} --tp {layout['tp']} "
+            f"--pp {layout['pp']} --dp {layout['dp']} --micro-batches {layout['microbatches']}"
+            + " --sequence-parallel" * layout["sp"]
+            + " --dp-sharding optimizer" * layout["distributed_optimizer"]
+        )
+    _set_layout(page, dict(model="small", pp=8))  # 4 layers
+    assert calculator.locator(".scale-calculator__refusal").inner_text() == (
+        "python -m reference.measure.scale refuses this layout: 8 pipeline stages but only 4 layers."
+    )
+    assert calculator.locator("table").count() == 0
+    # Python's rounding of ties to the even digit, thousands separators, and bytes below a KiB
+    for nbytes in (80_560, 1_152 * 2**20, 3 * 2**29 + 5 * 2**20, 1234 * 2**30 + 2**24, 1023, 1024, 0):
+        assert page.evaluate(f"scaleCalculator.human({nbytes})") == human(nbytes), nbytes
+    assert [url for url in requested if not _is_loopback(url)] == []
+
+
+def _where(stage: int, stages: int) -> str:
+    return "only" if stages == 1 else "first" if stage == 0 else "last" if stage == stages - 1 else "middle"

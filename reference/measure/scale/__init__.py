@@ -8,4 +8,5 @@ against closed forms. Read in this order:
                 DDP wrapper and one reference.gpt.train.train_step under the recorder; the per-group summary
                 next to the formulas
   __main__.py   `python -m reference.measure.scale --tp 8 --pp 8 --dp 64 --model 70b`
+  grid.py       the closed forms over every layout the Scale page's calculator offers, as JSON
 """

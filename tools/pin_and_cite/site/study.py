@@ -5,7 +5,8 @@
 `pipeline_memory(...)` (recorded runs, pin_and_cite.site.traces), `sharding_limit(...)` with
 `chart_training_memory(...)` (per-rank training memory from formulas, pin_and_cite.site.estimates),
 `scale_table(trace)`, `memory_table(trace, trace)`, `sent_per_group(trace, run)` and `human(bytes)` (the Scale
-page, pin_and_cite.site.scale_tables) with `chart_sent_per_group(trace)` (its bar charts, diagrams), and
+page, pin_and_cite.site.scale_tables) with `chart_sent_per_group(trace)` (its bar charts, diagrams) and
+`scale_calculator(trace)` (its calculator over a layout grid, pin_and_cite.site.scale_calculator), and
 `run_output(NAME)`, the recorded output a walkthrough shows under its Run it block (pin_and_cite.site.run_it).
 `render_site` is what `render` and the mkdocs hook run.
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pin_and_cite.core.project import Project
-from pin_and_cite.site import diagrams, estimates, run_it, scale_tables
+from pin_and_cite.site import diagrams, estimates, run_it, scale_calculator, scale_tables
 from pin_and_cite.site.calibration import load_calibration
 from pin_and_cite.site.render import render_notes
 from pin_and_cite.site.traces import load_trace
@@ -57,6 +58,7 @@ def helpers(project: Project) -> dict:
         "chart_sent_per_group": diagrams.chart_sent_per_group,
         "human": scale_tables.human,
         "memory_table": scale_tables.memory_table,
+        "scale_calculator": scale_calculator.scale_calculator,
         "run_output": lambda name: run_it.run_output(project.notes_dir, name),
     }
 

@@ -21,7 +21,7 @@ from pin_and_cite.core.bounded import parse, read_file
 from pin_and_cite.core.errors import PinAndCiteError
 
 TRACE_DIR = "traces"
-MAX_BYTES = 16 << 20  # the largest recorded trace holds 68 KB
+MAX_BYTES = 16 << 20  # the largest recorded trace (layout_grid) holds 235 KB
 RECORD = "re-record with tools/record-traces"
 REQUIRED = {
     "tp_block": ("world", "tp", "s", "b", "heads", "kv_heads", "style", "dtype_size", "runs"),
@@ -40,7 +40,18 @@ REQUIRED = {
     ),
     "scale": ("setup", "world", "runs"),  # python -m reference.measure.scale --json (pin_and_cite.site.scale_tables)
     "pipeline": ("schedule", "world", "pp", "m", "b", "s", "h", "dtype_size", "activation_shape", "stages"),
-    "activation_memory": ("world", "shape", "configurations", "llama"),  # benchmarks/bench_activation_memory.py --json
+    "activation_memory": ("world", "shape", "configurations", "llama"),
+    # python -m reference.measure.scale.grid (pin_and_cite.site.scale_calculator)
+    "layout_grid": (
+        "values",
+        "initial",
+        "fixed",
+        "models",
+        "held",
+        "traffic",
+        "state",
+        "bubble",
+    ),  # benchmarks/bench_activation_memory.py --json
 }
 PIPELINE_STAGE_KEYS = (
     "pp_rank",

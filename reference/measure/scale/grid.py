@@ -1,0 +1,175 @@
+"""`python -m reference.measure.scale.grid`: the closed forms of formulas.py over a grid of layouts, as JSON,
+for the Scale page's calculator (tools/record-traces writes it to reading_notes/traces/layout_grid.json).
+
+The site never imports this package (the citation tool imports neither `reference` nor torch), so the page
+looks the numbers up instead of computing them: for each model, TP, PP, DP, micro-batch count, sequence
+parallelism on or off and distributed optimizer on or off in VALUES, and each pipeline stage that
+`python -m reference.measure.scale` traces by default (a first, middle and last stage rank), the (group,
+collective) rows of formulas.expected, the bytes of formulas.memory, and the bubble of
+reference.pipeline.schedules.bubble_formula. The rest of the setup is the CLI's default (1F1B, DDP buckets of
+25 MiB, rank order tp-pp-dp, no interleaving).
+
+Every setting of VALUES would be 6,272 layouts; the document holds three smaller tables instead, each keyed by
+what its numbers depend on (its "by"):
+
+  traffic   model, tp, pp, sp, microbatches: the TP and PP rows (activations, per micro-batch)
+  state     model, tp, pp, dp, distributed_optimizer: the bytes held and the DP rows (the parameters, per step)
+  bubble    pp, microbatches
+
+An entry is the reference's one-line refusal (a string: ScaleSetup's ParallelConfigError) where the layout
+cannot exist. tests/reference/test_scale_grid.py checks every setting of VALUES against formulas.py run on the
+whole setup, so a dependence left out of a "by" fails there, and traces one setting with the fake backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import sys
+
+from reference.arguments import OneLineParser
+from reference.measure.scale import formulas
+from reference.measure.scale.__main__ import build_parser
+from reference.measure.scale.shapes import MODELS, ScaleSetup, setup_for
+from reference.measure.scale.simulate import GROUPS, default_ranks, stage_of
+from reference.parallel_state import ParallelConfigError
+from reference.pipeline.schedules import bubble_formula
+
+VALUES = {
+    "model": list(MODELS),
+    "tp": [1, 2, 4, 8],
+    "pp": [1, 2, 4, 8],
+    "dp": [1, 2, 4, 8, 16, 32, 64],
+    "microbatches": [1, 2, 4, 8, 16, 32, 64],
+    "sp": [0, 1],
+    "distributed_optimizer": [0, 1],
+}
+TRAFFIC_BY = ("model", "tp", "pp", "sp", "microbatches")
+STATE_BY = ("model", "tp", "pp", "dp", "distributed_optimizer")
+BUBBLE_BY = ("pp", "microbatches")
+HELD = ("parameters", "gradients", "master_weights", "optimizer_states")  # formulas.memory's keys, in order
+# Where a table leaves a setting free, it is set to one that never refuses on its own.
+NEUTRAL = {"dp": 1, "distributed_optimizer": 0, "microbatches": 1, "sp": 0}
+
+
+def key(by: tuple[str, ...], setting: dict) -> str:
+    """A table's key for `setting`: its "by" values joined with "/" ("70b/8/8/0/16"); the page builds the same."""
+    return "/".join(str(setting[name]) for name in by)
+
+
+def setup_of(setting: dict) -> ScaleSetup:
+    """The ScaleSetup `python -m reference.measure.scale` builds for this setting (the CLI's other defaults);
+    ParallelConfigError where it cannot exist."""
+    return setup_for(
+        setting["model"],
+        tp=setting["tp"],
+        pp=setting["pp"],
+        dp=setting["dp"],
+        microbatches=setting["microbatches"],
+        sp=bool(setting["sp"]),
+        distributed_optimizer=bool(setting["distributed_optimizer"]),
+    )
+
+
+def rows(setup: ScaleSetup, stage: int, groups: tuple[str, ...]) -> list[list]:
+    """[group, op, count, bytes] of formulas.expected for `groups`, in the CLI's row order (group, then op)."""
+    expected = formulas.expected(setup, stage)
+    return [
+        [group, op, *formulas.totals(expected[(group, op)])]
+        for group, op in sorted(expected, key=lambda k: (GROUPS.index(k[0]), k[1]))
+        if group in groups
+    ]
+
+
+def traffic_entry(setup: ScaleSetup) -> list[dict]:
+    return [
+        {"stage": stage_of(setup, rank), "rows": rows(setup, stage_of(setup, rank), ("tp", "pp"))}
+        for rank in default_ranks(setup)
+    ]
+
+
+def state_entry(setup: ScaleSetup) -> list[dict]:
+    entry = []
+    for rank in default_ranks(setup):
+        stage = stage_of(setup, rank)
+        held = formulas.memory(setup, stage)
+        entry.append(
+            {"stage": stage, "rank": rank, "held": [held[k] for k in HELD], "rows": rows(setup, stage, ("dp",))}
+        )
+    return entry
+
+
+def table(by: tuple[str, ...], entry) -> dict:
+    """{"by": by, "entries": {key: entry(setup) or the refusal}} over the VALUES of `by`."""
+    entries = {}
+    for values in itertools.product(*(VALUES[name] for name in by)):
+        setting = {**NEUTRAL, **dict(zip(by, values))}
+        try:
+            entries[key(by, setting)] = entry(setup_of(setting))
+        except ParallelConfigError as error:
+            entries[key(by, setting)] = str(error)
+    return {"by": list(by), "entries": entries}
+
+
+def document() -> dict:
+    defaults = build_parser().parse_args([])
+    initial = {
+        "model": defaults.model,
+        "tp": defaults.tp,
+        "pp": defaults.pp,
+        "dp": defaults.dp,
+        "microbatches": defaults.micro_batches,
+        "sp": int(defaults.sequence_parallel),
+        "distributed_optimizer": int(defaults.dp_sharding == "optimizer"),
+    }
+    bubble = {
+        key(BUBBLE_BY, {"pp": p, "microbatches": m}): bubble_formula(p, m)
+        for p, m in itertools.product(VALUES["pp"], VALUES["microbatches"])
+    }
+    return {
+        "kind": "layout_grid",
+        "values": VALUES,
+        "initial": initial,
+        "fixed": {"schedule": defaults.schedule, "bucket_size": defaults.bucket_size, "order": defaults.order},
+        "models": {name: dataclasses.asdict(shape) for name, shape in MODELS.items()},
+        "held": list(HELD),
+        "traffic": table(TRAFFIC_BY, traffic_entry),
+        "state": table(STATE_BY, state_entry),
+        "bubble": {"by": list(BUBBLE_BY), "entries": bubble},
+    }
+
+
+def lookup(doc: dict, setting: dict) -> str | dict:
+    """What the page shows for `setting` (docs/javascripts/scale_calculator.js reads the document the same way):
+    the reference's refusal, or {"stages": [{stage, rank, held {what: bytes}, rows [[group, op, count, bytes]]}],
+    "bubble": fraction}, the rows in the CLI's order (the traffic table's TP and PP rows, then the state's DP)."""
+    tables = [doc[name] for name in ("traffic", "state", "bubble")]
+    traffic, state, bubble = (t["entries"][key(t["by"], setting)] for t in tables)
+    for entry in (traffic, state):
+        if isinstance(entry, str):
+            return entry
+    stages = []
+    for moved, held in zip(traffic, state, strict=True):
+        if moved["stage"] != held["stage"]:
+            raise ValueError(f"{key(STATE_BY, setting)}: stage {moved['stage']} != {held['stage']}")
+        stages.append(
+            {
+                "stage": held["stage"],
+                "rank": held["rank"],
+                "held": dict(zip(doc["held"], held["held"], strict=True)),
+                "rows": moved["rows"] + held["rows"],
+            }
+        )
+    return {"stages": stages, "bubble": bubble}
+
+
+def main(argv: list[str] | None = None) -> int:
+    OneLineParser(prog="python -m reference.measure.scale.grid", description=__doc__.split("\n\n")[0]).parse_args(argv)
+    json.dump(document(), sys.stdout, separators=(",", ":"))
+    print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
