@@ -301,6 +301,9 @@ def test_pipeline_timelines_drawn_from_recorded_steps_render_a_row_per_stage(eve
     for svg, title in zip(timelines, ("GPipe, 4 stages, 8 micro-batches", "1F1B, 4 stages, 8 micro-batches")):
         for label in (title, "stage 0", "stage 3", "F0", "F7", "B0", "B7", "µs, modeled at 1 TFLOP/s, 25 GB/s"):
             assert label in svg, (title, label)
+    walked = every_page[0]["notes/walkthrough-pipeline"]["timelines"]  # the three schedules, one axis
+    titles = ("GPipe, 4 stages", "1F1B, 4 stages", "Interleaved 1F1B (2 chunks per stage), 4 stages")
+    assert len(walked) == 3 and all(title in svg for svg, title in zip(walked, titles))
 
 
 def test_excerpts_show_upstream_line_numbers_and_text(every_page):

@@ -41,7 +41,8 @@ def test_the_home_page_lists_every_page_in_the_nav_order_numbered_by_the_build()
     notes.insert(notes.index("notes/fsdp-prefetch.md") + 1, "notes/fsdp2-sharding.md")
     after = reading_order(nav, lambda path: (path, ""))
     assert "4. **[notes/fsdp2-sharding.md](notes/fsdp2-sharding.md)**\n" in after
-    assert "5. **[notes/megatron-pipeline-1f1b.md](notes/megatron-pipeline-1f1b.md)**\n" in after
+    assert "5. **[notes/walkthrough-pipeline.md](notes/walkthrough-pipeline.md)**\n" in after
+    assert "6. **[notes/megatron-pipeline-1f1b.md](notes/megatron-pipeline-1f1b.md)**\n" in after
 
 
 def test_the_built_home_page_shows_each_note_with_its_title_and_description(built_site):

@@ -2,7 +2,8 @@
 
 The blocks run as a reader runs them (pin_and_cite.site.run_it.run_block: from the project root, the venv
 not activated), all at once, and their stdout is compared with the recording the page renders
-(reading_notes/runs/NAME.txt). Only what must vary between runs is normalized: the wall-clock time of a step.
+(reading_notes/runs/NAME.txt). Only what must vary between runs is normalized: wall-clock figures (a step's time,
+a stage's measured bubble) and the CPU cores they were measured on.
 """
 
 from __future__ import annotations
@@ -22,10 +23,12 @@ TIMEOUT_S = 300
 # for the cores (and 24 GiB) and crowd the block timeouts, while a few keep both cores busy during start-ups.
 AT_ONCE = 3
 # (pattern, replacement): the step's wall-clock time, "(467.9 ms wall clock)", and, at pp > 1, the bubble
-# measured by wall clock ("wall clock 0.54"); the modeled bubbles beside it are the schedule's and stay.
+# measured by wall clock ("wall clock 0.54") and the machine it was measured on ("4 ranks on 2 CPU cores, which
+# they take turns on": the cores this machine lets the run use); the modeled bubbles are the schedule's and stay.
 VARIES = (
     (re.compile(r"\(\d+(?:\.\d+)? ms wall clock\)"), "(<wall clock> ms)"),
     (re.compile(r"wall clock \d+\.\d+"), "wall clock <wall clock>"),
+    (re.compile(r"(\d+ ranks?) on \d+ CPU cores(?:, which they take turns on)?;"), r"\1 on <cores> CPU cores;"),
 )
 
 
@@ -44,6 +47,9 @@ def test_the_normalization_hides_only_the_wall_clock():
         normalized(bubble) == "expected 4); bubble 0.27 with equal stages, 0.35 at its FLOPs, wall clock <wall clock>"
     )
     assert normalized(bubble) != normalized(bubble.replace("0.27", "0.28").replace("0.35", "0.36"))
+    machine = "  wall clock: this run's, 4 ranks on 2 CPU cores, which they take turns on; sends, receives"
+    assert normalized(machine) == normalized(machine.replace("2 CPU cores, which they take turns on", "16 CPU cores"))
+    assert normalized(machine) != normalized(machine.replace("4 ranks", "2 ranks"))
 
 
 def test_a_reader_shell_has_no_venv(monkeypatch):

@@ -6,7 +6,7 @@ import pytest
 import record_runs  # tools/record_runs.py (tools/ is on sys.path via pytest's pythonpath)
 
 from pin_and_cite.core.errors import PinAndCiteError
-from pin_and_cite.site.run_it import RunIt, read_recording, run_block, run_it_blocks, run_output
+from pin_and_cite.site.run_it import RunIt, read_recording, run_block, run_it_blocks, run_output, run_text
 
 TEMPLATE = """---
 rules: walkthrough
@@ -57,6 +57,18 @@ def test_the_page_shows_the_output_without_the_commands_in_a_fence_it_cannot_clo
     assert read_recording(tmp_path, "first") == (('echo "first ```"', "printf 'two\\n'"), "first ```\ntwo\n")
     shown = run_output(tmp_path, "first")
     assert shown.endswith("````{ .text .run-output }\nfirst ```\ntwo\n````\n") and "$ " not in shown
+
+
+def test_a_page_quotes_the_recorded_output_and_names_no_file_outside_runs(tmp_path):
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "pp-4.txt").write_text("$ echo bubble\nbubble 0.27\n")
+    (tmp_path / "secret.txt").write_text("$ cat\nnot for the page\n")
+    assert run_text(tmp_path, "pp-4") == "bubble 0.27\n"
+    for name in ("../secret", "runs/../../secret", "/etc/hostname", "..", ""):
+        with pytest.raises(PinAndCiteError, match="must be letters, digits"):
+            run_text(tmp_path, name)
+        with pytest.raises(PinAndCiteError, match="must be letters, digits"):
+            run_output(tmp_path, name)
 
 
 def walkthrough_project(tmp_path, monkeypatch, second: str):

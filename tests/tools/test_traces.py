@@ -203,6 +203,14 @@ def test_pipeline_timelines_idle_for_the_bubble_formula_and_1f1b_halves_stage_0_
     assert numbers.scale_message_bytes == model["micro_batch_size"] * model["seq_length"] * model["hidden_size"] * 2
 
 
+@pytest.mark.parametrize("name", ["pipeline_gpipe", "pipeline_1f1b", "pipeline_interleaved"])
+def test_each_recorded_order_with_equal_stages_idles_the_bubble_formula(name):
+    """What the walkthrough prints beside (p - 1) / (v m + p - 1): the recorded orders replayed in slots."""
+    trace = load_trace(NOTES, name)
+    p, m, v = trace["pp"], trace["m"], trace["virtual_stages"]
+    assert estimates.pipeline_bubble(trace) == pytest.approx((p - 1) / (v * m + p - 1))
+
+
 def test_pipeline_orders_that_wait_on_each_other_are_a_one_line_error(tmp_path):
     (tmp_path / "traces").mkdir()
     trace = json.loads((NOTES / "traces" / "pipeline_1f1b.json").read_text())

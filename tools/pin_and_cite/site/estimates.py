@@ -128,7 +128,10 @@ class PipelineMemory:
     scale_bubble: float  # (p - 1) / (m + p - 1) at that layout
 
 
-def _idle(trace: dict) -> float:
+def pipeline_bubble(trace: dict) -> float:
+    """The idle fraction of a recorded pipeline step with equal stages: its recorded orders replayed in slots
+    (traces.pipeline_slots: a forward 1, a backward 2, transfers free), the schedule's own bubble, to set
+    beside (p - 1) / (v m + p - 1). What the demo prints as "with equal stages"."""
     slots = pipeline_slots(trace)
     end = max(stage[-1][2] for stage in slots)
     busy = sum(stop - start for stage in slots for _, start, stop in stage)
@@ -146,7 +149,7 @@ def pipeline_memory(gpipe: dict, one_f_one_b: dict, scale: dict) -> PipelineMemo
     }
     if len(sends) != 1:
         raise TraceError(f"trace {gpipe['name']}: sends of sizes {sorted(sends)}, expected one size; {RECORD}")
-    bubbles = {round(_idle(trace), 9) for trace in (gpipe, one_f_one_b)}
+    bubbles = {round(pipeline_bubble(trace), 9) for trace in (gpipe, one_f_one_b)}
     if len(bubbles) != 1:
         raise TraceError(f"traces {gpipe['name']} and {one_f_one_b['name']} idle for different fractions; {RECORD}")
     setup = scale["setup"]

@@ -22,6 +22,7 @@ RUNS_DIR = "runs"
 MAX_BYTES = 1 << 20
 PROMPT = "$ "
 _FENCE = re.compile(r"\s*(`{3,}|~{3,})(.*)")
+_NAME = re.compile(r"[\w.-]+", re.ASCII)
 _RUN_OUTPUT = re.compile(r"""\{\{\s*run_output\(\s*["']([\w.-]+)["']\s*\)\s*\}\}""")
 
 
@@ -56,6 +57,10 @@ def run_it_blocks(text: str) -> list[RunIt]:
 
 
 def recording_path(notes_dir: Path, name: str) -> Path:
+    """reading_notes/runs/NAME.txt; NAME as a Run it block may give it (letters, digits, '_', '.', '-'), so
+    that a template cannot read a file outside runs/ onto its page."""
+    if not _NAME.fullmatch(name) or name.strip(".") == "":
+        raise PinAndCiteError(f"recording name {name!r} must be letters, digits, '_', '.' or '-'")
     return notes_dir / RUNS_DIR / f"{name}.txt"
 
 
@@ -71,6 +76,11 @@ def read_recording(notes_dir: Path, name: str) -> tuple[tuple[str, ...], str]:
     lines = data.decode("utf-8", errors="replace").split("\n")
     commands = tuple(line.removeprefix(PROMPT) for line in lines if line.startswith(PROMPT))
     return commands, "\n".join(lines[len(commands) :])
+
+
+def run_text(notes_dir: Path, name: str) -> str:
+    """The recorded stdout alone, for a page to quote a number from (a bubble, a FLOP count) rather than type it."""
+    return read_recording(notes_dir, name)[1]
 
 
 def run_output(notes_dir: Path, name: str) -> str:
