@@ -22,6 +22,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.enums import ModelType
 from megatron.core.pipeline_parallel import schedules
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch.overrides import TorchFunctionMode
 
@@ -838,3 +839,24 @@ def test_megatron_interleaved_first_backward_is_micro_batch_0_on_the_last_chunk(
         first = orders[0]
         leading = first[: first.index("B1.0")]
         assert leading == [f"F0.{i}" for i in range(4)] + [f"F1.{i}" for i in range(4)] + ["F0.4", "F0.5", "F0.6"]
+
+
+def test_uneven_stages_give_the_last_stage_fewer_layers_for_the_loss():
+    """The pipeline walkthrough's remedy for a last stage slowed by the LM head and loss: megatron-core splits
+    7 layers over 4 stages as 2, 2, 2, 1 when told the last stage's count, or to count the loss as a layer;
+    its default split of 8 is even."""
+
+    def layers_per_stage(num_layers: int, **split) -> list[int]:
+        config = TransformerConfig(
+            num_layers=num_layers,
+            hidden_size=64,
+            num_attention_heads=4,
+            pipeline_model_parallel_size=4,
+            pipeline_dtype=torch.float32,
+            **split,
+        )
+        return [get_num_layers_to_build(config, pp_rank=rank) for rank in range(4)]
+
+    assert layers_per_stage(8) == [2, 2, 2, 2]
+    assert layers_per_stage(7, num_layers_in_last_pipeline_stage=1) == [2, 2, 2, 1]
+    assert layers_per_stage(7, account_for_loss_in_pipeline_split=True) == [2, 2, 2, 1]
