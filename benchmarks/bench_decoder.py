@@ -9,7 +9,7 @@ them alike; rank 0 prints the medians, the bytes each sent per step (one recorde
 CollectiveRecorder) and the ratios reference / HF, plus the two losses (equal up to fp32 order).
   * reference: reference.gpt.parallelize's build_stage, style "llama", TP over the whole world (vocab-parallel
                embedding and head, Megatron's cross-entropy), optionally sequence-parallel
-  * hf:        the document's DTensor plan (benchmarks/qwen2_dtensor.py::document_plan: q/k/v and gate/up
+  * hf:        the document's DTensor plan (reference/hf_tp/plan.py::document_plan: q/k/v and gate/up
                colwise, o and down rowwise, embedding rowwise, head colwise kept as a DTensor for
                loss_parallel), SDPA attention
 """
@@ -23,7 +23,6 @@ import time
 
 import torch
 import torch.distributed as dist
-from qwen2_dtensor import document_plan, loss_and_backward
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import Qwen2ForCausalLM
 
@@ -33,6 +32,7 @@ from reference.gpt.hf_weights import load_hf_into_stage, qwen2_config
 from reference.gpt.model import GPTConfig
 from reference.gpt.parallelize import build_stage
 from reference.gpt.train import synthetic_batches
+from reference.hf_tp.plan import document_plan, loss_and_backward
 from reference.measure.recorder import CollectiveRecorder
 from reference.parallel_state import build_layout
 

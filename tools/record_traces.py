@@ -13,9 +13,11 @@ grid of layouts into DIR/layout_grid.json (the Scale page's calculator; tests/re
 on two ranks, benchmarks/bench_activation_memory.py --json counts
 one block's activation bytes per configuration of Korthikanti et al.'s Table 2, the GPT-2 block and the Llama
 block, into DIR/activation_memory.json, at the shapes of the test worker that checks it
-(tests/reference/test_activation_memory.py). `--only NAME ...` writes just those traces (and runs just the
-recordings that make them), leaving the others as they are. Exit status: 0 recorded, 1 a run failed (its
-output is printed), 2 a usage error (an unknown trace name).
+(tests/reference/test_activation_memory.py). Then, on two ranks each, `-m reference.hf_tp --json` (PyTorch DTensor's
+plan on HF's Qwen2, without and with sequence parallelism) into DIR/dtensor_qwen2.json and
+DIR/dtensor_qwen2_sp.json, checked by tests/reference/test_hf_tp_demo.py. `--only NAME ...` writes just those
+traces (and runs just the recordings that make them), leaving the others as they are. Exit status: 0
+recorded, 1 a run failed (its output is printed), 2 a usage error (an unknown trace name).
 """
 
 from __future__ import annotations
@@ -142,7 +144,38 @@ def record_activation_memory(out: Path, timeout: float = 300, only: Collection[s
     return [out / "activation_memory.json"]
 
 
-TRACES = (*(name for _, _, names in WORKER_RUNS for name in names), *SCALE, "layout_grid", "activation_memory")
+# trace name -> `torchrun --nproc-per-node 2 -m reference.hf_tp --json` arguments: PyTorch DTensor's plan on HF's
+# Qwen2ForCausalLM, without and with sequence parallelism (the DTensor walkthrough's worked example)
+DTENSOR = {"dtensor_qwen2": [], "dtensor_qwen2_sp": ["--sequence-parallel"]}
+
+
+def record_dtensor(out: Path, timeout: float = 300, only: Collection[str] | None = None) -> list[Path]:
+    """Write out/NAME.json for every DTensor demo run in DTENSOR (each of `only`), on two ranks each; the paths
+    written."""
+    names = [name for name in DTENSOR if only is None or name in only]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=0"]
+    traced = [
+        _run(
+            [*cmd, "-m", "reference.hf_tp", "--device", "cpu", *DTENSOR[name], "--json"],
+            f"reference.hf_tp {' '.join(DTENSOR[name])} --json",
+            timeout,
+            TORCH_CPP_LOG_LEVEL="ERROR",
+        )
+        for name in names
+    ]  # all finish (or fail) before anything is written
+    out.mkdir(parents=True, exist_ok=True)
+    for name, stdout in zip(names, traced):
+        atomic_write(out / f"{name}.json", stdout[stdout.index("{") :].encode())
+    return [out / f"{name}.json" for name in names]
+
+
+TRACES = (
+    *(name for _, _, names in WORKER_RUNS for name in names),
+    *SCALE,
+    "layout_grid",
+    "activation_memory",
+    *DTENSOR,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         recorded = [
             step(args.out, only=args.only)
-            for step in (record, record_scale, record_layout_grid, record_activation_memory)
+            for step in (record, record_scale, record_layout_grid, record_activation_memory, record_dtensor)
         ]
         for path in sum(recorded, []):
             print(path)

@@ -9,7 +9,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 MEASURE = "reference.measure"
-ENTRY_POINTS = {"reference.__main__", "reference.gpt.demo", "reference.fsdp.demo"}  # they wire observers in
+# the demos: they wire observers in
+ENTRY_POINTS = {"reference.__main__", "reference.gpt.demo", "reference.fsdp.demo", "reference.hf_tp.__main__"}
 
 
 def module_name(path: Path) -> str:

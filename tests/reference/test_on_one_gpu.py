@@ -75,7 +75,7 @@ def test_auto_on_a_gloo_group_is_the_cpu_even_beside_a_gpu(ranks):
 
 @pytest.mark.parametrize("script", ["bench_decoder", "bench_distopt"])
 def test_a_benchmark_asked_for_cuda_without_a_gpu_refuses_in_one_line(script, monkeypatch, capsys):
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # bench_decoder imports its sibling qwen2_dtensor
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # the scripts are imported by name, as run from there
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}.items():
         monkeypatch.setenv(name, value)

@@ -1,5 +1,5 @@
 """The Tensor Parallelism Knowledge Compilation's recipe on Hugging Face's own `Qwen2ForCausalLM` (transformers
-5.23.0, tiny config, random weights; benchmarks/qwen2_dtensor.py) with PyTorch DTensor at the pin, against the
+5.23.0, tiny config, random weights; reference/hf_tp/plan.py) with PyTorch DTensor at the pin, against the
 unsharded HF model. The first test at a world runs what it checks, once a rank: at 2 (`run_tp()`) the TP plan,
 the sequence-parallel plan, HF's shipped plan, the pitfalls' observations and fixes; at 4 (`run_fsdp_tp()`)
 FSDP2 on a dp 2 x tp 2 mesh with checkpointed layers, fp32 and bf16 compute. Pitfall 2, which crashes, is a
@@ -24,8 +24,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import PrepareModuleInput, loss_parallel, parallelize_module
 
-from benchmarks import qwen2_dtensor as qwen2
 from reference.distributed import distributed
+from reference.hf_tp import plan as qwen2
 from tests.launch import torchrun_failing
 from tests.ranks import on_ranks
 from tests.reference.gpus import DEVICES

@@ -40,18 +40,11 @@ REQUIRED = {
     ),
     "scale": ("setup", "world", "runs"),  # python -m reference.measure.scale --json (pin_and_cite.site.scale_tables)
     "pipeline": ("schedule", "world", "pp", "m", "b", "s", "h", "dtype_size", "activation_shape", "stages"),
-    "activation_memory": ("world", "shape", "configurations", "llama"),
+    "activation_memory": ("world", "shape", "configurations", "llama"),  # benchmarks/bench_activation_memory.py --json
     # python -m reference.measure.scale.grid (pin_and_cite.site.scale_calculator)
-    "layout_grid": (
-        "values",
-        "initial",
-        "fixed",
-        "models",
-        "held",
-        "traffic",
-        "state",
-        "bubble",
-    ),  # benchmarks/bench_activation_memory.py --json
+    "layout_grid": ("values", "initial", "fixed", "models", "held", "traffic", "state", "bubble"),
+    # torchrun -m reference.hf_tp --json: PyTorch DTensor's plan on HF's Qwen2 (the DTensor walkthrough)
+    "dtensor": ("world", "config", "sequence_parallel", "plan", "parameters", "collectives", "loss", "loss_unsharded"),
 }
 PIPELINE_STAGE_KEYS = (
     "pp_rank",

@@ -1,16 +1,15 @@
 """The Tensor Parallelism Knowledge Compilation's DTensor recipe, applied to Hugging Face's own `Qwen2ForCausalLM`.
 
-Not part of `reference/` (which is our implementation): this is the *other* side, real HF code under real
-PyTorch DTensor plans, used as an oracle by tests/reference/test_qwen2_dtensor.py and timed against the
-reference by the decoder benchmark. It lives under benchmarks/ so a benchmark can import it without importing
-the test suite. Plans:
+Not our implementation: PyTorch DTensor's parallel styles on real HF code, written once here for the demo
+(`python -m reference.hf_tp`), the oracle tests (tests/reference/test_qwen2_dtensor.py) and the decoder
+benchmark. Imports transformers (a test extra). Plans:
 
 - `document_plan`: q/k/v and gate/up `ColwiseParallel`, o and down `RowwiseParallel`; with `sequence_parallel`
   the norms are `SequenceParallel`, attention's keyword input and the MLP's positional input go Shard(1) ->
   Replicate through `PrepareModuleInput`, and the row layers output Shard(1). The embedding is row-wise, the
   head column-wise with `use_local_output=False` (logits stay a vocab-sharded DTensor for `loss_parallel`).
-- `hf_plan`: the plan HF ships on the class (`Qwen2ForCausalLM.tp_plan`), applied by transformers' own
-  `apply_tensor_parallelism` (its DTensor-based styles run on CPU/gloo).
+- `hf_plan`: the plan HF ships on the class (`Qwen2ForCausalLM.tp_plan`), through transformers' own
+  `apply_tensor_parallelism`.
 """
 
 from __future__ import annotations
