@@ -38,11 +38,12 @@ def test_the_home_page_lists_every_page_in_the_nav_order_numbered_by_the_build()
     assert nav.index({"Notes": nav[1]["Notes"]}) == 1 and len(numbers) < len(links)  # a section is one item
     # A note given a slot in nav takes it on the home page; the later items move down with no edit.
     notes = nav[1]["Notes"]
-    following = notes[notes.index("notes/fsdp-prefetch.md") + 1]
-    notes.insert(notes.index("notes/fsdp-prefetch.md") + 1, "notes/new-note.md")
+    slot = notes.index("notes/fsdp-prefetch.md") + 1  # the pages before it are single items, numbered from 1
+    following = notes[slot]
+    notes.insert(slot, "notes/new-note.md")
     after = reading_order(nav, lambda path: (path, ""))
-    assert "4. **[notes/new-note.md](notes/new-note.md)**\n" in after
-    assert f"5. **[{following}]({following})**\n" in after
+    assert f"{slot + 1}. **[notes/new-note.md](notes/new-note.md)**\n" in after
+    assert f"{slot + 2}. **[{following}]({following})**\n" in after
 
 
 def test_the_built_home_page_shows_each_note_with_its_title_and_description(built_site):
