@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 from reference.arguments import OneLineParser, add_device_argument, add_flag, learning_rate, output_dir
-from reference.distributed import DTYPES
+from reference.distributed import DTYPES, OPTIMIZERS
 from reference.fsdp import demo as fsdp_demo
 from reference.gpt import demo as gpt_demo
 
@@ -43,7 +43,14 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--num-attention-heads", type=int, default=4, help="attention heads")
     common.add_argument("--num-layers", type=int, default=2, help="transformer blocks")
     common.add_argument("--seed", type=int, default=1234, help="seed for weights and data (same on every rank)")
-    common.add_argument("--lr", type=learning_rate, default=1e-2, help="SGD learning rate (positive, finite)")
+    common.add_argument("--lr", type=learning_rate, default=1e-2, help="learning rate (positive, finite)")
+    common.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default="sgd",
+        help="sgd: plain SGD, no per-parameter state; adam: two fp32 moments per parameter (8 B each), the state "
+        "the distributed optimizer and FSDP shard over DP (the memory report shows it)",
+    )
     add_device_argument(common)
     common.add_argument(
         "--dtype",

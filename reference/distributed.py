@@ -27,6 +27,8 @@ from reference.heartbeat import Heartbeat
 from reference.parallel_state import ParallelConfigError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# The demos' optimizers: SGD keeps no state per parameter; Adam keeps two moments, the state that ZeRO shards.
+OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}
 
 # The flat-tensor collectives by their torch 2.13 names; torch 2.13 deprecates the names older torch has,
 # all_gather_into_tensor and reduce_scatter_tensor, so each is looked up by feature, not by version.

@@ -16,7 +16,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from reference.distributed import LaunchError, distributed, pick_dtype
+from reference.distributed import OPTIMIZERS, LaunchError, distributed, pick_dtype
 from reference.fsdp.units import shard_model, sharded_parameter_bytes
 from reference.gpt.model import GPT, GPTConfig
 from reference.gpt.train import split_batch, synthetic_batches
@@ -85,7 +85,7 @@ def _train(args: argparse.Namespace, config: GPTConfig, device: torch.device) ->
         reduce_dtype=torch.float32 if mixed else None,
         cpu_offload=args.cpu_offload,
     )
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+    optimizer = OPTIMIZERS[args.optimizer](model.parameters(), lr=args.lr)
     shard_bytes = sharded_parameter_bytes(model)
     with CollectiveRecorder() as recorder, unit_scopes(model) as prefetches:
         # Each rank trains on --micro-batch-size samples of a global batch of that times the world size.

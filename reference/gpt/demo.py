@@ -17,10 +17,10 @@ import os
 import torch
 import torch.distributed as dist
 
-from reference.data_parallel.distributed_optimizer import DistributedOptimizer
+from reference.data_parallel.distributed_optimizer import DistributedOptimizer, bytes_per_rank
 from reference.data_parallel.mixed_precision import model_chunks, unsharded
 from reference.data_parallel.wrapper import DEFAULT_BUCKET_SIZE
-from reference.distributed import distributed, one_line_errors, pick_dtype
+from reference.distributed import OPTIMIZERS, distributed, one_line_errors, pick_dtype
 from reference.fsdp.units import sharded_parameter_bytes
 from reference.fsdp.wrapper import MixedPrecision
 from reference.gpt.model import GPT, STYLES, GPTConfig, split_layers
@@ -229,11 +229,11 @@ def _train(args, config: GPTConfig, device: torch.device) -> None:
             "param_bytes_per_rank": held,
             "param_bytes_unsharded": sharded_parameter_bytes(GPT(config, args.seed, params_dtype=params[0].dtype)),
         }
-    sgd = lambda tensors: torch.optim.SGD(tensors, lr=args.lr)
+    make_optimizer = lambda tensors: OPTIMIZERS[args.optimizer](tensors, lr=args.lr)
     if fsdp:
-        optimizer = sgd(params)  # the shards are fp32: FSDP's own master weights
+        optimizer = make_optimizer(params)  # the shards are fp32: FSDP's own master weights
     else:  # fp32 masters of bf16 parameters (the fp32 ones step in place), as Megatron's optimizers
-        optimizer = (DistributedOptimizer if args.dp_sharding == "optimizer" else unsharded)(model, sgd)
+        optimizer = (DistributedOptimizer if args.dp_sharding == "optimizer" else unsharded)(model, make_optimizer)
     global_batch, meter = args.batch_size * args.micro_batches * layout.dp_size, PipelineMeter(device)
     with unit_scopes(model) if args.dp_sharding == "fsdp" else contextlib.nullcontext():  # units in the trace
         for step, tokens in enumerate(synthetic_batches(config, args.steps, global_batch, args.seed)):
@@ -259,6 +259,7 @@ def _train(args, config: GPTConfig, device: torch.device) -> None:
         {
             "rank": rank,
             "param_bytes": held,
+            **_state_bytes(model, optimizer, fsdp),
             "peak_activation_bytes": meter.peak_activation_bytes,
         },
         memory,
@@ -315,17 +316,42 @@ def _precision(bf16: bool, fsdp: bool) -> str:
     return "bf16 parameters and compute, fp32 main grads and fp32 master weights (Megatron's mixed precision)"
 
 
+def _state_bytes(model, optimizer, fsdp: bool) -> dict[str, int]:
+    """The bytes this rank holds between steps besides its parameters: gradient buffers, fp32 master copies and
+    the optimizer's per-element states (Adam's two moments; SGD has none). FSDP's gradients are the shards'
+    `.grad`, its masters the fp32 shards themselves."""
+    if not fsdp:
+        held = bytes_per_rank(model, optimizer)
+        return {key: held[key] for key in ("gradients", "master_weights", "optimizer_states")}
+    params = [p for p in model.parameters() if p.grad is not None]
+    return {
+        "gradients": sum(p.grad.numel() * p.grad.element_size() for p in params),
+        "master_weights": 0,
+        "optimizer_states": sum(
+            value.numel() * value.element_size()
+            for state in optimizer.state.values()
+            for key, value in state.items()
+            if torch.is_tensor(value) and key != "step"
+        ),
+    }
+
+
 def _report_memory(args, ranks: list[dict]) -> None:
-    """Per rank: the parameter bytes it holds between steps and the activation bytes autograd held at most."""
+    """Per rank: the bytes it holds between steps (parameters, gradients, fp32 masters, optimizer states) and the
+    activation bytes autograd held at most."""
     if args.json:
         print(json.dumps({"memory": ranks}), flush=True)
         return
     print(
-        "memory per rank (parameters held between steps, peak activations autograd held in the last step):", flush=True
+        "memory per rank (held between steps: parameters, gradients, fp32 master copies, optimizer states; "
+        "peak activations autograd held in the last step):",
+        flush=True,
     )
     for r in ranks:
         print(
-            f"  rank {r['rank']}: parameters {r['param_bytes']} B, activations {r['peak_activation_bytes']} B",
+            f"  rank {r['rank']}: parameters {r['param_bytes']} B, gradients {r['gradients']} B, "
+            f"masters {r['master_weights']} B, optimizer {r['optimizer_states']} B, "
+            f"activations {r['peak_activation_bytes']} B",
             flush=True,
         )
 

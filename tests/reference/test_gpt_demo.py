@@ -138,13 +138,20 @@ TP2_DP2 = {  # the tp 2 x pp 1 x dp 2 runs at world 4: FSDP x TP, its replicated
         "--dp-sharding", "replicate", "--sequence-parallel", pp=1, batch_size=B * M, micro_batches=1
     ),
     "optimizer": demo_args("--dp-sharding", "optimizer", pp=1),
+    "adam_replicate": demo_args("--dp-sharding", "replicate", "--optimizer", "adam", "--dtype", "bf16", pp=1),
+    "adam_optimizer": demo_args("--dp-sharding", "optimizer", "--optimizer", "adam", "--dtype", "bf16", pp=1),
 }
 
 
 @functools.cache
+def tp2_dp2_output(name: str) -> list[dict]:
+    """The --json records of one of the TP2_DP2 runs (once a rank)."""
+    return json_lines(demo_output(TP2_DP2[name]))
+
+
 def tp2_dp2(name: str) -> list[dict]:
-    """The step records of one of the TP2_DP2 runs (once a rank)."""
-    return steps_and_pipeline(demo_output(TP2_DP2[name]))[0]
+    """The step records of one of the TP2_DP2 runs."""
+    return [x for x in tp2_dp2_output(name) if "step" in x]
 
 
 @on_ranks(8)
@@ -208,3 +215,19 @@ def test_distributed_optimizer_demo_trains_like_the_unsharded_gpt(ranks):
         assert list(dp) == ["reduce_scatter", "all_gather"] and dp["reduce_scatter"] == dp["all_gather"]
         assert dp["reduce_scatter"]["count"] == 1
         assert dp["reduce_scatter"]["bytes"] - step["param_bytes_per_rank"] in range(2 * 4)  # padded to dp
+
+
+@on_ranks(4)
+def test_distributed_optimizer_holds_half_the_masters_and_adam_moments_at_dp_2(ranks):
+    """The memory report under Adam in bf16 (Megatron's mixed precision: bf16 parameters, fp32 main grads, fp32
+    masters): DDP holds every fp32 master and both moments, 4 + 8 bytes per parameter of the stage; the
+    distributed optimizer (ZeRO-1) holds 1/dp of each, and the same parameters and gradient buffers."""
+    (ddp,) = [x["memory"] for x in tp2_dp2_output("adam_replicate") if "memory" in x]
+    (zero1,) = [x["memory"] for x in tp2_dp2_output("adam_optimizer") if "memory" in x]
+    for replicated, sharded in zip(ddp, zero1):
+        numel = replicated["param_bytes"] // 2  # bf16
+        assert replicated["master_weights"] == 4 * numel and replicated["optimizer_states"] == 8 * numel
+        assert replicated["gradients"] == 4 * numel  # fp32 main grads
+        assert sharded["param_bytes"] == replicated["param_bytes"]
+        assert sharded["gradients"] - replicated["gradients"] in range(2 * 4)  # the buffer padded to dp
+        assert sharded["master_weights"] - 2 * numel in range(4) and sharded["optimizer_states"] - 4 * numel in range(8)
