@@ -35,6 +35,7 @@ NO_PAGE = {
     "reference/measure/scale/shapes.py": "model and layout sizes for the simulation; its page is the Scale note",
     "reference/measure/scale/formulas.py": "the closed-form traffic the simulation is checked against (Scale note)",
     "reference/measure/scale/simulate.py": "traces one rank of a large job; its page is the Scale note",
+    "reference/measure/scale/grid.py": "the closed forms over a grid of layouts for the Scale note's calculator",
     "reference/measure/activation_memory/counting.py": "counts saved tensors with saved_tensors_hooks",
     "reference/measure/activation_memory/paper.py": "Korthikanti et al.'s Table 2; see the Scale note's section",
     "reference/measure/activation_memory/gpt2_block.py": "the term table against the paper; see the Scale note",
