@@ -82,8 +82,9 @@ EXCERPTS = """() => [...document.querySelectorAll("article div.highlight:not(.ru
           lines: [...block.querySelectorAll("td.code code > span")].map(s => s.textContent.replace(/\\n$/, ""))};
 })"""
 LINKS = """() => [...document.querySelectorAll("a[href]")].map(a => a.href)"""
-# Each Run it output block: does any of its lines run past the right edge (sideways scrolling)?
-RUN_OUTPUTS = """() => [...document.querySelectorAll("article div.run-output pre > code")].map(
+# Each Run it block's commands and output: does any of its lines run past the right edge (sideways scrolling)?
+RUN_OUTPUTS = """() => [...document.querySelectorAll(
+  "article div.run-it pre > code, article div.run-output pre > code")].map(
   code => code.scrollWidth > code.clientWidth)"""
 VERIFIED_BY = """() => [...document.querySelectorAll("article a.verified-by")].map(a => ({
   href: a.href, node: a.querySelector("code").textContent}))"""
@@ -356,9 +357,11 @@ def test_100_columns_of_code_fit_every_excerpt_without_scrolling(every_page):
 
 def test_run_it_output_wraps_so_the_numbers_at_line_ends_show_at_1280_px(every_page):
     """Issue 24: the step line's `tp: all_reduce x52 (329216 B)`, the number the walkthrough explains, sat past
-    the right edge of its output block, reachable only by scrolling sideways."""
+    the right edge of its output block, reachable only by scrolling sideways; the flag an exercise adds sat at
+    the end of its command, cut the same way."""
     outputs = {path: report["run_outputs"] for path, report in every_page[0].items() if report["run_outputs"]}
-    assert len(outputs.get("notes/walkthrough-tp", [])) >= 4  # the Run it block and one per exercise
+    assert len(outputs.get("notes/walkthrough-tp", [])) >= 8  # commands and output: the Run it block, each exercise
+    assert {"notes/walkthrough-pipeline", "notes/walkthrough-dp", "notes/walkthrough-dtensor"} <= outputs.keys()
     assert {path: scrolls for path, scrolls in outputs.items() if any(scrolls)} == {}
 
 
