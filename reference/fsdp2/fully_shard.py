@@ -6,7 +6,7 @@ one that also derives from `FSDPModule`, whose methods set the explicit prefetch
 parameters. The module stays where it was in the model; nothing wraps it. `mesh` is a `ShardMesh` (or a 1-D
 or 2-D `DeviceMesh`, read the same way; default: shard over every rank).
 
-Mirrors `pytorch:torch/distributed/fsdp/_fully_shard/_fully_shard.py::fully_shard`,
+Mirrors upstream `fully_shard` (see `fully_shard` below),
 `pytorch:torch/distributed/fsdp/_fully_shard/_fully_shard.py::FSDPModule` and
 `pytorch:torch/distributed/fsdp/_fully_shard/_fsdp_api.py::MixedPrecisionPolicy`.
 """
@@ -51,7 +51,9 @@ def fully_shard(
     `reshard_after_forward`: None (True, except False for the root), True, False, or the size of a smaller
     group (a divisor of the shard group's size) to keep the shards on between forward and backward.
 
-    Mirrors `pytorch:torch/distributed/fsdp/_fully_shard/_fully_shard.py::fully_shard`.
+    Mirrors upstream `fully_shard` (overloaded, so cited through what it calls):
+    `pytorch:torch/distributed/fsdp/_fully_shard/_fsdp_init.py::_init_param_group` and
+    `pytorch:torch/distributed/fsdp/_fully_shard/_fsdp_init.py::_apply_to_module`.
     """
     if module.__dict__.get(STATE_ATTR) is not None:
         raise ValueError(f"{type(module).__name__} is already fully_shard-ed; apply fully_shard once per module")
@@ -98,7 +100,8 @@ class FSDPModule:
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """All-gather `modules` right after this module's own all-gather in forward, in this order.
 
-        Mirrors `pytorch:torch/distributed/fsdp/_fully_shard/_fully_shard.py::FSDPModule.set_modules_to_forward_prefetch`.
+        Mirrors
+        `pytorch:torch/distributed/fsdp/_fully_shard/_fully_shard.py::FSDPModule.set_modules_to_forward_prefetch`.
         """
         self._fsdp_state().states_to_forward_prefetch = [_state_of(m) for m in modules]
 
@@ -106,7 +109,8 @@ class FSDPModule:
         """All-gather `modules` from this module's pre-backward instead of the implicit choice (the module
         before this one in forward order).
 
-        Mirrors `pytorch:torch/distributed/fsdp/_fully_shard/_fully_shard.py::FSDPModule.set_modules_to_backward_prefetch`.
+        Mirrors
+        `pytorch:torch/distributed/fsdp/_fully_shard/_fully_shard.py::FSDPModule.set_modules_to_backward_prefetch`.
         """
         self._fsdp_state().states_to_backward_prefetch = [_state_of(m) for m in modules]
 
@@ -171,7 +175,9 @@ def _post_forward_mesh(reshard_after_forward: bool | int, mesh: ShardMesh) -> Sh
 def _managed_params(module: nn.Module) -> list[tuple[str, nn.Module, str]]:
     """(name in `module`, owner, attribute) of each parameter of `module` outside fully_shard-ed submodules,
     owners in post-order (children first), as upstream collects them; refuses a parameter reachable twice or
-    already sharded by another group (`pytorch:torch/distributed/fsdp/_fully_shard/_fsdp_init.py::_get_managed_modules`).
+    already sharded by another group.
+
+    Mirrors `pytorch:torch/distributed/fsdp/_fully_shard/_fsdp_init.py::_get_managed_modules`.
     """
     found: list[tuple[str, nn.Module, str]] = []
     seen: dict[int, str] = {}

@@ -161,8 +161,6 @@ class ParamGroup:
         """Pass the inputs that require grad through `RegisterPostBackward`: when autograd has their gradients,
         the module's parameter gradients are complete, and `post_backward` runs. A module whose inputs need no
         gradient (the root, fed token ids) is post-backwarded by the end-of-backward callback instead.
-
-        Mirrors `pytorch:torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py::FSDPParamGroup._register_post_backward_hook`.
         """
         if not torch.is_grad_enabled():
             return args, kwargs

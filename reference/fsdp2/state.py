@@ -11,7 +11,6 @@ Mirrors `pytorch:torch/distributed/fsdp/_fully_shard/_fsdp_state.py::FSDPState`.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,7 +99,10 @@ class FSDPState:
         return _cast_floating(self.output_dtype, output) if self.output_dtype else output
 
     def _register_pre_backward_hook(self, output: Any) -> Any:
-        """Mirrors `pytorch:torch/distributed/fsdp/_fully_shard/_fsdp_state.py::FSDPState._register_pre_backward_hook`."""
+        """A hook on every output that requires grad: the first gradient to reach one runs `_pre_backward`.
+
+        Mirrors `pytorch:torch/distributed/fsdp/_fully_shard/_fsdp_state.py::FSDPState._register_pre_backward_hook`.
+        """
         if torch.is_grad_enabled():
             for t in torch.utils._pytree.tree_leaves(output):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
@@ -129,7 +131,8 @@ class FSDPState:
         """End of backward: post-backward every group autograd did not (a root fed token ids), then wait for
         every reduction and reset for the next iteration.
 
-        Mirrors `pytorch:torch/distributed/fsdp/_fully_shard/_fsdp_state.py::FSDPState._root_post_backward_final_callback`.
+        Mirrors
+        `pytorch:torch/distributed/fsdp/_fully_shard/_fsdp_state.py::FSDPState._root_post_backward_final_callback`.
         """
         for state in self.context.all_states:
             if state.group is not None:
