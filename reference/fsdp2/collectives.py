@@ -27,7 +27,7 @@ class AllGatherResult(NamedTuple):
     """An issued all-gather: the flat output, its pending work, and each parameter's share of a rank's slot."""
 
     output: torch.Tensor
-    work: dist.Work
+    work: dist.Work | None  # None on one rank: the copy-in was the whole gather
     split_sizes: list[int]
     world: int
 
@@ -38,7 +38,7 @@ class PendingReduce(NamedTuple):
     params: list[ShardedParam]
     input: torch.Tensor
     output: torch.Tensor
-    work: dist.Work
+    work: dist.Work | None
     orig_dtype: torch.dtype
 
 
@@ -46,7 +46,8 @@ class PendingReduce(NamedTuple):
 def foreach_all_gather(
     params: list[ShardedParam], group: dist.ProcessGroup, dtype: torch.dtype, device: torch.device
 ) -> AllGatherResult:
-    """Copy-in, then issue one all-gather of the group's shards; nothing waits here.
+    """Copy-in, then issue one all-gather of the group's shards; nothing waits here. On one rank the copy-in is
+    the whole gather, and no collective is issued, as upstream.
 
     Mirrors `pytorch:torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py::foreach_all_gather`.
     """
@@ -57,7 +58,7 @@ def foreach_all_gather(
     output = torch.empty(slot * world, dtype=dtype, device=device)
     local = output.narrow(0, slot * rank, slot)  # the all-gather's input is this rank's slot of its output
     torch._foreach_copy_(list(local.split(split_sizes)), inputs)
-    work = all_gather_single(output, local, group=group, async_op=True)
+    work = all_gather_single(output, local, group=group, async_op=True) if world > 1 else None
     return AllGatherResult(output, work, split_sizes, world)
 
 
@@ -69,7 +70,8 @@ def foreach_all_gather_copy_out(result: AllGatherResult, params: list[ShardedPar
 
     Mirrors `pytorch:torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py::foreach_all_gather_copy_out`.
     """
-    result.work.wait()
+    if result.work is not None:
+        result.work.wait()
     outs = [p.alloc_all_gather_output(result.world).view(result.world, -1) for p in params]
     with torch.autograd._unsafe_preserve_version_counter(tuple(outs)):
         torch.split_with_sizes_copy(result.output.view(result.world, -1), result.split_sizes, dim=1, out=outs)
@@ -81,7 +83,8 @@ def foreach_reduce(
 ) -> PendingReduce:
     """Copy the gradients in (rank r's slot: chunk r of each, zero-padded), reduce-scatter them averaged over
     the shard group, and for HSDP all-reduce the result averaged over the replicas. Issued, not waited
-    (`finish_reduce`); the all-reduce waits for the reduce-scatter it reduces.
+    (`finish_reduce`); the all-reduce waits for the reduce-scatter it reduces. A shard group of one rank
+    reduce-scatters nothing: its output is its input, as upstream.
 
     Mirrors `pytorch:torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py::foreach_reduce`.
     """
@@ -92,9 +95,14 @@ def foreach_reduce(
     output = torch.empty(slot, dtype=reduce_dtype, device=flat.device)
     # Average inside the collective, as upstream does for fp32 and bf16; NCCL's AVG is wrong on one rank.
     op = dist.ReduceOp.AVG if world * mesh.replicas > 1 else dist.ReduceOp.SUM
-    work = reduce_scatter_single(output, flat, op=op, group=mesh.shard_group, async_op=True)
+    work = None
+    if world > 1:
+        work = reduce_scatter_single(output, flat, op=op, group=mesh.shard_group, async_op=True)
+    else:
+        output.copy_(flat)
     if mesh.replicate_group is not None:
-        work.wait()
+        if work is not None:
+            work.wait()
         work = dist.all_reduce(output, op=op, group=mesh.replicate_group, async_op=True)
     return PendingReduce(params, flat, output, work, params[0].orig_dtype)
 
@@ -118,7 +126,8 @@ def chunk_cat(grads: list[torch.Tensor], chunk_numels: list[int], out: torch.Ten
 @torch.no_grad()
 def finish_reduce(pending: PendingReduce) -> None:
     """Wait, cast back to the parameters' dtype, and give each parameter its piece as its sharded gradient."""
-    pending.work.wait()
+    if pending.work is not None:
+        pending.work.wait()
     output = pending.output.to(pending.orig_dtype)
     offset = 0
     for param in pending.params:

@@ -11,9 +11,11 @@ a 2 x 2 mesh (world 4).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
+import torch
 
 from reference.gpt.model import GPT
 from tests.ranks import on_ranks
@@ -161,6 +163,51 @@ def test_hsdp_on_a_2x2_mesh_equals_fully_shard_on_a_2d_mesh(ranks):
         kinds = [op for op, *_ in a["events"] if op != "all_gather"]
         assert kinds == ["reduce_scatter", "all_reduce"] * 4  # each group's all-reduce right after its reduce
     assert result["single"]["hsdp"] <= FP32_TOLERANCE
+
+
+@on_ranks(1)
+def test_one_rank_issues_no_collective_and_trains_bitwise_like_single_process(ranks):
+    """A shard group of one rank: the copy-in is the whole all-gather and the gradient is its own reduction, so
+    neither FSDP2 issues a collective, and the training is the single process's, bit for bit."""
+    result = fsdp2_results(ranks.device)
+    for name in configs(1):
+        assert differences(result, name) == {"loss": 0.0, "grads": 0.0, "shards": 0.0}, name
+        for run in runs(ranks, name):
+            assert all(step["events"] == [] for step in run["steps"]), name
+    assert result["single"]["fp32"] == 0.0
+
+
+@on_ranks(2)
+def test_fully_shard_refuses_in_one_line(ranks):
+    from reference.fsdp2 import MixedPrecisionPolicy, fully_shard
+
+    def refusal(build) -> str:
+        with pytest.raises(ValueError) as error:
+            build()
+        return str(error.value)
+
+    def twice():
+        layer = GPT(CONFIG, SEED).layers[0]
+        fully_shard(layer)
+        fully_shard(layer)
+
+    def shared_between_groups():
+        model = GPT(dataclasses.replace(CONFIG, share_embeddings_and_output_weights=True), SEED)
+        fully_shard(model.output_layer)
+        fully_shard(model)
+
+    assert refusal(twice) == "FSDPTransformerBlock is already fully_shard-ed; apply fully_shard once per module"
+    assert refusal(shared_between_groups) == (
+        "parameter 'embedding.word_embeddings.weight' is shared with 'another fully_shard group': "
+        "put the modules sharing it under one fully_shard call"
+    )
+    assert refusal(lambda: fully_shard(GPT(CONFIG, SEED).layers[0], reshard_after_forward=3)) == (
+        "reshard_after_forward=3: expected a divisor of the shard group size 2"
+    )
+    fp16 = MixedPrecisionPolicy(reduce_dtype=torch.float16)
+    assert refusal(lambda: fully_shard(GPT(CONFIG, SEED).layers[0], mp_policy=fp16)) == (
+        "reduce_dtype must be float32 or bfloat16 (reduced by averaging), got torch.float16"
+    )
 
 
 @on_ranks(2, 4)
