@@ -34,6 +34,8 @@ def _require(condition: bool, what: str) -> None:
 # ---- probes ----------------------------------------------------------------------------------------------
 RECORDER = "the collective recorder (reference.measure.recorder)"
 FSDP1_SCOPES = "FSDP1's unit scopes (reference.measure.fsdp_tracing)"
+FSDP2_SCOPES = "FSDP2's unit scopes (reference.measure.fsdp_tracing)"
+FSDP2_GROUP_METHODS = ("unshard", "pre_backward", "post_backward")  # methods of FSDPParamGroup the scopes wrap
 
 
 def _probe_recorder() -> None:
@@ -77,7 +79,20 @@ def _probe_fsdp1_scopes() -> None:
         _require(callable(getattr(_runtime_utils, name, None)), f"has no fsdp._runtime_utils.{name} to wrap")
 
 
-_PROBES = {RECORDER: _probe_recorder, FSDP1_SCOPES: _probe_fsdp1_scopes}
+def _probe_fsdp2_scopes() -> None:
+    """FSDP2 issues each group's all-gather from `FSDPParamGroup.unshard` (prefetches through the staticmethod
+    `_prefetch_unshard`), its reductions from `post_backward`, and unshards for backward in `pre_backward`."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    for name in FSDP2_GROUP_METHODS:
+        _require(callable(getattr(FSDPParamGroup, name, None)), f"has no FSDPParamGroup.{name} to wrap")
+    _require(
+        isinstance(FSDPParamGroup.__dict__.get("_prefetch_unshard"), staticmethod),
+        "has no staticmethod FSDPParamGroup._prefetch_unshard to wrap",
+    )
+
+
+_PROBES = {RECORDER: _probe_recorder, FSDP1_SCOPES: _probe_fsdp1_scopes, FSDP2_SCOPES: _probe_fsdp2_scopes}
 
 
 @functools.cache
@@ -163,6 +178,32 @@ def fsdp1_runtime_wrapped(**arounds: Callable[..., Any]) -> Iterator[None]:
         for name, around in arounds.items():
             _require(callable(getattr(_runtime_utils, name, None)), f"has no fsdp._runtime_utils.{name} to wrap")
             stack.enter_context(replaced(_runtime_utils, name, around))
+        yield
+
+
+@contextlib.contextmanager
+def fsdp2_param_group_wrapped(prefetch: Callable[..., Any], **arounds: Callable[..., Any]) -> Iterator[None]:
+    """Run each named method of FSDP2's `FSDPParamGroup` through `around(original, group, *args)`, and its
+    staticmethod `_prefetch_unshard(target, pass_type)` through `prefetch(original, target, pass_type)`.
+
+    Why: FSDP2 has no public hook where a group's collectives are issued:
+    pytorch:torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py::FSDPParamGroup.unshard issues the
+    all-gather, `post_backward` the reduce-scatter (and HSDP's all-reduce), and `_prefetch_unshard` the early
+    ones. Every call goes through the class, so replacing the class attributes reaches each group.
+    """
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    _probe_fsdp2_scopes()
+    static = FSDPParamGroup.__dict__["_prefetch_unshard"]
+
+    def prefetch_unshard(*args: Any) -> Any:
+        return prefetch(static.__func__, *args)
+
+    with contextlib.ExitStack() as stack:
+        for name, around in arounds.items():
+            stack.enter_context(replaced(FSDPParamGroup, name, around))
+        FSDPParamGroup._prefetch_unshard = staticmethod(prefetch_unshard)
+        stack.callback(setattr, FSDPParamGroup, "_prefetch_unshard", static)
         yield
 
 

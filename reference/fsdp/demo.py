@@ -1,11 +1,12 @@
-"""`torchrun --nproc-per-node N -m reference --fsdp`: train the small GPT with FSDP for a few steps.
+"""`torchrun --nproc-per-node N -m reference --fsdp [--fsdp-version 2]`: train the small GPT with FSDP a few steps.
 
 The model is reference.gpt.model.GPT: each layer is one unit and the root (embedding, final LayerNorm, output
-layer, loss) another, wrapped children-first as with FSDP1; `--use-torch-fsdp` swaps in PyTorch's FSDP1 with
-the same options. Each step prints its loss, traffic and per-rank parameter memory; the last also its compute
-and collectives in issue order, all-gathers that another unit prefetched marked, so the prefetch flags show
-where they move them. `--json` prints one object per rank and step (the recorder's events and spans, and that
-`issue_order`); `--trace DIR` writes the last step's to DIR/fsdp_trace.rank<r>.json for the timeline diagram."""
+layer, loss) another, sharded children-first; FSDP1's flat parameters (reference.fsdp), or with
+`--fsdp-version 2` per-parameter `fully_shard` (reference.fsdp2); `--use-torch-fsdp` swaps in PyTorch's own,
+same options. Each step prints its loss, traffic and per-rank parameter memory; the last also its compute and
+collectives in issue order, prefetched all-gathers marked. `--json` prints one object per rank and step (the
+recorder's events and spans, and that `issue_order`); `--trace DIR` writes the last step's to
+DIR/fsdp_trace.rank<r>.json for the timeline diagram."""
 
 from __future__ import annotations
 
@@ -16,14 +17,29 @@ import sys
 import torch
 import torch.distributed as dist
 
-from reference.distributed import OPTIMIZERS, LaunchError, distributed, pick_dtype
-from reference.fsdp.units import shard_model, sharded_parameter_bytes
+from reference.distributed import OPTIMIZERS, LaunchError, distributed, one_line_errors, pick_dtype
+from reference.fsdp.units import padded_shard_bytes, shard_model, sharded_parameter_bytes
 from reference.gpt.model import GPT, GPTConfig
 from reference.gpt.train import split_batch, synthetic_batches
 from reference.measure.fsdp_tracing import issue_order, unit_scopes
 from reference.measure.recorder import CollectiveRecorder
+from reference.parallel_state import ParallelConfigError
 
 PREFETCH_CHOICES = {"pre": "BACKWARD_PRE", "post": "BACKWARD_POST", "none": None}
+IMPLEMENTATIONS = {(1, False): "reference", (1, True): "fsdp1", (2, False): "reference-fsdp2", (2, True): "fsdp2"}
+
+
+def reshard_after_forward(text: str) -> bool | int:
+    """`true`, `false`, or a group size (a whole number >= 1): FSDP2's `reshard_after_forward`."""
+    if text in ("true", "false"):
+        return text == "true"
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected true, false or a group size >= 1, got {text!r}")
+    return value
 
 
 def add_arguments(group: argparse._ArgumentGroup) -> None:
@@ -37,7 +53,8 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--forward-prefetch",
         action="store_true",
-        help="all-gather unit l+1 before unit l computes (from the second step on)",
+        help="all-gather unit l+1 before unit l computes (FSDP1: from the second step on, once the order is "
+        "recorded; FSDP2: explicitly, set_modules_to_forward_prefetch, from the first)",
     )
     group.add_argument(
         "--mixed-precision",
@@ -45,11 +62,39 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
         help="bf16 parameters and compute, fp32 gradient reduction and fp32 shards: what --dtype bf16 "
         "(and auto on CUDA) gives this demo",
     )
-    group.add_argument("--cpu-offload", action="store_true", help="keep the shards on the CPU between uses")
+    group.add_argument(
+        "--cpu-offload", action="store_true", help="keep the shards on the CPU between uses (FSDP1, or torch's FSDP2)"
+    )
+    group.add_argument(
+        "--fsdp-version",
+        type=int,
+        choices=(1, 2),
+        default=1,
+        help="1: flat parameters, one per unit (reference.fsdp); 2: per-parameter fully_shard (reference.fsdp2), "
+        "which prefetches in backward implicitly (--backward-prefetch pre) and in forward only explicitly "
+        "(--forward-prefetch: each unit the next)",
+    )
+    group.add_argument(
+        "--reshard-after-forward",
+        type=reshard_after_forward,
+        default=None,
+        metavar="true|false|N",
+        help="FSDP2: free the unsharded parameters after forward (true), keep them for backward (false), or keep "
+        "a shard over N ranks (a divisor of the shard group); default: true, except false for the root",
+    )
+    group.add_argument(
+        "--dp-replicate",
+        type=int,
+        default=1,
+        metavar="R",
+        help="FSDP2: HSDP, R replicas of a shard group of N / R consecutive ranks (gradients reduce-scattered in "
+        "the shard group, then all-reduced across the replicas)",
+    )
     group.add_argument(
         "--use-torch-fsdp",
         action="store_true",
-        help="use torch.distributed.fsdp.FullyShardedDataParallel instead of the reference",
+        help="use PyTorch's FSDP instead of the reference: FullyShardedDataParallel, or fully_shard with "
+        "--fsdp-version 2",
     )
 
 
@@ -63,30 +108,68 @@ def run(args: argparse.Namespace) -> None:
         )
     except ValueError as error:
         sys.exit(f"reference: error: {error}")
-    try:
-        with distributed(args.device, timeout_s=60) as device:
-            _train(args, config, device)
-    except LaunchError as error:
-        sys.exit(f"reference: error: {error}")
+    with one_line_errors("reference"):  # a refused FSDP2 option: one line, exit 2
+        _check_version_options(args)
+        try:
+            with distributed(args.device, timeout_s=60) as device:
+                _train(args, config, device)
+        except LaunchError as error:
+            sys.exit(f"reference: error: {error}")
+
+
+def _check_version_options(args: argparse.Namespace) -> None:
+    """Each option belongs to FSDP1 or FSDP2; refuse one given to the other before anything starts."""
+    if args.fsdp_version == 1:
+        fsdp2_only = {
+            "--reshard-after-forward": args.reshard_after_forward is not None,
+            "--dp-replicate": args.dp_replicate != 1,
+        }
+        for flag, given in fsdp2_only.items():
+            if given:
+                raise ParallelConfigError(f"{flag} is FSDP2's; add --fsdp-version 2")
+        return
+    if args.backward_prefetch != "pre":
+        raise ParallelConfigError(
+            f"--backward-prefetch {args.backward_prefetch}: FSDP2 prefetches in backward from the pre-backward "
+            "hook only (pre); post and none are FSDP1's"
+        )
+    if args.cpu_offload and not args.use_torch_fsdp:
+        raise ParallelConfigError("--cpu-offload: the reference FSDP2 keeps its shards on the compute device")
+    if args.dp_replicate < 1:
+        raise ParallelConfigError(f"--dp-replicate {args.dp_replicate}: expected a replica count >= 1")
+
+
+def _check_mesh(args: argparse.Namespace, world: int) -> None:
+    """The HSDP grid and the post-forward group size must divide what they split (same answer on every rank)."""
+    if world % args.dp_replicate:
+        raise ParallelConfigError(f"--dp-replicate {args.dp_replicate} does not divide the {world} ranks")
+    shards, size = world // args.dp_replicate, args.reshard_after_forward
+    if isinstance(size, int) and not isinstance(size, bool) and shards % size:
+        raise ParallelConfigError(
+            f"--reshard-after-forward {size} does not divide the shard group's {shards} ranks (world / --dp-replicate)"
+        )
 
 
 def _train(args: argparse.Namespace, config: GPTConfig, device: torch.device) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
+    _check_mesh(args, world)
     mixed = args.mixed_precision or pick_dtype(args.dtype, device) == torch.bfloat16
     model = GPT(config, args.seed, device)
     total_bytes = sharded_parameter_bytes(model)
+    fsdp2 = {"reshard_after_forward": args.reshard_after_forward, "replicas": args.dp_replicate}
     model = shard_model(
         model,
-        "fsdp1" if args.use_torch_fsdp else "reference",
+        IMPLEMENTATIONS[args.fsdp_version, args.use_torch_fsdp],
         dist.group.WORLD,
         backward_prefetch=PREFETCH_CHOICES[args.backward_prefetch],
         forward_prefetch=args.forward_prefetch,
         param_dtype=torch.bfloat16 if mixed else None,
         reduce_dtype=torch.float32 if mixed else None,
         cpu_offload=args.cpu_offload,
+        **(fsdp2 if args.fsdp_version == 2 else {}),
     )
     optimizer = OPTIMIZERS[args.optimizer](model.parameters(), lr=args.lr)
-    shard_bytes = sharded_parameter_bytes(model)
+    shard_bytes = (padded_shard_bytes if args.fsdp_version == 2 else sharded_parameter_bytes)(model)
     with CollectiveRecorder() as recorder, unit_scopes(model) as prefetches:
         # Each rank trains on --micro-batch-size samples of a global batch of that times the world size.
         batches = synthetic_batches(config, args.steps, args.batch_size * world, args.seed)

@@ -1,10 +1,10 @@
-"""Shard a model one FSDP unit per layer, then the root, with the reference FSDP or either of torch's.
+"""Shard a model one FSDP unit per layer, then the root, with either reference FSDP or either of torch's.
 
 One wrapping shared by the FSDP demo, the trace recorder (tools/trace_worker.py), the FSDP tests and the
-FSDP benchmark, so that all of them compare the same units: each of `model.layers` (the transformer blocks
+FSDP benchmarks, so that all of them compare the same units: each of `model.layers` (the transformer blocks
 of reference.gpt.model.GPT) first, then the root (embedding, final norm, output layer), as
-torchtitan's `apply_fsdp` does with `fully_shard`. `sharded_parameter_bytes` is the per-rank parameter memory the demos
-print.
+torchtitan's `apply_fsdp` does with `fully_shard`. `sharded_parameter_bytes` (FSDP1) and `padded_shard_bytes`
+(FSDP2) are the per-rank parameter memory the demos print.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from torch import nn
 
 from reference.fsdp.prefetch import BackwardPrefetch
 from reference.fsdp.wrapper import CPUOffload, FullyShardedDataParallel, MixedPrecision
+
+IMPLEMENTATIONS = ("reference", "fsdp1", "reference-fsdp2", "fsdp2")
 
 
 def shard_model(
@@ -27,23 +29,30 @@ def shard_model(
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
     cpu_offload: bool = False,
+    reshard_after_forward: bool | int | None = None,
+    replicas: int = 1,
 ) -> nn.Module:
-    """One unit per layer, then the root: `implementation` is "reference", "fsdp1" or "fsdp2" (torch's
-    `fully_shard`, which has no prefetch policy and offloads through its own policy object)."""
+    """One unit per layer, then the root: `implementation` is one of IMPLEMENTATIONS: "reference" (the
+    reference FSDP1), "fsdp1", "reference-fsdp2" (reference.fsdp2) or "fsdp2" (torch's `fully_shard`). The
+    FSDP2s prefetch in backward implicitly (`backward_prefetch` is not theirs); `forward_prefetch` sets each
+    unit to prefetch the next explicitly; `reshard_after_forward` (given: for every unit, the root included)
+    and `replicas` (HSDP: that many replicas of a shard group of world / replicas ranks) are theirs alone."""
     device = next(model.parameters()).device
-    if implementation == "fsdp2":
-        from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-
-        mesh = DeviceMesh.from_group(process_group, device.type)
-        options = dict(
-            mesh=mesh,
-            mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
-            offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
+    if implementation in ("reference-fsdp2", "fsdp2"):
+        return _fully_shard_model(
+            model,
+            implementation == "fsdp2",
+            process_group,
+            device,
+            forward_prefetch=forward_prefetch,
+            param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype,
+            cpu_offload=cpu_offload,
+            reshard_after_forward=reshard_after_forward,
+            replicas=replicas,
         )
-        for layer in model.layers:
-            fully_shard(layer, **options)
-        return fully_shard(model, **options)
+    if (reshard_after_forward, replicas) != (None, 1):
+        raise ValueError(f"reshard_after_forward and replicas are FSDP2's; {implementation!r} is FSDP1")
     if implementation == "fsdp1":
         from torch.distributed import fsdp as torch_fsdp
 
@@ -67,7 +76,8 @@ def shard_model(
             cpu_offload=CPUOffload(offload_params=cpu_offload),
         )
     else:
-        raise ValueError(f"unknown FSDP implementation {implementation!r}; expected reference, fsdp1 or fsdp2")
+        expected = ", ".join(IMPLEMENTATIONS)
+        raise ValueError(f"unknown FSDP implementation {implementation!r}; expected one of {expected}")
     for index, layer in enumerate(model.layers):
         model.layers[index] = wrap_unit(layer)
     return wrap_unit(model)
@@ -76,3 +86,57 @@ def shard_model(
 def sharded_parameter_bytes(model: nn.Module) -> int:
     """Bytes of parameters this rank holds between steps (the original parameters are views of shards)."""
     return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _fully_shard_model(
+    model: nn.Module,
+    use_torch: bool,
+    process_group: dist.ProcessGroup,
+    device: torch.device,
+    *,
+    forward_prefetch: bool,
+    param_dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype | None,
+    cpu_offload: bool,
+    reshard_after_forward: bool | int | None,
+    replicas: int,
+) -> nn.Module:
+    """`fully_shard` each layer, then the model, with torch's FSDP2 or the reference's, on the same mesh."""
+    if use_torch:
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+        if replicas == 1:
+            mesh = DeviceMesh.from_group(process_group, device.type)
+        else:
+            grid = torch.tensor(dist.get_process_group_ranks(process_group)).view(replicas, -1)
+            mesh = DeviceMesh(device.type, grid, mesh_dim_names=("replicate", "shard"))
+        options = dict(
+            mesh=mesh,
+            mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+            offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
+        )
+    else:
+        from reference.fsdp2 import MixedPrecisionPolicy, ShardMesh, fully_shard
+
+        if cpu_offload:
+            raise ValueError("the reference FSDP2 keeps its shards on the compute device: no CPU offload")
+        mesh = ShardMesh.flat(process_group) if replicas == 1 else ShardMesh.hsdp(replicas, process_group)
+        options = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype))
+    if reshard_after_forward is not None:
+        options["reshard_after_forward"] = reshard_after_forward
+    for layer in model.layers:
+        fully_shard(layer, **options)
+    fully_shard(model, **options)
+    if forward_prefetch:
+        units = [model, *model.layers]
+        for unit, following in zip(units, units[1:]):
+            unit.set_modules_to_forward_prefetch([following])
+    return model
+
+
+def padded_shard_bytes(model: nn.Module) -> int:
+    """Bytes of parameters this rank holds between steps under FSDP2 (either): each parameter's padded dim-0
+    shard, which its parameter (torch's: its DTensor's local tensor) views the unpadded rows of."""
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in local}.values())

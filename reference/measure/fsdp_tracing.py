@@ -1,11 +1,12 @@
 """Attribute FSDP's collectives and compute to units in every active `CollectiveRecorder`: an observer.
 
-`with unit_scopes(model) as prefetches:` around a step of a model sharded by the reference FSDP or PyTorch's
-FSDP1 (FSDP2 needs nothing: the recorder's `watch` scopes it). Each all-gather and reduce-scatter is recorded
-under the unit it moves, by wrapping the runtime functions that issue them (the reference's `unshard` and
-`reduce_grad`, FSDP1's `_unshard` and `_reduce_grad`), so both compare line by line; `prefetches` notes those a
-unit issued for another. Each unit's compute is recorded as spans "<unit> forward" and "<unit> backward"
-(pre-backward hook to post-backward hook), and `issue_order` interleaves them with the collectives."""
+`with unit_scopes(model) as prefetches:` around a step of a model sharded by the reference FSDP, PyTorch's
+FSDP1, the reference FSDP2 or PyTorch's FSDP2. Each all-gather and reduce-scatter is recorded under the unit
+(FSDP2: parameter group) it moves, by wrapping the runtime functions that issue them (the reference's `unshard`
+and `reduce_grad`, FSDP1's `_unshard` and `_reduce_grad`, both FSDP2s' `unshard` and `post_backward`), so each
+pair compares line by line; `prefetches` notes those a unit issued for another. Each unit's compute is recorded
+as spans "<unit> forward" and "<unit> backward" (pre-backward hook to post-backward hook), and `issue_order`
+interleaves them with the collectives."""
 
 from __future__ import annotations
 
@@ -18,8 +19,17 @@ import torch
 
 from reference.fsdp import FullyShardedDataParallel, runtime
 from reference.fsdp.wrapper import clean_name
+from reference.fsdp2 import param_group
+from reference.fsdp2.state import STATE_ATTR
 from reference.measure.recorder import CollectiveRecorder
-from reference.torch_patches import FSDP1_SCOPES, available, fsdp1_runtime_wrapped, replaced
+from reference.torch_patches import (
+    FSDP1_SCOPES,
+    FSDP2_SCOPES,
+    available,
+    fsdp1_runtime_wrapped,
+    fsdp2_param_group_wrapped,
+    replaced,
+)
 
 
 @contextlib.contextmanager
@@ -72,6 +82,7 @@ def issue_order(recorder: CollectiveRecorder, prefetches: Prefetches) -> list[di
 def unit_scopes(model: torch.nn.Module) -> Iterator[Prefetches]:
     """Scope the collectives (and, for the reference FSDP, the compute) of `model`'s units while inside, and
     note which all-gathers were prefetches."""
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 
     modules = list(model.modules())
@@ -80,6 +91,12 @@ def unit_scopes(model: torch.nn.Module) -> Iterator[Prefetches]:
             yield prefetches
     elif any(isinstance(m, FSDP1) for m in modules):
         with torch_fsdp1_unit_scopes(model) as prefetches:
+            yield prefetches
+    elif any(STATE_ATTR in m.__dict__ for m in modules):
+        with reference_fsdp2_unit_scopes(model) as prefetches:
+            yield prefetches
+    elif any(isinstance(m, FSDPModule) for m in modules):
+        with torch_fsdp2_unit_scopes(model) as prefetches:
             yield prefetches
     else:
         yield Prefetches()
@@ -208,4 +225,64 @@ def torch_fsdp1_unit_scopes(model: torch.nn.Module) -> Iterator[Prefetches]:
         )
         for name, unit in units.items():
             stack.enter_context(_forward_span(unit.module, functools.partial(str, name)))
+        yield prefetches
+
+
+def _fsdp2_arounds(backward: _BackwardSpans, name_of: Callable, state_of: Callable) -> dict[str, Callable]:
+    """What both FSDP2s wrap on their parameter group: `unshard` (its all-gather, also when another group
+    prefetches it) and `post_backward` (its reduction) scoped under the group's name, and the backward span
+    from the end of `pre_backward` (the group is unsharded, its prefetch issued) to `post_backward`."""
+
+    def in_unit_scope(original, group, *args, **kwargs):
+        with unit_scope(name_of(group)):
+            return original(group, *args, **kwargs)
+
+    def pre_backward(original, group, *args, **kwargs):
+        ran = state_of(group).name == "PRE_BACKWARD"
+        result = original(group, *args, **kwargs)
+        if not ran:
+            backward.begin(group)
+        return result
+
+    def post_backward(original, group, *args, **kwargs):
+        backward.end(group, name_of(group))
+        return in_unit_scope(original, group, *args, **kwargs)
+
+    return {"unshard": in_unit_scope, "pre_backward": pre_backward, "post_backward": post_backward}
+
+
+@contextlib.contextmanager
+def reference_fsdp2_unit_scopes(model: torch.nn.Module) -> Iterator[Prefetches]:
+    """The reference FSDP2's parameter groups: reference.fsdp2.param_group's `ParamGroup` methods and its
+    `prefetch_unshard` (called through the module), and forward spans from hooks on each sharded module."""
+    prefetches, backward = Prefetches(), _BackwardSpans()
+    arounds = _fsdp2_arounds(backward, lambda group: group.name or "root", lambda group: group.training_state)
+    with contextlib.ExitStack() as stack:
+        for name, around in arounds.items():
+            stack.enter_context(replaced(param_group.ParamGroup, name, around))
+        stack.enter_context(replaced(param_group, "prefetch_unshard", prefetches.around))
+        for name, module in model.named_modules():
+            if STATE_ATTR in module.__dict__:
+                stack.enter_context(_forward_span(module, functools.partial(str, name or "root")))
+        yield prefetches
+
+
+@contextlib.contextmanager
+def torch_fsdp2_unit_scopes(model: torch.nn.Module) -> Iterator[Prefetches]:
+    """PyTorch FSDP2's parameter groups, as the reference FSDP2's, through
+    `pytorch:torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py::FSDPParamGroup.unshard`, `post_backward`,
+    `pre_backward` and `_prefetch_unshard` (reference.torch_patches.fsdp2_param_group_wrapped); unscoped, with
+    one warning line, where the installed torch has no such methods."""
+    from torch.distributed.fsdp import FSDPModule
+
+    prefetches, backward = Prefetches(), _BackwardSpans()
+    if not available(FSDP2_SCOPES):
+        yield prefetches
+        return
+    arounds = _fsdp2_arounds(backward, lambda group: group._module_fqn or "root", lambda group: group._training_state)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(fsdp2_param_group_wrapped(prefetches.around, **arounds))
+        for name, module in model.named_modules():
+            if isinstance(module, FSDPModule):
+                stack.enter_context(_forward_span(module, functools.partial(str, name or "root")))
         yield prefetches
