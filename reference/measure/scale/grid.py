@@ -1,24 +1,14 @@
 """`python -m reference.measure.scale.grid`: the closed forms of formulas.py over a grid of layouts, as JSON,
-for the Scale page's calculator (tools/record-traces writes it to reading_notes/traces/layout_grid.json).
+for the Scale page's calculator (tools/record-traces writes reading_notes/traces/layout_grid.json; the site,
+which never imports the reference, looks the numbers up).
 
-The site never imports this package (the citation tool imports neither `reference` nor torch), so the page
-looks the numbers up instead of computing them: for each model, TP, PP, DP, micro-batch count, sequence
-parallelism on or off and distributed optimizer on or off in VALUES, and each pipeline stage that
-`python -m reference.measure.scale` traces by default (a first, middle and last stage rank), the (group,
-collective) rows of formulas.expected, the bytes of formulas.memory, and the bubble of
-reference.pipeline.schedules.bubble_formula. The rest of the setup is the CLI's default (1F1B, DDP buckets of
-25 MiB, rank order tp-pp-dp, no interleaving).
-
-Every setting of VALUES would be 6,272 layouts; the document holds three smaller tables instead, each keyed by
-what its numbers depend on (its "by"):
-
-  traffic   model, tp, pp, sp, microbatches: the TP and PP rows (activations, per micro-batch)
-  state     model, tp, pp, dp, distributed_optimizer: the bytes held and the DP rows (the parameters, per step)
-  bubble    pp, microbatches
-
-An entry is the reference's one-line refusal (a string: ScaleSetup's ParallelConfigError) where the layout
-cannot exist. tests/reference/test_scale_grid.py checks every setting of VALUES against formulas.py run on the
-whole setup, so a dependence left out of a "by" fails there, and traces one setting with the fake backend.
+For each model, TP, PP, DP, micro-batch count, sequence parallelism and distributed optimizer in VALUES, and
+each stage `python -m reference.measure.scale` traces by default: the (group, collective) rows of
+formulas.expected, the bytes of formulas.memory, and bubble_formula; the rest is the CLI's default. Three
+tables, each keyed by what its numbers depend on (traffic: model, tp, pp, sp, m; state: model, tp, pp, dp,
+optimizer; bubble: pp, m), instead of 6,272 layouts; an entry is the reference's one-line refusal where a
+layout cannot exist. tests/reference/test_scale_grid.py checks every layout against formulas.py on the whole
+setup, so a dependence a key leaves out fails there.
 """
 
 from __future__ import annotations
