@@ -5,9 +5,8 @@ which never imports the reference, looks the numbers up).
 For each model, TP, PP, DP, micro-batch count, sequence parallelism and distributed optimizer in VALUES, and
 each stage `python -m reference.measure.scale` traces by default: the (group, collective) rows of
 formulas.expected, the bytes of formulas.memory, and bubble_formula; the rest is the CLI's default. Three
-tables, each keyed by what its numbers depend on (traffic: model, tp, pp, sp, m; state: model, tp, pp, dp,
-optimizer; bubble: pp, m), instead of 6,272 layouts; an entry is the reference's one-line refusal where a
-layout cannot exist. tests/reference/test_scale_grid.py checks every layout against formulas.py on the whole
+tables, each keyed by what its numbers depend on (TRAFFIC_BY, STATE_BY, BUBBLE_BY), not 6,272 layouts; an
+entry is the reference's one-line refusal where a layout cannot exist. tests/reference/test_scale_grid.py checks every layout against formulas.py on the whole
 setup, so a dependence a key leaves out fails there.
 """
 
