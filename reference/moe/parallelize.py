@@ -25,7 +25,10 @@ from reference.tensor_parallel.parallelize import _swap
 def parallelize_moe(
     layer: MoELayer, ep_group: dist.ProcessGroup, tp_group: dist.ProcessGroup | None = None
 ) -> MoELayer:
-    """Split `layer`'s experts over `ep_group` (and each over `tp_group`), in place; every rank calls it."""
+    """Split `layer`'s experts over `ep_group` (and each over `tp_group`), in place; every rank calls it.
+
+    Mirrors `megatron-lm:megatron/core/transformer/moe/moe_layer.py::BaseMoELayer.__init__` (its local experts).
+    """
     if layer.dispatcher.ep_group is not None or len(layer.experts.local_experts) != layer.num_experts:
         raise ParallelConfigError("this MoE layer is already split over an expert-parallel group; parallelize it once")
     dispatcher = AllToAllDispatcher(layer.num_experts, ep_group, tp_group)
