@@ -23,6 +23,7 @@ import torch.distributed as dist
 from reference.measure.recorder import CollectiveRecorder
 from reference.moe.layer import MoELayer
 from reference.moe.parallelize import parallelize_moe
+from reference.parallel_state import build_layout
 from reference.tensor_parallel.layers import allreduce_sequence_parallel_grads
 from reference.torch_patches import cuda_calls_on_cpu
 from tests.ranks import on_ranks
@@ -38,20 +39,6 @@ MODES = {"dropless": {}, "capacity": {"capacity_factor": CAPACITY}}
 def layouts(world: int) -> list[tuple[int, int]]:
     """(ep, tp) compared at this world size: EP = world, and at 4 ranks EP 2 x TP 2."""
     return [(world, 1)] + ([(2, 2)] if world == 4 else [])
-
-
-def make_groups(ep: int, tp: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup, int, int]:
-    """megatron-core's placement (order tp-ep-dp): TP groups of consecutive ranks, EP groups of the ranks with
-    the same TP index. Returns (ep group, tp group, this rank's TP group index g, its TP index t)."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    mine = {}
-    for name, ranks in [("tp", [g * tp + t for t in range(tp)]) for g in range(world // tp)] + [
-        ("ep", [t + tp * e for e in range(ep)]) for t in range(tp)
-    ]:
-        group = dist.new_group(ranks)  # every rank creates every group
-        if rank in ranks:
-            mine[name] = group
-    return mine["ep"], mine["tp"], rank // tp, rank % tp
 
 
 def sequence(g: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,9 +86,11 @@ def unsharded(mode: str, ep: int, tp: int, device) -> dict:
 
 def sharded(mode: str, ep: int, tp: int, device) -> dict:
     """The same layer split by parallelize_moe, each rank on its slice of its TP group's sequence."""
-    ep_group, tp_group, g, t = make_groups(ep, tp)
+    # megatron's placement: TP groups of consecutive ranks, EP groups of the ranks with the same TP index
+    layout = build_layout(tp_size=tp, ep_size=ep)
+    ep_group, tp_group, g, t = layout.ep_group, layout.tp_group, layout.dp_rank, layout.tp_rank
     torch.manual_seed(0)
-    layer = parallelize_moe(MoELayer(H, FFN, E, K, device=device, **options(mode, tp)), ep_group, tp_group)
+    layer = parallelize_moe(MoELayer(H, FFN, E, K, device=device, **options(mode, tp)), layout)
     x, w = (part.chunk(tp)[t].to(device) for part in sequence(g))
     x.requires_grad_()  # as a layer's input is: the dispatch all-to-all then has a backward too
     with CollectiveRecorder() as rec:
@@ -201,6 +190,56 @@ def test_moe_all_to_all_bytes_equal_the_closed_form(ranks, mode):
         if m == mode:
             assert r["a2a_groups"] == {r["ep_ranks"]}, r["what"]
             assert r["a2a"] == r["expected_a2a"], r["what"]
+
+
+# ---- megatron-core's groups and MoELayer ------------------------------------------------------------------
+def expert_layouts(world: int) -> list[tuple[int, int, int, str]]:
+    """(tp, pp, ep, order) whose groups are compared with megatron's at this world size."""
+    if world == 2:
+        return [(1, 1, 2, "tp-pp-dp")]
+    return [(1, 1, 2, "tp-pp-dp"), (1, 1, 4, "tp-dp-pp"), (2, 1, 2, "tp-pp-dp"), (1, 2, 2, "tp-dp-pp")]
+
+
+@functools.cache
+def layout_groups(device: torch.device) -> list[dict]:
+    """Per layout, this rank's EP, expert-DP and TP groups: build_layout's and megatron's
+    initialize_model_parallel's."""
+    from megatron.core import parallel_state as mpu
+
+    found = []
+    for tp, pp, ep, order in expert_layouts(dist.get_world_size()):
+        with groups_of_the_block():
+            layout = build_layout(tp, pp, order=order, ep_size=ep)
+            with megatron_parallel_state(
+                tensor_model_parallel_size=tp,
+                pipeline_model_parallel_size=pp,
+                expert_model_parallel_size=ep,
+                order=order.replace("tp-", "tp-cp-ep-"),
+            ):
+                found.append(
+                    {
+                        name: [dist.get_process_group_ranks(ours), dist.get_process_group_ranks(theirs)]
+                        for name, ours, theirs in [
+                            ("ep", layout.ep_group, mpu.get_expert_model_parallel_group()),
+                            ("expert dp", layout.expert_dp_group, mpu.get_expert_data_parallel_group()),
+                            ("expert tp = tp", layout.tp_group, mpu.get_expert_tensor_parallel_group()),
+                        ]
+                    }
+                    | {"what": f"tp {tp} pp {pp} ep {ep} {order}"}
+                )
+    return found
+
+
+@on_ranks(2, 4, devices=DEVICES)
+@pytest.mark.upstream("megatron-lm")  # megatron-core's initialize_model_parallel builds its groups in it
+def test_expert_groups_equal_megatron_core_parallel_state(ranks):
+    found = layout_groups(ranks.device)
+    assert [f["what"].split()[1::2] for f in found] == [
+        [str(tp), str(pp), str(ep)] for tp, pp, ep, _ in expert_layouts(ranks.world)
+    ]
+    for layout in found:
+        for name, (ours, theirs) in ((k, v) for k, v in layout.items() if k != "what"):
+            assert ours == theirs, f"{layout['what']} rank {ranks.rank}: {name} group {ours} vs megatron {theirs}"
 
 
 # ---- megatron-core's MoELayer, same weights ---------------------------------------------------------------
