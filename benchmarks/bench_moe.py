@@ -23,6 +23,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from reference.arguments import add_flag
 from reference.torch_patches import cuda_calls_on_cpu
 
 if not torch.cuda.is_available():  # megatron's router moves its weight to torch.cuda.current_device()
@@ -45,13 +46,15 @@ if not hasattr(moe_utils, "te_general_gemm"):  # bound only when Transformer Eng
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch-size", type=int, default=4)
+    add_flag(parser, "--micro-batch-size", "--batch-size", dest="batch_size", type=int, default=4)
     parser.add_argument("--seq-length", type=int, default=128)
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--ffn-hidden-size", type=int, default=512)
     parser.add_argument("--num-experts", type=int, default=8)
-    parser.add_argument("--topk", type=int, default=2)
-    parser.add_argument("--capacity-factor", type=float, default=None, help="default: dropless")
+    parser.add_argument("--moe-router-topk", type=int, default=2, help="experts per token k")
+    parser.add_argument(
+        "--moe-expert-capacity-factor", type=float, default=None, help="capacity factor; default: dropless"
+    )
     parser.add_argument(
         "--rounds", type=int, default=20, help="rounds; each times one step of every implementation, in turn"
     )
@@ -67,8 +70,8 @@ def megatron_layer(args, dispatcher: str, device) -> MegatronMoELayer:
         ffn_hidden_size=args.ffn_hidden_size,
         moe_ffn_hidden_size=args.ffn_hidden_size,
         num_moe_experts=args.num_experts,
-        moe_router_topk=args.topk,
-        moe_expert_capacity_factor=args.capacity_factor,
+        moe_router_topk=args.moe_router_topk,
+        moe_expert_capacity_factor=args.moe_expert_capacity_factor,
         moe_token_dispatcher_type=dispatcher,
         expert_model_parallel_size=dist.get_world_size(),
         add_bias_linear=False,
@@ -84,8 +87,8 @@ def reference_layer(args, like: MegatronMoELayer, device) -> MoELayer:
         args.hidden_size,
         args.ffn_hidden_size,
         args.num_experts,
-        args.topk,
-        capacity_factor=args.capacity_factor,
+        args.moe_router_topk,
+        capacity_factor=args.moe_expert_capacity_factor,
         device=device,
     )
     layer = parallelize_moe(layer, mpu.get_expert_model_parallel_group())
@@ -147,7 +150,9 @@ def _benchmark(args, device: torch.device) -> None:
         return
     median = {name: statistics.median(t) for name, t in times.items()}
     sent = {name: sum(v["bytes"] for v in summary.values()) for name, summary in traffic.items()}
-    mode = "dropless" if args.capacity_factor is None else f"capacity factor {args.capacity_factor}"
+    mode = (
+        "dropless" if args.moe_expert_capacity_factor is None else f"capacity factor {args.moe_expert_capacity_factor}"
+    )
     if args.json:
         report = {
             "ep": world,
@@ -162,7 +167,8 @@ def _benchmark(args, device: torch.device) -> None:
         return
     print(
         f"EP={world} on {device.type} ({'nccl' if cuda else 'gloo'}), b={args.batch_size} s={args.seq_length} "
-        f"h={args.hidden_size} ffn={args.ffn_hidden_size} experts={args.num_experts} top-{args.topk}, {mode}; "
+        f"h={args.hidden_size} ffn={args.ffn_hidden_size} experts={args.num_experts} "
+        f"top-{args.moe_router_topk}, {mode}; "
         f"median of {args.rounds} interleaved steps each"
     )
     for name in layers:
