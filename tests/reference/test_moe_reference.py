@@ -1,6 +1,7 @@
 """reference.moe against the unsharded MoE layer and against megatron-core 0.16.1's MoELayer, on 2 and 4 ranks:
 
-* at EP 2, EP 4 and EP 2 x TP 2, dropless and with a capacity factor, every rank's output and input gradient,
+* at EP 2, EP 4 and EP 2 x TP 2, dropless and with a capacity factor (GELU experts), and dropless with SwiGLU
+  experts, every rank's output and input gradient,
   the router's gradient and every expert's gradient (this rank's experts, its TP slice) equal the unsharded
   layer's, which runs in one process on every rank's tokens. Dropless, the unsharded layer takes each TP
   group's whole sequence, the load-balancing loss on: the loss counts the group's tokens. With a capacity
@@ -9,7 +10,7 @@
 * the all-to-alls carry the closed form's bytes: E counts, then one row of h floats per routed (token,
   expert) pair sent, and per pair received, forward, and the same rows reversed in backward;
 * megatron-core's MoELayer (SequentialMLP experts from get_mlp_module_spec(use_te=False), the AllGather
-  dispatcher) with the same weights gives the same outputs and gradients at EP 2, in both modes.
+  dispatcher) with the same weights gives the same outputs and gradients at EP 2, in all three.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from tests.reference.helpers import assert_close, groups_of_the_block, megatron_
 H, FFN, E, K, S, B = 8, 16, 8, 2, 8, 2  # hidden, expert ffn, experts, top-k, sequence, micro-batch
 AUX = 1e-2
 CAPACITY = 1.0  # ceil(T k / E): tight enough that experts overflow
-MODES = {"dropless": {}, "capacity": {"capacity_factor": CAPACITY}}
+# dropless and capacity with GELU experts (megatron's default activation), and dropless with SwiGLU experts
+MODES = {"dropless": {}, "capacity": {"capacity_factor": CAPACITY}, "swiglu": {"gated": True}}
 
 
 def layouts(world: int) -> list[tuple[int, int]]:
@@ -137,8 +139,11 @@ def compare(mode: str, ep: int, tp: int, device) -> dict:
     assert_close(mine["router"], router, f"{what}: router gradient", atol=1e-6, rtol=1e-5)
     for name, grad in mine["experts"].items():
         full = ref["experts"][name]
-        if tp > 1:  # fc1 split by output rows, fc2 by input columns
-            full = full.chunk(tp, dim=0 if name.endswith("fc1.weight") else 1)[t]
+        if tp > 1 and name.endswith("fc1.weight"):  # split by output rows; SwiGLU: its 1/tp of gate and of up
+            parts = 2 if mode == "swiglu" else 1
+            full = torch.cat(full.chunk(parts * tp, dim=0)[t::tp])
+        elif tp > 1:  # fc2: split by input columns
+            full = full.chunk(tp, dim=1)[t]
         assert_close(grad, full, f"{what}: expert {name} gradient", atol=1e-6, rtol=1e-5)
     # the closed form: what the router routes from each EP peer's tokens (the unsharded router, same weights)
     router_ = ref["router"]
@@ -263,6 +268,8 @@ def megatron_moe(mode: str):
         moe_router_topk=K,
         moe_aux_loss_coeff=AUX,
         moe_expert_capacity_factor=MODES[mode].get("capacity_factor"),
+        gated_linear_unit=mode == "swiglu",  # fc1 = [gate; up], silu(gate) * up, as the reference's swiglu
+        activation_func=torch.nn.functional.silu if mode == "swiglu" else torch.nn.functional.gelu,
         moe_token_dispatcher_type="allgather",
         expert_model_parallel_size=dist.get_world_size(),
         add_bias_linear=False,
