@@ -1,12 +1,11 @@
 """reference.moe against the unsharded MoE layer and against megatron-core 0.16.1's MoELayer, on 2 and 4 ranks:
 
-* at EP 2, EP 4 and EP 2 x TP 2, dropless and with a capacity factor (GELU experts), and dropless with SwiGLU
-  experts, every rank's output and input gradient,
-  the router's gradient and every expert's gradient (this rank's experts, its TP slice) equal the unsharded
-  layer's, which runs in one process on every rank's tokens. Dropless, the unsharded layer takes each TP
-  group's whole sequence, the load-balancing loss on: the loss counts the group's tokens. With a capacity
-  factor it takes each rank's slice alone, since capacity is counted per slice (as megatron does); at TP 2 the
-  loss is then off, its counts being the group's;
+* at EP 2, EP 4 and EP 2 x TP 2, dropless and with a capacity factor (GELU experts), and dropless with SwiGLU experts,
+  every rank's output and input gradient, the router's gradient and every expert's gradient (this rank's experts, its
+  TP slice) equal the unsharded layer's, which runs in one process on every rank's tokens. Dropless, the unsharded
+  layer takes each TP group's whole sequence, the load-balancing loss on: the loss counts the group's tokens. With a
+  capacity factor it takes each rank's slice alone, since capacity is counted per slice (as megatron does); at TP 2
+  the loss is then off, its counts being the group's;
 * the all-to-alls carry the closed form's bytes: E counts, then one row of h floats per routed (token,
   expert) pair sent, and per pair received, forward, and the same rows reversed in backward;
 * megatron-core's MoELayer (SequentialMLP experts from get_mlp_module_spec(use_te=False), the AllGather
