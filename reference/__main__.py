@@ -1,8 +1,10 @@
-"""`torchrun --nproc-per-node N -m reference [--tp T --pp P --dp D | --fsdp] ...`: a few training steps.
+"""`torchrun --nproc-per-node N -m reference [--tp T --pp P --dp D | --fsdp | --moe --ep E] ...`: a few training
+steps.
 
-One parser for both demos so `--help` shows every flag. The TP x PP x DP demo (the default; with --pp 1
---dp 1 the tensor-parallel demo) lives in `reference.gpt.demo`, the FSDP one in `reference.fsdp.demo`; each
-adds its own argument group and runs from the parsed arguments.
+One parser for the demos so `--help` shows every flag. The TP x PP x DP demo (the default; with --pp 1
+--dp 1 the tensor-parallel demo) lives in `reference.gpt.demo`, the FSDP one in `reference.fsdp.demo`, the
+mixture-of-experts one in `reference.moe.demo`; each adds its own argument group and runs from the parsed
+arguments.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from reference.arguments import OneLineParser, add_device_argument, add_flag, le
 from reference.distributed import DTYPES, OPTIMIZERS
 from reference.fsdp import demo as fsdp_demo
 from reference.gpt import demo as gpt_demo
+from reference.moe import demo as moe_demo
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     common = parser.add_argument_group("model and data (both demos)")
     common.add_argument("--fsdp", action="store_true", help="run the FSDP demo instead of TP x PP x DP")
+    common.add_argument(
+        "--moe", action="store_true", help="run the mixture-of-experts demo (one MoE layer, --ep x --tp) instead"
+    )
     common.add_argument("--steps", type=int, default=3, help="optimizer steps to run")
     add_flag(
         common,
@@ -71,12 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gpt_demo.add_arguments(parser.add_argument_group("TP x PP x DP (default demo)"))
     fsdp_demo.add_arguments(parser.add_argument_group("FSDP (--fsdp)"))
+    moe_demo.add_arguments(parser.add_argument_group("mixture of experts (--moe; also takes --tp and --dp)"))
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    (fsdp_demo if args.fsdp else gpt_demo).run(args)
+    (moe_demo if args.moe else fsdp_demo if args.fsdp else gpt_demo).run(args)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""`python -m reference.layout --tp 2 --pp 2 --dp 2`: print which ranks form each TP, PP and DP group.
+"""`python -m reference.layout --tp 2 --pp 2 --dp 2 [--ep 2]`: print which ranks form each TP, PP and DP group
+(and, with --ep, each expert-parallel and expert data-parallel group, as megatron-core places them).
 
 No processes are started: the groups are computed with the same `rank_grid` that `build_layout` uses at
 run time, so what this prints is what a `torchrun ... -m reference --tp 2 --pp 2 --dp 2` job creates.
@@ -11,7 +12,16 @@ import json
 import sys
 
 from reference.arguments import MAX_WORLD, OneLineParser, refuse_large_world, world_size
-from reference.parallel_state import ORDERS, ParallelConfigError, describe_grid, groups, parallel_sizes, rank_grid
+from reference.parallel_state import (
+    ORDERS,
+    ParallelConfigError,
+    describe_grid,
+    expert_grid,
+    expert_groups,
+    groups,
+    parallel_sizes,
+    rank_grid,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,6 +35,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tp", type=world_size, default=1, help="tensor-parallel size")
     parser.add_argument("--pp", type=world_size, default=1, help="pipeline-parallel size (stages)")
     parser.add_argument("--dp", type=world_size, default=None, help="data-parallel size; default: world / (tp x pp)")
+    parser.add_argument(
+        "--ep",
+        type=world_size,
+        default=1,
+        help="expert-parallel size of the MoE layers: carved out of DP (it must divide dp), varying right after TP",
+    )
     parser.add_argument(
         "--world",
         type=world_size,
@@ -54,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.rank is not None and not 0 <= args.rank < world:
             raise ParallelConfigError(f"--rank {args.rank} is outside the world of {world} ranks")
         grid = rank_grid(tp, pp, dp, args.order)
+        experts = expert_grid(tp, pp, dp, args.ep, args.order) if args.ep > 1 else None
     except ParallelConfigError as error:
         print(f"reference.layout: error: {error}", file=sys.stderr)
         return 2
@@ -67,11 +84,18 @@ def main(argv: list[str] | None = None) -> int:
                     "dp": dp,
                     "order": args.order,
                     **{f"{kind}_groups": groups(grid, kind) for kind in ("tp", "pp", "dp")},
+                    "ep": args.ep,
+                    **{
+                        f"{kind}_groups": expert_groups(experts, kind)
+                        if experts is not None
+                        else [[r] for r in range(world)]
+                        for kind in ("ep", "edp")
+                    },
                 }
             )
         )
     else:
-        print(describe_grid(grid, args.order, args.rank))
+        print(describe_grid(grid, args.order, args.rank, experts))
     return 0
 
 

@@ -3,7 +3,8 @@
 The grid is built from an `order` string whose first name varies fastest over the ranks; the default here,
 "tp-pp-dp", makes TP groups runs of consecutive ranks (one node), then stages, then replicas ("tp-dp-pp" is
 Megatron's default). The grid is kept indexed [pp, dp, tp] (`rank_grid`), every group is a slice of it, and
-the groups are held by a small object passed to the layers explicitly.
+the groups are held by a small object passed to the layers explicitly. Expert parallelism, carved out of DP,
+has a second grid (`expert_grid`).
 
 Mirrors `megatron-lm:megatron/core/parallel_state.py::initialize_model_parallel` and
 `megatron-lm:megatron/core/parallel_state.py::RankGenerator` (notes/reference/parallel_state.md has an
@@ -76,15 +77,51 @@ def grid_coordinates(grid: torch.Tensor, rank: int) -> tuple[int, int, int]:
     return tuple((grid == rank).nonzero()[0].tolist())
 
 
-def describe_grid(grid: torch.Tensor, order: str, rank: int | None = None) -> str:
-    """The layout as text: sizes, every TP, PP and DP group, and (optionally) where `rank` sits."""
+def expert_grid(tp_size: int, pp_size: int, dp_size: int, ep_size: int, order: str = "tp-pp-dp") -> torch.Tensor:
+    """The ranks of the MoE layers as a [pp, edp, ep, tp] tensor: expert parallelism (EP) carved out of data
+    parallelism (dp = ep x edp), varying right after TP, as megatron-core lays out its expert groups (with its
+    default expert-TP size, the TP size). With pipeline stages, megatron needs the order "tp-dp-pp" for that.
+
+    Mirrors `megatron-lm:megatron/core/parallel_state.py::initialize_model_parallel` (its expert RankGenerator).
+    """
+    if order not in ORDERS:
+        raise ParallelConfigError(f"unknown order {order!r}; choose one of {', '.join(ORDERS)}")
+    edp = divide(dp_size, ep_size, "the data-parallel size", by="the expert-parallel size")
+    if order == "tp-pp-dp" and pp_size > 1 and ep_size > 1:
+        raise ParallelConfigError(
+            "expert parallelism with pipeline stages needs order tp-dp-pp: megatron-core requires the expert "
+            "layers' data-parallel size to equal the others' unless pp varies slowest"
+        )
+    world = tp_size * pp_size * dp_size
+    if order == "tp-dp-pp":
+        return torch.arange(world).view(pp_size, edp, ep_size, tp_size)
+    return torch.arange(world).view(edp, pp_size, ep_size, tp_size).transpose(0, 1)
+
+
+def expert_groups(grid: torch.Tensor, kind: str) -> list[list[int]]:
+    """Every rank list of one kind ("ep" or "edp", the experts' data-parallel groups) of an expert grid."""
+    dim = {"edp": 1, "ep": 2}[kind]
+    return sorted(grid.movedim(dim, -1).reshape(-1, grid.shape[dim]).tolist())
+
+
+def describe_grid(grid: torch.Tensor, order: str, rank: int | None = None, experts: torch.Tensor | None = None) -> str:
+    """The layout as text: sizes, every TP, PP and DP group (and, given an expert grid with EP > 1, every EP and
+    expert-DP group), and (optionally) where `rank` sits."""
     pp, dp, tp = grid.shape
     lines = [f"world {grid.numel()} = tp {tp} x pp {pp} x dp {dp}, order {order} (first varies fastest)"]
     for kind in ("tp", "pp", "dp"):
         lines.append(f"  {kind} groups: " + " ".join(str(g).replace(" ", "") for g in groups(grid, kind)))
+    if experts is not None and experts.shape[2] > 1:
+        lines.append(f"  experts: ep {experts.shape[2]} x expert dp {experts.shape[1]} (dp = ep x expert dp)")
+        for kind in ("ep", "edp"):
+            listed = " ".join(str(g).replace(" ", "") for g in expert_groups(experts, kind))
+            lines.append(f"  {'expert dp' if kind == 'edp' else kind} groups: {listed}")
     if rank is not None:
         p, d, t = grid_coordinates(grid, rank)
-        lines.append(f"  rank {rank}: tp {t}, pp {p}, dp {d}")
+        where = f"  rank {rank}: tp {t}, pp {p}, dp {d}"
+        if experts is not None and experts.shape[2] > 1:
+            where += f", ep {(experts == rank).nonzero()[0][2].item()}"
+        lines.append(where)
     return "\n".join(lines)
 
 
@@ -98,6 +135,13 @@ class ParallelLayout:
     tp_group: dist.ProcessGroup
     dp_group: dist.ProcessGroup
     pp_group: dist.ProcessGroup
+    experts: torch.Tensor | None = None  # the expert grid [pp, edp, ep, tp] when ep > 1 (expert_grid)
+    ep_group: dist.ProcessGroup | None = None  # None: ep 1, no MoE communication
+    expert_dp_group: dist.ProcessGroup | None = None
+
+    @property
+    def ep_size(self) -> int:
+        return 1 if self.experts is None else self.experts.shape[2]
 
     @property
     def pp_size(self) -> int:
@@ -128,7 +172,7 @@ class ParallelLayout:
         return self.coordinates()[0]
 
     def describe(self) -> str:
-        return describe_grid(self.grid, self.order, self.rank)
+        return describe_grid(self.grid, self.order, self.rank, self.experts)
 
     @functools.cached_property
     def _kinds(self) -> dict[tuple[int, ...], str]:
@@ -142,21 +186,36 @@ class ParallelLayout:
         return self._kinds.get(tuple(ranks), "other")
 
 
-def build_layout(tp_size: int, pp_size: int = 1, dp_size: int | None = None, order: str = "tp-pp-dp") -> ParallelLayout:
-    """Create the TP, PP and DP groups of the initialized world; every rank must call this the same way.
+def build_layout(
+    tp_size: int, pp_size: int = 1, dp_size: int | None = None, order: str = "tp-pp-dp", ep_size: int = 1
+) -> ParallelLayout:
+    """Create the TP, PP and DP groups of the initialized world (and with `ep_size` > 1 the expert-parallel and
+    expert data-parallel groups, expert_grid's); every rank must call this the same way.
 
     Mirrors `megatron-lm:megatron/core/parallel_state.py::initialize_model_parallel`.
     """
     if not dist.is_initialized():
         raise ParallelConfigError("torch.distributed is not initialized: call init_process_group first")
     world_size, rank = dist.get_world_size(), dist.get_rank()
-    grid = rank_grid(*parallel_sizes(world_size, tp_size, pp_size, dp_size), order=order)
+    tp, pp, dp = parallel_sizes(world_size, tp_size, pp_size, dp_size)
+    grid = rank_grid(tp, pp, dp, order=order)
+    experts = expert_grid(tp, pp, dp, ep_size, order) if ep_size > 1 else None
+    listed = [(kind, ranks) for kind in ("tp", "pp", "dp") for ranks in groups(grid, kind)]
+    if experts is not None:
+        listed += [(kind, ranks) for kind in ("ep", "edp") for ranks in expert_groups(experts, kind)]
     mine = {}
-    for kind in ("tp", "pp", "dp"):
-        for ranks in groups(grid, kind):
-            group = dist.new_group(ranks)  # collective call: every rank creates every group
-            if rank in ranks:
-                mine[kind] = group
+    for kind, ranks in listed:
+        group = dist.new_group(ranks)  # collective call: every rank creates every group
+        if rank in ranks:
+            mine[kind] = group
     return ParallelLayout(
-        grid=grid, order=order, rank=rank, tp_group=mine["tp"], dp_group=mine["dp"], pp_group=mine["pp"]
+        grid=grid,
+        order=order,
+        rank=rank,
+        tp_group=mine["tp"],
+        dp_group=mine["dp"],
+        pp_group=mine["pp"],
+        experts=experts,
+        ep_group=mine.get("ep"),
+        expert_dp_group=mine.get("edp"),
     )

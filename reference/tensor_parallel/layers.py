@@ -67,7 +67,9 @@ def init_shard_from_master(
 class _ParallelLinear(torch.nn.Module):
     """Parameters and checks shared by both layers, and the keyword arguments both take (`shared` in theirs):
     init_method, bias, sequence_parallel, async_grad_allreduce, gradient_accumulation_fusion, params_dtype,
-    device, return_bias (False: return the output alone, as the nn.Linear that parallelize replaces).
+    device, return_bias (False: return the output alone, as the nn.Linear that parallelize replaces),
+    explicit_expert_comm (an expert's layer: the MoE dispatcher gathers its input over TP and reduce-scatters its
+    output, so the layer reduces neither its input gradient nor its output, as megatron's `is_expert` layers).
     Subclasses decide how the weight is split."""
 
     def __init__(
@@ -88,10 +90,13 @@ class _ParallelLinear(torch.nn.Module):
         params_dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         return_bias: bool = True,
+        explicit_expert_comm: bool = False,
     ):
         super().__init__()
         self.input_size, self.output_size, self.tp_group = input_size, output_size, tp_group
-        self.return_bias = return_bias
+        self.return_bias, self.explicit_expert_comm = return_bias, explicit_expert_comm
+        if explicit_expert_comm and sequence_parallel:
+            raise ParallelConfigError(f"{type(self).__name__}: an expert's layer is not sequence-parallel")
         self.sequence_parallel = sequence_parallel and tp_group.size() > 1  # as Megatron: off at TP=1
         self.async_grad_allreduce = async_grad_allreduce
         self.gradient_accumulation_fusion = gradient_accumulation_fusion
@@ -162,7 +167,7 @@ class ColumnParallelLinear(_ParallelLinear):
             self.weight,
             None if self.skip_bias_add else self.bias,
             self.tp_group,
-            allreduce_dgrad=self.tp_group.size() > 1 and not self.sequence_parallel,
+            allreduce_dgrad=self.tp_group.size() > 1 and not self.sequence_parallel and not self.explicit_expert_comm,
             sequence_parallel=self.sequence_parallel,
             async_grad_allreduce=self.async_grad_allreduce,
             gradient_accumulation_fusion=self.gradient_accumulation_fusion,
@@ -209,6 +214,10 @@ class RowParallelLinear(_ParallelLinear):
         )
         self.input_size_per_partition = per_rank
         self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
+        if self.bias is not None and self.explicit_expert_comm and self.tp_group.size() > 1:
+            raise ParallelConfigError(
+                "RowParallelLinear: an expert's row layer at TP > 1 has no bias (its sum is not here)"
+            )
         if self.bias is not None and self.sequence_parallel:
             self.bias.sequence_parallel = True  # each rank sees a slice of the tokens: its grad is partial
 
@@ -230,7 +239,9 @@ class RowParallelLinear(_ParallelLinear):
             async_grad_allreduce=self.async_grad_allreduce,
             gradient_accumulation_fusion=self.gradient_accumulation_fusion,
         )
-        if self.sequence_parallel:
+        if self.explicit_expert_comm:  # partial sums: the MoE dispatcher reduce-scatters them
+            output = output_parallel
+        elif self.sequence_parallel:
             output = reduce_scatter_to_sequence_parallel_region(output_parallel, self.tp_group)
         else:
             output = reduce_from_tensor_parallel_region(output_parallel, self.tp_group)

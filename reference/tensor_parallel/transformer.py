@@ -130,16 +130,16 @@ def swiglu(fc1_output: torch.Tensor) -> torch.Tensor:
 
 class MLP(torch.nn.Module):
     """fc1 -> GELU -> fc2 (GPT-2, biased), or fc1 = [gate; up] -> silu(gate) * up -> fc2 (`gated`: SwiGLU,
-    no biases).
+    no biases). `bias` overrides that default (a MoE layer's experts have none).
 
     Mirrors `megatron-lm:megatron/core/transformer/mlp.py::MLP.forward`.
     """
 
-    def __init__(self, hidden_size, ffn_hidden_size, init_method, *, gated=False, **kw):
+    def __init__(self, hidden_size, ffn_hidden_size, init_method, *, gated=False, bias=None, **kw):
         super().__init__()
-        self.gated = gated
-        self.fc1 = _linear(hidden_size, (1 + gated) * ffn_hidden_size, init_method, bias=not gated, **kw)
-        self.fc2 = _linear(ffn_hidden_size, hidden_size, init_method, bias=not gated, **kw)
+        self.gated, bias = gated, not gated if bias is None else bias
+        self.fc1 = _linear(hidden_size, (1 + gated) * ffn_hidden_size, init_method, bias=bias, **kw)
+        self.fc2 = _linear(ffn_hidden_size, hidden_size, init_method, bias=bias, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hidden = self.fc1(x)

@@ -26,6 +26,7 @@ SYNONYMS = [
     ("--tp", "--tensor-parallel", "--tensor-model-parallel-size", "--tp-size"),
     ("--pp", "--pipeline-parallel", "--pipeline-model-parallel-size", "--pp-size"),
     ("--dp", "--data-parallel", "--data-parallel-size", "--dp-size"),
+    ("--ep", "--expert-parallel", "--expert-model-parallel-size", "--ep-size"),
     ("--virtual-stages", "--virtual-pipeline-model-parallel-size", "--num-virtual-stages"),
     ("--num-kv-heads", "--num-query-groups"),
     ("--seq-length", "--seq-len", "--sequence-length"),

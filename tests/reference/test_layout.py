@@ -1,5 +1,6 @@
 """The TP x PP x DP layout: the issue's 8-rank example, megatron-core's RankGenerator for many sizes and both
-orders, and the `python -m reference.layout` command (text and --json in-process, a refused size end to end)."""
+orders (and its expert groups, EP carved out of DP), and the `python -m reference.layout` command (text and
+--json in-process, a refused size end to end)."""
 
 import json
 import subprocess
@@ -9,7 +10,7 @@ import pytest
 from megatron.core.parallel_state import RankGenerator
 
 from reference.layout import main
-from reference.parallel_state import ParallelConfigError, groups, parallel_sizes, rank_grid
+from reference.parallel_state import ParallelConfigError, expert_grid, expert_groups, groups, parallel_sizes, rank_grid
 from tests.launch import ROOT
 
 
@@ -27,6 +28,36 @@ def test_groups_equal_megatron_rank_generator(tp, pp, dp, order):
     grid = rank_grid(tp, pp, dp, order)
     for kind in ("tp", "pp", "dp"):
         assert groups(grid, kind) == sorted(theirs.get_ranks(kind)), kind
+
+
+@pytest.mark.parametrize(
+    "tp,pp,dp,ep,order",
+    [
+        (1, 1, 4, 2, "tp-pp-dp"),
+        (2, 1, 2, 2, "tp-pp-dp"),
+        (2, 1, 4, 2, "tp-dp-pp"),
+        (2, 2, 4, 2, "tp-dp-pp"),
+        (1, 2, 8, 4, "tp-dp-pp"),
+        (4, 4, 16, 8, "tp-dp-pp"),
+        (8, 1, 64, 8, "tp-pp-dp"),
+    ],
+)
+def test_expert_groups_equal_megatron_rank_generator(tp, pp, dp, ep, order):
+    """megatron-core's initialize_model_parallel builds its expert groups with a RankGenerator of the expert
+    tensor-parallel size (by default the TP size), EP, dp / EP and PP, in the same order string."""
+    theirs = RankGenerator(tp=tp, ep=ep, dp=dp // ep, pp=pp, cp=1, order=order.replace("tp-", "tp-cp-ep-"))
+    experts = expert_grid(tp, pp, dp, ep, order)
+    assert expert_groups(experts, "ep") == sorted(theirs.get_ranks("ep"))
+    assert expert_groups(experts, "edp") == sorted(theirs.get_ranks("dp"))
+    assert groups(rank_grid(tp, pp, dp, order), "tp") == sorted(theirs.get_ranks("tp"))  # expert TP = TP
+    assert groups(rank_grid(tp, pp, dp, order), "pp") == sorted(theirs.get_ranks("pp"))
+
+
+def test_expert_parallelism_is_carved_out_of_data_parallelism():
+    with pytest.raises(ParallelConfigError, match=r"data-parallel size \(4\) is not divisible by the expert-parallel"):
+        expert_grid(1, 1, 4, 3)
+    with pytest.raises(ParallelConfigError, match="expert parallelism with pipeline stages needs order tp-dp-pp"):
+        expert_grid(1, 2, 2, 2, "tp-pp-dp")
 
 
 def test_sizes_must_multiply_to_the_world():
@@ -47,6 +78,10 @@ def test_layout_command_prints_text_and_json(capsys):
     data = json.loads(capsys.readouterr().out)
     assert (data["dp"], len(data["tp_groups"]), len(data["dp_groups"])) == (64, 512, 64)
     assert data["dp_groups"][0] == list(range(0, 4096, 64))
+    assert main(["--tp", "2", "--dp", "4", "--ep", "2", "--rank", "3"]) == 0
+    text = capsys.readouterr().out
+    assert "ep groups: [0,2] [1,3] [4,6] [5,7]\n  expert dp groups: [0,4] [1,5] [2,6] [3,7]" in text
+    assert "rank 3: tp 1, pp 0, dp 1, ep 1" in text
 
 
 def test_layout_command_refuses_in_one_line():

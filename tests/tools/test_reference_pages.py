@@ -25,6 +25,7 @@ NO_PAGE = {
     "reference/gpt/hf_weights.py": "maps HF Qwen2 weights onto the llama style; transformers is not a pinned source",
     "reference/gpt/demo.py": "demo",
     "reference/fsdp/demo.py": "demo",
+    "reference/moe/demo.py": "demo",
     "reference/hf_tp/__main__.py": "the DTensor demo; its page is the DTensor walkthrough",
     "reference/hf_tp/plan.py": "DTensor's plans on HF Qwen2, not our code; the DTensor close reading reads them",
     "reference/measure/comm_bytes.py": "CommDebugMode that keeps bytes, for the DTensor demo; recorder.py has the page",

@@ -1,0 +1,197 @@
+"""The MoE demo: `torchrun --nproc-per-node N -m reference --moe --ep E [--tp T] --device cpu`.
+
+A few SGD steps of one mixture-of-experts layer (reference.moe) split over EP (x TP), fitting a fixed random
+teacher on synthetic tokens. Rank 0 prints the layout, then per step the loss, how many (token, expert) pairs
+each expert got over all ranks and how many were dropped, and after the last step each rank's all-to-all bytes
+beside the closed form (E counts, then h values per pair sent and per pair received, each way). Every rank's
+tokens differ (its DP replica's; under TP, its slice of the sequence), as in training.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+from reference.arguments import add_flag
+from reference.distributed import distributed, one_line_errors, pick_dtype
+from reference.measure.recorder import CollectiveRecorder
+from reference.moe.layer import MoELayer
+from reference.moe.parallelize import parallelize_moe
+from reference.parallel_state import ParallelConfigError, build_layout, divide, expert_grid, parallel_sizes
+
+
+def add_arguments(group) -> None:
+    """Add the MoE flags to the shared parser's argument group (Megatron-LM's spellings)."""
+    add_flag(
+        group,
+        "--ep",
+        "--expert-parallel",
+        "--expert-model-parallel-size",
+        type=int,
+        default=1,
+        help="expert-parallel size: ranks splitting the experts, carved out of DP (it must divide world / tp)",
+    )
+    group.add_argument("--num-experts", type=int, default=8, help="experts E in the layer")
+    group.add_argument("--moe-router-topk", type=int, default=2, help="experts per token k")
+    group.add_argument(
+        "--moe-expert-capacity-factor",
+        type=float,
+        default=None,
+        help="drop what an expert gets beyond ceil(T k / E x factor) of a rank's T tokens; default: dropless",
+    )
+    group.add_argument(
+        "--moe-aux-loss-coeff", type=float, default=1e-2, help="load-balancing loss coefficient (0: off)"
+    )
+    group.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="each expert's hidden size; default: 2 h")
+
+
+def _check(args) -> tuple[int, int]:
+    """(world, dp), with every refusal before any process group starts."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.pp != 1 or args.fsdp:
+        raise ParallelConfigError("--moe runs one MoE layer: no --pp and no --fsdp")
+    if args.num_experts < 1 or not 1 <= args.moe_router_topk <= args.num_experts:
+        raise ParallelConfigError(
+            f"--moe-router-topk {args.moe_router_topk} must be between 1 and --num-experts {args.num_experts}"
+        )
+    if args.moe_expert_capacity_factor is not None and not args.moe_expert_capacity_factor > 0:
+        raise ParallelConfigError(
+            f"--moe-expert-capacity-factor must be positive, got {args.moe_expert_capacity_factor}"
+        )
+    if min(args.steps, args.batch_size, args.ep) < 1:
+        raise ParallelConfigError("--steps, --micro-batch-size and --ep must be >= 1")
+    tp, _, dp = parallel_sizes(world, args.tp, 1, args.dp)
+    expert_grid(tp, 1, dp, args.ep)  # refuses an EP size that does not divide dp
+    divide(args.num_experts, args.ep, "--num-experts", by="--ep")
+    divide(args.seq_length, tp, "--seq-length", by="--tp (each TP rank routes its slice of the sequence)")
+    return world, dp
+
+
+def run(args) -> None:
+    with one_line_errors("reference"):
+        _check(args)
+        with distributed(args.device) as device:
+            _train(args, device)
+
+
+def synthetic_tokens(args, step: int, replica: int, teacher: torch.Tensor, tp_rank: int, tp: int, device, dtype):
+    """This rank's input [s/tp, b, h] and target: its replica's sequence for this step, its TP slice."""
+    gen = torch.Generator().manual_seed(args.seed * 1000 + step * 97 + replica)
+    x = torch.randn(args.seq_length, args.batch_size, args.hidden_size, generator=gen)
+    y = torch.tanh(x @ teacher)
+    return (t.chunk(tp)[tp_rank].to(device=device, dtype=dtype) for t in (x, y))
+
+
+def _train(args, device: torch.device) -> None:
+    layout = build_layout(args.tp, 1, args.dp, ep_size=args.ep)
+    rank, text, tp = dist.get_rank(), not args.json, layout.tp_size
+    dtype = pick_dtype(args.dtype, device)
+    h, experts, k = args.hidden_size, args.num_experts, args.moe_router_topk
+    torch.manual_seed(args.seed)
+    layer = MoELayer(
+        h,
+        args.moe_ffn_hidden_size or 2 * h,
+        experts,
+        k,
+        aux_loss_coeff=args.moe_aux_loss_coeff,
+        capacity_factor=args.moe_expert_capacity_factor,
+        params_dtype=dtype,
+        device=device,
+    )
+    layer = parallelize_moe(layer, layout)
+    teacher = torch.randn(h, h, generator=torch.Generator().manual_seed(args.seed + 1)) / h**0.5
+    optimizer = torch.optim.SGD(layer.parameters(), lr=args.lr)
+    world = dist.get_world_size()
+    mode = (
+        "dropless" if args.moe_expert_capacity_factor is None else f"capacity factor {args.moe_expert_capacity_factor}"
+    )
+    if rank == 0 and text:
+        print(layout.describe(), flush=True)
+        print(
+            f"MoE layer: h {h}, {experts} experts of ffn {args.moe_ffn_hidden_size or 2 * h}, top-{k}, {mode}, "
+            f"{experts // layout.ep_size} experts per EP rank; {args.seq_length // tp * args.batch_size} tokens per "
+            f"rank per step",
+            flush=True,
+        )
+    for step in range(1, args.steps + 1):
+        x, y = synthetic_tokens(args, step, layout.dp_rank, teacher, layout.tp_rank, tp, device, dtype)
+        x.requires_grad_()  # as a layer's input is: the dispatch all-to-all gets its backward
+        with CollectiveRecorder() as recorder:
+            out = layer(x)
+            loss = torch.nn.functional.mse_loss(out.float(), y.float())
+            (loss / world).backward()  # the mean over every rank's tokens (equal counts)
+        with torch.no_grad():
+            routing_map = layer.router(x.detach().reshape(-1, h))[1]  # what was routed (same weights, pre-step)
+        _reduce_grads(layer, layout)
+        optimizer.step()
+        optimizer.zero_grad()
+        report = _report(step, loss, routing_map, recorder, layout, experts, k, h, x.element_size())
+        if rank == 0:
+            if args.json:
+                print(json.dumps(report), flush=True)
+            else:
+                _print(report, k, step == args.steps)
+
+
+def _reduce_grads(layer: MoELayer, layout) -> None:
+    """The router is replicated on every rank and saw only this rank's tokens: sum its gradient over all ranks.
+    Each expert slice is held by the ranks of one expert-DP group, which saw different tokens: sum over it."""
+    dist.all_reduce(layer.router.weight.grad)
+    if layout.expert_dp_group is not None and layout.expert_dp_group.size() > 1:
+        for param in layer.experts.parameters():
+            dist.all_reduce(param.grad, group=layout.expert_dp_group)
+
+
+def _report(step, loss, routing_map, recorder, layout, experts, topk, h, element_size) -> dict:
+    """The step's numbers, summed over ranks: loss, pairs per expert, dropped pairs; and per rank its recorded
+    all-to-all bytes beside the closed form."""
+    per_expert = routing_map.sum(dim=0).to(torch.float64)
+    sent = routing_map.sum().item()
+    if layout.ep_group is not None:  # pairs my experts receive: every EP peer's counts for them
+        counts = [torch.zeros_like(per_expert) for _ in range(layout.ep_size)]
+        dist.all_gather(counts, per_expert, group=layout.ep_group)
+        first, local = layout.ep_group.rank() * (experts // layout.ep_size), experts // layout.ep_size
+        received = sum(c[first : first + local].sum().item() for c in counts)
+    else:
+        received = sent
+    a2a = [e for e in recorder.events if e.op == "all_to_all"]
+    row = h * element_size
+    closed = (experts * 8 + 2 * (sent + received) * row) if a2a else 0  # counts, then rows both ways, fwd + bwd
+    mine = torch.tensor(
+        [loss.item(), sent, received, sum(e.nbytes for e in a2a), closed, len(a2a)], dtype=torch.float64
+    )
+    mine = mine.to(per_expert.device)
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    dist.all_reduce(per_expert)
+    tokens = routing_map.shape[0] * dist.get_world_size()  # every rank routes as many
+    return {
+        "step": step,
+        "loss": sum(r[0].item() for r in every) / len(every),
+        "pairs_per_expert": [int(c) for c in per_expert.tolist()],
+        "tokens": tokens,
+        "dropped": tokens * topk - int(per_expert.sum().item()),
+        "ranks": [
+            {"rank": r, "sent": int(v[1]), "received": int(v[2]), "a2a_bytes": int(v[3]), "closed_form": int(v[4])}
+            for r, v in enumerate(every)
+        ],
+    }
+
+
+def _print(report: dict, k: int, last: bool) -> None:
+    print(
+        f"step {report['step']}: loss {report['loss']:.6f}; pairs per expert {report['pairs_per_expert']} "
+        f"({report['tokens']} tokens x top-{k}, {report['dropped']} dropped)",
+        flush=True,
+    )
+    if last:
+        print("all-to-all bytes of the last step per rank (counts E x 8 B, then h values per pair, both ways):")
+        for r in report["ranks"]:
+            print(
+                f"  rank {r['rank']}: sent {r['sent']} pairs, received {r['received']}: recorded {r['a2a_bytes']} B, "
+                f"closed form {r['closed_form']} B",
+                flush=True,
+            )
