@@ -17,10 +17,10 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import time
 
 import torch
 import torch.distributed as dist
+from bench_fsdp import max_over_ranks, timed_steps
 
 from reference.arguments import add_flag
 from reference.distributed import distributed
@@ -54,27 +54,6 @@ def configurations(replicas: int) -> dict[str, dict]:
     if replicas > 1:
         found[f"hsdp {replicas}x"] = dict(replicas=replicas)
     return found
-
-
-def max_over_ranks(value: float) -> float:
-    tensor = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return tensor.item()
-
-
-def timed_steps(model, optimizer, batches, device) -> list[float]:
-    times = []
-    for inputs, labels in batches:
-        inputs, labels = inputs.to(device), labels.to(device)
-        dist.barrier()
-        start = time.perf_counter()
-        model(inputs, labels).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return times
 
 
 def main() -> None:
