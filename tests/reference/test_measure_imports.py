@@ -10,7 +10,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 MEASURE = "reference.measure"
 # the demos: they wire observers in
-ENTRY_POINTS = {"reference.__main__", "reference.gpt.demo", "reference.fsdp.demo", "reference.hf_tp.__main__"}
+ENTRY_POINTS = {
+    "reference.__main__",
+    "reference.gpt.demo",
+    "reference.fsdp.demo",
+    "reference.moe.demo",
+    "reference.hf_tp.__main__",
+}
 
 
 def module_name(path: Path) -> str:
