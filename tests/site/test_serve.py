@@ -15,7 +15,12 @@ from tests.gitserver import free_port
 from tests.site.conftest import ROOT, mkdocs_env
 
 
-def _wait_for(lines: queue.Queue, text: str, timeout: float = 30) -> None:
+# How long a build of the whole site may take before the test gives up: about 10 s on a quiet 2-core machine, several
+# times that while the other test worker runs torchrun jobs beside it. A bound on waiting, not a timing assertion.
+BUILD_WAIT_S = 120
+
+
+def _wait_for(lines: queue.Queue, text: str, timeout: float = BUILD_WAIT_S) -> None:
     deadline = time.monotonic() + timeout
     seen = []
     while time.monotonic() < deadline:
