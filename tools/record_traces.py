@@ -15,7 +15,9 @@ one block's activation bytes per configuration of Korthikanti et al.'s Table 2, 
 block, into DIR/activation_memory.json, at the shapes of the test worker that checks it
 (tests/reference/test_activation_memory.py). Then, on two ranks each, `-m reference.hf_tp --json` (PyTorch DTensor's
 plan on HF's Qwen2, without and with sequence parallelism) into DIR/dtensor_qwen2.json and
-DIR/dtensor_qwen2_sp.json, checked by tests/reference/test_hf_tp_demo.py. `--only NAME ...` writes just those
+DIR/dtensor_qwen2_sp.json, checked by tests/reference/test_hf_tp_demo.py, and one step of the MoE demo (`-m reference
+--moe --json`) at EP 2 on two ranks and EP 2 x TP 2 on four into DIR/moe_ep2.json and DIR/moe_ep2_tp2.json, checked
+by tests/reference/test_moe_demo.py. `--only NAME ...` writes just those
 traces (and runs just the recordings that make them), leaving the others as they are. Exit status: 0
 recorded, 1 a run failed (its output is printed), 2 a usage error (an unknown trace name).
 """
@@ -23,6 +25,7 @@ recorded, 1 a run failed (its output is printed), 2 a usage error (an unknown tr
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -169,12 +172,42 @@ def record_dtensor(out: Path, timeout: float = 300, only: Collection[str] | None
     return [out / f"{name}.json" for name in names]
 
 
+# trace name -> (ranks, `torchrun -m reference --moe ... --json` arguments): one step of the MoE demo at EP 2, as
+# the MoE walkthrough runs it, and at EP 2 x TP 2 (its exercise)
+MOE = {"moe_ep2": (2, ["--ep", "2"]), "moe_ep2_tp2": (4, ["--ep", "2", "--tp", "2"])}
+MOE_STEP = ["--moe", "--steps", "1", "--device", "cpu", "--json"]
+
+
+def moe_trace(stdout: str) -> dict:
+    """The MoE demo's `--json` lines as one trace: its config line, then its steps."""
+    lines = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    config, steps = lines[0]["config"], lines[1:]
+    return {"kind": "moe", "world": config["world"], "config": config, "steps": steps}
+
+
+def record_moe(out: Path, timeout: float = 300, only: Collection[str] | None = None) -> list[Path]:
+    """Write out/NAME.json for every MoE demo run in MOE (each of `only`); the paths written."""
+    names = [name for name in MOE if only is None or name in only]
+    traced = []
+    for name in names:  # all finish (or fail) before anything is written
+        ranks, args = MOE[name]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+        cmd += ["--max-restarts=0", "-m", "reference", *MOE_STEP, *args]
+        what = f"reference --moe {' '.join(args)} --json"
+        traced.append(moe_trace(_run(cmd, what, timeout, TORCH_CPP_LOG_LEVEL="ERROR")))
+    out.mkdir(parents=True, exist_ok=True)
+    for name, trace in zip(names, traced):
+        atomic_write(out / f"{name}.json", (json.dumps(trace) + "\n").encode())
+    return [out / f"{name}.json" for name in names]
+
+
 TRACES = (
     *(name for _, _, names in WORKER_RUNS for name in names),
     *SCALE,
     "layout_grid",
     "activation_memory",
     *DTENSOR,
+    *MOE,
 )
 
 
@@ -188,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         recorded = [
             step(args.out, only=args.only)
-            for step in (record, record_scale, record_layout_grid, record_activation_memory, record_dtensor)
+            for step in (record, record_scale, record_layout_grid, record_activation_memory, record_dtensor, record_moe)
         ]
         for path in sum(recorded, []):
             print(path)

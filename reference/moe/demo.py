@@ -3,8 +3,11 @@
 A few SGD steps of one mixture-of-experts layer (reference.moe) split over EP (x TP), fitting a fixed random
 teacher on synthetic tokens. Rank 0 prints the layout, then per step the loss, how many (token, expert) pairs
 each expert got over all ranks and how many were dropped, and after the last step each rank's all-to-all bytes
-beside the closed form (E counts, then h values per pair sent and per pair received, each way). Every rank's
-tokens differ (its DP replica's; under TP, its slice of the sequence), as in training.
+beside the closed form (E counts, then h values per pair sent and per pair received, each way), with the split
+sizes (pairs to and from each EP rank) and, under TP, the other collectives. Every rank's tokens differ (its DP
+replica's; under TP, its slice of the sequence), as in training. `--json`: a `{"config": ...}` line, then one
+object per step holding every rank's routing, split sizes and recorded collectives (the MoE walkthrough's
+traces, tools/record-traces).
 """
 
 from __future__ import annotations
@@ -87,7 +90,7 @@ def synthetic_tokens(args, step: int, replica: int, teacher: torch.Tensor, tp_ra
 
 def _train(args, device: torch.device) -> None:
     layout = build_layout(args.tp, 1, args.dp, ep_size=args.ep)
-    rank, text, tp = dist.get_rank(), not args.json, layout.tp_size
+    rank, text, tp, world = dist.get_rank(), not args.json, layout.tp_size, dist.get_world_size()
     dtype = pick_dtype(args.dtype, device)
     h, experts, k = args.hidden_size, args.num_experts, args.moe_router_topk
     torch.manual_seed(args.seed)
@@ -104,16 +107,24 @@ def _train(args, device: torch.device) -> None:
     layer = parallelize_moe(layer, layout)
     teacher = torch.randn(h, h, generator=torch.Generator().manual_seed(args.seed + 1)) / h**0.5
     optimizer = torch.optim.SGD(layer.parameters(), lr=args.lr)
-    world = dist.get_world_size()
     mode = (
         "dropless" if args.moe_expert_capacity_factor is None else f"capacity factor {args.moe_expert_capacity_factor}"
     )
+    ffn, tokens = args.moe_ffn_hidden_size or 2 * h, args.seq_length // tp * args.batch_size
+    if rank == 0 and not text:  # what the step lines that follow ran: a trace's header (tools/record-traces)
+        config = {
+            **dict(world=world, tp=tp, ep=layout.ep_size, dp=layout.dp_size, steps=args.steps, seed=args.seed),
+            **dict(hidden_size=h, ffn_hidden_size=ffn, num_experts=experts, topk=k, tokens_per_rank=tokens),
+            **dict(experts_per_rank=experts // layout.ep_size, seq_length=args.seq_length, batch_size=args.batch_size),
+            **dict(capacity_factor=args.moe_expert_capacity_factor, aux_loss_coeff=args.moe_aux_loss_coeff),
+            **dict(dtype=str(dtype).removeprefix("torch."), dtype_size=torch.finfo(dtype).bits // 8),
+        }
+        print(json.dumps({"config": config}), flush=True)
     if rank == 0 and text:
         print(layout.describe(), flush=True)
         print(
-            f"MoE layer: h {h}, {experts} experts of ffn {args.moe_ffn_hidden_size or 2 * h}, top-{k}, {mode}, "
-            f"{experts // layout.ep_size} experts per EP rank; {args.seq_length // tp * args.batch_size} tokens per "
-            f"rank per step",
+            f"MoE layer: h {h}, {experts} experts of ffn {ffn}, top-{k}, {mode}, "
+            f"{experts // layout.ep_size} experts per EP rank; {tokens} tokens per rank per step",
             flush=True,
         )
     for step in range(1, args.steps + 1):
@@ -128,7 +139,7 @@ def _train(args, device: torch.device) -> None:
         _reduce_grads(layer, layout)
         optimizer.step()
         optimizer.zero_grad()
-        report = _report(step, loss, routing_map, recorder, layout, experts, k, h, x.element_size())
+        report = _report(step, loss, routing_map, recorder, layer, layout, experts, k, h, x.element_size())
         if rank == 0:
             if args.json:
                 print(json.dumps(report), flush=True)
@@ -145,9 +156,10 @@ def _reduce_grads(layer: MoELayer, layout) -> None:
             dist.all_reduce(param.grad, group=layout.expert_dp_group)
 
 
-def _report(step, loss, routing_map, recorder, layout, experts, topk, h, element_size) -> dict:
-    """The step's numbers, summed over ranks: loss, pairs per expert, dropped pairs; and per rank its recorded
-    all-to-all bytes beside the closed form."""
+def _report(step, loss, routing_map, recorder, layer, layout, experts, topk, h, element_size) -> dict:
+    """The step's numbers, summed over ranks: loss, pairs per expert, dropped pairs; and per rank its routing
+    (pairs per expert, the dispatcher's split sizes, rows per local expert), every collective it issued in
+    forward and backward, and its all-to-all bytes beside the closed form."""
     per_expert = routing_map.sum(dim=0).to(torch.float64)
     sent = routing_map.sum().item()
     if layout.ep_group is not None:  # pairs my experts receive: every EP peer's counts for them
@@ -160,24 +172,44 @@ def _report(step, loss, routing_map, recorder, layout, experts, topk, h, element
     a2a = [e for e in recorder.events if e.op == "all_to_all"]
     row = h * element_size
     closed = (experts * 8 + 2 * (sent + received) * row) if a2a else 0  # counts, then rows both ways, fwd + bwd
-    mine = torch.tensor(
-        [loss.item(), sent, received, sum(e.nbytes for e in a2a), closed, len(a2a)], dtype=torch.float64
-    )
-    mine = mine.to(per_expert.device)
-    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
+    dispatcher, local = layer.dispatcher, experts // layout.ep_size
+    mine = {
+        "rank": dist.get_rank(),
+        "ep_group": dist.get_process_group_ranks(layout.ep_group) if layout.ep_group else [dist.get_rank()],
+        "tp_group": dist.get_process_group_ranks(layout.tp_group),
+        "loss": loss.item(),
+        "tokens": routing_map.shape[0],
+        "pairs_per_expert": [int(c) for c in per_expert.tolist()],
+        "input_splits": [int(n) for n in dispatcher.input_splits],  # rows to each EP rank, from the forward
+        "output_splits": [int(n) for n in dispatcher.output_splits],  # rows from each
+        "rows_per_local_expert": [sum(dispatcher.chunk_sizes[e::local]) for e in range(local)],
+        "sent": int(sent),
+        "received": int(received),
+        "a2a_bytes": sum(e.nbytes for e in a2a),
+        "closed_form": int(closed),
+        "collectives": [
+            {
+                "op": e.op,
+                "phase": e.phase,
+                "group_ranks": list(e.group_ranks),
+                "dtype": e.dtype,
+                "shape": list(e.shape),
+                "nbytes": e.nbytes,
+            }
+            for e in recorder.events
+        ],
+    }
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
     dist.all_reduce(per_expert)
     tokens = routing_map.shape[0] * dist.get_world_size()  # every rank routes as many
     return {
         "step": step,
-        "loss": sum(r[0].item() for r in every) / len(every),
+        "loss": sum(r.pop("loss") for r in every) / len(every),
         "pairs_per_expert": [int(c) for c in per_expert.tolist()],
         "tokens": tokens,
         "dropped": tokens * topk - int(per_expert.sum().item()),
-        "ranks": [
-            {"rank": r, "sent": int(v[1]), "received": int(v[2]), "a2a_bytes": int(v[3]), "closed_form": int(v[4])}
-            for r, v in enumerate(every)
-        ],
+        "ranks": every,
     }
 
 
@@ -188,10 +220,25 @@ def _print(report: dict, k: int, last: bool) -> None:
         flush=True,
     )
     if last:
-        print("all-to-all bytes of the last step per rank (counts E x 8 B, then h values per pair, both ways):")
+        print(
+            "all-to-all bytes of the last step per rank ([pairs to / from each EP rank]; counts E x 8 B, then h "
+            "values per pair, both ways):"
+        )
         for r in report["ranks"]:
             print(
-                f"  rank {r['rank']}: sent {r['sent']} pairs, received {r['received']}: recorded {r['a2a_bytes']} B, "
-                f"closed form {r['closed_form']} B",
+                f"  rank {r['rank']}: sent {r['sent']} pairs {r['input_splits']}, received {r['received']} "
+                f"{r['output_splits']}: recorded {r['a2a_bytes']} B, closed form {r['closed_form']} B",
                 flush=True,
             )
+            if others := _other_collectives(r["collectives"]):
+                print(f"    other collectives: {others}", flush=True)
+
+
+def _other_collectives(events: list[dict]) -> str:
+    """Every collective but the all-to-alls, by op, over which group: "all_gather x3 (33920 B), ... over [0, 1]"
+    (under TP, the expert-TP gather and reduce-scatter and the load-balancing loss's counts)."""
+    counts: dict[tuple[str, tuple[int, ...]], list[int]] = {}
+    for e in events:
+        if e["op"] != "all_to_all":
+            counts.setdefault((e["op"], tuple(e["group_ranks"])), []).append(e["nbytes"])
+    return "; ".join(f"{op} x{len(sizes)} ({sum(sizes)} B) over {list(group)}" for (op, group), sizes in counts.items())

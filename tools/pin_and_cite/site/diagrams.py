@@ -15,6 +15,9 @@ at the stated rates (pin_and_cite.site.modeled) as inline SVG with a legend (pin
 (pin_and_cite.site.calibration); with `measured="TRACE"` (a trace a device recorded of the same step), its own
 timeline beside the modeled one.
 
+`diagram("moe_ep2", step=1)`: one token batch's journey through a recorded MoE layer step at expert parallelism
+(route, permute, all-to-all, experts, all-to-all back, combine), as inline SVG (pin_and_cite.site.moe_figure).
+
 `chart_training_memory(limit)`: a mermaid xychart of per-rank training states
 (pin_and_cite.site.estimates.sharding_limit) against model size in equal steps (mermaid spaces categories
 evenly, so only equal steps make the axis linear): DDP, FSDP over the stated group, and one GPU's memory as a
@@ -45,6 +48,7 @@ from pin_and_cite.site.modeled import (
     pipeline_modeled,
     pipeline_note,
 )
+from pin_and_cite.site.moe_figure import moe_journey
 from pin_and_cite.site.timeline import Bar, Panel, timeline
 from pin_and_cite.site.traces import RECORD, TraceError, events_where
 
@@ -303,7 +307,7 @@ def chart_sent_per_group(trace: dict) -> str:
     return mermaid_fence(body)
 
 
-GENERATORS = {"tp_block": tp_block, "fsdp_forward": fsdp_forward, "pipeline": pipeline}
+GENERATORS = {"tp_block": tp_block, "fsdp_forward": fsdp_forward, "pipeline": pipeline, "moe": moe_journey}
 
 
 def diagram(trace: dict, **options) -> str:

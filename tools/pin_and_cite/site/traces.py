@@ -45,6 +45,9 @@ REQUIRED = {
     "layout_grid": ("values", "initial", "fixed", "models", "held", "traffic", "state", "bubble"),
     # torchrun -m reference.hf_tp --json: PyTorch DTensor's plan on HF's Qwen2 (the DTensor walkthrough)
     "dtensor": ("world", "config", "sequence_parallel", "plan", "parameters", "collectives", "loss", "loss_unsharded"),
+    # torchrun -m reference --moe --json: one MoE layer's steps, every rank's routing and collectives (the MoE
+    # walkthrough; pin_and_cite.site.moe_figure)
+    "moe": ("world", "config", "steps"),
 }
 PIPELINE_STAGE_KEYS = (
     "pp_rank",
