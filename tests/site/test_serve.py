@@ -14,7 +14,6 @@ import urllib.request
 from tests.gitserver import free_port
 from tests.site.conftest import ROOT, mkdocs_env
 
-
 # How long a build of the whole site may take before the test gives up: about 10 s on a quiet 2-core machine, several
 # times that while the other test worker runs torchrun jobs beside it. A bound on waiting, not a timing assertion.
 BUILD_WAIT_S = 120
