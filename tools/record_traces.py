@@ -15,7 +15,9 @@ one block's activation bytes per configuration of Korthikanti et al.'s Table 2, 
 block, into DIR/activation_memory.json, at the shapes of the test worker that checks it
 (tests/reference/test_activation_memory.py). Then, on two ranks each, `-m reference.hf_tp --json` (PyTorch DTensor's
 plan on HF's Qwen2, without and with sequence parallelism) into DIR/dtensor_qwen2.json and
-DIR/dtensor_qwen2_sp.json, checked by tests/reference/test_hf_tp_demo.py. `--only NAME ...` writes just those
+DIR/dtensor_qwen2_sp.json, checked by tests/reference/test_hf_tp_demo.py. Last, on four ranks, tools/fsdp_compare.py
+(PyTorch's FSDP1 and FSDP2 on one model, side by side) into DIR/fsdp1_vs_fsdp2.json, checked by
+tests/reference/test_fsdp1_vs_fsdp2.py. `--only NAME ...` writes just those
 traces (and runs just the recordings that make them), leaving the others as they are. Exit status: 0
 recorded, 1 a run failed (its output is printed), 2 a usage error (an unknown trace name).
 """
@@ -169,12 +171,27 @@ def record_dtensor(out: Path, timeout: float = 300, only: Collection[str] | None
     return [out / f"{name}.json" for name in names]
 
 
+FSDP_COMPARE = "fsdp1_vs_fsdp2"  # tools/fsdp_compare.py on fsdp_compare.WORLD ranks
+
+
+def record_fsdp_compare(out: Path, timeout: float = 300, only: Collection[str] | None = None) -> list[Path]:
+    """Write out/fsdp1_vs_fsdp2.json from tools/fsdp_compare.py on four ranks (unless `only` leaves it out)."""
+    if only is not None and FSDP_COMPARE not in only:
+        return []
+    with tempfile.TemporaryDirectory(prefix="traces-") as scratch:
+        _torchrun(4, ROOT / "tools" / "fsdp_compare.py", scratch, what="fsdp_compare (4 ranks)", timeout=timeout)
+        out.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(Path(scratch) / f"{FSDP_COMPARE}.json"), out / f"{FSDP_COMPARE}.json")
+    return [out / f"{FSDP_COMPARE}.json"]
+
+
 TRACES = (
     *(name for _, _, names in WORKER_RUNS for name in names),
     *SCALE,
     "layout_grid",
     "activation_memory",
     *DTENSOR,
+    FSDP_COMPARE,
 )
 
 
@@ -188,7 +205,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         recorded = [
             step(args.out, only=args.only)
-            for step in (record, record_scale, record_layout_grid, record_activation_memory, record_dtensor)
+            for step in (
+                record,
+                record_scale,
+                record_layout_grid,
+                record_activation_memory,
+                record_dtensor,
+                record_fsdp_compare,
+            )
         ]
         for path in sum(recorded, []):
             print(path)

@@ -45,6 +45,8 @@ REQUIRED = {
     "layout_grid": ("values", "initial", "fixed", "models", "held", "traffic", "state", "bubble"),
     # torchrun -m reference.hf_tp --json: PyTorch DTensor's plan on HF's Qwen2 (the DTensor walkthrough)
     "dtensor": ("world", "config", "sequence_parallel", "plan", "parameters", "collectives", "loss", "loss_unsharded"),
+    # torchrun tools/fsdp_compare.py: PyTorch's FSDP1 and FSDP2 on one model (the FSDP1 ↔ FSDP2 page)
+    "fsdp_compare": ("world", "config", "units", "parameters", "options", "runs", "state_dicts"),
 }
 PIPELINE_STAGE_KEYS = (
     "pp_rank",
