@@ -2,22 +2,25 @@
 come from.
 
 Runs tools/trace_worker.py on two ranks under torchrun (CPU, gloo) and writes DIR/tp_block.json,
-DIR/tp_block_llama.json and DIR/fsdp_forward.json (default reading_notes/traces/, which is committed), then
+DIR/tp_block_llama.json, DIR/fsdp_forward.json and DIR/fsdp2_forward.json (default reading_notes/traces/, which
+is committed), then
 on four ranks (four pipeline stages) DIR/pipeline_gpipe.json, DIR/pipeline_1f1b.json and
 DIR/pipeline_interleaved.json. tests/tools/test_traces.py runs the same worker and fails when a fresh run no
 longer matches the committed traces, so re-record after changing the reference and commit the result. Then, in
 one process each, `python -m reference.measure.scale --json` traces a first, middle and last stage rank of the layouts
 in SCALE (fake process group, 70B shapes) into DIR/scale_*.json, checked by tests/reference/test_scale.py (which
 traces the same setups in-process), and `python -m reference.measure.scale.grid` writes the same closed forms over a
-grid of layouts into DIR/layout_grid.json (the Scale page's calculator; tests/reference/test_scale_grid.py). Last,
+grid of layouts into DIR/layout_grid.json (the Scale page's calculator; tests/reference/test_scale_grid.py). Then,
 on two ranks, benchmarks/bench_activation_memory.py --json counts
 one block's activation bytes per configuration of Korthikanti et al.'s Table 2, the GPT-2 block and the Llama
 block, into DIR/activation_memory.json, at the shapes of the test worker that checks it
 (tests/reference/test_activation_memory.py). Then, on two ranks each, `-m reference.hf_tp --json` (PyTorch DTensor's
 plan on HF's Qwen2, without and with sequence parallelism) into DIR/dtensor_qwen2.json and
-DIR/dtensor_qwen2_sp.json, checked by tests/reference/test_hf_tp_demo.py, and one step of the MoE demo (`-m reference
+DIR/dtensor_qwen2_sp.json, checked by tests/reference/test_hf_tp_demo.py; one step of the MoE demo (`-m reference
 --moe --json`) at EP 2 on two ranks and EP 2 x TP 2 on four into DIR/moe_ep2.json and DIR/moe_ep2_tp2.json, checked
-by tests/reference/test_moe_demo.py. `--only NAME ...` writes just those
+by tests/reference/test_moe_demo.py. Last, on four ranks, tools/fsdp_compare.py (PyTorch's FSDP1 and FSDP2 on one
+model, side by side) into DIR/fsdp1_vs_fsdp2.json, checked by tests/reference/test_fsdp1_vs_fsdp2.py. `--only NAME ...`
+writes just those
 traces (and runs just the recordings that make them), leaving the others as they are. Exit status: 0
 recorded, 1 a run failed (its output is printed), 2 a usage error (an unknown trace name).
 """
@@ -43,7 +46,7 @@ RANKS = 2
 PIPELINE_RANKS = 4  # trace_worker.PIPELINE_RANKS
 # each trace_worker.py launch: ranks, its `what` argument, and the traces it writes
 WORKER_RUNS = (
-    (RANKS, "tp_fsdp", ("tp_block", "tp_block_llama", "fsdp_forward")),
+    (RANKS, "tp_fsdp", ("tp_block", "tp_block_llama", "fsdp_forward", "fsdp2_forward")),
     (PIPELINE_RANKS, "pipeline", ("pipeline_gpipe", "pipeline_1f1b", "pipeline_interleaved")),
 )
 # trace name -> python -m reference.measure.scale arguments: 70B on TP 8 x PP 8 x DP 64 (1F1B, DDP in 25 MiB buckets),
@@ -201,6 +204,20 @@ def record_moe(out: Path, timeout: float = 300, only: Collection[str] | None = N
     return [out / f"{name}.json" for name in names]
 
 
+FSDP_COMPARE = "fsdp1_vs_fsdp2"  # tools/fsdp_compare.py on fsdp_compare.WORLD ranks
+
+
+def record_fsdp_compare(out: Path, timeout: float = 300, only: Collection[str] | None = None) -> list[Path]:
+    """Write out/fsdp1_vs_fsdp2.json from tools/fsdp_compare.py on four ranks (unless `only` leaves it out)."""
+    if only is not None and FSDP_COMPARE not in only:
+        return []
+    with tempfile.TemporaryDirectory(prefix="traces-") as scratch:
+        _torchrun(4, ROOT / "tools" / "fsdp_compare.py", scratch, what="fsdp_compare (4 ranks)", timeout=timeout)
+        out.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(Path(scratch) / f"{FSDP_COMPARE}.json"), out / f"{FSDP_COMPARE}.json")
+    return [out / f"{FSDP_COMPARE}.json"]
+
+
 TRACES = (
     *(name for _, _, names in WORKER_RUNS for name in names),
     *SCALE,
@@ -208,6 +225,7 @@ TRACES = (
     "activation_memory",
     *DTENSOR,
     *MOE,
+    FSDP_COMPARE,
 )
 
 
@@ -221,7 +239,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         recorded = [
             step(args.out, only=args.only)
-            for step in (record, record_scale, record_layout_grid, record_activation_memory, record_dtensor, record_moe)
+            for step in (
+                record,
+                record_scale,
+                record_layout_grid,
+                record_activation_memory,
+                record_dtensor,
+                record_moe,
+                record_fsdp_compare,
+            )
         ]
         for path in sum(recorded, []):
             print(path)

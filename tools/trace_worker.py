@@ -3,8 +3,8 @@ OUT`
 and `torchrun --nproc-per-node 4 tools/trace_worker.py OUT pipeline`.
 
 Run by `tools/record-traces` (which writes reading_notes/traces/); rank 0 writes OUT/tp_block.json,
-OUT/tp_block_llama.json and OUT/fsdp_forward.json (2 ranks), or OUT/pipeline_gpipe.json, OUT/pipeline_1f1b.json and
-OUT/pipeline_interleaved.json (4 ranks, `pipeline`).
+OUT/tp_block_llama.json, OUT/fsdp_forward.json and OUT/fsdp2_forward.json (2 ranks), or OUT/pipeline_gpipe.json,
+OUT/pipeline_1f1b.json and OUT/pipeline_interleaved.json (4 ranks, `pipeline`).
 Everything in them is observed, not computed:
   * tp_block: one tensor-parallel transformer block (reference.tensor_parallel) at two hidden sizes. The
     CollectiveRecorder's events (op, module, phase, shape, bytes) of one forward+backward; the forward order of
@@ -18,6 +18,8 @@ Everything in them is observed, not computed:
     order: collectives and per-unit compute spans, each stamped with the FLOPs computed so far in the step (the
     recorder counts them; attention on the math backend, which has a FLOP formula), the units' flat sizes, and
     the forward FLOPs per token of the unsharded model.
+  * fsdp2_forward: the same step under the reference FSDP2 (reference.fsdp2: fully_shard on each layer, then
+    the root; each group set to prefetch the next in forward), its units the parameter groups.
   * pipeline_gpipe / pipeline_1f1b: one training step (reference.gpt.train.train_step) of the small GPT on 4
     pipeline stages (tp 1, dp 1) with PIPELINE_M micro-batches, per stage: the action order with each action's
     start, end and FLOPs (attention on the CPU flash kernel, which torch has no FLOP formula for, counts 0),
@@ -42,6 +44,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from pin_and_cite.site.traces import EVENT_KEYS  # what the site's trace comparison reads
 from reference.distributed import distributed
 from reference.fsdp.units import shard_model
+from reference.fsdp2.state import STATE_ATTR
 from reference.gpt.model import GPT, GPTConfig
 from reference.gpt.parallelize import build_chunks, build_stage, parallelize_gpt
 from reference.gpt.train import data_parallel, split_batch, train_step
@@ -161,14 +164,18 @@ def tp_block(world: int, style: str = "gpt2") -> dict:
     }
 
 
-def fsdp_forward(world: int) -> dict:
+def fsdp_forward(world: int, implementation: str = "reference") -> dict:
+    """The fsdp_forward trace of `implementation`: "reference" (FSDP1's flat parameters) or "reference-fsdp2"
+    (per-parameter fully_shard, its units the parameter groups, forward prefetch set explicitly)."""
     rank = dist.get_rank()
     model = GPT(FSDP_CONFIG, SEED)
     params = sum(p.numel() for p in model.parameters())
     tokens = gpt_batches(FSDP_CONFIG, 1, FSDP_BATCH, SEED)[0]
     with torch.no_grad():
         flops = counted_flops(lambda: model(tokens[:, :-1], tokens[:, 1:]))
-    model = shard_model(model, "reference", dist.group.WORLD, backward_prefetch="BACKWARD_PRE", forward_prefetch=True)
+    model = shard_model(
+        model, implementation, dist.group.WORLD, backward_prefetch="BACKWARD_PRE", forward_prefetch=True
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     recorder = CollectiveRecorder()
     with sdpa_kernel(SDPBackend.MATH), recorder, unit_scopes(model):  # math attention: its FLOPs are counted
@@ -179,10 +186,6 @@ def fsdp_forward(world: int) -> dict:
             optimizer.step()
             optimizer.zero_grad()
     record = recorder.to_dict()
-    units = [
-        {"name": handle.name, "param_numel": handle.param_numel, "padded_numel": handle.padded_numel}
-        for handle in model.handles()
-    ]
     return {
         "kind": "fsdp_forward",
         "world": world,
@@ -196,7 +199,7 @@ def fsdp_forward(world: int) -> dict:
         "b": FSDP_BATCH // world,
         "h": FSDP_CONFIG.hidden_size,
         "forward_flops_per_token": flops / (FSDP_BATCH * FSDP_CONFIG.seq_length),
-        "units": units,
+        "units": fsdp_units(model, world),
         "events": [{**{k: e[k] for k in EVENT_KEYS}, "flops": e["flops"], **_times(e)} for e in record["events"]],
         "spans": [
             {
@@ -209,6 +212,22 @@ def fsdp_forward(world: int) -> dict:
             for s in record["spans"]
         ],
     }
+
+
+def fsdp_units(model: torch.nn.Module, world: int) -> list[dict]:
+    """Each unit in forward order (the root first): its parameters' elements and what its all-gather moves
+    (FSDP1: the padded flat parameter; FSDP2: N padded row shards of each parameter)."""
+    if hasattr(model, "handles"):
+        return [{"name": h.name, "param_numel": h.param_numel, "padded_numel": h.padded_numel} for h in model.handles()]
+    groups = [m.__dict__[STATE_ATTR].group for m in model.modules() if STATE_ATTR in m.__dict__]
+    return [
+        {
+            "name": group.name or "root",
+            "param_numel": sum(p.orig_size.numel() for p in group.params),
+            "padded_numel": world * sum(p.shard_numel for p in group.params),
+        }
+        for group in sorted(groups, key=lambda g: (g.name != "", g.name))
+    ]
 
 
 def pipeline(schedule: str, virtual_stages: int = 1) -> dict:
@@ -287,6 +306,7 @@ def main(out: Path, what: str = "tp_fsdp") -> None:
                 "tp_block": tp_block(world),
                 "tp_block_llama": tp_block(world, "llama"),
                 "fsdp_forward": fsdp_forward(world),
+                "fsdp2_forward": fsdp_forward(world, "reference-fsdp2"),
             }
         if dist.get_rank() == 0:
             out.mkdir(parents=True, exist_ok=True)

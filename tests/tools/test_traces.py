@@ -20,7 +20,15 @@ from tests.pipeline_orders import textbook
 from tests.tools.conftest import ROOT
 
 NOTES = ROOT / "reading_notes"
-NAMES = ["tp_block", "tp_block_llama", "fsdp_forward", "pipeline_gpipe", "pipeline_1f1b", "pipeline_interleaved"]
+NAMES = [
+    "tp_block",
+    "tp_block_llama",
+    "fsdp_forward",
+    "fsdp2_forward",
+    "pipeline_gpipe",
+    "pipeline_1f1b",
+    "pipeline_interleaved",
+]
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +55,7 @@ def drawn(notes):
         diagrams.diagram(tp, link="NVLink"),
         diagrams.diagram(load_trace(notes, "tp_block_llama"), link="NVLink"),
         diagrams.diagram(fsdp, **rates),
+        diagrams.diagram(load_trace(notes, "fsdp2_forward"), **rates),
         diagrams.diagram(gpipe, **rates),
         diagrams.diagram(one_f_one_b, **rates),
         diagrams.diagram(load_trace(notes, "pipeline_interleaved"), **rates),
@@ -87,6 +96,28 @@ def test_llama_trace_records_the_gpt2_blocks_collectives_with_kv_heads_split():
         assert weights["layers.0.attention.qkv"] == [(llama["heads"] + 2 * llama["kv_heads"]) * head_dim // tp, h]
         assert weights["layers.0.mlp.fc1"] == [2 * 4 * h // tp, h]
         assert weights["layers.0.ln1"] == weights["layers.0.ln2"] == [h]
+
+
+def test_fsdp2_trace_issues_fsdp1s_collectives_but_each_reduce_scatter_when_its_groups_backward_ends():
+    """The reference FSDP2's recorded step (fsdp2_forward, each group prefetching the next in forward) against the
+    reference FSDP1's (fsdp_forward, forward_prefetch): the same units and sizes (nothing pads at N = 2), the
+    same collectives in the same order with the same bytes, all-gathers issued at the same points against the
+    compute; FSDP1 issues every reduce-scatter after the last backward FLOP, FSDP2 each one as its group's
+    backward ends (layers.1's before layers.0's backward starts), as the walkthrough's FSDP2 timeline shows."""
+    fsdp1, fsdp2 = load_trace(NOTES, "fsdp_forward"), load_trace(NOTES, "fsdp2_forward")
+    assert fsdp2["units"] == fsdp1["units"]
+    keys = ("op", "module", "phase", "nbytes", "dtype")
+    assert [[e[k] for k in keys] for e in fsdp2["events"]] == [[e[k] for k in keys] for e in fsdp1["events"]]
+    assert forward_markers(fsdp2) == forward_markers(fsdp1)
+    last = max(span["flops_end"] for span in fsdp1["spans"])
+    ends = {span["name"]: span["flops_end"] for span in fsdp2["spans"]}
+    for one, two in zip(fsdp1["events"], fsdp2["events"], strict=True):
+        if one["op"] == "reduce_scatter":
+            assert (one["flops"], two["flops"]) == (last, ends[f"{two['module']} backward"])
+        else:
+            assert two["flops"] == one["flops"]
+    starts = {span["name"]: span["flops_start"] for span in fsdp2["spans"]}
+    assert ends["layers.1 backward"] == starts["layers.0 backward"] < last
 
 
 def chart_parts(chart: str) -> tuple[dict, list, list]:

@@ -48,6 +48,8 @@ REQUIRED = {
     # torchrun -m reference --moe --json: one MoE layer's steps, every rank's routing and collectives (the MoE
     # walkthrough; pin_and_cite.site.moe_figure)
     "moe": ("world", "config", "steps"),
+    # torchrun tools/fsdp_compare.py: PyTorch's FSDP1 and FSDP2 on one model (the FSDP1 ↔ FSDP2 page)
+    "fsdp_compare": ("world", "config", "units", "parameters", "options", "runs", "state_dicts"),
 }
 PIPELINE_STAGE_KEYS = (
     "pp_rank",
