@@ -182,3 +182,15 @@ def test_changes_between_pins_page_is_listed_and_says_no_bump_is_recorded(built_
     page = (changes / "index.html").read_text()
     assert '<h1 id="changes-between-pins">Changes between pins' in page and "No bump is recorded in" in page
     assert '<a href="notes/changes/" class="md-nav__link' in (built_site / "index.html").read_text()
+
+
+def test_no_list_item_falls_out_of_its_list_as_literal_text(built_site):
+    """An excerpt or evidence line inside a bullet ended the list, and the next bullet showed as a literal "- " on
+    the Scale page (a bullet must follow a blank line after them)."""
+    stray = {
+        page.relative_to(built_site).as_posix(): line.strip()[:60]
+        for page in (built_site / "notes").rglob("index.html")
+        for line in page.read_text().split("\n")
+        if line.startswith("- ") or "<p>- " in line
+    }
+    assert stray == {}
