@@ -6,8 +6,8 @@ For each model, TP, PP, DP, micro-batch count, sequence parallelism and distribu
 each stage `python -m reference.measure.scale` traces by default: the (group, collective) rows of
 formulas.expected, the bytes of formulas.memory, and bubble_formula; the rest is the CLI's default. Three
 tables, each keyed by what its numbers depend on (TRAFFIC_BY, STATE_BY, BUBBLE_BY), not 6,272 layouts; an
-entry is the reference's one-line refusal where a layout cannot exist. tests/reference/test_scale_grid.py checks every layout against formulas.py on the whole
-setup, so a dependence a key leaves out fails there.
+entry is the reference's one-line refusal where a layout cannot exist. tests/reference/test_scale_grid.py
+checks every layout against formulas.py on the whole setup, so a dependence a key leaves out fails there.
 """
 
 from __future__ import annotations
