@@ -76,6 +76,11 @@ def dp_events(recorder: CollectiveRecorder, dp_ranks: tuple[int, ...]) -> list[t
     return [(e.op, e.phase, e.nbytes, e.dtype) for e in recorder.events if e.group_ranks == dp_ranks]
 
 
+def tp_reductions(recorder: CollectiveRecorder, tp_ranks: tuple[int, ...], after: int) -> list[int]:
+    """Bytes of each all-reduce on the TP group that followed the `after`-th event (the sequence-parallel sums)."""
+    return [e.nbytes for e in recorder.events[after:] if e.group_ranks == tp_ranks and e.op == "all_reduce"]
+
+
 def gathered_grads(model, dp_group) -> dict[str, torch.Tensor]:
     """Every parameter's gradient over this rank's whole TP slice: the reference FSDP2's dim-0 shards
     all-gathered over dp (zero-padded to the chunk size, the padding cut), by the stage's names."""
@@ -105,9 +110,11 @@ def run_reference(hf_state, layout, sp: bool, device, fsdp: str) -> dict:
         with CollectiveRecorder() as recorder:
             loss = model(inputs, labels)
             loss.backward()
+            backward_end = len(recorder.events)
             if sp:  # the TP sum of the sequence-parallel gradients, on the shards
                 allreduce_sequence_parallel_grads(model, layout.tp_group)
         step = {"loss": loss.detach(), "dp": dp_events(recorder, dp_ranks)}
+        step["sp_sums"] = tp_reductions(recorder, tuple(dist.get_process_group_ranks(layout.tp_group)), backward_end)
         if fsdp == "fsdp2":
             step["grads"] = gathered_grads(model, layout.dp_group)
         steps.append(step)
@@ -137,7 +144,11 @@ def run_torch(hf, mesh, sp: bool, device) -> dict:
         with CollectiveRecorder() as recorder:
             loss = qwen2.loss_and_backward(model, inputs, labels, positions)
         grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
-        steps.append({"loss": loss, "dp": dp_events(recorder, dp_ranks), "grads": grads})
+        tp_ranks = tuple(dist.get_process_group_ranks(mesh["tp"].get_group()))
+        backward_tp = [
+            e.nbytes for e in recorder.events if (e.group_ranks, e.op, e.phase) == (tp_ranks, "all_reduce", "backward")
+        ]
+        steps.append({"loss": loss, "dp": dp_events(recorder, dp_ranks), "grads": grads, "tp_backward": backward_tp})
         optimizer.step()
         optimizer.zero_grad()
     for step in steps:
@@ -173,6 +184,8 @@ def results(device: torch.device) -> dict:
             "dp": [s["dp"] for s in ours["steps"]],
             "torch_dp": [s["dp"] for s in theirs["steps"]],
             "shard_bytes": ours["steps"][0]["shard_bytes"],
+            "sp_sums": [s["sp_sums"] for s in ours["steps"]],
+            "torch_tp_backward": [s["tp_backward"] for s in theirs["steps"]],
         }
     result["refusal"] = refusal(layout, device)
     return result
@@ -250,6 +263,18 @@ def test_dp_collectives_follow_the_closed_form_and_equal_fully_shards(ranks, con
     assert run["dp"] == [expected_dp_step()] * STEPS
     assert run["torch_dp"] == run["dp"]  # the same per-parameter padding of the same TP-local shapes
     assert run["shard_bytes"] == (group_bytes()["root"] + 2 * group_bytes()["layer"]) // DP  # padded shards
+
+
+@on_ranks(4)
+def test_sequence_parallel_norm_gradients_are_summed_over_tp_on_the_dp_shards(ranks):
+    """The reference sums the 2 L + 1 RMSNorm weights' gradients ([h] each, replicated over TP) in one
+    all-reduce after the reduce-scatter, of this DP rank's h / dp rows of each; `fully_shard` all-reduces
+    each whole gradient before it (`_get_grad_inner_tensor`'s Partial -> Replicate): dp times the bytes."""
+    h, norms = CONFIG.hidden_size, 2 * CONFIG.num_layers + 1
+    run = results(ranks.device)
+    assert run["sp"]["sp_sums"] == [[norms * h // DP * 4]] * STEPS
+    assert run["sp"]["torch_tp_backward"] == [[h * 4] * norms] * STEPS
+    assert run["tp"]["sp_sums"] == [[]] * STEPS  # without SP, nothing to sum
 
 
 @on_ranks(4)
