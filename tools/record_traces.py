@@ -50,12 +50,16 @@ WORKER_RUNS = (
     (PIPELINE_RANKS, "pipeline", ("pipeline_gpipe", "pipeline_1f1b", "pipeline_interleaved")),
 )
 # trace name -> python -m reference.measure.scale arguments: 70B on TP 8 x PP 8 x DP 64 (1F1B, DDP in 25 MiB buckets),
-# plain TP, with sequence parallelism, and with the distributed optimizer
+# plain TP, with sequence parallelism, and with the distributed optimizer; then the same 4,096 ranks as TP 8 x DP 512
+# without pipelining (the reference FSDP2 takes one micro-batch), FSDP2 over DP and HSDP (8 replicas of 64)
 SCALE_70B = ["--model", "70b", "--tp", "8", "--pp", "8", "--dp", "64", "--micro-batches", "16"]
+SCALE_70B_FSDP2 = ["--model", "70b", "--tp", "8", "--pp", "1", "--dp", "512", "--micro-batches", "1"]
 SCALE = {
     "scale_70b": SCALE_70B,
     "scale_70b_sp": [*SCALE_70B, "--sequence-parallel"],
     "scale_70b_distopt": [*SCALE_70B, "--dp-sharding", "optimizer"],
+    "scale_70b_fsdp2": [*SCALE_70B_FSDP2, "--dp-sharding", "fsdp2"],
+    "scale_70b_hsdp": [*SCALE_70B_FSDP2, "--dp-sharding", "fsdp2", "--dp-replicate", "8"],
 }
 
 

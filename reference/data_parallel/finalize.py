@@ -1,8 +1,9 @@
 """After the last micro-batch's backward: every gradient reduction the optimizer step waits for, in one call.
 
-First each model chunk's `finish_grad_sync()` (the DP all-reduce, or nothing left to wait for under FSDP), then
-the TP sum of the sequence-parallel LayerNorm and bias gradients, then, with tied embeddings, the sum of the
-shared matrix's two ends over the embedding group. The sums commute; the order is Megatron's.
+First each model chunk's `finish_grad_sync()` (the DP all-reduce, or nothing left to wait for under FSDP; an
+FSDP2 module has none to call), then the TP sum of the sequence-parallel LayerNorm and bias gradients, then,
+with tied embeddings, the sum of the shared matrix's two ends over the embedding group. The sums commute; the
+order is Megatron's.
 
 Mirrors `megatron-lm:megatron/core/distributed/finalize_model_grads.py::finalize_model_grads`, which the
 pipeline schedules call once per step. The site's page on this module (notes/reference/data_parallel.finalize.md)
@@ -15,12 +16,13 @@ import torch.distributed as dist
 
 from reference.data_parallel.wrapper import DistributedDataParallel
 from reference.fsdp import FullyShardedDataParallel
+from reference.fsdp2 import FSDPModule
 from reference.pipeline.tied_embeddings import allreduce_word_embedding_grads
 from reference.tensor_parallel.layers import allreduce_sequence_parallel_grads
 
 
 def finalize_model_grads(
-    model_chunks: list[DistributedDataParallel | FullyShardedDataParallel],
+    model_chunks: list[DistributedDataParallel | FullyShardedDataParallel | FSDPModule],
     tp_group: dist.ProcessGroup | None = None,
     embedding_group: dist.ProcessGroup | None = None,
 ) -> None:
@@ -31,7 +33,8 @@ def finalize_model_grads(
     Mirrors `megatron-lm:megatron/core/distributed/finalize_model_grads.py::finalize_model_grads`.
     """
     for chunk in model_chunks:
-        chunk.finish_grad_sync()
+        if not isinstance(chunk, FSDPModule):  # FSDP2: the root's end-of-backward callback waited already
+            chunk.finish_grad_sync()
     if tp_group is not None:
         for chunk in model_chunks:
             allreduce_sequence_parallel_grads(chunk, tp_group)

@@ -28,27 +28,33 @@ def shard_tp_model(model: nn.Module, layout: ParallelLayout, **fsdp_kwargs) -> F
 
     Mirrors `pytorch:torch/distributed/fsdp/_fully_shard/_fsdp_param.py::FSDPParam._init_sharded_param`.
     """
-    blocks = [
-        (name, m)
-        for name, m in model.named_modules()
-        if isinstance(m, Block) and isinstance(m.attention.qkv, ColumnParallelLinear)
-    ]
-    _check_consistent(model, blocks, layout)
+    blocks = tp_blocks(model)
+    check_tp_model(model, blocks, layout, "shard_tp_model")
     for name, block in blocks:
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name), attr, FullyShardedDataParallel(block, layout.dp_group, **fsdp_kwargs))
     return FullyShardedDataParallel(model, layout.dp_group, **fsdp_kwargs)
 
 
-def _check_consistent(model: nn.Module, blocks: list[tuple[str, nn.Module]], layout: ParallelLayout) -> None:
-    """Raise the same one-line error on every rank (never leave some ranks waiting in a collective) when a
-    rank's model is not TP-sharded for this layout, or its parameter shapes differ from a TP or DP peer's."""
+def tp_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, block) of every Block of `model` that reference.tensor_parallel.parallelize has split."""
+    return [
+        (name, m)
+        for name, m in model.named_modules()
+        if isinstance(m, Block) and isinstance(m.attention.qkv, ColumnParallelLinear)
+    ]
+
+
+def check_tp_model(model: nn.Module, blocks: list[tuple[str, nn.Module]], layout: ParallelLayout, caller: str) -> None:
+    """Raise the same one-line error, prefixed `caller`, on every rank (never leave some ranks waiting in a
+    collective) when a rank's model is not TP-sharded for this layout, or its parameter shapes differ from a TP
+    or DP peer's."""
     problem = _local_problem(model, blocks, layout)
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (problem, [(n, tuple(p.shape)) for n, p in model.named_parameters()]))
     for rank, (other_problem, _) in enumerate(everyone):
         if other_problem:
-            raise ParallelConfigError(f"shard_tp_model: rank {rank}: {other_problem}")
+            raise ParallelConfigError(f"{caller}: rank {rank}: {other_problem}")
     for kind in ("tp", "dp"):  # every rank checks every group, so every rank raises the same error
         for ranks in groups(layout.grid, kind):
             first = everyone[ranks[0]][1]
@@ -57,7 +63,7 @@ def _check_consistent(model: nn.Module, blocks: list[tuple[str, nn.Module]], lay
                 if theirs != first:
                     name, shape = ([s for s in theirs if s not in first] + [s for s in first if s not in theirs])[0]
                     raise ParallelConfigError(
-                        f"shard_tp_model: parameter shapes differ between ranks {ranks[0]} and {peer} of "
+                        f"{caller}: parameter shapes differ between ranks {ranks[0]} and {peer} of "
                         f"{kind.upper()} group {ranks} (first: '{name}' {list(shape)}); FSDP x TP needs one flat "
                         f"layout per TP and per DP group"
                     )

@@ -3,7 +3,7 @@
 Prints the layout, then per step the global loss, rank 0's parameter bytes and its collectives per process
 group (tp, pp, dp), then each stage's schedule, in-flight peak and bubble (the recorded orders replayed with
 equal stages and at their recorded FLOPs, and the wall clock's), then every rank's memory. `--model
-llama` trains the Llama/Qwen2 block; `--dp-sharding fsdp` (2D) or `optimizer` (ZeRO-1) shard over DP;
+llama` trains the Llama/Qwen2 block; `--dp-sharding fsdp` or `fsdp2` (2D) or `optimizer` (ZeRO-1) shard over DP;
 `--virtual-stages v` interleaves. The loss does not depend on the layout: the same seed gives the same model
 and data everywhere. docs/reference-guide.md lists the demos and what each prints.
 """
@@ -18,11 +18,13 @@ import torch
 import torch.distributed as dist
 
 from reference.data_parallel.distributed_optimizer import DistributedOptimizer, bytes_per_rank
+from reference.data_parallel.fsdp2_tp import fully_shard_tp_model
 from reference.data_parallel.mixed_precision import model_chunks, unsharded
 from reference.data_parallel.wrapper import DEFAULT_BUCKET_SIZE
 from reference.distributed import OPTIMIZERS, distributed, one_line_errors, pick_dtype
 from reference.fsdp.units import sharded_parameter_bytes
 from reference.fsdp.wrapper import MixedPrecision
+from reference.fsdp2 import MixedPrecisionPolicy
 from reference.gpt.model import GPT, STYLES, GPTConfig, split_layers
 from reference.gpt.parallelize import build_chunks, build_stage, check_tensor_parallel, check_virtual_pipeline
 from reference.gpt.train import data_parallel, fully_sharded, synthetic_batches, train_step
@@ -35,6 +37,7 @@ from reference.pipeline.schedules import SCHEDULES, peak_in_flight_formula
 from reference.recompute import RECOMPUTE_MODES
 
 MODELED_TFLOPS = 100.0  # the modeled timeline's FLOP rate: a GPU's dense rate, in order of magnitude
+FSDP = {"fsdp": "FSDP", "fsdp2": "FSDP2"}  # --dp-sharding's fully sharded choices: the reference each runs
 
 
 def add_arguments(group) -> None:
@@ -80,7 +83,7 @@ def add_arguments(group) -> None:
         type=int,
         default=None,
         help="micro-batches m per step and replica; the bubble is (pp - 1) / (m + pp - 1); "
-        "default: 4, or 1 with --dp-sharding fsdp",
+        "default: 4, or 1 with --dp-sharding fsdp or fsdp2",
     )
     group.add_argument(
         "--sequence-parallel",
@@ -92,13 +95,14 @@ def add_arguments(group) -> None:
     group.add_argument("--dropout", type=float, default=0.0, help="hidden and attention dropout probability")
     group.add_argument(
         "--dp-sharding",
-        choices=["replicate", "optimizer", "fsdp"],
+        choices=["replicate", "optimizer", "fsdp", "fsdp2"],
         default="replicate",
         help="replicate: every DP rank holds the stage and all-reduces gradients in buckets (DDP); "
         "optimizer: the distributed optimizer (ZeRO-1) shards the optimizer state over DP "
         "(reduce-scatter gradients, all-gather parameters; needs dp > 1); "
         "fsdp: reference FSDP over the DP group shards the TP-sharded stage (2D, all-gathers "
-        "and reduce-scatters; needs --pp 1 and --micro-batches 1)",
+        "and reduce-scatters; needs --pp 1 and --micro-batches 1); fsdp2: the same with the reference FSDP2, "
+        "each TP-local parameter sharded on dim 0 (as fully_shard over DTensor TP)",
     )
     group.add_argument(
         "--bucket-size",
@@ -131,13 +135,15 @@ def add_arguments(group) -> None:
 
 def _config(args) -> GPTConfig:
     """Everything that can be checked before starting the processes: one-line errors, no hang."""
+    fsdp = args.dp_sharding in FSDP
     if args.micro_batches is None:
-        args.micro_batches = 1 if args.dp_sharding == "fsdp" else 4
-    if args.dp_sharding == "fsdp" and (args.pp > 1 or args.micro_batches > 1):
+        args.micro_batches = 1 if fsdp else 4
+    if fsdp and (args.pp > 1 or args.micro_batches > 1):
         raise ParallelConfigError(
-            f"--dp-sharding fsdp needs --pp 1 and --micro-batches 1 (got --pp {args.pp} --micro-batches "
-            f"{args.micro_batches}): the reference FSDP has no no_sync, so it cannot accumulate gradients over "
-            "micro-batches and reduce-scatter once; use --dp-sharding replicate for pipelining"
+            f"--dp-sharding {args.dp_sharding} needs --pp 1 and --micro-batches 1 (got --pp {args.pp} "
+            f"--micro-batches {args.micro_batches}): the reference {FSDP[args.dp_sharding]} has no no_sync, so it "
+            "cannot accumulate gradients over micro-batches and reduce-scatter once; use --dp-sharding replicate "
+            "for pipelining"
         )
     if args.dp_sharding == "optimizer":
         world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -163,7 +169,7 @@ def _config(args) -> GPTConfig:
     split_layers(config.num_layers, args.pp)
     check_tensor_parallel(config, args.tp, args.sequence_parallel)
     if args.virtual_stages != 1:
-        if args.schedule != "1f1b" or args.dp_sharding == "fsdp":
+        if args.schedule != "1f1b" or fsdp:
             raise ParallelConfigError(
                 f"--virtual-stages {args.virtual_stages} needs --schedule 1f1b and "
                 "--dp-sharding replicate or optimizer (interleaved 1F1B over DDP-wrapped "
@@ -185,10 +191,10 @@ def _train(args, config: GPTConfig, device: torch.device) -> None:
     torch.manual_seed(args.seed)  # dropout on replicated activations draws from here: the same masks every run
     rank, text = dist.get_rank(), not args.json
     bf16 = pick_dtype(args.dtype, device) == torch.bfloat16
-    fsdp = args.dp_sharding == "fsdp"  # bf16 as FSDP's MixedPrecision: bf16 compute over fp32 shards
+    fsdp = args.dp_sharding in FSDP  # bf16 as FSDP's mixed precision: bf16 compute over fp32 shards
     if rank == 0 and text:
         print(layout.describe(), flush=True)
-        print(f"dtype: {_precision(bf16, fsdp)}", flush=True)
+        print(f"dtype: {_precision(bf16, args.dp_sharding)}", flush=True)
     kwargs = dict(
         params_dtype=torch.bfloat16 if bf16 and not fsdp else torch.float32,
         sequence_parallel=args.sequence_parallel,
@@ -205,9 +211,12 @@ def _train(args, config: GPTConfig, device: torch.device) -> None:
     recorder = CollectiveRecorder()
     for c, chunk in enumerate(chunks):
         recorder.watch(chunk, prefix=f"chunk{c}" if len(chunks) > 1 else "")
-    if fsdp:
+    if args.dp_sharding == "fsdp":
         precision = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
         model = fully_sharded(chunks[0], layout, mixed_precision=precision)
+    elif args.dp_sharding == "fsdp2":
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+        model = fully_shard_tp_model(chunks[0], layout, mp_policy=policy or MixedPrecisionPolicy())
     else:
         wrapped = [
             data_parallel(
@@ -235,7 +244,7 @@ def _train(args, config: GPTConfig, device: torch.device) -> None:
     else:  # fp32 masters of bf16 parameters (the fp32 ones step in place), as Megatron's optimizers
         optimizer = (DistributedOptimizer if args.dp_sharding == "optimizer" else unsharded)(model, make_optimizer)
     global_batch, meter = args.batch_size * args.micro_batches * layout.dp_size, PipelineMeter(device)
-    with unit_scopes(model) if args.dp_sharding == "fsdp" else contextlib.nullcontext():  # units in the trace
+    with unit_scopes(model) if fsdp else contextlib.nullcontext():  # units in the trace
         for step, tokens in enumerate(synthetic_batches(config, args.steps, global_batch, args.seed)):
             recorder.clear()
             loss = train_step(
@@ -308,11 +317,12 @@ def _report_step(args, step, loss: float, seconds: float, recorder, layout, para
     )
 
 
-def _precision(bf16: bool, fsdp: bool) -> str:
+def _precision(bf16: bool, dp_sharding: str) -> str:
     if not bf16:
         return "fp32 parameters, gradients and optimizer"
-    if fsdp:
-        return "bf16 compute over fp32 shards, gradients reduce-scattered in fp32 (FSDP's MixedPrecision)"
+    if dp_sharding in FSDP:
+        policy = "MixedPrecision" if dp_sharding == "fsdp" else "MixedPrecisionPolicy"
+        return f"bf16 compute over fp32 shards, gradients reduce-scattered in fp32 ({FSDP[dp_sharding]}'s {policy})"
     return "bf16 parameters and compute, fp32 main grads and fp32 master weights (Megatron's mixed precision)"
 
 

@@ -3,7 +3,8 @@
 Each DP replica takes its rows of the global batch and cuts them into m micro-batches; the schedule runs them
 with every backward but the last under the DDP wrapper's `no_sync`, `finalize_model_grads` waits for the
 reductions, and the optimizer steps. The gradient is the global batch's mean token loss, whatever tp, pp, dp
-and m are. With `fully_sharded` (FSDP over DP x TP) a step is one micro-batch at pp 1.
+and m are. With `fully_sharded` (FSDP over DP x TP), or the reference FSDP2 over DP x TP
+(reference.data_parallel.fsdp2_tp), a step is one micro-batch at pp 1.
 
 Mirrors Megatron-LM's training loop, which hands
 `megatron-lm:megatron/core/pipeline_parallel/schedules.py::get_forward_backward_func`'s schedule the same two
@@ -24,6 +25,7 @@ from reference.data_parallel.fsdp_tp import shard_tp_model
 from reference.data_parallel.mixed_precision import model_chunks
 from reference.data_parallel.wrapper import DEFAULT_BUCKET_SIZE
 from reference.fsdp import FullyShardedDataParallel
+from reference.fsdp2 import FSDPModule
 from reference.gpt.model import GPT, GPTConfig
 from reference.parallel_state import ParallelConfigError, ParallelLayout
 from reference.pipeline.schedules import forward_backward, loss_values
@@ -94,7 +96,7 @@ def fully_sharded(stage: GPT, layout: ParallelLayout, **fsdp_kwargs) -> FullySha
 
 
 def train_step(
-    model: DistributedDataParallel | FullyShardedDataParallel | list[DistributedDataParallel],
+    model: DistributedDataParallel | FullyShardedDataParallel | FSDPModule | list[DistributedDataParallel],
     optimizer: torch.optim.Optimizer,
     tokens: torch.Tensor,
     layout: ParallelLayout,
@@ -108,9 +110,10 @@ def train_step(
     observer=None,
 ) -> float:
     """One optimizer step on the global batch `tokens` [B, s + 1] for a stage wrapped by `data_parallel` or
-    `fully_sharded`, or for a list of v > 1 model chunks each wrapped by `data_parallel` (interleaved 1F1B).
-    `no_sync` defaults to the DDP wrappers' (all chunks at once; FSDP: nothing to defer, one micro-batch),
-    `finalize_grads` to finalize_model_grads (either wrapper). `record` is a context (e.g. a CollectiveRecorder)
+    `fully_sharded` (or `fully_shard`-ed by reference.data_parallel.fsdp2_tp), or for a list of v > 1 model
+    chunks each wrapped by `data_parallel` (interleaved 1F1B). `no_sync` defaults to the DDP wrappers' (all
+    chunks at once; FSDP: nothing to defer, one micro-batch), `finalize_grads` to finalize_model_grads (any of
+    them). `record` is a context (e.g. a CollectiveRecorder)
     around the training work only: schedule, gradient finalization and optimizer step; `observer` goes to the
     schedule (e.g. reference.measure.pipeline_meter.PipelineMeter). Returns the global batch's mean loss.
 
@@ -118,7 +121,7 @@ def train_step(
     """
     device = device or torch.device("cpu")
     chunks = model_chunks(model)
-    if isinstance(model, FullyShardedDataParallel) and num_micro_batches > 1:
+    if isinstance(model, (FullyShardedDataParallel, FSDPModule)) and num_micro_batches > 1:
         raise ParallelConfigError(
             f"a fully_sharded stage trains one micro-batch per step, got {num_micro_batches}: "
             "the reference FSDP has no no_sync to defer its reduce-scatters"
@@ -138,10 +141,10 @@ def train_step(
             model,
             micro_batches,
             pp_group=layout.pp_group,
-            activation_shape=chunks[0].module.activation_shape(micro_batches[0][0].shape[0]),
+            activation_shape=stage_of(chunks[0]).activation_shape(micro_batches[0][0].shape[0]),
             no_sync=no_sync,
             finalize_grads=finalize_grads or (lambda: finalize_model_grads(chunks, layout.tp_group)),
-            dtype=chunks[0].module.params_dtype,
+            dtype=stage_of(chunks[0]).params_dtype,
             device=device,
             observer=observer,
         )
@@ -149,6 +152,12 @@ def train_step(
     for chunk in chunks:
         chunk.zero_grad()
     return global_loss(losses, layout, device)
+
+
+def stage_of(chunk: DistributedDataParallel | FullyShardedDataParallel | FSDPModule) -> GPT:
+    """The GPT stage a chunk trains: DDP and FSDP1 wrap it (`.module`); `fully_shard` changes the stage's own
+    class, so an FSDP2 chunk is the stage."""
+    return chunk if isinstance(chunk, FSDPModule) else chunk.module
 
 
 def _all_no_sync(chunks: list[DistributedDataParallel]) -> contextlib.ExitStack:

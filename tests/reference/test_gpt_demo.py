@@ -1,4 +1,4 @@
-"""`torchrun -m reference --tp T --pp P --dp D [--dp-sharding fsdp]`: help, one-line errors, loss equal to the
+"""`torchrun -m reference --tp T --pp P --dp D [--dp-sharding fsdp|fsdp2]`: help, one-line errors, loss equal to the
 unsharded GPT's, traffic per process group, parameter bytes per rank, and the schedule's measured in-flight
 peak per stage."""
 
@@ -33,8 +33,8 @@ FLAGS = [
 MODEL = dict(vocab_size=51, hidden_size=16, num_attention_heads=4, num_layers=2, seq_length=8)
 B, M, STEPS, SEED, LR = 2, 3, 3, 7, 0.5
 FSDP_REFUSED = (
-    "--dp-sharding fsdp needs --pp 1 and --micro-batches 1 (got --pp {pp} --micro-batches {m}): the "
-    "reference FSDP has no no_sync, so it cannot accumulate gradients over micro-batches and "
+    "--dp-sharding {fsdp} needs --pp 1 and --micro-batches 1 (got --pp {pp} --micro-batches {m}): the "
+    "reference {version} has no no_sync, so it cannot accumulate gradients over micro-batches and "
     "reduce-scatter once; use --dp-sharding replicate for pipelining"
 )
 
@@ -58,8 +58,18 @@ def test_help_explains_every_flag():
         ),
         (["--micro-batches", "0"], "--steps, --micro-batch-size, --micro-batches and --bucket-size must be >= 1"),
         (["--hidden-size", "10"], "hidden_size (10) is not divisible by num_attention_heads (4)"),
-        (["--tp", "2", "--pp", "2", "--dp-sharding", "fsdp"], FSDP_REFUSED.format(pp=2, m=1)),
-        (["--tp", "2", "--dp-sharding", "fsdp", "--micro-batches", "2"], FSDP_REFUSED.format(pp=1, m=2)),
+        (
+            ["--tp", "2", "--pp", "2", "--dp-sharding", "fsdp"],
+            FSDP_REFUSED.format(fsdp="fsdp", version="FSDP", pp=2, m=1),
+        ),
+        (
+            ["--tp", "2", "--dp-sharding", "fsdp", "--micro-batches", "2"],
+            FSDP_REFUSED.format(fsdp="fsdp", version="FSDP", pp=1, m=2),
+        ),
+        (
+            ["--tp", "2", "--pp", "2", "--dp-sharding", "fsdp2"],
+            FSDP_REFUSED.format(fsdp="fsdp2", version="FSDP2", pp=2, m=1),
+        ),
         (
             ["--dp-sharding", "optimizer"],
             "--dp-sharding optimizer shards the optimizer state over the data-parallel "
@@ -134,6 +144,7 @@ def three_d() -> dict:
 
 TP2_DP2 = {  # the tp 2 x pp 1 x dp 2 runs at world 4: FSDP x TP, its replicated twin, the distributed optimizer
     "fsdp": demo_args("--dp-sharding", "fsdp", "--sequence-parallel", pp=1, batch_size=B * M, micro_batches=1),
+    "fsdp2": demo_args("--dp-sharding", "fsdp2", "--sequence-parallel", pp=1, batch_size=B * M, micro_batches=1),
     "replicate": demo_args(
         "--dp-sharding", "replicate", "--sequence-parallel", pp=1, batch_size=B * M, micro_batches=1
     ),
@@ -200,6 +211,23 @@ def test_fsdp_x_tp_demo_trains_like_replicate_and_unsharded(ranks):
     unsharded = sum(p.numel() * 4 for p in GPT(GPTConfig(**MODEL), SEED).parameters())
     assert fsdp[0]["param_bytes_unsharded"] == unsharded
     assert abs(fsdp[0]["param_bytes_per_rank"] / unsharded - 1 / 4) < 0.02  # + replicated LayerNorms, positions
+
+
+@on_ranks(4)
+def test_fsdp2_x_tp_demo_trains_like_fsdp_x_tp_bit_for_bit_with_its_schedule(ranks):
+    """--dp-sharding fsdp2: the reference FSDP2 over DP x TP (reference.data_parallel.fsdp2_tp), with sequence
+    and loss parallelism. The same compute and the same averages as FSDP1 x TP, so the same losses to the bit;
+    on the DP group per step one all-gather per group in forward, one per block in backward (the root keeps its
+    parameters), one reduce-scatter per group."""
+    fsdp2, fsdp = tp2_dp2("fsdp2"), tp2_dp2("fsdp")
+    assert [s["loss"] for s in fsdp2] == [s["loss"] for s in fsdp]
+    assert {s["dp_sharding"] for s in fsdp2} == {"fsdp2"}
+    layers, unsharded = MODEL["num_layers"], sum(p.numel() * 4 for p in GPT(GPTConfig(**MODEL), SEED).parameters())
+    for step in fsdp2:
+        ops = {op: v["count"] for op, v in step["collectives"]["dp"].items()}
+        assert ops == {"all_gather": 1 + 2 * layers, "reduce_scatter": 1 + layers}
+    assert fsdp2[0]["param_bytes_unsharded"] == unsharded
+    assert abs(fsdp2[0]["param_bytes_per_rank"] / unsharded - 1 / 4) < 0.02  # tp 2 x dp 2, less the padding
 
 
 @on_ranks(4)

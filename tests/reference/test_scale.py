@@ -19,7 +19,16 @@ import record_traces  # tools/: the arguments of the committed scale traces
 from reference.measure.scale import formulas
 from reference.measure.scale.__main__ import build_parser, main, setup_from
 from reference.measure.scale.shapes import setup_for
-from reference.measure.scale.simulate import default_ranks, document, simulate, stage_of, step_of, summarize, trace_rank
+from reference.measure.scale.simulate import (
+    default_ranks,
+    document,
+    shard_rank_of,
+    simulate,
+    stage_of,
+    step_of,
+    summarize,
+    trace_rank,
+)
 from reference.parallel_state import ParallelConfigError, rank_grid
 from tests.launch import ROOT
 
@@ -42,8 +51,8 @@ def assert_agrees(rows):
 @pytest.fixture(scope="module")
 def seventy_b():
     """The committed scale traces' setups (tools/record_traces.SCALE: 70B at TP 8 x PP 8 x DP 64, plain, with
-    SP, with the distributed optimizer), each traced here once on its first, middle and last stage: per trace
-    name, the setup and {stage: RankStep}."""
+    SP, with the distributed optimizer; at TP 8 x DP 512 with FSDP2 and HSDP), each traced here once on its
+    first, middle and last stage (the one stage at pp 1): per trace name, the setup and {stage: RankStep}."""
     runs = {}
     for name, argv in record_traces.SCALE.items():
         setup = setup_from(build_parser().parse_args(argv))
@@ -64,11 +73,13 @@ def test_committed_scale_traces_match_a_fresh_run(seventy_b):
         committed = json.loads((TRACES / f"{name}.json").read_text())
         fresh = json.loads(json.dumps(document(setup, list(steps.values()))))
         assert fresh == committed, f"reading_notes/traces/{name}.json is stale: re-record with tools/record-traces"
-        assert committed["agree"] and [run["stage"] for run in committed["runs"]] == [0, 4, 7]
+        assert committed["agree"] and [run["stage"] for run in committed["runs"]] == ([0] if setup.fsdp2 else [0, 4, 7])
 
 
 def test_70b_first_middle_last_stage_rows_equal_the_formulas(seventy_b):
     for name, (setup, steps) in seventy_b.items():
+        if setup.fsdp2:  # test_70b_fsdp2_and_hsdp_in_numbers
+            continue
         assert setup.microbatches == M and sorted(steps) == [0, 4, 7], name
         for stage in steps:
             assert_agrees(rows_of(seventy_b, name, stage))
@@ -144,6 +155,60 @@ def test_70b_distributed_optimizer_holds_the_zero_bytes_and_moves_the_all_reduce
     assert ("dp", "all_reduce") not in rows
 
 
+def test_70b_fsdp2_and_hsdp_in_numbers(seventy_b):
+    """The same 4,096 ranks as TP 8 x DP 512, one stage (rank 0, shard rank 0), written out from the sizes: a TP
+    rank's block holds 6h + (4h^2 + 2hf + 3h + f) / 8 parameters, every dim 0 a multiple of 512 (and of 64);
+    the root its 128,256 / 8 = 16,032 vocabulary rows twice (embedding, head), padded per parameter to 16,384
+    over 512 ranks and to 16,064 over 64, the 4,096 position rows and the final LayerNorm. Each rank holds
+    4 + 4 + 8 bytes per parameter of its shard (fp32 shard, fp32 gradient, Adam); every block is all-gathered
+    in bf16 twice, the root once, and every group reduce-scattered in fp32; HSDP all-reduces the fp32 gradient
+    shards over its 8 replicas."""
+    block = 6 * H + (4 * H * H + 2 * H * F + 3 * H + F) // 8
+    layers = 80
+    for name, shards, vocab_rows in (("scale_70b_fsdp2", 512, 16_384), ("scale_70b_hsdp", 64, 16_064)):
+        setup, steps = seventy_b[name]
+        assert (setup.tp, setup.pp, setup.dp, setup.microbatches, setup.shard_size) == (8, 1, 512, 1, shards)
+        root = 2 * vocab_rows * H + S * H + 2 * H
+        shard = (root + layers * block) // shards
+        assert steps[0].rank == 0 and steps[0].held == {
+            "parameters": 4 * shard,
+            "gradients": 4 * shard,
+            "master_weights": 0,
+            "optimizer_states": 8 * shard,
+        }
+        rows = table(rows_of(seventy_b, name, 0))
+        group = "dp" if shards == 512 else "dp_shard"
+        assert rows[(group, "all_gather")] == (2 * layers + 1, 2 * (root + 2 * layers * block))
+        assert rows[(group, "reduce_scatter")] == (layers + 1, 4 * (root + layers * block))
+        assert rows.get(("dp_replicate", "all_reduce")) == (None if shards == 512 else (layers + 1, 4 * shard))
+        assert_agrees(rows_of(seventy_b, name, 0))
+    assert 4 * (2 * 16_384 * H + S * H + 2 * H + layers * block) // 512 == 60_065_984  # the held parameters
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        dict(tp=2, dp=2),
+        dict(tp=2, dp=3, sp=True),  # uneven: the last shard rank holds fewer rows
+        dict(tp=1, dp=4, dp_replicate=2),
+        dict(tp=2, dp=6, dp_replicate=3, sp=True, order="tp-dp-pp"),
+    ],
+    ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()),
+)
+def test_small_fsdp2_and_hsdp_layouts_equal_the_formulas(layout):
+    setup = setup_for("small", pp=1, microbatches=1, fsdp2=True, **layout)
+    for rank in (0, setup.world - 1):  # shard rank 0, and the last
+        held = {}
+        events = trace_rank(setup, rank, held=held)
+        sizes = {"dp": setup.dp, "dp_shard": setup.shard_size, "dp_replicate": setup.dp_replicate, "tp": setup.tp}
+        assert all(len(e.group_ranks) == sizes[e.module] and rank in e.group_ranks for e in events)
+        rows = summarize(setup, rank, events)
+        assert_agrees(rows)
+        assert held == formulas.memory(setup, 0, shard_rank_of(setup, rank))
+        dp_groups = {"dp_shard", "dp_replicate"} if setup.dp_replicate > 1 else {"dp"}
+        assert {r.group for r in rows} == dp_groups | ({"tp"} if setup.tp > 1 else set())
+
+
 @pytest.mark.parametrize("layout", [dict(tp=2, pp=4, dp=2), dict(tp=2, pp=3, dp=2, sp=True)], ids=["tp-pp4", "sp-pp3"])
 def test_gpipe_and_1f1b_move_the_same_tensors_in_another_order(layout):
     setup = setup_for("small", microbatches=5, **layout)
@@ -189,11 +254,12 @@ def test_small_layouts_every_stage_equals_the_formulas(layout):
         dict(tp=2, pp=2, dp=2),
         dict(tp=2, pp=2, dp=2, sp=True, bucket_size=20_000),
         dict(tp=2, pp=2, dp=2, distributed_optimizer=True),
+        dict(tp=2, pp=1, dp=4, sp=True, fsdp2=True, dp_replicate=2, microbatches=1),
     ],
-    ids=["tp", "sp-buckets", "distopt"],
+    ids=["tp", "sp-buckets", "distopt", "hsdp"],
 )
 def test_meta_device_records_what_real_tensors_record(layout):
-    setup = setup_for("small", microbatches=2, **layout)
+    setup = setup_for("small", **{"microbatches": 2, **layout})
     for rank in (0, 7):
         meta, real = trace_rank(setup, rank, "meta"), trace_rank(setup, rank, "cpu")
         assert [(e.key(), e.module, e.phase) for e in meta] == [(e.key(), e.module, e.phase) for e in real]
@@ -209,9 +275,9 @@ def test_a_wrong_formula_is_caught(monkeypatch, capsys):
     monkeypatch.setattr(
         formulas,
         "expected",
-        lambda s, stage: {
+        lambda s, stage, shard_rank=0: {
             key: [dataclasses.replace(t, count=t.count + 1) if key == ("pp", "send") else t for t in terms]
-            for key, terms in real(s, stage).items()
+            for key, terms in real(s, stage, shard_rank).items()
         },
     )
     wrong = [r for r in summarize(setup, 2, events) if not r.agrees]
@@ -256,6 +322,19 @@ def test_cli_exit_codes_and_json(capsys):
         (
             ["--model", "small", "--tp", "2", "--pp", "2", "--dp", "1", "--distributed-optimizer"],
             "the distributed optimizer shards the optimizer state over the data-parallel group, but dp is 1",
+        ),
+        (
+            ["--model", "small", "--tp", "2", "--pp", "2", "--dp", "2", "--dp-sharding", "fsdp2"],
+            "--dp-sharding fsdp2 needs --pp 1 and --micro-batches 1 (got --pp 2 --micro-batches 16)",
+        ),
+        (
+            ["--model", "small", "--tp", "2", "--pp", "1", "--dp", "4", "--dp-replicate", "2"],
+            "--dp-replicate 2 is HSDP's; add --dp-sharding fsdp2",
+        ),
+        (
+            ["--model", "small", "--pp", "1", "--dp", "4", "--micro-batches", "1", "--dp-sharding", "fsdp2"]
+            + ["--dp-replicate", "3"],
+            "--dp-replicate 3 does not divide dp 4",
         ),
     ):
         assert main(argv) == 2

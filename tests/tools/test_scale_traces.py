@@ -85,3 +85,23 @@ def test_memory_table_shows_ddp_against_the_distributed_optimizer_and_refuses_a_
         in str(error.value)
         and "\n" not in str(error.value)
     )
+
+
+def test_hsdp_table_adds_its_two_groups_and_the_held_table_sets_fsdp2_beside_hsdp():
+    """The HSDP trace's tables gain the DP shard and DP replicate columns (what a rank sends over each with its
+    group's size: 64 and 8 ranks); held_table sets what the FSDP2 and HSDP ranks hold side by side, checked."""
+    fsdp2, hsdp = load_trace(NOTES, "scale_70b_fsdp2"), load_trace(NOTES, "scale_70b_hsdp")
+    table = scale_tables.scale_table(hsdp)
+    assert "DP shard: collective bytes / sent by the rank | DP replicate: collective bytes" in table
+    assert "| 0 (only) | DP replicate | all_reduce | 81 | 457.95 MiB |" in table
+    sent = scale_tables.sent_per_group(hsdp, hsdp["runs"][0])
+    row = next(r for r in hsdp["runs"][0]["rows"] if r["group"] == "dp_replicate")
+    assert sent["dp_replicate"] == 2 * 7 * row["bytes"] // 8
+    assert "DP shard" not in scale_tables.scale_table(fsdp2)
+    held = scale_tables.held_table(fsdp2, hsdp)
+    assert "| held | FSDP2 over 512 (rank 0) | HSDP, 8 x 64 (rank 0) |" in held
+    assert "| Adam moments | 114.57 MiB | 915.91 MiB |" in held and "| **total** | 229.13 MiB | 1.79 GiB |" in held
+    tampered = copy.deepcopy(hsdp)
+    tampered["runs"][0]["memory"]["measured"]["gradients"] += 1
+    with pytest.raises(TraceError, match="holds 480200193 B of gradients"):
+        scale_tables.held_table(fsdp2, tampered)

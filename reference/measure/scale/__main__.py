@@ -1,8 +1,8 @@
 """`python -m reference.measure.scale --tp 8 --pp 8 --dp 64 --model 70b [--rank R] [--sequence-parallel]
-[--dp-sharding optimizer] [--json]`: trace one training step of one rank (or a first, middle and last stage
-rank) of a large job with the fake process group, and print the bytes per group and collective type, and the
-bytes the rank holds, next to the closed-form formula. Exit 0 when every row agrees, 1 when one does not, 2 for
-a setup that cannot exist."""
+[--dp-sharding optimizer | fsdp2 [--dp-replicate R]] [--json]`: trace one training step of one rank (or a
+first, middle and last stage rank) of a large job with the fake process group, and print the bytes per group
+and collective type, and the bytes the rank holds, next to the closed-form formula. Exit 0 when every row
+agrees, 1 when one does not, 2 for a setup that cannot exist."""
 
 from __future__ import annotations
 
@@ -62,10 +62,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--dp-sharding",
-        choices=["replicate", "optimizer"],
+        choices=["replicate", "optimizer", "fsdp2"],
         default="replicate",
         help="optimizer: the distributed optimizer shards fp32 masters and Adam states over DP (ZeRO-1), "
-        "reduce-scatters the gradients and all-gathers the parameters; needs dp > 1",
+        "reduce-scatters the gradients and all-gathers the parameters; needs dp > 1. fsdp2: the reference "
+        "FSDP2 shards every TP-local parameter over DP (fp32 shards, bf16 compute); needs --pp 1 and "
+        "--micro-batches 1",
+    )
+    parser.add_argument(
+        "--dp-replicate",
+        type=int,
+        default=1,
+        metavar="R",
+        help="with --dp-sharding fsdp2: HSDP, the DP group as R replicas, each sharding over dp / R ranks",
     )
     parser.add_argument(  # the old spelling, hidden: one spelling per concept across the CLIs
         "--distributed-optimizer",
@@ -93,26 +102,36 @@ def format_document(doc: dict) -> str:
         f"{s['model']['name']} on tp {s['tp']} x pp {s['pp']} x dp {s['dp']} = {doc['world']} ranks, "
         f"{s['microbatches']} micro-batches, sp {'on' if s['sp'] else 'off'}, {s['schedule']}"
         + (f" interleaved over {s['virtual_stages']} chunks per stage" if s.get("virtual_stages", 1) > 1 else "")
-        + ", DDP "
-        + (f"buckets of {formulas.human(s['bucket_size'])}" if s["bucket_size"] else "in one bucket")
-        + (", distributed optimizer" if s.get("distributed_optimizer") else "")
+        + _dp_sharding(s)
     ]
+    width = max([5] + [len(r["group"]) for run in doc["runs"] for r in run["rows"]])  # HSDP's groups are longer
     for run in doc["runs"]:
         lines.append(f"rank {run['rank']} (pipeline stage {run['stage']} of {s['pp']}): one step")
-        lines.append(f"  {'group':5} {'op':14} {'count':>6} {'bytes':>16} {'':>12}  formula")
+        lines.append(f"  {'group':{width}} {'op':14} {'count':>6} {'bytes':>16} {'':>12}  formula")
         for r in run["rows"]:
             ok = r["count"] == r["formula_count"] and r["bytes"] == r["formula_bytes"]
             verdict = "" if ok else f"   MISMATCH: formula gives {r['formula_count']} x, {r['formula_bytes']} B"
             lines.append(
-                f"  {r['group']:5} {r['op']:14} {r['count']:>6} {r['bytes']:>16,} {formulas.human(r['bytes']):>12}"
-                f"  {r['formula']}{verdict}"
+                f"  {r['group']:{width}} {r['op']:14} {r['count']:>6} {r['bytes']:>16,} "
+                f"{formulas.human(r['bytes']):>12}  {r['formula']}{verdict}"
             )
-        lines.append(f"  {'held':20} {'':>6} {'bytes':>16} {'':>12}  formula")
+        lines.append(f"  {'held':{width + 15}} {'':>6} {'bytes':>16} {'':>12}  formula")
         for what, nbytes in run["memory"]["measured"].items():
             expected = run["memory"]["formula"][what]
             verdict = "" if nbytes == expected else f"   MISMATCH: formula gives {expected} B"
-            lines.append(f"  {what:20} {'':>6} {nbytes:>16,} {formulas.human(nbytes):>12}  {expected:,}{verdict}")
+            lines.append(
+                f"  {what:{width + 15}} {'':>6} {nbytes:>16,} {formulas.human(nbytes):>12}  {expected:,}{verdict}"
+            )
     return "\n".join(lines)
+
+
+def _dp_sharding(s: dict) -> str:
+    """How the header names the DP side: DDP's buckets, the distributed optimizer, FSDP2 or HSDP."""
+    if s.get("fsdp2"):
+        replicas = s["dp_replicate"]
+        return f", HSDP: {replicas} replicas x {s['dp'] // replicas} shards" if replicas > 1 else ", FSDP2 over dp"
+    buckets = f"buckets of {formulas.human(s['bucket_size'])}" if s["bucket_size"] else "in one bucket"
+    return ", DDP " + buckets + (", distributed optimizer" if s.get("distributed_optimizer") else "")
 
 
 def setup_from(args: argparse.Namespace) -> ScaleSetup:
@@ -130,6 +149,8 @@ def setup_from(args: argparse.Namespace) -> ScaleSetup:
         order=args.order,
         distributed_optimizer=args.dp_sharding == "optimizer",
         virtual_stages=args.virtual_stages,
+        fsdp2=args.dp_sharding == "fsdp2",
+        dp_replicate=args.dp_replicate,
     )
 
 

@@ -4,7 +4,8 @@ the bytes a rank holds (`memory`), for the rank at pipeline stage `stage` of a S
 What reference.measure.scale.simulate records must equal these, row by row. The step is
 reference.gpt.train.train_step; bytes follow the recorder's convention (an all-gather counts its output, a
 reduce-scatter its input). Per micro-batch, TP moves one activation A = b s h e per region, PP one A (A / t under
-sequence parallelism) across each stage boundary, and DP the gradients once per step, in buckets. The Scale
+sequence parallelism) across each stage boundary, and DP the gradients once per step, in buckets (FSDP2:
+each group's parameters gathered and its gradients reduce-scattered, `fsdp2_rows`). The Scale
 note derives every term, and names the upstream code each follows, such as
 `megatron-lm:megatron/core/distributed/finalize_model_grads.py::_allreduce_non_tensor_model_parallel_grads`.
 """
@@ -87,8 +88,41 @@ def padded_buckets(setup: ScaleSetup, stage: int) -> list[int]:
     return [-(-n // setup.dp) * setup.dp for n in elements]
 
 
-def memory(setup: ScaleSetup, stage: int) -> dict[str, int]:
-    """Bytes a rank of stage `stage` holds for parameters, gradients, fp32 masters and Adam's moments."""
+def fsdp2_groups(setup: ScaleSetup) -> list[list[tuple[int, int]]]:
+    """(rows, elements per row) of each TP-local parameter, per `fully_shard` group of the one stage (pp 1):
+    the root (word and position embeddings, final LayerNorm w and b, output layer), then each block (as
+    stage_parameters lists them)."""
+    m, t = setup.model, setup.tp
+    h, f, vocab_rows = m.hidden_size, m.ffn_hidden_size, setup.padded_vocab_size // t
+    root = [(vocab_rows, h), (m.seq_length, h), (h, 1), (h, 1), (vocab_rows, h)]
+    block = [(h, 1), (h, 1), (3 * h // t, h), (3 * h // t, 1), (h, h // t), (h, 1)]
+    block += [(h, 1), (h, 1), (f // t, h), (f // t, 1), (h, f // t), (h, 1)]
+    return [root] + [block] * m.num_layers
+
+
+def fsdp2_numel(group: list[tuple[int, int]], shards: int, shard_rank: int | None = None) -> int:
+    """Elements of a group's all-gather output (every parameter's rows padded to a multiple of `shards`), or
+    with `shard_rank` that rank's unpadded rows: torch.chunk's chunks of ceil(rows / shards) rows."""
+    total = 0
+    for rows, row in group:
+        chunk = -(-rows // shards)
+        total += row * (chunk * shards if shard_rank is None else min(max(rows - shard_rank * chunk, 0), chunk))
+    return total
+
+
+def memory(setup: ScaleSetup, stage: int, shard_rank: int = 0) -> dict[str, int]:
+    """Bytes a rank of stage `stage` holds for parameters, gradients, fp32 masters and Adam's moments (FSDP2:
+    at `shard_rank` of its shard group; the padded fp32 shards are the masters, Adam's moments cover the unpadded
+    rows)."""
+    if setup.fsdp2:
+        groups, d = fsdp2_groups(setup), setup.shard_size
+        padded = sum(fsdp2_numel(g, d) for g in groups) // d
+        return {
+            "parameters": FP32 * padded,
+            "gradients": FP32 * padded,
+            "master_weights": 0,
+            "optimizer_states": 2 * FP32 * sum(fsdp2_numel(g, d, shard_rank) for g in groups),
+        }
     e, held = setup.dtype_bytes, sum(padded_buckets(setup, stage))
     share = held // setup.dp if setup.distributed_optimizer else held
     return {
@@ -118,8 +152,9 @@ def _exact(nbytes: int) -> str:
     return f"{nbytes / 2**20:g} MiB" if nbytes % 2**20 == 0 else f"{nbytes} B"
 
 
-def expected(setup: ScaleSetup, stage: int) -> dict[tuple[str, str], list[Term]]:
-    """{(group, op): [Term, ...]} for a rank at pipeline stage `stage`; groups "tp", "pp", "dp"."""
+def expected(setup: ScaleSetup, stage: int, shard_rank: int = 0) -> dict[tuple[str, str], list[Term]]:
+    """{(group, op): [Term, ...]} for a rank at pipeline stage `stage` (FSDP2: at `shard_rank`); groups "tp",
+    "pp", "dp", and under HSDP "dp_shard" and "dp_replicate" instead of "dp"."""
     model, mb, L, e = setup.model, setup.microbatches, stage_layers(setup, stage), setup.dtype_bytes
     first, last, sp = stage == 0, stage == setup.pp - 1, setup.sequence_parallel
     act = model.micro_batch_size * model.seq_length * model.hidden_size * e
@@ -147,7 +182,12 @@ def expected(setup: ScaleSetup, stage: int) -> dict[tuple[str, str], list[Term]]
             add("tp", "all_gather", 2 * mb, act, "2 m x bshe (LM head input, fwd and bwd)")
             add("tp", "reduce_scatter", mb, act, "m x bshe (LM head input grad)")
             add("tp", "all_reduce", 3 * mb, loss, "3 m x 4bs (loss: max, target, sum-exp)")
-        for chunk in range(setup.virtual_stages):  # one flat all-reduce per model chunk
+        if setup.fsdp2:  # on the fp32 gradient shards, after the reduce-scatter: each [h] cut over the shards
+            chunk = -(-model.hidden_size // setup.shard_size)
+            local = min(max(model.hidden_size - shard_rank * chunk, 0), chunk)
+            what = f"1 x (6L + 2) x 4h/{setup.shard_size} (SP LayerNorm + bias grad shards, fp32)"
+            add("tp", "all_reduce", 1, (6 * L + 2) * local * FP32, what)
+        for chunk in range(setup.virtual_stages if not setup.fsdp2 else 0):  # one flat all-reduce per model chunk
             heads = chunk_layers(setup, stage, chunk)[2]
             per_chunk = "L" if setup.virtual_stages == 1 else "L/v"
             add(
@@ -174,7 +214,9 @@ def expected(setup: ScaleSetup, stage: int) -> dict[tuple[str, str], list[Term]]
                 add("pp", op, mb, shard, f"m x {what} ({direction_first})")
             if not first:
                 add("pp", op, mb, shard, f"m x {what} ({direction_last})")
-    if setup.dp > 1:
+    if setup.fsdp2:
+        fsdp2_rows(setup, add)
+    elif setup.dp > 1:
         buckets = padded_buckets(setup, stage)
         limit = "one bucket" if setup.bucket_size is None else f"buckets of >= {_exact(setup.bucket_size)}"
         if setup.distributed_optimizer:
@@ -183,6 +225,22 @@ def expected(setup: ScaleSetup, stage: int) -> dict[tuple[str, str], list[Term]]
         else:
             rows[("dp", "all_reduce")] = [Term(len(buckets), e * sum(buckets), f"eP in {limit} (DDP grads)")]
     return rows
+
+
+def fsdp2_rows(setup: ScaleSetup, add) -> None:
+    """FSDP2's traffic (reference.fsdp2): per group one all-gather of its padded parameters (in the model's
+    dtype) before forward and, but for the root (kept), again before backward, one fp32 reduce-scatter after
+    it; under HSDP an fp32 all-reduce of each reduce-scatter's output over the replicas."""
+    d, e, L = setup.shard_size, setup.dtype_bytes, setup.model.num_layers
+    root, block = (fsdp2_numel(g, d) for g in fsdp2_groups(setup)[:2])
+    group = "dp" if setup.dp_replicate == 1 else "dp_shard"
+    add(group, "all_gather", 1, e * root, f"1 x e R (root: fwd, kept for bwd; R padded to {d} per parameter)")
+    add(group, "all_gather", 2 * L, e * block, "2 L x e B (blocks: fwd and bwd)")
+    add(group, "reduce_scatter", 1, FP32 * root, "1 x 4R (root grads)")
+    add(group, "reduce_scatter", L, FP32 * block, "L x 4B (block grads)")
+    if setup.dp_replicate > 1:
+        add("dp_replicate", "all_reduce", 1, FP32 * root // d, f"1 x 4R/{d} (root grad shards)")
+        add("dp_replicate", "all_reduce", L, FP32 * block // d, f"L x 4B/{d} (block grad shards)")
 
 
 def totals(terms: list[Term]) -> tuple[int, int]:

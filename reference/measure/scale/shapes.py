@@ -55,7 +55,9 @@ class ScaleSetup:
     bucket), reference.data_parallel.DistributedDataParallel's. distributed_optimizer: ZeRO-1
     (reference.data_parallel.distributed_optimizer) instead of every DP rank stepping every parameter.
     virtual_stages: model chunks per stage (v > 1: interleaved 1F1B, reference.gpt.parallelize.build_chunks;
-    each chunk its own DDP).
+    each chunk its own DDP). fsdp2: the reference FSDP2 over DP instead of DDP (reference.data_parallel.fsdp2_tp:
+    fp32 shards, compute and all-gathers in the model's dtype, gradients reduce-scattered in fp32; pp 1, one
+    micro-batch); dp_replicate: HSDP, the DP group as that many replicas of dp / dp_replicate shard ranks.
     """
 
     model: ModelShape
@@ -69,6 +71,8 @@ class ScaleSetup:
     order: str = "tp-pp-dp"
     distributed_optimizer: bool = False
     virtual_stages: int = 1
+    fsdp2: bool = False
+    dp_replicate: int = 1
 
     def __post_init__(self) -> None:
         m = self.model
@@ -99,8 +103,32 @@ class ScaleSetup:
             if self.schedule != "1f1b":
                 raise ParallelConfigError(f"{self.virtual_stages} virtual stages need the 1f1b schedule")
             check_virtual_pipeline(m.num_layers, self.pp, self.virtual_stages, self.microbatches)
+        if self.fsdp2 or self.dp_replicate != 1:
+            self._check_fsdp2()
         if self.order not in ORDERS:
             raise ParallelConfigError(f"unknown order {self.order!r}; choose one of {', '.join(ORDERS)}")
+
+    def _check_fsdp2(self) -> None:
+        """One-line refusals of an FSDP2 or HSDP setup the reference cannot run (the demo's, where it has them)."""
+        if not self.fsdp2:
+            raise ParallelConfigError(f"--dp-replicate {self.dp_replicate} is HSDP's; add --dp-sharding fsdp2")
+        if self.pp > 1 or self.microbatches > 1:
+            raise ParallelConfigError(
+                f"--dp-sharding fsdp2 needs --pp 1 and --micro-batches 1 (got --pp {self.pp} --micro-batches "
+                f"{self.microbatches}): the reference FSDP2 has no no_sync, so it cannot accumulate gradients over "
+                "micro-batches and reduce-scatter once"
+            )
+        if self.distributed_optimizer:
+            raise ParallelConfigError("--dp-sharding is fsdp2 or optimizer, not both")
+        if self.dp == 1:
+            raise ParallelConfigError("FSDP2 shards over the data-parallel group, but dp is 1: nothing to shard")
+        if self.dp_replicate < 1 or self.dp % self.dp_replicate:
+            raise ParallelConfigError(f"--dp-replicate {self.dp_replicate} does not divide dp {self.dp}")
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks one parameter is sharded over: the DP group, or under HSDP one replica's share of it."""
+        return self.dp // self.dp_replicate
 
     @property
     def world(self) -> int:
@@ -125,7 +153,11 @@ class ScaleSetup:
         return pad_vocab_size(self.model.vocab_size, self.tp)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The fields, less FSDP2's at their defaults: a trace recorded before they existed still reads back."""
+        fields = dataclasses.asdict(self)
+        if not self.fsdp2:
+            del fields["fsdp2"], fields["dp_replicate"]
+        return fields
 
     @classmethod
     def from_dict(cls, data: dict) -> ScaleSetup:

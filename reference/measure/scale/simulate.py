@@ -3,7 +3,7 @@
 The process joins a world of tp x pp x dp ranks through torch's `fake` process-group backend
 (`pytorch:torch/testing/_internal/distributed/fake_pg.py::FakeStore`): every collective returns at once. It
 builds only its own pipeline stage (or v chunks) on the meta device, shapes without storage, wraps it as
-`torchrun ... -m reference` does (data parallel; Adam behind fp32 masters, whole or distributed) and runs
+`torchrun ... -m reference` does (data parallel; Adam behind fp32 masters, whole or distributed; or FSDP2) and runs
 reference.gpt.train.train_step under a CollectiveRecorder. summarize() groups the collectives by process group
 and type; the bytes the rank holds are compared with formulas.memory. The Scale note says what the fake backend
 takes and what is left out of the trace.
@@ -18,7 +18,10 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from reference.data_parallel.distributed_optimizer import DistributedOptimizer, bytes_per_rank
+from reference.data_parallel.fsdp2_tp import fully_shard_tp_model
 from reference.data_parallel.mixed_precision import unsharded
+from reference.fsdp2 import MixedPrecisionPolicy
+from reference.fsdp2.state import STATE_ATTR
 from reference.gpt.parallelize import build_chunks, build_stage
 from reference.gpt.train import data_parallel, train_step
 from reference.measure.pipeline_meter import PipelineMeter
@@ -27,7 +30,7 @@ from reference.measure.scale import formulas
 from reference.measure.scale.shapes import ScaleSetup
 from reference.parallel_state import ParallelLayout, build_layout, rank_grid
 
-GROUPS = ("tp", "pp", "dp")
+GROUPS = ("tp", "pp", "dp", "dp_shard", "dp_replicate")  # the last two: HSDP's groups inside DP
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +56,13 @@ def stage_of(setup: ScaleSetup, rank: int) -> int:
     return int((grid == rank).nonzero()[0][0])
 
 
+def shard_rank_of(setup: ScaleSetup, rank: int) -> int:
+    """A global rank's place in its FSDP2 shard group: its DP index, modulo the shard size under HSDP (rows of
+    consecutive DP ranks, reference.data_parallel.fsdp2_tp.hsdp_mesh)."""
+    grid = rank_grid(setup.tp, setup.pp, setup.dp, setup.order)
+    return int((grid == rank).nonzero()[0][1]) % setup.shard_size
+
+
 def adam(tensors: list[torch.Tensor]) -> torch.optim.Optimizer:
     """Adam, one tensor at a time: its `step` counters stay on the CPU, which foreach would not mix with meta."""
     return torch.optim.Adam(tensors, lr=1e-4, foreach=False)
@@ -67,6 +77,8 @@ def trace_rank(setup: ScaleSetup, rank: int, device: str = "meta", held: dict | 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=setup.world)
     try:
         layout = build_layout(setup.tp, setup.pp, setup.dp, order=setup.order)
+        if setup.fsdp2:
+            return _trace_fsdp2(setup, layout, torch.device(device), held)
         model, where = setup.model, torch.device(device)
         kwargs = dict(sequence_parallel=setup.sp, device=where, params_dtype=setup.params_dtype)
         with where:  # the master weights the layers draw their shards from are plain torch.empty: meta too
@@ -104,9 +116,59 @@ def trace_rank(setup: ScaleSetup, rank: int, device: str = "meta", held: dict | 
         dist.destroy_process_group()
 
 
-def _labelled(events: list[CollectiveEvent], layout: ParallelLayout) -> list[CollectiveEvent]:
-    """The events with `module` replaced by the kind of group they ran on."""
-    return [dataclasses.replace(e, module=layout.group_kind(e.group_ranks)) for e in events]
+def _trace_fsdp2(setup: ScaleSetup, layout: ParallelLayout, where: torch.device, held: dict | None) -> list:
+    """trace_rank under FSDP2 or HSDP (pp 1, one micro-batch): the stage in fp32, `fully_shard`-ed over DP by
+    reference.data_parallel.fsdp2_tp with compute in the model's dtype and fp32 reduction, Adam on the shards."""
+    model = setup.model
+    with where:
+        stage = build_stage(model.gpt_config(), layout, sequence_parallel=setup.sp, device=where)
+    policy = MixedPrecisionPolicy(param_dtype=setup.params_dtype, reduce_dtype=torch.float32)
+    sharded = fully_shard_tp_model(stage, layout, setup.dp_replicate, mp_policy=policy)
+    optimizer = adam(list(sharded.parameters()))
+    grads: dict[int, int] = {}  # the sharded gradients' storage: each group's reduce-scatter output
+    optimizer.register_step_pre_hook(lambda *_: grads.update(_grad_buffers(sharded)))
+    tokens = torch.zeros(setup.dp * model.micro_batch_size, model.seq_length + 1, dtype=torch.long, device=where)
+    recorder = CollectiveRecorder()
+    train_step(sharded, optimizer, tokens, layout, num_micro_batches=1, device=where, record=recorder)
+    if held is not None:
+        held.update(
+            parameters=sum(p.padded_shard.numel() * p.padded_shard.itemsize for p in _sharded_params(sharded)),
+            gradients=sum(grads.values()),
+            master_weights=0,  # the fp32 shards are the masters
+            optimizer_states=sum(
+                t.numel() * t.element_size() for st in optimizer.state.values() for k, t in st.items() if k != "step"
+            ),
+        )
+    mesh = sharded.__dict__[STATE_ATTR].group.mesh
+    hsdp = {}
+    if mesh.replicate_group is not None:
+        hsdp = {
+            tuple(dist.get_process_group_ranks(mesh.shard_group)): "dp_shard",
+            tuple(dist.get_process_group_ranks(mesh.replicate_group)): "dp_replicate",
+        }
+    return _labelled(recorder.events, layout, hsdp)
+
+
+def _sharded_params(model: torch.nn.Module) -> list:
+    """Every reference.fsdp2 ShardedParam under `model`."""
+    states = [m.__dict__.get(STATE_ATTR) for m in model.modules()]
+    return [p for st in states if st is not None and st.group is not None for p in st.group.params]
+
+
+def _grad_buffers(model: torch.nn.Module) -> dict[int, int]:
+    """{id: bytes} of the flat buffers the sharded gradients view (one per group and step)."""
+    bases = [p.sharded_param.grad for p in _sharded_params(model) if p.sharded_param.grad is not None]
+    bases = [g if g._base is None else g._base for g in bases]
+    return {id(b): b.numel() * b.element_size() for b in bases}
+
+
+def _labelled(
+    events: list[CollectiveEvent], layout: ParallelLayout, extra: dict | None = None
+) -> list[CollectiveEvent]:
+    """The events with `module` replaced by the kind of group they ran on (`extra`: {ranks: kind} of groups
+    the layout does not hold)."""
+    extra = extra or {}
+    return [dataclasses.replace(e, module=extra.get(e.group_ranks) or layout.group_kind(e.group_ranks)) for e in events]
 
 
 def summarize(setup: ScaleSetup, rank: int, events: list[CollectiveEvent]) -> list[Row]:
@@ -116,7 +178,7 @@ def summarize(setup: ScaleSetup, rank: int, events: list[CollectiveEvent]) -> li
         entry = measured.setdefault((e.module, e.op), [0, 0])
         entry[0] += 1
         entry[1] += e.nbytes
-    predicted = formulas.expected(setup, stage_of(setup, rank))
+    predicted = formulas.expected(setup, stage_of(setup, rank), shard_rank_of(setup, rank))
     rows = []
     for key in sorted(
         measured.keys() | predicted.keys(), key=lambda k: (GROUPS.index(k[0]) if k[0] in GROUPS else len(GROUPS), k[1])
@@ -168,7 +230,7 @@ def document(setup: ScaleSetup, steps: list[RankStep]) -> dict:
             {
                 "rank": rank,
                 "stage": stage,
-                "memory": {"measured": held, "formula": formulas.memory(setup, stage)},
+                "memory": {"measured": held, "formula": formulas.memory(setup, stage, shard_rank_of(setup, rank))},
                 "rows": [
                     {
                         "group": r.group,
@@ -183,7 +245,7 @@ def document(setup: ScaleSetup, steps: list[RankStep]) -> dict:
                 ],
                 "formulas": [
                     {"group": group, "op": op, "terms": [dataclasses.asdict(t) for t in terms]}
-                    for (group, op), terms in formulas.expected(setup, stage).items()
+                    for (group, op), terms in formulas.expected(setup, stage, shard_rank_of(setup, rank)).items()
                 ],
             }
         )

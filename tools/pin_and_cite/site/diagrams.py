@@ -291,7 +291,7 @@ def chart_sent_per_group(trace: dict) -> str:
             f"{name}, stage {scale_tables.stage_name(run['stage'], stages)}",
             scale_tables.sent_per_group(trace, run)[group] / 2**30,
         )
-        for group, name in scale_tables.GROUPS.items()
+        for group, name in scale_tables.groups_of(trace).items()
         for run in runs
     ]
     config = {"xyChart": {"width": 760, "height": 440}, "themeVariables": {"xyChart": {"plotColorPalette": "#1565c0"}}}

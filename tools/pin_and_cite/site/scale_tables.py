@@ -12,6 +12,7 @@ from __future__ import annotations
 from pin_and_cite.site.traces import RECORD, TraceError
 
 GROUPS = {"tp": "TP", "pp": "PP", "dp": "DP"}
+HSDP_GROUPS = {"dp_shard": "DP shard", "dp_replicate": "DP replicate"}  # HSDP's two groups inside the DP group
 RING = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}  # x (p-1)/p of the full tensor, sent per rank
 
 
@@ -23,12 +24,23 @@ def sent_bytes(op: str, nbytes: int, group_size: int) -> int:
     return nbytes if op == "send" else 0
 
 
+def groups_of(trace: dict) -> dict[str, str]:
+    """{group: its name in a table} of a trace: TP, PP and DP, and HSDP's two groups where it has them."""
+    seen = {row["group"] for run in trace["runs"] for row in run["rows"]}
+    return GROUPS | {g: name for g, name in HSDP_GROUPS.items() if g in seen}
+
+
+def group_size(setup: dict, group: str) -> int:
+    """Ranks in a group of this kind: the setup's tp, pp, dp, or under HSDP dp / replicas and the replicas."""
+    replicas = setup.get("dp_replicate", 1)
+    return {"dp_shard": setup["dp"] // replicas, "dp_replicate": replicas}.get(group) or setup[group]
+
+
 def sent_per_group(trace: dict, run: dict) -> dict[str, int]:
     """{group: bytes this rank sends in one step}, ring algorithms."""
-    sizes = {g: trace["setup"][g] for g in GROUPS}
-    out = dict.fromkeys(GROUPS, 0)
+    out = dict.fromkeys(groups_of(trace), 0)
     for row in run["rows"]:
-        out[row["group"]] += sent_bytes(row["op"], row["bytes"], sizes[row["group"]])
+        out[row["group"]] += sent_bytes(row["op"], row["bytes"], group_size(trace["setup"], row["group"]))
     return out
 
 
@@ -81,10 +93,10 @@ def checked_runs(trace: dict) -> list[tuple[dict, list[tuple[dict, list[dict]]]]
 def scale_table(trace: dict) -> str:
     """Markdown: per stage and group, the collectives' bytes and what the rank sends (ring); then every
     (group, collective) row with its formula."""
-    runs = checked_runs(trace)
+    runs, groups = checked_runs(trace), groups_of(trace)
     totals = [
-        "| stage (rank) | " + " | ".join(f"{g}: collective bytes / sent by the rank" for g in GROUPS.values()) + " |",
-        "|---|" + "---:|" * len(GROUPS),
+        "| stage (rank) | " + " | ".join(f"{g}: collective bytes / sent by the rank" for g in groups.values()) + " |",
+        "|---|" + "---:|" * len(groups),
     ]
     detail = [
         "| stage | group | collective | count | bytes | formula (checked at render) |",
@@ -92,17 +104,17 @@ def scale_table(trace: dict) -> str:
     ]
     for run, rows in runs:
         where = stage_name(run["stage"], trace["setup"]["pp"])
-        per_group = {g: sum(r["bytes"] for r, _ in rows if r["group"] == g) for g in GROUPS}
+        per_group = {g: sum(r["bytes"] for r, _ in rows if r["group"] == g) for g in groups}
         sent = sent_per_group(trace, run)
         totals.append(
             f"| {where} (rank {run['rank']}) | "
-            + " | ".join(f"{human(per_group[g])} / {human(sent[g])}" if per_group[g] else "—" for g in GROUPS)
+            + " | ".join(f"{human(per_group[g])} / {human(sent[g])}" if per_group[g] else "—" for g in groups)
             + " |"
         )
         for row, terms in rows:
             formula = " + ".join(t["formula"] for t in terms)
             detail.append(
-                f"| {where} | {GROUPS.get(row['group'], row['group'])} | {row['op']} | {row['count']} | "
+                f"| {where} | {groups.get(row['group'], row['group'])} | {row['op']} | {row['count']} | "
                 f"{human(row['bytes'])} | {formula} |"
             )
     return "\n".join(totals) + "\n\n" + "\n".join(detail) + "\n"
@@ -148,4 +160,24 @@ def memory_table(replicated: dict, sharded: dict) -> str:
             )
         total_a, total_b = sum(a.values()), sum(b.values())
         lines.append(f"| {where} | **total** | {human(total_a)} | {human(total_b)} | {total_b / total_a:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def sharding_name(setup: dict) -> str:
+    """How a trace shards over DP, for a column heading: FSDP2 over dp ranks, or HSDP's replicas x shards."""
+    replicas, dp = setup.get("dp_replicate", 1), setup["dp"]
+    return f"HSDP, {replicas} x {dp // replicas}" if replicas > 1 else f"FSDP2 over {dp}"
+
+
+def held_table(*traces: dict) -> str:
+    """Markdown: what the traced rank of each trace (one pipeline stage: FSDP2, HSDP) holds, side by side, each
+    number re-checked against reference.measure.scale.formulas.memory as recorded."""
+    held = [checked_memory(trace, trace["runs"][0]) for trace in traces]
+    lines = [
+        "| held | " + " | ".join(sharding_name(t["setup"]) + f" (rank {t['runs'][0]['rank']})" for t in traces) + " |",
+        "|---|" + "---:|" * len(traces),
+    ]
+    for what, label in HELD.items():
+        lines.append(f"| {label} | " + " | ".join(human(h[what]) for h in held) + " |")
+    lines.append("| **total** | " + " | ".join(human(sum(h.values())) for h in held) + " |")
     return "\n".join(lines) + "\n"

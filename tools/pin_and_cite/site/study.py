@@ -4,11 +4,11 @@
 `calibration(NAME)` is the file itself, pin_and_cite.site.calibration), `tp_crossover(...)`,
 `pipeline_memory(...)` and `pipeline_bubble(name)` (recorded runs, pin_and_cite.site.traces), `sharding_limit(...)` with
 `chart_training_memory(...)` (per-rank training memory from formulas, pin_and_cite.site.estimates),
-`scale_table(trace)`, `memory_table(trace, trace)`, `sent_per_group(trace, run)` and `human(bytes)` (the Scale
-page, pin_and_cite.site.scale_tables) with `chart_sent_per_group(trace)` (its bar charts, diagrams) and
-`scale_calculator(trace)` (its calculator over a layout grid, pin_and_cite.site.scale_calculator), and
-`run_output(NAME)`, the recorded output a walkthrough shows under its Run it block, and `run_text(NAME)`, that
-output as text to quote numbers from (pin_and_cite.site.run_it).
+`scale_table(trace)`, `memory_table(trace, trace)`, `held_table(trace, ...)`, `sent_per_group(trace, run)` and
+`human(bytes)` (the Scale page, pin_and_cite.site.scale_tables) with `chart_sent_per_group(trace)` (its bar
+charts, diagrams) and `scale_calculator(trace)` (its calculator over a layout grid,
+pin_and_cite.site.scale_calculator), and `run_output(NAME)`, the recorded output a walkthrough shows under its
+Run it block, and `run_text(NAME)`, that output as text to quote numbers from (pin_and_cite.site.run_it).
 `render_site` is what `render` and the mkdocs hook run.
 """
 
@@ -60,6 +60,7 @@ def helpers(project: Project) -> dict:
         "chart_sent_per_group": diagrams.chart_sent_per_group,
         "human": scale_tables.human,
         "memory_table": scale_tables.memory_table,
+        "held_table": scale_tables.held_table,
         "scale_calculator": scale_calculator.scale_calculator,
         "run_output": lambda name: run_it.run_output(project.notes_dir, name),
         "run_text": lambda name: run_it.run_text(project.notes_dir, name),
