@@ -54,6 +54,7 @@ class ShardMesh:
         ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
         if replicas < 1 or len(ranks) % replicas:
             raise ValueError(f"HSDP over {len(ranks)} ranks needs a replica count dividing it, got {replicas}")
+        _refuse_part_of_the_world(ranks, "HSDP")
         grid = torch.tensor(ranks).view(replicas, -1)
         shard_group, _ = dist.new_subgroups_by_enumeration(grid.tolist())
         replicate_group, _ = dist.new_subgroups_by_enumeration(grid.t().tolist())
@@ -76,7 +77,19 @@ class ShardMesh:
         Mirrors `pytorch:torch/distributed/fsdp/_fully_shard/_fsdp_init.py::_get_post_forward_mesh_info`.
         """
         if size not in self._post_forward:
+            _refuse_part_of_the_world([rank for row in self.grid for rank in row], "reshard_after_forward=int")
             rows = torch.tensor(self.grid).view(-1, size).tolist()
             group, _ = dist.new_subgroups_by_enumeration(rows)
             self._post_forward[size] = ShardMesh(tuple(map(tuple, rows)), group)
         return self._post_forward[size]
+
+
+def _refuse_part_of_the_world(ranks: list[int], what: str) -> None:
+    """new_group is a collective of the whole world, in one order on every rank: groups cut from one DP group
+    alone would be created in a different order by the ranks of another DP group (a hang). Under TP or PP,
+    reference.data_parallel.fsdp2_tp.hsdp_mesh cuts every DP group's rows and columns in one order."""
+    if len(ranks) != dist.get_world_size():
+        raise ValueError(
+            f"{what} over {len(ranks)} of {dist.get_world_size()} ranks: cut every data-parallel group's groups "
+            "at once (reference.data_parallel.fsdp2_tp.hsdp_mesh)"
+        )

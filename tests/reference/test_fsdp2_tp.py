@@ -26,6 +26,7 @@ from torch.distributed.fsdp import fully_shard
 from reference.data_parallel.fsdp2_tp import fully_shard_tp_model
 from reference.data_parallel.fsdp_tp import shard_tp_model
 from reference.fsdp.units import padded_shard_bytes
+from reference.fsdp2.mesh import ShardMesh
 from reference.fsdp2.state import STATE_ATTR
 from reference.gpt.hf_weights import load_hf_into_stage, master_state_from_hf, qwen2_config, stage_state_from_master
 from reference.gpt.model import GPTConfig
@@ -280,3 +281,14 @@ def test_sequence_parallel_norm_gradients_are_summed_over_tp_on_the_dp_shards(ra
 @on_ranks(4)
 def test_a_model_not_split_for_the_layouts_tp_group_is_refused_in_one_line(ranks):
     assert results(ranks.device)["refusal"].startswith("fully_shard_tp_model: rank 0: layers.0.attention.qkv")
+
+
+@on_ranks(4)
+def test_hsdp_or_an_int_reshard_cut_from_one_dp_group_is_refused_not_hung(ranks):
+    """At dp 2 x tp 2 there are two DP groups. Groups cut from one of them alone would be created in a different
+    order by each group's ranks (new_group is a collective of the whole world): refused in one line, at once."""
+    layout = build_layout(tp_size=2, dp_size=2)
+    with pytest.raises(ValueError, match=r"HSDP over 2 of 4 ranks: cut every data-parallel group"):
+        ShardMesh.hsdp(2, layout.dp_group)
+    with pytest.raises(ValueError, match=r"reshard_after_forward=int over 2 of 4 ranks"):
+        ShardMesh.flat(layout.dp_group).post_forward(1)
