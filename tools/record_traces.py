@@ -9,7 +9,8 @@ DIR/pipeline_interleaved.json. tests/tools/test_traces.py runs the same worker a
 longer matches the committed traces, so re-record after changing the reference and commit the result. Then, in
 one process each, `python -m reference.measure.scale --json` traces a first, middle and last stage rank of the layouts
 in SCALE (fake process group, 70B shapes) into DIR/scale_*.json, checked by tests/reference/test_scale.py (which
-traces the same setups in-process), and `python -m reference.measure.scale.grid` writes the same closed forms over a
+traces the same setups in-process), and the MoE layers of MOE_SCALE into DIR/moe_scale_*.json
+(tests/reference/test_moe_scale.py), and `python -m reference.measure.scale.grid` writes the same closed forms over a
 grid of layouts into DIR/layout_grid.json (the Scale page's calculator; tests/reference/test_scale_grid.py). Then,
 on two ranks, benchmarks/bench_activation_memory.py --json counts
 one block's activation bytes per configuration of Korthikanti et al.'s Table 2, the GPT-2 block and the Llama
@@ -61,6 +62,13 @@ SCALE = {
     "scale_70b_fsdp2": [*SCALE_70B_FSDP2, "--dp-sharding", "fsdp2"],
     "scale_70b_hsdp": [*SCALE_70B_FSDP2, "--dp-sharding", "fsdp2", "--dp-replicate", "8"],
 }
+# trace name -> python -m reference.measure.scale arguments of a MoE model's MoE layers, at Zipf routing skew 0.5:
+# Mixtral-8x7B-like with expert TP, and a DeepSeek-V3-like 256-expert layer without TP
+MOE_SKEW = ["--order", "tp-dp-pp", "--micro-batches", "16", "--routing-skew", "0.5"]
+MOE_SCALE = {
+    "moe_mixtral_8x7b": ["--model", "mixtral-8x7b", "--tp", "2", "--pp", "4", "--dp", "16", "--ep", "8", *MOE_SKEW],
+    "moe_deepseek_v3": ["--model", "deepseek-v3-moe", "--tp", "1", "--pp", "8", "--dp", "128", "--ep", "64", *MOE_SKEW],
+}
 
 
 def _run(cmd: list[str], what: str, timeout: float, **env: str) -> str:
@@ -104,13 +112,14 @@ def record(out: Path, timeout: float = 300, only: Collection[str] | None = None)
 
 
 def record_scale(out: Path, timeout: float = 300, only: Collection[str] | None = None) -> list[Path]:
-    """Write out/NAME.json for every scale trace in SCALE (each of `only`); the paths written. The layouts are
-    traced side by side, a single-threaded process each, so every core works."""
+    """Write out/NAME.json for every scale trace in SCALE and MOE_SCALE (each of `only`); the paths written. The
+    layouts are traced side by side, a single-threaded process each, so every core works."""
     out.mkdir(parents=True, exist_ok=True)
-    names = [name for name in SCALE if only is None or name in only]
+    layouts = {**SCALE, **MOE_SCALE}
+    names = [name for name in layouts if only is None or name in only]
 
     def trace(name: str) -> str:
-        args = SCALE[name]
+        args = layouts[name]
         return _run(
             [sys.executable, "-m", "reference.measure.scale", *args, "--json"],
             f"reference.measure.scale {' '.join(args)}",
@@ -225,6 +234,7 @@ def record_fsdp_compare(out: Path, timeout: float = 300, only: Collection[str] |
 TRACES = (
     *(name for _, _, names in WORKER_RUNS for name in names),
     *SCALE,
+    *MOE_SCALE,
     "layout_grid",
     "activation_memory",
     *DTENSOR,

@@ -23,7 +23,8 @@ from reference.arguments import (
     world_size,
 )
 from reference.data_parallel.wrapper import DEFAULT_BUCKET_SIZE
-from reference.measure.scale import formulas
+from reference.measure.scale import formulas, moe_report
+from reference.measure.scale.moe_shapes import MOE_MODELS
 from reference.measure.scale.shapes import MODELS, ScaleSetup, setup_for
 from reference.measure.scale.simulate import RankStep, default_ranks, document, stage_of, step_of
 from reference.parallel_state import ORDERS, ParallelConfigError
@@ -37,7 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__.split("\n\n")[0] + f" At most {MAX_WORLD:,} ranks ({WORLD_WHY}) and "
         f"{MAX_MICROBATCHES} micro-batches ({MICROBATCHES_WHY}).",
     )
-    parser.add_argument("--model", default="70b", help=f"model shape: {', '.join(MODELS)}")
+    parser.add_argument(
+        "--model", default="70b", help=f"model shape: {', '.join(MODELS)}; MoE layers: {', '.join(MOE_MODELS)}"
+    )
     parser.add_argument("--tp", type=world_size, default=8, help="tensor-parallel size")
     parser.add_argument("--pp", type=world_size, default=8, help="pipeline-parallel size")
     parser.add_argument("--dp", type=world_size, default=64, help="data-parallel size")
@@ -93,6 +96,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="rank to trace (repeatable); default: a first, middle and last stage rank",
     )
     parser.add_argument("--json", action="store_true", help="print the trace document as JSON")
+    add_flag(
+        parser,
+        "--ep",
+        "--expert-parallel",
+        "--expert-model-parallel-size",
+        type=world_size,
+        default=1,
+        help="expert-parallel size, carved out of DP (MoE models only; with --pp > 1 it needs --order tp-dp-pp)",
+    )
+    parser.add_argument(
+        "--routing-skew",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="MoE models: expert i gets a share of the routed tokens proportional to (i + 1)^-S (Zipf; 0: uniform)",
+    )
     return parser
 
 
@@ -173,6 +192,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     refuse_large_world(parser, tp=args.tp, pp=args.pp, dp=args.dp)
+    if args.model.lower() in MOE_MODELS:
+        return moe_report.run(args)
+    if args.ep != 1 or args.routing_skew:
+        parser.error(f"--ep and --routing-skew need a MoE model: {', '.join(MOE_MODELS)}")
     try:
         setup = setup_from(args)
         ranks = args.rank or default_ranks(setup)
