@@ -24,7 +24,8 @@ evenly, so only equal steps make the axis linear): DDP, FSDP over the stated gro
 flat line; drawn from the formulas, not from a trace.
 
 `chart_sent_per_group(trace)`: a horizontal mermaid bar chart of a scale trace: the bytes one rank sends per step
-to each process group, per stage, from the same checked rows as the Scale page's tables.
+to each process group, per stage (per traced rank of a MoE trace), from the same checked rows as the Scale page's
+tables.
 
 Every flowchart label goes through `label()`, so nothing recorded can break the diagram's syntax.
 """
@@ -285,23 +286,24 @@ def chart_sent_per_group(trace: dict) -> str:
     """A horizontal xychart of the GiB one rank sends per step to each process group, per pipeline stage: the
     rows of scale_tables.scale_table (checked the same way) drawn, each bar's value in its label (mermaid's own
     data labels shrink with the bars, below a readable size)."""
-    stages, runs = trace["setup"]["pp"], [run for run, _ in scale_tables.checked_runs(trace)]
+    runs, by = [run for run, _ in scale_tables.checked_runs(trace)], "rank" if "groups" in trace else "stage"
     bars = [
         (
-            f"{name}, stage {scale_tables.stage_name(run['stage'], stages)}",
+            f"{name}, {'' if 'label' in run else 'stage '}{scale_tables.run_name(trace, run)}",
             scale_tables.sent_per_group(trace, run)[group] / 2**30,
         )
         for group, name in scale_tables.groups_of(trace).items()
         for run in runs
     ]
     config = {"xyChart": {"width": 760, "height": 440}, "themeVariables": {"xyChart": {"plotColorPalette": "#1565c0"}}}
-    title = f"GiB one rank sends per step, by process group and stage ({trace['name']})"
+    title = f"GiB one rank sends per step, by process group and {by} ({trace['name']})"
+    axis = "rings, all-to-all rows out" if "groups" in trace else "ring algorithms"
     body = [
         "%%{init: " + json.dumps(config) + "}%%",
         "xychart-beta horizontal",
         f'  title "{gantt_text(title)}"',
         "  x-axis [" + ", ".join(f'"{gantt_text(name)}: {value:.2f}"' for name, value in bars) + "]",
-        f'  y-axis "GiB sent per step (ring algorithms)" 0 --> {max(v for _, v in bars) * 1.1:.0f}',
+        f'  y-axis "GiB sent per step ({axis})" 0 --> {max(v for _, v in bars) * 1.1:.0f}',
         "  bar [" + ", ".join(f"{value:.2f}" for _, value in bars) + "]",
     ]
     return mermaid_fence(body)

@@ -25,28 +25,50 @@ def sent_bytes(op: str, nbytes: int, group_size: int) -> int:
 
 
 def groups_of(trace: dict) -> dict[str, str]:
-    """{group: its name in a table} of a trace: TP, PP and DP, and HSDP's two groups where it has them."""
+    """{group: its name in a table} of a trace: TP, PP and DP, and HSDP's two groups where it has them; or the
+    trace's own (a MoE trace's EP and expert-DP groups)."""
+    if "groups" in trace:
+        return trace["groups"]
     seen = {row["group"] for run in trace["runs"] for row in run["rows"]}
     return GROUPS | {g: name for g, name in HSDP_GROUPS.items() if g in seen}
 
 
-def group_size(setup: dict, group: str) -> int:
-    """Ranks in a group of this kind: the setup's tp, pp, dp, or under HSDP dp / replicas and the replicas."""
+def group_size(trace: dict, group: str) -> int:
+    """Ranks in a group of this kind: the setup's tp, pp, dp, or under HSDP dp / replicas and the replicas; or
+    the trace's own sizes (a MoE trace's)."""
+    setup = trace["setup"]
+    if "group_sizes" in trace:
+        return trace["group_sizes"][group]
     replicas = setup.get("dp_replicate", 1)
     return {"dp_shard": setup["dp"] // replicas, "dp_replicate": replicas}.get(group) or setup[group]
 
 
 def sent_per_group(trace: dict, run: dict) -> dict[str, int]:
-    """{group: bytes this rank sends in one step}, ring algorithms."""
+    """{group: bytes this rank sends in one step}, ring algorithms; an all-to-all's from its formula terms
+    (what leaves the rank depends on the split sizes, which only the formulas know)."""
+    terms = {(f["group"], f["op"]): f["terms"] for f in run.get("formulas", [])}
     out = dict.fromkeys(groups_of(trace), 0)
     for row in run["rows"]:
-        out[row["group"]] += sent_bytes(row["op"], row["bytes"], group_size(trace["setup"], row["group"]))
+        if row["op"] == "all_to_all":
+            sent = [t.get("sent") for t in terms.get((row["group"], row["op"]), [])]
+            if not sent or None in sent:
+                raise TraceError(
+                    f"trace {trace['name']}: rank {run['rank']}'s all-to-all lacks its bytes sent; {RECORD}"
+                )
+            out[row["group"]] += sum(sent)
+        else:
+            out[row["group"]] += sent_bytes(row["op"], row["bytes"], group_size(trace, row["group"]))
     return out
 
 
 def stage_name(stage: int, stages: int) -> str:
     where = "first" if stage == 0 else "last" if stage == stages - 1 else "middle"
     return f"{stage} ({where})" if stages > 1 else "0 (only)"
+
+
+def run_name(trace: dict, run: dict) -> str:
+    """How the tables name a traced rank: its stage, or the label a MoE trace gives it."""
+    return run.get("label") or stage_name(run["stage"], trace["setup"]["pp"])
 
 
 def human(nbytes: int) -> str:
@@ -94,16 +116,19 @@ def scale_table(trace: dict) -> str:
     """Markdown: per stage and group, the collectives' bytes and what the rank sends (ring); then every
     (group, collective) row with its formula."""
     runs, groups = checked_runs(trace), groups_of(trace)
+    who = "traced rank" if "groups" in trace else "stage"
     totals = [
-        "| stage (rank) | " + " | ".join(f"{g}: collective bytes / sent by the rank" for g in groups.values()) + " |",
+        f"| {who} ({'global rank' if 'groups' in trace else 'rank'}) | "
+        + " | ".join(f"{g}: collective bytes / sent by the rank" for g in groups.values())
+        + " |",
         "|---|" + "---:|" * len(groups),
     ]
     detail = [
-        "| stage | group | collective | count | bytes | formula (checked at render) |",
+        f"| {who} | group | collective | count | bytes | formula (checked at render) |",
         "|---|---|---|---:|---:|---|",
     ]
     for run, rows in runs:
-        where = stage_name(run["stage"], trace["setup"]["pp"])
+        where = run_name(trace, run)
         per_group = {g: sum(r["bytes"] for r, _ in rows if r["group"] == g) for g in groups}
         sent = sent_per_group(trace, run)
         totals.append(

@@ -5,7 +5,8 @@
 `pipeline_memory(...)` and `pipeline_bubble(name)` (recorded runs, pin_and_cite.site.traces), `sharding_limit(...)` with
 `chart_training_memory(...)` (per-rank training memory from formulas, pin_and_cite.site.estimates),
 `scale_table(trace)`, `memory_table(trace, trace)`, `held_table(trace, ...)`, `sent_per_group(trace, run)` and
-`human(bytes)` (the Scale page, pin_and_cite.site.scale_tables) with `chart_sent_per_group(trace)` (its bar
+`human(bytes)` (the Scale page, pin_and_cite.site.scale_tables; a MoE trace's `moe_memory_table(*traces)` and
+`moe_imbalance_table(*traces)`, pin_and_cite.site.moe_tables) with `chart_sent_per_group(trace)` (its bar
 charts, diagrams) and `scale_calculator(trace)` (its calculator over a layout grid,
 pin_and_cite.site.scale_calculator), and `run_output(NAME)`, the recorded output a walkthrough shows under its
 Run it block, and `run_text(NAME)`, that output as text to quote numbers from (pin_and_cite.site.run_it).
@@ -17,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pin_and_cite.core.project import Project
-from pin_and_cite.site import diagrams, estimates, run_it, scale_calculator, scale_tables
+from pin_and_cite.site import diagrams, estimates, moe_tables, run_it, scale_calculator, scale_tables
 from pin_and_cite.site.calibration import load_calibration
 from pin_and_cite.site.render import render_notes
 from pin_and_cite.site.traces import load_trace
@@ -61,6 +62,8 @@ def helpers(project: Project) -> dict:
         "human": scale_tables.human,
         "memory_table": scale_tables.memory_table,
         "held_table": scale_tables.held_table,
+        "moe_memory_table": moe_tables.moe_memory_table,
+        "moe_imbalance_table": moe_tables.moe_imbalance_table,
         "scale_calculator": scale_calculator.scale_calculator,
         "run_output": lambda name: run_it.run_output(project.notes_dir, name),
         "run_text": lambda name: run_it.run_text(project.notes_dir, name),
