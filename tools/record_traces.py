@@ -66,8 +66,8 @@ SCALE = {
 # Mixtral-8x7B-like with expert TP, and a DeepSeek-V3-like 256-expert layer without TP
 MOE_SKEW = ["--order", "tp-dp-pp", "--micro-batches", "16", "--routing-skew", "0.5"]
 MOE_SCALE = {
-    "moe_mixtral_8x7b": ["--model", "mixtral-8x7b", "--tp", "2", "--pp", "4", "--dp", "16", "--ep", "8", *MOE_SKEW],
-    "moe_deepseek_v3": ["--model", "deepseek-v3-moe", "--tp", "1", "--pp", "8", "--dp", "128", "--ep", "64", *MOE_SKEW],
+    "moe_scale_mixtral_8x7b": "--model mixtral-8x7b --tp 2 --pp 4 --dp 16 --ep 8".split() + MOE_SKEW,
+    "moe_scale_deepseek_v3": "--model deepseek-v3-moe --tp 1 --pp 8 --dp 128 --ep 64".split() + MOE_SKEW,
 }
 
 

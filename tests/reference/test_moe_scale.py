@@ -42,9 +42,9 @@ def committed():
 
 
 def test_committed_moe_traces_match_a_fresh_run(committed):
-    """reading_notes/traces/moe_*.json are what `python -m reference.measure.scale ... --json` writes now, and
+    """reading_notes/traces/moe_scale_*.json are what `python -m reference.measure.scale ... --json` writes now, and
     every row and byte held in them agrees with the formulas."""
-    assert sorted(committed) == sorted(p.stem for p in TRACES.glob("moe_*.json"))
+    assert sorted(committed) == sorted(p.stem for p in TRACES.glob("moe_scale_*.json"))
     for name, (setup, steps) in committed.items():
         fresh = json.loads(json.dumps(document(setup, steps)))
         assert fresh == json.loads((TRACES / f"{name}.json").read_text()), f"{name}.json is stale: tools/record-traces"
@@ -55,7 +55,7 @@ def test_mixtral_rows_in_numbers(committed):
     """Mixtral-8x7B at TP 2 x PP 4 x DP 16, EP 8, 16 micro-batches, Zipf 0.5, written out from the sizes: 8 MoE
     layers per stage, 2048 tokens per rank (4096 / t) routed top-2, expert 0 (EP rank 0's only expert) gets 937
     of the 4096 pairs, expert 7 331."""
-    setup, (busiest, quietest) = committed["moe_mixtral_8x7b"]
+    setup, (busiest, quietest) = committed["moe_scale_mixtral_8x7b"]
     h, f, e, m, layers, pairs = 4096, 14336, 2, 16, 8, 4096
     assert expert_counts(2048, 2, 8, 0.5) == [937, 663, 541, 468, 419, 383, 354, 331]
     for step, received in ((busiest, 8 * 937), (quietest, 8 * 331)):
@@ -136,8 +136,9 @@ def test_routing_counts():
         (["--model", "moe-small", "--pp", "1", "--dp", "4", "--tp", "1", "--ep", "3"], "num_experts (8)"),
         (["--model", "moe-small", "--pp", "1", "--dp", "2", "--ep", "2", "--routing-skew", "-1"], "routing skew"),
         (["--model", "moe-small", "--pp", "1", "--dp", "2", "--dp-sharding", "optimizer"], "not modelled for MoE"),
+        (["--model", "moe-small", "--pp", "1", "--dp", "2", "--dp-sharding", "fsdp2"], "not modelled for MoE"),
     ],
-    ids=["dense-model", "order", "experts", "skew", "distopt"],
+    ids=["dense-model", "order", "experts", "skew", "distopt", "fsdp2"],
 )
 def test_bad_moe_setups_are_one_line_errors(capsys, argv, message):
     with contextlib.suppress(SystemExit):

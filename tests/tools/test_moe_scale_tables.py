@@ -1,4 +1,4 @@
-"""The Scale page's MoE section from the committed MoE traces (reading_notes/traces/moe_*.json): the bytes per
+"""The Scale page's MoE section from the committed MoE traces (reading_notes/traces/moe_scale_*.json): the bytes per
 group through the same scale_table and bar chart as the dense traces (EP and expert-DP columns, an all-to-all's
 bytes sent from its formula terms), the memory with and without EP, and the imbalance recomputed from the
 recorded tokens per expert; a stale trace is a one-line error. That the traces are what `python -m
@@ -19,7 +19,7 @@ NOTES = ROOT / "reading_notes"
 
 @pytest.fixture
 def mixtral():
-    return load_trace(NOTES, "moe_mixtral_8x7b")
+    return load_trace(NOTES, "moe_scale_mixtral_8x7b")
 
 
 def test_scale_table_has_the_moe_groups(mixtral):
@@ -50,11 +50,11 @@ def test_bar_chart_draws_every_moe_group(mixtral):
     chart = diagrams.chart_sent_per_group(mixtral)
     assert '"EP (all-to-all), EP rank 0 (hottest experts): 18.98"' in chart
     assert '"expert DP, EP rank 7 (coldest experts): 1.31"' in chart
-    assert "by process group and rank (moe_mixtral_8x7b)" in chart
+    assert "by process group and rank (moe_scale_mixtral_8x7b)" in chart
 
 
 def test_memory_and_imbalance_tables():
-    mixtral, deepseek = load_trace(NOTES, "moe_mixtral_8x7b"), load_trace(NOTES, "moe_deepseek_v3")
+    mixtral, deepseek = load_trace(NOTES, "moe_scale_mixtral_8x7b"), load_trace(NOTES, "moe_scale_deepseek_v3")
     memory = moe_tables.moe_memory_table(mixtral, deepseek)
     assert memory.startswith(
         "| held | mixtral-8x7b, EP 8 (traced) | mixtral-8x7b, EP 1 | deepseek-v3-moe, EP 64 (traced) |"

@@ -18,8 +18,12 @@ from reference.measure.scale.moe_simulate import RankStep, default_ranks, docume
 from reference.parallel_state import ParallelConfigError
 
 NOT_MODELLED = {  # flags of the dense trace the MoE trace refuses away from their defaults
-    "dp_sharding": ("replicate", "--dp-sharding optimizer (the MoE trace steps every parameter on every rank)"),
+    "dp_sharding": (
+        "replicate",
+        "--dp-sharding other than replicate (the MoE trace steps every parameter on every rank)",
+    ),
     "virtual_stages": (1, "--virtual-stages (the MoE trace runs no pipeline schedule)"),
+    "dp_replicate": (1, "--dp-replicate (HSDP shards over DP; the MoE trace replicates)"),
 }
 
 

@@ -199,7 +199,7 @@ def step_of(setup: MoESetup, rank: int) -> RankStep:
 
 
 def document(setup: MoESetup, steps: list[RankStep]) -> dict:
-    """The JSON a MoE scale trace is stored as (reading_notes/traces/moe_*.json): a "scale" trace (the site's
+    """The JSON a MoE scale trace is stored as (reading_notes/traces/moe_scale_*.json): a "scale" trace (the site's
     scale_table and chart_sent_per_group read it) with its groups, their sizes, and the stated routing."""
     runs = []
     for step in steps:

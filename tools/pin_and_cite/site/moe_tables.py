@@ -1,4 +1,4 @@
-"""Tables of the MoE scale traces (reading_notes/traces/moe_*.json, `python -m reference.measure.scale --model
+"""Tables of the MoE scale traces (reading_notes/traces/moe_scale_*.json, `python -m reference.measure.scale --model
 mixtral-8x7b ... --json`): what a rank holds with expert parallelism and without it, and the stated routing's
 imbalance. Their bytes per group are scale_tables.scale_table's and diagrams.chart_sent_per_group's.
 
