@@ -1,13 +1,11 @@
 """The MoE demo: `torchrun --nproc-per-node N -m reference --moe --ep E [--tp T] --device cpu`.
 
 A few SGD steps of one mixture-of-experts layer (reference.moe) split over EP (x TP), fitting a fixed random
-teacher on synthetic tokens. Rank 0 prints the layout, then per step the loss, how many (token, expert) pairs
-each expert got over all ranks and how many were dropped, and after the last step each rank's all-to-all bytes
-beside the closed form (E counts, then h values per pair sent and per pair received, each way), with the split
-sizes (pairs to and from each EP rank) and, under TP, the other collectives. Every rank's tokens differ (its DP
-replica's; under TP, its slice of the sequence), as in training. `--json`: a `{"config": ...}` line, then one
-object per step holding every rank's routing, split sizes and recorded collectives (the MoE walkthrough's
-traces, tools/record-traces).
+teacher on synthetic tokens; every rank's tokens differ, as in training. Rank 0 prints the layout, then per step
+the loss and the (token, expert) pairs each expert got and dropped, and after the last step each rank's
+all-to-all bytes beside the closed form, with the split sizes and, under TP, the other collectives. `--json`: a
+`{"config": ...}` line, then one object per step with every rank's routing, split sizes and recorded
+collectives (the MoE walkthrough's traces, tools/record-traces).
 """
 
 from __future__ import annotations
