@@ -29,15 +29,18 @@ TRACED = {2: ("moe_ep2", ["--ep", "2"]), 4: ("moe_ep2_tp2", ["--ep", "2", "--tp"
 
 
 @pytest.mark.parametrize(
-    "args,message",
+    "world,args,message",
     [
-        (["--ep", "2"], "the data-parallel size (1) is not divisible by the expert-parallel size (2)"),
-        (["--moe-router-topk", "9"], "--moe-router-topk 9 must be between 1 and --num-experts 8"),
-        (["--pp", "2"], "--moe runs one MoE layer: no --pp and no --fsdp"),
+        (1, ["--ep", "2"], "the data-parallel size (1) is not divisible by the expert-parallel size (2)"),
+        (1, ["--moe-router-topk", "9"], "--moe-router-topk 9 must be between 1 and --num-experts 8"),
+        (2, ["--pp", "2"], "--moe runs one MoE layer: no --pp and no --fsdp"),
+        # the MoE walkthrough's exercise 1 quotes these two lines
+        (3, ["--ep", "3"], "--num-experts (8) is not divisible by --ep (3)"),
+        (4, ["--ep", "3"], "the data-parallel size (4) is not divisible by the expert-parallel size (3)"),
     ],
 )
-def test_bad_moe_sizes_are_refused_with_one_line(args, message, capsys, monkeypatch):
-    monkeypatch.setitem(os.environ, "WORLD_SIZE", "2" if "--pp" in args else "1")
+def test_bad_moe_sizes_are_refused_with_one_line(world, args, message, capsys, monkeypatch):
+    monkeypatch.setitem(os.environ, "WORLD_SIZE", str(world))
     stderr = refusal(main, ["--moe", *args], capsys)
     assert stderr.strip() == f"reference: error: {message}", stderr
 

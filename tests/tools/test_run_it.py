@@ -59,6 +59,14 @@ def test_the_page_shows_the_output_without_the_commands_in_a_fence_it_cannot_clo
     assert shown.endswith("````{ .text .run-output }\nfirst ```\ntwo\n````\n") and "$ " not in shown
 
 
+def test_the_page_warns_of_timings_only_where_the_output_has_a_wall_clock_figure(tmp_path):
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "moe.txt").write_text("$ echo loss\nstep 1: loss 0.396059\n")
+    (tmp_path / "runs" / "tp.txt").write_text("$ echo loss\nstep 0: loss 4.865125 (467.9 ms wall clock)\n")
+    assert run_output(tmp_path, "moe").startswith("Expected output (stdout):\n")
+    assert run_output(tmp_path, "tp").startswith("Expected output (stdout; timings differ on your machine):\n")
+
+
 def test_a_page_quotes_the_recorded_output_and_names_no_file_outside_runs(tmp_path):
     (tmp_path / "runs").mkdir()
     (tmp_path / "runs" / "pp-4.txt").write_text("$ echo bubble\nbubble 0.27\n")
