@@ -54,6 +54,11 @@ CONFIG = GPTConfig(
     ffn_hidden_size=96,
 )
 TP, DP, B, STEPS, SEED, LR = 2, 2, 4, 2, 1234, 0.5
+# A launch of this file's own (tests/ranks.py shares a launch among tests of one world, device and timeout): its
+# dp x tp DeviceMesh equals test_qwen2_dtensor.py's (a mesh compares by ranks and dimension names, not groups),
+# and DTensor's sharding caches handed that file's later, equal mesh this file's destroyed groups ("Could not
+# resolve the process group registered under the name 89").
+OWN_LAUNCH_TIMEOUT_S = 61
 FP32 = 2e-6  # observed: losses equal, gradients <= 4.5e-8 apart (the same sums in other orders)
 CONFIGS = ("tp", "sp")
 
@@ -232,7 +237,7 @@ def expected_dp_step() -> list[tuple]:
     ]
 
 
-@on_ranks(4)
+@on_ranks(4, timeout_s=OWN_LAUNCH_TIMEOUT_S)
 @pytest.mark.parametrize("config", CONFIGS)
 def test_losses_equal_fully_shard_over_parallelize_module_on_hf_qwen2(ranks, config):
     run = results(ranks.device)[config]
@@ -240,14 +245,14 @@ def test_losses_equal_fully_shard_over_parallelize_module_on_hf_qwen2(ranks, con
     assert run["losses"] == pytest.approx(run["torch_losses"], abs=FP32, rel=0)
 
 
-@on_ranks(4)
+@on_ranks(4, timeout_s=OWN_LAUNCH_TIMEOUT_S)
 @pytest.mark.parametrize("config", CONFIGS)
 def test_losses_equal_the_reference_fsdp1_x_tp_bit_for_bit(ranks, config):
     run = results(ranks.device)[config]
     assert run["losses"] == run["fsdp1_losses"]
 
 
-@on_ranks(4)
+@on_ranks(4, timeout_s=OWN_LAUNCH_TIMEOUT_S)
 @pytest.mark.parametrize("config", CONFIGS)
 def test_gradients_gathered_over_dp_equal_this_tp_ranks_slice_of_fully_shards(ranks, config):
     run = results(ranks.device)[config]
@@ -257,7 +262,7 @@ def test_gradients_gathered_over_dp_equal_this_tp_ranks_slice_of_fully_shards(ra
     )
 
 
-@on_ranks(4)
+@on_ranks(4, timeout_s=OWN_LAUNCH_TIMEOUT_S)
 @pytest.mark.parametrize("config", CONFIGS)
 def test_dp_collectives_follow_the_closed_form_and_equal_fully_shards(ranks, config):
     run = results(ranks.device)[config]
@@ -266,7 +271,7 @@ def test_dp_collectives_follow_the_closed_form_and_equal_fully_shards(ranks, con
     assert run["shard_bytes"] == (group_bytes()["root"] + 2 * group_bytes()["layer"]) // DP  # padded shards
 
 
-@on_ranks(4)
+@on_ranks(4, timeout_s=OWN_LAUNCH_TIMEOUT_S)
 def test_sequence_parallel_norm_gradients_are_summed_over_tp_on_the_dp_shards(ranks):
     """The reference sums the 2 L + 1 RMSNorm weights' gradients ([h] each, replicated over TP) in one
     all-reduce after the reduce-scatter, of this DP rank's h / dp rows of each; `fully_shard` all-reduces
@@ -278,12 +283,12 @@ def test_sequence_parallel_norm_gradients_are_summed_over_tp_on_the_dp_shards(ra
     assert run["tp"]["sp_sums"] == [[]] * STEPS  # without SP, nothing to sum
 
 
-@on_ranks(4)
+@on_ranks(4, timeout_s=OWN_LAUNCH_TIMEOUT_S)
 def test_a_model_not_split_for_the_layouts_tp_group_is_refused_in_one_line(ranks):
     assert results(ranks.device)["refusal"].startswith("fully_shard_tp_model: rank 0: layers.0.attention.qkv")
 
 
-@on_ranks(4)
+@on_ranks(4, timeout_s=OWN_LAUNCH_TIMEOUT_S)
 def test_hsdp_or_an_int_reshard_cut_from_one_dp_group_is_refused_not_hung(ranks):
     """At dp 2 x tp 2 there are two DP groups. Groups cut from one of them alone would be created in a different
     order by each group's ranks (new_group is a collective of the whole world): refused in one line, at once."""
