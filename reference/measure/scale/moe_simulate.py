@@ -27,11 +27,11 @@ from reference.measure.scale import moe_formulas
 from reference.measure.scale.moe_shapes import MoESetup
 from reference.measure.scale.routing import imbalance
 from reference.measure.scale.shapes import DTYPES
-from reference.measure.scale.simulate import Row, adam
+from reference.measure.scale.simulate import Row, adam, stage_of
 from reference.moe import dispatcher as dispatcher_module
 from reference.moe.layer import MoELayer
 from reference.moe.parallelize import parallelize_moe
-from reference.parallel_state import ParallelLayout, build_layout, expert_grid, rank_grid
+from reference.parallel_state import ParallelLayout, build_layout, expert_grid
 from reference.tensor_parallel import collectives
 from reference.tensor_parallel.layers import allreduce_sequence_parallel_grads
 
@@ -74,11 +74,6 @@ def moe_sublayer(layer: MoELayer, x: torch.Tensor, counts: torch.Tensor) -> torc
     rows = layer.dispatcher.combine(layer.experts(rows, tokens_per_expert))
     out = (rows.view(-1, k, layer.hidden_size) * weights.unsqueeze(-1)).sum(dim=1)
     return x + out.view_as(x)
-
-
-def stage_of(setup: MoESetup, rank: int) -> int:
-    grid = rank_grid(setup.tp, setup.pp, setup.dp, setup.order)
-    return int((grid == rank).nonzero()[0][0])
 
 
 def ep_rank_of(setup: MoESetup, rank: int) -> int:

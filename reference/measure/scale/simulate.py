@@ -51,7 +51,7 @@ class Row:
 
 
 def stage_of(setup: ScaleSetup, rank: int) -> int:
-    """Pipeline stage of a global rank in this layout."""
+    """Pipeline stage of a global rank in this layout (a ScaleSetup, or a MoESetup: tp, pp, dp, order)."""
     grid = rank_grid(setup.tp, setup.pp, setup.dp, setup.order)
     return int((grid == rank).nonzero()[0][0])
 
