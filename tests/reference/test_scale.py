@@ -65,6 +65,7 @@ def rows_of(seventy_b, name: str, stage: int):
     return summarize(setup, steps[stage].rank, steps[stage].events)
 
 
+@pytest.mark.freshness
 def test_committed_scale_traces_match_a_fresh_run(seventy_b):
     """reading_notes/traces/scale_*.json are what `python -m reference.measure.scale ... --json` writes now (the
     document of the same setups and ranks), formula terms included."""
