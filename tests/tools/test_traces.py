@@ -314,14 +314,11 @@ def test_record_traces_only_refuses_an_unknown_trace_in_one_line(capsys):
 
 def test_a_pipeline_of_thousands_of_stages_is_placed_in_linear_time():
     """Each action waits on one action of a neighbouring stage: placing them must not rescan every stage per
-    action (12,000 stages once took 268 s)."""
-    import time
-
+    action (12,000 stages once took 268 s). The time per stage is benchmarks/bench_pipeline_slots.py's figure;
+    here, the slots of the first and the last stage."""
     p = 4000
     trace = {"name": "wide", "stages": [{"actions": ["F0", "B0"]} for _ in range(p)]}
-    started = time.perf_counter()
     slots = pipeline_slots(trace)
-    assert time.perf_counter() - started < 5
     assert slots[p - 1] == [("F0", p - 1, p), ("B0", p, p + 2)]
     assert slots[0] == [("F0", 0, 1), ("B0", 3 * p - 2, 3 * p)]
 
