@@ -1,6 +1,5 @@
 """Every bad input gets one clear line on stderr, a meaningful exit code, and leaves nothing half-written."""
 
-
 import pytest
 
 from tests.gitserver import SilentServer
