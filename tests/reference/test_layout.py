@@ -10,7 +10,15 @@ import pytest
 from megatron.core.parallel_state import RankGenerator
 
 from reference.layout import main
-from reference.parallel_state import ParallelConfigError, expert_grid, expert_groups, groups, parallel_sizes, rank_grid
+from reference.parallel_state import (
+    Mesh,
+    ParallelConfigError,
+    expert_grid,
+    expert_groups,
+    groups,
+    parallel_sizes,
+    rank_grid,
+)
 from tests.launch import ROOT
 
 
@@ -53,6 +61,38 @@ def test_expert_groups_equal_megatron_rank_generator(tp, pp, dp, ep, order):
     assert groups(rank_grid(tp, pp, dp, order), "pp") == sorted(theirs.get_ranks("pp"))
 
 
+@pytest.mark.parametrize(
+    "tp,cp,pp,dp,ep,order",
+    [
+        (2, 2, 2, 2, 1, "tp-pp-dp"),
+        (2, 2, 2, 2, 1, "tp-dp-pp"),
+        (2, 2, 1, 2, 4, "tp-pp-dp"),
+        (1, 4, 2, 2, 2, "tp-dp-pp"),
+        (2, 3, 2, 2, 3, "tp-dp-pp"),
+    ],
+)
+def test_context_parallel_groups_and_ep_over_dp_x_cp_equal_megatron_rank_generator(tp, cp, pp, dp, ep, order):
+    """CP varies right after TP ("tp-cp-ep-dp-pp"); the experts' data-parallel size is dp x cp / ep, as
+    megatron-core's expert RankGenerator (cp 1 there) carves it."""
+    megatron_order = order.replace("tp-", "tp-cp-ep-")
+    dense = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order=megatron_order)
+    experts = RankGenerator(tp=tp, ep=ep, dp=dp * cp // ep, pp=pp, cp=1, order=megatron_order)
+    mesh = Mesh(tp, pp, dp, cp=cp, ep=ep, order=order)
+    for kind in ("tp", "cp", "pp", "dp"):
+        assert mesh.ranks(kind) == sorted(dense.get_ranks(kind)), kind
+    assert mesh.ranks("ep") == sorted(experts.get_ranks("ep"))
+    assert mesh.ranks("edp") == sorted(experts.get_ranks("dp"))
+
+
+def test_hsdp_splits_each_dp_group_into_replicas_of_consecutive_shards():
+    """dp = dp_replicate x dp_shard, shard fastest (torchtitan's dims): each DP group's rows shard, its columns
+    replicate; the embedding group pairs each pipeline's ends."""
+    mesh = Mesh(2, 2, 4, dp_replicate=2)
+    assert mesh.ranks("dp") == [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]]
+    assert mesh.ranks("dp_shard")[:2] == [[0, 4], [1, 5]] and mesh.ranks("dp_replicate")[:2] == [[0, 8], [1, 9]]
+    assert mesh.ranks("embedding") == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]]
+
+
 def test_expert_parallelism_is_carved_out_of_data_parallelism():
     with pytest.raises(ParallelConfigError, match=r"data-parallel size \(4\) is not divisible by the expert-parallel"):
         expert_grid(1, 1, 4, 3)
@@ -82,6 +122,10 @@ def test_layout_command_prints_text_and_json(capsys):
     text = capsys.readouterr().out
     assert "ep groups: [0,2] [1,3] [4,6] [5,7]\n  expert dp groups: [0,4] [1,5] [2,6] [3,7]" in text
     assert "rank 3: tp 1, pp 0, dp 1, ep 1" in text
+    assert main(["--tp", "2", "--cp", "2", "--dp", "2", "--rank", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "world 8 = tp 2 x cp 2 x pp 1 x dp 2, order tp-cp-pp-dp" in text
+    assert "cp groups: [0,2] [1,3] [4,6] [5,7]" in text and "rank 2: tp 0, cp 1, pp 0, dp 0" in text
 
 
 def test_layout_command_refuses_in_one_line():
