@@ -1,19 +1,18 @@
 """Which ranks talk to which: one mesh of named dimensions, and every process group a slice of it.
 
-The world is one tensor of ranks, `torch.arange(world).view(...)` as picotron lays it out, with axes named as
-torchtitan's ParallelDims names them: pp, dp (dp_replicate x dp_shard; HSDP splits it), cp and tp. Which axis
-varies fastest over the ranks follows megatron-core's `order`: TP first, then CP, then "pp-dp" (the default here,
-"tp-pp-dp": TP groups are consecutive ranks, then stages, then replicas) or "dp-pp" ("tp-dp-pp", megatron's own
-default). The MoE layers read a second view of the same ranks, [pp, edp, ep, tp]: expert parallelism carved out
-of dp x cp, varying right after TP (megatron's expert rank generator, expert TP = TP). The embedding group pairs
-each pipeline's first and last stage.
+The world is one tensor of ranks (picotron's `torch.arange(world).view(...)`) with axes named as torchtitan's
+ParallelDims names them: pp, dp (dp_replicate x dp_shard; HSDP splits it), cp and tp. Which axis varies fastest
+follows megatron-core's `order`: TP, then CP, then "pp-dp" (the default here, "tp-pp-dp": TP groups are
+consecutive ranks, then stages, then replicas) or "dp-pp" ("tp-dp-pp", megatron's default). The MoE layers read a
+second view of the same ranks, [pp, edp, ep, tp]: EP carved out of dp x cp, right after TP (megatron's expert
+rank generator, expert TP = TP). The embedding group pairs each pipeline's first and last stage.
 
-Creating a process group is a collective of the whole world, so every group, and every torch device mesh built
-on them, is made in this module, by every rank, in one order. A new dimension is one entry of DIMS and GROUPS.
+Creating a group is a collective of the whole world, so every group, and every torch device mesh on them, is made
+here, by every rank, in one order. A new dimension is one entry of DIMS and GROUPS.
 
 Mirrors `megatron-lm:megatron/core/parallel_state.py::initialize_model_parallel` and
-`megatron-lm:megatron/core/parallel_state.py::RankGenerator` (notes/reference/parallel_state.md has an
-8-rank example; `python -m reference.layout` prints any).
+`megatron-lm:megatron/core/parallel_state.py::RankGenerator` (notes/reference/parallel_state.md;
+`python -m reference.layout` prints any layout).
 """
 
 from __future__ import annotations
@@ -28,15 +27,10 @@ import torch.distributed as dist
 ORDERS = ("tp-pp-dp", "tp-dp-pp")
 DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # the dense view's axes
 EXPERT_DIMS = ("pp", "edp", "ep", "tp")  # the MoE layers' view of the same ranks
-GROUPS = {  # name: (view, the axes its groups span), created in this order
-    "tp": ("dense", ("tp",)),
-    "cp": ("dense", ("cp",)),
-    "pp": ("dense", ("pp",)),
-    "dp": ("dense", ("dp_replicate", "dp_shard")),
-    "dp_replicate": ("dense", ("dp_replicate",)),
-    "dp_shard": ("dense", ("dp_shard",)),
-    "ep": ("expert", ("ep",)),
-    "edp": ("expert", ("edp",)),
+GROUPS = {  # name: the axes its groups span (of the expert view for ep and edp), created in this order
+    **{name: (name,) for name in ("tp", "cp", "pp")},
+    "dp": ("dp_replicate", "dp_shard"),
+    **{name: (name,) for name in ("dp_replicate", "dp_shard", "ep", "edp")},
 }
 
 
@@ -140,10 +134,8 @@ class Mesh:
         """Every group of `name` (a key of GROUPS, or "embedding"), sorted by first rank."""
         if name == "embedding":  # the first and last stage of each pipeline
             return [[g[0], g[-1]] for g in self.ranks("pp")] if self.pp > 1 else []
-        view, axes = GROUPS[name]
-        if view == "expert":
-            return rank_lists(self.expert, EXPERT_DIMS, axes)
-        return rank_lists(self.dense, DIMS, axes)
+        axes = GROUPS[name]
+        return rank_lists(*((self.expert, EXPERT_DIMS) if name in ("ep", "edp") else (self.dense, DIMS)), axes)
 
     @property
     def grid(self) -> torch.Tensor:
@@ -185,12 +177,10 @@ class Mesh:
 
 
 def new_groups(rank_lists: list[list[int]], what: str | None = None) -> dist.ProcessGroup | None:
-    """Create one process group per rank list, in that order, and return this rank's (None if in none).
+    """One process group per rank list, created in that order; returns this rank's (None if in none).
 
-    Creating a group is a collective of the whole world: every rank must pass the same lists. A rank that
-    listed its own part of the world only would create groups in an order the others do not (a hang), so
-    every group of a run is cut from one mesh. Given `what`, the lists must partition the world (refused in one
-    line otherwise)."""
+    Creating a group is a collective of the whole world: every rank must pass the same lists, or ranks create
+    groups in different orders (a hang). Given `what`, the lists must partition the world (refused otherwise)."""
     listed = sorted(rank for ranks in rank_lists for rank in ranks)
     if what is not None and listed != list(range(dist.get_world_size())):
         raise ValueError(f"{what} over {len(listed)} of {dist.get_world_size()} ranks: cut it from the whole mesh")
@@ -303,27 +293,3 @@ def build_layout(
     mesh = Mesh(tp, pp, dp, cp=cp_size, ep=ep_size, dp_replicate=dp_replicate, order=order)
     groups = {name: new_groups(mesh.ranks(name)) for name in (*GROUPS, "embedding")}
     return ParallelLayout(mesh, dist.get_rank(), groups)
-
-
-# The [pp, dp, tp] functions reference.layout's tests and the scale simulation read, over the same Mesh.
-
-
-def rank_grid(tp_size: int, pp_size: int, dp_size: int, order: str = "tp-pp-dp") -> torch.Tensor:
-    """The ranks as a [pp, dp, tp] tensor; `order` lists the dimensions from fastest- to slowest-varying."""
-    return Mesh(tp_size, pp_size, dp_size, order=order).grid
-
-
-def groups(grid: torch.Tensor, kind: str) -> list[list[int]]:
-    """Every rank list of one kind ("tp", "pp" or "dp") of a [pp, dp, tp] grid, sorted by first rank."""
-    return rank_lists(grid, ("pp", "dp", "tp"), (kind,))
-
-
-def expert_grid(tp_size: int, pp_size: int, dp_size: int, ep_size: int, order: str = "tp-pp-dp") -> torch.Tensor:
-    """The ranks of the MoE layers as a [pp, edp, ep, tp] tensor (Mesh.expert); refuses an EP size that does not
-    divide dp, and EP with pipeline stages unless PP varies slowest."""
-    return Mesh(tp_size, pp_size, dp_size, ep=ep_size, order=order).expert
-
-
-def expert_groups(grid: torch.Tensor, kind: str) -> list[list[int]]:
-    """Every rank list of one kind ("ep" or "edp", the experts' data-parallel groups) of an expert grid."""
-    return rank_lists(grid, EXPERT_DIMS, (kind,))

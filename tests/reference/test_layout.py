@@ -10,32 +10,24 @@ import pytest
 from megatron.core.parallel_state import RankGenerator
 
 from reference.layout import main
-from reference.parallel_state import (
-    Mesh,
-    ParallelConfigError,
-    expert_grid,
-    expert_groups,
-    groups,
-    parallel_sizes,
-    rank_grid,
-)
+from reference.parallel_state import Mesh, ParallelConfigError, parallel_sizes
 from tests.launch import ROOT
 
 
 def test_eight_ranks_tp2_pp2_dp2_groups():
-    grid = rank_grid(2, 2, 2)
-    assert groups(grid, "tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert groups(grid, "pp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
-    assert groups(grid, "dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    mesh = Mesh(2, 2, 2)
+    assert mesh.ranks("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert mesh.ranks("pp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert mesh.ranks("dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
 
 
 @pytest.mark.parametrize("order", ["tp-pp-dp", "tp-dp-pp"])
 @pytest.mark.parametrize("tp,pp,dp", [(2, 2, 2), (1, 4, 2), (4, 1, 2), (2, 4, 1), (8, 8, 64), (4, 2, 3)])
 def test_groups_equal_megatron_rank_generator(tp, pp, dp, order):
     theirs = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=1, order=order.replace("tp-", "tp-cp-ep-"))
-    grid = rank_grid(tp, pp, dp, order)
+    mesh = Mesh(tp, pp, dp, order=order)
     for kind in ("tp", "pp", "dp"):
-        assert groups(grid, kind) == sorted(theirs.get_ranks(kind)), kind
+        assert mesh.ranks(kind) == sorted(theirs.get_ranks(kind)), kind
 
 
 @pytest.mark.parametrize(
@@ -54,11 +46,11 @@ def test_expert_groups_equal_megatron_rank_generator(tp, pp, dp, ep, order):
     """megatron-core's initialize_model_parallel builds its expert groups with a RankGenerator of the expert
     tensor-parallel size (by default the TP size), EP, dp / EP and PP, in the same order string."""
     theirs = RankGenerator(tp=tp, ep=ep, dp=dp // ep, pp=pp, cp=1, order=order.replace("tp-", "tp-cp-ep-"))
-    experts = expert_grid(tp, pp, dp, ep, order)
-    assert expert_groups(experts, "ep") == sorted(theirs.get_ranks("ep"))
-    assert expert_groups(experts, "edp") == sorted(theirs.get_ranks("dp"))
-    assert groups(rank_grid(tp, pp, dp, order), "tp") == sorted(theirs.get_ranks("tp"))  # expert TP = TP
-    assert groups(rank_grid(tp, pp, dp, order), "pp") == sorted(theirs.get_ranks("pp"))
+    mesh = Mesh(tp, pp, dp, ep=ep, order=order)
+    assert mesh.ranks("ep") == sorted(theirs.get_ranks("ep"))
+    assert mesh.ranks("edp") == sorted(theirs.get_ranks("dp"))
+    assert mesh.ranks("tp") == sorted(theirs.get_ranks("tp"))  # expert TP = TP
+    assert mesh.ranks("pp") == sorted(theirs.get_ranks("pp"))
 
 
 @pytest.mark.parametrize(
@@ -95,9 +87,9 @@ def test_hsdp_splits_each_dp_group_into_replicas_of_consecutive_shards():
 
 def test_expert_parallelism_is_carved_out_of_data_parallelism():
     with pytest.raises(ParallelConfigError, match=r"data-parallel size \(4\) is not divisible by the expert-parallel"):
-        expert_grid(1, 1, 4, 3)
+        Mesh(1, 1, 4, ep=3)
     with pytest.raises(ParallelConfigError, match="expert parallelism with pipeline stages needs order tp-dp-pp"):
-        expert_grid(1, 2, 2, 2, "tp-pp-dp")
+        Mesh(1, 2, 2, ep=2, order="tp-pp-dp")
 
 
 def test_sizes_must_multiply_to_the_world():

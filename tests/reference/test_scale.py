@@ -29,7 +29,7 @@ from reference.measure.scale.simulate import (
     summarize,
     trace_rank,
 )
-from reference.parallel_state import ParallelConfigError, rank_grid
+from reference.parallel_state import Mesh, ParallelConfigError
 from tests.launch import ROOT
 
 M = 16  # micro-batches of the committed 70B traces (fewer than stages: the small layouts below)
@@ -212,7 +212,7 @@ def test_small_fsdp2_and_hsdp_layouts_equal_the_formulas(layout):
 @pytest.mark.parametrize("layout", [dict(tp=2, pp=4, dp=2), dict(tp=2, pp=3, dp=2, sp=True)], ids=["tp-pp4", "sp-pp3"])
 def test_gpipe_and_1f1b_move_the_same_tensors_in_another_order(layout):
     setup = setup_for("small", microbatches=5, **layout)
-    for rank in (int(rank) for rank in rank_grid(setup.tp, setup.pp, setup.dp)[:, 0, 0]):  # every stage
+    for rank in (int(rank) for rank in Mesh(setup.tp, setup.pp, setup.dp).grid[:, 0, 0]):  # every stage
         gpipe = trace_rank(dataclasses.replace(setup, schedule="gpipe"), rank)
         one_f_one_b = trace_rank(setup, rank)
         keys = [[(e.key(), e.module) for e in events] for events in (gpipe, one_f_one_b)]
