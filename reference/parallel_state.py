@@ -126,7 +126,10 @@ class Mesh:
 
     @functools.cached_property
     def expert(self) -> torch.Tensor:
-        """The ranks indexed [pp, edp, ep, tp] (EXPERT_DIMS): megatron's expert rank generator."""
+        """The ranks indexed [pp, edp, ep, tp] (EXPERT_DIMS), with expert TP = TP.
+
+        Mirrors `megatron-lm:megatron/core/parallel_state.py::initialize_model_parallel` (its expert RankGenerator).
+        """
         order = self.order.replace("tp-", "tp-ep-").replace("dp", "edp").split("-")
         return ordered({n: self.sizes()[n] for n in EXPERT_DIMS}, order, EXPERT_DIMS)
 
@@ -176,7 +179,7 @@ class Mesh:
         return "\n".join(lines)
 
 
-def new_groups(rank_lists: list[list[int]], what: str | None = None) -> dist.ProcessGroup | None:
+def create_groups(rank_lists: list[list[int]], what: str | None = None) -> dist.ProcessGroup | None:
     """One process group per rank list, created in that order; returns this rank's (None if in none).
 
     Creating a group is a collective of the whole world: every rank must pass the same lists, or ranks create
@@ -291,5 +294,5 @@ def build_layout(
         raise ParallelConfigError("torch.distributed is not initialized: call init_process_group first")
     tp, pp, dp = parallel_sizes(dist.get_world_size(), tp_size, pp_size, dp_size, cp_size)
     mesh = Mesh(tp, pp, dp, cp=cp_size, ep=ep_size, dp_replicate=dp_replicate, order=order)
-    groups = {name: new_groups(mesh.ranks(name)) for name in (*GROUPS, "embedding")}
+    groups = {name: create_groups(mesh.ranks(name)) for name in (*GROUPS, "embedding")}
     return ParallelLayout(mesh, dist.get_rank(), groups)

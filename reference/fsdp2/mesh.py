@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from reference.parallel_state import new_groups
+from reference.parallel_state import create_groups
 
 if TYPE_CHECKING:
     from reference.parallel_state import ParallelLayout
@@ -57,7 +57,10 @@ class ShardMesh:
     @classmethod
     def from_layout(cls, layout: ParallelLayout) -> ShardMesh:
         """FSDP2's view of a layout: shard over its DP group, or under HSDP over `dp_shard` with the replicas
-        over `dp_replicate` (this rank's DP group as `dp_replicate` rows of consecutive DP ranks)."""
+        over `dp_replicate` (this rank's DP group as `dp_replicate` rows of consecutive DP ranks).
+
+        Mirrors `pytorch:torch/distributed/fsdp/_fully_shard/_fsdp_common.py::HSDPMeshInfo`.
+        """
         if layout.size("dp_replicate") == 1:
             return cls((layout.members("dp"),), layout.dp_group, every=_rows(layout.ranks("dp")))
         grid = _rows(layout.local(("dp_replicate", "dp_shard")).tolist())
@@ -83,7 +86,7 @@ class ShardMesh:
         """
         if size not in self._post_forward:
             rows = [row[i : i + size] for row in self.every or self.grid for i in range(0, len(row), size)]
-            group = new_groups(rows, "reshard_after_forward=int")
+            group = create_groups(rows, "reshard_after_forward=int")
             mine = next(row for row in rows if dist.get_rank() in row)
             self._post_forward[size] = ShardMesh((mine,), group)
         return self._post_forward[size]
