@@ -8,7 +8,8 @@ second view of the same ranks, [pp, edp, ep, tp]: EP carved out of dp x cp, righ
 rank generator, expert TP = TP). The embedding group pairs each pipeline's first and last stage.
 
 Creating a group is a collective of the whole world, so every group, and every torch device mesh on them, is made
-here, by every rank, in one order. A new dimension is one entry of DIMS and GROUPS.
+here, by every rank, in one order. A new dimension is a size of Mesh, a place in DIMS and the order, and an entry
+of GROUPS: this file alone.
 
 Mirrors `megatron-lm:megatron/core/parallel_state.py::initialize_model_parallel` and
 `megatron-lm:megatron/core/parallel_state.py::RankGenerator` (notes/reference/parallel_state.md;
@@ -27,10 +28,15 @@ import torch.distributed as dist
 ORDERS = ("tp-pp-dp", "tp-dp-pp")
 DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # the dense view's axes
 EXPERT_DIMS = ("pp", "edp", "ep", "tp")  # the MoE layers' view of the same ranks
-GROUPS = {  # name: the axes its groups span (of the expert view for ep and edp), created in this order
-    **{name: (name,) for name in ("tp", "cp", "pp")},
+GROUPS = {  # name: the axes its groups span (ep, edp: of the expert view), created in this order
+    "tp": ("tp",),
+    "cp": ("cp",),
+    "pp": ("pp",),
     "dp": ("dp_replicate", "dp_shard"),
-    **{name: (name,) for name in ("dp_replicate", "dp_shard", "ep", "edp")},
+    "dp_replicate": ("dp_replicate",),
+    "dp_shard": ("dp_shard",),
+    "ep": ("ep",),
+    "edp": ("edp",),
 }
 
 
@@ -55,14 +61,12 @@ def parallel_sizes(
     the world size."""
     if min(tp_size, pp_size, dp_size or 1, cp_size) < 1:
         raise ParallelConfigError(f"parallel sizes must be >= 1 (tp {tp_size}, pp {pp_size}, dp {dp_size})")
-    cp = f" x cp {cp_size}" if cp_size > 1 else ""
+    cp, rest = (f" x cp {cp_size}" if cp_size > 1 else ""), tp_size * cp_size * pp_size
     if dp_size is None:
-        rest = tp_size * cp_size * pp_size
         dp_size = divide(world_size, rest, "the world size", by=f"tp {tp_size}{cp} x pp {pp_size}")
-    if tp_size * cp_size * pp_size * dp_size != world_size:
+    if rest * dp_size != world_size:
         raise ParallelConfigError(
-            f"tp {tp_size}{cp} x pp {pp_size} x dp {dp_size} = {tp_size * cp_size * pp_size * dp_size} "
-            f"ranks, but the world has {world_size}"
+            f"tp {tp_size}{cp} x pp {pp_size} x dp {dp_size} = {rest * dp_size} ranks, but the world has {world_size}"
         )
     return tp_size, pp_size, dp_size
 
@@ -170,12 +174,9 @@ class Mesh:
                 listed = " ".join(str(g).replace(" ", "") for g in self.ranks(kind))
                 lines.append(f"  {'expert dp' if kind == 'edp' else kind} groups: {listed}")
         if rank is not None:
-            at = self.where(rank)
-            where = f"  rank {rank}: tp {at['tp']}" + (f", cp {at['cp']}" if cp else "")
-            where += f", pp {at['pp']}, dp {at['dp']}"
-            if self.ep > 1:
-                where += f", ep {self.where(rank, 'expert')['ep']}"
-            lines.append(where)
+            at = {**self.where(rank, "expert"), **self.where(rank)}
+            shown = [n for n in ("tp", "cp", "pp", "dp", "ep") if n not in ("cp", "ep") or self.sizes()[n] > 1]
+            lines.append(f"  rank {rank}: " + ", ".join(f"{name} {at[name]}" for name in shown))
         return "\n".join(lines)
 
 
@@ -195,7 +196,7 @@ def create_groups(rank_lists: list[list[int]], what: str | None = None) -> dist.
     return mine
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class ParallelLayout:
     """This rank's place in the mesh and its process groups: `group("tp")`, `size("cp")`, `rank_in("dp")`,
     `ranks("ep")` (every group of a kind), and the attributes the layers read (tp_group, tp_size, tp_rank, ...)."""
