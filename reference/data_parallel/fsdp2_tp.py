@@ -2,8 +2,8 @@
 the DP group.
 
 `fully_shard_tp_model(model, layout)` calls reference.fsdp2's `fully_shard` on every TP block of a TP-sharded
-model, then on the model, over `layout.dp_group` (HSDP: the layout's dp_replicate x dp_shard). A TP layer holds this
-rank's slice as a plain tensor, and FSDP2 cuts that tensor on dim 0 over the DP ranks holding the same slice,
+model, then on the model, over `layout.dp_group` (HSDP: the layout's dp_replicate x dp_shard). A TP layer holds
+this rank's slice as a plain tensor, and FSDP2 cuts that tensor on dim 0 over the DP ranks holding the same slice,
 parameter by parameter, with no change to either. Under sequence parallelism the TP sum of the replicated
 parameters' gradients runs after the reduce-scatter, on the shards, as with FSDP1 (reference.data_parallel.fsdp_tp).
 
@@ -24,11 +24,9 @@ from reference.parallel_state import ParallelLayout
 def fully_shard_tp_model(model: nn.Module, layout: ParallelLayout, **fsdp_kwargs) -> nn.Module:
     """`fully_shard` each TP block of `model` (split by reference.tensor_parallel.parallelize or
     reference.gpt.parallelize), then `model`, on the DP group (HSDP where the layout has `dp_replicate` > 1:
-    `ShardMesh.from_layout`); returns
-    `model`, now the root `FSDPModule`. `fsdp_kwargs` go to every call (`reshard_after_forward`, `mp_policy`).
-    A collective. Sequence-parallel
-    parameters keep their mark on their shards, so that `allreduce_sequence_parallel_grads(model,
-    layout.tp_group)` after backward sums their sharded gradients.
+    `ShardMesh.from_layout`); returns `model`, now the root `FSDPModule`. `fsdp_kwargs` go to every call
+    (`reshard_after_forward`, `mp_policy`). Sequence-parallel parameters keep their mark on their shards, so
+    that `allreduce_sequence_parallel_grads(model, layout.tp_group)` after backward sums their sharded gradients.
 
     How this mirrors FSDP2 over a DTensor TP parameter. Upstream, TP leaves a DTensor on the "tp" mesh
     (Shard(0) for a column-parallel weight, Shard(1) for a row-parallel one, Replicate for a norm) whose local
@@ -64,4 +62,3 @@ def fully_shard_tp_model(model: nn.Module, layout: ParallelLayout, **fsdp_kwargs
     for module, name in marked:  # the shard now sits where the parameter was
         module._parameters[name].sequence_parallel = True
     return model
-

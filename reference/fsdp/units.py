@@ -103,14 +103,13 @@ def _fully_shard_model(
     replicas: int,
 ) -> nn.Module:
     """`fully_shard` each layer, then the model, with torch's FSDP2 or the reference's, on the same mesh."""
+    layout = _hsdp_layout(process_group, replicas) if replicas > 1 else None
     if use_torch:
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-        if replicas == 1:
-            mesh = DeviceMesh.from_group(process_group, device.type)
-        else:
-            mesh = _hsdp_layout(process_group, replicas).device_mesh(("dp_replicate", "dp_shard"), device.type)
+        hsdp = ("dp_replicate", "dp_shard")
+        mesh = layout.device_mesh(hsdp, device.type) if layout else DeviceMesh.from_group(process_group, device.type)
         options = dict(
             mesh=mesh,
             mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
@@ -121,8 +120,7 @@ def _fully_shard_model(
 
         if cpu_offload:
             raise ValueError("the reference FSDP2 keeps its shards on the compute device: no CPU offload")
-        hsdp = replicas > 1
-        mesh = ShardMesh.from_layout(_hsdp_layout(process_group, replicas)) if hsdp else ShardMesh.flat(process_group)
+        mesh = ShardMesh.from_layout(layout) if layout else ShardMesh.flat(process_group)
         options = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype))
     if reshard_after_forward is not None:
         options["reshard_after_forward"] = reshard_after_forward
