@@ -7,8 +7,8 @@ Adam a rank holds 2Ψ + (2 + 12)Ψ/N_d bytes, with fp32 main grads 2Ψ + (4 + 12
 
 Micro-batches accumulate in the full buffer under `no_sync` and are reduce-scattered once, on the last: ZeRO-1's
 traffic, as torch FSDP1's SHARD_GRAD_OP inside `no_sync`, which too accumulates unsharded gradients. Outside it,
-FSDP1 reduce-scatters every backward into its shard; that would hold 1/N_d between micro-batches for m times
-the traffic. The buffer is freed at the step, not at the reduce-scatter, so that finalize_model_grads' TP sum of
+FSDP1 reduce-scatters every backward and adds the shards: 1/N_d held between micro-batches, m times the traffic.
+The buffer is freed at the step, not at the reduce-scatter, so that finalize_model_grads' TP sum of
 sequence-parallel gradients still finds its views. Megatron-core has no ZeRO-2.
 
 Mirrors `pytorch:torch/distributed/fsdp/_runtime_utils.py::_reduce_grad` (the unsharded gradient is dropped,
