@@ -1,15 +1,10 @@
 """ZeRO stage 2: the distributed optimizer, and each rank keeps only its shard of the reduced gradients.
 
-Buckets accumulate and reduce-scatter as under ZeRO-1 (reference.data_parallel.distributed_optimizer). When the
-optimizer step begins, each bucket copies its reduced shard into a tensor of 1/dp of the bucket and frees the
-full buffer; the next step's first gradient allocates it again. Parameters stay whole: with bf16 gradients and
-Adam a rank holds 2Ψ + (2 + 12)Ψ/N_d bytes, with fp32 main grads 2Ψ + (4 + 12)Ψ/N_d.
-
-Micro-batches accumulate in the full buffer under `no_sync` and are reduce-scattered once, on the last: ZeRO-1's
-traffic, as torch FSDP1's SHARD_GRAD_OP inside `no_sync`, which too accumulates unsharded gradients. Outside it,
-FSDP1 reduce-scatters every backward and adds the shards: 1/N_d held between micro-batches, m times the traffic.
-The buffer is freed at the step, not at the reduce-scatter, so that finalize_model_grads' TP sum of
-sequence-parallel gradients still finds its views. Megatron-core has no ZeRO-2.
+Buckets accumulate (under `no_sync`) and reduce-scatter once a step as under ZeRO-1. When the optimizer step
+begins, each bucket copies its reduced shard aside and frees its full buffer, which the next step's first
+gradient allocates again: parameters whole, 2Ψ + (2 + 12)Ψ/N_d bytes per rank with bf16 gradients and Adam.
+Megatron-core has no ZeRO-2. The site's page on this module (notes/reference/data_parallel.gradient_shards.md)
+says why the buffer is freed at the step and how micro-batches accumulate.
 
 Mirrors `pytorch:torch/distributed/fsdp/_runtime_utils.py::_reduce_grad` (the unsharded gradient is dropped,
 its shard kept) and `pytorch:torch/distributed/fsdp/_runtime_utils.py::_get_reduce_scatter_tensors`.
