@@ -26,6 +26,7 @@ from reference.gpt.model import GPT, GPTConfig
 from reference.gpt.train import split_batch, synthetic_batches
 from reference.measure.recorder import CollectiveRecorder
 from tests.ranks import on_ranks
+from tests.reference.helpers import demo_output, json_lines
 from tests.reference.refusals import refusal
 
 WORLD = 2
@@ -217,6 +218,27 @@ def test_zero2_reduce_scatters_then_all_gathers_each_bucket_once_a_step(ranks, g
         assert {(e[2], e[4]) for e in gathers} == {("bfloat16", True)}
         assert sum(e[1] for e in scatters) == size * psi and sum(e[1] for e in gathers) == 2 * psi
         assert step == theirs
+
+
+@functools.cache
+def demo(dp_sharding: str) -> list[dict]:
+    """The demo's --json records at dp 2: bf16 (fp32 main grads and masters), Adam, 2 steps of 4 micro-batches."""
+    model = ["--vocab-size", "51", "--hidden-size", "16", "--seq-length", "8", "--num-layers", "2"]
+    argv = ["--dp", "2", "--steps", "2", "--dtype", "bf16", "--optimizer", "adam", "--json", *model]
+    return json_lines(demo_output([*argv, "--dp-sharding", dp_sharding]))
+
+
+@on_ranks(WORLD)
+def test_zero2_demo_reports_a_gradient_shard_per_rank(ranks):
+    """`--dp-sharding gradients` against `optimizer`: the same losses and dp collectives per step, and a memory
+    report whose gradients alone are 1/dp of ZeRO-1's (the padded fp32 buffer's)."""
+    zero1, zero2 = demo("optimizer"), demo("gradients")
+    steps1, steps2 = ([r for r in records if "step" in r] for records in (zero1, zero2))
+    assert [s["loss"] for s in steps2] == [s["loss"] for s in steps1]
+    assert [s["collectives"]["dp"] for s in steps2] == [s["collectives"]["dp"] for s in steps1]
+    (memory1,), (memory2,) = ([r["memory"] for r in records if "memory" in r] for records in (zero1, zero2))
+    for one, two in zip(memory1, memory2):
+        assert two == {**one, "gradients": one["gradients"] // WORLD}
 
 
 def test_zero2_at_dp_1_is_refused_with_one_line(capsys):
