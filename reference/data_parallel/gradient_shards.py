@@ -61,12 +61,21 @@ class ShardedGradBucket(GradBucket):
             for param in self.params:
                 param.grad = None
 
-    def take_grad(self, param: torch.nn.Parameter) -> None:
-        """The step's first gradient allocates the full buffer again, zeroed; then as GradBucket."""
+    def allocate(self) -> None:
+        """The full buffer back, zeroed (its views find their storage again)."""
         if self.freed:
             self.grad_data.untyped_storage().resize_(self.grad_data.numel() * self.grad_data.element_size())
             self.grad_data.zero_()
+
+    def take_grad(self, param: torch.nn.Parameter) -> None:
+        """The step's first gradient allocates the full buffer; then as GradBucket."""
+        self.allocate()
         super().take_grad(param)
+
+    def start_grad_sync(self, async_op: bool) -> None:
+        """As GradBucket's; a bucket no gradient reached this step reduce-scatters zeros."""
+        self.allocate()
+        super().start_grad_sync(async_op)
 
     def zero(self) -> None:
         self.kept.zero_()

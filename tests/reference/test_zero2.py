@@ -241,6 +241,34 @@ def test_zero2_demo_reports_a_gradient_shard_per_rank(ranks):
         assert two == {**one, "gradients": one["gradients"] // WORLD}
 
 
+class OneUsedOfTwo(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used, self.unused = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
+@on_ranks(WORLD)
+def test_zero2_reduce_scatters_a_bucket_no_gradient_reached(ranks):
+    """A bucket whose parameters the forward never used (each Linear its own bucket) still reduce-scatters at
+    finish_grad_sync, from a buffer allocated then, zeroed; the step sees a zero gradient shard for it."""
+    torch.manual_seed(SEED)
+    model = DistributedDataParallel(
+        OneUsedOfTwo(), bucket_size=1, use_distributed_optimizer=True, bucket_class=ShardedGradBucket
+    )
+    optimizer = ShardedGradOptimizer(model, adam)
+    with CollectiveRecorder() as rec:
+        model(torch.ones(2, 4)).sum().backward()
+        model.finish_grad_sync()
+        optimizer.step()
+    assert [e.op for e in rec.events] == ["reduce_scatter"] * 4 + ["all_gather"] * 4
+    unused = {model._bucket_of[p] for p in model.module.unused.parameters()}
+    assert all(b.freed and not b.kept.any() for b in unused)
+    assert all(b.freed and b.kept.any() for b in model.buckets if b not in unused)
+
+
 def test_zero2_at_dp_1_is_refused_with_one_line(capsys):
     stderr = refusal(main, ["--dp-sharding", "gradients"], capsys)
     assert stderr.strip() == (
