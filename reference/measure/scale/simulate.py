@@ -17,8 +17,10 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from reference.data_parallel.buckets import GradBucket
 from reference.data_parallel.distributed_optimizer import DistributedOptimizer, bytes_per_rank
 from reference.data_parallel.fsdp2_tp import fully_shard_tp_model
+from reference.data_parallel.gradient_shards import ShardedGradBucket, ShardedGradOptimizer
 from reference.data_parallel.mixed_precision import unsharded
 from reference.fsdp2 import MixedPrecisionPolicy
 from reference.fsdp2.state import STATE_ATTR
@@ -91,12 +93,17 @@ def trace_rank(setup: ScaleSetup, rank: int, device: str = "meta", held: dict | 
             )
         wrapped = [
             data_parallel(
-                chunk, layout, bucket_size=setup.bucket_size, use_distributed_optimizer=setup.distributed_optimizer
+                chunk,
+                layout,
+                bucket_size=setup.bucket_size,
+                use_distributed_optimizer=setup.distributed_optimizer,
+                bucket_class=ShardedGradBucket if setup.shard_gradients else GradBucket,
             )
             for chunk in chunks
         ]
         ddp = wrapped if setup.virtual_stages > 1 else wrapped[0]
-        optimizer = DistributedOptimizer(ddp, adam) if setup.distributed_optimizer else unsharded(ddp, adam)
+        zero = ShardedGradOptimizer if setup.shard_gradients else DistributedOptimizer
+        optimizer = zero(ddp, adam) if setup.distributed_optimizer else unsharded(ddp, adam)
         rows = setup.dp * setup.microbatches * model.micro_batch_size
         tokens = torch.zeros(rows, model.seq_length + 1, dtype=torch.long, device=where)  # global batch
         recorder = CollectiveRecorder()
