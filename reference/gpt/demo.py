@@ -3,9 +3,9 @@
 Prints the layout, then per step the global loss, rank 0's parameter bytes and its collectives per process
 group (tp, pp, dp), then each stage's schedule, in-flight peak and bubble (the recorded orders replayed with
 equal stages and at their recorded FLOPs, and the wall clock's), then every rank's memory. `--model
-llama` trains the Llama/Qwen2 block; `--dp-sharding fsdp` or `fsdp2` (2D) or `optimizer` (ZeRO-1) shard over DP;
-`--virtual-stages v` interleaves. The loss does not depend on the layout: the same seed gives the same model
-and data everywhere. docs/reference-guide.md lists the demos and what each prints.
+llama` trains the Llama/Qwen2 block; `--dp-sharding fsdp` or `fsdp2` (2D), `optimizer` (ZeRO-1) or
+`gradients` (ZeRO-2) shard over DP; `--virtual-stages v` interleaves. The loss does not depend on the layout:
+the same seed gives the same model and data everywhere. docs/reference-guide.md lists the demos and what each prints.
 """
 
 from __future__ import annotations
@@ -17,8 +17,10 @@ import os
 import torch
 import torch.distributed as dist
 
+from reference.data_parallel.buckets import GradBucket
 from reference.data_parallel.distributed_optimizer import DistributedOptimizer, bytes_per_rank
 from reference.data_parallel.fsdp2_tp import fully_shard_tp_model
+from reference.data_parallel.gradient_shards import ShardedGradBucket, ShardedGradOptimizer
 from reference.data_parallel.mixed_precision import model_chunks, unsharded
 from reference.data_parallel.wrapper import DEFAULT_BUCKET_SIZE
 from reference.distributed import OPTIMIZERS, distributed, one_line_errors, pick_dtype
@@ -38,6 +40,7 @@ from reference.recompute import RECOMPUTE_MODES
 
 MODELED_TFLOPS = 100.0  # the modeled timeline's FLOP rate: a GPU's dense rate, in order of magnitude
 FSDP = {"fsdp": "FSDP", "fsdp2": "FSDP2"}  # --dp-sharding's fully sharded choices: the reference each runs
+ZERO = {"optimizer": "the optimizer state", "gradients": "the gradients and the optimizer state"}  # ZeRO-1, 2
 
 
 def add_arguments(group) -> None:
@@ -95,11 +98,13 @@ def add_arguments(group) -> None:
     group.add_argument("--dropout", type=float, default=0.0, help="hidden and attention dropout probability")
     group.add_argument(
         "--dp-sharding",
-        choices=["replicate", "optimizer", "fsdp", "fsdp2"],
+        choices=["replicate", "optimizer", "gradients", "fsdp", "fsdp2"],
         default="replicate",
         help="replicate: every DP rank holds the stage and all-reduces gradients in buckets (DDP); "
         "optimizer: the distributed optimizer (ZeRO-1) shards the optimizer state over DP "
         "(reduce-scatter gradients, all-gather parameters; needs dp > 1); "
+        "gradients: ZeRO-2, the same, and each rank keeps only its shard of the reduced gradients "
+        "(parameters whole: 2 + (2 + 12) / dp bytes per parameter with bf16 gradients and Adam); "
         "fsdp: reference FSDP over the DP group shards the TP-sharded stage (2D, all-gathers "
         "and reduce-scatters; needs --pp 1 and --micro-batches 1); fsdp2: the same with the reference FSDP2, "
         "each TP-local parameter sharded on dim 0 (as fully_shard over DTensor TP)",
@@ -145,12 +150,13 @@ def _config(args) -> GPTConfig:
             "cannot accumulate gradients over micro-batches and reduce-scatter once; use --dp-sharding replicate "
             "for pipelining"
         )
-    if args.dp_sharding == "optimizer":
+    if args.dp_sharding in ZERO:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         _, _, dp = parallel_sizes(world, args.tp, args.pp, args.dp)
         if dp == 1:
             raise ParallelConfigError(
-                f"--dp-sharding optimizer shards the optimizer state over the data-parallel group, but dp is 1 "
+                f"--dp-sharding {args.dp_sharding} shards {ZERO[args.dp_sharding]} over the data-parallel group, "
+                f"but dp is 1 "
                 f"(world {world} / (tp {args.tp} x pp {args.pp})): nothing to shard; launch more ranks or use "
                 "--dp-sharding replicate"
             )
@@ -224,7 +230,8 @@ def _train(args, config: GPTConfig, device: torch.device) -> None:
                 layout,
                 bucket_size=args.bucket_size,
                 overlap_grad_reduce=not args.no_overlap_grad_reduce,
-                use_distributed_optimizer=args.dp_sharding == "optimizer",
+                use_distributed_optimizer=args.dp_sharding in ZERO,
+                bucket_class=ShardedGradBucket if args.dp_sharding == "gradients" else GradBucket,
                 grad_dtype=torch.float32 if bf16 else None,  # bf16 parameters: Megatron's fp32 main grads
             )
             for chunk in chunks
@@ -242,7 +249,8 @@ def _train(args, config: GPTConfig, device: torch.device) -> None:
     if fsdp:
         optimizer = make_optimizer(params)  # the shards are fp32: FSDP's own master weights
     else:  # fp32 masters of bf16 parameters (the fp32 ones step in place), as Megatron's optimizers
-        optimizer = (DistributedOptimizer if args.dp_sharding == "optimizer" else unsharded)(model, make_optimizer)
+        sharded = {"optimizer": DistributedOptimizer, "gradients": ShardedGradOptimizer}
+        optimizer = sharded.get(args.dp_sharding, unsharded)(model, make_optimizer)
     global_batch, meter = args.batch_size * args.micro_batches * layout.dp_size, PipelineMeter(device)
     with unit_scopes(model) if fsdp else contextlib.nullcontext():  # units in the trace
         for step, tokens in enumerate(synthetic_batches(config, args.steps, global_batch, args.seed)):
