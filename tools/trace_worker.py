@@ -37,11 +37,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from study.traces import EVENT_KEYS  # what the site's trace comparison reads
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from pin_and_cite.site.traces import EVENT_KEYS  # what the site's trace comparison reads
 from reference.distributed import distributed
 from reference.fsdp.units import shard_model
 from reference.fsdp2.state import STATE_ATTR
