@@ -19,7 +19,7 @@ from tests.tools.synthetic import BASE, HEADER, edited
 ROOT = Path(__file__).resolve().parents[2]
 CLI = ROOT / "tools" / "pin-and-cite"
 FREE_FORM = "---\nrules: none\n---\n"  # a page that keeps no structure rules (study/note_rules.py)
-STUDY_PLUGIN = '\n[site]\nplugin = "study.plugin"\n'  # the helpers and note rules of this study (tools/study)
+STUDY_PLUGIN = '[site]\nplugin = "study.plugin"\n\n'  # the helpers and note rules of this study (tools/study)
 
 LAYERS_PY = '''\
 """A stand-in for an upstream module with decorated methods."""
@@ -137,7 +137,7 @@ class ProjectDir:
             f"[sources.{name}]\n" + "".join(f'{k} = "{v}"\n' for k, v in table.items()) + "\n"
             for name, table in sources.items()
         )
-        self.pins_path.write_text(text + STUDY_PLUGIN)
+        self.pins_path.write_text(STUDY_PLUGIN + text)  # first: a test appends keys to the last source
 
     def run(self, *args: str, timeout: float = 60, env: dict | None = None) -> Run:
         proc = subprocess.run(
