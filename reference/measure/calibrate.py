@@ -32,7 +32,7 @@ from reference.arguments import OneLineParser
 from reference.measure.scale.shapes import MODELS
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-SCALE_TP = 8  # tools/record_traces.SCALE: the 70B scale traces run TP 8
+SCALE_TP = 8  # tools/study/record_traces.SCALE: the 70B scale traces run TP 8
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,11 +11,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+
+from reference.measure import calibrate
 from study import plugin
 from study.calibration import load_calibration
 from study.traces import load_trace
-
-from reference.measure import calibrate
 from tests.reference.gpus import DEVICES
 from tests.tools.conftest import ROOT
 

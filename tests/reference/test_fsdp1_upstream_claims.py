@@ -18,7 +18,6 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from study.estimates import training_memory
 from torch import nn
 from torch.distributed.fsdp import BackwardPrefetch, MixedPrecision
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -29,6 +28,7 @@ from reference.gpt.train import split_batch, synthetic_batches
 from reference.measure.fsdp_tracing import torch_fsdp1_unit_scopes
 from reference.measure.recorder import CollectiveRecorder, current_phase
 from reference.torch_patches import fsdp1_rate_limiter_wrapped, fsdp1_runtime_wrapped
+from study.estimates import training_memory
 from tests.ranks import on_ranks
 from tests.reference.helpers import every_rank
 

@@ -18,13 +18,13 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from study.estimates import training_memory
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from reference.measure.recorder import CollectiveRecorder, current_phase
+from study.estimates import training_memory
 from tests.ranks import on_ranks
 from tests.reference.helpers import every_rank
 

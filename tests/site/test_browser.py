@@ -29,11 +29,11 @@ from urllib.parse import urldefrag, urlsplit
 
 import pytest
 from playwright.sync_api import expect, sync_playwright
-from study.scale_tables import human
 
 from pin_and_cite.core.context import Context
 from pin_and_cite.core.pins import Pins
 from pin_and_cite.core.verified_by import evidence_of
+from study.scale_tables import human
 from tests.site.conftest import GOOD_LABELS, ROOT
 
 pytestmark = pytest.mark.browser

@@ -12,9 +12,9 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+
 from study.note_rules import walkthrough_runs
 from study.run_it import plain_shell_env, read_recording, run_block
-
 from tests.site.conftest import ROOT
 
 NOTES = ROOT / "reading_notes"

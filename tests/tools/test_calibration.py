@@ -10,12 +10,12 @@ import json
 from types import SimpleNamespace
 
 import pytest
+
+from pin_and_cite.core.errors import PinAndCiteError
 from study import diagrams, plugin
 from study.calibration import load_calibration, trace_rates
 from study.modeled import Rates, fsdp_modeled, pipeline_modeled
 from study.traces import TraceError, load_trace
-
-from pin_and_cite.core.errors import PinAndCiteError
 from tests.tools.conftest import ROOT
 
 NOTES = ROOT / "reading_notes"

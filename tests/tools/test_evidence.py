@@ -7,12 +7,11 @@ any, fail `check` at the choice's heading.
 
 from __future__ import annotations
 
-from study.note_rules import check_note
-
 from pin_and_cite.core.context import Context
 from pin_and_cite.core.gitobj import blob_sha
 from pin_and_cite.core.parse_cache import ParseCache
 from pin_and_cite.core.verified_by import Evidence, evidence_of
+from study.note_rules import check_note
 from tests.tools.test_note_rules import FREE_FORM, note_text
 
 TESTS = """\

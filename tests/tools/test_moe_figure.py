@@ -9,10 +9,10 @@ import copy
 import re
 
 import pytest
+
 from study import diagrams
 from study.timeline import SMALL_PX
 from study.traces import TraceError, load_trace
-
 from tests.tools.conftest import ROOT
 
 NOTES = ROOT / "reading_notes"

@@ -9,9 +9,9 @@ from __future__ import annotations
 import copy
 
 import pytest
+
 from study import diagrams, moe_tables, scale_tables
 from study.traces import TraceError, load_trace
-
 from tests.tools.conftest import ROOT
 
 NOTES = ROOT / "reading_notes"

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import shutil
 
-from study.note_rules import check_note, prose_lines, words
-
 from pin_and_cite.core.context import Context
+from study.note_rules import check_note, prose_lines, words
 from tests.tools.conftest import FREE_FORM, ROOT
 
 CITE = "{{ cite('up:pkg/core/layers.py#L9-L10') }}"

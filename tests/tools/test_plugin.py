@@ -35,7 +35,7 @@ def test_without_a_plugin_the_study_helpers_are_unknown_and_no_note_rules_apply(
         ("os", "no such module beside pin_and_cite"),
         ("tests.tools.conftest", "no such module beside pin_and_cite"),
         ("pin_and_cite.core.errors", "the module has no PLUGIN"),
-        ("Study", "[site] takes plugin, a module name"),
+        ("Study", "no such module beside pin_and_cite"),
     ],
 )
 def test_a_plugin_not_shipped_beside_the_tool_or_without_plugin_is_one_line(project, plugin, why):

@@ -8,12 +8,12 @@ import copy
 import re
 
 import pytest
+
 from study import diagrams
 from study.modeled import Rates, fsdp_modeled, pipeline_modeled
 from study.scale_tables import sent_bytes
 from study.timeline import FONT_PX, SMALL_PX
 from study.traces import TraceError, load_trace
-
 from tests.tools.conftest import ROOT
 
 NOTES = ROOT / "reading_notes"

@@ -14,12 +14,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from study.modeled import Rates
-from study.traces import MAX_BYTES, RECORD, TraceError
-
 from pin_and_cite.core.bounded import parse, read_file
 from pin_and_cite.core.errors import PinAndCiteError
 from pin_and_cite.core.schema import check
+from study.modeled import Rates
+from study.traces import MAX_BYTES, RECORD, TraceError
 
 CALIBRATION_DIR = "calibrations"
 MEASURE = "measure one with python -m reference.measure.calibrate"

@@ -31,8 +31,6 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from study.run_it import RunIt, read_recording, run_it_blocks
-
 from pin_and_cite.core.bounded import read_file
 from pin_and_cite.core.context import Context
 from pin_and_cite.core.errors import PinAndCiteError
@@ -40,6 +38,7 @@ from pin_and_cite.core.notes import calls_in, note_templates
 from pin_and_cite.core.project import NOTES_DIR
 from pin_and_cite.core.verified_by import evidence_of, reference_only_problem
 from pin_and_cite.site.plugin import RuleProblem
+from study.run_it import RunIt, read_recording, run_it_blocks
 
 MAX_WORDS = 300
 MIN_CHOICES = 5

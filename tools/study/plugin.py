@@ -17,14 +17,13 @@ with the rules this study's notes keep (study.note_rules) and the skeleton of a 
 
 from __future__ import annotations
 
+from pin_and_cite.core.context import Context
+from pin_and_cite.site.plugin import Plugin
 from study import diagrams, estimates, moe_tables, run_it, scale_calculator, scale_tables
 from study.calibration import load_calibration
 from study.new_note import skeleton
 from study.note_rules import check_note
 from study.traces import load_trace
-
-from pin_and_cite.core.context import Context
-from pin_and_cite.site.plugin import Plugin
 
 
 def helpers(context: Context) -> dict:

@@ -1,7 +1,5 @@
-"""The context one run (a `check`, a `render`, a site build) reads the checkout in: its root and the parse cache
-the run shares. Every reader of the checkout (ours(), mirrors(), verified_by(), a note's written calls, a site's
-note rules) takes it, so the cache is made once, by the run, and handed on as one thing.
-"""
+"""What one run (a `check`, a `render`, a site build) reads the checkout with: its root and the run's parse cache,
+handed as one thing to every reader of the checkout (ours, mirrors, verified_by, written calls, note rules)."""
 
 from __future__ import annotations
 

@@ -49,10 +49,6 @@ def definition(context: Context, spec: str) -> Definition:
     return Definition(path, symbol, first, last, "".join(line + "\n" for line in text.split("\n")[first - 1 : last]))
 
 
-def ours(context: Context, spec: str) -> str:
-    return str(definition(context, spec))
-
-
 def mirrored(context: Context, spec: str) -> list[str]:
     """The upstream citations written in the docstring of `PATH::Name` (pin_and_cite.core.code_citations), in
     order, each once: what the reference pages show it mirrors."""

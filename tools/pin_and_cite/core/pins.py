@@ -19,10 +19,7 @@ from pin_and_cite.core.errors import PinAndCiteError
 
 SHA_FILE = re.compile(r"[a-z0-9][a-z0-9._-]*-sha\.txt")  # never pins.toml, the lock, a template or a trace
 MAX_BYTES = 1 << 20  # the project's pins.toml holds 881 bytes
-SHAPE = (
-    "each [sources.NAME] table takes url and commit (a full SHA), and optionally tag, distribution and sha_file; "
-    "[site] takes plugin, a module name"
-)
+SHAPE = "[sources.NAME]: url and commit (a full SHA), optionally tag, distribution, sha_file; [site]: plugin"
 
 
 @dataclass(frozen=True)

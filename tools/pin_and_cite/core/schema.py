@@ -100,16 +100,7 @@ SOURCE = _record(
         "description": "a file name in the notes folder",
     },
 )
-SITE = _record(
-    [],
-    plugin={
-        "type": "string",
-        "maxLength": 256,
-        "pattern": "^[a-z_][a-z0-9_]*(\\.[a-z_][a-z0-9_]*)*$",
-        "description": "a module beside pin_and_cite that registers the site's helpers",
-    },
-)
-PINS = _record([], sources=_map_of(SOURCE), site=SITE)
+PINS = _record([], sources=_map_of(SOURCE), site=_record([], plugin=NAME))  # a module: pin_and_cite.site.plugin
 
 
 _compiled: dict[int, Callable] = {}  # id of a schema above -> its fastjsonschema validator

@@ -1,12 +1,8 @@
-"""The plug-in point a site registers its own helpers at: what a project's notes may use beyond what the tool
-knows (cite, upstream, ours, verified_by, ...), so that the tool names no subject of its own.
+"""Where a site registers what its notes use beyond the tool's own globals, so that the tool names no subject.
 
-A project names its plugin in reading_notes/pins.toml (`[site] plugin = "MODULE"`); MODULE must be a module
-shipped beside pin_and_cite (in the folder holding it), so a checkout under `check` chooses only among the
-modules of the tool that checks it, never code of its own (the launcher keeps the checkout off sys.path).
-MODULE's `PLUGIN` is a `Plugin`: template globals made for one run, the rules each note template keeps
-(checked before a page renders, and by `check`), and the skeleton `new-note` starts a note from. A project
-naming no plugin renders with the tool's globals alone, under no note rules.
+reading_notes/pins.toml names it (`[site] plugin = "MODULE"`), a module shipped beside pin_and_cite: a checkout
+under `check` chooses among the tool's modules, never its own code. MODULE's `PLUGIN` gives template globals for
+one run, the rules each note keeps (before a page renders, and in `check`) and `new-note`'s skeleton.
 """
 
 from __future__ import annotations
@@ -27,9 +23,7 @@ MODULE_NAME = re.compile(r"[a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)*")
 
 
 @dataclass(frozen=True)
-class RuleProblem:
-    """A rule a note template breaks, at its line."""
-
+class RuleProblem:  # a rule a note template breaks, at its line
     line: int
     message: str
 
@@ -41,14 +35,11 @@ class Plugin:
     skeleton: Callable[[str], str] | None = None  # a new note's text from its title, for `new-note`
 
 
-NO_PLUGIN = Plugin()
-
-
 def load_plugin(project: Project) -> Plugin:
-    """The `PLUGIN` of the module pins.toml names, or NO_PLUGIN when it names none."""
+    """The `PLUGIN` of the module pins.toml names (the tool's globals alone and no note rules when it names none)."""
     name = project.pins.plugin
     if name is None:
-        return NO_PLUGIN
+        return Plugin()
     where = f"{project.pins.path.name} [site] plugin {name[:80]!r}"
     top = name.split(".")[0]
     if not MODULE_NAME.fullmatch(name) or importlib.machinery.PathFinder.find_spec(top, [str(SHIPPED_BESIDE)]) is None:

@@ -14,13 +14,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+from pin_and_cite.core.atomic import atomic_write
+from pin_and_cite.core.errors import PinAndCiteError
 from study.note_rules import walkthrough_runs
 from study.run_it import recording_path, recording_text, run_block
 
-from pin_and_cite.core.atomic import atomic_write
-from pin_and_cite.core.errors import PinAndCiteError
-
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NOTES = ROOT / "reading_notes"
 TIMEOUT_S = 300
 
