@@ -14,7 +14,6 @@ import json
 import re
 
 import pytest
-import record_traces  # tools/: the arguments of the committed scale traces
 
 from reference.measure.scale import formulas
 from reference.measure.scale.__main__ import build_parser, main, setup_from
@@ -30,6 +29,7 @@ from reference.measure.scale.simulate import (
     trace_rank,
 )
 from reference.parallel_state import Mesh, ParallelConfigError
+from study import record_traces  # the arguments of the committed scale traces
 from tests.launch import ROOT
 
 M = 16  # micro-batches of the committed 70B traces (fewer than stages: the small layouts below)
@@ -50,7 +50,7 @@ def assert_agrees(rows):
 
 @pytest.fixture(scope="module")
 def seventy_b():
-    """The committed scale traces' setups (tools/record_traces.SCALE: 70B at TP 8 x PP 8 x DP 64, plain, with
+    """The committed scale traces' setups (tools/study/record_traces.SCALE: 70B at TP 8 x PP 8 x DP 64, plain, with
     SP, with the distributed optimizer; at TP 8 x DP 512 with FSDP2 and HSDP), each traced here once on its
     first, middle and last stage (the one stage at pp 1): per trace name, the setup and {stage: RankStep}."""
     runs = {}
