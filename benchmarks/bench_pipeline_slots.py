@@ -1,4 +1,4 @@
-"""How the site's pipeline timeline scales with the stages: the seconds `pipeline_slots` (tools/pin_and_cite/site/
+"""How the site's pipeline timeline scales with the stages: the seconds `pipeline_slots` (tools/study/
 traces.py) takes to place one forward and one backward on each of p stages, p doubling. Each action waits on one
 action of a neighbouring stage, so the time per stage stays flat; a placement that rescanned every stage per
 action grew with p (12,000 stages once took 268 s). Best of --rounds runs per p.
@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
-from pin_and_cite.site.traces import pipeline_slots
+from study.traces import pipeline_slots
 
 STAGES = [1000, 2000, 4000, 8000]
 

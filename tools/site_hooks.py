@@ -4,11 +4,12 @@
   1. The self-hosted mermaid must be installed and match its pin. Without it mkdocs-material would
      quietly load mermaid from unpkg.com, so a missing or altered file stops the build with one line
      saying how to fix it (`tools/vendor-assets`, which `make serve` and the site tests run).
-  2. The reading-note templates are rendered into `<docs_dir>/notes/` by `pin_and_cite.site.study.render_site`
-     (pin_and_cite.site.render with this study's helpers), which leaves unchanged outputs untouched (mkdocs watches
-     docs/, so rewriting a file on every build would trigger the next rebuild forever) and, on a bad template,
-     stops `mkdocs build` with the template's file:line and leaves the previous page as it was; under `mkdocs
-     serve` that line is logged and the site goes on serving (after a `bump`, the change pages say what to fix).
+  2. The reading-note templates are rendered into `<docs_dir>/notes/` by pin_and_cite.site.render (with the helpers
+     of the plugin reading_notes/pins.toml names: this study's, tools/study/plugin.py), which leaves unchanged
+     outputs untouched (mkdocs watches docs/, so rewriting a file on every build would trigger the next rebuild
+     forever) and, on a bad template, stops `mkdocs build` with the template's file:line and leaves the previous
+     page as it was; under `mkdocs serve` that line is logged and the site goes on serving (after a `bump`, the
+     change pages say what to fix).
 `on_page_context`, around mkdocs-material's search plugin (which indexes `page.content` at the default
 priority), hands it the page without the highlighter's span tags (pin_and_cite.site.search_text: the same
 index, at a third of its cost) and gives the page its full HTML back before the theme renders it.
@@ -35,8 +36,8 @@ from mkdocs.utils.meta import get_data
 
 from pin_and_cite.core.errors import PinAndCiteError
 from pin_and_cite.site.reading_order import MARKER, reading_order
+from pin_and_cite.site.render import render_notes
 from pin_and_cite.site.search_text import without_code_spans
-from pin_and_cite.site.study import render_site
 
 
 def project_root(config) -> Path:
@@ -62,7 +63,7 @@ def on_pre_build(config) -> None:
     if found:
         raise PluginError(f"{found[0]}; run tools/vendor-assets --docs-dir {docs_dir} (make serve does)")
     try:
-        render_site(project_root(config), docs_dir / "notes")
+        render_notes(project_root(config), docs_dir / "notes")
     except PinAndCiteError as e:
         if not _serving:
             raise PluginError(str(e)) from None

@@ -41,7 +41,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from pin_and_cite.site.traces import EVENT_KEYS  # what the site's trace comparison reads
 from reference.distributed import distributed
 from reference.fsdp.units import shard_model
 from reference.fsdp2.state import STATE_ATTR
@@ -55,6 +54,7 @@ from reference.measure.recorder import CollectiveRecorder
 from reference.parallel_state import build_layout
 from reference.tensor_parallel.parallelize import parallelize
 from reference.tensor_parallel.transformer import Transformer
+from study.traces import EVENT_KEYS  # what the site's trace comparison reads
 
 TP_SHAPE = dict(s=8, b=2, heads=4)
 TP_HIDDEN = (64, 128)  # two sizes: bytes grow like h, FLOPs like a*h^2 + c*h

@@ -1,4 +1,4 @@
-/* The Scale page's calculator (reading_notes/scale.md.j2, pin_and_cite.site.scale_calculator).
+/* The Scale page's calculator (reading_notes/scale.md.j2, study.scale_calculator).
 
    The page hands the calculator's element a grid of closed forms as its `scaleGrid`
    (reading_notes/traces/layout_grid.json, written by `python -m reference.measure.scale.grid` from

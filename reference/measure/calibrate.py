@@ -1,6 +1,6 @@
 """`python -m reference.measure.calibrate`: how fast this device runs the operations the modeled timelines draw.
 
-The site re-times each recorded span from its FLOPs at a rate (tools/pin_and_cite/site/modeled.py). This
+The site re-times each recorded span from its FLOPs at a rate (tools/study/modeled.py). This
 measures such rates here: every op of one transformer block, forward and backward, at the shapes the notes'
 traces ran (tools/trace_worker.py) and at a 70B layer's per-rank shapes on TP 8 (reference/measure/scale/shapes.py,
 as the scale traces lay it out). FLOPs are torch's own count (FlopCounterMode, on the meta device); time is
@@ -32,7 +32,7 @@ from reference.arguments import OneLineParser
 from reference.measure.scale.shapes import MODELS
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-SCALE_TP = 8  # tools/record_traces.SCALE: the 70B scale traces run TP 8
+SCALE_TP = 8  # tools/study/record_traces.SCALE: the 70B scale traces run TP 8
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,13 +22,13 @@ from torch import nn
 from torch.distributed.fsdp import BackwardPrefetch, MixedPrecision
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-from pin_and_cite.site.estimates import training_memory
 from reference.fsdp.wrapper import clean_name
 from reference.gpt.model import GPT, GPTConfig
 from reference.gpt.train import split_batch, synthetic_batches
 from reference.measure.fsdp_tracing import torch_fsdp1_unit_scopes
 from reference.measure.recorder import CollectiveRecorder, current_phase
 from reference.torch_patches import fsdp1_rate_limiter_wrapped, fsdp1_runtime_wrapped
+from study.estimates import training_memory
 from tests.ranks import on_ranks
 from tests.reference.helpers import every_rank
 
@@ -531,7 +531,7 @@ def test_use_orig_params_exposes_original_names_as_shard_views(ranks):
 
 @on_ranks(WORLD)
 def test_memory_formula_matches_ddp_and_fsdp1_bytes_per_rank(ranks):
-    """The connect-the-dots formula (pin_and_cite.site.estimates.training_memory) against one Adam step of torch
+    """The connect-the-dots formula (study.estimates.training_memory) against one Adam step of torch
     DDP and of default FSDP1: DDP holds every byte on each rank; FSDP1 a 1/N shard plus < N elements of
     padding per unit."""
     result = recorded()

@@ -23,8 +23,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from pin_and_cite.site.estimates import training_memory
 from reference.measure.recorder import CollectiveRecorder, current_phase
+from study.estimates import training_memory
 from tests.ranks import on_ranks
 from tests.reference.helpers import every_rank
 
@@ -420,7 +420,7 @@ def test_hsdp_reduce_scatters_within_the_shard_group_then_all_reduces_across_rep
 @on_ranks(WORLD)
 def test_hsdp_per_rank_training_bytes_follow_the_shard_group_not_the_world(ranks):
     """After an Adam step, the ranks of one shard group hold each parameter, its gradient and both Adam moments
-    exactly once (the connect-the-dots formula, pin_and_cite.site.estimates.training_memory, on the whole model):
+    exactly once (the connect-the-dots formula, study.estimates.training_memory, on the whole model):
     4 ranks each holding about a quarter under the 1-D default, 2 ranks each holding about a half under HSDP,
     whatever the number of replicas."""
     for config in ("default", "hsdp"):

@@ -1,6 +1,6 @@
 """Every Run it block of every walkthrough prints what its page shows.
 
-The blocks run as a reader runs them (pin_and_cite.site.run_it.run_block: from the project root, the venv
+The blocks run as a reader runs them (study.run_it.run_block: from the project root, the venv
 not activated), all at once, and their stdout is compared with the recording the page renders
 (reading_notes/runs/NAME.txt). Only what must vary between runs is normalized: wall-clock figures (a step's time,
 a stage's measured bubble) and the CPU cores they were measured on.
@@ -13,8 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from pin_and_cite.site.note_rules import walkthrough_runs
-from pin_and_cite.site.run_it import plain_shell_env, read_recording, run_block
+from study.note_rules import walkthrough_runs
+from study.run_it import plain_shell_env, read_recording, run_block
 from tests.site.conftest import ROOT
 
 NOTES = ROOT / "reading_notes"

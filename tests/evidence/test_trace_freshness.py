@@ -8,10 +8,9 @@ committed trace's, timings aside, and the diagrams and numbers rendered from it 
 from __future__ import annotations
 
 import pytest
-import record_traces
 
-from pin_and_cite.site import diagrams, estimates
-from pin_and_cite.site.traces import load_trace, structure
+from study import diagrams, estimates, record_traces
+from study.traces import load_trace, structure
 from tests.launch import ROOT
 
 pytestmark = pytest.mark.freshness

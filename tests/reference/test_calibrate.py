@@ -12,10 +12,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pin_and_cite.site import study
-from pin_and_cite.site.calibration import load_calibration
-from pin_and_cite.site.traces import load_trace
 from reference.measure import calibrate
+from study import plugin
+from study.calibration import load_calibration
+from study.traces import load_trace
 from tests.reference.gpus import DEVICES
 from tests.tools.conftest import ROOT
 
@@ -78,7 +78,7 @@ def test_the_command_measures_every_op_of_the_traces_blocks_and_the_site_draws_f
     # The site reads the file as it is written (schema-checked) and labels the timeline with its device.
     assert load_calibration(tmp_path, "here") == document
     (tmp_path / "traces").symlink_to(NOTES / "traces")
-    html = study.helpers(SimpleNamespace(notes_dir=tmp_path))["diagram"](
+    html = plugin.helpers(SimpleNamespace(notes_dir=tmp_path))["diagram"](
         "fsdp_forward", calibration="here", link_GBps=25
     )
     assert f"modeled at the rates of {document['device']}, torch {torch.__version__}, {document['dtype']}" in html

@@ -25,7 +25,10 @@ from tests.reference.refusals import refusal
 ARGS = ["--hidden-size", "16", "--seq-length", "8", "--batch-size", "2", "--steps", "2", "--seed", "3"]
 ARGS += ["--num-experts", "4", "--moe-aux-loss-coeff", "0", "--lr", "0.5", "--json"]
 TRACES = ROOT / "reading_notes" / "traces"
-TRACED = {2: ("moe_ep2", ["--ep", "2"]), 4: ("moe_ep2_tp2", ["--ep", "2", "--tp", "2"])}  # tools/record_traces.MOE
+TRACED = {
+    2: ("moe_ep2", ["--ep", "2"]),
+    4: ("moe_ep2_tp2", ["--ep", "2", "--tp", "2"]),
+}  # tools/study/record_traces.MOE
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,6 @@ import contextlib
 import json
 
 import pytest
-import record_traces  # tools/: the arguments of the committed MoE traces
 
 from reference.measure.scale.__main__ import build_parser, main
 from reference.measure.scale.moe_report import setup_from
@@ -21,6 +20,7 @@ from reference.measure.scale.moe_shapes import moe_setup_for
 from reference.measure.scale.moe_simulate import default_ranks, document, step_of, summarize
 from reference.measure.scale.routing import ep_rank_pairs, expert_counts, imbalance
 from reference.parallel_state import ParallelConfigError
+from study import record_traces  # the arguments of the committed MoE traces
 from tests.launch import ROOT
 
 TRACES = ROOT / "reading_notes" / "traces"
@@ -32,7 +32,7 @@ def table(rows):
 
 @pytest.fixture(scope="module")
 def committed():
-    """The committed MoE traces (tools/record_traces.MOE_SCALE), each traced here afresh (about 15 s): name ->
+    """The committed MoE traces (tools/study/record_traces.MOE_SCALE), each traced here afresh (about 15 s): name ->
     (setup, [RankStep])."""
     runs = {}
     for name, argv in record_traces.MOE_SCALE.items():

@@ -15,7 +15,6 @@ import json
 import re
 
 import pytest
-import record_traces  # tools/: the arguments of the committed scale traces
 
 from reference.measure.scale import formulas
 from reference.measure.scale.__main__ import build_parser, main, setup_from
@@ -32,6 +31,7 @@ from reference.measure.scale.simulate import (
     trace_rank,
 )
 from reference.parallel_state import Mesh, ParallelConfigError
+from study import record_traces  # the arguments of the committed scale traces
 from tests.launch import ROOT
 
 M = 16  # micro-batches of the committed 70B traces (fewer than stages: the small layouts below)
@@ -52,8 +52,8 @@ def assert_agrees(rows):
 
 @functools.cache
 def setup_of(name: str) -> ScaleSetup:
-    """A committed scale trace's setup (tools/record_traces.SCALE: 70B at TP 8 x PP 8 x DP 64, plain, with SP, with
-    the distributed optimizer; at TP 8 x DP 512 with FSDP2 and HSDP)."""
+    """A committed scale trace's setup (tools/study/record_traces.SCALE: 70B at TP 8 x PP 8 x DP 64, plain, with
+    SP, with the distributed optimizer; at TP 8 x DP 512 with FSDP2 and HSDP)."""
     return setup_from(build_parser().parse_args(record_traces.SCALE[name]))
 
 

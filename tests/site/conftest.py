@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import vendor_assets  # lives in tools/ (on sys.path via pytest's pythonpath), next to the mkdocs hook
 
-from pin_and_cite.site.diagrams import label
+from study.diagrams import label
 
 ROOT = Path(__file__).resolve().parents[2]
 

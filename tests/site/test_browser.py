@@ -30,9 +30,10 @@ from urllib.parse import urldefrag, urlsplit
 import pytest
 from playwright.sync_api import expect, sync_playwright
 
+from pin_and_cite.core.context import Context
 from pin_and_cite.core.pins import Pins
 from pin_and_cite.core.verified_by import evidence_of
-from pin_and_cite.site.scale_tables import human
+from study.scale_tables import human
 from tests.site.conftest import GOOD_LABELS, ROOT
 
 pytestmark = pytest.mark.browser
@@ -65,7 +66,7 @@ DIAGRAM_REPORT = """() => ({
 # Each excerpt: the permalink in its caption (a folded excerpt's caption precedes its fold), or the path of our
 # own file a reference page shows (its "our-code" caption), the line numbers
 # shown, the text of each code line; and, where it is shown, how many columns of its monospace fit unscrolled.
-# Code blocks but a walkthrough's Run it commands and their recorded output (pin_and_cite.site.run_it).
+# Code blocks but a walkthrough's Run it commands and their recorded output (study.run_it).
 EXCERPTS = """() => [...document.querySelectorAll("article div.highlight:not(.run-it):not(.run-output)")].map(block => {
   const before = (block.closest(".excerpt-fold") || block).previousElementSibling;
   const caption = before && before.querySelector("a[href*='/blob/']");
@@ -401,7 +402,7 @@ def test_every_verified_by_link_opens_a_page_holding_that_tests_source(every_pag
             html = response.read().decode()
         section = html.split(f'id="{anchor}"', 1)[1].split("<h2", 1)[0]  # the test's section of its file's page
         text = unescape(re.sub(r"<[^>]+>", "", section))
-        evidence = evidence_of(ROOT, node)
+        evidence = evidence_of(Context(ROOT), node)
         first, last = evidence.lines
         source = (ROOT / node.split("::")[0]).read_text().split("\n")[first - 1 : last]
         name = node.split("::")[-1].split("[")[0]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from pin_and_cite.core.context import Context
 from pin_and_cite.core.notes import calls_in
 from pin_and_cite.core.verified_by import evidence_of
 
@@ -35,5 +36,7 @@ def test_check_yourself_asks_five_concrete_pipeline_questions_each_cited_and_sho
         mine = [c for c in calls if c.line in lines]
         cited = [c.argument for c in mine if c.function in ("cite", "upstream")]
         assert any(a.startswith("megatron-lm:megatron/core/pipeline_parallel/") for a in cited), (question, cited)
-        kinds = {getattr(evidence_of(ROOT, c.argument), "kind", None) for c in mine if c.function == "verified_by"}
+        kinds = {
+            getattr(evidence_of(Context(ROOT), c.argument), "kind", None) for c in mine if c.function == "verified_by"
+        }
         assert "upstream" in kinds, (question, kinds)

@@ -18,7 +18,8 @@ from tests.tools.synthetic import BASE, HEADER, edited
 
 ROOT = Path(__file__).resolve().parents[2]
 CLI = ROOT / "tools" / "pin-and-cite"
-FREE_FORM = "---\nrules: none\n---\n"  # a page that keeps no structure rules (site/note_rules.py)
+FREE_FORM = "---\nrules: none\n---\n"  # a page that keeps no structure rules (study/note_rules.py)
+STUDY_PLUGIN = '[site]\nplugin = "study.plugin"\n\n'  # the helpers and note rules of this study (tools/study)
 
 LAYERS_PY = '''\
 """A stand-in for an upstream module with decorated methods."""
@@ -131,11 +132,12 @@ class ProjectDir:
         return self.root / "reading_notes" / "pins.toml"
 
     def write_pins(self, **sources: dict) -> None:
+        """pins.toml with these [sources.NAME] tables, under this study's plugin (its helpers and note rules)."""
         text = "".join(
             f"[sources.{name}]\n" + "".join(f'{k} = "{v}"\n' for k, v in table.items()) + "\n"
             for name, table in sources.items()
         )
-        self.pins_path.write_text(text)
+        self.pins_path.write_text(STUDY_PLUGIN + text)  # first: a test appends keys to the last source
 
     def run(self, *args: str, timeout: float = 60, env: dict | None = None) -> Run:
         proc = subprocess.run(

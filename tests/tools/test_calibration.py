@@ -12,10 +12,10 @@ from types import SimpleNamespace
 import pytest
 
 from pin_and_cite.core.errors import PinAndCiteError
-from pin_and_cite.site import diagrams, study
-from pin_and_cite.site.calibration import load_calibration, trace_rates
-from pin_and_cite.site.modeled import Rates, fsdp_modeled, pipeline_modeled
-from pin_and_cite.site.traces import TraceError, load_trace
+from study import diagrams, plugin
+from study.calibration import load_calibration, trace_rates
+from study.modeled import Rates, fsdp_modeled, pipeline_modeled
+from study.traces import TraceError, load_trace
 from tests.tools.conftest import ROOT
 
 NOTES = ROOT / "reading_notes"
@@ -64,7 +64,9 @@ def notes(tmp_path):
 def test_each_action_lasts_its_flops_at_its_phases_measured_rate_and_the_axis_names_the_device(notes):
     calibration = load_calibration(notes, "h200")
     trace = load_trace(notes, "pipeline_1f1b")
-    html = study.helpers(SimpleNamespace(notes_dir=notes))["diagram"]("pipeline_1f1b", calibration="h200", link_GBps=25)
+    html = plugin.helpers(SimpleNamespace(notes_dir=notes))["diagram"](
+        "pipeline_1f1b", calibration="h200", link_GBps=25
+    )
     assert html == diagrams.diagram(trace, calibration=calibration, link_GBps=25)
     assert ", modeled at the rates of NVIDIA H200, torch 2.11.0+cu130, bfloat16, 25 GB/s</text>" in html
     bars = {

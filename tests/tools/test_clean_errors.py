@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from pin_and_cite.core.context import Context
 from pin_and_cite.core.errors import PinAndCiteError
-from pin_and_cite.core.local_code import ours
+from pin_and_cite.core.local_code import definition
 from pin_and_cite.core.parse_cache import ParseCache
 from tests.tools.conftest import CLI, FREE_FORM, ProjectDir, interruptible
 
@@ -34,7 +35,7 @@ def test_ours_on_a_file_python_cannot_read_is_one_clear_error(tmp_path, content,
     (tmp_path / "reference").mkdir()
     (tmp_path / "reference" / "x.py").write_bytes(content)
     with pytest.raises(PinAndCiteError) as error:
-        ours(tmp_path, "reference/x.py::f", ParseCache(tmp_path / "cache"))
+        definition(Context(tmp_path, ParseCache(tmp_path / "cache")), "reference/x.py::f")
     assert message in str(error.value)
 
 

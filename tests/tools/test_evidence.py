@@ -7,10 +7,11 @@ any, fail `check` at the choice's heading.
 
 from __future__ import annotations
 
+from pin_and_cite.core.context import Context
 from pin_and_cite.core.gitobj import blob_sha
 from pin_and_cite.core.parse_cache import ParseCache
 from pin_and_cite.core.verified_by import Evidence, evidence_of
-from pin_and_cite.site.note_rules import check_note
+from study.note_rules import check_note
 from tests.tools.test_note_rules import FREE_FORM, note_text
 
 TESTS = """\
@@ -50,13 +51,15 @@ def write_tests(root, name="test_claims.py", text=TESTS):
 def test_the_marker_on_a_function_class_or_module_names_upstream_evidence(tmp_path):
     write_tests(tmp_path)
     write_tests(tmp_path, "test_module.py", MODULE_MARKED)
-    assert evidence_of(tmp_path, "tests/test_claims.py::test_runs_upstream") == Evidence("upstream", "up")
-    assert evidence_of(tmp_path, "tests/test_claims.py::test_runs_reference") == Evidence("reference")
-    assert evidence_of(tmp_path, "tests/test_claims.py::test_marked_with_an_unpinned_source[1]") == Evidence(
+    assert evidence_of(Context(tmp_path), "tests/test_claims.py::test_runs_upstream") == Evidence("upstream", "up")
+    assert evidence_of(Context(tmp_path), "tests/test_claims.py::test_runs_reference") == Evidence("reference")
+    assert evidence_of(Context(tmp_path), "tests/test_claims.py::test_marked_with_an_unpinned_source[1]") == Evidence(
         "upstream", "nowhere"
     )
-    assert evidence_of(tmp_path, "tests/test_claims.py::TestUpstream::test_in_class") == Evidence("upstream", "up")
-    assert evidence_of(tmp_path, "tests/test_module.py::test_any") == Evidence("upstream", "up")
+    assert evidence_of(Context(tmp_path), "tests/test_claims.py::TestUpstream::test_in_class") == Evidence(
+        "upstream", "up"
+    )
+    assert evidence_of(Context(tmp_path), "tests/test_module.py::test_any") == Evidence("upstream", "up")
 
 
 def test_a_test_that_cannot_be_read_is_one_line_never_a_traceback(tmp_path):
@@ -64,17 +67,20 @@ def test_a_test_that_cannot_be_read_is_one_line_never_a_traceback(tmp_path):
     write_tests(tmp_path, "test_latin1.py", "")
     (tmp_path / "tests" / "test_latin1.py").write_bytes(b"# caf\xe9\ndef test_x():\n    pass\n")
     (tmp_path / "outside.py").write_text("def test_x():\n    pass\n")
-    assert evidence_of(tmp_path, "tests/test_broken.py::test_x") == "tests/test_broken.py: not valid Python (line 1)"
-    assert evidence_of(tmp_path, "tests/test_latin1.py::test_x") == "tests/test_latin1.py: not UTF-8 text"
     assert (
-        evidence_of(tmp_path, "tests/../outside.py::test_x") == "test file 'tests/../outside.py' does not "
+        evidence_of(Context(tmp_path), "tests/test_broken.py::test_x")
+        == "tests/test_broken.py: not valid Python (line 1)"
+    )
+    assert evidence_of(Context(tmp_path), "tests/test_latin1.py::test_x") == "tests/test_latin1.py: not UTF-8 text"
+    assert (
+        evidence_of(Context(tmp_path), "tests/../outside.py::test_x") == "test file 'tests/../outside.py' does not "
         "exist under tests/"
     )
-    assert evidence_of(tmp_path, "tests/test_\0x.py::test_x") == (
+    assert evidence_of(Context(tmp_path), "tests/test_\0x.py::test_x") == (
         "test file 'tests/test_\\x00x.py' does not exist under tests/"
     )
     assert (
-        evidence_of(tmp_path, "tests/test_broken.py") == "'tests/test_broken.py' is not a pytest node id "
+        evidence_of(Context(tmp_path), "tests/test_broken.py") == "'tests/test_broken.py' is not a pytest node id "
         "(tests/FILE.py::test_name)"
     )
 
@@ -86,7 +92,7 @@ def test_a_marker_whose_source_is_not_a_string_names_no_source_and_is_kept_in_th
     write_tests(tmp_path, "test_odd.py", "import pytest\n\n\n" + marks)
     parsed = ParseCache(tmp_path / "cache")
     for i in range(len(BAD)):
-        assert evidence_of(tmp_path, f"tests/test_odd.py::test_{i}", parsed) == Evidence("upstream", None)
+        assert evidence_of(Context(tmp_path, parsed), f"tests/test_odd.py::test_{i}") == Evidence("upstream", None)
     assert (
         ParseCache(tmp_path / "cache").get(
             blob_sha((tmp_path / "tests" / "test_odd.py").read_bytes()), "tests", lambda: "recomputed", lambda v: v
@@ -104,7 +110,7 @@ def test_a_choice_needs_an_upstream_test_or_a_reason_upstream_cannot_run(tmp_pat
 
     def problems(evidence: str) -> list[tuple[int, str]]:
         path.write_text(note_text(evidence=evidence))
-        return [(p.line, p.message) for p in check_note(path, tmp_path)]
+        return [(p.line, p.message) for p in check_note(path, Context(tmp_path))]
 
     assert problems("{{ verified_by('tests/test_claims.py::test_runs_upstream') }}") == []
     reference = "{{ verified_by('tests/test_claims.py::test_runs_reference') }}"
@@ -141,7 +147,7 @@ def test_each_question_is_answered_briefly_with_a_citation_and_evidence(tmp_path
 
     def problems(answer="word " * 79, evidence="{{ verified_by('tests/test_claims.py::test_runs_reference') }}"):
         path.write_text(QUESTIONS.format(answer=answer, evidence=evidence))
-        return [(p.line, p.message) for p in check_note(path, tmp_path)]
+        return [(p.line, p.message) for p in check_note(path, Context(tmp_path))]
 
     assert problems() == []  # "Answer" (the summary) + 79 words
     assert problems(answer="word " * 80) == [
@@ -152,7 +158,7 @@ def test_each_question_is_answered_briefly_with_a_citation_and_evidence(tmp_path
     ]
     assert problems(evidence="{{ reference_only('CUDA-only') }}") == problems(evidence="")
     path.write_text("---\nrules: questions\n---\n# Check yourself\n\nNothing yet.\n")
-    assert [(p.line, p.message) for p in check_note(path, tmp_path)] == [
+    assert [(p.line, p.message) for p in check_note(path, Context(tmp_path))] == [
         (1, "no questions: each '### ' heading is a question, answered below it")
     ]
 
@@ -246,9 +252,9 @@ def test_an_edited_test_file_is_read_again(tmp_path):
     test_file = tmp_path / "tests" / "test_edited.py"
     test_file.parent.mkdir()
     test_file.write_text("def test_it():\n    assert True\n")
-    assert evidence_of(tmp_path, "tests/test_edited.py::test_it").lines == (1, 2)
+    assert evidence_of(Context(tmp_path), "tests/test_edited.py::test_it").lines == (1, 2)
     test_file.write_text("import os\n\n\ndef test_it():\n    assert os.sep\n")
-    assert evidence_of(tmp_path, "tests/test_edited.py::test_it").lines == (4, 5)
+    assert evidence_of(Context(tmp_path), "tests/test_edited.py::test_it").lines == (4, 5)
 
 
 HELPED = """\

@@ -7,6 +7,7 @@ import git
 import pytest
 
 from pin_and_cite.core.citation import parse_spec
+from pin_and_cite.core.context import Context
 from pin_and_cite.core.errors import PinAndCiteError
 from pin_and_cite.core.highlights import Statements, checked_highlight
 from pin_and_cite.core.locked import locked_excerpt
@@ -333,7 +334,7 @@ def test_every_shipped_highlight_is_whole_statements(tmp_path, monkeypatch):
     project = Project(ROOT)
     resolver = Resolver(project, allow_remote=False)
     problems = []
-    for call in written_calls(project.notes_dir, {"cite"}):
+    for call in written_calls(Context(project.root), {"cite"}):
         if call.highlight:
             key = str(parse_spec(call.argument))
             excerpt = locked_excerpt(project, resolver, key)
@@ -350,7 +351,7 @@ def highlighted(tmp_path, monkeypatch, note: str, path: str) -> list[str]:
     project = Project(ROOT)
     resolver = Resolver(project, allow_remote=False)
     texts = []
-    for call in written_calls(project.notes_dir, {"cite"}):
+    for call in written_calls(Context(project.root), {"cite"}):
         if call.file.name == note and call.highlight and f":{path}" in call.argument:
             excerpt = locked_excerpt(project, resolver, str(parse_spec(call.argument)))
             first, last = checked_highlight(

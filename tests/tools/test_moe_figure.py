@@ -1,4 +1,4 @@
-"""The MoE walkthrough's figure (pin_and_cite.site.moe_figure), drawn from the committed trace moe_ep2: every
+"""The MoE walkthrough's figure (study.moe_figure), drawn from the committed trace moe_ep2: every
 number it labels is the trace's (pairs per expert, split sizes, rows per expert, recorded all-to-all bytes), its
 bars are drawn to one scale in rows, its text is at least the timelines' small size, and a trace it cannot draw
 truthfully is a one-line error."""
@@ -10,9 +10,9 @@ import re
 
 import pytest
 
-from pin_and_cite.site import diagrams
-from pin_and_cite.site.timeline import SMALL_PX
-from pin_and_cite.site.traces import TraceError, load_trace
+from study import diagrams
+from study.timeline import SMALL_PX
+from study.traces import TraceError, load_trace
 from tests.tools.conftest import ROOT
 
 NOTES = ROOT / "reading_notes"

@@ -10,8 +10,8 @@ import copy
 
 import pytest
 
-from pin_and_cite.site import diagrams, moe_tables, scale_tables
-from pin_and_cite.site.traces import TraceError, load_trace
+from study import diagrams, moe_tables, scale_tables
+from study.traces import TraceError, load_trace
 from tests.tools.conftest import ROOT
 
 NOTES = ROOT / "reading_notes"

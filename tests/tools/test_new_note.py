@@ -68,7 +68,7 @@ def test_a_taken_or_unsafe_name_is_refused_and_nothing_is_written(project):
     before = (notes / "mine.md.j2").read_bytes()
     for args, message in (
         (["mine", "--title", "Other"], "reading_notes/mine.md.j2 already exists; choose another name"),
-        (["../up", "--title", "x"], "note name '../up': use lowercase letters, digits and '-' (e.g. fsdp2-sharding)"),
+        (["../up", "--title", "x"], "note name '../up': use lowercase letters, digits and '-' (e.g. tensor-sharding)"),
         (["Mine", "--title", "x"], "note name 'Mine': use lowercase letters"),
         (["other", "--title", "{{ 7 }}"], "--title '{{ 7 }}': give a title without '{' or '}'"),
         (["other", "--title", "  "], "--title '': give a title without"),

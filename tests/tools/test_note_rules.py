@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import shutil
 
-from pin_and_cite.site.note_rules import check_note, prose_lines, words
+from pin_and_cite.core.context import Context
+from study.note_rules import check_note, prose_lines, words
 from tests.tools.conftest import FREE_FORM, ROOT
 
 CITE = "{{ cite('up:pkg/core/layers.py#L9-L10') }}"
@@ -50,7 +51,7 @@ def problems(tmp_path, text: str) -> list[tuple[int, str]]:
     write_claims(tmp_path)
     path = tmp_path / "note.md.j2"
     path.write_text(text)
-    return [(p.line, p.message) for p in check_note(path, tmp_path)]
+    return [(p.line, p.message) for p in check_note(path, Context(tmp_path))]
 
 
 def test_a_note_within_the_rules_passes(tmp_path):
@@ -268,7 +269,7 @@ def walkthrough_problems(tmp_path, text: str, recorded: str | None = "$ " + RUN_
         (notes / "runs" / "tp-2.txt").write_text(recorded)
     path = notes / "walkthrough.md.j2"
     path.write_text(text)
-    return [(p.line, p.message) for p in check_note(path, tmp_path)]
+    return [(p.line, p.message) for p in check_note(path, Context(tmp_path))]
 
 
 def test_a_walkthrough_within_its_rules_passes(tmp_path):

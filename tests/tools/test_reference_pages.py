@@ -6,8 +6,9 @@ import re
 
 import pytest
 
+from pin_and_cite.core.context import Context
 from pin_and_cite.core.errors import PinAndCiteError
-from pin_and_cite.core.local_code import ours
+from pin_and_cite.core.local_code import definition
 from pin_and_cite.core.parse_cache import ParseCache
 from tests.tools.conftest import ROOT
 
@@ -27,7 +28,7 @@ def test_every_reference_page_is_of_a_module_that_exists():
 
 def test_ours_points_at_the_definition_and_refuses_a_stale_name(tmp_path):
     parsed = ParseCache(tmp_path)
-    text = ours(ROOT, "reference/tensor_parallel/mappings.py::_CopyToTensorParallelRegion", parsed)
+    text = str(definition(Context(ROOT, parsed), "reference/tensor_parallel/mappings.py::_CopyToTensorParallelRegion"))
     first = next(
         i
         for i, line in enumerate((ROOT / "reference/tensor_parallel/mappings.py").read_text().split("\n"), 1)
@@ -35,9 +36,9 @@ def test_ours_points_at_the_definition_and_refuses_a_stale_name(tmp_path):
     )
     assert text.startswith(f"`_CopyToTensorParallelRegion` (reference/tensor_parallel/mappings.py L{first}–L")
     with pytest.raises(PinAndCiteError, match="symbol 'renamed' is not defined in reference/fsdp/runtime.py"):
-        ours(ROOT, "reference/fsdp/runtime.py::renamed", parsed)
+        definition(Context(ROOT, parsed), "reference/fsdp/runtime.py::renamed")
     with pytest.raises(PinAndCiteError, match="does not exist"):
-        ours(ROOT, "reference/gone.py::x", parsed)
+        definition(Context(ROOT, parsed), "reference/gone.py::x")
 
 
 def test_a_reference_page_links_each_mapped_definition_to_its_code_shown_on_the_page():

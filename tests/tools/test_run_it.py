@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-import record_runs  # tools/record_runs.py (tools/ is on sys.path via pytest's pythonpath)
 
 from pin_and_cite.core.errors import PinAndCiteError
-from pin_and_cite.site.run_it import RunIt, read_recording, run_block, run_it_blocks, run_output, run_text
+from study import record_runs
+from study.run_it import RunIt, read_recording, run_block, run_it_blocks, run_output, run_text
 
 TEMPLATE = """---
 rules: walkthrough

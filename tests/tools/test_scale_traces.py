@@ -8,8 +8,8 @@ import copy
 
 import pytest
 
-from pin_and_cite.site import diagrams, scale_tables
-from pin_and_cite.site.traces import TraceError, load_trace
+from study import diagrams, scale_tables
+from study.traces import TraceError, load_trace
 from tests.tools.conftest import ROOT
 
 NOTES = ROOT / "reading_notes"

@@ -9,11 +9,11 @@ import re
 
 import pytest
 
-from pin_and_cite.site import diagrams
-from pin_and_cite.site.modeled import Rates, fsdp_modeled, pipeline_modeled
-from pin_and_cite.site.scale_tables import sent_bytes
-from pin_and_cite.site.timeline import FONT_PX, SMALL_PX
-from pin_and_cite.site.traces import TraceError, load_trace
+from study import diagrams
+from study.modeled import Rates, fsdp_modeled, pipeline_modeled
+from study.scale_tables import sent_bytes
+from study.timeline import FONT_PX, SMALL_PX
+from study.traces import TraceError, load_trace
 from tests.tools.conftest import ROOT
 
 NOTES = ROOT / "reading_notes"

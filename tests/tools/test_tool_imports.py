@@ -1,18 +1,22 @@
-"""The citation tool's imports run one way: no module of tools/pin_and_cite imports, at module or function level,
-one that imports it back (directly or around a cycle), none imports the reference or torch, and none imports a
-layer above its own (core < relocation < site < the commands: the folders of tools/pin_and_cite); and `check`
-on the shipped notes loads neither (the Scale page's tables read the committed traces instead)."""
+"""The citation tool's imports run one way: no module of tools/pin_and_cite or of the study package that registers
+with it (tools/study) imports, at module or function level, one that imports it back (directly or around a
+cycle), none imports the reference or torch, pin_and_cite never imports the study, and none of pin_and_cite
+imports a layer above its own (core < relocation < site < the commands: the folders of tools/pin_and_cite); and
+`check` on the shipped notes loads neither the reference nor torch (the Scale page's tables read the committed
+traces instead). And pin_and_cite names no parallelism nor upstream project: it could ship alone."""
 
 from __future__ import annotations
 
 import ast
 import os
+import re
 import subprocess
 import sys
 
 from tests.tools.conftest import ROOT
 
 PACKAGE = ROOT / "tools" / "pin_and_cite"
+STUDY = ROOT / "tools" / "study"
 FORBIDDEN = ("reference", "torch")
 
 
@@ -39,8 +43,8 @@ def imported_names(path) -> set[str]:
 
 
 def import_graph() -> dict[str, set[str]]:
-    """{module: the pin_and_cite modules it imports}, plus FORBIDDEN roots where it imports those."""
-    files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    """{module: the pin_and_cite and study modules it imports}, plus FORBIDDEN roots where it imports those."""
+    files = {module_name(p): p for package in (PACKAGE, STUDY) for p in package.rglob("*.py")}
     graph = {}
     for name, path in files.items():
         names = imported_names(path)
@@ -75,7 +79,7 @@ def cycle_in(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_no_import_cycle_in_the_citation_tool():
     graph = import_graph()
-    assert len(graph) > 30 and "pin_and_cite.cli" in graph
+    assert len(graph) > 30 and "pin_and_cite.cli" in graph and "study.plugin" in graph
     assert cycle_in(graph) is None, " -> ".join(cycle_in(graph))
 
 
@@ -87,6 +91,24 @@ def test_the_cycle_finder_finds_function_level_cycles():
 def test_no_module_of_the_citation_tool_imports_the_reference_or_torch():
     offenders = {name: sorted(deps & set(FORBIDDEN)) for name, deps in import_graph().items() if deps & set(FORBIDDEN)}
     assert offenders == {}
+
+
+def test_the_citation_tool_never_imports_the_study():
+    graph = import_graph()
+    assert "study.note_rules" in graph["study.plugin"]  # the graph sees the study's own imports
+    upward = [f"{m} -> {dep}" for m, deps in graph.items() if m.startswith("pin_and_cite") for dep in deps]
+    assert [edge for edge in upward if edge.split(" -> ")[1].startswith("study")] == []
+
+
+PARALLELISM_OR_UPSTREAM = re.compile(r"moe|fsdp|megatron|pipeline", re.IGNORECASE)
+
+
+def test_no_module_of_the_citation_tool_names_a_parallelism_or_an_upstream_project():
+    """Such facts are data (reading_notes/pins.toml) or the study's (tools/study): the tool could ship alone."""
+    naming = sorted(
+        str(p.relative_to(ROOT)) for p in PACKAGE.rglob("*.py") if PARALLELISM_OR_UPSTREAM.search(p.read_text())
+    )
+    assert naming == []
 
 
 def test_check_loads_neither_torch_nor_the_reference():
@@ -118,7 +140,7 @@ def layer_of(module: str) -> int:
 
 
 def test_each_layer_imports_only_the_layers_below_it():
-    graph = import_graph()
+    graph = {module: deps for module, deps in import_graph().items() if module.startswith("pin_and_cite")}
     assert {layer_of(module) for module in graph} == {0, 1, 2, 3}
     upward = [
         f"{module} -> {dep}"

@@ -8,10 +8,9 @@ import re
 from pathlib import Path
 
 import pytest
-import record_traces
 
-from pin_and_cite.site import diagrams, estimates
-from pin_and_cite.site.traces import forward_markers, load_trace, pipeline_slots
+from study import diagrams, estimates, record_traces
+from study.traces import forward_markers, load_trace, pipeline_slots
 from tests.pipeline_orders import textbook
 from tests.tools.conftest import ROOT
 

@@ -1,8 +1,8 @@
 """`check`: prove, offline, that every citation (in the notes, and in the reference's docstrings, where no
 hand-typed upstream line number may stand: pin_and_cite.core.code_citations) and every rendered default still
-says what the lock says it says, and that every note keeps its rules (pin_and_cite.site.note_rules, which
-include the evidence each design choice names), names tests that exist, and renders (traces, diagrams); and
-that each recorded bump's excerpts still hash as its record says (pin_and_cite.site.changes)."""
+says what the lock says it says, and that every note keeps the rules of the project's plugin
+(pin_and_cite.site.plugin), names tests that exist, and renders (the plugin's helpers included); and that each
+recorded bump's excerpts still hash as its record says (pin_and_cite.site.changes)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from pin_and_cite.core.citation import parse_spec
 from pin_and_cite.core.code_citations import code_citations, code_texts, hand_typed_lines
+from pin_and_cite.core.context import Context
 from pin_and_cite.core.defaults import default_ref, parse_key
 from pin_and_cite.core.errors import PinAndCiteError
 from pin_and_cite.core.highlights import checked_highlight
@@ -23,7 +24,6 @@ from pin_and_cite.core.resolve import Resolver
 from pin_and_cite.core.verified_by import missing_test
 from pin_and_cite.site.changes import record_problems
 from pin_and_cite.site.render import Renderer, pages
-from pin_and_cite.site.study import helpers
 
 
 @dataclass
@@ -73,13 +73,14 @@ def check(project: Project) -> Report:
     """Verify every locked citation, every citation and highlight written in the notes (placed at its
     file:line), and that every test a note names with verified_by() exists: every problem, in one run."""
     resolver = Resolver(project, allow_remote=False)
+    context = Context(project.root, resolver.parsed)
     verdicts = {key: verify_locked(project, resolver, key) for key in project.lock.citations}
     verdicts |= {
         key: _verdict(lambda k: locked_default(project, resolver, parse_key(k)), key) for key in project.lock.defaults
     }
     problems, in_notes, malformed, broken = [], set(), 0, {key for key, why in verdicts.items() if why}
     bad_highlights = set()  # (key, highlight) of each one reported
-    written = written_calls(project.notes_dir, {"cite", "upstream", "verified_by", "default"}, resolver.parsed)
+    written = written_calls(context, {"cite", "upstream", "verified_by", "default"})
     code = code_texts(project.root)
     written += code_citations(code)  # the reference's docstrings cite upstream too
     claims = [call for call in written if call.function == "verified_by"]
@@ -107,9 +108,7 @@ def check(project: Project) -> Report:
             bad_highlights.add((key, call.highlight))
     problems += [Problem("citations.lock", key, why) for key, why in verdicts.items() if why and key not in in_notes]
     missing = [
-        Problem(c.where(project.root), c.argument, why)
-        for c in claims
-        if (why := missing_test(project.root, c.argument, resolver.parsed))
+        Problem(c.where(project.root), c.argument, why) for c in claims if (why := missing_test(context, c.argument))
     ]
     problems += missing
     problems += [
@@ -152,7 +151,7 @@ def _render_problems(project: Project, resolver: Resolver, found: list[Problem],
     """The note rules of every template, then, in memory, the render of every page, whatever else was found
     (so one run reports everything), rendering nothing for the `skipped` citations and highlights: its first
     error (traces, diagrams, Jinja) unless that line already has a problem reported."""
-    renderer, problems = Renderer(project, resolver, helpers), []
+    renderer, problems = Renderer(project, resolver), []
     for name in ("cite", "upstream", "default"):
         renderer.env.globals[name] = _past_reported(renderer.env.globals[name], name, skipped)
     for template in sorted(project.notes_dir.glob(TEMPLATE_GLOB)):

@@ -22,8 +22,8 @@ from pin_and_cite.relocation import bump, journal, review
 from pin_and_cite.relocation.reanchor import relocate_texts
 from pin_and_cite.site.new_note import new_note
 from pin_and_cite.site.output_folder import refuse_symlinked
-from pin_and_cite.site.render import SITE_NOTES
-from pin_and_cite.site.study import render_site
+from pin_and_cite.site.plugin import load_plugin
+from pin_and_cite.site.render import SITE_NOTES, render_notes
 
 EPILOG = """\
 citations:
@@ -46,14 +46,16 @@ exit status:
   half-written); 130 interrupted (nothing is left half-written)
 
 files:
-  reading_notes/pins.toml        the sources: url, full commit SHA, optional tag and distribution
+  reading_notes/pins.toml        the sources: url, full commit SHA, optional tag and distribution; and
+                                 [site] plugin, the module beside pin_and_cite that gives the notes' helpers,
+                                 their rules and new-note's skeleton
   reading_notes/citations.lock   per cited file its git blob SHA, per citation its lines and text hash, per
                                  source the record of its latest bump (changed/deleted citations: lines,
                                  text hashes, blobs at both commits, where the notes cite them)
   reading_notes/**/*.md.j2       note templates, rendered into docs/notes/ (names starting with _ are partials)
   docs/notes/changes/            a page per citation the latest bump changed or deleted, and an index
-  reading_notes/traces/*.json    recorded runs the diagrams and numbers come from (tools/record-traces)
-  reading_notes/megatron-sha.txt the pinned Megatron-LM commit, written by render, verified by check
+  reading_notes/NAME-sha.txt     a source's pinned commit (its sha_file in pins.toml), written by render,
+                                 verified by check
   reading_notes/.pin-and-cite.lock
                                  the write lock that pin, cite, bump and render hold (git ignores it)
   cache                          $PIN_AND_CITE_CACHE (absolute, outside the project and the current
@@ -182,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="verify every citation offline (non-zero exit when broken)",
         description="Verify, without network, that every citation in the lock and in the note "
         "templates resolves to the locked text at the pinned commit, that every note keeps "
-        "its rules and renders, that megatron-sha.txt matches the pin, and that the "
+        "its rules and renders, that each sha_file matches its pin, and that the "
         "excerpts of each recorded bump hash as the record says.",
     )
     render = verbs.add_parser(
@@ -276,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_render(project: Project, args) -> int:
     refuse_symlinked((project.root / args.out).absolute(), project.root.absolute())
-    changed = render_site(project.root, project.root / args.out)
+    changed = render_notes(project.root, project.root / args.out)
     names = [str(p.relative_to(project.root) if p.is_relative_to(project.root) else p) for p in changed]
     print(
         json.dumps({"changed": names}) if args.json else "\n".join(map(printable, names)) or "rendered notes unchanged"
@@ -388,7 +390,7 @@ def cmd_cite_default(project: Project, args) -> int:
 
 
 def cmd_new_note(project: Project, args) -> int:
-    path = new_note(project.notes_dir, args.name, args.title)
+    path = new_note(project.notes_dir, args.name, args.title, load_plugin(project).skeleton)
     shown = path.relative_to(project.root).as_posix()
     print(
         json.dumps({"written": shown}) if args.json else f"wrote {shown}; `tools/pin-and-cite check` lists what to fill"

@@ -158,7 +158,7 @@ def _dp_sharding(s: dict) -> str:
 
 
 def setup_from(args: argparse.Namespace) -> ScaleSetup:
-    """The setup these parsed arguments describe (tools/record_traces.py names its traces' arguments; the
+    """The setup these parsed arguments describe (tools/study/record_traces.py names its traces' arguments; the
     tests trace the same setups in-process). ParallelConfigError for one that cannot exist."""
     return setup_for(
         args.model.lower(),

@@ -1,6 +1,6 @@
 """Citations written in this repository's own code: a docstring or comment of the reference names the upstream
 code it mirrors as `SOURCE:PATH::Qual.name` (for example
-`pytorch:torch/distributed/fsdp/_runtime_utils.py::_pre_backward_hook`).
+`upstream:pkg/module.py::Class.method`).
 
 `check` verifies each one against the lock like a citation in a note, at the file:line where it is written;
 `bump` carries it in the lock: a symbol citation names no line, so when upstream code moves only the lock

@@ -1,4 +1,5 @@
-"""Installed wheels as a source: torch 2.13.0 and megatron-core 0.16.1 ship byte-identical upstream files.
+"""Installed wheels as a source: a release's wheel may ship byte-identical copies of the upstream files it is built
+from (pins.toml names it as a source's `distribution`).
 
 A wheel's file is only a candidate: fetch uses it when its git blob SHA equals the lock's, never otherwise.
 importlib.metadata (with the email package it reads metadata with) is imported only when a wheel is asked:

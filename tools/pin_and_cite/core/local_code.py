@@ -1,8 +1,8 @@
 """`ours("reference/x.py::Name")`: where a definition lives in this repository (`definition` gives its lines too,
 for the reference pages to show the code), and `mirrors(...)`: the upstream code its docstring cites.
 
-Resolved with the same AST reader as upstream symbols, so a renamed or moved function fails the render
-with the template's file:line instead of leaving a stale mapping.
+Resolved with the same AST reader as upstream symbols (through the run's parse cache), so a renamed or moved
+function fails the render with the template's file:line instead of leaving a stale mapping.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 from pin_and_cite.core import symbols
 from pin_and_cite.core.citation import check_repo_path
 from pin_and_cite.core.code_citations import citations_in_text, utf8_text
+from pin_and_cite.core.context import Context
 from pin_and_cite.core.errors import PinAndCiteError
-from pin_and_cite.core.parse_cache import ParseCache
 from pin_and_cite.core.regular_file import MAX_CODE_BYTES, read_in_project
 
 
@@ -24,7 +24,7 @@ def _read(root: Path, spec: str, call: str) -> tuple[str, str, bytes, str]:
     check_repo_path(path)
     file = root / path
     if not sep or not symbol:
-        raise PinAndCiteError(f"{call}({spec!r}): expected PATH::Name, e.g. reference/fsdp/runtime.py::pre_forward")
+        raise PinAndCiteError(f"{call}({spec!r}): expected PATH::Name, e.g. src/pkg/module.py::function")
     if not file.is_file():
         raise PinAndCiteError(f"{call}({spec!r}): {path} does not exist")
     data = read_in_project(root, file, MAX_CODE_BYTES)
@@ -43,22 +43,18 @@ class Definition:
         return f"`{self.symbol}` ({self.path} L{self.first}–L{self.last})"
 
 
-def definition(root: Path, spec: str, parsed: ParseCache) -> Definition:
-    path, symbol, data, text = _read(root, spec, "ours")
-    first, last = symbols.resolve(parsed.definitions_in_text(data, text, path), symbol, path)
+def definition(context: Context, spec: str) -> Definition:
+    path, symbol, data, text = _read(context.root, spec, "ours")
+    first, last = symbols.resolve(context.parsed.definitions_in_text(data, text, path), symbol, path)
     return Definition(path, symbol, first, last, "".join(line + "\n" for line in text.split("\n")[first - 1 : last]))
 
 
-def ours(root: Path, spec: str, parsed: ParseCache) -> str:
-    return str(definition(root, spec, parsed))
-
-
-def mirrored(root: Path, spec: str, parsed: ParseCache) -> list[str]:
+def mirrored(context: Context, spec: str) -> list[str]:
     """The upstream citations written in the docstring of `PATH::Name` (pin_and_cite.core.code_citations), in
     order, each once: what the reference pages show it mirrors."""
-    path, symbol, data, text = _read(root, spec, "mirrors")
-    symbols.resolve(parsed.definitions_in_text(data, text, path), symbol, path)  # it exists, once
-    span = parsed.docstrings_in_text(data, text, path).get(symbol)
+    path, symbol, data, text = _read(context.root, spec, "mirrors")
+    symbols.resolve(context.parsed.definitions_in_text(data, text, path), symbol, path)  # it exists, once
+    span = context.parsed.docstrings_in_text(data, text, path).get(symbol)
     lines = text.split("\n")[span[0] - 1 : span[1]] if span else []
     found = list(dict.fromkeys(spec for spec, _ in citations_in_text("\n".join(lines))))
     if not found:

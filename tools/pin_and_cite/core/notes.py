@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import jinja2
 from jinja2 import nodes
@@ -17,7 +17,9 @@ from jinja2 import nodes
 from pin_and_cite.core import sandbox
 from pin_and_cite.core.errors import PinAndCiteError
 from pin_and_cite.core.gitobj import blob_sha
-from pin_and_cite.core.parse_cache import ParseCache
+
+if TYPE_CHECKING:
+    from pin_and_cite.core.context import Context
 
 TEMPLATE_GLOB = "**/*.md.j2"
 HIGHLIGHT = "highlight"
@@ -39,10 +41,11 @@ class Written:
         return f"{self.file.relative_to(root)}:{self.line}"
 
 
-def calls_in(template: Path, functions: set[str], parsed: ParseCache | None = None) -> list[Written]:
-    """The calls of `functions` written in `template`; `parsed` keeps what Jinja's parser found, by the hash of
-    the template's text (a third of a `check` is parsing templates)."""
+def calls_in(template: Path, functions: set[str], context: Context | None = None) -> list[Written]:
+    """The calls of `functions` written in `template`; the context's parse cache keeps what Jinja's parser
+    found, by the hash of the template's text (a third of a `check` is parsing templates)."""
     text = template.read_text()
+    parsed = context.parsed if context else None
     if parsed is None:
         every = _every_call(text, template)
     else:
@@ -105,8 +108,9 @@ def note_templates(notes_dir: Path) -> list[Path]:
     return sorted(t for t in notes_dir.glob(TEMPLATE_GLOB) if not t.name.startswith("_"))
 
 
-def written_calls(notes_dir: Path, functions: set[str], parsed: ParseCache | None = None) -> list[Written]:
-    return [w for template in sorted(notes_dir.glob(TEMPLATE_GLOB)) for w in calls_in(template, functions, parsed)]
+def written_calls(context: Context, functions: set[str]) -> list[Written]:
+    templates = sorted(context.notes_dir.glob(TEMPLATE_GLOB))
+    return [w for template in templates for w in calls_in(template, functions, context)]
 
 
 def rewrite_arguments(template: Path, changes: list[tuple[Written, str] | tuple[Written, str, str]]) -> bytes:

@@ -1,6 +1,6 @@
 """reading_notes/<sha_file>: a pinned source's commit in a plain file, for scripts that want it without TOML.
 
-A source in pins.toml that names a `sha_file` (this kit: megatron-lm -> megatron-sha.txt) gets that file in the
+A source in pins.toml that names a `sha_file` (`NAME-sha.txt`) gets that file in the
 notes folder, written from the pin by `render` (and so by every site build); `check` fails when it disagrees
 with the pin, so a moved pin cannot leave a stale SHA behind.
 """

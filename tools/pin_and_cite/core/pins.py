@@ -19,7 +19,7 @@ from pin_and_cite.core.errors import PinAndCiteError
 
 SHA_FILE = re.compile(r"[a-z0-9][a-z0-9._-]*-sha\.txt")  # never pins.toml, the lock, a template or a trace
 MAX_BYTES = 1 << 20  # the project's pins.toml holds 881 bytes
-SHAPE = "each [sources.NAME] table takes url and commit (a full SHA), and optionally tag, distribution and sha_file"
+SHAPE = "[sources.NAME]: url and commit (a full SHA), optionally tag, distribution, sha_file; [site]: plugin"
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,7 @@ class Pins:
             raise PinAndCiteError(f"{path} is not valid TOML: {exc}") from None
         schema.check(data, schema.PINS, f"{path}:", SHAPE)
         self.sources = {name: self._source(name, table) for name, table in data.get("sources", {}).items()}
+        self.plugin: str | None = data.get("site", {}).get("plugin")  # pin_and_cite.site.plugin loads it
         sha_files = [source.sha_file for source in self.sources.values() if source.sha_file]
         if len(sha_files) != len(set(sha_files)):
             raise PinAndCiteError(f"{path.name}: two sources name the same sha_file; give each its own")

@@ -100,7 +100,7 @@ SOURCE = _record(
         "description": "a file name in the notes folder",
     },
 )
-PINS = _record([], sources=_map_of(SOURCE))
+PINS = _record([], sources=_map_of(SOURCE), site=_record([], plugin=NAME))  # a module: pin_and_cite.site.plugin
 
 
 _compiled: dict[int, Callable] = {}  # id of a schema above -> its fastjsonschema validator

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from pin_and_cite.core.gitobj import blob_sha
 
 if TYPE_CHECKING:
-    from pin_and_cite.core.parse_cache import ParseCache
+    from pin_and_cite.core.context import Context
 
 UPSTREAM_MARK = "upstream"
 # Why upstream cannot run on a CPU-only machine with gloo; a new kind of reason is a change to this tool, reviewed.
@@ -59,10 +59,11 @@ def _upstream_source(decorators: list[ast.expr]) -> str | None | bool:
     return False
 
 
-def _tests_in(path: Path, parsed: ParseCache | None) -> dict[str, Evidence] | str:
+def _tests_in(path: Path, context: Context) -> dict[str, Evidence] | str:
     """Test name (or Class::name) -> its evidence; a string says why the file cannot be read as Python. Cached
     per file version (`mkdocs serve` renders again after a test file is edited, and its page must show the new
-    lines), and, given a ParseCache, kept on disk by the file's blob SHA."""
+    lines), and, in a context with a parse cache, kept on disk by the file's blob SHA."""
+    parsed = context.parsed
     stat = path.stat()
     version = (path, stat.st_mtime_ns, stat.st_size)
     if version not in _SEEN:
@@ -135,9 +136,10 @@ def _test_file(root: Path, path: str) -> Path | str:
     return file if file.is_file() else f"test file {path!r} does not exist under tests/"
 
 
-def evidence_of(root: Path, node_id: str, parsed: ParseCache | None = None) -> Evidence | str:
+def evidence_of(context: Context, node_id: str) -> Evidence | str:
     """The evidence of the test `node_id` (pytest's `tests/PATH.py::[Class::]name[params]`), or why it names
-    no test in the project (one line); `parsed`: where the test files' facts are kept."""
+    no test in the checkout (one line)."""
+    root, parsed = context.root, context.parsed
     path, sep, name = node_id.partition("::")
     if not sep or not name:
         return f"{node_id!r} is not a pytest node id (tests/FILE.py::test_name)"
@@ -148,14 +150,14 @@ def evidence_of(root: Path, node_id: str, parsed: ParseCache | None = None) -> E
     )
     if isinstance(file, str):
         return file
-    tests = _tests_in(file, parsed)
+    tests = _tests_in(file, context)
     if isinstance(tests, str):
         return f"{path}: {tests}"
     found = tests.get(name.split("[", 1)[0])
     return found or f"{path} has no test {name.split('[', 1)[0]}"
 
 
-def missing_test(root: Path, node_id: str, parsed: ParseCache | None = None) -> str | None:
-    """Why `node_id` names no test in the project, or None."""
-    found = evidence_of(root, node_id, parsed)
+def missing_test(context: Context, node_id: str) -> str | None:
+    """Why `node_id` names no test in the checkout, or None."""
+    found = evidence_of(context, node_id)
     return found if isinstance(found, str) else None

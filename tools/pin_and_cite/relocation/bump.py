@@ -34,6 +34,7 @@ from pin_and_cite.core import symbols
 from pin_and_cite.core.atomic import atomic_write
 from pin_and_cite.core.citation import Spec, parse_spec
 from pin_and_cite.core.code_citations import code_citations, code_texts
+from pin_and_cite.core.context import Context
 from pin_and_cite.core.defaults import DefaultRef, parse_key
 from pin_and_cite.core.errors import PinAndCiteError
 from pin_and_cite.core.fetch import from_distribution
@@ -84,7 +85,7 @@ def _citations_of(project: Project, name: str) -> dict[str, Carried]:
     be listed where the bump record says it is cited; they are symbol citations, which name no line, so a move
     needs no rewrite), and in the lock."""
     found: dict[str, Carried] = {}
-    for call in written_calls(project.notes_dir, {"cite"}) + code_citations(code_texts(project.root)):
+    for call in written_calls(Context(project.root), {"cite"}) + code_citations(code_texts(project.root)):
         try:
             spec = parse_spec(call.argument)
         except PinAndCiteError as exc:

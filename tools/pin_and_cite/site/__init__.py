@@ -1,3 +1,3 @@
-"""The site: render the note templates, and this study's helpers (traces, diagrams, estimates, scale tables),
-which pin_and_cite.site.study registers with the renderer. Imports the core and the relocation engine.
+"""The site: render the note templates, with the helpers and note rules the project's plugin registers
+(pin_and_cite.site.plugin). Imports the core and the relocation engine.
 """

@@ -8,11 +8,11 @@ code, linked to that code, which the page shows at its end under OUR_CODE), `mir
 `verified_by("tests/...::test")` (the test and the kind of evidence it is: upstream or reference,
 linked to its section on its test file's page, pin_and_cite.site.evidence_pages) and
 `reference_only(REASON, detail)` (why no upstream test can run here, REASON from a fixed list), `pins` and
-`locked_files(source)`; and the helpers a site registers (`helpers`: for this study,
-pin_and_cite.site.study's traces, diagrams, estimates and scale tables), so that the renderer imports none of them.
-Close-reading notes are checked against pin_and_cite.site.note_rules before they are rendered. A template whose
-name starts with `_` is a partial: `_source.md.j2` is rendered once per pinned source into sources/NAME.md.
-The pages of what the latest bump of each source changed go to changes/ (pin_and_cite.site.changes).
+`locked_files(source)`; and the helpers the project's plugin registers (pin_and_cite.site.plugin), so that the
+renderer imports none of them. Each note is checked against the plugin's note rules before it is rendered. A
+template whose name starts with `_` is a partial: `_source.md.j2` is rendered once per pinned source into
+sources/NAME.md. The pages of what the latest bump of each source changed go to changes/
+(pin_and_cite.site.changes).
 
 Everything is rendered in memory first, and only then written, and only files whose text changed (mkdocs
 watches docs/: rewriting an unchanged page would trigger the next live-reload forever). A failure anywhere
@@ -23,13 +23,13 @@ names the template file and line and leaves the previous output as it was. Templ
 from __future__ import annotations
 
 import html
-from collections.abc import Callable
 from pathlib import Path
 
 import jinja2
 
 from pin_and_cite.core import sandbox, symbols
 from pin_and_cite.core.citation import parse_spec
+from pin_and_cite.core.context import Context
 from pin_and_cite.core.defaults import default_ref
 from pin_and_cite.core.errors import PinAndCiteError
 from pin_and_cite.core.fences import code_span, fence_for
@@ -44,8 +44,8 @@ from pin_and_cite.core.verified_by import Evidence, evidence_of, reference_only_
 from pin_and_cite.site.changes import change_pages
 from pin_and_cite.site.evidence_pages import evidence_pages, link_from
 from pin_and_cite.site.folding import fold_window, folded_markdown
-from pin_and_cite.site.note_rules import check_note
 from pin_and_cite.site.output_folder import OutputFolder
+from pin_and_cite.site.plugin import Plugin, load_plugin
 
 SOURCE_PAGE = "_source.md.j2"
 OUR_CODE = "The reference code"  # the section ours() links into
@@ -113,13 +113,12 @@ def excerpt_markdown(
     return f"{caption}\n\n{folded_markdown(block(top, shown), block(first, excerpt.text), excerpt.lines)}"
 
 
-Helpers = Callable[[Project], dict]  # a site's extra template globals, made for one project
-
-
 class Renderer:
-    def __init__(self, project: Project, resolver: Resolver | None = None, helpers: Helpers | None = None):
+    def __init__(self, project: Project, resolver: Resolver | None = None, plugin: Plugin | None = None):
         self.project = project
         self.resolver = resolver or Resolver(project, allow_remote=False)
+        self.context = Context(project.root, self.resolver.parsed)  # what every reader of the checkout gets
+        self.plugin = plugin or load_plugin(project)
         self._rules: dict[Path, list] = {}
         self.page: str | None = None  # the page being rendered, for relative links
         self.cited_tests: dict[str, tuple[Evidence, list[str]]] = {}  # node id -> evidence, citing pages
@@ -136,8 +135,7 @@ class Renderer:
             mirrors=self.mirrors,
             locked_files=self.locked_files,
         )
-        if helpers:
-            self.env.globals.update(helpers(project))
+        self.env.globals.update(self.plugin.helpers(self.context))
 
     def excerpt(self, spec_text: str) -> Excerpt:
         key = str(parse_spec(spec_text))
@@ -169,7 +167,7 @@ class Renderer:
 
     def ours(self, spec: str) -> str:
         """Where our definition lives, linked to its code, which render() appends to the page."""
-        found = definition(self.project.root, spec, self.resolver.parsed)
+        found = definition(self.context, spec)
         anchor = "code-" + "".join(ch if ch.isalnum() else "-" for ch in f"{found.path}-{found.symbol}").lower()
         self.our_code[anchor] = found
         return f"[{found}](#{anchor})"
@@ -190,7 +188,7 @@ class Renderer:
 
     def mirrors(self, ours_spec: str) -> str:
         """The upstream() links of the citations in the docstring of our `reference/x.py::Name`."""
-        return ", ".join(self.upstream(spec) for spec in mirrored(self.project.root, ours_spec, self.resolver.parsed))
+        return ", ".join(self.upstream(spec) for spec in mirrored(self.context, ours_spec))
 
     def default(self, spec_text: str, param: str) -> str:
         """`param=VALUE` as the pinned source writes it, linked to its line."""
@@ -222,7 +220,7 @@ class Renderer:
     def verified_by(self, node_id: str) -> str:
         """The test and its kind of evidence (it runs the pinned upstream itself, or the reference only),
         linked to its section on the page of the test file (pin_and_cite.site.evidence_pages)."""
-        found = evidence_of(self.project.root, node_id, self.resolver.parsed)
+        found = evidence_of(self.context, node_id)
         if isinstance(found, str):
             raise PinAndCiteError(f"verified_by: {found}")
         if found.kind == "upstream" and found.source not in self.project.pins.sources:
@@ -246,9 +244,10 @@ class Renderer:
         return evidence_line("reference-only", "reference only", html.escape(shown))
 
     def rule_problems(self, template: Path) -> list:
-        """check_note(template), once per template for this renderer (a page per source reuses it)."""
+        """The plugin's note rules on `template`, once per template for this renderer (a page per source reuses
+        them)."""
         if template not in self._rules:
-            self._rules[template] = check_note(template, self.project.root, self.resolver.parsed)
+            self._rules[template] = self.plugin.note_rules(template, self.context)
         return self._rules[template]
 
     def render(self, template: Path, rules: bool = True, **context) -> str:
@@ -301,16 +300,16 @@ def pages(project: Project) -> list[tuple[Path, dict, str]]:
     return found
 
 
-def render_notes(root: Path, out_dir: Path, helpers: Helpers | None = None) -> list[Path]:
+def render_notes(root: Path, out_dir: Path) -> list[Path]:
     """Render every note template into `out_dir` (NAME.md.j2 -> NAME.md), the source pages, the page of each
-    test file whose tests a note cites (tests/) and the change pages, with the site's `helpers`; return the
+    test file whose tests a note cites (tests/) and the change pages, with the plugin's helpers; return the
     files that changed (stale pages render wrote, say of a replaced bump record, are removed, with their
     emptied folders: pin_and_cite.site.output_folder). A page that does not render (a note a bump broke) is
     refused and left as it was, as are the test pages (which list the notes citing each test) and nothing is
     removed, but every other page is written, so the change pages that say what to fix are there to read; then
     the first refusal is raised."""
     project = Project(root)
-    renderer = Renderer(project, helpers=helpers)
+    renderer = Renderer(project)
     rendered, broken = {}, []
     for template, context, page in pages(project):
         renderer.page = page

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from html import escape
 
-from pin_and_cite.site.traces import RECORD, TraceError
+from study.traces import RECORD, TraceError
 
 CONTROLS = (  # grid field, label, CLI flag
     ("model", "Model", "--model"),

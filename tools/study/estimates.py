@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pin_and_cite.site.traces import RECORD, TraceError, events_where, pipeline_slots
+from study.traces import RECORD, TraceError, events_where, pipeline_slots
 
 
 @dataclass(frozen=True)

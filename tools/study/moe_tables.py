@@ -9,8 +9,8 @@ a hand-edited or stale trace stops the build with a one-line error instead of be
 
 from __future__ import annotations
 
-from pin_and_cite.site.scale_tables import checked_memory, human, sent_per_group
-from pin_and_cite.site.traces import RECORD, TraceError
+from study.scale_tables import checked_memory, human, sent_per_group
+from study.traces import RECORD, TraceError
 
 HELD = {
     "expert_parameters": "expert weights",

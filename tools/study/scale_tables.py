@@ -9,7 +9,7 @@ the build with a one-line error instead of being shown.
 
 from __future__ import annotations
 
-from pin_and_cite.site.traces import RECORD, TraceError
+from study.traces import RECORD, TraceError
 
 GROUPS = {"tp": "TP", "pp": "PP", "dp": "DP"}
 HSDP_GROUPS = {"dp_shard": "DP shard", "dp_replicate": "DP replicate"}  # HSDP's two groups inside the DP group
@@ -18,7 +18,7 @@ RING = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}  # x (p-1)/p of t
 
 def sent_bytes(op: str, nbytes: int, group_size: int) -> int:
     """Bytes one rank sends for a collective under ring algorithms (the convention of
-    pin_and_cite.site.estimates): all-reduce 2(p-1)/p N, all-gather and reduce-scatter (p-1)/p N, send N, recv 0."""
+    study.estimates): all-reduce 2(p-1)/p N, all-gather and reduce-scatter (p-1)/p N, send N, recv 0."""
     if op in RING:
         return RING[op] * (group_size - 1) * nbytes // group_size
     return nbytes if op == "send" else 0

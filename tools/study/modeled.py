@@ -21,9 +21,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pin_and_cite.site.scale_tables import sent_bytes
-from pin_and_cite.site.timeline import Bar
-from pin_and_cite.site.traces import RECORD, TraceError, events_where, pipeline_schedule
+from study.scale_tables import sent_bytes
+from study.timeline import Bar
+from study.traces import RECORD, TraceError, events_where, pipeline_schedule
 
 FSDP_COLORS = {
     "forward compute": "#1565c0",
@@ -45,7 +45,7 @@ class Rates:
     tflops: float  # dense FLOP rate of one GPU, TFLOP/s (forward, and backward unless backward_tflops says)
     link_GBps: float  # what one rank sends per second, GB/s
     backward_tflops: float | None = None
-    measured_on: str | None = None  # "device, torch, dtype" that measured them (pin_and_cite.site.calibration)
+    measured_on: str | None = None  # "device, torch, dtype" that measured them (study.calibration)
 
     def __post_init__(self):
         rates = (self.tflops, self.link_GBps, self.backward_tflops or self.tflops)

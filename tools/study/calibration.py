@@ -17,8 +17,8 @@ from pathlib import Path
 from pin_and_cite.core.bounded import parse, read_file
 from pin_and_cite.core.errors import PinAndCiteError
 from pin_and_cite.core.schema import check
-from pin_and_cite.site.modeled import Rates
-from pin_and_cite.site.traces import MAX_BYTES, RECORD, TraceError
+from study.modeled import Rates
+from study.traces import MAX_BYTES, RECORD, TraceError
 
 CALIBRATION_DIR = "calibrations"
 MEASURE = "measure one with python -m reference.measure.calibrate"

@@ -14,7 +14,7 @@ a note that drops the line must not slip out of its rules unseen, so `rules: non
 ANSWER_WORDS words of prose, cites upstream (cite() or upstream()) and names a test (verified_by()); a
 reference_only() there too gives a reason from the fixed list.
 `rules: walkthrough` (a page that teaches a topic before its close reading): a notation box (an admonition
-titled "Notation"), at least one Run it block showing its recorded output (pin_and_cite.site.run_it; the
+titled "Notation"), at least one Run it block showing its recorded output (study.run_it; the
 recording holds the block's commands as written), a `## Predict, then run` section of at least MIN_EXERCISES
 `### ` exercises each with a collapsed answer (`<details>`), and links to a close reading, a reference module
 page and the Check-yourself questions.
@@ -32,12 +32,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pin_and_cite.core.bounded import read_file
+from pin_and_cite.core.context import Context
 from pin_and_cite.core.errors import PinAndCiteError
 from pin_and_cite.core.notes import calls_in, note_templates
-from pin_and_cite.core.parse_cache import ParseCache
 from pin_and_cite.core.project import NOTES_DIR
 from pin_and_cite.core.verified_by import evidence_of, reference_only_problem
-from pin_and_cite.site.run_it import RunIt, read_recording, run_it_blocks
+from pin_and_cite.site.plugin import RuleProblem
+from study.run_it import RunIt, read_recording, run_it_blocks
 
 MAX_WORDS = 300
 MIN_CHOICES = 5
@@ -57,12 +58,6 @@ EXERCISES_HEADING = "## predict, then run"
 _NOTATION_BOX = re.compile(r'(?:!!!|\?\?\?\+?)\s+[\w-]+\s+"Notation"')
 _LINK_TARGET = re.compile(r"\]\(([^)#\s]+\.md)(?:#[^)]*)?\)")
 VALUE = "{{value}}"  # what a printed expression becomes: one word, and never text a template can hold
-
-
-@dataclass(frozen=True)
-class RuleProblem:
-    line: int
-    message: str
 
 
 def _blank_keeping_lines(match: re.Match) -> str:
@@ -136,11 +131,11 @@ def _prose_words(lines: list[tuple[int, str, bool]], section: _Section) -> int:
     return sum(words(line) for n, line, heading in lines if section.holds(n) and not heading)
 
 
-def _kinds_of_tests(root: Path, calls, section: _Section, parsed: ParseCache | None) -> set[str | None]:
+def _kinds_of_tests(context: Context, calls, section: _Section) -> set[str | None]:
     """The kind of evidence ("upstream", "reference"; None for a test that does not exist, which check reports
     on its own) of each test the section names with verified_by()."""
     return {
-        getattr(evidence_of(root, c.argument, parsed), "kind", None)
+        getattr(evidence_of(context, c.argument), "kind", None)
         for c in calls
         if c.function == "verified_by" and section.holds(c.line)
     }
@@ -154,9 +149,9 @@ def _reason_problems(calls) -> list[RuleProblem]:
     ]
 
 
-def check_note(template: Path, root: Path, parsed: ParseCache | None = None) -> list[RuleProblem]:
-    """Every rule the template's front matter declares, broken (`root`: the project, whose tests the evidence
-    names; `parsed`: where the template's calls are kept, pin_and_cite.core.notes.calls_in)."""
+def check_note(template: Path, context: Context) -> list[RuleProblem]:
+    """Every rule the template's front matter declares, broken (`context`: the checkout, whose tests the
+    evidence names): this study's `note_rules` (study.plugin)."""
     text = template.read_text()
     declared = front_matter(text)[0].get("rules")
     if declared not in RULES:
@@ -164,17 +159,17 @@ def check_note(template: Path, root: Path, parsed: ParseCache | None = None) -> 
         return [RuleProblem(1, f"{what}: open the page with '---', 'rules: KIND', '---'; KIND is {' or '.join(RULES)}")]
     rules = {"close-reading": _close_reading, "questions": _questions, "none": None}.get(declared)
     if declared == "walkthrough":
-        return _walkthrough(template, root, text)
+        return _walkthrough(template, context.root, text)
     if rules is None:
         return []
     lines = prose_lines(text)
-    calls = calls_in(template, CITING_CALLS | EVIDENCE_CALLS, parsed)
+    calls = calls_in(template, CITING_CALLS | EVIDENCE_CALLS, context)
     last_line = len(text.split("\n"))
-    problems = rules(root, lines, calls, _sections(lines, last_line), last_line, parsed) + _reason_problems(calls)
+    problems = rules(context, lines, calls, _sections(lines, last_line), last_line) + _reason_problems(calls)
     return sorted(problems, key=lambda p: p.line)
 
 
-def _questions(root: Path, lines, calls, sections: list[_Section], last_line: int, _parsed) -> list[RuleProblem]:
+def _questions(_context: Context, lines, calls, sections: list[_Section], last_line: int) -> list[RuleProblem]:
     problems = []
     questions = [s for s in sections if s.title.startswith("### ")]
     for q in questions:
@@ -195,9 +190,7 @@ def _questions(root: Path, lines, calls, sections: list[_Section], last_line: in
     return problems
 
 
-def _close_reading(
-    root: Path, lines, calls, sections: list[_Section], last_line: int, parsed: ParseCache | None
-) -> list[RuleProblem]:
+def _close_reading(context: Context, lines, calls, sections: list[_Section], last_line: int) -> list[RuleProblem]:
     problems, total, over_at = [], 0, None
     for number, line, _ in lines:
         before, total = total, total + words(line)
@@ -244,7 +237,7 @@ def _close_reading(
                     f"design choice {s.name!r} has {count} words of prose; write {CHOICE_WORDS[0]}-{CHOICE_WORDS[1]}",
                 )
             )
-        problems += _evidence_problems(s, _kinds_of_tests(root, calls, s, parsed), calls)
+        problems += _evidence_problems(s, _kinds_of_tests(context, calls, s), calls)
     if choices < MIN_CHOICES:
         problems.append(
             RuleProblem(

@@ -1,6 +1,6 @@
 """`tools/record-runs [NAME ...]`: run the walkthroughs' Run it blocks and record what they print.
 
-Each block runs as a reader runs it (pin_and_cite.site.run_it.run_block: from the project root, the venv not
+Each block runs as a reader runs it (study.run_it.run_block: from the project root, the venv not
 activated) and its commands and stdout are written to reading_notes/runs/NAME.txt, the file the page shows
 with run_output("NAME") and tests/evidence/test_run_it.py compares with a fresh run. Re-record after changing a
 block or the demo it runs, and commit the result. Exit status: 0 recorded, 1 a run failed, 2 a usage error
@@ -16,10 +16,10 @@ from pathlib import Path
 
 from pin_and_cite.core.atomic import atomic_write
 from pin_and_cite.core.errors import PinAndCiteError
-from pin_and_cite.site.note_rules import walkthrough_runs
-from pin_and_cite.site.run_it import recording_path, recording_text, run_block
+from study.note_rules import walkthrough_runs
+from study.run_it import recording_path, recording_text, run_block
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NOTES = ROOT / "reading_notes"
 TIMEOUT_S = 300
 

@@ -41,7 +41,7 @@ from pathlib import Path
 
 from pin_and_cite.core.atomic import atomic_write
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tools" / "trace_worker.py"
 RANKS = 2
 PIPELINE_RANKS = 4  # trace_worker.PIPELINE_RANKS

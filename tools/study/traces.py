@@ -38,15 +38,15 @@ REQUIRED = {
         "events",
         "spans",
     ),
-    "scale": ("setup", "world", "runs"),  # python -m reference.measure.scale --json (pin_and_cite.site.scale_tables)
+    "scale": ("setup", "world", "runs"),  # python -m reference.measure.scale --json (study.scale_tables)
     "pipeline": ("schedule", "world", "pp", "m", "b", "s", "h", "dtype_size", "activation_shape", "stages"),
     "activation_memory": ("world", "shape", "configurations", "llama"),  # benchmarks/bench_activation_memory.py --json
-    # python -m reference.measure.scale.grid (pin_and_cite.site.scale_calculator)
+    # python -m reference.measure.scale.grid (study.scale_calculator)
     "layout_grid": ("values", "initial", "fixed", "models", "held", "traffic", "state", "bubble"),
     # torchrun -m reference.hf_tp --json: PyTorch DTensor's plan on HF's Qwen2 (the DTensor walkthrough)
     "dtensor": ("world", "config", "sequence_parallel", "plan", "parameters", "collectives", "loss", "loss_unsharded"),
     # torchrun -m reference --moe --json: one MoE layer's steps, every rank's routing and collectives (the MoE
-    # walkthrough; pin_and_cite.site.moe_figure)
+    # walkthrough; study.moe_figure)
     "moe": ("world", "config", "steps"),
     # torchrun tools/fsdp_compare.py: PyTorch's FSDP1 and FSDP2 on one model (the FSDP1 ↔ FSDP2 page)
     "fsdp_compare": ("world", "config", "units", "parameters", "options", "runs", "state_dicts"),

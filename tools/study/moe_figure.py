@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import html
 
-from pin_and_cite.site.timeline import CHAR_PX, FONT_PX, SMALL_PX, WIDTH, _fitting_size, _text
-from pin_and_cite.site.traces import RECORD, TraceError
+from study.timeline import CHAR_PX, FONT_PX, SMALL_PX, WIDTH, _fitting_size, _text
+from study.traces import RECORD, TraceError
 
 RANK_COLORS = ("#1565c0", "#ef6c00", "#2e7d32", "#6a1b9a", "#00838f", "#ad1457", "#4e342e", "#c62828")
 LEFT = 150  # the band names' column

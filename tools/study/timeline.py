@@ -1,6 +1,6 @@
 """Timelines as inline SVG at body-text size: rows of bars on a time axis with its unit, and a legend.
 
-`timeline(modeled, measured=None)` draws one Panel, or two side by side: a modeled run (pin_and_cite.site.modeled,
+`timeline(modeled, measured=None)` draws one Panel, or two side by side: a modeled run (study.modeled,
 whose axis says at what FLOP rate and link bandwidth) and, when a device recorded one, the measured timeline of
 the same step. Drawn here rather than as a mermaid gantt: a gantt's axis is calendar time (minutes at best),
 and mermaid scales its text with the chart's width, below a readable size.

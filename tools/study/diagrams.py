@@ -1,4 +1,4 @@
-"""Diagrams generated from recorded runs (pin_and_cite.site.traces), never drawn by hand: mermaid, and SVG timelines.
+"""Diagrams generated from recorded runs (study.traces), never drawn by hand: mermaid, and SVG timelines.
 
 `diagram("tp_block", link=...)` (or "tp_block_llama", the Llama/Qwen2 block): the tensor-parallel transformer
 block as the recorder saw it run: every leaf module and every group of aten ops between them, in forward order,
@@ -10,16 +10,16 @@ ones as dotted edges back to the module's input.
 link_GBps=)`: timelines of a recorded step, FSDP forward and backward (a row per unit, its collectives on it)
 or a pipeline (a row per stage, blocks numbered by micro-batch; `same_scale_as=` another schedule's trace of
 the same model puts both on one axis), drawn to a time scale modeled from the recorded FLOPs and bytes
-at the stated rates (pin_and_cite.site.modeled) as inline SVG with a legend (pin_and_cite.site.timeline);
+at the stated rates (study.modeled) as inline SVG with a legend (study.timeline);
 `calibration="NAME"` instead of `tflops=` takes the FLOP rates a device measured at the trace's shapes
-(pin_and_cite.site.calibration); with `measured="TRACE"` (a trace a device recorded of the same step), its own
+(study.calibration); with `measured="TRACE"` (a trace a device recorded of the same step), its own
 timeline beside the modeled one.
 
 `diagram("moe_ep2", step=1)`: one token batch's journey through a recorded MoE layer step at expert parallelism
-(route, permute, all-to-all, experts, all-to-all back, combine), as inline SVG (pin_and_cite.site.moe_figure).
+(route, permute, all-to-all, experts, all-to-all back, combine), as inline SVG (study.moe_figure).
 
 `chart_training_memory(limit)`: a mermaid xychart of per-rank training states
-(pin_and_cite.site.estimates.sharding_limit) against model size in equal steps (mermaid spaces categories
+(study.estimates.sharding_limit) against model size in equal steps (mermaid spaces categories
 evenly, so only equal steps make the axis linear): DDP, FSDP over the stated group, and one GPU's memory as a
 flat line; drawn from the formulas, not from a trace.
 
@@ -36,9 +36,9 @@ import json
 from collections import Counter
 from collections.abc import Callable
 
-from pin_and_cite.site import scale_tables
-from pin_and_cite.site.calibration import trace_rates
-from pin_and_cite.site.modeled import (
+from study import scale_tables
+from study.calibration import trace_rates
+from study.modeled import (
     FSDP_COLORS,
     Rates,
     check_collectives_recorded,
@@ -49,9 +49,9 @@ from pin_and_cite.site.modeled import (
     pipeline_modeled,
     pipeline_note,
 )
-from pin_and_cite.site.moe_figure import moe_journey
-from pin_and_cite.site.timeline import Bar, Panel, timeline
-from pin_and_cite.site.traces import RECORD, TraceError, events_where
+from study.moe_figure import moe_journey
+from study.timeline import Bar, Panel, timeline
+from study.traces import RECORD, TraceError, events_where
 
 # aten ops that name what a group of ops does; layout ops (view, permute, ...) say nothing and are left out.
 OP_NAMES = {
@@ -206,7 +206,7 @@ def _modeled_beside_measured(
 def fsdp_forward(
     trace: dict, link_GBps: float, tflops: float | None = None, calibration: dict | None = None, measured=None
 ) -> str:
-    """The recorded FSDP step, forward and backward, on a modeled time scale (pin_and_cite.site.modeled) at the
+    """The recorded FSDP step, forward and backward, on a modeled time scale (study.modeled) at the
     stated `tflops` or a `calibration`'s rates; with `measured`, that trace's own timeline beside it."""
     check_collectives_recorded(trace)
     rates = trace_rates(trace, link_GBps, tflops, calibration)
