@@ -7,7 +7,7 @@ every rank) and with the distributed optimizer (reduce-scatter, step this rank's
 without overlapping the all-gathers with the next forward, with fp32 and with bf16 gradients. At 2 ranks
 (`megatron_results()`), megatron-core 0.16.1's own DistributedDataParallel and DistributedOptimizer train a
 bf16 MLP next to the reference's, and megatron's GPTModel ties its embedding at PP 2; on the CPU, megatron's
-CUDA calls redirected (reference.torch_patches.cuda_calls_on_cpu, CudaTypeNames).
+CUDA calls redirected (reference.measure.torch_patches.cuda_calls_on_cpu, CudaTypeNames).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from reference.data_parallel.buckets import padded_numel
 from reference.data_parallel.distributed_optimizer import DistributedOptimizer, bytes_per_rank
 from reference.data_parallel.mixed_precision import unsharded
 from reference.measure.recorder import CollectiveRecorder
+from reference.measure.torch_patches import cuda_calls_on_cpu
 from reference.tensor_parallel.transformer import Transformer
-from reference.torch_patches import cuda_calls_on_cpu
 from tests.ranks import on_ranks
 from tests.reference import regression
 from tests.reference.helpers import every_rank, max_diff, megatron_parallel_state

@@ -26,11 +26,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from reference.measure.recorder import CollectiveRecorder
+from reference.measure.torch_patches import cuda_calls_on_cpu
 from reference.parallel_state import ParallelConfigError, build_layout
 from reference.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from reference.tensor_parallel.transformer import init_method_normal
 from reference.tensor_parallel.vocab_parallel import ParallelLMHead, VocabParallelEmbedding, pad_vocab_size
-from reference.torch_patches import cuda_calls_on_cpu
 from tests.ranks import on_ranks
 from tests.reference.gpus import DEVICES
 from tests.reference.helpers import assert_close, every_rank, gather_dim, megatron_parallel_state

@@ -31,7 +31,7 @@ NO_PAGE = {
     "reference/measure/comm_bytes.py": "CommDebugMode that keeps bytes, for the DTensor demo; recorder.py has the page",
     "reference/measure/fsdp_tracing.py": "recorder scopes for the FSDP demo and tests",
     "reference/fsdp/units.py": "wraps a model unit by unit for demos, tests and benchmarks (wrapper.py has the page)",
-    "reference/torch_patches.py": "every patch of torch internals; each docstring names the upstream code it wraps",
+    "reference/measure/torch_patches.py": "every patch of torch internals; each docstring names the upstream code",
     "reference/measure/scale/__main__.py": "the scale-simulation command",
     "reference/measure/scale/shapes.py": "model and layout sizes for the simulation; its page is the Scale note",
     "reference/measure/scale/formulas.py": "the closed-form traffic the simulation is checked against (Scale note)",
