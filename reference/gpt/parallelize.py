@@ -116,29 +116,37 @@ def parallelize_gpt(
     return model
 
 
+def stage_layers(config: GPTConfig, layout: ParallelLayout, virtual_stages: int = 1) -> list[tuple[int, int]]:
+    """[first, last) layers of each of this rank's model chunks: its PP rank's share of split_layers, or, with
+    v > 1 virtual stages, its v interleaved chunks (split_virtual_stages)."""
+    if virtual_stages > 1:
+        return split_virtual_stages(config.num_layers, layout.pp_size, virtual_stages)[layout.pp_rank]
+    return [split_layers(config.num_layers, layout.pp_size)[layout.pp_rank]]
+
+
 def _stages(
     config: GPTConfig,
     layout: ParallelLayout,
-    bounds: list[tuple[int, int]],
+    virtual_stages: int,
     *,
     seed=1234,
     device=None,
     params_dtype=torch.float32,
     **options,
 ) -> list[GPT]:
-    """A GPT of each [first, last) layer range, split over the layout's TP group."""
+    """A GPT of each of this rank's chunks (stage_layers), split over the layout's TP group."""
     return [
         parallelize_gpt(
             GPT(config, seed, device, layers=layers, params_dtype=params_dtype), layout.tp_group, seed=seed, **options
         )
-        for layers in bounds
+        for layers in stage_layers(config, layout, virtual_stages)
     ]
 
 
 def build_stage(config: GPTConfig, layout: ParallelLayout, **options) -> GPT:
     """This rank's stage: its PP rank's share of split_layers, split over its TP group. `options`: seed,
     device, params_dtype, and parallelize_gpt's (sequence_parallel, block arguments)."""
-    (stage,) = _stages(config, layout, [split_layers(config.num_layers, layout.pp_size)[layout.pp_rank]], **options)
+    (stage,) = _stages(config, layout, 1, **options)
     return stage
 
 
@@ -152,5 +160,4 @@ def check_virtual_pipeline(num_layers: int, pp_size: int, virtual_stages: int, m
 
 def build_chunks(config: GPTConfig, layout: ParallelLayout, virtual_stages: int, **options) -> list[GPT]:
     """This rank's v model chunks for interleaved 1F1B (split_virtual_stages), split over its TP group."""
-    bounds = split_virtual_stages(config.num_layers, layout.pp_size, virtual_stages)[layout.pp_rank]
-    return _stages(config, layout, bounds, **options)
+    return _stages(config, layout, virtual_stages, **options)

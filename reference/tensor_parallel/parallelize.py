@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from reference.parallel_state import ParallelConfigError, ParallelLayout, divide
-from reference.recompute import check_mode
+from reference.recompute import set_recompute
 from reference.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, shard_of
 from reference.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
@@ -100,7 +100,7 @@ def parallelize_block(
     mlp.fc1 = _swap(mlp.fc1, ColumnParallelLinear, tp_group, stride=2 if mlp.gated else 1, **options)
     mlp.fc2 = _swap(mlp.fc2, RowParallelLinear, tp_group, **options)
     block.rng = attention.rng = rng or TensorParallelRNG(0, tp_group, block.ln1.weight.device)
-    block.recompute, attention.recompute = check_mode(recompute), recompute == "selective"
+    set_recompute(block, recompute)
     block.sequence_parallel = sp
     for param in [*block.ln1.parameters(), *block.ln2.parameters()]:
         param.sequence_parallel = sp  # replicated, but sees only local tokens under SP: partial grads
