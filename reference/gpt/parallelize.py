@@ -1,7 +1,7 @@
 """`parallelize_gpt(model, tp_group)`: a plain GPT (or stage) split over TP by swapping its layers, and this
 rank's pipeline stage or interleaved chunks built that way.
 
-The word embedding becomes a VocabParallelEmbedding and the head + loss a ParallelLMHead (vocabulary-parallel
+The word embedding becomes a VocabParallelEmbedding and the head + loss an LMHead split over TP (vocabulary-parallel
 cross-entropy), each holding this rank's rows of the same weights; every block goes through parallelize_block.
 Under sequence parallelism the embeddings are scattered along the sequence, and a "llama" sequence the TP size
 does not divide is padded at the end, its pad labels dropped before the mean (causal attention keeps real
@@ -23,7 +23,7 @@ from reference.pipeline.interleaved import check_interleaving
 from reference.tensor_parallel.mappings import scatter_to_sequence_parallel_region
 from reference.tensor_parallel.parallelize import parallelize_block, split_query_groups
 from reference.tensor_parallel.random import TensorParallelRNG
-from reference.tensor_parallel.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
+from reference.tensor_parallel.vocab_parallel import LMHead, VocabParallelEmbedding
 
 
 def check_tensor_parallel(config: GPTConfig, tp: int, sequence_parallel: bool) -> None:
@@ -97,7 +97,7 @@ def parallelize_gpt(
             model.embedding.register_forward_hook(lambda m, a, out: scatter_to_sequence_parallel_region(out, tp_group))
     if model.is_last:
         head = model.output_layer.weight
-        model.output_layer = ParallelLMHead(
+        model.output_layer = LMHead(
             config.hidden_size,
             config.vocab_size,
             tp_group=tp_group,
@@ -112,7 +112,7 @@ def parallelize_gpt(
         for param in model.final_layernorm.parameters():  # sees only local tokens under SP: partial grads
             param.sequence_parallel = sp
         if config.share_embeddings_and_output_weights and model.is_first:  # one stage: one Parameter
-            model.output_layer.output_layer.weight = model.embedding.word_embeddings.weight
+            model.output_layer.weight = model.embedding.word_embeddings.weight
     return model
 
 
