@@ -261,6 +261,15 @@ class GPT(torch.nn.Module):
         return self.output_layer(self.final_layernorm(hidden), labels).mean()
 
 
+def gpt_blocks(num_layers: int, hidden_size: int, heads: int, *, seed: int = 1234, device=None, **fields) -> GPT:
+    """The GPT without its ends, as a middle pipeline stage holds it: `num_layers` GPT-2 blocks, no embedding and
+    no head, [s, b, h] in and out (`model(None, None, hidden=x)`): what block-level tests and benchmarks feed
+    hidden states. `fields`: GPTConfig's (ffn_hidden_size, hidden_dropout, attention_dropout) and params_dtype."""
+    dtype = fields.pop("params_dtype", torch.float32)
+    config = GPTConfig(hidden_size=hidden_size, num_attention_heads=heads, num_layers=num_layers + 2, **fields)
+    return GPT(config, seed, device, layers=(1, num_layers + 1), params_dtype=dtype)
+
+
 def split_virtual_stages(num_layers: int, pp_size: int, virtual_stages: int) -> list[list[tuple[int, int]]]:
     """[first, last) layers of each chunk of each stage for interleaved 1F1B: the layers cut into p * v equal
     virtual stages, chunk c of PP rank r being virtual stage c * p + r (megatron/core/transformer/
