@@ -1,7 +1,7 @@
 """`python -m reference.layout --tp 2 --pp 2 --dp 2 [--ep 2]`: print which ranks form each TP, PP and DP group
 (and, with --ep, each expert-parallel and expert data-parallel group, as megatron-core places them).
 
-No processes are started: the groups are computed with the same `rank_grid` that `build_layout` uses at
+No processes are started: the groups are computed with the same `Mesh` that `build_layout` cuts them from at
 run time, so what this prints is what a `torchrun ... -m reference --tp 2 --pp 2 --dp 2` job creates.
 """
 
@@ -12,16 +12,7 @@ import json
 import sys
 
 from reference.arguments import MAX_WORLD, OneLineParser, refuse_large_world, world_size
-from reference.parallel_state import (
-    ORDERS,
-    ParallelConfigError,
-    describe_grid,
-    expert_grid,
-    expert_groups,
-    groups,
-    parallel_sizes,
-    rank_grid,
-)
+from reference.parallel_state import ORDERS, Mesh, ParallelConfigError, parallel_sizes
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,6 +31,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=world_size,
         default=1,
         help="expert-parallel size of the MoE layers: carved out of DP (it must divide dp), varying right after TP",
+    )
+    parser.add_argument(
+        "--cp",
+        type=world_size,
+        default=1,
+        help="context-parallel size (a placeholder dimension here: its groups vary right after TP, as megatron's)",
     )
     parser.add_argument(
         "--world",
@@ -61,16 +58,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    refuse_large_world(parser, tp=args.tp, pp=args.pp, dp=args.dp or 1)
+    cp = {"cp": args.cp} if args.cp > 1 else {}
+    refuse_large_world(parser, tp=args.tp, **cp, pp=args.pp, dp=args.dp or 1)
     try:
         if args.world is None and args.dp is None:
             raise ParallelConfigError("give --dp or --world")
-        world = args.world if args.world is not None else args.tp * args.pp * args.dp
-        tp, pp, dp = parallel_sizes(world, args.tp, args.pp, args.dp)
+        world = args.world if args.world is not None else args.tp * args.cp * args.pp * args.dp
+        tp, pp, dp = parallel_sizes(world, args.tp, args.pp, args.dp, args.cp)
         if args.rank is not None and not 0 <= args.rank < world:
             raise ParallelConfigError(f"--rank {args.rank} is outside the world of {world} ranks")
-        grid = rank_grid(tp, pp, dp, args.order)
-        experts = expert_grid(tp, pp, dp, args.ep, args.order) if args.ep > 1 else None
+        mesh = Mesh(tp, pp, dp, cp=args.cp, ep=args.ep, order=args.order)
     except ParallelConfigError as error:
         print(f"reference.layout: error: {error}", file=sys.stderr)
         return 2
@@ -83,19 +80,18 @@ def main(argv: list[str] | None = None) -> int:
                     "pp": pp,
                     "dp": dp,
                     "order": args.order,
-                    **{f"{kind}_groups": groups(grid, kind) for kind in ("tp", "pp", "dp")},
+                    **({"cp": mesh.cp, "cp_groups": mesh.ranks("cp")} if mesh.cp > 1 else {}),
+                    **{f"{kind}_groups": mesh.ranks(kind) for kind in ("tp", "pp", "dp")},
                     "ep": args.ep,
-                    **{
-                        f"{kind}_groups": expert_groups(experts, kind)
-                        if experts is not None
-                        else [[r] for r in range(world)]
+                    **{  # at ep 1 every rank holds all experts: groups of one
+                        f"{kind}_groups": mesh.ranks(kind) if mesh.ep > 1 else [[r] for r in range(world)]
                         for kind in ("ep", "edp")
                     },
                 }
             )
         )
     else:
-        print(describe_grid(grid, args.order, args.rank, experts))
+        print(mesh.describe(args.rank))
     return 0
 
 

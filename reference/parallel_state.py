@@ -1,25 +1,43 @@
-"""Which ranks talk to which: the world laid out as a TP x PP x DP grid, TP groups of consecutive ranks.
+"""Which ranks talk to which: one mesh of named dimensions, and every process group a slice of it.
 
-The grid is built from an `order` string whose first name varies fastest over the ranks; the default here,
-"tp-pp-dp", makes TP groups runs of consecutive ranks (one node), then stages, then replicas ("tp-dp-pp" is
-Megatron's default). The grid is kept indexed [pp, dp, tp] (`rank_grid`), every group is a slice of it, and
-the groups are held by a small object passed to the layers explicitly. Expert parallelism, carved out of DP,
-has a second grid (`expert_grid`).
+The world is one tensor of ranks (picotron's `torch.arange(world).view(...)`) with axes named as torchtitan's
+ParallelDims names them: pp, dp (dp_replicate x dp_shard; HSDP splits it), cp and tp. Which axis varies fastest
+follows megatron-core's `order`: TP, then CP, then "pp-dp" (the default here, "tp-pp-dp": TP groups are
+consecutive ranks, then stages, then replicas) or "dp-pp" ("tp-dp-pp", megatron's default). The MoE layers read a
+second view of the same ranks, [pp, edp, ep, tp]: EP carved out of dp x cp, right after TP (megatron's expert
+rank generator, expert TP = TP). The embedding group pairs each pipeline's first and last stage.
+
+Creating a group is a collective of the whole world, so every group, and every torch device mesh on them, is made
+here, by every rank, in one order. A new dimension is a size of Mesh, a place in DIMS and the order, and an entry
+of GROUPS: this file alone.
 
 Mirrors `megatron-lm:megatron/core/parallel_state.py::initialize_model_parallel` and
-`megatron-lm:megatron/core/parallel_state.py::RankGenerator` (notes/reference/parallel_state.md has an
-8-rank example; `python -m reference.layout` prints any).
+`megatron-lm:megatron/core/parallel_state.py::RankGenerator` (notes/reference/parallel_state.md;
+`python -m reference.layout` prints any layout).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import torch
 import torch.distributed as dist
 
 ORDERS = ("tp-pp-dp", "tp-dp-pp")
+DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # the dense view's axes
+EXPERT_DIMS = ("pp", "edp", "ep", "tp")  # the MoE layers' view of the same ranks
+GROUPS = {  # name: the axes its groups span (ep, edp: of the expert view), created in this order
+    "tp": ("tp",),
+    "cp": ("cp",),
+    "pp": ("pp",),
+    "dp": ("dp_replicate", "dp_shard"),
+    "dp_replicate": ("dp_replicate",),
+    "dp_shard": ("dp_shard",),
+    "ep": ("ep",),
+    "edp": ("edp",),
+}
 
 
 class ParallelConfigError(ValueError):
@@ -27,7 +45,7 @@ class ParallelConfigError(ValueError):
 
 
 def divide(numerator: int, denominator: int, what: str, by: str = "the tensor-parallel size") -> int:
-    """numerator / denominator, or a ParallelConfigError naming both (megatron/core/utils.py::divide).
+    """numerator / denominator, or a ParallelConfigError naming both.
 
     Mirrors `megatron-lm:megatron/core/utils.py::divide`.
     """
@@ -37,148 +55,221 @@ def divide(numerator: int, denominator: int, what: str, by: str = "the tensor-pa
 
 
 def parallel_sizes(
-    world_size: int, tp_size: int = 1, pp_size: int = 1, dp_size: int | None = None
+    world_size: int, tp_size: int = 1, pp_size: int = 1, dp_size: int | None = None, cp_size: int = 1
 ) -> tuple[int, int, int]:
     """(tp, pp, dp) for `world_size` ranks; dp defaults to what is left. Refuses sizes whose product is not
     the world size."""
-    if min(tp_size, pp_size, dp_size or 1) < 1:
+    if min(tp_size, pp_size, dp_size or 1, cp_size) < 1:
         raise ParallelConfigError(f"parallel sizes must be >= 1 (tp {tp_size}, pp {pp_size}, dp {dp_size})")
+    cp, rest = (f" x cp {cp_size}" if cp_size > 1 else ""), tp_size * cp_size * pp_size
     if dp_size is None:
-        dp_size = divide(world_size, tp_size * pp_size, "the world size", by=f"tp {tp_size} x pp {pp_size}")
-    if tp_size * pp_size * dp_size != world_size:
+        dp_size = divide(world_size, rest, "the world size", by=f"tp {tp_size}{cp} x pp {pp_size}")
+    if rest * dp_size != world_size:
         raise ParallelConfigError(
-            f"tp {tp_size} x pp {pp_size} x dp {dp_size} = {tp_size * pp_size * dp_size} "
-            f"ranks, but the world has {world_size}"
+            f"tp {tp_size}{cp} x pp {pp_size} x dp {dp_size} = {rest * dp_size} ranks, but the world has {world_size}"
         )
     return tp_size, pp_size, dp_size
 
 
-def rank_grid(tp_size: int, pp_size: int, dp_size: int, order: str = "tp-pp-dp") -> torch.Tensor:
-    """The ranks as a [pp, dp, tp] tensor; `order` lists the dimensions from fastest- to slowest-varying.
+def ordered(sizes: dict[str, int], order: list[str], dims: tuple[str, ...]) -> torch.Tensor:
+    """The ranks as a tensor indexed by `dims`, where `order` names them from fastest- to slowest-varying.
 
     Mirrors `megatron-lm:megatron/core/parallel_state.py::RankGenerator`.
     """
-    if order not in ORDERS:
-        raise ParallelConfigError(f"unknown order {order!r}; choose one of {', '.join(ORDERS)}")
-    world = tp_size * pp_size * dp_size
-    if order == "tp-dp-pp":
-        return torch.arange(world).view(pp_size, dp_size, tp_size)
-    return torch.arange(world).view(dp_size, pp_size, tp_size).transpose(0, 1)
+    slowest_first = order[::-1]
+    ranks = torch.arange(math.prod(sizes.values())).view([sizes[name] for name in slowest_first])
+    return ranks.permute([slowest_first.index(name) for name in dims])
 
 
-def groups(grid: torch.Tensor, kind: str) -> list[list[int]]:
-    """Every rank list of one kind ("tp", "pp" or "dp"), sorted by first rank (every rank creates them alike)."""
-    dim = {"pp": 0, "dp": 1, "tp": 2}[kind]
-    return sorted(grid.movedim(dim, -1).reshape(-1, grid.shape[dim]).tolist())
-
-
-def grid_coordinates(grid: torch.Tensor, rank: int) -> tuple[int, int, int]:
-    """(pp, dp, tp) index of `rank` in a [pp, dp, tp] grid."""
-    return tuple((grid == rank).nonzero()[0].tolist())
-
-
-def expert_grid(tp_size: int, pp_size: int, dp_size: int, ep_size: int, order: str = "tp-pp-dp") -> torch.Tensor:
-    """The ranks of the MoE layers as a [pp, edp, ep, tp] tensor: expert parallelism (EP) carved out of data
-    parallelism (dp = ep x edp), varying right after TP, as megatron-core lays out its expert groups (with its
-    default expert-TP size, the TP size). With pipeline stages, megatron needs the order "tp-dp-pp" for that.
-
-    Mirrors `megatron-lm:megatron/core/parallel_state.py::initialize_model_parallel` (its expert RankGenerator).
-    """
-    if order not in ORDERS:
-        raise ParallelConfigError(f"unknown order {order!r}; choose one of {', '.join(ORDERS)}")
-    edp = divide(dp_size, ep_size, "the data-parallel size", by="the expert-parallel size")
-    if order == "tp-pp-dp" and pp_size > 1 and ep_size > 1:
-        raise ParallelConfigError(
-            "expert parallelism with pipeline stages needs order tp-dp-pp: megatron-core requires the expert "
-            "layers' data-parallel size to equal the others' unless pp varies slowest"
-        )
-    world = tp_size * pp_size * dp_size
-    if order == "tp-dp-pp":
-        return torch.arange(world).view(pp_size, edp, ep_size, tp_size)
-    return torch.arange(world).view(edp, pp_size, ep_size, tp_size).transpose(0, 1)
-
-
-def expert_groups(grid: torch.Tensor, kind: str) -> list[list[int]]:
-    """Every rank list of one kind ("ep" or "edp", the experts' data-parallel groups) of an expert grid."""
-    dim = {"edp": 1, "ep": 2}[kind]
-    return sorted(grid.movedim(dim, -1).reshape(-1, grid.shape[dim]).tolist())
-
-
-def describe_grid(grid: torch.Tensor, order: str, rank: int | None = None, experts: torch.Tensor | None = None) -> str:
-    """The layout as text: sizes, every TP, PP and DP group (and, given an expert grid with EP > 1, every EP and
-    expert-DP group), and (optionally) where `rank` sits."""
-    pp, dp, tp = grid.shape
-    lines = [f"world {grid.numel()} = tp {tp} x pp {pp} x dp {dp}, order {order} (first varies fastest)"]
-    for kind in ("tp", "pp", "dp"):
-        lines.append(f"  {kind} groups: " + " ".join(str(g).replace(" ", "") for g in groups(grid, kind)))
-    if experts is not None and experts.shape[2] > 1:
-        lines.append(f"  experts: ep {experts.shape[2]} x expert dp {experts.shape[1]} (dp = ep x expert dp)")
-        for kind in ("ep", "edp"):
-            listed = " ".join(str(g).replace(" ", "") for g in expert_groups(experts, kind))
-            lines.append(f"  {'expert dp' if kind == 'edp' else kind} groups: {listed}")
-    if rank is not None:
-        p, d, t = grid_coordinates(grid, rank)
-        where = f"  rank {rank}: tp {t}, pp {p}, dp {d}"
-        if experts is not None and experts.shape[2] > 1:
-            where += f", ep {(experts == rank).nonzero()[0][2].item()}"
-        lines.append(where)
-    return "\n".join(lines)
+def rank_lists(view: torch.Tensor, dims: tuple[str, ...], axes: tuple[str, ...]) -> list[list[int]]:
+    """Every group spanning `axes` of `view`, sorted by first rank: one row per group once those axes go last."""
+    moved = view.movedim([dims.index(a) for a in axes], list(range(-len(axes), 0)))
+    return sorted(moved.reshape(-1, math.prod(moved.shape[-len(axes) :])).tolist())
 
 
 @dataclasses.dataclass(frozen=True)
+class Mesh:
+    """The world's ranks under named dimensions, with no process groups: `reference.layout` prints it, the
+    scale simulation reads it, `build_layout` creates its groups."""
+
+    tp: int
+    pp: int
+    dp: int
+    cp: int = 1
+    ep: int = 1
+    dp_replicate: int = 1
+    order: str = "tp-pp-dp"
+
+    def __post_init__(self) -> None:
+        if self.order not in ORDERS:
+            raise ParallelConfigError(f"unknown order {self.order!r}; choose one of {', '.join(ORDERS)}")
+        divide(self.dp, self.dp_replicate, "the data-parallel size", by="the HSDP replica count")
+        span = "the data-parallel size" if self.cp == 1 else "dp x cp"
+        divide(self.dp * self.cp, self.ep, span, by="the expert-parallel size")
+        if self.order == "tp-pp-dp" and self.pp > 1 and self.ep > 1:
+            raise ParallelConfigError(
+                "expert parallelism with pipeline stages needs order tp-dp-pp: megatron-core requires the expert "
+                "layers' data-parallel size to equal the others' unless pp varies slowest"
+            )
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.cp * self.pp * self.dp
+
+    def sizes(self) -> dict[str, int]:
+        """Every dimension's size, both views' (edp: the experts' data-parallel size, dp x cp / ep)."""
+        shard, edp = self.dp // self.dp_replicate, self.dp * self.cp // self.ep
+        dense = dict(tp=self.tp, cp=self.cp, pp=self.pp, dp=self.dp, dp_replicate=self.dp_replicate, dp_shard=shard)
+        return {**dense, "ep": self.ep, "edp": edp}
+
+    @functools.cached_property
+    def dense(self) -> torch.Tensor:
+        """The ranks indexed [pp, dp_replicate, dp_shard, cp, tp] (DIMS)."""
+        order = self.order.replace("tp-", "tp-cp-").replace("dp", "dp_shard-dp_replicate").split("-")
+        return ordered({n: self.sizes()[n] for n in DIMS}, order, DIMS)
+
+    @functools.cached_property
+    def expert(self) -> torch.Tensor:
+        """The ranks indexed [pp, edp, ep, tp] (EXPERT_DIMS), with expert TP = TP.
+
+        Mirrors `megatron-lm:megatron/core/parallel_state.py::initialize_model_parallel` (its expert RankGenerator).
+        """
+        order = self.order.replace("tp-", "tp-ep-").replace("dp", "edp").split("-")
+        return ordered({n: self.sizes()[n] for n in EXPERT_DIMS}, order, EXPERT_DIMS)
+
+    def ranks(self, name: str) -> list[list[int]]:
+        """Every group of `name` (a key of GROUPS, or "embedding"), sorted by first rank."""
+        if name == "embedding":  # the first and last stage of each pipeline
+            return [[g[0], g[-1]] for g in self.ranks("pp")] if self.pp > 1 else []
+        axes = GROUPS[name]
+        return rank_lists(*((self.expert, EXPERT_DIMS) if name in ("ep", "edp") else (self.dense, DIMS)), axes)
+
+    @property
+    def grid(self) -> torch.Tensor:
+        """The ranks indexed [pp, dp, cp, tp]; at cp 1 (all of this issue) a [pp, dp, tp] tensor."""
+        grid = self.dense.reshape(self.pp, self.dp, self.cp, self.tp)
+        return grid[:, :, 0] if self.cp == 1 else grid
+
+    def where(self, rank: int, view: str = "dense") -> dict[str, int]:
+        """`rank`'s index along every dimension of a view ("dense" or "expert"), dp among them."""
+        tensor, dims = (self.expert, EXPERT_DIMS) if view == "expert" else (self.dense, DIMS)
+        at = dict(zip(dims, (tensor == rank).nonzero()[0].tolist()))
+        if view == "dense":
+            at["dp"] = at["dp_replicate"] * (self.dp // self.dp_replicate) + at["dp_shard"]
+        return at
+
+    def describe(self, rank: int | None = None) -> str:
+        """The layout as text: sizes, every TP, (CP,) PP and DP group, with EP > 1 every EP and expert-DP group,
+        and (optionally) where `rank` sits. CP appears only where its size is above 1."""
+        cp = self.cp > 1
+        order = self.order.replace("tp-", "tp-cp-") if cp else self.order
+        sizes = f"tp {self.tp} x cp {self.cp}" if cp else f"tp {self.tp}"
+        lines = [f"world {self.world} = {sizes} x pp {self.pp} x dp {self.dp}, order {order} (first varies fastest)"]
+        for kind in ("tp", "cp", "pp", "dp") if cp else ("tp", "pp", "dp"):
+            lines.append(f"  {kind} groups: " + " ".join(str(g).replace(" ", "") for g in self.ranks(kind)))
+        if self.ep > 1:
+            span = "dp x cp" if cp else "dp"
+            lines.append(f"  experts: ep {self.ep} x expert dp {self.sizes()['edp']} ({span} = ep x expert dp)")
+            for kind in ("ep", "edp"):
+                listed = " ".join(str(g).replace(" ", "") for g in self.ranks(kind))
+                lines.append(f"  {'expert dp' if kind == 'edp' else kind} groups: {listed}")
+        if rank is not None:
+            at = {**self.where(rank, "expert"), **self.where(rank)}
+            shown = [n for n in ("tp", "cp", "pp", "dp", "ep") if n not in ("cp", "ep") or self.sizes()[n] > 1]
+            lines.append(f"  rank {rank}: " + ", ".join(f"{name} {at[name]}" for name in shown))
+        return "\n".join(lines)
+
+
+def create_groups(rank_lists: list[list[int]], what: str | None = None) -> dist.ProcessGroup | None:
+    """One process group per rank list, created in that order; returns this rank's (None if in none).
+
+    Creating a group is a collective of the whole world: every rank must pass the same lists, or ranks create
+    groups in different orders (a hang). Given `what`, the lists must partition the world (refused otherwise)."""
+    listed = sorted(rank for ranks in rank_lists for rank in ranks)
+    if what is not None and listed != list(range(dist.get_world_size())):
+        raise ValueError(f"{what} over {len(listed)} of {dist.get_world_size()} ranks: cut it from the whole mesh")
+    mine = None
+    for ranks in rank_lists:
+        group = dist.new_group(ranks)  # a collective: every rank creates every group
+        if dist.get_rank() in ranks:
+            mine = group
+    return mine
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class ParallelLayout:
-    """This rank's place in the grid and its process groups (a group of one rank where a size is 1)."""
+    """This rank's place in the mesh and its process groups: `group("tp")`, `size("cp")`, `rank_in("dp")`,
+    `ranks("ep")` (every group of a kind), and the attributes the layers read (tp_group, tp_size, tp_rank, ...)."""
 
-    grid: torch.Tensor
-    order: str
+    mesh: Mesh
     rank: int
-    tp_group: dist.ProcessGroup
-    dp_group: dist.ProcessGroup
-    pp_group: dist.ProcessGroup
-    experts: torch.Tensor | None = None  # the expert grid [pp, edp, ep, tp] when ep > 1 (expert_grid)
-    ep_group: dist.ProcessGroup | None = None  # None: ep 1, no MoE communication
-    expert_dp_group: dist.ProcessGroup | None = None
+    groups: dict[str, dist.ProcessGroup | None]
 
-    @property
-    def ep_size(self) -> int:
-        return 1 if self.experts is None else self.experts.shape[2]
+    def group(self, name: str) -> dist.ProcessGroup | None:
+        """This rank's group of `name` (a group of one rank where the size is 1; "embedding": None on a middle
+        stage or without pipelining)."""
+        return self.groups[name]
 
-    @property
-    def pp_size(self) -> int:
-        return self.grid.shape[0]
+    def size(self, name: str) -> int:
+        return self.mesh.sizes()[name]
 
-    @property
-    def dp_size(self) -> int:
-        return self.grid.shape[1]
+    def rank_in(self, name: str) -> int:
+        """This rank's index along dimension `name`."""
+        return self._at["expert" if name in ("ep", "edp") else "dense"][name]
 
-    @property
-    def tp_size(self) -> int:
-        return self.grid.shape[2]
+    def ranks(self, name: str) -> list[list[int]]:
+        """Every group of `name` in the world, sorted by first rank (megatron's `RankGenerator.get_ranks`)."""
+        return self.mesh.ranks(name)
+
+    def members(self, name: str) -> tuple[int, ...]:
+        """The ranks of this rank's group of `name` (empty where it is in none)."""
+        return next((tuple(g) for g in self.ranks(name) if self.rank in g), ())
+
+    @functools.cached_property
+    def _at(self) -> dict[str, dict[str, int]]:
+        return {view: self.mesh.where(self.rank, view) for view in ("dense", "expert")}
+
+    def local(self, names: tuple[str, ...]) -> torch.Tensor:
+        """The ranks that share this rank's other coordinates, indexed by `names` (dense dimensions, in order)."""
+        at = self._at["dense"]
+        index = tuple(slice(None) if dim in names else at[dim] for dim in DIMS)
+        return self.mesh.dense[index].permute([[d for d in DIMS if d in names].index(n) for n in names])
+
+    def device_mesh(self, names: tuple[str, ...], device_type: str):
+        """A torch DeviceMesh over dense dimensions `names` on this layout's groups (no group of its own)."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        groups = [self.group(name) for name in names]
+        mesh = self.local(names)
+        return DeviceMesh.from_group(groups if len(names) > 1 else groups[0], device_type, mesh, mesh_dim_names=names)
+
+    grid = property(lambda self: self.mesh.grid)
+    order = property(lambda self: self.mesh.order)
+    experts = property(lambda self: self.mesh.expert if self.mesh.ep > 1 else None)  # [pp, edp, ep, tp]
+    tp_group = property(lambda self: self.groups["tp"])
+    dp_group = property(lambda self: self.groups["dp"])
+    pp_group = property(lambda self: self.groups["pp"])
+    ep_group = property(lambda self: self.groups["ep"] if self.mesh.ep > 1 else None)  # None: no MoE traffic
+    expert_dp_group = property(lambda self: self.groups["edp"] if self.mesh.ep > 1 else None)
+    tp_size = property(lambda self: self.mesh.tp)
+    pp_size = property(lambda self: self.mesh.pp)
+    dp_size = property(lambda self: self.mesh.dp)
+    ep_size = property(lambda self: self.mesh.ep)
+    tp_rank = property(lambda self: self.rank_in("tp"))
+    pp_rank = property(lambda self: self.rank_in("pp"))
+    dp_rank = property(lambda self: self.rank_in("dp"))
 
     def coordinates(self, rank: int | None = None) -> tuple[int, int, int]:
         """(pp, dp, tp) index of `rank` (default: this rank)."""
-        return grid_coordinates(self.grid, self.rank if rank is None else rank)
-
-    @property
-    def tp_rank(self) -> int:
-        return self.coordinates()[2]
-
-    @property
-    def dp_rank(self) -> int:
-        return self.coordinates()[1]
-
-    @property
-    def pp_rank(self) -> int:
-        return self.coordinates()[0]
+        at = self._at["dense"] if rank is None else self.mesh.where(rank)
+        return at["pp"], at["dp"], at["tp"]
 
     def describe(self) -> str:
-        return describe_grid(self.grid, self.order, self.rank, self.experts)
+        return self.mesh.describe(self.rank)
 
     @functools.cached_property
     def _kinds(self) -> dict[tuple[int, ...], str]:
-        p, d, t = self.coordinates()
-        own = {"dp": self.grid[p, :, t], "pp": self.grid[:, d, t], "tp": self.grid[p, d, :]}
-        return {tuple(own[kind].tolist()): kind for kind in ("dp", "pp", "tp")}  # TP wins where groups coincide
+        return {self.members(kind): kind for kind in ("dp", "pp", "tp")}  # TP wins where groups coincide
 
     def group_kind(self, ranks: tuple[int, ...]) -> str:
         """ "tp", "pp" or "dp": which of this rank's groups holds exactly `ranks` (a recorded collective's
@@ -187,35 +278,22 @@ class ParallelLayout:
 
 
 def build_layout(
-    tp_size: int, pp_size: int = 1, dp_size: int | None = None, order: str = "tp-pp-dp", ep_size: int = 1
+    tp_size: int,
+    pp_size: int = 1,
+    dp_size: int | None = None,
+    order: str = "tp-pp-dp",
+    ep_size: int = 1,
+    cp_size: int = 1,
+    dp_replicate: int = 1,
 ) -> ParallelLayout:
-    """Create the TP, PP and DP groups of the initialized world (and with `ep_size` > 1 the expert-parallel and
-    expert data-parallel groups, expert_grid's); every rank must call this the same way.
+    """Create every group of the mesh (GROUPS, then the embedding group) over the initialized world; every rank
+    must call this the same way.
 
     Mirrors `megatron-lm:megatron/core/parallel_state.py::initialize_model_parallel`.
     """
     if not dist.is_initialized():
         raise ParallelConfigError("torch.distributed is not initialized: call init_process_group first")
-    world_size, rank = dist.get_world_size(), dist.get_rank()
-    tp, pp, dp = parallel_sizes(world_size, tp_size, pp_size, dp_size)
-    grid = rank_grid(tp, pp, dp, order=order)
-    experts = expert_grid(tp, pp, dp, ep_size, order) if ep_size > 1 else None
-    listed = [(kind, ranks) for kind in ("tp", "pp", "dp") for ranks in groups(grid, kind)]
-    if experts is not None:
-        listed += [(kind, ranks) for kind in ("ep", "edp") for ranks in expert_groups(experts, kind)]
-    mine = {}
-    for kind, ranks in listed:
-        group = dist.new_group(ranks)  # collective call: every rank creates every group
-        if rank in ranks:
-            mine[kind] = group
-    return ParallelLayout(
-        grid=grid,
-        order=order,
-        rank=rank,
-        tp_group=mine["tp"],
-        dp_group=mine["dp"],
-        pp_group=mine["pp"],
-        experts=experts,
-        ep_group=mine.get("ep"),
-        expert_dp_group=mine.get("edp"),
-    )
+    tp, pp, dp = parallel_sizes(dist.get_world_size(), tp_size, pp_size, dp_size, cp_size)
+    mesh = Mesh(tp, pp, dp, cp=cp_size, ep=ep_size, dp_replicate=dp_replicate, order=order)
+    groups = {name: create_groups(mesh.ranks(name)) for name in (*GROUPS, "embedding")}
+    return ParallelLayout(mesh, dist.get_rank(), groups)

@@ -19,8 +19,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from reference.data_parallel.buckets import GradBucket
 from reference.data_parallel.distributed_optimizer import DistributedOptimizer
 from reference.data_parallel.fsdp2_tp import fully_shard_tp_model
+from reference.data_parallel.gradient_shards import ShardedGradBucket, ShardedGradOptimizer
 from reference.data_parallel.mixed_precision import unsharded
 from reference.data_parallel.wrapper import DEFAULT_BUCKET_SIZE
 from reference.fsdp.wrapper import MixedPrecision
@@ -34,15 +36,15 @@ from reference.parallel_state import ParallelConfigError, ParallelLayout
 from reference.recompute import check_mode, set_recompute
 
 # The DP form by its ZeRO stage (Rajbhandari et al. 2020): what each DP rank keeps 1/dp of.
-# "gradients" (ZeRO-2: gradients and optimizer state sharded, parameters whole) joins here when
-# reference.data_parallel's ZeRO-2 lands; until then parallelize refuses it in one line.
 DP_SHARDING = {
     "replicate": "nothing (ZeRO-0): DDP, gradients all-reduced in buckets",
     "optimizer": "the optimizer state (ZeRO-1): the distributed optimizer",
+    "gradients": "the gradients and the optimizer state (ZeRO-2): each bucket keeps its reduced shard",
     "fsdp": "parameters, gradients and optimizer state (ZeRO-3): FSDP1's flat parameters",
     "fsdp2": "parameters, gradients and optimizer state (ZeRO-3): FSDP2's per-parameter shards",
 }
 FULLY_SHARDED = ("fsdp", "fsdp2")
+SHARDED_OPTIMIZERS = {"optimizer": DistributedOptimizer, "gradients": ShardedGradOptimizer}  # ZeRO-1, ZeRO-2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,10 +63,7 @@ class ParallelizeConfig:
 
     def __post_init__(self) -> None:
         if self.dp_sharding not in DP_SHARDING:
-            raise ParallelConfigError(
-                f"unknown DP form {self.dp_sharding!r}; choose one of {', '.join(DP_SHARDING)}"
-                + (" (ZeRO-2 is not wired in yet)" if self.dp_sharding == "gradients" else "")
-            )
+            raise ParallelConfigError(f"unknown DP form {self.dp_sharding!r}; choose one of {', '.join(DP_SHARDING)}")
         check_mode(self.recompute)
 
     @property
@@ -104,8 +103,8 @@ def parallelize(
 
 
 def _data_parallel(model: GPT, layout: ParallelLayout, config: ParallelizeConfig) -> nn.Module:
-    """The DP form: DDP buckets (replicate; reduce-scattered for the distributed optimizer), or FSDP1/FSDP2 over
-    the DP group, TP inside."""
+    """The DP form: DDP buckets (replicate; reduce-scattered for the distributed optimizer, each keeping only its
+    gradient shard for ZeRO-2), or FSDP1/FSDP2 over the DP group, TP inside."""
     if config.dp_sharding == "fsdp":
         precision = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if config.bf16 else None
         return fully_sharded(model, layout, mixed_precision=precision)
@@ -117,15 +116,17 @@ def _data_parallel(model: GPT, layout: ParallelLayout, config: ParallelizeConfig
         layout,
         bucket_size=config.bucket_size,
         overlap_grad_reduce=config.overlap_grad_reduce,
-        use_distributed_optimizer=config.dp_sharding == "optimizer",
+        use_distributed_optimizer=config.dp_sharding in SHARDED_OPTIMIZERS,
+        bucket_class=ShardedGradBucket if config.dp_sharding == "gradients" else GradBucket,
         grad_dtype=torch.float32 if config.bf16 else None,  # bf16 parameters: Megatron's fp32 main grads
     )
 
 
 def build_optimizer(model, config: ParallelizeConfig, make_optimizer) -> torch.optim.Optimizer:
     """The optimizer for the DP form: FSDP's fp32 shards step directly (its own master weights); over DDP fp32
-    masters of bf16 parameters (the fp32 ones step in place) as Megatron's optimizers, sharded over DP for ZeRO-1.
+    masters of bf16 parameters (the fp32 ones step in place) as Megatron's optimizers, sharded over DP for ZeRO-1
+    and ZeRO-2.
     `make_optimizer(tensors)` builds the torch optimizer."""
     if config.fully_sharded:
         return make_optimizer(list(model.parameters()))
-    return (DistributedOptimizer if config.dp_sharding == "optimizer" else unsharded)(model, make_optimizer)
+    return SHARDED_OPTIMIZERS.get(config.dp_sharding, unsharded)(model, make_optimizer)

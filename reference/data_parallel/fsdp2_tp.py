@@ -2,8 +2,8 @@
 the DP group.
 
 `fully_shard_tp_model(model, layout)` calls reference.fsdp2's `fully_shard` on every TP block of a TP-sharded
-model, then on the model, over `layout.dp_group` (HSDP with `replicas`: `hsdp_mesh`). A TP layer holds this
-rank's slice as a plain tensor, and FSDP2 cuts that tensor on dim 0 over the DP ranks holding the same slice,
+model, then on the model, over `layout.dp_group` (HSDP: the layout's dp_replicate x dp_shard). A TP layer holds
+this rank's slice as a plain tensor, and FSDP2 cuts that tensor on dim 0 over the DP ranks holding the same slice,
 parameter by parameter, with no change to either. Under sequence parallelism the TP sum of the replicated
 parameters' gradients runs after the reduce-scatter, on the shards, as with FSDP1 (reference.data_parallel.fsdp_tp).
 
@@ -14,22 +14,19 @@ handles and the tests compare against.
 
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
 from torch import nn
 
 from reference.data_parallel.fsdp_tp import check_tp_model, tp_blocks
 from reference.fsdp2 import ShardMesh, fully_shard
-from reference.parallel_state import ParallelConfigError, ParallelLayout, groups
+from reference.parallel_state import ParallelLayout
 
 
-def fully_shard_tp_model(model: nn.Module, layout: ParallelLayout, replicas: int = 1, **fsdp_kwargs) -> nn.Module:
+def fully_shard_tp_model(model: nn.Module, layout: ParallelLayout, **fsdp_kwargs) -> nn.Module:
     """`fully_shard` each TP block of `model` (split by reference.tensor_parallel.parallelize or
-    reference.gpt.parallelize), then `model`, on the DP group (`replicas` > 1: HSDP, `hsdp_mesh`); returns
-    `model`, now the root `FSDPModule`. `fsdp_kwargs` go to every call (`reshard_after_forward`, `mp_policy`).
-    A collective. Sequence-parallel
-    parameters keep their mark on their shards, so that `allreduce_sequence_parallel_grads(model,
-    layout.tp_group)` after backward sums their sharded gradients.
+    reference.gpt.parallelize), then `model`, on the DP group (HSDP where the layout has `dp_replicate` > 1:
+    `ShardMesh.from_layout`); returns `model`, now the root `FSDPModule`. `fsdp_kwargs` go to every call
+    (`reshard_after_forward`, `mp_policy`). Sequence-parallel parameters keep their mark on their shards, so
+    that `allreduce_sequence_parallel_grads(model, layout.tp_group)` after backward sums their sharded gradients.
 
     How this mirrors FSDP2 over a DTensor TP parameter. Upstream, TP leaves a DTensor on the "tp" mesh
     (Shard(0) for a column-parallel weight, Shard(1) for a row-parallel one, Replicate for a norm) whose local
@@ -58,31 +55,10 @@ def fully_shard_tp_model(model: nn.Module, layout: ParallelLayout, replicas: int
         for name, param in module.named_parameters(recurse=False)
         if getattr(param, "sequence_parallel", False)
     ]
-    mesh = ShardMesh.flat(layout.dp_group) if replicas == 1 else hsdp_mesh(layout, replicas)
+    mesh = ShardMesh.from_layout(layout)
     for _, block in blocks:
         fully_shard(block, mesh, **fsdp_kwargs)
     fully_shard(model, mesh, **fsdp_kwargs)
     for module, name in marked:  # the shard now sits where the parameter was
         module._parameters[name].sequence_parallel = True
     return model
-
-
-def hsdp_mesh(layout: ParallelLayout, replicas: int) -> ShardMesh:
-    """HSDP inside each DP group: its ranks as `replicas` rows of consecutive DP ranks, shard within a row,
-    replicate down a column; this rank's row and column. A collective: every rank creates every DP group's
-    rows and columns, in the same order (`ShardMesh.hsdp` cuts one group, enough when it is the world).
-
-    Mirrors `pytorch:torch/distributed/fsdp/_fully_shard/_fsdp_common.py::HSDPMeshInfo`.
-    """
-    dp = layout.dp_size
-    if replicas < 1 or dp % replicas:
-        raise ParallelConfigError(f"HSDP over dp {dp} needs a replica count dividing it, got {replicas}")
-    rank, mine = dist.get_rank(), {}
-    for ranks in groups(layout.grid, "dp"):
-        grid = torch.tensor(ranks).view(replicas, -1)
-        for kind, cut in (("shard", grid), ("replicate", grid.t())):
-            for members in cut.tolist():
-                group = dist.new_group(members)
-                if rank in members:
-                    mine[kind], mine["grid"] = group, grid
-    return ShardMesh(tuple(map(tuple, mine["grid"].tolist())), mine["shard"], mine["replicate"])

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from reference.fsdp import FullyShardedDataParallel
-from reference.parallel_state import ParallelConfigError, ParallelLayout, groups
+from reference.parallel_state import ParallelConfigError, ParallelLayout
 from reference.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from reference.tensor_parallel.transformer import Block
 
@@ -56,7 +56,7 @@ def check_tp_model(model: nn.Module, blocks: list[tuple[str, nn.Module]], layout
         if other_problem:
             raise ParallelConfigError(f"{caller}: rank {rank}: {other_problem}")
     for kind in ("tp", "dp"):  # every rank checks every group, so every rank raises the same error
-        for ranks in groups(layout.grid, kind):
+        for ranks in layout.ranks(kind):
             first = everyone[ranks[0]][1]
             for peer in ranks[1:]:
                 theirs = everyone[peer][1]

@@ -39,6 +39,7 @@ class DistributedDataParallel(nn.Module):
         grad_dtype: torch.dtype | None = None,
         use_distributed_optimizer: bool = False,
         overlap_param_gather: bool = False,
+        bucket_class: type[GradBucket] = GradBucket,
     ) -> None:
         super().__init__()
         if not dist.is_initialized():
@@ -61,7 +62,7 @@ class DistributedDataParallel(nn.Module):
             )
         self.use_distributed_optimizer = use_distributed_optimizer
         self.buckets = [
-            GradBucket(
+            bucket_class(
                 [params[i] for i in indices],
                 self.process_group,
                 grad_dtype=grad_dtype,

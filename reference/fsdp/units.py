@@ -15,6 +15,7 @@ from torch import nn
 
 from reference.fsdp.prefetch import BackwardPrefetch
 from reference.fsdp.wrapper import CPUOffload, FullyShardedDataParallel, MixedPrecision
+from reference.parallel_state import ParallelLayout, build_layout
 
 IMPLEMENTATIONS = ("reference", "fsdp1", "reference-fsdp2", "fsdp2")
 
@@ -102,15 +103,13 @@ def _fully_shard_model(
     replicas: int,
 ) -> nn.Module:
     """`fully_shard` each layer, then the model, with torch's FSDP2 or the reference's, on the same mesh."""
+    layout = _hsdp_layout(process_group, replicas) if replicas > 1 else None
     if use_torch:
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-        if replicas == 1:
-            mesh = DeviceMesh.from_group(process_group, device.type)
-        else:
-            grid = torch.tensor(dist.get_process_group_ranks(process_group)).view(replicas, -1)
-            mesh = DeviceMesh(device.type, grid, mesh_dim_names=("replicate", "shard"))
+        hsdp = ("dp_replicate", "dp_shard")
+        mesh = layout.device_mesh(hsdp, device.type) if layout else DeviceMesh.from_group(process_group, device.type)
         options = dict(
             mesh=mesh,
             mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
@@ -121,7 +120,7 @@ def _fully_shard_model(
 
         if cpu_offload:
             raise ValueError("the reference FSDP2 keeps its shards on the compute device: no CPU offload")
-        mesh = ShardMesh.flat(process_group) if replicas == 1 else ShardMesh.hsdp(replicas, process_group)
+        mesh = ShardMesh.from_layout(layout) if layout else ShardMesh.flat(process_group)
         options = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype))
     if reshard_after_forward is not None:
         options["reshard_after_forward"] = reshard_after_forward
@@ -133,6 +132,14 @@ def _fully_shard_model(
         for unit, following in zip(units, units[1:]):
             unit.set_modules_to_forward_prefetch([following])
     return model
+
+
+def _hsdp_layout(process_group: dist.ProcessGroup, replicas: int) -> ParallelLayout:
+    """The world as `replicas` replicas of a shard group of consecutive ranks (HSDP over `process_group`, which
+    must be the world: under TP or PP, build the layout with `dp_replicate`)."""
+    if dist.get_process_group_ranks(process_group) != list(range(dist.get_world_size())):
+        raise ValueError("HSDP here shards the whole world; under TP or PP use build_layout(..., dp_replicate=R)")
+    return build_layout(tp_size=1, dp_replicate=replicas)
 
 
 def padded_shard_bytes(model: nn.Module) -> int:

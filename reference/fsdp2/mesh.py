@@ -1,11 +1,12 @@
 """The data-parallel mesh of the per-parameter FSDP: the group a parameter is sharded over and, for HSDP, the
 group it is replicated over.
 
-The layout is one readable grid, `torch.arange(world).view(replicas, shards)`: each row a shard group
-(consecutive ranks), each column a replicate group. `ShardMesh.flat(group)` is FSDP (one row);
-`ShardMesh.hsdp(replicas)` is HSDP, what `fully_shard` does on a 2-D `DeviceMesh` with dims (replicate,
-shard); `ShardMesh.from_device_mesh` reads those groups off a `DeviceMesh`. `post_forward(k)` is the smaller
-mesh `reshard_after_forward=k` keeps its shards on between forward and backward.
+The groups are the layout's (reference.parallel_state, where every group of a run is made):
+`ShardMesh.from_layout(layout)` shards over the DP group, or under HSDP (`dp_replicate` > 1) over `dp_shard`
+and replicates over `dp_replicate`, what `fully_shard` does on a 2-D `DeviceMesh` with dims (replicate, shard).
+`ShardMesh.flat(group)` shards over a group that exists; `ShardMesh.from_device_mesh` reads a `DeviceMesh`'s
+groups. `post_forward(k)` is the smaller mesh `reshard_after_forward=k` keeps its shards on between forward and
+backward.
 
 Mirrors `pytorch:torch/distributed/fsdp/_fully_shard/_fsdp_common.py::FSDPMeshInfo` and
 `pytorch:torch/distributed/fsdp/_fully_shard/_fsdp_common.py::HSDPMeshInfo`.
@@ -14,19 +15,25 @@ Mirrors `pytorch:torch/distributed/fsdp/_fully_shard/_fsdp_common.py::FSDPMeshIn
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
 import torch.distributed as dist
+
+from reference.parallel_state import create_groups
+
+if TYPE_CHECKING:
+    from reference.parallel_state import ParallelLayout
 
 
 @dataclass(eq=False)
 class ShardMesh:
     """`grid[r][s]` is the global rank at replica r, shard s; this rank's row is `shard_group`, its column
-    `replicate_group` (None without replicas). Every rank builds the same grid (the groups are collectives)."""
+    `replicate_group` (None without replicas)."""
 
     grid: tuple[tuple[int, ...], ...]
     shard_group: dist.ProcessGroup
     replicate_group: dist.ProcessGroup | None = None
+    every: tuple[tuple[int, ...], ...] | None = None  # every shard group of the world (None: `grid`'s rows)
     _post_forward: dict[int, ShardMesh] = field(default_factory=dict, repr=False)
 
     @property
@@ -48,17 +55,17 @@ class ShardMesh:
         return cls((tuple(dist.get_process_group_ranks(group)),), group)
 
     @classmethod
-    def hsdp(cls, replicas: int, group: dist.ProcessGroup | None = None) -> ShardMesh:
-        """HSDP: `group`'s ranks as `replicas` rows of consecutive ranks; shard within a row, replicate down a
-        column. A collective: every rank of the default group creates every row's and every column's group."""
-        ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
-        if replicas < 1 or len(ranks) % replicas:
-            raise ValueError(f"HSDP over {len(ranks)} ranks needs a replica count dividing it, got {replicas}")
-        _refuse_part_of_the_world(ranks, "HSDP")
-        grid = torch.tensor(ranks).view(replicas, -1)
-        shard_group, _ = dist.new_subgroups_by_enumeration(grid.tolist())
-        replicate_group, _ = dist.new_subgroups_by_enumeration(grid.t().tolist())
-        return cls(tuple(map(tuple, grid.tolist())), shard_group, replicate_group)
+    def from_layout(cls, layout: ParallelLayout) -> ShardMesh:
+        """FSDP2's view of a layout: shard over its DP group, or under HSDP over `dp_shard` with the replicas
+        over `dp_replicate` (this rank's DP group as `dp_replicate` rows of consecutive DP ranks).
+
+        Mirrors `pytorch:torch/distributed/fsdp/_fully_shard/_fsdp_common.py::HSDPMeshInfo`.
+        """
+        if layout.size("dp_replicate") == 1:
+            return cls((layout.members("dp"),), layout.dp_group, every=_rows(layout.ranks("dp")))
+        grid = _rows(layout.local(("dp_replicate", "dp_shard")).tolist())
+        shard, replicate = layout.group("dp_shard"), layout.group("dp_replicate")
+        return cls(grid, shard, replicate, every=_rows(layout.ranks("dp_shard")))
 
     @classmethod
     def from_device_mesh(cls, mesh) -> ShardMesh:
@@ -71,25 +78,19 @@ class ShardMesh:
         raise ValueError(f"a data-parallel mesh has 1 or 2 dimensions (shard, or replicate x shard), got {mesh.ndim}")
 
     def post_forward(self, size: int) -> ShardMesh:
-        """The mesh `reshard_after_forward=size` reshards to: the whole grid in rows of `size` consecutive ranks
-        (made once per size: a collective on first use).
+        """The mesh `reshard_after_forward=size` reshards to: every shard group of the world in rows of `size`
+        consecutive ranks (made once per size, on first use; refused when this mesh does not know every
+        shard group of the world).
 
         Mirrors `pytorch:torch/distributed/fsdp/_fully_shard/_fsdp_init.py::_get_post_forward_mesh_info`.
         """
         if size not in self._post_forward:
-            _refuse_part_of_the_world([rank for row in self.grid for rank in row], "reshard_after_forward=int")
-            rows = torch.tensor(self.grid).view(-1, size).tolist()
-            group, _ = dist.new_subgroups_by_enumeration(rows)
-            self._post_forward[size] = ShardMesh(tuple(map(tuple, rows)), group)
+            rows = [row[i : i + size] for row in self.every or self.grid for i in range(0, len(row), size)]
+            group = create_groups(rows, "reshard_after_forward=int")
+            mine = next(row for row in rows if dist.get_rank() in row)
+            self._post_forward[size] = ShardMesh((mine,), group)
         return self._post_forward[size]
 
 
-def _refuse_part_of_the_world(ranks: list[int], what: str) -> None:
-    """new_group is a collective of the whole world, in one order on every rank: groups cut from one DP group
-    alone would be created in a different order by the ranks of another DP group (a hang). Under TP or PP,
-    reference.data_parallel.fsdp2_tp.hsdp_mesh cuts every DP group's rows and columns in one order."""
-    if len(ranks) != dist.get_world_size():
-        raise ValueError(
-            f"{what} over {len(ranks)} of {dist.get_world_size()} ranks: cut every data-parallel group's groups "
-            "at once (reference.data_parallel.fsdp2_tp.hsdp_mesh)"
-        )
+def _rows(lists: list[list[int]]) -> tuple[tuple[int, ...], ...]:
+    return tuple(map(tuple, lists))

@@ -14,6 +14,7 @@ from reference.pipeline.schedules import SCHEDULES
 from reference.recompute import RECOMPUTE_MODES
 
 FSDP = {"fsdp": "FSDP", "fsdp2": "FSDP2"}  # the fully sharded choices: the reference each runs
+ZERO = {"optimizer": "the optimizer state", "gradients": "the gradients and the optimizer state"}  # ZeRO-1, 2
 
 
 def add_arguments(group) -> None:
@@ -76,6 +77,8 @@ def add_arguments(group) -> None:
         help="replicate: every DP rank holds the stage and all-reduces gradients in buckets (DDP); "
         "optimizer: the distributed optimizer (ZeRO-1) shards the optimizer state over DP "
         "(reduce-scatter gradients, all-gather parameters; needs dp > 1); "
+        "gradients: ZeRO-2, the same, and each rank keeps only its shard of the reduced gradients "
+        "(parameters whole: 2 + (2 + 12) / dp bytes per parameter with bf16 gradients and Adam); "
         "fsdp: reference FSDP over the DP group shards the TP-sharded stage (2D, all-gathers "
         "and reduce-scatters; needs --pp 1 and --micro-batches 1); fsdp2: the same with the reference FSDP2, "
         "each TP-local parameter sharded on dim 0 (as fully_shard over DTensor TP)",
@@ -121,12 +124,13 @@ def check(args) -> GPTConfig:
             "cannot accumulate gradients over micro-batches and reduce-scatter once; use --dp-sharding replicate "
             "for pipelining"
         )
-    if args.dp_sharding == "optimizer":
+    if args.dp_sharding in ZERO:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         _, _, dp = parallel_sizes(world, args.tp, args.pp, args.dp)
         if dp == 1:
             raise ParallelConfigError(
-                f"--dp-sharding optimizer shards the optimizer state over the data-parallel group, but dp is 1 "
+                f"--dp-sharding {args.dp_sharding} shards {ZERO[args.dp_sharding]} over the data-parallel group, "
+                f"but dp is 1 "
                 f"(world {world} / (tp {args.tp} x pp {args.pp})): nothing to shard; launch more ranks or use "
                 "--dp-sharding replicate"
             )

@@ -3,9 +3,9 @@
 Prints the layout, then per step the global loss, rank 0's parameter bytes and its collectives per process
 group (tp, pp, dp), then each stage's schedule, in-flight peak and bubble (the recorded orders replayed with
 equal stages and at their recorded FLOPs, and the wall clock's), then every rank's memory. `--model
-llama` trains the Llama/Qwen2 block; `--dp-sharding fsdp` or `fsdp2` (2D) or `optimizer` (ZeRO-1) shard over DP;
-`--virtual-stages v` interleaves. The loss does not depend on the layout: the same seed gives the same model
-and data everywhere. docs/reference-guide.md lists the demos and what each prints.
+llama` trains the Llama/Qwen2 block; `--dp-sharding fsdp` or `fsdp2` (2D), `optimizer` (ZeRO-1) or
+`gradients` (ZeRO-2) shard over DP; `--virtual-stages v` interleaves. The loss does not depend on the layout:
+the same seed gives the same model and data everywhere. docs/reference-guide.md lists the demos and what each prints.
 
 The script is the training loop and nothing else: parse (reference.gpt.arguments), build the layout, build
 the plain model, `parallelize` it (reference.parallelize), train, report (reference.measure.report), as

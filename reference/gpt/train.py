@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from reference.data_parallel import DistributedDataParallel, finalize_model_grads
+from reference.data_parallel.buckets import GradBucket
 from reference.data_parallel.fsdp_tp import shard_tp_model
 from reference.data_parallel.mixed_precision import model_chunks
 from reference.data_parallel.wrapper import DEFAULT_BUCKET_SIZE
@@ -72,9 +73,11 @@ def data_parallel(
     overlap_grad_reduce: bool = True,
     use_distributed_optimizer: bool = False,
     grad_dtype: torch.dtype | None = None,
+    bucket_class: type[GradBucket] = GradBucket,
 ) -> DistributedDataParallel:
     """The stage wrapped for gradient averaging over the layout's DP group (bucketed, optionally overlapped;
-    reduce-scattered for reference.data_parallel.distributed_optimizer.DistributedOptimizer; in `grad_dtype`,
+    reduce-scattered for reference.data_parallel.distributed_optimizer.DistributedOptimizer, into a
+    `bucket_class` of reference.data_parallel.gradient_shards for ZeRO-2; in `grad_dtype`,
     default the parameters', e.g. fp32 main grads for bf16 parameters)."""
     return DistributedDataParallel(
         stage,
@@ -83,6 +86,7 @@ def data_parallel(
         overlap_grad_reduce=overlap_grad_reduce,
         use_distributed_optimizer=use_distributed_optimizer,
         grad_dtype=grad_dtype,
+        bucket_class=bucket_class,
     )
 
 

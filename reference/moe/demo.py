@@ -21,7 +21,7 @@ from reference.distributed import distributed, one_line_errors, pick_dtype
 from reference.measure.recorder import CollectiveRecorder
 from reference.moe.layer import MoELayer
 from reference.moe.parallelize import parallelize_moe
-from reference.parallel_state import ParallelConfigError, build_layout, divide, expert_grid, parallel_sizes
+from reference.parallel_state import Mesh, ParallelConfigError, build_layout, divide, parallel_sizes
 
 
 def add_arguments(group) -> None:
@@ -65,7 +65,7 @@ def _check(args) -> tuple[int, int]:
     if min(args.steps, args.batch_size, args.ep) < 1:
         raise ParallelConfigError("--steps, --micro-batch-size and --ep must be >= 1")
     tp, _, dp = parallel_sizes(world, args.tp, 1, args.dp)
-    expert_grid(tp, 1, dp, args.ep)  # refuses an EP size that does not divide dp
+    Mesh(tp, 1, dp, ep=args.ep)  # refuses an EP size that does not divide dp
     divide(args.num_experts, args.ep, "--num-experts", by="--ep")
     divide(args.seq_length, tp, "--seq-length", by="--tp (each TP rank routes its slice of the sequence)")
     return world, dp

@@ -2,8 +2,8 @@
 
 The first stage embeds tokens and the last produces logits with one matrix, each end holding a copy. At
 construction the last stage zeroes its copy and the embedding group (the first- and last-stage ranks of one DP
-and TP coordinate) all-reduces it; every step, after the DP reduction, the group sums the two copies' gradients,
-so both take the same step.
+and TP coordinate, the layout's "embedding" group) all-reduces it; every step, after the DP reduction, the group
+sums the two copies' gradients, so both take the same step.
 
 Mirrors
 `megatron-lm:megatron/core/models/common/language_module/language_module.py::LanguageModule.setup_embeddings_and_output_layer`
@@ -26,17 +26,8 @@ if TYPE_CHECKING:  # reference.gpt imports the pipeline; a type is all this file
 
 def embedding_group(layout: ParallelLayout) -> dist.ProcessGroup | None:
     """This rank's embedding group: itself and the rank at the other end of its pipeline (same DP and TP
-    coordinates); None on a middle stage or without pipelining. A collective: every rank creates every group."""
-    mine = None
-    if layout.pp_size == 1:
-        return None
-    for d in range(layout.dp_size):
-        for t in range(layout.tp_size):
-            ranks = [int(layout.grid[0, d, t]), int(layout.grid[-1, d, t])]
-            group = dist.new_group(ranks)
-            if layout.rank in ranks:
-                mine = group
-    return mine
+    coordinates), made with the layout's other groups; None on a middle stage or without pipelining."""
+    return layout.group("embedding")
 
 
 def shared_weight(stage: GPT) -> torch.nn.Parameter | None:

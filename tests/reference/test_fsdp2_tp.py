@@ -289,9 +289,13 @@ def test_a_model_not_split_for_the_layouts_tp_group_is_refused_in_one_line(ranks
 @on_ranks(4, timeout_s=OWN_LAUNCH_TIMEOUT_S)
 def test_hsdp_or_an_int_reshard_cut_from_one_dp_group_is_refused_not_hung(ranks):
     """At dp 2 x tp 2 there are two DP groups. Groups cut from one of them alone would be created in a different
-    order by each group's ranks (new_group is a collective of the whole world): refused in one line, at once."""
+    order by each group's ranks (new_group is a collective of the whole world): refused in one line, at once.
+    Cut from the layout, every DP group's rows and columns are made together, in one order."""
     layout = build_layout(tp_size=2, dp_size=2)
-    with pytest.raises(ValueError, match=r"HSDP over 2 of 4 ranks: cut every data-parallel group"):
-        ShardMesh.hsdp(2, layout.dp_group)
-    with pytest.raises(ValueError, match=r"reshard_after_forward=int over 2 of 4 ranks"):
+    with pytest.raises(ValueError, match=r"reshard_after_forward=int over 2 of 4 ranks: cut it from the whole mesh"):
         ShardMesh.flat(layout.dp_group).post_forward(1)
+    assert ShardMesh.from_layout(layout).post_forward(1).grid == ((dist.get_rank(),),)
+    hsdp = ShardMesh.from_layout(build_layout(tp_size=2, dp_size=2, dp_replicate=2))
+    column = [r for r in range(4) if r % 2 == dist.get_rank() % 2]  # this rank's DP group: its TP index
+    assert hsdp.grid == tuple((r,) for r in column)
+    assert dist.get_process_group_ranks(hsdp.replicate_group) == column and hsdp.shard_size == 1

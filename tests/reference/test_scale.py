@@ -29,7 +29,7 @@ from reference.measure.scale.simulate import (
     summarize,
     trace_rank,
 )
-from reference.parallel_state import ParallelConfigError, rank_grid
+from reference.parallel_state import Mesh, ParallelConfigError
 from tests.launch import ROOT
 
 M = 16  # micro-batches of the committed 70B traces (fewer than stages: the small layouts below)
@@ -155,6 +155,21 @@ def test_70b_distributed_optimizer_holds_the_zero_bytes_and_moves_the_all_reduce
     assert ("dp", "all_reduce") not in rows
 
 
+def test_zero2_holds_a_gradient_shard_and_moves_the_distributed_optimizers_bytes():
+    """ZeRO-2 (--dp-sharding gradients) on the small model at TP 2 x PP 2 x DP 4, 3 micro-batches, every stage:
+    ZeRO-1's collectives and bytes, and what a rank holds with only the gradients divided by dp: e(Ψ + Ψ/N)
+    of parameters and gradient shard besides ZeRO-1's 12Ψ/N."""
+    layout = dict(tp=2, pp=2, dp=4, microbatches=3, bucket_size=10_000, distributed_optimizer=True)
+    zero1, zero2 = setup_for("small", **layout), setup_for("small", **layout, shard_gradients=True)
+    for rank in default_ranks(zero1):
+        held1, held2 = {}, {}
+        rows1 = table(summarize(zero1, rank, trace_rank(zero1, rank, held=held1)))
+        rows2 = table(summarize(zero2, rank, trace_rank(zero2, rank, held=held2)))
+        assert rows2 == rows1 and ("dp", "all_reduce") not in rows2
+        assert held2 == {**held1, "gradients": held1["gradients"] // 4} == formulas.memory(zero2, stage_of(zero2, rank))
+        assert held2["gradients"] == held2["parameters"] // 4
+
+
 def test_70b_fsdp2_and_hsdp_in_numbers(seventy_b):
     """The same 4,096 ranks as TP 8 x DP 512, one stage (rank 0, shard rank 0), written out from the sizes: a TP
     rank's block holds 6h + (4h^2 + 2hf + 3h + f) / 8 parameters, every dim 0 a multiple of 512 (and of 64);
@@ -212,7 +227,7 @@ def test_small_fsdp2_and_hsdp_layouts_equal_the_formulas(layout):
 @pytest.mark.parametrize("layout", [dict(tp=2, pp=4, dp=2), dict(tp=2, pp=3, dp=2, sp=True)], ids=["tp-pp4", "sp-pp3"])
 def test_gpipe_and_1f1b_move_the_same_tensors_in_another_order(layout):
     setup = setup_for("small", microbatches=5, **layout)
-    for rank in (int(rank) for rank in rank_grid(setup.tp, setup.pp, setup.dp)[:, 0, 0]):  # every stage
+    for rank in (int(rank) for rank in Mesh(setup.tp, setup.pp, setup.dp).grid[:, 0, 0]):  # every stage
         gpipe = trace_rank(dataclasses.replace(setup, schedule="gpipe"), rank)
         one_f_one_b = trace_rank(setup, rank)
         keys = [[(e.key(), e.module) for e in events] for events in (gpipe, one_f_one_b)]
@@ -234,6 +249,7 @@ def test_gpipe_and_1f1b_move_the_same_tensors_in_another_order(layout):
         dict(tp=2, pp=2, dp=3, order="tp-dp-pp", bucket_size=None),
         dict(tp=2, pp=2, dp=3, bucket_size=10_000, distributed_optimizer=True),
         dict(tp=1, pp=2, dp=4, sp=True, distributed_optimizer=True),
+        dict(tp=2, pp=2, dp=3, bucket_size=10_000, distributed_optimizer=True, shard_gradients=True),
     ],
     ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()),
 )
@@ -321,6 +337,10 @@ def test_cli_exit_codes_and_json(capsys):
         ),
         (
             ["--model", "small", "--tp", "2", "--pp", "2", "--dp", "1", "--distributed-optimizer"],
+            "the distributed optimizer shards the optimizer state over the data-parallel group, but dp is 1",
+        ),
+        (
+            ["--model", "small", "--tp", "2", "--pp", "2", "--dp", "1", "--dp-sharding", "gradients"],
             "the distributed optimizer shards the optimizer state over the data-parallel group, but dp is 1",
         ),
         (

@@ -1,5 +1,5 @@
 """`python -m reference.measure.scale --tp 8 --pp 8 --dp 64 --model 70b [--rank R] [--sequence-parallel]
-[--dp-sharding optimizer | fsdp2 [--dp-replicate R]] [--json]`: trace one training step of one rank (or a
+[--dp-sharding optimizer | gradients | fsdp2 [--dp-replicate R]] [--json]`: trace one training step of one rank (or a
 first, middle and last stage rank) of a large job with the fake process group, and print the bytes per group
 and collective type, and the bytes the rank holds, next to the closed-form formula. Exit 0 when every row
 agrees, 1 when one does not, 2 for a setup that cannot exist."""
@@ -65,10 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--dp-sharding",
-        choices=["replicate", "optimizer", "fsdp2"],
+        choices=["replicate", "optimizer", "gradients", "fsdp2"],
         default="replicate",
         help="optimizer: the distributed optimizer shards fp32 masters and Adam states over DP (ZeRO-1), "
-        "reduce-scatters the gradients and all-gathers the parameters; needs dp > 1. fsdp2: the reference "
+        "reduce-scatters the gradients and all-gathers the parameters; needs dp > 1. gradients: ZeRO-2, the same "
+        "traffic, and each rank keeps only its shard of the reduced gradients. fsdp2: the reference "
         "FSDP2 shards every TP-local parameter over DP (fp32 shards, bf16 compute); needs --pp 1 and "
         "--micro-batches 1",
     )
@@ -150,7 +151,10 @@ def _dp_sharding(s: dict) -> str:
         replicas = s["dp_replicate"]
         return f", HSDP: {replicas} replicas x {s['dp'] // replicas} shards" if replicas > 1 else ", FSDP2 over dp"
     buckets = f"buckets of {formulas.human(s['bucket_size'])}" if s["bucket_size"] else "in one bucket"
-    return ", DDP " + buckets + (", distributed optimizer" if s.get("distributed_optimizer") else "")
+    zero = ", distributed optimizer" * bool(s.get("distributed_optimizer")) + ", gradient shards" * bool(
+        s.get("shard_gradients")
+    )
+    return ", DDP " + buckets + zero
 
 
 def setup_from(args: argparse.Namespace) -> ScaleSetup:
@@ -166,7 +170,8 @@ def setup_from(args: argparse.Namespace) -> ScaleSetup:
         schedule=args.schedule,
         bucket_size=args.bucket_size or None,
         order=args.order,
-        distributed_optimizer=args.dp_sharding == "optimizer",
+        distributed_optimizer=args.dp_sharding in ("optimizer", "gradients"),
+        shard_gradients=args.dp_sharding == "gradients",
         virtual_stages=args.virtual_stages,
         fsdp2=args.dp_sharding == "fsdp2",
         dp_replicate=args.dp_replicate,

@@ -127,7 +127,7 @@ def memory(setup: ScaleSetup, stage: int, shard_rank: int = 0) -> dict[str, int]
     share = held // setup.dp if setup.distributed_optimizer else held
     return {
         "parameters": e * held,
-        "gradients": e * held,
+        "gradients": e * (share if setup.shard_gradients else held),  # ZeRO-2 keeps its shard only
         "master_weights": 0 if e == FP32 else FP32 * share,
         "optimizer_states": 2 * FP32 * share,
     }

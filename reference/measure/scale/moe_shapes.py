@@ -16,7 +16,7 @@ import math
 
 from reference.data_parallel.wrapper import DEFAULT_BUCKET_SIZE
 from reference.measure.scale.shapes import DTYPES
-from reference.parallel_state import ORDERS, ParallelConfigError, divide, expert_grid
+from reference.parallel_state import ORDERS, Mesh, ParallelConfigError, divide
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +72,7 @@ class MoESetup:
         if self.order not in ORDERS:
             raise ParallelConfigError(f"unknown order {self.order!r}; choose one of {', '.join(ORDERS)}")
         divide(m.num_experts, self.ep, "num_experts", by="the expert-parallel size")
-        expert_grid(self.tp, self.pp, self.dp, self.ep, self.order)  # ep divides dp; the order allows EP x PP
+        Mesh(self.tp, self.pp, self.dp, ep=self.ep, order=self.order)  # ep divides dp; the order allows EP x PP
         divide(m.ffn_hidden_size, self.tp, "the experts' ffn_hidden_size", by="the tensor-parallel size")
         divide(m.seq_length, self.tp, "seq_length", by="the tensor-parallel size (sequence parallel)")
         if not (math.isfinite(self.routing_skew) and self.routing_skew >= 0):

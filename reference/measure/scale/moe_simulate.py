@@ -31,7 +31,7 @@ from reference.measure.scale.simulate import Row, adam, stage_of
 from reference.moe import dispatcher as dispatcher_module
 from reference.moe.layer import MoELayer
 from reference.moe.parallelize import parallelize_moe
-from reference.parallel_state import ParallelLayout, build_layout, expert_grid
+from reference.parallel_state import Mesh, ParallelLayout, build_layout
 from reference.tensor_parallel import collectives
 from reference.tensor_parallel.layers import allreduce_sequence_parallel_grads
 
@@ -77,13 +77,12 @@ def moe_sublayer(layer: MoELayer, x: torch.Tensor, counts: torch.Tensor) -> torc
 
 
 def ep_rank_of(setup: MoESetup, rank: int) -> int:
-    grid = expert_grid(setup.tp, setup.pp, setup.dp, setup.ep, setup.order)
-    return int((grid == rank).nonzero()[0][2])
+    return Mesh(setup.tp, setup.pp, setup.dp, ep=setup.ep, order=setup.order).where(rank, "expert")["ep"]
 
 
 def default_ranks(setup: MoESetup) -> list[int]:
     """TP rank 0 of expert-DP replica 0 on the first stage: EP rank 0 (the hottest experts) and the last."""
-    grid = expert_grid(setup.tp, setup.pp, setup.dp, setup.ep, setup.order)
+    grid = Mesh(setup.tp, setup.pp, setup.dp, ep=setup.ep, order=setup.order).expert
     return [int(grid[0, 0, e, 0]) for e in sorted({0, setup.ep - 1})]
 
 

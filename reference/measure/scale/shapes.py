@@ -53,7 +53,8 @@ class ScaleSetup:
     microbatches: per step and DP replica. sp: sequence parallelism. schedule: "gpipe" or "1f1b" (the same
     traffic per step, in another order). bucket_size: the DDP gradient bucket size in bytes (None: one
     bucket), reference.data_parallel.DistributedDataParallel's. distributed_optimizer: ZeRO-1
-    (reference.data_parallel.distributed_optimizer) instead of every DP rank stepping every parameter.
+    (reference.data_parallel.distributed_optimizer) instead of every DP rank stepping every parameter;
+    shard_gradients: with it, ZeRO-2 (reference.data_parallel.gradient_shards), only gradient shards kept.
     virtual_stages: model chunks per stage (v > 1: interleaved 1F1B, reference.gpt.parallelize.build_chunks;
     each chunk its own DDP). fsdp2: the reference FSDP2 over DP instead of DDP (reference.data_parallel.fsdp2_tp:
     fp32 shards, compute and all-gathers in the model's dtype, gradients reduce-scattered in fp32; pp 1, one
@@ -70,6 +71,7 @@ class ScaleSetup:
     bucket_size: int | None = DEFAULT_BUCKET_SIZE
     order: str = "tp-pp-dp"
     distributed_optimizer: bool = False
+    shard_gradients: bool = False
     virtual_stages: int = 1
     fsdp2: bool = False
     dp_replicate: int = 1
@@ -97,6 +99,8 @@ class ScaleSetup:
                 "group, but dp is 1: nothing to shard; raise --dp or use "
                 "--dp-sharding replicate"
             )
+        if self.shard_gradients and not self.distributed_optimizer:
+            raise ParallelConfigError("ZeRO-2 keeps the distributed optimizer's gradient shards: it needs it")
         if self.bucket_size is not None and self.bucket_size < 1:
             raise ParallelConfigError(f"bucket size {self.bucket_size} must be a positive number of bytes")
         if self.virtual_stages != 1:
@@ -153,8 +157,11 @@ class ScaleSetup:
         return pad_vocab_size(self.model.vocab_size, self.tp)
 
     def to_dict(self) -> dict:
-        """The fields, less FSDP2's at their defaults: a trace recorded before they existed still reads back."""
+        """The fields, less FSDP2's and ZeRO-2's at their defaults: a trace recorded before they existed still
+        reads back."""
         fields = dataclasses.asdict(self)
+        if not self.shard_gradients:
+            del fields["shard_gradients"]
         if not self.fsdp2:
             del fields["fsdp2"], fields["dp_replicate"]
         return fields

@@ -17,8 +17,10 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from reference.data_parallel.buckets import GradBucket
 from reference.data_parallel.distributed_optimizer import DistributedOptimizer, bytes_per_rank
 from reference.data_parallel.fsdp2_tp import fully_shard_tp_model
+from reference.data_parallel.gradient_shards import ShardedGradBucket, ShardedGradOptimizer
 from reference.data_parallel.mixed_precision import unsharded
 from reference.fsdp2 import MixedPrecisionPolicy
 from reference.fsdp2.state import STATE_ATTR
@@ -28,7 +30,7 @@ from reference.measure.pipeline_meter import PipelineMeter
 from reference.measure.recorder import CollectiveEvent, CollectiveRecorder
 from reference.measure.scale import formulas
 from reference.measure.scale.shapes import ScaleSetup
-from reference.parallel_state import ParallelLayout, build_layout, rank_grid
+from reference.parallel_state import Mesh, ParallelLayout, build_layout
 
 GROUPS = ("tp", "pp", "dp", "dp_shard", "dp_replicate")  # the last two: HSDP's groups inside DP
 
@@ -52,15 +54,17 @@ class Row:
 
 def stage_of(setup: ScaleSetup, rank: int) -> int:
     """Pipeline stage of a global rank in this layout (a ScaleSetup, or a MoESetup: tp, pp, dp, order)."""
-    grid = rank_grid(setup.tp, setup.pp, setup.dp, setup.order)
-    return int((grid == rank).nonzero()[0][0])
+    return Mesh(setup.tp, setup.pp, setup.dp, order=setup.order).where(rank)["pp"]
 
 
 def shard_rank_of(setup: ScaleSetup, rank: int) -> int:
-    """A global rank's place in its FSDP2 shard group: its DP index, modulo the shard size under HSDP (rows of
-    consecutive DP ranks, reference.data_parallel.fsdp2_tp.hsdp_mesh)."""
-    grid = rank_grid(setup.tp, setup.pp, setup.dp, setup.order)
-    return int((grid == rank).nonzero()[0][1]) % setup.shard_size
+    """A global rank's place in its FSDP2 shard group: its DP index, or under HSDP its dp_shard index (rows of
+    consecutive DP ranks)."""
+    return _mesh(setup).where(rank)["dp_shard"]
+
+
+def _mesh(setup: ScaleSetup) -> Mesh:
+    return Mesh(setup.tp, setup.pp, setup.dp, dp_replicate=setup.dp_replicate, order=setup.order)
 
 
 def adam(tensors: list[torch.Tensor]) -> torch.optim.Optimizer:
@@ -76,7 +80,7 @@ def trace_rank(setup: ScaleSetup, rank: int, device: str = "meta", held: dict | 
     changes nothing the recorder sees."""
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=setup.world)
     try:
-        layout = build_layout(setup.tp, setup.pp, setup.dp, order=setup.order)
+        layout = build_layout(setup.tp, setup.pp, setup.dp, order=setup.order, dp_replicate=setup.dp_replicate)
         if setup.fsdp2:
             return _trace_fsdp2(setup, layout, torch.device(device), held)
         model, where = setup.model, torch.device(device)
@@ -89,12 +93,17 @@ def trace_rank(setup: ScaleSetup, rank: int, device: str = "meta", held: dict | 
             )
         wrapped = [
             data_parallel(
-                chunk, layout, bucket_size=setup.bucket_size, use_distributed_optimizer=setup.distributed_optimizer
+                chunk,
+                layout,
+                bucket_size=setup.bucket_size,
+                use_distributed_optimizer=setup.distributed_optimizer,
+                bucket_class=ShardedGradBucket if setup.shard_gradients else GradBucket,
             )
             for chunk in chunks
         ]
         ddp = wrapped if setup.virtual_stages > 1 else wrapped[0]
-        optimizer = DistributedOptimizer(ddp, adam) if setup.distributed_optimizer else unsharded(ddp, adam)
+        zero = ShardedGradOptimizer if setup.shard_gradients else DistributedOptimizer
+        optimizer = zero(ddp, adam) if setup.distributed_optimizer else unsharded(ddp, adam)
         rows = setup.dp * setup.microbatches * model.micro_batch_size
         tokens = torch.zeros(rows, model.seq_length + 1, dtype=torch.long, device=where)  # global batch
         recorder = CollectiveRecorder()
@@ -123,7 +132,7 @@ def _trace_fsdp2(setup: ScaleSetup, layout: ParallelLayout, where: torch.device,
     with where:
         stage = build_stage(model.gpt_config(), layout, sequence_parallel=setup.sp, device=where)
     policy = MixedPrecisionPolicy(param_dtype=setup.params_dtype, reduce_dtype=torch.float32)
-    sharded = fully_shard_tp_model(stage, layout, setup.dp_replicate, mp_policy=policy)
+    sharded = fully_shard_tp_model(stage, layout, mp_policy=policy)
     optimizer = adam(list(sharded.parameters()))
     grads: dict[int, int] = {}  # the sharded gradients' storage: each group's reduce-scatter output
     optimizer.register_step_pre_hook(lambda *_: grads.update(_grad_buffers(sharded)))
@@ -139,13 +148,7 @@ def _trace_fsdp2(setup: ScaleSetup, layout: ParallelLayout, where: torch.device,
                 t.numel() * t.element_size() for st in optimizer.state.values() for k, t in st.items() if k != "step"
             ),
         )
-    mesh = sharded.__dict__[STATE_ATTR].group.mesh
-    hsdp = {}
-    if mesh.replicate_group is not None:
-        hsdp = {
-            tuple(dist.get_process_group_ranks(mesh.shard_group)): "dp_shard",
-            tuple(dist.get_process_group_ranks(mesh.replicate_group)): "dp_replicate",
-        }
+    hsdp = {layout.members(kind): kind for kind in ("dp_shard", "dp_replicate")} if setup.dp_replicate > 1 else {}
     return _labelled(recorder.events, layout, hsdp)
 
 
@@ -197,7 +200,7 @@ def simulate(setup: ScaleSetup, rank: int) -> list[Row]:
 
 def default_ranks(setup: ScaleSetup) -> list[int]:
     """TP rank 0 of DP replica 0 on the first, a middle and the last stage (each distinct stage once)."""
-    grid = rank_grid(setup.tp, setup.pp, setup.dp, setup.order)
+    grid = _mesh(setup).grid
     return [int(grid[p, 0, 0]) for p in sorted({0, setup.pp // 2, setup.pp - 1})]
 
 
