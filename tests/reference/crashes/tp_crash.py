@@ -4,17 +4,17 @@ import torch
 import torch.distributed as dist
 
 from reference.distributed import init_distributed
+from reference.gpt.model import gpt_blocks
 from reference.parallel_state import build_layout
 from reference.tensor_parallel.parallelize import parallelize
-from reference.tensor_parallel.transformer import Transformer
 
 
 def main() -> None:
     device = init_distributed("cpu", 30)
     tp = build_layout(tp_size=dist.get_world_size()).tp_group
-    model = parallelize(Transformer(2, 16, 4, device=device), tp)
+    model = parallelize(gpt_blocks(2, 16, 4, device=device), tp)
     for step in range(3):
-        loss = model(torch.randn(8, 2, 16, device=device)).square().sum()
+        loss = model(None, None, hidden=torch.randn(8, 2, 16, device=device)).square().sum()
         if step == 1 and dist.get_rank() == 1:
             raise RuntimeError("simulated crash of rank 1 between forward and backward")
         loss.backward()  # rank 0 blocks in the backward all-reduce its peer never joins
