@@ -13,7 +13,7 @@ s, b, h, a, t beside it), then with --terms the term table that explains every b
 JSON, the trace the scale page renders: GPT-2 at the top level, Llama under "llama").
 CUDA (one GPU, t = 1): the same hook count, and torch.cuda.max_memory_allocated over the forward (what the
 forward left allocated, the output excluded), both next to the paper's. The CUDA path uses public torch only
-(no reference.torch_patches), so it runs on other torch versions than the pinned one.
+(no reference.measure.torch_patches), so it runs on other torch versions than the pinned one.
 """
 
 from __future__ import annotations

@@ -37,9 +37,9 @@ from reference.data_parallel.buckets import padded_numel
 from reference.data_parallel.distributed_optimizer import DistributedOptimizer, bytes_per_rank
 from reference.data_parallel.mixed_precision import unsharded
 from reference.distributed import distributed, one_line_errors
+from reference.gpt.model import gpt_blocks
 from reference.measure.recorder import CollectiveRecorder
 from reference.parallel_state import ParallelConfigError
-from reference.tensor_parallel.transformer import Transformer
 
 VARIANTS = {"ddp": (False, False), "distopt": (True, False), "distopt overlap": (True, True)}
 RING = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1}  # x (N-1)/N of the full buffer, per rank
@@ -92,7 +92,7 @@ def _benchmark(args, device: torch.device) -> None:
     models, optimizers = {}, {}
     for label, (sharded, overlap) in VARIANTS.items():
         torch.manual_seed(args.seed)
-        module = Transformer(
+        module = gpt_blocks(
             args.num_layers, args.hidden_size, args.num_attention_heads, params_dtype=torch.bfloat16, device=device
         )
         models[label] = DistributedDataParallel(
@@ -117,7 +117,7 @@ def _benchmark(args, device: torch.device) -> None:
         dist.barrier()
         start = time.perf_counter()
         with record or CollectiveRecorder():
-            loss = (model(local).float() ** 2).mean()
+            loss = (model(None, None, hidden=local).float() ** 2).mean()
             loss.backward()
             model.finish_grad_sync()
             optimizer.step()

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from reference.arguments import add_flag
-from reference.torch_patches import cuda_calls_on_cpu
+from reference.measure.torch_patches import cuda_calls_on_cpu
 
 if not torch.cuda.is_available():  # megatron's router moves its weight to torch.cuda.current_device()
     cuda_calls_on_cpu()

@@ -4,13 +4,13 @@
 
 All three run the same model at the same shapes on the same ranks, interleaved step by step so that
 machine noise hits them alike; the medians and ratios are printed by rank 0.
-  * reference: reference.tensor_parallel.transformer.Transformer split by parallelize; also "ref-sync" (flag
+  * reference: the GPT's blocks (reference.gpt.model.gpt_blocks) split by parallelize; also "ref-sync" (flag
                async_grad_allreduce off: no overlap of the dX collective with the dW GEMM) and "ref-fusion"
                (gradient_accumulation_fusion on: dW accumulated into main_grad), to show each flag's effect
   * megatron:  the same block with its four linear layers swapped for megatron-core 0.16.1's
                ColumnParallelLinear / RowParallelLinear (same arguments, same (output, bias) convention),
                so the comparison isolates the parallel linear layers and their communication
-  * dtensor:   reference.tensor_parallel.transformer.Transformer parallelized with DTensor's ColwiseParallel /
+  * dtensor:   the same blocks parallelized with DTensor's ColwiseParallel /
                RowwiseParallel (and SequenceParallel for LayerNorm with --sequence-parallel)
 Then one recorded step per implementation gives the bytes communicated per step, against the formula.
 """
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from reference.arguments import add_flag
-from reference.torch_patches import cuda_calls_on_cpu
+from reference.measure.torch_patches import cuda_calls_on_cpu
 
 if not torch.cuda.is_available():  # megatron allocates some buffers on torch.cuda.current_device()
     cuda_calls_on_cpu()
@@ -45,10 +45,11 @@ from torch.distributed.tensor.parallel import (
 )
 
 from reference.distributed import distributed
+from reference.gpt.model import GPT, gpt_blocks
 from reference.measure.recorder import CollectiveRecorder
 from reference.parallel_state import build_layout
 from reference.tensor_parallel.parallelize import parallelize
-from reference.tensor_parallel.transformer import Transformer, init_method_normal
+from reference.tensor_parallel.transformer import init_method_normal
 
 
 def parse_args():
@@ -66,7 +67,7 @@ def parse_args():
     return parser.parse_args()
 
 
-def megatron_swap(model: Transformer, args, device) -> Transformer:
+def megatron_swap(model: GPT, args, device) -> GPT:
     """Replace every reference linear layer by megatron-core's, built the same way (same seed order); each
     returns its output alone (bias added), as the nn.Linear the block is written for."""
     config = ModelParallelConfig(
@@ -99,7 +100,7 @@ def megatron_swap(model: Transformer, args, device) -> Transformer:
 
 
 def dtensor_model(args, mesh, device):
-    model = Transformer(args.num_layers, args.hidden_size, args.num_attention_heads, device=device)
+    model = gpt_blocks(args.num_layers, args.hidden_size, args.num_attention_heads, device=device)
     sp = args.sequence_parallel
     plan = {
         "attention.qkv": ColwiseParallel(input_layouts=Shard(0) if sp else Replicate()),
@@ -114,16 +115,16 @@ def dtensor_model(args, mesh, device):
     if not sp:
         return model
 
-    def forward(x):  # enter and leave the sequence-parallel region as the reference does
-        local = DTensor.from_local(x, mesh, [Replicate()]).redistribute(mesh, [Shard(0)]).to_local()
-        return DTensor.from_local(Transformer.forward(model, local), mesh, [Shard(0)]).full_tensor()
+    def forward(tokens, labels, hidden):  # enter and leave the sequence-parallel region as the reference does
+        local = DTensor.from_local(hidden, mesh, [Replicate()]).redistribute(mesh, [Shard(0)]).to_local()
+        return DTensor.from_local(GPT.forward(model, None, None, hidden=local), mesh, [Shard(0)]).full_tensor()
 
     model.forward = forward
     return model
 
 
 def step(model, x):
-    model(x).square().mean().backward()
+    model(None, None, hidden=x).square().mean().backward()
 
 
 def main():
@@ -139,19 +140,19 @@ def _benchmark(args, device: torch.device) -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
     layout = build_layout(world)
     mesh = init_device_mesh(device.type, (world,))
-    shape = dict(num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads)
+    shape = (args.num_layers, args.hidden_size, args.num_attention_heads)
     torch.manual_seed(0)
     sp = args.sequence_parallel
-    models = {"reference": parallelize(Transformer(**shape, device=device), layout, sequence_parallel=sp)}
+    models = {"reference": parallelize(gpt_blocks(*shape, device=device), layout, sequence_parallel=sp)}
     for variant, flags in (
         ("ref-sync", dict(async_grad_allreduce=False)),
         ("ref-fusion", dict(gradient_accumulation_fusion=True)),
     ):
         torch.manual_seed(0)
-        models[variant] = parallelize(Transformer(**shape, device=device), layout, sequence_parallel=sp, **flags)
+        models[variant] = parallelize(gpt_blocks(*shape, device=device), layout, sequence_parallel=sp, **flags)
     torch.manual_seed(0)
     models["megatron"] = megatron_swap(
-        parallelize(Transformer(**shape, device=device), layout, sequence_parallel=sp),
+        parallelize(gpt_blocks(*shape, device=device), layout, sequence_parallel=sp),
         args,
         device,
     )

@@ -31,6 +31,13 @@ def check_mode(mode: str) -> str:
     return mode
 
 
+def set_recompute(block: torch.nn.Module, mode: str) -> torch.nn.Module:
+    """Recompute `block` (a reference.tensor_parallel.transformer.Block) in backward: the whole layer ("full"),
+    its attention core ("selective") or nothing ("none"), on the block's TP dropout stream if it has one."""
+    block.recompute, block.attention.recompute = check_mode(mode), mode == "selective"
+    return block
+
+
 def _replaying(function: Callable, rng: TensorParallelRNG) -> Callable:
     """`function`, whose second and later calls (the recomputation in backward) start from the TP stream's
     state of the first call, and leave the stream as they found it.

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from _pytest.assertion.rewrite import rewrite_asserts
 
 from reference.distributed import finish, init_distributed
-from reference.torch_patches import live_process_groups
+from reference.measure.torch_patches import live_process_groups
 
 
 class Ranks(NamedTuple):

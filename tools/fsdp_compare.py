@@ -46,7 +46,7 @@ from reference.gpt.model import GPT, GPTConfig
 from reference.gpt.train import split_batch, synthetic_batches
 from reference.measure.fsdp_tracing import unit_scopes
 from reference.measure.recorder import CollectiveRecorder
-from reference.torch_patches import fsdp1_rate_limiter_wrapped, fsdp1_runtime_wrapped
+from reference.measure.torch_patches import fsdp1_rate_limiter_wrapped, fsdp1_runtime_wrapped
 
 WORLD = 4
 CONFIG = GPTConfig(vocab_size=101, hidden_size=27, num_attention_heads=3, num_layers=2, seq_length=16)

@@ -52,8 +52,6 @@ from reference.measure.fsdp_tracing import unit_scopes
 from reference.measure.pipeline_meter import PipelineMeter
 from reference.measure.recorder import CollectiveRecorder
 from reference.parallel_state import build_layout
-from reference.tensor_parallel.parallelize import parallelize
-from reference.tensor_parallel.transformer import Transformer
 from study.traces import EVENT_KEYS  # what the site's trace comparison reads
 
 TP_SHAPE = dict(s=8, b=2, heads=4)
@@ -114,16 +112,12 @@ class ForwardSteps(TorchDispatchMode):
 
 
 def tp_block_model(style: str, h: int, tp_group) -> tuple[torch.nn.Module, object]:
-    """One block of `style` as `layers.0` of a module, and its forward from a [s, b, h] activation: "gpt2" a
-    Transformer split by parallelize, "llama" a middle pipeline stage (no embedding, no head) of the llama GPT, which
-    passes the block its rotary positions."""
-    if style == "gpt2":
-        model = parallelize(Transformer(1, h, TP_SHAPE["heads"]), tp_group)
-        return model, model
+    """One block of `style` as `layers.0` of a middle pipeline stage (no embedding, no head) of the GPT, and its
+    forward from a [s, b, h] activation (which passes a llama block its rotary positions)."""
     config = GPTConfig(
         hidden_size=h,
         num_attention_heads=TP_SHAPE["heads"],
-        num_kv_heads=TP_KV_HEADS[style],
+        num_kv_heads=TP_KV_HEADS[style] if style == "llama" else None,
         num_layers=3,
         seq_length=TP_SHAPE["s"],
         style=style,

@@ -11,19 +11,29 @@ overlap on), and every device all-gathers with `all_gather_single`; the site's p
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_map
 
 from reference.distributed import reduce_scatter_single
 from reference.fsdp.flat_param import FlatParamHandle, HandleTrainingState
-from reference.fsdp.prefetch import PrefetchMode, handle_to_prefetch
+from reference.fsdp.prefetch import ExecutionOrder, PrefetchMode, handle_to_prefetch
 
-if TYPE_CHECKING:
-    from reference.fsdp.wrapper import FullyShardedDataParallel as Unit
-    from reference.fsdp.wrapper import SharedState
+Unit = nn.Module  # a reference.fsdp.wrapper.FullyShardedDataParallel: the wrapper imports this module, not back
+
+
+@dataclass
+class SharedState:
+    """What every unit under one root shares (upstream: the root's `_exec_order_data`, `_all_fsdp_states`)."""
+
+    units: list[Unit]
+    exec_order: ExecutionOrder = field(default_factory=ExecutionOrder)
+    pending_reductions: list = field(default_factory=list)
+    post_backward_callback_queued: bool = False
 
 
 def unshard(unit: Unit, handle: FlatParamHandle) -> None:

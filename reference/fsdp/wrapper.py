@@ -13,7 +13,7 @@ the shard, so an optimizer built from `model.parameters()` steps on shards only.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,7 +23,8 @@ from torch import nn
 from reference.distributed import all_gather_single
 from reference.fsdp import runtime
 from reference.fsdp.flat_param import FlatParamHandle
-from reference.fsdp.prefetch import BackwardPrefetch, ExecutionOrder
+from reference.fsdp.prefetch import BackwardPrefetch
+from reference.fsdp.runtime import SharedState
 
 
 @dataclass(frozen=True)
@@ -48,16 +49,6 @@ class CPUOffload:
     """
 
     offload_params: bool = False
-
-
-@dataclass
-class SharedState:
-    """What every unit under one root shares (upstream: the root's `_exec_order_data`, `_all_fsdp_states`)."""
-
-    units: list[FullyShardedDataParallel]
-    exec_order: ExecutionOrder = field(default_factory=ExecutionOrder)
-    pending_reductions: list = field(default_factory=list)
-    post_backward_callback_queued: bool = False
 
 
 class FullyShardedDataParallel(nn.Module):

@@ -14,7 +14,6 @@ import torch
 
 from reference.gpt.model import GPTConfig
 from reference.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, shard_of
-from reference.tensor_parallel.vocab_parallel import VocabParallelEmbedding
 
 _SAME = {
     "input_layernorm.weight": "ln1.weight",
@@ -84,14 +83,10 @@ def stage_state_from_master(stage: torch.nn.Module, master: dict[str, torch.Tens
         for param_name, _param in module.named_parameters(recurse=False):
             name = f"{module_name}.{param_name}"
             full = master[master_name(stage, name)]
-            if isinstance(module, VocabParallelEmbedding) or (
-                isinstance(module, ColumnParallelLinear) and module.output_size > full.shape[0]
-            ):
-                full = _pad_rows(
-                    full, module.padded_vocab_size if isinstance(module, VocabParallelEmbedding) else module.output_size
-                )
-            if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
-                full = shard_of(full, 0, module.tp_group, getattr(module, "stride", 1))
+            if getattr(module, "padded_vocab_size", None) and module.tp_group is not None:  # embedding or head
+                full = shard_of(_pad_rows(full, module.padded_vocab_size), 0, module.tp_group)
+            elif isinstance(module, ColumnParallelLinear):
+                full = shard_of(full, 0, module.tp_group, module.stride)
             elif isinstance(module, RowParallelLinear) and param_name == "weight":
                 full = shard_of(full, 1, module.tp_group)
             out[name] = full
@@ -107,12 +102,12 @@ def load_hf_into_stage(stage: torch.nn.Module, hf_state: dict[str, torch.Tensor]
 
 
 def master_name(stage: torch.nn.Module, name: str) -> str:
-    """A stage's (or chunk's) parameter name -> the unsharded model's: global layer index, the head's inner
-    layer dropped. The tests compare stages with the whole GPT by it too."""
+    """A stage's (or chunk's) parameter name -> the unsharded model's: the global layer index. The tests compare
+    stages with the whole GPT by it too."""
     if name.startswith("layers."):
         _, local, rest = name.split(".", 2)
         return f"layers.{stage.first_layer + int(local)}.{rest}"
-    return name.replace("output_layer.output_layer.", "output_layer.")
+    return name
 
 
 def _pad_rows(full: torch.Tensor, rows: int) -> torch.Tensor:

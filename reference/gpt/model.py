@@ -17,11 +17,11 @@ import dataclasses
 from collections.abc import Iterator
 
 import torch
-import torch.nn.functional as F
 
 from reference.parallel_state import ParallelConfigError, divide
 from reference.tensor_parallel.rotary import rotary_cos_sin
 from reference.tensor_parallel.transformer import Block, LlamaBlock, TransformerBlock, init_method_normal
+from reference.tensor_parallel.vocab_parallel import LMHead
 
 STYLES = ("gpt2", "llama")
 SIZES = ("vocab_size", "hidden_size", "num_attention_heads", "num_layers", "seq_length")  # GPTConfig.from_sizes
@@ -184,20 +184,6 @@ class Embedding(torch.nn.Module):
         return x.transpose(0, 1).contiguous()  # [b, s, h] -> [s, b, h]
 
 
-class LMHead(torch.nn.Linear):
-    """The output layer (no bias) and its loss: forward(hidden [s, b, h], labels [b, s]) -> per-token loss
-    [b, s], no reduction; logits(hidden) -> [s, b, V]. reference.gpt.parallelize swaps in ParallelLMHead,
-    which has the same two methods over this rank's vocabulary rows."""
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return super().forward(hidden)
-
-    def forward(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        logits = self.logits(hidden).float()
-        loss = F.cross_entropy(logits.flatten(0, 1), labels.transpose(0, 1).flatten(), reduction="none")
-        return loss.view(logits.shape[:2]).transpose(0, 1)
-
-
 class GPT(torch.nn.Module):
     """Layers [first, last) of `layers` (default: all), with the embedding on the stage holding layer 0
     (Megatron's pre_process) and the final norm and head on the one holding the last (post_process).
@@ -236,12 +222,10 @@ class GPT(torch.nn.Module):
         if self.is_last:
             with module_seed(seed, 1 + config.num_layers):
                 self.final_layernorm = config.final_norm(dtype=params_dtype, device=device)
-                device = torch.get_default_device() if device is None else device
-                self.output_layer = torch.nn.utils.skip_init(
-                    LMHead, config.hidden_size, config.vocab_size, bias=False, dtype=params_dtype, device=device
+                init = init_method_normal(config.init_std)
+                self.output_layer = LMHead(
+                    config.hidden_size, config.vocab_size, init_method=init, params_dtype=params_dtype, device=device
                 )
-                with torch.no_grad():
-                    self.output_layer.weight.copy_(_embedding_weight(config.vocab_size, config))
             if config.share_embeddings_and_output_weights and self.is_first:  # across stages: pipeline.tied_embeddings
                 self.output_layer.weight = self.embedding.word_embeddings.weight
 
@@ -275,6 +259,15 @@ class GPT(torch.nn.Module):
         if not self.is_last:
             return hidden
         return self.output_layer(self.final_layernorm(hidden), labels).mean()
+
+
+def gpt_blocks(num_layers: int, hidden_size: int, heads: int, *, seed: int = 1234, device=None, **fields) -> GPT:
+    """The GPT without its ends, as a middle pipeline stage holds it: `num_layers` GPT-2 blocks, no embedding and
+    no head, [s, b, h] in and out (`model(None, None, hidden=x)`): what block-level tests and benchmarks feed
+    hidden states. `fields`: GPTConfig's (ffn_hidden_size, hidden_dropout, attention_dropout) and params_dtype."""
+    dtype = fields.pop("params_dtype", torch.float32)
+    config = GPTConfig(hidden_size=hidden_size, num_attention_heads=heads, num_layers=num_layers + 2, **fields)
+    return GPT(config, seed, device, layers=(1, num_layers + 1), params_dtype=dtype)
 
 
 def split_virtual_stages(num_layers: int, pp_size: int, virtual_stages: int) -> list[list[tuple[int, int]]]:

@@ -1,7 +1,7 @@
 """`parallelize_gpt(model, tp_group)`: a plain GPT (or stage) split over TP by swapping its layers, and this
 rank's pipeline stage or interleaved chunks built that way.
 
-The word embedding becomes a VocabParallelEmbedding and the head + loss a ParallelLMHead (vocabulary-parallel
+The word embedding becomes a VocabParallelEmbedding and the head + loss an LMHead split over TP (vocabulary-parallel
 cross-entropy), each holding this rank's rows of the same weights; every block goes through parallelize_block.
 Under sequence parallelism the embeddings are scattered along the sequence, and a "llama" sequence the TP size
 does not divide is padded at the end, its pad labels dropped before the mean (causal attention keeps real
@@ -23,7 +23,7 @@ from reference.pipeline.interleaved import check_interleaving
 from reference.tensor_parallel.mappings import scatter_to_sequence_parallel_region
 from reference.tensor_parallel.parallelize import parallelize_block, split_query_groups
 from reference.tensor_parallel.random import TensorParallelRNG
-from reference.tensor_parallel.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
+from reference.tensor_parallel.vocab_parallel import LMHead, VocabParallelEmbedding
 
 
 def check_tensor_parallel(config: GPTConfig, tp: int, sequence_parallel: bool) -> None:
@@ -97,7 +97,7 @@ def parallelize_gpt(
             model.embedding.register_forward_hook(lambda m, a, out: scatter_to_sequence_parallel_region(out, tp_group))
     if model.is_last:
         head = model.output_layer.weight
-        model.output_layer = ParallelLMHead(
+        model.output_layer = LMHead(
             config.hidden_size,
             config.vocab_size,
             tp_group=tp_group,
@@ -112,33 +112,41 @@ def parallelize_gpt(
         for param in model.final_layernorm.parameters():  # sees only local tokens under SP: partial grads
             param.sequence_parallel = sp
         if config.share_embeddings_and_output_weights and model.is_first:  # one stage: one Parameter
-            model.output_layer.output_layer.weight = model.embedding.word_embeddings.weight
+            model.output_layer.weight = model.embedding.word_embeddings.weight
     return model
+
+
+def stage_layers(config: GPTConfig, layout: ParallelLayout, virtual_stages: int = 1) -> list[tuple[int, int]]:
+    """[first, last) layers of each of this rank's model chunks: its PP rank's share of split_layers, or, with
+    v > 1 virtual stages, its v interleaved chunks (split_virtual_stages)."""
+    if virtual_stages > 1:
+        return split_virtual_stages(config.num_layers, layout.pp_size, virtual_stages)[layout.pp_rank]
+    return [split_layers(config.num_layers, layout.pp_size)[layout.pp_rank]]
 
 
 def _stages(
     config: GPTConfig,
     layout: ParallelLayout,
-    bounds: list[tuple[int, int]],
+    virtual_stages: int,
     *,
     seed=1234,
     device=None,
     params_dtype=torch.float32,
     **options,
 ) -> list[GPT]:
-    """A GPT of each [first, last) layer range, split over the layout's TP group."""
+    """A GPT of each of this rank's chunks (stage_layers), split over the layout's TP group."""
     return [
         parallelize_gpt(
             GPT(config, seed, device, layers=layers, params_dtype=params_dtype), layout.tp_group, seed=seed, **options
         )
-        for layers in bounds
+        for layers in stage_layers(config, layout, virtual_stages)
     ]
 
 
 def build_stage(config: GPTConfig, layout: ParallelLayout, **options) -> GPT:
     """This rank's stage: its PP rank's share of split_layers, split over its TP group. `options`: seed,
     device, params_dtype, and parallelize_gpt's (sequence_parallel, block arguments)."""
-    (stage,) = _stages(config, layout, [split_layers(config.num_layers, layout.pp_size)[layout.pp_rank]], **options)
+    (stage,) = _stages(config, layout, 1, **options)
     return stage
 
 
@@ -152,5 +160,4 @@ def check_virtual_pipeline(num_layers: int, pp_size: int, virtual_stages: int, m
 
 def build_chunks(config: GPTConfig, layout: ParallelLayout, virtual_stages: int, **options) -> list[GPT]:
     """This rank's v model chunks for interleaved 1F1B (split_virtual_stages), split over its TP group."""
-    bounds = split_virtual_stages(config.num_layers, layout.pp_size, virtual_stages)[layout.pp_rank]
-    return _stages(config, layout, bounds, **options)
+    return _stages(config, layout, virtual_stages, **options)

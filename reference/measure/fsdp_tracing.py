@@ -22,7 +22,7 @@ from reference.fsdp.wrapper import clean_name
 from reference.fsdp2 import param_group
 from reference.fsdp2.state import STATE_ATTR
 from reference.measure.recorder import CollectiveRecorder
-from reference.torch_patches import (
+from reference.measure.torch_patches import (
     FSDP1_SCOPES,
     FSDP2_SCOPES,
     available,
@@ -187,7 +187,7 @@ def _forward_span(module: torch.nn.Module, name: Callable[[], str]) -> Iterator[
 def torch_fsdp1_unit_scopes(model: torch.nn.Module) -> Iterator[Prefetches]:
     """PyTorch FSDP1's units and compute spans, as the reference's, through
     `pytorch:torch/distributed/fsdp/_runtime_utils.py::_unshard`, `_reduce_grad`, `_prefetch_handle` and the
-    backward hooks (reference.torch_patches.fsdp1_runtime_wrapped); unscoped, with one warning line, where the
+    backward hooks (reference.measure.torch_patches.fsdp1_runtime_wrapped); unscoped, with one warning line, where the
     installed torch has no such functions."""
     prefetches, backward = Prefetches(), _BackwardSpans()
     if not available(FSDP1_SCOPES):
@@ -271,7 +271,7 @@ def reference_fsdp2_unit_scopes(model: torch.nn.Module) -> Iterator[Prefetches]:
 def torch_fsdp2_unit_scopes(model: torch.nn.Module) -> Iterator[Prefetches]:
     """PyTorch FSDP2's parameter groups, as the reference FSDP2's, through
     `pytorch:torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py::FSDPParamGroup.unshard`, `post_backward`,
-    `pre_backward` and `_prefetch_unshard` (reference.torch_patches.fsdp2_param_group_wrapped); unscoped, with
+    `pre_backward` and `_prefetch_unshard` (reference.measure.torch_patches.fsdp2_param_group_wrapped); unscoped, with
     one warning line, where the installed torch has no such methods."""
     from torch.distributed.fsdp import FSDPModule
 

@@ -4,7 +4,7 @@
 under, ends in a dispatcher op `c10d.*` (eager, returns a `Work`) or `_c10d_functional*.*` (functional
 collectives, as DTensor uses), so intercepting those ops sees the reference and every oracle alike: the
 interception point of torch's `CommDebugMode`, which only counts. This one also records sizes, groups,
-phase, module, times and the FLOPs computed so far (torch's FLOP formulas, reference.torch_patches.op_flops).
+phase, module, times and the FLOPs computed so far (torch's FLOP formulas, reference.measure.torch_patches.op_flops).
 Each field's convention (`nbytes` is the full tensor's payload, `module` the innermost scope, forward or
 backward) is on the site's page for this module (reading_notes/reference/measure.recorder.md.j2).
 """
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from reference import torch_patches
+from reference.measure import torch_patches
 
 # dispatcher op name -> (normalized op, argument holding the full tensor(s), multiply its bytes by group size)
 _OPS = {
@@ -133,7 +133,7 @@ class CollectiveRecorder(TorchDispatchMode):
         self._functional_pending: dict[int, CollectiveEvent] = {}  # id(output tensor) -> event
         self._group_ranks: dict[str, tuple[int, ...]] = {}
         self._lock = threading.Lock()
-        self._wait_patches: list = []  # one per __enter__ (reference.torch_patches.work_wait_observed)
+        self._wait_patches: list = []  # one per __enter__ (reference.measure.torch_patches.work_wait_observed)
         self.flops = 0  # FLOPs of every op run under the recorder so far
         self.on = torch_patches.available(torch_patches.RECORDER)
 

@@ -36,7 +36,7 @@ def shared_weight(stage: GPT) -> torch.nn.Parameter | None:
     if stage.is_first:
         return stage.embedding.word_embeddings.weight
     if stage.is_last:
-        return stage.output_layer.output_layer.weight
+        return stage.output_layer.weight
     return None
 
 

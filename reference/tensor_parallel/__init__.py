@@ -9,7 +9,7 @@
   rotary.py         rotary position embeddings (as HF Qwen2)
   random.py         the per-TP-rank random stream for dropout
   cross_entropy.py  loss parallelism over vocabulary-split logits
-  vocab_parallel.py the vocabulary-split embedding and LM head
+  vocab_parallel.py the vocabulary-split embedding, and the LM head (unsharded or split)
 
 Process groups come from reference.parallel_state.
 """

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from reference.parallel_state import ParallelConfigError, ParallelLayout, divide
-from reference.recompute import check_mode
+from reference.recompute import set_recompute
 from reference.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, shard_of
 from reference.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
@@ -100,7 +100,7 @@ def parallelize_block(
     mlp.fc1 = _swap(mlp.fc1, ColumnParallelLinear, tp_group, stride=2 if mlp.gated else 1, **options)
     mlp.fc2 = _swap(mlp.fc2, RowParallelLinear, tp_group, **options)
     block.rng = attention.rng = rng or TensorParallelRNG(0, tp_group, block.ln1.weight.device)
-    block.recompute, attention.recompute = check_mode(recompute), recompute == "selective"
+    set_recompute(block, recompute)
     block.sequence_parallel = sp
     for param in [*block.ln1.parameters(), *block.ln2.parameters()]:
         param.sequence_parallel = sp  # replicated, but sees only local tokens under SP: partial grads
@@ -108,14 +108,14 @@ def parallelize_block(
 
 
 class _SequenceParallelStack:
-    """The stack's entry and exit under SP: split the sequence (padded to a multiple of tp if allowed) on the
-    way in, gather it and drop the pad on the way out."""
+    """A stage's entry and exit under SP when it is fed whole [s, b, h] activations (`hidden=`): split the
+    sequence (padded to a multiple of tp if allowed) on the way in, gather it and drop the pad on the way out."""
 
     def __init__(self, tp_group: dist.ProcessGroup, pad_sequence: bool):
         self.tp_group, self.pad_sequence, self.seq_length = tp_group, pad_sequence, None
 
-    def enter(self, module, args):
-        (x,) = args
+    def enter(self, module, args, kwargs):
+        x = kwargs["hidden"]
         self.seq_length, tp = x.shape[0], self.tp_group.size()
         if self.seq_length % tp:
             if not self.pad_sequence:
@@ -124,9 +124,9 @@ class _SequenceParallelStack:
                     "which sequence parallelism splits it by; pad it or pass pad_sequence=True"
                 )
             x = F.pad(x, (0, 0, 0, 0, 0, tp - self.seq_length % tp))
-        return (scatter_to_sequence_parallel_region(x, self.tp_group),)
+        return args, {**kwargs, "hidden": scatter_to_sequence_parallel_region(x, self.tp_group)}
 
-    def exit(self, module, args, output):
+    def exit(self, module, args, kwargs, output):
         full = gather_from_sequence_parallel_region(output, self.tp_group, tensor_parallel_output_grad=False)
         return full[: self.seq_length]
 
@@ -142,10 +142,10 @@ def parallelize(
 ) -> torch.nn.Module:
     """Split every block of `model.layers` over the layout's TP group (or the group given), in place.
 
-    With sequence parallelism, a stack fed full [s, b, h] activations (reference.tensor_parallel.transformer.
-    Transformer) splits them on entry and gathers them on exit; `pad_sequence` pads a sequence the TP size
-    does not divide, and trims it on exit (causal attention keeps real tokens blind to the pad). The blocks
-    share one TP stream, seeded with `dropout_seed`. `block_options`: parallelize_block's.
+    With sequence parallelism, a middle stage of reference.gpt.model.GPT fed whole [s, b, h] activations
+    (`model(None, None, hidden=x)`) splits them on entry and gathers them on exit; `pad_sequence` pads a sequence
+    the TP size does not divide, and trims it on exit (causal attention keeps real tokens blind to the pad). The
+    blocks share one TP stream, seeded with `dropout_seed`. `block_options`: parallelize_block's.
     """
     tp_group = layout.tp_group if isinstance(layout, ParallelLayout) else layout
     device = next(model.parameters()).device
@@ -154,6 +154,6 @@ def parallelize(
         parallelize_block(block, tp_group, rng=rng, sequence_parallel=sequence_parallel, **block_options)
     if sequence_parallel and tp_group.size() > 1:
         region = _SequenceParallelStack(tp_group, pad_sequence)
-        model.register_forward_pre_hook(region.enter)
-        model.register_forward_hook(region.exit)
+        model.register_forward_pre_hook(region.enter, with_kwargs=True)
+        model.register_forward_hook(region.exit, with_kwargs=True)
     return model

@@ -228,18 +228,3 @@ class LlamaBlock(Block):
             0.0,
             **kw,
         )
-
-
-class Transformer(torch.nn.Module):
-    """A stack of GPT-2 blocks taking and returning [s, b, h] (no embedding or head: fed hidden states)."""
-
-    def __init__(self, num_layers: int, hidden_size: int, num_attention_heads: int, **block_kwargs):
-        super().__init__()
-        self.layers = torch.nn.ModuleList(
-            TransformerBlock(hidden_size, num_attention_heads, **block_kwargs) for _ in range(num_layers)
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
-        return x

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 
 from reference.parallel_state import ParallelConfigError
 from reference.tensor_parallel.cross_entropy import check_ids, vocab_parallel_cross_entropy, vocab_range
-from reference.tensor_parallel.layers import ColumnParallelLinear, init_shard_from_master
+from reference.tensor_parallel.layers import init_shard_from_master
+from reference.tensor_parallel.linear_kernel import linear_with_grad_reduce
 from reference.tensor_parallel.mappings import (
     reduce_from_tensor_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
@@ -112,14 +113,16 @@ class VocabParallelEmbedding(torch.nn.Module):
         return reduce_from_tensor_parallel_region(output_parallel, self.tp_group)
 
 
-class ParallelLMHead(torch.nn.Module):
-    """Output layer + loss of a TP language model: hidden [s, b, h] -> per-token loss [b, s], logits kept split.
+class LMHead(torch.nn.Module):
+    """Output layer (no bias) + loss of a language model: hidden [s, b, h] -> per-token loss [b, s], no reduction
+    (Megatron's compute_language_model_loss convention: the caller applies its loss mask and mean);
+    logits(hidden) -> [s, b, V], or this rank's [s, b, V_p / p] when split.
 
-    output_layer: ColumnParallelLinear(h, V_p, bias=False, gather_output=False); its weight shard [V_p / p, h]
-        is initialized like an unpadded nn.Linear(h, V, bias=False) from the same seed, pad rows zero.
-    sequence_parallel: the hidden input is [s / p, b, h], all-gathered inside the output layer.
-    forward(hidden, labels [b, s]) -> loss [b, s], no reduction (Megatron's compute_language_model_loss
-    convention: the caller applies its loss mask and mean). logits(hidden) -> this rank's [s, b, V_p / p].
+    One definition for both ends of the oracle: without `tp_group` the weight is [V, h] and the loss torch's
+    cross-entropy (the unsharded GPT's head); with one, the weight is this rank's rows [V_p / p, h] of the padded
+    vocabulary, the logits stay split (a column-parallel linear with gather_output=False, its input all-gathered
+    under `sequence_parallel`) and the loss is vocab_parallel_cross_entropy. Either way the weight is drawn like
+    an unpadded nn.Linear(h, V, bias=False) from the same seed, pad rows zero.
 
     Mirrors
     `megatron-lm:megatron/core/models/common/language_module/language_module.py::LanguageModule.compute_language_model_loss`.
@@ -130,32 +133,46 @@ class ParallelLMHead(torch.nn.Module):
         hidden_size: int,
         vocab_size: int,
         *,
-        tp_group: dist.ProcessGroup,
         init_method: Callable,
+        tp_group: dist.ProcessGroup | None = None,
         sequence_parallel: bool = False,
         params_dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
     ):
         super().__init__()
         self.vocab_size, self.tp_group = vocab_size, tp_group
-        self.padded_vocab_size = pad_vocab_size(vocab_size, tp_group.size())
-        self.output_layer = ColumnParallelLinear(
-            hidden_size,
-            self.padded_vocab_size,
-            tp_group=tp_group,
-            init_method=padded_init_method(init_method, vocab_size),
-            bias=False,
-            gather_output=False,
-            sequence_parallel=sequence_parallel,
-            params_dtype=params_dtype,
-            device=device,
-        )
+        p = 1 if tp_group is None else tp_group.size()
+        self.padded_vocab_size = vocab_size if tp_group is None else pad_vocab_size(vocab_size, p)
+        self.sequence_parallel = sequence_parallel and p > 1
+        rows = self.padded_vocab_size // p
+        device = torch.get_default_device() if device is None else device
+        self.weight = torch.nn.Parameter(torch.empty(rows, hidden_size, dtype=params_dtype, device=device))
+        if tp_group is None:
+            master = torch.empty(vocab_size, hidden_size, dtype=torch.float32)
+            init_method(master)
+            with torch.no_grad():
+                self.weight.copy_(master)
+        else:
+            init = padded_init_method(init_method, vocab_size)
+            init_shard_from_master(self.weight, self.padded_vocab_size, hidden_size, 0, init, tp_group)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits_shard, _ = self.output_layer(hidden)
-        return logits_shard
+        if self.tp_group is None:
+            return F.linear(hidden, self.weight)
+        return linear_with_grad_reduce(
+            hidden,
+            self.weight,
+            None,
+            self.tp_group,
+            allreduce_dgrad=self.tp_group.size() > 1 and not self.sequence_parallel,
+            sequence_parallel=self.sequence_parallel,
+        )
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.tp_group is None:
+            logits = self.logits(hidden).float()
+            loss = F.cross_entropy(logits.flatten(0, 1), labels.transpose(0, 1).flatten(), reduction="none")
+            return loss.view(logits.shape[:2]).transpose(0, 1)
         labels = labels.transpose(0, 1).contiguous()  # [b, s] -> [s, b], the logits' layout
         loss = vocab_parallel_cross_entropy(self.logits(hidden), labels, self.tp_group, self.vocab_size)
         return loss.transpose(0, 1).contiguous()  # [s, b] -> [b, s]

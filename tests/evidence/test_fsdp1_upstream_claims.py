@@ -27,7 +27,7 @@ from reference.gpt.model import GPT, GPTConfig
 from reference.gpt.train import split_batch, synthetic_batches
 from reference.measure.fsdp_tracing import torch_fsdp1_unit_scopes
 from reference.measure.recorder import CollectiveRecorder, current_phase
-from reference.torch_patches import fsdp1_rate_limiter_wrapped, fsdp1_runtime_wrapped
+from reference.measure.torch_patches import fsdp1_rate_limiter_wrapped, fsdp1_runtime_wrapped
 from study.estimates import training_memory
 from tests.ranks import on_ranks
 from tests.reference.helpers import every_rank

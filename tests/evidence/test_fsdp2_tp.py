@@ -257,9 +257,7 @@ def test_losses_equal_the_reference_fsdp1_x_tp_bit_for_bit(ranks, config):
 def test_gradients_gathered_over_dp_equal_this_tp_ranks_slice_of_fully_shards(ranks, config):
     run = results(ranks.device)[config]
     assert run["grad_diff"] <= FP32, (ranks.rank, run["grad_diff"])
-    assert {"layers.0.attention.qkv.weight", "layers.1.mlp.fc2.weight", "output_layer.output_layer.weight"} <= set(
-        run["grad_names"]
-    )
+    assert {"layers.0.attention.qkv.weight", "layers.1.mlp.fc2.weight", "output_layer.weight"} <= set(run["grad_names"])
 
 
 @on_ranks(4, timeout_s=OWN_LAUNCH_TIMEOUT_S)

@@ -27,7 +27,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from reference.measure.recorder import CollectiveRecorder
-from reference.torch_patches import replaced
+from reference.measure.torch_patches import replaced
 from tests.ranks import on_ranks
 from tests.reference.helpers import every_rank, megatron_parallel_state
 from tests.reference.megatron_moe_on_cpu import megatron_moe_on_cpu

@@ -28,8 +28,8 @@ from torch.overrides import TorchFunctionMode
 
 from reference.measure.pipeline_meter import PipelineMeter
 from reference.measure.replay import idle_fraction
+from reference.measure.torch_patches import cuda_calls_on_cpu
 from reference.pipeline.schedules import forward_backward as reference_forward_backward
-from reference.torch_patches import cuda_calls_on_cpu
 from tests.ranks import on_ranks
 from tests.reference.helpers import every_rank, megatron_parallel_state
 

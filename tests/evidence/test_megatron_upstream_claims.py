@@ -23,7 +23,7 @@ from megatron.core.tensor_parallel import layers
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from reference.measure.recorder import CollectiveRecorder, current_phase
-from reference.torch_patches import cuda_calls_on_cpu
+from reference.measure.torch_patches import cuda_calls_on_cpu
 from tests.ranks import on_ranks
 from tests.reference.helpers import every_rank, megatron_parallel_state
 

@@ -22,7 +22,7 @@ from reference.__main__ import main as demo_main
 from reference.gpt.hf_weights import master_name
 from reference.gpt.model import GPT, GPTConfig
 from reference.gpt.train import synthetic_batches
-from reference.torch_patches import live_process_groups
+from reference.measure.torch_patches import live_process_groups
 
 
 @contextlib.contextmanager

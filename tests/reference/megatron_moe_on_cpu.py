@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import torch
 
-from reference.torch_patches import cuda_calls_on_cpu
+from reference.measure.torch_patches import cuda_calls_on_cpu
 
 
 class HostStream:
@@ -66,7 +66,7 @@ def megatron_moe_on_cpu() -> Iterator[None]:
       tests `te_general_gemm is not None` in the router's GEMM (`RouterGatingLinearFunction`), a NameError
       without TE; None is what that test means, and the router takes its plain `torch.mm` branch.
     - `token_dispatcher.maybe_move_tensor_to_cpu`: host_copy (above).
-    - `torch.cuda.current_device()` is "cpu" (reference.torch_patches.cuda_calls_on_cpu, for the rest of the
+    - `torch.cuda.current_device()` is "cpu" (reference.measure.torch_patches.cuda_calls_on_cpu, for the rest of the
       process): buffers megatron allocates there land on the CPU.
     """
     from megatron.core.transformer.moe import moe_utils, token_dispatcher

@@ -1,4 +1,4 @@
-"""The regression task the data-parallel tests train the reference Transformer on, and its oracle.
+"""The regression task the data-parallel tests train the GPT blocks on (helpers.gpt_blocks), and its oracle.
 
 Random [s, b, h] inputs and targets (the same on every rank), the mean squared error, and the single-process
 model trained on the whole global batch: what DDP, FSDP x TP and the distributed optimizer must reproduce.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from reference.tensor_parallel.transformer import Transformer
+from reference.gpt.model import gpt_blocks
 from tests.reference.helpers import UnshardedRun, sgd_steps
 
 
@@ -34,8 +34,8 @@ def mean_over(value: float, group) -> float:
 def single_process(
     layers: int, h: int, heads: int, seed: int, lr: float, data: list[tuple[torch.Tensor, torch.Tensor]]
 ) -> UnshardedRun:
-    """Losses, step-1 gradients and final parameters of the unsharded Transformer after an SGD step per batch
+    """Losses, step-1 gradients and final parameters of the unsharded GPT blocks after an SGD step per batch
     of `data`, on the CPU."""
     torch.manual_seed(seed)
-    model = Transformer(layers, h, heads, device=torch.device("cpu"))
-    return sgd_steps(model, data, lambda model, batch: mse(model(batch[0]), batch[1]), lr)
+    model = gpt_blocks(layers, h, heads, device=torch.device("cpu"))
+    return sgd_steps(model, data, lambda model, batch: mse(model(None, None, hidden=batch[0]), batch[1]), lr)

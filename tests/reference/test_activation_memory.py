@@ -18,7 +18,7 @@ from reference.measure.activation_memory import measure
 from reference.measure.activation_memory.counting import SavedTensor, SavedTensorCounter
 from reference.measure.activation_memory.llama_block import LlamaSetting, classify
 from reference.measure.activation_memory.paper import CONFIGURATIONS
-from reference.torch_patches import cuda_calls_on_cpu
+from reference.measure.torch_patches import cuda_calls_on_cpu
 from tests.launch import ROOT
 from tests.ranks import on_ranks
 from tests.reference.gpus import DEVICES
@@ -213,8 +213,8 @@ def megatron_counts() -> dict:
     counter, without and with tensor parallelism (t = 2), on this rank.
 
     On the CPU with three substitutions, none of which changes what is saved: torch.cuda.current_device()
-    answers "cpu" (reference.torch_patches.cuda_calls_on_cpu), the causal mask is passed in (megatron would build
-    its default one on "cuda"), and the CUDA RNG tracker's fork is a no-op (CpuRNGTracker, for the count only:
+    answers "cpu" (reference.measure.torch_patches.cuda_calls_on_cpu), the causal mask is passed in (megatron would
+    build its default one on "cuda"), and the CUDA RNG tracker's fork is a no-op (CpuRNGTracker, for the count only:
     a CPU-only torch has no CUDA generator; the masks' values are not counted). Sequence parallelism is not run:
     the local spec's LayerNorm is torch's, which refuses it
     (megatron-lm:megatron/core/transformer/torch_norm.py::WrappedTorchNorm.__new__); nor is recomputation:

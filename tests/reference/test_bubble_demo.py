@@ -8,7 +8,7 @@ import re
 import pytest
 from torch.utils import flop_counter
 
-from reference import torch_patches
+from reference.measure import torch_patches
 from tests.ranks import on_ranks
 from tests.reference.helpers import demo_output, json_lines
 

@@ -17,10 +17,10 @@ import torch
 import torch.distributed as dist
 
 from reference.data_parallel import DistributedDataParallel, finalize_model_grads, local_batch
+from reference.gpt.model import gpt_blocks
 from reference.measure.recorder import CollectiveRecorder
 from reference.parallel_state import build_layout
 from reference.tensor_parallel.parallelize import parallelize
-from reference.tensor_parallel.transformer import Transformer
 from tests.ranks import on_ranks
 from tests.reference import regression
 from tests.reference.helpers import full_tensor, max_diff
@@ -49,11 +49,9 @@ def train_ddp(
     optimizer_zero_grad: clear with `optimizer.zero_grad()` (grads set to None) instead of `model.zero_grad()`."""
     torch.manual_seed(SEED)
     if tp_group is None:
-        module = Transformer(LAYERS, H, HEADS, device=DEVICE)
+        module = gpt_blocks(LAYERS, H, HEADS, device=DEVICE)
     else:
-        module = parallelize(
-            Transformer(LAYERS, H, HEADS, device=DEVICE), tp_group, sequence_parallel=sequence_parallel
-        )
+        module = parallelize(gpt_blocks(LAYERS, H, HEADS, device=DEVICE), tp_group, sequence_parallel=sequence_parallel)
     gradient_stamps: list[float] = []
     for param in module.parameters():  # registered before DDP's hooks, so they fire first on each parameter
         param.register_post_accumulate_grad_hook(lambda _p: gradient_stamps.append(time.perf_counter()))
@@ -68,7 +66,8 @@ def train_ddp(
     for x, target in batches(steps):
         gradient_stamps.clear()
         with CollectiveRecorder() as rec:  # the step's own collectives: not the test's gathers below
-            loss = regression.mse(model(local_batch(x, group, dim=1)), local_batch(target, group, dim=1))
+            out = model(None, None, hidden=local_batch(x, group, dim=1))
+            loss = regression.mse(out, local_batch(target, group, dim=1))
             loss.backward()
             if implementation == "reference":
                 finalize_model_grads([model], tp_group)
@@ -110,7 +109,7 @@ def full(name: str, tensor: torch.Tensor, tp_group) -> torch.Tensor:
 def no_sync_run(group, micro_batches: int) -> dict:
     """One step as `micro_batches` accumulated micro-batches: all but the last under no_sync."""
     torch.manual_seed(SEED)
-    module = Transformer(LAYERS, H, HEADS, device=DEVICE)
+    module = gpt_blocks(LAYERS, H, HEADS, device=DEVICE)
     model = DistributedDataParallel(module, group, bucket_size=BUCKET)
     x, target = (local_batch(t, group, dim=1) for t in batches(1)[0])
     per_micro = []
@@ -119,9 +118,9 @@ def no_sync_run(group, micro_batches: int) -> dict:
             rec.clear()
             if i < micro_batches - 1:
                 with model.no_sync():
-                    (regression.mse(model(xm), tm) / micro_batches).backward()
+                    (regression.mse(model(None, None, hidden=xm), tm) / micro_batches).backward()
             else:
-                (regression.mse(model(xm), tm) / micro_batches).backward()
+                (regression.mse(model(None, None, hidden=xm), tm) / micro_batches).backward()
                 model.finish_grad_sync()
             per_micro.append(len(rec.events))
     return {
@@ -141,24 +140,24 @@ def bad_input(group, tp_group) -> dict[str, str]:
 
     capture(
         "bucket_size_zero",
-        lambda: DistributedDataParallel(Transformer(1, H, HEADS, device=DEVICE), group, bucket_size=0),
+        lambda: DistributedDataParallel(gpt_blocks(1, H, HEADS, device=DEVICE), group, bucket_size=0),
     )
     capture(
         "bucket_size_negative",
-        lambda: DistributedDataParallel(Transformer(1, H, HEADS, device=DEVICE), group, bucket_size=-5),
+        lambda: DistributedDataParallel(gpt_blocks(1, H, HEADS, device=DEVICE), group, bucket_size=-5),
     )
     capture("batch_not_divisible", lambda: local_batch(torch.zeros(6, 2), group))
-    fused = parallelize(Transformer(1, H, HEADS, device=DEVICE), tp_group, gradient_accumulation_fusion=True)
+    fused = parallelize(gpt_blocks(1, H, HEADS, device=DEVICE), tp_group, gradient_accumulation_fusion=True)
     capture("main_grad", lambda: DistributedDataParallel(fused, group))
-    twice = DistributedDataParallel(Transformer(1, H, HEADS, device=DEVICE), group, bucket_size=None)
+    twice = DistributedDataParallel(gpt_blocks(1, H, HEADS, device=DEVICE), group, bucket_size=None)
     x = torch.randn(S, 2, H)
-    twice(x).sum().backward()  # the one bucket goes on the wire during this backward
-    capture("grad_twice", lambda: twice(x).sum().backward())  # a second synced backward: refused
+    twice(None, None, hidden=x).sum().backward()  # the one bucket goes on the wire during this backward
+    capture("grad_twice", lambda: twice(None, None, hidden=x).sum().backward())  # a second synced backward: refused
     twice.finish_grad_sync()
     twice.remove_hooks()
     with CollectiveRecorder() as rec:  # detached: backward neither communicates nor refuses
-        twice(x).sum().backward()
-        twice(x).sum().backward()
+        twice(None, None, hidden=x).sum().backward()
+        twice(None, None, hidden=x).sum().backward()
     errors["collectives_after_remove_hooks"] = len(rec.events)
     return errors
 
@@ -211,7 +210,7 @@ def results() -> dict:
     for dp in ("dp4", "dp2"):
         result["diff"][f"{dp}/torch"] = max_diff(runs[dp]["params"], runs[f"torch_{dp}"]["params"])
         result["diff"][f"{dp}/torch_grads"] = max_diff(runs[dp]["first_grads"], runs[f"torch_{dp}"]["first_grads"])
-    params = list(Transformer(LAYERS, H, HEADS, device=DEVICE).parameters())
+    params = list(gpt_blocks(LAYERS, H, HEADS, device=DEVICE).parameters())
     torch_indices, _ = dist._compute_bucket_assignment_by_size(params[::-1], [BUCKET])
     result["buckets"]["torch_assignment"] = [sum(params[::-1][i].nbytes for i in b) for b in torch_indices]
     result["param_bytes"] = [p.nbytes for p in params]

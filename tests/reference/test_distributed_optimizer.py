@@ -7,7 +7,7 @@ every rank) and with the distributed optimizer (reduce-scatter, step this rank's
 without overlapping the all-gathers with the next forward, with fp32 and with bf16 gradients. At 2 ranks
 (`megatron_results()`), megatron-core 0.16.1's own DistributedDataParallel and DistributedOptimizer train a
 bf16 MLP next to the reference's, and megatron's GPTModel ties its embedding at PP 2; on the CPU, megatron's
-CUDA calls redirected (reference.torch_patches.cuda_calls_on_cpu, CudaTypeNames).
+CUDA calls redirected (reference.measure.torch_patches.cuda_calls_on_cpu, CudaTypeNames).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from reference.data_parallel import DistributedDataParallel, local_batch
 from reference.data_parallel.buckets import padded_numel
 from reference.data_parallel.distributed_optimizer import DistributedOptimizer, bytes_per_rank
 from reference.data_parallel.mixed_precision import unsharded
+from reference.gpt.model import gpt_blocks
 from reference.measure.recorder import CollectiveRecorder
-from reference.tensor_parallel.transformer import Transformer
-from reference.torch_patches import cuda_calls_on_cpu
+from reference.measure.torch_patches import cuda_calls_on_cpu
 from tests.ranks import on_ranks
 from tests.reference import regression
 from tests.reference.helpers import every_rank, max_diff, megatron_parallel_state
@@ -50,7 +50,7 @@ def adam(tensors: list[torch.Tensor]) -> torch.optim.Optimizer:
 def train(group, config: str) -> dict:
     use_distopt, overlap_param_gather, fp32_grads = CONFIGS[config]
     torch.manual_seed(SEED)
-    module = Transformer(LAYERS, H, HEADS, ffn_hidden_size=FFN, params_dtype=torch.bfloat16, device=DEVICE)
+    module = gpt_blocks(LAYERS, H, HEADS, ffn_hidden_size=FFN, params_dtype=torch.bfloat16, device=DEVICE)
     model = DistributedDataParallel(
         module,
         group,
@@ -63,7 +63,7 @@ def train(group, config: str) -> dict:
     losses, steps, facts = [], [], {}
     for x, target in regression.batches(STEPS, S, B, H):
         with CollectiveRecorder() as rec:
-            out = model(local_batch(x, group, dim=1).to(torch.bfloat16))
+            out = model(None, None, hidden=local_batch(x, group, dim=1).to(torch.bfloat16))
             loss = regression.mse(out.float(), local_batch(target, group, dim=1))
             loss.backward()
             if not facts:
@@ -149,13 +149,13 @@ def bad_input(group) -> dict[str, str]:
         except ValueError as error:
             errors[key] = str(error)
 
-    plain = DistributedDataParallel(Transformer(1, H, HEADS, device=DEVICE), group)
+    plain = DistributedDataParallel(gpt_blocks(1, H, HEADS, device=DEVICE), group)
     capture("distopt_on_plain_ddp", lambda: DistributedOptimizer(plain, adam))
     capture(
         "overlap_param_gather_without_distopt",
-        lambda: DistributedDataParallel(Transformer(1, H, HEADS, device=DEVICE), group, overlap_param_gather=True),
+        lambda: DistributedDataParallel(gpt_blocks(1, H, HEADS, device=DEVICE), group, overlap_param_gather=True),
     )
-    sharded = DistributedDataParallel(Transformer(1, H, HEADS, device=DEVICE), group, use_distributed_optimizer=True)
+    sharded = DistributedDataParallel(gpt_blocks(1, H, HEADS, device=DEVICE), group, use_distributed_optimizer=True)
     capture("unsharded_on_sharded_ddp", lambda: unsharded(sharded, adam))
     return errors
 

@@ -20,10 +20,10 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from reference.data_parallel import finalize_model_grads, local_batch
 from reference.data_parallel.fsdp_tp import shard_tp_model
+from reference.gpt.model import gpt_blocks
 from reference.measure.recorder import CollectiveRecorder
 from reference.parallel_state import ParallelConfigError, build_layout
 from reference.tensor_parallel.parallelize import parallelize
-from reference.tensor_parallel.transformer import Transformer
 from tests.ranks import on_ranks
 from tests.reference import regression
 from tests.reference.helpers import dtensor_plan, every_rank, full_tensor, max_diff
@@ -58,11 +58,11 @@ def train(model, step_fn, layout) -> tuple[list[float], list[list[dict]]]:
 def run_reference(layout, sp: bool) -> dict:
     torch.manual_seed(SEED)
     model = shard_tp_model(
-        parallelize(Transformer(LAYERS, H, HEADS, device=DEVICE), layout, sequence_parallel=sp), layout
+        parallelize(gpt_blocks(LAYERS, H, HEADS, device=DEVICE), layout, sequence_parallel=sp), layout
     )
 
     def step(x, target):
-        loss = regression.mse(model(x), target)
+        loss = regression.mse(model(None, None, hidden=x), target)
         loss.backward()
         # under SP: the TP sum of the partial LayerNorm / row-bias gradients, on FSDP's sharded gradients
         finalize_model_grads([model], layout.tp_group)
@@ -88,7 +88,7 @@ def run_reference(layout, sp: bool) -> dict:
 
 def run_fsdp2(mesh, layout, sp: bool) -> dict:
     torch.manual_seed(SEED)
-    model = Transformer(LAYERS, H, HEADS, device=DEVICE)
+    model = gpt_blocks(LAYERS, H, HEADS, device=DEVICE)
     for block in model.layers:
         parallelize_module(block, mesh["tp"], dtensor_plan(sp))
         fully_shard(block, mesh=mesh["dp"])
@@ -97,9 +97,9 @@ def run_fsdp2(mesh, layout, sp: bool) -> dict:
     def step(x, target):
         if sp:  # enter and leave the sequence-parallel region the DTensor way (split / all-gather)
             local = DTensor.from_local(x, mesh["tp"], [Replicate()]).redistribute(mesh["tp"], [Shard(0)]).to_local()
-            out = DTensor.from_local(model(local), mesh["tp"], [Shard(0)]).full_tensor()
+            out = DTensor.from_local(model(None, None, hidden=local), mesh["tp"], [Shard(0)]).full_tensor()
         else:
-            out = model(x)
+            out = model(None, None, hidden=x)
         loss = regression.mse(out, target)
         loss.backward()
         return loss
@@ -115,12 +115,11 @@ def run_fsdp2(mesh, layout, sp: bool) -> dict:
 def tp_only_step(layout, sp: bool) -> list[dict]:
     """One forward + backward of the TP-only model on the same local batch: its TP collectives."""
     torch.manual_seed(SEED)
-    model = parallelize(Transformer(LAYERS, H, HEADS, device=DEVICE), layout, sequence_parallel=sp)
+    model = parallelize(gpt_blocks(LAYERS, H, HEADS, device=DEVICE), layout, sequence_parallel=sp)
     x, target = batches()[0]
     with CollectiveRecorder() as rec:
-        regression.mse(
-            model(local_batch(x, layout.dp_group, dim=1)), local_batch(target, layout.dp_group, dim=1)
-        ).backward()
+        out = model(None, None, hidden=local_batch(x, layout.dp_group, dim=1))
+        regression.mse(out, local_batch(target, layout.dp_group, dim=1)).backward()
     return events(rec)
 
 
@@ -134,16 +133,16 @@ def bad_input(layout) -> dict[str, str]:
             errors[key] = str(error)
 
     def full_weight():
-        model = parallelize(Transformer(1, H, HEADS, device=DEVICE), layout)
+        model = parallelize(gpt_blocks(1, H, HEADS, device=DEVICE), layout)
         model.layers[0].attention.qkv.weight = torch.nn.Parameter(torch.zeros(3 * H, H))
         return model
 
     def uneven_plain_parameter():  # not TP-aware, and shaped differently on the two TP ranks
-        model = parallelize(Transformer(1, H, HEADS, device=DEVICE), layout)
+        model = parallelize(gpt_blocks(1, H, HEADS, device=DEVICE), layout)
         model.layers[0].register_parameter("extra", torch.nn.Parameter(torch.zeros(3 + 2 * layout.tp_rank)))
         return model
 
-    capture("unsharded_model", lambda: Transformer(1, H, HEADS, device=DEVICE))
+    capture("unsharded_model", lambda: gpt_blocks(1, H, HEADS, device=DEVICE))
     capture("full_weight", full_weight)
     capture("uneven_plain_parameter", uneven_plain_parameter)
     return errors
@@ -273,7 +272,7 @@ def test_sequence_parallel_grads_are_summed_over_tp_on_the_sharded_gradients(ran
 def test_bad_input_gets_one_line_errors_on_every_rank(ranks):
     result = results()
     assert result["bad_input"] == {
-        "unsharded_model": "shard_tp_model: rank 0: Transformer has no tensor-parallel block to wrap; "
+        "unsharded_model": "shard_tp_model: rank 0: GPT has no tensor-parallel block to wrap; "
         "split it first with reference.tensor_parallel.parallelize.parallelize(model, layout)",
         "full_weight": "shard_tp_model: rank 0: layers.0.attention.qkv.weight has shape [36, 12], expected "
         "[18, 12]: a TP-sharded layer must hold this rank's 1/2 slice, not the full weight",

@@ -21,11 +21,11 @@ import torch
 import torch.distributed as dist
 
 from reference.measure.recorder import CollectiveRecorder
+from reference.measure.torch_patches import cuda_calls_on_cpu
 from reference.moe.layer import MoELayer
 from reference.moe.parallelize import parallelize_moe
 from reference.parallel_state import build_layout
 from reference.tensor_parallel.layers import allreduce_sequence_parallel_grads
-from reference.torch_patches import cuda_calls_on_cpu
 from tests.ranks import on_ranks
 from tests.reference.gpus import DEVICES
 from tests.reference.helpers import assert_close, groups_of_the_block, megatron_parallel_state

@@ -9,11 +9,12 @@ import torch.distributed as dist
 
 import reference.recompute
 from reference.__main__ import main
+from reference.gpt.model import gpt_blocks
 from reference.parallel_state import ParallelConfigError
 from reference.recompute import RECOMPUTE_MODES, check_mode
 from reference.tensor_parallel.parallelize import parallelize, parallelize_block
 from reference.tensor_parallel.rotary import rotary_cos_sin
-from reference.tensor_parallel.transformer import LlamaBlock, Transformer
+from reference.tensor_parallel.transformer import LlamaBlock
 from tests.ranks import on_ranks
 from tests.reference.gpus import DEVICES
 from tests.reference.helpers import demo_output, json_lines, max_diff
@@ -24,10 +25,10 @@ S, B, H, A, LAYERS, SEED, STEPS, DROPOUT = 8, 2, 16, 4, 2, 11, 2, 0.25
 
 def train(device, tp_group, sequence_parallel: bool, recompute: str, dtype) -> tuple[list[float], dict]:
     """Losses and this rank's parameter and input gradients after STEPS forward-backward passes of a two-block
-    parallelized Transformer with dropout."""
+    parallelized stage of GPT blocks with dropout."""
     torch.manual_seed(SEED)
     model = parallelize(
-        Transformer(LAYERS, H, A, hidden_dropout=DROPOUT, attention_dropout=DROPOUT, params_dtype=dtype, device=device),
+        gpt_blocks(LAYERS, H, A, hidden_dropout=DROPOUT, attention_dropout=DROPOUT, params_dtype=dtype, device=device),
         tp_group,
         dropout_seed=SEED,
         sequence_parallel=sequence_parallel,
@@ -37,7 +38,7 @@ def train(device, tp_group, sequence_parallel: bool, recompute: str, dtype) -> t
     for step in range(STEPS):
         x = torch.randn(S, B, H, device=device, dtype=dtype, requires_grad=True)
         weights = torch.randn(S, B, H, device=device, dtype=dtype)
-        loss = (model(x) * weights).sum()
+        loss = (model(None, None, hidden=x) * weights).sum()
         loss.backward()
         losses.append(loss.item())
         grads[f"step{step}.input"] = x.grad

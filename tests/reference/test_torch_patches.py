@@ -1,4 +1,4 @@
-"""reference.torch_patches: each patch does what it says and undoes it; each observer's probe checks the torch
+"""reference.measure.torch_patches: each patch does what it says and undoes it; each observer's probe checks the torch
 internals it needs, not the version string, and a failed probe turns the observer off with one warning line."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from torch.distributed.fsdp import _runtime_utils
 from torch.distributed.fsdp._limiter_utils import _FreeEventQueue
 from torch.utils import flop_counter
 
-from reference import torch_patches
+from reference.measure import torch_patches
 from reference.measure.fsdp_tracing import torch_fsdp1_unit_scopes
 from reference.measure.recorder import CollectiveRecorder
 from tests.gitserver import free_port

@@ -9,19 +9,19 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from reference.gpt.model import gpt_blocks
 from reference.measure.recorder import CollectiveRecorder
 from reference.parallel_state import build_layout
 from reference.tensor_parallel.parallelize import parallelize
-from reference.tensor_parallel.transformer import Transformer
 
 
 def step(layout, tp: int, sp: bool) -> list[dict]:
     """The collectives of one forward-backward of a TP = `tp` transformer, with or without SP."""
-    model = parallelize(Transformer(1, 8 * tp, tp), layout, sequence_parallel=sp)
+    model = parallelize(gpt_blocks(1, 8 * tp, tp), layout, sequence_parallel=sp)
     x = torch.randn(2 * tp, 3, 8 * tp)  # s = 2 tp, b = 3, h = 8 tp
     with CollectiveRecorder() as rec:
         rec.watch(model)
-        model(x).sum().backward()
+        model(None, None, hidden=x).sum().backward()
     return rec.to_dict()["events"]
 
 

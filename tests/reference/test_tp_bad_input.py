@@ -6,10 +6,11 @@ rank's crash are torchrun launches of their own (the crash must end its job)."""
 import pytest
 import torch
 
+from reference.gpt.model import gpt_blocks
 from reference.parallel_state import ParallelConfigError, build_layout
 from reference.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from reference.tensor_parallel.parallelize import parallelize
-from reference.tensor_parallel.transformer import Transformer, init_method_normal
+from reference.tensor_parallel.transformer import init_method_normal
 from tests.launch import CRASHES, ROOT, torchrun, torchrun_failing
 from tests.ranks import on_ranks
 from tests.reference.gpus import DEVICES
@@ -38,12 +39,12 @@ def make(case: str, device: torch.device):
         return ColumnParallelLinear(8, 8, tp_group=tp, init_method=init_method_normal(), device=device, **kw)
 
     def model():
-        return parallelize(Transformer(1, 8, 2, device=device), tp, sequence_parallel=True)
+        return parallelize(gpt_blocks(1, 8, 2, device=device), tp, sequence_parallel=True)
 
     return {
         "tp_3": lambda: build_layout(tp_size=3),
-        "heads_3": lambda: parallelize(Transformer(1, 12, 3), tp),
-        "hidden_18": lambda: parallelize(Transformer(1, 18, 4), tp),
+        "heads_3": lambda: parallelize(gpt_blocks(1, 12, 3), tp),
+        "hidden_18": lambda: parallelize(gpt_blocks(1, 18, 4), tp),
         "column_output_7": lambda: ColumnParallelLinear(8, 7, tp_group=tp, init_method=init_method_normal()),
         "row_input_7": lambda: RowParallelLinear(7, 8, tp_group=tp, init_method=init_method_normal()),
         "row_sp_input_not_parallel": lambda: RowParallelLinear(
@@ -52,7 +53,7 @@ def make(case: str, device: torch.device):
         "float64_input": lambda: column()(torch.ones(4, 2, 8, dtype=torch.float64, device=device)),
         "meta_input": lambda: column()(torch.ones(4, 2, 8, device="meta")),
         "last_dimension_6": lambda: column()(torch.ones(4, 2, 6, device=device)),
-        "sequence_5": lambda: model()(torch.ones(5, 1, 8, device=device)),
+        "sequence_5": lambda: model()(None, None, hidden=torch.ones(5, 1, 8, device=device)),
         "split_twice": lambda: parallelize(model(), tp),
     }[case]
 
@@ -68,8 +69,8 @@ def test_bad_configurations_raise_one_line_errors(ranks, case):
 @on_ranks(2, devices=DEVICES)
 def test_sequence_padding_by_request_runs_and_keeps_the_length(ranks):
     tp = build_layout(tp_size=2).tp_group
-    padded = parallelize(Transformer(1, 8, 2, device=ranks.device), tp, sequence_parallel=True, pad_sequence=True)
-    assert padded(torch.ones(5, 1, 8, device=ranks.device)).shape == (5, 1, 8)
+    padded = parallelize(gpt_blocks(1, 8, 2, device=ranks.device), tp, sequence_parallel=True, pad_sequence=True)
+    assert padded(None, None, hidden=torch.ones(5, 1, 8, device=ranks.device)).shape == (5, 1, 8)
 
 
 def test_demo_refuses_world_not_divisible_by_tp_with_one_line_error():

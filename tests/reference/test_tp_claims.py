@@ -10,11 +10,12 @@ import functools
 import torch
 import torch.distributed as dist
 
+from reference.gpt.model import gpt_blocks
 from reference.measure.recorder import CollectiveRecorder
 from reference.parallel_state import build_layout
 from reference.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from reference.tensor_parallel.parallelize import parallelize
-from reference.tensor_parallel.transformer import Transformer, init_method_normal
+from reference.tensor_parallel.transformer import init_method_normal
 from tests.ranks import on_ranks
 from tests.reference.gpus import DEVICES
 from tests.reference.helpers import assert_close, gather_dim
@@ -24,11 +25,11 @@ B, S, H, HEADS = 2, 8, 16, 4
 
 def record_step(tp, device, **kwargs) -> dict:
     torch.manual_seed(0)
-    model = parallelize(Transformer(1, H, HEADS, device=device), tp, **kwargs)
+    model = parallelize(gpt_blocks(1, H, HEADS, device=device), tp, **kwargs)
     x = torch.randn(S, B, H, device=device, requires_grad=True)
     with CollectiveRecorder() as rec:
         rec.watch(model)
-        (model(x) ** 2).sum().backward()
+        (model(None, None, hidden=x) ** 2).sum().backward()
     assert x.element_size() == 4  # fp32: one activation is N = b*s*h*4 bytes
     return rec.to_dict()
 
@@ -85,13 +86,13 @@ def check_grad_accumulation_fusion(tp, device) -> dict:
     """Two micro-batches accumulate into weight.main_grad (equal to the plain model's grad); weight.grad is
     never materialized."""
     torch.manual_seed(2)
-    model = parallelize(Transformer(1, H, HEADS, device=device), tp, gradient_accumulation_fusion=True)
+    model = parallelize(gpt_blocks(1, H, HEADS, device=device), tp, gradient_accumulation_fusion=True)
     torch.manual_seed(2)
-    plain = Transformer(1, H, HEADS, device=device)
+    plain = gpt_blocks(1, H, HEADS, device=device)
     for _micro_batch in range(2):
         x = torch.randn(S, B, H, device=device)
-        (model(x) ** 2).sum().backward()
-        (plain(x) ** 2).sum().backward()
+        (model(None, None, hidden=x) ** 2).sum().backward()
+        (plain(None, None, hidden=x) ** 2).sum().backward()
     fc1 = model.layers[0].mlp.fc1.weight
     assert_close(gather_dim(fc1.main_grad, 0, tp), plain.layers[0].mlp.fc1.weight.grad, "fc1 main_grad")
     fc2 = model.layers[0].mlp.fc2.weight
@@ -107,17 +108,17 @@ def check_dropout_streams(tp, device) -> dict:
     for sp in (False, True):
         torch.manual_seed(3)
         model = parallelize(
-            Transformer(1, H, HEADS, hidden_dropout=0.3, attention_dropout=0.3, device=device),
+            gpt_blocks(1, H, HEADS, hidden_dropout=0.3, attention_dropout=0.3, device=device),
             tp,
             sequence_parallel=sp,
             dropout_seed=9,
         )
         x = torch.randn(S, B, H, device=device)
-        out = model(x).detach()
+        out = model(None, None, hidden=x).detach()
         replicas = gather_dim(out.unsqueeze(0), 0, tp)
         observed[f"sp={sp}"] = {
             "replicas_equal": all(torch.equal(r, replicas[0]) for r in replicas),
-            "eval_differs": not torch.allclose(model.eval()(x), out),
+            "eval_differs": not torch.allclose(model.eval()(None, None, hidden=x), out),
         }
     saved = get_state()
     with model.layers[0].rng.fork():

@@ -12,11 +12,11 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import parallelize_module
 
+from reference.gpt.model import gpt_blocks
 from reference.measure.recorder import CollectiveRecorder
 from reference.parallel_state import build_layout
 from reference.tensor_parallel.layers import allreduce_sequence_parallel_grads
 from reference.tensor_parallel.parallelize import parallelize
-from reference.tensor_parallel.transformer import Transformer
 from tests.ranks import on_ranks
 from tests.reference.gpus import DEVICES
 from tests.reference.helpers import assert_close, dtensor_plan, full_tensor
@@ -42,16 +42,16 @@ def counts(rec: CollectiveRecorder, phase: str) -> dict:
 
 def run_dtensor(mesh, sp: bool, x: torch.Tensor):
     torch.manual_seed(1234)
-    model = Transformer(LAYERS, H, HEADS, device=x.device)
+    model = gpt_blocks(LAYERS, H, HEADS, device=x.device)
     for block in model.layers:
         parallelize_module(block, mesh, dtensor_plan(sp))
     x = x.clone().requires_grad_()
     with CollectiveRecorder() as rec, CommDebugMode() as comm:
         if sp:  # enter and leave the sequence-parallel region the DTensor way (split / all-gather)
             local = DTensor.from_local(x, mesh, [Replicate()]).redistribute(mesh, [Shard(0)]).to_local()
-            out = DTensor.from_local(model(local), mesh, [Shard(0)]).full_tensor()
+            out = DTensor.from_local(model(None, None, hidden=local), mesh, [Shard(0)]).full_tensor()
         else:
-            out = model(x)
+            out = model(None, None, hidden=x)
         forward_comm = comm_debug_counts(comm)
         (out * out).sum().backward()
     grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad) for n, p in model.named_parameters()}
@@ -60,10 +60,10 @@ def run_dtensor(mesh, sp: bool, x: torch.Tensor):
 
 def run_reference(layout, sp: bool, x: torch.Tensor):
     torch.manual_seed(1234)
-    model = parallelize(Transformer(LAYERS, H, HEADS, device=x.device), layout, sequence_parallel=sp)
+    model = parallelize(gpt_blocks(LAYERS, H, HEADS, device=x.device), layout, sequence_parallel=sp)
     x = x.clone().requires_grad_()
     with CollectiveRecorder() as rec, CommDebugMode() as comm:
-        out = model(x)
+        out = model(None, None, hidden=x)
         (out * out).sum().backward()
     allreduce_sequence_parallel_grads(model, layout.tp_group)
     grads = {

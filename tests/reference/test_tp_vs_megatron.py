@@ -19,10 +19,10 @@ from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.tensor_parallel import layers as megatron_layers
 
 from reference.measure.recorder import CollectiveRecorder
+from reference.measure.torch_patches import cuda_calls_on_cpu
 from reference.parallel_state import build_layout
 from reference.tensor_parallel import layers as reference_layers
 from reference.tensor_parallel.transformer import init_method_normal
-from reference.torch_patches import cuda_calls_on_cpu
 from tests.ranks import on_ranks
 from tests.reference.gpus import DEVICES
 from tests.reference.helpers import assert_close, gather_dim, groups_of_the_block, megatron_parallel_state

@@ -1,4 +1,4 @@
-"""The TP transformer equals the unsharded one built from the same master weights (world sizes 1, 2, 4).
+"""The TP GPT blocks equal the unsharded ones built from the same master weights (world sizes 1, 2, 4).
 
 Outputs, input gradients and every weight gradient (re-assembled from the shards) match for 3 SGD steps,
 with and without sequence parallelism, overlap and gradient-accumulation fusion, and with a padded sequence;
@@ -9,10 +9,10 @@ import itertools
 
 import torch
 
+from reference.gpt.model import gpt_blocks
 from reference.parallel_state import build_layout
 from reference.tensor_parallel.layers import allreduce_sequence_parallel_grads
 from reference.tensor_parallel.parallelize import parallelize
-from reference.tensor_parallel.transformer import Transformer
 from tests.ranks import on_ranks
 from tests.reference.gpus import DEVICES
 from tests.reference.helpers import assert_close, full_tensor
@@ -36,7 +36,7 @@ def params_by_name(model):
 def compare_models(tp, device, sp, overlap, fusion, seq) -> None:
     torch.manual_seed(1234)
     ref = parallelize(
-        Transformer(LAYERS, H, HEADS, device=device),
+        gpt_blocks(LAYERS, H, HEADS, device=device),
         tp,
         sequence_parallel=sp,
         async_grad_allreduce=overlap,
@@ -44,7 +44,7 @@ def compare_models(tp, device, sp, overlap, fusion, seq) -> None:
         pad_sequence=seq % tp.size() != 0,
     )
     torch.manual_seed(1234)
-    plain = Transformer(LAYERS, H, HEADS, device=device)
+    plain = gpt_blocks(LAYERS, H, HEADS, device=device)
     with torch.no_grad():  # non-zero biases and LayerNorm affine, identical on both sides
         g = torch.Generator().manual_seed(7)
         for (mod, pname, p), q in zip(params_by_name(ref).values(), plain.parameters()):
@@ -60,7 +60,7 @@ def compare_models(tp, device, sp, overlap, fusion, seq) -> None:
         x = torch.randn(seq, B, H, device=device)
         target = torch.randn(seq, B, H, device=device)
         x_ref, x_plain = x.clone().requires_grad_(), x.clone().requires_grad_()
-        out_ref, out_plain = ref(x_ref), plain(x_plain)
+        out_ref, out_plain = ref(None, None, hidden=x_ref), plain(None, None, hidden=x_plain)
         assert_close(out_ref, out_plain, f"{what} step {step} output")
         torch.nn.functional.mse_loss(out_ref, target).backward()
         torch.nn.functional.mse_loss(out_plain, target).backward()

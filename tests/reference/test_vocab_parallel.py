@@ -2,7 +2,7 @@
 
 * VocabParallelEmbedding equals nn.Embedding from the same master weight, with and without sequence
   parallelism, for vocabularies TP divides and pads;
-* vocab_parallel_cross_entropy equals F.cross_entropy on the full logits, ParallelLMHead an unsharded Linear +
+* vocab_parallel_cross_entropy equals F.cross_entropy on the full logits, LMHead an unsharded Linear +
   cross_entropy (loss, dW, dhidden); padding columns change nothing and get zero gradient;
 * megatron-core 0.16.1 gives the same numbers and collective sequence (on CPU, its
   torch.cuda.current_device() allocations are redirected there);
@@ -26,11 +26,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from reference.measure.recorder import CollectiveRecorder
+from reference.measure.torch_patches import cuda_calls_on_cpu
 from reference.parallel_state import ParallelConfigError, build_layout
 from reference.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from reference.tensor_parallel.transformer import init_method_normal
-from reference.tensor_parallel.vocab_parallel import ParallelLMHead, VocabParallelEmbedding, pad_vocab_size
-from reference.torch_patches import cuda_calls_on_cpu
+from reference.tensor_parallel.vocab_parallel import LMHead, VocabParallelEmbedding, pad_vocab_size
 from tests.ranks import on_ranks
 from tests.reference.gpus import DEVICES
 from tests.reference.helpers import assert_close, every_rank, gather_dim, megatron_parallel_state
@@ -102,7 +102,7 @@ class Checks:
         return ids.to(self.device)
 
     def reference_layer(self, layer_class, *sizes, seed, sp=False):
-        """The reference's VocabParallelEmbedding or ParallelLMHead on this rank, drawn from `seed`: its shards
+        """The reference's VocabParallelEmbedding or LMHead on this rank, drawn from `seed`: its shards
         are rows of master_weight(vocab, seed) and megatron_layer's from the same seed."""
         torch.manual_seed(seed)
         return layer_class(
@@ -176,10 +176,10 @@ class Checks:
         assert_close(grad_full[..., :vocab], real.grad, f"{what}: grad wrt logits")
         check_pad_rows(grad_full.movedim(-1, 0), vocab, what)
 
-    # ---- 3. ParallelLMHead (hidden -> loss) == unsharded Linear + cross_entropy: loss, dW, dhidden -------------
+    # ---- 3. LMHead (hidden -> loss) == unsharded Linear + cross_entropy: loss, dW, dhidden -------------
     def check_lm_head(self, vocab, sp, seed=7):
         what = f"lm_head V={vocab} sp={sp}"
-        head = self.reference_layer(ParallelLMHead, H, vocab, seed=seed, sp=sp)
+        head = self.reference_layer(LMHead, H, vocab, seed=seed, sp=sp)
         weight = self.master_weight(vocab, seed).requires_grad_()
         hidden_full = torch.randn(S, B, H, generator=gen(seed + 1)).to(self.device).requires_grad_()
         labels = self.token_ids(vocab, (B, S), seed + 2)
@@ -194,7 +194,7 @@ class Checks:
         loss = head(hidden, labels)
         (loss * upstream).sum().backward()
         assert_close(loss, expected, f"{what}: loss")
-        grad_w = gather_dim(head.output_layer.weight.grad, 0, self.tp)
+        grad_w = gather_dim(head.weight.grad, 0, self.tp)
         assert_close(grad_w[:vocab], weight.grad, f"{what}: dW")
         check_pad_rows(grad_w, vocab, what)
         expected_dh = hidden_full.grad.chunk(self.world, 0)[self.rank] if sp else hidden_full.grad
@@ -261,7 +261,7 @@ class Checks:
         hidden_full = torch.randn(S, B, H, generator=gen(seed + 1)).to(self.device)
         hidden_in = hidden_full.chunk(self.world, 0)[self.rank] if sp else hidden_full
         labels = self.token_ids(self.v_even, (B, S), seed + 2)
-        mine = self.reference_layer(ParallelLMHead, H, self.v_even, seed=seed, sp=sp)
+        mine = self.reference_layer(LMHead, H, self.v_even, seed=seed, sp=sp)
         output_layer = self.megatron_layer(  # as GPTModel.output_layer with parallel_output=True
             megatron_tp.ColumnParallelLinear,
             H,
@@ -272,7 +272,7 @@ class Checks:
             skip_bias_add=False,
             gather_output=False,
         )
-        assert torch.equal(mine.output_layer.weight, output_layer.weight), f"{what}: different shards"
+        assert torch.equal(mine.weight, output_layer.weight), f"{what}: different shards"
 
         def theirs(hidden):  # LanguageModule.compute_language_model_loss, unfused path
             logits, _ = output_layer(hidden)
@@ -280,7 +280,7 @@ class Checks:
             return loss.transpose(0, 1).contiguous()
 
         results = []
-        for fn, weight in ((lambda h: mine(h, labels), mine.output_layer.weight), (theirs, output_layer.weight)):
+        for fn, weight in ((lambda h: mine(h, labels), mine.weight), (theirs, output_layer.weight)):
             hidden = hidden_in.clone().requires_grad_()
 
             def step(fn=fn, hidden=hidden):
@@ -297,7 +297,7 @@ class Checks:
 
     def probe_lm_head(self, vocab, sp, seed=19):
         padded = pad_vocab_size(vocab, self.world)
-        head = self.reference_layer(ParallelLMHead, H, vocab, seed=seed, sp=sp)
+        head = self.reference_layer(LMHead, H, vocab, seed=seed, sp=sp)
         hidden = torch.randn(S, B, H, generator=gen(seed + 1)).to(self.device)
         hidden = (hidden.chunk(self.world, 0)[self.rank] if sp else hidden).requires_grad_()
         labels = self.token_ids(vocab, (B, S), seed + 2)
@@ -357,7 +357,7 @@ class Checks:
 
     def bad_input(self) -> list[str]:
         """Section 6: one clear error, on every TP rank alike (no hang); the messages."""
-        head = self.reference_layer(ParallelLMHead, H, self.v_odd, seed=0)
+        head = self.reference_layer(LMHead, H, self.v_odd, seed=0)
         emb = self.reference_layer(VocabParallelEmbedding, self.v_odd, H, seed=0)
         hidden = torch.randn(S, B, H, device=self.device)
         good = self.token_ids(self.v_odd, (B, S), 1)

@@ -1,0 +1,159 @@
+"""The TP x PP x DP demo's flags (reference/gpt/demo.py) and their checks: what can be refused before any process
+starts is refused here, in one line, so that no rank hangs waiting for another."""
+
+from __future__ import annotations
+
+import os
+
+from reference.data_parallel.wrapper import DEFAULT_BUCKET_SIZE
+from reference.gpt.model import STYLES, GPTConfig, split_layers
+from reference.gpt.parallelize import check_tensor_parallel, check_virtual_pipeline
+from reference.parallel_state import ParallelConfigError, parallel_sizes
+from reference.parallelize import DP_SHARDING, FULLY_SHARDED
+from reference.pipeline.schedules import SCHEDULES
+from reference.recompute import RECOMPUTE_MODES
+
+FSDP = {"fsdp": "FSDP", "fsdp2": "FSDP2"}  # the fully sharded choices: the reference each runs
+ZERO = {"optimizer": "the optimizer state", "gradients": "the gradients and the optimizer state"}  # ZeRO-1, 2
+
+
+def add_arguments(group) -> None:
+    """Add the 3D-parallel flags to the shared parser's argument group."""
+    group.add_argument(
+        "--model",
+        choices=STYLES,
+        default="gpt2",
+        help="the block: gpt2 (LayerNorm, GELU, learned positions) or llama (the Llama/Qwen2 block: "
+        "RMSNorm, SwiGLU, rotary positions, grouped-query attention)",
+    )
+    group.add_argument(
+        "--num-kv-heads",
+        type=int,
+        default=None,
+        help="llama: key/value heads (query groups), split over --tp; default: half the attention heads",
+    )
+    group.add_argument("--tp", type=int, default=1, help="tensor-parallel size: ranks splitting every layer")
+    group.add_argument("--pp", type=int, default=1, help="pipeline-parallel size: stages of consecutive layers")
+    group.add_argument(
+        "--dp",
+        type=int,
+        default=None,
+        help="data-parallel size: model replicas; default: world / (tp x pp). tp x pp x dp must equal the world size",
+    )
+    group.add_argument(
+        "--schedule",
+        choices=SCHEDULES,
+        default="1f1b",
+        help="pipeline schedule: all forwards then all backwards (gpipe), or one-forward-one-"
+        "backward after a warm-up (1f1b: at most pp micro-batches in flight)",
+    )
+    group.add_argument(
+        "--virtual-stages",
+        type=int,
+        default=1,
+        metavar="V",
+        help="model chunks per pipeline stage; V > 1 runs interleaved 1F1B, whose bubble is "
+        "(pp - 1) / (V m + pp - 1); needs the layers divisible by pp x V and m by pp",
+    )
+    group.add_argument(
+        "--micro-batches",
+        type=int,
+        default=None,
+        help="micro-batches m per step and replica; the bubble is (pp - 1) / (m + pp - 1); "
+        "default: 4, or 1 with --dp-sharding fsdp or fsdp2",
+    )
+    group.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="split LayerNorm/dropout/residual activations along the sequence over TP: each "
+        "all-reduce becomes an all-gather + reduce-scatter, stages exchange [s/tp, b, h]",
+    )
+    group.add_argument("--vocab-size", type=int, default=128, help="vocabulary size (padded to a multiple of tp)")
+    group.add_argument("--dropout", type=float, default=0.0, help="hidden and attention dropout probability")
+    group.add_argument(
+        "--dp-sharding",
+        choices=list(DP_SHARDING),
+        default="replicate",
+        help="replicate: every DP rank holds the stage and all-reduces gradients in buckets (DDP); "
+        "optimizer: the distributed optimizer (ZeRO-1) shards the optimizer state over DP "
+        "(reduce-scatter gradients, all-gather parameters; needs dp > 1); "
+        "gradients: ZeRO-2, the same, and each rank keeps only its shard of the reduced gradients "
+        "(parameters whole: 2 + (2 + 12) / dp bytes per parameter with bf16 gradients and Adam); "
+        "fsdp: reference FSDP over the DP group shards the TP-sharded stage (2D, all-gathers "
+        "and reduce-scatters; needs --pp 1 and --micro-batches 1); fsdp2: the same with the reference FSDP2, "
+        "each TP-local parameter sharded on dim 0 (as fully_shard over DTensor TP)",
+    )
+    group.add_argument(
+        "--bucket-size",
+        type=int,
+        default=DEFAULT_BUCKET_SIZE,
+        metavar="BYTES",
+        help="data-parallel gradient bucket size: one all-reduce per bucket over the DP group",
+    )
+    group.add_argument(
+        "--no-overlap-grad-reduce",
+        action="store_true",
+        help="issue the data-parallel bucket all-reduces after backward instead of as soon as "
+        "each bucket's gradients are ready (during the last micro-batch's backward)",
+    )
+    group.add_argument(
+        "--recompute",
+        choices=RECOMPUTE_MODES,
+        default="none",
+        help="activation recomputation per block: keep everything for backward (none), keep only "
+        "the attention core's input and recompute QK^T/softmax/dropout/xV (selective), or keep "
+        "only each block's input and recompute the block (full); same gradients in all three",
+    )
+    group.add_argument(
+        "--no-async-grad-allreduce",
+        action="store_true",
+        help="wait for the input-gradient all-reduce/reduce-scatter before computing the weight "
+        "gradient, instead of overlapping the two",
+    )
+
+
+def check(args) -> GPTConfig:
+    """Everything that can be checked before starting the processes: one-line errors, no hang."""
+    fsdp = args.dp_sharding in FULLY_SHARDED
+    if args.micro_batches is None:
+        args.micro_batches = 1 if fsdp else 4
+    if fsdp and (args.pp > 1 or args.micro_batches > 1):
+        raise ParallelConfigError(
+            f"--dp-sharding {args.dp_sharding} needs --pp 1 and --micro-batches 1 (got --pp {args.pp} "
+            f"--micro-batches {args.micro_batches}): the reference {FSDP[args.dp_sharding]} has no no_sync, so it "
+            "cannot accumulate gradients over micro-batches and reduce-scatter once; use --dp-sharding replicate "
+            "for pipelining"
+        )
+    if args.dp_sharding in ZERO:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        _, _, dp = parallel_sizes(world, args.tp, args.pp, args.dp)
+        if dp == 1:
+            raise ParallelConfigError(
+                f"--dp-sharding {args.dp_sharding} shards {ZERO[args.dp_sharding]} over the data-parallel group, "
+                f"but dp is 1 "
+                f"(world {world} / (tp {args.tp} x pp {args.pp})): nothing to shard; launch more ranks or use "
+                "--dp-sharding replicate"
+            )
+    if min(args.steps, args.batch_size, args.micro_batches, args.bucket_size) < 1:
+        raise ParallelConfigError("--steps, --micro-batch-size, --micro-batches and --bucket-size must be >= 1")
+    if args.num_kv_heads is not None and (args.model != "llama" or args.num_kv_heads < 1):
+        raise ParallelConfigError(f"--num-kv-heads {args.num_kv_heads}: needs --model llama and a positive count")
+    kv_heads = args.num_kv_heads or max(1, args.num_attention_heads // 2)
+    config = GPTConfig.from_sizes(
+        args,
+        hidden_dropout=args.dropout,
+        attention_dropout=args.dropout,
+        style=args.model,
+        num_kv_heads=kv_heads if args.model == "llama" else None,
+    )
+    split_layers(config.num_layers, args.pp)
+    check_tensor_parallel(config, args.tp, args.sequence_parallel)
+    if args.virtual_stages != 1:
+        if args.schedule != "1f1b" or fsdp:
+            raise ParallelConfigError(
+                f"--virtual-stages {args.virtual_stages} needs --schedule 1f1b and "
+                "--dp-sharding replicate or optimizer (interleaved 1F1B over DDP-wrapped "
+                "chunks)"
+            )
+        check_virtual_pipeline(config.num_layers, args.pp, args.virtual_stages, args.micro_batches)
+    return config
