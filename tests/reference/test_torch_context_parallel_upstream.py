@@ -3,21 +3,24 @@
 torch/distributed/tensor/experimental/_context_parallel/ runs on CPU/gloo: `_templated_ring_attention` and its
 backward with, as `op`, the CPU flash kernel (`aten._scaled_dot_product_flash_attention_for_cpu`, which returns
 the output and its log-sum-exp), the merger, the rotaters and the head-tail balancer. `context_parallel()`
-itself runs only non-causal here (no sharding strategy for the CPU flash op under a causal mask:
-pytorch#147793). Shapes [batch, heads, sequence, head dim]; the sequence is dim 2, as torch hard-codes.
-A "chunk" is one of 2·cp equal slices of the sequence; under head-tail balancing rank r holds chunks r and
-2·cp−1−r. Megatron's reduction over DP × CP runs megatron-core 0.16.1's own DistributedDataParallel.
+itself runs only non-causal here, and not by the ring: the CPU flash op has no CP handler (nor a causal
+sharding strategy: pytorch#147793), so DTensor gathers K and V. Shapes [batch, heads, sequence, head dim];
+the sequence is dim 2, as torch hard-codes. A "chunk" is one of 2·cp equal slices of the sequence; under
+head-tail balancing rank r holds chunks r and 2·cp−1−r. Megatron's reduction over DP × CP runs megatron-core
+0.16.1's own DistributedDataParallel.
 """
 
 from __future__ import annotations
 
 import contextlib
+from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.experimental._context_parallel import _attention as cp
 from torch.distributed.tensor.experimental._context_parallel._load_balancer import (
     _create_default_load_balancer,
@@ -281,17 +284,27 @@ def test_ring_attention_backward_balanced_equals_full_causal_gradients(ranks):
 
 @on_ranks(2)
 def test_context_parallel_non_causal_matches_sdpa(ranks):
-    """`context_parallel()` shards q, k, v in place along dim 2 (load balancing off: it refuses non-causal),
-    and SDPA inside it returns this rank's rows of the full non-causal attention."""
+    """`context_parallel()` shards q, k, v in place along dim 2, head-tail by default (contiguous with
+    `enable_load_balance=False`), and SDPA inside it returns this rank's rows of the full non-causal attention.
+    On the CPU it never reaches the ring: the CPU flash op has no CP handler, so DTensor all-gathers K and V
+    (two all-gathers) and attends locally."""
     q, k, v = (t.float() for t in qkv(4))
     full = F.scaled_dot_product_attention(q, k, v)
     mesh = init_device_mesh("cpu", (ranks.world,))
-    buffers = [t.clone() for t in (q, k, v)]
-    with cp_options(enable_load_balance=False), cp.context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2] * 3):
-        assert buffers[0].shape[2] == S // ranks.world
-        out = F.scaled_dot_product_attention(*buffers)
-    torch.testing.assert_close(out, contiguous_shard(full, ranks.rank, ranks.world), rtol=1e-5, atol=1e-5)
-    assert buffers[0].shape[2] == S  # restored on exit
+    for balanced, shard in ((True, head_tail), (False, contiguous_shard)):
+        buffers = [t.clone() for t in (q, k, v)]
+        with (
+            cp_options(enable_load_balance=balanced),
+            mock.patch.object(cp, "_templated_ring_attention", wraps=cp._templated_ring_attention) as ring_spy,
+            cp.context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2] * 3),
+            CommDebugMode() as comm,
+        ):
+            assert buffers[0].shape[2] == S // ranks.world
+            out = F.scaled_dot_product_attention(*buffers)
+        torch.testing.assert_close(out, shard(full, ranks.rank, ranks.world), rtol=1e-5, atol=1e-5)
+        assert buffers[0].shape[2] == S  # restored on exit
+        assert ring_spy.call_count == 0
+        assert {str(op): n for op, n in comm.get_comm_counts().items()} == {"c10d_functional.all_gather_into_tensor": 2}
 
 
 @on_ranks(2)
