@@ -155,7 +155,7 @@ def pairs_per_rank(world: int, seq: int, balanced: bool) -> list[int]:
 def test_cp_head_tail_balancer_pairs_chunk_r_with_chunk_2cp_minus_1_minus_r():
     """`_HeadTailLoadBalancer`: 2·cp chunks, rank r's shard chunks r and 2·cp−1−r; restore indices invert it;
     the default balancer exists only when 2·cp divides the sequence. Balanced, the ranks' causal work is equal;
-    contiguous, the last rank does 7 times the first's at cp 2 (pairs 36 vs 100, sequence 16)."""
+    contiguous, the last rank does nearly 3 times the first's at cp 2 (pairs 36 vs 100, sequence 16)."""
     assert _HeadTailLoadBalancer(16, 2, "cpu")._generate_indices()[0].tolist() == [
         *range(0, 4),
         *range(12, 16),
@@ -218,8 +218,8 @@ def kv_bytes(world: int) -> int:
 @on_ranks(2, 4)
 def test_ring_attention_rotaters_all_gather_once_by_default_or_all_to_all_each_step(ranks):
     """torch's default `rotate_method` ALL_GATHER gathers every rank's flat K‖V once, before the first step,
-    and slices rank (r − i)'s out at step i; ALL_TO_ALL passes this rank's K‖V to rank r + 1 at each of the
-    cp − 1 later steps. Both give the same attention."""
+    and slices rank (r − i)'s out at step i; ALL_TO_ALL passes the K‖V this rank holds to rank r + 1 at every
+    step but the last (cp − 1 all-to-alls). Both give the same attention."""
     assert cp._cp_options.rotate_method == cp._RotateMethod.ALL_GATHER
     out_gather, _, _, gathered, _ = ring(head_tail, balanced=True)
     out_a2a, _, _, passed, _ = ring(head_tail, balanced=True, rotate=cp._RotateMethod.ALL_TO_ALL)
@@ -254,8 +254,8 @@ def test_ring_attention_sends_contiguous_key_value_as_one_flat_buffer(ranks):
 @on_ranks(2)
 def test_ring_attention_backward_balanced_equals_full_causal_gradients(ranks):
     """`_templated_ring_attention_backward` with the CPU flash backward: each rank's dq, dk, dv are its rows of
-    the full causal attention's gradients; dK/dV travel back by all-to-all at every step (and once more at
-    the end), whatever `rotate_method` says, while K/V are all-gathered once."""
+    the full causal attention's gradients; dK/dV travel by all-to-all once a step (cp of them, the last one
+    carrying the finished gradients home), whatever `rotate_method` says, while K/V are all-gathered once."""
     r, w = ranks.rank, ranks.world
     q, k, v = (t.requires_grad_() for t in qkv(2))
     grad = torch.randn(B, HEADS, S, D, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
