@@ -1,7 +1,7 @@
 """Record FSDP1 against FSDP2 on one model: `torchrun --nproc-per-node 4 tools/fsdp_compare.py OUT`.
 
 Run by `tools/record-traces` (which writes reading_notes/traces/fsdp1_vs_fsdp2.json, the FSDP1 ↔ FSDP2 page's
-numbers); tests/reference/test_fsdp1_vs_fsdp2.py runs `record()` on its own ranks and asserts each of the page's
+numbers); tests/evidence/test_fsdp1_vs_fsdp2.py runs `record()` on its own ranks and asserts each of the page's
 facts on what it returns, and that it equals the committed trace. Everything in it is observed on PyTorch's own
 FSDP1 (`FullyShardedDataParallel`, one unit per layer, then the root) and FSDP2 (`fully_shard` on each layer,
 then the root) at torch 2.13.0, on WORLD ranks (CPU, gloo), training the small GPT (reference.gpt.model.GPT at
