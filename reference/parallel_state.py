@@ -35,7 +35,7 @@ GROUPS = {  # name: the axes its groups span (ep, edp: of the expert view), crea
     "dp": ("dp_replicate", "dp_shard"),
     "dp_replicate": ("dp_replicate",),
     "dp_shard": ("dp_shard",),
-    "dp_cp": ("dp_replicate", "dp_shard", "cp"),  # gradients and loss: megatron's data-parallel-with-cp groups
+    "dp_cp": ("dp_replicate", "dp_shard", "cp"),  # gradients and loss (megatron: dp with context parallel)
     "ep": ("ep",),
     "edp": ("edp",),
 }
@@ -249,15 +249,12 @@ class ParallelLayout:
     experts = property(lambda self: self.mesh.expert if self.mesh.ep > 1 else None)  # [pp, edp, ep, tp]
     tp_group = property(lambda self: self.groups["tp"])
     dp_group = property(lambda self: self.groups["dp"])
-    # gradients and the loss average over dp x cp (megatron: get_data_parallel_group(with_context_parallel=True))
-    dp_cp_group = property(lambda self: self.groups["dp_cp"] if self.mesh.cp > 1 else self.groups["dp"])
     pp_group = property(lambda self: self.groups["pp"])
     ep_group = property(lambda self: self.groups["ep"] if self.mesh.ep > 1 else None)  # None: no MoE traffic
     expert_dp_group = property(lambda self: self.groups["edp"] if self.mesh.ep > 1 else None)
     tp_size = property(lambda self: self.mesh.tp)
     pp_size = property(lambda self: self.mesh.pp)
     dp_size = property(lambda self: self.mesh.dp)
-    cp_size = property(lambda self: self.mesh.cp)
     ep_size = property(lambda self: self.mesh.ep)
     tp_rank = property(lambda self: self.rank_in("tp"))
     pp_rank = property(lambda self: self.rank_in("pp"))
@@ -273,8 +270,7 @@ class ParallelLayout:
 
     @functools.cached_property
     def _kinds(self) -> dict[tuple[int, ...], str]:
-        kinds = ("dp_cp", "cp", "dp", "pp", "tp") if self.mesh.cp > 1 else ("dp", "pp", "tp")
-        return {self.members(kind): kind for kind in kinds}  # TP wins where groups coincide
+        return {self.members(kind): kind for kind in ("dp_cp", "cp", "dp", "pp", "tp")}  # the last wins: cp 1 as before
 
     def group_kind(self, ranks: tuple[int, ...]) -> str:
         """ "tp", "pp" or "dp" (with cp > 1 also "cp", "dp_cp"): which of this rank's groups holds exactly

@@ -87,7 +87,7 @@ def parallelize(
     chunks = model if isinstance(model, list) else [model]
     if config.fully_sharded and len(chunks) > 1:
         raise ParallelConfigError(f"--dp-sharding {config.dp_sharding} trains one model chunk per stage")
-    if config.fully_sharded and layout.cp_size > 1:
+    if config.fully_sharded and layout.size("cp") > 1:
         raise ParallelConfigError(f"--dp-sharding {config.dp_sharding} shards over dp alone: use --cp 1 with it")
     for chunk in chunks:
         parallelize_gpt(

@@ -5,7 +5,7 @@ Three settings, nothing swapped: the stage's `positions` (the position ids of it
 learned position embedding and the rotary tables read), every attention's `cp_group` (causal attention becomes
 reference.context_parallel.ring_attention), and, in the train step, each micro-batch's tokens and labels cut
 by the same shard (`shard_micro_batch`). The loss is each rank's mean over its s/cp tokens, and gradients
-average over dp x cp (the layout's `dp_cp_group`): the mean of equal-sized shards' means is the sequence's
+average over dp x cp (the layout's `group("dp_cp")`): the mean of equal-sized shards' means is the sequence's
 mean, as megatron reduces loss and gradients over its data-parallel-with-context-parallel group.
 
 Mirrors `megatron-lm:megatron/core/utils.py::get_batch_on_this_cp_rank` (the batch split) and torchtitan's
@@ -22,7 +22,7 @@ from reference.parallel_state import ParallelConfigError, ParallelLayout
 
 def parallelize_context(stage, layout: ParallelLayout) -> None:
     """Make `stage` (a reference.gpt.model.GPT) hold this cp rank's shard of the sequence (cp 1: unchanged)."""
-    cp = layout.cp_size
+    cp = layout.size("cp")
     if cp == 1:
         return
     if stage.config.attention_dropout:
@@ -38,7 +38,7 @@ def shard_micro_batch(
     inputs: torch.Tensor, labels: torch.Tensor, layout: ParallelLayout
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """This cp rank's tokens and labels [b, s/cp] of a micro-batch [b, s] (cp 1: as they are)."""
-    if layout.cp_size == 1:
+    if layout.size("cp") == 1:
         return inputs, labels
-    rank, cp = layout.rank_in("cp"), layout.cp_size
+    rank, cp = layout.rank_in("cp"), layout.size("cp")
     return shard(inputs, 1, rank, cp), shard(labels, 1, rank, cp)

@@ -58,9 +58,9 @@ def global_loss(losses: list[float], layout: ParallelLayout, device: torch.devic
     """The global batch's mean loss on every rank, from the last stage's micro-batch `losses` (see the module
     docstring)."""
     loss = torch.tensor(sum(losses) / len(losses) if losses else 0.0, device=device)
-    replicas = layout.dp_size * layout.cp_size  # each cp rank's loss is its shard's mean: average them too
+    replicas = layout.dp_size * layout.size("cp")  # each cp rank's loss is its shard's mean: average them too
     if layout.pp_rank == layout.pp_size - 1 and replicas > 1:
-        dist.all_reduce(loss, group=layout.dp_cp_group)
+        dist.all_reduce(loss, group=layout.group("dp_cp"))
         loss /= replicas
     if layout.pp_size > 1:
         dist.broadcast(loss, src=dist.get_global_rank(layout.pp_group, layout.pp_size - 1), group=layout.pp_group)
@@ -83,7 +83,7 @@ def data_parallel(
     default the parameters', e.g. fp32 main grads for bf16 parameters)."""
     return DistributedDataParallel(
         stage,
-        layout.dp_cp_group,
+        layout.group("dp_cp"),
         bucket_size=bucket_size,
         overlap_grad_reduce=overlap_grad_reduce,
         use_distributed_optimizer=use_distributed_optimizer,
