@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor.experimental._context_parallel import _attention as torch_cp
 from torch.distributed.tensor.experimental._context_parallel._load_balancer import _HeadTailLoadBalancer
 
-from reference.context_parallel import ring_attention, shard
+from reference.context_parallel import ring_attention, ring_blocks, shard
 from tests.ranks import on_ranks
 
 aten = torch.ops.aten
@@ -116,3 +116,22 @@ def test_megatron_get_batch_on_this_cp_rank_equals_the_reference_cp_shard(ranks)
     assert theirs.keys() == whole.keys()
     for key, value in whole.items():
         assert torch.equal(theirs[key], shard(value, 1, ranks.rank, ranks.world)), key
+
+
+@pytest.mark.upstream("pytorch")
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("balanced", [True, False], ids=["head_tail", "contiguous"])
+def test_torch_is_causal_behavior_per_ring_step_matches_the_reference_cp_blocks(cp, balanced):
+    """torch decides per (rank, step) whether to run the block causal, full or not at all; the reference's
+    blocks of that step are then: some masked (step 0), all full or skipped, or all skipped."""
+    with _torch_cp_options(balanced):
+        for rank, steps in enumerate(ring_blocks(cp, balanced)):
+            for step, blocks in enumerate(steps):
+                behavior = torch_cp._is_causal_behavior(rank, cp, step, is_causal=True)
+                kinds = {kind for _, _, kind in blocks}
+                expected = {
+                    torch_cp._CausalBehavior.IS_CAUSAL: "masked" in kinds,
+                    torch_cp._CausalBehavior.NOT_IS_CAUSAL: "full" in kinds and "masked" not in kinds,
+                    torch_cp._CausalBehavior.SKIP: kinds == {"skipped"},
+                }[behavior]
+                assert expected, (rank, step, behavior, blocks)
