@@ -35,6 +35,13 @@ def add_arguments(group) -> None:
     group.add_argument("--tp", type=int, default=1, help="tensor-parallel size: ranks splitting every layer")
     group.add_argument("--pp", type=int, default=1, help="pipeline-parallel size: stages of consecutive layers")
     group.add_argument(
+        "--cp",
+        type=int,
+        default=1,
+        help="context-parallel size: ranks splitting each sequence (head-tail: rank r holds chunks r and "
+        "2 cp - 1 - r of 2 cp), attention by ring; tp x cp x pp x dp must equal the world size",
+    )
+    group.add_argument(
         "--dp",
         type=int,
         default=None,
@@ -126,7 +133,7 @@ def check(args) -> GPTConfig:
         )
     if args.dp_sharding in ZERO:
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        _, _, dp = parallel_sizes(world, args.tp, args.pp, args.dp)
+        _, _, dp = parallel_sizes(world, args.tp, args.pp, args.dp, args.cp)
         if dp == 1:
             raise ParallelConfigError(
                 f"--dp-sharding {args.dp_sharding} shards {ZERO[args.dp_sharding]} over the data-parallel group, "
@@ -134,6 +141,8 @@ def check(args) -> GPTConfig:
                 f"(world {world} / (tp {args.tp} x pp {args.pp})): nothing to shard; launch more ranks or use "
                 "--dp-sharding replicate"
             )
+    if args.cp != 1:
+        check_context_parallel(args)
     if min(args.steps, args.batch_size, args.micro_batches, args.bucket_size) < 1:
         raise ParallelConfigError("--steps, --micro-batch-size, --micro-batches and --bucket-size must be >= 1")
     if args.num_kv_heads is not None and (args.model != "llama" or args.num_kv_heads < 1):
@@ -157,3 +166,24 @@ def check(args) -> GPTConfig:
             )
         check_virtual_pipeline(config.num_layers, args.pp, args.virtual_stages, args.micro_batches)
     return config
+
+
+def check_context_parallel(args) -> None:
+    """--cp N: the sizes fill the world, the sequence splits into 2 cp chunks, and what CP does not compose with
+    here is refused."""
+    if args.cp < 1:
+        raise ParallelConfigError(f"--cp {args.cp}: the context-parallel size must be >= 1")
+    parallel_sizes(int(os.environ.get("WORLD_SIZE", "1")), args.tp, args.pp, args.dp, args.cp)
+    if args.seq_length % (2 * args.cp):
+        raise ParallelConfigError(
+            f"--seq-length {args.seq_length} does not split into 2 x cp {args.cp} chunks (head-tail balancing); "
+            f"use a multiple of {2 * args.cp}"
+        )
+    unsupported = {
+        "--sequence-parallel": args.sequence_parallel,
+        "--dropout > 0": args.dropout > 0,
+        f"--dp-sharding {args.dp_sharding}": args.dp_sharding in FULLY_SHARDED,
+    }
+    for flag, given in unsupported.items():
+        if given:
+            raise ParallelConfigError(f"--cp {args.cp} does not compose with {flag} here; use --cp 1 for it")
