@@ -10,6 +10,8 @@
      forever) and, on a bad template, stops `mkdocs build` with the template's file:line and leaves the previous
      page as it was; under `mkdocs serve` that line is logged and the site goes on serving (after a `bump`, the
      change pages say what to fix).
+`on_config` keeps each code block's highlighted HTML, verified, under the user's cache
+(pin_and_cite.site.highlight_cache): Pygments was a third of a build.
 `on_page_context`, around mkdocs-material's search plugin (which indexes `page.content` at the default
 priority), hands it the page without the highlighter's span tags (pin_and_cite.site.search_text: the same
 index, at a third of its cost) and gives the page its full HTML back before the theme renders it.
@@ -35,6 +37,8 @@ from mkdocs.plugins import CombinedEvent, event_priority
 from mkdocs.utils.meta import get_data
 
 from pin_and_cite.core.errors import PinAndCiteError
+from pin_and_cite.core.store import default_cache_dir, refuse_cache_inside
+from pin_and_cite.site import highlight_cache
 from pin_and_cite.site.reading_order import MARKER, reading_order
 from pin_and_cite.site.render import render_notes
 from pin_and_cite.site.search_text import without_code_spans
@@ -52,6 +56,16 @@ log = logging.getLogger("mkdocs.hooks.pin_and_cite")
 def on_startup(command: str, dirty: bool) -> None:
     global _serving
     _serving = command == "serve"
+
+
+def on_config(config):
+    try:
+        cache = default_cache_dir()
+        refuse_cache_inside(cache, project_root(config), "the project")
+    except PinAndCiteError:  # on_pre_build's render says so, in one line
+        return config
+    highlight_cache.install(cache)
+    return config
 
 
 def on_pre_build(config) -> None:

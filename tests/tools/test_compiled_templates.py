@@ -29,7 +29,7 @@ def test_a_warm_run_reads_its_entry_and_says_the_same(project):
     cold = _render(project)
     assert "42" in cold
     [entry] = _entries(project)
-    assert set(json.loads(entry.read_bytes())) == {"made_from", "python", "mac"}
+    assert set(json.loads(entry.read_bytes())) == {"made_from", "text", "mac"}
     assert not list(project.root.rglob("*.json.tmp")) and not (project.root / "compiled").exists()
     assert _render(project) == cold
     assert _entries(project) == [entry]  # read, not written again
@@ -44,12 +44,12 @@ def test_a_planted_entry_changes_nothing(project, tmp_path, forge):
     [entry] = _entries(project)
     marker = tmp_path / "planted-code-ran"
     stored = json.loads(entry.read_bytes())
-    planted = {**stored, "python": PLANTED.format(marker=marker)}
+    planted = {**stored, "text": PLANTED.format(marker=marker)}
     if forge == "other-key":  # a MAC made with some other key
         import hashlib
         import hmac
 
-        made = json.dumps([stored["made_from"], planted["python"]]).encode()
+        made = json.dumps([stored["made_from"], planted["text"]]).encode()
         planted["mac"] = hmac.new(b"k" * 32, made, hashlib.sha256).hexdigest()
     if forge == "other-template":  # a genuine entry of another template, moved to this one's name
         note.write_text(NOTE.replace("6 * 7", "6 * 8"))
@@ -66,7 +66,7 @@ def test_a_planted_entry_changes_nothing(project, tmp_path, forge):
 def test_a_key_others_can_read_turns_the_cache_off(project):
     (project.root / "reading_notes" / "note.md.j2").write_text(NOTE)
     cold = _render(project)
-    key = project.cache / "compiled" / "key"
+    key = project.cache / "verified.key"
     for entry in _entries(project):
         entry.unlink()
     os.chmod(key, 0o644)
