@@ -25,7 +25,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from reference.arguments import add_flag
+from reference.arguments import add_flag, steps
 from reference.distributed import all_gather_single, distributed, reduce_scatter_single
 from reference.fsdp.units import shard_model, sharded_parameter_bytes
 from reference.gpt.model import GPT, GPTConfig
@@ -54,7 +54,7 @@ def parse_args() -> argparse.Namespace:
     add_flag(
         parser, "--global-batch-size", "--batch-size", dest="batch_size", type=int, default=8, help="split over ranks"
     )
-    parser.add_argument("--steps", type=int, default=6, help="timed steps per configuration per round")
+    parser.add_argument("--steps", type=steps, default=6, help="timed steps per configuration per round")
     parser.add_argument("--rounds", type=int, default=5)
     return parser.parse_args()
 

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from bench_fsdp import max_over_ranks, timed_steps
 
-from reference.arguments import add_flag
+from reference.arguments import add_flag, steps
 from reference.distributed import distributed
 from reference.fsdp.units import padded_shard_bytes, shard_model, sharded_parameter_bytes
 from reference.gpt.model import GPT, GPTConfig
@@ -42,7 +42,7 @@ def parse_args() -> argparse.Namespace:
     add_flag(
         parser, "--global-batch-size", "--batch-size", dest="batch_size", type=int, default=8, help="split over ranks"
     )
-    parser.add_argument("--steps", type=int, default=6, help="timed steps per model per round")
+    parser.add_argument("--steps", type=steps, default=6, help="timed steps per model per round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--dp-replicate", type=int, default=1, metavar="R", help="also run HSDP with R replicas")
     parser.add_argument("--json", action="store_true", help="print one JSON object (rank 0) instead of the table")
