@@ -11,7 +11,8 @@
      page as it was; under `mkdocs serve` that line is logged and the site goes on serving (after a `bump`, the
      change pages say what to fix).
 `on_config` keeps each code block's highlighted HTML, verified, under the user's cache
-(pin_and_cite.site.highlight_cache): Pygments was a third of a build.
+(pin_and_cite.site.highlight_cache): Pygments was a third of a build; `on_env` keeps the theme's compiled
+templates there too (pin_and_cite.core.compiled_templates).
 `on_page_context`, around mkdocs-material's search plugin (which indexes `page.content` at the default
 priority), hands it the page without the highlighter's span tags (pin_and_cite.site.search_text: the same
 index, at a third of its cost) and gives the page its full HTML back before the theme renders it.
@@ -36,6 +37,7 @@ from mkdocs.exceptions import PluginError
 from mkdocs.plugins import CombinedEvent, event_priority
 from mkdocs.utils.meta import get_data
 
+from pin_and_cite.core.compiled_templates import CompiledTemplates
 from pin_and_cite.core.errors import PinAndCiteError
 from pin_and_cite.core.store import default_cache_dir, refuse_cache_inside
 from pin_and_cite.site import highlight_cache
@@ -49,6 +51,7 @@ def project_root(config) -> Path:
     return Path(os.environ.get("PIN_AND_CITE_PROJECT") or Path(config.config_file_path).resolve().parent)
 
 
+_cache: Path | None = None  # the user's cache, once on_config found it outside the project
 _serving = False  # `mkdocs serve`, not `build`: a broken note is logged and the site keeps serving
 log = logging.getLogger("mkdocs.hooks.pin_and_cite")
 
@@ -65,7 +68,15 @@ def on_config(config):
     except PinAndCiteError:  # on_pre_build's render says so, in one line
         return config
     highlight_cache.install(cache)
+    global _cache
+    _cache = cache
     return config
+
+
+def on_env(env, config, files):
+    if _cache is not None:
+        env.loader = CompiledTemplates(env.loader, _cache)
+    return env
 
 
 def on_pre_build(config) -> None:

@@ -1,14 +1,16 @@
-"""Compile each note template once per change: Jinja's parse and code generation are half of a `check`, and
-a template's Python text depends only on its own text, its name and the code that compiles it (Jinja, and
-pin_and_cite.core.sandbox). That text is Python, so it is kept as a pin_and_cite.core.verified_cache entry: used
-only when made from the very text just read, under this user's key; Jinja's bytecode cache (pickled code
-objects) is never used.
+"""Compile each template once per change: Jinja's parse and code generation are half of a `check`, and a
+template's Python text depends only on its own text, its name, the environment's settings and the code that
+compiles it (Jinja, and pin_and_cite.core.sandbox). That text is Python, so it is kept as a
+pin_and_cite.core.verified_cache entry: used only when made from the very text just read, under this user's
+key. Jinja's bytecode cache (pickled code objects) is never used. The site's theme templates go through it too
+(tools/site_hooks.py).
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import json
 from pathlib import Path
 
 import jinja2
@@ -26,6 +28,28 @@ def _compiler_version() -> str:
     return digest.hexdigest()
 
 
+def _settings(environment: jinja2.Environment) -> str:
+    """What of the environment the generated Python depends on: its class, syntax, extensions and hooks."""
+    fields = (
+        *("block_start_string", "block_end_string", "variable_start_string", "variable_end_string"),
+        *("comment_start_string", "comment_end_string", "line_statement_prefix", "line_comment_prefix"),
+        *("trim_blocks", "lstrip_blocks", "newline_sequence", "keep_trailing_newline", "optimized", "is_async"),
+    )
+    hooks = (environment.autoescape, environment.finalize)
+    return json.dumps(
+        [
+            _qualname(type(environment)),
+            sorted(environment.extensions),
+            [getattr(environment, field) for field in fields],
+            [hook if hook is None or isinstance(hook, bool) else _qualname(hook) for hook in hooks],
+        ]
+    )
+
+
+def _qualname(value) -> str:
+    return f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', type(value).__qualname__)}"
+
+
 class CompiledTemplates(jinja2.BaseLoader):
     """`loader`'s templates, their compiled Python text kept under `cache_root`/compiled."""
 
@@ -41,7 +65,7 @@ class CompiledTemplates(jinja2.BaseLoader):
 
     def load(self, environment, name, globals=None):
         source, filename, uptodate = self.get_source(environment, name)
-        made = made_from("jinja template", _compiler_version(), name, source)
+        made = made_from("jinja template", _compiler_version(), _settings(environment), name, source)
         python = self.cache.get(made)
         if python is None:
             python = environment.compile(source, name, raw=True)
