@@ -320,7 +320,8 @@ def render_notes(root: Path, out_dir: Path) -> list[Path]:
         except PinAndCiteError as exc:  # its page stays as it was; the others, change pages first, still render
             broken.append(str(exc))
     if not broken:  # a refused note's tests are unknown: the test pages stay as they were
-        rendered.update({out_dir / page: text for page, text in evidence_pages(root, renderer.cited_tests).items()})
+        test_pages = evidence_pages(root, renderer.cited_tests, project.cache_dir)
+        rendered.update({out_dir / page: text for page, text in test_pages.items()})
     rendered.update(change_pages(project, renderer.resolver, out_dir))
     site_folder = out_dir.resolve() == (project.root / SITE_NOTES).resolve()
     written = OutputFolder(out_dir, adopt_legacy_pages=site_folder).write(
