@@ -25,7 +25,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from reference.arguments import add_flag
+from reference.arguments import add_flag, steps
 from reference.distributed import all_gather_single, distributed, reduce_scatter_single
 from reference.fsdp.units import shard_model, sharded_parameter_bytes
 from reference.gpt.model import GPT, GPTConfig
@@ -55,7 +55,7 @@ def build_parser(doc: str = __doc__, per: str = "configuration") -> argparse.Arg
     add_flag(
         parser, "--global-batch-size", "--batch-size", dest="batch_size", type=int, default=8, help="split over ranks"
     )
-    parser.add_argument("--steps", type=int, default=6, help=f"timed steps per {per} per round")
+    parser.add_argument("--steps", type=steps, default=6, help=f"timed steps per {per} per round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.set_defaults(vocab_size=1024)  # for GPTConfig.from_sizes
     return parser

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+from reference.arguments import refuse_large_memory
 from reference.data_parallel.wrapper import DEFAULT_BUCKET_SIZE
 from reference.gpt.model import STYLES, GPTConfig, split_layers
 from reference.gpt.parallelize import check_tensor_parallel, check_virtual_pipeline
@@ -156,6 +157,10 @@ def check(args) -> GPTConfig:
         num_kv_heads=kv_heads if args.model == "llama" else None,
     )
     split_layers(config.num_layers, args.pp)
+    in_flight = args.micro_batches if args.schedule == "gpipe" else min(args.micro_batches, args.pp)
+    estimate = memory_per_rank(config, args, split=args.tp * args.pp, shards=1, in_flight=in_flight)
+    if why := refuse_large_memory("this model", estimate):
+        raise ParallelConfigError(why)
     check_tensor_parallel(config, args.tp, args.sequence_parallel)
     if args.virtual_stages != 1:
         if args.schedule != "1f1b" or fsdp:
@@ -187,3 +192,21 @@ def check_context_parallel(args) -> None:
     for flag, given in unsupported.items():
         if given:
             raise ParallelConfigError(f"--cp {args.cp} does not compose with {flag} here; use --cp 1 for it")
+
+
+def memory_per_rank(config: GPTConfig, args, split: int, shards: int, in_flight: int) -> dict[str, float]:
+    """Bytes a rank is estimated to need, fp32, named by the flags that size them: its 1/`split` of the
+    weights, sharded `shards` ways, with gradients (and Adam's two moments), and `in_flight` micro-batches'
+    activations (the attention scores s^2 per head among them) and logits."""
+    h, s, b, layers = config.hidden_size, config.seq_length, args.batch_size, config.num_layers
+    states = 4 if getattr(args, "optimizer", "sgd") == "adam" else 2
+    weights = (layers * (12 * h * h + 13 * h) + (config.vocab_size + s) * h) / split
+    per_layer = s * b * (16 * h + 2 * config.num_attention_heads * s) / split
+    return {
+        "weights (--num-layers x --hidden-size^2, --vocab-size)": 4.0 * states * weights / shards,
+        "activations (--num-layers x --seq-length x --micro-batch-size x (--hidden-size, --seq-length))": 4.0
+        * in_flight
+        * layers
+        * per_layer,
+        "logits (--seq-length x --micro-batch-size x --vocab-size)": 4.0 * 3 * in_flight * s * b * config.vocab_size,
+    }
