@@ -51,7 +51,7 @@ def run_it_blocks(text: str) -> list[RunIt]:
         while end < len(lines) and not lines[end].strip().startswith(fence):
             end += 1
         if "run-it" in info:
-            after = next((line for line in lines[end + 1 :] if line.strip()), "")
+            after = next((lines[n] for n in range(end + 1, len(lines)) if lines[n].strip()), "")  # no copy
             shown = _RUN_OUTPUT.fullmatch(after.strip())
             commands = tuple(line.strip() for line in lines[number + 1 : end] if line.strip())
             found.append(RunIt(number + 1, commands, shown.group(1) if shown else None))
