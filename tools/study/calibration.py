@@ -16,6 +16,7 @@ from pathlib import Path
 
 from pin_and_cite.core.bounded import parse, read_file
 from pin_and_cite.core.errors import PinAndCiteError
+from pin_and_cite.core.fences import page_text
 from pin_and_cite.core.schema import check
 from study.modeled import Rates
 from study.traces import MAX_BYTES, RECORD, TraceError
@@ -89,7 +90,7 @@ def load_calibration(notes_dir: Path, name: str) -> dict:
     except ValueError as exc:
         raise PinAndCiteError(f"{where} is not valid JSON ({exc}); {MEASURE}") from None
     check(data, CALIBRATION, where, MEASURE)
-    return data
+    return page_text(data)
 
 
 def trace_rates(trace: dict, link_GBps: float, tflops: float | None = None, calibration: dict | None = None) -> Rates:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from pin_and_cite.core.bounded import parse, read_file
 from pin_and_cite.core.errors import PinAndCiteError
+from pin_and_cite.core.fences import page_text
 
 TRACE_DIR = "traces"
 MAX_BYTES = 16 << 20  # the largest recorded trace (layout_grid) holds 235 KB
@@ -94,7 +95,7 @@ def load_trace(notes_dir: Path, name: str) -> dict:
     if missing:
         raise TraceError(f"{where}: {kind} trace lacks {', '.join(missing)}; {RECORD}")
     data["name"] = name
-    return data
+    return page_text(data)
 
 
 def events_where(events: list[dict], **match) -> list[dict]:

@@ -1,4 +1,6 @@
-"""Markdown code fences and spans for upstream text, which may hold backtick runs of any length."""
+"""What a page prints of text it did not write: Markdown code fences and spans for upstream text and
+recordings, which may hold backtick runs of any length, and recorded data (traces, calibrations, recorded
+output) as page text, in which no `<` opens a tag."""
 
 import re
 
@@ -19,3 +21,16 @@ def code_span(text: str) -> str:
     fence = "`" * (_longest_run(text) + 1)
     pad = " " if text.startswith("`") or text.endswith("`") else ""
     return f"{fence}{pad}{text}{pad}{fence}"
+
+
+def page_text(value):
+    """`value` (recorded data: dicts, lists, strings, numbers) with every `<` in its strings written `&lt;`:
+    a recorded model name, config value or output line is then text wherever a page prints it (Markdown,
+    a table, a heading), never a live `<script>`. The committed recordings hold no `<`, so they read the same."""
+    if isinstance(value, str):
+        return value.replace("<", "&lt;")
+    if isinstance(value, dict):
+        return {page_text(key): page_text(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [page_text(item) for item in value]
+    return value
