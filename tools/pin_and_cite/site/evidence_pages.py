@@ -67,7 +67,7 @@ def evidence_pages(root: Path, cited: dict[str, tuple[Evidence, list[str]]]) -> 
 
 def _file_page(root: Path, path: str, tests: dict[str, tuple[Evidence, list[str]]]) -> str:
     here = page_of(path)
-    text = (root / path).read_text()
+    text = (root / path).read_text(encoding="utf-8")
     lines = text.split("\n")
     helpers = _module_helpers(text)
     parts = [

@@ -266,7 +266,11 @@ class Renderer:
         self.our_code = {}
         try:
             with self.env.bounded():  # Jinja calls filters while it compiles (constant folding): both bounded
-                return self.env.get_template(name).render(**context) + self._our_code_section()
+                try:
+                    compiled = self.env.get_template(name)
+                except RecursionError:  # Jinja's parser recurses once per parenthesis, filter or attribute
+                    raise PinAndCiteError("the template nests too deep for Jinja to parse") from None
+                return compiled.render(**context) + self._our_code_section()
         except sandbox.RunOverBudget as exc:  # the run stops here, one line
             raise sandbox.RunOverBudget(f"{self._where(template, _template_line(exc, template))}: {exc}") from None
         except jinja2.TemplateSyntaxError as exc:
