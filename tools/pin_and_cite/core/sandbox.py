@@ -7,6 +7,10 @@ or set (a note cannot empty `pins` to hide a stale pin from `check`). Jinja's ow
 `lipsum`, `range`...) are removed: a template sees only the helpers the renderer gives it. Nothing compiled
 is kept between runs: Jinja's bytecode cache unpickles its files, and a cache a branch can reach would run
 the branch's code (compiling costs a `check` about 0.1 s).
+
+Every page is compiled and rendered within `bounded()`: Jinja folds constant filters while it compiles, so a
+bound on the render alone let `"%2000000000d"|format(1)` cost a `check` 176 s and 9.8 GB. One environment
+serves one run (a check, a render, a site build), whose pages and note rules share MAX_RUN_SECONDS of CPU.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from pin_and_cite.core.errors import PinAndCiteError
 MAX_POWER_BITS = 1 << 16  # bits one `**` or `*` of integers may make (9**(9**9) would take hours)
 MAX_MEMORY = 1 << 30  # bytes of address space one page may add: a page is kilobytes
 MAX_SECONDS = 5  # CPU seconds one page may take: the site's pages take milliseconds
-MAX_RUN_SECONDS = 30  # CPU seconds all the pages of one check, render or site build may take: the site's take 1
+MAX_RUN_SECONDS = 20  # CPU seconds all the pages of one check, render or site build may take: the site's take 1
 MAX_STEPS = 100_000  # calls and loop turns one page may take; the site's 42 pages take 647 in all, 108 at most
 MAX_TEXT = 1 << 24  # a width or count a filter or string method may be given (center(10**9)): a page is kilobytes
 SIZED_FILTERS = ("center", "indent", "wordwrap", "format", "batch", "slice", "replace")  # output sized by an argument
