@@ -26,6 +26,7 @@ from pathlib import Path
 
 import jinja2
 from jinja2 import nodes
+from jinja2.debug import rewrite_traceback_stack
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
 from pin_and_cite.core.errors import PinAndCiteError
@@ -124,8 +125,11 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
             spent = SecurityError(f"the page takes more than {MAX_SECONDS} s of CPU")
         self.steps_left, self._inside, start = MAX_STEPS, True, time.process_time()
         try:
-            with _limits(seconds, spent):
+            with _limits(seconds):
                 yield
+        except _OutOfTime:
+            where = rewrite_traceback_stack().__traceback__  # template lines, as Jinja gives its own errors
+            raise spent.with_traceback(where) from None
         except MemoryError as exc:
             where = exc.__traceback__  # the template's frames, for the line the error names
             raise SecurityError(f"the page needs more than {MAX_MEMORY >> 20} MiB").with_traceback(where) from None
@@ -144,12 +148,20 @@ class BoundedTemplate(jinja2.Template):
             return super().render(*args, **kwargs)
 
 
+class _OutOfTime(BaseException):
+    """The CPU timer's: not an Exception, which Jinja's constant folding would take for "not a constant" and
+    swallow, nor one a helper's `except Exception` could turn into its own error."""
+
+
+def _out_of_time(signum, frame):
+    raise _OutOfTime
+
+
 @contextlib.contextmanager
-def _limits(seconds: float, spent: Exception):
+def _limits(seconds: float):
     """At most MAX_MEMORY more address space (RLIMIT_AS, so an allocation past it is a MemoryError, not the
-    machine's memory) and `seconds` of CPU (SIGPROF, where signals can be had: the main thread), then `spent`
-    raised every 50 ms until the page ends: Jinja's constant folding swallows an error raised inside it, so
-    one signal could be lost there. Both limits are put back as they were after."""
+    machine's memory) and `seconds` of CPU (SIGPROF, where signals can be had: the main thread, raising
+    _OutOfTime). Both limits are put back as they were after."""
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     try:
         in_use = int(Path("/proc/self/statm").read_text().split()[0]) * resource.getpagesize()
@@ -159,12 +171,8 @@ def _limits(seconds: float, spent: Exception):
         pass
     timed = threading.current_thread() is threading.main_thread()
     if timed:
-
-        def out_of_time(signum, frame):
-            raise spent
-
-        handler = signal.signal(signal.SIGPROF, out_of_time)
-        timer = signal.setitimer(signal.ITIMER_PROF, seconds, 0.05)
+        handler = signal.signal(signal.SIGPROF, _out_of_time)
+        timer = signal.setitimer(signal.ITIMER_PROF, seconds)
     try:
         yield
     finally:
