@@ -30,8 +30,10 @@ test: setup
 
 # The reference's tests on another torch (not run in CI): `make test-torch TORCH=2.11.0` installs that torch
 # from PyPI (on Linux a CUDA build, several GB; it runs on CPU) and the project's test extras, constrained as
-# CI's except for torch, into its own .venv-torch-$(TORCH), then runs tests/reference there. Tests that run
-# torch's own FSDP/DTensor/pipelining as upstream evidence skip: the citations are of the pinned torch.
+# CI's except for torch, into its own .venv-torch-$(TORCH), then runs tests/reference and the upstream evidence
+# of tests/evidence there (not its re-recordings of the site's traces and runs, made on the pinned torch).
+# Tests that run torch's own FSDP/DTensor/pipelining as upstream evidence skip: the citations are of the pinned
+# torch.
 TORCH_VENV := .venv-torch-$(TORCH)
 test-torch:
 	@test -n "$(TORCH)" || { echo "make: error: name the torch to test, e.g. make test-torch TORCH=2.11.0"; exit 2; }
@@ -41,7 +43,8 @@ test-torch:
 	  $(TORCH_VENV)/bin/python -m pip install -q torch==$(TORCH) && \
 	  $(TORCH_VENV)/bin/python -m pip install -q -c $(TORCH_VENV)/constraints.txt -e '.[test]' && \
 	  touch $(TORCH_VENV)/.installed; }
-	$(TORCH_VENV)/bin/python -m pytest tests/reference -p no:xdist $(PYTEST_ARGS)
+	$(TORCH_VENV)/bin/python -m pytest tests/reference tests/evidence -p no:xdist \
+	  --ignore=tests/evidence/test_run_it.py --ignore=tests/evidence/test_trace_freshness.py $(PYTEST_ARGS)
 
 # ruff's lint and format check (configured in pyproject.toml); CI runs it before the tests.
 lint: setup

@@ -19,10 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
+from _harness import interleaved_times
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import Qwen2ForCausalLM
 
@@ -86,13 +86,7 @@ def main(argv: list[str] | None = None) -> None:
             with CollectiveRecorder() as rec:
                 losses[name] = step()
             nbytes[name] = sum(e.nbytes for e in rec.events)
-        times = {name: [] for name in steps}
-        for _ in range(args.rounds):
-            for name, step in steps.items():
-                dist.barrier()
-                start = time.perf_counter()
-                step()
-                times[name].append(time.perf_counter() - start)
+        times = interleaved_times(steps, args.rounds, device.type == "cuda")
         if dist.get_rank() != 0:
             return
         report = {

@@ -31,7 +31,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from reference.arguments import add_device_argument, add_flag
+from reference.arguments import add_device_argument, add_flag, steps
 from reference.data_parallel import DistributedDataParallel
 from reference.data_parallel.buckets import padded_numel
 from reference.data_parallel.distributed_optimizer import DistributedOptimizer, bytes_per_rank
@@ -63,7 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="sequences per rank and step",
     )
     parser.add_argument("--bucket-size", type=int, default=2**19, metavar="BYTES", help="gradient bucket size")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per variant (interleaved)")
+    parser.add_argument("--steps", type=steps, default=10, help="timed steps per variant (interleaved)")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--json", action="store_true", help="print one JSON object (rank 0) instead of tables")

@@ -25,7 +25,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from reference.arguments import add_flag
+from reference.arguments import add_flag, steps
 from reference.distributed import all_gather_single, distributed, reduce_scatter_single
 from reference.fsdp.units import shard_model, sharded_parameter_bytes
 from reference.gpt.model import GPT, GPTConfig
@@ -45,8 +45,9 @@ CONFIGS = [  # (label, implementation, backward_prefetch, forward_prefetch)
 ]
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser(doc: str = __doc__, per: str = "configuration") -> argparse.ArgumentParser:
+    """The flags bench_fsdp and bench_fsdp2 share: the GPT's sizes (its vocabulary fixed), the batch, the timing."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--hidden-size", type=int, default=128)
     parser.add_argument("--num-attention-heads", type=int, default=8)
     parser.add_argument("--num-layers", type=int, default=4)
@@ -54,9 +55,10 @@ def parse_args() -> argparse.Namespace:
     add_flag(
         parser, "--global-batch-size", "--batch-size", dest="batch_size", type=int, default=8, help="split over ranks"
     )
-    parser.add_argument("--steps", type=int, default=6, help="timed steps per configuration per round")
+    parser.add_argument("--steps", type=steps, default=6, help=f"timed steps per {per} per round")
     parser.add_argument("--rounds", type=int, default=5)
-    return parser.parse_args()
+    parser.set_defaults(vocab_size=1024)  # for GPTConfig.from_sizes
+    return parser
 
 
 def max_over_ranks(value: float) -> float:
@@ -107,7 +109,7 @@ def communication_time(events, device, repeats: int = 9) -> float:
 
 
 def main() -> None:
-    args = parse_args()
+    args = build_parser().parse_args()
     with distributed() as device:
         _benchmark(args, device)
 
@@ -115,13 +117,7 @@ def main() -> None:
 def _benchmark(args, device: torch.device) -> None:
     cuda = device.type == "cuda"
     rank, world = dist.get_rank(), dist.get_world_size()
-    config = GPTConfig(
-        vocab_size=1024,
-        hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        num_layers=args.num_layers,
-        seq_length=args.seq_length,
-    )
+    config = GPTConfig.from_sizes(args)
     initial = GPT(config, 0, device)
     batches = [split_batch(t, world, rank, 1)[0] for t in synthetic_batches(config, args.steps, args.batch_size, 0)]
     unsharded_bytes = sharded_parameter_bytes(initial)  # before sharding: every parameter, whole

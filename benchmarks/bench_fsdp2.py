@@ -20,9 +20,8 @@ import json
 
 import torch
 import torch.distributed as dist
-from bench_fsdp import max_over_ranks, timed_steps
+from bench_fsdp import build_parser, max_over_ranks, timed_steps
 
-from reference.arguments import add_flag
 from reference.distributed import distributed
 from reference.fsdp.units import padded_shard_bytes, shard_model, sharded_parameter_bytes
 from reference.gpt.model import GPT, GPTConfig
@@ -34,16 +33,7 @@ BF16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hidden-size", type=int, default=128)
-    parser.add_argument("--num-attention-heads", type=int, default=8)
-    parser.add_argument("--num-layers", type=int, default=4)
-    parser.add_argument("--seq-length", type=int, default=64)
-    add_flag(
-        parser, "--global-batch-size", "--batch-size", dest="batch_size", type=int, default=8, help="split over ranks"
-    )
-    parser.add_argument("--steps", type=int, default=6, help="timed steps per model per round")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser = build_parser(__doc__, "model")
     parser.add_argument("--dp-replicate", type=int, default=1, metavar="R", help="also run HSDP with R replicas")
     parser.add_argument("--json", action="store_true", help="print one JSON object (rank 0) instead of the table")
     return parser.parse_args()
@@ -68,13 +58,7 @@ def _benchmark(args, device: torch.device) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.dp_replicate < 1 or world % args.dp_replicate:
         raise SystemExit(f"bench_fsdp2: --dp-replicate {args.dp_replicate} must divide the {world} ranks")
-    config = GPTConfig(
-        vocab_size=1024,
-        hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        num_layers=args.num_layers,
-        seq_length=args.seq_length,
-    )
+    config = GPTConfig.from_sizes(args)
     initial = GPT(config, 0, device)
     batches = [split_batch(t, world, rank, 1)[0] for t in synthetic_batches(config, args.steps, args.batch_size, 0)]
     models = {}

@@ -16,9 +16,9 @@ Then one recorded step per implementation gives the bytes each sends per step, b
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,7 @@ from reference.measure.torch_patches import cuda_calls_on_cpu
 if not torch.cuda.is_available():  # megatron's router moves its weight to torch.cuda.current_device()
     cuda_calls_on_cpu()
 
+from _harness import interleaved_times, recorded_traffic
 from megatron.core import parallel_state as mpu
 from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec
 from megatron.core.transformer.moe import moe_utils
@@ -36,7 +37,6 @@ from megatron.core.transformer.moe.moe_layer import MoELayer as MegatronMoELayer
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from reference.distributed import distributed
-from reference.measure.recorder import CollectiveRecorder
 from reference.moe.layer import MoELayer
 from reference.moe.parallelize import parallelize_moe
 
@@ -127,25 +127,11 @@ def _benchmark(args, device: torch.device) -> None:
     x = torch.randn(*shape, generator=torch.Generator().manual_seed(1 + rank)).to(device)  # each rank its tokens
     x.requires_grad_()  # as a layer's input is: the input gradient flows back through the dispatch
 
-    times = {name: [] for name in layers}
-    for layer in layers.values():  # warm-up
-        step(layer, x)
-    for _ in range(args.rounds):
-        for name, layer in layers.items():
-            dist.barrier()
-            if cuda:
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            step(layer, x)
-            if cuda:
-                torch.cuda.synchronize()
-            times[name].append(time.perf_counter() - start)
-
-    traffic = {}
-    for name, layer in layers.items():
-        with CollectiveRecorder() as rec:
-            step(layer, x)
-        traffic[name] = rec.summary()
+    steps = {name: functools.partial(step, layer, x) for name, layer in layers.items()}
+    for warm_up in steps.values():
+        warm_up()
+    times = interleaved_times(steps, args.rounds, cuda)
+    traffic = recorded_traffic(steps)
     if rank != 0:
         return
     median = {name: statistics.median(t) for name, t in times.items()}

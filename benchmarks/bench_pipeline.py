@@ -42,7 +42,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from reference.arguments import add_device_argument
+from reference.arguments import add_device_argument, steps
 from reference.distributed import distributed, one_line_errors
 from reference.gpt.model import GPTConfig, split_layers
 from reference.gpt.parallelize import build_chunks, build_stage, check_virtual_pipeline
@@ -84,7 +84,7 @@ def parse_args() -> argparse.Namespace:
         metavar="BYTES",
         help="DP gradient bucket size (small enough for several buckets per stage)",
     )
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per variant (interleaved)")
+    parser.add_argument("--steps", type=steps, default=20, help="timed steps per variant (interleaved)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per variant first")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--lr", type=float, default=1e-2)

@@ -1,12 +1,13 @@
 """Wall times of the citation tool on the shipped notes, side by side in one run: `tools/pin-and-cite check`,
 `mkdocs build` (which renders every note first), and the import time of the tool (`import pin_and_cite.cli`),
-each the median (and the best) of --rounds runs in fresh processes, as wall time and as CPU time (after one unmeasured
-`check`, which fills the parse and compiled-template caches as any first run after an edit does). Also counts
-the torch modules `check` imported (`python -X importtime`): the citation tool never imports torch, so a count
-above 0 fails the run. And a fixed pure-Python loop (ten million additions) timed the same way: the shared
-machines this runs on change speed by up to half as much again within minutes (CPU time moves with wall
-time), so the commands run in interleaved rounds, each round measuring every one, and the loop says how fast
-the machine was; compare runs by their loops.
+each the median (and the best) of --rounds runs in fresh processes, as wall time and as CPU time: user + system
+of the child process, the figure to compare where other jobs share the cores (after one unmeasured `check` and
+one `mkdocs build`, which fill the parse, compiled-template and highlight caches as any run after an edit finds
+them). Also counts the torch modules `check` imported (`python -X importtime`): the citation tool never imports
+torch, so a count above 0 fails the run. And a fixed pure-Python loop (ten million additions) timed the same
+way: the shared machines this runs on change speed by up to half as much again within minutes (CPU time moves
+with wall time), so the commands run in interleaved rounds, each round measuring every one, and the loop says
+how fast the machine was; compare runs by their loops.
 
     .venv/bin/python benchmarks/bench_tools.py [--rounds N] [--json]
 
@@ -70,7 +71,6 @@ def torch_modules_in_check() -> int:
 
 
 def measure(repeat: int) -> dict[str, float]:
-    _timed([str(ROOT / "tools" / "pin-and-cite"), "check"])  # fills the caches a warm check reads
     figures: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="bench-site-") as site:
         commands = {
@@ -79,6 +79,8 @@ def measure(repeat: int) -> dict[str, float]:
             "import": [str(PYTHON), "-c", "import pin_and_cite.cli"],
             "machine_loop": [str(PYTHON), "-c", "s = 0\nfor i in range(10_000_000):\n    s += i"],
         }
+        for warm in ("check", "mkdocs_build"):  # fill the caches a run after an edit reads
+            _timed(commands[warm])
         rounds = [{name: _timed(cmd) for name, cmd in commands.items()} for _ in range(repeat)]
     for name in commands:
         walls, cpus = [r[name][0] for r in rounds], [r[name][1] for r in rounds]

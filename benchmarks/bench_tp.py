@@ -18,9 +18,9 @@ Then one recorded step per implementation gives the bytes communicated per step,
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,7 @@ from reference.measure.torch_patches import cuda_calls_on_cpu
 if not torch.cuda.is_available():  # megatron allocates some buffers on torch.cuda.current_device()
     cuda_calls_on_cpu()
 
+from _harness import interleaved_times, recorded_traffic
 from megatron.core import parallel_state as mpu
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.tensor_parallel import ColumnParallelLinear as MegatronColumn
@@ -46,7 +47,6 @@ from torch.distributed.tensor.parallel import (
 
 from reference.distributed import distributed
 from reference.gpt.model import GPT, gpt_blocks
-from reference.measure.recorder import CollectiveRecorder
 from reference.parallel_state import build_layout
 from reference.tensor_parallel.parallelize import parallelize
 from reference.tensor_parallel.transformer import init_method_normal
@@ -161,25 +161,11 @@ def _benchmark(args, device: torch.device) -> None:
     x = torch.randn(args.seq_length, args.batch_size, args.hidden_size, generator=torch.Generator().manual_seed(1))
     x = x.to(device)
 
-    times = {name: [] for name in models}
-    for model in models.values():  # warm-up
-        step(model, x)
-    for _ in range(args.rounds):
-        for name, model in models.items():
-            dist.barrier()
-            if cuda:
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            step(model, x)
-            if cuda:
-                torch.cuda.synchronize()
-            times[name].append(time.perf_counter() - start)
-
-    traffic = {}
-    for name, model in models.items():
-        with CollectiveRecorder() as rec:
-            step(model, x)
-        traffic[name] = rec.summary()
+    steps = {name: functools.partial(step, model, x) for name, model in models.items()}
+    for warm_up in steps.values():
+        warm_up()
+    times = interleaved_times(steps, args.rounds, cuda)
+    traffic = recorded_traffic(steps)
     if rank != 0:
         return
     n = args.batch_size * args.seq_length * args.hidden_size * x.element_size()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from reference.arguments import OneLineParser, add_device_argument, add_flag, learning_rate, output_dir
+from reference.arguments import OneLineParser, add_device_argument, add_flag, learning_rate, output_dir, steps, width
 from reference.distributed import DTYPES, OPTIMIZERS
 from reference.fsdp import demo as fsdp_demo
 from reference.gpt import demo as gpt_demo
@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument(
         "--moe", action="store_true", help="run the mixture-of-experts demo (one MoE layer, --ep x --tp) instead"
     )
-    common.add_argument("--steps", type=int, default=3, help="optimizer steps to run")
+    common.add_argument("--steps", type=steps, default=3, help="optimizer steps to run")
     add_flag(
         common,
         "--micro-batch-size",
@@ -44,8 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="micro-batch size b, samples per rank per micro-batch: the global batch is b x micro-batches x dp "
         "(FSDP demo: b x the world size)",
     )
-    common.add_argument("--seq-length", type=int, default=16, help="sequence length s")
-    common.add_argument("--hidden-size", type=int, default=64, help="hidden size h")
+    common.add_argument("--seq-length", type=width, default=16, help="sequence length s")
+    common.add_argument("--hidden-size", type=width, default=64, help="hidden size h")
     common.add_argument("--num-attention-heads", type=int, default=4, help="attention heads")
     common.add_argument("--num-layers", type=int, default=2, help="transformer blocks")
     common.add_argument("--seed", type=int, default=1234, help="seed for weights and data (same on every rank)")

@@ -35,6 +35,9 @@ OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 TIMEOUT_ENV = "REFERENCE_TIMEOUT_S"
+# The timeout is the process group's and the rendezvous store's too: under a few seconds gloo's own
+# connection setup fails on a loaded machine; a week is past any demo (and timedelta's range is far beyond)
+MIN_TIMEOUT_S, MAX_TIMEOUT_S = 3.0, 7 * 24 * 3600.0
 _heartbeat: Heartbeat | None = None  # the one of the group init_distributed made; finish() stops it
 
 
@@ -99,6 +102,11 @@ def timeout_from_env(default_s: float) -> float:
         value = math.nan
     if not (0 < value < math.inf):
         raise LaunchError(f"{TIMEOUT_ENV}={text!r}: expected a positive, finite number of seconds")
+    if not MIN_TIMEOUT_S <= value <= MAX_TIMEOUT_S:
+        raise LaunchError(
+            f"{TIMEOUT_ENV}={text!r}: expected {MIN_TIMEOUT_S:g} to {MAX_TIMEOUT_S:,.0f} seconds (the process "
+            "group's and rendezvous' timeout: shorter fails gloo's own connection setup, longer is past any demo)"
+        )
     return value
 
 

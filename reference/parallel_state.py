@@ -35,6 +35,7 @@ GROUPS = {  # name: the axes its groups span (ep, edp: of the expert view), crea
     "dp": ("dp_replicate", "dp_shard"),
     "dp_replicate": ("dp_replicate",),
     "dp_shard": ("dp_shard",),
+    "dp_cp": ("dp_replicate", "dp_shard", "cp"),  # gradients and loss (megatron: dp with context parallel)
     "ep": ("ep",),
     "edp": ("edp",),
 }
@@ -269,11 +270,11 @@ class ParallelLayout:
 
     @functools.cached_property
     def _kinds(self) -> dict[tuple[int, ...], str]:
-        return {self.members(kind): kind for kind in ("dp", "pp", "tp")}  # TP wins where groups coincide
+        return {self.members(kind): kind for kind in ("dp_cp", "cp", "dp", "pp", "tp")}  # the last wins: cp 1 as before
 
     def group_kind(self, ranks: tuple[int, ...]) -> str:
-        """ "tp", "pp" or "dp": which of this rank's groups holds exactly `ranks` (a recorded collective's
-        group); "other" for any other group."""
+        """ "tp", "pp" or "dp" (with cp > 1 also "cp", "dp_cp"): which of this rank's groups holds exactly
+        `ranks` (a recorded collective's group); "other" for any other group."""
         return self._kinds.get(tuple(ranks), "other")
 
 

@@ -2,8 +2,10 @@
 
 1. tensor and sequence parallelism, the vocabulary split over TP (reference.gpt.parallelize.parallelize_gpt);
 2. expert parallelism of every MoE layer (reference.moe.parallelize.parallelize_moe);
-3. activation recomputation per block (reference.recompute.set_recompute);
-4. the DP form, one knob named by its ZeRO stage (`DP_SHARDING`).
+3. context parallelism: the stage holds its cp shard, attention rings over cp
+   (reference.context_parallel.parallelize.parallelize_context);
+4. activation recomputation per block (reference.recompute.set_recompute);
+5. the DP form, one knob named by its ZeRO stage (`DP_SHARDING`), over dp x cp.
 
 The model file never mentions ranks; each step swaps or wraps what the previous one left. A list of interleaved
 chunks is parallelized chunk by chunk (each its own DDP wrapper, as megatron wraps each model chunk). Mirrors
@@ -19,6 +21,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from reference.context_parallel.parallelize import parallelize_context
 from reference.data_parallel.buckets import GradBucket
 from reference.data_parallel.distributed_optimizer import DistributedOptimizer
 from reference.data_parallel.fsdp2_tp import fully_shard_tp_model
@@ -84,6 +87,8 @@ def parallelize(
     chunks = model if isinstance(model, list) else [model]
     if config.fully_sharded and len(chunks) > 1:
         raise ParallelConfigError(f"--dp-sharding {config.dp_sharding} trains one model chunk per stage")
+    if config.fully_sharded and layout.size("cp") > 1:
+        raise ParallelConfigError(f"--dp-sharding {config.dp_sharding} shards over dp alone: use --cp 1 with it")
     for chunk in chunks:
         parallelize_gpt(
             chunk,
@@ -94,6 +99,7 @@ def parallelize(
         )
         for layer in [m for m in chunk.modules() if isinstance(m, MoELayer)]:
             parallelize_moe(layer, layout)
+        parallelize_context(chunk, layout)
         for block in chunk.layers:
             set_recompute(block, config.recompute)
     if observe is not None:

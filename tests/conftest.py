@@ -10,6 +10,8 @@ gone, the controller kills and names what still runs from any of them (RUN_VARIA
 Scheduling (pytest_xdist_make_scheduler, scope_of): the @on_ranks tests run in one worker (they share launches:
 tests/ranks.py), as do the site tests (they build into the repository's docs/); other tests go to the workers a
 module at a time.
+
+Upstream evidence of torch (tests marked upstream("pytorch")) skips on any torch but the pinned one.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import time
 
 import pytest
 
+from tests.launch import PINNED_TORCH, on_pinned_torch
 from tests.processes import RUN_VARIABLE, SESSION_VARIABLE, live_with_environment, new_session_token
 from tests.ranks import is_ranked
 
@@ -53,6 +56,22 @@ def scope_of(nodeid: str) -> str:
         return "@on_ranks"
     module = nodeid.split("::", 1)[0]  # parameter ids may hold "::"
     return "tests/site" if module.startswith("tests/site/") else module
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests that run torch's own FSDP1, DTensor or pipelining as the notes' evidence (upstream("pytorch")) skip
+    on another torch: the notes cite the pinned torch's source, and another release may differ from it."""
+    torchs = [i for i in items if any(mark.args[:1] == ("pytorch",) for mark in i.iter_markers("upstream"))]
+    if not torchs or on_pinned_torch():
+        return
+    import torch  # loaded by on_pinned_torch
+
+    skip = pytest.mark.skip(
+        reason=f"upstream evidence of the cited torch {PINNED_TORCH} (constraints.txt); "
+        f"torch {torch.__version__} is installed"
+    )
+    for item in torchs:
+        item.add_marker(skip)
 
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)

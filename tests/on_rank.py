@@ -91,8 +91,18 @@ def out_of_budget(started: float, budget_s: float, world: int, harness: dist.Pro
     return verdict[0]
 
 
+def every_rank_started(timeout_s: float) -> None:
+    """Wait up to `timeout_s` in torchrun's rendezvous store until every rank has started. Then the group's own
+    timeout, as short as a hung-rank test sets it (2 s), bounds its collectives, not how long the other ranks
+    took to import torch on a busy machine; on a quiet one this costs a round trip to the store."""
+    store, rank, world = next(dist.rendezvous("env://", timeout=timedelta(seconds=timeout_s)))
+    store.set(f"tests/started/{rank}", "1")
+    store.wait([f"tests/started/{r}" for r in range(world)])
+
+
 def main() -> None:
     spec, out = json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2])
+    every_rank_started(spec["launch_timeout_s"])
     device = init_distributed(spec["device"], spec["timeout_s"])
     ranks = Ranks(dist.get_rank(), dist.get_world_size(), device, dist.group.WORLD)
     harness = dist.new_group(backend="gloo", timeout=timedelta(seconds=spec["launch_timeout_s"]))

@@ -3,7 +3,6 @@ a pass, a failure on one rank only, a skip, a crash and a hang, each reported as
 failure or a crash still run (in a new launch)."""
 
 import re
-import time
 
 import torch
 
@@ -71,9 +70,8 @@ def test_pass_fail_skip_crash_and_hang_are_reported_per_test(pytester, monkeypat
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
     pytester.makepyfile(test_cases=CASES)
     pytester.makeini("[pytest]\nmarkers = cuda: needs CUDA")
-    start = time.monotonic()
     result = pytester.runpytest_subprocess("-p", "no:xdist", "-p", "no:cacheprovider", "-rA")
-    elapsed, out = time.monotonic() - start, result.stdout.str()
+    out = result.stdout.str()
     gpus = torch.cuda.device_count() >= 2
     result.assert_outcomes(passed=4 + gpus, failed=3, skipped=2 - gpus)
     for test in ["passes", "passes_after_a_failure[1-2ranks-cpu]", "passes_after_a_failure[2-2ranks-cpu]"]:
@@ -90,7 +88,6 @@ def test_pass_fail_skip_crash_and_hang_are_reported_per_test(pytester, monkeypat
     assert "a peer never joined this collective within @on_ranks(timeout_s=3)" in hang
     if not gpus:
         assert re.search(r"SKIPPED .*needs 2 CUDA device\(s\), one per rank, found \d", out)
-    assert elapsed < 240, f"the harness took {elapsed:.0f} s"
 
 
 def section(out: str, test: str) -> str:

@@ -1,7 +1,7 @@
 """Record FSDP1 against FSDP2 on one model: `torchrun --nproc-per-node 4 tools/fsdp_compare.py OUT`.
 
 Run by `tools/record-traces` (which writes reading_notes/traces/fsdp1_vs_fsdp2.json, the FSDP1 ↔ FSDP2 page's
-numbers); tests/reference/test_fsdp1_vs_fsdp2.py runs `record()` on its own ranks and asserts each of the page's
+numbers); tests/evidence/test_fsdp1_vs_fsdp2.py runs `record()` on its own ranks and asserts each of the page's
 facts on what it returns, and that it equals the committed trace. Everything in it is observed on PyTorch's own
 FSDP1 (`FullyShardedDataParallel`, one unit per layer, then the root) and FSDP2 (`fully_shard` on each layer,
 then the root) at torch 2.13.0, on WORLD ranks (CPU, gloo), training the small GPT (reference.gpt.model.GPT at
@@ -42,7 +42,7 @@ from torch.distributed.tensor import DTensor
 from reference.distributed import distributed
 from reference.fsdp.units import shard_model
 from reference.fsdp.wrapper import clean_name
-from reference.gpt.model import GPT, GPTConfig
+from reference.gpt.model import GPT, SIZES, GPTConfig
 from reference.gpt.train import split_batch, synthetic_batches
 from reference.measure.fsdp_tracing import unit_scopes
 from reference.measure.recorder import CollectiveRecorder
@@ -234,17 +234,9 @@ class HookSpans:
                 def after(_module, _args, name=name, started=started):
                     self.spans.append((f"{name} pre-forward", started["t"], time.perf_counter()))
 
-                stack.enter_context(_removed(outer.register_forward_pre_hook(before, prepend=True)))
-                stack.enter_context(_removed(inner.register_forward_pre_hook(after)))
+                stack.callback(outer.register_forward_pre_hook(before, prepend=True).remove)
+                stack.callback(inner.register_forward_pre_hook(after).remove)
             yield self
-
-
-@contextlib.contextmanager
-def _removed(handle):
-    try:
-        yield
-    finally:
-        handle.remove()
 
 
 def collectives(recorder: CollectiveRecorder, prefetches, hooks: HookSpans) -> list[dict]:
@@ -387,17 +379,10 @@ def record() -> dict:
     mine = {"runs": runs, "state_dicts": described}
     per_rank = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, mine)
-    c = CONFIG
     return {
         "kind": "fsdp_compare",
         "world": dist.get_world_size(),
-        "config": {
-            "vocab_size": c.vocab_size,
-            "hidden_size": c.hidden_size,
-            "num_attention_heads": c.num_attention_heads,
-            "num_layers": c.num_layers,
-            "seq_length": c.seq_length,
-        },
+        "config": {name: getattr(CONFIG, name) for name in SIZES},
         "steps": STEPS,
         "batch_per_rank": BATCH_PER_RANK,
         "dtype": "float32",

@@ -10,6 +10,9 @@
      forever) and, on a bad template, stops `mkdocs build` with the template's file:line and leaves the previous
      page as it was; under `mkdocs serve` that line is logged and the site goes on serving (after a `bump`, the
      change pages say what to fix).
+`on_config` keeps each code block's highlighted HTML, verified, under the user's cache
+(pin_and_cite.site.highlight_cache): Pygments was a third of a build; `on_env` keeps the theme's compiled
+templates there too (pin_and_cite.core.compiled_templates).
 `on_page_context`, around mkdocs-material's search plugin (which indexes `page.content` at the default
 priority), hands it the page without the highlighter's span tags (pin_and_cite.site.search_text: the same
 index, at a third of its cost) and gives the page its full HTML back before the theme renders it.
@@ -34,7 +37,10 @@ from mkdocs.exceptions import PluginError
 from mkdocs.plugins import CombinedEvent, event_priority
 from mkdocs.utils.meta import get_data
 
+from pin_and_cite.core.compiled_templates import CompiledTemplates
 from pin_and_cite.core.errors import PinAndCiteError
+from pin_and_cite.core.store import default_cache_dir, refuse_cache_inside
+from pin_and_cite.site import highlight_cache
 from pin_and_cite.site.reading_order import MARKER, reading_order
 from pin_and_cite.site.render import render_notes
 from pin_and_cite.site.search_text import without_code_spans
@@ -45,6 +51,7 @@ def project_root(config) -> Path:
     return Path(os.environ.get("PIN_AND_CITE_PROJECT") or Path(config.config_file_path).resolve().parent)
 
 
+_cache: Path | None = None  # the user's cache, once on_config found it outside the project
 _serving = False  # `mkdocs serve`, not `build`: a broken note is logged and the site keeps serving
 log = logging.getLogger("mkdocs.hooks.pin_and_cite")
 
@@ -52,6 +59,24 @@ log = logging.getLogger("mkdocs.hooks.pin_and_cite")
 def on_startup(command: str, dirty: bool) -> None:
     global _serving
     _serving = command == "serve"
+
+
+def on_config(config):
+    try:
+        cache = default_cache_dir()
+        refuse_cache_inside(cache, project_root(config), "the project")
+    except PinAndCiteError:  # on_pre_build's render says so, in one line
+        return config
+    highlight_cache.install(cache)
+    global _cache
+    _cache = cache
+    return config
+
+
+def on_env(env, config, files):
+    if _cache is not None:
+        env.loader = CompiledTemplates(env.loader, _cache)
+    return env
 
 
 def on_pre_build(config) -> None:

@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import torch
 import torch.distributed as dist
 
+from reference.arguments import refuse_large_memory
 from reference.distributed import OPTIMIZERS, LaunchError, distributed, one_line_errors, pick_dtype
 from reference.fsdp.units import padded_shard_bytes, shard_model, sharded_parameter_bytes
+from reference.gpt.arguments import memory_per_rank
 from reference.gpt.model import GPT, GPTConfig
 from reference.gpt.train import split_batch, synthetic_batches
 from reference.measure.fsdp_tracing import issue_order, unit_scopes
@@ -108,8 +111,11 @@ def run(args: argparse.Namespace) -> None:
         )
     except ValueError as error:
         sys.exit(f"reference: error: {error}")
-    with one_line_errors("reference"):  # a refused FSDP2 option: one line, exit 2
+    with one_line_errors("reference"):  # a refused FSDP2 option or size: one line, exit 2
         _check_version_options(args)
+        shards = int(os.environ.get("WORLD_SIZE", "1"))
+        if why := refuse_large_memory("this model", memory_per_rank(config, args, split=1, shards=shards, in_flight=1)):
+            raise ParallelConfigError(why)
         try:
             with distributed(args.device, timeout_s=60) as device:
                 _train(args, config, device)

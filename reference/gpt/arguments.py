@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+from reference.arguments import refuse_large_memory
 from reference.data_parallel.wrapper import DEFAULT_BUCKET_SIZE
 from reference.gpt.model import STYLES, GPTConfig, split_layers
 from reference.gpt.parallelize import check_tensor_parallel, check_virtual_pipeline
@@ -34,6 +35,13 @@ def add_arguments(group) -> None:
     )
     group.add_argument("--tp", type=int, default=1, help="tensor-parallel size: ranks splitting every layer")
     group.add_argument("--pp", type=int, default=1, help="pipeline-parallel size: stages of consecutive layers")
+    group.add_argument(
+        "--cp",
+        type=int,
+        default=1,
+        help="context-parallel size: ranks splitting each sequence (head-tail: rank r holds chunks r and "
+        "2 cp - 1 - r of 2 cp), attention by ring; tp x cp x pp x dp must equal the world size",
+    )
     group.add_argument(
         "--dp",
         type=int,
@@ -126,7 +134,7 @@ def check(args) -> GPTConfig:
         )
     if args.dp_sharding in ZERO:
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        _, _, dp = parallel_sizes(world, args.tp, args.pp, args.dp)
+        _, _, dp = parallel_sizes(world, args.tp, args.pp, args.dp, args.cp)
         if dp == 1:
             raise ParallelConfigError(
                 f"--dp-sharding {args.dp_sharding} shards {ZERO[args.dp_sharding]} over the data-parallel group, "
@@ -134,6 +142,8 @@ def check(args) -> GPTConfig:
                 f"(world {world} / (tp {args.tp} x pp {args.pp})): nothing to shard; launch more ranks or use "
                 "--dp-sharding replicate"
             )
+    if args.cp != 1:
+        check_context_parallel(args)
     if min(args.steps, args.batch_size, args.micro_batches, args.bucket_size) < 1:
         raise ParallelConfigError("--steps, --micro-batch-size, --micro-batches and --bucket-size must be >= 1")
     if args.num_kv_heads is not None and (args.model != "llama" or args.num_kv_heads < 1):
@@ -147,6 +157,10 @@ def check(args) -> GPTConfig:
         num_kv_heads=kv_heads if args.model == "llama" else None,
     )
     split_layers(config.num_layers, args.pp)
+    in_flight = args.micro_batches if args.schedule == "gpipe" else min(args.micro_batches, args.pp)
+    estimate = memory_per_rank(config, args, split=args.tp * args.pp, shards=1, in_flight=in_flight)
+    if why := refuse_large_memory("this model", estimate):
+        raise ParallelConfigError(why)
     check_tensor_parallel(config, args.tp, args.sequence_parallel)
     if args.virtual_stages != 1:
         if args.schedule != "1f1b" or fsdp:
@@ -157,3 +171,42 @@ def check(args) -> GPTConfig:
             )
         check_virtual_pipeline(config.num_layers, args.pp, args.virtual_stages, args.micro_batches)
     return config
+
+
+def check_context_parallel(args) -> None:
+    """--cp N: the sizes fill the world, the sequence splits into 2 cp chunks, and what CP does not compose with
+    here is refused."""
+    if args.cp < 1:
+        raise ParallelConfigError(f"--cp {args.cp}: the context-parallel size must be >= 1")
+    parallel_sizes(int(os.environ.get("WORLD_SIZE", "1")), args.tp, args.pp, args.dp, args.cp)
+    if args.seq_length % (2 * args.cp):
+        raise ParallelConfigError(
+            f"--seq-length {args.seq_length} does not split into 2 x cp {args.cp} chunks (head-tail balancing); "
+            f"use a multiple of {2 * args.cp}"
+        )
+    unsupported = {
+        "--sequence-parallel": args.sequence_parallel,
+        "--dropout > 0": args.dropout > 0,
+        f"--dp-sharding {args.dp_sharding}": args.dp_sharding in FULLY_SHARDED,
+    }
+    for flag, given in unsupported.items():
+        if given:
+            raise ParallelConfigError(f"--cp {args.cp} does not compose with {flag} here; use --cp 1 for it")
+
+
+def memory_per_rank(config: GPTConfig, args, split: int, shards: int, in_flight: int) -> dict[str, float]:
+    """Bytes a rank is estimated to need, fp32, named by the flags that size them: its 1/`split` of the
+    weights, sharded `shards` ways, with gradients (and Adam's two moments), and `in_flight` micro-batches'
+    activations (the attention scores s^2 per head among them) and logits."""
+    h, s, b, layers = config.hidden_size, config.seq_length, args.batch_size, config.num_layers
+    states = 4 if getattr(args, "optimizer", "sgd") == "adam" else 2
+    weights = (layers * (12 * h * h + 13 * h) + (config.vocab_size + s) * h) / split
+    per_layer = s * b * (16 * h + 2 * config.num_attention_heads * s) / split
+    return {
+        "weights (--num-layers x --hidden-size^2, --vocab-size)": 4.0 * states * weights / shards,
+        "activations (--num-layers x --seq-length x --micro-batch-size x (--hidden-size, --seq-length))": 4.0
+        * in_flight
+        * layers
+        * per_layer,
+        "logits (--seq-length x --micro-batch-size x --vocab-size)": 4.0 * 3 * in_flight * s * b * config.vocab_size,
+    }

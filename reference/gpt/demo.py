@@ -44,7 +44,7 @@ def run(args) -> None:
 
 
 def _train(args, config: GPTConfig, device: torch.device) -> None:
-    layout = build_layout(args.tp, args.pp, args.dp)
+    layout = build_layout(args.tp, args.pp, args.dp, cp_size=args.cp)
     torch.manual_seed(args.seed)  # dropout on replicated activations draws from here: the same masks every run
     rank, text = dist.get_rank(), not args.json
     bf16 = pick_dtype(args.dtype, device) == torch.bfloat16
@@ -101,7 +101,7 @@ def _train(args, config: GPTConfig, device: torch.device) -> None:
     stages = [None] * dist.get_world_size() if rank == 0 else None  # only rank 0 reports
     dist.gather_object(meter.to_dict(), stages, dst=0)
     if rank == 0:
-        report.report_pipeline(args, [stages[r] for r in layout.grid[:, 0, 0].tolist()], device)
+        report.report_pipeline(args, [stages[r] for r in layout.grid.flatten(1)[:, 0].tolist()], device)
     memory = [None] * dist.get_world_size() if rank == 0 else None
     held_between_steps = report.state_bytes(model, optimizer, plan.fully_sharded)
     dist.gather_object(

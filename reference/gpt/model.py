@@ -177,10 +177,12 @@ class Embedding(torch.nn.Module):
         if config.style == "gpt2":
             self.position_embeddings = _from_pretrained(_embedding_weight(config.seq_length, config), dtype, device)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """`positions`: the position ids of the tokens held (context parallelism), default 0..s-1."""
         x = self.word_embeddings(tokens)
         if self.position_embeddings is not None:
-            x = x + self.position_embeddings(torch.arange(tokens.shape[1], device=tokens.device))
+            at = torch.arange(tokens.shape[1]) if positions is None else positions
+            x = x + self.position_embeddings(at.to(tokens.device))
         return x.transpose(0, 1).contiguous()  # [b, s, h] -> [s, b, h]
 
 
@@ -212,6 +214,7 @@ class GPT(torch.nn.Module):
         self.first_layer, self.last_layer = first, last
         self.is_first, self.is_last = first == 0, last == config.num_layers
         self.seq_length, self.seq_shards = config.seq_length, 1  # parallelize: padded, split over TP under SP
+        self.positions = None  # parallelize, under CP: the position ids of this rank's tokens (None: 0..s-1)
         if self.is_first:
             with module_seed(seed, 0):
                 self.embedding = Embedding(config, params_dtype, device)
@@ -232,17 +235,19 @@ class GPT(torch.nn.Module):
     def activation_shape(self, micro_batch_size: int) -> tuple[int, int, int]:
         """Shape of the hidden state sent between stages (megatron/core/pipeline_parallel/schedules.py::
         get_tensor_shapes: the sequence divided by TP under sequence parallelism)."""
-        return (self.seq_length // self.seq_shards, micro_batch_size, self.config.hidden_size)
+        held = self.seq_length if self.positions is None else len(self.positions)
+        return (held // self.seq_shards, micro_batch_size, self.config.hidden_size)
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        if tokens.shape[1] != self.config.seq_length:
-            raise ParallelConfigError(
-                f"tokens have sequence length {tokens.shape[1]}, the model {self.config.seq_length}"
-            )
-        return self.embedding(tokens)
+        held = self.config.seq_length if self.positions is None else len(self.positions)
+        if tokens.shape[1] != held:
+            raise ParallelConfigError(f"tokens have sequence length {tokens.shape[1]}, the model {held}")
+        return self.embedding(tokens, self.positions)
 
     def _layers(self, hidden: torch.Tensor) -> torch.Tensor:
         rotary = self.config.rotary(self.seq_length, hidden.device)
+        if self.positions is not None:  # context parallelism: the rows of the positions held
+            rotary = tuple(table[self.positions.to(hidden.device)] for table in rotary)
         for layer in self.layers:
             hidden = layer(hidden, *rotary)
         return hidden

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from reference.context_parallel.parallelize import shard_micro_batch
 from reference.data_parallel import DistributedDataParallel, finalize_model_grads
 from reference.data_parallel.buckets import GradBucket
 from reference.data_parallel.fsdp_tp import shard_tp_model
@@ -57,9 +58,10 @@ def global_loss(losses: list[float], layout: ParallelLayout, device: torch.devic
     """The global batch's mean loss on every rank, from the last stage's micro-batch `losses` (see the module
     docstring)."""
     loss = torch.tensor(sum(losses) / len(losses) if losses else 0.0, device=device)
-    if layout.pp_rank == layout.pp_size - 1 and layout.dp_size > 1:
-        dist.all_reduce(loss, group=layout.dp_group)
-        loss /= layout.dp_size
+    replicas = layout.dp_size * layout.size("cp")  # each cp rank's loss is its shard's mean: average them too
+    if layout.pp_rank == layout.pp_size - 1 and replicas > 1:
+        dist.all_reduce(loss, group=layout.group("dp_cp"))
+        loss /= replicas
     if layout.pp_size > 1:
         dist.broadcast(loss, src=dist.get_global_rank(layout.pp_group, layout.pp_size - 1), group=layout.pp_group)
     return loss_values([loss])[0]
@@ -75,13 +77,13 @@ def data_parallel(
     grad_dtype: torch.dtype | None = None,
     bucket_class: type[GradBucket] = GradBucket,
 ) -> DistributedDataParallel:
-    """The stage wrapped for gradient averaging over the layout's DP group (bucketed, optionally overlapped;
+    """The stage wrapped for gradient averaging over the layout's DP (x CP) group (bucketed, optionally overlapped;
     reduce-scattered for reference.data_parallel.distributed_optimizer.DistributedOptimizer, into a
     `bucket_class` of reference.data_parallel.gradient_shards for ZeRO-2; in `grad_dtype`,
     default the parameters', e.g. fp32 main grads for bf16 parameters)."""
     return DistributedDataParallel(
         stage,
-        layout.dp_group,
+        layout.group("dp_cp"),
         bucket_size=bucket_size,
         overlap_grad_reduce=overlap_grad_reduce,
         use_distributed_optimizer=use_distributed_optimizer,
@@ -137,7 +139,8 @@ def train_step(
             else contextlib.nullcontext
         )
     micro_batches = [
-        (x.to(device), y.to(device)) for x, y in split_batch(tokens, layout.dp_size, layout.dp_rank, num_micro_batches)
+        tuple(t.to(device) for t in shard_micro_batch(x, y, layout))
+        for x, y in split_batch(tokens, layout.dp_size, layout.dp_rank, num_micro_batches)
     ]
     with record or contextlib.nullcontext():
         losses = forward_backward(

@@ -37,7 +37,7 @@ PROG = f"torchrun --nproc-per-node N -m {PACKAGE}"
 MAX_LAYERS = 64  # a CPU step of a 64-layer tiny model takes seconds; more only waits longer
 MAX_BATCH = 64
 MAX_SEQ = 128  # plan.tiny_config's max_position_embeddings: rotary tables end there
-GRAD_TOLERANCE = 1e-5  # fp32 sums in another order: observed <= 5e-8 (tests/reference/test_qwen2_dtensor.py)
+GRAD_TOLERANCE = 1e-5  # fp32 sums in another order: observed <= 5e-8 (tests/evidence/test_qwen2_dtensor.py)
 PLAIN = "plain"  # a parameter the plan left an ordinary tensor: whole on every rank
 # What torch warns, once per rank, about the global full backward pre-hook CommDebugMode's module tracker sets:
 # HF's Qwen2Model and Qwen2ForCausalLM return ModelOutput objects, not tensors, and neither the embedding (token

@@ -1,7 +1,7 @@
 """The Tensor Parallelism Knowledge Compilation's DTensor recipe, applied to Hugging Face's own `Qwen2ForCausalLM`.
 
 Not our implementation: PyTorch DTensor's parallel styles on real HF code, written once here for the demo
-(`python -m reference.hf_tp`), the oracle tests (tests/reference/test_qwen2_dtensor.py) and the decoder
+(`python -m reference.hf_tp`), the oracle tests (tests/evidence/test_qwen2_dtensor.py) and the decoder
 benchmark. Imports transformers (a test extra). Plans:
 
 - `document_plan`: q/k/v and gate/up `ColwiseParallel`, o and down `RowwiseParallel`; with `sequence_parallel`

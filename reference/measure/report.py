@@ -25,7 +25,8 @@ def report_step(args, step, loss: float, seconds: float, recorder, layout, param
     collectives per process group."""
     if dist.get_rank() != 0:
         return
-    groups = recorder.summary_by_group(layout.group_kind, kinds=("tp", "pp", "dp")) if recorder.on else {}
+    kinds = ("tp", "cp", "pp", "dp", "dp_cp") if layout.size("cp") > 1 else ("tp", "pp", "dp")
+    groups = recorder.summary_by_group(layout.group_kind, kinds=kinds) if recorder.on else {}
     if args.json:
         print(
             json.dumps(

@@ -16,7 +16,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from reference.arguments import add_flag
+from reference.arguments import add_flag, experts, positive_finite, refuse_large_memory, width
 from reference.distributed import distributed, one_line_errors, pick_dtype
 from reference.measure.recorder import CollectiveRecorder
 from reference.moe.layer import MoELayer
@@ -35,18 +35,20 @@ def add_arguments(group) -> None:
         default=1,
         help="expert-parallel size: ranks splitting the experts, carved out of DP (it must divide world / tp)",
     )
-    group.add_argument("--num-experts", type=int, default=8, help="experts E in the layer")
+    group.add_argument("--num-experts", type=experts, default=8, help="experts E in the layer")
     group.add_argument("--moe-router-topk", type=int, default=2, help="experts per token k")
     group.add_argument(
         "--moe-expert-capacity-factor",
-        type=float,
+        type=positive_finite("capacity factor"),
         default=None,
         help="drop what an expert gets beyond ceil(T k / E x factor) of a rank's T tokens; default: dropless",
     )
     group.add_argument(
         "--moe-aux-loss-coeff", type=float, default=1e-2, help="load-balancing loss coefficient (0: off)"
     )
-    group.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="each expert's hidden size; default: 2 h")
+    group.add_argument(
+        "--moe-ffn-hidden-size", type=width, default=None, help="each expert's hidden size; default: 2 h"
+    )
 
 
 def _check(args) -> tuple[int, int]:
@@ -68,7 +70,27 @@ def _check(args) -> tuple[int, int]:
     Mesh(tp, 1, dp, ep=args.ep)  # refuses an EP size that does not divide dp
     divide(args.num_experts, args.ep, "--num-experts", by="--ep")
     divide(args.seq_length, tp, "--seq-length", by="--tp (each TP rank routes its slice of the sequence)")
+    if why := refuse_large_memory("this MoE layer", memory_per_rank(args, tp)):
+        raise ParallelConfigError(why)
     return world, dp
+
+
+def memory_per_rank(args, tp: int) -> dict[str, float]:
+    """Bytes a rank is estimated to need, fp32, named by the flags that size them: its experts' weights and
+    gradients (and the router's), the routed tokens' activations, and the sequence every rank draws whole."""
+    h, ffn, k = args.hidden_size, args.moe_ffn_hidden_size or 2 * args.hidden_size, args.moe_router_topk
+    routed = args.seq_length // tp * args.batch_size * k
+    return {
+        "experts (--num-experts / --ep x --hidden-size x --moe-ffn-hidden-size)": 4.0
+        * 2
+        * (args.num_experts // args.ep * 2 * h * ffn / tp + args.num_experts * h),
+        "routed tokens (--seq-length x --micro-batch-size x --moe-router-topk)": 4.0 * 4 * routed * (2 * h + ffn),
+        "the batch (--seq-length x --micro-batch-size x --hidden-size)": 4.0
+        * 4
+        * args.seq_length
+        * args.batch_size
+        * h,
+    }
 
 
 def run(args) -> None:

@@ -20,6 +20,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from reference.context_parallel.ring_attention import ring_attention
 from reference.parallel_state import divide
 from reference.recompute import recomputed
 from reference.tensor_parallel.rotary import apply_rotary
@@ -51,19 +52,28 @@ def _on(rng, draws: bool):
     return rng.fork() if rng is not None and draws else contextlib.nullcontext()
 
 
-def causal_self_attention(qkv: torch.Tensor, head_dim: int, dropout_p: float) -> torch.Tensor:
+def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group=None, **sdpa) -> torch.Tensor:
+    """Causal SDPA on [b, heads, s, d], or, given a context-parallel group, ring attention over its ranks'
+    head-tail shards of the sequence (key/value heads repeated for their query groups)."""
+    if cp_group is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, **sdpa)
+    k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    return ring_attention(q, k, v, cp_group)
+
+
+def causal_self_attention(qkv: torch.Tensor, head_dim: int, dropout_p: float, cp_group=None) -> torch.Tensor:
     """[s, b, heads * 3 * head_dim] fused projections -> [s, b, heads * head_dim] causal attention output (GPT-2).
 
     The head count is read from the shape, so the same code runs on all heads or on one rank's share.
     """
     s, b = qkv.shape[:2]
     q, k, v = qkv.view(s, b, -1, 3, head_dim).permute(3, 1, 2, 0, 4).unbind(0)  # each [b, heads, s, d]
-    context = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+    context = causal(q, k, v, cp_group, dropout_p=dropout_p)
     return context.permute(2, 0, 1, 3).reshape(s, b, -1)
 
 
 def grouped_query_attention(
-    qkv: torch.Tensor, head_dim: int, queries_per_group: int, cos: torch.Tensor, sin: torch.Tensor
+    qkv: torch.Tensor, head_dim: int, queries_per_group: int, cos: torch.Tensor, sin: torch.Tensor, cp_group=None
 ) -> torch.Tensor:
     """[s, b, groups * (queries_per_group + 2) * head_dim] fused projections -> [s, b, heads * head_dim]:
     rotary positions on q and k, then causal attention, each key/value head serving its group's query heads
@@ -74,7 +84,7 @@ def grouped_query_attention(
     q, k, v = grouped[:, :, :, :-2], grouped[:, :, :, -2:-1], grouped[:, :, :, -1:]
     q, k, v = (t.flatten(2, 3).permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads or g, s, d]
     q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-    context = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    context = causal(q, k, v, cp_group, enable_gqa=True)
     return context.permute(2, 0, 1, 3).reshape(s, b, -1)
 
 
@@ -105,6 +115,7 @@ class Attention(torch.nn.Module):
         heads_size = num_attention_heads * self.head_dim
         self.proj = _linear(heads_size, hidden_size, init_method, bias=not qkv_only_bias, **kw)
         self.rng, self.recompute = None, False  # set by parallelize: head-split dropout stream, selective recompute
+        self.cp_group = None  # set by parallelize: the ring of context-parallel ranks holding the sequence
 
     def forward(self, x: torch.Tensor, *rotary: torch.Tensor) -> torch.Tensor:
         selective = self.recompute and self.training
@@ -116,10 +127,10 @@ class Attention(torch.nn.Module):
         Mirrors `megatron-lm:megatron/core/transformer/attention.py::Attention._checkpointed_attention_forward`.
         """
         if rotary:  # Llama/Qwen2: no dropout
-            return grouped_query_attention(qkv, self.head_dim, self.queries_per_group, *rotary)
+            return grouped_query_attention(qkv, self.head_dim, self.queries_per_group, *rotary, self.cp_group)
         p = self.attention_dropout if self.training else 0.0
         with _on(self.rng, p > 0):  # each rank's heads draw their own masks
-            return causal_self_attention(qkv, self.head_dim, p)
+            return causal_self_attention(qkv, self.head_dim, p, self.cp_group)
 
 
 def swiglu(fc1_output: torch.Tensor) -> torch.Tensor:

@@ -264,6 +264,7 @@ def test_megatron_keeps_q_k_v_as_one_bf16_buffer_the_papers_6sbh(ranks, configur
     assert (core[1]["dtype"], core[1]["nbytes"]) == ("torch.bfloat16", 2 * AS2B // t)  # dropout output for x V
 
 
+@pytest.mark.freshness
 @on_ranks(2)
 def test_the_committed_trace_the_scale_page_shows_is_this_run(ranks):
     """reading_notes/traces/activation_memory.json (tools/record-traces, the benchmark's --json at this

@@ -26,11 +26,11 @@ from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_modul
 from reference.hf_tp import plan
 from reference.hf_tp.__main__ import main
 from reference.measure.comm_bytes import CommBytes
+from tests.evidence.test_qwen2_dtensor import PER_BLOCK, per_step
 from tests.launch import ROOT, torchrun
 from tests.ranks import on_ranks
 from tests.reference.helpers import captured_stdout, json_lines, rank0
 from tests.reference.refusals import refusal
-from tests.reference.test_qwen2_dtensor import PER_BLOCK, per_step
 
 TRACES = ROOT / "reading_notes" / "traces"
 CONFIGS = {"tp": [], "sp": ["--sequence-parallel"]}
@@ -141,6 +141,7 @@ def test_weights_split_as_the_walkthrough_says(ranks):
                 assert r["placement"] == ("Replicate()" if config == "sp" else "plain"), name
 
 
+@pytest.mark.freshness
 @pytest.mark.upstream("pytorch")
 @on_ranks(2)
 @pytest.mark.parametrize("name, config", [("dtensor_qwen2", "tp"), ("dtensor_qwen2_sp", "sp")])

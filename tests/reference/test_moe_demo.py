@@ -131,6 +131,7 @@ def test_each_rank_reports_the_split_sizes_and_collectives_its_routing_implies(r
             )
 
 
+@pytest.mark.freshness
 @on_ranks(2, 4)
 def test_the_walkthroughs_traces_are_a_fresh_run(ranks):
     name, args = TRACED[ranks.world]

@@ -41,6 +41,7 @@ def committed():
     return runs
 
 
+@pytest.mark.freshness
 def test_committed_moe_traces_match_a_fresh_run(committed):
     """reading_notes/traces/moe_scale_*.json are what `python -m reference.measure.scale ... --json` writes now, and
     every row and byte held in them agrees with the formulas."""

@@ -10,6 +10,7 @@ and two negative controls show the comparison can fail.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
 
@@ -17,8 +18,9 @@ import pytest
 
 from reference.measure.scale import formulas
 from reference.measure.scale.__main__ import build_parser, main, setup_from
-from reference.measure.scale.shapes import setup_for
+from reference.measure.scale.shapes import ScaleSetup, setup_for
 from reference.measure.scale.simulate import (
+    RankStep,
     default_ranks,
     document,
     shard_rank_of,
@@ -48,45 +50,57 @@ def assert_agrees(rows):
     assert not wrong, f"traced != formula: {wrong}"
 
 
-@pytest.fixture(scope="module")
-def seventy_b():
-    """The committed scale traces' setups (tools/study/record_traces.SCALE: 70B at TP 8 x PP 8 x DP 64, plain, with
-    SP, with the distributed optimizer; at TP 8 x DP 512 with FSDP2 and HSDP), each traced here once on its
-    first, middle and last stage (the one stage at pp 1): per trace name, the setup and {stage: RankStep}."""
-    runs = {}
-    for name, argv in record_traces.SCALE.items():
-        setup = setup_from(build_parser().parse_args(argv))
-        runs[name] = setup, {stage_of(setup, rank): step_of(setup, rank) for rank in default_ranks(setup)}
-    return runs
+@functools.cache
+def setup_of(name: str) -> ScaleSetup:
+    """A committed scale trace's setup (tools/study/record_traces.SCALE: 70B at TP 8 x PP 8 x DP 64, plain, with
+    SP, with the distributed optimizer; at TP 8 x DP 512 with FSDP2 and HSDP)."""
+    return setup_from(build_parser().parse_args(record_traces.SCALE[name]))
 
 
-def rows_of(seventy_b, name: str, stage: int):
-    setup, steps = seventy_b[name]
-    return summarize(setup, steps[stage].rank, steps[stage].events)
+@functools.cache
+def step_at(name: str, stage: int) -> RankStep:
+    """The committed trace's rank on `stage` (first, middle or last; the one stage at pp 1), traced once a
+    process, when a test first reads it: each test pays for the ranks it reads (a few seconds each), so none
+    runs long on a busy machine."""
+    setup = setup_of(name)
+    (rank,) = [rank for rank in default_ranks(setup) if stage_of(setup, rank) == stage]
+    return step_of(setup, rank)
 
 
-def test_committed_scale_traces_match_a_fresh_run(seventy_b):
+def steps_of(name: str) -> dict[int, RankStep]:
+    """{stage: RankStep} of every rank the committed trace holds."""
+    stages = [stage_of(setup_of(name), rank) for rank in default_ranks(setup_of(name))]
+    return {stage: step_at(name, stage) for stage in stages}
+
+
+def rows_of(name: str, stage: int):
+    step = step_at(name, stage)
+    return summarize(setup_of(name), step.rank, step.events)
+
+
+@pytest.mark.freshness
+@pytest.mark.parametrize("name", record_traces.SCALE)
+def test_committed_scale_traces_match_a_fresh_run(name):
     """reading_notes/traces/scale_*.json are what `python -m reference.measure.scale ... --json` writes now (the
     document of the same setups and ranks), formula terms included."""
-    assert sorted(seventy_b) == sorted(p.stem for p in TRACES.glob("scale_*.json"))
-    for name, (setup, steps) in seventy_b.items():
-        committed = json.loads((TRACES / f"{name}.json").read_text())
-        fresh = json.loads(json.dumps(document(setup, list(steps.values()))))
-        assert fresh == committed, f"reading_notes/traces/{name}.json is stale: re-record with tools/record-traces"
-        assert committed["agree"] and [run["stage"] for run in committed["runs"]] == ([0] if setup.fsdp2 else [0, 4, 7])
+    assert sorted(record_traces.SCALE) == sorted(p.stem for p in TRACES.glob("scale_*.json"))
+    setup = setup_of(name)
+    committed = json.loads((TRACES / f"{name}.json").read_text())
+    fresh = json.loads(json.dumps(document(setup, list(steps_of(name).values()))))
+    assert fresh == committed, f"reading_notes/traces/{name}.json is stale: re-record with tools/record-traces"
+    assert committed["agree"] and [run["stage"] for run in committed["runs"]] == ([0] if setup.fsdp2 else [0, 4, 7])
 
 
-def test_70b_first_middle_last_stage_rows_equal_the_formulas(seventy_b):
-    for name, (setup, steps) in seventy_b.items():
-        if setup.fsdp2:  # test_70b_fsdp2_and_hsdp_in_numbers
-            continue
-        assert setup.microbatches == M and sorted(steps) == [0, 4, 7], name
-        for stage in steps:
-            assert_agrees(rows_of(seventy_b, name, stage))
+@pytest.mark.parametrize("name", [n for n in record_traces.SCALE if not setup_of(n).fsdp2])  # fsdp2: below
+def test_70b_first_middle_last_stage_rows_equal_the_formulas(name):
+    steps = steps_of(name)
+    assert setup_of(name).microbatches == M and sorted(steps) == [0, 4, 7], name
+    for stage in steps:
+        assert_agrees(rows_of(name, stage))
 
 
-def test_70b_without_sp_in_numbers(seventy_b):
-    first, middle, last = (table(rows_of(seventy_b, "scale_70b", p)) for p in (0, 4, 7))
+def test_70b_without_sp_in_numbers():
+    first, middle, last = (table(rows_of("scale_70b", p)) for p in (0, 4, 7))
     loss = 3 * M * 4096 * 4  # max, target logit, sum-exp: fp32 per token
     assert middle[("tp", "all_reduce")] == (4 * M * L, 4 * M * L * A)
     assert first[("tp", "all_reduce")] == (4 * M * L + M, (4 * M * L + M) * A)
@@ -104,9 +118,9 @@ def test_70b_without_sp_in_numbers(seventy_b):
     assert last[("dp", "all_reduce")] == (3 * L + 2, 2 * (L * block + 2 * H + VOCAB_ROWS * H))
 
 
-def test_70b_ddp_buckets_in_order(seventy_b):
+def test_70b_ddp_buckets_in_order():
     """The middle stage's DP all-reduces, bucket by bucket, in the order backward fills them."""
-    middle = seventy_b["scale_70b"][1][4].events
+    middle = step_at("scale_70b", 4).events
     sizes = [e.nbytes for e in middle if e.module == "dp"]
     fc2, fc1 = 2 * (H * F // 8 + H), 2 * (F * H // 8 + F // 8)
     attention = 2 * (2 * H + H * H // 8 + H + 3 * H * H // 8 + 3 * H // 8)
@@ -119,8 +133,8 @@ def test_70b_ddp_buckets_in_order(seventy_b):
     )
 
 
-def test_70b_with_sp_in_numbers(seventy_b):
-    first, middle, last = (table(rows_of(seventy_b, "scale_70b_sp", p)) for p in (0, 4, 7))
+def test_70b_with_sp_in_numbers():
+    first, middle, last = (table(rows_of("scale_70b_sp", p)) for p in (0, 4, 7))
     assert middle[("tp", "all_gather")] == (6 * M * L, 6 * M * L * A)
     assert middle[("tp", "reduce_scatter")] == (4 * M * L, 4 * M * L * A)
     assert middle[("tp", "all_reduce")] == (1, 6 * H * L * 2)  # SP LayerNorm and bias grads, bf16
@@ -130,10 +144,10 @@ def test_70b_with_sp_in_numbers(seventy_b):
     assert first[("tp", "all_gather")] == (6 * M * L + M, (6 * M * L + M) * A)
     assert last[("tp", "all_gather")] == (6 * M * L + 2 * M, (6 * M * L + 2 * M) * A)
     assert last[("tp", "reduce_scatter")] == (4 * M * L + M, (4 * M * L + M) * A)
-    assert middle[("dp", "all_reduce")] == table(rows_of(seventy_b, "scale_70b", 4))[("dp", "all_reduce")]
+    assert middle[("dp", "all_reduce")] == table(rows_of("scale_70b", 4))[("dp", "all_reduce")]
 
 
-def test_70b_distributed_optimizer_holds_the_zero_bytes_and_moves_the_all_reduce_bytes(seventy_b):
+def test_70b_distributed_optimizer_holds_the_zero_bytes_and_moves_the_all_reduce_bytes():
     """The middle stage (10 blocks) of 70B at TP 8 x PP 8 x DP 64 with the distributed optimizer: its
     923,304,960 parameters per TP rank (per block 6h + (4h^2 + 2hf + 3h + f) / 8, written out from the sizes),
     in bf16 parameters and gradients, 12 / 64 bytes of fp32 master and Adam moments per parameter (no padding:
@@ -141,16 +155,16 @@ def test_70b_distributed_optimizer_holds_the_zero_bytes_and_moves_the_all_reduce
     buckets, each as many bytes."""
     params = 10 * (6 * H + (4 * H * H + 2 * H * F + 3 * H + F) // 8)
     assert params == 923_304_960
-    setup, steps = seventy_b["scale_70b_distopt"]
-    assert setup.distributed_optimizer and steps[4].rank == 32
-    held, rows = steps[4].held, table(rows_of(seventy_b, "scale_70b_distopt", 4))
+    step = step_at("scale_70b_distopt", 4)
+    assert setup_of("scale_70b_distopt").distributed_optimizer and step.rank == 32
+    held, rows = step.held, table(rows_of("scale_70b_distopt", 4))
     assert held == {
         "parameters": 2 * params,
         "gradients": 2 * params,
         "master_weights": 4 * params // 64,
         "optimizer_states": 8 * params // 64,
     }
-    ddp = table(rows_of(seventy_b, "scale_70b", 4))[("dp", "all_reduce")]
+    ddp = table(rows_of("scale_70b", 4))[("dp", "all_reduce")]
     assert rows[("dp", "reduce_scatter")] == rows[("dp", "all_gather")] == ddp
     assert ("dp", "all_reduce") not in rows
 
@@ -170,7 +184,7 @@ def test_zero2_holds_a_gradient_shard_and_moves_the_distributed_optimizers_bytes
         assert held2["gradients"] == held2["parameters"] // 4
 
 
-def test_70b_fsdp2_and_hsdp_in_numbers(seventy_b):
+def test_70b_fsdp2_and_hsdp_in_numbers():
     """The same 4,096 ranks as TP 8 x DP 512, one stage (rank 0, shard rank 0), written out from the sizes: a TP
     rank's block holds 6h + (4h^2 + 2hf + 3h + f) / 8 parameters, every dim 0 a multiple of 512 (and of 64);
     the root its 128,256 / 8 = 16,032 vocabulary rows twice (embedding, head), padded per parameter to 16,384
@@ -181,22 +195,22 @@ def test_70b_fsdp2_and_hsdp_in_numbers(seventy_b):
     block = 6 * H + (4 * H * H + 2 * H * F + 3 * H + F) // 8
     layers = 80
     for name, shards, vocab_rows in (("scale_70b_fsdp2", 512, 16_384), ("scale_70b_hsdp", 64, 16_064)):
-        setup, steps = seventy_b[name]
+        setup, step = setup_of(name), step_at(name, 0)
         assert (setup.tp, setup.pp, setup.dp, setup.microbatches, setup.shard_size) == (8, 1, 512, 1, shards)
         root = 2 * vocab_rows * H + S * H + 2 * H
         shard = (root + layers * block) // shards
-        assert steps[0].rank == 0 and steps[0].held == {
+        assert step.rank == 0 and step.held == {
             "parameters": 4 * shard,
             "gradients": 4 * shard,
             "master_weights": 0,
             "optimizer_states": 8 * shard,
         }
-        rows = table(rows_of(seventy_b, name, 0))
+        rows = table(rows_of(name, 0))
         group = "dp" if shards == 512 else "dp_shard"
         assert rows[(group, "all_gather")] == (2 * layers + 1, 2 * (root + 2 * layers * block))
         assert rows[(group, "reduce_scatter")] == (layers + 1, 4 * (root + layers * block))
         assert rows.get(("dp_replicate", "all_reduce")) == (None if shards == 512 else (layers + 1, 4 * shard))
-        assert_agrees(rows_of(seventy_b, name, 0))
+        assert_agrees(rows_of(name, 0))
     assert 4 * (2 * 16_384 * H + S * H + 2 * H + layers * block) // 512 == 60_065_984  # the held parameters
 
 

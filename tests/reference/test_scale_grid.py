@@ -29,6 +29,7 @@ def committed() -> dict:
     return json.loads((TRACES / "layout_grid.json").read_text())
 
 
+@pytest.mark.freshness
 def test_committed_grid_is_what_the_grid_module_writes_now(committed):
     fresh = json.loads(json.dumps(grid.document()))
     assert fresh == committed, "reading_notes/traces/layout_grid.json is stale: re-record with tools/record-traces"

@@ -536,7 +536,7 @@ def test_test_pages_show_every_line_whole_and_link_the_helpers_that_run_upstream
         page = open_page(f"{site_url}{path}/")
         assert not any(page.evaluate(CODE_SCROLLS)), path
         page.close()
-    page = open_page(site_url + "notes/tests/reference/test_megatron_upstream_claims/")
+    page = open_page(site_url + "notes/tests/evidence/test_megatron_upstream_claims/")
     test = page.locator("#test_column_defaults_allreduce_dx_async_between_dx_and_dw_gemms")
     assert test.is_visible()
     page.locator("article a[href='#calls.cases']").first.click()

@@ -123,7 +123,7 @@ def test_a_broken_note_stops_the_build_with_its_file_and_line_and_keeps_the_prev
     produce): the build stops with one line naming the template's file:line, before mkdocs cleans the site, and
     render writes nothing, so the previous site and rendered pages stay whole."""
     project = tmp_path / "project"  # a scratch copy of what the notes read: templates, traces,
-    for part in ("reading_notes", "reference", "tests/reference", "tests/tools"):  # ours()'s code, the tests named
+    for part in ("reading_notes", "reference", "tests/reference", "tests/evidence", "tests/tools"):  # code, tests named
         shutil.copytree(ROOT / part, project / part)
     docs = tmp_path / "docs"
     shutil.copytree(vendored_docs, docs, ignore=shutil.ignore_patterns("notes"))

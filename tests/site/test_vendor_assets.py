@@ -14,7 +14,6 @@ import subprocess
 import sys
 import tarfile
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -169,9 +168,7 @@ def test_unreachable_registry_fails_fast_in_one_line(monkeypatch, tmp_path):
     port = free_port()  # nothing listens on it
     monkeypatch.setenv("npm_config_registry", f"http://127.0.0.1:{port}/")
     monkeypatch.setenv("npm_config_cache", str(tmp_path / "npm-cache"))
-    start = time.monotonic()
     error = _cli_error(tmp_path, _lock(tmp_path, _tarball(SCRIPT)))
-    assert time.monotonic() - start < 30
     assert error.startswith("vendor-assets: error: npm pack mermaid@11.17.2 failed (no network or registry?): ")
     assert f"connect ECONNREFUSED 127.0.0.1:{port}" in error
     assert not (tmp_path / "docs").exists()

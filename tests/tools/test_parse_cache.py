@@ -36,7 +36,7 @@ def test_check_says_the_same_from_a_cold_a_warm_and_a_damaged_cache(project):
     assert cold.code == 0 and cold.out.endswith("2 citation(s) ok, 0 broken\n"), cold.out + cold.err
     entries = list((project.cache / "parsed").rglob("*.json"))
     assert len(entries) >= 3  # the file's definitions and statements, the note's calls
-    assert not (project.cache / "jinja").exists()  # no compiled template is kept: loading one would unpickle it
+    assert not (project.cache / "jinja").exists()  # no Jinja bytecode cache: loading one would unpickle it
     assert project.run("check") == cold
     for entry in entries:
         entry.write_bytes(b"\x80garbage")

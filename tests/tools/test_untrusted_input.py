@@ -23,7 +23,7 @@ LAYERS = "up:pkg/core/layers.py"
 CITE = f"{LAYERS}#L9-L10"
 
 
-def run(project, *args: str, timeout: float = 30) -> Run:
+def run(project, *args: str, timeout: float = 120) -> Run:
     """The CLI as ProjectDir.run runs it, with bounded memory; a hang fails the test after `timeout`."""
 
     def limit_memory():
@@ -340,17 +340,17 @@ def test_a_cache_entry_that_is_not_a_regular_file_is_refused(project, plant):
     entry = cache_entry(project, locked(project))
     entry.unlink()
     plant(entry)
-    r = run(project, "check", timeout=20)
+    r = run(project, "check")
     assert r.code == 1 and "Traceback" not in r.err, (r.out, r.err)
     assert "not a regular file" in r.out
-    one_error_line(run(project, "fetch", timeout=20), code=3)
+    one_error_line(run(project, "fetch"), code=3)
 
 
 def test_a_cache_entry_larger_than_its_blob_is_never_read(project):
     entry = cache_entry(project, locked(project))
     with open(entry, "r+b") as f:
         f.truncate(8 << 30)  # sparse: 8 GiB that reading would allocate
-    r = run(project, "check", timeout=20)
+    r = run(project, "check")
     assert r.code == 1 and "Traceback" not in r.err, (r.out, r.err)
     assert "not fetched" in r.out
     assert run(project, "fetch").code == 0 and run(project, "check").code == 0

@@ -110,7 +110,7 @@ def test_a_journal_that_is_not_a_regular_file_is_one_line(project, verb, plant):
     _note(project)
     journal = project.root / "reading_notes" / JOURNAL
     journal.symlink_to("/dev/zero") if plant == "dev-zero" else os.mkfifo(journal)
-    err = one_error_line(run(project, verb, timeout=20))
+    err = one_error_line(run(project, verb))
     assert JOURNAL in err
 
 

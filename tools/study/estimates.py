@@ -6,7 +6,7 @@ bytes per element. Collective time uses ring algorithms: an all-reduce puts 2(p-
 rank's link, an all-gather (p-1)/p. No overlap is assumed unless said.
 
 The training-memory formulas (`training_memory`, `sharding_limit`) need no trace: bytes per parameter times
-parameters, divided by the group under FSDP; tests/reference/test_fsdp1_upstream_claims.py checks them
+parameters, divided by the group under FSDP; tests/evidence/test_fsdp1_upstream_claims.py checks them
 against the bytes torch DDP and FSDP1 hold.
 """
 

@@ -421,7 +421,7 @@ def _run_it_problems(root: Path, block: RunIt) -> list[RuleProblem]:
 
 def walkthrough_runs(notes_dir: Path) -> list[tuple[Path, RunIt]]:
     """Every Run it block of every walkthrough (`rules: walkthrough`), with its template: what tools/record-runs
-    records and tests/site/test_run_it.py runs again."""
+    records and tests/evidence/test_run_it.py runs again."""
     return [
         (template, block)
         for template in note_templates(notes_dir)

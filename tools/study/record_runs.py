@@ -2,7 +2,7 @@
 
 Each block runs as a reader runs it (study.run_it.run_block: from the project root, the venv not
 activated) and its commands and stdout are written to reading_notes/runs/NAME.txt, the file the page shows
-with run_output("NAME") and tests/site/test_run_it.py compares with a fresh run. Re-record after changing a
+with run_output("NAME") and tests/evidence/test_run_it.py compares with a fresh run. Re-record after changing a
 block or the demo it runs, and commit the result. Exit status: 0 recorded, 1 a run failed, 2 a usage error
 (a name no Run it block records).
 """

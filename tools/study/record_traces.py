@@ -20,7 +20,7 @@ plan on HF's Qwen2, without and with sequence parallelism) into DIR/dtensor_qwen
 DIR/dtensor_qwen2_sp.json, checked by tests/reference/test_hf_tp_demo.py; one step of the MoE demo (`-m reference
 --moe --json`) at EP 2 on two ranks and EP 2 x TP 2 on four into DIR/moe_ep2.json and DIR/moe_ep2_tp2.json, checked
 by tests/reference/test_moe_demo.py. Last, on four ranks, tools/fsdp_compare.py (PyTorch's FSDP1 and FSDP2 on one
-model, side by side) into DIR/fsdp1_vs_fsdp2.json, checked by tests/reference/test_fsdp1_vs_fsdp2.py. `--only NAME ...`
+model, side by side) into DIR/fsdp1_vs_fsdp2.json, checked by tests/evidence/test_fsdp1_vs_fsdp2.py. `--only NAME ...`
 writes just those
 traces (and runs just the recordings that make them), leaving the others as they are. Exit status: 0
 recorded, 1 a run failed (its output is printed), 2 a usage error (an unknown trace name).

@@ -3,7 +3,7 @@
 A Run it block is a fenced block whose info string holds `run-it` (` ```{ .shell .run-it } `), followed by
 `{{ run_output("NAME") }}`, which shows reading_notes/runs/NAME.txt: the block's commands (`$ ` lines), then
 what they printed on stdout. tools/record-runs writes those files by running each block as a reader would,
-from the project root in a shell where the venv is not activated (`run_block`); tests/site/test_run_it.py runs
+from the project root in a shell where the venv is not activated (`run_block`); tests/evidence/test_run_it.py runs
 them again and compares, so the page cannot show output its commands no longer print.
 """
 
@@ -27,7 +27,7 @@ _FENCE = re.compile(r"\s*(`{3,}|~{3,})(.*)")
 _NAME = re.compile(r"[\w.-]+", re.ASCII)
 _RUN_OUTPUT = re.compile(r"""\{\{\s*run_output\(\s*["']([\w.-]+)["']\s*\)\s*\}\}""")
 # A wall-clock figure in a recording ("(467.9 ms wall clock)", "wall clock 0.54"): the one thing a reader's run
-# prints differently (tests/site/test_run_it.py VARIES), so the page warns of it only where the output has one.
+# prints differently (tests/evidence/test_run_it.py VARIES), so the page warns of it only where the output has one.
 WALL_CLOCK = re.compile(r"\bwall clock\b")
 
 

@@ -20,6 +20,7 @@ from reference.arguments import (
     add_flag,
     microbatches,
     refuse_large_world,
+    routing_skew,
     world_size,
 )
 from reference.data_parallel.wrapper import DEFAULT_BUCKET_SIZE
@@ -108,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--routing-skew",
-        type=float,
+        type=routing_skew,
         default=0.0,
         metavar="S",
         help="MoE models: expert i gets a share of the routed tokens proportional to (i + 1)^-S (Zipf; 0: uniform)",

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from reference.gpt.model import split_layers
-from reference.measure.scale.formulas import FP32, Term, _exact, ddp_buckets
+from reference.measure.scale.formulas import FP32, Term, _exact, ddp_buckets, stage_layers  # MoE layers here
 from reference.measure.scale.moe_shapes import MoESetup
 from reference.measure.scale.routing import ep_rank_pairs, expert_counts
 
@@ -27,12 +26,6 @@ class SentTerm(Term):
     """A Term of an all-to-all, with the bytes that leave the rank (its rows for itself stay)."""
 
     sent: int
-
-
-def stage_layers(setup: MoESetup, stage: int) -> int:
-    """MoE layers on pipeline stage `stage` (reference.gpt.model.split_layers)."""
-    first, last = split_layers(setup.model.num_layers, setup.pp)[stage]
-    return last - first
 
 
 def counts(setup: MoESetup) -> list[int]:

@@ -23,11 +23,11 @@ from reference.data_parallel.distributed_optimizer import bytes_per_rank
 from reference.data_parallel.mixed_precision import unsharded
 from reference.data_parallel.wrapper import DistributedDataParallel
 from reference.measure.recorder import CollectiveEvent, CollectiveRecorder
-from reference.measure.scale import moe_formulas
+from reference.measure.scale import moe_formulas, simulate
 from reference.measure.scale.moe_shapes import MoESetup
 from reference.measure.scale.routing import imbalance
 from reference.measure.scale.shapes import DTYPES
-from reference.measure.scale.simulate import Row, adam, stage_of
+from reference.measure.scale.simulate import RankStep, Row, adam, agree, rows_document, rows_of, stage_of
 from reference.moe import dispatcher as dispatcher_module
 from reference.moe.layer import MoELayer
 from reference.moe.parallelize import parallelize_moe
@@ -163,33 +163,11 @@ def _held(wrapped, optimizer, routers, experts) -> dict[str, int]:
 
 def summarize(setup: MoESetup, rank: int, events: list[CollectiveEvent]) -> list[Row]:
     """One Row per (group, op) seen or predicted, in group then op order."""
-    measured: dict[tuple[str, str], list[int]] = {}
-    for e in events:
-        entry = measured.setdefault((e.module, e.op), [0, 0])
-        entry[0] += 1
-        entry[1] += e.nbytes
-    predicted = moe_formulas.expected(setup, stage_of(setup, rank), ep_rank_of(setup, rank))
-    rows = []
-    order = lambda k: (GROUPS.index(k[0]) if k[0] in GROUPS else len(GROUPS), k[1])
-    for key in sorted(measured.keys() | predicted.keys(), key=order):
-        count, nbytes = measured.get(key, (0, 0))
-        terms = predicted.get(key, [])
-        f_count, f_bytes = sum(t.count for t in terms), sum(t.nbytes for t in terms)
-        rows.append(Row(*key, count, nbytes, f_count, f_bytes, " + ".join(t.formula for t in terms) or "none"))
-    return rows
-
-
-@dataclasses.dataclass(frozen=True)
-class RankStep:
-    rank: int
-    events: list[CollectiveEvent]
-    held: dict[str, int]
+    return rows_of(events, moe_formulas.expected(setup, stage_of(setup, rank), ep_rank_of(setup, rank)), GROUPS)
 
 
 def step_of(setup: MoESetup, rank: int) -> RankStep:
-    held: dict[str, int] = {}
-    events = trace_rank(setup, rank, held=held)
-    return RankStep(rank, events, held)
+    return simulate.step_of(setup, rank, trace_rank)
 
 
 def document(setup: MoESetup, steps: list[RankStep]) -> dict:
@@ -211,29 +189,9 @@ def document(setup: MoESetup, steps: list[RankStep]) -> dict:
                     "formula": moe_formulas.memory(setup, stage),
                     "without_ep": moe_formulas.memory(without_ep, stage),
                 },
-                "rows": [
-                    {
-                        "group": r.group,
-                        "op": r.op,
-                        "count": r.count,
-                        "bytes": r.nbytes,
-                        "formula_count": r.formula_count,
-                        "formula_bytes": r.formula_nbytes,
-                        "formula": r.formula,
-                    }
-                    for r in summarize(setup, step.rank, step.events)
-                ],
-                "formulas": [
-                    {"group": group, "op": op, "terms": [dataclasses.asdict(t) for t in terms]}
-                    for (group, op), terms in moe_formulas.expected(setup, stage, ep_rank).items()
-                ],
+                **rows_document(summarize(setup, step.rank, step.events), moe_formulas.expected(setup, stage, ep_rank)),
             }
         )
-    agree = all(
-        row["count"] == row["formula_count"] and row["bytes"] == row["formula_bytes"]
-        for run in runs
-        for row in run["rows"]
-    ) and all(run["memory"]["measured"] == run["memory"]["formula"] for run in runs)
     counts = moe_formulas.counts(setup)
     return {
         "kind": "scale",
@@ -250,5 +208,5 @@ def document(setup: MoESetup, steps: list[RankStep]) -> dict:
             **imbalance(counts, setup.ep),
         },
         "runs": runs,
-        "agree": agree,
+        "agree": agree(runs),
     }

@@ -166,10 +166,6 @@ class ScaleSetup:
             del fields["fsdp2"], fields["dp_replicate"]
         return fields
 
-    @classmethod
-    def from_dict(cls, data: dict) -> ScaleSetup:
-        return cls(**{**data, "model": ModelShape(**data["model"])})
-
 
 def setup_for(model: str, **layout) -> ScaleSetup:
     """ScaleSetup for a preset by name (a one-line error for an unknown name)."""

@@ -176,16 +176,20 @@ def _labelled(
 
 def summarize(setup: ScaleSetup, rank: int, events: list[CollectiveEvent]) -> list[Row]:
     """One Row per (group, op) seen or predicted, in group then op order."""
+    return rows_of(events, formulas.expected(setup, stage_of(setup, rank), shard_rank_of(setup, rank)), GROUPS)
+
+
+def rows_of(events: list[CollectiveEvent], predicted: dict, groups: tuple[str, ...]) -> list[Row]:
+    """The labelled events counted per (group, op) beside the predicted terms, in `groups` order (others last),
+    then op order: summarize() for the dense and the MoE trace."""
     measured: dict[tuple[str, str], list[int]] = {}
     for e in events:
         entry = measured.setdefault((e.module, e.op), [0, 0])
         entry[0] += 1
         entry[1] += e.nbytes
-    predicted = formulas.expected(setup, stage_of(setup, rank), shard_rank_of(setup, rank))
     rows = []
-    for key in sorted(
-        measured.keys() | predicted.keys(), key=lambda k: (GROUPS.index(k[0]) if k[0] in GROUPS else len(GROUPS), k[1])
-    ):
+    order = lambda k: (groups.index(k[0]) if k[0] in groups else len(groups), k[1])
+    for key in sorted(measured.keys() | predicted.keys(), key=order):
         count, nbytes = measured.get(key, (0, 0))
         terms = predicted.get(key, [])
         f_count, f_bytes = formulas.totals(terms)
@@ -213,10 +217,10 @@ class RankStep:
     held: dict[str, int]
 
 
-def step_of(setup: ScaleSetup, rank: int) -> RankStep:
-    """trace_rank, keeping the bytes held too: what document() reports for `rank`."""
+def step_of(setup: ScaleSetup, rank: int, trace=trace_rank) -> RankStep:
+    """`trace` (trace_rank, or the MoE one), keeping the bytes held too: what document() reports for `rank`."""
     held: dict[str, int] = {}
-    events = trace_rank(setup, rank, held=held)
+    events = trace(setup, rank, held=held)
     return RankStep(rank, events, held)
 
 
@@ -226,35 +230,48 @@ def document(setup: ScaleSetup, steps: list[RankStep]) -> dict:
     importing this package (the citation tool never imports torch)."""
     runs = []
     for step in steps:
-        rank, held = step.rank, step.held
+        rank = step.rank
         stage = stage_of(setup, rank)
-        rows = summarize(setup, rank, step.events)
         runs.append(
             {
                 "rank": rank,
                 "stage": stage,
-                "memory": {"measured": held, "formula": formulas.memory(setup, stage, shard_rank_of(setup, rank))},
-                "rows": [
-                    {
-                        "group": r.group,
-                        "op": r.op,
-                        "count": r.count,
-                        "bytes": r.nbytes,
-                        "formula_count": r.formula_count,
-                        "formula_bytes": r.formula_nbytes,
-                        "formula": r.formula,
-                    }
-                    for r in rows
-                ],
-                "formulas": [
-                    {"group": group, "op": op, "terms": [dataclasses.asdict(t) for t in terms]}
-                    for (group, op), terms in formulas.expected(setup, stage, shard_rank_of(setup, rank)).items()
-                ],
+                "memory": {"measured": step.held, "formula": formulas.memory(setup, stage, shard_rank_of(setup, rank))},
+                **rows_document(
+                    summarize(setup, rank, step.events), formulas.expected(setup, stage, shard_rank_of(setup, rank))
+                ),
             }
         )
-    agree = all(
+    return {"kind": "scale", "setup": setup.to_dict(), "world": setup.world, "runs": runs, "agree": agree(runs)}
+
+
+def rows_document(rows: list[Row], predicted: dict) -> dict:
+    """A traced run's "rows" and, apart from them, "formulas" (the predicted terms per group and op), as a scale
+    trace stores them."""
+    return {
+        "rows": [
+            {
+                "group": r.group,
+                "op": r.op,
+                "count": r.count,
+                "bytes": r.nbytes,
+                "formula_count": r.formula_count,
+                "formula_bytes": r.formula_nbytes,
+                "formula": r.formula,
+            }
+            for r in rows
+        ],
+        "formulas": [
+            {"group": group, "op": op, "terms": [dataclasses.asdict(t) for t in terms]}
+            for (group, op), terms in predicted.items()
+        ],
+    }
+
+
+def agree(runs: list[dict]) -> bool:
+    """Whether every stored row, and every run's bytes held, equal the formulas'."""
+    return all(
         row["count"] == row["formula_count"] and row["bytes"] == row["formula_bytes"]
         for run in runs
         for row in run["rows"]
     ) and all(run["memory"]["measured"] == run["memory"]["formula"] for run in runs)
-    return {"kind": "scale", "setup": setup.to_dict(), "world": setup.world, "runs": runs, "agree": agree}

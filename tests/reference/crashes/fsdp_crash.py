@@ -8,11 +8,13 @@ from reference.distributed import init_distributed
 from reference.fsdp.units import shard_model
 from reference.gpt.model import GPT
 from reference.gpt.train import split_batch, synthetic_batches
+from tests.on_rank import every_rank_started
 from tests.reference.fsdp_runs import BATCH, CONFIG, SEED, STEPS
 
 
 def main() -> None:
     """Rank 1 fails inside its second step's forward; rank 0 is then blocked in a collective."""
+    every_rank_started(300)  # the group's short timeout then bounds the crash, not the ranks' start
     device = init_distributed("cpu", 15)
     rank, world = dist.get_rank(), dist.get_world_size()
     model = shard_model(GPT(CONFIG, SEED, device), "reference", dist.group.WORLD)

@@ -12,9 +12,11 @@ from reference.distributed import init_distributed
 from reference.gpt.model import gpt_blocks
 from reference.parallel_state import build_layout
 from reference.tensor_parallel.parallelize import parallelize
+from tests.on_rank import every_rank_started
 
 
 def main() -> None:
+    every_rank_started(300)  # the 4 s timeout then bounds rank 1's stop, not the ranks' start on a busy machine
     device = init_distributed("cpu")
     tp = build_layout(tp_size=dist.get_world_size()).tp_group
     model = parallelize(gpt_blocks(2, 16, 4, device=device), tp)

@@ -8,9 +8,11 @@ from reference.gpt.model import GPTConfig
 from reference.gpt.parallelize import build_stage
 from reference.gpt.train import data_parallel, synthetic_batches, train_step
 from reference.parallel_state import build_layout
+from tests.on_rank import every_rank_started
 
 
 def main() -> None:
+    every_rank_started(300)  # the group's short timeout then bounds the crash, not the ranks' start
     device = init_distributed("cpu", 30)
     config = GPTConfig(vocab_size=32, hidden_size=16, num_attention_heads=4, num_layers=2, seq_length=8)
     layout = build_layout(1, 2, 1)

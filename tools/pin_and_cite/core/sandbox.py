@@ -4,9 +4,9 @@ contributor's branch, and `check` and the site build render it.
 Jinja's ImmutableSandboxedEnvironment refuses every attribute that starts with `_` (so no way leads from a
 value to its class, a function's globals, `os`), calls it deems unsafe, and methods that change a list, dict
 or set (a note cannot empty `pins` to hide a stale pin from `check`). Jinja's own globals (`cycler`,
-`lipsum`, `range`...) are removed: a template sees only the helpers the renderer gives it. Nothing compiled
-is kept between runs: Jinja's bytecode cache unpickles its files, and a cache a branch can reach would run
-the branch's code (compiling costs a `check` about 0.1 s).
+`lipsum`, `range`...) are removed: a template sees only the helpers the renderer gives it. Jinja's bytecode
+cache is never used (it unpickles its files, and a cache a branch can reach would run the branch's code);
+pin_and_cite.core.compiled_templates keeps the generated Python text, verified, outside every checkout.
 
 Every page is compiled and rendered within `bounded()`: Jinja folds constant filters while it compiles, so a
 bound on the render alone let `"%2000000000d"|format(1)` cost a `check` 176 s and 9.8 GB. One environment

@@ -12,11 +12,14 @@ The pages hide the side navigation and the table of contents: a test file's 120 
 from __future__ import annotations
 
 import ast
+import functools
+import json
 import posixpath
 from pathlib import Path
 
 from pin_and_cite.core.fences import fence_for
 from pin_and_cite.core.verified_by import Evidence
+from pin_and_cite.core.verified_cache import VerifiedCache, made_from
 
 FOLDER = "tests"  # under the notes folder; mkdocs.yml keeps these pages out of the navigation
 # name -> (the names of the file's other module-level definitions its body uses, its lines with decorators)
@@ -54,22 +57,25 @@ def link_from(page: str | None, node_id: str) -> str:
     return f"{posixpath.relpath(page_of(node_id), here)}#{anchor_of(function_of(node_id))}"
 
 
-def evidence_pages(root: Path, cited: dict[str, tuple[Evidence, list[str]]]) -> dict[str, str]:
+def evidence_pages(
+    root: Path, cited: dict[str, tuple[Evidence, list[str]]], cache_root: Path | None = None
+) -> dict[str, str]:
     """Each test file's page (by path under the notes folder), from the cited tests: node id -> (evidence, the
     pages citing it). Left out of the search index (front matter `search: exclude`): source listings, found
-    from the claims that cite them."""
+    from the claims that cite them. Each file's helpers are kept under `cache_root` (when given) by its text."""
+    helpers_of = _module_helpers if cache_root is None else functools.partial(_kept_helpers, cache_root)
     files: dict[str, dict[str, tuple[Evidence, list[str]]]] = {}
     for node_id, (evidence, citing) in cited.items():
         section = files.setdefault(file_of(node_id), {}).setdefault(function_of(node_id), (evidence, []))
         section[1].extend(page for page in citing if page not in section[1])
-    return {page_of(path): _file_page(root, path, tests) for path, tests in files.items()}
+    return {page_of(path): _file_page(root, path, tests, helpers_of) for path, tests in files.items()}
 
 
-def _file_page(root: Path, path: str, tests: dict[str, tuple[Evidence, list[str]]]) -> str:
+def _file_page(root: Path, path: str, tests: dict[str, tuple[Evidence, list[str]]], helpers_of) -> str:
     here = page_of(path)
     text = (root / path).read_text(encoding="utf-8")
     lines = text.split("\n")
-    helpers = _module_helpers(text)
+    helpers = helpers_of(text)
     parts = [
         f"---\nsearch:\n  exclude: true\nhide:\n  - navigation\n  - toc\n---\n\n# `{path}`\n\n"
         "The tests of this file that the notes cite, as in the working tree this site was built from, then the "
@@ -124,6 +130,20 @@ def _listing(lines: list[str], span: tuple[int, int]) -> str:
 
 def _helper_anchor(name: str) -> str:
     return f"calls.{name}"
+
+
+def _kept_helpers(cache_root: Path, text: str) -> Helpers:
+    """_module_helpers(text), parsed once per text: a pin_and_cite.core.verified_cache entry."""
+    cache = VerifiedCache(cache_root, "test-helpers")
+    made = made_from("test helpers", Path(__file__).read_text(), text)
+    if (kept := cache.get(made)) is not None:
+        try:
+            return {str(name): ({str(u) for u in uses}, (int(a), int(b))) for name, (uses, (a, b)) in json.loads(kept)}
+        except (ValueError, TypeError):  # not of this shape: parse again
+            pass
+    helpers = _module_helpers(text)
+    cache.put(made, json.dumps([[name, [sorted(uses), list(span)]] for name, (uses, span) in helpers.items()]))
+    return helpers
 
 
 def _module_helpers(text: str) -> Helpers:

@@ -29,6 +29,7 @@ import jinja2
 
 from pin_and_cite.core import sandbox, symbols
 from pin_and_cite.core.citation import parse_spec
+from pin_and_cite.core.compiled_templates import CompiledTemplates
 from pin_and_cite.core.context import Context
 from pin_and_cite.core.defaults import default_ref
 from pin_and_cite.core.errors import PinAndCiteError
@@ -124,7 +125,8 @@ class Renderer:
         self.page: str | None = None  # the page being rendered, for relative links
         self.cited_tests: dict[str, tuple[Evidence, list[str]]] = {}  # node id -> evidence, citing pages
         self.our_code: dict[str, Definition] = {}  # anchor -> definition ours() linked, on the page being rendered
-        self.env = sandbox.environment(jinja2.FileSystemLoader(project.notes_dir))
+        loader = CompiledTemplates(jinja2.FileSystemLoader(project.notes_dir), project.cache_dir)
+        self.env = sandbox.environment(loader)
         self.env.globals.update(
             cite=self.cite,
             upstream=self.upstream,
@@ -336,7 +338,8 @@ def render_notes(root: Path, out_dir: Path) -> list[Path]:
         except PinAndCiteError as exc:  # its page stays as it was; the others, change pages first, still render
             broken.append(str(exc))
     if not broken:  # a refused note's tests are unknown: the test pages stay as they were
-        rendered.update({out_dir / page: text for page, text in evidence_pages(root, renderer.cited_tests).items()})
+        test_pages = evidence_pages(root, renderer.cited_tests, project.cache_dir)
+        rendered.update({out_dir / page: text for page, text in test_pages.items()})
     rendered.update(change_pages(project, renderer.resolver, out_dir))
     site_folder = out_dir.resolve() == (project.root / SITE_NOTES).resolve()
     written = OutputFolder(out_dir, adopt_legacy_pages=site_folder).write(

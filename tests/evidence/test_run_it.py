@@ -67,6 +67,7 @@ def test_every_walkthrough_has_a_run_it_block():
     assert all(block.recording for _, block in runs)
 
 
+@pytest.mark.freshness
 def test_every_run_it_block_prints_what_its_page_shows():
     runs = [block for _, block in walkthrough_runs(NOTES)]
     with ThreadPoolExecutor(max_workers=min(len(runs), AT_ONCE)) as pool:

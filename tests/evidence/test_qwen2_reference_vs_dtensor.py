@@ -9,8 +9,8 @@ from collections import Counter
 
 import pytest
 
+from tests.evidence.test_qwen2_dtensor import run_tp
 from tests.ranks import on_ranks
-from tests.reference.test_qwen2_dtensor import run_tp
 from tests.reference.test_qwen2_oracle import block_ops
 from tests.reference.test_qwen2_oracle import results as reference_results
 

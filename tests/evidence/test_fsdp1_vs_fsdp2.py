@@ -70,6 +70,7 @@ def numel(shape: list[int]) -> int:
     return math.prod(shape)
 
 
+@pytest.mark.freshness
 @on_ranks(WORLD)
 def test_the_committed_trace_is_what_fsdp1_and_fsdp2_do_now(ranks):
     """The page's numbers are this run's: tools/record-traces wrote the same trace (losses aside, which the

@@ -1,0 +1,137 @@
+"""Upstream evidence for context parallelism, run here on CPU/gloo: torch's `_templated_ring_attention` and its
+backward (the CPU flash-attention kernels as the per-block op), causal, head-tail balanced and not, against
+unsharded SDPA and the reference ring; torch's head-tail balancer's indices and megatron-core's
+`get_batch_on_this_cp_rank` split against the reference shard."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor.experimental._context_parallel import _attention as torch_cp
+from torch.distributed.tensor.experimental._context_parallel._load_balancer import _HeadTailLoadBalancer
+
+from reference.context_parallel import ring_attention, ring_blocks, shard
+from tests.ranks import on_ranks
+
+aten = torch.ops.aten
+
+
+@contextlib.contextmanager
+def _torch_cp_options(balanced: bool, rotate: str = "ALL_GATHER"):
+    """torch's module-level CP options for the block, restored after."""
+    options = torch_cp._cp_options
+    saved = (options.enable_load_balance, options.rotate_method)
+    options.enable_load_balance, options.rotate_method = balanced, torch_cp._RotateMethod[rotate]
+    try:
+        yield
+    finally:
+        options.enable_load_balance, options.rotate_method = saved
+
+
+def _flash_forward(query, key, value, is_causal, **kwargs):
+    """torch's CPU flash attention: (out, logsumexp), the op its ring merges."""
+    return aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, is_causal)
+
+
+def _flash_backward(query, key, value, out, logsumexp, is_causal, grad_out, **kwargs):
+    """The CPU flash backward: (dq, dk, dv) from the merged out and logsumexp."""
+    return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out, query, key, value, out, logsumexp, 0.0, is_causal
+    )
+
+
+def _qkv(seq: int = 16, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(2, 4, seq, 8, generator=g) for _ in range(4)]
+
+
+def _torch_ring(ranks, balanced: bool, rotate: str = "ALL_GATHER"):
+    """torch's ring attention forward and backward on this rank's shards: (out, dq, dk, dv)."""
+    q, k, v, grad = (shard(t, 2, ranks.rank, ranks.world, balanced) for t in _qkv())
+    with _torch_cp_options(balanced, rotate):
+        out, lse = torch_cp._templated_ring_attention(ranks.group, 2, _flash_forward, q, k, v, is_causal=True)[:2]
+        grads = torch_cp._templated_ring_attention_backward(
+            ranks.group, 2, _flash_backward, grad, "grad_out", q, k, v, out, lse, is_causal=True
+        )[:3]
+    return out, *grads
+
+
+def _reference_ring(ranks, balanced: bool):
+    local = [shard(t, 2, ranks.rank, ranks.world, balanced).requires_grad_() for t in _qkv()[:3]]
+    out = ring_attention(*local, ranks.group, balanced)
+    out.backward(shard(_qkv()[3], 2, ranks.rank, ranks.world, balanced))
+    return out.detach(), *(t.grad for t in local)
+
+
+def _unsharded(ranks, balanced: bool):
+    q, k, v, grad = _qkv()
+    whole = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = F.scaled_dot_product_attention(*whole, is_causal=True)
+    out.backward(grad)
+    return [shard(t, 2, ranks.rank, ranks.world, balanced) for t in (out.detach(), *(t.grad for t in whole))]
+
+
+@pytest.mark.upstream("pytorch")
+@on_ranks(2, 4)
+@pytest.mark.parametrize("balanced", [True, False], ids=["head_tail", "contiguous"])
+def test_torch_templated_ring_attention_equals_causal_sdpa_and_the_reference_ring(ranks, balanced):
+    """Forward (out) and backward (dq, dk, dv): torch's ring equals unsharded SDPA and the reference ring."""
+    theirs, ours, whole = _torch_ring(ranks, balanced), _reference_ring(ranks, balanced), _unsharded(ranks, balanced)
+    for name, t, o, w in zip(("out", "dq", "dk", "dv"), theirs, ours, whole):
+        torch.testing.assert_close(t, w, rtol=1e-5, atol=1e-5, msg=f"torch {name} vs SDPA")
+        torch.testing.assert_close(o, t, rtol=1e-5, atol=1e-5, msg=f"reference {name} vs torch")
+
+
+@pytest.mark.upstream("pytorch")
+@on_ranks(2)
+def test_torch_ring_attention_all_to_all_rotater_gives_the_same_result(ranks):
+    """torch's two K/V rotaters (one all-gather up front, or a permute each step) compute the same attention."""
+    gathered, rotated = _torch_ring(ranks, True, "ALL_GATHER"), _torch_ring(ranks, True, "ALL_TO_ALL")
+    for a, b in zip(gathered, rotated):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.upstream("pytorch")
+@pytest.mark.parametrize("cp", [1, 2, 4, 8])
+def test_torch_head_tail_load_balancer_indices_equal_the_reference_cp_shard(cp):
+    seq = 4 * cp
+    indices = _HeadTailLoadBalancer(seq, cp, "cpu")._generate_indices()[0]
+    ours = torch.cat([shard(torch.arange(seq), 0, r, cp) for r in range(cp)])
+    assert indices.tolist() == ours.tolist()
+
+
+@pytest.mark.upstream("megatron-lm")
+@on_ranks(2, 4)
+def test_megatron_get_batch_on_this_cp_rank_equals_the_reference_cp_shard(ranks):
+    """megatron-core's split of a batch's tokens, labels and position ids over the cp group (here the world)."""
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    seq = 8 * ranks.world
+    tokens = torch.arange(3 * seq).view(3, seq)
+    whole = {"tokens": tokens, "labels": tokens + 1, "position_ids": torch.arange(seq).expand(3, -1)}
+    theirs = get_batch_on_this_cp_rank(dict(whole), cp_group=ranks.group)  # it replaces the dict's values
+    assert theirs.keys() == whole.keys()
+    for key, value in whole.items():
+        assert torch.equal(theirs[key], shard(value, 1, ranks.rank, ranks.world)), key
+
+
+@pytest.mark.upstream("pytorch")
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("balanced", [True, False], ids=["head_tail", "contiguous"])
+def test_torch_is_causal_behavior_per_ring_step_matches_the_reference_cp_blocks(cp, balanced):
+    """torch decides per (rank, step) whether to run the block causal, full or not at all; the reference's
+    blocks of that step are then: some masked (step 0), all full or skipped, or all skipped."""
+    with _torch_cp_options(balanced):
+        for rank, steps in enumerate(ring_blocks(cp, balanced)):
+            for step, blocks in enumerate(steps):
+                behavior = torch_cp._is_causal_behavior(rank, cp, step, is_causal=True)
+                kinds = {kind for _, _, kind in blocks}
+                expected = {
+                    torch_cp._CausalBehavior.IS_CAUSAL: "masked" in kinds,
+                    torch_cp._CausalBehavior.NOT_IS_CAUSAL: "full" in kinds and "masked" not in kinds,
+                    torch_cp._CausalBehavior.SKIP: kinds == {"skipped"},
+                }[behavior]
+                assert expected, (rank, step, behavior, blocks)
