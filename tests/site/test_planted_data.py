@@ -43,7 +43,7 @@ def _plant(notes) -> None:
 
 def test_no_planted_script_is_live_in_the_built_site(vendored_docs, tmp_path, monkeypatch):
     project = tmp_path / "project"
-    for part in ("reading_notes", "reference", "tests/reference", "tests/tools"):  # what the notes read
+    for part in ("reading_notes", "reference", "tests/reference", "tests/evidence", "tests/tools"):  # notes read
         shutil.copytree(ROOT / part, project / part)
     _plant(project / "reading_notes")
     docs, site = tmp_path / "docs", tmp_path / "site"
