@@ -154,3 +154,11 @@ def test_a_missing_unreadable_or_oddly_named_calibration_is_a_one_line_error(not
         assert problem in str(error.value) and "\n" not in str(error.value)
     with pytest.raises(PinAndCiteError, match=r"calibrations: broken, h200\); measure one with"):
         load_calibration(notes, "a100")
+
+
+@pytest.mark.parametrize("spelling", ["<", "\\u003c", "\\u003C"])
+def test_a_calibration_reads_as_page_text_however_json_spells_its_tags(notes, spelling):
+    """A `<` in any JSON spelling reaches a page as `&lt;`, never a live tag (fences.page_text)."""
+    text = json.dumps(CALIBRATION).replace('"NVIDIA H200"', f'"H200{spelling}script>"')
+    (notes / "calibrations" / "h200.json").write_text(text)
+    assert load_calibration(notes, "h200")["device"] == "H200&lt;script>"

@@ -106,11 +106,12 @@ def load_calibration(notes_dir: Path, name: str) -> dict:
         known = ", ".join(sorted(p.stem for p in path.parent.glob("*.json"))) or "none"
         raise PinAndCiteError(f"no calibration {name!r} ({where} is missing; calibrations: {known}); {MEASURE}")
     try:
-        data = parse(_finite_json, read_file(path, MAX_BYTES, where), where)
+        text = read_file(path, MAX_BYTES, where)
+        data = parse(_finite_json, text, where)
     except ValueError as exc:
         raise PinAndCiteError(f"{where} is not valid JSON ({exc}); {MEASURE}") from None
     check(data, CALIBRATION, where, MEASURE)
-    return page_text(data)
+    return page_text(data, text)
 
 
 def trace_rates(trace: dict, link_GBps: float, tflops: float | None = None, calibration: dict | None = None) -> Rates:
