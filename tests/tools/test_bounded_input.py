@@ -9,9 +9,16 @@ instead of eating the machine.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
+from pin_and_cite.cli import main
+from pin_and_cite.core import sandbox
+from pin_and_cite.core.errors import PinAndCiteError
+from pin_and_cite.core.project import Project
+from pin_and_cite.site import render
+from pin_and_cite.site.render import Renderer
 from tests.tools.conftest import FREE_FORM
 from tests.tools.test_untrusted_input import CITE, locked, one_error_line, run, write_lock
 
@@ -47,6 +54,68 @@ def test_a_template_that_would_not_end_or_fill_memory_is_one_line(project, paylo
     (project.root / "reading_notes" / "evil.md.j2").write_text(FREE_FORM + "# Evil\n\n" + payload + "\n")
     err = one_error_line(run(project, "render", timeout=60))
     assert "reading_notes/evil.md.j2:6: " in err and refusal in err, err
+
+
+@pytest.mark.parametrize(
+    "payload, refusal",
+    [
+        pytest.param('{{ "%300000000d"|format(1) }}', "format() needs more than", id="format-width"),
+        pytest.param('{{ "%.300000000f"|format(1) }}', "format() needs more than", id="format-precision"),
+        pytest.param('{{ "{:*>300000000}".format(1) }}', "format() needs more than", id="str-format-width"),
+        pytest.param('{{ "a".ljust(300000000) }}', "ljust() needs more than", id="string-method"),
+        pytest.param('{{ "a"|indent(300000000, true) }}', "indent() needs more than", id="indent"),
+        pytest.param('{{ "a" * 300000000 }}', "a repeat needs more than", id="repeat"),
+    ],
+)
+@pytest.mark.parametrize("verb", ["render", "check"])
+def test_a_width_or_count_past_the_bound_is_refused_before_anything_is_made(project, payload, refusal, verb):
+    """Jinja calls a filter on constants while it compiles the page, before any render bound applies, and
+    writes the value into the compiled code (`"%2000000000d"|format(1)` cost a `check` 176 s and 9.8 GB, then
+    passed): a width or count over MAX_TEXT is refused before the filter, method or repeat runs."""
+    (project.root / "reading_notes" / "evil.md.j2").write_text(FREE_FORM + "# Evil\n\n" + payload + "\n")
+    r = run(project, verb, timeout=60)
+    err = one_error_line(r) if verb == "render" else r.out
+    assert r.code != 0 and "reading_notes/evil.md.j2:6: " in err and refusal in err, (r.out, r.err)
+
+
+def _renderer(project) -> Renderer:
+    return Renderer(Project(project.root, cache_dir=project.cache))
+
+
+def test_jinja_compiles_a_page_within_the_page_bounds(project, monkeypatch):
+    """What constant folding makes from a constant (here a list of two million items from a 2 MB string) is
+    made while the page compiles, so the compile runs within the page's memory bound too (here 16 MiB)."""
+    monkeypatch.setattr(sandbox, "MAX_MEMORY", 16 << 20)
+    template = project.root / "reading_notes" / "fold.md.j2"
+    template.write_text(FREE_FORM + '{{ "' + "a" * 2_000_000 + '"|list }}\n')
+    with pytest.raises(PinAndCiteError, match=r"fold.md.j2:4: the page needs more than 16 MiB"):
+        _renderer(project).render(template)
+
+
+def test_the_pages_of_one_run_share_one_cpu_budget(project, monkeypatch, capsys):
+    """Twelve pages each spending their own 5 s once cost a `check` 61 s: the run stops, in one line naming
+    the page and line, once all its pages have spent MAX_RUN_SECONDS together."""
+    monkeypatch.setattr(sandbox, "MAX_SECONDS", 1)
+    monkeypatch.setattr(sandbox, "MAX_RUN_SECONDS", 1.5)
+    monkeypatch.setenv("PIN_AND_CITE_CACHE", str(project.cache))
+    burn = '{% set s = "a" * 10000000 %}{% for i in "x" * 40000 %}{{ s.count("b") }}{% endfor %}\n'
+    for n in range(4):
+        (project.root / "reading_notes" / f"burn{n}.md.j2").write_text(FREE_FORM + burn)
+    assert main(["check", "--project", str(project.root)]) == 2
+    err = capsys.readouterr().err
+    assert re.fullmatch(
+        r"pin-and-cite: error: reading_notes/burn1\.md\.j2:4: the pages of this run take more "
+        r"than 1\.5 s of CPU in all\n",
+        err,
+    ), err
+
+
+def test_the_pages_of_one_run_are_bounded_in_number(project, monkeypatch):
+    monkeypatch.setattr(render, "MAX_PAGES", 2)
+    for n in range(3):
+        (project.root / "reading_notes" / f"page{n}.md.j2").write_text(FREE_FORM + "a page\n")
+    with pytest.raises(PinAndCiteError, match="reading_notes makes 3 pages, over the bound of 2"):
+        render.render_notes(project.root, project.root / "docs" / "notes")
 
 
 def test_a_bounded_template_still_renders_its_numbers(project):

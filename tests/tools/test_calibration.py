@@ -122,6 +122,12 @@ def _without(key):
         (lambda d: d["blocks"][0]["forward"].update(tflops=0), "blocks[0].forward.tflops 0 is not a positive TFLOP/s"),
         (lambda d: d["blocks"][1]["ops"][0].update(seconds=-1.0), "is not a positive number of seconds"),
         (lambda d: d["blocks"][0].update(style="bert"), "blocks[0].style: 'bert' is not one of ['gpt2', 'llama']"),
+        # extremes (N11): a rate that makes a span last forever or no time, a count of seconds past any step's
+        (lambda d: d["blocks"][0]["forward"].update(tflops=1e-320), "1e-320 is not a positive TFLOP/s (1e-6 to 1e6)"),
+        (lambda d: d["blocks"][0]["backward"].update(tflops=1e300), "1e+300 is not a positive TFLOP/s"),
+        (lambda d: d["blocks"][1]["ops"][0].update(seconds=1e300), "1e+300 is not a positive number of seconds"),
+        (lambda d: d["blocks"][0]["forward"].update(tflops=float("inf")), "Infinity is not a number a device measured"),
+        (lambda d: d["blocks"][0]["forward"].update(tflops=float("nan")), "NaN is not a number a device measured"),
     ],
 )
 def test_a_calibration_that_does_not_fit_its_schema_is_a_one_line_error(notes, change, problem):
@@ -148,3 +154,11 @@ def test_a_missing_unreadable_or_oddly_named_calibration_is_a_one_line_error(not
         assert problem in str(error.value) and "\n" not in str(error.value)
     with pytest.raises(PinAndCiteError, match=r"calibrations: broken, h200\); measure one with"):
         load_calibration(notes, "a100")
+
+
+@pytest.mark.parametrize("spelling", ["<", "\\u003c", "\\u003C"])
+def test_a_calibration_reads_as_page_text_however_json_spells_its_tags(notes, spelling):
+    """A `<` in any JSON spelling reaches a page as `&lt;`, never a live tag (fences.page_text)."""
+    text = json.dumps(CALIBRATION).replace('"NVIDIA H200"', f'"H200{spelling}script>"')
+    (notes / "calibrations" / "h200.json").write_text(text)
+    assert load_calibration(notes, "h200")["device"] == "H200&lt;script>"

@@ -48,6 +48,44 @@ def test_a_template_that_includes_itself_is_one_line(project):
     )
 
 
+ASCII_LOCALE = {"PYTHONCOERCECLOCALE": "0", "PYTHONUTF8": "0", "LC_ALL": "C", "LANG": "C"}
+
+
+@pytest.mark.parametrize(
+    "body, env, message",
+    [
+        pytest.param("# Café ‘quoted’ — π\n", ASCII_LOCALE, None, id="utf-8-note-in-an-ascii-locale"),
+        pytest.param(b"\xff\xfe\n", {}, "bad.md.j2:4: the template is not UTF-8 text", id="undecodable"),
+        pytest.param(
+            "{{ " + "(" * 3000 + "1" + ")" * 3000 + " }}\n", {}, "bad.md.j2:?: the template nests too deep", id="deep"
+        ),
+    ],
+)
+@pytest.mark.parametrize("verb", ["check", "render"])
+def test_a_template_is_read_as_utf_8_and_one_python_cannot_parse_is_one_line(project, body, env, message, verb):
+    """N27, N36, N2: `check` read templates in the locale's encoding (a UnicodeDecodeError under LC_ALL=C),
+    and an undecodable or deeply nested template was a traceback."""
+    template = project.root / "reading_notes" / "bad.md.j2"
+    head = FREE_FORM.encode()
+    template.write_bytes(head + (body if isinstance(body, bytes) else body.encode()))
+    r = project.run(verb, env=env)
+    if message is None:
+        assert r.code == 0 and "Traceback" not in r.err, r.err
+    else:
+        assert message in one_line(r, 2)
+
+
+def test_record_traces_into_a_file_is_one_line_before_anything_runs(tmp_path):
+    """N24: `--out /dev/null` was a FileExistsError traceback, after the recording it came at the end of."""
+    proc = subprocess.run(
+        [str(CLI.parent / "record-traces"), "--out", "/dev/null", "--only", "layout_grid"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and proc.stderr == "record-traces: error: --out /dev/null is not a folder\n", proc
+
+
 @pytest.mark.parametrize("value", ["nan", "inf", "0", "-5", "1e12"])
 def test_a_timeout_that_is_not_a_positive_finite_number_is_refused_at_parse_time(project, value):
     err = one_line(project.run("check", f"--timeout={value}"), 2)

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 
+import pytest
+
+from pin_and_cite.core import sandbox
 from pin_and_cite.core.context import Context
+from pin_and_cite.core.errors import PinAndCiteError
 from study.note_rules import check_note, prose_lines, words
 from tests.tools.conftest import FREE_FORM, ROOT
 
@@ -22,6 +27,8 @@ def test_runs_reference():
     pass
 """
 LAYERS_LINES = "up:pkg/core/layers.py#L9-L10"
+NO_CITE = "the answer to 'q' cites no upstream lines; add cite(...)"
+NO_TEST = "the answer to 'q' names no test: add verified_by('tests/...::test_...')"
 
 
 def note_text(
@@ -323,3 +330,58 @@ def test_a_run_it_block_shows_the_recording_of_its_own_commands(tmp_path):
     ]
     empty = walkthrough_problems(tmp_path, walkthrough_text(run_it="``` { .shell .run-it }\n```\n\n" + SHOWN))
     assert empty == [(line, "the Run it block holds no command")]
+
+
+def bounded_problems(tmp_path, text: str) -> list[tuple[int, str]]:
+    """The note's problems, found within the CPU and memory bounds the renderer gives a page's rules."""
+    with sandbox.environment().bounded():
+        return problems(tmp_path, text)
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        pytest.param(
+            "---\nrules: questions\n---\n" + "### q\n" * 30_000,
+            [(n, message) for n in range(4, 30_004) for message in (NO_CITE, NO_TEST)],
+            id="thirty-thousand-questions",
+        ),
+        pytest.param(
+            '---\nrules: questions\n---\n{{ "' + "{%" * 100_000 + '" }}\n',
+            [(1, "no questions: each '### ' heading is a question, answered below it")],
+            id="unclosed-statements",
+        ),
+        pytest.param(
+            "---\nrules: questions\n---\n### q\n" + "<" * 300_000 + "](" * 300_000 + "!" * 300_000 + "\n",
+            [(4, NO_CITE), (4, NO_TEST)],
+            id="unclosed-tags-and-links",
+        ),
+    ],
+)
+def test_the_rules_take_time_in_proportion_to_the_note(tmp_path, text, expected):
+    """Each question once scanned every line of the note, and a regex rescanned to the end at every `{%`, `<`
+    or `](` with no closer: minutes for a note of 30,000 questions or 100,000 `{%`. One pass over the note
+    now: it ends within a page's bounds, with the same problems."""
+    assert bounded_problems(tmp_path, text) == expected
+
+
+def test_a_walkthrough_of_a_hundred_thousand_run_it_blocks_takes_one_pass(tmp_path):
+    text = walkthrough_text() + "``` { .shell .run-it }\n```\n" * 100_000
+    first = text.split("\n").index("``` { .shell .run-it }", 20) + 1
+    found = [p for p in bounded_problems(tmp_path, text) if p[1] == "the Run it block holds no command"]
+    assert found == [(line, "the Run it block holds no command") for line in range(first, first + 200_000, 2)]
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        pytest.param(b"\xff\xfe\n", "note.md.j2:4: the template is not UTF-8 text", id="undecodable"),
+        pytest.param(b"{{ " + b"(" * 3000 + b"1" + b")" * 3000 + b" }}\n", "nests too deep", id="deep-parens"),
+    ],
+)
+def test_a_template_jinja_cannot_read_is_one_line(tmp_path, body, message):
+    write_claims(tmp_path)
+    path = tmp_path / "note.md.j2"
+    path.write_bytes(b"---\nrules: questions\n---\n" + body)
+    with pytest.raises(PinAndCiteError, match=re.escape(message)):
+        check_note(path, Context(tmp_path))

@@ -5,9 +5,13 @@ through git histories and the CLI.
 """
 
 import random
+import re
 
 import pytest
 
+from pin_and_cite.core import symbols
+from pin_and_cite.core.errors import PinAndCiteError
+from pin_and_cite.relocation import relocate as relocation
 from pin_and_cite.relocation.relocate import relocate
 from pin_and_cite.relocation.textmatch import normalized
 from tests.tools.synthetic import BASE, HEADER, edited, lines
@@ -239,3 +243,23 @@ def test_never_a_silent_wrong_pointer_under_random_edits():
                 assert normalized(new[r.lines[0] - 1 : r.lines[1]]) == normalized(old[a - 1 : b])
                 assert (r.status == "unchanged") == (r.lines == (a, b))
     assert all(answered.values()), answered  # every status was exercised
+
+
+def test_a_file_past_the_parse_bound_is_refused_before_it_is_parsed(monkeypatch):
+    """Python's AST takes about 150 bytes per byte of source (a 19 MB file once took relocate 4.5 GB): a
+    symbol in a file over MAX_PARSED_CHARS is one line, and a line range there is relocated by its text."""
+    monkeypatch.setattr(symbols, "MAX_PARSED_CHARS", 2000)
+    old = ["def f():", "    return 1", ""]
+    new = ["import os", ""] + [line for i in range(200) for line in (f"def g{i}():", f"    return {i}", "")] + old
+    refused = relocate("m.py", old, new, "f")
+    assert refused.status == "error" and re.match(r"m\.py at new is over .* parsed for its definitions", refused.reason)
+    assert relocate("m.py", old, new, (1, 2)).lines == (len(new) - 2, len(new) - 1)
+
+
+def test_a_file_past_the_relocate_bound_is_one_line(monkeypatch):
+    """The diff and fuzzy windows take about 40 bytes per byte: a file over MAX_RELOCATED_CHARS is refused
+    before they are built."""
+    monkeypatch.setattr(relocation, "MAX_RELOCATED_CHARS", 2000)
+    new = ["x = 1"] * 1000
+    with pytest.raises(PinAndCiteError, match=r"^m\.py at new is over .* more than relocate compares"):
+        relocate("m.py", ["x = 1"], new, (1, 1))

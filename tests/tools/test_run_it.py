@@ -102,3 +102,11 @@ def test_record_runs_writes_every_recording_or_none(tmp_path, monkeypatch, capsy
     with pytest.raises(SystemExit) as usage:
         record_runs.main(["three"])
     assert usage.value.code == 2 and "no Run it block records three" in capsys.readouterr().err
+
+
+def test_a_recorded_line_starting_with_a_prompt_is_output_not_a_command(tmp_path):
+    """The commands are the recording's first `$ ` lines only: a block printing `$ ls` once read back as
+    running `ls` (N43), so check said the recording was of other commands and the page lost that line."""
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "x.txt").write_text("$ echo 'prompt:'; echo '$ ls'\nprompt:\n$ ls\n")
+    assert read_recording(tmp_path, "x") == (("echo 'prompt:'; echo '$ ls'",), "prompt:\n$ ls\n")

@@ -16,11 +16,12 @@ from pin_and_cite.core.defaults import default_ref, parse_key
 from pin_and_cite.core.errors import PinAndCiteError
 from pin_and_cite.core.highlights import checked_highlight
 from pin_and_cite.core.locked import locked_default, locked_excerpt
-from pin_and_cite.core.notes import TEMPLATE_GLOB, written_calls
+from pin_and_cite.core.notes import template_files, written_calls
 from pin_and_cite.core.pinned_sha import stale_sha
 from pin_and_cite.core.project import Project
 from pin_and_cite.core.release import stale_distributions
 from pin_and_cite.core.resolve import Resolver
+from pin_and_cite.core.sandbox import RunOverBudget
 from pin_and_cite.core.verified_by import missing_test
 from pin_and_cite.site.changes import record_problems
 from pin_and_cite.site.render import Renderer, pages
@@ -154,7 +155,7 @@ def _render_problems(project: Project, resolver: Resolver, found: list[Problem],
     renderer, problems = Renderer(project, resolver), []
     for name in ("cite", "upstream", "default"):
         renderer.env.globals[name] = _past_reported(renderer.env.globals[name], name, skipped)
-    for template in sorted(project.notes_dir.glob(TEMPLATE_GLOB)):
+    for template in template_files(project.notes_dir):
         problems += [
             Problem(f"{template.relative_to(project.root)}:{p.line}", "note rules", p.message)
             for p in renderer.rule_problems(template)
@@ -163,6 +164,8 @@ def _render_problems(project: Project, resolver: Resolver, found: list[Problem],
     for template, context, _ in pages(project):
         try:
             renderer.render(template, rules=False, **context)
+        except RunOverBudget:
+            raise
         except PinAndCiteError as exc:
             where_line, _, message = str(exc).partition(": ")
             if where_line not in reported:  # one problem per line, not one per source page

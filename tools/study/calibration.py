@@ -16,6 +16,7 @@ from pathlib import Path
 
 from pin_and_cite.core.bounded import parse, read_file
 from pin_and_cite.core.errors import PinAndCiteError
+from pin_and_cite.core.fences import page_text
 from pin_and_cite.core.schema import check
 from study.modeled import Rates
 from study.traces import MAX_BYTES, RECORD, TraceError
@@ -30,10 +31,19 @@ def _record(**properties) -> dict:
     return {"type": "object", "required": list(properties), "properties": properties, "additionalProperties": False}
 
 
+MAX_TFLOPS = 1e6  # TFLOP/s no device comes near (an H200 does 1e3 in bf16): a rate past it is a broken file
+MIN_TFLOPS = 1e-6  # a block's rate below it (1e-320 once) makes every span last forever
+
+
 def _rate(tflops: dict) -> dict:
     return _record(
         flops={"type": "integer", "minimum": 0},
-        seconds={"type": "number", "exclusiveMinimum": 0, "description": "a positive number of seconds"},
+        seconds={
+            "type": "number",
+            "minimum": 1e-12,
+            "maximum": 1e6,
+            "description": "a positive number of seconds (1e-12 to 1e6)",
+        },
         tflops=tflops,
     )
 
@@ -42,9 +52,11 @@ OP = _record(
     op=TEXT,
     phase={"enum": ["forward", "backward"]},
     shapes={"type": "array", "items": {"type": "array", "items": SIZE}},
-    **_rate({"type": "number", "minimum": 0})["properties"],
+    **_rate({"type": "number", "minimum": 0, "maximum": MAX_TFLOPS})["properties"],
 )
-BLOCK_RATE = _rate({"type": "number", "exclusiveMinimum": 0, "description": "a positive TFLOP/s"})
+BLOCK_RATE = _rate(
+    {"type": "number", "minimum": MIN_TFLOPS, "maximum": MAX_TFLOPS, "description": "a positive TFLOP/s (1e-6 to 1e6)"}
+)
 BLOCK = _record(
     name=TEXT,
     style={"enum": ["gpt2", "llama"]},
@@ -75,6 +87,15 @@ CALIBRATION = _record(
 MATCHED = ("style", "tp", "s", "b", "h")  # what a trace's compute shares with the block measured for it
 
 
+def _not_finite(constant: str):
+    raise ValueError(f"{constant} is not a number a device measured")
+
+
+def _finite_json(text):
+    """JSON without Python's extensions NaN and Infinity (a NaN passes every bound a schema sets)."""
+    return json.loads(text, parse_constant=_not_finite)
+
+
 def load_calibration(notes_dir: Path, name: str) -> dict:
     """The calibration `name`, checked against CALIBRATION."""
     if not name.replace("_", "").replace("-", "").isalnum():
@@ -85,11 +106,12 @@ def load_calibration(notes_dir: Path, name: str) -> dict:
         known = ", ".join(sorted(p.stem for p in path.parent.glob("*.json"))) or "none"
         raise PinAndCiteError(f"no calibration {name!r} ({where} is missing; calibrations: {known}); {MEASURE}")
     try:
-        data = parse(json.loads, read_file(path, MAX_BYTES, where), where)
+        text = read_file(path, MAX_BYTES, where)
+        data = parse(_finite_json, text, where)
     except ValueError as exc:
         raise PinAndCiteError(f"{where} is not valid JSON ({exc}); {MEASURE}") from None
     check(data, CALIBRATION, where, MEASURE)
-    return data
+    return page_text(data, text)
 
 
 def trace_rates(trace: dict, link_GBps: float, tflops: float | None = None, calibration: dict | None = None) -> Rates:

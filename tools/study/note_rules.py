@@ -27,6 +27,7 @@ note whose every claim links its lines would otherwise spend a third of its word
 
 from __future__ import annotations
 
+import bisect
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +35,7 @@ from pathlib import Path
 from pin_and_cite.core.bounded import read_file
 from pin_and_cite.core.context import Context
 from pin_and_cite.core.errors import PinAndCiteError
-from pin_and_cite.core.notes import calls_in, note_templates
+from pin_and_cite.core.notes import calls_in, note_templates, template_text
 from pin_and_cite.core.project import NOTES_DIR
 from pin_and_cite.core.verified_by import evidence_of, reference_only_problem
 from pin_and_cite.site.plugin import RuleProblem
@@ -48,26 +49,52 @@ CONNECT_HEADING = "## connect the dots"
 NOT_PROSE_CALLS = ("cite", "diagram", "chart", "verified_by", "reference_only")
 CITING_CALLS = {"cite", "upstream"}
 EVIDENCE_CALLS = {"verified_by", "reference_only"}
-_JINJA_BLOCK = re.compile(r"\{#.*?#\}|\{%.*?%\}", re.S)
-_EXPRESSION = re.compile(r"\{\{(.*?)\}\}", re.S)
-_WORD = re.compile(r"\S*[A-Za-z0-9]\S*")
+_JINJA_BLOCKS = {"{#": "#}", "{%": "%}"}  # a comment or statement, to the first closer after it
+_EXPRESSIONS = {"{{": "}}"}
+_ALNUM = re.compile(r"[A-Za-z0-9]")
 RULES = ("close-reading", "questions", "walkthrough", "none")
 MIN_EXERCISES = 3
 MAX_NOTE_BYTES = 1 << 20
 EXERCISES_HEADING = "## predict, then run"
 _NOTATION_BOX = re.compile(r'(?:!!!|\?\?\?\+?)\s+[\w-]+\s+"Notation"')
-_LINK_TARGET = re.compile(r"\]\(([^)#\s]+\.md)(?:#[^)]*)?\)")
+_TARGET = re.compile(r"[^)#\s]+")  # a link target, from its `](` to its `)`, `#` or a space
 VALUE = "{{value}}"  # what a printed expression becomes: one word, and never text a template can hold
 
 
-def _blank_keeping_lines(match: re.Match) -> str:
-    return "\n" * match.group(0).count("\n")
+def _blank_keeping_lines(span: str, inner: str) -> str:
+    return "\n" * span.count("\n")
 
 
-def _expression(match: re.Match) -> str:
-    inner = match.group(1).strip()
-    shown = "" if inner.startswith(NOT_PROSE_CALLS) else f" {VALUE} "
-    return shown + "\n" * match.group(0).count("\n")
+def _expression(span: str, inner: str) -> str:
+    shown = "" if inner.strip().startswith(NOT_PROSE_CALLS) else f" {VALUE} "
+    return shown + "\n" * span.count("\n")
+
+
+def replace_spans(text: str, pairs: dict[str, str], replace, gap: int = 0) -> str:
+    """`text` with each span from an opener (a key of `pairs`, all starting with the same character) to the
+    first closer `gap` or more characters after it (none inside the gap) replaced by `replace(span, inner)`,
+    left to right: what `re.sub(r"OPEN.{gap,}?CLOSE", ...)` does, in one pass. The regex rescans to the end
+    of the text at every opener no closer follows, so a note of 100,000 `{%` took minutes."""
+    lead, out, done, pos = next(iter(pairs))[0], [], 0, 0
+    next_closer: dict[str, int] = {}  # closer -> the first at or after the last search for it (-1: none)
+    while (start := text.find(lead, pos)) >= 0:
+        pos = start + 1
+        opener = next((o for o in pairs if text.startswith(o, start)), None)
+        if opener is None:
+            continue
+        closer, inside = pairs[opener], start + len(opener)
+        if gap and text.find(closer, inside, inside + gap) >= 0:
+            continue
+        found = next_closer.get(closer)
+        if found is None or 0 <= found < inside + gap:  # openers come in order: a search is reused until passed
+            found = next_closer[closer] = text.find(closer, inside + gap)
+        if found < 0:
+            if all(next_closer.get(c) == -1 for c in pairs.values()):
+                break  # no closer follows: nothing more to replace
+            continue
+        out += [text[done:start], replace(text[start : found + len(closer)], text[inside:found])]
+        done = pos = found + len(closer)
+    return "".join(out) + text[done:]
 
 
 def front_matter(text: str) -> tuple[dict[str, str], int]:
@@ -84,7 +111,7 @@ def front_matter(text: str) -> tuple[dict[str, str], int]:
 
 def prose_lines(text: str) -> list[tuple[int, str, bool]]:
     """(line number, prose text, is_heading) for each template line, Jinja outside prose removed."""
-    stripped = _EXPRESSION.sub(_expression, _JINJA_BLOCK.sub(_blank_keeping_lines, text))
+    stripped = replace_spans(replace_spans(text, _JINJA_BLOCKS, _blank_keeping_lines), _EXPRESSIONS, _expression)
     _, skip = front_matter(text)
     out, fence = [], None
     for number, line in enumerate(stripped.split("\n"), start=1):
@@ -96,22 +123,27 @@ def prose_lines(text: str) -> list[tuple[int, str, bool]]:
             continue
         if fence:
             continue
-        line = re.sub(r"\]\([^)]*\)", "]", re.sub(r"<[^>]+>", " ", line))  # link targets, HTML tags
+        tags_out = replace_spans(line, {"<": ">"}, lambda span, inner: " ", gap=1)  # HTML tags, then link targets
+        line = replace_spans(tags_out, {"](": ")"}, lambda span, inner: "]")
         out.append((number, line, line.lstrip().startswith("#")))
     return out
 
 
 def words(line: str) -> int:
-    return len(_WORD.findall(line))
+    """The words of a line: runs of non-space holding a letter or digit."""
+    return sum(1 for token in line.split() if _ALNUM.search(token))
 
 
 @dataclass(frozen=True)
 class _Section:
-    """A `##`/`###` heading and the template lines up to the next one."""
+    """A `##`/`###` heading and the template lines up to the next one: the words of prose and the calls they
+    hold."""
 
     line: int
     title: str
     end: int
+    words: int = 0
+    calls: tuple = ()
 
     def holds(self, line: int) -> bool:
         return self.line < line < self.end
@@ -121,24 +153,34 @@ class _Section:
         return self.title.lstrip("#").strip()
 
 
-def _sections(lines: list[tuple[int, str, bool]], last_line: int) -> list[_Section]:
+def _sections(lines: list[tuple[int, str, bool]], last_line: int, calls=()) -> list[_Section]:
+    """The sections, each with its prose words and `calls`, in one pass over the lines: a note of 30,000
+    questions took minutes when each question counted the whole note."""
     headings = [(n, line.strip()) for n, line, heading in lines if heading and line.lstrip().startswith("##")]
-    ends = [n for n, _ in headings[1:]] + [last_line + 1]
-    return [_Section(n, title, end) for (n, title), end in zip(headings, ends)]
+    starts, ends = [n for n, _ in headings], [n for n, _ in headings[1:]] + [last_line + 1]
+    held_words, held_calls = [0] * len(headings), [[] for _ in headings]
+
+    def holding(line: int) -> int | None:
+        k = bisect.bisect_left(starts, line) - 1  # the last heading above the line
+        return k if k >= 0 and line < ends[k] else None
+
+    for n, line, heading in lines:
+        if not heading and (k := holding(n)) is not None:
+            held_words[k] += words(line)
+    for call in calls:
+        if (k := holding(call.line)) is not None:
+            held_calls[k].append(call)
+    return [
+        _Section(n, title, end, held_words[k], tuple(held_calls[k]))
+        for k, ((n, title), end) in enumerate(zip(headings, ends))
+    ]
 
 
-def _prose_words(lines: list[tuple[int, str, bool]], section: _Section) -> int:
-    return sum(words(line) for n, line, heading in lines if section.holds(n) and not heading)
-
-
-def _kinds_of_tests(context: Context, calls, section: _Section) -> set[str | None]:
+def _kinds_of_tests(context: Context, section: _Section) -> set[str | None]:
     """The kind of evidence ("upstream", "reference"; None for a test that does not exist, which check reports
     on its own) of each test the section names with verified_by()."""
-    return {
-        getattr(evidence_of(context, c.argument), "kind", None)
-        for c in calls
-        if c.function == "verified_by" and section.holds(c.line)
-    }
+    named = [c.argument for c in section.calls if c.function == "verified_by"]
+    return {getattr(evidence_of(context, test), "kind", None) for test in named}
 
 
 def _reason_problems(calls) -> list[RuleProblem]:
@@ -152,7 +194,7 @@ def _reason_problems(calls) -> list[RuleProblem]:
 def check_note(template: Path, context: Context) -> list[RuleProblem]:
     """Every rule the template's front matter declares, broken (`context`: the checkout, whose tests the
     evidence names): this study's `note_rules` (study.plugin)."""
-    text = template.read_text()
+    text = template_text(template)
     declared = front_matter(text)[0].get("rules")
     if declared not in RULES:
         what = "no 'rules:' front matter" if declared is None else f"'rules: {declared}' is not a kind of page"
@@ -165,20 +207,19 @@ def check_note(template: Path, context: Context) -> list[RuleProblem]:
     lines = prose_lines(text)
     calls = calls_in(template, CITING_CALLS | EVIDENCE_CALLS, context)
     last_line = len(text.split("\n"))
-    problems = rules(context, lines, calls, _sections(lines, last_line), last_line) + _reason_problems(calls)
+    problems = rules(context, lines, _sections(lines, last_line, calls), last_line) + _reason_problems(calls)
     return sorted(problems, key=lambda p: p.line)
 
 
-def _questions(_context: Context, lines, calls, sections: list[_Section], last_line: int) -> list[RuleProblem]:
+def _questions(_context: Context, lines, sections: list[_Section], last_line: int) -> list[RuleProblem]:
     problems = []
     questions = [s for s in sections if s.title.startswith("### ")]
     for q in questions:
-        count = _prose_words(lines, q)
-        if count > ANSWER_WORDS:
+        if q.words > ANSWER_WORDS:
             problems.append(
-                RuleProblem(q.line, f"the answer to {q.name!r} has {count} words of prose; keep it to {ANSWER_WORDS}")
+                RuleProblem(q.line, f"the answer to {q.name!r} has {q.words} words of prose; keep it to {ANSWER_WORDS}")
             )
-        found = {c.function for c in calls if q.holds(c.line)}
+        found = {c.function for c in q.calls}
         if not found & CITING_CALLS:
             problems.append(RuleProblem(q.line, f"the answer to {q.name!r} cites no upstream lines; add cite(...)"))
         if "verified_by" not in found:
@@ -190,7 +231,7 @@ def _questions(_context: Context, lines, calls, sections: list[_Section], last_l
     return problems
 
 
-def _close_reading(context: Context, lines, calls, sections: list[_Section], last_line: int) -> list[RuleProblem]:
+def _close_reading(context: Context, lines, sections: list[_Section], last_line: int) -> list[RuleProblem]:
     problems, total, over_at = [], 0, None
     for number, line, _ in lines:
         before, total = total, total + words(line)
@@ -225,11 +266,11 @@ def _close_reading(context: Context, lines, calls, sections: list[_Section], las
         )
     choices = 0
     for s in (s for s in sections if s.title.startswith("### ")):
-        if not any(s.holds(c.line) for c in calls if c.function == "cite"):
+        if not any(c.function == "cite" for c in s.calls):
             problems.append(RuleProblem(s.line, f"design choice {s.name!r} cites no upstream lines; add cite(...)"))
             continue
         choices += 1
-        count = _prose_words(lines, s)
+        count = s.words
         if not CHOICE_WORDS[0] <= count <= CHOICE_WORDS[1]:
             problems.append(
                 RuleProblem(
@@ -237,7 +278,7 @@ def _close_reading(context: Context, lines, calls, sections: list[_Section], las
                     f"design choice {s.name!r} has {count} words of prose; write {CHOICE_WORDS[0]}-{CHOICE_WORDS[1]}",
                 )
             )
-        problems += _evidence_problems(s, _kinds_of_tests(context, calls, s), calls)
+        problems += _evidence_problems(s, _kinds_of_tests(context, s))
     if choices < MIN_CHOICES:
         problems.append(
             RuleProblem(
@@ -249,14 +290,14 @@ def _close_reading(context: Context, lines, calls, sections: list[_Section], las
     return problems
 
 
-def _evidence_problems(choice: _Section, kinds: set[str | None], calls) -> list[RuleProblem]:
+def _evidence_problems(choice: _Section, kinds: set[str | None]) -> list[RuleProblem]:
     """A design choice names a test, and upstream evidence: an upstream test, or reference_only() beside a
     reference test (the reason says why upstream cannot run; the reference test still shows the claim)."""
     if not kinds:
         return [RuleProblem(choice.line, f"design choice {choice.name!r} names no test: add verified_by(...)")]
     if "upstream" in kinds:
         return []
-    if not any(c.function == "reference_only" and choice.holds(c.line) for c in calls):
+    if not any(c.function == "reference_only" for c in choice.calls):
         return [
             RuleProblem(
                 choice.line,
@@ -276,11 +317,34 @@ def _evidence_problems(choice: _Section, kinds: set[str | None], calls) -> list[
     return []
 
 
+def _link_targets(text: str) -> list[str]:
+    """The `.md` files the text links to (`](page.md)`, `](page.md#part)`), in one pass: a regex that
+    backtracks from every `](` to the end of the text took minutes on a note of 100,000 of them."""
+    found, pos, closing = [], 0, -1
+    while (start := text.find("](", pos)) >= 0:
+        target = _TARGET.match(text, start + 2)
+        if target is None:
+            pos = start + 2
+            continue
+        end, pos = target.end(), target.end()  # a `](` inside the target ends where it ends: none can be a link
+        if len(target.group()) < 4 or not target.group().endswith(".md") or end == len(text) or text[end] not in ")#":
+            continue
+        if text[end] == "#":
+            if closing < end:
+                closing = text.find(")", end)
+            if closing < 0:
+                break
+            end = closing
+        found.append(target.group())
+        pos = end + 1
+    return found
+
+
 def _linked_kinds(template: Path, root: Path, text: str) -> set[str]:
     """What the page links to: "close-reading" and "questions" (by the linked note's rules), "reference"
     (a page under reference/)."""
     kinds, notes = set(), (root / NOTES_DIR).resolve()
-    for target in _LINK_TARGET.findall(text):
+    for target in _link_targets(text):
         linked = (template.parent / f"{target}.j2").resolve()
         page = read_file(linked, MAX_NOTE_BYTES, target) if linked.is_relative_to(notes) else None
         if page is None:
@@ -361,6 +425,6 @@ def walkthrough_runs(notes_dir: Path) -> list[tuple[Path, RunIt]]:
     return [
         (template, block)
         for template in note_templates(notes_dir)
-        if front_matter(text := template.read_text())[0].get("rules") == "walkthrough"
+        if front_matter(text := template_text(template))[0].get("rules") == "walkthrough"
         for block in run_it_blocks(text)
     ]

@@ -250,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
         "--only", nargs="+", choices=TRACES, metavar="NAME", help=f"record only these traces: {', '.join(TRACES)}"
     )
     args = parser.parse_args(argv)
+    if args.out.exists() and not args.out.is_dir():  # before minutes of recording, not after
+        print(f"record-traces: error: --out {args.out} is not a folder", file=sys.stderr)
+        return 2
     try:
         recorded = [
             step(args.out, only=args.only)
@@ -267,6 +270,9 @@ def main(argv: list[str] | None = None) -> int:
             print(path)
     except (RuntimeError, subprocess.TimeoutExpired) as exc:
         print(f"record-traces: error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # the output folder: permissions, a full disk
+        print(f"record-traces: error: {exc.strerror or exc}: {exc.filename or args.out}", file=sys.stderr)
         return 1
     return 0
 

@@ -9,6 +9,7 @@ them again and compares, so the page cannot show output its commands no longer p
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import subprocess
@@ -17,6 +18,7 @@ from pathlib import Path
 
 from pin_and_cite.core.bounded import read_file
 from pin_and_cite.core.errors import PinAndCiteError
+from pin_and_cite.core.fences import fence_for, page_text
 
 RUNS_DIR = "runs"
 MAX_BYTES = 1 << 20
@@ -51,7 +53,7 @@ def run_it_blocks(text: str) -> list[RunIt]:
         while end < len(lines) and not lines[end].strip().startswith(fence):
             end += 1
         if "run-it" in info:
-            after = next((line for line in lines[end + 1 :] if line.strip()), "")
+            after = next((lines[n] for n in range(end + 1, len(lines)) if lines[n].strip()), "")  # no copy
             shown = _RUN_OUTPUT.fullmatch(after.strip())
             commands = tuple(line.strip() for line in lines[number + 1 : end] if line.strip())
             found.append(RunIt(number + 1, commands, shown.group(1) if shown else None))
@@ -77,19 +79,23 @@ def read_recording(notes_dir: Path, name: str) -> tuple[tuple[str, ...], str]:
     if data is None:
         raise PinAndCiteError(f"no recorded run {name!r} ({RUNS_DIR}/{name}.txt is missing): run tools/record-runs")
     lines = data.decode("utf-8", errors="replace").split("\n")
-    commands = tuple(line.removeprefix(PROMPT) for line in lines if line.startswith(PROMPT))
+    commands = tuple(line.removeprefix(PROMPT) for line in itertools.takewhile(_is_command, lines))  # the head
     return commands, "\n".join(lines[len(commands) :])
+
+
+def _is_command(line: str) -> bool:
+    return line.startswith(PROMPT)
 
 
 def run_text(notes_dir: Path, name: str) -> str:
     """The recorded stdout alone, for a page to quote a number from (a bubble, a FLOP count) rather than type it."""
-    return read_recording(notes_dir, name)[1]
+    return page_text(read_recording(notes_dir, name)[1])
 
 
 def run_output(notes_dir: Path, name: str) -> str:
     """The recorded output, as the page shows it under its Run it block."""
     _, output = read_recording(notes_dir, name)
-    fence = "````" if "```" in output else "```"
+    fence = fence_for(output)  # longer than any backtick run in it: no line of it can close the block
     shown = f"{fence}{{ .text .run-output }}\n{output.rstrip()}\n{fence}\n"  # wrapped, not cut (notes.css)
     timings = "; timings differ on your machine" if WALL_CLOCK.search(output) else ""
     return f"Expected output (stdout{timings}):\n\n{shown}"

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from pin_and_cite.core.bounded import parse, read_file
 from pin_and_cite.core.errors import PinAndCiteError
+from pin_and_cite.core.fences import page_text
 
 TRACE_DIR = "traces"
 MAX_BYTES = 16 << 20  # the largest recorded trace (layout_grid) holds 235 KB
@@ -84,7 +85,8 @@ def load_trace(notes_dir: Path, name: str) -> dict:
         known = ", ".join(sorted(p.stem for p in path.parent.glob("*.json"))) or "none"
         raise TraceError(f"no recorded trace {name!r} ({where} is missing; traces: {known}); {RECORD}")
     try:
-        data = parse(json.loads, read_file(path, MAX_BYTES, where, TraceError), where, TraceError)
+        text = read_file(path, MAX_BYTES, where, TraceError)
+        data = parse(json.loads, text, where, TraceError)
     except ValueError as exc:
         raise TraceError(f"{where} is not valid JSON ({exc}); {RECORD}") from None
     kind = data.get("kind") if isinstance(data, dict) else None
@@ -94,7 +96,7 @@ def load_trace(notes_dir: Path, name: str) -> dict:
     if missing:
         raise TraceError(f"{where}: {kind} trace lacks {', '.join(missing)}; {RECORD}")
     data["name"] = name
-    return data
+    return page_text(data, text)
 
 
 def events_where(events: list[dict], **match) -> list[dict]:

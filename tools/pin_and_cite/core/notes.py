@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
 TEMPLATE_GLOB = "**/*.md.j2"
 HIGHLIGHT = "highlight"
+MAX_TEMPLATES = 1000  # templates in one project; each is at most MAX_NOTES_FILE (pin_and_cite.core.project)
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ class Written:
 def calls_in(template: Path, functions: set[str], context: Context | None = None) -> list[Written]:
     """The calls of `functions` written in `template`; the context's parse cache keeps what Jinja's parser
     found, by the hash of the template's text (a third of a `check` is parsing templates)."""
-    text = template.read_text()
+    text = template_text(template)
     parsed = context.parsed if context else None
     if parsed is None:
         every = _every_call(text, template)
@@ -86,6 +87,8 @@ def _every_call(text: str, template: Path) -> list[_Call]:
         tree = sandbox.environment().parse(text, name=template.name, filename=str(template))
     except jinja2.TemplateSyntaxError as exc:
         raise PinAndCiteError(f"{template}:{exc.lineno}: template syntax error: {exc.message}") from None
+    except RecursionError:  # Jinja's parser recurses once per parenthesis, filter or attribute
+        raise PinAndCiteError(f"{template}:?: the template nests too deep for Jinja to parse") from None
     found = []
     for call in tree.find_all(nodes.Call):
         if isinstance(call.node, nodes.Name):
@@ -103,13 +106,33 @@ def _every_call(text: str, template: Path) -> list[_Call]:
     return found
 
 
+def template_text(template: Path) -> str:
+    """The template's text, read as UTF-8 whatever the locale; bytes that are not UTF-8 are one line naming
+    the line that holds them."""
+    data = template.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise PinAndCiteError(f"{template}:{line}: the template is not UTF-8 text ({exc.reason})") from None
+
+
+def template_files(notes_dir: Path) -> list[Path]:
+    """Every template, partials included; at most MAX_TEMPLATES, so that one run's work has a bound (the
+    study has 60)."""
+    found = sorted(notes_dir.glob(TEMPLATE_GLOB))
+    if len(found) > MAX_TEMPLATES:
+        raise PinAndCiteError(f"{notes_dir} holds {len(found)} templates, over the bound of {MAX_TEMPLATES}")
+    return found
+
+
 def note_templates(notes_dir: Path) -> list[Path]:
     """Every template that becomes a page of its own (partials, named `_*.md.j2`, are rendered by others)."""
-    return sorted(t for t in notes_dir.glob(TEMPLATE_GLOB) if not t.name.startswith("_"))
+    return [t for t in template_files(notes_dir) if not t.name.startswith("_")]
 
 
 def written_calls(context: Context, functions: set[str]) -> list[Written]:
-    templates = sorted(context.notes_dir.glob(TEMPLATE_GLOB))
+    templates = template_files(context.notes_dir)
     return [w for template in templates for w in calls_in(template, functions, context)]
 
 

@@ -27,7 +27,7 @@ def write_pinned_sha(project: Project) -> list[Path]:
     written = []
     for sha_file, (_, text) in expected(project).items():
         path = project.notes_dir / sha_file
-        if not (path.is_file() and path.read_text() == text):
+        if not (path.is_file() and path.read_text(encoding="utf-8") == text):
             atomic_write(path, text.encode())
             written.append(path)
     return written
@@ -38,7 +38,7 @@ def stale_sha(project: Project) -> list[tuple[str, str]]:
     stale = []
     for sha_file, (name, text) in expected(project).items():
         path = project.notes_dir / sha_file
-        found = path.read_text() if path.is_file() else None
+        found = path.read_text(encoding="utf-8") if path.is_file() else None
         if found != text:
             what = "is missing" if found is None else f"says {found.strip()[:12]!r}"
             stale.append(

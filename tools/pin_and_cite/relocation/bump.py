@@ -204,7 +204,7 @@ def _constraints(project: Project, old: str | None, new: str | None) -> dict[Pat
     path = project.root / CONSTRAINTS
     if not (old and new and old != new and pinned_version(old) and path.is_file()):
         return {}
-    text = path.read_text()
+    text = path.read_text(encoding="utf-8")
     changed = with_constraint(text, old, new)
     return {path: changed.encode()} if changed != text else {}
 

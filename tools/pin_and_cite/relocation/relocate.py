@@ -30,6 +30,10 @@ from pin_and_cite.relocation.textmatch import (
 MIN_SIMILARITY = 0.5  # a counterpart keeps at least this share of the cited text, else: deleted
 MIN_IN_PLACE = 0.3  # ... or this share, where the diff aligns it in place (rewritten, not gone)
 RENAMED_SIMILARITY = 0.6  # a definition under a new name must be at least this like the old one
+# The diff, line index and fuzzy windows of a file take about 40 bytes of memory per byte (a 19 MB file once
+# took 4.5 GB with its parse, which symbols.MAX_PARSED_CHARS now bounds): 8 MiB is 300 MB, 50 times the
+# largest file cited.
+MAX_RELOCATED_CHARS = 8 << 20
 MAX_GROWTH = 3  # an edited range may grow to 3x its length (+50 lines) and still be one pointer
 
 
@@ -67,6 +71,12 @@ class FilePair:
         self, path: str, old: Sequence[str], new: Sequence[str], old_label: str = "old", new_label: str = "new"
     ):
         self.path, self.old_label, self.new_label = path, old_label, new_label
+        for label, lines in ((old_label, old), (new_label, new)):
+            if sum(map(len, lines)) > MAX_RELOCATED_CHARS:
+                raise PinAndCiteError(
+                    f"{path} at {label} is over {MAX_RELOCATED_CHARS >> 20} MiB, more than relocate compares "
+                    f"line by line; cite a smaller file"
+                )
         self.old_raw, self.new_raw = old, new
         self.old, self.new = normalized(old), normalized(new)
 
@@ -93,8 +103,11 @@ class FilePair:
     def _parse(self, lines: Sequence[str], label: str):
         if not self.path.endswith(symbols.PYTHON_SUFFIXES):
             raise PinAndCiteError(f"{self.path} is not a Python file; cite it by line range")
+        text = "\n".join(lines) + "\n"
+        if len(text) > symbols.MAX_PARSED_CHARS:  # refused before it is parsed, with its own reason
+            return symbols.definitions(text, f"{self.path} at {label}")
         try:
-            return symbols.definitions("\n".join(lines) + "\n", self.path)
+            return symbols.definitions(text, self.path)
         except PinAndCiteError:
             raise PinAndCiteError(f"{self.path} is not valid Python at {label}; cite it by line range") from None
 

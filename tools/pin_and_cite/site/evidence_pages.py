@@ -73,7 +73,7 @@ def evidence_pages(
 
 def _file_page(root: Path, path: str, tests: dict[str, tuple[Evidence, list[str]]], helpers_of) -> str:
     here = page_of(path)
-    text = (root / path).read_text()
+    text = (root / path).read_text(encoding="utf-8")
     lines = text.split("\n")
     helpers = helpers_of(text)
     parts = [

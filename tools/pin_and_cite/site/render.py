@@ -50,6 +50,7 @@ from pin_and_cite.site.plugin import Plugin, load_plugin
 
 SOURCE_PAGE = "_source.md.j2"
 OUR_CODE = "The reference code"  # the section ours() links into
+MAX_PAGES = 1000  # pages one run renders (a page per note, one per pinned source): the site has under 100
 SITE_NOTES = "docs/notes"  # where the site (mkdocs hook) and `render` by default put the pages
 TEMPLATE_MISTAKES = (TypeError, ValueError, LookupError, AttributeError, ArithmeticError)
 LANGUAGES = {".py": "python", ".pyi": "python", ".h": "cpp", ".cpp": "cpp", ".md": "markdown", ".toml": "toml"}
@@ -249,7 +250,13 @@ class Renderer:
         """The plugin's note rules on `template`, once per template for this renderer (a page per source reuses
         them)."""
         if template not in self._rules:
-            self._rules[template] = self.plugin.note_rules(template, self.context)
+            try:
+                with self.env.bounded():  # the rules spend the run's CPU as its pages do
+                    self._rules[template] = self.plugin.note_rules(template, self.context)
+            except jinja2.TemplateError as exc:
+                raise PinAndCiteError(f"{self._where(template, None)}: the note rules: {exc}") from None
+            except sandbox.RunOverBudget as exc:
+                raise sandbox.RunOverBudget(f"{self._where(template, None)}: the note rules: {exc}") from None
         return self._rules[template]
 
     def render(self, template: Path, rules: bool = True, **context) -> str:
@@ -260,7 +267,14 @@ class Renderer:
             raise PinAndCiteError(f"{self._where(template, problems[0].line)}: {problems[0].message}")
         self.our_code = {}
         try:
-            return self.env.get_template(name).render(**context) + self._our_code_section()
+            with self.env.bounded():  # Jinja calls filters while it compiles (constant folding): both bounded
+                try:
+                    compiled = self.env.get_template(name)
+                except RecursionError:  # Jinja's parser recurses once per parenthesis, filter or attribute
+                    raise PinAndCiteError("the template nests too deep for Jinja to parse") from None
+                return compiled.render(**context) + self._our_code_section()
+        except sandbox.RunOverBudget as exc:  # the run stops here, one line
+            raise sandbox.RunOverBudget(f"{self._where(template, _template_line(exc, template))}: {exc}") from None
         except jinja2.TemplateSyntaxError as exc:
             raise PinAndCiteError(f"{self._where(template, exc.lineno)}: {exc.message}") from None
         except (PinAndCiteError, jinja2.TemplateError) as exc:
@@ -299,6 +313,8 @@ def pages(project: Project) -> list[tuple[Path, dict, str]]:
         found += [
             (source_page, {"source": source}, f"sources/{name}.md") for name, source in project.pins.sources.items()
         ]
+    if len(found) > MAX_PAGES:
+        raise PinAndCiteError(f"{project.notes_dir} makes {len(found)} pages, over the bound of {MAX_PAGES}")
     return found
 
 
@@ -317,6 +333,8 @@ def render_notes(root: Path, out_dir: Path) -> list[Path]:
         renderer.page = page
         try:
             rendered[out_dir / page] = renderer.render(template, **context)
+        except sandbox.RunOverBudget:
+            raise
         except PinAndCiteError as exc:  # its page stays as it was; the others, change pages first, still render
             broken.append(str(exc))
     if not broken:  # a refused note's tests are unknown: the test pages stay as they were
