@@ -86,7 +86,8 @@ def add_arguments(group) -> None:
         "optimizer: the distributed optimizer (ZeRO-1) shards the optimizer state over DP "
         "(reduce-scatter gradients, all-gather parameters; needs dp > 1); "
         "gradients: ZeRO-2, the same, and each rank keeps only its shard of the reduced gradients "
-        "(parameters whole: 2 + (2 + 12) / dp bytes per parameter with bf16 gradients and Adam); "
+        "(parameters whole; with Adam and --dtype bf16, whose gradients stay fp32, 2 + (4 + 12) / dp bytes per "
+        "parameter, where the ZeRO paper's bf16 gradients give 2 + (2 + 12) / dp); "
         "fsdp: reference FSDP over the DP group shards the TP-sharded stage (2D, all-gathers "
         "and reduce-scatters; needs --pp 1 and --micro-batches 1); fsdp2: the same with the reference FSDP2, "
         "each TP-local parameter sharded on dim 0 (as fully_shard over DTensor TP)",
