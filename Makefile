@@ -3,7 +3,7 @@ PY      := .venv/bin/python
 STAMP   := .venv/.installed
 ADDR    ?= 127.0.0.1:8000
 
-.PHONY: setup serve test test-torch lint bench clean
+.PHONY: setup serve test test-torch test-under-load lint bench clean
 
 setup: $(STAMP)
 
@@ -45,6 +45,16 @@ test-torch:
 	  touch $(TORCH_VENV)/.installed; }
 	$(TORCH_VENV)/bin/python -m pytest tests/reference tests/evidence -p no:xdist \
 	  --ignore=tests/evidence/test_run_it.py --ignore=tests/evidence/test_trace_freshness.py $(PYTEST_ARGS)
+
+# The load-sensitive tests (a hung rank's timeouts, traced pipelines, the 70B scale traces) with two CPU-bound
+# processes beside them, as on a busy laptop (not run in CI). The hogs end with the run, whatever its result.
+LOAD_TESTS := tests/reference/test_hung_rank.py tests/tools/test_traces.py tests/reference/test_scale.py \
+	tests/evidence/test_trace_freshness.py
+test-under-load: setup
+	@hogs=""; for i in 1 2; do $(PY) -c 'while True: pass' & hogs="$$hogs $$!"; done; \
+	trap 'kill $$hogs 2>/dev/null' EXIT INT TERM; \
+	echo "two CPU hogs running (pids$$hogs)"; \
+	$(PY) -m pytest -p no:xdist $(LOAD_TESTS) $(PYTEST_ARGS)
 
 # ruff's lint and format check (configured in pyproject.toml); CI runs it before the tests.
 lint: setup
