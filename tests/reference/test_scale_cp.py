@@ -64,3 +64,9 @@ def test_cp_scale_refuses_bad_input_in_one_line(capsys, argv, message):
     assert main(argv.split()) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
+
+
+@pytest.mark.parametrize("rank", [0, 3])
+def test_cp_ring_trace_on_real_tensors_equals_the_meta_trace(rank):
+    setup = cp_setup_for("small", tp=2, cp=4)
+    assert cp_report.trace(setup, rank, device="cpu") == cp_report.trace(setup, rank)

@@ -43,18 +43,19 @@ def setup_from(args: argparse.Namespace) -> CPSetup:
     return cp_setup_for(args.model.lower(), tp=args.tp, cp=args.cp, pp=args.pp, dp=args.dp)
 
 
-def trace(setup: CPSetup, rank: int = 0) -> dict[str, formulas.Term]:
-    """The measured rows, named as formulas.cp_rows names them: cp rank `rank`'s ring attention of one layer."""
+def trace(setup: CPSetup, rank: int = 0, device: str = "meta") -> dict[str, formulas.Term]:
+    """The measured rows, named as formulas.cp_rows names them: cp rank `rank`'s ring attention of one layer.
+    device "cpu" runs it on real tensors (small shapes only), to show that the meta device changes nothing."""
     dist.init_process_group("cpu:fake,meta:fake", store=FakeStore(), rank=rank, world_size=setup.cp)
     try:
-        qkv = [torch.empty(setup.shard_shape, dtype=setup.params_dtype, device="meta") for _ in range(3)]
+        qkv = [torch.randn(setup.shard_shape, device=device).to(setup.params_dtype) for _ in range(3)]
         leaves = [t.requires_grad_() for t in qkv]
         saved: list[int] = []
         with CollectiveRecorder() as forward:
             with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.nbytes) or t, lambda t: t):
                 out = ring_attention(*leaves, dist.group.WORLD, balanced=setup.balanced)
         with CollectiveRecorder() as backward:
-            out.backward(torch.empty_like(out))
+            out.backward(torch.ones_like(out))
     finally:
         dist.destroy_process_group()
     sends = {name: [e.nbytes for e in rec.events if e.op == "send"] for name, rec in (("f", forward), ("b", backward))}
