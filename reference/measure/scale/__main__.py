@@ -24,7 +24,7 @@ from reference.arguments import (
     world_size,
 )
 from reference.data_parallel.wrapper import DEFAULT_BUCKET_SIZE
-from reference.measure.scale import formulas, moe_report
+from reference.measure.scale import cp_report, formulas, moe_report
 from reference.measure.scale.moe_shapes import MOE_MODELS
 from reference.measure.scale.shapes import MODELS, ScaleSetup, setup_for
 from reference.measure.scale.simulate import RankStep, default_ranks, document, stage_of, step_of
@@ -45,6 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tp", type=world_size, default=8, help="tensor-parallel size")
     parser.add_argument("--pp", type=world_size, default=8, help="pipeline-parallel size")
     parser.add_argument("--dp", type=world_size, default=64, help="data-parallel size")
+    parser.add_argument(
+        "--cp",
+        type=world_size,
+        default=1,
+        help="context-parallel size; > 1: the ring attention rows of one cp rank (reference.measure.scale.cp_report)",
+    )
     add_flag(
         parser, "--micro-batches", "--microbatches", type=microbatches, default=16, help="micro-batches per step (m)"
     )
@@ -197,7 +203,10 @@ def say(line: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    refuse_large_world(parser, tp=args.tp, pp=args.pp, dp=args.dp)
+    cp = {"cp": args.cp} if args.cp > 1 else {}  # named only when used: the cp 1 refusals read as before
+    refuse_large_world(parser, tp=args.tp, **cp, pp=args.pp, dp=args.dp)
+    if args.cp > 1:
+        return cp_report.run(args)
     if args.model.lower() in MOE_MODELS:
         return moe_report.run(args)
     if args.ep != 1 or args.routing_skew:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 from reference.gpt.model import split_layers, split_virtual_stages
-from reference.measure.scale.shapes import ScaleSetup
+from reference.measure.scale.shapes import CPSetup, ScaleSetup
 
 FP32 = 4
 
@@ -246,3 +246,23 @@ def fsdp2_rows(setup: ScaleSetup, add) -> None:
 def totals(terms: list[Term]) -> tuple[int, int]:
     """(count, bytes) of a row."""
     return sum(t.count for t in terms), sum(t.nbytes for t in terms)
+
+
+def cp_rows(setup: CPSetup) -> dict[str, Term]:
+    """Closed forms of one layer's ring attention on one cp rank, forward + backward
+    (reference.context_parallel.ring_attention), with n = b (heads / t) (s / cp) d elements of q, k or v
+    and e bytes each:
+      forward, per ring step: K and V, 2 n e, sent cp - 1 times (the last step sends nothing);
+      backward, per ring step: K, V and the fp32 dK, dV accumulated so far in one fp32 message, 4 n x 4,
+      cp - 1 times, plus one last hop of dK, dV home, 2 n x 4 (sends; the rank receives as much);
+      saved for backward: q, k, v (3 n e), the fp32 output (4 n) and log-sum-exp (4 n / d)."""
+    b, heads, s, d = setup.shard_shape
+    n, e, cp = b * heads * s * d, setup.params_dtype.itemsize, setup.cp
+    step = 2 * n * e
+    backward = (cp - 1) * 4 * n * FP32 + 2 * n * FP32 if cp > 1 else 0
+    return {
+        "K/V per ring step": Term(1, step, f"2 n e = 2 x {n:,} x {e}"),
+        "forward sends": Term(cp - 1, (cp - 1) * step, f"(cp - 1) x 2 n e, cp = {cp}"),
+        "backward sends": Term(cp if cp > 1 else 0, backward, "(cp - 1) x 4 n x 4 + 2 n x 4 (K, V, dK, dV in fp32)"),
+        "saved activations": Term(5, 3 * n * e + n * FP32 + b * heads * s * FP32, "3 n e + 4 n + 4 n / d"),
+    }

@@ -172,3 +172,57 @@ def setup_for(model: str, **layout) -> ScaleSetup:
     if model not in MODELS:
         raise ParallelConfigError(f"unknown model {model!r}; choose one of {', '.join(MODELS)}")
     return ScaleSetup(MODELS[model], **layout)
+
+
+# Long-context shapes for the CP rows (reference.measure.scale.cp_report): Llama-3-405B's layers, width, heads and
+# FFN at its 128K context; multi-head K/V, as the reference GPT has (Llama 3 shares each K/V head among 16 query
+# heads: its K/V bytes are 1/16 of these).
+CP_MODELS = {"405b": ModelShape("405b", 126, 16384, 128, 53248, 128256, 131072)}
+
+
+@dataclasses.dataclass(frozen=True)
+class CPSetup:
+    """One layer's causal ring attention (reference.context_parallel.ring_attention), forward and backward, on
+    one rank of a tp x cp x pp x dp job: its shard holds s / cp tokens of heads / tp heads (head-tail balanced:
+    2 cp chunks, so 2 cp divides s)."""
+
+    model: ModelShape
+    tp: int
+    cp: int
+    pp: int = 1
+    dp: int = 1
+    balanced: bool = True
+
+    def __post_init__(self) -> None:
+        m = self.model
+        if min(self.tp, self.cp, self.pp, self.dp) < 1:
+            raise ParallelConfigError(f"tp {self.tp}, cp {self.cp}, pp {self.pp} and dp {self.dp} must be >= 1")
+        if self.pp > m.num_layers:
+            raise ParallelConfigError(f"{self.pp} pipeline stages but only {m.num_layers} layers")
+        divide(m.num_attention_heads, self.tp, "num_attention_heads")
+        divide(m.hidden_size, m.num_attention_heads, "hidden_size", by="num_attention_heads")
+        chunks = 2 * self.cp if self.balanced else self.cp
+        divide(m.seq_length, chunks, "the sequence length", by=f"2 x cp ({chunks} chunks, head-tail balanced)")
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def shard_shape(self) -> tuple[int, int, int, int]:
+        """[b, heads / tp, s / cp, head dim]: this rank's q (and k, v)."""
+        m = self.model
+        heads = m.num_attention_heads
+        return m.micro_batch_size, heads // self.tp, m.seq_length // self.cp, m.hidden_size // heads
+
+    @property
+    def params_dtype(self) -> torch.dtype:
+        return DTYPES[self.model.dtype]
+
+
+def cp_setup_for(model: str, **layout) -> CPSetup:
+    """CPSetup for a preset of MODELS or CP_MODELS by name (a one-line error for an unknown name)."""
+    shapes = {**MODELS, **CP_MODELS}
+    if model not in shapes:
+        raise ParallelConfigError(f"unknown model {model!r}; choose one of {', '.join(shapes)}")
+    return CPSetup(shapes[model], **layout)
