@@ -9,17 +9,27 @@ import json
 import os
 import pickle
 import resource
+import select
 import subprocess
+import sys
 import time
 
 import filelock
 import jinja2
 import pytest
 
-from tests.tools.conftest import CLI, FREE_FORM, Run
+from tests.tools.conftest import CLI, FREE_FORM, ROOT, Run
 from tests.tools.test_untrusted_input import CITE, locked, one_error_line, run
 
 JOURNAL = ".pin-and-cite-journal.json"
+HOLD_THE_WRITE_LOCK = """
+import sys
+from pathlib import Path
+from pin_and_cite.core.write_lock import write_lock
+with write_lock(Path(sys.argv[1])):
+    print("held", flush=True)
+    sys.stdin.read()
+"""
 
 
 def _note(project, text: str = "{{ cite('" + CITE + "') }}\n", name: str = "a.md.j2"):
@@ -145,6 +155,30 @@ def test_writers_with_different_caches_take_turns_on_the_project(project, tmp_pa
         assert proc.poll() is None, proc.communicate()  # waits for the lock
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
+
+
+def test_a_writer_waiting_on_the_lock_says_whom_it_waits_for(project):
+    """A render behind a writer stopped with SIGSTOP waited in silence until it was killed."""
+    _note(project)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_THE_WRITE_LOCK, str(project.root), "holding-for-the-test"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "tools")},
+    )
+    assert holder.stdout.readline() == "held\n"
+    waiter = project.popen("render")
+    ready, _, _ = select.select([waiter.stderr], [], [], 60)  # a bound on a hang, not on speed
+    line = waiter.stderr.readline() if ready else "(nothing said in 60 s)"
+    assert line.startswith("pin-and-cite: waiting for ") and ".pin-and-cite.lock" in line, line
+    assert f"held by pid {holder.pid} (-c {project.root} holding-for-the-test)" in line, line
+    assert "Ctrl-C stops waiting" in line and f"kill -CONT {holder.pid}" in line, line
+    assert waiter.poll() is None
+    holder.communicate("")  # releases the lock
+    out, err = waiter.communicate(timeout=120)
+    assert waiter.returncode == 0, err
+    assert "waiting" not in err  # said once
 
 
 def test_the_write_lock_is_ignored_by_git():

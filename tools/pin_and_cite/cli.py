@@ -15,9 +15,10 @@ from pin_and_cite.core.defaults import default_ref
 from pin_and_cite.core.errors import LOCAL_IO, PinAndCiteError, printable
 from pin_and_cite.core.fetch import Fetched, fetch_all
 from pin_and_cite.core.gitobj import is_full_sha
-from pin_and_cite.core.project import NOTES_DIR, Project, find_root, write_lock
+from pin_and_cite.core.project import NOTES_DIR, Project, find_root
 from pin_and_cite.core.remote import check_url
 from pin_and_cite.core.resolve import Resolver
+from pin_and_cite.core.write_lock import write_lock
 from pin_and_cite.relocation import bump, journal, review
 from pin_and_cite.relocation.reanchor import relocate_texts
 from pin_and_cite.site.new_note import new_note

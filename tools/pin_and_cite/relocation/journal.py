@@ -5,7 +5,7 @@ every file, then stages them all, then marks the journal committed, and only the
 run that dies before the commit mark is rolled back by `recover` (the staged files are removed); one that dies
 after it is rolled forward (the remaining renames are done; a staged file that is gone must have reached its
 target, by its hash, or the roll forward stops loudly). Only a verb that writes the project recovers, holding
-the project's write lock (pin_and_cite.core.project.write_lock); read-only verbs refuse while `pending`.
+the project's write lock (pin_and_cite.core.write_lock); read-only verbs refuse while `pending`.
 """
 
 from __future__ import annotations
