@@ -116,6 +116,29 @@ def _files(folder) -> dict:
     return {p.relative_to(folder).as_posix(): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
 
 
+def test_a_pending_bump_journal_stops_the_build_in_one_line_naming_render(vendored_docs, tmp_path, caplog, monkeypatch):
+    """A bump killed mid-write left a journal: the hook rendered the half-written project (and rewrote
+    megatron-sha.txt) where `tools/pin-and-cite render` finishes or undoes the write first."""
+    project = tmp_path / "project"
+    shutil.copytree(ROOT / "reading_notes", project / "reading_notes")
+    journal = project / "reading_notes" / ".pin-and-cite-journal.json"
+    journal.write_text('{"state": "staging", "files": []}')
+    notes_before = _files(project / "reading_notes")
+    docs = tmp_path / "docs"
+    shutil.copytree(vendored_docs, docs, ignore=shutil.ignore_patterns("notes"))
+    monkeypatch.setenv("PIN_AND_CITE_PROJECT", str(project))
+    config = load_config(config_file=str(ROOT / "mkdocs.yml"), docs_dir=str(docs), site_dir=str(tmp_path / "site"))
+    with pytest.raises(Abort):
+        build(config)
+    (error,) = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert "\n" not in error and "holds an interrupted write" in error, error
+    assert "run `tools/pin-and-cite render` to finish or undo it, then mkdocs build again" in error, error
+    assert not (docs / "notes").exists()
+    left = _files(project / "reading_notes")
+    assert left.pop(".pin-and-cite.lock") == b""  # taken, then released
+    assert left == notes_before
+
+
 def test_a_broken_note_stops_the_build_with_its_file_and_line_and_keeps_the_previous_site(
     vendored_docs, tmp_path, caplog, monkeypatch
 ):

@@ -491,11 +491,7 @@ def main(argv: list[str] | None = None) -> int:
         root = args.project or find_root(Path.cwd())
         if args.verb not in WRITERS:  # read-only: never recovers a journal, never takes the write lock
             project = Project(root, timeout=args.timeout, url_overrides=dict(args.urls))
-            if journal.pending(project.notes_dir):
-                raise PinAndCiteError(
-                    f"{project.notes_dir} holds an interrupted write ({journal.NAME}); run `tools/pin-and-cite "
-                    f"render` to finish or undo it, then {args.verb} again"
-                )
+            journal.refuse_pending(project.notes_dir, args.verb)
             return COMMANDS[args.verb](project, args)
         with write_lock(root):  # pins and lock read under it
             if recovered := journal.recover(root / NOTES_DIR):  # a bump killed mid-write

@@ -59,6 +59,16 @@ def pending(directory: Path) -> bool:
     return any(os.path.lexists(directory / name) for name in (NAME, f"{NAME}.tmp"))
 
 
+def refuse_pending(directory: Path, verb: str) -> None:
+    """Stop a run that must not recover a journal (a read-only verb, the site build) while one is pending,
+    naming the verb that finishes or undoes it."""
+    if pending(directory):
+        raise PinAndCiteError(
+            f"{directory} holds an interrupted write ({NAME}); run `tools/pin-and-cite render` to finish or "
+            f"undo it, then {verb} again"
+        )
+
+
 def recover(directory: Path) -> str | None:
     """Finish or undo a `write_all` in `directory` that was killed; say which, or None when there was none.
     The caller holds the project's write lock, so a live write is never taken for a dead one."""
