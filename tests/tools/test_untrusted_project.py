@@ -18,6 +18,9 @@ import filelock
 import jinja2
 import pytest
 
+from pin_and_cite.core import project as project_module
+from pin_and_cite.core.errors import PinAndCiteError
+from pin_and_cite.site.render import render_notes
 from tests.tools.conftest import CLI, FREE_FORM, ROOT, Run
 from tests.tools.test_untrusted_input import CITE, locked, one_error_line, run
 
@@ -237,6 +240,33 @@ def test_two_sources_cannot_share_a_sha_file(project, upstream):
 
 
 # -- 7. symlinks at the top of the project; an interrupted or concurrent render --------------------------
+
+
+@pytest.mark.parametrize("swapped", ["template", "folder"])
+def test_a_template_swapped_for_a_symlink_after_the_check_is_refused_in_one_line(
+    project, tmp_path, monkeypatch, swapped
+):
+    """A racer renamed a symlink out onto a template between the check of reading_notes/ and Jinja's read of
+    it, and render put the outside file on a page: a template is read through one descriptor, checked once."""
+    _note(project)
+    notes, outside = project.root / "reading_notes", tmp_path / "outside"
+    outside.mkdir()
+    (outside / "x.md.j2").write_text(FREE_FORM + "SECRET\n")
+    if swapped == "template":
+        (notes / "a.md.j2").unlink()
+        (notes / "a.md.j2").symlink_to(outside / "x.md.j2")
+    else:
+        (notes / "a.md.j2").write_text(FREE_FORM + '{% include "sub/x.md.j2" %}\n')
+        (notes / "sub").symlink_to(outside)
+    monkeypatch.setattr(project_module, "refuse_special_files", lambda notes_dir: None)  # the swap came after it
+    monkeypatch.setenv("PIN_AND_CITE_CACHE", str(project.cache))
+    out = tmp_path / "pages"
+    with pytest.raises(PinAndCiteError) as refused:
+        render_notes(project.root, out)
+    link = notes / ("a.md.j2" if swapped == "template" else "sub")
+    assert f"{link} is a symlink, not a regular file" in str(refused.value)
+    assert "\n" not in str(refused.value)
+    assert not any(b"SECRET" in data for data in _files(out).values())
 
 
 def test_reading_notes_as_a_symlink_is_refused(project, tmp_path):
