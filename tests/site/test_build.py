@@ -120,7 +120,7 @@ def test_a_pending_bump_journal_stops_the_build_in_one_line_naming_render(vendor
     """A bump killed mid-write left a journal: the hook rendered the half-written project (and rewrote
     megatron-sha.txt) where `tools/pin-and-cite render` finishes or undoes the write first."""
     project = tmp_path / "project"
-    shutil.copytree(ROOT / "reading_notes", project / "reading_notes")
+    shutil.copytree(ROOT / "reading_notes", project / "reading_notes", ignore=shutil.ignore_patterns(".*.lock"))
     journal = project / "reading_notes" / ".pin-and-cite-journal.json"
     journal.write_text('{"state": "staging", "files": []}')
     notes_before = _files(project / "reading_notes")
