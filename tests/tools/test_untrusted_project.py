@@ -29,7 +29,7 @@ HOLD_THE_WRITE_LOCK = """
 import sys
 from pathlib import Path
 from pin_and_cite.core.write_lock import write_lock
-with write_lock(Path(sys.argv[1])):
+with write_lock(Path(sys.argv[2])):
     print("held", flush=True)
     sys.stdin.read()
 """
@@ -164,7 +164,7 @@ def test_a_writer_waiting_on_the_lock_says_whom_it_waits_for(project):
     """A render behind a writer stopped with SIGSTOP waited in silence until it was killed."""
     _note(project)
     holder = subprocess.Popen(
-        [sys.executable, "-c", HOLD_THE_WRITE_LOCK, str(project.root), "holding-for-the-test"],
+        [sys.executable, "-c", HOLD_THE_WRITE_LOCK, "holding-for-the-test", str(project.root)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -175,7 +175,7 @@ def test_a_writer_waiting_on_the_lock_says_whom_it_waits_for(project):
     ready, _, _ = select.select([waiter.stderr], [], [], 60)  # a bound on a hang, not on speed
     line = waiter.stderr.readline() if ready else "(nothing said in 60 s)"
     assert line.startswith("pin-and-cite: waiting for ") and ".pin-and-cite.lock" in line, line
-    assert f"held by pid {holder.pid} (-c {project.root} holding-for-the-test)" in line, line
+    assert f"held by pid {holder.pid} (-c holding-for-the-test);" in line, line  # program and verb only
     assert "Ctrl-C stops waiting" in line and f"kill -CONT {holder.pid}" in line, line
     assert waiter.poll() is None
     holder.communicate("")  # releases the lock

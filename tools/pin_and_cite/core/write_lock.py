@@ -37,13 +37,20 @@ def write_lock(root: Path) -> Iterator[None]:
     try:
         _acquire(fd, lock)
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()} {shlex.join(sys.argv)}\n".encode(errors="backslashreplace"), 0)
+        os.pwrite(fd, f"{os.getpid()} {_command()}\n".encode(errors="backslashreplace"), 0)
         try:
             yield
         finally:
             os.ftruncate(fd, 0)  # a later holder that records nothing is not taken for this one
     finally:
         os.close(fd)  # releases the lock
+
+
+def _command() -> str:
+    """The holder's program and verb, for the waiter's line; not its other arguments (a --url may hold a token,
+    and the lock file is readable by whoever can read the project)."""
+    program = Path(sys.argv[0])
+    return shlex.join([program.parent.name if program.name == "__main__.py" else program.name, *sys.argv[1:2]])
 
 
 def _acquire(fd: int, lock: Path) -> None:
