@@ -9,7 +9,8 @@
      outputs untouched (mkdocs watches docs/, so rewriting a file on every build would trigger the next rebuild
      forever) and, on a bad template, stops `mkdocs build` with the template's file:line and leaves the previous
      page as it was; under `mkdocs serve` that line is logged and the site goes on serving (after a `bump`, the
-     change pages say what to fix).
+     change pages say what to fix). It renders holding the project's write lock, as `tools/pin-and-cite render`
+     does, and refuses a bump's interrupted write (its journal) in one line naming the verb that finishes it.
 `on_config` keeps each code block's highlighted HTML, verified, under the user's cache
 (pin_and_cite.site.highlight_cache): Pygments was a third of a build; `on_env` keeps the theme's compiled
 templates there too (pin_and_cite.core.compiled_templates).
@@ -39,7 +40,10 @@ from mkdocs.utils.meta import get_data
 
 from pin_and_cite.core.compiled_templates import CompiledTemplates
 from pin_and_cite.core.errors import PinAndCiteError
+from pin_and_cite.core.project import NOTES_DIR
 from pin_and_cite.core.store import default_cache_dir, refuse_cache_inside
+from pin_and_cite.core.write_lock import write_lock
+from pin_and_cite.relocation import journal
 from pin_and_cite.site import highlight_cache
 from pin_and_cite.site.reading_order import MARKER, reading_order
 from pin_and_cite.site.render import render_notes
@@ -87,8 +91,11 @@ def on_pre_build(config) -> None:
         raise PluginError(str(e)) from None
     if found:
         raise PluginError(f"{found[0]}; run tools/vendor-assets --docs-dir {docs_dir} (make serve does)")
+    root = project_root(config)
     try:
-        render_notes(project_root(config), docs_dir / "notes")
+        with write_lock(root):  # as `tools/pin-and-cite render` holds it: a bump writing now finishes first
+            journal.refuse_pending(root / NOTES_DIR, "mkdocs build")  # a bump killed mid-write is not rendered
+            render_notes(root, docs_dir / "notes")
     except PinAndCiteError as e:
         if not _serving:
             raise PluginError(str(e)) from None

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
+import select
 import shutil
+import subprocess
+import sys
 
 import pytest
 from material.plugins.search.plugin import Parser
@@ -14,7 +18,7 @@ from mkdocs.config import load_config
 from mkdocs.exceptions import Abort
 
 from pin_and_cite.site.search_text import without_code_spans
-from tests.site.conftest import ROOT, vendor_assets
+from tests.site.conftest import ROOT, mkdocs_env, vendor_assets
 from tests.site.external_refs import external_refs
 
 BUNDLE = re.compile(r"assets/javascripts/bundle\.[0-9a-f]+\.min\.js")
@@ -114,6 +118,64 @@ def test_build_stops_with_one_line_reason_without_verified_mermaid(vendored_docs
 
 def _files(folder) -> dict:
     return {p.relative_to(folder).as_posix(): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def test_a_pending_bump_journal_stops_the_build_in_one_line_naming_render(vendored_docs, tmp_path, caplog, monkeypatch):
+    """A bump killed mid-write left a journal: the hook rendered the half-written project (and rewrote
+    megatron-sha.txt) where `tools/pin-and-cite render` finishes or undoes the write first."""
+    project = tmp_path / "project"
+    shutil.copytree(ROOT / "reading_notes", project / "reading_notes", ignore=shutil.ignore_patterns(".*.lock"))
+    journal = project / "reading_notes" / ".pin-and-cite-journal.json"
+    journal.write_text('{"state": "staging", "files": []}')
+    notes_before = _files(project / "reading_notes")
+    docs = tmp_path / "docs"
+    shutil.copytree(vendored_docs, docs, ignore=shutil.ignore_patterns("notes"))
+    monkeypatch.setenv("PIN_AND_CITE_PROJECT", str(project))
+    config = load_config(config_file=str(ROOT / "mkdocs.yml"), docs_dir=str(docs), site_dir=str(tmp_path / "site"))
+    with pytest.raises(Abort):
+        build(config)
+    (error,) = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert "\n" not in error and "holds an interrupted write" in error, error
+    assert "run `tools/pin-and-cite render` to finish or undo it, then mkdocs build again" in error, error
+    assert not (docs / "notes").exists()
+    left = _files(project / "reading_notes")
+    assert left.pop(".pin-and-cite.lock") == b""  # taken, then released
+    assert left == notes_before
+
+
+def test_a_build_waits_for_a_writer_holding_the_write_lock(vendored_docs, tmp_path):
+    """`mkdocs build` took no lock, so it rendered beside a running bump; now it waits its turn, says for
+    whom, and then (here) finds the journal that writer left."""
+    project = tmp_path / "project"
+    shutil.copytree(ROOT / "reading_notes", project / "reading_notes", ignore=shutil.ignore_patterns(".*.lock"))
+    (project / "reading_notes" / ".pin-and-cite-journal.json").write_text('{"state": "staging", "files": []}')
+    hold = "import sys; from pathlib import Path; from pin_and_cite.core.write_lock import write_lock\n"
+    hold += "with write_lock(Path(sys.argv[1])):\n    print('held', flush=True); sys.stdin.read()\n"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", hold, str(project)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "tools")},
+    )
+    assert holder.stdout.readline() == "held\n"
+    build_proc = subprocess.Popen(
+        [sys.executable, "-m", "mkdocs", "build", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT,
+        env={**mkdocs_env(), "PIN_AND_CITE_PROJECT": str(project)},
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    ready, _, _ = select.select([build_proc.stderr], [], [], 120)  # a bound on a hang, not on speed
+    line = build_proc.stderr.readline() if ready else "(nothing said in 120 s)"
+    while ready and line and not line.startswith("pin-and-cite: waiting"):  # mkdocs' own INFO lines first
+        line = build_proc.stderr.readline()
+    assert f"held by pid {holder.pid} (-c " in line, line
+    assert build_proc.poll() is None
+    holder.communicate("")
+    _, err = build_proc.communicate(timeout=120)
+    assert build_proc.returncode != 0 and "holds an interrupted write" in err, err
+    assert not (tmp_path / "site" / "index.html").exists()
 
 
 def test_a_broken_note_stops_the_build_with_its_file_and_line_and_keeps_the_previous_site(

@@ -9,17 +9,30 @@ import json
 import os
 import pickle
 import resource
+import select
 import subprocess
+import sys
 import time
 
 import filelock
 import jinja2
 import pytest
 
-from tests.tools.conftest import CLI, FREE_FORM, Run
+from pin_and_cite.core import project as project_module
+from pin_and_cite.core.errors import PinAndCiteError
+from pin_and_cite.site.render import render_notes
+from tests.tools.conftest import CLI, FREE_FORM, ROOT, Run
 from tests.tools.test_untrusted_input import CITE, locked, one_error_line, run
 
 JOURNAL = ".pin-and-cite-journal.json"
+HOLD_THE_WRITE_LOCK = """
+import sys
+from pathlib import Path
+from pin_and_cite.core.write_lock import write_lock
+with write_lock(Path(sys.argv[2])):
+    print("held", flush=True)
+    sys.stdin.read()
+"""
 
 
 def _note(project, text: str = "{{ cite('" + CITE + "') }}\n", name: str = "a.md.j2"):
@@ -147,6 +160,30 @@ def test_writers_with_different_caches_take_turns_on_the_project(project, tmp_pa
     assert proc.returncode == 0, err
 
 
+def test_a_writer_waiting_on_the_lock_says_whom_it_waits_for(project):
+    """A render behind a writer stopped with SIGSTOP waited in silence until it was killed."""
+    _note(project)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_THE_WRITE_LOCK, "holding-for-the-test", str(project.root)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "tools")},
+    )
+    assert holder.stdout.readline() == "held\n"
+    waiter = project.popen("render")
+    ready, _, _ = select.select([waiter.stderr], [], [], 60)  # a bound on a hang, not on speed
+    line = waiter.stderr.readline() if ready else "(nothing said in 60 s)"
+    assert line.startswith("pin-and-cite: waiting for ") and ".pin-and-cite.lock" in line, line
+    assert f"held by pid {holder.pid} (-c holding-for-the-test);" in line, line  # program and verb only
+    assert "Ctrl-C stops waiting" in line and f"kill -CONT {holder.pid}" in line, line
+    assert waiter.poll() is None
+    holder.communicate("")  # releases the lock
+    out, err = waiter.communicate(timeout=120)
+    assert waiter.returncode == 0, err
+    assert "waiting" not in err  # said once
+
+
 def test_the_write_lock_is_ignored_by_git():
     from tests.tools.conftest import ROOT
 
@@ -203,6 +240,33 @@ def test_two_sources_cannot_share_a_sha_file(project, upstream):
 
 
 # -- 7. symlinks at the top of the project; an interrupted or concurrent render --------------------------
+
+
+@pytest.mark.parametrize("swapped", ["template", "folder"])
+def test_a_template_swapped_for_a_symlink_after_the_check_is_refused_in_one_line(
+    project, tmp_path, monkeypatch, swapped
+):
+    """A racer renamed a symlink out onto a template between the check of reading_notes/ and Jinja's read of
+    it, and render put the outside file on a page: a template is read through one descriptor, checked once."""
+    _note(project)
+    notes, outside = project.root / "reading_notes", tmp_path / "outside"
+    outside.mkdir()
+    (outside / "x.md.j2").write_text(FREE_FORM + "SECRET\n")
+    if swapped == "template":
+        (notes / "a.md.j2").unlink()
+        (notes / "a.md.j2").symlink_to(outside / "x.md.j2")
+    else:
+        (notes / "a.md.j2").write_text(FREE_FORM + '{% include "sub/x.md.j2" %}\n')
+        (notes / "sub").symlink_to(outside)
+    monkeypatch.setattr(project_module, "refuse_special_files", lambda notes_dir: None)  # the swap came after it
+    monkeypatch.setenv("PIN_AND_CITE_CACHE", str(project.cache))
+    out = tmp_path / "pages"
+    with pytest.raises(PinAndCiteError) as refused:
+        render_notes(project.root, out)
+    link = notes / ("a.md.j2" if swapped == "template" else "sub")
+    assert f"{link} is a symlink, not a regular file" in str(refused.value)
+    assert "\n" not in str(refused.value)
+    assert not any(b"SECRET" in data for data in _files(out).values())
 
 
 def test_reading_notes_as_a_symlink_is_refused(project, tmp_path):

@@ -15,9 +15,10 @@ from pin_and_cite.core.defaults import default_ref
 from pin_and_cite.core.errors import LOCAL_IO, PinAndCiteError, printable
 from pin_and_cite.core.fetch import Fetched, fetch_all
 from pin_and_cite.core.gitobj import is_full_sha
-from pin_and_cite.core.project import NOTES_DIR, Project, find_root, write_lock
+from pin_and_cite.core.project import NOTES_DIR, Project, find_root
 from pin_and_cite.core.remote import check_url
 from pin_and_cite.core.resolve import Resolver
+from pin_and_cite.core.write_lock import write_lock
 from pin_and_cite.relocation import bump, journal, review
 from pin_and_cite.relocation.reanchor import relocate_texts
 from pin_and_cite.site.new_note import new_note
@@ -490,11 +491,7 @@ def main(argv: list[str] | None = None) -> int:
         root = args.project or find_root(Path.cwd())
         if args.verb not in WRITERS:  # read-only: never recovers a journal, never takes the write lock
             project = Project(root, timeout=args.timeout, url_overrides=dict(args.urls))
-            if journal.pending(project.notes_dir):
-                raise PinAndCiteError(
-                    f"{project.notes_dir} holds an interrupted write ({journal.NAME}); run `tools/pin-and-cite "
-                    f"render` to finish or undo it, then {args.verb} again"
-                )
+            journal.refuse_pending(project.notes_dir, args.verb)
             return COMMANDS[args.verb](project, args)
         with write_lock(root):  # pins and lock read under it
             if recovered := journal.recover(root / NOTES_DIR):  # a bump killed mid-write

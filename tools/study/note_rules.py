@@ -194,7 +194,7 @@ def _reason_problems(calls) -> list[RuleProblem]:
 def check_note(template: Path, context: Context) -> list[RuleProblem]:
     """Every rule the template's front matter declares, broken (`context`: the checkout, whose tests the
     evidence names): this study's `note_rules` (study.plugin)."""
-    text = template_text(template)
+    text = template_text(template, context.notes_dir)
     declared = front_matter(text)[0].get("rules")
     if declared not in RULES:
         what = "no 'rules:' front matter" if declared is None else f"'rules: {declared}' is not a kind of page"

@@ -17,6 +17,8 @@ from jinja2 import nodes
 from pin_and_cite.core import sandbox
 from pin_and_cite.core.errors import PinAndCiteError
 from pin_and_cite.core.gitobj import blob_sha
+from pin_and_cite.core.project import MAX_NOTES_FILE
+from pin_and_cite.core.regular_file import read_beneath
 
 if TYPE_CHECKING:
     from pin_and_cite.core.context import Context
@@ -45,7 +47,7 @@ class Written:
 def calls_in(template: Path, functions: set[str], context: Context | None = None) -> list[Written]:
     """The calls of `functions` written in `template`; the context's parse cache keeps what Jinja's parser
     found, by the hash of the template's text (a third of a `check` is parsing templates)."""
-    text = template_text(template)
+    text = template_text(template, context.notes_dir if context else None)
     parsed = context.parsed if context else None
     if parsed is None:
         every = _every_call(text, template)
@@ -106,15 +108,43 @@ def _every_call(text: str, template: Path) -> list[_Call]:
     return found
 
 
-def template_text(template: Path) -> str:
-    """The template's text, read as UTF-8 whatever the locale; bytes that are not UTF-8 are one line naming
-    the line that holds them."""
-    data = template.read_bytes()
+class TemplateMissing(PinAndCiteError):
+    """No file is there (a template includes one that does not exist)."""
+
+
+def template_text(template: Path, notes_dir: Path | None = None) -> str:
+    """The template's text, read through one descriptor checked once: a regular file reached from `notes_dir`
+    (else from its own folder) through no symlink (pin_and_cite.core.regular_file.read_beneath), as UTF-8
+    whatever the locale; bytes that are not UTF-8 are one line naming the line that holds them."""
+    data = read_beneath(notes_dir or template.parent, template, MAX_NOTES_FILE)
+    if data is None:
+        raise TemplateMissing(f"{template} does not exist")
+    if len(data) > MAX_NOTES_FILE:
+        raise PinAndCiteError(f"{template} is larger than {MAX_NOTES_FILE >> 20} MiB; no file of ours is")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         line = data[: exc.start].count(b"\n") + 1
         raise PinAndCiteError(f"{template}:{line}: the template is not UTF-8 text ({exc.reason})") from None
+
+
+class NotesLoader(jinja2.BaseLoader):
+    """The templates under `notes_dir`, for Jinja, each read by template_text (Jinja's FileSystemLoader follows
+    symlinks). One loader serves one run, so a template read once stays up to date for it."""
+
+    def __init__(self, notes_dir: Path):
+        self.notes_dir = notes_dir
+
+    def get_source(self, environment, name):
+        path = self.notes_dir.joinpath(*jinja2.loaders.split_template_path(name))
+        try:
+            text = template_text(path, self.notes_dir)
+        except TemplateMissing:
+            raise jinja2.TemplateNotFound(name) from None
+        return text, str(path), lambda: True
+
+    def list_templates(self):
+        return [t.relative_to(self.notes_dir).as_posix() for t in template_files(self.notes_dir)]
 
 
 def template_files(notes_dir: Path) -> list[Path]:

@@ -7,8 +7,6 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import filelock
-
 from pin_and_cite.core.errors import PinAndCiteError
 from pin_and_cite.core.lock import Lock
 from pin_and_cite.core.pins import Pins, Source
@@ -16,7 +14,6 @@ from pin_and_cite.core.remote import Remote, check_url
 from pin_and_cite.core.store import Store, default_cache_dir, refuse_cache_inside
 
 NOTES_DIR = "reading_notes"
-WRITE_LOCK = ".pin-and-cite.lock"  # in NOTES_DIR, ignored by git
 MAX_NOTES_FILE = 16 << 20  # bytes; the largest file in reading_notes/ (the lock) holds 66 KB
 
 
@@ -47,17 +44,6 @@ def refuse_special_files(notes_dir: Path) -> None:
                 raise PinAndCiteError(f"{path} is {kind}; {NOTES_DIR}/ must hold plain files and folders only")
             if info.st_size > MAX_NOTES_FILE:
                 raise PinAndCiteError(f"{path} is larger than {MAX_NOTES_FILE >> 20} MiB; no file of ours is")
-
-
-def write_lock(root: Path) -> filelock.FileLock:
-    """The lock every run that writes the project holds, in the project itself: two runs with different
-    caches still take turns, and a journal is only recovered by a run holding it."""
-    notes_dir = root / NOTES_DIR
-    refuse_special_files(notes_dir)  # before the lock file is opened (and truncated) through a planted symlink
-    lock = notes_dir / WRITE_LOCK
-    if lock.is_dir():
-        raise PinAndCiteError(f"{lock} is a folder; remove it (it is the file runs that write the project lock)")
-    return filelock.FileLock(str(lock))
 
 
 @dataclass

@@ -11,6 +11,8 @@ from pathlib import Path
 from pin_and_cite.core.errors import PinAndCiteError
 
 MAX_CODE_BYTES = 8 << 20  # a Python file of the project larger than this is not code anyone reads
+FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # O_NONBLOCK: opening a FIFO must not wait
+FOLDER_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 KINDS = (
     (stat.S_ISDIR, "a directory"),
@@ -28,13 +30,51 @@ class NotRegularFile(PinAndCiteError):
 def read_regular(path: Path, limit: int) -> bytes | None:
     """At most `limit + 1` bytes of the regular file `path` (so a caller sees that it is too large without
     reading it all), or None when nothing is there; NotRegularFile for anything else."""
-    try:  # O_NONBLOCK: opening a FIFO must not wait
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        fd = os.open(path, FILE_FLAGS)
     except FileNotFoundError:
         return None
     except OSError as exc:  # ELOOP: the last component is a symlink
-        kind = "a symlink" if path.is_symlink() else exc.strerror
-        raise NotRegularFile(f"{path} is {kind}, not a regular file") from None
+        raise _not_regular(path, exc) from None
+    return _read(fd, path, limit)
+
+
+def read_beneath(folder: Path, path: Path, limit: int) -> bytes | None:
+    """As read_regular, for `path` under `folder`, through one descriptor opened a component at a time from
+    `folder`, none followed as a symlink: what is checked is what is read (a template swapped for a symlink
+    after reading_notes/ was checked once put an outside file on a page)."""
+    parts = path.relative_to(folder).parts
+    if not parts or ".." in parts:
+        raise NotRegularFile(f"{path} is not a file under {folder}")
+    try:
+        fd = os.open(folder, FOLDER_FLAGS)
+    except OSError as exc:
+        raise _not_regular(folder, exc) from None
+    reached = folder
+    try:
+        for part in parts[:-1]:
+            reached = reached / part
+            inner = os.open(part, FOLDER_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = inner
+        reached = path
+        file_fd = os.open(parts[-1], FILE_FLAGS, dir_fd=fd)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:  # ELOOP or ENOTDIR: a symlink on the way
+        raise _not_regular(reached, exc) from None
+    finally:
+        os.close(fd)
+    return _read(file_fd, path, limit)
+
+
+def _not_regular(path: Path, exc: OSError) -> NotRegularFile:
+    kind = "a symlink" if path.is_symlink() else exc.strerror
+    return NotRegularFile(f"{path} is {kind}, not a regular file")
+
+
+def _read(fd: int, path: Path, limit: int) -> bytes:
+    """At most `limit + 1` bytes of the opened `fd`, refused (and closed) unless it is a regular file."""
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)

@@ -5,7 +5,7 @@ every file, then stages them all, then marks the journal committed, and only the
 run that dies before the commit mark is rolled back by `recover` (the staged files are removed); one that dies
 after it is rolled forward (the remaining renames are done; a staged file that is gone must have reached its
 target, by its hash, or the roll forward stops loudly). Only a verb that writes the project recovers, holding
-the project's write lock (pin_and_cite.core.project.write_lock); read-only verbs refuse while `pending`.
+the project's write lock (pin_and_cite.core.write_lock); read-only verbs refuse while `pending`.
 """
 
 from __future__ import annotations
@@ -57,6 +57,16 @@ def write_all(files: dict[Path, bytes], directory: Path) -> None:
 def pending(directory: Path) -> bool:
     """Whether `directory` holds a journal (or half of one), without opening it."""
     return any(os.path.lexists(directory / name) for name in (NAME, f"{NAME}.tmp"))
+
+
+def refuse_pending(directory: Path, verb: str) -> None:
+    """Stop a run that must not recover a journal (a read-only verb, the site build) while one is pending,
+    naming the verb that finishes or undoes it."""
+    if pending(directory):
+        raise PinAndCiteError(
+            f"{directory} holds an interrupted write ({NAME}); run `tools/pin-and-cite render` to finish or "
+            f"undo it, then {verb} again"
+        )
 
 
 def recover(directory: Path) -> str | None:

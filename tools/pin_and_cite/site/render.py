@@ -37,7 +37,7 @@ from pin_and_cite.core.fences import code_span, fence_for
 from pin_and_cite.core.highlights import Statements, checked_highlight
 from pin_and_cite.core.local_code import Definition, definition, mirrored
 from pin_and_cite.core.locked import locked_default, locked_excerpt
-from pin_and_cite.core.notes import note_templates
+from pin_and_cite.core.notes import NotesLoader, note_templates
 from pin_and_cite.core.pinned_sha import write_pinned_sha
 from pin_and_cite.core.project import Project
 from pin_and_cite.core.resolve import Excerpt, Resolver
@@ -125,7 +125,7 @@ class Renderer:
         self.page: str | None = None  # the page being rendered, for relative links
         self.cited_tests: dict[str, tuple[Evidence, list[str]]] = {}  # node id -> evidence, citing pages
         self.our_code: dict[str, Definition] = {}  # anchor -> definition ours() linked, on the page being rendered
-        loader = CompiledTemplates(jinja2.FileSystemLoader(project.notes_dir), project.cache_dir)
+        loader = CompiledTemplates(NotesLoader(project.notes_dir), project.cache_dir)
         self.env = sandbox.environment(loader)
         self.env.globals.update(
             cite=self.cite,
