@@ -116,7 +116,8 @@ def template_text(template: Path, notes_dir: Path | None = None) -> str:
     """The template's text, read through one descriptor checked once: a regular file reached from `notes_dir`
     (else from its own folder) through no symlink (pin_and_cite.core.regular_file.read_beneath), as UTF-8
     whatever the locale; bytes that are not UTF-8 are one line naming the line that holds them."""
-    data = read_beneath(notes_dir or template.parent, template, MAX_NOTES_FILE)
+    beneath = notes_dir is not None and template.is_relative_to(notes_dir)  # a scratch note may sit elsewhere
+    data = read_beneath(notes_dir if beneath else template.parent, template, MAX_NOTES_FILE)
     if data is None:
         raise TemplateMissing(f"{template} does not exist")
     if len(data) > MAX_NOTES_FILE:
