@@ -88,7 +88,8 @@ def test_jinja_compiles_a_page_within_the_page_bounds(project, monkeypatch):
     monkeypatch.setattr(sandbox, "MAX_MEMORY", 16 << 20)
     template = project.root / "reading_notes" / "fold.md.j2"
     template.write_text(FREE_FORM + '{{ "' + "a" * 2_000_000 + '"|list }}\n')
-    with pytest.raises(PinAndCiteError, match=r"fold.md.j2:4: the page needs more than 16 MiB"):
+    # The line is known when the overrun comes in the render, not when Jinja folds the constant while compiling
+    with pytest.raises(PinAndCiteError, match=r"fold\.md\.j2:(4|\?): the page needs more than 16 MiB"):
         _renderer(project).render(template)
 
 
