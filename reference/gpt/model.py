@@ -45,6 +45,7 @@ class GPTConfig:
     num_kv_heads: int | None = None  # "llama": key/value heads (query groups); default num_attention_heads
     rope_theta: float = 1_000_000.0  # "llama": rotary base (Qwen2.5's rope_theta)
     norm_eps: float = 1e-6  # "llama": RMSNorm epsilon (Qwen2's rms_norm_eps)
+    qkv_bias: bool = True  # "llama": Qwen2's q/k/v biases; False: none, as Llama 3 (HF's attention_bias=False)
 
     @classmethod
     def from_sizes(cls, source, **fields) -> GPTConfig:
@@ -79,6 +80,8 @@ class GPTConfig:
                 )
         elif self.num_kv_heads not in (None, self.num_attention_heads):
             raise ParallelConfigError("grouped-query attention (num_kv_heads) needs the llama style")
+        elif not self.qkv_bias:
+            raise ParallelConfigError("a bias-free QKV (qkv_bias False) needs the llama style")
         for name in ("vocab_size", "hidden_size", "num_attention_heads", "num_layers", "seq_length"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ParallelConfigError(f"GPTConfig.{name} must be a positive integer, got {getattr(self, name)!r}")
@@ -95,6 +98,7 @@ class GPTConfig:
                 num_kv_heads=self.kv_heads,
                 ffn_hidden_size=self.ffn_hidden_size or 4 * self.hidden_size,
                 norm_eps=self.norm_eps,
+                qkv_bias=self.qkv_bias,
                 init_method=init_method_normal(self.init_std),
             )
         return dict(

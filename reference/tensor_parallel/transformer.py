@@ -90,7 +90,8 @@ def grouped_query_attention(
 
 class Attention(torch.nn.Module):
     """Fused QKV, attention per head (grouped when num_kv_heads < heads, rotary when given), output projection.
-    GPT-2: all biased, dropout on the probabilities. Llama/Qwen2 (`qkv_only_bias`): q/k/v biased, proj not.
+    GPT-2: all biased, dropout on the probabilities. Llama/Qwen2 (`qkv_only_bias`): q/k/v biased (Qwen2; with
+    `qkv_bias` False none, as Llama 3), proj not.
 
     Mirrors `megatron-lm:megatron/core/transformer/attention.py::SelfAttention`.
     """
@@ -104,6 +105,7 @@ class Attention(torch.nn.Module):
         num_kv_heads=None,
         dropout=0.0,
         qkv_only_bias=False,
+        qkv_bias=True,
         **kw,
     ):
         super().__init__()
@@ -111,7 +113,8 @@ class Attention(torch.nn.Module):
         self.head_dim = divide(hidden_size, num_attention_heads, "hidden_size", by="num_attention_heads")
         self.queries_per_group = num_attention_heads // groups
         self.attention_dropout = dropout
-        self.qkv = _linear(hidden_size, (num_attention_heads + 2 * groups) * self.head_dim, init_method, **kw)
+        qkv_size = (num_attention_heads + 2 * groups) * self.head_dim
+        self.qkv = _linear(hidden_size, qkv_size, init_method, bias=qkv_bias, **kw)
         heads_size = num_attention_heads * self.head_dim
         self.proj = _linear(heads_size, hidden_size, init_method, bias=not qkv_only_bias, **kw)
         self.rng, self.recompute = None, False  # set by parallelize: head-split dropout stream, selective recompute
@@ -217,7 +220,8 @@ class TransformerBlock(Block):
 
 
 class LlamaBlock(Block):
-    """The Llama/Qwen2 block: RMSNorm, grouped-query attention with rotary positions, SwiGLU; no dropout."""
+    """The Llama/Qwen2 block: RMSNorm, grouped-query attention with rotary positions, SwiGLU; no dropout. q/k/v
+    biased as Qwen2's, or (`qkv_bias` False) bias-free as Llama 3's."""
 
     def __init__(
         self,
@@ -227,6 +231,7 @@ class LlamaBlock(Block):
         num_kv_heads: int,
         ffn_hidden_size: int,
         norm_eps: float,
+        qkv_bias: bool = True,
         init_method: Callable | None = None,
         params_dtype=torch.float32,
         device=None,
@@ -234,7 +239,15 @@ class LlamaBlock(Block):
         init, kw = init_method or init_method_normal(), dict(dtype=params_dtype, device=device)
         super().__init__(
             partial(torch.nn.RMSNorm, hidden_size, eps=norm_eps),
-            Attention(hidden_size, num_attention_heads, init, num_kv_heads=num_kv_heads, qkv_only_bias=True, **kw),
+            Attention(
+                hidden_size,
+                num_attention_heads,
+                init,
+                num_kv_heads=num_kv_heads,
+                qkv_only_bias=True,
+                qkv_bias=qkv_bias,
+                **kw,
+            ),
             MLP(hidden_size, ffn_hidden_size, init, gated=True, **kw),
             0.0,
             **kw,
