@@ -50,7 +50,7 @@ class Block:
     tp: int = 1
 
 
-_70B = MODELS["70b"]
+_70B = MODELS["gpt-70b-shape"]
 BLOCKS = {
     b.name: b
     for b in (

@@ -1,4 +1,4 @@
-"""`python -m reference.measure.scale --tp 8 --pp 8 --dp 64 --model 70b [--rank R] [--sequence-parallel]
+"""`python -m reference.measure.scale --tp 8 --pp 8 --dp 64 --model llama3-70b [--rank R] [--sequence-parallel]
 [--dp-sharding optimizer | gradients | fsdp2 [--dp-replicate R]] [--json]`: trace one training step of one rank (or a
 first, middle and last stage rank) of a large job with the fake process group, and print the bytes per group
 and collective type, and the bytes the rank holds, next to the closed-form formula. Exit 0 when every row
@@ -40,7 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
         f"{MAX_MICROBATCHES} micro-batches ({MICROBATCHES_WHY}).",
     )
     parser.add_argument(
-        "--model", default="70b", help=f"model shape: {', '.join(MODELS)}; MoE layers: {', '.join(MOE_MODELS)}"
+        "--model",
+        default="gpt-70b-shape",
+        help=f"model shape: {', '.join(MODELS)}; MoE layers: {', '.join(MOE_MODELS)}",
     )
     parser.add_argument("--tp", type=world_size, default=8, help="tensor-parallel size")
     parser.add_argument("--pp", type=world_size, default=8, help="pipeline-parallel size")
@@ -129,7 +131,8 @@ def format_document(doc: dict) -> str:
         f"{s['model']['name']} on tp {s['tp']} x pp {s['pp']} x dp {s['dp']} = {doc['world']} ranks, "
         f"{s['microbatches']} micro-batches, sp {'on' if s['sp'] else 'off'}, {s['schedule']}"
         + (f" interleaved over {s['virtual_stages']} chunks per stage" if s.get("virtual_stages", 1) > 1 else "")
-        + _dp_sharding(s)
+        + _dp_sharding(s),
+        _model_line(s["model"], doc["parameters"]),
     ]
     width = max([5] + [len(r["group"]) for run in doc["runs"] for r in run["rows"]])  # HSDP's groups are longer
     for run in doc["runs"]:
@@ -150,6 +153,18 @@ def format_document(doc: dict) -> str:
                 f"  {what:{width + 15}} {'':>6} {nbytes:>16,} {formulas.human(nbytes):>12}  {expected:,}{verdict}"
             )
     return "\n".join(lines)
+
+
+def _model_line(model: dict, parameters: int) -> str:
+    """The model's parameter count (the whole model, unsplit) and the block it is built of."""
+    if model.get("style") == "llama":
+        block = (
+            f"Llama block: GQA {model['num_attention_heads']} query / {model['num_kv_heads']} key-value heads, "
+            "SwiGLU, RMSNorm, rotary, untied embeddings"
+        )
+    else:
+        block = "reference GPT block: multi-head attention, GELU MLP, LayerNorm, learned positions, untied embeddings"
+    return f"{parameters:,} parameters ({parameters / 1e9:.2f} B; {block})"
 
 
 def _dp_sharding(s: dict) -> str:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 from reference.gpt.model import split_layers, split_virtual_stages
-from reference.measure.scale.shapes import CPSetup, ScaleSetup
+from reference.measure.scale.shapes import CPSetup, ModelShape, ScaleSetup
 
 FP32 = 4
 
@@ -47,20 +47,46 @@ def chunk_layers(setup: ScaleSetup, stage: int, chunk: int) -> tuple[int, bool, 
     return last - first, first == 0, last == num_layers
 
 
+def block_parameters(setup: ScaleSetup) -> list[tuple[int, int]]:
+    """(rows, elements per row) of each parameter of one block on one TP rank, in the model's order, column
+    layers split on their output, row layers on their input. GPT-2: ln1 (w, b), QKV (w, b), attention out
+    (w, b), ln2 (w, b), fc1 (w, b), fc2 (w, b). Llama: ln1, the grouped QKV (a + 2k heads of d; its bias where
+    the shape has one), o-proj, ln2, [gate; up] (2f rows), down: RMSNorm weights and no other bias."""
+    m, t = setup.model, setup.tp
+    h, f = m.hidden_size, m.ffn_hidden_size
+    if not m.llama:
+        block = [(h, 1), (h, 1), (3 * h // t, h), (3 * h // t, 1), (h, h // t), (h, 1)]
+        return block + [(h, 1), (h, 1), (f // t, h), (f // t, 1), (h, f // t), (h, 1)]
+    qkv_rows = (m.num_attention_heads + 2 * m.kv_heads) * (h // m.num_attention_heads) // t
+    qkv = [(qkv_rows, h)] + ([(qkv_rows, 1)] if m.qkv_bias else [])
+    return [(h, 1), *qkv, (h, h // t), (h, 1), (2 * f // t, h), (h, f // t)]
+
+
+def end_parameters(setup: ScaleSetup) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """(embedding, head) parameters of one TP rank as (rows, elements per row): the word embedding's rows of
+    the padded vocabulary and, for GPT-2, the learned positions; the final norm's weight (and LayerNorm's
+    bias) and the output layer's rows."""
+    m = setup.model
+    h, vocab_rows = m.hidden_size, setup.padded_vocab_size // setup.tp
+    if m.llama:
+        return [(vocab_rows, h)], [(h, 1), (vocab_rows, h)]
+    return [(vocab_rows, h), (m.seq_length, h)], [(h, 1), (h, 1), (vocab_rows, h)]
+
+
 def stage_parameters(setup: ScaleSetup, stage: int, chunk: int = 0) -> list[int]:
     """Sizes of the parameters one TP rank of stage `stage` holds (in model chunk `chunk` under interleaving),
-    in the model's order: word and position embeddings (first stage); per block ln1 (w, b), QKV (w, b),
-    attention out (w, b), ln2 (w, b), fc1 (w, b), fc2 (w, b), column layers split on their output, row layers
-    on their input; final LayerNorm (w, b) and output layer (last stage)."""
-    m, t = setup.model, setup.tp
-    h, f, vocab_rows = m.hidden_size, m.ffn_hidden_size, setup.padded_vocab_size // t
+    in the model's order: the embedding (first stage), block_parameters per block, the final norm and output
+    layer (last stage)."""
     layers, embeds, heads = chunk_layers(setup, stage, chunk)
-    block = [h, h, 3 * h * h // t, 3 * h // t, h * h // t, h, h, h, f * h // t, f // t, h * f // t, h]
-    sizes = [vocab_rows * h, m.seq_length * h] if embeds else []
-    sizes += block * layers
-    if heads:
-        sizes += [h, h, vocab_rows * h]
-    return sizes
+    embedding, head = end_parameters(setup)
+    block = [rows * row for rows, row in block_parameters(setup)]
+    return [r * n for r, n in embedding] * embeds + block * layers + [r * n for r, n in head] * heads
+
+
+def parameter_count(model: ModelShape) -> int:
+    """Parameters of the whole model, unsplit and unpadded (tp 1, pp 1): for the llama3 presets the count of
+    Hugging Face's LlamaForCausalLM at the same LlamaConfig (tests/reference/test_scale.py builds it)."""
+    return sum(stage_parameters(ScaleSetup(model, tp=1, pp=1, dp=1, microbatches=1), 0))
 
 
 def ddp_buckets(sizes: list[int], element_bytes: int, bucket_size: int | None) -> list[int]:
@@ -90,14 +116,9 @@ def padded_buckets(setup: ScaleSetup, stage: int) -> list[int]:
 
 def fsdp2_groups(setup: ScaleSetup) -> list[list[tuple[int, int]]]:
     """(rows, elements per row) of each TP-local parameter, per `fully_shard` group of the one stage (pp 1):
-    the root (word and position embeddings, final LayerNorm w and b, output layer), then each block (as
-    stage_parameters lists them)."""
-    m, t = setup.model, setup.tp
-    h, f, vocab_rows = m.hidden_size, m.ffn_hidden_size, setup.padded_vocab_size // t
-    root = [(vocab_rows, h), (m.seq_length, h), (h, 1), (h, 1), (vocab_rows, h)]
-    block = [(h, 1), (h, 1), (3 * h // t, h), (3 * h // t, 1), (h, h // t), (h, 1)]
-    block += [(h, 1), (h, 1), (f // t, h), (f // t, 1), (h, f // t), (h, 1)]
-    return [root] + [block] * m.num_layers
+    the root (the embedding, the final norm, the output layer), then each block (block_parameters)."""
+    embedding, head = end_parameters(setup)
+    return [embedding + head] + [block_parameters(setup)] * setup.model.num_layers
 
 
 def fsdp2_numel(group: list[tuple[int, int]], shards: int, shard_rank: int | None = None) -> int:
@@ -134,9 +155,16 @@ def memory(setup: ScaleSetup, stage: int, shard_rank: int = 0) -> dict[str, int]
 
 
 def sequence_parallel_params(setup: ScaleSetup, stage: int, chunk: int = 0) -> int:
-    """Replicated parameters that see only this rank's tokens under SP: LayerNorms and row-parallel biases."""
-    h, (layers, _, heads) = setup.model.hidden_size, chunk_layers(setup, stage, chunk)
-    return layers * 6 * h + (2 * h if heads else 0)
+    """Replicated parameters that see only this rank's tokens under SP: the norms and row-parallel biases
+    (GPT-2: 6h a layer; Llama: its two RMSNorm weights, 2h), and the final norm's on the last stage."""
+    layers, _, heads = chunk_layers(setup, stage, chunk)
+    per_layer, final = sp_norm_widths(setup.model)
+    return (layers * per_layer + (final if heads else 0)) * setup.model.hidden_size
+
+
+def sp_norm_widths(model: ModelShape) -> tuple[int, int]:
+    """(per layer, final) multiples of h of the SP-replicated parameters: GPT-2 (6, 2), Llama (2, 1)."""
+    return (2, 1) if model.llama else (6, 2)
 
 
 def human(nbytes: int) -> str:
@@ -185,17 +213,19 @@ def expected(setup: ScaleSetup, stage: int, shard_rank: int = 0) -> dict[tuple[s
         if setup.fsdp2:  # on the fp32 gradient shards, after the reduce-scatter: each [h] cut over the shards
             chunk = -(-model.hidden_size // setup.shard_size)
             local = min(max(model.hidden_size - shard_rank * chunk, 0), chunk)
-            what = f"1 x (6L + 2) x 4h/{setup.shard_size} (SP LayerNorm + bias grad shards, fp32)"
-            add("tp", "all_reduce", 1, (6 * L + 2) * local * FP32, what)
+            per_layer, final = sp_norm_widths(model)
+            what = f"1 x ({per_layer}L + {final}) x 4h/{setup.shard_size} (SP {_norms(model)} grad shards, fp32)"
+            add("tp", "all_reduce", 1, (per_layer * L + final) * local * FP32, what)
         for chunk in range(setup.virtual_stages if not setup.fsdp2 else 0):  # one flat all-reduce per model chunk
             heads = chunk_layers(setup, stage, chunk)[2]
             per_chunk = "L" if setup.virtual_stages == 1 else "L/v"
+            per_layer, final = sp_norm_widths(model)
             add(
                 "tp",
                 "all_reduce",
                 1,
                 sequence_parallel_params(setup, stage, chunk) * e,
-                f"1 x (6h{per_chunk}" + (" + 2h" if heads else "") + ")e (SP LayerNorm + bias grads)",
+                f"1 x ({per_layer}h{per_chunk}" + (f" + {final}h" if heads else "") + f")e (SP {_norms(model)} grads)",
             )
     if setup.pp > 1:
         add("pp", "barrier", 2, 0, "2 x 0 (bubble measurement: start, end)")
@@ -241,6 +271,11 @@ def fsdp2_rows(setup: ScaleSetup, add) -> None:
     if setup.dp_replicate > 1:
         add("dp_replicate", "all_reduce", 1, FP32 * root // d, f"1 x 4R/{d} (root grad shards)")
         add("dp_replicate", "all_reduce", L, FP32 * block // d, f"L x 4B/{d} (block grad shards)")
+
+
+def _norms(model: ModelShape) -> str:
+    """What the SP-replicated parameters are, as the formulas name them."""
+    return "RMSNorm" if model.llama else "LayerNorm + bias"
 
 
 def totals(terms: list[Term]) -> tuple[int, int]:

@@ -43,7 +43,8 @@ NEUTRAL = {"dp": 1, "distributed_optimizer": 0, "microbatches": 1, "sp": 0}
 
 
 def key(by: tuple[str, ...], setting: dict) -> str:
-    """A table's key for `setting`: its "by" values joined with "/" ("70b/8/8/0/16"); the page builds the same."""
+    """A table's key for `setting`: its "by" values joined with "/" ("gpt-70b-shape/8/8/0/16"); the page builds
+    the same."""
     return "/".join(str(setting[name]) for name in by)
 
 
@@ -121,7 +122,10 @@ def document() -> dict:
         "values": VALUES,
         "initial": initial,
         "fixed": {"schedule": defaults.schedule, "bucket_size": defaults.bucket_size, "order": defaults.order},
-        "models": {name: dataclasses.asdict(shape) for name, shape in MODELS.items()},
+        "models": {
+            name: {**dataclasses.asdict(shape), "parameters": formulas.parameter_count(shape)}
+            for name, shape in MODELS.items()
+        },
         "held": list(HELD),
         "traffic": table(TRAFFIC_BY, traffic_entry),
         "state": table(STATE_BY, state_entry),

@@ -1,10 +1,13 @@
 """What a scale trace simulates: a model shape, a TP x PP x DP layout and the step's settings, checked once.
 
-The 70B preset has Llama-2/3-70B's sizes (80 layers, h 8192, 64 heads, FFN 28672, vocabulary 128256, here at
-sequence 4096, micro-batch 1, bf16) on the reference GPT block: full key/value heads, a GELU MLP, learned
-positions and untied embeddings. The Scale note says what that leaves out of a real Llama-70B (the activation
-collectives are the same; the parameters, so the DP bytes, are not). The "small" preset is for tests; its
-vocabulary (1001) needs padding at every TP size above 1.
+Two kinds of preset. "llama3-70b" and "llama3-405b" are Llama 3's published configs on the reference Llama block
+(GQA with 8 key/value heads, SwiGLU, RMSNorm, rotary positions, no biases, untied embeddings), at its 8K
+pre-training sequence, micro-batch 1, bf16: their parameter count is Hugging Face's LlamaForCausalLM's
+(parameter_count). "gpt-70b-shape" is the reference GPT block at Llama-70B's sizes (80 layers, h 8192, 64 heads,
+FFN 28672, vocabulary 128256, sequence 4096): full key/value heads, a two-matrix GELU MLP, learned positions,
+about 61B parameters, not a model anyone trains; the committed scale_70b* traces are of it. "70b", its old
+name, is refused with a line naming both. The "small" preset is for tests; its vocabulary (1001) needs padding
+at every TP size above 1.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from reference.gpt.model import GPTConfig
 from reference.gpt.parallelize import check_virtual_pipeline
 from reference.parallel_state import ORDERS, ParallelConfigError, divide
 from reference.pipeline.schedules import SCHEDULES
+from reference.tensor_parallel.parallelize import split_query_groups
 from reference.tensor_parallel.vocab_parallel import pad_vocab_size
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -34,16 +38,59 @@ class ModelShape:
     seq_length: int
     micro_batch_size: int = 1
     dtype: str = "bfloat16"
+    style: str = "gpt2"  # GPTConfig.style: "gpt2" or "llama" (the block reference.gpt.model builds)
+    num_kv_heads: int | None = None  # "llama": key/value heads (None: num_attention_heads)
+    qkv_bias: bool = True  # "llama": False for Llama 3's bias-free projections
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_attention_heads
+
+    @property
+    def llama(self) -> bool:
+        return self.style == "llama"
 
     def gpt_config(self) -> GPTConfig:
-        """The reference GPT of this shape (no dropout: a meta tensor has nothing to drop)."""
+        """The reference GPT of this shape (no dropout: a meta tensor has nothing to drop); Llama 3's rotary base
+        and RMSNorm epsilon for the llama style (they change no shape)."""
+        if self.llama:
+            llama = dict(num_kv_heads=self.num_kv_heads, qkv_bias=self.qkv_bias, rope_theta=500_000.0, norm_eps=1e-5)
+            return GPTConfig.from_sizes(self, ffn_hidden_size=self.ffn_hidden_size, style="llama", **llama)
         return GPTConfig.from_sizes(self, ffn_hidden_size=self.ffn_hidden_size)
+
+    def to_dict(self) -> dict:
+        """The fields, less the block's at the GPT-2 defaults: a trace of a GPT shape reads as before."""
+        fields = dataclasses.asdict(self)
+        if not self.llama:
+            del fields["style"], fields["num_kv_heads"], fields["qkv_bias"]
+        return fields
+
+
+def llama3(name: str, num_layers: int, hidden_size: int, heads: int, ffn_hidden_size: int) -> ModelShape:
+    """A Llama 3 config (Meta's published sizes): 8 key/value heads, vocabulary 128256, sequence 8192, no biases."""
+    sizes = (num_layers, hidden_size, heads, ffn_hidden_size, 128256, 8192)
+    return ModelShape(name, *sizes, style="llama", num_kv_heads=8, qkv_bias=False)
 
 
 MODELS = {
-    "70b": ModelShape("70b", 80, 8192, 64, 28672, 128256, 4096),
+    "gpt-70b-shape": ModelShape("gpt-70b-shape", 80, 8192, 64, 28672, 128256, 4096),
+    "llama3-70b": llama3("llama3-70b", 80, 8192, 64, 28672),
+    "llama3-405b": llama3("llama3-405b", 126, 16384, 128, 53248),
     "small": ModelShape("small", 4, 64, 8, 256, 1001, 32, micro_batch_size=2),
 }
+RENAMED = {  # old preset name -> the line refusing it
+    "70b": "--model 70b was the reference GPT block at Llama-70B's sizes (about 61B parameters): it is now "
+    "gpt-70b-shape; Llama-3-70B itself is llama3-70b",
+}
+
+
+def shape_named(model: str, shapes: dict[str, ModelShape] = MODELS) -> ModelShape:
+    """The preset `model` of `shapes`; a one-line ParallelConfigError for an unknown or renamed name."""
+    if model in RENAMED:
+        raise ParallelConfigError(RENAMED[model])
+    if model not in shapes:
+        raise ParallelConfigError(f"unknown model {model!r}; choose one of {', '.join(shapes)}")
+    return shapes[model]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +133,8 @@ class ScaleSetup:
             raise ParallelConfigError(f"{self.pp} pipeline stages but only {m.num_layers} layers")
         divide(m.num_attention_heads, self.tp, "num_attention_heads")
         divide(m.hidden_size, m.num_attention_heads, "hidden_size", by="num_attention_heads")
+        if m.llama:
+            split_query_groups(m.num_attention_heads, m.kv_heads, self.tp)
         divide(m.ffn_hidden_size, self.tp, "ffn_hidden_size")
         if self.sp:
             divide(m.seq_length, self.tp, "seq_length")
@@ -159,7 +208,7 @@ class ScaleSetup:
     def to_dict(self) -> dict:
         """The fields, less FSDP2's and ZeRO-2's at their defaults: a trace recorded before they existed still
         reads back."""
-        fields = dataclasses.asdict(self)
+        fields = {**dataclasses.asdict(self), "model": self.model.to_dict()}
         if not self.shard_gradients:
             del fields["shard_gradients"]
         if not self.fsdp2:
@@ -168,10 +217,8 @@ class ScaleSetup:
 
 
 def setup_for(model: str, **layout) -> ScaleSetup:
-    """ScaleSetup for a preset by name (a one-line error for an unknown name)."""
-    if model not in MODELS:
-        raise ParallelConfigError(f"unknown model {model!r}; choose one of {', '.join(MODELS)}")
-    return ScaleSetup(MODELS[model], **layout)
+    """ScaleSetup for a preset by name (a one-line error for an unknown or renamed name)."""
+    return ScaleSetup(shape_named(model), **layout)
 
 
 # Long-context shapes for the CP rows (reference.measure.scale.cp_report): Llama-3-405B's layers, width, heads and
@@ -221,8 +268,13 @@ class CPSetup:
 
 
 def cp_setup_for(model: str, **layout) -> CPSetup:
-    """CPSetup for a preset of MODELS or CP_MODELS by name (a one-line error for an unknown name)."""
-    shapes = {**MODELS, **CP_MODELS}
-    if model not in shapes:
-        raise ParallelConfigError(f"unknown model {model!r}; choose one of {', '.join(shapes)}")
-    return CPSetup(shapes[model], **layout)
+    """CPSetup for a preset of MODELS or CP_MODELS by name (a one-line error for an unknown name, and for a
+    grouped-query preset: the reference repeats K/V to the query heads before the ring,
+    reference.tensor_parallel.transformer.causal, so its CP rows would be the multi-head ones)."""
+    shape = shape_named(model, {**MODELS, **CP_MODELS})
+    if shape.kv_heads != shape.num_attention_heads:
+        raise ParallelConfigError(
+            f"--cp with {model}: the reference ring sends K/V repeated to all {shape.num_attention_heads} query heads, "
+            f"not {shape.kv_heads} key/value heads, so these rows would not be {model}'s; use --model 405b (multi-head)"
+        )
+    return CPSetup(shape, **layout)

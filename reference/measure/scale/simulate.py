@@ -225,9 +225,10 @@ def step_of(setup: ScaleSetup, rank: int, trace=trace_rank) -> RankStep:
 
 
 def document(setup: ScaleSetup, steps: list[RankStep]) -> dict:
-    """The JSON a scale trace is stored as (reading_notes/traces/scale_*.json): setup, and per traced rank its
-    rows and, apart from them, the formulas' terms per (group, op): the site's tables read these instead of
-    importing this package (the citation tool never imports torch)."""
+    """The JSON a scale trace is stored as (reading_notes/traces/scale_*.json): setup, the whole model's
+    parameter count (formulas.parameter_count), and per traced rank its rows and, apart from them, the
+    formulas' terms per (group, op): the site's tables read these instead of importing this package (the
+    citation tool never imports torch)."""
     runs = []
     for step in steps:
         rank = step.rank
@@ -242,7 +243,14 @@ def document(setup: ScaleSetup, steps: list[RankStep]) -> dict:
                 ),
             }
         )
-    return {"kind": "scale", "setup": setup.to_dict(), "world": setup.world, "runs": runs, "agree": agree(runs)}
+    return {
+        "kind": "scale",
+        "setup": setup.to_dict(),
+        "world": setup.world,
+        "parameters": formulas.parameter_count(setup.model),
+        "runs": runs,
+        "agree": agree(runs),
+    }
 
 
 def rows_document(rows: list[Row], predicted: dict) -> dict:
