@@ -44,7 +44,7 @@ def cli_rows(setup, stage: int) -> list[list]:
 
 def test_every_layout_of_the_grid_equals_the_formulas_on_the_whole_setup(committed):
     values = committed["values"]
-    assert len(list(itertools.product(*values.values()))) == 6272
+    assert len(list(itertools.product(*values.values()))) == 12544
     shown = refused = 0
     for combination in itertools.product(*values.values()):
         setting = dict(zip(values, combination))
@@ -62,8 +62,9 @@ def test_every_layout_of_the_grid_equals_the_formulas_on_the_whole_setup(committ
             assert s["held"] == formulas.memory(setup, s["stage"]), (setting, s["stage"])
         assert found["bubble"] == bubble_formula(setup.pp, setup.microbatches)
         shown += 1
-    # the small preset has 4 layers (no PP 8); the distributed optimizer needs dp > 1
-    assert (shown, refused) == (5096, 1176)
+    # the small preset has 4 layers (no PP 8); the distributed optimizer needs dp > 1; each 70B preset (the GPT
+    # shape, Llama 3 70B and 405B) shows 2,912 layouts and refuses 224, the small one 2,184 and 952
+    assert (shown, refused) == (3 * 2912 + 2184, 3 * 224 + 952)
 
 
 def assert_grid_holds_the_trace(committed: dict, doc: dict, setting: dict) -> None:
@@ -100,13 +101,15 @@ def test_the_cli_traces_what_the_grid_holds(committed, capsys, argv):
 
 
 @pytest.mark.parametrize(
-    "name, sp, distopt", [("scale_70b", 0, 0), ("scale_70b_sp", 1, 0), ("scale_70b_distopt", 0, 1)]
+    "name, sp, distopt",
+    [("scale_70b", 0, 0), ("scale_70b_sp", 1, 0), ("scale_70b_distopt", 0, 1), ("scale_llama3_70b", 0, 0)],
 )
 def test_the_committed_70b_traces_are_what_the_grid_holds(committed, name, sp, distopt):
     """The page's own 70B traces (tools/record-traces; tests/reference/test_scale.py traces them afresh) are
-    the calculator's initial layout and its two switches."""
+    the calculator's initial layout and its two switches, and Llama-3-70B on the same layout."""
     doc = json.loads((TRACES / f"{name}.json").read_text())
-    setting = {**committed["initial"], "sp": sp, "distributed_optimizer": distopt}
+    model = doc["setup"]["model"]["name"]
+    setting = {**committed["initial"], "model": model, "sp": sp, "distributed_optimizer": distopt}
     assert {k: doc["setup"][k] for k in ("tp", "pp", "dp", "microbatches")} == {
         k: setting[k] for k in ("tp", "pp", "dp", "microbatches")
     }

@@ -50,17 +50,20 @@ WORKER_RUNS = (
     (RANKS, "tp_fsdp", ("tp_block", "tp_block_llama", "fsdp_forward", "fsdp2_forward")),
     (PIPELINE_RANKS, "pipeline", ("pipeline_gpipe", "pipeline_1f1b", "pipeline_interleaved")),
 )
-# trace name -> python -m reference.measure.scale arguments: 70B on TP 8 x PP 8 x DP 64 (1F1B, DDP in 25 MiB buckets),
+# trace name -> python -m reference.measure.scale arguments: the GPT block at 70B's sizes (gpt-70b-shape) on TP 8 x
+# PP 8 x DP 64 (1F1B, DDP in 25 MiB buckets),
 # plain TP, with sequence parallelism, and with the distributed optimizer; then the same 4,096 ranks as TP 8 x DP 512
-# without pipelining (the reference FSDP2 takes one micro-batch), FSDP2 over DP and HSDP (8 replicas of 64)
-SCALE_70B = ["--model", "70b", "--tp", "8", "--pp", "8", "--dp", "64", "--micro-batches", "16"]
-SCALE_70B_FSDP2 = ["--model", "70b", "--tp", "8", "--pp", "1", "--dp", "512", "--micro-batches", "1"]
+# without pipelining (the reference FSDP2 takes one micro-batch), FSDP2 over DP and HSDP (8 replicas of 64); and
+# Llama-3-70B (llama3-70b) on the first layout
+SCALE_70B = ["--model", "gpt-70b-shape", "--tp", "8", "--pp", "8", "--dp", "64", "--micro-batches", "16"]
+SCALE_70B_FSDP2 = ["--model", "gpt-70b-shape", "--tp", "8", "--pp", "1", "--dp", "512", "--micro-batches", "1"]
 SCALE = {
     "scale_70b": SCALE_70B,
     "scale_70b_sp": [*SCALE_70B, "--sequence-parallel"],
     "scale_70b_distopt": [*SCALE_70B, "--dp-sharding", "optimizer"],
     "scale_70b_fsdp2": [*SCALE_70B_FSDP2, "--dp-sharding", "fsdp2"],
     "scale_70b_hsdp": [*SCALE_70B_FSDP2, "--dp-sharding", "fsdp2", "--dp-replicate", "8"],
+    "scale_llama3_70b": ["--model", "llama3-70b", *SCALE_70B[2:]],  # the model people train, same layout
 }
 # trace name -> python -m reference.measure.scale arguments of a MoE model's MoE layers, at Zipf routing skew 0.5:
 # Mixtral-8x7B-like with expert TP, and a DeepSeek-V3-like 256-expert layer without TP
