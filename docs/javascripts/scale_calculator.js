@@ -102,12 +102,13 @@
   }
 
   function summary(chosen, bubble) {
-    const world = (Number(chosen.tp) * Number(chosen.pp) * Number(chosen.dp)).toLocaleString("en-US");
+    const ranks = Number(chosen.tp) * Number(chosen.pp) * Number(chosen.dp);
+    const world = `${ranks.toLocaleString("en-US")} ${ranks === 1 ? "GPU" : "GPUs"}`;
     const percent = `${(100 * bubble).toFixed(1)} %`;
     return el(
       "p",
       {},
-      `${chosen.model} on TP ${chosen.tp} × PP ${chosen.pp} × DP ${chosen.dp} = ${world} GPUs, `,
+      `${chosen.model} on TP ${chosen.tp} × PP ${chosen.pp} × DP ${chosen.dp} = ${world}, `,
       `m = ${chosen.microbatches} micro-batches per step. Pipeline bubble (p − 1)/(m + p − 1): `,
       el("strong", { class: "scale-calculator__bubble", "data-value": bubble }, percent),
       " of the step's time.",
@@ -125,7 +126,8 @@
     }
     const totals = stages.map((s) => bytesCell(s.stage, "total", Object.values(s.held).reduce((a, b) => a + b, 0)));
     body.append(el("tr", { class: "scale-calculator__total" }, el("th", {}, "total"), ...totals));
-    body.append(heading("Bytes per step, by process group"));
+    // the recorder's bytes (an all-gather's output, a reduce-scatter's input), not what ring algorithms send
+    body.append(heading("Tensor bytes in the collectives per step, by process group (not the bytes a ring sends)"));
     for (const [group, label] of GROUPS) {
       const cells = stages.map((s) => {
         const rows = s.rows.filter((r) => r[0] === group); // [group, op, count, bytes]

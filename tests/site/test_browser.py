@@ -560,8 +560,8 @@ def test_each_note_links_the_previous_and_next_page_in_the_reading_order(visit, 
 CALCULATOR_LAYOUTS = [
     # two stages, every switch on; 80,560 B of masters is 80.625 KiB: a tie, which Python rounds to even
     dict(model="small", tp=2, pp=2, dp=4, microbatches=4, sp=1, distributed_optimizer=1),
-    dict(model="70b", tp=4, pp=4, dp=8, microbatches=32, sp=0, distributed_optimizer=0),  # first, middle, last
-    dict(model="70b", tp=1, pp=1, dp=1, microbatches=1, sp=1, distributed_optimizer=0),  # one stage, no groups
+    dict(model="gpt-70b-shape", tp=4, pp=4, dp=8, microbatches=32, sp=0, distributed_optimizer=0),  # 3 stages
+    dict(model="llama3-70b", tp=1, pp=1, dp=1, microbatches=1, sp=1, distributed_optimizer=0),  # 1 GPU, no groups
 ]
 CALCULATOR_HELD = ("parameters", "gradients", "master_weights", "optimizer_states")
 
@@ -612,6 +612,9 @@ def test_scale_calculator_shows_the_reference_numbers_for_the_layout_set(visit, 
                     assert text == [human(sum(r[3] for r in rows)), ", ".join(f"{r[2]} × {r[1]}" for r in rows)]
                 else:
                     assert text == ["—"] and layout[group] == 1, (layout, group)
+        world = layout["tp"] * layout["pp"] * layout["dp"]
+        summary = calculator.locator(".scale-calculator__result > p").first.inner_text()
+        assert f"= {world:,} GPU{'s' * (world != 1)}, " in summary, summary
         bubble = calculator.locator(".scale-calculator__bubble")
         assert float(bubble.get_attribute("data-value")) == found["bubble"]
         assert bubble.inner_text() == f"{100 * found['bubble']:.1f} %"

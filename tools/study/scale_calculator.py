@@ -32,9 +32,13 @@ SWITCHES = (
 
 
 def _model_label(name: str, shape: dict) -> str:
+    """The preset, its block and sizes: "llama3-70b (Llama block, 70.55B parameters, 80 layers, h 8192, ...)"."""
+    block = f"Llama block, {shape['num_kv_heads']} KV heads" if shape.get("style") == "llama" else "GPT block"
+    count = shape["parameters"]
+    parameters = f"{count / 1e9:.2f}B" if count >= 1e9 else f"{count:,}"
     return (
-        f"{name} ({shape['num_layers']} layers, h {shape['hidden_size']}, "
-        f"s {shape['seq_length']}, b {shape['micro_batch_size']})"
+        f"{name} ({block}, {parameters} parameters, {shape['num_layers']} layers, "
+        f"h {shape['hidden_size']}, s {shape['seq_length']}, b {shape['micro_batch_size']})"
     )
 
 
