@@ -254,6 +254,20 @@ def rows_document(rows: list[Row], predicted: dict) -> dict:
     }
 
 
+def rows_table(rows: list[dict], width: int, bytes_width: int) -> list[str]:
+    """A run's rows (group, op, count, bytes beside the formula's) as a header and a line each, a row the
+    formula does not give marked MISMATCH: the dense and the MoE trace print them so."""
+    lines = [f"  {'group':{width}} {'op':14} {'count':>6} {'bytes':>{bytes_width}} {'':>12}  formula"]
+    for r in rows:
+        ok = r["count"] == r["formula_count"] and r["bytes"] == r["formula_bytes"]
+        verdict = "" if ok else f"   MISMATCH: formula gives {r['formula_count']} x, {r['formula_bytes']} B"
+        lines.append(
+            f"  {r['group']:{width}} {r['op']:14} {r['count']:>6} {r['bytes']:>{bytes_width},} "
+            f"{formulas.human(r['bytes']):>12}  {r['formula']}{verdict}"
+        )
+    return lines
+
+
 def agree(runs: list[dict]) -> bool:
     """Whether every stored row, and every run's bytes held, equal the formulas'."""
     return all(
