@@ -49,6 +49,9 @@ REQUIRED = {
     # torchrun -m reference --moe --json: one MoE layer's steps, every rank's routing and collectives (the MoE
     # walkthrough; study.moe_figure)
     "moe": ("world", "config", "steps"),
+    # torchrun -m reference.measure.cp_blocks --json: each cp rank's ring-attention blocks per ring step, without
+    # and with head-tail balancing (the CP walkthrough; study.cp_figure)
+    "cp_blocks": ("cp", "seq_length", "pairs_total", "runs"),
     # torchrun tools/fsdp_compare.py: PyTorch's FSDP1 and FSDP2 on one model (the FSDP1 ↔ FSDP2 page)
     "fsdp_compare": ("world", "config", "units", "parameters", "options", "runs", "state_dicts"),
 }
