@@ -122,11 +122,15 @@ def format_document(doc: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> OneLineParser:
     parser = OneLineParser(prog="python -m reference.measure.cp_blocks", description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq-length", type=int, default=16, help="tokens in the sequence (2 x cp must divide it)")
     parser.add_argument("--json", action="store_true", help="print the recording as one JSON line")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     dist.init_process_group("gloo")
     first = dist.get_rank() == 0
     try:
