@@ -20,7 +20,9 @@ plan on HF's Qwen2, without and with sequence parallelism) into DIR/dtensor_qwen
 DIR/dtensor_qwen2_sp.json, checked by tests/reference/test_hf_tp_demo.py; one step of the MoE demo (`-m reference
 --moe --json`) at EP 2 on two ranks and EP 2 x TP 2 on four into DIR/moe_ep2.json and DIR/moe_ep2_tp2.json, checked
 by tests/reference/test_moe_demo.py. Last, on four ranks, tools/fsdp_compare.py (PyTorch's FSDP1 and FSDP2 on one
-model, side by side) into DIR/fsdp1_vs_fsdp2.json, checked by tests/evidence/test_fsdp1_vs_fsdp2.py. `--only NAME ...`
+model, side by side) into DIR/fsdp1_vs_fsdp2.json, checked by tests/evidence/test_fsdp1_vs_fsdp2.py, and
+`-m reference.measure.cp_blocks --json` (each cp rank's ring-attention blocks per ring step, without and with
+head-tail balancing) into DIR/cp_blocks.json, checked by tests/evidence/test_cp_blocks_freshness.py. `--only NAME ...`
 writes just those
 traces (and runs just the recordings that make them), leaving the others as they are. Exit status: 0
 recorded, 1 a run failed (its output is printed), 2 a usage error (an unknown trace name).
@@ -210,6 +212,23 @@ def record_moe(out: Path, timeout: float = 300, only: Collection[str] | None = N
     return _write(out, {name: json.dumps(moe_trace(stdout)) + "\n" for name, stdout in traced.items()})
 
 
+CP_BLOCKS = "cp_blocks"  # torchrun -m reference.measure.cp_blocks --json on CP_RANKS ranks (the CP walkthrough)
+CP_RANKS = 4
+
+
+def record_cp_blocks(out: Path, timeout: float = 300, only: Collection[str] | None = None) -> list[Path]:
+    """Write out/cp_blocks.json: the ring-attention blocks of every cp rank and ring step, unbalanced and
+    balanced, from reference.measure.cp_blocks on CP_RANKS ranks (unless `only` leaves it out)."""
+    if only is not None and CP_BLOCKS not in only:
+        return []
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={CP_RANKS}"]
+    cmd += ["--max-restarts=0", "-m", "reference.measure.cp_blocks", "--json"]
+    stdout = _run(cmd, "reference.measure.cp_blocks --json", timeout, TORCH_CPP_LOG_LEVEL="ERROR")
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write(out / f"{CP_BLOCKS}.json", stdout[stdout.index("{") :].encode())
+    return [out / f"{CP_BLOCKS}.json"]
+
+
 FSDP_COMPARE = "fsdp1_vs_fsdp2"  # tools/fsdp_compare.py on fsdp_compare.WORLD ranks
 
 
@@ -233,6 +252,7 @@ TRACES = (
     *DTENSOR,
     *MOE,
     FSDP_COMPARE,
+    CP_BLOCKS,
 )
 
 
@@ -257,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
                 record_dtensor,
                 record_moe,
                 record_fsdp_compare,
+                record_cp_blocks,
             )
         ]
         for path in sum(recorded, []):
