@@ -224,7 +224,8 @@ def test_fsdp1_state_dict_all_gathers_every_unit_full_or_rechunked_by_rows(ranks
 @on_ranks(WORLD)
 def test_fsdp2_state_dict_is_its_dtensor_parameters_with_no_collective(ranks):
     """FSDP2's parameters are DTensors placed Shard(0) of the original names and shapes, each rank's local tensor
-    its own rows; state_dict() returns those same DTensors and issues no collective."""
+    its own rows; state_dict() returns them detached (nn.Module stores param.detach() unless keep_vars), sharing
+    the parameters' storage, and issues no collective."""
     described = recorded()["state_dicts"]
     params, state = described["fsdp2_parameters"], described["fsdp2_state_dict"]
     assert state["collectives"] == [] and params["collectives"] == []
@@ -233,6 +234,13 @@ def test_fsdp2_state_dict_is_its_dtensor_parameters_with_no_collective(ranks):
         entry = state["entries"][p["name"]]
         assert (entry["type"], entry["shape"], entry["placement"]) == ("DTensor", p["shape"], ["S(0)"])
         assert entry["local"] == runs("fsdp2")["layout"][p["name"]]["local"]
+    from torch.distributed.fsdp import fully_shard  # after the recording, which must not see this module
+
+    model = fully_shard(torch.nn.Linear(8, 8))
+    state = model.state_dict()
+    for name, param in model.named_parameters():
+        assert state[name] is not param and not state[name].requires_grad and param.requires_grad
+        assert state[name].to_local().untyped_storage().data_ptr() == param.to_local().untyped_storage().data_ptr()
 
 
 @on_ranks(WORLD)
