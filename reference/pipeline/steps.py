@@ -72,6 +72,8 @@ class Steps:
         """
         with self._action("I", i, chunk), self.weight_grads.collect((chunk, i)):
             torch.autograd.backward(output, grad_tensors=output_grad)
+        if self.observer is not None:  # the memory the deferral holds is shown, not hidden
+            self.observer.weight_grads_held(self.weight_grads.held_bytes)
         return None if input_tensor is None else input_tensor.grad
 
     def backward_weight(self, i: int, chunk: int = 0) -> None:

@@ -59,9 +59,9 @@ def stages_of(schedule: str, p: int, r: int) -> tuple[int, ...]:
     return v_stages(p, r) if schedule in V_SCHEDULES else (r,)
 
 
-def check_zero_bubble(schedule: str, p: int, m: int, num_layers: int | None = None) -> None:
+def check_zero_bubble(schedule: str, p: int, m: int | None = None, num_layers: int | None = None) -> None:
     """One-line refusals: a V needs two ranks and layers that cut into 2p equal stages; DualPipeV needs
-    m >= 2p micro-batches (torch's ScheduleDualPipeV raises the same)."""
+    m >= 2p micro-batches (torch's ScheduleDualPipeV raises the same). None: not checked."""
     if schedule not in V_SCHEDULES:
         return
     if p < 2:
@@ -71,7 +71,7 @@ def check_zero_bubble(schedule: str, p: int, m: int, num_layers: int | None = No
             f"--schedule {schedule} cuts the model into a V of 2 x pp {p} = {2 * p} equal stages: "
             f"{num_layers} layers do not split; use a multiple of {2 * p} layers"
         )
-    if schedule == "dualpipev" and m < 2 * p:
+    if schedule == "dualpipev" and m is not None and m < 2 * p:
         raise ParallelConfigError(
             f"--schedule dualpipev needs at least 2 x pp = {2 * p} micro-batches (one per stage of the V), got {m}"
         )
@@ -199,6 +199,25 @@ def dualpipev_order(p: int, r: int, m: int) -> list[Action | Overlap]:
 
 
 ORDERS = {"zb-h1": zb_h1_order, "zbv": zbv_order, "dualpipev": dualpipev_order}
+
+
+def bubble_formula(schedule: str, p: int, m: int) -> float:
+    """The idle fraction with a stage's F, I and W equal (1 each, so 3m of work per rank and micro-batches):
+    ZB-H1 idles p - 1, a third of 1F1B's 3 (p - 1): (p - 1) / (3m + p - 1); in a V (ZB-V, and DualPipeV with
+    its F;B run one after the other) a rank idles only the warm-up's p - 1 half-stage forwards:
+    (p - 1) / (6m + p - 1). reference.measure.replay replays the orders to these values."""
+    return (p - 1) / (3 * m + p - 1) if schedule == "zb-h1" else (p - 1) / (6 * m + p - 1)
+
+
+def peak_in_flight(schedule: str, p: int, r: int, m: int) -> int:
+    """Forwards (chunk-forwards in a V) whose I or B has not run, at most, on rank r, as its order implies: ZB-H1
+    1F1B's min(p - r, m); ZB-V 2p on every rank once m >= 2p - 1 (each half a stage: rank 0's 1F1B peak, on
+    every rank); DualPipeV 2p + 1, the overlapped forward before its pair's backward frees one."""
+    held = peak = 0
+    for action in flat(rank_order(schedule, p, r, m)):
+        held += {"F": 1, "I": -1, "B": -1}.get(action.kind, 0)
+        peak = max(peak, held)
+    return peak
 
 
 def rank_order(schedule: str, p: int, r: int, m: int) -> list[Action | Overlap]:

@@ -27,8 +27,8 @@ from collections.abc import Hashable, Iterator
 
 import torch
 
-_collecting: tuple[WeightGradStore, Hashable] | None = None  # a global, not thread-local: autograd runs CUDA
-# backwards on its own device threads
+_collecting: tuple[WeightGradStore, Hashable, set[int]] | None = None  # store, key, ids of the parameters
+# left for W so far; a global, not thread-local: autograd runs CUDA backwards on its own device threads
 
 
 def weight_gradients(weight, use_bias: bool, total_x_2d, grad_out_2d, fusion: bool):
@@ -69,7 +69,7 @@ class WeightGradStore:
     def collect(self, key: Hashable) -> Iterator[None]:
         """Around a first pass (I): the linears' weight gradients go to `key` instead of being computed."""
         global _collecting
-        previous, _collecting = _collecting, (self, key)
+        previous, _collecting = _collecting, (self, key, set())
         self.pending.setdefault(key, [])
         try:
             yield
@@ -100,6 +100,13 @@ def stash(weight, bias, total_x_2d, grad_out_2d, fusion: bool) -> bool:
     (True: do not compute them now)."""
     if _collecting is None:
         return False
-    store, key = _collecting
+    store, key, params = _collecting
     store.pending[key].append(_Stashed(weight, bias, total_x_2d, grad_out_2d, fusion))
+    params.update(id(param) for param in (weight, bias) if param is not None)
     return True
+
+
+def left_for_later(param: torch.nn.Parameter) -> bool:
+    """Is `param`'s gradient left for W by the first pass running now? Its AccumulateGrad still runs, with no
+    gradient, and fires the post-accumulate hooks: a DP wrapper must not count that as the gradient's arrival."""
+    return _collecting is not None and id(param) in _collecting[2]

@@ -39,7 +39,8 @@ class LinearWithAsyncGradReduce(torch.autograd.Function):
         `megatron-lm:megatron/core/tensor_parallel/layers.py::LinearWithGradAccumulationAndAsyncCommunication.forward`.
         """
         ctx.save_for_backward(x, weight)
-        ctx.use_bias, ctx.bias = bias is not None, bias  # the bias itself: a deferred W accumulates into it
+        ctx.use_bias = bias is not None
+        ctx.params = (weight, bias)  # the Parameters themselves (saved_tensors gives other objects): for W
         ctx.group, ctx.allreduce_dgrad, ctx.sequence_parallel = group, allreduce_dgrad, sequence_parallel
         ctx.async_grad_allreduce, ctx.fusion = async_grad_allreduce, gradient_accumulation_fusion
         total_x = C.gather_first_dim(x, group) if sequence_parallel else x
@@ -67,7 +68,7 @@ class LinearWithAsyncGradReduce(torch.autograd.Function):
         grad_out_2d = grad_out.reshape(-1, grad_out.shape[-1])
         total_x_2d = total_x.reshape(-1, total_x.shape[-1])
         grad_weight = grad_bias = None
-        if not deferred_wgrad.stash(weight, ctx.bias, total_x_2d, grad_out_2d, ctx.fusion):  # else W computes them
+        if not deferred_wgrad.stash(*ctx.params, total_x_2d, grad_out_2d, ctx.fusion):  # else W computes them
             grad_weight, grad_bias = deferred_wgrad.weight_gradients(
                 weight, ctx.use_bias, total_x_2d, grad_out_2d, ctx.fusion
             )
