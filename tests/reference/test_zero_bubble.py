@@ -15,12 +15,13 @@ from reference.gpt.train import data_parallel, split_batch, synthetic_batches, t
 from reference.measure.pipeline_meter import PipelineMeter
 from reference.measure.replay import idle_fraction
 from reference.parallel_state import build_layout
-from reference.pipeline.schedules import bubble_formula, peak_in_flight_formula
+from reference.pipeline.schedules import bubble_formula, forward_backward, peak_in_flight_formula
 from reference.pipeline.steps import Steps
-from reference.pipeline.zero_bubble import flat, rank_order, stages_of
+from reference.pipeline.zero_bubble import flat, rank_order, stages_of, v_stages
 from tests.ranks import on_ranks
 from tests.reference.helpers import every_rank, groups_of_the_block
 from tests.reference.refusals import refusal
+from tests.reference.test_interleaved import TorchChunk
 
 CONFIG = GPTConfig(vocab_size=51, hidden_size=16, num_attention_heads=4, num_layers=4, seq_length=8)
 SEED = 1234
@@ -126,7 +127,8 @@ def test_zero_bubble_schedules_give_1f1b_losses_and_gradients_at_pp2(ranks):
                 assert torch.equal(grad, expected_grads[name]), (schedule, m, name)
             meter = run["meter"]
             assert meter["actions"] == step_names(schedule, 2, r, m), (schedule, m, r, meter["actions"])
-            assert meter["peak_in_flight"] == peak_in_flight_formula(schedule, 2, r, m), (schedule, m, r, meter)
+            peak = peak_in_flight_formula(schedule, 2, r, m)
+            assert meter["peak_in_flight"] == meter["peak_in_flight_measured"] == peak, (schedule, m, r, meter)
             assert meter["peak_weight_grad_bytes"] > 0, (schedule, m, r)
 
 
@@ -167,3 +169,51 @@ def test_peak_in_flight_closed_forms():
 def test_zero_bubble_refusals_are_one_line(argv, message, capsys):
     err = refusal(demo_cli.main, argv, capsys)
     assert message in err and err.count("\n") == 1, err
+
+
+def _torch_v_schedule(schedule: str, m: int) -> dict:
+    """torch's ScheduleZBVZeroBubble or ScheduleDualPipeV and the reference on the same V chunks (pp 2), one
+    step each: this rank's losses and the largest gradient difference."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleDualPipeV, ScheduleZBVZeroBubble
+
+    layout, p, r = build_layout(1, 2, 1), 2, dist.get_rank()
+    tokens = synthetic_batches(CONFIG, 1, m, SEED)[0]
+    ours = build_chunks(CONFIG, layout, 2, schedule=schedule, seed=SEED)
+    our_losses = forward_backward(
+        schedule,
+        ours,
+        split_batch(tokens, 1, 0, m),
+        pp_group=layout.pp_group,
+        activation_shape=ours[0].activation_shape(1),
+    )
+    theirs = build_chunks(CONFIG, layout, 2, schedule=schedule, seed=SEED)
+    stages = [
+        PipelineStage(TorchChunk(chunk), stage, 2 * p, torch.device("cpu"), group=layout.pp_group)
+        for chunk, stage in zip(theirs, v_stages(p, r))
+    ]
+    cls = {"zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}[schedule]
+    torch_schedule = cls(stages, m, loss_fn=lambda loss, _target: loss.sum())
+    losses, inputs, labels = [], tokens[:, :-1], tokens[:, 1:]
+    if r == 0:  # the first stage and the last
+        torch_schedule.step(inputs, labels=labels, target=labels, losses=losses)
+    else:
+        torch_schedule.step(labels=labels)
+    grad_diff = max(
+        (a.grad - b.grad).abs().max().item()
+        for x, y in zip(ours, theirs)
+        for a, b in zip(x.parameters(), y.parameters())
+    )
+    return {"losses": our_losses, "torch_losses": [loss.item() for loss in losses], "max_grad_diff": grad_diff}
+
+
+@on_ranks(2)
+@pytest.mark.upstream("pytorch")
+def test_torch_zbv_and_dualpipev_give_the_same_losses_and_gradients(ranks):
+    """The same V chunks, weights and micro-batches through torch's ScheduleZBVZeroBubble and ScheduleDualPipeV
+    (PipelineStage on gloo, its backward split by _backward.stage_backward_input/weight) and the reference:
+    equal micro-batch losses on rank 0, which holds the last stage, and equal gradients on both ranks."""
+    for schedule in ("zbv", "dualpipev"):
+        with groups_of_the_block():
+            run = _torch_v_schedule(schedule, 4)
+        assert run["losses"] == run["torch_losses"] and len(run["losses"]) == (4 if dist.get_rank() == 0 else 0), run
+        assert run["max_grad_diff"] == 0.0, (schedule, run)
