@@ -185,7 +185,7 @@ def report_pipeline(args, stages: list[dict], device: torch.device) -> None:
         expected = peak_in_flight_formula(args.schedule, p, s["pp_rank"], m, v)
         if zero_bubble:  # what 1F1B would hold, in the same unit; and what the deferred W's held
             one_f_one_b = peak_in_flight_formula("1f1b", p, s["pp_rank"], m) * (2 if v_shape else 1)
-            expected = f"{expected}, 1f1b's {one_f_one_b}; the W's held {s['peak_weight_grad_bytes']} B more"
+            expected = f"{expected}, 1f1b's {one_f_one_b}; inputs held for W at most {s['peak_weight_grad_bytes']} B"
         modeled, flops = (
             ("not modeled", "")
             if step is None

@@ -154,7 +154,8 @@ class StageP2P(RingP2P):
     in RingP2P's scheme: sends posted at once, receives blocking, one tag per kind. In a V (rank r holds stages
     r and 2p - 1 - r) activations also travel to the previous rank; between two ranks each tag then still
     carries one stream, in the order of its micro-batches: to the next rank go the down leg's activations and
-    the back leg's gradients, to the previous rank the back leg's activations and the down leg's gradients."""
+    the back leg's gradients, to the previous rank the back leg's activations and the down leg's gradients.
+    Like RingP2P's, the scheme relies on gloo matching by tag; it is not arranged for NCCL."""
 
     def send_activation(self, output: torch.Tensor, pp_rank: int) -> None:
         self._send(output, self._peer(pp_rank), self.FORWARD)
