@@ -6,8 +6,9 @@ and which can fill the idle slots. An action is (kind, stage, micro-batch) with 
 (the two in one), stage the global stage index; DualPipeV also runs an Overlap of a forward and a full
 backward of two different micro-batches, the pair whose communication DeepSeek-V3 hides behind compute.
 
-  ZB-H1     one stage per rank, 1F1B's warm-up; rank r defers each W by r micro-batches (the last stage's I
-            reaches the first stage sooner), the W's fill the cool-down: 1F1B's memory, a third of its bubble.
+  ZB-H1     one stage per rank, 1F1B's warm-up; rank r runs each W r micro-batches late (the later ranks
+            send their input gradients upstream sooner) and the W's left fill the cool-down: 1F1B's
+            activations in flight, a third of its bubble time.
   ZB-V      two stages per rank laid out in a V (rank r holds stages r and 2p - 1 - r, so the first and the
             last stage are on rank 0 and the turn of the V is local to rank p - 1).
   DualPipeV the same V, micro-batches from the front overlapped with backwards from the back; m >= 2p.

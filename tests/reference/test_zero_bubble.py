@@ -17,7 +17,7 @@ from reference.measure.replay import idle_fraction
 from reference.parallel_state import build_layout
 from reference.pipeline.schedules import bubble_formula, forward_backward, peak_in_flight_formula
 from reference.pipeline.steps import Steps
-from reference.pipeline.zero_bubble import flat, rank_order, stages_of, v_stages
+from reference.pipeline.zero_bubble import V_SCHEDULES, flat, rank_order, stages_of
 from tests.ranks import on_ranks
 from tests.reference.helpers import every_rank, groups_of_the_block
 from tests.reference.refusals import refusal
@@ -171,14 +171,21 @@ def test_zero_bubble_refusals_are_one_line(argv, message, capsys):
     assert message in err and err.count("\n") == 1, err
 
 
-def _torch_v_schedule(schedule: str, m: int) -> dict:
-    """torch's ScheduleZBVZeroBubble or ScheduleDualPipeV and the reference on the same V chunks (pp 2), one
-    step each: this rank's losses and the largest gradient difference."""
-    from torch.distributed.pipelining import PipelineStage, ScheduleDualPipeV, ScheduleZBVZeroBubble
+def _torch_schedule(schedule: str, m: int) -> dict:
+    """torch's ScheduleInterleavedZeroBubble (one stage per rank), ScheduleZBVZeroBubble or ScheduleDualPipeV
+    and the reference on the same chunks (pp 2), one step each: this rank's losses and the largest gradient
+    difference."""
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        ScheduleDualPipeV,
+        ScheduleInterleavedZeroBubble,
+        ScheduleZBVZeroBubble,
+    )
 
     layout, p, r = build_layout(1, 2, 1), 2, dist.get_rank()
     tokens = synthetic_batches(CONFIG, 1, m, SEED)[0]
-    ours = build_chunks(CONFIG, layout, 2, schedule=schedule, seed=SEED)
+    stages = stages_of(schedule, p, r)
+    ours = build_chunks(CONFIG, layout, len(stages), schedule=schedule, seed=SEED)
     our_losses = forward_backward(
         schedule,
         ours,
@@ -186,18 +193,18 @@ def _torch_v_schedule(schedule: str, m: int) -> dict:
         pp_group=layout.pp_group,
         activation_shape=ours[0].activation_shape(1),
     )
-    theirs = build_chunks(CONFIG, layout, 2, schedule=schedule, seed=SEED)
-    stages = [
-        PipelineStage(TorchChunk(chunk), stage, 2 * p, torch.device("cpu"), group=layout.pp_group)
-        for chunk, stage in zip(theirs, v_stages(p, r))
+    theirs = build_chunks(CONFIG, layout, len(stages), schedule=schedule, seed=SEED)
+    torch_stages = [
+        PipelineStage(TorchChunk(chunk), stage, p * len(stages), torch.device("cpu"), group=layout.pp_group)
+        for chunk, stage in zip(theirs, stages)
     ]
-    cls = {"zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}[schedule]
-    torch_schedule = cls(stages, m, loss_fn=lambda loss, _target: loss.sum())
+    cls = {"zb-h1": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
+    torch_schedule = cls[schedule](torch_stages, m, loss_fn=lambda loss, _target: loss.sum())
     losses, inputs, labels = [], tokens[:, :-1], tokens[:, 1:]
-    if r == 0:  # the first stage and the last
-        torch_schedule.step(inputs, labels=labels, target=labels, losses=losses)
-    else:
-        torch_schedule.step(labels=labels)
+    first, last = 0 in stages, p * len(stages) - 1 in stages
+    torch_schedule.step(
+        *([inputs] if first else []), labels=labels, **({"target": labels, "losses": losses} if last else {})
+    )
     grad_diff = max(
         (a.grad - b.grad).abs().max().item()
         for x, y in zip(ours, theirs)
@@ -208,12 +215,15 @@ def _torch_v_schedule(schedule: str, m: int) -> dict:
 
 @on_ranks(2)
 @pytest.mark.upstream("pytorch")
-def test_torch_zbv_and_dualpipev_give_the_same_losses_and_gradients(ranks):
-    """The same V chunks, weights and micro-batches through torch's ScheduleZBVZeroBubble and ScheduleDualPipeV
-    (PipelineStage on gloo, its backward split by _backward.stage_backward_input/weight) and the reference:
-    equal micro-batch losses on rank 0, which holds the last stage, and equal gradients on both ranks."""
-    for schedule in ("zbv", "dualpipev"):
+def test_torch_zero_bubble_schedules_give_the_same_losses_and_gradients(ranks):
+    """The same chunks, weights and micro-batches through torch's ScheduleInterleavedZeroBubble (one stage per
+    rank), ScheduleZBVZeroBubble and ScheduleDualPipeV (PipelineStage on gloo, the backward split by its
+    _backward.stage_backward_input/weight) and the reference: equal micro-batch losses on the rank holding the
+    last stage (rank 1, or rank 0 in a V) and equal gradients on both ranks."""
+    for schedule in ("zb-h1", "zbv", "dualpipev"):
         with groups_of_the_block():
-            run = _torch_v_schedule(schedule, 4)
-        assert run["losses"] == run["torch_losses"] and len(run["losses"]) == (4 if dist.get_rank() == 0 else 0), run
+            run = _torch_schedule(schedule, 4)
+        loss_rank = 0 if schedule in V_SCHEDULES else 1
+        assert run["losses"] == run["torch_losses"], (schedule, run)
+        assert len(run["losses"]) == (4 if dist.get_rank() == loss_rank else 0), (schedule, run)
         assert run["max_grad_diff"] == 0.0, (schedule, run)
