@@ -4,7 +4,10 @@ F receives its input (from the rank of the stage before, or, at the turn of the 
 stage), runs and sends its output on; I and B receive the output gradient the same way, run the backward
 (I leaves the linears' weight gradients for W) and send the input gradient back; W runs what its I left. An
 Overlap runs its forward, then its backward: on one stream they follow each other, and what DualPipeV
-gains by overlapping them (one micro-batch's communication behind the other's compute) needs two streams.
+gains by overlapping them (one micro-batch's communication behind the other's compute) needs two streams, as
+megatron-core's `megatron-lm:megatron/core/pipeline_parallel/combined_1f1b.py::combined_forward_backward_step`
+has: it merges a forward and a backward step layer by layer so that one's MoE all-to-all runs under the
+other's compute (overlap_moe_expert_parallel_comm).
 Between two stages of this rank nothing is sent: the output is handed over detached, a new leaf of the graph
 of the stage that takes it, as torch's runtime does.
 
