@@ -11,7 +11,7 @@ from reference.gpt.model import STYLES, GPTConfig, split_layers
 from reference.gpt.parallelize import check_tensor_parallel, check_virtual_pipeline
 from reference.parallel_state import ParallelConfigError, parallel_sizes
 from reference.parallelize import DP_SHARDING, FULLY_SHARDED
-from reference.pipeline.schedules import SCHEDULES
+from reference.pipeline.schedules import ALL_SCHEDULES
 from reference.pipeline.zero_bubble import check_zero_bubble
 from reference.recompute import RECOMPUTE_MODES
 
@@ -51,7 +51,7 @@ def add_arguments(group) -> None:
     )
     group.add_argument(
         "--schedule",
-        choices=SCHEDULES,
+        choices=ALL_SCHEDULES,
         default="1f1b",
         help="pipeline schedule: all forwards then all backwards (gpipe), or one-forward-one-"
         "backward after a warm-up (1f1b: at most pp micro-batches in flight), or a zero-bubble one, each "

@@ -29,7 +29,8 @@ from reference.pipeline.p2p import PipelineP2P, RingP2P, StageP2P
 from reference.pipeline.steps import GradSync, Steps
 from reference.pipeline.zero_bubble_run import rank_of_stage, run_zero_bubble
 
-SCHEDULES = ("gpipe", "1f1b", *zero_bubble.ZERO_BUBBLE_SCHEDULES)
+SCHEDULES = ("gpipe", "1f1b")  # one backward pass each; the scale trace and the benchmark take these
+ALL_SCHEDULES = (*SCHEDULES, *zero_bubble.ZERO_BUBBLE_SCHEDULES)  # forward_backward and -m reference
 
 
 def bubble_formula(p: int, m: int, v: int = 1, schedule: str = "1f1b") -> float:
@@ -147,8 +148,8 @@ def forward_backward(
     and `no_sync` must then silence every chunk's gradient reduction. `observer`, if given, wraps the whole
     schedule in `observer.schedule(schedule, pp_group, v, m)` and each action in `observer.action(name)`.
     """
-    if schedule not in SCHEDULES:
-        raise ParallelConfigError(f"unknown pipeline schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    if schedule not in ALL_SCHEDULES:
+        raise ParallelConfigError(f"unknown pipeline schedule {schedule!r}; choose one of {', '.join(ALL_SCHEDULES)}")
     if len(micro_batches) < 1:
         raise ParallelConfigError("the pipeline needs at least one micro-batch")
     chunks = list(stage) if isinstance(stage, Sequence) else [stage]
