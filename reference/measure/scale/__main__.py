@@ -26,9 +26,10 @@ from reference.arguments import (
 from reference.data_parallel.wrapper import DEFAULT_BUCKET_SIZE
 from reference.measure.scale import cp_report, formulas, moe_report
 from reference.measure.scale.moe_shapes import MOE_MODELS
-from reference.measure.scale.shapes import MODELS, TRACED_SCHEDULES, ScaleSetup, setup_for
+from reference.measure.scale.shapes import MODELS, ScaleSetup, setup_for
 from reference.measure.scale.simulate import RankStep, default_ranks, document, stage_of, step_of
 from reference.parallel_state import ORDERS, ParallelConfigError
+from reference.pipeline.schedules import SCHEDULES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
         parser, "--micro-batches", "--microbatches", type=microbatches, default=16, help="micro-batches per step (m)"
     )
     add_flag(parser, "--sequence-parallel", "--sp", action="store_true", help="sequence parallelism")
-    parser.add_argument("--schedule", choices=TRACED_SCHEDULES, default="1f1b", help="pipeline schedule")
+    parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule")
     parser.add_argument(
         "--virtual-stages",
         type=int,

@@ -18,10 +18,8 @@ from reference.gpt.model import GPTConfig
 from reference.gpt.parallelize import check_virtual_pipeline
 from reference.parallel_state import ORDERS, ParallelConfigError, divide
 from reference.pipeline.schedules import SCHEDULES
-from reference.pipeline.zero_bubble import ZERO_BUBBLE_SCHEDULES
 from reference.tensor_parallel.vocab_parallel import pad_vocab_size
 
-TRACED_SCHEDULES = tuple(s for s in SCHEDULES if s not in ZERO_BUBBLE_SCHEDULES)  # zero bubble: -m reference only
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -93,10 +91,8 @@ class ScaleSetup:
             divide(m.seq_length, self.tp, "seq_length")
         if m.dtype not in DTYPES:
             raise ParallelConfigError(f"unknown dtype {m.dtype!r}; choose one of {', '.join(DTYPES)}")
-        if self.schedule not in TRACED_SCHEDULES:
-            raise ParallelConfigError(
-                f"unknown schedule {self.schedule!r}; choose one of {', '.join(TRACED_SCHEDULES)}"
-            )
+        if self.schedule not in SCHEDULES:
+            raise ParallelConfigError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
         if self.distributed_optimizer and self.dp == 1:
             raise ParallelConfigError(
                 "the distributed optimizer shards the optimizer state over the data-parallel "
