@@ -161,11 +161,9 @@ def report_pipeline(args, stages: list[dict], device: torch.device) -> None:
     unit, formula = ("chunk-forwards", "(p-1)/(v m+p-1)") if v > 1 else ("micro-batches", "(p-1)/(m+p-1)")
     if zero_bubble:
         formula = "(p-1)/(6m+p-1)" if v_shape else "(p-1)/(3m+p-1)"
-    costs = (
-        "a forward, an input gradient and a weight gradient costing 1 each"
-        if zero_bubble
-        else ("a forward costing 1 and a backward 2")
-    )
+    costs = "a forward costing 1 and a backward 2"
+    if zero_bubble:
+        costs = "a forward, an input gradient and a weight gradient costing 1 each"
     at_flops = (
         "not available, no FLOPs were recorded (the collective recorder is off)"
         if step is None
