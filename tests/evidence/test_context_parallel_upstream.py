@@ -5,42 +5,15 @@ unsharded SDPA and the reference ring; torch's head-tail balancer's indices and 
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor.experimental._context_parallel import _attention as torch_cp
 from torch.distributed.tensor.experimental._context_parallel._load_balancer import _HeadTailLoadBalancer
 
+from benchmarks._torch_ring import cp_options, torch_ring_attention
 from reference.context_parallel import ring_attention, ring_blocks, shard
 from tests.ranks import on_ranks
-
-aten = torch.ops.aten
-
-
-@contextlib.contextmanager
-def _torch_cp_options(balanced: bool, rotate: str = "ALL_GATHER"):
-    """torch's module-level CP options for the block, restored after."""
-    options = torch_cp._cp_options
-    saved = (options.enable_load_balance, options.rotate_method)
-    options.enable_load_balance, options.rotate_method = balanced, torch_cp._RotateMethod[rotate]
-    try:
-        yield
-    finally:
-        options.enable_load_balance, options.rotate_method = saved
-
-
-def _flash_forward(query, key, value, is_causal, **kwargs):
-    """torch's CPU flash attention: (out, logsumexp), the op its ring merges."""
-    return aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, is_causal)
-
-
-def _flash_backward(query, key, value, out, logsumexp, is_causal, grad_out, **kwargs):
-    """The CPU flash backward: (dq, dk, dv) from the merged out and logsumexp."""
-    return aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad_out, query, key, value, out, logsumexp, 0.0, is_causal
-    )
 
 
 def _qkv(seq: int = 16, seed: int = 0):
@@ -51,12 +24,8 @@ def _qkv(seq: int = 16, seed: int = 0):
 def _torch_ring(ranks, balanced: bool, rotate: str = "ALL_GATHER"):
     """torch's ring attention forward and backward on this rank's shards: (out, dq, dk, dv)."""
     q, k, v, grad = (shard(t, 2, ranks.rank, ranks.world, balanced) for t in _qkv())
-    with _torch_cp_options(balanced, rotate):
-        out, lse = torch_cp._templated_ring_attention(ranks.group, 2, _flash_forward, q, k, v, is_causal=True)[:2]
-        grads = torch_cp._templated_ring_attention_backward(
-            ranks.group, 2, _flash_backward, grad, "grad_out", q, k, v, out, lse, is_causal=True
-        )[:3]
-    return out, *grads
+    with cp_options(enable_load_balance=balanced, rotate_method=torch_cp._RotateMethod[rotate]):
+        return torch_ring_attention(ranks.group, q, k, v, grad)
 
 
 def _reference_ring(ranks, balanced: bool):
@@ -124,7 +93,7 @@ def test_megatron_get_batch_on_this_cp_rank_equals_the_reference_cp_shard(ranks)
 def test_torch_is_causal_behavior_per_ring_step_matches_the_reference_cp_blocks(cp, balanced):
     """torch decides per (rank, step) whether to run the block causal, full or not at all; the reference's
     blocks of that step are then: some masked (step 0), all full or skipped, or all skipped."""
-    with _torch_cp_options(balanced):
+    with cp_options(enable_load_balance=balanced):
         for rank, steps in enumerate(ring_blocks(cp, balanced)):
             for step, blocks in enumerate(steps):
                 behavior = torch_cp._is_causal_behavior(rank, cp, step, is_causal=True)
