@@ -4,9 +4,8 @@ At step i rank r holds the K/V of rank (r - i) mod cp. It sends them on to r + 1
 r - 1 (one batched isend/irecv, in flight while the step computes), attends its query chunks to them block by
 block (full, masked or skipped: reference.context_parallel.load_balance.block_kind) and merges each block into
 the running output by its log-sum-exp (reference.context_parallel.blocks.merge). After cp steps every query has
-met every key, with cp - 1 exchanges. Backward goes round again: K/V travel as before and, a step behind them,
-the dK/dV accumulated for their owner so far, to which each rank adds its blocks' share (in flight during the
-next step, as torch's backward sends them); one last hop returns dK/dV home.
+met every key, with cp - 1 exchanges. Backward goes round again: K/V travel with the dK/dV accumulated for their
+owner so far, each rank adds its blocks' share, and one last hop returns dK/dV home.
 
 Balanced or not is only which chunks a rank holds (load_balance.held_chunks): the same loop handles both, as
 `pytorch:torch/distributed/tensor/experimental/_context_parallel/_attention.py::_templated_ring_attention` and
@@ -87,27 +86,20 @@ class _RingAttention(torch.autograd.Function):
         rank, cp, n = group.rank(), group.size(), len(held_chunks(0, group.size(), balanced))
         qs, outs, lses, grads = (t.chunk(n, dim=2) for t in (q, out, lse, accumulating(grad_out)))
         grad_q = torch.zeros_like(accumulating(q))
-        key, value, passed = k, v, None
+        key, value = k, v
+        grad_key, grad_value = torch.zeros_like(accumulating(k)), torch.zeros_like(accumulating(v))
         for step in range(cp):
-            ring = _RingPass([key, value], group) if step < cp - 1 else None  # the next K/V, in flight meanwhile
             ks, vs = key.chunk(n, dim=2), value.chunk(n, dim=2)
-            grad_key, grad_value = torch.zeros_like(accumulating(k)), torch.zeros_like(accumulating(v))
             dqs, dks, dvs = (t.chunk(n, dim=2) for t in (grad_q, grad_key, grad_value))  # views, added to in place
             for qi, ki, masked in _blocks(rank, step, cp, balanced):
                 dq, dk, dv = attend_backward(qs[qi], ks[ki], vs[ki], outs[qi], lses[qi], grads[qi], masked, scale)
                 dqs[qi].add_(dq)
                 dks[ki].add_(dk)
                 dvs[ki].add_(dv)
-            if passed is not None:  # what the previous rank accumulated for these K/V's owner
-                so_far_key, so_far_value = passed.wait()
-                grad_key += so_far_key
-                grad_value += so_far_value
-            if cp > 1:  # on to the next rank, in flight during the next step; the last hop takes them home
-                passed = _RingPass([grad_key, grad_value], group)
-            if ring is not None:
-                key, value = ring.wait()
-        if passed is not None:
-            grad_key, grad_value = passed.wait()
+            if step < cp - 1:  # K/V and their gradients so far, on to the next rank
+                key, value, grad_key, grad_value = _RingPass([key, value, grad_key, grad_value], group).wait()
+        if cp > 1:  # the accumulators belong to rank + 1: one last hop home
+            grad_key, grad_value = _RingPass([grad_key, grad_value], group).wait()
         dtype = q.dtype
         return grad_q.to(dtype), grad_key.to(dtype), grad_value.to(dtype), None, None
 
