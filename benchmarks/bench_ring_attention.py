@@ -8,10 +8,12 @@ chunks r and 2 cp - 1 - r of 2 cp (reference.context_parallel.load_balance.shard
 `_cp_options.enable_load_balance` expects. Both compute the same attention of the same tensors, interleaved
 round by round so that machine noise hits them alike (benchmarks/_harness.py):
   * reference: reference.context_parallel.ring_attention, an autograd Function passing K/V by
-               batch_isend_irecv and merging its blocks by log-sum-exp, by hand in fp32;
+               batch_isend_irecv and merging its blocks by log-sum-exp in fp32, each block (query chunk
+               against key chunk) by the CPU flash-attention kernel, elsewhere by hand
+               (reference.context_parallel.blocks);
   * torch:     `_templated_ring_attention` and `_templated_ring_attention_backward`, with the CPU
-               flash-attention kernels per block (the op torch merges; on CUDA its ring flash wrappers),
-               K/V rotated by torch's rotater (--rotate: allgather, its default, or alltoall).
+               flash-attention kernels per step (benchmarks/_torch_ring.py; on CUDA its ring flash
+               wrappers), K/V rotated by torch's rotater (--rotate: allgather, its default, or alltoall).
 The median and fastest step of each are printed by rank 0, and their ratio reference / torch (the issue's
 target: at most 1.1). A first step of each checks that both give the same output and q/k/v gradients.
 """
