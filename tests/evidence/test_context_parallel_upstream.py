@@ -1,7 +1,8 @@
 """Upstream evidence for context parallelism, run here on CPU/gloo: torch's `_templated_ring_attention` and its
 backward (the CPU flash-attention kernels as the per-block op), causal, head-tail balanced and not, against
 unsharded SDPA and the reference ring; torch's head-tail balancer's indices and megatron-core's
-`get_batch_on_this_cp_rank` split against the reference shard."""
+`get_batch_on_this_cp_rank` split against the reference shard; megatron-core's distributed optimizer sharded over
+dp x cp."""
 
 from __future__ import annotations
 
@@ -13,7 +14,11 @@ from torch.distributed.tensor.experimental._context_parallel._load_balancer impo
 
 from benchmarks._torch_ring import cp_options, torch_ring_attention
 from reference.context_parallel import ring_attention, ring_blocks, shard
+from reference.measure.recorder import CollectiveRecorder
+from reference.measure.torch_patches import cuda_calls_on_cpu
 from tests.ranks import on_ranks
+from tests.reference.helpers import megatron_parallel_state
+from tests.reference.test_distributed_optimizer import CudaTypeNames
 
 
 def _qkv(seq: int = 16, seed: int = 0):
@@ -104,3 +109,44 @@ def test_torch_is_causal_behavior_per_ring_step_matches_the_reference_cp_blocks(
                     torch_cp._CausalBehavior.SKIP: kinds == {"skipped"},
                 }[behavior]
                 assert expected, (rank, step, behavior, blocks)
+
+
+@pytest.mark.upstream("megatron-lm")
+@on_ranks(2)
+def test_megatron_cp_distributed_optimizer_shards_over_dp_times_cp(ranks):
+    """megatron-core's distributed optimizer (get_megatron_optimizer) at CP 2 x DP 1 (world 2): built on the
+    dp x cp group, each rank holds the fp32 masters of half the parameters, and a step reduce-scatters the
+    gradients, all-reduces its found-inf flag and all-gathers the parameters over both ranks: what
+    `--cp 2 --dp-sharding optimizer` does at dp 1."""
+    from megatron.core.distributed import DistributedDataParallel as MegatronDDP
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer import TransformerConfig
+
+    cuda_calls_on_cpu()  # megatron's buffers allocate on torch.cuda.current_device()
+    torch.manual_seed(0)
+    module = torch.nn.Linear(64, 64, bias=False).to(torch.bfloat16)
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    with megatron_parallel_state(context_parallel_size=2), CudaTypeNames():
+        config = TransformerConfig(
+            num_layers=1, hidden_size=64, num_attention_heads=1, bf16=True, params_dtype=torch.bfloat16
+        )
+        ddp = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True)
+        model = MegatronDDP(config, ddp, module)
+        optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=0.1, bf16=True, clip_grad=0.0, use_distributed_optimizer=True),
+            [model],
+            use_gloo_process_groups=False,
+        )
+        inner = optimizer.chained_optimizers[0] if hasattr(optimizer, "chained_optimizers") else optimizer
+        with CollectiveRecorder() as rec:
+            (model(x.chunk(2)[ranks.rank]).float() ** 2).mean().backward()
+            model.finish_grad_sync()
+            optimizer.step()
+        assert inner.data_parallel_group.size() == 2
+        assert sum(m.numel() for group in inner.shard_fp32_from_float16_groups for m in group) == 64 * 64 // 2
+    assert [(e.op, e.group_ranks) for e in rec.events] == [
+        ("reduce_scatter", (0, 1)),
+        ("all_reduce", (0, 1)),
+        ("all_gather", (0, 1)),
+    ]
