@@ -45,7 +45,7 @@ import torch.distributed as dist
 from reference.arguments import add_device_argument, steps
 from reference.distributed import distributed, one_line_errors
 from reference.gpt.model import GPTConfig, split_layers
-from reference.gpt.parallelize import build_chunks, build_stage, check_virtual_pipeline
+from reference.gpt.parallelize import build_chunks, check_virtual_pipeline
 from reference.gpt.train import data_parallel, synthetic_batches, train_step
 from reference.measure.pipeline_meter import PipelineMeter
 from reference.measure.recorder import CollectiveRecorder
@@ -142,11 +142,8 @@ def _benchmark(args, config: GPTConfig, device: torch.device) -> None:
         variants.append(("1f1b no-overlap", "1f1b", False))
     models, optimizers = {}, {}
     for label, _, overlap in variants:
-        chunks = (
-            build_chunks(config, layout, args.virtual_stages, seed=args.seed, device=device)
-            if label == "interleaved"
-            else [build_stage(config, layout, seed=args.seed, device=device)]
-        )
+        v = args.virtual_stages if label == "interleaved" else 1
+        chunks = build_chunks(config, layout, v, seed=args.seed, device=device)
         wrapped = [
             data_parallel(chunk, layout, bucket_size=args.bucket_size, overlap_grad_reduce=overlap) for chunk in chunks
         ]

@@ -59,20 +59,8 @@ def wheel(version: str) -> Path:
     wheels = CACHE / "wheels"
     found = sorted(wheels.glob(f"megatron_core-{version}-*.whl"))
     if not found:
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "download",
-                "-q",
-                "--no-deps",
-                f"megatron-core=={version}",
-                "-d",
-                str(wheels),
-            ],
-            check=True,
-        )
+        pip = [sys.executable, "-m", "pip", "download", "-q", "--no-deps"]
+        subprocess.run([*pip, f"megatron-core=={version}", "-d", str(wheels)], check=True)
         found = sorted(wheels.glob(f"megatron_core-{version}-*.whl"))
     return found[0]
 
@@ -101,16 +89,26 @@ def git(repo: Path, *args: str) -> str:
     return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True).stdout
 
 
+def wheel_files(version: str) -> dict[str, str]:
+    """path -> text of megatron/core/*.py of a megatron-core release (relocate_crossfile reads them too)."""
+    with zipfile.ZipFile(wheel(version)) as whl:
+        return {
+            name: whl.read(name).decode("utf-8")
+            for name in whl.namelist()
+            if name.startswith("megatron/core/") and name.endswith(".py")
+        }
+
+
+def lines(text: str) -> list[str]:
+    """The text's lines, split on '\\n' only, as git numbers them."""
+    out = text.split("\n")
+    return out[:-1] if out and out[-1] == "" else out
+
+
 @functools.cache
 def files_at(version: str) -> dict[str, list[str]]:
-    """path -> lines (split on '\\n' only, as git numbers them) of every file the release's commit holds."""
-    out = {}
-    with zipfile.ZipFile(wheel(version)) as whl:
-        for name in whl.namelist():
-            if name.startswith("megatron/core/") and name.endswith(".py"):
-                lines = whl.read(name).decode("utf-8").split("\n")
-                out[name] = lines[:-1] if lines[-1] == "" else lines
-    return out
+    """path -> lines of every file the release's commit holds."""
+    return {name: lines(text) for name, text in wheel_files(version).items()}
 
 
 # -- ground truth (independent of the engine) -------------------------------------------------------------
@@ -232,18 +230,8 @@ def through_diff(hunks: list, start: int, end: int) -> tuple[str, tuple | None]:
 def engine(repo: Path, old: str, new: str, cites: list[str]) -> tuple[list[dict], float]:
     started = time.perf_counter()
     proc = subprocess.run(
-        [
-            str(ROOT / "tools" / "pin-and-cite"),
-            "relocate",
-            "--source",
-            str(repo),
-            "--from",
-            old,
-            "--to",
-            new,
-            "--json",
-            "-",
-        ],
+        [str(ROOT / "tools" / "pin-and-cite"), "relocate", "--source", str(repo), "--from", old, "--to", new]
+        + ["--json", "-"],
         input="\n".join(cites) + "\n",
         capture_output=True,
         text=True,

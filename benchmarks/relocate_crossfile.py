@@ -42,17 +42,12 @@ import resource
 import subprocess
 import tempfile
 import time
-import zipfile
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from relocate_accuracy import CACHE, wheel  # the same PyPI wheel cache (benchmarks/ is on the path)
-
-ROOT = Path(__file__).resolve().parents[1]
-
-GIT = ["git", "-c", "user.name=bench", "-c", "user.email=bench@example.com"]
-
+# the same PyPI wheel cache and the same ground-truth helpers (benchmarks/ is on the path)
+from relocate_accuracy import CACHE, GIT, ROOT, lines, norm, qualified_spans, wheel_files
 
 # -- synthetic histories ----------------------------------------------------------------------------------
 
@@ -178,16 +173,6 @@ def kept_elsewhere(seed: int, utils_old: str, utils_new: str) -> tuple[dict[str,
 # -- megatron-core from PyPI ---------------------------------------------------------------------------
 
 
-def wheel_files(version: str) -> dict[str, str]:
-    """megatron/core/*.py of a megatron-core release, from relocate_accuracy's wheel cache."""
-    with zipfile.ZipFile(wheel(version)) as whl:
-        return {
-            name: whl.read(name).decode("utf-8")
-            for name in whl.namelist()
-            if name.startswith("megatron/core/") and name.endswith(".py")
-        }
-
-
 def megatron() -> tuple[dict[str, str], dict[str, str], list[str]]:
     old, new = wheel_files("0.9.0"), wheel_files("0.10.0")
     return old, new, sorted(p for p in old if p.startswith("megatron/core/distributed/"))
@@ -257,26 +242,9 @@ def commit_history(where: Path, old: dict[str, str], new: dict[str, str]) -> Non
         subprocess.run(["git", "-C", str(where), "tag", tag], check=True)
 
 
-def lines(text: str) -> list[str]:
-    out = text.split("\n")
-    return out[:-1] if out and out[-1] == "" else out
-
-
 def unique_definitions(text: str) -> dict[str, tuple[int, int]]:
     """Qualified name -> (first decorator or def line, last line) of each name defined once."""
-    spans: dict[str, list] = {}
-
-    def visit(node, prefix):
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-                top = min([child.lineno] + [d.lineno for d in child.decorator_list])
-                spans.setdefault(prefix + child.name, []).append((top, child.end_lineno))
-                visit(child, prefix + child.name + ".")
-            elif isinstance(child, (ast.stmt, ast.excepthandler)):
-                visit(child, prefix)
-
-    visit(ast.parse(text), "")
-    return {name: s[0] for name, s in spans.items() if len(s) == 1}
+    return {name: s[0] for name, s in qualified_spans(lines(text)).items() if len(s) == 1}
 
 
 def citations(old: dict[str, str], cited: list[str]) -> list[tuple[str, str, tuple[int, int]]]:
@@ -288,10 +256,6 @@ def citations(old: dict[str, str], cited: list[str]) -> list[tuple[str, str, tup
             if b > a:
                 out.append((f"{path}#L{a + 1}-L{b}", path, (a + 1, b)))
     return out
-
-
-def norm(block: list[str]) -> list[str]:
-    return [line.rstrip() for line in block]
 
 
 def line_index(new_lines: dict[str, list[str]]) -> dict[str, list[tuple[str, int]]]:

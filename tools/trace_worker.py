@@ -45,7 +45,7 @@ from reference.distributed import distributed
 from reference.fsdp.units import shard_model
 from reference.fsdp2.state import STATE_ATTR
 from reference.gpt.model import GPT, GPTConfig
-from reference.gpt.parallelize import build_chunks, build_stage, parallelize_gpt
+from reference.gpt.parallelize import build_chunks, parallelize_gpt
 from reference.gpt.train import data_parallel, split_batch, train_step
 from reference.gpt.train import synthetic_batches as gpt_batches
 from reference.measure.fsdp_tracing import unit_scopes
@@ -228,11 +228,7 @@ def pipeline(schedule: str, virtual_stages: int = 1) -> dict:
     """One train_step on PIPELINE_RANKS stages (v model chunks each: interleaved); every stage's record,
     gathered on rank 0."""
     layout = build_layout(1, PIPELINE_RANKS, 1)
-    chunks = (
-        build_chunks(PIPELINE_CONFIG, layout, virtual_stages, seed=SEED)
-        if virtual_stages > 1
-        else [build_stage(PIPELINE_CONFIG, layout, seed=SEED)]
-    )
+    chunks = build_chunks(PIPELINE_CONFIG, layout, virtual_stages, seed=SEED)
     wrapped = [data_parallel(chunk, layout) for chunk in chunks]
     model = wrapped if virtual_stages > 1 else wrapped[0]
     optimizer = torch.optim.SGD([p for chunk in wrapped for p in chunk.parameters()], lr=0.1)

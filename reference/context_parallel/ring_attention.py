@@ -60,7 +60,7 @@ class _RingAttention(torch.autograd.Function):
     """Forward: cp steps of attend-and-merge while K/V rotate; backward: cp steps while K/V and dK/dV rotate."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, balanced):
+    def forward(ctx, q, k, v, group, balanced, observer):
         rank, cp, n = group.rank(), group.size(), len(held_chunks(0, group.size(), balanced))
         scale = q.shape[-1] ** -0.5
         qs = q.chunk(n, dim=2)
@@ -69,7 +69,10 @@ class _RingAttention(torch.autograd.Function):
         for step in range(cp):
             ring = _RingPass([key, value], group) if step < cp - 1 else None
             ks, vs = key.chunk(n, dim=2), value.chunk(n, dim=2)
-            for qi, ki, masked in _blocks(rank, step, cp, balanced):
+            blocks = list(_blocks(rank, step, cp, balanced))
+            if observer is not None:  # measurement attaches here (reference.measure.cp_blocks), computes nothing
+                observer(step, qs, ks, blocks)
+            for qi, ki, masked in blocks:
                 block = attend(qs[qi], ks[ki], vs[ki], masked, scale)
                 out[qi], lse[qi] = block if out[qi] is None else merge(out[qi], lse[qi], *block)
             if ring is not None:
@@ -101,12 +104,19 @@ class _RingAttention(torch.autograd.Function):
         if cp > 1:  # the accumulators belong to rank + 1: one last hop home
             grad_key, grad_value = _RingPass([grad_key, grad_value], group).wait()
         dtype = q.dtype
-        return grad_q.to(dtype), grad_key.to(dtype), grad_value.to(dtype), None, None
+        return grad_q.to(dtype), grad_key.to(dtype), grad_value.to(dtype), None, None, None
 
 
 def ring_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, balanced: bool = True
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: dist.ProcessGroup,
+    balanced: bool = True,
+    observer=None,
 ) -> torch.Tensor:
     """Causal attention of this rank's queries [b, heads, s/cp, d] over the whole sequence's keys, the shards
-    laid out by reference.context_parallel.load_balance.shard (head-tail when `balanced`)."""
-    return _RingAttention.apply(q, k, v, group, balanced)
+    laid out by reference.context_parallel.load_balance.shard (head-tail when `balanced`). `observer`, if
+    given, is called at each forward ring step as observer(step, query chunks, key chunks held, blocks), the
+    blocks (query chunk index, key chunk index, masked) that step computes, before it computes them."""
+    return _RingAttention.apply(q, k, v, group, balanced, observer)

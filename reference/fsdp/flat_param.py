@@ -155,8 +155,8 @@ class FlatParamHandle:
                 self._full_param_padded, shard, group=self.process_group, async_op=True
             )
         self.flat_param.data = self._full_param_padded
-        if self.training_state == HandleTrainingState.FORWARD:
-            self._use_unsharded_views()  # backward reuses the views autograd saved
+        if self.training_state in (HandleTrainingState.FORWARD, HandleTrainingState.BACKWARD_PRE):
+            self._use_unsharded_views()  # in backward too: a recomputed (checkpointed) forward reads the modules
 
     def wait_unshard(self) -> None:
         """Block until this handle's outstanding all-gather (issued here or by a prefetch) has landed."""

@@ -124,17 +124,17 @@ def stage_layers(config: GPTConfig, layout: ParallelLayout, virtual_stages: int 
     return [split_layers(config.num_layers, layout.pp_size)[layout.pp_rank]]
 
 
-def _stages(
+def build_chunks(
     config: GPTConfig,
     layout: ParallelLayout,
-    virtual_stages: int,
+    virtual_stages: int = 1,
     *,
     seed=1234,
     device=None,
     params_dtype=torch.float32,
     **options,
 ) -> list[GPT]:
-    """A GPT of each of this rank's chunks (stage_layers), split over the layout's TP group."""
+    """A GPT of each of this rank's chunks (stage_layers: v > 1 for interleaved 1F1B), split over its TP group."""
     return [
         parallelize_gpt(
             GPT(config, seed, device, layers=layers, params_dtype=params_dtype), layout.tp_group, seed=seed, **options
@@ -146,7 +146,7 @@ def _stages(
 def build_stage(config: GPTConfig, layout: ParallelLayout, **options) -> GPT:
     """This rank's stage: its PP rank's share of split_layers, split over its TP group. `options`: seed,
     device, params_dtype, and parallelize_gpt's (sequence_parallel, block arguments)."""
-    (stage,) = _stages(config, layout, 1, **options)
+    (stage,) = build_chunks(config, layout, 1, **options)
     return stage
 
 
@@ -156,8 +156,3 @@ def check_virtual_pipeline(num_layers: int, pp_size: int, virtual_stages: int, m
     (reference.pipeline.interleaved.check_interleaving)."""
     split_virtual_stages(num_layers, pp_size, virtual_stages)
     check_interleaving(pp_size, virtual_stages, micro_batches)
-
-
-def build_chunks(config: GPTConfig, layout: ParallelLayout, virtual_stages: int, **options) -> list[GPT]:
-    """This rank's v model chunks for interleaved 1F1B (split_virtual_stages), split over its TP group."""
-    return _stages(config, layout, virtual_stages, **options)

@@ -107,22 +107,9 @@ def reference_fsdp_unit_scopes(model: torch.nn.Module) -> Iterator[Prefetches]:
     """The reference FSDP's units: scopes from reference.fsdp.runtime's functions (called through its module
     globals, so replacing them reaches every call) and compute spans from hooks on each unit's module."""
     prefetches, backward = Prefetches(), _BackwardSpans()
-
-    def in_unit_scope(original, unit, handle, *args):
-        with unit_scope(handle.name):
-            return original(unit, handle, *args)
-
-    def pre_backward_hook(original, unit, handle, grad):
-        ran = handle.ran_pre_backward_hook
-        grad = original(unit, handle, grad)
-        if not ran:
-            backward.begin(handle)
-        return grad
-
-    def post_backward_hook(original, unit, handle, flat_param):
-        backward.end(handle, handle.name)
-        return original(unit, handle, flat_param)
-
+    in_unit_scope, pre_backward_hook, post_backward_hook = _fsdp1_arounds(
+        backward, lambda handle: handle.name, lambda handle: handle.ran_pre_backward_hook, handle_at=1
+    )
     with contextlib.ExitStack() as stack:
         for name, around in (
             ("unshard", in_unit_scope),
@@ -136,6 +123,29 @@ def reference_fsdp_unit_scopes(model: torch.nn.Module) -> Iterator[Prefetches]:
             if isinstance(unit, FullyShardedDataParallel):
                 stack.enter_context(_forward_span(unit.module, functools.partial(_unit_name, unit)))
         yield prefetches
+
+
+def _fsdp1_arounds(backward: _BackwardSpans, name_of: Callable, ran_of: Callable, handle_at: int) -> tuple:
+    """What both FSDP1s wrap in their runtime (called with the unit or state, then the handle; the pre-backward
+    hook's handle at `handle_at`): the collectives scoped under the handle's unit, and its backward span."""
+
+    def in_unit_scope(original, owner, handle, *args):
+        with unit_scope(name_of(handle)):
+            return original(owner, handle, *args)
+
+    def pre_backward_hook(original, *args):
+        handle = args[handle_at]
+        ran = bool(handle and ran_of(handle))
+        grad = original(*args)
+        if handle and not ran:
+            backward.begin(handle)
+        return grad
+
+    def post_backward_hook(original, owner, handle, *args):
+        backward.end(handle, name_of(handle))
+        return original(owner, handle, *args)
+
+    return in_unit_scope, pre_backward_hook, post_backward_hook
 
 
 def _unit_name(unit: FullyShardedDataParallel) -> str:
@@ -197,22 +207,12 @@ def torch_fsdp1_unit_scopes(model: torch.nn.Module) -> Iterator[Prefetches]:
 
     units = {clean_name(name) or "root": unit for name, unit in model.named_modules() if isinstance(unit, FSDP1)}
     names = {id(unit._handle): name for name, unit in units.items() if unit._handle is not None}
-
-    def in_unit_scope(original, state, handle, *args):
-        with unit_scope(names.get(id(handle), "?")):
-            return original(state, handle, *args)
-
-    def pre_backward_hook(original, state, module, handle, grad, *unused):
-        ran = bool(handle and getattr(handle, "_ran_pre_backward_hook", False))
-        grad = original(state, module, handle, grad, *unused)
-        if handle and not ran:
-            backward.begin(handle)
-        return grad
-
-    def post_backward_hook(original, state, handle, *args):
-        backward.end(handle, names.get(id(handle), "?"))
-        return original(state, handle, *args)
-
+    in_unit_scope, pre_backward_hook, post_backward_hook = _fsdp1_arounds(
+        backward,
+        lambda handle: names.get(id(handle), "?"),
+        lambda handle: getattr(handle, "_ran_pre_backward_hook", False),
+        handle_at=2,  # _pre_backward_hook(state, module, handle, grad, ...)
+    )
     with contextlib.ExitStack() as stack:
         stack.enter_context(
             fsdp1_runtime_wrapped(

@@ -26,8 +26,8 @@ def test_an_unknown_dp_form_or_recompute_mode_is_refused_in_one_line():
         ParallelizeConfig(recompute="partial")
 
 
-# the reference FSDP1 reshards a unit before a full recomputation re-runs its block (as on main): selective there
-@pytest.mark.parametrize("dp_sharding, recompute", [("replicate", "full"), ("fsdp", "selective")])
+# ("fsdp", "full"): a full recomputation re-runs a block in backward, after FSDP1 resharded it after forward
+@pytest.mark.parametrize("dp_sharding, recompute", [("replicate", "full"), ("fsdp", "selective"), ("fsdp", "full")])
 def test_parallelize_splits_recomputes_and_wraps_and_trains_like_the_plain_gpt(one_rank_gloo, dp_sharding, recompute):
     layout = build_layout(1)
     config = ParallelizeConfig(recompute=recompute, dp_sharding=dp_sharding)

@@ -18,6 +18,9 @@ timeline beside the modeled one.
 `diagram("moe_ep2", step=1)`: one token batch's journey through a recorded MoE layer step at expert parallelism
 (route, permute, all-to-all, experts, all-to-all back, combine), as inline SVG (study.moe_figure).
 
+`diagram("cp_blocks")`: each context-parallel rank's ring-attention blocks per ring step, full, masked or skipped,
+without and with head-tail balancing, from a recorded run, as inline SVG (study.cp_figure).
+
 `chart_training_memory(limit)`: a mermaid xychart of per-rank training states
 (study.estimates.sharding_limit) against model size in equal steps (mermaid spaces categories
 evenly, so only equal steps make the axis linear): DDP, FSDP over the stated group, and one GPU's memory as a
@@ -38,6 +41,7 @@ from collections.abc import Callable
 
 from study import scale_tables
 from study.calibration import trace_rates
+from study.cp_figure import cp_blocks
 from study.modeled import (
     FSDP_COLORS,
     Rates,
@@ -309,7 +313,13 @@ def chart_sent_per_group(trace: dict) -> str:
     return mermaid_fence(body)
 
 
-GENERATORS = {"tp_block": tp_block, "fsdp_forward": fsdp_forward, "pipeline": pipeline, "moe": moe_journey}
+GENERATORS = {
+    "tp_block": tp_block,
+    "fsdp_forward": fsdp_forward,
+    "pipeline": pipeline,
+    "moe": moe_journey,
+    "cp_blocks": cp_blocks,
+}
 
 
 def diagram(trace: dict, **options) -> str:

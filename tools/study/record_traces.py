@@ -20,7 +20,9 @@ plan on HF's Qwen2, without and with sequence parallelism) into DIR/dtensor_qwen
 DIR/dtensor_qwen2_sp.json, checked by tests/reference/test_hf_tp_demo.py; one step of the MoE demo (`-m reference
 --moe --json`) at EP 2 on two ranks and EP 2 x TP 2 on four into DIR/moe_ep2.json and DIR/moe_ep2_tp2.json, checked
 by tests/reference/test_moe_demo.py. Last, on four ranks, tools/fsdp_compare.py (PyTorch's FSDP1 and FSDP2 on one
-model, side by side) into DIR/fsdp1_vs_fsdp2.json, checked by tests/evidence/test_fsdp1_vs_fsdp2.py. `--only NAME ...`
+model, side by side) into DIR/fsdp1_vs_fsdp2.json, checked by tests/evidence/test_fsdp1_vs_fsdp2.py, and
+`-m reference.measure.cp_blocks --json` (each cp rank's ring-attention blocks per ring step, without and with
+head-tail balancing) into DIR/cp_blocks.json, checked by tests/evidence/test_cp_blocks_freshness.py. `--only NAME ...`
 writes just those
 traces (and runs just the recordings that make them), leaving the others as they are. Exit status: 0
 recorded, 1 a run failed (its output is printed), 2 a usage error (an unknown trace name).
@@ -87,10 +89,18 @@ def _run(cmd: list[str], what: str, timeout: float, **env: str) -> str:
     return proc.stdout
 
 
-def _torchrun(ranks: int, script: Path, *args: str, what: str, timeout: float) -> str:
-    """_run of `script` on `ranks` local ranks under torchrun (CPU, gloo)."""
+def _torchrun(ranks: int, script: Path | str, *args: str, what: str, timeout: float) -> str:
+    """_run of `script` (or "-m", a module) on `ranks` local ranks under torchrun (CPU, gloo)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
     return _run([*cmd, "--max-restarts=0", str(script), *args], what, timeout, TORCH_CPP_LOG_LEVEL="ERROR")
+
+
+def _write(out: Path, traces: dict[str, str]) -> list[Path]:
+    """Write out/NAME.json for each trace (name -> its JSON text); the paths written."""
+    out.mkdir(parents=True, exist_ok=True)
+    for name, text in traces.items():
+        atomic_write(out / f"{name}.json", text.encode())
+    return [out / f"{name}.json" for name in traces]
 
 
 def record(out: Path, timeout: float = 300, only: Collection[str] | None = None) -> list[Path]:
@@ -114,7 +124,6 @@ def record(out: Path, timeout: float = 300, only: Collection[str] | None = None)
 def record_scale(out: Path, timeout: float = 300, only: Collection[str] | None = None) -> list[Path]:
     """Write out/NAME.json for every scale trace in SCALE and MOE_SCALE (each of `only`); the paths written. The
     layouts are traced side by side, a single-threaded process each, so every core works."""
-    out.mkdir(parents=True, exist_ok=True)
     layouts = {**SCALE, **MOE_SCALE}
     names = [name for name in layouts if only is None or name in only]
 
@@ -129,9 +138,7 @@ def record_scale(out: Path, timeout: float = 300, only: Collection[str] | None =
 
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         traced = list(pool.map(trace, names))  # all finish (or fail) before anything is written
-    for name, stdout in zip(names, traced):
-        atomic_write(out / f"{name}.json", stdout.encode())
-    return [out / f"{name}.json" for name in names]
+    return _write(out, dict(zip(names, traced)))
 
 
 def record_layout_grid(out: Path, timeout: float = 300, only: Collection[str] | None = None) -> list[Path]:
@@ -139,9 +146,7 @@ def record_layout_grid(out: Path, timeout: float = 300, only: Collection[str] | 
     if only is not None and "layout_grid" not in only:
         return []
     stdout = _run([sys.executable, "-m", "reference.measure.scale.grid"], "reference.measure.scale.grid", timeout)
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write(out / "layout_grid.json", stdout.encode())
-    return [out / "layout_grid.json"]
+    return _write(out, {"layout_grid": stdout})
 
 
 ACTIVATION_MEMORY = [  # tests/reference/test_activation_memory.py's COUNT_SHAPE and LLAMA_COUNT_SHAPE
@@ -158,9 +163,7 @@ def record_activation_memory(out: Path, timeout: float = 300, only: Collection[s
         return []
     script = ROOT / "benchmarks" / "bench_activation_memory.py"
     stdout = _torchrun(2, script, *ACTIVATION_MEMORY, "--json", what="bench_activation_memory --json", timeout=timeout)
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write(out / "activation_memory.json", stdout[stdout.index("{") :].encode())
-    return [out / "activation_memory.json"]
+    return _write(out, {"activation_memory": stdout[stdout.index("{") :]})
 
 
 # trace name -> `torchrun --nproc-per-node 2 -m reference.hf_tp --json` arguments: PyTorch DTensor's plan on HF's
@@ -171,21 +174,17 @@ DTENSOR = {"dtensor_qwen2": [], "dtensor_qwen2_sp": ["--sequence-parallel"]}
 def record_dtensor(out: Path, timeout: float = 300, only: Collection[str] | None = None) -> list[Path]:
     """Write out/NAME.json for every DTensor demo run in DTENSOR (each of `only`), on two ranks each; the paths
     written."""
-    names = [name for name in DTENSOR if only is None or name in only]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=0"]
-    traced = [
-        _run(
-            [*cmd, "-m", "reference.hf_tp", "--device", "cpu", *DTENSOR[name], "--json"],
-            f"reference.hf_tp {' '.join(DTENSOR[name])} --json",
-            timeout,
-            TORCH_CPP_LOG_LEVEL="ERROR",
+    traced = {
+        name: _torchrun(
+            2,
+            *("-m", "reference.hf_tp", "--device", "cpu", *args, "--json"),
+            what=f"reference.hf_tp {' '.join(args)} --json",
+            timeout=timeout,
         )
-        for name in names
-    ]  # all finish (or fail) before anything is written
-    out.mkdir(parents=True, exist_ok=True)
-    for name, stdout in zip(names, traced):
-        atomic_write(out / f"{name}.json", stdout[stdout.index("{") :].encode())
-    return [out / f"{name}.json" for name in names]
+        for name, args in DTENSOR.items()
+        if only is None or name in only
+    }  # all finish (or fail) before anything is written
+    return _write(out, {name: stdout[stdout.index("{") :] for name, stdout in traced.items()})
 
 
 # trace name -> (ranks, `torchrun -m reference --moe ... --json` arguments): one step of the MoE demo at EP 2, as
@@ -203,18 +202,31 @@ def moe_trace(stdout: str) -> dict:
 
 def record_moe(out: Path, timeout: float = 300, only: Collection[str] | None = None) -> list[Path]:
     """Write out/NAME.json for every MoE demo run in MOE (each of `only`); the paths written."""
-    names = [name for name in MOE if only is None or name in only]
-    traced = []
-    for name in names:  # all finish (or fail) before anything is written
-        ranks, args = MOE[name]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
-        cmd += ["--max-restarts=0", "-m", "reference", *MOE_STEP, *args]
-        what = f"reference --moe {' '.join(args)} --json"
-        traced.append(moe_trace(_run(cmd, what, timeout, TORCH_CPP_LOG_LEVEL="ERROR")))
+    traced = {
+        name: _torchrun(
+            ranks, "-m", "reference", *MOE_STEP, *args, what=f"reference --moe {' '.join(args)} --json", timeout=timeout
+        )
+        for name, (ranks, args) in MOE.items()
+        if only is None or name in only
+    }  # all finish (or fail) before anything is written
+    return _write(out, {name: json.dumps(moe_trace(stdout)) + "\n" for name, stdout in traced.items()})
+
+
+CP_BLOCKS = "cp_blocks"  # torchrun -m reference.measure.cp_blocks --json on CP_RANKS ranks (the CP walkthrough)
+CP_RANKS = 4
+
+
+def record_cp_blocks(out: Path, timeout: float = 300, only: Collection[str] | None = None) -> list[Path]:
+    """Write out/cp_blocks.json: the ring-attention blocks of every cp rank and ring step, unbalanced and
+    balanced, from reference.measure.cp_blocks on CP_RANKS ranks (unless `only` leaves it out)."""
+    if only is not None and CP_BLOCKS not in only:
+        return []
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={CP_RANKS}"]
+    cmd += ["--max-restarts=0", "-m", "reference.measure.cp_blocks", "--json"]
+    stdout = _run(cmd, "reference.measure.cp_blocks --json", timeout, TORCH_CPP_LOG_LEVEL="ERROR")
     out.mkdir(parents=True, exist_ok=True)
-    for name, trace in zip(names, traced):
-        atomic_write(out / f"{name}.json", (json.dumps(trace) + "\n").encode())
-    return [out / f"{name}.json" for name in names]
+    atomic_write(out / f"{CP_BLOCKS}.json", stdout[stdout.index("{") :].encode())
+    return [out / f"{CP_BLOCKS}.json"]
 
 
 FSDP_COMPARE = "fsdp1_vs_fsdp2"  # tools/fsdp_compare.py on fsdp_compare.WORLD ranks
@@ -240,6 +252,7 @@ TRACES = (
     *DTENSOR,
     *MOE,
     FSDP_COMPARE,
+    CP_BLOCKS,
 )
 
 
@@ -264,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
                 record_dtensor,
                 record_moe,
                 record_fsdp_compare,
+                record_cp_blocks,
             )
         ]
         for path in sum(recorded, []):

@@ -27,7 +27,7 @@ from reference.data_parallel.wrapper import DEFAULT_BUCKET_SIZE
 from reference.measure.scale import cp_report, formulas, moe_report
 from reference.measure.scale.moe_shapes import MOE_MODELS
 from reference.measure.scale.shapes import MODELS, ScaleSetup, setup_for
-from reference.measure.scale.simulate import RankStep, default_ranks, document, stage_of, step_of
+from reference.measure.scale.simulate import RankStep, default_ranks, document, rows_table, stage_of, step_of
 from reference.parallel_state import ORDERS, ParallelConfigError
 from reference.pipeline.schedules import SCHEDULES
 
@@ -134,14 +134,7 @@ def format_document(doc: dict) -> str:
     width = max([5] + [len(r["group"]) for run in doc["runs"] for r in run["rows"]])  # HSDP's groups are longer
     for run in doc["runs"]:
         lines.append(f"rank {run['rank']} (pipeline stage {run['stage']} of {s['pp']}): one step")
-        lines.append(f"  {'group':{width}} {'op':14} {'count':>6} {'bytes':>16} {'':>12}  formula")
-        for r in run["rows"]:
-            ok = r["count"] == r["formula_count"] and r["bytes"] == r["formula_bytes"]
-            verdict = "" if ok else f"   MISMATCH: formula gives {r['formula_count']} x, {r['formula_bytes']} B"
-            lines.append(
-                f"  {r['group']:{width}} {r['op']:14} {r['count']:>6} {r['bytes']:>16,} "
-                f"{formulas.human(r['bytes']):>12}  {r['formula']}{verdict}"
-            )
+        lines += rows_table(run["rows"], width, 16)
         lines.append(f"  {'held':{width + 15}} {'':>6} {'bytes':>16} {'':>12}  formula")
         for what, nbytes in run["memory"]["measured"].items():
             expected = run["memory"]["formula"][what]
@@ -207,21 +200,23 @@ def main(argv: list[str] | None = None) -> int:
     refuse_large_world(parser, tp=args.tp, **cp, pp=args.pp, dp=args.dp)
     if args.cp > 1:
         return cp_report.run(args)
-    if args.model.lower() in MOE_MODELS:
-        return moe_report.run(args)
-    if args.ep != 1 or args.routing_skew:
+    moe = args.model.lower() in MOE_MODELS
+    if not moe and (args.ep != 1 or args.routing_skew):
         parser.error(f"--ep and --routing-skew need a MoE model: {', '.join(MOE_MODELS)}")
+    setup_of, ranks_of, traced, document_of, text_of = (
+        moe_report.BRANCH if moe else (setup_from, default_ranks, traced_with_progress, document, format_document)
+    )
     try:
-        setup = setup_from(args)
-        ranks = args.rank or default_ranks(setup)
+        setup = setup_of(args)
+        ranks = args.rank or ranks_of(setup)
         outside = [r for r in ranks if not 0 <= r < setup.world]
         if outside:
             raise ParallelConfigError(f"--rank {outside[0]} is outside the world of {setup.world} ranks")
     except ParallelConfigError as error:
         print(f"reference.measure.scale: error: {error}", file=sys.stderr)
         return 2
-    doc = document(setup, traced_with_progress(setup, ranks))
-    print(json.dumps(doc) if args.json else format_document(doc))
+    doc = document_of(setup, traced(setup, ranks))
+    print(json.dumps(doc) if args.json else text_of(doc))
     return 0 if doc["agree"] else 1
 
 

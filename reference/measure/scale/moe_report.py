@@ -8,13 +8,13 @@ stated routing's imbalance. Exit 0 when every row agrees, 1 when one does not, 2
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
 from reference.measure.scale import formulas
 from reference.measure.scale.moe_shapes import MoESetup, moe_setup_for
 from reference.measure.scale.moe_simulate import RankStep, default_ranks, document, step_of
+from reference.measure.scale.simulate import rows_table
 from reference.parallel_state import ParallelConfigError
 
 NOT_MODELLED = {  # flags of the dense trace the MoE trace refuses away from their defaults
@@ -60,14 +60,7 @@ def format_document(doc: dict) -> str:
     ]
     for run in doc["runs"]:
         lines.append(f"rank {run['rank']}, {run['label']}, pipeline stage {run['stage']} of {s['pp']}: one step")
-        lines.append(f"  {'group':5} {'op':14} {'count':>6} {'bytes':>18} {'':>12}  formula")
-        for row in run["rows"]:
-            ok = row["count"] == row["formula_count"] and row["bytes"] == row["formula_bytes"]
-            verdict = "" if ok else f"   MISMATCH: formula gives {row['formula_count']} x, {row['formula_bytes']} B"
-            lines.append(
-                f"  {row['group']:5} {row['op']:14} {row['count']:>6} {row['bytes']:>18,} "
-                f"{formulas.human(row['bytes']):>12}  {row['formula']}{verdict}"
-            )
+        lines += rows_table(run["rows"], 5, 18)
         memory = run["memory"]
         lines.append(f"  {'held':20} {'bytes':>18} {'':>12}  formula, and without EP")
         for what, nbytes in memory["measured"].items():
@@ -89,16 +82,4 @@ def traced_with_progress(setup: MoESetup, ranks: list[int]) -> list[RankStep]:
     return steps
 
 
-def run(args: argparse.Namespace) -> int:
-    try:
-        setup = setup_from(args)
-        ranks = args.rank or default_ranks(setup)
-        outside = [r for r in ranks if not 0 <= r < setup.world]
-        if outside:
-            raise ParallelConfigError(f"--rank {outside[0]} is outside the world of {setup.world} ranks")
-    except ParallelConfigError as error:
-        print(f"reference.measure.scale: error: {error}", file=sys.stderr)
-        return 2
-    doc = document(setup, traced_with_progress(setup, ranks))
-    print(json.dumps(doc) if args.json else format_document(doc))
-    return 0 if doc["agree"] else 1
+BRANCH = (setup_from, default_ranks, traced_with_progress, document, format_document)  # what __main__ runs for MoE

@@ -17,20 +17,17 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from reference.data_parallel.buckets import GradBucket
-from reference.data_parallel.distributed_optimizer import DistributedOptimizer, bytes_per_rank
-from reference.data_parallel.fsdp2_tp import fully_shard_tp_model
-from reference.data_parallel.gradient_shards import ShardedGradBucket, ShardedGradOptimizer
-from reference.data_parallel.mixed_precision import unsharded
-from reference.fsdp2 import MixedPrecisionPolicy
+from reference.data_parallel.distributed_optimizer import bytes_per_rank
 from reference.fsdp2.state import STATE_ATTR
-from reference.gpt.parallelize import build_chunks, build_stage
-from reference.gpt.train import data_parallel, train_step
+from reference.gpt.model import GPT
+from reference.gpt.parallelize import stage_layers
+from reference.gpt.train import train_step
 from reference.measure.pipeline_meter import PipelineMeter
 from reference.measure.recorder import CollectiveEvent, CollectiveRecorder
 from reference.measure.scale import formulas
 from reference.measure.scale.shapes import ScaleSetup
 from reference.parallel_state import Mesh, ParallelLayout, build_layout
+from reference.parallelize import ParallelizeConfig, build_optimizer, parallelize
 
 GROUPS = ("tp", "pp", "dp", "dp_shard", "dp_replicate")  # the last two: HSDP's groups inside DP
 
@@ -81,34 +78,29 @@ def trace_rank(setup: ScaleSetup, rank: int, device: str = "meta", held: dict | 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=setup.world)
     try:
         layout = build_layout(setup.tp, setup.pp, setup.dp, order=setup.order, dp_replicate=setup.dp_replicate)
-        if setup.fsdp2:
-            return _trace_fsdp2(setup, layout, torch.device(device), held)
         model, where = setup.model, torch.device(device)
-        kwargs = dict(sequence_parallel=setup.sp, device=where, params_dtype=setup.params_dtype)
+        plan = ParallelizeConfig(
+            sequence_parallel=setup.sp,
+            dp_sharding=dp_sharding(setup),
+            bucket_size=setup.bucket_size,
+            bf16=setup.fsdp2 and setup.params_dtype == torch.bfloat16,  # FSDP2: fp32 shards, bf16 compute
+        )
+        params_dtype = torch.float32 if setup.fsdp2 else setup.params_dtype
         with where:  # the master weights the layers draw their shards from are plain torch.empty: meta too
-            chunks = (
-                build_chunks(model.gpt_config(), layout, setup.virtual_stages, **kwargs)
-                if setup.virtual_stages > 1
-                else [build_stage(model.gpt_config(), layout, **kwargs)]
-            )
-        wrapped = [
-            data_parallel(
-                chunk,
-                layout,
-                bucket_size=setup.bucket_size,
-                use_distributed_optimizer=setup.distributed_optimizer,
-                bucket_class=ShardedGradBucket if setup.shard_gradients else GradBucket,
-            )
-            for chunk in chunks
-        ]
-        ddp = wrapped if setup.virtual_stages > 1 else wrapped[0]
-        zero = ShardedGradOptimizer if setup.shard_gradients else DistributedOptimizer
-        optimizer = zero(ddp, adam) if setup.distributed_optimizer else unsharded(ddp, adam)
+            chunks = [
+                GPT(model.gpt_config(), plan.seed, where, layers=layers, params_dtype=params_dtype)
+                for layers in stage_layers(model.gpt_config(), layout, setup.virtual_stages)
+            ]
+            wrapped = parallelize(chunks if len(chunks) > 1 else chunks[0], layout, plan)
+        optimizer = build_optimizer(wrapped, plan, adam)
+        grads: dict[int, int] = {}  # FSDP2's sharded gradients' storage: each group's reduce-scatter output
+        if setup.fsdp2:
+            optimizer.register_step_pre_hook(lambda *_: grads.update(_grad_buffers(wrapped)))
         rows = setup.dp * setup.microbatches * model.micro_batch_size
         tokens = torch.zeros(rows, model.seq_length + 1, dtype=torch.long, device=where)  # global batch
         recorder = CollectiveRecorder()
         train_step(
-            ddp,
+            wrapped,
             optimizer,
             tokens,
             layout,
@@ -116,40 +108,34 @@ def trace_rank(setup: ScaleSetup, rank: int, device: str = "meta", held: dict | 
             schedule=setup.schedule,
             device=where,
             record=recorder,
-            observer=PipelineMeter(),  # its two PP barriers frame the bubble, as in every recorded pipeline run
+            # its two PP barriers frame the bubble, as in every recorded pipeline run
+            observer=None if setup.fsdp2 else PipelineMeter(),
         )
         if held is not None:
-            held.update(bytes_per_rank(ddp, optimizer))
-        return _labelled(recorder.events, layout)
+            held.update(_fsdp2_held(wrapped, optimizer, grads) if setup.fsdp2 else bytes_per_rank(wrapped, optimizer))
+        hsdp = {layout.members(kind): kind for kind in ("dp_shard", "dp_replicate")} if setup.dp_replicate > 1 else {}
+        return _labelled(recorder.events, layout, hsdp)
     finally:
         dist.destroy_process_group()
 
 
-def _trace_fsdp2(setup: ScaleSetup, layout: ParallelLayout, where: torch.device, held: dict | None) -> list:
-    """trace_rank under FSDP2 or HSDP (pp 1, one micro-batch): the stage in fp32, `fully_shard`-ed over DP by
-    reference.data_parallel.fsdp2_tp with compute in the model's dtype and fp32 reduction, Adam on the shards."""
-    model = setup.model
-    with where:
-        stage = build_stage(model.gpt_config(), layout, sequence_parallel=setup.sp, device=where)
-    policy = MixedPrecisionPolicy(param_dtype=setup.params_dtype, reduce_dtype=torch.float32)
-    sharded = fully_shard_tp_model(stage, layout, mp_policy=policy)
-    optimizer = adam(list(sharded.parameters()))
-    grads: dict[int, int] = {}  # the sharded gradients' storage: each group's reduce-scatter output
-    optimizer.register_step_pre_hook(lambda *_: grads.update(_grad_buffers(sharded)))
-    tokens = torch.zeros(setup.dp * model.micro_batch_size, model.seq_length + 1, dtype=torch.long, device=where)
-    recorder = CollectiveRecorder()
-    train_step(sharded, optimizer, tokens, layout, num_micro_batches=1, device=where, record=recorder)
-    if held is not None:
-        held.update(
-            parameters=sum(p.padded_shard.numel() * p.padded_shard.itemsize for p in _sharded_params(sharded)),
-            gradients=sum(grads.values()),
-            master_weights=0,  # the fp32 shards are the masters
-            optimizer_states=sum(
-                t.numel() * t.element_size() for st in optimizer.state.values() for k, t in st.items() if k != "step"
-            ),
-        )
-    hsdp = {layout.members(kind): kind for kind in ("dp_shard", "dp_replicate")} if setup.dp_replicate > 1 else {}
-    return _labelled(recorder.events, layout, hsdp)
+def dp_sharding(setup: ScaleSetup) -> str:
+    """The setup's DP form, as reference.parallelize names it."""
+    if setup.fsdp2:
+        return "fsdp2"
+    return "gradients" if setup.shard_gradients else "optimizer" if setup.distributed_optimizer else "replicate"
+
+
+def _fsdp2_held(sharded: torch.nn.Module, optimizer: torch.optim.Optimizer, grads: dict[int, int]) -> dict:
+    """The bytes an FSDP2 rank holds: its padded shards, its sharded gradients, Adam's states (no masters)."""
+    return dict(
+        parameters=sum(p.padded_shard.numel() * p.padded_shard.itemsize for p in _sharded_params(sharded)),
+        gradients=sum(grads.values()),
+        master_weights=0,  # the fp32 shards are the masters
+        optimizer_states=sum(
+            t.numel() * t.element_size() for st in optimizer.state.values() for k, t in st.items() if k != "step"
+        ),
+    )
 
 
 def _sharded_params(model: torch.nn.Module) -> list:
@@ -266,6 +252,20 @@ def rows_document(rows: list[Row], predicted: dict) -> dict:
             for (group, op), terms in predicted.items()
         ],
     }
+
+
+def rows_table(rows: list[dict], width: int, bytes_width: int) -> list[str]:
+    """A run's rows (group, op, count, bytes beside the formula's) as a header and a line each, a row the
+    formula does not give marked MISMATCH: the dense and the MoE trace print them so."""
+    lines = [f"  {'group':{width}} {'op':14} {'count':>6} {'bytes':>{bytes_width}} {'':>12}  formula"]
+    for r in rows:
+        ok = r["count"] == r["formula_count"] and r["bytes"] == r["formula_bytes"]
+        verdict = "" if ok else f"   MISMATCH: formula gives {r['formula_count']} x, {r['formula_bytes']} B"
+        lines.append(
+            f"  {r['group']:{width}} {r['op']:14} {r['count']:>6} {r['bytes']:>{bytes_width},} "
+            f"{formulas.human(r['bytes']):>12}  {r['formula']}{verdict}"
+        )
+    return lines
 
 
 def agree(runs: list[dict]) -> bool:
