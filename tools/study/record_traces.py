@@ -152,39 +152,9 @@ ACTIVATION_MEMORY = [  # tests/reference/test_activation_memory.py's COUNT_SHAPE
     *("--num-kv-heads", "2", "--ffn-hidden-size", "160"),
     *("--device", "cpu"),  # the committed counts are the CPU's (a GPU's SDPA kernels save other tensors)
 ]
-
-
-def record_activation_memory(out: Path, timeout: float = 300, only: Collection[str] | None = None) -> list[Path]:
-    """Write out/activation_memory.json from the activation-memory benchmark on two ranks (unless `only` leaves
-    it out); the paths written."""
-    if only is not None and "activation_memory" not in only:
-        return []
-    script = ROOT / "benchmarks" / "bench_activation_memory.py"
-    stdout = _torchrun(2, script, *ACTIVATION_MEMORY, "--json", what="bench_activation_memory --json", timeout=timeout)
-    return _write(out, {"activation_memory": stdout[stdout.index("{") :]})
-
-
 # trace name -> `torchrun --nproc-per-node 2 -m reference.hf_tp --json` arguments: PyTorch DTensor's plan on HF's
 # Qwen2ForCausalLM, without and with sequence parallelism (the DTensor walkthrough's worked example)
 DTENSOR = {"dtensor_qwen2": [], "dtensor_qwen2_sp": ["--sequence-parallel"]}
-
-
-def record_dtensor(out: Path, timeout: float = 300, only: Collection[str] | None = None) -> list[Path]:
-    """Write out/NAME.json for every DTensor demo run in DTENSOR (each of `only`), on two ranks each; the paths
-    written."""
-    traced = {
-        name: _torchrun(
-            2,
-            *("-m", "reference.hf_tp", "--device", "cpu", *args, "--json"),
-            what=f"reference.hf_tp {' '.join(args)} --json",
-            timeout=timeout,
-        )
-        for name, args in DTENSOR.items()
-        if only is None or name in only
-    }  # all finish (or fail) before anything is written
-    return _write(out, {name: stdout[stdout.index("{") :] for name, stdout in traced.items()})
-
-
 # trace name -> (ranks, `torchrun -m reference --moe ... --json` arguments): one step of the MoE demo at EP 2, as
 # the MoE walkthrough runs it, and at EP 2 x TP 2 (its exercise)
 MOE = {"moe_ep2": (2, ["--ep", "2"]), "moe_ep2_tp2": (4, ["--ep", "2", "--tp", "2"])}
@@ -198,16 +168,30 @@ def moe_trace(stdout: str) -> dict:
     return {"kind": "moe", "world": config["world"], "config": config, "steps": steps}
 
 
-def record_moe(out: Path, timeout: float = 300, only: Collection[str] | None = None) -> list[Path]:
-    """Write out/NAME.json for every MoE demo run in MOE (each of `only`); the paths written."""
+def _json_text(stdout: str) -> str:
+    return stdout[stdout.index("{") :]
+
+
+# trace name -> (ranks, torchrun arguments, the trace's text from the run's stdout): the activation-memory
+# benchmark on two ranks, the DTensor demo runs of DTENSOR, and the MoE demo runs of MOE
+PRINTED = {
+    "activation_memory": (2, ["benchmarks/bench_activation_memory.py", *ACTIVATION_MEMORY, "--json"], _json_text),
+    **{n: (2, ["-m", "reference.hf_tp", "--device", "cpu", *a, "--json"], _json_text) for n, a in DTENSOR.items()},
+    **{
+        n: (r, ["-m", "reference", *MOE_STEP, *a], lambda out: json.dumps(moe_trace(out)) + "\n")
+        for n, (r, a) in MOE.items()
+    },
+}
+
+
+def record_printed(out: Path, timeout: float = 300, only: Collection[str] | None = None) -> list[Path]:
+    """Write out/NAME.json for every run of PRINTED (each of `only`) from what it prints; the paths written."""
     traced = {
-        name: _torchrun(
-            ranks, "-m", "reference", *MOE_STEP, *args, what=f"reference --moe {' '.join(args)} --json", timeout=timeout
-        )
-        for name, (ranks, args) in MOE.items()
+        name: text(_torchrun(ranks, *argv, what=" ".join(argv), timeout=timeout))
+        for name, (ranks, argv, text) in PRINTED.items()
         if only is None or name in only
     }  # all finish (or fail) before anything is written
-    return _write(out, {name: json.dumps(moe_trace(stdout)) + "\n" for name, stdout in traced.items()})
+    return _write(out, traced)
 
 
 FSDP_COMPARE = "fsdp1_vs_fsdp2"  # tools/fsdp_compare.py on fsdp_compare.WORLD ranks
@@ -229,9 +213,7 @@ TRACES = (
     *SCALE,
     *MOE_SCALE,
     "layout_grid",
-    "activation_memory",
-    *DTENSOR,
-    *MOE,
+    *PRINTED,
     FSDP_COMPARE,
 )
 
@@ -253,9 +235,7 @@ def main(argv: list[str] | None = None) -> int:
                 record,
                 record_scale,
                 record_layout_grid,
-                record_activation_memory,
-                record_dtensor,
-                record_moe,
+                record_printed,
                 record_fsdp_compare,
             )
         ]
