@@ -227,7 +227,9 @@ def through_diff(hunks: list, start: int, end: int) -> tuple[str, tuple | None]:
 # -- one pair --------------------------------------------------------------------------------------------
 
 
-def engine(repo: Path, old: str, new: str, cites: list[str]) -> tuple[list[dict], float]:
+def engine(repo: Path, old: str, new: str, cites: list[str], cache: Path = CACHE / "pin-and-cite"):
+    """`pin-and-cite relocate` of `cites` from `old` to `new` in one process: its answers, and its wall seconds
+    (relocate_crossfile runs it too)."""
     started = time.perf_counter()
     proc = subprocess.run(
         [str(ROOT / "tools" / "pin-and-cite"), "relocate", "--source", str(repo), "--from", old, "--to", new]
@@ -235,7 +237,7 @@ def engine(repo: Path, old: str, new: str, cites: list[str]) -> tuple[list[dict]
         input="\n".join(cites) + "\n",
         capture_output=True,
         text=True,
-        env={**os.environ, "PIN_AND_CITE_CACHE": str(CACHE / "pin-and-cite")},
+        env={**os.environ, "PIN_AND_CITE_CACHE": str(cache)},
     )
     if proc.returncode not in (0, 1):
         raise SystemExit(f"relocate failed: {proc.stderr}")
