@@ -1,28 +1,15 @@
 """`tools/record-traces [--out DIR] [--only NAME ...]`: re-record the runs the study site's diagrams and numbers
 come from.
 
-Runs tools/trace_worker.py on two ranks under torchrun (CPU, gloo) and writes DIR/tp_block.json,
-DIR/tp_block_llama.json, DIR/fsdp_forward.json and DIR/fsdp2_forward.json (default reading_notes/traces/, which
-is committed), then
-on four ranks (four pipeline stages) DIR/pipeline_gpipe.json, DIR/pipeline_1f1b.json and
-DIR/pipeline_interleaved.json. tests/tools/test_traces.py runs the same worker and fails when a fresh run no
-longer matches the committed traces, so re-record after changing the reference and commit the result. Then, in
-one process each, `python -m reference.measure.scale --json` traces a first, middle and last stage rank of the layouts
-in SCALE (fake process group, 70B shapes) into DIR/scale_*.json, checked by tests/reference/test_scale.py (which
-traces the same setups in-process), and the MoE layers of MOE_SCALE into DIR/moe_scale_*.json
-(tests/reference/test_moe_scale.py), and `python -m reference.measure.scale.grid` writes the same closed forms over a
-grid of layouts into DIR/layout_grid.json (the Scale page's calculator; tests/reference/test_scale_grid.py). Then,
-on two ranks, benchmarks/bench_activation_memory.py --json counts
-one block's activation bytes per configuration of Korthikanti et al.'s Table 2, the GPT-2 block and the Llama
-block, into DIR/activation_memory.json, at the shapes of the test worker that checks it
-(tests/reference/test_activation_memory.py). Then, on two ranks each, `-m reference.hf_tp --json` (PyTorch DTensor's
-plan on HF's Qwen2, without and with sequence parallelism) into DIR/dtensor_qwen2.json and
-DIR/dtensor_qwen2_sp.json, checked by tests/reference/test_hf_tp_demo.py; one step of the MoE demo (`-m reference
---moe --json`) at EP 2 on two ranks and EP 2 x TP 2 on four into DIR/moe_ep2.json and DIR/moe_ep2_tp2.json, checked
-by tests/reference/test_moe_demo.py. Last, on four ranks, tools/fsdp_compare.py (PyTorch's FSDP1 and FSDP2 on one
-model, side by side) into DIR/fsdp1_vs_fsdp2.json, checked by tests/evidence/test_fsdp1_vs_fsdp2.py. `--only NAME ...`
-writes just those
-traces (and runs just the recordings that make them), leaving the others as they are. Exit status: 0
+Each recording writes DIR/NAME.json (default reading_notes/traces/, committed), and a test traces the same runs
+afresh and fails when they no longer match, so re-record after changing the reference and commit the result:
+WORKER_RUNS, tools/trace_worker.py under torchrun on two and four ranks (tests/evidence/test_trace_freshness.py);
+SCALE and MOE_SCALE, `python -m reference.measure.scale --json` on a fake process group, a process each
+(tests/reference/test_scale.py, test_moe_scale.py); layout_grid, `python -m reference.measure.scale.grid` (the
+Scale page's calculator; test_scale_grid.py); PRINTED, what the activation-memory benchmark and the DTensor and
+MoE demos print with --json (test_activation_memory.py, test_hf_tp_demo.py, test_moe_demo.py); and
+tools/fsdp_compare.py on four ranks (tests/evidence/test_fsdp1_vs_fsdp2.py). `--only NAME ...` runs just the
+recordings that make those traces and writes just them, leaving the others as they are. Exit status: 0
 recorded, 1 a run failed (its output is printed), 2 a usage error (an unknown trace name).
 """
 
