@@ -16,6 +16,7 @@ recorded, 1 a run failed (its output is printed), 2 a usage error (an unknown tr
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -88,14 +89,18 @@ def _write(out: Path, traces: dict[str, str]) -> list[Path]:
     return [out / f"{name}.json" for name in traces]
 
 
-def record(out: Path, timeout: float = 300, only: Collection[str] | None = None) -> list[Path]:
-    """Run the worker into a scratch folder, then move each trace (each of `only`) into `out`; the paths
-    written."""
+def record(
+    out: Path, timeout: float = 300, only: Collection[str] | None = None, script: Path = WORKER, runs=WORKER_RUNS
+) -> list[Path]:
+    """Run `script` once per entry of `runs` (ranks, its argument or None, the traces it writes) into a scratch
+    folder, then move each trace (each of `only`) into `out`; the paths written."""
     with tempfile.TemporaryDirectory(prefix="traces-") as scratch:
-        for ranks, what, names in WORKER_RUNS:
+        for ranks, what, names in runs:
             if only is not None and not set(names) & set(only):
                 continue
-            _torchrun(ranks, WORKER, scratch, what, what=f"trace worker ({what}, {ranks} ranks)", timeout=timeout)
+            args = [what] if what else []
+            label = f"{script.stem.replace('_', ' ')} ({', '.join([*args, f'{ranks} ranks'])})"
+            _torchrun(ranks, script, scratch, *args, what=label, timeout=timeout)
         out.mkdir(parents=True, exist_ok=True)
         written = []
         for trace in sorted(Path(scratch).glob("*.json")):
@@ -182,17 +187,9 @@ def record_printed(out: Path, timeout: float = 300, only: Collection[str] | None
 
 
 FSDP_COMPARE = "fsdp1_vs_fsdp2"  # tools/fsdp_compare.py on fsdp_compare.WORLD ranks
-
-
-def record_fsdp_compare(out: Path, timeout: float = 300, only: Collection[str] | None = None) -> list[Path]:
-    """Write out/fsdp1_vs_fsdp2.json from tools/fsdp_compare.py on four ranks (unless `only` leaves it out)."""
-    if only is not None and FSDP_COMPARE not in only:
-        return []
-    with tempfile.TemporaryDirectory(prefix="traces-") as scratch:
-        _torchrun(4, ROOT / "tools" / "fsdp_compare.py", scratch, what="fsdp_compare (4 ranks)", timeout=timeout)
-        out.mkdir(parents=True, exist_ok=True)
-        shutil.move(str(Path(scratch) / f"{FSDP_COMPARE}.json"), out / f"{FSDP_COMPARE}.json")
-    return [out / f"{FSDP_COMPARE}.json"]
+record_fsdp_compare = functools.partial(
+    record, script=ROOT / "tools" / "fsdp_compare.py", runs=[(4, None, [FSDP_COMPARE])]
+)
 
 
 TRACES = (
