@@ -70,19 +70,22 @@ def build_history() -> tuple[Path, dict[str, str]]:
     repo = CACHE / f"history-{'-'.join(VERSIONS)}"
     if not (repo / ".git").exists():
         subprocess.run(["rm", "-rf", str(repo)], check=True)
-        subprocess.run(GIT + ["init", "-q", str(repo)], check=True)
-        for version in VERSIONS:
-            subprocess.run(["git", "-C", str(repo), "rm", "-rq", "--ignore-unmatch", "megatron"], check=True)
-            with zipfile.ZipFile(wheel(version)) as whl:
-                for name in whl.namelist():
-                    if name.startswith("megatron/core/") and name.endswith(".py"):
-                        (repo / name).parent.mkdir(parents=True, exist_ok=True)
-                        (repo / name).write_bytes(whl.read(name))
-            subprocess.run(["git", "-C", str(repo), "add", "-A"], check=True)
-            subprocess.run(GIT + ["-C", str(repo), "commit", "-qm", f"megatron-core {version}"], check=True)
-            subprocess.run(["git", "-C", str(repo), "tag", f"v{version}"], check=True)
+        commit_history(repo, {f"v{version}": wheel_files(version) for version in VERSIONS})
     commits = {v: git(repo, "rev-parse", f"v{v}^{{commit}}").strip() for v in VERSIONS}
     return repo, commits
+
+
+def commit_history(where: Path, commits: dict[str, dict[str, str]]) -> None:
+    """A repository at `where` holding one commit per entry (tag -> path -> text), in order, each tagged."""
+    subprocess.run(GIT + ["init", "-q", str(where)], check=True)
+    for tag, files in commits.items():
+        subprocess.run(["git", "-C", str(where), "rm", "-rq", "--ignore-unmatch", "."], check=True)
+        for rel, text in files.items():
+            (where / rel).parent.mkdir(parents=True, exist_ok=True)
+            (where / rel).write_text(text)
+        subprocess.run(["git", "-C", str(where), "add", "-A"], check=True)
+        subprocess.run(GIT + ["-C", str(where), "commit", "-qm", tag], check=True)
+        subprocess.run(["git", "-C", str(where), "tag", tag], check=True)
 
 
 def git(repo: Path, *args: str) -> str:

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # the same PyPI wheel cache and the same ground-truth helpers (benchmarks/ is on the path)
-from relocate_accuracy import CACHE, GIT, engine, lines, norm, qualified_spans, wheel_files
+from relocate_accuracy import CACHE, commit_history, engine, lines, norm, qualified_spans, wheel_files
 
 # -- synthetic histories ----------------------------------------------------------------------------------
 
@@ -225,18 +225,6 @@ def mirror(repo: Path, old_ref: str, new_ref: str) -> History:
 # -- the repository and the citations ------------------------------------------------------------------
 
 
-def commit_history(where: Path, old: dict[str, str], new: dict[str, str]) -> None:
-    subprocess.run(GIT + ["init", "-q", str(where)], check=True)
-    for tag, files in (("old", old), ("new", new)):
-        subprocess.run(["git", "-C", str(where), "rm", "-rq", "--ignore-unmatch", "."], check=True)
-        for rel, text in files.items():
-            (where / rel).parent.mkdir(parents=True, exist_ok=True)
-            (where / rel).write_text(text)
-        subprocess.run(["git", "-C", str(where), "add", "-A"], check=True)
-        subprocess.run(GIT + ["-C", str(where), "commit", "-qm", tag], check=True)
-        subprocess.run(["git", "-C", str(where), "tag", tag], check=True)
-
-
 def unique_definitions(text: str) -> dict[str, tuple[int, int]]:
     """Qualified name -> (first decorator or def line, last line) of each name defined once."""
     return {name: s[0] for name, s in qualified_spans(lines(text)).items() if len(s) == 1}
@@ -304,7 +292,7 @@ class History:
 
 def built(old: dict[str, str], new: dict[str, str], cited: list[str], work: Path) -> History:
     """A two-commit repository of these files, under `work`."""
-    commit_history(work / "repo", old, new)
+    commit_history(work / "repo", {"old": old, "new": new})
     return History(work / "repo", ("old", "new"), old, new, {p for p in new if old.get(p) == new[p]}, cited)
 
 
