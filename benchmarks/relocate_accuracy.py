@@ -138,9 +138,7 @@ def qualified_spans(lines: list[str]) -> dict[str, list[tuple[int, int]]]:
                 top = min([child.lineno] + [d.lineno for d in child.decorator_list])
                 spans.setdefault(name, []).append((top, child.end_lineno))
                 stack.append((child, name + "."))
-            elif isinstance(child, ast.stmt):
-                stack.append((child, prefix))
-            elif isinstance(child, ast.excepthandler):
+            elif isinstance(child, (ast.stmt, ast.excepthandler)):
                 stack.append((child, prefix))
     return spans
 
