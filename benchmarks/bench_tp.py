@@ -136,21 +136,17 @@ def _benchmark(args, device: torch.device) -> None:
     layout = build_layout(world)
     mesh = init_device_mesh(device.type, (world,))
     shape = (args.num_layers, args.hidden_size, args.num_attention_heads)
-    torch.manual_seed(0)
-    sp = args.sequence_parallel
-    models = {"reference": parallelize(gpt_blocks(*shape, device=device), layout, sequence_parallel=sp)}
+    models = {}
     for variant, flags in (
+        ("reference", {}),
         ("ref-sync", dict(async_grad_allreduce=False)),
         ("ref-fusion", dict(gradient_accumulation_fusion=True)),
+        ("megatron", {}),  # its linear layers swapped below, right after it is built
     ):
         torch.manual_seed(0)
-        models[variant] = parallelize(gpt_blocks(*shape, device=device), layout, sequence_parallel=sp, **flags)
-    torch.manual_seed(0)
-    models["megatron"] = megatron_swap(
-        parallelize(gpt_blocks(*shape, device=device), layout, sequence_parallel=sp),
-        args,
-        device,
-    )
+        blocks = gpt_blocks(*shape, device=device)
+        models[variant] = parallelize(blocks, layout, sequence_parallel=args.sequence_parallel, **flags)
+    models["megatron"] = megatron_swap(models["megatron"], args, device)
     torch.manual_seed(0)
     models["dtensor"] = dtensor_model(args, mesh, device)
     x = torch.randn(args.seq_length, args.batch_size, args.hidden_size, generator=torch.Generator().manual_seed(1))
