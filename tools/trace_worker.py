@@ -128,7 +128,7 @@ def tp_block_model(style: str, h: int, tp_group) -> tuple[torch.nn.Module, objec
 
 def tp_block(world: int, style: str = "gpt2") -> dict:
     layout = build_layout(world)
-    s, b, heads = TP_SHAPE["s"], TP_SHAPE["b"], TP_SHAPE["heads"]
+    s, b = TP_SHAPE["s"], TP_SHAPE["b"]
     runs = []
     for h in TP_HIDDEN:
         torch.manual_seed(SEED)
@@ -147,9 +147,7 @@ def tp_block(world: int, style: str = "gpt2") -> dict:
         "kind": "tp_block",
         "world": world,
         "tp": layout.tp_size,
-        "s": s,
-        "b": b,
-        "heads": heads,
+        **TP_SHAPE,  # s, b, heads
         "style": style,
         "kv_heads": TP_KV_HEADS[style],
         "dtype": "float32",
