@@ -7,9 +7,9 @@ xdist each worker is such a session and checks its own processes; the controller
 the workers found and fails the run naming them. A worker that crashed never checks: once the workers are
 gone, the controller kills and names what still runs from any of them (RUN_VARIABLE).
 
-Scheduling (pytest_xdist_make_scheduler, scope_of): the @on_ranks tests run in one worker (they share launches:
-tests/ranks.py), as do the site tests (they build into the repository's docs/); other tests go to the workers a
-module at a time.
+Scheduling (pytest_xdist_make_scheduler, scope_of): the @on_ranks tests of one world run in one worker (they
+share its launches: tests/ranks.py), as do the site tests (they build into the repository's docs/); other
+tests go to the workers a module at a time.
 
 Upstream evidence of torch (tests marked upstream("pytorch")) skips on any torch but the pinned one.
 """
@@ -25,7 +25,7 @@ import pytest
 
 from tests.launch import PINNED_TORCH, on_pinned_torch
 from tests.processes import RUN_VARIABLE, SESSION_VARIABLE, live_with_environment, new_session_token
-from tests.ranks import is_ranked
+from tests.ranks import launch_of
 
 pytest_plugins = ["pytester"]  # tests/test_ranks.py runs the harness in a pytest of its own
 
@@ -50,10 +50,11 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def scope_of(nodeid: str) -> str:
-    """The unit xdist hands to one worker: every @on_ranks test (a worker launches for all it collected), the
-    site tests (they build into docs/), or else the test's module."""
-    if is_ranked(nodeid):
-        return "@on_ranks"
+    """The unit xdist hands to one worker: the @on_ranks tests of one world and device (a worker launches once
+    for all of them it collected; the launches of other worlds may run in the other worker), the site tests
+    (they build into docs/), or else the test's module."""
+    if launch := launch_of(nodeid):
+        return f"@on_ranks[{launch}]"
     module = nodeid.split("::", 1)[0]  # parameter ids may hold "::"
     return "tests/site" if module.startswith("tests/site/") else module
 

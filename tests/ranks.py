@@ -28,7 +28,7 @@ from tests.launch import ROOT, require_gpus, torchrun
 LAUNCH_TIMEOUT_S = 540  # a launch's whole run: under pytest-timeout's 600 s for the test that starts it
 LAUNCH_BUDGET_S = 240  # no test starts in a launch after this; the rest go to the next launch (one test's room left)
 _RESULTS = pytest.StashKey[dict]()  # nodeid -> every rank's result, for this session
-_ID = re.compile(r"\[(.+-)?\d+ranks-(cpu|cuda)(-.+)?\]$")
+_ID = re.compile(r"\[(?:.+-)?(\d+ranks-(?:cpu|cuda))(?:-.+)?\]$")
 
 
 def on_ranks(*worlds: int, devices=("cpu",), timeout_s: float = 60):
@@ -65,9 +65,11 @@ def on_ranks(*worlds: int, devices=("cpu",), timeout_s: float = 60):
     return decorate
 
 
-def is_ranked(nodeid: str) -> bool:
-    """Is this the id of an @on_ranks test? (tests/conftest.py keeps them in one xdist worker: they share launches.)"""
-    return bool(_ID.search(nodeid))
+def launch_of(nodeid: str) -> str | None:
+    """The launch an @on_ranks test runs in ("2ranks-cpu"), else None. tests/conftest.py keeps each launch's
+    tests in one xdist worker: they share it."""
+    found = _ID.search(nodeid)
+    return found and found.group(1)
 
 
 def _key(item: pytest.Item) -> tuple:

@@ -3,8 +3,10 @@
    The page hands the calculator's element a grid of closed forms as its `scaleGrid`
    (reading_notes/traces/layout_grid.json, written by `python -m reference.measure.scale.grid` from
    reference.measure.scale.formulas). This script computes no formula: it looks the chosen layout up in the
-   grid's three tables, adds up a stage's rows per group and its held bytes, and writes them with units.
-   reference.measure.scale.grid.lookup reads the grid the same way (tests/reference/test_scale_grid.py);
+   grid's three tables, adds up a stage's rows per group and its held bytes, and writes them with units. At CP > 1
+   it shows instead the grid's "cp" entry: one layer's ring-attention rows on a cp rank and their totals over the
+   stage, as `--cp N` prints them, with the attention activations the same layout saves at CP 1 beside them.
+   reference.measure.scale.grid.lookup and cp_lookup read the grid the same way (tests/reference/test_scale_grid.py);
    tests/site/test_browser.py sets the controls in Chromium and reads what is shown. Self-contained, no network;
    it runs once per page load, or on each page material's instant navigation swaps in (its `document$`). */
 (function () {
@@ -39,9 +41,20 @@
     return table.by.map((name) => setting[name]).join("/");
   }
 
+  /* At CP > 1: the CLI's refusal (a string) of a switch the CP rows leave out or of the setup, or
+     {rows: [[what, count, bytes, formula]], stage_layers, ring_bytes_per_layer, ring_bytes_per_stage,
+     saved_bytes_per_stage}. */
+  function cpLookup(grid, setting) {
+    for (const [sw, refusal] of Object.entries(grid.cp.refusals)) {
+      if (setting[sw] === "1") return refusal;
+    }
+    return grid.cp.entries[key(grid.cp, setting)];
+  }
+
   /* The reference's refusal (a string), or {stages: [{stage, rank, held, rows}], bubble}: the rows of the
      traffic table (TP, PP) and of the state table (DP) of the same stage, in the CLI's order. */
   function lookup(grid, setting) {
+    if (setting.model in grid.cp.dense_refusals) return grid.cp.dense_refusals[setting.model];
     const traffic = grid.traffic.entries[key(grid.traffic, setting)];
     const state = grid.state.entries[key(grid.state, setting)];
     if (typeof traffic === "string") return traffic;
@@ -88,6 +101,7 @@
   function command(form) {
     const words = [".venv/bin/python -m reference.measure.scale"];
     for (const field of form.elements) {
+      if (field.name === "cp" && field.value === "1") continue; // the CLI's default, named only when used
       if (field.type !== "checkbox") words.push(`${field.dataset.flag} ${field.value}`);
       else if (field.checked) words.push(field.dataset.flag);
     }
@@ -139,9 +153,58 @@
     return el("div", { class: "scale-calculator__scroll" }, grid);
   }
 
+  /* One cp rank's ring attention: a row per closed form of one layer, then the stage's totals. */
+  function cpTable(found, atOne) {
+    const head = el("tr", {}, ...["", "count", "bytes", "closed form"].map((text) => el("th", {}, text)));
+    const body = el("tbody", {});
+    for (const [what, count, nbytes, formula] of found.rows) {
+      const cells = [el("td", {}, String(count)), bytesCell("cp", what, nbytes), el("td", {}, formula)];
+      body.append(el("tr", {}, el("th", {}, what), ...cells));
+    }
+    const layers = found.stage_layers;
+    const perLayer = `${human(found.ring_bytes_per_layer)} a layer`;
+    body.append(
+      el(
+        "tr",
+        { class: "scale-calculator__total" },
+        el("th", {}, `ring sends, the stage's ${layers} layers`),
+        el("td", {}, ""),
+        bytesCell("cp", "ring_bytes_per_stage", found.ring_bytes_per_stage, perLayer),
+        el("td", {}, ""),
+      ),
+    );
+    const times = typeof atOne === "string" ? 0 : atOne.saved_bytes_per_stage / found.saved_bytes_per_stage;
+    const before = times ? `at CP 1: ${human(atOne.saved_bytes_per_stage)}, ${+times.toFixed(2)} times as much` : "";
+    body.append(
+      el(
+        "tr",
+        { class: "scale-calculator__total" },
+        el("th", {}, `attention activations saved, the stage's ${layers} layers`),
+        el("td", {}, ""),
+        bytesCell("cp", "saved_bytes_per_stage", found.saved_bytes_per_stage, before),
+        el("td", {}, ""),
+      ),
+    );
+    const table = el("table", { class: "scale-calculator__table" }, el("thead", {}, head), body);
+    return el("div", { class: "scale-calculator__scroll" }, table);
+  }
+
+  function cpSummary(chosen) {
+    const world = ["tp", "cp", "pp", "dp"].map((g) => Number(chosen[g])).reduce((a, b) => a * b, 1);
+    return el(
+      "p",
+      {},
+      `${chosen.model} on TP ${chosen.tp} × CP ${chosen.cp} × PP ${chosen.pp} × DP ${chosen.dp} = `,
+      `${world.toLocaleString("en-US")} GPUs: one layer's causal ring attention, head-tail balanced, on one cp `,
+      "rank, forward and backward, and its pipeline stage's totals. The calculator gives the TP, PP and DP bytes ",
+      "at CP 1 only: set CP to 1 for them.",
+    );
+  }
+
   function show(root, grid) {
     const form = root.querySelector("form");
     const chosen = setting(form);
+    if (chosen.cp !== "1") return showCP(root, grid, form, chosen);
     const found = lookup(grid, chosen);
     const run = el(
       "div",
@@ -158,6 +221,24 @@
     }
   }
 
+  function showCP(root, grid, form, chosen) {
+    const found = cpLookup(grid, chosen);
+    const run = el(
+      "div",
+      {},
+      el("p", {}, "The same layout, traced (from the repository root, after make setup):"),
+      el("pre", { class: "scale-calculator__command" }, commandLine(command(form))),
+    );
+    const result = root.querySelector(".scale-calculator__result");
+    if (typeof found === "string") {
+      const refusal = `python -m reference.measure.scale refuses this layout: ${found}.`;
+      result.replaceChildren(el("p", { class: "scale-calculator__refusal" }, refusal), run);
+    } else {
+      const atOne = grid.cp.entries[key(grid.cp, { ...chosen, cp: "1" })];
+      result.replaceChildren(cpSummary(chosen), cpTable(found, atOne), run);
+    }
+  }
+
   function start() {
     for (const root of document.querySelectorAll(".scale-calculator:not([data-ready])")) {
       root.dataset.ready = "";
@@ -169,7 +250,7 @@
     }
   }
 
-  window.scaleCalculator = { human, lookup }; // for tests/site/test_browser.py
+  window.scaleCalculator = { human, lookup, cpLookup }; // for tests/site/test_browser.py
   if (typeof document$ !== "undefined") document$.subscribe(start); // material: every page it shows
   else if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", start);
   else start();

@@ -224,7 +224,8 @@ def test_fsdp1_state_dict_all_gathers_every_unit_full_or_rechunked_by_rows(ranks
 @on_ranks(WORLD)
 def test_fsdp2_state_dict_is_its_dtensor_parameters_with_no_collective(ranks):
     """FSDP2's parameters are DTensors placed Shard(0) of the original names and shapes, each rank's local tensor
-    its own rows; state_dict() returns those same DTensors and issues no collective."""
+    its own rows; state_dict() returns them detached (nn.Module stores param.detach() unless keep_vars), sharing
+    the parameters' storage, and issues no collective."""
     described = recorded()["state_dicts"]
     params, state = described["fsdp2_parameters"], described["fsdp2_state_dict"]
     assert state["collectives"] == [] and params["collectives"] == []
@@ -233,6 +234,13 @@ def test_fsdp2_state_dict_is_its_dtensor_parameters_with_no_collective(ranks):
         entry = state["entries"][p["name"]]
         assert (entry["type"], entry["shape"], entry["placement"]) == ("DTensor", p["shape"], ["S(0)"])
         assert entry["local"] == runs("fsdp2")["layout"][p["name"]]["local"]
+    from torch.distributed.fsdp import fully_shard  # after the recording, which must not see this module
+
+    model = fully_shard(torch.nn.Linear(8, 8))
+    state = model.state_dict()
+    for name, param in model.named_parameters():
+        assert state[name] is not param and not state[name].requires_grad and param.requires_grad
+        assert state[name].to_local().untyped_storage().data_ptr() == param.to_local().untyped_storage().data_ptr()
 
 
 @on_ranks(WORLD)
@@ -299,7 +307,8 @@ def test_fsdp2_explicit_backward_prefetch_issues_the_listed_groups_from_one_hook
 def test_fsdp1_rate_limiter_waits_in_unshard_and_fsdp2_has_no_limit_all_gathers(ranks):
     """FSDP1's limit_all_gathers=True (default): `_unshard` took a freed all-gather's event to wait on in every
     step; with False, never. FSDP2's fully_shard has no such option; its streams wait on the previous
-    all-gather's copy-out instead."""
+    all-gather's copy-out instead, keeping at most that buffer under implicit prefetch, and each listed group's
+    under an explicit forward list."""
     import inspect
 
     from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
@@ -308,6 +317,34 @@ def test_fsdp1_rate_limiter_waits_in_unshard_and_fsdp2_has_no_limit_all_gathers(
     assert all(step["limiter_waits"] == 0 for step in runs("fsdp1_no_limit_all_gathers")["steps"])
     assert inspect.signature(FullyShardedDataParallel).parameters["limit_all_gathers"].default is True
     assert "limit_all_gathers" not in inspect.signature(fully_shard).parameters
+    # what bounds FSDP2's gathered buffers instead: implicitly, in blocks[0]'s forward, only its own all-gather
+    # buffer is kept (for the next copy-out to overlap) and no later block is gathered yet; an explicit forward
+    # list of two leaves both listed blocks' all-gather results pending until each one's own wait
+    assert pending_all_gathers_in_first_block_forward(explicit=False) == ([False, False, False], True)
+    assert pending_all_gathers_in_first_block_forward(explicit=True) == ([False, True, True], True)
+
+
+def pending_all_gathers_in_first_block_forward(explicit: bool) -> tuple[list[bool], bool]:
+    """Three fully_shard blocks and a root; at the start of blocks[0]'s forward (after FSDP2's own pre-forward):
+    which blocks hold an all-gather result not yet waited on, and whether the previous all-gather's buffer is
+    kept for the implicit overlap."""
+    from torch.distributed.fsdp import fully_shard
+
+    blocks = torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(3)))
+    for block in blocks:
+        fully_shard(block)
+    fully_shard(blocks)
+    if explicit:
+        blocks[0].set_modules_to_forward_prefetch([blocks[1], blocks[2]])
+    groups = [block._get_fsdp_state()._fsdp_param_group for block in blocks]
+    seen = []
+    blocks[0].register_forward_pre_hook(
+        lambda *_: seen.append(
+            ([g._all_gather_result is not None for g in groups], groups[0].comm_ctx.all_gather_state is not None)
+        )
+    )
+    blocks(torch.randn(2, 8))
+    return seen[0]
 
 
 @on_ranks(WORLD)

@@ -402,6 +402,22 @@ def buckets_of_a_two_dtype_stage() -> dict[str, int]:
         return {"buffers": len(model.buffers), "buckets": len(model.bucket_groups)}
 
 
+def buckets_without_overlap() -> int:
+    """Megatron's DDP with overlap_grad_reduce left off, a bucket per layer asked for: its bucket groups on this
+    rank's stage of pp 2 (the first stage's too, which with overlap on takes the asked size)."""
+    with megatron_parallel_state(pipeline_model_parallel_size=2):
+        config = TransformerConfig(
+            num_layers=2,
+            hidden_size=H,
+            num_attention_heads=1,
+            pipeline_model_parallel_size=2,
+            pipeline_dtype=torch.float32,
+        )
+        stage = Stage(config, parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage())
+        model = DistributedDataParallel(config, DistributedDataParallelConfig(bucket_size=H * H + H), stage)
+        return len(model.bucket_groups)
+
+
 @functools.cache
 def logs() -> list[dict]:
     """Every run's event log and the schedules' action orders, on every rank (computed once a rank)."""
@@ -444,11 +460,13 @@ def logs() -> list[dict]:
         "deallocated_plain_backward": deallocated_output_rejects_plain_backward(),
         "bf16_grad_dtypes": ddp_grad_dtypes(),
         "two_dtype_buckets": buckets_of_a_two_dtype_stage(),
+        "buckets_without_overlap": buckets_without_overlap(),
         "interleaved_v2_m8": interleaved_actions(4, 2, 8),
         "interleaved_v2_m4": interleaved_actions(4, 2, 4),
         "interleaved_v3_m4": interleaved_actions(4, 3, 4),
         "reference_interleaved": {f"v{v}_m{m}": reference_actions(4, m, v) for v, m in ((2, 8), (2, 4), (3, 4))},
         "interleaved_m6_refused": interleaved_refusal(4, 2, 6),
+        "interleaved_m2_refused": interleaved_refusal(4, 2, 2),
         "defaults_m8": [
             e[0] for e in run("defaults_m8", pp=4, m=8)["events"] if e[0][0] in "FB" and not e[0].endswith("_end")
         ],
@@ -569,7 +587,12 @@ def dp_all_reduces(run: dict) -> list[tuple[int, list]]:
 @on_ranks(4)
 def test_default_megatron_ddp_reduces_once_synchronously_after_the_last_backward(ranks):
     """overlap_grad_reduce=False: backward only accumulates; finalize_model_grads issues one blocking
-    all-reduce of the whole (unbucketed) gradient buffer on every stage, after all backwards."""
+    all-reduce of the whole (unbucketed) gradient buffer on every stage, after all backwards. megatron-core
+    installs none of the hooks itself: no_sync_func, grad_sync_func and finalize_model_grads_func default to
+    None (the schedule then enters a no-op context and finalizes nothing); these runs install them as
+    Megatron-LM's training does."""
+    core = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=1)
+    assert (core.no_sync_func, core.grad_sync_func, core.finalize_model_grads_func) == (None, None, None)
     for run in runs("ddp_defaults"):
         assert run["ddp_defaults"]["overlap_grad_reduce"] is False and run["buckets"] == 1
         reduces = dp_all_reduces(run)
@@ -706,6 +729,8 @@ def test_the_interleaved_schedule_picked_for_virtual_stages_idles_v_times_less(r
 def test_megatron_ddp_buckets_only_the_first_stage_and_reduces_in_the_parameters_dtype(ranks):
     for run in runs("ddp_overlap"):  # a bucket per layer asked for: granted on the first stage only
         assert run["buckets"] == (2 if run["first"] else 1), run["buckets"]
+    for rank in logs():  # without overlap_grad_reduce no stage is bucketed, the first included
+        assert rank["buckets_without_overlap"] == 1, rank["buckets_without_overlap"]
     for rank in logs():
         assert rank["bf16_grad_dtypes"] == {"default": "torch.bfloat16", "grad_reduce_in_fp32": "torch.float32"}
     for rank in logs():  # a later stage: not one bucket in all, one per gradient buffer (per dtype)
@@ -729,8 +754,12 @@ def test_megatron_interleaved_order_is_the_reference_interleaved_1f1b(ranks, v, 
 
 @on_ranks(4)
 def test_megatron_refuses_interleaving_when_m_is_not_a_multiple_of_p(ranks):
-    """Its default microbatch_group_size_per_vp_stage is p; m 6 at p 4 leaves a last group of 2 < p."""
+    """Its default microbatch_group_size_per_vp_stage is p; m 6 at p 4 leaves a last group of 2 < p, and m 2 < p
+    fails the group-size range check before the remainder is looked at."""
     for rank in logs():
+        assert rank["interleaved_m2_refused"].startswith("ValueError: The number of contiguous micro-batches"), rank[
+            "interleaved_m2_refused"
+        ]
         assert rank["interleaved_m6_refused"].startswith("RuntimeError: The remainder of M"), rank[
             "interleaved_m6_refused"
         ]

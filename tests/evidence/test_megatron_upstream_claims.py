@@ -192,9 +192,10 @@ def layer_cases() -> dict:
     return cases
 
 
-def cpu_initialization() -> dict:
-    """One master weight on every rank, strided pieces rank::world kept."""
-    torch.manual_seed(5)
+def cpu_initialization(seed: int = 5) -> dict:
+    """One master weight on every rank, strided pieces rank::world kept; the master comes from the CPU RNG as
+    the caller seeded it."""
+    torch.manual_seed(seed)
     strided = layers.ColumnParallelLinear(
         IN,
         OUT,
@@ -335,6 +336,7 @@ def records() -> list[dict]:
         mine = {
             **layer_cases(),
             "init": cpu_initialization(),
+            "init_seeded_by_rank": cpu_initialization(seed=5 + dist.get_rank())["master"],
             "fusion_without_apex": fusion_without_apex(),
             "fusion_fp32": fusion_case(torch.float32),
             "fusion_bf16": fusion_case(torch.bfloat16),
@@ -535,12 +537,15 @@ def test_skip_bias_add_returns_the_bias_unadded_column_and_row(ranks):
 
 @on_ranks(WORLD)
 def test_cpu_initialization_builds_the_master_weight_and_keeps_strided_pieces(ranks):
-    """Every rank draws the same full [out, in] master; with stride 2 it splits it into pieces of
-    out / p / 2 rows and keeps pieces rank, rank + p, ...: not the contiguous chunk. The shard is a tagged
-    Parameter with storage of its own."""
+    """Every rank seeded alike draws the same full [out, in] master (seeded by rank, they differ); with
+    stride 2 it splits it into pieces of out / p / 2 rows and keeps pieces rank, rank + p, ...: not the
+    contiguous chunk. The shard is a tagged Parameter with storage of its own."""
     inits = [r["init"] for r in records()]
     masters = [tensor(i["master"]) for i in inits]
     assert masters[0].shape == (OUT, IN) and all(torch.equal(m, masters[0]) for m in masters)
+    # the same master only because every rank seeded its CPU RNG alike: megatron-core does not seed it
+    unlike = [tensor(r["init_seeded_by_rank"]) for r in records()]
+    assert not torch.equal(unlike[0], unlike[1])
     pieces = masters[0].split(OUT // WORLD // 2, dim=0)
     for rank, init in enumerate(inits):
         assert (init["tensor_model_parallel"], init["partition_dim"], init["partition_stride"]) == (True, 0, 2)

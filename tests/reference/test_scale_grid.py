@@ -14,8 +14,10 @@ import json
 
 import pytest
 
+from reference.gpt.model import split_layers
 from reference.measure.scale import formulas, grid
 from reference.measure.scale.__main__ import main
+from reference.measure.scale.shapes import cp_setup_for
 from reference.measure.scale.simulate import GROUPS, default_ranks, stage_of
 from reference.parallel_state import ParallelConfigError
 from reference.pipeline.schedules import bubble_formula
@@ -44,7 +46,7 @@ def cli_rows(setup, stage: int) -> list[list]:
 
 def test_every_layout_of_the_grid_equals_the_formulas_on_the_whole_setup(committed):
     values = committed["values"]
-    assert len(list(itertools.product(*values.values()))) == 6272
+    assert len(list(itertools.product(*values.values()))) == 7840
     shown = refused = 0
     for combination in itertools.product(*values.values()):
         setting = dict(zip(values, combination))
@@ -62,8 +64,8 @@ def test_every_layout_of_the_grid_equals_the_formulas_on_the_whole_setup(committ
             assert s["held"] == formulas.memory(setup, s["stage"]), (setting, s["stage"])
         assert found["bubble"] == bubble_formula(setup.pp, setup.microbatches)
         shown += 1
-    # the small preset has 4 layers (no PP 8); the distributed optimizer needs dp > 1
-    assert (shown, refused) == (5096, 1176)
+    # the small preset has 4 layers (no PP 8 or 16); the distributed optimizer needs dp > 1
+    assert (shown, refused) == (5824, 2016)
 
 
 def assert_grid_holds_the_trace(committed: dict, doc: dict, setting: dict) -> None:
@@ -111,3 +113,73 @@ def test_the_committed_70b_traces_are_what_the_grid_holds(committed, name, sp, d
         k: setting[k] for k in ("tp", "pp", "dp", "microbatches")
     }
     assert_grid_holds_the_trace(committed, doc, setting)
+
+
+def test_every_cp_layout_of_the_grid_equals_the_cp_rows_formulas(committed):
+    """The calculator at CP > 1: every (model, TP, CP, PP) entry is formulas.cp_rows of that setup, and its
+    stage totals, or the reference's refusal of it; the switches the CP rows leave out get the CLI's refusal."""
+    table = committed["cp"]
+    shown = refused = 0
+    for model, tp, cp, pp in itertools.product(
+        [*committed["values"]["model"], *table["models"]],
+        committed["values"]["tp"],
+        table["values"],
+        committed["values"]["pp"],
+    ):
+        setting = {"model": model, "tp": tp, "cp": cp, "pp": pp, "dp": 1, "sp": 0, "distributed_optimizer": 0}
+        found = grid.cp_lookup(committed, setting)
+        try:
+            setup = cp_setup_for(model, tp=tp, cp=cp, pp=pp)
+        except ParallelConfigError as error:
+            assert found == str(error), setting
+            refused += 1
+            continue
+        rows = formulas.cp_rows(setup)
+        assert found["rows"] == [[what, t.count, t.nbytes, t.formula] for what, t in rows.items()], setting
+        layers = stage_layers(setup)
+        per_layer = rows["forward sends"].nbytes + rows["backward sends"].nbytes
+        assert (found["stage_layers"], found["ring_bytes_per_stage"]) == (layers, layers * per_layer), setting
+        assert found["saved_bytes_per_stage"] == layers * rows["saved activations"].nbytes, setting
+        shown += 1
+    # the small preset has 4 layers (no PP 8 or 16)
+    assert (shown, refused) == (260, 40)
+    for switch in ("sp", "distributed_optimizer"):
+        assert grid.cp_lookup(committed, {**setting, switch: 1}) == table["refusals"][switch]
+
+
+def stage_layers(setup) -> int:
+    first, last = split_layers(setup.model.num_layers, setup.pp)[0]
+    return last - first
+
+
+@pytest.mark.parametrize(
+    "argv, refusal",
+    [
+        ("--model small --tp 2 --cp 4 --pp 2 --dp 1", None),
+        ("--model 405b --tp 8 --cp 16 --pp 16 --dp 1", None),
+        ("--model small --tp 2 --cp 4 --pp 2 --dp 1 --sequence-parallel", "sp"),
+        ("--model 70b --tp 8 --pp 8 --dp 1 --cp 2 --dp-sharding optimizer", "distributed_optimizer"),
+    ],
+    ids=["small", "405b", "sp-refused", "distopt-refused"],
+)
+def test_the_cp_cli_traces_what_the_cp_grid_holds(committed, capsys, argv, refusal):
+    """`python -m reference.measure.scale --cp N --json` traces one cp rank's ring attention on meta tensors: its
+    measured rows and stage totals are what the calculator shows for that layout, and what it refuses, the
+    calculator refuses in the same words."""
+    code = main([*argv.split(), "--json"])
+    out, err = capsys.readouterr()
+    if refusal:
+        assert code == 2 and err == f"reference.measure.scale: error: {committed['cp']['refusals'][refusal]}\n"
+        return
+    doc = json.loads(out)
+    assert code == 0 and doc["agree"]
+    found = grid.cp_lookup(committed, {**doc["setup"], "sp": 0, "distributed_optimizer": 0})
+    assert [[r["what"], r["count"], r["bytes"], r["formula"]] for r in doc["rows"]] == found["rows"]
+    for total in ("stage_layers", "ring_bytes_per_layer", "ring_bytes_per_stage", "saved_bytes_per_stage"):
+        assert doc[total] == found[total], total
+
+
+def test_a_model_only_the_cp_rows_trace_is_refused_at_cp_1_as_the_cli_refuses_it(committed, capsys):
+    setting = {**committed["initial"], "model": "405b"}
+    assert main(["--model", "405b", "--tp", "8", "--pp", "8", "--dp", "1"]) == 2
+    assert capsys.readouterr().err == f"reference.measure.scale: error: {grid.lookup(committed, setting)}\n"

@@ -632,5 +632,55 @@ def test_scale_calculator_shows_the_reference_numbers_for_the_layout_set(visit, 
     assert [url for url in requested if not _is_loopback(url)] == []
 
 
+CP_LAYOUTS = [  # Llama 3's long-context layout, and a small one whose K/V step is below a MiB
+    dict(model="405b", tp=8, cp=16, pp=16, dp=1, microbatches=16, sp=0, distributed_optimizer=0),
+    dict(model="small", tp=2, cp=4, pp=2, dp=2, microbatches=4, sp=0, distributed_optimizer=0),
+]
+
+
+def test_scale_calculator_shows_the_cp_rows_of_the_layout_set(visit, site_url):
+    """At CP > 1 the calculator shows reference.measure.scale.grid.cp_lookup's rows for the layout (the closed forms
+    of formulas.cp_rows, which tests/reference/test_scale_grid.py checks against the CLI's traced ring), its stage
+    totals with the attention activations at CP 1 beside them, and the `--cp` command; back at CP 1 the dense
+    tables, and a switch the CP rows leave out, the CLI's refusal."""
+    from reference.measure.scale import grid  # imports torch: only here
+
+    doc = json.loads((ROOT / "reading_notes" / "traces" / "layout_grid.json").read_text())
+    open_page, requested = visit
+    page = open_page(f"{site_url}notes/scale/")
+    calculator = page.locator(".scale-calculator")
+    for layout in CP_LAYOUTS:
+        _set_layout(page, layout)
+        found = grid.cp_lookup(doc, layout)
+        at_one = grid.cp_lookup(doc, {**layout, "cp": 1})
+
+        def shown(row):
+            return calculator.locator(f'td[data-stage="cp"][data-row="{row}"]').inner_text().split("\n")
+
+        for what, _, nbytes, _ in found["rows"]:
+            assert shown(what) == [human(nbytes)], (layout, what)
+        assert shown("ring_bytes_per_stage") == [
+            human(found["ring_bytes_per_stage"]),
+            f"{human(found['ring_bytes_per_layer'])} a layer",
+        ]
+        ratio = at_one["saved_bytes_per_stage"] / found["saved_bytes_per_stage"]
+        assert ratio == layout["cp"]
+        assert shown("saved_bytes_per_stage") == [
+            human(found["saved_bytes_per_stage"]),
+            f"at CP 1: {human(at_one['saved_bytes_per_stage'])}, {layout['cp']} times as much",
+        ]
+        assert calculator.locator(".scale-calculator__command").inner_text() == (
+            f".venv/bin/python -m reference.measure.scale --model {layout['model']} --tp {layout['tp']} "
+            f"--cp {layout['cp']} --pp {layout['pp']} --dp {layout['dp']} --micro-batches {layout['microbatches']}"
+        )
+    _set_layout(page, dict(sp=1))
+    assert calculator.locator(".scale-calculator__refusal").inner_text() == (
+        f"python -m reference.measure.scale refuses this layout: {doc['cp']['refusals']['sp']}."
+    )
+    _set_layout(page, dict(sp=0, cp=1))
+    assert calculator.locator("thead th").count() == 1 + 2  # the dense table again: small at PP 2, two stages
+    assert [url for url in requested if not _is_loopback(url)] == []
+
+
 def _where(stage: int, stages: int) -> str:
     return "only" if stages == 1 else "first" if stage == 0 else "last" if stage == stages - 1 else "middle"

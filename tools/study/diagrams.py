@@ -4,9 +4,10 @@
 (`tp_block`), an FSDP step or a pipeline step as timelines on a time scale modeled from the recorded FLOPs and
 bytes (`fsdp_forward`, `pipeline`: study.modeled, study.timeline; `calibration=` a device's measured rates,
 `measured=` its own recorded timeline beside the modeled one), a MoE layer step as a token batch's journey
-(study.moe_figure). `chart_training_memory` and `chart_sent_per_group` are mermaid charts of the formulas and
-of a scale trace's checked rows. Every flowchart label goes through `label()`, so nothing recorded can break
-the diagram's syntax.
+(study.moe_figure), each context-parallel rank's ring-attention blocks per ring step (`cp_blocks`,
+study.cp_figure). `chart_training_memory` and `chart_sent_per_group` are mermaid charts of the formulas and of
+a scale trace's checked rows. Every flowchart label goes through `label()`, so nothing recorded can break the
+diagram's syntax.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Callable
 
 from study import scale_tables
 from study.calibration import trace_rates
+from study.cp_figure import cp_blocks
 from study.modeled import (
     FSDP_COLORS,
     Rates,
@@ -288,7 +290,13 @@ def chart_sent_per_group(trace: dict) -> str:
     return mermaid_fence(body)
 
 
-GENERATORS = {"tp_block": tp_block, "fsdp_forward": fsdp_forward, "pipeline": pipeline, "moe": moe_journey}
+GENERATORS = {
+    "tp_block": tp_block,
+    "fsdp_forward": fsdp_forward,
+    "pipeline": pipeline,
+    "moe": moe_journey,
+    "cp_blocks": cp_blocks,
+}
 
 
 def diagram(trace: dict, **options) -> str:

@@ -22,7 +22,7 @@ from pin_and_cite.core.errors import PinAndCiteError
 from pin_and_cite.core.fences import page_text
 
 TRACE_DIR = "traces"
-MAX_BYTES = 16 << 20  # the largest recorded trace (layout_grid) holds 235 KB
+MAX_BYTES = 16 << 20  # the largest recorded trace (layout_grid) holds 395 KB
 RECORD = "re-record with tools/record-traces"
 REQUIRED = {
     "tp_block": ("world", "tp", "s", "b", "heads", "kv_heads", "style", "dtype_size", "runs"),
@@ -43,12 +43,15 @@ REQUIRED = {
     "pipeline": ("schedule", "world", "pp", "m", "b", "s", "h", "dtype_size", "activation_shape", "stages"),
     "activation_memory": ("world", "shape", "configurations", "llama"),  # benchmarks/bench_activation_memory.py --json
     # python -m reference.measure.scale.grid (study.scale_calculator)
-    "layout_grid": ("values", "initial", "fixed", "models", "held", "traffic", "state", "bubble"),
+    "layout_grid": ("values", "initial", "fixed", "models", "held", "traffic", "state", "bubble", "cp"),
     # torchrun -m reference.hf_tp --json: PyTorch DTensor's plan on HF's Qwen2 (the DTensor walkthrough)
     "dtensor": ("world", "config", "sequence_parallel", "plan", "parameters", "collectives", "loss", "loss_unsharded"),
     # torchrun -m reference --moe --json: one MoE layer's steps, every rank's routing and collectives (the MoE
     # walkthrough; study.moe_figure)
     "moe": ("world", "config", "steps"),
+    # torchrun -m reference.measure.cp_blocks --json: each cp rank's ring-attention blocks per ring step, without
+    # and with head-tail balancing (the CP walkthrough; study.cp_figure)
+    "cp_blocks": ("cp", "seq_length", "pairs_total", "runs"),
     # torchrun tools/fsdp_compare.py: PyTorch's FSDP1 and FSDP2 on one model (the FSDP1 ↔ FSDP2 page)
     "fsdp_compare": ("world", "config", "units", "parameters", "options", "runs", "state_dicts"),
 }

@@ -6,8 +6,11 @@ For each model, TP, PP, DP, micro-batch count, sequence parallelism and distribu
 each stage `python -m reference.measure.scale` traces by default: the (group, collective) rows of
 formulas.expected, the bytes of formulas.memory, and bubble_formula; the rest is the CLI's default. Three
 tables, each keyed by what its numbers depend on (TRAFFIC_BY, STATE_BY, BUBBLE_BY), not 6,272 layouts; an
-entry is the reference's one-line refusal where a layout cannot exist. tests/reference/test_scale_grid.py
-checks every layout against formulas.py on the whole setup, so a dependence a key leaves out fails there.
+entry is the reference's one-line refusal where a layout cannot exist. A fourth, "cp", holds what
+`--cp N` prints (reference.measure.scale.cp_report): formulas.cp_rows of one layer's ring attention on a cp rank
+and the totals over its stage's layers, for each model, TP, CP in CP_VALUES and PP (CP_BY), and the CLI's
+refusals of the flags the CP rows leave out. tests/reference/test_scale_grid.py checks every layout against
+formulas.py on the whole setup, so a dependence a key leaves out fails there.
 """
 
 from __future__ import annotations
@@ -18,9 +21,10 @@ import json
 import sys
 
 from reference.arguments import OneLineParser
-from reference.measure.scale import formulas
+from reference.gpt.model import split_layers
+from reference.measure.scale import cp_report, formulas
 from reference.measure.scale.__main__ import build_parser
-from reference.measure.scale.shapes import MODELS, ScaleSetup, setup_for
+from reference.measure.scale.shapes import CP_MODELS, MODELS, CPSetup, ScaleSetup, cp_setup_for, setup_for
 from reference.measure.scale.simulate import GROUPS, default_ranks, stage_of
 from reference.parallel_state import ParallelConfigError
 from reference.pipeline.schedules import bubble_formula
@@ -28,7 +32,7 @@ from reference.pipeline.schedules import bubble_formula
 VALUES = {
     "model": list(MODELS),
     "tp": [1, 2, 4, 8],
-    "pp": [1, 2, 4, 8],
+    "pp": [1, 2, 4, 8, 16],
     "dp": [1, 2, 4, 8, 16, 32, 64],
     "microbatches": [1, 2, 4, 8, 16, 32, 64],
     "sp": [0, 1],
@@ -40,6 +44,9 @@ BUBBLE_BY = ("pp", "microbatches")
 HELD = ("parameters", "gradients", "master_weights", "optimizer_states")  # formulas.memory's keys, in order
 # Where a table leaves a setting free, it is set to one that never refuses on its own.
 NEUTRAL = {"dp": 1, "distributed_optimizer": 0, "microbatches": 1, "sp": 0}
+CP_VALUES = [1, 2, 4, 8, 16]
+CP_BY = ("model", "tp", "cp", "pp")
+CP_SWITCHES = {"sp": "--sequence-parallel", "distributed_optimizer": "--dp-sharding optimizer"}  # cp_report refuses
 
 
 def key(by: tuple[str, ...], setting: dict) -> str:
@@ -101,6 +108,62 @@ def table(by: tuple[str, ...], entry) -> dict:
     return {"by": list(by), "entries": entries}
 
 
+def cp_setup_of(setting: dict) -> CPSetup:
+    """The CPSetup `python -m reference.measure.scale --cp N` builds for this setting; ParallelConfigError where it
+    cannot exist."""
+    return cp_setup_for(setting["model"], tp=setting["tp"], cp=setting["cp"], pp=setting["pp"], dp=setting["dp"])
+
+
+def cp_entry(setup: CPSetup) -> dict:
+    """formulas.cp_rows as [what, count, bytes, formula], and what cp_report.document totals over the stage."""
+    rows = formulas.cp_rows(setup)
+    first, last = split_layers(setup.model.num_layers, setup.pp)[0]
+    layers = last - first
+    per_layer = rows["forward sends"].nbytes + rows["backward sends"].nbytes
+    return {
+        "rows": [[what, term.count, term.nbytes, term.formula] for what, term in rows.items()],
+        "stage_layers": layers,
+        "ring_bytes_per_layer": per_layer,
+        "ring_bytes_per_stage": layers * per_layer,
+        "saved_bytes_per_stage": layers * rows["saved activations"].nbytes,
+    }
+
+
+def cp_table() -> dict:
+    """{"values", "initial", "by", "models" (CP_MODELS' shapes: the dense ones are the document's), "entries" {key:
+    cp_entry or the refusal}, "refusals" {switch: the CLI's line}, "dense_refusals" {CP-only model: the dense
+    CLI's line}}."""
+    entries = {}
+    choices = {**VALUES, "model": [*MODELS, *CP_MODELS], "cp": CP_VALUES}
+    for values in itertools.product(*(choices[name] for name in CP_BY)):
+        setting = {**NEUTRAL, **dict(zip(CP_BY, values))}
+        try:
+            entries[key(CP_BY, setting)] = cp_entry(cp_setup_of(setting))
+        except ParallelConfigError as error:
+            entries[key(CP_BY, setting)] = str(error)
+    refusals = {}
+    for switch, flags in CP_SWITCHES.items():
+        try:
+            cp_report.setup_from(build_parser().parse_args(["--cp", "2", *flags.split()]))
+        except ParallelConfigError as error:
+            refusals[switch] = str(error)
+    dense_refusals = {}
+    for model in CP_MODELS:
+        try:
+            setup_of({**NEUTRAL, "model": model, "tp": 1, "pp": 1})
+        except ParallelConfigError as error:
+            dense_refusals[model] = str(error)
+    return {
+        "values": CP_VALUES,
+        "initial": build_parser().parse_args([]).cp,
+        "by": list(CP_BY),
+        "models": {name: dataclasses.asdict(CP_MODELS[name]) for name in CP_MODELS},
+        "entries": entries,
+        "refusals": refusals,
+        "dense_refusals": dense_refusals,
+    }
+
+
 def document() -> dict:
     defaults = build_parser().parse_args([])
     initial = {
@@ -126,6 +189,7 @@ def document() -> dict:
         "traffic": table(TRAFFIC_BY, traffic_entry),
         "state": table(STATE_BY, state_entry),
         "bubble": {"by": list(BUBBLE_BY), "entries": bubble},
+        "cp": cp_table(),
     }
 
 
@@ -133,6 +197,8 @@ def lookup(doc: dict, setting: dict) -> str | dict:
     """What the page shows for `setting` (docs/javascripts/scale_calculator.js reads the document the same way):
     the reference's refusal, or {"stages": [{stage, rank, held {what: bytes}, rows [[group, op, count, bytes]]}],
     "bubble": fraction}, the rows in the CLI's order (the traffic table's TP and PP rows, then the state's DP)."""
+    if setting["model"] in doc["cp"]["dense_refusals"]:  # a model the CP rows alone trace
+        return doc["cp"]["dense_refusals"][setting["model"]]
     tables = [doc[name] for name in ("traffic", "state", "bubble")]
     traffic, state, bubble = (t["entries"][key(t["by"], setting)] for t in tables)
     for entry in (traffic, state):
@@ -151,6 +217,16 @@ def lookup(doc: dict, setting: dict) -> str | dict:
             }
         )
     return {"stages": stages, "bubble": bubble}
+
+
+def cp_lookup(doc: dict, setting: dict) -> str | dict:
+    """What the page shows for `setting` at cp > 1 (docs/javascripts/scale_calculator.js reads it the same way):
+    the CLI's refusal of a switch the CP rows leave out or of the setup, or its cp_entry."""
+    table = doc["cp"]
+    for switch in CP_SWITCHES:
+        if int(setting[switch]):
+            return table["refusals"][switch]
+    return table["entries"][key(table["by"], setting)]
 
 
 def main(argv: list[str] | None = None) -> int:
