@@ -6,12 +6,12 @@ afresh and fails when they no longer match, so re-record after changing the refe
 WORKER_RUNS, tools/trace_worker.py under torchrun on two and four ranks (tests/evidence/test_trace_freshness.py);
 SCALE and MOE_SCALE, `python -m reference.measure.scale --json` on a fake process group, a process each
 (tests/reference/test_scale.py, test_moe_scale.py); layout_grid, `python -m reference.measure.scale.grid` (the
-Scale page's calculator; test_scale_grid.py); PRINTED, what the activation-memory benchmark and the DTensor and
-MoE demos print with --json (test_activation_memory.py, test_hf_tp_demo.py, test_moe_demo.py);
-tools/fsdp_compare.py on four ranks (tests/evidence/test_fsdp1_vs_fsdp2.py); and CP_BLOCKS, `-m
-reference.measure.cp_blocks --json` on CP_RANKS ranks (tests/evidence/test_cp_blocks_freshness.py). `--only NAME
-...` runs just the recordings that make those traces and writes just them, leaving the others as they are. Exit
-status: 0 recorded, 1 a run failed (its output is printed), 2 a usage error (an unknown trace name).
+Scale page's calculator; test_scale_grid.py); PRINTED, what the activation-memory benchmark, the DTensor and MoE
+demos and reference.measure.cp_blocks print with --json (test_activation_memory.py, test_hf_tp_demo.py,
+test_moe_demo.py, tests/evidence/test_cp_blocks_freshness.py); and tools/fsdp_compare.py on four ranks
+(tests/evidence/test_fsdp1_vs_fsdp2.py). `--only NAME ...` runs just the recordings that make those traces and
+writes just them, leaving the others as they are. Exit status: 0 recorded, 1 a run failed (its output is
+printed), 2 a usage error (an unknown trace name).
 """
 
 from __future__ import annotations
@@ -165,8 +165,10 @@ def _json_text(stdout: str) -> str:
     return stdout[stdout.index("{") :]
 
 
+CP_BLOCKS = "cp_blocks"  # each cp rank's ring-attention blocks per ring step, unbalanced and balanced (CP walkthrough)
+CP_RANKS = 4
 # trace name -> (ranks, torchrun arguments, the trace's text from the run's stdout): the activation-memory
-# benchmark on two ranks, the DTensor demo runs of DTENSOR, and the MoE demo runs of MOE
+# benchmark on two ranks, the DTensor demo runs of DTENSOR, the MoE demo runs of MOE, and cp_blocks
 PRINTED = {
     "activation_memory": (2, ["benchmarks/bench_activation_memory.py", *ACTIVATION_MEMORY, "--json"], _json_text),
     **{n: (2, ["-m", "reference.hf_tp", "--device", "cpu", *a, "--json"], _json_text) for n, a in DTENSOR.items()},
@@ -174,6 +176,7 @@ PRINTED = {
         n: (r, ["-m", "reference", *MOE_STEP, *a], lambda out: json.dumps(moe_trace(out)) + "\n")
         for n, (r, a) in MOE.items()
     },
+    CP_BLOCKS: (CP_RANKS, ["-m", "reference.measure.cp_blocks", "--json"], _json_text),
 }
 
 
@@ -187,21 +190,7 @@ def record_printed(out: Path, timeout: float = 300, only: Collection[str] | None
     return _write(out, traced)
 
 
-CP_BLOCKS = "cp_blocks"  # torchrun -m reference.measure.cp_blocks --json on CP_RANKS ranks (the CP walkthrough)
-CP_RANKS = 4
-
-
-def record_cp_blocks(out: Path, timeout: float = 300, only: Collection[str] | None = None) -> list[Path]:
-    """Write out/cp_blocks.json: the ring-attention blocks of every cp rank and ring step, unbalanced and
-    balanced, from reference.measure.cp_blocks on CP_RANKS ranks (unless `only` leaves it out)."""
-    if only is not None and CP_BLOCKS not in only:
-        return []
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={CP_RANKS}"]
-    cmd += ["--max-restarts=0", "-m", "reference.measure.cp_blocks", "--json"]
-    stdout = _run(cmd, "reference.measure.cp_blocks --json", timeout, TORCH_CPP_LOG_LEVEL="ERROR")
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write(out / f"{CP_BLOCKS}.json", stdout[stdout.index("{") :].encode())
-    return [out / f"{CP_BLOCKS}.json"]
+record_cp_blocks = functools.partial(record_printed, only=[CP_BLOCKS])  # the CP trace alone
 
 
 FSDP_COMPARE = "fsdp1_vs_fsdp2"  # tools/fsdp_compare.py on fsdp_compare.WORLD ranks
@@ -217,7 +206,6 @@ TRACES = (
     "layout_grid",
     *PRINTED,
     FSDP_COMPARE,
-    CP_BLOCKS,
 )
 
 
@@ -240,7 +228,6 @@ def main(argv: list[str] | None = None) -> int:
                 record_layout_grid,
                 record_printed,
                 record_fsdp_compare,
-                record_cp_blocks,
             )
         ]
         for path in sum(recorded, []):
