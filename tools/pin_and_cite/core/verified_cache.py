@@ -19,6 +19,7 @@ import stat
 from pathlib import Path
 
 from pin_and_cite.core.atomic import atomic_write
+from pin_and_cite.core.regular_file import NotRegularFile, read_regular
 
 KEY_BYTES = 32
 MAX_ENTRY_BYTES = 64 << 20  # a template is at most 16 MiB; what is made of it a few times that
@@ -82,15 +83,14 @@ class VerifiedCache:
         if (key := self.key()) is None:
             return None
         try:
-            fd = os.open(self._path(made), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-            with os.fdopen(fd, "rb") as entry_file:
-                if not stat.S_ISREG(os.fstat(entry_file.fileno()).st_mode):
-                    return None
-                entry = json.loads(entry_file.read(MAX_ENTRY_BYTES + 1))
+            data = read_regular(self._path(made), MAX_ENTRY_BYTES)
+            if data is None or len(data) > MAX_ENTRY_BYTES:
+                return None
+            entry = json.loads(data)
             text, mac = entry["text"], entry["mac"]
             if entry["made_from"] != made or not isinstance(text, str) or not isinstance(mac, str):
                 return None
-        except (OSError, ValueError, TypeError, KeyError, RecursionError):
+        except (NotRegularFile, OSError, ValueError, TypeError, KeyError, RecursionError):
             return None
         return text if hmac.compare_digest(mac, _mac(key, made, text)) else None
 
