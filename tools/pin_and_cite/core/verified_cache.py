@@ -25,13 +25,13 @@ KEY_BYTES = 32
 MAX_ENTRY_BYTES = 64 << 20  # a template is at most 16 MiB; what is made of it a few times that
 
 
-def made_from(*parts: str) -> str:
-    """The SHA-256 naming an entry made from `parts` (in this order): each part's UTF-8 after its length, so no
-    two lists of parts run together (hashed as they are: JSON-escaping a template first cost more than the
-    hash)."""
+def made_from(*parts: str | None) -> str:
+    """The SHA-256 naming an entry made from `parts` (in this order): each part after its length, so no two
+    lists of parts run together; a string as its UTF-8 (JSON-escaping a template first cost more than the hash),
+    anything else (a fence's missing language: None) as JSON, each marked with which it is."""
     digest = hashlib.sha256()
     for part in parts:
-        data = _utf8(part)
+        data = b"s" + _utf8(part) if isinstance(part, str) else b"j" + json.dumps(part).encode()
         digest.update(len(data).to_bytes(8, "big"))
         digest.update(data)
     return digest.hexdigest()
