@@ -18,10 +18,14 @@ from study.traces import load_trace
 
 
 def helpers(context: Context) -> dict:
-    """The template globals of this study's notes, reading the checkout's committed traces."""
+    """The template globals of this study's notes, reading the checkout's committed traces: each once for the
+    helpers' life, one run (a check, a render, a site build), though its pages ask for it 58 times."""
+    traces: dict[str, dict] = {}
 
     def trace(name: str) -> dict:
-        return load_trace(context.notes_dir, name)
+        if name not in traces:
+            traces[name] = load_trace(context.notes_dir, name)
+        return traces[name]
 
     def diagram(
         name: str,

@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 import os
 import re
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,6 +109,8 @@ def plain_shell_env() -> dict[str, str]:
 
 def run_block(root: Path, block: RunIt, timeout: float) -> str:
     """Run the block's commands as written, in order, from `root`: their stdout (a failure raises)."""
+    import subprocess  # here, not with the module: the renders that show recordings run nothing
+
     done = subprocess.run(
         ["bash", "-euo", "pipefail", "-c", "\n".join(block.commands)],
         cwd=root,
