@@ -23,6 +23,7 @@ from torch import nn
 from reference.data_parallel.buckets import GradBucket, bucket_layout
 from reference.data_parallel.param_buckets import ParamBucket
 from reference.parallel_state import divide
+from reference.tensor_parallel import deferred_wgrad
 
 DEFAULT_BUCKET_SIZE = 25 * 2**20  # bytes, torch DDP's bucket_cap_mb default
 
@@ -114,6 +115,8 @@ class DistributedDataParallel(nn.Module):
         Mirrors
         `megatron-lm:megatron/core/distributed/distributed_data_parallel.py::DistributedDataParallel._make_backward_post_hook`.
         """
+        if deferred_wgrad.left_for_later(param):  # a zero-bubble I: this gradient arrives with its W
+            return
         bucket = self._bucket_of[param]
         bucket.take_grad(param)
         if self._sync and self.overlap_grad_reduce and bucket.mark_ready(param):

@@ -11,7 +11,8 @@ from reference.gpt.model import STYLES, GPTConfig, split_layers
 from reference.gpt.parallelize import check_tensor_parallel, check_virtual_pipeline
 from reference.parallel_state import ParallelConfigError, parallel_sizes
 from reference.parallelize import DP_SHARDING, FULLY_SHARDED
-from reference.pipeline.schedules import SCHEDULES
+from reference.pipeline.schedules import ALL_SCHEDULES
+from reference.pipeline.zero_bubble import check_zero_bubble
 from reference.recompute import RECOMPUTE_MODES
 
 FSDP = {"fsdp": "FSDP", "fsdp2": "FSDP2"}  # the fully sharded choices: the reference each runs
@@ -50,10 +51,13 @@ def add_arguments(group) -> None:
     )
     group.add_argument(
         "--schedule",
-        choices=SCHEDULES,
+        choices=ALL_SCHEDULES,
         default="1f1b",
         help="pipeline schedule: all forwards then all backwards (gpipe), or one-forward-one-"
-        "backward after a warm-up (1f1b: at most pp micro-batches in flight)",
+        "backward after a warm-up (1f1b: at most pp micro-batches in flight), or a zero-bubble one, each "
+        "backward split into input gradient I and weight gradient W: zb-h1 (1f1b's warm-up, W's deferred), "
+        "zbv (two stages per rank in a V; layers divisible by 2 pp), dualpipev (the same V, forwards "
+        "and backwards paired; also m >= 2 pp)",
     )
     group.add_argument(
         "--virtual-stages",
@@ -136,7 +140,7 @@ def check(args) -> GPTConfig:
     if args.dp_sharding in ZERO:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         _, _, dp = parallel_sizes(world, args.tp, args.pp, args.dp, args.cp)
-        if dp == 1:
+        if dp * args.cp == 1:  # the shards are over dp x cp, as megatron's distributed optimizer's
             raise ParallelConfigError(
                 f"--dp-sharding {args.dp_sharding} shards {ZERO[args.dp_sharding]} over the data-parallel group, "
                 f"but dp is 1 "
@@ -163,6 +167,7 @@ def check(args) -> GPTConfig:
     if why := refuse_large_memory("this model", estimate):
         raise ParallelConfigError(why)
     check_tensor_parallel(config, args.tp, args.sequence_parallel)
+    check_zero_bubble(args.schedule, args.pp, args.micro_batches, config.num_layers)
     if args.virtual_stages != 1:
         if args.schedule != "1f1b" or fsdp:
             raise ParallelConfigError(

@@ -64,7 +64,7 @@ def _train(args, config: GPTConfig, device: torch.device) -> None:
     params_dtype = torch.bfloat16 if bf16 and not plan.fully_sharded else torch.float32  # FSDP: fp32 shards
     chunks = [
         GPT(config, args.seed, device, layers=layers, params_dtype=params_dtype)
-        for layers in stage_layers(config, layout, args.virtual_stages)
+        for layers in stage_layers(config, layout, args.virtual_stages, args.schedule)
     ]
     recorder = CollectiveRecorder()
 

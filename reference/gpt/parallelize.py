@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from reference.gpt.model import GPT, GPTConfig, split_layers, split_virtual_stages
 from reference.parallel_state import ParallelConfigError, ParallelLayout, divide
 from reference.pipeline.interleaved import check_interleaving
+from reference.pipeline.zero_bubble import V_SCHEDULES, check_zero_bubble, v_layers
 from reference.tensor_parallel.mappings import scatter_to_sequence_parallel_region
 from reference.tensor_parallel.parallelize import parallelize_block, split_query_groups
 from reference.tensor_parallel.random import TensorParallelRNG
@@ -116,9 +117,15 @@ def parallelize_gpt(
     return model
 
 
-def stage_layers(config: GPTConfig, layout: ParallelLayout, virtual_stages: int = 1) -> list[tuple[int, int]]:
+def stage_layers(
+    config: GPTConfig, layout: ParallelLayout, virtual_stages: int = 1, schedule: str = "1f1b"
+) -> list[tuple[int, int]]:
     """[first, last) layers of each of this rank's model chunks: its PP rank's share of split_layers, or, with
-    v > 1 virtual stages, its v interleaved chunks (split_virtual_stages)."""
+    v > 1 virtual stages, its v interleaved chunks (split_virtual_stages), or, for a schedule on a V (zbv,
+    dualpipev), its two stages of the V (reference.pipeline.zero_bubble.v_layers)."""
+    if schedule in V_SCHEDULES:
+        check_zero_bubble(schedule, layout.pp_size, num_layers=config.num_layers)
+        return v_layers(config.num_layers, layout.pp_size, layout.pp_rank)
     if virtual_stages > 1:
         return split_virtual_stages(config.num_layers, layout.pp_size, virtual_stages)[layout.pp_rank]
     return [split_layers(config.num_layers, layout.pp_size)[layout.pp_rank]]
@@ -129,17 +136,19 @@ def build_chunks(
     layout: ParallelLayout,
     virtual_stages: int = 1,
     *,
+    schedule: str = "1f1b",
     seed=1234,
     device=None,
     params_dtype=torch.float32,
     **options,
 ) -> list[GPT]:
-    """A GPT of each of this rank's chunks (stage_layers: v > 1 for interleaved 1F1B), split over its TP group."""
+    """A GPT of each of this rank's chunks, split over its TP group (stage_layers: v > 1 for interleaved 1F1B,
+    or the two stages of the V of `schedule` zbv or dualpipev)."""
     return [
         parallelize_gpt(
             GPT(config, seed, device, layers=layers, params_dtype=params_dtype), layout.tp_group, seed=seed, **options
         )
-        for layers in stage_layers(config, layout, virtual_stages)
+        for layers in stage_layers(config, layout, virtual_stages, schedule)
     ]
 
 

@@ -31,6 +31,7 @@ from reference.fsdp2 import FSDPModule
 from reference.gpt.model import GPT, GPTConfig
 from reference.parallel_state import ParallelConfigError, ParallelLayout
 from reference.pipeline.schedules import forward_backward, loss_values
+from reference.pipeline.zero_bubble import V_SCHEDULES
 from reference.synthetic_data import random_token_batches
 
 
@@ -54,16 +55,19 @@ def split_batch(
     return [(chunk[:, :-1], chunk[:, 1:]) for chunk in mine.chunk(m)]
 
 
-def global_loss(losses: list[float], layout: ParallelLayout, device: torch.device) -> float:
+def global_loss(
+    losses: list[float], layout: ParallelLayout, device: torch.device, loss_pp_rank: int | None = None
+) -> float:
     """The global batch's mean loss on every rank, from the last stage's micro-batch `losses` (see the module
-    docstring)."""
+    docstring), held by PP rank `loss_pp_rank` (default the last; in a V, the first)."""
+    loss_pp_rank = layout.pp_size - 1 if loss_pp_rank is None else loss_pp_rank
     loss = torch.tensor(sum(losses) / len(losses) if losses else 0.0, device=device)
     replicas = layout.dp_size * layout.size("cp")  # each cp rank's loss is its shard's mean: average them too
-    if layout.pp_rank == layout.pp_size - 1 and replicas > 1:
+    if layout.pp_rank == loss_pp_rank and replicas > 1:
         dist.all_reduce(loss, group=layout.group("dp_cp"))
         loss /= replicas
     if layout.pp_size > 1:
-        dist.broadcast(loss, src=dist.get_global_rank(layout.pp_group, layout.pp_size - 1), group=layout.pp_group)
+        dist.broadcast(loss, src=dist.get_global_rank(layout.pp_group, loss_pp_rank), group=layout.pp_group)
     return loss_values([loss])[0]
 
 
@@ -158,7 +162,7 @@ def train_step(
         optimizer.step()
     for chunk in chunks:
         chunk.zero_grad()
-    return global_loss(losses, layout, device)
+    return global_loss(losses, layout, device, 0 if schedule in V_SCHEDULES else None)
 
 
 def stage_of(chunk: DistributedDataParallel | FullyShardedDataParallel | FSDPModule) -> GPT:

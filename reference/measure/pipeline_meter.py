@@ -44,6 +44,7 @@ class PipelineMeter:
     peak_in_flight: int = 0  # forwards whose backward had not run, as the order implies
     peak_in_flight_measured: int = 0  # micro-batches whose saved activations autograd still held
     peak_activation_bytes: int = 0  # bytes of those saved activations at their peak
+    peak_weight_grad_bytes: int = 0  # zero bubble: what the I's left for their W's held, at most
     _in_flight: int = 0
     _autograd: InFlightActivations = dataclasses.field(default_factory=InFlightActivations)
 
@@ -76,8 +77,12 @@ class PipelineMeter:
         self.actions.append(name)
         self.action_spans.append((start, time.perf_counter()))
         self.action_flops.append(recorder.flops - flops if recorder else 0)
-        self._in_flight += 1 if forward else -1
+        self._in_flight += {"F": 1, "B": -1, "I": -1}.get(name[0], 0)  # W: the graph went with its I
         self.peak_in_flight = max(self.peak_in_flight, self._in_flight)
+
+    def weight_grads_held(self, nbytes: int) -> None:
+        """After each I (reference.pipeline.steps.Steps.backward_input): the bytes waiting for their W's."""
+        self.peak_weight_grad_bytes = max(self.peak_weight_grad_bytes, nbytes)
 
     @property
     def busy_s(self) -> float:
@@ -91,7 +96,7 @@ class PipelineMeter:
 
     @property
     def bubble_formula(self) -> float:
-        return bubble_formula(self.pp_size, self.num_micro_batches, self.virtual_stages)
+        return bubble_formula(self.pp_size, self.num_micro_batches, self.virtual_stages, self.schedule_name)
 
     def to_dict(self) -> dict:
         return {

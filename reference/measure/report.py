@@ -16,6 +16,7 @@ from reference.data_parallel.distributed_optimizer import bytes_per_rank
 from reference.gpt.arguments import FSDP
 from reference.measure.replay import idle_fractions, replay, uniform_costs
 from reference.pipeline.schedules import peak_in_flight_formula
+from reference.pipeline.zero_bubble import V_SCHEDULES, ZERO_BUBBLE_SCHEDULES
 
 MODELED_TFLOPS = 100.0  # the modeled timeline's FLOP rate: a GPU's dense rate, in order of magnitude
 
@@ -109,20 +110,21 @@ def report_memory(args, ranks: list[dict]) -> None:
         )
 
 
-def replayed(stages: list[dict], chunks: int) -> float | None:
+def replayed(stages: list[dict], chunks: int, v_shape: bool = False) -> float | None:
     """Sets each stage's idle fraction when the recorded orders are replayed with transfers free: with equal
     stages (equal_stages_bubble, the schedule's own) and at each action's recorded FLOPs at MODELED_TFLOPS
     (modeled_bubble). Returns the modeled step's seconds; None, and no modeled_bubble, when no FLOPs were
-    recorded (the recorder is off on a torch it cannot hook)."""
+    recorded (the recorder is off on a torch it cannot hook). `v_shape`: the chunks lie in a V (zbv,
+    dualpipev)."""
     orders = [s["actions"] for s in stages]
-    for s, idle in zip(stages, idle_fractions(replay(orders, uniform_costs(orders, chunks), chunks))):
+    for s, idle in zip(stages, idle_fractions(replay(orders, uniform_costs(orders, chunks), chunks, v_shape))):
         s["equal_stages_bubble"] = idle
     if not all(sum(s["action_flops"]) for s in stages):
         for s in stages:
             s["modeled_bubble"] = None
         return None
     seconds = [[flops / (MODELED_TFLOPS * 1e12) for flops in s["action_flops"]] for s in stages]
-    spans = replay(orders, seconds, chunks)
+    spans = replay(orders, seconds, chunks, v_shape)
     for s, idle in zip(stages, idle_fractions(spans)):
         s["modeled_bubble"] = idle
     return max(end for stage in spans for _, end in stage)
@@ -143,8 +145,9 @@ def wall_clock(device: torch.device) -> str:
 
 def report_pipeline(args, stages: list[dict], device: torch.device) -> None:
     """Rank 0: each stage's last step (actions, in-flight peak, bubble three ways), from the gathered meters."""
-    p, m, v = len(stages), args.micro_batches, args.virtual_stages
-    step = replayed(stages, v)
+    p, m, v_shape = len(stages), args.micro_batches, args.schedule in V_SCHEDULES
+    v = 2 if v_shape else args.virtual_stages
+    step = replayed(stages, v, v_shape)
     if args.json:
         print(json.dumps({"pipeline": stages, "modeled_tflops": MODELED_TFLOPS, "modeled_step_s": step}), flush=True)
         return
@@ -152,8 +155,15 @@ def report_pipeline(args, stages: list[dict], device: torch.device) -> None:
         print(f"pipeline: none (pp 1); {m} micro-batches accumulated per step", flush=True)
         print(f"  last step: {' '.join(stages[0]['actions'])}", flush=True)
         return
-    name = f"interleaved 1f1b, {v} chunks per stage" if v > 1 else args.schedule
+    zero_bubble = args.schedule in ZERO_BUBBLE_SCHEDULES
+    name = f"interleaved 1f1b, {v} chunks per stage" if v > 1 and not v_shape else args.schedule
+    name += ", two stages per rank in a V" if v_shape else ""
     unit, formula = ("chunk-forwards", "(p-1)/(v m+p-1)") if v > 1 else ("micro-batches", "(p-1)/(m+p-1)")
+    if zero_bubble:
+        formula = "(p-1)/(6m+p-1)" if v_shape else "(p-1)/(3m+p-1)"
+    costs = "a forward costing 1 and a backward 2"
+    if zero_bubble:
+        costs = "a forward, an input gradient and a weight gradient costing 1 each"
     at_flops = (
         "not available, no FLOPs were recorded (the collective recorder is off)"
         if step is None
@@ -163,7 +173,7 @@ def report_pipeline(args, stages: list[dict], device: torch.device) -> None:
     header = [
         f"pipeline: {name}, pp {p}, {m} micro-batches (last step, one rank per "
         "stage); bubble: the fraction of the step a stage idles",
-        "  with equal stages: the recorded orders replayed, a forward costing 1 and a backward 2, transfers free: "
+        f"  with equal stages: the recorded orders replayed, {costs}, transfers free: "
         f"the schedule's own; formula {formula} = {stages[0]['bubble_formula']:.2f}",
         f"  at its FLOPs: {at_flops}",
         f"  wall clock: {wall_clock(device)}",
@@ -171,6 +181,9 @@ def report_pipeline(args, stages: list[dict], device: torch.device) -> None:
     print("\n".join(header), flush=True)
     for s in stages:
         expected = peak_in_flight_formula(args.schedule, p, s["pp_rank"], m, v)
+        if zero_bubble:  # what 1F1B would hold, in the same unit; and what the deferred W's held
+            one_f_one_b = peak_in_flight_formula("1f1b", p, s["pp_rank"], m) * (2 if v_shape else 1)
+            expected = f"{expected}, 1f1b's {one_f_one_b}; inputs held for W at most {s['peak_weight_grad_bytes']} B"
         modeled, flops = (
             ("not modeled", "")
             if step is None

@@ -3,7 +3,7 @@
 Every micro-batch has the same shape and dtype, so the receiver allocates its buffer and no shape is exchanged.
 Each call is one round of isend/irecv with one neighbour, even and odd stages issuing in opposite orders so that
 the 1F1B steady state's combined send-forward/receive-backward cannot deadlock under NCCL. `RingP2P` carries the
-interleaved schedule's transfers round a ring.
+interleaved schedule's transfers round a ring, `StageP2P` the zero-bubble schedules' to a named rank.
 
 Mirrors
 `megatron-lm:megatron/core/pipeline_parallel/p2p_communication.py::P2PCommunicator.send_forward_recv_backward`
@@ -147,3 +147,24 @@ class RingP2P(_FixedShapeP2P):
         for work, _ in self.pending:
             work.wait()
         self.pending.clear()
+
+
+class StageP2P(RingP2P):
+    """Transfers of the zero-bubble schedules, to a named PP rank (the ranks of the stage before and after),
+    in RingP2P's scheme: sends posted at once, receives blocking, one tag per kind. In a V (rank r holds stages
+    r and 2p - 1 - r) activations also travel to the previous rank; between two ranks each tag then still
+    carries one stream, in the order of its micro-batches: to the next rank go the down leg's activations and
+    the back leg's gradients, to the previous rank the back leg's activations and the down leg's gradients.
+    Like RingP2P's, the scheme relies on gloo matching by tag; it is not arranged for NCCL."""
+
+    def send_activation(self, output: torch.Tensor, pp_rank: int) -> None:
+        self._send(output, self._peer(pp_rank), self.FORWARD)
+
+    def recv_activation(self, pp_rank: int) -> torch.Tensor:
+        return self._recv(self._peer(pp_rank), self.FORWARD).requires_grad_()
+
+    def send_gradient(self, input_grad: torch.Tensor, pp_rank: int) -> None:
+        self._send(input_grad, self._peer(pp_rank), self.BACKWARD)
+
+    def recv_gradient(self, pp_rank: int) -> torch.Tensor:
+        return self._recv(self._peer(pp_rank), self.BACKWARD)

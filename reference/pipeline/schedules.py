@@ -3,6 +3,7 @@
   GPipe: F0 .. F(m-1), then B0 .. B(m-1): every stage holds all m micro-batches.
   1F1B:  w = min(p - 1 - r, m) warm-up forwards on stage r, then one forward + one backward, then w
          backwards: stage r holds at most min(p - r, m). Interleaved: reference.pipeline.interleaved.
+  Zero bubble (zb-h1, zbv, dualpipev), the backward split in two: reference.pipeline.zero_bubble.
 Both idle for the bubble (p - 1) / (m + p - 1). Data parallelism plugs in as Megatron's config.no_sync_func
 (left before the last backward) and config.finalize_model_grads_func. An optional observer wraps the
 schedule and each action (reference.measure.pipeline_meter); the schedules measure nothing.
@@ -23,22 +24,30 @@ import torch
 import torch.distributed as dist
 
 from reference.parallel_state import ParallelConfigError
-from reference.pipeline import interleaved
-from reference.pipeline.p2p import PipelineP2P, RingP2P
+from reference.pipeline import interleaved, zero_bubble
+from reference.pipeline.p2p import PipelineP2P, RingP2P, StageP2P
 from reference.pipeline.steps import GradSync, Steps
+from reference.pipeline.zero_bubble_run import rank_of_stage, run_zero_bubble
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b")  # one backward pass each; the scale trace and the benchmark take these
+ALL_SCHEDULES = (*SCHEDULES, *zero_bubble.ZERO_BUBBLE_SCHEDULES)  # forward_backward and -m reference
 
 
-def bubble_formula(p: int, m: int, v: int = 1) -> float:
-    """The idle fraction of any schedule here with p stages, v chunks each and m uniform micro-batches:
-    (p - 1) / (v m + p - 1), i.e. (p - 1) / (v m) of the ideal (bubble-free) time."""
+def bubble_formula(p: int, m: int, v: int = 1, schedule: str = "1f1b") -> float:
+    """The idle fraction of GPipe, 1F1B and interleaved 1F1B with p stages, v chunks each and m uniform
+    micro-batches: (p - 1) / (v m + p - 1), i.e. (p - 1) / (v m) of the ideal (bubble-free) time; of a
+    zero-bubble schedule, reference.pipeline.zero_bubble.bubble_formula."""
+    if schedule in zero_bubble.ZERO_BUBBLE_SCHEDULES:
+        return zero_bubble.bubble_formula(schedule, p, m)
     return (p - 1) / (v * m + p - 1)
 
 
 def peak_in_flight_formula(schedule: str, p: int, r: int, m: int, v: int = 1) -> int:
     """Forwards stage r of p holds at most: m under GPipe, min(p - r, m) under 1F1B, 1 without a pipeline;
-    with v chunks (interleaved 1F1B) chunk-forwards, min(2 (p - r - 1) + (v - 1) p + 1, v m)."""
+    with v chunks (interleaved 1F1B) chunk-forwards, min(2 (p - r - 1) + (v - 1) p + 1, v m); zero bubble:
+    reference.pipeline.zero_bubble.peak_in_flight."""
+    if schedule in zero_bubble.ZERO_BUBBLE_SCHEDULES:
+        return zero_bubble.peak_in_flight(schedule, p, r, m)
     if p == 1:
         return 1
     if v > 1:
@@ -129,8 +138,9 @@ def forward_backward(
     device: torch.device | None = None,
     observer=None,
 ) -> list[float]:
-    """Run forward and backward of every micro-batch on this stage with `schedule` ("gpipe" or "1f1b"); return
-    the micro-batch losses (before the 1/m scaling) on the last stage, else [].
+    """Run forward and backward of every micro-batch on this stage with `schedule` ("gpipe", "1f1b", or a
+    zero-bubble one of reference.pipeline.zero_bubble); return the micro-batch losses (before the 1/m scaling)
+    on the rank holding the last stage (in a V, rank 0), else [].
 
     stage(*micro_batch, hidden=hidden) is called per micro-batch (hidden: None on the first stage, else received);
     on the last stage it returns the micro-batch's scalar loss. activation_shape: what goes between stages.
@@ -138,23 +148,33 @@ def forward_backward(
     and `no_sync` must then silence every chunk's gradient reduction. `observer`, if given, wraps the whole
     schedule in `observer.schedule(schedule, pp_group, v, m)` and each action in `observer.action(name)`.
     """
-    if schedule not in SCHEDULES:
-        raise ParallelConfigError(f"unknown pipeline schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    if schedule not in ALL_SCHEDULES:
+        raise ParallelConfigError(f"unknown pipeline schedule {schedule!r}; choose one of {', '.join(ALL_SCHEDULES)}")
     if len(micro_batches) < 1:
         raise ParallelConfigError("the pipeline needs at least one micro-batch")
     chunks = list(stage) if isinstance(stage, Sequence) else [stage]
     p, r, v = pp_group.size(), pp_group.rank(), len(chunks)
-    if v > 1 and schedule != "1f1b":
+    last_rank = p - 1
+    if schedule in zero_bubble.ZERO_BUBBLE_SCHEDULES:
+        zero_bubble.check_zero_bubble(schedule, p, len(micro_batches))
+        stages = zero_bubble.stages_of(schedule, p, r)
+        if v != len(stages):
+            raise ParallelConfigError(f"--schedule {schedule} runs {len(stages)} model chunks per rank, got {v}")
+        last_rank = rank_of_stage(p * v - 1, p)  # in a V, rank 0 holds the last stage too
+    elif v > 1 and schedule != "1f1b":
         raise ParallelConfigError(f"{v} virtual pipeline stages need the 1f1b schedule (interleaved), not {schedule}")
-    interleaved.check_interleaving(p, v, len(micro_batches))
+    else:
+        interleaved.check_interleaving(p, v, len(micro_batches))
     device = device or torch.device("cpu")
-    steps, sync = Steps(chunks, micro_batches, is_last=r == p - 1, observer=observer), GradSync(no_sync)
+    steps, sync = Steps(chunks, micro_batches, is_last=r == last_rank, observer=observer), GradSync(no_sync)
     observed = (
         contextlib.nullcontext() if observer is None else observer.schedule(schedule, pp_group, v, len(micro_batches))
     )
     with observed:
         try:
-            if v > 1:
+            if schedule in zero_bubble.ZERO_BUBBLE_SCHEDULES:
+                run_zero_bubble(schedule, steps, StageP2P(pp_group, activation_shape, dtype, device), sync, p, r)
+            elif v > 1:
                 interleaved.run_interleaved(steps, RingP2P(pp_group, activation_shape, dtype, device), sync, p, r)
             elif p == 1:
                 _no_pipelining(steps, sync)

@@ -3,7 +3,8 @@
 Two ideas, each behind one flag. `async_grad_allreduce`: backward computes dX first, issues its all-reduce (or
 reduce-scatter) without waiting and computes dW while the bytes are on the wire. `gradient_accumulation_fusion`:
 dW is accumulated straight into an fp32 `weight.main_grad`. With sequence parallelism the gathered input is not
-saved; backward gathers it again, overlapped with the dX GEMM.
+saved; backward gathers it again, overlapped with the dX GEMM. Inside a zero-bubble schedule's input-gradient
+pass, dW and db are left for later (reference.tensor_parallel.deferred_wgrad).
 
 Mirrors `megatron-lm:megatron/core/tensor_parallel/layers.py::linear_with_grad_accumulation_and_async_allreduce`
 and `megatron-lm:megatron/core/tensor_parallel/layers.py::LinearWithGradAccumulationAndAsyncCommunication.backward`
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from reference.tensor_parallel import collectives as C
+from reference.tensor_parallel import deferred_wgrad
 
 
 class LinearWithAsyncGradReduce(torch.autograd.Function):
@@ -38,6 +40,7 @@ class LinearWithAsyncGradReduce(torch.autograd.Function):
         """
         ctx.save_for_backward(x, weight)
         ctx.use_bias = bias is not None
+        ctx.params = (weight, bias)  # the Parameters themselves (saved_tensors gives other objects): for W
         ctx.group, ctx.allreduce_dgrad, ctx.sequence_parallel = group, allreduce_dgrad, sequence_parallel
         ctx.async_grad_allreduce, ctx.fusion = async_grad_allreduce, gradient_accumulation_fusion
         total_x = C.gather_first_dim(x, group) if sequence_parallel else x
@@ -64,13 +67,11 @@ class LinearWithAsyncGradReduce(torch.autograd.Function):
 
         grad_out_2d = grad_out.reshape(-1, grad_out.shape[-1])
         total_x_2d = total_x.reshape(-1, total_x.shape[-1])
-        if ctx.fusion:
-            main_grad = weight.main_grad
-            main_grad.addmm_(grad_out_2d.t().to(main_grad.dtype), total_x_2d.to(main_grad.dtype))
-            grad_weight = None
-        else:
-            grad_weight = grad_out_2d.t().matmul(total_x_2d)
-        grad_bias = grad_out_2d.sum(dim=0) if ctx.use_bias else None
+        grad_weight = grad_bias = None
+        if not deferred_wgrad.stash(*ctx.params, total_x_2d, grad_out_2d, ctx.fusion):  # else W computes them
+            grad_weight, grad_bias = deferred_wgrad.weight_gradients(
+                weight, ctx.use_bias, total_x_2d, grad_out_2d, ctx.fusion
+            )
 
         C.wait(reduce_work)
         return grad_x, grad_weight, grad_bias, None, None, None, None, None
