@@ -15,8 +15,9 @@
 (pin_and_cite.site.highlight_cache): Pygments was a third of a build; `on_env` keeps the theme's compiled
 templates there too (pin_and_cite.core.compiled_templates).
 `on_page_context`, around mkdocs-material's search plugin (which indexes `page.content` at the default
-priority), hands it the page without the highlighter's span tags (pin_and_cite.site.search_text: the same
-index, at a third of its cost) and gives the page its full HTML back before the theme renders it.
+priority), hands it the page without the code blocks' span tags, line anchors and line numbers
+(pin_and_cite.site.search_text: the same index, at a sixth of its cost) and gives the page its full HTML back
+before the theme renders it.
 `on_post_page` drops the mermaid script from a page that has no diagram: material loads mermaid only for a page
 with diagrams (so no CDN request follows), and parsing its 3 MB took most of each other page's load. Every page
 is a full load (no `navigation.instant`; tests/site/test_build.py keeps it off), so none inherits another's.

@@ -156,6 +156,37 @@ def test_zbv_and_dualpipev_orders_at_p_2_m_4():
     assert orders(ScheduleDualPipeV, 2, 4)[0] == DUALPIPEV_P2_M4
 
 
+@pytest.mark.parametrize("p", [2, 4])
+def test_zbv_pairs_each_w_with_its_i_until_the_cool_down_runs_is_ahead(p):
+    """ZBV runs each W just after its own I up to the last forward's I and W. Then the cool-down: rank r runs r
+    pairs of input gradients alone, its outgoing chunk's (stage r) then its returning chunk's (stage 2p - 1 - r),
+    then p - r of the outgoing chunk's, each followed by the W of the micro-batch r before it; the drain runs the
+    Ws left, the returning chunk's first, and every W still comes after its own I."""
+    forward, i, w = _ComputationType.FORWARD, _ComputationType.BACKWARD_INPUT, _ComputationType.BACKWARD_WEIGHT
+    compute, _ = orders(ScheduleZBVZeroBubble, p, 2 * p)
+    for r, order in enumerate(compute):
+        actions = [_Action.from_str(a) for a in order.split() if a != "_"]
+        outgoing, returning = r, 2 * p - 1 - r
+        cool_down = max(n for n, a in enumerate(actions) if a.computation_type == forward) + 3
+        steady, alone = actions[:cool_down], actions[cool_down : cool_down + 2 * r]
+        with_older = actions[cool_down + 2 * r : cool_down + 2 * p]
+        drain = actions[cool_down + 2 * p :]
+        for n, a in enumerate(steady):
+            if a.computation_type == i:
+                assert steady[n + 1] == _Action(a.stage_index, w, a.microbatch_index), (r, order)
+        assert [(a.stage_index, a.computation_type) for a in alone] == [(outgoing, i), (returning, i)] * r
+        pairs = list(zip(with_older[::2], with_older[1::2], strict=True))
+        assert len(pairs) == p - r
+        for input_grad, weight_grad in pairs:
+            assert (input_grad.stage_index, input_grad.computation_type) == (outgoing, i)
+            assert (weight_grad.stage_index, weight_grad.computation_type) == (outgoing, w)
+            assert weight_grad.microbatch_index == input_grad.microbatch_index - r
+        assert [(a.stage_index, a.computation_type) for a in drain] == [(returning, w)] * r + [(outgoing, w)] * r
+        for n, a in enumerate(actions):
+            if a.computation_type == w:
+                assert _Action(a.stage_index, i, a.microbatch_index) in actions[:n]
+
+
 @pytest.mark.parametrize("schedule_class", [ScheduleZBVZeroBubble, ScheduleDualPipeV])
 @pytest.mark.parametrize("p", [2, 4])
 def test_every_rank_opens_with_2p_chunk_forwards(schedule_class, p):

@@ -1,7 +1,9 @@
 """The README's and the reference guide's commands work as written from a fresh clone after `make setup`, in a
 shell where the venv is not activated (a newcomer met `torchrun: command not found`): each names a program the
 checkout has, a make target the Makefile has, or a module the venv has, with flags its --help shows. The cheap
-ones run, as written."""
+ones run, as written. Commands quoted inline in prose (`` `torchrun --nproc-per-node 4 -m ...` ``, in these
+pages and in the notes' templates) are pasted as well: none may start with a launcher the venv is not on the
+PATH for (a newcomer met that too, on the CP walkthrough)."""
 
 from __future__ import annotations
 
@@ -21,6 +23,9 @@ PAGES = ["README.md", "docs/reference-guide.md"]
 VENV = ".venv/bin/"
 # The commands also run, not only checked: seconds each (--help, and reference.layout, which starts no process).
 RUN = re.compile(r"^\.venv/bin/python -m reference(\.layout .*| --help)$")
+# Programs `make setup` puts in .venv/bin/ only; an inline span starting with one and passing a flag is a command.
+LAUNCHERS = ("torchrun", "python", "python3")
+NOTES = sorted((ROOT / "reading_notes").glob("*.md.j2"))
 
 
 def commands(markdown: str) -> list[str]:
@@ -34,6 +39,14 @@ def commands(markdown: str) -> list[str]:
             if line and not line[0].isspace() and not line.startswith("#"):
                 found.append(" ".join(shlex.split(line, comments=True)))
     return found
+
+
+def inline_commands(markdown: str) -> list[str]:
+    """The page's inline code spans, outside fenced blocks and Jinja comments, that are commands: a launcher of
+    LAUNCHERS, bare or not, then at least one long flag. A span may wrap onto the next line, as prose is."""
+    prose = re.sub(r"^(`{3,}|~{3,}).*?^\1|\{#.*?#\}", "", markdown, flags=re.S | re.M)  # fences, Jinja comments
+    spans = (" ".join(s.split()) for s in re.findall(r"(?<!`)`([^`\n]+(?:\n[^`\n]+)?)`(?!`)", prose))
+    return [s for s in spans if s and s.split()[0].removeprefix(VENV) in LAUNCHERS and re.search(r"\s--[a-z]", s)]
 
 
 def problems(command: str) -> list[str]:
@@ -76,6 +89,22 @@ def test_every_command_works_without_an_activated_venv(page):
     found = commands((ROOT / page).read_text())
     assert len(found) >= 5, found
     assert not [p for command in found for p in problems(command)]
+
+
+@pytest.mark.parametrize("page", [*PAGES, *(str(n.relative_to(ROOT)) for n in NOTES)])
+def test_no_inline_command_starts_with_a_bare_launcher(page):
+    bare = [c for c in inline_commands((ROOT / page).read_text()) if not c.startswith(VENV)]
+    assert not bare, f"{page}: write {VENV}{bare[0]}"
+
+
+def test_a_bare_inline_launcher_is_caught_where_the_prose_wraps_it():
+    page = "These come from `torchrun --nproc-per-node {{ cp }} -m\nreference.measure.cp_blocks --json`, and\n"
+    page += "`.venv/bin/python -m reference.layout --tp 2`; `torchrun` and `python -m reference` name programs.\n"
+    page += "```\ntorchrun -m x --y\n```\n{# `torchrun -m x --y` #}\n"
+    assert inline_commands(page) == [
+        "torchrun --nproc-per-node {{ cp }} -m reference.measure.cp_blocks --json",
+        ".venv/bin/python -m reference.layout --tp 2",
+    ]
 
 
 def test_a_bare_launcher_or_an_old_spelling_is_caught():

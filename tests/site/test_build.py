@@ -79,8 +79,9 @@ def _index_sections(html: str) -> list[tuple[str, str, str | None]]:
 
 
 def test_search_reads_the_same_text_without_the_highlighters_spans(built_site):
-    """site_hooks hands material's search each page without the span tags inside <pre> blocks: on every page
-    material's own parser must index exactly what it indexes from the full HTML, and the page keeps its spans."""
+    """site_hooks hands material's search each page without the span tags, empty line anchors and line numbers
+    inside <pre> blocks: on every page material's own parser must index exactly what it indexes from the full
+    HTML, and the page keeps its spans."""
     article = re.compile(r'<article class="md-content__inner md-typeset">(.*?)</article>', re.S)
     pages = sorted(built_site.rglob("index.html"))
     shortened, highlighted = 0, 0

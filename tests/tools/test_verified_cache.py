@@ -48,3 +48,10 @@ def test_a_test_pages_helpers_are_kept_and_a_planted_set_changes_nothing(tmp_pat
     entry.write_text(json.dumps({**stored, "text": json.dumps([["test_x", [["os"], [0, 0]]]])}))
     assert _kept_helpers(tmp_path, TEST_FILE) == parsed
     assert json.loads(entry.read_text()) == stored
+
+
+def test_made_from_keeps_parts_apart_and_takes_a_missing_one():
+    """A fence without a language hands the highlight cache None: it names an entry of its own, as a part's
+    boundaries do (a code block without a language was once rendered as inline code when made_from refused None)."""
+    names = {made_from("a", None), made_from("a", "null"), made_from("a", ""), made_from("ab"), made_from("a", "b")}
+    assert len(names) == 5

@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 import os
 import re
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,12 +78,9 @@ def read_recording(notes_dir: Path, name: str) -> tuple[tuple[str, ...], str]:
     if data is None:
         raise PinAndCiteError(f"no recorded run {name!r} ({RUNS_DIR}/{name}.txt is missing): run tools/record-runs")
     lines = data.decode("utf-8", errors="replace").split("\n")
-    commands = tuple(line.removeprefix(PROMPT) for line in itertools.takewhile(_is_command, lines))  # the head
+    head = itertools.takewhile(lambda line: line.startswith(PROMPT), lines)
+    commands = tuple(line.removeprefix(PROMPT) for line in head)
     return commands, "\n".join(lines[len(commands) :])
-
-
-def _is_command(line: str) -> bool:
-    return line.startswith(PROMPT)
 
 
 def run_text(notes_dir: Path, name: str) -> str:
@@ -113,6 +109,8 @@ def plain_shell_env() -> dict[str, str]:
 
 def run_block(root: Path, block: RunIt, timeout: float) -> str:
     """Run the block's commands as written, in order, from `root`: their stdout (a failure raises)."""
+    import subprocess  # here, not with the module: the renders that show recordings run nothing
+
     done = subprocess.run(
         ["bash", "-euo", "pipefail", "-c", "\n".join(block.commands)],
         cwd=root,

@@ -31,13 +31,15 @@ def parse(parser: Callable, text, where: str, error=PinAndCiteError):
     except RecursionError:
         data = None
     else:
-        stack = [(data, 1)] if isinstance(data, (dict, list)) else []
-        while stack:
-            value, depth = stack.pop()
-            if depth > MAX_DEPTH:
-                break
-            items = value.values() if isinstance(value, dict) else value
-            stack.extend((item, depth + 1) for item in items if isinstance(item, (dict, list)))
-        else:
+        level, depth = [data] if isinstance(data, (dict, list)) else [], 1  # the containers `depth` levels down
+        while level and depth <= MAX_DEPTH:
+            level = [
+                item
+                for value in level
+                for item in (value.values() if isinstance(value, dict) else value)
+                if isinstance(item, (dict, list))
+            ]
+            depth += 1
+        if not level:
             return data
     raise error(f"{where} is nested deeper than {MAX_DEPTH} levels; no file of ours is")

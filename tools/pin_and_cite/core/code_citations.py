@@ -31,10 +31,6 @@ HAND_TYPED_LINE = re.compile(r"[lL](?:(?<=\bl)ines? \d+|(?<=\bL)\d{2,})\b")
 HAND_TYPED_RANGE = re.compile(r"\((\d{3,})[-–](\d{3,})\)|(?:\.py|_\w*)`?,? \(?(\d{2,})[-–](\d{2,})\b")
 
 
-def _line_of(text: str, offset: int) -> int:
-    return text.count("\n", 0, offset) + 1
-
-
 def citations_in_text(text: str) -> list[tuple[str, int]]:
     """(spec, line) of every upstream citation written in `text`, in order. A citation never spans lines, so
     only the lines holding "::" are searched (a tenth of the time of searching the whole text)."""
@@ -81,15 +77,20 @@ def code_citations(texts: dict[Path, str]) -> list[Written]:
 
 def hand_typed_lines(texts: dict[Path, str], root: Path) -> list[tuple[str, str]]:
     """(file:line, what) of every hand-typed upstream line number or range in the project's code (`code_texts`),
-    in file order."""
+    in file order. Neither pattern spans lines, so each is searched only in the lines that hold its letters or
+    dash (HAND_TYPED_RANGE tries a match at every `_` of the code)."""
     found = []
     for file, text in texts.items():
         where = f"{file.relative_to(root)}:"
-        lines = [(m.start(), m[0]) for m in HAND_TYPED_LINE.finditer(text)]
-        for m in HAND_TYPED_RANGE.finditer(text):
-            group = 1 if m[1] else 3  # in parentheses, or after a name
-            first, last = m[group], m[group + 1]
-            if int(first) < int(last):
-                lines.append((m.start(group), f"{first}-{last}"))
-        found += [(where + str(_line_of(text, start)), what) for start, what in sorted(lines)]
+        for number, line in enumerate(text.split("\n"), 1):
+            hits = []
+            if "ine" in line or "L" in line:
+                hits += [(m.start(), m[0]) for m in HAND_TYPED_LINE.finditer(line)]
+            if "-" in line or "–" in line:
+                for m in HAND_TYPED_RANGE.finditer(line):
+                    group = 1 if m[1] else 3  # in parentheses, or after a name
+                    first, last = m[group], m[group + 1]
+                    if int(first) < int(last):
+                        hits.append((m.start(group), f"{first}-{last}"))
+            found += [(f"{where}{number}", what) for _, what in sorted(hits)]
     return found

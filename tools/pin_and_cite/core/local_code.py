@@ -8,7 +8,6 @@ function fails the render with the template's file:line instead of leaving a sta
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from pin_and_cite.core import symbols
 from pin_and_cite.core.citation import check_repo_path
@@ -18,17 +17,24 @@ from pin_and_cite.core.errors import PinAndCiteError
 from pin_and_cite.core.regular_file import MAX_CODE_BYTES, read_in_project
 
 
-def _read(root: Path, spec: str, call: str) -> tuple[str, str, bytes, str]:
-    """(path, symbol, bytes, text) of `PATH::Name`, a definition in this repository; `call` names the helper."""
+def _read(context: Context, spec: str, call: str) -> tuple[str, str, bytes, str, list[str]]:
+    """(path, symbol, bytes, text, lines) of `PATH::Name`, a definition in this repository; `call` names the
+    helper. Each file is read and split once per run (the reference pages ask for the same file hundreds of
+    times)."""
     path, sep, symbol = spec.partition("::")
     check_repo_path(path)
-    file = root / path
     if not sep or not symbol:
         raise PinAndCiteError(f"{call}({spec!r}): expected PATH::Name, e.g. src/pkg/module.py::function")
-    if not file.is_file():
-        raise PinAndCiteError(f"{call}({spec!r}): {path} does not exist")
-    data = read_in_project(root, file, MAX_CODE_BYTES)
-    return path, symbol, data, utf8_text(data, f"{call}({spec!r}): {path}")
+
+    def read() -> tuple[bytes, str, list[str]]:
+        file = context.root / path
+        if not file.is_file():
+            raise PinAndCiteError(f"{call}({spec!r}): {path} does not exist")
+        data = read_in_project(context.root, file, MAX_CODE_BYTES)
+        text = utf8_text(data, f"{call}({spec!r}): {path}")
+        return data, text, text.split("\n")
+
+    return path, symbol, *context.parsed.for_this_run(("our file", path), read)
 
 
 @dataclass(frozen=True)
@@ -44,19 +50,19 @@ class Definition:
 
 
 def definition(context: Context, spec: str) -> Definition:
-    path, symbol, data, text = _read(context.root, spec, "ours")
+    path, symbol, data, text, lines = _read(context, spec, "ours")
     first, last = symbols.resolve(context.parsed.definitions_in_text(data, text, path), symbol, path)
-    return Definition(path, symbol, first, last, "".join(line + "\n" for line in text.split("\n")[first - 1 : last]))
+    return Definition(path, symbol, first, last, "".join(line + "\n" for line in lines[first - 1 : last]))
 
 
 def mirrored(context: Context, spec: str) -> list[str]:
     """The upstream citations written in the docstring of `PATH::Name` (pin_and_cite.core.code_citations), in
     order, each once: what the reference pages show it mirrors."""
-    path, symbol, data, text = _read(context.root, spec, "mirrors")
+    path, symbol, data, text, lines = _read(context, spec, "mirrors")
     symbols.resolve(context.parsed.definitions_in_text(data, text, path), symbol, path)  # it exists, once
     span = context.parsed.docstrings_in_text(data, text, path).get(symbol)
-    lines = text.split("\n")[span[0] - 1 : span[1]] if span else []
-    found = list(dict.fromkeys(spec for spec, _ in citations_in_text("\n".join(lines))))
+    docstring = "\n".join(lines[span[0] - 1 : span[1]]) if span else ""
+    found = list(dict.fromkeys(spec for spec, _ in citations_in_text(docstring)))
     if not found:
         raise PinAndCiteError(
             f"mirrors({spec!r}): the docstring of {symbol} cites no upstream code (SOURCE:PATH::Qual.name)"

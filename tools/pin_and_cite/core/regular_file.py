@@ -74,14 +74,19 @@ def _not_regular(path: Path, exc: OSError) -> NotRegularFile:
 
 
 def _read(fd: int, path: Path, limit: int) -> bytes:
-    """At most `limit + 1` bytes of the opened `fd`, refused (and closed) unless it is a regular file."""
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
+    """At most `limit + 1` bytes of the opened `fd`, refused (and closed) unless it is a regular file. It asks
+    for the size fstat gives (asking for `limit + 1` made Python allocate that much for every read, as much
+    time as reading a template), and reads on towards the limit only if the file grew since."""
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
         os.close(fd)
-        kind = next((name for test, name in KINDS if test(mode)), "special")
+        kind = next((name for test, name in KINDS if test(info.st_mode)), "special")
         raise NotRegularFile(f"{path} is {kind}, not a regular file")
     with os.fdopen(fd, "rb") as file:
-        return file.read(limit + 1)
+        data = file.read(min(info.st_size, limit) + 1)
+        if info.st_size < len(data) <= limit:
+            data += file.read(limit + 1 - len(data))
+        return data
 
 
 def read_in_project(root: Path, path: Path, limit: int) -> bytes:

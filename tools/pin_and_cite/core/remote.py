@@ -8,8 +8,8 @@ those objects and nothing else. Servers must allow filters and by-SHA wants (Git
 
 Several runs may share one cache: creating the partial repository and every fetch into it happen under the
 remote's file lock (git's own `shallow.lock` and `config.lock` make a second writer fail, not wait).
-GitPython is imported by the methods that talk to git, not with this module: `check` and the site build,
-which never fetch, would otherwise spend a tenth of a second importing it.
+GitPython and filelock are imported by the methods that need them, not with this module: `check` and the site
+build, which never fetch, would otherwise spend a tenth of a second importing them.
 """
 
 from __future__ import annotations
@@ -19,8 +19,6 @@ import shutil
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
-
-import filelock
 
 from pin_and_cite.core.errors import PinAndCiteError, SourceUnavailable
 from pin_and_cite.core.gitobj import blob_sha, is_full_sha
@@ -59,6 +57,8 @@ class Remote:
         self.url = check_url(url)
         self.timeout = timeout
         self.git_dir = git_dir
+        import filelock  # not with the module (see its docstring)
+
         self.lock = filelock.FileLock(git_dir.with_name(f"{git_dir.name}.lock"))  # reentrant: nest freely
         self._repo: git.Repo | None = None
 

@@ -11,14 +11,17 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import filelock
 import platformdirs
 
 from pin_and_cite.core.atomic import atomic_write
 from pin_and_cite.core.errors import PinAndCiteError, SourceUnavailable
 from pin_and_cite.core.gitobj import blob_sha, is_full_sha
 from pin_and_cite.core.regular_file import NotRegularFile, read_regular
+
+if TYPE_CHECKING:
+    import filelock
 
 MAX_BLOB_BYTES = 100 << 20  # GitHub refuses files over 100 MiB: the bound when the lock gives no size
 
@@ -99,7 +102,11 @@ class Store:
         self._memo[blob] = data
 
     def lock(self, name: str) -> filelock.FileLock:
-        """A cross-process lock on one part of the cache (two `fetch` runs at once take turns)."""
+        """A cross-process lock on one part of the cache (two `fetch` runs at once take turns). filelock is
+        imported here, not with the module: `check`, which never fetches, would spend a hundredth of a second
+        importing it (and the logging it loads)."""
+        import filelock
+
         self.root.mkdir(parents=True, exist_ok=True)
         key = hashlib.sha1(name.encode()).hexdigest()[:16]
         return filelock.FileLock(str(self.root / f".{key}.lock"))

@@ -19,14 +19,26 @@ import stat
 from pathlib import Path
 
 from pin_and_cite.core.atomic import atomic_write
+from pin_and_cite.core.regular_file import NotRegularFile, read_regular
 
 KEY_BYTES = 32
 MAX_ENTRY_BYTES = 64 << 20  # a template is at most 16 MiB; what is made of it a few times that
 
 
-def made_from(*parts: str) -> str:
-    """The SHA-256 naming an entry made from `parts` (in this order)."""
-    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
+def made_from(*parts: str | None) -> str:
+    """The SHA-256 naming an entry made from `parts` (in this order): each part after its length, so no two
+    lists of parts run together; a string as its UTF-8 (JSON-escaping a template first cost more than the hash),
+    anything else (a fence's missing language: None) as JSON, each marked with which it is."""
+    digest = hashlib.sha256()
+    for part in parts:
+        data = b"s" + _utf8(part) if isinstance(part, str) else b"j" + json.dumps(part).encode()
+        digest.update(len(data).to_bytes(8, "big"))
+        digest.update(data)
+    return digest.hexdigest()
+
+
+def _utf8(text: str) -> bytes:
+    return text.encode("utf-8", "surrogatepass")  # a lone surrogate (JSON can write one) is bytes too
 
 
 def _private_key(path: Path) -> bytes | None:
@@ -71,15 +83,14 @@ class VerifiedCache:
         if (key := self.key()) is None:
             return None
         try:
-            fd = os.open(self._path(made), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-            with os.fdopen(fd, "rb") as entry_file:
-                if not stat.S_ISREG(os.fstat(entry_file.fileno()).st_mode):
-                    return None
-                entry = json.loads(entry_file.read(MAX_ENTRY_BYTES + 1))
+            data = read_regular(self._path(made), MAX_ENTRY_BYTES)
+            if data is None or len(data) > MAX_ENTRY_BYTES:
+                return None
+            entry = json.loads(data)
             text, mac = entry["text"], entry["mac"]
             if entry["made_from"] != made or not isinstance(text, str) or not isinstance(mac, str):
                 return None
-        except (OSError, ValueError, TypeError, KeyError, RecursionError):
+        except (NotRegularFile, OSError, ValueError, TypeError, KeyError, RecursionError):
             return None
         return text if hmac.compare_digest(mac, _mac(key, made, text)) else None
 
@@ -95,4 +106,6 @@ class VerifiedCache:
 
 
 def _mac(key: bytes, made: str, text: str) -> str:
-    return hmac.new(key, json.dumps([made, text]).encode(), hashlib.sha256).hexdigest()
+    """The MAC of `text` as made from `made`, a made_from() digest: always 64 characters, so the two cannot run
+    together."""
+    return hmac.new(key, _utf8(made) + _utf8(text), hashlib.sha256).hexdigest()
