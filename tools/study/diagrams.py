@@ -6,11 +6,12 @@ grouped by parent module, each named by the trace (op runs such as rotary's by O
 collectives on the edges leaving the module that issued them (with bytes and the stated link), the backward
 ones as dotted edges back to the module's input.
 
-`diagram("fsdp_forward", tflops=, link_GBps=)` and `diagram("pipeline_1f1b" | "pipeline_gpipe", tflops=,
+`diagram("fsdp_forward", tflops=, link_GBps=)` and `diagram("pipeline_1f1b" | "pipeline_gpipe" | ..., tflops=,
 link_GBps=)`: timelines of a recorded step, FSDP forward and backward (a row per unit, its collectives on it)
-or a pipeline (a row per stage, blocks numbered by micro-batch; `same_scale_as=` another schedule's trace of
-the same model puts both on one axis), drawn to a time scale modeled from the recorded FLOPs and bytes
-at the stated rates (study.modeled) as inline SVG with a legend (study.timeline);
+or a pipeline (a row per stage, blocks numbered by micro-batch, zero bubble's I and W in their own colours,
+the bubble with equal stages and each stage's peak in flight under the legend; `same_scale_as=` another
+schedule's trace of the same model puts both on one axis), drawn to a time scale modeled from the recorded
+FLOPs and bytes at the stated rates (study.modeled) as inline SVG with a legend (study.timeline);
 `calibration="NAME"` instead of `tflops=` takes the FLOP rates a device measured at the trace's shapes
 (study.calibration); with `measured="TRACE"` (a trace a device recorded of the same step), its own
 timeline beside the modeled one.
@@ -218,6 +219,7 @@ def fsdp_forward(
     return _modeled_beside_measured(title, FSDP_COLORS, rates, fsdp_modeled(trace, rates), measured, fsdp_measured)
 
 
+SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "zb-h1": "ZB-H1", "zbv": "ZB-V", "dualpipev": "DualPipeV"}
 SAME_MODEL = ("pp", "m", "b", "s", "h", "layers")  # what two pipeline traces drawn on one scale must share
 
 
@@ -243,8 +245,10 @@ def pipeline(
                 + f"), so one time scale would compare unequal work; {RECORD}"
             )
         span = max(bar.end for bar in pipeline_modeled(same_scale_as, rates))
-    name = {"gpipe": "GPipe", "1f1b": "1F1B"}.get(trace["schedule"], trace["schedule"])
-    if trace.get("virtual_stages", 1) > 1:
+    name = SCHEDULE_NAMES.get(trace["schedule"], trace["schedule"])
+    if trace.get("v_shape"):
+        name += f" ({trace['virtual_stages']} stages per rank, in a V)"
+    elif trace.get("virtual_stages", 1) > 1:
         name = f"Interleaved 1F1B ({trace['virtual_stages']} chunks per stage)"
     title = f"{name}, {trace['pp']} stages, {trace['m']} micro-batches"
     if trace.get("layers"):

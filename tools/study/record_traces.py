@@ -4,8 +4,9 @@ come from.
 Runs tools/trace_worker.py on two ranks under torchrun (CPU, gloo) and writes DIR/tp_block.json,
 DIR/tp_block_llama.json, DIR/fsdp_forward.json and DIR/fsdp2_forward.json (default reading_notes/traces/, which
 is committed), then
-on four ranks (four pipeline stages) DIR/pipeline_gpipe.json, DIR/pipeline_1f1b.json and
-DIR/pipeline_interleaved.json. tests/tools/test_traces.py runs the same worker and fails when a fresh run no
+on four ranks (four pipeline stages) DIR/pipeline_gpipe.json, DIR/pipeline_1f1b.json,
+DIR/pipeline_interleaved.json and the zero-bubble DIR/pipeline_zb_h1.json, DIR/pipeline_zbv.json and
+DIR/pipeline_dualpipev.json. tests/tools/test_traces.py runs the same worker and fails when a fresh run no
 longer matches the committed traces, so re-record after changing the reference and commit the result. Then, in
 one process each, `python -m reference.measure.scale --json` traces a first, middle and last stage rank of the layouts
 in SCALE (fake process group, 70B shapes) into DIR/scale_*.json, checked by tests/reference/test_scale.py (which
@@ -50,7 +51,14 @@ PIPELINE_RANKS = 4  # trace_worker.PIPELINE_RANKS
 # each trace_worker.py launch: ranks, its `what` argument, and the traces it writes
 WORKER_RUNS = (
     (RANKS, "tp_fsdp", ("tp_block", "tp_block_llama", "fsdp_forward", "fsdp2_forward")),
-    (PIPELINE_RANKS, "pipeline", ("pipeline_gpipe", "pipeline_1f1b", "pipeline_interleaved")),
+    (
+        PIPELINE_RANKS,
+        "pipeline",
+        (
+            *("pipeline_gpipe", "pipeline_1f1b", "pipeline_interleaved"),
+            *("pipeline_zb_h1", "pipeline_zbv", "pipeline_dualpipev"),
+        ),
+    ),
 )
 # trace name -> python -m reference.measure.scale arguments: 70B on TP 8 x PP 8 x DP 64 (1F1B, DDP in 25 MiB buckets),
 # plain TP, with sequence parallelism, and with the distributed optimizer; then the same 4,096 ranks as TP 8 x DP 512
