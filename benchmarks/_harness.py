@@ -1,4 +1,4 @@
-"""What the bench_* scripts that compare implementations step by step share: timing them in turn, so that
+"""What the bench_* scripts share: their size flags, timing the implementations they compare in turn, so that
 machine noise hits them alike, and one recorded step of each for the bytes it sends."""
 
 from __future__ import annotations
@@ -9,7 +9,18 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from reference.arguments import add_flag
 from reference.measure.recorder import CollectiveRecorder
+
+
+def add_sizes(parser, **defaults: int) -> None:
+    """Whole-number size flags with these defaults, in this order: `batch_size` as --micro-batch-size (also
+    spelled --batch-size), any other as its name (`seq_length`: --seq-length)."""
+    for name, default in defaults.items():
+        if name == "batch_size":
+            add_flag(parser, "--micro-batch-size", "--batch-size", dest="batch_size", type=int, default=default)
+        else:
+            parser.add_argument("--" + name.replace("_", "-"), type=int, default=default)
 
 
 def interleaved_times(steps: dict[str, Callable[[], object]], rounds: int, cuda: bool) -> dict[str, list[float]]:

@@ -22,11 +22,11 @@ import statistics
 
 import torch
 import torch.distributed as dist
-from _harness import interleaved_times
+from _harness import add_sizes, interleaved_times
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import Qwen2ForCausalLM
 
-from reference.arguments import add_device_argument, add_flag
+from reference.arguments import add_device_argument
 from reference.distributed import distributed, one_line_errors
 from reference.gpt.hf_weights import load_hf_into_stage, qwen2_config
 from reference.gpt.model import GPTConfig
@@ -39,13 +39,8 @@ from reference.parallel_state import build_layout
 
 def parse_args(argv: list[str] | None = None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_flag(parser, "--micro-batch-size", "--batch-size", dest="batch_size", type=int, default=4)
-    parser.add_argument("--seq-length", type=int, default=128)
-    parser.add_argument("--hidden-size", type=int, default=256)
-    parser.add_argument("--num-attention-heads", type=int, default=8)
-    parser.add_argument("--num-kv-heads", type=int, default=2)
-    parser.add_argument("--num-layers", type=int, default=2)
-    parser.add_argument("--vocab-size", type=int, default=1024)
+    add_sizes(parser, batch_size=4, seq_length=128, hidden_size=256, num_attention_heads=8, num_kv_heads=2)
+    add_sizes(parser, num_layers=2, vocab_size=1024)
     parser.add_argument("--rounds", type=int, default=20, help="rounds; each times one step of both, in turn")
     parser.add_argument("--sequence-parallel", action="store_true")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")

@@ -30,6 +30,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from _harness import add_sizes
 
 from reference.arguments import add_device_argument, add_flag, steps
 from reference.data_parallel import DistributedDataParallel
@@ -49,10 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    parser.add_argument("--hidden-size", type=int, default=128)
-    parser.add_argument("--num-attention-heads", type=int, default=4)
-    parser.add_argument("--num-layers", type=int, default=4)
-    parser.add_argument("--seq-length", type=int, default=32)
+    add_sizes(parser, hidden_size=128, num_attention_heads=4, num_layers=4, seq_length=32)
     add_flag(
         parser,
         "--micro-batch-size",

@@ -24,6 +24,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from _harness import add_sizes
 
 from reference.arguments import add_flag, steps
 from reference.distributed import all_gather_single, distributed, reduce_scatter_single
@@ -48,10 +49,7 @@ CONFIGS = [  # (label, implementation, backward_prefetch, forward_prefetch)
 def build_parser(doc: str = __doc__, per: str = "configuration") -> argparse.ArgumentParser:
     """The flags bench_fsdp and bench_fsdp2 share: the GPT's sizes (its vocabulary fixed), the batch, the timing."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
-    parser.add_argument("--hidden-size", type=int, default=128)
-    parser.add_argument("--num-attention-heads", type=int, default=8)
-    parser.add_argument("--num-layers", type=int, default=4)
-    parser.add_argument("--seq-length", type=int, default=64)
+    add_sizes(parser, hidden_size=128, num_attention_heads=8, num_layers=4, seq_length=64)
     add_flag(
         parser, "--global-batch-size", "--batch-size", dest="batch_size", type=int, default=8, help="split over ranks"
     )

@@ -23,13 +23,12 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from reference.arguments import add_flag
 from reference.measure.torch_patches import cuda_calls_on_cpu
 
 if not torch.cuda.is_available():  # megatron's router moves its weight to torch.cuda.current_device()
     cuda_calls_on_cpu()
 
-from _harness import interleaved_times, recorded_traffic
+from _harness import add_sizes, interleaved_times, recorded_traffic
 from megatron.core import parallel_state as mpu
 from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec
 from megatron.core.transformer.moe import moe_utils
@@ -46,11 +45,7 @@ if not hasattr(moe_utils, "te_general_gemm"):  # bound only when Transformer Eng
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_flag(parser, "--micro-batch-size", "--batch-size", dest="batch_size", type=int, default=4)
-    parser.add_argument("--seq-length", type=int, default=128)
-    parser.add_argument("--hidden-size", type=int, default=256)
-    parser.add_argument("--ffn-hidden-size", type=int, default=512)
-    parser.add_argument("--num-experts", type=int, default=8)
+    add_sizes(parser, batch_size=4, seq_length=128, hidden_size=256, ffn_hidden_size=512, num_experts=8)
     parser.add_argument("--moe-router-topk", type=int, default=2, help="experts per token k")
     parser.add_argument(
         "--moe-expert-capacity-factor", type=float, default=None, help="capacity factor; default: dropless"

@@ -41,6 +41,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from _harness import add_sizes
 
 from reference.arguments import add_device_argument, steps
 from reference.distributed import distributed, one_line_errors
@@ -72,11 +73,7 @@ def parse_args() -> argparse.Namespace:
         metavar="V",
         help="model chunks per stage of the interleaved variant (1: no interleaved variant)",
     )
-    parser.add_argument("--seq-length", type=int, default=32)
-    parser.add_argument("--hidden-size", type=int, default=128)
-    parser.add_argument("--num-attention-heads", type=int, default=4)
-    parser.add_argument("--num-layers", type=int, default=8)
-    parser.add_argument("--vocab-size", type=int, default=128)
+    add_sizes(parser, seq_length=32, hidden_size=128, num_attention_heads=4, num_layers=8, vocab_size=128)
     parser.add_argument(
         "--bucket-size",
         type=int,

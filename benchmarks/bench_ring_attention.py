@@ -8,10 +8,12 @@ chunks r and 2 cp - 1 - r of 2 cp (reference.context_parallel.load_balance.shard
 `_cp_options.enable_load_balance` expects. Both compute the same attention of the same tensors, interleaved
 round by round so that machine noise hits them alike (benchmarks/_harness.py):
   * reference: reference.context_parallel.ring_attention, an autograd Function passing K/V by
-               batch_isend_irecv and merging its blocks by log-sum-exp, by hand in fp32;
+               batch_isend_irecv and merging its blocks by log-sum-exp in fp32, each block (query chunk
+               against key chunk) by the CPU flash-attention kernel, elsewhere by hand
+               (reference.context_parallel.blocks);
   * torch:     `_templated_ring_attention` and `_templated_ring_attention_backward`, with the CPU
-               flash-attention kernels per block (the op torch merges; on CUDA its ring flash wrappers),
-               K/V rotated by torch's rotater (--rotate: allgather, its default, or alltoall).
+               flash-attention kernels per step (benchmarks/_torch_ring.py; on CUDA its ring flash
+               wrappers), K/V rotated by torch's rotater (--rotate: allgather, its default, or alltoall).
 The median and fastest step of each are printed by rank 0, and their ratio reference / torch (the issue's
 target: at most 1.1). A first step of each checks that both give the same output and q/k/v gradients.
 """
@@ -19,7 +21,6 @@ target: at most 1.1). A first step of each checks that both give the same output
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import json
 import statistics
@@ -27,6 +28,7 @@ import statistics
 import torch
 import torch.distributed as dist
 from _harness import interleaved_times
+from _torch_ring import cp_options, torch_ring_attention
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.experimental._context_parallel import _attention as torch_cp
 
@@ -34,8 +36,7 @@ from reference.arguments import add_flag
 from reference.context_parallel import ring_attention, shard
 from reference.distributed import distributed, one_line_errors
 
-aten = torch.ops.aten
-ROTATERS = {"allgather": "ALL_GATHER", "alltoall": "ALL_TO_ALL"}
+ROTATERS = {"allgather": torch_cp._RotateMethod.ALL_GATHER, "alltoall": torch_cp._RotateMethod.ALL_TO_ALL}
 
 
 def parse_args():
@@ -54,37 +55,10 @@ def parse_args():
     return parser.parse_args()
 
 
-@contextlib.contextmanager
-def torch_cp_options(rotate: str):
-    """torch's module-level CP options (load balancing on, the rotater asked for), restored after."""
-    options = torch_cp._cp_options
-    saved = (options.enable_load_balance, options.rotate_method)
-    options.enable_load_balance, options.rotate_method = True, torch_cp._RotateMethod[ROTATERS[rotate]]
-    try:
-        yield
-    finally:
-        options.enable_load_balance, options.rotate_method = saved
-
-
-def _cpu_flash_forward(query, key, value, is_causal, **kwargs):
-    """torch's CPU flash attention: (out, logsumexp), what its ring merges block by block."""
-    return aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, is_causal)
-
-
-def _cpu_flash_backward(query, key, value, out, logsumexp, is_causal, grad_out, **kwargs):
-    return aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad_out, query, key, value, out, logsumexp, 0.0, is_causal
-    )
-
-
 def torch_step(q, k, v, grad, group, mesh) -> tuple[torch.Tensor, ...]:
     """torch's ring forward then backward on this rank's shards: (out, dq, dk, dv)."""
     if q.device.type == "cpu":
-        out, lse = torch_cp._templated_ring_attention(group, 2, _cpu_flash_forward, q, k, v, is_causal=True)[:2]
-        grads = torch_cp._templated_ring_attention_backward(
-            group, 2, _cpu_flash_backward, grad, "grad_out", q, k, v, out, lse, is_causal=True
-        )
-        return out, *grads[:3]
+        return torch_ring_attention(group, q, k, v, grad)
     # CUDA: torch's own ring flash wrappers, the backward fed the forward's extra outputs as its dispatcher does
     out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = torch_cp._scaled_dot_product_ring_flash_attention(
         mesh, q, k, v, is_causal=True
@@ -124,7 +98,7 @@ def _benchmark(args, device: torch.device) -> None:
         "reference": functools.partial(reference_step, q, k, v, grad, group),
         "torch": functools.partial(torch_step, q, k, v, grad, group, mesh),
     }
-    with torch_cp_options(args.rotate):
+    with cp_options(enable_load_balance=True, rotate_method=ROTATERS[args.rotate]):
         first = {name: step() for name, step in steps.items()}  # also the warm-up
         for name, ours, theirs in zip(("out", "dq", "dk", "dv"), first["reference"], first["torch"]):
             tol = 2e-2 if cuda else 1e-4

@@ -41,9 +41,9 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _timed(cmd: list[str]) -> tuple[float, float]:
-    """(wall seconds, CPU seconds) of one run of `cmd` from the repository root; a failed run stops the
-    benchmark. The CPU time (user + system) says what the run cost where other jobs share the cores."""
+def _timed(cmd: list[str]) -> tuple[float, float, subprocess.CompletedProcess]:
+    """(wall seconds, CPU seconds, the finished process) of one run of `cmd` from the repository root; a failed
+    run stops the benchmark. The CPU time (user + system) says what the run cost where other jobs share the cores."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True)
@@ -51,18 +51,12 @@ def _timed(cmd: list[str]) -> tuple[float, float]:
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0:
         sys.exit(f"bench_tools: {' '.join(cmd)} exited {proc.returncode}: {(proc.stdout + proc.stderr)[-2000:]}")
-    return elapsed, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return elapsed, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), proc
 
 
 def torch_modules_in_check() -> int:
     """How many torch modules `check` imports, from -X importtime."""
-    proc = subprocess.run(
-        [str(PYTHON), "-X", "importtime", "-m", "pin_and_cite", "check"],
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-    )
+    proc = _timed([str(PYTHON), "-X", "importtime", "-m", "pin_and_cite", "check"])[2]
     return sum(
         1
         for line in proc.stderr.splitlines()

@@ -25,13 +25,12 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from reference.arguments import add_flag
 from reference.measure.torch_patches import cuda_calls_on_cpu
 
 if not torch.cuda.is_available():  # megatron allocates some buffers on torch.cuda.current_device()
     cuda_calls_on_cpu()
 
-from _harness import interleaved_times, recorded_traffic
+from _harness import add_sizes, interleaved_times, recorded_traffic
 from megatron.core import parallel_state as mpu
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.tensor_parallel import ColumnParallelLinear as MegatronColumn
@@ -54,11 +53,7 @@ from reference.tensor_parallel.transformer import init_method_normal
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_flag(parser, "--micro-batch-size", "--batch-size", dest="batch_size", type=int, default=4)
-    parser.add_argument("--seq-length", type=int, default=128)
-    parser.add_argument("--hidden-size", type=int, default=512)
-    parser.add_argument("--num-attention-heads", type=int, default=8)
-    parser.add_argument("--num-layers", type=int, default=2)
+    add_sizes(parser, batch_size=4, seq_length=128, hidden_size=512, num_attention_heads=8, num_layers=2)
     parser.add_argument(
         "--rounds", type=int, default=30, help="rounds; each times one step of every implementation, in turn"
     )
@@ -141,21 +136,17 @@ def _benchmark(args, device: torch.device) -> None:
     layout = build_layout(world)
     mesh = init_device_mesh(device.type, (world,))
     shape = (args.num_layers, args.hidden_size, args.num_attention_heads)
-    torch.manual_seed(0)
-    sp = args.sequence_parallel
-    models = {"reference": parallelize(gpt_blocks(*shape, device=device), layout, sequence_parallel=sp)}
+    models = {}
     for variant, flags in (
+        ("reference", {}),
         ("ref-sync", dict(async_grad_allreduce=False)),
         ("ref-fusion", dict(gradient_accumulation_fusion=True)),
+        ("megatron", {}),  # its linear layers swapped below, right after it is built
     ):
         torch.manual_seed(0)
-        models[variant] = parallelize(gpt_blocks(*shape, device=device), layout, sequence_parallel=sp, **flags)
-    torch.manual_seed(0)
-    models["megatron"] = megatron_swap(
-        parallelize(gpt_blocks(*shape, device=device), layout, sequence_parallel=sp),
-        args,
-        device,
-    )
+        blocks = gpt_blocks(*shape, device=device)
+        models[variant] = parallelize(blocks, layout, sequence_parallel=args.sequence_parallel, **flags)
+    models["megatron"] = megatron_swap(models["megatron"], args, device)
     torch.manual_seed(0)
     models["dtensor"] = dtensor_model(args, mesh, device)
     x = torch.randn(args.seq_length, args.batch_size, args.hidden_size, generator=torch.Generator().manual_seed(1))

@@ -70,19 +70,22 @@ def build_history() -> tuple[Path, dict[str, str]]:
     repo = CACHE / f"history-{'-'.join(VERSIONS)}"
     if not (repo / ".git").exists():
         subprocess.run(["rm", "-rf", str(repo)], check=True)
-        subprocess.run(GIT + ["init", "-q", str(repo)], check=True)
-        for version in VERSIONS:
-            subprocess.run(["git", "-C", str(repo), "rm", "-rq", "--ignore-unmatch", "megatron"], check=True)
-            with zipfile.ZipFile(wheel(version)) as whl:
-                for name in whl.namelist():
-                    if name.startswith("megatron/core/") and name.endswith(".py"):
-                        (repo / name).parent.mkdir(parents=True, exist_ok=True)
-                        (repo / name).write_bytes(whl.read(name))
-            subprocess.run(["git", "-C", str(repo), "add", "-A"], check=True)
-            subprocess.run(GIT + ["-C", str(repo), "commit", "-qm", f"megatron-core {version}"], check=True)
-            subprocess.run(["git", "-C", str(repo), "tag", f"v{version}"], check=True)
+        commit_history(repo, {f"v{version}": wheel_files(version) for version in VERSIONS})
     commits = {v: git(repo, "rev-parse", f"v{v}^{{commit}}").strip() for v in VERSIONS}
     return repo, commits
+
+
+def commit_history(where: Path, commits: dict[str, dict[str, str]]) -> None:
+    """A repository at `where` holding one commit per entry (tag -> path -> text), in order, each tagged."""
+    subprocess.run(GIT + ["init", "-q", str(where)], check=True)
+    for tag, files in commits.items():
+        subprocess.run(["git", "-C", str(where), "rm", "-rq", "--ignore-unmatch", "."], check=True)
+        for rel, text in files.items():
+            (where / rel).parent.mkdir(parents=True, exist_ok=True)
+            (where / rel).write_text(text)
+        subprocess.run(["git", "-C", str(where), "add", "-A"], check=True)
+        subprocess.run(GIT + ["-C", str(where), "commit", "-qm", tag], check=True)
+        subprocess.run(["git", "-C", str(where), "tag", tag], check=True)
 
 
 def git(repo: Path, *args: str) -> str:
@@ -135,9 +138,7 @@ def qualified_spans(lines: list[str]) -> dict[str, list[tuple[int, int]]]:
                 top = min([child.lineno] + [d.lineno for d in child.decorator_list])
                 spans.setdefault(name, []).append((top, child.end_lineno))
                 stack.append((child, name + "."))
-            elif isinstance(child, ast.stmt):
-                stack.append((child, prefix))
-            elif isinstance(child, ast.excepthandler):
+            elif isinstance(child, (ast.stmt, ast.excepthandler)):
                 stack.append((child, prefix))
     return spans
 
@@ -227,7 +228,9 @@ def through_diff(hunks: list, start: int, end: int) -> tuple[str, tuple | None]:
 # -- one pair --------------------------------------------------------------------------------------------
 
 
-def engine(repo: Path, old: str, new: str, cites: list[str]) -> tuple[list[dict], float]:
+def engine(repo: Path, old: str, new: str, cites: list[str], cache: Path = CACHE / "pin-and-cite"):
+    """`pin-and-cite relocate` of `cites` from `old` to `new` in one process: its answers, and its wall seconds
+    (relocate_crossfile runs it too)."""
     started = time.perf_counter()
     proc = subprocess.run(
         [str(ROOT / "tools" / "pin-and-cite"), "relocate", "--source", str(repo), "--from", old, "--to", new]
@@ -235,7 +238,7 @@ def engine(repo: Path, old: str, new: str, cites: list[str]) -> tuple[list[dict]
         input="\n".join(cites) + "\n",
         capture_output=True,
         text=True,
-        env={**os.environ, "PIN_AND_CITE_CACHE": str(CACHE / "pin-and-cite")},
+        env={**os.environ, "PIN_AND_CITE_CACHE": str(cache)},
     )
     if proc.returncode not in (0, 1):
         raise SystemExit(f"relocate failed: {proc.stderr}")

@@ -24,10 +24,8 @@ Silent wrong pointer: an unchanged/moved answer whose lines at its path do not h
 Time: wall and CPU seconds of one `relocate` process per set (same-file, cross-file), CPU being steadier on a
 shared machine. Reads: the blobs (and KiB) the runs put in their cache, against the new commit's files.
 
-    .venv/bin/python benchmarks/relocate_crossfile.py [--seeds 5] [--megatron] [--cli tools/pin-and-cite]
+    .venv/bin/python benchmarks/relocate_crossfile.py [--seeds 5] [--megatron]
     .venv/bin/python benchmarks/relocate_crossfile.py --mirror /work/.mirror/NVIDIA+Megatron-LM/repo
-
-`--cli` runs another checkout's CLI on the same citations (to compare times with the engine before this change).
 """
 
 from __future__ import annotations
@@ -35,19 +33,16 @@ from __future__ import annotations
 import argparse
 import ast
 import functools
-import json
-import os
 import random
 import resource
 import subprocess
 import tempfile
-import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 # the same PyPI wheel cache and the same ground-truth helpers (benchmarks/ is on the path)
-from relocate_accuracy import CACHE, GIT, ROOT, lines, norm, qualified_spans, wheel_files
+from relocate_accuracy import CACHE, commit_history, engine, lines, norm, qualified_spans, wheel_files
 
 # -- synthetic histories ----------------------------------------------------------------------------------
 
@@ -230,18 +225,6 @@ def mirror(repo: Path, old_ref: str, new_ref: str) -> History:
 # -- the repository and the citations ------------------------------------------------------------------
 
 
-def commit_history(where: Path, old: dict[str, str], new: dict[str, str]) -> None:
-    subprocess.run(GIT + ["init", "-q", str(where)], check=True)
-    for tag, files in (("old", old), ("new", new)):
-        subprocess.run(["git", "-C", str(where), "rm", "-rq", "--ignore-unmatch", "."], check=True)
-        for rel, text in files.items():
-            (where / rel).parent.mkdir(parents=True, exist_ok=True)
-            (where / rel).write_text(text)
-        subprocess.run(["git", "-C", str(where), "add", "-A"], check=True)
-        subprocess.run(GIT + ["-C", str(where), "commit", "-qm", tag], check=True)
-        subprocess.run(["git", "-C", str(where), "tag", tag], check=True)
-
-
 def unique_definitions(text: str) -> dict[str, tuple[int, int]]:
     """Qualified name -> (first decorator or def line, last line) of each name defined once."""
     return {name: s[0] for name, s in qualified_spans(lines(text)).items() if len(s) == 1}
@@ -309,11 +292,11 @@ class History:
 
 def built(old: dict[str, str], new: dict[str, str], cited: list[str], work: Path) -> History:
     """A two-commit repository of these files, under `work`."""
-    commit_history(work / "repo", old, new)
+    commit_history(work / "repo", {"old": old, "new": new})
     return History(work / "repo", ("old", "new"), old, new, {p for p in new if old.get(p) == new[p]}, cited)
 
 
-def score(history: History, cli: str, work: Path) -> tuple[Counter, dict[str, float]]:
+def score(history: History, work: Path) -> tuple[Counter, dict[str, float]]:
     index = line_index(history.new_lines)
     cases = citations(history.old, history.cited)
     truths = [truth(history, index, path, span) for _, path, span in cases]
@@ -328,22 +311,12 @@ def score(history: History, cli: str, work: Path) -> tuple[Counter, dict[str, fl
         picked = [(c, t) for c, t in zip(cases, truths) if (t[0] == "same-file") == (kind == "same-file")]
         if not picked:
             continue
-        started, cpu = time.perf_counter(), _children_cpu()
-        proc = subprocess.run(
-            [cli, "relocate", "--source", str(history.repo), "--from", history.refs[0], "--to", history.refs[1]]
-            + ["--json", "-"],
-            input="".join(c[0] + "\n" for c, _ in picked),
-            capture_output=True,
-            text=True,
-            env={**os.environ, "PIN_AND_CITE_CACHE": str(work / "cache")},
-        )
-        seconds[kind] = time.perf_counter() - started
+        cpu = _children_cpu()
+        answers, seconds[kind] = engine(history.repo, *history.refs, [c[0] for c, _ in picked], work / "cache")
         seconds[f"{kind} cpu"] = _children_cpu() - cpu
         stored = [f.stat().st_size for f in (work / "cache" / "blobs").rglob("*") if f.is_file()]
         tally["blobs read"], tally["KiB read"] = len(stored), sum(stored) // 1024  # by both runs so far
-        if proc.returncode not in (0, 1):
-            raise SystemExit(f"relocate failed: {proc.stderr}")
-        for ((_cite, path, span), (category, where)), answer in zip(picked, json.loads(proc.stdout)):
+        for ((_cite, path, span), (category, where)), answer in zip(picked, answers):
             status, answer_lines = answer["status"], answer["lines"]
             at = answer.get("path") or path
             tally[category] += 1
@@ -367,7 +340,6 @@ def main() -> None:
     parser.add_argument("--megatron", action="store_true", help="megatron-core 0.9.0 -> 0.10.0 instead")
     parser.add_argument("--mirror", type=Path, help="a Megatron-LM clone: score each pair of adjacent --tags")
     parser.add_argument("--tags", default="core_v0.16.1,core_v0.17.0,core_v0.18.0,core_v0.19.0")
-    parser.add_argument("--cli", default=str(ROOT / "tools" / "pin-and-cite"), help="the pin-and-cite to run")
     args = parser.parse_args()
     if args.mirror:
         tags = args.tags.split(",")
@@ -383,7 +355,7 @@ def main() -> None:
     for name, history in histories:
         with tempfile.TemporaryDirectory(dir=CACHE.mkdir(parents=True, exist_ok=True) or CACHE) as work:
             work = Path(work)
-            tally, seconds = score(history(work), args.cli, work)
+            tally, seconds = score(history(work), work)
         total.update(tally)
         total_seconds.update(seconds)
         print(

@@ -115,14 +115,7 @@ def refuse_large_world(parser: argparse.ArgumentParser, **sizes: int) -> None:
         parser.error(f"{named} = {world:,} ranks; at most {MAX_WORLD:,} ({WORLD_WHY})")
 
 
-def learning_rate(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (0 < value < math.inf):
-        raise argparse.ArgumentTypeError(f"expected a positive, finite learning rate, got {text!r}")
-    return value
+learning_rate = positive_finite("learning rate")
 
 
 def output_dir(text: str) -> Path:

@@ -38,7 +38,7 @@ from reference.moe.parallelize import parallelize_moe
 from reference.parallel_state import ParallelConfigError, ParallelLayout
 from reference.recompute import check_mode, set_recompute
 
-# The DP form by its ZeRO stage (Rajbhandari et al. 2020): what each DP rank keeps 1/dp of.
+# The DP form by its ZeRO stage (Rajbhandari et al. 2020): what each rank of dp x cp keeps 1/(dp cp) of.
 DP_SHARDING = {
     "replicate": "nothing (ZeRO-0): DDP, gradients all-reduced in buckets",
     "optimizer": "the optimizer state (ZeRO-1): the distributed optimizer",

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import BackwardPrefetch, FSDPModule, ShardingStrategy, StateDictType, fully_shard
+from torch.distributed.fsdp import BackwardPrefetch, FSDPModule, ShardingStrategy, StateDictType
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp._flat_param import FlatParameter
 from torch.distributed.tensor import DTensor
@@ -82,8 +82,8 @@ REFERENCE_RUNS = {
 
 
 def build(implementation: str, options: dict) -> nn.Module:
-    """The GPT at CONFIG, seeded, sharded one unit per layer and then the root by torch's FSDP1 or FSDP2, or the
-    reference's ("reference", "reference-fsdp2": reference.fsdp.units.shard_model)."""
+    """The GPT at CONFIG, seeded, sharded one unit per layer and then the root by torch's FSDP1, or by
+    reference.fsdp.units.shard_model (torch's FSDP2, the reference's FSDP1 and FSDP2)."""
     model = GPT(CONFIG, SEED)
     if implementation == "reference":
         return shard_model(model, implementation, dist.group.WORLD, **{"backward_prefetch": "BACKWARD_PRE", **options})
@@ -93,17 +93,8 @@ def build(implementation: str, options: dict) -> nn.Module:
             model.layers[index] = FSDP(layer, device_id=cpu, **options)
         return FSDP(model, device_id=cpu, **options)
     options = dict(options)
-    forward, backward = options.pop("forward_prefetch", False), options.pop("backward_prefetch", False)
-    if implementation == "reference-fsdp2":
-        model = shard_model(model, implementation, dist.group.WORLD, **options)
-    else:
-        for layer in model.layers:
-            fully_shard(layer, **options)
-        fully_shard(model, **options)
-    units = [model, *model.layers]
-    if forward:
-        for unit, following in zip(units, units[1:]):
-            unit.set_modules_to_forward_prefetch([following])
+    backward = options.pop("backward_prefetch", False)
+    model = shard_model(model, implementation, dist.group.WORLD, **options)  # forward_prefetch: each the next
     if backward:
         model.set_modules_to_backward_prefetch(list(reversed(model.layers)))
     return model

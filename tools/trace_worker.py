@@ -58,7 +58,7 @@ from reference.measure.pipeline_meter import PipelineMeter
 from reference.measure.recorder import CollectiveRecorder
 from reference.parallel_state import build_layout
 from reference.pipeline.zero_bubble import V_SCHEDULES, ZERO_BUBBLE_SCHEDULES
-from study.traces import EVENT_KEYS  # what the site's trace comparison reads
+from study.traces import EVENT_KEYS, PIPELINE_STAGE_KEYS, SPAN_KEYS  # what the site's trace comparison reads
 
 TP_SHAPE = dict(s=8, b=2, heads=4)
 TP_HIDDEN = (64, 128)  # two sizes: bytes grow like h, FLOPs like a*h^2 + c*h
@@ -134,7 +134,7 @@ def tp_block_model(style: str, h: int, tp_group) -> tuple[torch.nn.Module, objec
 
 def tp_block(world: int, style: str = "gpt2") -> dict:
     layout = build_layout(world)
-    s, b, heads = TP_SHAPE["s"], TP_SHAPE["b"], TP_SHAPE["heads"]
+    s, b = TP_SHAPE["s"], TP_SHAPE["b"]
     runs = []
     for h in TP_HIDDEN:
         torch.manual_seed(SEED)
@@ -153,9 +153,7 @@ def tp_block(world: int, style: str = "gpt2") -> dict:
         "kind": "tp_block",
         "world": world,
         "tp": layout.tp_size,
-        "s": s,
-        "b": b,
-        "heads": heads,
+        **TP_SHAPE,  # s, b, heads
         "style": style,
         "kv_heads": TP_KV_HEADS[style],
         "dtype": "float32",
@@ -201,16 +199,7 @@ def fsdp_forward(world: int, implementation: str = "reference") -> dict:
         "forward_flops_per_token": flops / (FSDP_BATCH * FSDP_CONFIG.seq_length),
         "units": fsdp_units(model, world),
         "events": [{**{k: e[k] for k in EVENT_KEYS}, "flops": e["flops"], **_times(e)} for e in record["events"]],
-        "spans": [
-            {
-                "name": s["name"],
-                "phase": s["phase"],
-                "flops_start": s["flops_start"],
-                "flops_end": s["flops_end"],
-                **_times(s),
-            }
-            for s in record["spans"]
-        ],
+        "spans": [{**{k: s[k] for k in SPAN_KEYS}, **_times(s)} for s in record["spans"]],
     }
 
 
@@ -252,16 +241,10 @@ def pipeline(schedule: str, virtual_stages: int = 1) -> dict:
     )
     p2p = [{k: e[k] for k in EVENT_KEYS} for e in recorder.to_dict()["events"] if e["op"] in P2P_OPS]
     mine = {
-        "pp_rank": result.pp_rank,
-        "actions": result.actions,
+        **{key: getattr(result, key) for key in PIPELINE_STAGE_KEYS},
         "action_spans": [
             [round(a - result.start_s, 6), round(b - result.start_s, 6)] for a, b in result.action_spans
         ],  # seconds from the schedule's start
-        "action_flops": result.action_flops,
-        "peak_in_flight": result.peak_in_flight,
-        "peak_in_flight_measured": result.peak_in_flight_measured,
-        "peak_activation_bytes": result.peak_activation_bytes,
-        "peak_weight_grad_bytes": result.peak_weight_grad_bytes,
         "busy_s": round(result.busy_s, 6),
         "total_s": round(result.total_s, 6),
         "p2p": p2p,

@@ -140,7 +140,7 @@ def check(args) -> GPTConfig:
     if args.dp_sharding in ZERO:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         _, _, dp = parallel_sizes(world, args.tp, args.pp, args.dp, args.cp)
-        if dp == 1:
+        if dp * args.cp == 1:  # the shards are over dp x cp, as megatron's distributed optimizer's
             raise ParallelConfigError(
                 f"--dp-sharding {args.dp_sharding} shards {ZERO[args.dp_sharding]} over the data-parallel group, "
                 f"but dp is 1 "

@@ -78,28 +78,22 @@ def issue_order(recorder: CollectiveRecorder, prefetches: Prefetches) -> list[di
     return [entry for _, entry in sorted(timed, key=lambda pair: pair[0])]
 
 
-@contextlib.contextmanager
-def unit_scopes(model: torch.nn.Module) -> Iterator[Prefetches]:
+def unit_scopes(model: torch.nn.Module) -> contextlib.AbstractContextManager[Prefetches]:
     """Scope the collectives (and, for the reference FSDP, the compute) of `model`'s units while inside, and
-    note which all-gathers were prefetches."""
+    note which all-gathers were prefetches: by the first of the four FSDPs that wraps a module of `model`."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 
     modules = list(model.modules())
-    if any(isinstance(m, FullyShardedDataParallel) for m in modules):
-        with reference_fsdp_unit_scopes(model) as prefetches:
-            yield prefetches
-    elif any(isinstance(m, FSDP1) for m in modules):
-        with torch_fsdp1_unit_scopes(model) as prefetches:
-            yield prefetches
-    elif any(STATE_ATTR in m.__dict__ for m in modules):
-        with reference_fsdp2_unit_scopes(model) as prefetches:
-            yield prefetches
-    elif any(isinstance(m, FSDPModule) for m in modules):
-        with torch_fsdp2_unit_scopes(model) as prefetches:
-            yield prefetches
-    else:
-        yield Prefetches()
+    for wraps, scopes in (
+        (lambda m: isinstance(m, FullyShardedDataParallel), reference_fsdp_unit_scopes),
+        (lambda m: isinstance(m, FSDP1), torch_fsdp1_unit_scopes),
+        (lambda m: STATE_ATTR in m.__dict__, reference_fsdp2_unit_scopes),
+        (lambda m: isinstance(m, FSDPModule), torch_fsdp2_unit_scopes),
+    ):
+        if any(map(wraps, modules)):
+            return scopes(model)
+    return contextlib.nullcontext(Prefetches())
 
 
 @contextlib.contextmanager

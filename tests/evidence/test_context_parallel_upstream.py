@@ -1,11 +1,10 @@
 """Upstream evidence for context parallelism, run here on CPU/gloo: torch's `_templated_ring_attention` and its
 backward (the CPU flash-attention kernels as the per-block op), causal, head-tail balanced and not, against
 unsharded SDPA and the reference ring; torch's head-tail balancer's indices and megatron-core's
-`get_batch_on_this_cp_rank` split against the reference shard."""
+`get_batch_on_this_cp_rank` split against the reference shard; megatron-core's distributed optimizer sharded over
+dp x cp."""
 
 from __future__ import annotations
-
-import contextlib
 
 import pytest
 import torch
@@ -13,34 +12,13 @@ import torch.nn.functional as F
 from torch.distributed.tensor.experimental._context_parallel import _attention as torch_cp
 from torch.distributed.tensor.experimental._context_parallel._load_balancer import _HeadTailLoadBalancer
 
+from benchmarks._torch_ring import cp_options, torch_ring_attention
 from reference.context_parallel import ring_attention, ring_blocks, shard
+from reference.measure.recorder import CollectiveRecorder
+from reference.measure.torch_patches import cuda_calls_on_cpu
 from tests.ranks import on_ranks
-
-aten = torch.ops.aten
-
-
-@contextlib.contextmanager
-def _torch_cp_options(balanced: bool, rotate: str = "ALL_GATHER"):
-    """torch's module-level CP options for the block, restored after."""
-    options = torch_cp._cp_options
-    saved = (options.enable_load_balance, options.rotate_method)
-    options.enable_load_balance, options.rotate_method = balanced, torch_cp._RotateMethod[rotate]
-    try:
-        yield
-    finally:
-        options.enable_load_balance, options.rotate_method = saved
-
-
-def _flash_forward(query, key, value, is_causal, **kwargs):
-    """torch's CPU flash attention: (out, logsumexp), the op its ring merges."""
-    return aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, is_causal)
-
-
-def _flash_backward(query, key, value, out, logsumexp, is_causal, grad_out, **kwargs):
-    """The CPU flash backward: (dq, dk, dv) from the merged out and logsumexp."""
-    return aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad_out, query, key, value, out, logsumexp, 0.0, is_causal
-    )
+from tests.reference.helpers import megatron_parallel_state
+from tests.reference.test_distributed_optimizer import CudaTypeNames
 
 
 def _qkv(seq: int = 16, seed: int = 0):
@@ -51,12 +29,8 @@ def _qkv(seq: int = 16, seed: int = 0):
 def _torch_ring(ranks, balanced: bool, rotate: str = "ALL_GATHER"):
     """torch's ring attention forward and backward on this rank's shards: (out, dq, dk, dv)."""
     q, k, v, grad = (shard(t, 2, ranks.rank, ranks.world, balanced) for t in _qkv())
-    with _torch_cp_options(balanced, rotate):
-        out, lse = torch_cp._templated_ring_attention(ranks.group, 2, _flash_forward, q, k, v, is_causal=True)[:2]
-        grads = torch_cp._templated_ring_attention_backward(
-            ranks.group, 2, _flash_backward, grad, "grad_out", q, k, v, out, lse, is_causal=True
-        )[:3]
-    return out, *grads
+    with cp_options(enable_load_balance=balanced, rotate_method=torch_cp._RotateMethod[rotate]):
+        return torch_ring_attention(ranks.group, q, k, v, grad)
 
 
 def _reference_ring(ranks, balanced: bool):
@@ -124,7 +98,7 @@ def test_megatron_get_batch_on_this_cp_rank_equals_the_reference_cp_shard(ranks)
 def test_torch_is_causal_behavior_per_ring_step_matches_the_reference_cp_blocks(cp, balanced):
     """torch decides per (rank, step) whether to run the block causal, full or not at all; the reference's
     blocks of that step are then: some masked (step 0), all full or skipped, or all skipped."""
-    with _torch_cp_options(balanced):
+    with cp_options(enable_load_balance=balanced):
         for rank, steps in enumerate(ring_blocks(cp, balanced)):
             for step, blocks in enumerate(steps):
                 behavior = torch_cp._is_causal_behavior(rank, cp, step, is_causal=True)
@@ -135,3 +109,44 @@ def test_torch_is_causal_behavior_per_ring_step_matches_the_reference_cp_blocks(
                     torch_cp._CausalBehavior.SKIP: kinds == {"skipped"},
                 }[behavior]
                 assert expected, (rank, step, behavior, blocks)
+
+
+@pytest.mark.upstream("megatron-lm")
+@on_ranks(2)
+def test_megatron_cp_distributed_optimizer_shards_over_dp_times_cp(ranks):
+    """megatron-core's distributed optimizer (get_megatron_optimizer) at CP 2 x DP 1 (world 2): built on the
+    dp x cp group, each rank holds the fp32 masters of half the parameters, and a step reduce-scatters the
+    gradients, all-reduces its found-inf flag and all-gathers the parameters over both ranks: what
+    `--cp 2 --dp-sharding optimizer` does at dp 1."""
+    from megatron.core.distributed import DistributedDataParallel as MegatronDDP
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer import TransformerConfig
+
+    cuda_calls_on_cpu()  # megatron's buffers allocate on torch.cuda.current_device()
+    torch.manual_seed(0)
+    module = torch.nn.Linear(64, 64, bias=False).to(torch.bfloat16)
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    with megatron_parallel_state(context_parallel_size=2), CudaTypeNames():
+        config = TransformerConfig(
+            num_layers=1, hidden_size=64, num_attention_heads=1, bf16=True, params_dtype=torch.bfloat16
+        )
+        ddp = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True)
+        model = MegatronDDP(config, ddp, module)
+        optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=0.1, bf16=True, clip_grad=0.0, use_distributed_optimizer=True),
+            [model],
+            use_gloo_process_groups=False,
+        )
+        inner = optimizer.chained_optimizers[0] if hasattr(optimizer, "chained_optimizers") else optimizer
+        with CollectiveRecorder() as rec:
+            (model(x.chunk(2)[ranks.rank]).float() ** 2).mean().backward()
+            model.finish_grad_sync()
+            optimizer.step()
+        assert inner.data_parallel_group.size() == 2
+        assert sum(m.numel() for group in inner.shard_fp32_from_float16_groups for m in group) == 64 * 64 // 2
+    assert [(e.op, e.group_ranks) for e in rec.events] == [
+        ("reduce_scatter", (0, 1)),
+        ("all_reduce", (0, 1)),
+        ("all_gather", (0, 1)),
+    ]

@@ -12,7 +12,6 @@ head-tail balancing rank r holds chunks r and 2·cp−1−r. Megatron's reductio
 
 from __future__ import annotations
 
-import contextlib
 from unittest import mock
 
 import pytest
@@ -27,6 +26,8 @@ from torch.distributed.tensor.experimental._context_parallel._load_balancer impo
     _HeadTailLoadBalancer,
 )
 
+from benchmarks._torch_ring import FLASH, FLASH_BACKWARD, cp_options
+from reference.context_parallel import load_balance
 from reference.measure.recorder import CollectiveRecorder
 from reference.measure.torch_patches import cuda_calls_on_cpu
 from tests.ranks import on_ranks
@@ -35,9 +36,7 @@ from tests.reference.helpers import every_rank, megatron_parallel_state
 pytestmark = pytest.mark.upstream("pytorch")
 
 B, HEADS, S, D = 2, 2, 16, 8
-FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 F32 = 1e-6  # torch merges (and accumulates gradients) in float32 (`convert_to_f32`, default True), float64 here
-FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 
 
 def qkv(seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -47,13 +46,13 @@ def qkv(seed: int = 0) -> tuple[torch.Tensor, ...]:
 
 
 def head_tail(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
-    """Rank `rank`'s head-tail shard: chunks r and 2·world−1−r of 2·world, concatenated (Megatron's split)."""
-    chunks = t.chunk(2 * world, dim=2)
-    return torch.cat([chunks[rank], chunks[2 * world - 1 - rank]], dim=2)
+    """Rank `rank`'s head-tail shard: chunks r and 2·world−1−r of 2·world, concatenated (Megatron's split; that
+    it is torch's balancer's: test_torch_head_tail_load_balancer_indices_equal_the_reference_cp_shard)."""
+    return load_balance.shard(t, 2, rank, world)
 
 
 def contiguous_shard(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
-    return t.chunk(world, dim=2)[rank]
+    return load_balance.shard(t, 2, rank, world, balanced=False)
 
 
 class RecordedOp:
@@ -66,19 +65,6 @@ class RecordedOp:
         contiguous = k.is_contiguous() and v.is_contiguous()
         self.calls.append({"q": q.shape[2], "k": k.shape[2], "is_causal": is_causal, "contiguous": contiguous})
         return FLASH(q, k, v, is_causal=is_causal, **kwargs)
-
-
-@contextlib.contextmanager
-def cp_options(**options):
-    """torch's module-level `_cp_options` set for the body, restored after."""
-    saved = {name: getattr(cp._cp_options, name) for name in options}
-    for name, value in options.items():
-        setattr(cp._cp_options, name, value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(cp._cp_options, name, value)
 
 
 def ring(shard, balanced: bool, rotate=cp._RotateMethod.ALL_GATHER, seed: int = 0):
@@ -166,8 +152,6 @@ def test_cp_head_tail_balancer_pairs_chunk_r_with_chunk_2cp_minus_1_minus_r():
     order = _HeadTailLoadBalancer(16, 2, "cpu")._generate_indices()[0]
     restore = _HeadTailLoadBalancer(16, 2, "cpu")._generate_indices(restore=True)[0]
     assert torch.equal(order[restore], torch.arange(16, dtype=order.dtype))
-    t = torch.arange(16).view(1, 1, 16, 1)
-    assert torch.equal(torch.cat([head_tail(t, r, 2) for r in range(2)], dim=2).flatten(), order.long())
     with cp_options(enable_load_balance=True):
         assert isinstance(_create_default_load_balancer(16, 2, "cpu"), _HeadTailLoadBalancer)
         assert _create_default_load_balancer(18, 2, "cpu") is None

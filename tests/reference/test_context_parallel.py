@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from reference.context_parallel import (
     all_gather_attention,
     block_counts,
+    blocks,
     positions,
     ring_attention,
     ring_blocks,
@@ -75,6 +76,26 @@ def test_ring_attention_in_bf16_stays_close_to_fp32_sdpa(ranks):
     out = ring_attention(*local, ranks.group)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), shard(expected, 2, ranks.rank, 2), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_cp_block_by_hand_equals_the_fused_kernel_forward_and_backward(dtype):
+    """The formulas blocks.py teaches (and runs where the device has no fused kernel) against the CPU flash
+    kernel the ring runs here, for the second query chunk's two blocks, the earlier keys (full) and its own
+    (masked): the same (out, lse) and, from their merged (out, lse), the same (dq, dk, dv)."""
+    q, k, v, grad = (t.to(dtype) for t in _qkv(8))
+    queries, grad = q[:, :, 4:], grad[:, :, 4:]
+    two_blocks = [(k[:, :, :4], v[:, :, :4], False), (k[:, :, 4:], v[:, :, 4:], True)]
+    scale, tol = 8**-0.5, {torch.float64: 1e-12, torch.float32: 1e-5}[dtype]
+    merged = (torch.zeros_like(queries), torch.full_like(queries[..., :1], float("-inf")))
+    for block in two_blocks:
+        expected = blocks.by_hand(queries, *block, scale)
+        torch.testing.assert_close(blocks.attend(queries, *block, scale), expected, rtol=tol, atol=tol)
+        merged = blocks.merge(*merged, *expected)
+    for key, value, masked in two_blocks:
+        fused = blocks.attend_backward(queries, key, value, *merged, grad, masked, scale)
+        by_hand = blocks.backward_by_hand(queries, key, value, *merged, grad, masked, scale)
+        torch.testing.assert_close(fused, by_hand, rtol=tol, atol=tol)
 
 
 @on_ranks(2)

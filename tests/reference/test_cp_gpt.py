@@ -60,6 +60,30 @@ def test_cp_2_composes_with_tp_pp_and_dp_at_the_unsharded_losses(ranks, sizes):
         assert abs(got - expected) < 2e-6, (got, expected)
 
 
+@on_ranks(2)
+@pytest.mark.parametrize("sharding", ["optimizer", "gradients"], ids=["zero1", "zero2"])
+def test_cp_2_shards_zero_over_dp_x_cp_at_the_unsharded_losses(ranks, sharding):
+    """dp 1, cp 2: ZeRO-1 and ZeRO-2 have two ranks to shard over, the dp x cp group (megatron's distributed
+    optimizer's), which is here the cp group: gradients reduce-scattered, parameters all-gathered on it, once a
+    step (one bucket), no all-reduce."""
+    steps = cp_steps("--cp", "2", "--dp-sharding", sharding)
+    for got, expected in zip([s["loss"] for s in steps], unsharded_losses("gpt2"), strict=True):
+        assert abs(got - expected) < 2e-6, (got, expected)
+    cp = steps[0]["collectives"]["cp"]
+    assert (cp["reduce_scatter"]["count"], cp["all_gather"]["count"], "all_reduce" in cp) == (1, 1, False)
+
+
+@on_ranks(4)
+@pytest.mark.parametrize("sharding", ["optimizer", "gradients"], ids=["zero1", "zero2"])
+def test_cp_2_dp_2_shards_zero_over_the_four_dp_cp_ranks_at_the_unsharded_losses(ranks, sharding):
+    steps = cp_steps("--cp", "2", "--dp", "2", "--dp-sharding", sharding)
+    for got, expected in zip([s["loss"] for s in steps], unsharded_losses("gpt2", 2), strict=True):
+        assert abs(got - expected) < 2e-6, (got, expected)
+    collectives = steps[0]["collectives"]
+    assert {op: c["count"] for op, c in collectives["dp_cp"].items()} == {"reduce_scatter": 1, "all_gather": 1}
+    assert collectives["dp"] == {}  # nothing over dp alone
+
+
 @pytest.mark.parametrize(
     "world, args, message",
     [
@@ -69,6 +93,7 @@ def test_cp_2_composes_with_tp_pp_and_dp_at_the_unsharded_losses(ranks, sizes):
         (2, ["--cp", "0"], "--cp 0: the context-parallel size must be >= 1"),
         (2, ["--cp", "2", "--sequence-parallel"], "--cp 2 does not compose with --sequence-parallel"),
         (2, ["--cp", "2", "--dropout", "0.1"], "--cp 2 does not compose with --dropout > 0"),
+        (2, ["--cp", "2", "--dp-sharding", "fsdp2"], "--cp 2 does not compose with --dp-sharding fsdp2"),
     ],
 )
 def test_cp_sizes_that_cannot_work_are_refused_in_one_line(world, args, message, capsys, monkeypatch):

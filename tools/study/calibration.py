@@ -14,12 +14,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pin_and_cite.core.bounded import parse, read_file
 from pin_and_cite.core.errors import PinAndCiteError
 from pin_and_cite.core.fences import page_text
 from pin_and_cite.core.schema import check
 from study.modeled import Rates
-from study.traces import MAX_BYTES, RECORD, TraceError
+from study.traces import RECORD, TraceError, load_json
 
 CALIBRATION_DIR = "calibrations"
 MEASURE = "measure one with python -m reference.measure.calibrate"
@@ -98,18 +97,9 @@ def _finite_json(text):
 
 def load_calibration(notes_dir: Path, name: str) -> dict:
     """The calibration `name`, checked against CALIBRATION."""
-    if not name.replace("_", "").replace("-", "").isalnum():
-        raise PinAndCiteError(f"calibration name {name!r} must be letters, digits, '_' or '-'")
-    path = notes_dir / CALIBRATION_DIR / f"{name}.json"
-    where = f"{notes_dir.name}/{CALIBRATION_DIR}/{path.name}"
-    if not path.is_file():
-        known = ", ".join(sorted(p.stem for p in path.parent.glob("*.json"))) or "none"
-        raise PinAndCiteError(f"no calibration {name!r} ({where} is missing; calibrations: {known}); {MEASURE}")
-    try:
-        text = read_file(path, MAX_BYTES, where)
-        data = parse(_finite_json, text, where)
-    except ValueError as exc:
-        raise PinAndCiteError(f"{where} is not valid JSON ({exc}); {MEASURE}") from None
+    data, text, where = load_json(
+        notes_dir, CALIBRATION_DIR, name, "calibration", MEASURE, PinAndCiteError, _finite_json
+    )
     check(data, CALIBRATION, where, MEASURE)
     return page_text(data, text)
 

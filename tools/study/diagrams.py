@@ -1,37 +1,14 @@
 """Diagrams generated from recorded runs (study.traces), never drawn by hand: mermaid, and SVG timelines.
 
-`diagram("tp_block", link=...)` (or "tp_block_llama", the Llama/Qwen2 block): the tensor-parallel transformer
-block as the recorder saw it run: every leaf module and every group of aten ops between them, in forward order,
-grouped by parent module, each named by the trace (op runs such as rotary's by OP_RUNS); the forward
-collectives on the edges leaving the module that issued them (with bytes and the stated link), the backward
-ones as dotted edges back to the module's input.
-
-`diagram("fsdp_forward", tflops=, link_GBps=)` and `diagram("pipeline_1f1b" | "pipeline_gpipe" | ..., tflops=,
-link_GBps=)`: timelines of a recorded step, FSDP forward and backward (a row per unit, its collectives on it)
-or a pipeline (a row per stage, blocks numbered by micro-batch, zero bubble's I and W in their own colours,
-the bubble with equal stages and each stage's peak in flight under the legend; `same_scale_as=` another
-schedule's trace of the same model puts both on one axis), drawn to a time scale modeled from the recorded
-FLOPs and bytes at the stated rates (study.modeled) as inline SVG with a legend (study.timeline);
-`calibration="NAME"` instead of `tflops=` takes the FLOP rates a device measured at the trace's shapes
-(study.calibration); with `measured="TRACE"` (a trace a device recorded of the same step), its own
-timeline beside the modeled one.
-
-`diagram("moe_ep2", step=1)`: one token batch's journey through a recorded MoE layer step at expert parallelism
-(route, permute, all-to-all, experts, all-to-all back, combine), as inline SVG (study.moe_figure).
-
-`diagram("cp_blocks")`: each context-parallel rank's ring-attention blocks per ring step, full, masked or skipped,
-without and with head-tail balancing, from a recorded run, as inline SVG (study.cp_figure).
-
-`chart_training_memory(limit)`: a mermaid xychart of per-rank training states
-(study.estimates.sharding_limit) against model size in equal steps (mermaid spaces categories
-evenly, so only equal steps make the axis linear): DDP, FSDP over the stated group, and one GPU's memory as a
-flat line; drawn from the formulas, not from a trace.
-
-`chart_sent_per_group(trace)`: a horizontal mermaid bar chart of a scale trace: the bytes one rank sends per step
-to each process group, per stage (per traced rank of a MoE trace), from the same checked rows as the Scale page's
-tables.
-
-Every flowchart label goes through `label()`, so nothing recorded can break the diagram's syntax.
+`diagram(trace, ...)` draws a trace by its kind (GENERATORS): the tensor-parallel block as a flowchart
+(`tp_block`), an FSDP step or a pipeline step as timelines on a time scale modeled from the recorded FLOPs and
+bytes (`fsdp_forward`, `pipeline`, zero bubble's I and W in their own colours: study.modeled, study.timeline;
+`calibration=` a device's measured rates, `measured=` its own recorded timeline beside the modeled one), a MoE
+layer step as a token batch's journey
+(study.moe_figure), each context-parallel rank's ring-attention blocks per ring step (`cp_blocks`,
+study.cp_figure). `chart_training_memory` and `chart_sent_per_group` are mermaid charts of the formulas and of
+a scale trace's checked rows. Every flowchart label goes through `label()`, so nothing recorded can break the
+diagram's syntax.
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """The study site: the helpers this kit's notes use, registered with the renderer (which imports none of them).
 
-`trace(name)` with `diagram(name, ...)` (a timeline at a device's measured rates with `calibration="NAME"`;
-`calibration(NAME)` is the file itself, study.calibration), `tp_crossover(...)`,
-`pipeline_memory(...)` and `pipeline_bubble(name)` (recorded runs, study.traces), `sharding_limit(...)` with
-`chart_training_memory(...)` (per-rank training memory from formulas, study.estimates),
-`scale_table(trace)`, `memory_table(trace, trace)`, `held_table(trace, ...)`, `sent_per_group(trace, run)` and
-`human(bytes)` (the Scale page, study.scale_tables; a MoE trace's `moe_memory_table(*traces)` and
-`moe_imbalance_table(*traces)`, study.moe_tables) with `chart_sent_per_group(trace)` (its bar
-charts, diagrams) and `scale_calculator(trace)` (its calculator over a layout grid,
-study.scale_calculator), and `run_output(NAME)`, the recorded output a walkthrough shows under its
-Run it block, and `run_text(NAME)`, that output as text to quote numbers from (study.run_it).
-`PLUGIN` registers them with the renderer (reading_notes/pins.toml names this module: pin_and_cite.site.plugin),
-with the rules this study's notes keep (study.note_rules) and the skeleton of a new close reading
-(study.new_note).
+`helpers` names each template global after the study module it comes from: traces and diagrams, estimates,
+the Scale page's tables and calculator, the recorded Run it outputs. `PLUGIN` registers them with the renderer
+(reading_notes/pins.toml names this module: pin_and_cite.site.plugin), with the rules this study's notes keep
+(study.note_rules) and the skeleton of a new close reading (study.new_note).
 """
 
 from __future__ import annotations

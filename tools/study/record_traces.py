@@ -1,37 +1,23 @@
 """`tools/record-traces [--out DIR] [--only NAME ...]`: re-record the runs the study site's diagrams and numbers
 come from.
 
-Runs tools/trace_worker.py on two ranks under torchrun (CPU, gloo) and writes DIR/tp_block.json,
-DIR/tp_block_llama.json, DIR/fsdp_forward.json and DIR/fsdp2_forward.json (default reading_notes/traces/, which
-is committed), then
-on four ranks (four pipeline stages) DIR/pipeline_gpipe.json, DIR/pipeline_1f1b.json,
-DIR/pipeline_interleaved.json and the zero-bubble DIR/pipeline_zb_h1.json, DIR/pipeline_zbv.json and
-DIR/pipeline_dualpipev.json. tests/tools/test_traces.py runs the same worker and fails when a fresh run no
-longer matches the committed traces, so re-record after changing the reference and commit the result. Then, in
-one process each, `python -m reference.measure.scale --json` traces a first, middle and last stage rank of the layouts
-in SCALE (fake process group, 70B shapes) into DIR/scale_*.json, checked by tests/reference/test_scale.py (which
-traces the same setups in-process), and the MoE layers of MOE_SCALE into DIR/moe_scale_*.json
-(tests/reference/test_moe_scale.py), and `python -m reference.measure.scale.grid` writes the same closed forms over a
-grid of layouts into DIR/layout_grid.json (the Scale page's calculator; tests/reference/test_scale_grid.py). Then,
-on two ranks, benchmarks/bench_activation_memory.py --json counts
-one block's activation bytes per configuration of Korthikanti et al.'s Table 2, the GPT-2 block and the Llama
-block, into DIR/activation_memory.json, at the shapes of the test worker that checks it
-(tests/reference/test_activation_memory.py). Then, on two ranks each, `-m reference.hf_tp --json` (PyTorch DTensor's
-plan on HF's Qwen2, without and with sequence parallelism) into DIR/dtensor_qwen2.json and
-DIR/dtensor_qwen2_sp.json, checked by tests/reference/test_hf_tp_demo.py; one step of the MoE demo (`-m reference
---moe --json`) at EP 2 on two ranks and EP 2 x TP 2 on four into DIR/moe_ep2.json and DIR/moe_ep2_tp2.json, checked
-by tests/reference/test_moe_demo.py. Last, on four ranks, tools/fsdp_compare.py (PyTorch's FSDP1 and FSDP2 on one
-model, side by side) into DIR/fsdp1_vs_fsdp2.json, checked by tests/evidence/test_fsdp1_vs_fsdp2.py, and
-`-m reference.measure.cp_blocks --json` (each cp rank's ring-attention blocks per ring step, without and with
-head-tail balancing) into DIR/cp_blocks.json, checked by tests/evidence/test_cp_blocks_freshness.py. `--only NAME ...`
-writes just those
-traces (and runs just the recordings that make them), leaving the others as they are. Exit status: 0
-recorded, 1 a run failed (its output is printed), 2 a usage error (an unknown trace name).
+Each recording writes DIR/NAME.json (default reading_notes/traces/, committed), and a test traces the same runs
+afresh and fails when they no longer match, so re-record after changing the reference and commit the result:
+WORKER_RUNS, tools/trace_worker.py under torchrun on two and four ranks (tests/evidence/test_trace_freshness.py);
+SCALE and MOE_SCALE, `python -m reference.measure.scale --json` on a fake process group, a process each
+(tests/reference/test_scale.py, test_moe_scale.py); layout_grid, `python -m reference.measure.scale.grid` (the
+Scale page's calculator; test_scale_grid.py); PRINTED, what the activation-memory benchmark, the DTensor and MoE
+demos and reference.measure.cp_blocks print with --json (test_activation_memory.py, test_hf_tp_demo.py,
+test_moe_demo.py, tests/evidence/test_cp_blocks_freshness.py); and tools/fsdp_compare.py on four ranks
+(tests/evidence/test_fsdp1_vs_fsdp2.py). `--only NAME ...` runs just the recordings that make those traces and
+writes just them, leaving the others as they are. Exit status: 0 recorded, 1 a run failed (its output is
+printed), 2 a usage error (an unknown trace name).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -111,14 +97,18 @@ def _write(out: Path, traces: dict[str, str]) -> list[Path]:
     return [out / f"{name}.json" for name in traces]
 
 
-def record(out: Path, timeout: float = 300, only: Collection[str] | None = None) -> list[Path]:
-    """Run the worker into a scratch folder, then move each trace (each of `only`) into `out`; the paths
-    written."""
+def record(
+    out: Path, timeout: float = 300, only: Collection[str] | None = None, script: Path = WORKER, runs=WORKER_RUNS
+) -> list[Path]:
+    """Run `script` once per entry of `runs` (ranks, its argument or None, the traces it writes) into a scratch
+    folder, then move each trace (each of `only`) into `out`; the paths written."""
     with tempfile.TemporaryDirectory(prefix="traces-") as scratch:
-        for ranks, what, names in WORKER_RUNS:
+        for ranks, what, names in runs:
             if only is not None and not set(names) & set(only):
                 continue
-            _torchrun(ranks, WORKER, scratch, what, what=f"trace worker ({what}, {ranks} ranks)", timeout=timeout)
+            args = [what] if what else []
+            label = f"{script.stem.replace('_', ' ')} ({', '.join([*args, f'{ranks} ranks'])})"
+            _torchrun(ranks, script, scratch, *args, what=label, timeout=timeout)
         out.mkdir(parents=True, exist_ok=True)
         written = []
         for trace in sorted(Path(scratch).glob("*.json")):
@@ -162,39 +152,9 @@ ACTIVATION_MEMORY = [  # tests/reference/test_activation_memory.py's COUNT_SHAPE
     *("--num-kv-heads", "2", "--ffn-hidden-size", "160"),
     *("--device", "cpu"),  # the committed counts are the CPU's (a GPU's SDPA kernels save other tensors)
 ]
-
-
-def record_activation_memory(out: Path, timeout: float = 300, only: Collection[str] | None = None) -> list[Path]:
-    """Write out/activation_memory.json from the activation-memory benchmark on two ranks (unless `only` leaves
-    it out); the paths written."""
-    if only is not None and "activation_memory" not in only:
-        return []
-    script = ROOT / "benchmarks" / "bench_activation_memory.py"
-    stdout = _torchrun(2, script, *ACTIVATION_MEMORY, "--json", what="bench_activation_memory --json", timeout=timeout)
-    return _write(out, {"activation_memory": stdout[stdout.index("{") :]})
-
-
 # trace name -> `torchrun --nproc-per-node 2 -m reference.hf_tp --json` arguments: PyTorch DTensor's plan on HF's
 # Qwen2ForCausalLM, without and with sequence parallelism (the DTensor walkthrough's worked example)
 DTENSOR = {"dtensor_qwen2": [], "dtensor_qwen2_sp": ["--sequence-parallel"]}
-
-
-def record_dtensor(out: Path, timeout: float = 300, only: Collection[str] | None = None) -> list[Path]:
-    """Write out/NAME.json for every DTensor demo run in DTENSOR (each of `only`), on two ranks each; the paths
-    written."""
-    traced = {
-        name: _torchrun(
-            2,
-            *("-m", "reference.hf_tp", "--device", "cpu", *args, "--json"),
-            what=f"reference.hf_tp {' '.join(args)} --json",
-            timeout=timeout,
-        )
-        for name, args in DTENSOR.items()
-        if only is None or name in only
-    }  # all finish (or fail) before anything is written
-    return _write(out, {name: stdout[stdout.index("{") :] for name, stdout in traced.items()})
-
-
 # trace name -> (ranks, `torchrun -m reference --moe ... --json` arguments): one step of the MoE demo at EP 2, as
 # the MoE walkthrough runs it, and at EP 2 x TP 2 (its exercise)
 MOE = {"moe_ep2": (2, ["--ep", "2"]), "moe_ep2_tp2": (4, ["--ep", "2", "--tp", "2"])}
@@ -208,47 +168,42 @@ def moe_trace(stdout: str) -> dict:
     return {"kind": "moe", "world": config["world"], "config": config, "steps": steps}
 
 
-def record_moe(out: Path, timeout: float = 300, only: Collection[str] | None = None) -> list[Path]:
-    """Write out/NAME.json for every MoE demo run in MOE (each of `only`); the paths written."""
+def _json_text(stdout: str) -> str:
+    return stdout[stdout.index("{") :]
+
+
+CP_BLOCKS = "cp_blocks"  # each cp rank's ring-attention blocks per ring step, unbalanced and balanced (CP walkthrough)
+CP_RANKS = 4
+# trace name -> (ranks, torchrun arguments, the trace's text from the run's stdout): the activation-memory
+# benchmark on two ranks, the DTensor demo runs of DTENSOR, the MoE demo runs of MOE, and cp_blocks
+PRINTED = {
+    "activation_memory": (2, ["benchmarks/bench_activation_memory.py", *ACTIVATION_MEMORY, "--json"], _json_text),
+    **{n: (2, ["-m", "reference.hf_tp", "--device", "cpu", *a, "--json"], _json_text) for n, a in DTENSOR.items()},
+    **{
+        n: (r, ["-m", "reference", *MOE_STEP, *a], lambda out: json.dumps(moe_trace(out)) + "\n")
+        for n, (r, a) in MOE.items()
+    },
+    CP_BLOCKS: (CP_RANKS, ["-m", "reference.measure.cp_blocks", "--json"], _json_text),
+}
+
+
+def record_printed(out: Path, timeout: float = 300, only: Collection[str] | None = None) -> list[Path]:
+    """Write out/NAME.json for every run of PRINTED (each of `only`) from what it prints; the paths written."""
     traced = {
-        name: _torchrun(
-            ranks, "-m", "reference", *MOE_STEP, *args, what=f"reference --moe {' '.join(args)} --json", timeout=timeout
-        )
-        for name, (ranks, args) in MOE.items()
+        name: text(_torchrun(ranks, *argv, what=" ".join(argv), timeout=timeout))
+        for name, (ranks, argv, text) in PRINTED.items()
         if only is None or name in only
     }  # all finish (or fail) before anything is written
-    return _write(out, {name: json.dumps(moe_trace(stdout)) + "\n" for name, stdout in traced.items()})
+    return _write(out, traced)
 
 
-CP_BLOCKS = "cp_blocks"  # torchrun -m reference.measure.cp_blocks --json on CP_RANKS ranks (the CP walkthrough)
-CP_RANKS = 4
-
-
-def record_cp_blocks(out: Path, timeout: float = 300, only: Collection[str] | None = None) -> list[Path]:
-    """Write out/cp_blocks.json: the ring-attention blocks of every cp rank and ring step, unbalanced and
-    balanced, from reference.measure.cp_blocks on CP_RANKS ranks (unless `only` leaves it out)."""
-    if only is not None and CP_BLOCKS not in only:
-        return []
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={CP_RANKS}"]
-    cmd += ["--max-restarts=0", "-m", "reference.measure.cp_blocks", "--json"]
-    stdout = _run(cmd, "reference.measure.cp_blocks --json", timeout, TORCH_CPP_LOG_LEVEL="ERROR")
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write(out / f"{CP_BLOCKS}.json", stdout[stdout.index("{") :].encode())
-    return [out / f"{CP_BLOCKS}.json"]
+record_cp_blocks = functools.partial(record_printed, only=[CP_BLOCKS])  # the CP trace alone
 
 
 FSDP_COMPARE = "fsdp1_vs_fsdp2"  # tools/fsdp_compare.py on fsdp_compare.WORLD ranks
-
-
-def record_fsdp_compare(out: Path, timeout: float = 300, only: Collection[str] | None = None) -> list[Path]:
-    """Write out/fsdp1_vs_fsdp2.json from tools/fsdp_compare.py on four ranks (unless `only` leaves it out)."""
-    if only is not None and FSDP_COMPARE not in only:
-        return []
-    with tempfile.TemporaryDirectory(prefix="traces-") as scratch:
-        _torchrun(4, ROOT / "tools" / "fsdp_compare.py", scratch, what="fsdp_compare (4 ranks)", timeout=timeout)
-        out.mkdir(parents=True, exist_ok=True)
-        shutil.move(str(Path(scratch) / f"{FSDP_COMPARE}.json"), out / f"{FSDP_COMPARE}.json")
-    return [out / f"{FSDP_COMPARE}.json"]
+record_fsdp_compare = functools.partial(
+    record, script=ROOT / "tools" / "fsdp_compare.py", runs=[(4, None, [FSDP_COMPARE])]
+)
 
 
 TRACES = (
@@ -256,11 +211,8 @@ TRACES = (
     *SCALE,
     *MOE_SCALE,
     "layout_grid",
-    "activation_memory",
-    *DTENSOR,
-    *MOE,
+    *PRINTED,
     FSDP_COMPARE,
-    CP_BLOCKS,
 )
 
 
@@ -281,11 +233,8 @@ def main(argv: list[str] | None = None) -> int:
                 record,
                 record_scale,
                 record_layout_grid,
-                record_activation_memory,
-                record_dtensor,
-                record_moe,
+                record_printed,
                 record_fsdp_compare,
-                record_cp_blocks,
             )
         ]
         for path in sum(recorded, []):

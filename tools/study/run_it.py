@@ -79,12 +79,9 @@ def read_recording(notes_dir: Path, name: str) -> tuple[tuple[str, ...], str]:
     if data is None:
         raise PinAndCiteError(f"no recorded run {name!r} ({RUNS_DIR}/{name}.txt is missing): run tools/record-runs")
     lines = data.decode("utf-8", errors="replace").split("\n")
-    commands = tuple(line.removeprefix(PROMPT) for line in itertools.takewhile(_is_command, lines))  # the head
+    head = itertools.takewhile(lambda line: line.startswith(PROMPT), lines)
+    commands = tuple(line.removeprefix(PROMPT) for line in head)
     return commands, "\n".join(lines[len(commands) :])
-
-
-def _is_command(line: str) -> bool:
-    return line.startswith(PROMPT)
 
 
 def run_text(notes_dir: Path, name: str) -> str:

@@ -77,24 +77,26 @@ class TraceError(PinAndCiteError):
     """A trace cannot give what was asked of it."""
 
 
-def trace_path(notes_dir: Path, name: str) -> Path:
+def load_json(notes_dir: Path, folder: str, name: str, noun: str, fix: str, error=TraceError, loads=json.loads):
+    """(data, text, where) of notes_dir/folder/NAME.json: a trace or a calibration (`noun`: "recorded trace",
+    "calibration"); a bad name, a missing file or broken JSON is a one-line `error` that ends with `fix`."""
     if not name.replace("_", "").replace("-", "").isalnum():
-        raise TraceError(f"trace name {name!r} must be letters, digits, '_' or '-'")
-    return notes_dir / TRACE_DIR / f"{name}.json"
+        raise error(f"{noun.split()[-1]} name {name!r} must be letters, digits, '_' or '-'")
+    path = notes_dir / folder / f"{name}.json"
+    where = f"{notes_dir.name}/{folder}/{path.name}"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in path.parent.glob("*.json"))) or "none"
+        raise error(f"no {noun} {name!r} ({where} is missing; {folder}: {known}); {fix}")
+    try:
+        text = read_file(path, MAX_BYTES, where, error)
+        return parse(loads, text, where, error), text, where
+    except ValueError as exc:
+        raise error(f"{where} is not valid JSON ({exc}); {fix}") from None
 
 
 def load_trace(notes_dir: Path, name: str) -> dict:
     """The trace `name`, checked to have the fields its kind needs."""
-    path = trace_path(notes_dir, name)
-    where = f"{notes_dir.name}/{TRACE_DIR}/{path.name}"
-    if not path.is_file():
-        known = ", ".join(sorted(p.stem for p in path.parent.glob("*.json"))) or "none"
-        raise TraceError(f"no recorded trace {name!r} ({where} is missing; traces: {known}); {RECORD}")
-    try:
-        text = read_file(path, MAX_BYTES, where, TraceError)
-        data = parse(json.loads, text, where, TraceError)
-    except ValueError as exc:
-        raise TraceError(f"{where} is not valid JSON ({exc}); {RECORD}") from None
+    data, text, where = load_json(notes_dir, TRACE_DIR, name, "recorded trace", RECORD)
     kind = data.get("kind") if isinstance(data, dict) else None
     if kind not in REQUIRED:
         raise TraceError(f"{where}: unknown trace kind {kind!r} (known: {', '.join(REQUIRED)}); {RECORD}")

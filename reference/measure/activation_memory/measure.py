@@ -36,14 +36,7 @@ class Count:
     rows: list[Row]
 
     def to_dict(self) -> dict:
-        return {
-            "configuration": self.configuration,
-            "formula": self.formula,
-            "setting": dataclasses.asdict(self.setting),
-            "table2_bytes": self.table2_bytes,
-            "counted_bytes": self.counted_bytes,
-            "rows": [dataclasses.asdict(r) for r in self.rows],
-        }
+        return dataclasses.asdict(self)  # the setting and the rows as dicts too, in field order
 
 
 def setting(model: str, configuration: str, shape: dict, t: int) -> Setting:
