@@ -4,7 +4,8 @@ and `torchrun --nproc-per-node 4 tools/trace_worker.py OUT pipeline`.
 
 Run by `tools/record-traces` (which writes reading_notes/traces/); rank 0 writes OUT/tp_block.json,
 OUT/tp_block_llama.json, OUT/fsdp_forward.json and OUT/fsdp2_forward.json (2 ranks), or OUT/pipeline_gpipe.json,
-OUT/pipeline_1f1b.json and OUT/pipeline_interleaved.json (4 ranks, `pipeline`).
+OUT/pipeline_1f1b.json, OUT/pipeline_interleaved.json, OUT/pipeline_zb_h1.json, OUT/pipeline_zbv.json and
+OUT/pipeline_dualpipev.json (4 ranks, `pipeline`).
 Everything in them is observed, not computed:
   * tp_block: one tensor-parallel transformer block (reference.tensor_parallel) at two hidden sizes. The
     CollectiveRecorder's events (op, module, phase, shape, bytes) of one forward+backward; the forward order of
@@ -27,6 +28,10 @@ Everything in them is observed, not computed:
     them), the peak activation bytes, and every point-to-point send and receive the recorder saw.
   * pipeline_interleaved: the same for interleaved 1F1B, INTERLEAVED_V model chunks per stage, on the same
     GPT: a 1F1B stage holds two layers, an interleaved chunk one, so the notes compare equal work.
+  * pipeline_zb_h1 / pipeline_zbv / pipeline_dualpipev: the same for the zero-bubble schedules
+    (reference.pipeline.zero_bubble), on the same GPT: ZB-H1 two layers a stage, ZB-V and DualPipeV two
+    one-layer stages per rank in a V (`v_shape`); their backwards split into I and W actions (DualPipeV also
+    runs whole B's), and each stage's peak of bytes its I's left waiting for their W's.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ from reference.measure.fsdp_tracing import unit_scopes
 from reference.measure.pipeline_meter import PipelineMeter
 from reference.measure.recorder import CollectiveRecorder
 from reference.parallel_state import build_layout
+from reference.pipeline.zero_bubble import V_SCHEDULES, ZERO_BUBBLE_SCHEDULES
 from study.traces import EVENT_KEYS, PIPELINE_STAGE_KEYS, SPAN_KEYS  # what the site's trace comparison reads
 
 TP_SHAPE = dict(s=8, b=2, heads=4)
@@ -214,12 +220,12 @@ def fsdp_units(model: torch.nn.Module, world: int) -> list[dict]:
 
 
 def pipeline(schedule: str, virtual_stages: int = 1) -> dict:
-    """One train_step on PIPELINE_RANKS stages (v model chunks each: interleaved); every stage's record,
-    gathered on rank 0."""
+    """One train_step on PIPELINE_RANKS stages (v model chunks each: interleaved; two in a V: zbv, dualpipev);
+    every stage's record, gathered on rank 0."""
     layout = build_layout(1, PIPELINE_RANKS, 1)
-    chunks = build_chunks(PIPELINE_CONFIG, layout, virtual_stages, seed=SEED)
+    chunks = build_chunks(PIPELINE_CONFIG, layout, virtual_stages, schedule=schedule, seed=SEED)
     wrapped = [data_parallel(chunk, layout) for chunk in chunks]
-    model = wrapped if virtual_stages > 1 else wrapped[0]
+    model = wrapped if len(wrapped) > 1 else wrapped[0]
     optimizer = torch.optim.SGD([p for chunk in wrapped for p in chunk.parameters()], lr=0.1)
     tokens = gpt_batches(PIPELINE_CONFIG, 1, PIPELINE_M * PIPELINE_B, SEED)[0]
     recorder, result = CollectiveRecorder(), PipelineMeter()
@@ -249,7 +255,8 @@ def pipeline(schedule: str, virtual_stages: int = 1) -> dict:
     return {
         "kind": "pipeline",
         "schedule": schedule,
-        "virtual_stages": virtual_stages,
+        "virtual_stages": len(chunks),
+        "v_shape": schedule in V_SCHEDULES,
         "world": dist.get_world_size(),
         "pp": layout.pp_size,
         "m": PIPELINE_M,
@@ -275,6 +282,8 @@ def main(out: Path, what: str = "tp_fsdp") -> None:
         if what == "pipeline":
             traces = {f"pipeline_{schedule}": pipeline(schedule) for schedule in ("gpipe", "1f1b")}
             traces["pipeline_interleaved"] = pipeline("1f1b", INTERLEAVED_V)
+            for schedule in ZERO_BUBBLE_SCHEDULES:
+                traces[f"pipeline_{schedule.replace('-', '_')}"] = pipeline(schedule)
         else:
             traces = {
                 "tp_block": tp_block(world),

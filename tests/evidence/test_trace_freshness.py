@@ -24,6 +24,9 @@ NAMES = [
     "pipeline_gpipe",
     "pipeline_1f1b",
     "pipeline_interleaved",
+    "pipeline_zb_h1",
+    "pipeline_zbv",
+    "pipeline_dualpipev",
 ]
 
 
@@ -55,6 +58,7 @@ def drawn(notes):
         diagrams.diagram(gpipe, **rates),
         diagrams.diagram(one_f_one_b, **rates),
         diagrams.diagram(load_trace(notes, "pipeline_interleaved"), **rates),
+        *(diagrams.diagram(load_trace(notes, f"pipeline_{name}"), **rates) for name in ("zb_h1", "zbv", "dualpipev")),
         estimates.tp_crossover(tp, link_GBps=600, tflops=400, tp=8, bytes_per_element=2),
         estimates.pipeline_memory(gpipe, one_f_one_b, load_trace(NOTES, "scale_70b")),
     )

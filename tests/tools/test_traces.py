@@ -4,12 +4,23 @@ the reference does now is tests/evidence/test_trace_freshness.py's fresh run."""
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
 import pytest
 
+from reference.pipeline.zero_bubble import (
+    V_SCHEDULES,
+    ZERO_BUBBLE_SCHEDULES,
+    bubble_formula,
+    flat,
+    peak_in_flight,
+    rank_order,
+    stages_of,
+)
 from study import diagrams, estimates, record_traces
+from study.modeled import Rates, pipeline_modeled
 from study.traces import forward_markers, load_trace, pipeline_slots
 from tests.pipeline_orders import textbook
 from tests.tools.conftest import ROOT
@@ -189,6 +200,38 @@ def test_each_recorded_order_with_equal_stages_idles_the_bubble_formula(name):
     trace = load_trace(NOTES, name)
     p, m, v = trace["pp"], trace["m"], trace["virtual_stages"]
     assert estimates.pipeline_bubble(trace) == pytest.approx((p - 1) / (v * m + p - 1))
+
+
+@pytest.mark.parametrize("schedule", ZERO_BUBBLE_SCHEDULES)
+def test_zero_bubble_traces_record_the_reference_orders_and_replay_to_their_bubble_formulas(schedule):
+    """The walkthrough's zero-bubble tables and timelines: each rank ran reference.pipeline.zero_bubble's order
+    (named as the meter names a chunk's actions), held what the order implies, and kept inputs for its W's; the
+    orders replayed with F = I = W idle the formula the demo prints."""
+    trace = load_trace(NOTES, f"pipeline_{schedule.replace('-', '_')}")
+    p, m = trace["pp"], trace["m"]
+    assert trace["v_shape"] == (schedule in V_SCHEDULES) and trace["layers"] % (2 * p) == 0
+    for r, stage in enumerate(trace["stages"]):
+        chunks = stages_of(schedule, p, r)
+        names = [
+            f"{a.kind}{a.micro_batch}" if len(chunks) == 1 else f"{a.kind}{chunks.index(a.stage)}.{a.micro_batch}"
+            for a in flat(rank_order(schedule, p, r, m))
+        ]
+        assert stage["actions"] == names, r
+        assert stage["peak_in_flight"] == stage["peak_in_flight_measured"] == peak_in_flight(schedule, p, r, m)
+        assert stage["peak_weight_grad_bytes"] > 0
+    assert estimates.pipeline_bubble(trace) == pytest.approx(bubble_formula(schedule, p, m))
+
+
+def test_the_turn_of_the_v_costs_no_transfer_on_the_modeled_timeline():
+    """Rank p - 1 holds stages p - 1 and p: its F1.0 follows its F0.0 at once, however slow the link, while
+    rank 1's F0.0 waits for rank 0's message."""
+    trace = load_trace(NOTES, "pipeline_zbv")
+    rates = Rates(tflops=1, link_GBps=1e-3)
+    at = {(bar.row, bar.label): bar for bar in pipeline_modeled(trace, rates)}
+    last = f"stage {trace['pp'] - 1}"
+    assert at[last, "F1.0"].start == at[last, "F0.0"].end
+    message = trace["dtype_size"] * math.prod(trace["activation_shape"])
+    assert at["stage 1", "F0.0"].start == pytest.approx(at["stage 0", "F0.0"].end + rates.transfer(message))
 
 
 def test_pipeline_orders_that_wait_on_each_other_are_a_one_line_error(tmp_path):

@@ -2,8 +2,9 @@
 
 `diagram(trace, ...)` draws a trace by its kind (GENERATORS): the tensor-parallel block as a flowchart
 (`tp_block`), an FSDP step or a pipeline step as timelines on a time scale modeled from the recorded FLOPs and
-bytes (`fsdp_forward`, `pipeline`: study.modeled, study.timeline; `calibration=` a device's measured rates,
-`measured=` its own recorded timeline beside the modeled one), a MoE layer step as a token batch's journey
+bytes (`fsdp_forward`, `pipeline`, zero bubble's I and W in their own colours: study.modeled, study.timeline;
+`calibration=` a device's measured rates, `measured=` its own recorded timeline beside the modeled one), a MoE
+layer step as a token batch's journey
 (study.moe_figure), each context-parallel rank's ring-attention blocks per ring step (`cp_blocks`,
 study.cp_figure). `chart_training_memory` and `chart_sent_per_group` are mermaid charts of the formulas and of
 a scale trace's checked rows. Every flowchart label goes through `label()`, so nothing recorded can break the
@@ -195,6 +196,7 @@ def fsdp_forward(
     return _modeled_beside_measured(title, FSDP_COLORS, rates, fsdp_modeled(trace, rates), measured, fsdp_measured)
 
 
+SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "zb-h1": "ZB-H1", "zbv": "ZB-V", "dualpipev": "DualPipeV"}
 SAME_MODEL = ("pp", "m", "b", "s", "h", "layers")  # what two pipeline traces drawn on one scale must share
 
 
@@ -220,8 +222,10 @@ def pipeline(
                 + f"), so one time scale would compare unequal work; {RECORD}"
             )
         span = max(bar.end for bar in pipeline_modeled(same_scale_as, rates))
-    name = {"gpipe": "GPipe", "1f1b": "1F1B"}.get(trace["schedule"], trace["schedule"])
-    if trace.get("virtual_stages", 1) > 1:
+    name = SCHEDULE_NAMES.get(trace["schedule"], trace["schedule"])
+    if trace.get("v_shape"):
+        name += f" ({trace['virtual_stages']} stages per rank, in a V)"
+    elif trace.get("virtual_stages", 1) > 1:
         name = f"Interleaved 1F1B ({trace['virtual_stages']} chunks per stage)"
     title = f"{name}, {trace['pp']} stages, {trace['m']} micro-batches"
     if trace.get("layers"):

@@ -130,7 +130,8 @@ class PipelineMemory:
 
 def pipeline_bubble(trace: dict) -> float:
     """The idle fraction of a recorded pipeline step with equal stages: its recorded orders replayed in slots
-    (traces.pipeline_slots: a forward 1, a backward 2, transfers free), the schedule's own bubble, to set
+    (traces.pipeline_slots: a forward 1, a backward 2, its I and W halves 1 each, transfers
+    free), the schedule's own bubble, to set
     beside (p - 1) / (v m + p - 1). What the demo prints as "with equal stages"."""
     slots = pipeline_slots(trace)
     end = max(stage[-1][2] for stage in slots)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from study.estimates import pipeline_bubble
 from study.scale_tables import sent_bytes
 from study.timeline import Bar
 from study.traces import RECORD, TraceError, events_where, pipeline_schedule
@@ -36,7 +37,10 @@ FSDP_COLORS = {
 CHUNK_SHADES = {
     "forward": ("#1565c0", "#00838f", "#283593", "#2e7d32"),
     "backward": ("#6a1b9a", "#ad1457", "#4e342e", "#c62828"),
+    "input gradient": ("#7b1fa2", "#c2185b", "#5d4037", "#b71c1c"),  # zero bubble: a backward's I half
+    "weight gradient": ("#e65100", "#9e6a00", "#bf360c", "#827717"),  # and its W half
 }
+PHASES = {"F": "forward", "B": "backward", "I": "input gradient", "W": "weight gradient"}  # by an action's letter
 COLLECTIVES = {"all_gather": ("all-gather", "AG"), "reduce_scatter": ("reduce-scatter", "RS")}
 
 
@@ -157,24 +161,34 @@ def fsdp_measured(trace: dict) -> list[Bar]:
 
 
 def pipeline_colors(trace: dict) -> dict[str, str]:
-    """Legend entry -> colour: forward and backward, per model chunk under interleaving."""
+    """Legend entry -> colour: each kind of action the trace ran (forward and backward, or a zero-bubble
+    backward's I and W halves), per model chunk under interleaving or in a V."""
     chunks = trace.get("virtual_stages", 1)
     if chunks > len(CHUNK_SHADES["forward"]):
         raise TraceError(f"trace {trace['name']}: {chunks} chunks per stage, more than the timeline has colours for")
+    ran = {action[0] for st in trace["stages"] for action in st["actions"]}
+    phases = [phase for letter, phase in PHASES.items() if letter in ran]
     if chunks == 1:
-        return {phase: shades[0] for phase, shades in CHUNK_SHADES.items()}
-    return {f"{phase}, chunk {c}": shades[c] for phase, shades in CHUNK_SHADES.items() for c in range(chunks)}
+        return {phase: CHUNK_SHADES[phase][0] for phase in phases}
+    return {f"{phase}, chunk {c}": CHUNK_SHADES[phase][c] for phase in phases for c in range(chunks)}
 
 
 def pipeline_note(trace: dict) -> str:
-    """How to read a block: its number is the micro-batch; the demo's name for it."""
-    if trace.get("virtual_stages", 1) > 1:
-        return "Number: the micro-batch. The demo prints F<c>.<i>: F1.0 = forward of chunk 1, micro-batch 0."
-    return "Number: the micro-batch. The demo prints F<i> and B<i>: F0 = forward of micro-batch 0."
+    """How to read a block: its number is the micro-batch; the demo's name for it. Then the step's bubble with
+    equal stages (traces.pipeline_slots) and each stage's peak in flight, as recorded."""
+    if trace.get("v_shape"):
+        how = "Number: the micro-batch. F1.0 = forward of chunk 1 (back up the V), micro-batch 0."
+    elif trace.get("virtual_stages", 1) > 1:
+        how = "Number: the micro-batch. The demo prints F<c>.<i>: F1.0 = forward of chunk 1, micro-batch 0."
+    else:
+        how = "Number: the micro-batch. The demo prints F<i> and B<i>: F0 = forward of micro-batch 0."
+    peaks = ", ".join(str(st["peak_in_flight_measured"]) for st in trace["stages"])
+    unit = " chunk-forwards" if trace.get("virtual_stages", 1) > 1 else ""
+    return f"{how}\nBubble with equal stages {pipeline_bubble(trace):.2f}; peak in flight, stage 0 on: {peaks}{unit}."
 
 
 def _pipeline_bar(r: int, action: str, start: float, end: float, flops: int) -> Bar:
-    phase = "forward" if action[0] == "F" else "backward"
+    phase = PHASES[action[0]]
     chunk, _, micro_batch = action[1:].rpartition(".")
     kind = f"{phase}, chunk {chunk}" if chunk else phase
     return Bar(f"stage {r}", kind, action, start, end, f"{flops:,} FLOPs", short=micro_batch)
@@ -193,7 +207,7 @@ def pipeline_modeled(trace: dict, rates: Rates) -> list[Bar]:
         message *= size
     placed = pipeline_schedule(
         trace,
-        lambda r, i, action: rates.compute(stages[r]["action_flops"][i], "backward" if action[0] == "B" else "forward"),
+        lambda r, i, action: rates.compute(stages[r]["action_flops"][i], "forward" if action[0] == "F" else "backward"),
         lambda r, action: rates.transfer(message),
     )
     return [

@@ -37,7 +37,14 @@ PIPELINE_RANKS = 4  # trace_worker.PIPELINE_RANKS
 # each trace_worker.py launch: ranks, its `what` argument, and the traces it writes
 WORKER_RUNS = (
     (RANKS, "tp_fsdp", ("tp_block", "tp_block_llama", "fsdp_forward", "fsdp2_forward")),
-    (PIPELINE_RANKS, "pipeline", ("pipeline_gpipe", "pipeline_1f1b", "pipeline_interleaved")),
+    (
+        PIPELINE_RANKS,
+        "pipeline",
+        (
+            *("pipeline_gpipe", "pipeline_1f1b", "pipeline_interleaved"),
+            *("pipeline_zb_h1", "pipeline_zbv", "pipeline_dualpipev"),
+        ),
+    ),
 )
 # trace name -> python -m reference.measure.scale arguments: the GPT block at 70B's sizes (gpt-70b-shape) on TP 8 x
 # PP 8 x DP 64 (1F1B, DDP in 25 MiB buckets),

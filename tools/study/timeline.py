@@ -36,7 +36,7 @@ class Panel:
     bars: list[Bar]
     axis: str  # what the time axis is: "modeled at 100 TFLOP/s, 50 GB/s", "measured on ..."
     colors: dict[str, str]  # kind -> colour, in legend order
-    note: str = ""  # a line under the legend: how to read the labels
+    note: str = ""  # lines under the legend ("\n" between them): how to read the labels
     span: float | None = None  # seconds the axis covers at least: panels compared on one scale
 
 
@@ -84,7 +84,8 @@ def panel_svg(panel: Panel) -> str:
     x = lambda seconds: left + seconds * scale / ticks[-1] * plot
     legend_y = top + len(rows) * ROW + 2.4 * ROW
     legend_rows = (len(panel.colors) + 2) // 3
-    height = legend_y + ROW * (legend_rows + bool(panel.note)) - ROW / 2
+    notes = panel.note.split("\n") if panel.note else []
+    height = legend_y + ROW * (legend_rows + len(notes)) - ROW / 2
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height:.0f}" role="img" '
         f'class="timeline-svg" aria-label="{html.escape(panel.title)}">',
@@ -117,8 +118,8 @@ def panel_svg(panel: Panel) -> str:
             f'<rect x="{lx:.1f}" y="{ly - FONT_PX + 2:.1f}" width="{FONT_PX}" height="{FONT_PX}" fill="{color}"/>'
         )
         out.append(_text(lx + FONT_PX + 6, ly, kind))
-    if panel.note:
-        out.append(_text(8, legend_y + legend_rows * ROW, panel.note))
+    for i, note in enumerate(notes):
+        out.append(_text(8, legend_y + (legend_rows + i) * ROW, note))
     return "\n".join(out + ["</svg>"])
 
 

@@ -8,7 +8,8 @@ one-line error naming the file and saying how to re-record it.
 `structure()` is what a committed trace must share with a fresh run (tests/tools/test_traces.py): operations,
 their order, shapes, bytes, FLOP counts (each collective and span stamped with the FLOPs computed before
 it, each pipeline action with its own), and the order of issue versus compute, but not timings. For a
-pipeline trace: each stage's action order, in-flight peaks and activation bytes, and its sends and receives.
+pipeline trace: each stage's action order, in-flight peaks, activation bytes (and, zero bubble, the bytes held
+for W), and its sends and receives.
 """
 
 from __future__ import annotations
@@ -62,11 +63,13 @@ PIPELINE_STAGE_KEYS = (
     "peak_in_flight",
     "peak_in_flight_measured",
     "peak_activation_bytes",
+    "peak_weight_grad_bytes",  # zero bubble; 0 for the other schedules (absent from their older traces)
 )
 SPAN_KEYS = ("name", "phase", "flops_start", "flops_end")
 P2P_KEYS = ("op", "phase", "shape", "nbytes", "dtype", "group_ranks", "async_op")
-# Slots a forward and a backward take on the pipeline timeline: a backward costs about twice a forward's FLOPs.
-SLOTS = {"F": 1, "B": 2}
+# Slots each action takes on the pipeline timeline: a backward costs about twice a forward's FLOPs; split in two
+# (zero bubble), its input gradient I and its weight gradient W take one slot each.
+SLOTS = {"F": 1, "B": 2, "I": 1, "W": 1}
 EVENT_KEYS = ("op", "module", "phase", "shape", "nbytes", "dtype", "group_ranks", "async_op")
 
 
@@ -122,19 +125,35 @@ def forward_markers(trace: dict) -> list[tuple[str, str]]:
 
 
 def pipeline_slots(trace: dict) -> list[list[tuple[str, int, int]]]:
-    """Each stage's recorded actions as (action, first slot, end slot): pipeline_schedule with a forward taking
-    SLOTS["F"] slots and a backward SLOTS["B"]. Derived from the order alone, so every run that keeps the order
-    draws the same timeline; wall times are not used."""
+    """Each stage's recorded actions as (action, first slot, end slot): pipeline_schedule with each action
+    taking its SLOTS. Derived from the order alone, so every run that keeps the order draws the same timeline;
+    wall times are not used."""
     return pipeline_schedule(trace, lambda r, i, action: SLOTS[action[0]])
+
+
+def virtual_stage(trace: dict, r: int, chunk: int) -> int:
+    """The stage of the whole pipeline that chunk `chunk` of rank r holds: c * p + r round the ring
+    (interleaved), or, in a V (`v_shape`: zbv, dualpipev), r on the way down and 2p - 1 - r on the way back."""
+    p = len(trace["stages"])
+    if trace.get("v_shape"):
+        return (r, 2 * p - 1 - r)[chunk]
+    return chunk * p + r
+
+
+def rank_of(trace: dict, virtual: int) -> int:
+    p = len(trace["stages"])
+    return virtual if not trace.get("v_shape") or virtual < p else 2 * p - 1 - virtual
 
 
 def pipeline_schedule(trace: dict, duration, transfer=lambda r, action: 0) -> list[list[tuple[str, float, float]]]:
     """Each stage's recorded actions as (action, start, end): in the recorded order per stage, each as early as
-    its inputs allow (F i after F i on the previous stage, B i after B i on the next stage and F i on its own,
-    all after the stage's previous action), the i-th action of stage r taking `duration(r, i, action)` and a
-    message from stage r arriving `transfer(r, action)` after the action that sent it ended. Under interleaving
-    (actions F<c>.<i>, chunk c of stage r being virtual stage c * p + r) the previous and next stages are virtual
-    ones, so chunk c + 1 of the first stage waits for chunk c of the last."""
+    its inputs allow, all after the stage's previous action, the i-th action of stage r taking
+    `duration(r, i, action)` and a message from another rank r arriving `transfer(r, action)` after the action
+    that sent it ended. F i runs after F i on the stage before; a backward B i, or its input-gradient half I i
+    (zero bubble), after F i on its own stage and B or I i on the stage after; the weight-gradient half W i
+    after I i. Under interleaving (actions F<c>.<i>, chunk c of stage r) the stages before and after are
+    virtual ones (virtual_stage), so chunk c + 1 of the first stage waits for chunk c of the last; in a V
+    the turn, from stage p - 1 to p, stays on the last rank and costs no transfer."""
     stages = [st["actions"] for st in trace["stages"]]
     p, done = len(stages), {}
     placed: list[list[tuple[str, float, float]]] = [[] for _ in stages]
@@ -148,22 +167,34 @@ def pipeline_schedule(trace: dict, duration, transfer=lambda r, action: 0) -> li
             kind, (chunk, _, micro_batch) = action[0], action[1:].rpartition(".")
             if kind not in SLOTS or not micro_batch.isdigit() or not (chunk or "0").isdigit():
                 raise TraceError(
-                    f"trace {trace['name']}: stage {r} ran {action!r}, not F<i>, B<i>, F<c>.<i> or B<c>.<i>; {RECORD}"
+                    f"trace {trace['name']}: stage {r} ran {action!r}, not F, B, I or W followed by <i> or "
+                    f"<c>.<i>; {RECORD}"
                 )
-            virtual = int(chunk or 0) * p + r
-            peer = virtual - 1 if kind == "F" else virtual + 1
+            virtual = virtual_stage(trace, r, int(chunk or 0))
+            done_as = "B" if kind == "I" else kind  # the stage before waits for I as it would for B
             ready = [placed[r][-1][2] if placed[r] else 0]
-            if kind == "B" and (virtual, "F", micro_batch) not in done:
+            if kind in "BI" and (virtual, "F", micro_batch) not in done:
                 break  # a backward needs its own forward first: recorded out of order, it never runs
-            if 0 <= peer <= last_virtual:
-                if (peer, kind, micro_batch) not in done:
+            if kind == "W":
+                if (virtual, "B", micro_batch) not in done:
                     break
-                ready.append(done[peer, kind, micro_batch] + transfer(peer % p, action))
-            start = max(ready)
-            end = start + duration(r, len(placed[r]), action)
-            placed[r].append((action, start, end))
-            done[virtual, kind, micro_batch] = end
-            waiting.extend({(r - 1) % p, (r + 1) % p})  # only a neighbour can have waited on this action
+                needs = []
+            else:
+                peer = virtual - 1 if kind == "F" else virtual + 1
+                needs = [(peer, done_as)] if 0 <= peer <= last_virtual else []
+            for peer, peer_kind in needs:
+                if (peer, peer_kind, micro_batch) not in done:
+                    break
+                sender = rank_of(trace, peer)
+                ready.append(done[peer, peer_kind, micro_batch] + (0 if sender == r else transfer(sender, action)))
+            else:
+                start = max(ready)
+                end = start + duration(r, len(placed[r]), action)
+                placed[r].append((action, start, end))
+                done[virtual, done_as, micro_batch] = end
+                waiting.extend({(r - 1) % p, (r + 1) % p})  # only a neighbour can have waited on this action
+                continue
+            break
     if any(len(done_r) < len(actions) for done_r, actions in zip(placed, stages)):
         raise TraceError(
             f"trace {trace['name']}: the recorded action orders wait on each other (no stage can "
@@ -183,9 +214,10 @@ def structure(trace: dict) -> dict:
         return {
             **{k: trace[k] for k in REQUIRED["pipeline"] if k != "stages"},
             "virtual_stages": trace.get("virtual_stages", 1),
+            "v_shape": trace.get("v_shape", False),
             "stages": [
                 {
-                    **{k: st[k] for k in PIPELINE_STAGE_KEYS},
+                    **{k: st.get(k, 0) for k in PIPELINE_STAGE_KEYS},
                     "spans": len(st["action_spans"]),
                     "p2p": _rows(st["p2p"], P2P_KEYS),
                 }
