@@ -30,6 +30,7 @@ from tests.reference.helpers import (
     unsharded_gpt_training,
 )
 from tests.reference.refusals import refusal
+from tests.reference.torch_pipelines import TorchChunk
 
 CONFIG = GPTConfig(vocab_size=51, hidden_size=16, num_attention_heads=4, num_layers=8, seq_length=8)
 SEED, STEPS, LR = 1234, 2, 0.5
@@ -80,20 +81,6 @@ def train_layout(tp: int, pp: int, dp: int, v: int, m: int) -> dict:
         if dp > 1
         else 0,
     }
-
-
-class TorchChunk(torch.nn.Module):
-    """A reference chunk with torch.distributed.pipelining's calling convention: the first takes the tokens,
-    the others the received hidden state; the labels come as a keyword (split per micro-batch by torch). The
-    last returns its loss as a 1-element tensor, which torch can concatenate into the step's output."""
-
-    def __init__(self, chunk):
-        super().__init__()
-        self.chunk = chunk
-
-    def forward(self, x, labels):
-        out = self.chunk(x, labels) if self.chunk.is_first else self.chunk(None, labels, hidden=x)
-        return out.reshape(1) if self.chunk.is_last else out
 
 
 @groups_of_the_block()

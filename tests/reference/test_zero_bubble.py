@@ -21,7 +21,7 @@ from reference.pipeline.zero_bubble import V_SCHEDULES, flat, rank_order, stages
 from tests.ranks import on_ranks
 from tests.reference.helpers import every_rank, groups_of_the_block
 from tests.reference.refusals import refusal
-from tests.reference.test_interleaved import TorchChunk
+from tests.reference.torch_pipelines import step_torch, torch_schedule
 
 CONFIG = GPTConfig(vocab_size=51, hidden_size=16, num_attention_heads=4, num_layers=4, seq_length=8)
 SEED = 1234
@@ -175,13 +175,6 @@ def _torch_schedule(schedule: str, m: int) -> dict:
     """torch's ScheduleInterleavedZeroBubble (one stage per rank), ScheduleZBVZeroBubble or ScheduleDualPipeV
     and the reference on the same chunks (pp 2), one step each: this rank's losses and the largest gradient
     difference."""
-    from torch.distributed.pipelining import (
-        PipelineStage,
-        ScheduleDualPipeV,
-        ScheduleInterleavedZeroBubble,
-        ScheduleZBVZeroBubble,
-    )
-
     layout, p, r = build_layout(1, 2, 1), 2, dist.get_rank()
     tokens = synthetic_batches(CONFIG, 1, m, SEED)[0]
     stages = stages_of(schedule, p, r)
@@ -194,17 +187,7 @@ def _torch_schedule(schedule: str, m: int) -> dict:
         activation_shape=ours[0].activation_shape(1),
     )
     theirs = build_chunks(CONFIG, layout, len(stages), schedule=schedule, seed=SEED)
-    torch_stages = [
-        PipelineStage(TorchChunk(chunk), stage, p * len(stages), torch.device("cpu"), group=layout.pp_group)
-        for chunk, stage in zip(theirs, stages)
-    ]
-    cls = {"zb-h1": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
-    torch_schedule = cls[schedule](torch_stages, m, loss_fn=lambda loss, _target: loss.sum())
-    losses, inputs, labels = [], tokens[:, :-1], tokens[:, 1:]
-    first, last = 0 in stages, p * len(stages) - 1 in stages
-    torch_schedule.step(
-        *([inputs] if first else []), labels=labels, **({"target": labels, "losses": losses} if last else {})
-    )
+    losses = step_torch(torch_schedule(schedule, theirs, stages, layout.pp_group, m), tokens, stages, p)
     grad_diff = max(
         (a.grad - b.grad).abs().max().item()
         for x, y in zip(ours, theirs)

@@ -29,7 +29,8 @@ from reference.measure.scale.moe_shapes import MOE_MODELS
 from reference.measure.scale.shapes import MODELS, ScaleSetup, setup_for
 from reference.measure.scale.simulate import RankStep, default_ranks, document, rows_table, stage_of, step_of
 from reference.parallel_state import ORDERS, ParallelConfigError
-from reference.pipeline.schedules import SCHEDULES
+from reference.pipeline.schedules import ALL_SCHEDULES
+from reference.pipeline.zero_bubble import V_SCHEDULES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,7 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
         parser, "--micro-batches", "--microbatches", type=microbatches, default=16, help="micro-batches per step (m)"
     )
     add_flag(parser, "--sequence-parallel", "--sp", action="store_true", help="sequence parallelism")
-    parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule")
+    parser.add_argument(
+        "--schedule",
+        choices=ALL_SCHEDULES,
+        default="1f1b",
+        help="pipeline schedule (zbv, dualpipev: two stages per rank in a V)",
+    )
     parser.add_argument(
         "--virtual-stages",
         type=int,
@@ -144,6 +150,16 @@ def format_document(doc: dict) -> str:
             verdict = "" if nbytes == expected else f"   MISMATCH: formula gives {expected} B"
             lines.append(
                 f"  {what:{width + 15}} {'':>6} {nbytes:>16,} {formulas.human(nbytes):>12}  {expected:,}{verdict}"
+            )
+        if "pipeline" in run:
+            pipe = run["pipeline"]
+            peak, expected = pipe["measured"]["peak_in_flight"], pipe["formula"]["peak_in_flight"]
+            verdict = "" if peak == expected else f"   MISMATCH: formula gives {expected}"
+            chunked = s.get("virtual_stages", 1) > 1 or s["schedule"] in V_SCHEDULES
+            lines.append(
+                f"  pipeline: {peak} {'chunk-' * chunked}forwards in flight at the peak (formula {expected}){verdict}; "
+                f"bubble {pipe['bubble_formula']:.4f} "
+                "with uniform stages"
             )
     return "\n".join(lines)
 

@@ -16,6 +16,8 @@ import dataclasses
 
 from reference.gpt.model import split_layers, split_virtual_stages
 from reference.measure.scale.shapes import CPSetup, ModelShape, ScaleSetup
+from reference.pipeline.schedules import bubble_formula, peak_in_flight_formula
+from reference.pipeline.zero_bubble import V_SCHEDULES, v_layers
 
 FP32 = 4
 
@@ -30,17 +32,19 @@ class Term:
 
 
 def stage_layers(setup: ScaleSetup, stage: int) -> int:
-    """Transformer layers on pipeline stage `stage`: num_layers / p, one more on the first num_layers mod p."""
-    first, last = split_layers(setup.model.num_layers, setup.pp)[stage]
-    return last - first
+    """Transformer layers on pipeline stage `stage`: num_layers / p, one more on the first num_layers mod p (in a
+    V, its two stages' 2 num_layers / 2p)."""
+    return sum(chunk_layers(setup, stage, chunk)[0] for chunk in range(setup.chunks))
 
 
 def chunk_layers(setup: ScaleSetup, stage: int, chunk: int) -> tuple[int, bool, bool]:
     """(layers, holds the embedding, holds the head) of model chunk `chunk` of stage `stage` (chunk 0 of 1
-    without interleaving: the whole stage): the layers build_stage and build_chunks give it, the embedding
-    with layer 0 and the head with the last layer."""
+    without interleaving: the whole stage; in a V, chunk 1 is the stage on the way back): the layers build_stage
+    and build_chunks give it, the embedding with layer 0 and the head with the last layer."""
     num_layers, p, v = setup.model.num_layers, setup.pp, setup.virtual_stages
-    if v == 1:
+    if setup.schedule in V_SCHEDULES:
+        first, last = v_layers(num_layers, p, stage)[chunk]
+    elif v == 1:
         first, last = split_layers(num_layers, p)[stage]
     else:
         first, last = split_virtual_stages(num_layers, p, v)[stage][chunk]
@@ -106,7 +110,7 @@ def padded_buckets(setup: ScaleSetup, stage: int) -> list[int]:
     e = setup.dtype_bytes
     elements = [
         nbytes // e
-        for chunk in range(setup.virtual_stages)
+        for chunk in range(setup.chunks)
         for nbytes in ddp_buckets(stage_parameters(setup, stage, chunk), e, setup.bucket_size)
     ]
     if not setup.distributed_optimizer:
@@ -154,6 +158,23 @@ def memory(setup: ScaleSetup, stage: int, shard_rank: int = 0) -> dict[str, int]
     }
 
 
+def pipeline(setup: ScaleSetup, stage: int) -> dict[str, int]:
+    """The most forwards (chunk-forwards with several chunks) stage `stage` holds for their backward, as its
+    schedule's order implies (reference.pipeline.schedules.peak_in_flight_formula): the traced rank's autograd
+    must hold as many at its peak. pp > 1."""
+    return {
+        "peak_in_flight": peak_in_flight_formula(
+            setup.schedule, setup.pp, stage, setup.microbatches, setup.virtual_stages
+        )
+    }
+
+
+def bubble(setup: ScaleSetup) -> float:
+    """The schedule's idle fraction with uniform stages (reference.pipeline.schedules.bubble_formula; zero
+    bubble with F = I = W)."""
+    return bubble_formula(setup.pp, setup.microbatches, setup.virtual_stages, setup.schedule)
+
+
 def sequence_parallel_params(setup: ScaleSetup, stage: int, chunk: int = 0) -> int:
     """Replicated parameters that see only this rank's tokens under SP: the norms and row-parallel biases
     (GPT-2: 6h a layer; Llama: its two RMSNorm weights, 2h), and the final norm's on the last stage."""
@@ -185,6 +206,8 @@ def expected(setup: ScaleSetup, stage: int, shard_rank: int = 0) -> dict[tuple[s
     "pp", "dp", and under HSDP "dp_shard" and "dp_replicate" instead of "dp"."""
     model, mb, L, e = setup.model, setup.microbatches, stage_layers(setup, stage), setup.dtype_bytes
     first, last, sp = stage == 0, stage == setup.pp - 1, setup.sequence_parallel
+    holds = [chunk_layers(setup, stage, chunk) for chunk in range(setup.chunks)]
+    embeds, heads = any(h[1] for h in holds), any(h[2] for h in holds)  # in a V, rank 0 holds both
     act = model.micro_batch_size * model.seq_length * model.hidden_size * e
     loss = model.micro_batch_size * model.seq_length * FP32
     rows: dict[tuple[str, str], list[Term]] = {}
@@ -195,18 +218,18 @@ def expected(setup: ScaleSetup, stage: int, shard_rank: int = 0) -> dict[tuple[s
 
     if setup.tp > 1 and not sp:
         add("tp", "all_reduce", 4 * mb * L, act, "4 m L x bshe (blocks: 2 fwd, 2 bwd)")
-        if first:
+        if embeds:
             add("tp", "all_reduce", mb, act, "m x bshe (embedding)")
-        if last:
+        if heads:
             add("tp", "all_reduce", mb, act, "m x bshe (LM head input grad)")
             add("tp", "all_reduce", 3 * mb, loss, "3 m x 4bs (loss: max, target, sum-exp)")
     if sp:
         add("tp", "all_gather", 6 * mb * L, act, "6 m L x bshe (blocks: 2 fwd, 4 bwd)")
         add("tp", "reduce_scatter", 4 * mb * L, act, "4 m L x bshe (blocks: 2 fwd, 2 bwd)")
-        if first:
+        if embeds:
             add("tp", "all_reduce", mb, act, "m x bshe (embedding)")
             add("tp", "all_gather", mb, act, "m x bshe (embedding's sequence split, bwd)")
-        if last:
+        if heads:
             add("tp", "all_gather", 2 * mb, act, "2 m x bshe (LM head input, fwd and bwd)")
             add("tp", "reduce_scatter", mb, act, "m x bshe (LM head input grad)")
             add("tp", "all_reduce", 3 * mb, loss, "3 m x 4bs (loss: max, target, sum-exp)")
@@ -216,26 +239,30 @@ def expected(setup: ScaleSetup, stage: int, shard_rank: int = 0) -> dict[tuple[s
             per_layer, final = sp_norm_widths(model)
             what = f"1 x ({per_layer}L + {final}) x 4h/{setup.shard_size} (SP {_norms(model)} grad shards, fp32)"
             add("tp", "all_reduce", 1, (per_layer * L + final) * local * FP32, what)
-        for chunk in range(setup.virtual_stages if not setup.fsdp2 else 0):  # one flat all-reduce per model chunk
-            heads = chunk_layers(setup, stage, chunk)[2]
-            per_chunk = "L" if setup.virtual_stages == 1 else "L/v"
+        for chunk in range(setup.chunks if not setup.fsdp2 else 0):  # one flat all-reduce per model chunk
+            head = holds[chunk][2]
+            per_chunk = "L" if setup.chunks == 1 else "L/v" if setup.virtual_stages > 1 else "L/2"
             per_layer, final = sp_norm_widths(model)
             add(
                 "tp",
                 "all_reduce",
                 1,
                 sequence_parallel_params(setup, stage, chunk) * e,
-                f"1 x ({per_layer}h{per_chunk}" + (f" + {final}h" if heads else "") + f")e (SP {_norms(model)} grads)",
+                f"1 x ({per_layer}h{per_chunk}" + (f" + {final}h" if head else "") + f")e (SP {_norms(model)} grads)",
             )
     if setup.pp > 1:
         add("pp", "barrier", 2, 0, "2 x 0 (bubble measurement: start, end)")
         shard = act // setup.tp if sp else act
         what = "bshe/t" if sp else "bshe"
         v = setup.virtual_stages
+        if setup.schedule in V_SCHEDULES:
+            v_rows(mb, first + last, shard, what, add)
         for op, direction_first, direction_last in (
             ("send", "activations", "input grads"),
             ("recv", "output grads", "activations"),
         ):
+            if setup.schedule in V_SCHEDULES:
+                continue
             if v > 1:  # every chunk-forward but the model's last sends on, every one but its first receives
                 add("pp", op, mb * (v - last), shard, f"m {'(v - 1)' if last else 'v'} x {what} ({direction_first})")
                 add("pp", op, mb * (v - first), shard, f"m {'(v - 1)' if first else 'v'} x {what} ({direction_last})")
@@ -255,6 +282,17 @@ def expected(setup: ScaleSetup, stage: int, shard_rank: int = 0) -> dict[tuple[s
         else:
             rows[("dp", "all_reduce")] = [Term(len(buckets), e * sum(buckets), f"eP in {limit} (DDP grads)")]
     return rows
+
+
+def v_rows(mb: int, ends: int, shard: int, what: str, add) -> None:
+    """The point-to-point traffic of a rank in a V (zbv, dualpipev): each of its two stages sends its activations
+    on and its input gradients back, and receives as much, but across the V's two ends (the first and the last
+    stage are both on rank 0; the turn, stages p - 1 and p, on rank p - 1) nothing is sent. An inner rank has
+    two neighbours, an end rank (rank 0 or p - 1: `ends` 1) one, so 2m or m messages each way and kind."""
+    count, times = mb * (2 - ends), "m" if ends else "2m"
+    for op, first, second in (("send", "activations", "input grads"), ("recv", "activations", "output grads")):
+        add("pp", op, count, shard, f"{times} x {what} ({first})")
+        add("pp", op, count, shard, f"{times} x {what} ({second})")
 
 
 def fsdp2_rows(setup: ScaleSetup, add) -> None:

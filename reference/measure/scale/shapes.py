@@ -20,7 +20,8 @@ from reference.data_parallel.wrapper import DEFAULT_BUCKET_SIZE
 from reference.gpt.model import GPTConfig
 from reference.gpt.parallelize import check_virtual_pipeline
 from reference.parallel_state import ORDERS, ParallelConfigError, divide
-from reference.pipeline.schedules import SCHEDULES
+from reference.pipeline.schedules import ALL_SCHEDULES
+from reference.pipeline.zero_bubble import ZERO_BUBBLE_SCHEDULES, check_zero_bubble, stages_of
 from reference.tensor_parallel.parallelize import split_query_groups
 from reference.tensor_parallel.vocab_parallel import pad_vocab_size
 
@@ -98,9 +99,11 @@ class ScaleSetup:
     """One training step (reference.gpt.train.train_step) of `model` on tp x pp x dp ranks.
 
     microbatches: per step and DP replica. sp: sequence parallelism. schedule: "gpipe" or "1f1b" (the same
-    traffic per step, in another order). bucket_size: the DDP gradient bucket size in bytes (None: one
-    bucket), reference.data_parallel.DistributedDataParallel's. distributed_optimizer: ZeRO-1
-    (reference.data_parallel.distributed_optimizer) instead of every DP rank stepping every parameter;
+    traffic per step, in another order), or a zero-bubble one (reference.pipeline.zero_bubble: zb-h1 the same
+    traffic again; zbv and dualpipev two stages per rank in a V, `chunks` 2). bucket_size: the DDP gradient
+    bucket size in bytes (None: one bucket), reference.data_parallel.DistributedDataParallel's.
+    distributed_optimizer: ZeRO-1 (reference.data_parallel.distributed_optimizer) instead of every DP rank
+    stepping every parameter;
     shard_gradients: with it, ZeRO-2 (reference.data_parallel.gradient_shards), only gradient shards kept.
     virtual_stages: model chunks per stage (v > 1: interleaved 1F1B, reference.gpt.parallelize.build_chunks;
     each chunk its own DDP). fsdp2: the reference FSDP2 over DP instead of DDP (reference.data_parallel.fsdp2_tp:
@@ -140,8 +143,10 @@ class ScaleSetup:
             divide(m.seq_length, self.tp, "seq_length")
         if m.dtype not in DTYPES:
             raise ParallelConfigError(f"unknown dtype {m.dtype!r}; choose one of {', '.join(DTYPES)}")
-        if self.schedule not in SCHEDULES:
-            raise ParallelConfigError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
+        if self.schedule not in ALL_SCHEDULES:
+            raise ParallelConfigError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(ALL_SCHEDULES)}")
+        if self.schedule in ZERO_BUBBLE_SCHEDULES:
+            check_zero_bubble(self.schedule, self.pp, self.microbatches, m.num_layers)
         if self.distributed_optimizer and self.dp == 1:
             raise ParallelConfigError(
                 "the distributed optimizer shards the optimizer state over the data-parallel "
@@ -160,6 +165,13 @@ class ScaleSetup:
             self._check_fsdp2()
         if self.order not in ORDERS:
             raise ParallelConfigError(f"unknown order {self.order!r}; choose one of {', '.join(ORDERS)}")
+
+    @property
+    def chunks(self) -> int:
+        """Model chunks per rank: v under interleaving, 2 in a V (zbv, dualpipev), else 1."""
+        if self.schedule in ZERO_BUBBLE_SCHEDULES:
+            return len(stages_of(self.schedule, self.pp, 0))
+        return self.virtual_stages
 
     def _check_fsdp2(self) -> None:
         """One-line refusals of an FSDP2 or HSDP setup the reference cannot run (the demo's, where it has them)."""

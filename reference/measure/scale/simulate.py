@@ -69,9 +69,12 @@ def adam(tensors: list[torch.Tensor]) -> torch.optim.Optimizer:
     return torch.optim.Adam(tensors, lr=1e-4, foreach=False)
 
 
-def trace_rank(setup: ScaleSetup, rank: int, device: str = "meta", held: dict | None = None) -> list[CollectiveEvent]:
+def trace_rank(
+    setup: ScaleSetup, rank: int, device: str = "meta", held: dict | None = None, pipeline: dict | None = None
+) -> list[CollectiveEvent]:
     """Every collective `rank` issues in one train_step (micro-batches through its stage, then the grad sync);
-    `held`, if given, receives the bytes the rank holds (bytes_per_rank) after the step.
+    `held`, if given, receives the bytes the rank holds (bytes_per_rank) after the step, and `pipeline` (pp > 1)
+    the peak of forwards in flight as autograd held them (reference.measure.pipeline_meter).
 
     device "cpu" runs the same step on real tensors: only for small models, to show that the meta device
     changes nothing the recorder sees."""
@@ -89,7 +92,7 @@ def trace_rank(setup: ScaleSetup, rank: int, device: str = "meta", held: dict | 
         with where:  # the master weights the layers draw their shards from are plain torch.empty: meta too
             chunks = [
                 GPT(model.gpt_config(), plan.seed, where, layers=layers, params_dtype=params_dtype)
-                for layers in stage_layers(model.gpt_config(), layout, setup.virtual_stages)
+                for layers in stage_layers(model.gpt_config(), layout, setup.virtual_stages, setup.schedule)
             ]
             wrapped = parallelize(chunks if len(chunks) > 1 else chunks[0], layout, plan)
         optimizer = build_optimizer(wrapped, plan, adam)
@@ -98,7 +101,7 @@ def trace_rank(setup: ScaleSetup, rank: int, device: str = "meta", held: dict | 
             optimizer.register_step_pre_hook(lambda *_: grads.update(_grad_buffers(wrapped)))
         rows = setup.dp * setup.microbatches * model.micro_batch_size
         tokens = torch.zeros(rows, model.seq_length + 1, dtype=torch.long, device=where)  # global batch
-        recorder = CollectiveRecorder()
+        recorder, meter = CollectiveRecorder(), None if setup.fsdp2 else PipelineMeter()
         train_step(
             wrapped,
             optimizer,
@@ -109,8 +112,10 @@ def trace_rank(setup: ScaleSetup, rank: int, device: str = "meta", held: dict | 
             device=where,
             record=recorder,
             # its two PP barriers frame the bubble, as in every recorded pipeline run
-            observer=None if setup.fsdp2 else PipelineMeter(),
+            observer=meter,
         )
+        if pipeline is not None and meter is not None and setup.pp > 1:
+            pipeline["peak_in_flight"] = meter.peak_in_flight_measured
         if held is not None:
             held.update(_fsdp2_held(wrapped, optimizer, grads) if setup.fsdp2 else bytes_per_rank(wrapped, optimizer))
         hsdp = {layout.members(kind): kind for kind in ("dp_shard", "dp_replicate")} if setup.dp_replicate > 1 else {}
@@ -201,13 +206,15 @@ class RankStep:
     rank: int
     events: list[CollectiveEvent]
     held: dict[str, int]
+    pipeline: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 def step_of(setup: ScaleSetup, rank: int, trace=trace_rank) -> RankStep:
     """`trace` (trace_rank, or the MoE one), keeping the bytes held too: what document() reports for `rank`."""
     held: dict[str, int] = {}
-    events = trace(setup, rank, held=held)
-    return RankStep(rank, events, held)
+    pipeline: dict[str, int] = {}
+    events = trace(setup, rank, held=held, **({"pipeline": pipeline} if trace is trace_rank else {}))
+    return RankStep(rank, events, held, pipeline)
 
 
 def document(setup: ScaleSetup, steps: list[RankStep]) -> dict:
@@ -224,6 +231,7 @@ def document(setup: ScaleSetup, steps: list[RankStep]) -> dict:
                 "rank": rank,
                 "stage": stage,
                 "memory": {"measured": step.held, "formula": formulas.memory(setup, stage, shard_rank_of(setup, rank))},
+                **({"pipeline": _pipeline(setup, stage, step.pipeline)} if step.pipeline else {}),
                 **rows_document(
                     summarize(setup, rank, step.events), formulas.expected(setup, stage, shard_rank_of(setup, rank))
                 ),
@@ -237,6 +245,11 @@ def document(setup: ScaleSetup, steps: list[RankStep]) -> dict:
         "runs": runs,
         "agree": agree(runs),
     }
+
+
+def _pipeline(setup: ScaleSetup, stage: int, measured: dict) -> dict:
+    """A traced stage's pipeline figures: its peak in flight beside the formula's, and the schedule's bubble."""
+    return {"measured": measured, "formula": formulas.pipeline(setup, stage), "bubble_formula": formulas.bubble(setup)}
 
 
 def rows_document(rows: list[Row], predicted: dict) -> dict:
@@ -282,4 +295,6 @@ def agree(runs: list[dict]) -> bool:
         row["count"] == row["formula_count"] and row["bytes"] == row["formula_bytes"]
         for run in runs
         for row in run["rows"]
-    ) and all(run["memory"]["measured"] == run["memory"]["formula"] for run in runs)
+    ) and all(
+        run[what]["measured"] == run[what]["formula"] for run in runs for what in ("memory", "pipeline") if what in run
+    )
