@@ -22,11 +22,12 @@ serve: setup
 	tools/pin-and-cite fetch
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve --dev-addr $(ADDR)
 
-# Two pytest-xdist workers; the tests that read one session-cached torchrun launch, and the site tests, each
-# stay in one worker (tests/conftest.py::scope_of), the rest go a module at a time.
+# Two pytest-xdist workers; the tests that share one torchrun launch (one per world size), and the site tests,
+# each stay in one worker (tests/conftest.py::scope_of), the rest go a module at a time. The slowest 20 tests
+# are listed at the end: where the suite's time goes.
 test: setup
 	tools/ensure-browser
-	$(PY) -m pytest -n 2
+	$(PY) -m pytest -n 2 --durations=20
 
 # The reference's tests on another torch (not run in CI): `make test-torch TORCH=2.11.0` installs that torch
 # from PyPI (on Linux a CUDA build, several GB; it runs on CPU) and the project's test extras, constrained as
