@@ -14,7 +14,7 @@ backward of two different micro-batches, the pair whose communication DeepSeek-V
   DualPipeV the same V, micro-batches from the front overlapped with backwards from the back; m >= 2p.
 
 Each order mirrors the per-rank order (idle slots dropped) of torch's own schedule objects, which
-tests/evidence/test_zero_bubble_upstream.py builds and compares:
+tests/evidence/test_zero_bubble_orders_upstream.py builds and compares:
 `pytorch:torch/distributed/pipelining/schedules.py::ScheduleInterleavedZeroBubble` at one stage per rank,
 `pytorch:torch/distributed/pipelining/schedules.py::ScheduleZBVZeroBubble` and
 `pytorch:torch/distributed/pipelining/schedules.py::ScheduleDualPipeV`. The executor is
