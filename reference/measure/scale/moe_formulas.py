@@ -14,11 +14,18 @@ from __future__ import annotations
 
 import dataclasses
 
-from reference.measure.scale.formulas import FP32, Term, _exact, ddp_buckets, stage_layers  # MoE layers here
+from reference.gpt.model import split_layers
+from reference.measure.scale.formulas import FP32, Term, _exact, ddp_buckets
 from reference.measure.scale.moe_shapes import MoESetup
 from reference.measure.scale.routing import ep_rank_pairs, expert_counts
 
 COUNT = 8  # bytes of one token count (int64, as routing_map.sum() gives it)
+
+
+def stage_layers(setup: MoESetup, stage: int) -> int:
+    """MoE layers on pipeline stage `stage` (1F1B's split: num_layers / p, one more on the first num_layers mod p)."""
+    first, last = split_layers(setup.model.num_layers, setup.pp)[stage]
+    return last - first
 
 
 @dataclasses.dataclass(frozen=True)
