@@ -303,9 +303,19 @@ def test_pipeline_timelines_drawn_from_recorded_steps_render_a_row_per_stage(eve
     for svg, title in zip(timelines, ("GPipe, 4 stages, 8 micro-batches", "1F1B, 4 stages, 8 micro-batches")):
         for label in (title, "stage 0", "stage 3", "F0", "F7", "B0", "B7", "µs, modeled at 1 TFLOP/s, 25 GB/s"):
             assert label in svg, (title, label)
-    walked = every_page[0]["notes/walkthrough-pipeline"]["timelines"]  # the three schedules, one axis
-    titles = ("GPipe, 4 stages", "1F1B, 4 stages", "Interleaved 1F1B (2 chunks per stage), 4 stages")
-    assert len(walked) == 3 and all(title in svg for svg, title in zip(walked, titles))
+    walked = every_page[0]["notes/walkthrough-pipeline"]["timelines"]  # every schedule, on one axis
+    titles = (
+        "GPipe, 4 stages",
+        "1F1B, 4 stages",
+        "Interleaved 1F1B (2 chunks per stage), 4 stages",
+        "1F1B, 4 stages",  # again, beside the zero-bubble schedules
+        "ZB-H1, 4 stages",
+        "ZB-V (2 stages per rank, in a V), 4 stages",
+        "DualPipeV (2 stages per rank, in a V), 4 stages",
+    )
+    assert len(walked) == len(titles) and all(title in svg for svg, title in zip(walked, titles))
+    for svg in walked[4:]:
+        assert all(label in svg for label in ("I0", "W0", "stage 3")), svg[:80]
 
 
 def test_excerpts_show_upstream_line_numbers_and_text(every_page):
