@@ -111,11 +111,7 @@ def main() -> None:
         if index and out_of_budget(started, spec["budget_s"], ranks.world, harness):
             break  # a clean end: tests/ranks.py launches again for the tests not yet run
         before = set(live_process_groups())
-        t0, c0 = time.monotonic(), time.process_time()
         result = run(test, ranks, out / f"{index}.rank{ranks.rank}.log", spec["timeout_s"])
-        if ranks.rank == 0:
-            with open("/tmp/ranked_times2.txt", "a") as f:
-                f.write(f"{time.monotonic()-t0:.2f} {time.process_time()-c0:.2f} {ranks.world} {test['module']}::{test['name']} {test['params']}\n")
         (out / f"{index}.rank{ranks.rank}.json").write_text(json.dumps(result))
         outcomes = [None] * ranks.world
         dist.all_gather_object(outcomes, result["outcome"], group=harness)
