@@ -153,6 +153,8 @@ def _render_problems(project: Project, resolver: Resolver, found: list[Problem],
     (so one run reports everything), rendering nothing for the `skipped` citations and highlights: its first
     error (traces, diagrams, Jinja) unless that line already has a problem reported."""
     renderer, problems = Renderer(project, resolver), []
+    if skipped:  # pages rendered past reported problems are not the pages a render makes: none is kept
+        renderer.pages = None
     for name in ("cite", "upstream", "default"):
         renderer.env.globals[name] = _past_reported(renderer.env.globals[name], name, skipped)
     for template in template_files(project.notes_dir):
@@ -161,7 +163,8 @@ def _render_problems(project: Project, resolver: Resolver, found: list[Problem],
             for p in renderer.rule_problems(template)
         ]
     reported = {p.where for p in found + problems}
-    for template, context, _ in pages(project):
+    for template, context, page in pages(project):
+        renderer.page = page  # as render names it, so that both keep the same pages
         try:
             renderer.render(template, rules=False, **context)
         except RunOverBudget:

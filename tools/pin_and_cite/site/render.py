@@ -46,7 +46,8 @@ from pin_and_cite.site.changes import change_pages
 from pin_and_cite.site.evidence_pages import evidence_pages, link_from
 from pin_and_cite.site.folding import fold_window, folded_markdown
 from pin_and_cite.site.output_folder import OutputFolder
-from pin_and_cite.site.plugin import Plugin, load_plugin
+from pin_and_cite.site.page_cache import PageCache, code_version
+from pin_and_cite.site.plugin import SHIPPED_BESIDE, Plugin, load_plugin
 
 SOURCE_PAGE = "_source.md.j2"
 OUR_CODE = "The reference code"  # the section ours() links into
@@ -125,6 +126,11 @@ class Renderer:
         self.page: str | None = None  # the page being rendered, for relative links
         self.cited_tests: dict[str, tuple[Evidence, list[str]]] = {}  # node id -> evidence, citing pages
         self.our_code: dict[str, Definition] = {}  # anchor -> definition ours() linked, on the page being rendered
+        self.pages: PageCache | None = PageCache(  # None: render every page afresh
+            project.root, project.notes_dir, project.cache_dir, code_version(SHIPPED_BESIDE)
+        )
+        self._read: dict[str, str | None] = {}  # repository file -> its SHA-256 before this page read it
+        self._cited: list[str] = []  # the tests this page names
         loader = CompiledTemplates(NotesLoader(project.notes_dir), project.cache_dir)
         self.env = sandbox.environment(loader)
         self.env.globals.update(
@@ -168,8 +174,14 @@ class Renderer:
         excerpt = self.excerpt(spec_text)
         return excerpt_link(excerpt, self.inside(excerpt))
 
+    def _reads(self, path: str) -> None:
+        """The page is about to read the repository file `path`: its entry must name it."""
+        if self.pages is not None and path not in self._read:
+            self._read[path] = self.pages.sha(path)
+
     def ours(self, spec: str) -> str:
         """Where our definition lives, linked to its code, which render() appends to the page."""
+        self._reads(spec.partition("::")[0])
         found = definition(self.context, spec)
         anchor = "code-" + "".join(ch if ch.isalnum() else "-" for ch in f"{found.path}-{found.symbol}").lower()
         self.our_code[anchor] = found
@@ -191,6 +203,7 @@ class Renderer:
 
     def mirrors(self, ours_spec: str) -> str:
         """The upstream() links of the citations in the docstring of our `reference/x.py::Name`."""
+        self._reads(ours_spec.partition("::")[0])
         return ", ".join(self.upstream(spec) for spec in mirrored(self.context, ours_spec))
 
     def default(self, spec_text: str, param: str) -> str:
@@ -223,6 +236,9 @@ class Renderer:
     def verified_by(self, node_id: str) -> str:
         """The test and its kind of evidence (it runs the pinned upstream itself, or the reference only),
         linked to its section on the page of the test file (pin_and_cite.site.evidence_pages)."""
+        self._reads(node_id.partition("::")[0])
+        if node_id not in self._cited:
+            self._cited.append(node_id)
         found = evidence_of(self.context, node_id)
         if isinstance(found, str):
             raise PinAndCiteError(f"verified_by: {found}")
@@ -265,14 +281,23 @@ class Renderer:
         problems = self.rule_problems(template) if rules else []
         if problems:
             raise PinAndCiteError(f"{self._where(template, problems[0].line)}: {problems[0].message}")
-        self.our_code = {}
+        self.our_code, self._read, self._cited = {}, {}, []
         try:
+            key = self.pages.key(template, self.page, context) if self.pages else None
+            if kept := (self.pages.get(key) if self.pages else None):
+                text, cited = kept
+                for node_id in cited:  # the test pages list the pages citing each test
+                    self.verified_by(node_id)
+                return text
             with self.env.bounded():  # Jinja calls filters while it compiles (constant folding): both bounded
                 try:
                     compiled = self.env.get_template(name)
                 except RecursionError:  # Jinja's parser recurses once per parenthesis, filter or attribute
                     raise PinAndCiteError("the template nests too deep for Jinja to parse") from None
-                return compiled.render(**context) + self._our_code_section()
+                text = compiled.render(**context) + self._our_code_section()
+            if self.pages:
+                self.pages.put(key, text, self._cited, self._read)
+            return text
         except sandbox.RunOverBudget as exc:  # the run stops here, one line
             raise sandbox.RunOverBudget(f"{self._where(template, _template_line(exc, template))}: {exc}") from None
         except jinja2.TemplateSyntaxError as exc:
