@@ -11,9 +11,10 @@
      page as it was; under `mkdocs serve` that line is logged and the site goes on serving (after a `bump`, the
      change pages say what to fix). It renders holding the project's write lock, as `tools/pin-and-cite render`
      does, and refuses a bump's interrupted write (its journal) in one line naming the verb that finishes it.
-`on_config` keeps each code block's highlighted HTML, verified, under the user's cache
-(pin_and_cite.site.highlight_cache): Pygments was a third of a build; `on_env` keeps the theme's compiled
-templates there too (pin_and_cite.core.compiled_templates).
+`on_config` keeps each page's converted HTML, verified, under the user's cache (pin_and_cite.site.html_cache):
+Python-Markdown was the largest part of a build; and each code block's highlighted HTML, for the pages that do
+convert (pin_and_cite.site.highlight_cache); `on_env` keeps the theme's compiled templates there too
+(pin_and_cite.core.compiled_templates).
 `on_page_context`, around mkdocs-material's search plugin (which indexes `page.content` at the default
 priority), hands it the page without the code blocks' span tags, line anchors and line numbers
 (pin_and_cite.site.search_text: the same index, at a sixth of its cost) and gives the page its full HTML back
@@ -45,7 +46,7 @@ from pin_and_cite.core.project import NOTES_DIR
 from pin_and_cite.core.store import default_cache_dir, refuse_cache_inside
 from pin_and_cite.core.write_lock import write_lock
 from pin_and_cite.relocation import journal
-from pin_and_cite.site import highlight_cache
+from pin_and_cite.site import highlight_cache, html_cache
 from pin_and_cite.site.reading_order import MARKER, reading_order
 from pin_and_cite.site.render import render_notes
 from pin_and_cite.site.search_text import without_code_spans
@@ -73,6 +74,7 @@ def on_config(config):
     except PinAndCiteError:  # on_pre_build's render says so, in one line
         return config
     highlight_cache.install(cache)
+    html_cache.install(cache)
     global _cache
     _cache = cache
     return config
