@@ -130,9 +130,24 @@ def check(project: Project) -> Report:
 
 
 def _check_highlight(project: Project, resolver: Resolver, key: str, highlight: str) -> None:
-    """Refuse a highlight as render would: checked here for every call, since a render stops at its first."""
+    """Refuse a highlight as render would: checked here for every call, since a render stops at its first. The
+    verdict is a fact of the pinned file, kept in the parse cache: reading the file's statements back is what
+    checking it costs."""
     excerpt = locked_excerpt(project, resolver, key)
-    checked_highlight(str(excerpt.spec), highlight, excerpt.lines, resolver.statements_in(excerpt))
+    spec = str(excerpt.spec)
+
+    def problem() -> str | None:
+        return _verdict(checked_highlight, spec, highlight, excerpt.lines, resolver.statements_in(excerpt))
+
+    what = f"highlight {highlight} of {spec} L{excerpt.lines[0]}-L{excerpt.lines[1]}"
+    if why := resolver.parsed.get(excerpt.blob, what, problem, _text_or_none):
+        raise PinAndCiteError(why)
+
+
+def _text_or_none(value) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise TypeError("a highlight's verdict is a message or null")
+    return value
 
 
 def _past_reported(show, function: str, reported: set) -> Callable[..., str]:
