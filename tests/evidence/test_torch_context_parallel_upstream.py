@@ -275,6 +275,11 @@ def test_context_parallel_non_causal_matches_sdpa(ranks):
     q, k, v = (t.float() for t in qkv(4))
     full = F.scaled_dot_product_attention(q, k, v)
     mesh = init_device_mesh("cpu", (ranks.world,))
+    # DTensor finds the op's sharding by running its decomposition for every placement of q, k, v (about a
+    # minute of CPU), once per shape: outside CommDebugMode, which would see each of those ops too
+    warm = [t.clone() for t in (q, k, v)]
+    with cp.context_parallel(mesh, buffers=warm, buffer_seq_dims=[2] * 3):
+        F.scaled_dot_product_attention(*warm)
     for balanced, shard in ((True, head_tail), (False, contiguous_shard)):
         buffers = [t.clone() for t in (q, k, v)]
         with (

@@ -24,6 +24,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -72,7 +73,10 @@ MOE_SCALE = {
 
 def _run(cmd: list[str], what: str, timeout: float, **env: str) -> str:
     """Run one recording process from the repository root, single-threaded; its stdout, or RuntimeError
-    with the tail of its output."""
+    with the tail of its output. A line on stderr as it starts and as it ends, with its time: a whole
+    re-recording takes minutes."""
+    print(f"record-traces: {what} ...", file=sys.stderr, flush=True)
+    started = time.monotonic()
     proc = subprocess.run(
         cmd,
         cwd=ROOT,
@@ -83,6 +87,7 @@ def _run(cmd: list[str], what: str, timeout: float, **env: str) -> str:
     )
     if proc.returncode != 0:
         raise RuntimeError(f"{what} exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-6000:]}")
+    print(f"record-traces: {what}: done in {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
     return proc.stdout
 
 
