@@ -766,6 +766,29 @@ def test_megatron_refuses_interleaving_when_m_is_not_a_multiple_of_p(ranks):
         assert "but it is 2" in rank["interleaved_m6_refused"]
 
 
+@pytest.mark.parametrize("v, m", [(2, 8), (3, 4)])
+def test_overlap_moe_expert_parallel_comm_adds_one_interleaved_warmup_forward(v, m):
+    """get_pp_rank_microbatches (in-process: a stand-in communicator gives p, r and v) warms rank r up with
+    2(p - r - 1) + (v - 1)p chunk-forwards, one more under overlap_moe_expert_parallel_comm (combined 1F1B), at
+    most v·m either way; without virtual stages (1F1B) the flag changes nothing."""
+    from types import SimpleNamespace
+
+    p = 4
+    for r in range(p):
+        for virtual, plain in [(v, 2 * (p - r - 1) + (v - 1) * p), (None, p - r - 1)]:
+            group = SimpleNamespace(size=lambda: p, rank=lambda r=r: r)
+            comm = SimpleNamespace(pp_group=group, virtual_pipeline_model_parallel_size=virtual)
+            chunks = v if virtual else 1
+            warmup = {
+                overlap: schedules.get_pp_rank_microbatches(
+                    m, chunks, p, overlap_moe_expert_parallel_comm=overlap, p2p_communicator=comm
+                )[2]
+                for overlap in (False, True)
+            }
+            extra = 1 if virtual else 0
+            assert warmup == {False: min(plain, chunks * m), True: min(plain + extra, chunks * m)}, (r, virtual)
+
+
 def test_megatron_assigns_chunk_c_of_rank_r_the_layers_of_virtual_stage_c_p_plus_r():
     """get_transformer_layer_offset / get_num_layers_to_build (in-process, no ranks needed) give the split of
     reference.gpt.model.split_virtual_stages, and refuse layer counts that p x v does not divide."""

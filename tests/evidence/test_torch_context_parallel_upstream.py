@@ -328,3 +328,47 @@ def test_megatron_cp_gradients_are_reduced_over_dp_times_cp(ranks):
         weight = model.module.weight
         torch.testing.assert_close(weight.main_grad, expected, rtol=1e-6, atol=1e-7)
     assert [(e.op, e.group_ranks) for e in rec.events] == [("all_reduce", (0, 1))]
+
+
+@on_ranks(2)
+def test_megatron_cp_gradients_are_divided_by_the_token_count_not_dp_cp_under_per_token_loss(ranks):
+    """The same CP 2 × DP 1 model with calculate_per_token_loss: DDP's gradient scaling factor is 1, not
+    1/(DP·CP), and the schedule leaves a three-output loss a sum, so the all-reduce sums the two halves' gradients
+    of their token sums; finalize_model_grads then sums the token counts over DP × CP and divides by them: the
+    full sequence's mean gradient again, by the token count instead of by DP·CP."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel as MegatronDDP
+    from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.pipeline_parallel.schedules import forward_step_calc_loss
+    from megatron.core.transformer import TransformerConfig
+
+    cuda_calls_on_cpu()
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(6))
+    torch.manual_seed(0)
+    module = torch.nn.Linear(4, 1)
+    (mean,) = torch.autograd.grad((module(x) ** 2).mean(), module.weight)
+    with megatron_parallel_state(context_parallel_size=2):
+        config = TransformerConfig(num_layers=1, hidden_size=4, num_attention_heads=1, calculate_per_token_loss=True)
+        model = MegatronDDP(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module)
+        assert [b.gradient_scaling_factor for b in model.buffers] == [1.0]
+        mine = x.chunk(2)[ranks.rank]  # this rank's half of the sequence: 4 tokens
+        loss, tokens = forward_step_calc_loss(
+            model,
+            model(mine),
+            lambda out: ((out**2).sum(), torch.tensor(len(mine)), None),
+            config,
+            None,
+            False,
+            1,
+            [],
+            2,
+            True,
+        )
+        assert tokens.item() == len(mine)
+        torch.testing.assert_close(loss.detach(), (module(mine) ** 2).sum().detach())  # the sum, not / its tokens
+        loss.backward()
+        with mock.patch.object(model, "scale_gradients", wraps=model.scale_gradients) as scale:
+            finalize_model_grads([model], num_tokens=tokens.clone())  # reduces (finish_grad_sync), then divides
+        assert [c.args for c in scale.call_args_list] == [(1.0 / len(x),)]  # the token count over DP × CP: 8
+        torch.testing.assert_close(model.module.weight.main_grad, mean, rtol=1e-6, atol=1e-7)
+        assert parallel_state.get_data_parallel_world_size(with_context_parallel=True) == 2

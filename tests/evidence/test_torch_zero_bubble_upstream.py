@@ -356,6 +356,19 @@ def test_megatron_delay_wgrad_compute_needs_the_expert_all_to_all_overlap():
         )
 
 
+def stand_in_layer(tag: str, ran: list[str]):
+    """A stand-in for megatron's TransformerLayerSchedulePlan: each step of each node (attention, dispatch, MLP,
+    combine, MTP) appends "tag.node.step" to `ran` when megatron's layer plan calls it."""
+    parts = {}
+    for part in ("attn", "moe_dispatch", "mlp", "moe_combine", "mtp_post_process"):
+        node = mock.Mock()
+        for what in ("forward", "backward", "backward_dw"):
+            getattr(node, what).side_effect = lambda x=None, _n=f"{tag}.{part}.{what}": ran.append(_n) or x
+        parts[part] = node
+    config = mock.Mock(ep_overlap_early_attn_memory_release=False)
+    return mock.Mock(**parts, config=config, get_fp8_context=contextlib.nullcontext)
+
+
 @pytest.mark.upstream("megatron-lm")
 def test_megatron_interleaves_one_layers_forward_with_another_micro_batchs_backward():
     """megatron's combined 1F1B works inside a layer: the backward micro-batch's MLP weight gradient runs right
@@ -364,17 +377,7 @@ def test_megatron_interleaves_one_layers_forward_with_another_micro_batchs_backw
     from megatron.core.models.common.model_chunk_schedule_plan import TransformerLayerSchedulePlan
 
     ran: list[str] = []
-
-    def layer(tag: str):
-        parts = {}
-        for part in ("attn", "moe_dispatch", "mlp", "moe_combine", "mtp_post_process"):
-            node = mock.Mock()
-            for what in ("forward", "backward", "backward_dw"):
-                getattr(node, what).side_effect = lambda x=None, _n=f"{tag}.{part}.{what}": ran.append(_n) or x
-            parts[part] = node
-        config = mock.Mock(ep_overlap_early_attn_memory_release=False)
-        return mock.Mock(**parts, config=config, get_fp8_context=contextlib.nullcontext)
-
+    layer = functools.partial(stand_in_layer, ran=ran)
     TransformerLayerSchedulePlan.run(layer("f"), layer("b"), f_input=0, b_grad=0)
     assert ran == [
         "b.mtp_post_process.backward",
@@ -390,3 +393,48 @@ def test_megatron_interleaves_one_layers_forward_with_another_micro_batchs_backw
         "b.attn.backward",
         "b.attn.backward_dw",
     ]
+
+
+@pytest.mark.upstream("megatron-lm")
+def test_megatron_runs_an_unpaired_backward_layers_mlp_weight_gradient_with_no_dispatch_to_hide_it():
+    """A model chunk's combined step pairs as many layers as the shorter side has: here a forward of one layer
+    with a backward of two. The pair runs as in the test above; the backward's other layer runs alone, its MLP
+    weight gradient right after its MLP input gradient with no forward dispatch in flight. Attention's weight
+    gradient waits to its layer's end, and for the chunk's first layer (the last in backward) until after the
+    step's pipeline send (post_backward)."""
+    from megatron.core.models.common.model_chunk_schedule_plan import TransformerModelChunkSchedulePlan
+
+    ran: list[str] = []
+
+    class Plan:  # a stand-in TransformerModelChunkSchedulePlan: its layers, popped last first in backward
+        def __init__(self, *tags: str):
+            self.layers = [stand_in_layer(tag, ran) for tag in tags]
+            self.pre_process, self.post_process, self.vp_stage = mock.Mock(), None, 0
+            self.record_current_stream = self.wait_current_stream = self.release_state = lambda: None
+
+        def num_layers(self) -> int:
+            return len(self.layers)
+
+        def get_layer(self, i: int):
+            return self.layers[i]
+
+        def pop_layer(self):
+            return self.layers.pop()
+
+    with mock.patch("torch.cuda.nvtx.range_push"), mock.patch("torch.cuda.nvtx.range_pop"):
+        TransformerModelChunkSchedulePlan.run(
+            Plan("f0"), Plan("b0", "b1"), b_grad=0, post_backward=lambda grad, vp_stage: ran.append("post_backward")
+        )
+    paired = [n for n in ran if n.startswith(("f0.", "b1."))]
+    assert paired.index("b1.mlp.backward_dw") == paired.index("f0.moe_dispatch.forward") + 1
+    assert [n for n in ran if n.startswith("b0.") or n == "post_backward"] == [
+        "b0.mtp_post_process.backward",
+        "b0.moe_combine.backward",
+        "b0.mlp.backward",
+        "b0.mlp.backward_dw",
+        "b0.moe_dispatch.backward",
+        "b0.attn.backward",
+        "post_backward",
+        "b0.attn.backward_dw",
+    ]
+    assert ran.index("b1.attn.backward_dw") == ran.index("b1.attn.backward") + 1
