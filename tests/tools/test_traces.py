@@ -290,6 +290,21 @@ def test_memory_chart_spaces_model_sizes_linearly_so_a_linear_formula_draws_stra
     assert len({round(b - a, 6) for a, b in zip(ddp, ddp[1:])}) == 1  # a straight line
 
 
+def test_dtensor_diagram_draws_each_linear_with_the_weight_rank_0_holds_and_the_recorded_all_reduces():
+    trace = load_trace(NOTES, "dtensor_qwen2")
+    drawn = diagrams.diagram(trace, link="NVLink")
+    held = {w["name"]: w for w in trace["parameters"]}
+    for module, style in [("self_attn.q_proj", "ColwiseParallel"), ("self_attn.o_proj", "RowwiseParallel")]:
+        w = held[f"model.layers.0.{module}.weight"]
+        shown = f"{module.split('.')[1]} · {style} · weight {w['local_shape'][0]} × {w['local_shape'][1]} of "
+        assert shown + f"{w['shape'][0]} × {w['shape'][1]}, {w['placement']}" in drawn
+    assert "input_layernorm · not in the plan" in drawn
+    assert drawn.count("==>|") == 2 and drawn.count("-.->|") == 5  # Rowwise outputs forward, Colwise dX backward
+    trace["collectives"] = [c for c in trace["collectives"] if c["phase"] != "backward"]
+    with pytest.raises(diagrams.TraceError, match="once per ColwiseParallel input gradient backward"):
+        diagrams.diagram(trace, link="NVLink")
+
+
 def test_a_trace_the_recorder_cannot_draw_is_a_one_line_error(tmp_path):
     (tmp_path / "traces").mkdir()
     tp = json.loads((NOTES / "traces" / "tp_block.json").read_text())

@@ -1,9 +1,10 @@
 """Diagrams generated from recorded runs (study.traces), never drawn by hand: mermaid, and SVG timelines.
 
 `diagram(trace, ...)` draws a trace by its kind (GENERATORS): the tensor-parallel block as a flowchart
-(`tp_block`), an FSDP step or a pipeline step as timelines on a time scale modeled from the recorded FLOPs and
-bytes (`fsdp_forward`, `pipeline`, zero bubble's I and W in their own colours: study.modeled, study.timeline;
-`calibration=` a device's measured rates, `measured=` its own recorded timeline beside the modeled one), a MoE
+(`tp_block`) and one decoder layer of a DTensor plan with its placements (`dtensor`), an FSDP step or a
+pipeline step as timelines on a time scale modeled from the recorded FLOPs and bytes (`fsdp_forward`,
+`pipeline`, zero bubble's I and W in their own colours: study.modeled, study.timeline; `calibration=` a
+device's measured rates, `measured=` its own recorded timeline beside the modeled one), a MoE
 layer step as a token batch's journey
 (study.moe_figure), each context-parallel rank's ring-attention blocks per ring step (`cp_blocks`,
 study.cp_figure). `chart_training_memory` and `chart_sent_per_group` are mermaid charts of the formulas and of
@@ -294,12 +295,66 @@ def chart_sent_per_group(trace: dict) -> str:
     return mermaid_fence(body)
 
 
+def dtensor_layer(trace: dict, link: str, layer: int = 0) -> str:
+    """Flowchart of one decoder layer of a DTensor plan's run (`torchrun -m reference.hf_tp --json`): each linear
+    with its style and the weight rank 0 holds (local of whole shape, placement), the norms the plan leaves
+    whole, the forward all-reduces of the two RowwiseParallel outputs (Partial to Replicate) on thick edges and
+    the backward all-reduces of each ColwiseParallel input's gradient dotted back, with the bytes recorded."""
+    prefix = f"model.layers.{layer}."
+    styles = {entry["module"].replace("*", str(layer)): entry["style"].split("(")[0] for entry in trace["plan"]}
+    weights = {w["name"].removesuffix(".weight"): w for w in trace["parameters"] if w["name"].endswith(".weight")}
+    counted = {
+        (c["phase"], c["kind"]): c for c in trace["collectives"] if c["where"] == prefix.rstrip(".")
+    }  # what CommDebugMode counted in the layer
+    colwise = [m for m, style in styles.items() if m.startswith(prefix) and style == "ColwiseParallel"]
+    rowwise = [m for m, style in styles.items() if m.startswith(prefix) and style == "RowwiseParallel"]
+    forward, backward = counted.get(("forward", "all_reduce")), counted.get(("backward", "all_reduce"))
+    if not forward or not backward or (forward["count"], backward["count"]) != (len(rowwise), len(colwise)):
+        raise TraceError(
+            f"trace {trace['name']}: layer {layer} should all-reduce once per RowwiseParallel output forward "
+            f"({len(rowwise)}) and once per ColwiseParallel input gradient backward ({len(colwise)}); {RECORD}"
+        )
+
+    def text(module: str) -> str:
+        w, name = weights[prefix + module], module.rsplit(".", 1)[-1]
+        if prefix + module not in styles:
+            return f"{name} · not in the plan · weight {' × '.join(map(str, w['shape']))}, whole on every rank"
+        held = " × ".join(map(str, w["local_shape"])) + " of " + " × ".join(map(str, w["shape"]))
+        return f"{name} · {styles[prefix + module]} · weight {held}, {w['placement']}"
+
+    c = trace["config"]
+    x = f"x [b, s, h] = [{c['b']}, {trace['padded_s']}, {c['h']}], Replicate"
+    reduce = f"all-reduce, forward: {human_bytes(forward['each'])} over {link}"
+    back = f"backward: all-reduce of dX, {human_bytes(backward['each'])}"
+    body = [
+        "flowchart TB",
+        f"  x([{label(x)}]); y([{label('y, Replicate')}])",
+        f"  n1[{label(text('input_layernorm'))}]; n2[{label(text('post_attention_layernorm'))}]",
+        "  subgraph self_attn",
+        *(f"    {m}[{label(text('self_attn.' + m))}]" for m in ("q_proj", "k_proj", "v_proj", "o_proj")),
+        f"    attn[{label('attention on this rank’s heads, Shard(-1) activations')}]",
+        "  end",
+        "  subgraph mlp",
+        *(f"    {m}[{label(text('mlp.' + m))}]" for m in ("gate_proj", "up_proj", "down_proj")),
+        f"    act[{label('SiLU(gate) · up')}]",
+        "  end",
+        f"  r1([{label('+ residual')}]); r2([{label('+ residual')}])",
+        "  x --> n1 --> q_proj & k_proj & v_proj --> attn --> o_proj",
+        f"  o_proj ==>|{label(reduce)}| r1 --> n2 --> gate_proj & up_proj --> act --> down_proj",
+        f"  down_proj ==>|{label(reduce)}| r2 --> y",
+        *(f"  {m} -.->|{label(back)}| n1" for m in ("q_proj", "k_proj", "v_proj")),
+        *(f"  {m} -.->|{label(back)}| n2" for m in ("gate_proj", "up_proj")),
+    ]
+    return mermaid_fence(body)
+
+
 GENERATORS = {
     "tp_block": tp_block,
     "fsdp_forward": fsdp_forward,
     "pipeline": pipeline,
     "moe": moe_journey,
     "cp_blocks": cp_blocks,
+    "dtensor": dtensor_layer,
 }
 
 
