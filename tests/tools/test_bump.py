@@ -79,7 +79,8 @@ def test_bump_rewrites_only_the_line_numbers_and_moves_pin_and_lock(project, his
     assert r.code == 1
     assert (
         r.out.splitlines()[0]
-        == f"reading_notes/layers.md.j2:10: {MOD}::helper: not in the lock; run `tools/pin-and-cite cite` on it"
+        == f"reading_notes/layers.md.j2:10: {MOD}::helper: the bump to c2 found no code under this name (its "
+        "closest match is L28-L31): rewrite the claim"
     )
     assert r.out.rstrip().endswith("5 citation(s) ok, 1 broken")
 
@@ -169,6 +170,25 @@ def test_pin_points_to_bump_when_citations_would_be_orphaned(project, noted):
     assert "would orphan their citations: use `pin-and-cite bump up --ref c2` to carry them along" in r.err
 
 
+def test_an_upstream_link_moves_with_its_lines_as_cite_does(project, history):
+    """upstream() links to the same lines as cite() shows them: a bump rewrites both (#34: six links kept their
+    old numbers after a real bump, and check then advised locking what was at those numbers now)."""
+    project.write_pins(up={"url": history.url, "commit": history.c1})
+    note = project.root / "reading_notes" / "links.md.j2"
+    note.write_bytes(
+        (FREE_FORM + "See {{ upstream('" + MOD + "#L12-L14') }} and {{ cite('" + MOD + "#L17-L19') }}.\n").encode()
+    )
+    assert project.run("cite", f"{MOD}#L12-L14", f"{MOD}#L17-L19").code == 0
+    r = project.run("bump", "up", "--ref", "c2")
+    assert r.code == 0, r.err
+    assert (
+        note.read_bytes().decode()
+        == FREE_FORM + "See {{ upstream('" + MOD + "#L15-L17') }} and {{ cite('" + MOD + "#L20-L22') }}.\n"
+    )
+    assert f"moved     {MOD}#L12-L14 -> L15-L17  reading_notes/links.md.j2:4" in r.out.splitlines()
+    assert project.run("check").code == 0
+
+
 def test_citations_only_in_the_lock_are_carried_too(project, history):
     project.write_pins(up={"url": history.url, "commit": history.c1})
     assert project.run("cite", f"{MOD}#L12-L14", f"{MOD}#L17-L19").code == 0
@@ -203,7 +223,8 @@ def test_bump_carries_docstring_citations_and_check_names_one_whose_symbol_was_r
     r = project.run("check")
     assert r.code == 1
     assert r.out.splitlines() == [
-        f"reference/mod.py:6: {MOD}::helper: not in the lock; run `tools/pin-and-cite cite` on it",
+        f"reference/mod.py:6: {MOD}::helper: the bump to c2 found no code under this name (its closest match is "
+        "L28-L31): rewrite the claim",
         "1 citation(s) ok, 1 broken",
     ]
 

@@ -270,7 +270,7 @@ def test_render_writes_the_change_pages_while_a_bump_left_a_note_broken_and_refu
     r = project.run("render")
     assert r.code == 2 and r.err.count("\n") == 1
     assert r.err == (
-        f"pin-and-cite: error: reading_notes/layers.md.j2:11: {MOD}#L31-L32 was deleted by the bump to B: rewrite "
+        f"pin-and-cite: error: reading_notes/layers.md.j2:11: {MOD}#L31-L32: deleted by the bump to B: rewrite "
         "the claim, then cite; that page was left as it was, the others rendered\n"
     )
     assert (out / "layers.md").read_text() == before

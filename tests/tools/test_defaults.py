@@ -155,6 +155,13 @@ def test_bump_reports_a_changed_default_and_drops_a_vanished_one(pinned, flipped
     }
     assert lock["files"]["up:pkg/fsdp.py"]["commit"] == v2
     assert pinned.run("check").code == 0  # the note renders the new value; the report asks for a re-read
+    gone = f"{WRAPPER}(limit_all_gathers): the bump to {v2[:12]} removed this default: rewrite the claim"
+    note(pinned, "{{ default('" + WRAPPER + "', 'limit_all_gathers') }}\n")
+    r = pinned.run("check")  # check and cite give the same advice, and neither says to lock it
+    assert r.code == 1 and f"reading_notes/n.md.j2:4: {gone}" in r.out, r.out
+    r = pinned.run("cite", "--default", "limit_all_gathers", WRAPPER)
+    assert r.code == 2 and r.err == f"pin-and-cite: error: {gone}\n", r.err
+    note(pinned, "{{ default('" + WRAPPER + "', 'forward_prefetch') }}\n")
     assert pinned.run("render").code == 0
     index = (pinned.root / "docs" / "notes" / "changes" / "index.md").read_text()
     assert f"| `{WRAPPER}(forward_prefetch)` | `False` | `True` |" in index

@@ -97,8 +97,8 @@ def check(project: Project) -> Report:
         how = f"cite --default {call.more[0]} {call.argument}" if call.function == "default" else "cite"
         if key in verdicts:
             why = verdicts[key]
-        elif bump := project.lock.deleted_by_bump(key):
-            why = f"deleted by the bump to {bump}: rewrite the claim, then cite"
+        elif left := project.lock.left_by_bump(key):
+            why = left
         else:
             why = f"not in the lock; run `tools/pin-and-cite {how}` on it"
         if why:

@@ -340,6 +340,10 @@ def cmd_cite(project: Project, args) -> int:
                 f"{spec}: the bump to {bump} deleted the code it cited, so the prose around it describes code "
                 "that is gone: rewrite the claim, then `cite --rewritten` it"
             )
+        if left := project.lock.left_by_bump(str(spec)):  # its lines hold other code now: never lock them as it
+            raise PinAndCiteError(
+                f"{spec}: {left} (or, once the claim is rewritten for what these lines hold now, `cite --rewritten` it)"
+            )
     resolver = Resolver(project, trust_distribution=args.trust_distribution)
     excerpts = []
     for spec in specs:
@@ -363,6 +367,9 @@ def cmd_cite(project: Project, args) -> int:
 
 def cmd_cite_default(project: Project, args) -> int:
     refs = [default_ref(text, param) for text in args.specs for param in args.default]  # all parsed before work
+    for ref in [] if args.no_lock or args.rewritten else refs:
+        if left := project.lock.left_by_bump(str(ref)):  # as `check` says it
+            raise PinAndCiteError(f"{ref}: {left}")
     resolver = Resolver(project, trust_distribution=args.trust_distribution)
     found = []
     for ref in refs:

@@ -188,6 +188,27 @@ class Lock:
             return None
         return record.tag or record.new_commit[:12]
 
+    def left_by_bump(self, key: str) -> str | None:
+        """Why the citation or default `key`, written in a note, is not locked because the latest bump of its
+        source left it behind, as advice that never says to lock `key` again (its lines hold other code now),
+        or None: the code is gone, or it changed and went elsewhere, or the default is gone."""
+        record = self.bumps.get(key.split(":", 1)[0])
+        if record is None or key in self.citations or key in self.defaults:
+            return None
+        bump = record.tag or record.new_commit[:12]
+        change, default = record.changes.get(key), record.defaults.get(key)
+        if change is not None and change.status == "deleted":
+            return f"deleted by the bump to {bump}: rewrite the claim, then cite"
+        if change is not None and change.new_cite and change.new_cite != key:
+            carried = change.new_cite
+            return f"the bump to {bump} changed this code and carried it to {carried}: check the claim, then cite that"
+        if change is not None:
+            where = f"L{change.new_lines[0]}-L{change.new_lines[1]}" if change.new_lines else "nowhere"
+            return f"the bump to {bump} found no code under this name (its closest match is {where}): rewrite the claim"
+        if default is not None and default.new_value is None:
+            return f"the bump to {bump} removed this default: rewrite the claim"
+        return None
+
     def blobs(self) -> list[tuple[str, str, str]]:
         """(source, path, blob) of every file that `fetch` must make available: each locked file, then each
         blob a bump record names that is not among them."""

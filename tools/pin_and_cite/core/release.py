@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 
+from pin_and_cite.core.distribution import installed_version
 from pin_and_cite.core.pins import Source
 from pin_and_cite.core.project import Project
 from pin_and_cite.core.regular_file import read_regular
@@ -75,6 +76,17 @@ def stale_distributions(project: Project) -> list[tuple[str, str, str]]:
                     name,
                     f"the upstream tests run {source.distribution} but the notes cite {at}, which is not that "
                     "release; bump with --distribution NAME==VERSION (or none)",
+                )
+            )
+        installed = installed_version(pinned[0])
+        if installed is not None and installed.split("+")[0] != pinned[1]:  # 2.13.0+cpu is torch 2.13.0's CPU build
+            problems.append(
+                (
+                    CONSTRAINTS,
+                    name,
+                    f"this environment has {pinned[0]}=={installed} installed but pins.toml pins "
+                    f"{source.distribution}, so the upstream tests run another release than the notes cite; "
+                    "install the pinned one (`make setup`, or pip install -c constraints.txt)",
                 )
             )
         for other, version in constraints:

@@ -57,6 +57,8 @@ from pin_and_cite.relocation.carried import Carried
 from pin_and_cite.relocation.journal import write_all
 from pin_and_cite.relocation.reanchor import Relocated, relocate_remote
 
+CARRIED_CALLS = {"cite", "upstream"}  # the template calls whose spec a bump rewrites; default() names a symbol
+
 
 class AlreadyPinned(Exception):
     """REF names the commit already pinned: bumping to it would replace the last bump's record with an empty
@@ -81,11 +83,11 @@ class Bump:
 
 
 def _citations_of(project: Project, name: str) -> dict[str, Carried]:
-    """Every citation of source `name`: written by cite() in the notes, in the reference's docstrings (there to
-    be listed where the bump record says it is cited; they are symbol citations, which name no line, so a move
-    needs no rewrite), and in the lock."""
+    """Every citation of source `name`: written by cite() or upstream() (a link to the same lines) in the notes,
+    in the reference's docstrings (there to be listed where the bump record says it is cited; they are symbol
+    citations, which name no line, so a move needs no rewrite), and in the lock."""
     found: dict[str, Carried] = {}
-    for call in written_calls(Context(project.root), {"cite"}) + code_citations(code_texts(project.root)):
+    for call in written_calls(Context(project.root), CARRIED_CALLS) + code_citations(code_texts(project.root)):
         try:
             spec = parse_spec(call.argument)
         except PinAndCiteError as exc:
@@ -279,7 +281,7 @@ def _templates(carried: list[Carried]) -> dict[Path, bytes]:
         spec_moved = c.new_spec is not None and c.new_spec != c.spec
         highlights = {id(h.place): h.literal for h in c.highlights if h.literal not in (None, h.place.highlight)}
         for call in c.places:
-            if call.function != "cite" or (not spec_moved and id(call) not in highlights):
+            if call.function not in CARRIED_CALLS or (not spec_moved and id(call) not in highlights):
                 continue  # a docstring citation is left as written: `check` names it
             argument = _new_argument(call.argument, c.spec, c.new_spec) if spec_moved else call.argument
             highlight = (highlights[id(call)],) if id(call) in highlights else ()

@@ -148,8 +148,8 @@ class Renderer:
 
     def excerpt(self, spec_text: str) -> Excerpt:
         key = str(parse_spec(spec_text))
-        if key not in self.project.lock.citations and (bump := self.project.lock.deleted_by_bump(key)):
-            raise PinAndCiteError(f"{key} was deleted by the bump to {bump}: rewrite the claim, then cite")
+        if left := self.project.lock.left_by_bump(key):
+            raise PinAndCiteError(f"{key}: {left}")
         if key not in self.project.lock.citations:
             raise PinAndCiteError(f"{key} is not in the lock; run `tools/pin-and-cite cite` on it")
         try:
