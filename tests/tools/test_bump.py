@@ -275,7 +275,7 @@ def test_cite_refuses_to_relock_a_span_the_last_bump_deleted_until_told_the_clai
 
 @pytest.fixture
 def released(project, daemon, tmp_path):
-    """A source whose release tags name its wheel's version (core_v0.1.0 -> megatron-core==0.1.0), pinned at
+    """A source whose release tags name its wheel's version (core_v0.1.0 -> synthetic-core==0.1.0), pinned at
     core_v0.1.0 with constraints.txt pinning that wheel, one citation locked; c2 is also tagged core_v0.2.0."""
     moved = "# header\n" + BASE
     history = serve_history(
@@ -288,9 +288,9 @@ def released(project, daemon, tmp_path):
     served.create_tag("core_v0.1.0", ref=history.c1)
     served.create_tag("core_v0.2.0", ref=history.c2)
     project.write_pins(
-        up={"url": history.url, "commit": history.c1, "tag": "core_v0.1.0", "distribution": "megatron-core==0.1.0"}
+        up={"url": history.url, "commit": history.c1, "tag": "core_v0.1.0", "distribution": "synthetic-core==0.1.0"}
     )
-    (project.root / "constraints.txt").write_text("numpy==2.0\nmegatron-core==0.1.0\ntorch==2.13.0\n")
+    (project.root / "constraints.txt").write_text("numpy==2.0\nsynthetic-core==0.1.0\ntorch==2.13.0\n")
     assert project.run("cite", f"{MOD}#L12-L14").code == 0
     assert project.run("check").code == 0
     return history
@@ -299,9 +299,9 @@ def released(project, daemon, tmp_path):
 def test_bump_to_a_release_tag_moves_the_distribution_and_the_constraint_with_it(project, released):
     r = project.run("bump", "up", "--ref", "core_v0.2.0")
     assert r.code == 0, r.err
-    assert "distribution: megatron-core==0.1.0 -> megatron-core==0.2.0" in r.out.splitlines()
-    assert 'distribution = "megatron-core==0.2.0"' in project.pins_path.read_text()
-    assert (project.root / "constraints.txt").read_text() == "numpy==2.0\nmegatron-core==0.2.0\ntorch==2.13.0\n"
+    assert "distribution: synthetic-core==0.1.0 -> synthetic-core==0.2.0" in r.out.splitlines()
+    assert 'distribution = "synthetic-core==0.2.0"' in project.pins_path.read_text()
+    assert (project.root / "constraints.txt").read_text() == "numpy==2.0\nsynthetic-core==0.2.0\ntorch==2.13.0\n"
     assert project.run("check").code == 0
 
 
@@ -311,31 +311,49 @@ def test_a_bump_no_release_matches_leaves_the_distribution_and_check_says_the_te
     r = project.run("bump", "up", "--ref", "c2")
     assert r.code == 0, r.err
     assert (
-        "distribution: megatron-core==0.1.0 left as it was: c2 names no release; `check` fails until "
+        "distribution: synthetic-core==0.1.0 left as it was: c2 names no release; `check` fails until "
         "bump --distribution names the one of the new pin" in r.out.splitlines()
     )
-    assert (project.root / "constraints.txt").read_text() == "numpy==2.0\nmegatron-core==0.1.0\ntorch==2.13.0\n"
+    assert (project.root / "constraints.txt").read_text() == "numpy==2.0\nsynthetic-core==0.1.0\ntorch==2.13.0\n"
     r = project.run("check")
     assert r.code == 1
     assert r.out.splitlines()[0] == (
-        "reading_notes/pins.toml: up: the upstream tests run megatron-core==0.1.0 but the notes cite "
+        "reading_notes/pins.toml: up: the upstream tests run synthetic-core==0.1.0 but the notes cite "
         f"{released.c2[:12]} (c2), which is not that release; bump with --distribution NAME==VERSION "
         "(or none)"
     )
 
 
 def test_bump_distribution_names_the_release_of_a_pin_no_rule_can_map(project, released):
-    r = project.run("bump", "up", "--ref", released.c2, "--distribution", "megatron-core==0.2.0")
+    r = project.run("bump", "up", "--ref", released.c2, "--distribution", "synthetic-core==0.2.0")
     assert r.code == 0, r.err
-    assert (project.root / "constraints.txt").read_text() == "numpy==2.0\nmegatron-core==0.2.0\ntorch==2.13.0\n"
+    assert (project.root / "constraints.txt").read_text() == "numpy==2.0\nsynthetic-core==0.2.0\ntorch==2.13.0\n"
     assert project.run("check").code == 0
 
 
 def test_check_fails_when_constraints_pin_another_version_than_the_cited_release(project, released):
-    (project.root / "constraints.txt").write_text("megatron-core==0.3.0\n")
+    (project.root / "constraints.txt").write_text("synthetic-core==0.3.0\n")
     r = project.run("check")
     assert r.code == 1
     assert r.out.splitlines()[0] == (
-        "constraints.txt: up: the upstream tests run megatron-core==0.3.0 but the notes cite "
-        "megatron-core==0.1.0 (pins.toml); make them agree"
+        "constraints.txt: up: the upstream tests run synthetic-core==0.3.0 but the notes cite "
+        "synthetic-core==0.1.0 (pins.toml); make them agree"
     )
+
+
+def test_check_fails_when_the_environment_has_another_release_installed(project, history):
+    """A bump to a release the package index lacks leaves the old wheel installed: the upstream tests would run
+    it, not the release the notes cite (#34: .venv kept megatron-core 0.16.1 after a bump to 0.19.0)."""
+    from importlib.metadata import version
+
+    installed = version("fastjsonschema")  # installed with the tool: stands in for the source's wheel
+    project.write_pins(up={"url": history.url, "commit": history.c1, "distribution": "fastjsonschema==0.0.1"})
+    assert project.run("cite", f"{MOD}#L12-L14").code == 0
+    r = project.run("check")
+    assert r.code == 1
+    assert (
+        f"constraints.txt: up: this environment has fastjsonschema=={installed} installed but pins.toml pins "
+        "fastjsonschema==0.0.1, so the upstream tests run another release than the notes cite" in r.out
+    )
+    project.write_pins(up={"url": history.url, "commit": history.c1, "distribution": f"fastjsonschema=={installed}"})
+    assert "this environment has" not in project.run("check").out
