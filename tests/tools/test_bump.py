@@ -341,19 +341,25 @@ def test_check_fails_when_constraints_pin_another_version_than_the_cited_release
     )
 
 
-def test_check_fails_when_the_environment_has_another_release_installed(project, history):
+def test_check_fails_when_a_bump_moved_the_wheel_and_the_environment_kept_the_old_one(project, daemon, tmp_path):
     """A bump to a release the package index lacks leaves the old wheel installed: the upstream tests would run
-    it, not the release the notes cite (#34: .venv kept megatron-core 0.16.1 after a bump to 0.19.0)."""
+    it, not the release the notes cite (#34: .venv kept megatron-core 0.16.1 after a bump to 0.19.0). Without a
+    bump of the wheel, an installed version is the user's own choice, never a problem."""
     from importlib.metadata import version
 
     installed = version("fastjsonschema")  # installed with the tool: stands in for the source's wheel
+    history = serve_history(
+        daemon, tmp_path / "work", "wheel", [{"pkg/mod.py": BASE.encode()}, {"pkg/mod.py": ("# x\n" + BASE).encode()}]
+    )
+    served = git.Repo(daemon.base / "wheel.git")
+    served.create_tag("core_v9.9.9", ref=history.c2)
     project.write_pins(up={"url": history.url, "commit": history.c1, "distribution": "fastjsonschema==0.0.1"})
     assert project.run("cite", f"{MOD}#L12-L14").code == 0
+    assert "this environment" not in project.run("check").out  # no bump moved it: the user's own version
+    assert project.run("bump", "up", "--ref", "core_v9.9.9").code == 0
     r = project.run("check")
     assert r.code == 1
     assert (
-        f"constraints.txt: up: this environment has fastjsonschema=={installed} installed but pins.toml pins "
-        "fastjsonschema==0.0.1, so the upstream tests run another release than the notes cite" in r.out
-    )
-    project.write_pins(up={"url": history.url, "commit": history.c1, "distribution": f"fastjsonschema=={installed}"})
-    assert "this environment has" not in project.run("check").out
+        "constraints.txt: up: the bump to core_v9.9.9 pins fastjsonschema==9.9.9, but this environment still has "
+        f"fastjsonschema=={installed}, so the upstream tests run another release than the notes cite" in r.out
+    ), r.out

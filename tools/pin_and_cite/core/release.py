@@ -59,8 +59,9 @@ def _cites_release(project: Project, name: str, source: Source) -> bool:
 
 
 def stale_distributions(project: Project) -> list[tuple[str, str, str]]:
-    """(where, source, why) for each source whose wheel is not the release of its pin, and each constraint
-    that pins another version of a source's wheel than pins.toml."""
+    """(where, source, why) for each source whose wheel is not the release of its pin, each constraint that
+    pins another version of a source's wheel than pins.toml, and each wheel a bump moved that this environment
+    has not installed (only then: a user's own torch, with no bump of it, is theirs to run)."""
     problems = []
     data = read_regular(project.root / CONSTRAINTS, MAX_CONSTRAINTS)
     constraints = [c for line in (data or b"").decode("utf-8", "replace").splitlines() if (c := _constraint(line))]
@@ -78,15 +79,16 @@ def stale_distributions(project: Project) -> list[tuple[str, str, str]]:
                     "release; bump with --distribution NAME==VERSION (or none)",
                 )
             )
-        installed = installed_version(pinned[0])
-        if installed is not None and installed.split("+")[0] != pinned[1]:  # 2.13.0+cpu is torch 2.13.0's CPU build
+        bump = project.lock.bumps.get(name)
+        installed = installed_version(pinned[0]) if bump and bump.distribution == source.distribution else None
+        if installed is not None and installed.split("+")[0] != pinned[1]:  # 2.13.0+cpu: torch 2.13.0's CPU build
             problems.append(
                 (
                     CONSTRAINTS,
                     name,
-                    f"this environment has {pinned[0]}=={installed} installed but pins.toml pins "
-                    f"{source.distribution}, so the upstream tests run another release than the notes cite; "
-                    "install the pinned one (`make setup`, or pip install -c constraints.txt)",
+                    f"the bump to {bump.tag or bump.new_commit[:12]} pins {source.distribution}, but this "
+                    f"environment still has {pinned[0]}=={installed}, so the upstream tests run another release "
+                    "than the notes cite; install the pinned one (`make setup`, or pip install -c constraints.txt)",
                 )
             )
         for other, version in constraints:
