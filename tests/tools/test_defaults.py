@@ -161,6 +161,8 @@ def test_bump_reports_a_changed_default_and_drops_a_vanished_one(pinned, flipped
     assert r.code == 1 and f"reading_notes/n.md.j2:4: {gone}" in r.out, r.out
     r = pinned.run("cite", "--default", "limit_all_gathers", WRAPPER)
     assert r.code == 2 and r.err == f"pin-and-cite: error: {gone}\n", r.err
+    r = pinned.run("render")  # render too (it said to `cite --default` it)
+    assert r.code == 2 and f"reading_notes/n.md.j2:4: {gone};" in r.err and "cite --default" not in r.err, r.err
     note(pinned, "{{ default('" + WRAPPER + "', 'forward_prefetch') }}\n")
     assert pinned.run("render").code == 0
     index = (pinned.root / "docs" / "notes" / "changes" / "index.md").read_text()

@@ -37,6 +37,8 @@ def locked_default(project: Project, resolver: Resolver, ref: DefaultRef) -> tup
     """The default `ref` names, proven to be what the lock says, with the excerpt of its declaring symbol."""
     locked = project.lock.defaults.get(str(ref))
     if locked is None:
+        if left := project.lock.left_by_bump(str(ref)):  # the advice check and cite give: never lock it again
+            raise PinAndCiteError(left)
         raise PinAndCiteError(
             f"{ref} is not in the lock; run `tools/pin-and-cite cite --default {ref.param} {ref.spec}`"
         )
