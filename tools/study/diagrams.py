@@ -323,16 +323,17 @@ def dtensor_layer(trace: dict, link: str, layer: int = 0) -> str:
         return f"{name} · {styles[prefix + module]} · weight {held}, {w['placement']}"
 
     c = trace["config"]
-    x = f"x [b, s, h] = [{c['b']}, {trace['padded_s']}, {c['h']}], Replicate"
+    x = f"x [b, s, h] = [{c['b']}, {trace['padded_s']}, {c['h']}], a plain tensor, whole on every rank"
+    local_heads = f"[{c['b']}, {trace['padded_s']}, {c['heads'] * c['head_dim'] // trace['world']}]"
     reduce = f"all-reduce, forward: {human_bytes(forward['each'])} over {link}"
     back = f"backward: all-reduce of dX, {human_bytes(backward['each'])}"
     body = [
         "flowchart TB",
-        f"  x([{label(x)}]); y([{label('y, Replicate')}])",
+        f"  x([{label(x)}]); y([{label('y, plain, whole on every rank')}])",
         f"  n1[{label(text('input_layernorm'))}]; n2[{label(text('post_attention_layernorm'))}]",
         "  subgraph self_attn",
         *(f"    {m}[{label(text('self_attn.' + m))}]" for m in ("q_proj", "k_proj", "v_proj", "o_proj")),
-        f"    attn[{label('attention on this rank’s heads, Shard(-1) activations')}]",
+        f"    attn[{label(f'attention on this rank’s heads, local {local_heads} tensors')}]",
         "  end",
         "  subgraph mlp",
         *(f"    {m}[{label(text('mlp.' + m))}]" for m in ("gate_proj", "up_proj", "down_proj")),
