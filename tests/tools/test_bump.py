@@ -2,6 +2,7 @@
 report, --dry-run and failures writing nothing."""
 
 import json
+import os
 
 import git
 import pytest
@@ -273,8 +274,20 @@ def test_cite_refuses_to_relock_a_span_the_last_bump_deleted_until_told_the_clai
     assert project.run("check").code == 0
 
 
+def package_index(monkeypatch, folder, *releases: str) -> None:
+    """From now on pip (which `bump` asks whether a wheel's release exists) sees only `releases` (NAME==VERSION),
+    as empty wheel files in `folder`: no network, no other index."""
+    folder.mkdir(exist_ok=True)
+    for release in releases:
+        name, version = release.split("==")
+        (folder / f"{name.replace('-', '_')}-{version}-py3-none-any.whl").write_bytes(b"")
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(folder))
+
+
 @pytest.fixture
-def released(project, daemon, tmp_path):
+def released(project, daemon, tmp_path, monkeypatch):
     """A source whose release tags name its wheel's version (core_v0.1.0 -> synthetic-core==0.1.0), pinned at
     core_v0.1.0 with constraints.txt pinning that wheel, one citation locked; c2 is also tagged core_v0.2.0."""
     moved = "# header\n" + BASE
@@ -287,6 +300,7 @@ def released(project, daemon, tmp_path):
     served = git.Repo(daemon.base / f"released-{tmp_path.name}.git")
     served.create_tag("core_v0.1.0", ref=history.c1)
     served.create_tag("core_v0.2.0", ref=history.c2)
+    package_index(monkeypatch, tmp_path / "index", "synthetic-core==0.1.0", "synthetic-core==0.2.0")
     project.write_pins(
         up={"url": history.url, "commit": history.c1, "tag": "core_v0.1.0", "distribution": "synthetic-core==0.1.0"}
     )
@@ -341,7 +355,27 @@ def test_check_fails_when_constraints_pin_another_version_than_the_cited_release
     )
 
 
-def test_check_fails_when_a_bump_moved_the_wheel_and_the_environment_kept_the_old_one(project, daemon, tmp_path):
+def test_a_bump_to_a_release_the_package_index_lacks_is_refused_at_once_and_keeps_the_pin(
+    project, released, tmp_path, monkeypatch
+):
+    """#34: a bump to core_v0.19.0 asked constraints.txt for megatron-core==0.19.0, which this machine's index
+    does not have."""
+    package_index(monkeypatch, tmp_path / "older", "synthetic-core==0.1.0")
+    before = snapshot(project)
+    r = project.run("bump", "up", "--ref", "core_v0.2.0")
+    assert r.code == 2 and r.err.count("\n") == 1
+    assert r.err == (
+        "pin-and-cite: error: synthetic-core==0.2.0 is not on the package index pip uses here (`pip index versions "
+        f"synthetic-core`), so the upstream tests could not run it: the pin stays at {released.c1[:12]}; name a "
+        "release it has with --distribution NAME==VERSION, or --distribution none\n"
+    )
+    assert snapshot(project) == before
+    assert project.run("bump", "up", "--ref", "core_v0.2.0", "--distribution", "none").code == 0
+
+
+def test_check_fails_when_a_bump_moved_the_wheel_and_the_environment_kept_the_old_one(
+    project, daemon, tmp_path, monkeypatch
+):
     """A bump to a release the package index lacks leaves the old wheel installed: the upstream tests would run
     it, not the release the notes cite (#34: .venv kept megatron-core 0.16.1 after a bump to 0.19.0). Without a
     bump of the wheel, an installed version is the user's own choice, never a problem."""
@@ -353,6 +387,7 @@ def test_check_fails_when_a_bump_moved_the_wheel_and_the_environment_kept_the_ol
     )
     served = git.Repo(daemon.base / "wheel.git")
     served.create_tag("core_v9.9.9", ref=history.c2)
+    package_index(monkeypatch, tmp_path / "index", "fastjsonschema==9.9.9")
     project.write_pins(up={"url": history.url, "commit": history.c1, "distribution": "fastjsonschema==0.0.1"})
     assert project.run("cite", f"{MOD}#L12-L14").code == 0
     assert "this environment" not in project.run("check").out  # no bump moved it: the user's own version

@@ -10,6 +10,7 @@ when its bump was told the release (`bump --distribution`), as the lock's bump r
 from __future__ import annotations
 
 import re
+import sys
 
 from pin_and_cite.core.distribution import installed_version
 from pin_and_cite.core.pins import Source
@@ -102,3 +103,26 @@ def stale_distributions(project: Project) -> list[tuple[str, str, str]]:
                     )
                 )
     return problems
+
+
+def on_the_index(distribution: str) -> bool | None:
+    """Whether pip, as this environment configures it, finds the release `NAME==VERSION` on its package index
+    (`pip index versions --pre NAME`): False when it lists other versions or none, None when pip gives no
+    answer (not installed, no index reachable)."""
+    import subprocess  # here: only a bump that moves a wheel asks
+
+    name, version = pinned_version(distribution) or (distribution, "")
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "pip", "index", "versions", "--pre", name],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if "No matching distribution" in done.stderr:
+        return False
+    listed = re.search(r"Available versions: (.*)", done.stdout)
+    return None if listed is None else version in [v.strip() for v in listed[1].split(",")]
+

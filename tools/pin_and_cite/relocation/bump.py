@@ -50,7 +50,7 @@ from pin_and_cite.core.lock import (
 )
 from pin_and_cite.core.notes import rewrite_arguments, written_calls
 from pin_and_cite.core.project import Project
-from pin_and_cite.core.release import CONSTRAINTS, pinned_version, released, with_constraint
+from pin_and_cite.core.release import CONSTRAINTS, on_the_index, pinned_version, released, with_constraint
 from pin_and_cite.core.resolve import Resolver, cited_text, text_sha256
 from pin_and_cite.relocation import bump_highlights
 from pin_and_cite.relocation.carried import Carried
@@ -133,6 +133,14 @@ def plan(project: Project, name: str, ref: str, distribution: str | None = None)
     old = source.commit
     if new == old:
         raise AlreadyPinned(name, old, ref)
+    tag = None if is_full_sha(ref) else ref
+    wheel = _new_distribution(source, tag, distribution)
+    if wheel != source.distribution and pinned_version(wheel) and on_the_index(wheel) is False:  # before the work
+        raise PinAndCiteError(
+            f"{wheel} is not on the package index pip uses here (`pip index versions {pinned_version(wheel)[0]}`), "
+            f"so the upstream tests could not run it: the pin stays at {old[:12]}; name a release it has with "
+            "--distribution NAME==VERSION, or --distribution none"
+        )
     carried = list(_citations_of(project, name).values())
     defaults = {
         default: project.lock.defaults[key]
@@ -166,9 +174,7 @@ def plan(project: Project, name: str, ref: str, distribution: str | None = None)
             f"{failed[0].spec}: {failed[0].answer.reason}"
         )
 
-    tag = None if is_full_sha(ref) else ref
     pins_bytes = project.pins.with_commit(name, source.url, new, tag)  # from here on, resolving means at `new`
-    wheel = _new_distribution(source, tag, distribution)
     if wheel != source.distribution:
         pins_bytes = project.pins.with_distribution(name, wheel)
     resolver = Resolver(project)
