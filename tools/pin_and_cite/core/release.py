@@ -125,4 +125,3 @@ def on_the_index(distribution: str) -> bool | None:
         return False
     listed = re.search(r"Available versions: (.*)", done.stdout)
     return None if listed is None else version in [v.strip() for v in listed[1].split(",")]
-
