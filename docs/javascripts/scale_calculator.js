@@ -206,8 +206,8 @@
   function show(root, grid) {
     const form = root.querySelector("form");
     const chosen = setting(form);
-    if (chosen.cp !== "1") return showCP(root, grid, form, chosen);
-    const found = lookup(grid, chosen);
+    const atCP = chosen.cp !== "1";
+    const found = atCP ? cpLookup(grid, chosen) : lookup(grid, chosen);
     const run = el(
       "div",
       {},
@@ -218,26 +218,11 @@
     if (typeof found === "string") {
       const refusal = `python -m reference.measure.scale refuses this layout: ${found}.`;
       result.replaceChildren(el("p", { class: "scale-calculator__refusal" }, refusal), run);
-    } else {
-      result.replaceChildren(summary(chosen, found.bubble), table(found.stages, Number(chosen.pp)), run);
-    }
-  }
-
-  function showCP(root, grid, form, chosen) {
-    const found = cpLookup(grid, chosen);
-    const run = el(
-      "div",
-      {},
-      el("p", {}, "The same layout, traced (from the repository root, after make setup):"),
-      el("pre", { class: "scale-calculator__command" }, commandLine(command(form))),
-    );
-    const result = root.querySelector(".scale-calculator__result");
-    if (typeof found === "string") {
-      const refusal = `python -m reference.measure.scale refuses this layout: ${found}.`;
-      result.replaceChildren(el("p", { class: "scale-calculator__refusal" }, refusal), run);
-    } else {
+    } else if (atCP) {
       const atOne = grid.cp.entries[key(grid.cp, { ...chosen, cp: "1" })];
       result.replaceChildren(cpSummary(chosen), cpTable(found, atOne), run);
+    } else {
+      result.replaceChildren(summary(chosen, found.bubble), table(found.stages, Number(chosen.pp)), run);
     }
   }
 
