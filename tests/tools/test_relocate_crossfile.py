@@ -523,3 +523,67 @@ def test_bump_follows_code_kept_in_an_unchanged_file_and_check_passes(project, k
     }
     check = project.run("check")
     assert check.code == 0, check.out + check.err
+
+
+BLOCK_OLD = '''\
+"""Blocks."""
+
+
+class Block:
+    def forward(self, x):
+        return self._checkpointed_forward(x)
+
+    def _checkpointed_forward(self, x):
+        """Forward with activation checkpointing."""
+        for layer in self.layers:
+            x = layer(x)
+        return x
+'''
+BLOCK_NEW = '''\
+"""Blocks."""
+from pkg.recompute import checkpointed_forward
+
+
+class Block:
+    def forward(self, x):
+        return checkpointed_forward(self, x)
+'''
+RECOMPUTE = '''\
+"""Recomputation, for every kind of block."""
+
+
+def checkpointed_forward(block, hidden, extract_layer_indices=None, layer_offset=0):
+    """Forward with activation checkpointing; the hidden states of the layers in extract_layer_indices too."""
+    kept = []
+    for index, layer in enumerate(block.layers):
+        hidden = layer(hidden)
+        if index + layer_offset in (extract_layer_indices or ()):
+            kept.append(hidden)
+    return (hidden, kept) if extract_layer_indices else hidden
+'''
+
+
+def test_a_method_replaced_by_an_imported_function_of_its_name_is_followed_there(project, daemon, tmp_path):
+    """Megatron's core_v0.16.1 -> core_v0.19.0: TransformerBlock._checkpointed_forward left transformer_block.py,
+    which now imports recompute.checkpointed_forward and calls it in its place; the body changed, so it is
+    `changed` there, for review, never `moved` (#34: it was reported deleted)."""
+    history = serve_history(
+        daemon,
+        tmp_path / "work",
+        "recompute",
+        [
+            {"pkg/block.py": BLOCK_OLD.encode()},
+            {"pkg/block.py": BLOCK_NEW.encode(), "pkg/recompute.py": RECOMPUTE.encode()},
+        ],
+    )
+    project.write_pins(up={"url": history.url, "commit": history.c1})
+    note = project.root / "reading_notes" / "block.md.j2"
+    note.write_text(FREE_FORM + "{{ cite('up:pkg/block.py::Block._checkpointed_forward') }}\n")
+    assert project.run("cite", "up:pkg/block.py::Block._checkpointed_forward").code == 0
+    r = project.run("bump", "up", "--ref", history.c2, "--json")
+    assert r.code == 0, r.err
+    [carried] = r.json()["citations"]
+    assert (carried["status"], carried["new_cite"]) == ("changed", "up:pkg/recompute.py::checkpointed_forward")
+    assert "now imports checkpointed_forward from pkg/recompute.py in its place" in carried["reason"]
+    assert note.read_text() == FREE_FORM + "{{ cite('up:pkg/recompute.py::checkpointed_forward') }}\n"
+    assert project.run("check").code == 0

@@ -390,10 +390,33 @@ class CrossFile:
                 name,
                 f"{len(copies)} identical copies in other files ({where}); check this is the one meant",
             )
-        found = self._same_name(lost, files)
+        found = self._same_name(lost, files) or self._imported_in_its_place(lost, files)
         if found is not None or lost.fallback.status != "deleted":
             return found
         return self._similar(lost, files)
+
+    def _imported_in_its_place(self, lost: Lost, files: list[NewFile]) -> Relocation | None:
+        """A method or function the cited file no longer defines, whose name without its class and leading
+        underscores the file now imports from a module that defines it once, as a function: `changed`, there
+        (Megatron's `TransformerBlock._checkpointed_forward` became `recompute.checkpointed_forward`, which
+        transformer_block.py imports and calls in its place)."""
+        if not lost.spec.symbol or not lost.spec.path.endswith(".py"):
+            return None
+        bare = lost.spec.symbol.rsplit(".", 1)[-1].lstrip("_")
+        named = re.compile(rf"\b{re.escape(bare)}\b")
+        modules = {module for module, names in _imports(lost.spec.path, lost.pair.new_raw) if named.search(names)}
+        spans = [
+            (f, (a - 1, b))
+            for f in files
+            if _module_of(f.path) in modules
+            for a, b in f.definitions.get(bare, [])
+            if definition_kind(f.lines[a - 1 : b]) == "def"
+        ]
+        if len(spans) != 1:
+            return None
+        ((f, span),) = spans
+        reason = f"{lost.spec.symbol} is gone; {lost.spec.path} now imports {bare} from {f.path} in its place"
+        return _located("changed", f, span, lost, bare, reason)
 
     def _renamed(self, lost: Lost, files: list[NewFile]) -> FilePair | None:
         """The cited file and the file it was renamed to, if it is gone and one of `files` looks renamed from it."""
