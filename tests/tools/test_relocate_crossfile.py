@@ -579,6 +579,9 @@ def test_a_method_replaced_by_an_imported_function_of_its_name_is_followed_there
     project.write_pins(up={"url": history.url, "commit": history.c1})
     note = project.root / "reading_notes" / "block.md.j2"
     note.write_text(FREE_FORM + "{{ cite('up:pkg/block.py::Block._checkpointed_forward') }}\n")
+    (project.root / "reference").mkdir()
+    ours = project.root / "reference" / "block.py"
+    ours.write_text('def forward():\n    """Mirrors `up:pkg/block.py::Block._checkpointed_forward`."""\n')
     assert project.run("cite", "up:pkg/block.py::Block._checkpointed_forward").code == 0
     r = project.run("bump", "up", "--ref", history.c2, "--json")
     assert r.code == 0, r.err
@@ -586,4 +589,9 @@ def test_a_method_replaced_by_an_imported_function_of_its_name_is_followed_there
     assert (carried["status"], carried["new_cite"]) == ("changed", "up:pkg/recompute.py::checkpointed_forward")
     assert "now imports checkpointed_forward from pkg/recompute.py in its place" in carried["reason"]
     assert note.read_text() == FREE_FORM + "{{ cite('up:pkg/recompute.py::checkpointed_forward') }}\n"
-    assert project.run("check").code == 0
+    r = project.run("check")  # the docstring is left as written, and named with where its code went
+    assert r.code == 1 and r.out.splitlines()[0] == (
+        "reference/block.py:2: up:pkg/block.py::Block._checkpointed_forward: the bump to "
+        f"{history.c2[:12]} changed this code and carried it to up:pkg/recompute.py::checkpointed_forward: "
+        "check the claim, then cite that"
+    ), r.out

@@ -287,8 +287,8 @@ def _templates(carried: list[Carried]) -> dict[Path, bytes]:
         spec_moved = c.new_spec is not None and c.new_spec != c.spec
         highlights = {id(h.place): h.literal for h in c.highlights if h.literal not in (None, h.place.highlight)}
         for call in c.places:
-            if call.function not in CARRIED_CALLS or (not spec_moved and id(call) not in highlights):
-                continue  # a docstring citation is left as written: `check` names it
+            if not call.file.name.endswith(".j2") or (not spec_moved and id(call) not in highlights):
+                continue  # a docstring citation (reference/*.py) is left as written: `check` names it
             argument = _new_argument(call.argument, c.spec, c.new_spec) if spec_moved else call.argument
             highlight = (highlights[id(call)],) if id(call) in highlights else ()
             changes.setdefault(call.file, []).append((call, argument, *highlight))
