@@ -398,8 +398,8 @@ class CrossFile:
     def _imported_in_its_place(self, lost: Lost, files: list[NewFile]) -> Relocation | None:
         """A method or function the cited file no longer defines, whose name without its class and leading
         underscores the file now imports from a module that defines it once, as a function: `changed`, there
-        (Megatron's `TransformerBlock._checkpointed_forward` became `recompute.checkpointed_forward`, which
-        transformer_block.py imports and calls in its place)."""
+        (a `Block._checkpointed_forward` that became `recompute.checkpointed_forward`, which the block's file
+        imports and calls in its place: tests/tools/test_relocate_crossfile.py has the real case)."""
         if not lost.spec.symbol or not lost.spec.path.endswith(".py"):
             return None
         bare = lost.spec.symbol.rsplit(".", 1)[-1].lstrip("_")
