@@ -324,7 +324,8 @@ def dtensor_layer(trace: dict, link: str, layer: int = 0) -> str:
 
     c = trace["config"]
     x = f"x [b, s, h] = [{c['b']}, {trace['padded_s']}, {c['h']}], a plain tensor, whole on every rank"
-    local_heads = f"[{c['b']}, {trace['padded_s']}, {c['heads'] * c['head_dim'] // trace['world']}]"
+    per_rank = [c[heads] * c["head_dim"] // trace["world"] for heads in ("heads", "kv_heads")]
+    local = "q local [{0}, {1}, {2}], k and v [{0}, {1}, {3}]".format(c["b"], trace["padded_s"], *per_rank)
     reduce = f"all-reduce, forward: {human_bytes(forward['each'])} over {link}"
     back = f"backward: all-reduce of dX, {human_bytes(backward['each'])}"
     body = [
@@ -333,11 +334,11 @@ def dtensor_layer(trace: dict, link: str, layer: int = 0) -> str:
         f"  n1[{label(text('input_layernorm'))}]; n2[{label(text('post_attention_layernorm'))}]",
         "  subgraph self_attn",
         *(f"    {m}[{label(text('self_attn.' + m))}]" for m in ("q_proj", "k_proj", "v_proj", "o_proj")),
-        f"    attn[{label(f'attention on this rank’s heads, local {local_heads} tensors')}]",
+        f"    attn[{label(f'attention on this rank’s heads: {local}')}]",
         "  end",
         "  subgraph mlp",
         *(f"    {m}[{label(text('mlp.' + m))}]" for m in ("gate_proj", "up_proj", "down_proj")),
-        f"    act[{label('SiLU(gate) · up')}]",
+        f"    act[{label('SiLU(gate) ⊙ up, elementwise')}]",
         "  end",
         f"  r1([{label('+ residual')}]); r2([{label('+ residual')}])",
         "  x --> n1 --> q_proj & k_proj & v_proj --> attn --> o_proj",
