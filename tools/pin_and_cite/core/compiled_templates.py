@@ -38,15 +38,17 @@ def _settings(environment: jinja2.Environment) -> str:
     hooks = (environment.autoescape, environment.finalize)
     return json.dumps(
         [
-            _qualname(type(environment)),
+            qualname(type(environment)),
             sorted(environment.extensions),
             [getattr(environment, field) for field in fields],
-            [hook if hook is None or isinstance(hook, bool) else _qualname(hook) for hook in hooks],
+            [hook if hook is None or isinstance(hook, bool) else qualname(hook) for hook in hooks],
         ]
     )
 
 
-def _qualname(value) -> str:
+def qualname(value) -> str:
+    """What a setting JSON cannot hold (a class, a hook, a fence's format function) is named by, the same
+    between runs: its module and qualified name."""
     return f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', type(value).__qualname__)}"
 
 

@@ -17,6 +17,7 @@ import json
 import logging
 from pathlib import Path
 
+from pin_and_cite.core.compiled_templates import qualname
 from pin_and_cite.core.verified_cache import VerifiedCache, made_from
 
 
@@ -31,14 +32,9 @@ def _versions() -> str:
     return json.dumps([*versions, Path(__file__).read_bytes().hex()])
 
 
-def _named(value) -> str:
-    """A setting JSON cannot hold (a fence's format function) by its name, which stays the same between runs."""
-    return f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', type(value).__qualname__)}"
-
-
 def _settings(config) -> str:
     keys = ("markdown_extensions", "mdx_configs", "use_directory_urls", "validation")
-    return json.dumps([config[key] for key in keys], default=_named, sort_keys=True)
+    return json.dumps([config[key] for key in keys], default=qualname, sort_keys=True)
 
 
 def _site(files) -> str:
