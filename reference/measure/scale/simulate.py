@@ -4,13 +4,15 @@ The process joins a world of tp x pp x dp ranks through torch's `fake` process-g
 (`pytorch:torch/testing/_internal/distributed/fake_pg.py::FakeStore`): every collective returns at once. It
 builds only its own pipeline stage (or v chunks) on the meta device, shapes without storage, wraps it as
 `torchrun ... -m reference` does (data parallel; Adam behind fp32 masters, whole or distributed; or FSDP2) and runs
-reference.gpt.train.train_step under a CollectiveRecorder. summarize() groups the collectives by process group
+reference.gpt.train.train_step under a CollectiveRecorder; each meta kernel runs once per op and input
+shapes (meta_kernels.SameShapes), which halves a 70B trace. summarize() groups the collectives by process group
 and type; the bytes the rank holds are compared with formulas.memory. The Scale note says what the fake backend
 takes and what is left out of the trace.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -25,6 +27,7 @@ from reference.gpt.train import train_step
 from reference.measure.pipeline_meter import PipelineMeter
 from reference.measure.recorder import CollectiveEvent, CollectiveRecorder
 from reference.measure.scale import formulas
+from reference.measure.scale.meta_kernels import SameShapes
 from reference.measure.scale.shapes import ScaleSetup
 from reference.parallel_state import Mesh, ParallelLayout, build_layout
 from reference.parallelize import ParallelizeConfig, build_optimizer, parallelize
@@ -102,18 +105,19 @@ def trace_rank(
         rows = setup.dp * setup.microbatches * model.micro_batch_size
         tokens = torch.zeros(rows, model.seq_length + 1, dtype=torch.long, device=where)  # global batch
         recorder, meter = CollectiveRecorder(), None if setup.fsdp2 else PipelineMeter()
-        train_step(
-            wrapped,
-            optimizer,
-            tokens,
-            layout,
-            num_micro_batches=setup.microbatches,
-            schedule=setup.schedule,
-            device=where,
-            record=recorder,
-            # its two PP barriers frame the bubble, as in every recorded pipeline run
-            observer=meter,
-        )
+        with SameShapes() if device == "meta" else contextlib.nullcontext():  # outside the recorder: it sees every op
+            train_step(
+                wrapped,
+                optimizer,
+                tokens,
+                layout,
+                num_micro_batches=setup.microbatches,
+                schedule=setup.schedule,
+                device=where,
+                record=recorder,
+                # its two PP barriers frame the bubble, as in every recorded pipeline run
+                observer=meter,
+            )
         if pipeline is not None and meter is not None and setup.pp > 1:
             pipeline["peak_in_flight"] = meter.peak_in_flight_measured
         if held is not None:
