@@ -29,6 +29,7 @@ CODE_CITATION = re.compile(r"(?<![\w/.:-])([A-Za-z][\w-]*:(?:[\w.-]+/)*[\w.-]+\.
 HAND_TYPED_LINE = re.compile(r"[lL](?:(?<=\bl)ines? \d+|(?<=\bL)\d{2,})\b")
 # "(504-606)", or "12-34" after a file or snake_case name ("_unshard (277-306)", "x.py 1416-1470"); ascending
 HAND_TYPED_RANGE = re.compile(r"\((\d{3,})[-–](\d{3,})\)|(?:\.py|_\w*)`?,? \(?(\d{2,})[-–](\d{2,})\b")
+DIGITS_DASH_DIGITS = re.compile(r"\d{2}[-–]\d{2}")  # what every HAND_TYPED_RANGE match holds
 
 
 def citations_in_text(text: str) -> list[tuple[str, int]]:
@@ -77,20 +78,18 @@ def code_citations(texts: dict[Path, str]) -> list[Written]:
 
 def hand_typed_lines(texts: dict[Path, str], root: Path) -> list[tuple[str, str]]:
     """(file:line, what) of every hand-typed upstream line number or range in the project's code (`code_texts`),
-    in file order. Neither pattern spans lines, so each is searched only in the lines that hold its letters or
-    dash (HAND_TYPED_RANGE tries a match at every `_` of the code)."""
+    in file order. Neither pattern spans lines, so each file is searched whole, the range pattern only in a file
+    holding digits on both sides of a dash (it tries a match at every `_` of the code), and a hit's line number
+    is counted only for a hit."""
     found = []
     for file, text in texts.items():
+        hits = [(m.start(), m[0]) for m in HAND_TYPED_LINE.finditer(text)]
+        if DIGITS_DASH_DIGITS.search(text):
+            for m in HAND_TYPED_RANGE.finditer(text):
+                group = 1 if m[1] else 3  # in parentheses, or after a name
+                first, last = m[group], m[group + 1]
+                if int(first) < int(last):
+                    hits.append((m.start(group), f"{first}-{last}"))
         where = f"{file.relative_to(root)}:"
-        for number, line in enumerate(text.split("\n"), 1):
-            hits = []
-            if "ine" in line or "L" in line:
-                hits += [(m.start(), m[0]) for m in HAND_TYPED_LINE.finditer(line)]
-            if "-" in line or "–" in line:
-                for m in HAND_TYPED_RANGE.finditer(line):
-                    group = 1 if m[1] else 3  # in parentheses, or after a name
-                    first, last = m[group], m[group + 1]
-                    if int(first) < int(last):
-                        hits.append((m.start(group), f"{first}-{last}"))
-            found += [(f"{where}{number}", what) for _, what in sorted(hits)]
+        found += [(f"{where}{text.count(chr(10), 0, at) + 1}", what) for at, what in sorted(hits)]
     return found

@@ -6,6 +6,7 @@ Templates are parsed with Jinja's own parser, in the environment render uses (pi
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +42,13 @@ class Written:
     more: tuple[str, ...] = ()
 
     def where(self, root: Path) -> str:
-        return f"{self.file.relative_to(root)}:{self.line}"
+        return f"{_relative(self.file, root)}:{self.line}"
+
+
+@functools.cache
+def _relative(file: Path, root: Path) -> Path:
+    """`file` below `root`, once per file: `check` names hundreds of calls in a few dozen templates."""
+    return file.relative_to(root)
 
 
 def calls_in(template: Path, functions: set[str], context: Context | None = None) -> list[Written]:
