@@ -24,10 +24,12 @@ serve: setup
 
 # Two pytest-xdist workers; the tests that share one torchrun launch (one per world size), and the site tests,
 # each stay in one worker (tests/conftest.py::scope_of), the rest go a module at a time. The slowest 20 tests
-# are listed at the end: where the suite's time goes.
+# are listed at the end: where the suite's time goes. Python's bytecode cache stays on where the environment
+# turns it off (PYTHONDONTWRITEBYTECODE): each of the suite's hundreds of short-lived processes of the tool
+# and the reference would compile their modules again (a fifth of the tool tests' CPU time).
 test: setup
 	tools/ensure-browser
-	$(PY) -m pytest -n 2 --durations=20
+	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -n 2 --durations=20
 
 # The reference's tests on another torch (not run in CI): `make test-torch TORCH=2.11.0` installs that torch
 # from PyPI (on Linux a CUDA build, several GB; it runs on CPU) and the project's test extras, constrained as
