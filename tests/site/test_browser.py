@@ -139,9 +139,11 @@ def browser():
         browser.close()
 
 
-def _context(browser):
+def _context(browser, search: bool = True):
     """A fresh context that opens closed shadow roots and records every request, aborting non-loopback ones;
-    returns (context, open_page, requested_urls)."""
+    returns (context, open_page, requested_urls). Without `search`, the request for the search index is
+    recorded and aborted: material fetches it (1.3 MB) and indexes it anew in a worker on every page load, half
+    of a page's load here, and only test_home_page_and_search_work_offline searches."""
     context = browser.new_context(service_workers="block", viewport=VIEWPORT)
     context.set_default_timeout(20_000)
     context.set_default_navigation_timeout(60_000)  # a page loads mermaid (3 MB): slow on a shared, busy CPU
@@ -149,6 +151,8 @@ def _context(browser):
     requested: list[str] = []
     context.on("request", lambda request: requested.append(request.url))
     context.route("**/*", lambda route: route.continue_() if _is_loopback(route.request.url) else route.abort())
+    if not search:
+        context.route("**/search/search_index.json", lambda route: route.abort())
 
     def open_page(url: str):
         page = context.new_page()
@@ -175,11 +179,19 @@ def visit(browser):
     context.close()
 
 
+@pytest.fixture
+def unsearched(browser):
+    """As `visit`, for a test that never searches: the search index is not loaded (_context)."""
+    context, open_page, requested = _context(browser, search=False)
+    yield open_page, requested
+    context.close()
+
+
 @pytest.fixture(scope="module")
 def every_page(browser, site_url, diagram_site):
     """Each page but the negative control and the generated test pages (fetched by their own test), visited
     once: its diagrams, folds, excerpts, SVG text, evidence links and links; plus all requests."""
-    context, _, requested = _context(browser)
+    context, _, requested = _context(browser, search=False)
     pages = sorted(p.parent.relative_to(diagram_site).as_posix() for p in diagram_site.rglob("index.html"))
     reports = {}
     page = context.new_page()  # one tab, as a reader follows links: each page is still a full load
@@ -534,19 +546,19 @@ CODE_SCROLLS = """() => [...document.querySelectorAll("article div.highlight pre
   code => code.scrollWidth > code.clientWidth)"""
 
 
-def test_test_pages_show_every_line_whole_and_link_the_helpers_that_run_upstream(visit, site_url, diagram_site):
+def test_test_pages_show_every_line_whole_and_link_the_helpers_that_run_upstream(unsearched, site_url, diagram_site):
     """Issue 24: the pages of cited tests cut lines past 100 columns (ruff allows 120), and showed only the test,
     not the function of its file that builds and runs upstream (megatron's `cases` -> `records` -> `column`)."""
-    open_page, _ = visit
+    open_page, _ = unsearched
     pages = sorted(
         p.parent.relative_to(diagram_site).as_posix() for p in (diagram_site / "notes" / "tests").rglob("index.html")
     )
     assert len(pages) >= 10
+    page = open_page(site_url)  # one tab, as a reader follows links
     for path in pages:
-        page = open_page(f"{site_url}{path}/")
+        page.goto(f"{site_url}{path}/", wait_until="load")
         assert not any(page.evaluate(CODE_SCROLLS)), path
-        page.close()
-    page = open_page(site_url + "notes/tests/evidence/test_megatron_upstream_claims/")
+    page.goto(site_url + "notes/tests/evidence/test_megatron_upstream_claims/", wait_until="load")
     test = page.locator("#test_column_defaults_allreduce_dx_async_between_dx_and_dw_gemms")
     assert test.is_visible()
     page.locator("article a[href='#calls.cases']").first.click()
