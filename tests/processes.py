@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 import uuid
 from pathlib import Path
 
@@ -53,14 +54,28 @@ def live_in_group(pgid: int) -> list[Process]:
 def live_with_environment(variable: str, value: str) -> list[Process]:
     """Live processes, other than this one, started with `variable=value` in their environment."""
     needle = f"{variable}={value}".encode()
-    found = []
-    for process in live_processes():
-        if process.pid == os.getpid():
-            continue
+    return [p for p in live_processes() if p.pid != os.getpid() and needle in _environment(p.pid)]
+
+
+PF_KTHREAD = 0x00200000  # /proc/PID/stat's flags: a kernel thread, whose environment is always empty
+MID_EXEC_S = 1.0
+
+
+def _environment(pid: int) -> list[bytes]:
+    """The process's environment, [] if it exited or is not ours to read. A process inside execve, after its
+    new memory replaced the old and before the new stack holds the environment, reads as empty, while the
+    parent that vfork released already runs on (a test that starts a process and ends at once): read again."""
+    deadline = time.monotonic() + MID_EXEC_S
+    while True:
         try:
-            environment = Path(f"/proc/{process.pid}/environ").read_bytes().split(b"\0")
+            data = Path(f"/proc/{pid}/environ").read_bytes()
+            if data or time.monotonic() > deadline or _kernel_thread(pid):
+                return data.split(b"\0")
         except OSError:
-            continue
-        if needle in environment:
-            found.append(process)
-    return found
+            return []
+        time.sleep(0.01)
+
+
+def _kernel_thread(pid: int) -> bool:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return bool(int(fields[6]) & PF_KTHREAD)  # fields from the state (stat's third) on: flags is the ninth
