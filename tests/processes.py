@@ -52,28 +52,41 @@ def live_in_group(pgid: int) -> list[Process]:
 
 
 def live_with_environment(variable: str, value: str) -> list[Process]:
-    """Live processes, other than this one, started with `variable=value` in their environment."""
+    """Live processes, other than this one, started with `variable=value` in their environment. A process inside
+    execve, after its new memory replaced the old and before the new stack holds the environment, reads as
+    empty while the parent that vfork released already runs on (a test that starts a process and ends at once):
+    those are read again, together, for up to MID_EXEC_S."""
     needle = f"{variable}={value}".encode()
-    return [p for p in live_processes() if p.pid != os.getpid() and needle in _environment(p.pid)]
+    unread = [p for p in live_processes() if p.pid != os.getpid()]
+    found, deadline = [], time.monotonic() + MID_EXEC_S
+    while unread:
+        empty = []
+        for process in unread:
+            environment = _environment(process.pid)
+            if environment is None:
+                empty.append(process)
+            elif needle in environment:
+                found.append(process)
+        if not empty or time.monotonic() > deadline:
+            break
+        unread = empty
+        time.sleep(0.01)
+    return found
 
 
 PF_KTHREAD = 0x00200000  # /proc/PID/stat's flags: a kernel thread, whose environment is always empty
 MID_EXEC_S = 1.0
 
 
-def _environment(pid: int) -> list[bytes]:
-    """The process's environment, [] if it exited or is not ours to read. A process inside execve, after its
-    new memory replaced the old and before the new stack holds the environment, reads as empty, while the
-    parent that vfork released already runs on (a test that starts a process and ends at once): read again."""
-    deadline = time.monotonic() + MID_EXEC_S
-    while True:
-        try:
-            data = Path(f"/proc/{pid}/environ").read_bytes()
-            if data or time.monotonic() > deadline or _kernel_thread(pid):
-                return data.split(b"\0")
-        except OSError:
-            return []
-        time.sleep(0.01)
+def _environment(pid: int) -> list[bytes] | None:
+    """The process's environment; [] if it exited or is not ours to read, None while it reads as empty."""
+    try:
+        data = Path(f"/proc/{pid}/environ").read_bytes()
+        if not data and not _kernel_thread(pid):
+            return None
+    except OSError:
+        return []
+    return data.split(b"\0")
 
 
 def _kernel_thread(pid: int) -> bool:

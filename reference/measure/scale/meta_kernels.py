@@ -1,15 +1,17 @@
 """A meta tensor's kernel computes only the output's shape, strides and dtype, and for most ops it does so in
 Python (torch._refs, torch._prims): a 70B rank's step runs each layer's ops once per micro-batch, so the same
-op on the same input metadata runs thousands of times, and those kernels were two thirds of a trace.
+op on the same input metadata runs thousands of times (one 70B rank: 7.5 s with them all, 4.5 s without).
 
 `SameShapes` is a dispatch mode that remembers what an op returned for given input metadata and, the next
-time, returns new meta tensors of that metadata without running the kernel. Only ops whose schema lets no
-output alias an input (no views, no in-place or out= forms, so no collective either: those write in place)
-and whose every tensor argument is a plain meta tensor are remembered, so what is returned is what the kernel
-would have returned. Outside `trace_rank` nothing uses it.
+time, returns new meta tensors of that metadata without running the kernel. Only aten ops (no collective,
+functional or not) whose schema lets no output alias an input (no views, no in-place or out= forms), called
+with plain meta tensors only, are remembered, so what is returned is what the kernel would have returned.
+Outside `trace_rank` nothing uses it.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -35,10 +37,11 @@ def _key_of(value):
     return _ANY
 
 
+@functools.cache
 def _remembered(func) -> bool:
-    """Does no output of `func` alias an argument (its schema annotates none)?"""
+    """Is `func` an aten op none of whose outputs aliases an argument (its schema annotates none)?"""
     schema = func._schema
-    return not any(a.alias_info is not None for a in (*schema.arguments, *schema.returns))
+    return func.namespace == "aten" and not any(a.alias_info is not None for a in (*schema.arguments, *schema.returns))
 
 
 def _metadata(out):
@@ -61,19 +64,16 @@ def _new(metadata):
 class SameShapes(TorchDispatchMode):
     def __init__(self):
         super().__init__()
-        self._seen: dict = {}
-        self._kinds: dict = {}
+        self._seen: dict = {}  # (op, arguments' key) -> the output's metadata
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        remembered = self._kinds.get(func)
-        if remembered is None:
-            remembered = self._kinds[func] = _remembered(func)
-        if not remembered:
+        if not _remembered(func):
             return func(*args, **kwargs)
-        key = (func, _key_of(args), _key_of(tuple(sorted(kwargs.items()))))
-        if _ANY in key or key[1] is _ANY or key[2] is _ANY:
+        key = _key_of((args, tuple(sorted(kwargs.items()))))
+        if key is _ANY:
             return func(*args, **kwargs)
+        key = (func, key)
         if (metadata := self._seen.get(key)) is not None:
             return _new(metadata)
         out = func(*args, **kwargs)

@@ -90,6 +90,7 @@ def hand_typed_lines(texts: dict[Path, str], root: Path) -> list[tuple[str, str]
                 first, last = m[group], m[group + 1]
                 if int(first) < int(last):
                     hits.append((m.start(group), f"{first}-{last}"))
-        where = f"{file.relative_to(root)}:"
-        found += [(f"{where}{text.count(chr(10), 0, at) + 1}", what) for at, what in sorted(hits)]
+        for at, what in sorted(hits):
+            line = text.count("\n", 0, at) + 1
+            found.append((f"{file.relative_to(root)}:{line}", what))
     return found
